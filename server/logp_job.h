@@ -1,0 +1,86 @@
+// One request's rows on their way through the batcher. A job may be cut into
+// slices that ride in different batches; it completes exactly once, when
+// every row has been computed or dropped.
+#ifndef DETLOGP_SERVER_LOGP_JOB_H_
+#define DETLOGP_SERVER_LOGP_JOB_H_
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace detlogp::server {
+
+class LogpJob {
+ public:
+  // Called once, from whichever thread finished the last row; `job` is this.
+  using DoneCallback = absl::AnyInvocable<void(absl::Status, LogpJob& job)>;
+
+  LogpJob(int64_t rows, std::vector<uint16_t> hidden,
+          std::vector<int32_t> targets, float temperature, absl::Time deadline,
+          DoneCallback done)
+      : rows_(rows),
+        hidden_(std::move(hidden)),
+        targets_(std::move(targets)),
+        temperature_(temperature),
+        deadline_(deadline),
+        logprobs_(rows),
+        lse_(rows),
+        rows_outstanding_(rows),
+        done_(std::move(done)) {}
+
+  LogpJob(const LogpJob&) = delete;
+  LogpJob& operator=(const LogpJob&) = delete;
+
+  int64_t rows() const { return rows_; }
+  const std::vector<uint16_t>& hidden() const { return hidden_; }
+  const std::vector<int32_t>& targets() const { return targets_; }
+  float temperature() const { return temperature_; }
+  absl::Time deadline() const { return deadline_; }
+  std::vector<float>& logprobs() { return logprobs_; }
+  std::vector<float>& lse() { return lse_; }
+
+  void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
+
+  // Accounts for `count` rows that were computed (status OK) or dropped or
+  // failed (status not OK; the first such status is the job's). Completes
+  // the job when no rows are left.
+  void FinishRows(int64_t count, const absl::Status& status) {
+    if (!status.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (status_.ok()) status_ = status;
+    }
+    if (rows_outstanding_.fetch_sub(count, std::memory_order_acq_rel) == count) {
+      absl::Status final_status;
+      {
+        absl::MutexLock lock(&mu_);
+        final_status = status_;
+      }
+      done_(final_status, *this);
+    }
+  }
+
+ private:
+  const int64_t rows_;
+  const std::vector<uint16_t> hidden_;  // bf16 bits, [rows, H]
+  const std::vector<int32_t> targets_;
+  const float temperature_;
+  const absl::Time deadline_;
+  std::vector<float> logprobs_;  // each row written by one batch thread
+  std::vector<float> lse_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<int64_t> rows_outstanding_;
+  absl::Mutex mu_;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  DoneCallback done_;
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_LOGP_JOB_H_

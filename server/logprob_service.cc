@@ -1,0 +1,229 @@
+#include "server/logprob_service.h"
+
+#include <chrono>
+#include <deque>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "server/grpc_status.h"
+
+namespace detlogp::server {
+namespace {
+
+using detlogp::v1::LogProbRequest;
+using detlogp::v1::LogProbResponse;
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+  const auto deadline = context->deadline();
+  // gRPC reports "no deadline" as the far future; keep it out of absl's
+  // arithmetic range.
+  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+}  // namespace
+
+LogProbServiceImpl::LogProbServiceImpl(const Options& options,
+                                       detlogp::v1::ModelInfo info,
+                                       DynamicBatcher* batcher)
+    : options_(options), info_(std::move(info)), batcher_(batcher) {}
+
+absl::Status LogProbServiceImpl::Submit(
+    const LogProbRequest& request, absl::Time deadline,
+    LogProbResponse* response, absl::AnyInvocable<void(absl::Status)> done,
+    std::shared_ptr<LogpJob>* job) {
+  auto rows = ValidateLogProbRequest(request, options_.limits);
+  if (!rows.ok()) return rows.status();
+  response->set_request_id(request.request_id());
+  response->set_determinism_key(info_.determinism_key());
+  const bool return_lse = rows->return_lse;
+  *job = std::make_shared<LogpJob>(
+      rows->rows, std::move(rows->hidden_bf16), std::move(rows->targets),
+      rows->temperature, deadline,
+      [response, return_lse, done = std::move(done)](absl::Status status,
+                                                      LogpJob& job) mutable {
+        if (status.ok()) {
+          response->mutable_logprobs()->Add(job.logprobs().begin(),
+                                            job.logprobs().end());
+          if (return_lse) {
+            response->mutable_lse()->Add(job.lse().begin(), job.lse().end());
+          }
+        }
+        done(std::move(status));
+      });
+  // Once scheduled, the job may complete (and its caller go away) at once.
+  absl::Status scheduled = batcher_->Schedule(*job);
+  if (!scheduled.ok()) job->reset();
+  return scheduled;
+}
+
+// ---------------------------------------------------------------- unary
+
+class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context,
+            const LogProbRequest* request, LogProbResponse* response) {
+    const absl::Status status = service->Submit(
+        *request, DeadlineOf(context), response,
+        [this](absl::Status done) { Finish(ToGrpcStatus(done)); }, &job_);
+    // After a successful Submit this object may already be gone.
+    if (!status.ok()) Finish(ToGrpcStatus(status));
+  }
+
+  void OnCancel() override {
+    if (job_ != nullptr) job_->Cancel();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<LogpJob> job_;
+};
+
+grpc::ServerUnaryReactor* LogProbServiceImpl::ComputeLogProbs(
+    grpc::CallbackServerContext* context, const LogProbRequest* request,
+    LogProbResponse* response) {
+  return new UnaryCall(this, context, request, response);
+}
+
+// ---------------------------------------------------------------- stream
+
+// Reads requests ahead (up to max_stream_inflight_requests), submits each to
+// the batcher at once, and writes answers strictly in request order. The
+// stream finishes only when every submitted job has completed, so no job
+// callback can outlive the reactor.
+class LogProbServiceImpl::StreamCall final
+    : public grpc::ServerBidiReactor<LogProbRequest, LogProbResponse> {
+ public:
+  StreamCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {
+    absl::MutexLock lock(&mu_);
+    reading_ = true;
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      reads_done_ = true;
+      StepLocked();
+      return;
+    }
+    auto entry = std::make_shared<Entry>();
+    {
+      absl::MutexLock lock(&mu_);
+      pending_.push_back(entry);
+    }
+    const absl::Status status = service_->Submit(
+        request_, DeadlineOf(context_), &entry->response,
+        [this, entry](absl::Status done) {
+          absl::MutexLock lock(&mu_);
+          entry->status = std::move(done);
+          entry->done = true;
+          StepLocked();
+        },
+        &entry->job);
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!status.ok()) {
+      entry->status = status;
+      entry->done = true;
+    }
+    StepLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    pending_.pop_front();
+    if (!ok) StopLocked(absl::CancelledError("client went away"));
+    StepLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    StopLocked(absl::CancelledError("stream cancelled"));
+    StepLocked();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Entry {
+    LogProbResponse response;
+    std::shared_ptr<LogpJob> job;
+    absl::Status status;
+    bool done = false;
+  };
+
+  // Ends the stream early with `status`: reading stops and queued jobs are
+  // cancelled (their completions still arrive and are discarded).
+  void StopLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!terminal_.ok()) return;
+    terminal_ = std::move(status);
+    for (const auto& entry : pending_) {
+      if (entry->job != nullptr) entry->job->Cancel();
+    }
+  }
+
+  // Writes the next answer, resumes reading, or finishes; whichever applies.
+  void StepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return;
+    while (!writing_ && !pending_.empty() && pending_.front()->done) {
+      Entry& front = *pending_.front();
+      if (front.status.ok() && terminal_.ok()) {
+        writing_ = true;
+        StartWrite(&front.response);
+        break;
+      }
+      if (!front.status.ok()) StopLocked(front.status);
+      pending_.pop_front();
+    }
+    const bool stopped = !terminal_.ok();
+    if (!reading_ && !reads_done_ && !stopped &&
+        static_cast<int>(pending_.size()) <
+            service_->options_.max_stream_inflight_requests) {
+      reading_ = true;
+      StartRead(&request_);
+    }
+    if (pending_.empty() && !writing_ && (reads_done_ || stopped)) {
+      finished_ = true;
+      Finish(ToGrpcStatus(terminal_));
+    }
+  }
+
+  LogProbServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;
+  LogProbRequest request_;  // read buffer; Submit copies what it needs
+
+  absl::Mutex mu_;
+  std::deque<std::shared_ptr<Entry>> pending_ ABSL_GUARDED_BY(mu_);
+  absl::Status terminal_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>*
+LogProbServiceImpl::StreamLogProbs(grpc::CallbackServerContext* context) {
+  return new StreamCall(this, context);
+}
+
+// ---------------------------------------------------------------- info
+
+grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
+    grpc::CallbackServerContext* context,
+    const detlogp::v1::GetModelInfoRequest* /*request*/,
+    detlogp::v1::ModelInfo* response) {
+  *response = info_;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace detlogp::server

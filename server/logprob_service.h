@@ -1,0 +1,63 @@
+// LogProbService over gRPC's callback API. Calls never block a gRPC thread:
+// a request is validated, handed to the DynamicBatcher, and its reactor is
+// finished from the batch thread that completes its last row.
+#ifndef DETLOGP_SERVER_LOGPROB_SERVICE_H_
+#define DETLOGP_SERVER_LOGPROB_SERVICE_H_
+
+#include <memory>
+#include <string>
+
+#include "detlogp/v1/detlogp.grpc.pb.h"
+#include "server/batcher.h"
+#include "server/request_validation.h"
+
+namespace detlogp::server {
+
+class LogProbServiceImpl final
+    : public detlogp::v1::LogProbService::CallbackService {
+ public:
+  struct Options {
+    RequestLimits limits;
+    // Requests read ahead on one stream before their answers are written;
+    // reading stops (backpressure) beyond it.
+    int max_stream_inflight_requests = 64;
+  };
+
+  // `batcher` outlives the service.
+  LogProbServiceImpl(const Options& options, detlogp::v1::ModelInfo info,
+                     DynamicBatcher* batcher);
+
+  grpc::ServerUnaryReactor* ComputeLogProbs(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::LogProbRequest* request,
+      detlogp::v1::LogProbResponse* response) override;
+
+  grpc::ServerBidiReactor<detlogp::v1::LogProbRequest,
+                          detlogp::v1::LogProbResponse>*
+  StreamLogProbs(grpc::CallbackServerContext* context) override;
+
+  grpc::ServerUnaryReactor* GetModelInfo(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::GetModelInfoRequest* request,
+      detlogp::v1::ModelInfo* response) override;
+
+  // Validates `request` and schedules its rows; on success `done` runs once
+  // with the job's status and the filled response.
+  absl::Status Submit(
+      const detlogp::v1::LogProbRequest& request, absl::Time deadline,
+      detlogp::v1::LogProbResponse* response,
+      absl::AnyInvocable<void(absl::Status)> done,
+      std::shared_ptr<LogpJob>* job);
+
+ private:
+  class UnaryCall;
+  class StreamCall;
+
+  const Options options_;
+  const detlogp::v1::ModelInfo info_;
+  DynamicBatcher* const batcher_;
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_LOGPROB_SERVICE_H_

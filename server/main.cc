@@ -1,0 +1,122 @@
+// detlogp_server: flags in, Server::Options out, serve until SIGTERM/SIGINT.
+#include <signal.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "server/lm_head_weights.h"
+#include "server/server.h"
+#include "spdlog/spdlog.h"
+
+ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
+ABSL_FLAG(int, port, 50051, "Port to listen on; 0 picks a free one.");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, the bound port is written here once serving (for tests).");
+ABSL_FLAG(std::string, weights, "",
+          "A .safetensors file with the lm_head; empty serves the embedded "
+          "synthetic model.");
+ABSL_FLAG(std::string, lm_head_tensor, "lm_head.weight",
+          "Name of the [V, H] weight tensor in --weights.");
+ABSL_FLAG(std::string, bias_tensor, "",
+          "Name of the optional [V] bias tensor in --weights.");
+ABSL_FLAG(int64_t, vocab_size, 0,
+          "Real vocabulary (<= weight rows; the rest is padding). 0: all rows.");
+ABSL_FLAG(std::string, device, "auto",
+          "auto (first sm_90 GPU, else CPU), cpu, or cuda:N.");
+ABSL_FLAG(int64_t, max_batch_rows, 256, "Rows per batch at most.");
+ABSL_FLAG(int64_t, max_queue_delay_us, 500,
+          "Longest a queued row waits for a fuller batch, microseconds.");
+ABSL_FLAG(int64_t, max_queue_rows, 65536,
+          "Rows waiting at most; beyond it calls get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_request_rows, 65536,
+          "Rows one request may carry; larger ones get INVALID_ARGUMENT.");
+ABSL_FLAG(int, max_message_mb, 80,
+          "Largest gRPC message, MiB (default fits 8192 x 4096 bf16 rows).");
+ABSL_FLAG(int, batch_threads, 0,
+          "Batches in flight at once; 0: the backend's preference.");
+ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads; 0: all cores.");
+ABSL_FLAG(int, shutdown_grace_s, 30,
+          "Seconds SIGTERM waits for accepted calls before cancelling them.");
+
+namespace {
+
+using detlogp::server::LmHeadWeights;
+
+absl::StatusOr<LmHeadWeights> LoadWeights() {
+  const std::string path = absl::GetFlag(FLAGS_weights);
+  if (path.empty()) {
+    spdlog::info("no --weights given: serving the EMBEDDED SYNTHETIC model "
+                 "(fixed seed), not a real lm_head");
+    return detlogp::server::SyntheticLmHead({});
+  }
+  detlogp::server::LmHeadSource source;
+  source.path = path;
+  source.weight_tensor = absl::GetFlag(FLAGS_lm_head_tensor);
+  source.bias_tensor = absl::GetFlag(FLAGS_bias_tensor);
+  source.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  return detlogp::server::LoadLmHead(source);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Serves deterministic, batch-invariant log-probabilities over gRPC.");
+  absl::ParseCommandLine(argc, argv);
+
+  // Signals are taken synchronously by this thread (sigwait below); every
+  // thread started later inherits the mask.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto weights = LoadWeights();
+  if (!weights.ok()) {
+    spdlog::error("cannot load weights: {}", weights.status().ToString());
+    return 2;
+  }
+  spdlog::info("lm_head H={} V={} V_pad={} bias={} sha256={}",
+               weights->hidden_size, weights->vocab_size,
+               weights->padded_vocab_size, !weights->bias.empty(),
+               weights->sha256);
+
+  detlogp::server::Server::Options options;
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.device = absl::GetFlag(FLAGS_device);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  options.max_request_rows = absl::GetFlag(FLAGS_max_request_rows);
+  options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
+  options.batcher.max_queue_delay_micros = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
+  options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
+  options.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
+
+  auto server =
+      detlogp::server::Server::BuildAndStart(options, *std::move(weights));
+  if (!server.ok()) {
+    spdlog::error("cannot start: {}", server.status().ToString());
+    return 1;
+  }
+  const std::string port_file = absl::GetFlag(FLAGS_port_file);
+  if (!port_file.empty()) {
+    std::ofstream(port_file + ".tmp") << (*server)->port() << "\n";
+    std::rename((port_file + ".tmp").c_str(), port_file.c_str());
+  }
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  spdlog::info("signal {}: draining accepted calls, then exiting",
+               signal_number);
+  (*server)->Shutdown();
+  spdlog::info("bye");
+  return 0;
+}

@@ -1,0 +1,154 @@
+#include "server/server.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "kernels/split_policy.h"
+#include "server/determinism_key.h"
+#include "spdlog/spdlog.h"
+
+namespace detlogp::server {
+namespace {
+
+constexpr char kLogProbServiceName[] = "detlogp.v1.LogProbService";
+
+detlogp::v1::ModelInfo DescribeModel(const LmHeadWeights& weights,
+                                     const BackendDescription& backend) {
+  detlogp::v1::ModelInfo info;
+  info.set_hidden_size(weights.hidden_size);
+  info.set_vocab_size(weights.vocab_size);
+  info.set_padded_vocab_size(weights.padded_vocab_size);
+  info.set_weight_dtype(detlogp::v1::DTYPE_BFLOAT16);
+  info.set_has_bias(!weights.bias.empty());
+  info.set_weights_sha256(weights.sha256);
+  info.set_backend(absl::StrCat(backend.name, " (", backend.device, ")"));
+  info.set_kernel_version(backend.kernel_version);
+  info.set_split_policy(kernels::kSplitPolicyName);
+  info.set_determinism_key(DeterminismKey({weights.sha256, backend.name,
+                                           backend.instruction_set,
+                                           backend.kernel_version,
+                                           kernels::kSplitPolicyName}));
+  return info;
+}
+
+// Runs one batch end to end so that the first real call pays no start-up
+// cost and a broken backend is found before health says SERVING.
+absl::Status WarmUp(DynamicBatcher* batcher, const LmHeadWeights& weights) {
+  const int64_t rows = 2;
+  std::vector<uint16_t> hidden(rows * weights.hidden_size, 0x3f80);  // 1.0
+  std::vector<int32_t> targets = {0, static_cast<int32_t>(weights.vocab_size - 1)};
+  absl::Notification done;
+  absl::Status result;
+  auto job = std::make_shared<LogpJob>(
+      rows, std::move(hidden), std::move(targets), 1.0f, absl::InfiniteFuture(),
+      [&](absl::Status status, LogpJob&) {
+        result = status;
+        done.Notify();
+      });
+  if (absl::Status s = batcher->Schedule(job); !s.ok()) return s;
+  done.WaitForNotification();
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
+    const Options& options, LmHeadWeights weights) {
+  std::unique_ptr<Server> server(new Server());
+  server->options_ = options;
+  server->weights_ = std::make_unique<LmHeadWeights>(std::move(weights));
+
+  BackendRegistry registry;
+  RegisterBuiltinBackends(&registry);
+  BackendOptions backend_options;
+  backend_options.weights = server->weights_.get();
+  backend_options.cpu_threads = options.cpu_threads;
+  std::vector<std::string> notes;
+  auto backend = registry.Create(options.device, backend_options, &notes);
+  for (const std::string& note : notes) spdlog::info("{}", note);
+  if (!backend.ok()) return backend.status();
+  server->backend_ = *std::move(backend);
+  const BackendDescription& description = server->backend_->description();
+  spdlog::info("backend {} on {} (kernel {}, isa {})", description.name,
+               description.device, description.kernel_version,
+               description.instruction_set);
+
+  DynamicBatcher::Options batcher_options = options.batcher;
+  if (batcher_options.num_batch_threads <= 0) {
+    batcher_options.num_batch_threads = description.preferred_inflight_batches;
+  }
+  auto batcher =
+      DynamicBatcher::Create(batcher_options, server->backend_.get());
+  if (!batcher.ok()) return batcher.status();
+  server->batcher_ = *std::move(batcher);
+
+  server->info_ = DescribeModel(*server->weights_, description);
+  LogProbServiceImpl::Options service_options;
+  service_options.limits.hidden_size = server->weights_->hidden_size;
+  service_options.limits.vocab_size = server->weights_->vocab_size;
+  service_options.limits.max_request_rows = options.max_request_rows;
+  service_options.max_stream_inflight_requests =
+      options.max_stream_inflight_requests;
+  server->logprob_service_ = std::make_unique<LogProbServiceImpl>(
+      service_options, server->info_, server->batcher_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address = absl::StrCat(
+      options.host.find(':') != std::string::npos ? "[" + options.host + "]"
+                                                  : options.host,
+      ":", options.port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
+                           &server->port_);
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.RegisterService(server->logprob_service_.get());
+  server->grpc_server_ = builder.BuildAndStart();
+  if (server->grpc_server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", address));
+  }
+  grpc::HealthCheckServiceInterface* health =
+      server->grpc_server_->GetHealthCheckService();
+  health->SetServingStatus(false);
+
+  if (absl::Status s = WarmUp(server->batcher_.get(), *server->weights_);
+      !s.ok()) {
+    return absl::InternalError(
+        absl::StrCat("warm-up batch failed: ", s.message()));
+  }
+  health->SetServingStatus(true);
+  health->SetServingStatus(kLogProbServiceName, true);
+  spdlog::info("serving {} on {}:{} (determinism key {})",
+               server->weights_->description, options.host, server->port_,
+               server->info_.determinism_key());
+  return server;
+}
+
+void Server::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (grpc_server_ != nullptr) {
+    grpc::HealthCheckServiceInterface* health =
+        grpc_server_->GetHealthCheckService();
+    health->SetServingStatus(false);
+    // Refuses new calls; waits for accepted ones, which the batcher keeps
+    // running, until the grace period ends.
+    grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.shutdown_grace));
+  }
+  if (batcher_ == nullptr) return;
+  batcher_->Stop();
+  const DynamicBatcher::Stats stats = batcher_->stats();
+  spdlog::info("stopped: {} batches, {} rows computed, {} expired, {} cancelled, {} rejected",
+               stats.batches_run, stats.rows_computed, stats.rows_expired,
+               stats.rows_cancelled, stats.rows_rejected);
+}
+
+Server::~Server() { Shutdown(); }
+
+}  // namespace detlogp::server

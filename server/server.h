@@ -1,0 +1,75 @@
+// The detlogp server: weights, a backend chosen by name, the dynamic batcher
+// and the gRPC services (LogProbService, health, reflection), started and
+// stopped as one unit.
+//
+// Start-up: the backend is created (--device), a warm-up batch runs through
+// the batcher, and only then does health report SERVING. Shutdown: health
+// goes NOT_SERVING, new calls are refused, every accepted call is answered,
+// then the batcher's threads are joined.
+#ifndef DETLOGP_SERVER_SERVER_H_
+#define DETLOGP_SERVER_SERVER_H_
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "detlogp/v1/detlogp.pb.h"
+#include "server/backend.h"
+#include "server/batcher.h"
+#include "server/lm_head_weights.h"
+#include "server/logprob_service.h"
+
+namespace detlogp::server {
+
+class Server {
+ public:
+  struct Options {
+    std::string host = "127.0.0.1";
+    int port = 50051;  // 0 picks a free port; see port()
+    // Largest message either way; the default fits 8192 x 4096 bf16 rows.
+    int max_message_bytes = 80 << 20;
+    int64_t max_request_rows = 65536;
+    int max_stream_inflight_requests = 64;
+    // "auto", "cpu" or "cuda:N".
+    std::string device = "auto";
+    int cpu_threads = 0;  // 0: one per hardware thread
+    // num_batch_threads 0 means the backend's preferred count.
+    DynamicBatcher::Options batcher{256, 500, 1 << 16, 0};
+    // How long Shutdown waits for accepted calls before cancelling them.
+    absl::Duration shutdown_grace = absl::Seconds(30);
+  };
+
+  static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
+      const Options& options, LmHeadWeights weights);
+
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  int port() const { return port_; }
+  const detlogp::v1::ModelInfo& model_info() const { return info_; }
+  DynamicBatcher::Stats batcher_stats() const { return batcher_->stats(); }
+
+  // Stops accepting calls, answers every accepted call, stops the batcher.
+  void Shutdown();
+
+ private:
+  Server() = default;
+
+  Options options_;
+  std::unique_ptr<LmHeadWeights> weights_;
+  std::unique_ptr<LogpBackend> backend_;
+  std::unique_ptr<DynamicBatcher> batcher_;
+  std::unique_ptr<LogProbServiceImpl> logprob_service_;
+  std::unique_ptr<grpc::Server> grpc_server_;
+  detlogp::v1::ModelInfo info_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_SERVER_H_
