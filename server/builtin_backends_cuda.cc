@@ -1,0 +1,14 @@
+// Backends of the default build: CUDA first (used by --device=auto when an
+// sm_90 GPU is present), then the CPU.
+#include "server/backend.h"
+#include "server/cpu_backend.h"
+#include "server/cuda_backend.h"
+
+namespace detlogp::server {
+
+void RegisterBuiltinBackends(BackendRegistry* registry) {
+  registry->Register("cuda", CreateCudaBackend);
+  registry->Register("cpu", CreateCpuBackend);
+}
+
+}  // namespace detlogp::server

@@ -1,0 +1,56 @@
+"""CUDA without rules_cuda: nvcc in a genrule, linked as a static archive.
+
+nvcc is called through its real path (readlink -f): through the
+/usr/local/cuda symlink it cannot find its own headers. Objects target
+sm_90a (wgmma, setmaxnreg, TMA).
+"""
+
+NVCC_FLAGS = [
+    "-std=c++17",
+    "-O3",
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-Xcompiler=-fPIC",
+    "-Xcompiler=-ffp-contract=off",
+    "-DSPDLOG_FMT_EXTERNAL",
+    "--expt-relaxed-constexpr",
+    "-I.",
+]
+
+def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags = [], **kwargs):
+    """A cc_library whose sources are .cu files compiled by nvcc.
+
+    Args:
+      name: target name.
+      srcs: .cu files.
+      hdrs: public headers (usable from C++).
+      textual_hdrs: every other header the .cu files include (labels).
+      deps: cc_library deps for linking.
+      nvcc_flags: extra nvcc flags.
+      **kwargs: passed to cc_library.
+    """
+    archive = "lib%s_device.a" % name
+    native.genrule(
+        name = name + "_nvcc",
+        srcs = srcs + hdrs + textual_hdrs,
+        outs = [archive],
+        cmd = " && ".join([
+            "NVCC=$$(readlink -f /usr/local/cuda/bin/nvcc)",
+            "OBJDIR=$$(mktemp -d)",
+            "for src in %s; do $$NVCC %s -c $$src -o $$OBJDIR/$$(basename $$src).o || exit 1; done" % (
+                " ".join(["$(location %s)" % s for s in srcs]),
+                " ".join(NVCC_FLAGS + nvcc_flags),
+            ),
+            "$$NVCC -lib $$OBJDIR/*.o -o $@",
+            "rm -rf $$OBJDIR",
+        ]),
+        message = "nvcc %s" % name,
+    )
+    native.cc_library(
+        name = name,
+        srcs = [archive],
+        hdrs = hdrs,
+        deps = deps + ["//third_party:cudart"],
+        linkstatic = 1,
+        alwayslink = 1,
+        **kwargs
+    )
