@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/bfloat16.h"
-#include "server/random_normal.h"
+#include "kernels/random_normal.h"
 #include "server/safetensors.h"
 #include "server/sha256.h"
 
@@ -126,7 +126,7 @@ LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options) {
   weights.hidden_size = options.hidden_size;
   weights.vocab_size = options.vocab_size;
   weights.padded_vocab_size = options.vocab_size;
-  RandomNormal random(options.seed);
+  kernels::RandomNormal random(options.seed);
   weights.weight.resize(options.vocab_size * options.hidden_size);
   for (uint16_t& w : weights.weight) w = kernels::FloatToBf16(random.Next(0.02f));
   if (options.with_bias) {

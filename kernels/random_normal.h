@@ -1,12 +1,12 @@
-// A portable, seeded normal generator: the same seed gives the same floats on
+// A portable, seeded normal generator for synthetic weights and test data: the same seed gives the same floats on
 // every platform and standard library (std::normal_distribution does not).
-#ifndef DETLOGP_SERVER_RANDOM_NORMAL_H_
-#define DETLOGP_SERVER_RANDOM_NORMAL_H_
+#ifndef DETLOGP_KERNELS_RANDOM_NORMAL_H_
+#define DETLOGP_KERNELS_RANDOM_NORMAL_H_
 
 #include <cmath>
 #include <cstdint>
 
-namespace detlogp::server {
+namespace detlogp::kernels {
 
 class RandomNormal {
  public:
@@ -32,6 +32,6 @@ class RandomNormal {
   uint64_t state_;
 };
 
-}  // namespace detlogp::server
+}  // namespace detlogp::kernels
 
-#endif  // DETLOGP_SERVER_RANDOM_NORMAL_H_
+#endif  // DETLOGP_KERNELS_RANDOM_NORMAL_H_

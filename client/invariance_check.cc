@@ -1,0 +1,173 @@
+#include "client/invariance_check.h"
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "client/logp_client.h"
+#include "client/random_rows.h"
+
+namespace detlogp::client {
+namespace {
+
+struct ProbeAnswer {
+  float logprob;
+  float lse;
+};
+
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
+
+// One mixed call: where each probe sits (or -1 for filler) and the request.
+struct MixedCall {
+  std::vector<int> probe_at_row;
+  detlogp::v1::LogProbRequest request;
+};
+
+MixedCall MakeMixedCall(const std::string& probe_data,
+                        const std::vector<int64_t>& probe_targets,
+                        int64_t hidden_size, int64_t vocab_size,
+                        const InvarianceOptions& options, std::mt19937_64& rng,
+                        const std::string& id) {
+  const int rows = std::uniform_int_distribution<int>(1, options.max_rows_per_call)(rng);
+  const std::string filler = RandomBf16Rows(rows, hidden_size, rng());
+  const std::vector<int64_t> filler_targets = RandomTargets(rows, vocab_size, rng());
+  MixedCall call;
+  std::string data;
+  std::vector<int64_t> targets;
+  const size_t row_bytes = hidden_size * 2;
+  for (int r = 0; r < rows; ++r) {
+    const bool probe = std::bernoulli_distribution(0.5)(rng);
+    if (probe) {
+      const int p = std::uniform_int_distribution<int>(
+          0, static_cast<int>(probe_targets.size()) - 1)(rng);
+      data.append(probe_data, p * row_bytes, row_bytes);
+      targets.push_back(probe_targets[p]);
+      call.probe_at_row.push_back(p);
+    } else {
+      data.append(filler, r * row_bytes, row_bytes);
+      targets.push_back(filler_targets[r]);
+      call.probe_at_row.push_back(-1);
+    }
+  }
+  call.request = MakeLogProbRequest(id, detlogp::v1::DTYPE_BFLOAT16, rows,
+                                    hidden_size, std::move(data), targets,
+                                    options.temperature, /*return_lse=*/true);
+  return call;
+}
+
+}  // namespace
+
+std::string InvarianceReport::Summary() const {
+  return absl::StrCat(
+      ok() ? "INVARIANT" : "NOT INVARIANT", ": ", probe_rows_checked,
+      " probe rows checked in ", calls, " mixed calls (", stream_calls,
+      " streamed), ", probe_rows_mismatched, " with different bits, ",
+      failed_calls, " failed calls, key ", determinism_key,
+      keys_consistent ? " (consistent)" : " (CHANGED)",
+      first_error.empty() ? "" : absl::StrCat("; first error: ", first_error));
+}
+
+absl::StatusOr<InvarianceReport> CheckInvariance(
+    const InvarianceOptions& options) {
+  if (options.probes <= 0 || options.concurrency <= 0 ||
+      options.channels <= 0 || options.max_rows_per_call <= 0) {
+    return absl::InvalidArgumentError("invariance check: counts must be > 0");
+  }
+  std::vector<std::unique_ptr<LogpClient>> clients;
+  for (int c = 0; c < options.channels; ++c) {
+    LogpClient::Options client_options;
+    client_options.target = options.target;
+    client_options.own_connection = true;
+    auto client = LogpClient::Create(client_options);
+    if (!client.ok()) return client.status();
+    clients.push_back(*std::move(client));
+  }
+  auto info = clients[0]->GetModelInfo();
+  if (!info.ok()) return info.status();
+  const int64_t hidden_size = info->hidden_size();
+  const int64_t vocab_size = info->vocab_size();
+
+  InvarianceReport report;
+  report.determinism_key = info->determinism_key();
+  const std::string probe_data =
+      RandomBf16Rows(options.probes, hidden_size, options.seed);
+  const std::vector<int64_t> probe_targets =
+      RandomTargets(options.probes, vocab_size, options.seed + 1);
+
+  // Each probe alone (N = 1).
+  std::vector<ProbeAnswer> solo(options.probes);
+  for (int p = 0; p < options.probes; ++p) {
+    auto answer = clients[0]->Score(MakeLogProbRequest(
+        absl::StrCat("solo-", p), detlogp::v1::DTYPE_BFLOAT16, 1, hidden_size,
+        probe_data.substr(p * hidden_size * 2, hidden_size * 2),
+        {probe_targets[p]}, options.temperature, true));
+    if (!answer.ok()) return answer.status();
+    solo[p] = {answer->logprobs[0], answer->lse[0]};
+  }
+
+  absl::Mutex mu;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < options.concurrency; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(options.seed * 1000003 + t);
+      LogpClient& client = *clients[t % clients.size()];
+      std::vector<MixedCall> calls;
+      for (int i = 0; i < options.calls_per_thread; ++i) {
+        calls.push_back(MakeMixedCall(probe_data, probe_targets, hidden_size,
+                                      vocab_size, options, rng,
+                                      absl::StrCat("mixed-", t, "-", i)));
+      }
+      // Odd threads send their calls on one stream, even ones one by one.
+      const bool streamed = t % 2 == 1;
+      std::vector<absl::StatusOr<ScoreResult>> answers;
+      if (streamed) {
+        std::vector<detlogp::v1::LogProbRequest> requests;
+        for (const MixedCall& call : calls) requests.push_back(call.request);
+        auto results = client.ScoreStream(requests);
+        for (size_t i = 0; i < calls.size(); ++i) {
+          if (results.ok()) {
+            answers.push_back((*results)[i]);
+          } else {
+            answers.push_back(results.status());
+          }
+        }
+      } else {
+        for (const MixedCall& call : calls) answers.push_back(client.Score(call.request));
+      }
+      absl::MutexLock lock(&mu);
+      for (size_t i = 0; i < calls.size(); ++i) {
+        if (!answers[i].ok()) {
+          ++report.failed_calls;
+          if (report.first_error.empty()) {
+            report.first_error = answers[i].status().ToString();
+          }
+          continue;
+        }
+        ++report.calls;
+        if (streamed) ++report.stream_calls;
+        const ScoreResult& result = *answers[i];
+        if (result.determinism_key != report.determinism_key ||
+            result.request_id != calls[i].request.request_id()) {
+          report.keys_consistent = false;
+        }
+        for (size_t r = 0; r < calls[i].probe_at_row.size(); ++r) {
+          const int p = calls[i].probe_at_row[r];
+          if (p < 0) continue;
+          ++report.probe_rows_checked;
+          if (!SameBits(result.logprobs[r], solo[p].logprob) ||
+              !SameBits(result.lse[r], solo[p].lse)) {
+            ++report.probe_rows_mismatched;
+          }
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  return report;
+}
+
+}  // namespace detlogp::client

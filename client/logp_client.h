@@ -1,0 +1,75 @@
+// A small C++ client for detlogp's LogProbService.
+//
+//   auto client = LogpClient::Create({.target = "127.0.0.1:50051"});
+//   auto info = (*client)->GetModelInfo();
+//   auto result = (*client)->Score(MakeRequest(...));
+//
+// gRPC statuses come back as absl::Status with the server's message.
+#ifndef DETLOGP_CLIENT_LOGP_CLIENT_H_
+#define DETLOGP_CLIENT_LOGP_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/channel.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "detlogp/v1/detlogp.grpc.pb.h"
+
+namespace detlogp::client {
+
+struct ScoreResult {
+  std::string request_id;
+  std::vector<float> logprobs;
+  std::vector<float> lse;  // empty unless asked for
+  std::string determinism_key;
+};
+
+// Builds a request from raw little-endian rows of `dtype`.
+detlogp::v1::LogProbRequest MakeLogProbRequest(
+    std::string request_id, detlogp::v1::DType dtype, int64_t rows,
+    int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
+    float temperature, bool return_lse);
+
+class LogpClient {
+ public:
+  struct Options {
+    std::string target = "127.0.0.1:50051";
+    // Per-call deadline.
+    absl::Duration timeout = absl::Seconds(60);
+    int max_message_bytes = 80 << 20;
+    // Distinct channels are distinct TCP connections (local subchannel pool).
+    bool own_connection = false;
+  };
+
+  static absl::StatusOr<std::unique_ptr<LogpClient>> Create(
+      const Options& options);
+
+  absl::StatusOr<detlogp::v1::ModelInfo> GetModelInfo();
+  absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& request);
+  // Sends every request on one stream and returns the answers in order.
+  absl::StatusOr<std::vector<ScoreResult>> ScoreStream(
+      const std::vector<detlogp::v1::LogProbRequest>& requests);
+
+  detlogp::v1::LogProbService::Stub* stub() { return stub_.get(); }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
+  const Options& options() const { return options_; }
+
+ private:
+  explicit LogpClient(const Options& options);
+
+  Options options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
+};
+
+// gRPC status to absl::Status, with the same code and message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response);
+
+}  // namespace detlogp::client
+
+#endif  // DETLOGP_CLIENT_LOGP_CLIENT_H_
