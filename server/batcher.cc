@@ -104,8 +104,10 @@ void DynamicBatcher::DropDeadJobsLocked(
     absl::Time now, std::vector<std::pair<Slice, absl::Status>>* dropped) {
   for (auto it = queue_.begin(); it != queue_.end();) {
     LogpJob& job = *it->job;
-    const bool cancelled = job.cancelled();
-    if (!cancelled && job.deadline() > now) {
+    // A passed deadline wins: gRPC also cancels calls whose deadline passed.
+    const bool expired = job.deadline() <= now;
+    const bool cancelled = !expired && job.cancelled();
+    if (!expired && !cancelled) {
       ++it;
       continue;
     }

@@ -1,0 +1,188 @@
+#include "server/batcher.h"
+
+#include <gtest/gtest.h>
+
+#include "absl/synchronization/notification.h"
+#include "kernels/bfloat16.h"
+#include "tests/fake_backend.h"
+
+namespace detlogp::server {
+namespace {
+
+using detlogp::testing::FakeBackend;
+
+constexpr int64_t kH = 4;
+
+// A job whose row r has hidden[0] = r and target r; completion is recorded.
+struct TrackedJob {
+  std::shared_ptr<LogpJob> job;
+  std::shared_ptr<absl::Notification> done = std::make_shared<absl::Notification>();
+  std::shared_ptr<absl::Status> status = std::make_shared<absl::Status>();
+};
+
+TrackedJob MakeJob(int64_t rows, absl::Time deadline = absl::InfiniteFuture(),
+                   float temperature = 1.0f) {
+  TrackedJob tracked;
+  std::vector<uint16_t> hidden(rows * kH);
+  std::vector<int32_t> targets(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    hidden[r * kH] = kernels::FloatToBf16(static_cast<float>(r));
+    targets[r] = static_cast<int32_t>(2 * r);
+  }
+  tracked.job = std::make_shared<LogpJob>(
+      rows, std::move(hidden), std::move(targets), temperature, deadline,
+      [done = tracked.done, status = tracked.status](absl::Status s, LogpJob&) {
+        *status = s;
+        done->Notify();
+      });
+  return tracked;
+}
+
+std::unique_ptr<DynamicBatcher> MakeBatcher(FakeBackend* backend,
+                                            DynamicBatcher::Options options) {
+  auto batcher = DynamicBatcher::Create(options, backend);
+  EXPECT_TRUE(batcher.ok()) << batcher.status();
+  return *std::move(batcher);
+}
+
+TEST(DynamicBatcherTest, RejectsBadOptions) {
+  FakeBackend backend(kH);
+  EXPECT_FALSE(DynamicBatcher::Create({0, 100, 10, 1}, &backend).ok());
+  EXPECT_FALSE(DynamicBatcher::Create({8, -1, 10, 1}, &backend).ok());
+  EXPECT_FALSE(DynamicBatcher::Create({8, 100, 4, 1}, &backend).ok());
+  EXPECT_FALSE(DynamicBatcher::Create({8, 100, 10, 0}, &backend).ok());
+  EXPECT_FALSE(DynamicBatcher::Create({8, 100, 10, 1}, nullptr).ok());
+}
+
+TEST(DynamicBatcherTest, SplitsLargeRequestsAndScattersEveryRow) {
+  FakeBackend backend(kH);
+  auto batcher = MakeBatcher(&backend, {8, 100, 1000, 2});
+  TrackedJob job = MakeJob(45);
+  ASSERT_TRUE(batcher->Schedule(job.job).ok());
+  ASSERT_TRUE(job.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(job.status->ok());
+  for (int64_t r = 0; r < 45; ++r) {
+    EXPECT_EQ(job.job->logprobs()[r], static_cast<float>(r + 2 * r)) << r;
+  }
+  for (int64_t size : backend.batch_sizes()) EXPECT_LE(size, 8);
+  EXPECT_EQ(backend.rows_computed(), 45);
+}
+
+TEST(DynamicBatcherTest, PoolsRowsOfManyRequestsIntoOneBatch) {
+  FakeBackend backend(kH);
+  // A long delay: the batch runs when full, not when the timer fires.
+  auto batcher = MakeBatcher(&backend, {12, 5'000'000, 1000, 1});
+  std::vector<TrackedJob> jobs;
+  for (int i = 0; i < 4; ++i) jobs.push_back(MakeJob(3, absl::InfiniteFuture(), 1.0f + i));
+  for (auto& job : jobs) ASSERT_TRUE(batcher->Schedule(job.job).ok());
+  for (auto& job : jobs) {
+    ASSERT_TRUE(job.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+    EXPECT_TRUE(job.status->ok());
+  }
+  EXPECT_EQ(backend.batch_sizes(), std::vector<int64_t>{12});
+  // Each job kept its own temperature through the shared batch.
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(jobs[i].job->lse()[2], 1.0f + i);
+}
+
+TEST(DynamicBatcherTest, FlushesPartialBatchAfterQueueDelay) {
+  FakeBackend backend(kH);
+  auto batcher = MakeBatcher(&backend, {64, 20'000, 1000, 1});
+  TrackedJob job = MakeJob(2);
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(batcher->Schedule(job.job).ok());
+  ASSERT_TRUE(job.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(15));
+  EXPECT_EQ(backend.batch_sizes(), std::vector<int64_t>{2});
+}
+
+TEST(DynamicBatcherTest, FullQueueIsResourceExhausted) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(300));
+  auto batcher = MakeBatcher(&backend, {4, 0, 8, 1});
+  TrackedJob running = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));  // now inside the slow batch
+  TrackedJob queued = MakeJob(8);
+  ASSERT_TRUE(batcher->Schedule(queued.job).ok());
+  TrackedJob refused = MakeJob(1);
+  const absl::Status status = batcher->Schedule(refused.job);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(status.message().find("max_queue_rows"), std::string::npos);
+  EXPECT_FALSE(refused.done->HasBeenNotified());
+  EXPECT_EQ(batcher->stats().rows_rejected, 1);
+  ASSERT_TRUE(queued.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  // Recovered: room again.
+  TrackedJob later = MakeJob(1);
+  EXPECT_TRUE(batcher->Schedule(later.job).ok());
+  ASSERT_TRUE(later.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+}
+
+TEST(DynamicBatcherTest, ExpiredAndCancelledRowsAreNeverComputed) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(200));
+  auto batcher = MakeBatcher(&backend, {4, 0, 1000, 1});
+  TrackedJob blocker = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(blocker.job).ok());
+  absl::SleepFor(absl::Milliseconds(30));
+  TrackedJob expired = MakeJob(6, absl::Now() + absl::Milliseconds(10));
+  TrackedJob cancelled = MakeJob(5);
+  ASSERT_TRUE(batcher->Schedule(expired.job).ok());
+  ASSERT_TRUE(batcher->Schedule(cancelled.job).ok());
+  cancelled.job->Cancel();
+  ASSERT_TRUE(expired.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(cancelled.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(expired.status->code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cancelled.status->code(), absl::StatusCode::kCancelled);
+  ASSERT_TRUE(blocker.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(backend.rows_computed(), 4);
+  const DynamicBatcher::Stats stats = batcher->stats();
+  EXPECT_EQ(stats.rows_expired, 6);
+  EXPECT_EQ(stats.rows_cancelled, 5);
+  EXPECT_EQ(stats.rows_computed, 4);
+}
+
+TEST(DynamicBatcherTest, BackendFailureFailsOnlyThatBatch) {
+  FakeBackend backend(kH);
+  auto batcher = MakeBatcher(&backend, {4, 0, 1000, 1});
+  backend.set_fail(true);
+  TrackedJob failed = MakeJob(3);
+  ASSERT_TRUE(batcher->Schedule(failed.job).ok());
+  ASSERT_TRUE(failed.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(failed.status->code(), absl::StatusCode::kInternal);
+  backend.set_fail(false);
+  TrackedJob fine = MakeJob(3);
+  ASSERT_TRUE(batcher->Schedule(fine.job).ok());
+  ASSERT_TRUE(fine.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(fine.status->ok());
+}
+
+TEST(DynamicBatcherTest, StopAnswersEverythingQueuedThenRefuses) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(20));
+  auto batcher = MakeBatcher(&backend, {4, 1'000'000, 1000, 2});
+  std::vector<TrackedJob> jobs;
+  for (int i = 0; i < 10; ++i) {
+    jobs.push_back(MakeJob(3));
+    ASSERT_TRUE(batcher->Schedule(jobs.back().job).ok());
+  }
+  batcher->Stop();
+  for (auto& job : jobs) {
+    EXPECT_TRUE(job.done->HasBeenNotified());
+    EXPECT_TRUE(job.status->ok());
+  }
+  EXPECT_EQ(backend.rows_computed(), 30);
+  TrackedJob late = MakeJob(1);
+  EXPECT_EQ(batcher->Schedule(late.job).code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(DynamicBatcherTest, EmptyJobCompletesAtOnce) {
+  FakeBackend backend(kH);
+  auto batcher = MakeBatcher(&backend, {4, 0, 1000, 1});
+  TrackedJob empty = MakeJob(0);
+  ASSERT_TRUE(batcher->Schedule(empty.job).ok());
+  EXPECT_TRUE(empty.done->HasBeenNotified());
+  EXPECT_TRUE(empty.status->ok());
+}
+
+}  // namespace
+}  // namespace detlogp::server

@@ -1,0 +1,93 @@
+// A LogpBackend for batcher and server tests: "computes" logprob = first
+// hidden bf16 value + target, lse = row count of the batch, records batch
+// sizes, can be slowed down or made to fail.
+#ifndef DETLOGP_TESTS_FAKE_BACKEND_H_
+#define DETLOGP_TESTS_FAKE_BACKEND_H_
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "kernels/bfloat16.h"
+#include "server/backend.h"
+
+namespace detlogp::testing {
+
+class FakeBackend final : public server::LogpBackend {
+ public:
+  explicit FakeBackend(int64_t hidden_size) : hidden_size_(hidden_size) {
+    description_.name = "fake";
+    description_.kernel_version = "fake-v1";
+  }
+
+  const server::BackendDescription& description() const override {
+    return description_;
+  }
+
+  absl::StatusOr<std::unique_ptr<server::LogpExecutor>> NewExecutor(
+      int64_t max_batch_rows) override {
+    return std::unique_ptr<server::LogpExecutor>(
+        new Executor(this, max_batch_rows));
+  }
+
+  void set_delay(absl::Duration delay) { delay_ns_ = absl::ToInt64Nanoseconds(delay); }
+  void set_fail(bool fail) { fail_ = fail; }
+  int64_t rows_computed() const { return rows_computed_; }
+  std::vector<int64_t> batch_sizes() const {
+    absl::MutexLock lock(&mu_);
+    return batch_sizes_;
+  }
+
+ private:
+  class Executor final : public server::LogpExecutor {
+   public:
+    Executor(FakeBackend* backend, int64_t capacity)
+        : backend_(backend),
+          hidden_(capacity * backend->hidden_size_),
+          targets_(capacity),
+          temperatures_(capacity),
+          logprobs_(capacity),
+          lse_(capacity) {}
+    server::LogpStaging staging() override {
+      return {static_cast<int64_t>(targets_.size()), hidden_.data(), targets_.data(),
+              temperatures_.data(), logprobs_.data(), lse_.data()};
+    }
+    absl::Status Run(int64_t rows) override {
+      absl::SleepFor(absl::Nanoseconds(backend_->delay_ns_.load()));
+      {
+        absl::MutexLock lock(&backend_->mu_);
+        backend_->batch_sizes_.push_back(rows);
+      }
+      if (backend_->fail_) return absl::InternalError("fake backend failure");
+      for (int64_t r = 0; r < rows; ++r) {
+        logprobs_[r] = kernels::Bf16ToFloat(hidden_[r * backend_->hidden_size_]) +
+                       static_cast<float>(targets_[r]);
+        lse_[r] = temperatures_[r];
+      }
+      backend_->rows_computed_ += rows;
+      return absl::OkStatus();
+    }
+
+   private:
+    FakeBackend* backend_;
+    std::vector<uint16_t> hidden_;
+    std::vector<int32_t> targets_;
+    std::vector<float> temperatures_;
+    std::vector<float> logprobs_;
+    std::vector<float> lse_;
+  };
+
+  const int64_t hidden_size_;
+  server::BackendDescription description_;
+  std::atomic<int64_t> delay_ns_{0};
+  std::atomic<bool> fail_{false};
+  std::atomic<int64_t> rows_computed_{0};
+  mutable absl::Mutex mu_;
+  std::vector<int64_t> batch_sizes_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace detlogp::testing
+
+#endif  // DETLOGP_TESTS_FAKE_BACKEND_H_

@@ -1,0 +1,115 @@
+#include "server/request_validation.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "kernels/bfloat16.h"
+
+namespace detlogp::server {
+namespace {
+
+using detlogp::v1::LogProbRequest;
+
+constexpr int64_t kH = 8;
+const RequestLimits kLimits{kH, 100, 16};
+
+LogProbRequest ValidRequest(int64_t rows) {
+  LogProbRequest request;
+  request.mutable_hidden()->set_dtype(detlogp::v1::DTYPE_FLOAT32);
+  request.mutable_hidden()->add_shape(rows);
+  request.mutable_hidden()->add_shape(kH);
+  std::string data(rows * kH * 4, '\0');
+  for (int64_t i = 0; i < rows * kH; ++i) {
+    const float value = 0.25f * static_cast<float>(i + 1);
+    std::memcpy(&data[4 * i], &value, 4);
+  }
+  request.mutable_hidden()->set_data(data);
+  for (int64_t r = 0; r < rows; ++r) request.add_target_ids(r);
+  return request;
+}
+
+void ExpectInvalid(const LogProbRequest& request, const std::string& field) {
+  auto result = ValidateLogProbRequest(request, kLimits);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find(field), std::string::npos)
+      << result.status().message() << " does not name " << field;
+}
+
+TEST(RequestValidationTest, AcceptsEachDtypeAndConvertsToBf16) {
+  auto rows = ValidateLogProbRequest(ValidRequest(3), kLimits);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->rows, 3);
+  EXPECT_EQ(rows->temperature, 1.0f);  // 0 means 1
+  EXPECT_EQ(rows->hidden_bf16[0], kernels::FloatToBf16(0.25f));
+
+  LogProbRequest half = ValidRequest(1);
+  half.mutable_hidden()->set_dtype(detlogp::v1::DTYPE_FLOAT16);
+  half.mutable_hidden()->set_data(std::string(kH * 2, '\x3c'));  // 0x3c3c
+  EXPECT_TRUE(ValidateLogProbRequest(half, kLimits).ok());
+  half.mutable_hidden()->set_dtype(detlogp::v1::DTYPE_BFLOAT16);
+  EXPECT_TRUE(ValidateLogProbRequest(half, kLimits).ok());
+}
+
+TEST(RequestValidationTest, RoundsFloatToNearestEven) {
+  // 1 + 2^-8 lies exactly between two bf16 values: ties go to even (1.0).
+  EXPECT_EQ(kernels::FloatToBf16(1.00390625f), 0x3f80);
+  // 1 + 3 * 2^-8 ties between 0x3f81 and 0x3f82: even is 0x3f82.
+  EXPECT_EQ(kernels::FloatToBf16(1.01171875f), 0x3f82);
+}
+
+TEST(RequestValidationTest, NamesTheFieldOfEveryBadInput) {
+  LogProbRequest request = ValidRequest(2);
+  request.mutable_hidden()->add_shape(1);
+  ExpectInvalid(request, "hidden.shape");
+
+  request = ValidRequest(2);
+  request.mutable_hidden()->set_shape(1, kH + 1);
+  ExpectInvalid(request, "hidden.shape[1]");
+
+  request = ValidRequest(2);
+  request.mutable_hidden()->mutable_data()->pop_back();
+  ExpectInvalid(request, "hidden.data");
+
+  request = ValidRequest(2);
+  request.mutable_hidden()->set_dtype(detlogp::v1::DTYPE_UNSPECIFIED);
+  ExpectInvalid(request, "hidden.dtype");
+
+  request = ValidRequest(2);
+  request.mutable_hidden()->set_dtype(static_cast<detlogp::v1::DType>(42));
+  ExpectInvalid(request, "hidden.dtype");
+
+  request = ValidRequest(2);
+  request.add_target_ids(1);
+  ExpectInvalid(request, "target_ids");
+
+  for (int64_t bad : {int64_t{-1}, int64_t{100}, int64_t{1} << 40}) {
+    request = ValidRequest(2);
+    request.set_target_ids(1, bad);
+    ExpectInvalid(request, "target_ids[1]");
+  }
+
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(),
+                    std::numeric_limits<float>::infinity(), -1.0f}) {
+    request = ValidRequest(2);
+    request.set_temperature(bad);
+    ExpectInvalid(request, "temperature");
+  }
+
+  ExpectInvalid(ValidRequest(17), "max_request_rows");
+
+  request = ValidRequest(2);
+  request.mutable_hidden()->set_shape(0, -1);
+  ExpectInvalid(request, "hidden.shape[0]");
+}
+
+TEST(RequestValidationTest, EmptyRequestIsValid) {
+  auto rows = ValidateLogProbRequest(ValidRequest(0), kLimits);
+  ASSERT_TRUE(rows.ok());
+  EXPECT_EQ(rows->rows, 0);
+}
+
+}  // namespace
+}  // namespace detlogp::server

@@ -1,0 +1,363 @@
+// Starts the real server binary (CPU backend, embedded model) on a loopback
+// port and talks to it over gRPC.
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "client/invariance_check.h"
+#include "client/logp_client.h"
+#include "client/random_rows.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "kernels/bfloat16.h"
+#include "server/lm_head_weights.h"
+#include "tests/linear_logp_reference.h"
+#include "tests/server_process.h"
+
+namespace detlogp {
+namespace {
+
+using client::LogpClient;
+using client::MakeLogProbRequest;
+using testing::ServerProcess;
+using v1::LogProbRequest;
+
+class ServerIntegrationTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto server = ServerProcess::Start({"--device=cpu"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = server->release();
+  }
+  static void TearDownTestSuite() {
+    EXPECT_EQ(server_->Stop(SIGTERM), 0) << server_->Log();
+    delete server_;
+  }
+
+  std::unique_ptr<LogpClient> Connect() {
+    LogpClient::Options options;
+    options.target = server_->target();
+    return *LogpClient::Create(options);
+  }
+
+  LogProbRequest Bf16Request(int64_t rows, uint64_t seed, int64_t hidden = 1024) {
+    return MakeLogProbRequest(absl::StrCat("r", seed), v1::DTYPE_BFLOAT16, rows,
+                              hidden, client::RandomBf16Rows(rows, hidden, seed),
+                              client::RandomTargets(rows, 32000, seed), 1.0f, true);
+  }
+
+  static ServerProcess* server_;
+};
+ServerProcess* ServerIntegrationTest::server_ = nullptr;
+
+TEST_F(ServerIntegrationTest, ModelInfoDescribesTheEmbeddedModel) {
+  auto info = Connect()->GetModelInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->hidden_size(), 1024);
+  EXPECT_EQ(info->vocab_size(), 32000);
+  EXPECT_EQ(info->padded_vocab_size(), 32000);
+  EXPECT_EQ(info->weight_dtype(), v1::DTYPE_BFLOAT16);
+  EXPECT_TRUE(info->has_bias());
+  EXPECT_EQ(info->weights_sha256(), server::SyntheticLmHead({}).sha256);
+  EXPECT_EQ(info->split_policy(), "v-only/granule64/max128/v1");
+  EXPECT_EQ(info->determinism_key().rfind("dk1-", 0), 0u);
+  EXPECT_NE(info->backend().find("cpu"), std::string::npos);
+  EXPECT_NE(server_->Log().find("EMBEDDED SYNTHETIC"), std::string::npos);
+}
+
+TEST_F(ServerIntegrationTest, LogprobsMatchFloat64ReferenceForEveryDtype) {
+  const server::LmHeadWeights weights = server::SyntheticLmHead({});
+  auto client = Connect();
+  const int64_t rows = 4;
+  const std::string bf16 = client::RandomBf16Rows(rows, 1024, 99);
+  const std::vector<int64_t> targets = client::RandomTargets(rows, 32000, 98);
+  // The same values as fp32 and fp16 requests: fp32 is exact; fp16 rounds
+  // first, so its reference uses its own bf16 conversion.
+  std::string fp32(rows * 1024 * 4, '\0');
+  for (int64_t i = 0; i < rows * 1024; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, &bf16[2 * i], 2);
+    const float value = kernels::Bf16ToFloat(bits);
+    std::memcpy(&fp32[4 * i], &value, 4);
+  }
+  for (auto [dtype, data] : {std::pair{v1::DTYPE_BFLOAT16, bf16},
+                             std::pair{v1::DTYPE_FLOAT32, fp32}}) {
+    auto result = client->Score(MakeLogProbRequest("ref", dtype, rows, 1024, data,
+                                                   targets, 0.8f, true));
+    ASSERT_TRUE(result.ok()) << result.status();
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto ref = testing::ReferenceLinearLogp(
+          weights.view(), reinterpret_cast<const uint16_t*>(bf16.data()) + r * 1024,
+          static_cast<int32_t>(targets[r]), 0.8);
+      EXPECT_NEAR(result->logprobs[r], ref.logprob, 1e-3);
+      EXPECT_NEAR(result->lse[r], ref.lse, 1e-3);
+    }
+  }
+}
+
+TEST_F(ServerIntegrationTest, Fp16RowsAreRoundedToBf16) {
+  auto client = Connect();
+  // fp16 1.0 = 0x3c00; as bf16 0x3f80.
+  std::string fp16(1024 * 2, '\0');
+  std::string bf16(1024 * 2, '\0');
+  for (int i = 0; i < 1024; ++i) {
+    fp16[2 * i + 1] = 0x3c;
+    bf16[2 * i] = static_cast<char>(0x80);
+    bf16[2 * i + 1] = 0x3f;
+  }
+  auto a = client->Score(MakeLogProbRequest("h", v1::DTYPE_FLOAT16, 1, 1024, fp16, {5}, 1.0f, true));
+  auto b = client->Score(MakeLogProbRequest("b", v1::DTYPE_BFLOAT16, 1, 1024, bf16, {5}, 1.0f, true));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(std::memcmp(&a->logprobs[0], &b->logprobs[0], 4), 0);
+}
+
+TEST_F(ServerIntegrationTest, BitsUnchangedUnder32ConcurrentMixedCalls) {
+  client::InvarianceOptions options;
+  options.target = server_->target();
+  options.probes = 12;
+  options.concurrency = 32;
+  options.calls_per_thread = 3;
+  options.max_rows_per_call = 48;
+  auto report = client::CheckInvariance(options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  std::cout << report->Summary() << "\n";
+  EXPECT_TRUE(report->ok()) << report->Summary();
+  EXPECT_GE(report->calls, 96);
+  EXPECT_GT(report->stream_calls, 0);
+}
+
+TEST_F(ServerIntegrationTest, StreamAnswersInOrderWithIdsEchoed) {
+  auto client = Connect();
+  std::vector<LogProbRequest> requests;
+  for (int i = 0; i < 20; ++i) requests.push_back(Bf16Request(1 + (i * 7) % 13, 500 + i));
+  auto results = client->ScoreStream(requests);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ASSERT_EQ(results->size(), requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ((*results)[i].request_id, requests[i].request_id());
+    EXPECT_EQ((*results)[i].logprobs.size(),
+              static_cast<size_t>(requests[i].hidden().shape(0)));
+    // The same request alone gives the same bits.
+    auto alone = client->Score(requests[i]);
+    ASSERT_TRUE(alone.ok());
+    EXPECT_EQ(std::memcmp(alone->logprobs.data(), (*results)[i].logprobs.data(),
+                          alone->logprobs.size() * 4), 0);
+  }
+}
+
+TEST_F(ServerIntegrationTest, EveryBadInputIsInvalidArgumentNamingTheField) {
+  auto client = Connect();
+  struct Case {
+    std::string field;
+    std::function<void(LogProbRequest*)> corrupt;
+  };
+  const std::vector<Case> cases = {
+      {"hidden.shape", [](LogProbRequest* r) { r->mutable_hidden()->add_shape(1); }},
+      {"hidden.shape[1]", [](LogProbRequest* r) { r->mutable_hidden()->set_shape(1, 512); }},
+      {"hidden.data", [](LogProbRequest* r) { r->mutable_hidden()->mutable_data()->pop_back(); }},
+      {"hidden.dtype", [](LogProbRequest* r) { r->mutable_hidden()->set_dtype(v1::DTYPE_UNSPECIFIED); }},
+      {"target_ids", [](LogProbRequest* r) { r->add_target_ids(1); }},
+      {"target_ids[1]", [](LogProbRequest* r) { r->set_target_ids(1, 32000); }},
+      {"target_ids[0]", [](LogProbRequest* r) { r->set_target_ids(0, -5); }},
+      {"temperature", [](LogProbRequest* r) { r->set_temperature(NAN); }},
+      {"temperature", [](LogProbRequest* r) { r->set_temperature(INFINITY); }},
+      {"temperature", [](LogProbRequest* r) { r->set_temperature(-0.5f); }},
+  };
+  for (const Case& c : cases) {
+    LogProbRequest request = Bf16Request(3, 7);
+    c.corrupt(&request);
+    auto result = client->Score(request);
+    ASSERT_FALSE(result.ok()) << c.field;
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_NE(result.status().message().find(c.field), std::string::npos)
+        << result.status().message();
+  }
+  // The server is still up and serving good requests.
+  EXPECT_TRUE(client->Score(Bf16Request(2, 8)).ok());
+}
+
+TEST_F(ServerIntegrationTest, BadRequestInStreamEndsItAfterEarlierAnswers) {
+  auto client = Connect();
+  std::vector<LogProbRequest> requests = {Bf16Request(2, 1), Bf16Request(2, 2)};
+  requests[1].set_temperature(-1.0f);
+  requests.push_back(Bf16Request(2, 3));
+  grpc::ClientContext context;
+  auto stream = client->stub()->StreamLogProbs(&context);
+  for (const auto& request : requests) stream->Write(request);
+  stream->WritesDone();
+  v1::LogProbResponse response;
+  int answers = 0;
+  while (stream->Read(&response)) ++answers;
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(answers, 1);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("temperature"), std::string::npos);
+}
+
+TEST_F(ServerIntegrationTest, OversizedMessageIsRefused) {
+  auto client = Connect();
+  // 48k rows x 1024 x 2 bytes = 96 MiB > the 80 MiB default limit.
+  LogProbRequest request = MakeLogProbRequest(
+      "big", v1::DTYPE_BFLOAT16, 48 * 1024, 1024, std::string(96u << 20, '\x01'),
+      std::vector<int64_t>(48 * 1024, 1), 1.0f, false);
+  LogpClient::Options options;
+  options.target = server_->target();
+  options.max_message_bytes = 128 << 20;
+  auto big_client = *LogpClient::Create(options);
+  auto result = big_client->Score(request);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(client->Score(Bf16Request(1, 9)).ok());
+}
+
+TEST_F(ServerIntegrationTest, HealthIsServing) {
+  auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  for (const std::string service : {"", "detlogp.v1.LogProbService"}) {
+    grpc::ClientContext context;
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(service);
+    grpc::health::v1::HealthCheckResponse response;
+    ASSERT_TRUE(stub->Check(&context, request, &response).ok()) << service;
+    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  }
+}
+
+TEST_F(ServerIntegrationTest, ReflectionListsTheServices) {
+  auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+  auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(channel);
+  grpc::ClientContext context;
+  auto stream = stub->ServerReflectionInfo(&context);
+  grpc::reflection::v1alpha::ServerReflectionRequest request;
+  request.set_list_services("");
+  ASSERT_TRUE(stream->Write(request));
+  stream->WritesDone();
+  grpc::reflection::v1alpha::ServerReflectionResponse response;
+  ASSERT_TRUE(stream->Read(&response));
+  std::vector<std::string> names;
+  for (const auto& service : response.list_services_response().service()) {
+    names.push_back(service.name());
+  }
+  EXPECT_NE(std::find(names.begin(), names.end(), "detlogp.v1.LogProbService"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "grpc.health.v1.Health"), names.end());
+  while (stream->Read(&response)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+// ---- Servers of their own: slow, small queues, signals. ----
+
+// A request big enough to keep the 2-core CPU backend busy for a while.
+LogProbRequest SlowRequest(int64_t rows, uint64_t seed) {
+  return MakeLogProbRequest(absl::StrCat("slow", seed), v1::DTYPE_BFLOAT16, rows,
+                            1024, client::RandomBf16Rows(rows, 1024, seed),
+                            client::RandomTargets(rows, 32000, seed), 1.0f, false);
+}
+
+TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
+  auto server = ServerProcess::Start({"--device=cpu", "--max_batch_rows=64"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  // Occupy the batcher: 8 batches of 64 rows, well over half a second.
+  std::thread busy([&] { EXPECT_TRUE(client->Score(SlowRequest(512, 1)).ok()); });
+  absl::SleepFor(absl::Milliseconds(100));
+  int deadline_exceeded = 0;
+  for (int i = 0; i < 5; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(30)));
+    v1::LogProbResponse response;
+    const grpc::Status status =
+        client->stub()->ComputeLogProbs(&context, SlowRequest(8, 10 + i), &response);
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) ++deadline_exceeded;
+  }
+  EXPECT_EQ(deadline_exceeded, 5);
+  // Cancelled while queued.
+  grpc::ClientContext cancelled_context;
+  v1::LogProbResponse cancelled_response;
+  grpc::Status cancelled_status;
+  absl::Notification cancelled_done;
+  const LogProbRequest cancelled_request = SlowRequest(8, 30);
+  client->stub()->async()->ComputeLogProbs(
+      &cancelled_context, &cancelled_request, &cancelled_response,
+      [&](grpc::Status s) {
+        cancelled_status = s;
+        cancelled_done.Notify();
+      });
+  absl::SleepFor(absl::Milliseconds(20));
+  cancelled_context.TryCancel();
+  cancelled_done.WaitForNotification();
+  EXPECT_EQ(cancelled_status.error_code(), grpc::StatusCode::CANCELLED);
+  busy.join();
+  EXPECT_TRUE(client->Score(SlowRequest(2, 40)).ok());
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+  const std::string log = (*server)->Log();
+  // Warm-up 2 + 512 + 2 rows computed; 5 x 8 expired rows and 8 cancelled
+  // rows never reached the kernel.
+  EXPECT_NE(log.find("516 rows computed, 40 expired, 8 cancelled"), std::string::npos) << log;
+}
+
+TEST(ServerLifecycleTest, FullQueueIsResourceExhaustedThenRecovers) {
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  std::atomic<int> ok{0}, exhausted{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 12; ++i) {
+    threads.emplace_back([&, i] {
+      auto result = client->Score(SlowRequest(32, 100 + i));
+      if (result.ok()) {
+        ++ok;
+      } else if (result.status().code() == absl::StatusCode::kResourceExhausted &&
+                 result.status().message().find("queue full") != std::string::npos) {
+        ++exhausted;
+      } else {
+        ++other;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_GT(exhausted.load(), 0);
+  EXPECT_GT(ok.load(), 0);
+  EXPECT_EQ(other.load(), 0);
+  // Load gone: everything is served again.
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(client->Score(SlowRequest(32, 200 + i)).ok());
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+TEST(ServerLifecycleTest, SigtermAnswersEveryAcceptedCallAndExitsZero) {
+  auto server = ServerProcess::Start({"--device=cpu", "--max_batch_rows=32"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  std::atomic<int> ok{0}, failed{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      (client->Score(SlowRequest(32, 300 + i)).ok() ? ok : failed)++;
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // all accepted, most still queued
+  const int exit_code = (*server)->Stop(SIGTERM);
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(exit_code, 0);
+  EXPECT_EQ(ok.load(), 8);
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_NE((*server)->Log().find("draining"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace detlogp

@@ -1,0 +1,84 @@
+#include "tests/server_process.h"
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace detlogp::testing {
+
+std::string ServerBinaryPath() {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  return absl::StrCat(srcdir != nullptr ? srcdir : ".",
+                      "/detlogp/server/detlogp_server");
+}
+
+absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
+    const std::vector<std::string>& args, int timeout_s) {
+  static int counter = 0;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string base = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/server_",
+                                        getpid(), "_", counter++);
+  const std::string port_file = base + ".port";
+  std::unique_ptr<ServerProcess> server(new ServerProcess());
+  server->log_path_ = base + ".log";
+  std::vector<std::string> argv_strings = {ServerBinaryPath(), "--port=0",
+                                           "--port_file=" + port_file};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& s : argv_strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+
+  const pid_t pid = fork();
+  if (pid < 0) return absl::InternalError("fork failed");
+  if (pid == 0) {
+    const int fd = open(server->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, STDOUT_FILENO);
+    dup2(fd, STDERR_FILENO);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  server->pid_ = pid;
+  const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
+  while (absl::Now() < deadline) {
+    std::ifstream in(port_file);
+    if (in >> server->port_ && server->port_ > 0) return server;
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      server->pid_ = -1;
+      return absl::InternalError(
+          absl::StrCat("server exited during start-up:\n", server->Log()));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return absl::DeadlineExceededError("server did not start in time");
+}
+
+int ServerProcess::Stop(int signal) {
+  if (pid_ < 0) return -1;
+  kill(pid_, signal);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + WTERMSIG(status);
+}
+
+std::string ServerProcess::Log() const {
+  std::ifstream in(log_path_);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+ServerProcess::~ServerProcess() {
+  if (pid_ > 0) Stop(SIGKILL);
+}
+
+}  // namespace detlogp::testing

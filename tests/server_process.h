@@ -1,0 +1,45 @@
+// Starts the real detlogp_server binary on a loopback port for integration
+// tests, and stops it with a signal.
+#ifndef DETLOGP_TESTS_SERVER_PROCESS_H_
+#define DETLOGP_TESTS_SERVER_PROCESS_H_
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace detlogp::testing {
+
+class ServerProcess {
+ public:
+  // Starts the server with `args` plus --port=0 and a port file, and waits
+  // until it serves (or `timeout_s` passes).
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(
+      const std::vector<std::string>& args, int timeout_s = 120);
+  ~ServerProcess();
+
+  int port() const { return port_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
+
+  // Sends `signal` and waits for exit; returns the exit code (or 128+signal).
+  int Stop(int signal = SIGTERM);
+  // Everything the server logged so far.
+  std::string Log() const;
+
+ private:
+  ServerProcess() = default;
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string log_path_;
+};
+
+// Path of the server binary in the test's runfiles.
+std::string ServerBinaryPath();
+
+}  // namespace detlogp::testing
+
+#endif  // DETLOGP_TESTS_SERVER_PROCESS_H_

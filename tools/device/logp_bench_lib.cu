@@ -1,0 +1,66 @@
+// C ABI over LinearLogpCuda for tools/device/logp_bench.py (ctypes). Benchmark
+// use only: no timing here, the caller times with CUDA events.
+#include <cstdio>
+#include <memory>
+
+#include "kernels/cuda/linear_logp_cuda.h"
+
+using detlogp::kernels::cuda::LinearLogpBatchView;
+using detlogp::kernels::cuda::LinearLogpCuda;
+using detlogp::kernels::cuda::SplitMode;
+
+extern "C" {
+
+// mode: 0 = batch-invariant, 1 = throughput split. Returns null on error
+// (printed to stderr).
+void* logp_create(const void* weight, const float* bias, long long hidden,
+                  long long vocab, long long padded_vocab, int mode,
+                  int device) {
+  LinearLogpCuda::Options o;
+  o.weights.weight = static_cast<const __nv_bfloat16*>(weight);
+  o.weights.bias = bias;
+  o.weights.hidden_size = hidden;
+  o.weights.vocab_size = vocab;
+  o.weights.padded_vocab_size = padded_vocab;
+  o.device = device;
+  o.split = mode == 1 ? SplitMode::kThroughput : SplitMode::kBatchInvariant;
+  auto k = LinearLogpCuda::Create(o);
+  if (!k.ok()) {
+    std::fprintf(stderr, "logp_create: %s\n", k.status().ToString().c_str());
+    return nullptr;
+  }
+  return k->release();
+}
+
+void logp_destroy(void* h) { delete static_cast<LinearLogpCuda*>(h); }
+
+unsigned long long logp_workspace_bytes(void* h, long long rows) {
+  return static_cast<LinearLogpCuda*>(h)->WorkspaceBytes(rows);
+}
+
+int logp_num_splits(void* h, long long rows) {
+  return static_cast<LinearLogpCuda*>(h)->NumSplits(rows);
+}
+
+const char* logp_version() { return LinearLogpCuda::KernelVersion(); }
+
+// Returns 0 on success, 1 on error (printed).
+int logp_launch(void* h, const void* hidden, const int* targets,
+                const float* temps, float* logprobs, float* lse,
+                long long rows, void* workspace, void* stream) {
+  LinearLogpBatchView b{static_cast<const __nv_bfloat16*>(hidden),
+                        targets,
+                        temps,
+                        logprobs,
+                        lse,
+                        rows};
+  const absl::Status s = static_cast<LinearLogpCuda*>(h)->Launch(
+      b, workspace, static_cast<cudaStream_t>(stream));
+  if (!s.ok()) {
+    std::fprintf(stderr, "logp_launch: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // extern "C"
