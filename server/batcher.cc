@@ -176,13 +176,10 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
   int64_t rows = 0;
   for (const Slice& slice : batch) {
     const LogpJob& job = *slice.job;
-    const int64_t hidden_size =
-        slice.job->rows() > 0
-            ? static_cast<int64_t>(job.hidden().size()) / job.rows()
-            : 0;
-    std::memcpy(staging.hidden + rows * hidden_size,
-                job.hidden().data() + slice.row_begin * hidden_size,
-                slice.row_count * hidden_size * sizeof(uint16_t));
+    const int64_t row_bytes = job.hidden_size() * sizeof(uint16_t);
+    std::memcpy(reinterpret_cast<char*>(staging.hidden) + rows * row_bytes,
+                job.hidden_bf16() + slice.row_begin * row_bytes,
+                slice.row_count * row_bytes);
     std::memcpy(staging.targets + rows, job.targets().data() + slice.row_begin,
                 slice.row_count * sizeof(int32_t));
     std::fill_n(staging.temperatures + rows, slice.row_count, job.temperature());

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -21,11 +22,15 @@ class LogpJob {
   // Called once, from whichever thread finished the last row; `job` is this.
   using DoneCallback = absl::AnyInvocable<void(absl::Status, LogpJob& job)>;
 
-  LogpJob(int64_t rows, std::vector<uint16_t> hidden,
-          std::vector<int32_t> targets, float temperature, absl::Time deadline,
-          DoneCallback done)
+  // Borrows `hidden_bf16` (rows x hidden_size bf16 values, little-endian,
+  // any alignment), kept valid by `keep_alive` until the job completes.
+  LogpJob(int64_t rows, int64_t hidden_size, const char* hidden_bf16,
+          std::shared_ptr<const void> keep_alive, std::vector<int32_t> targets,
+          float temperature, absl::Time deadline, DoneCallback done)
       : rows_(rows),
-        hidden_(std::move(hidden)),
+        hidden_size_(hidden_size),
+        hidden_bf16_(hidden_bf16),
+        keep_alive_(std::move(keep_alive)),
         targets_(std::move(targets)),
         temperature_(temperature),
         deadline_(deadline),
@@ -34,11 +39,24 @@ class LogpJob {
         rows_outstanding_(rows),
         done_(std::move(done)) {}
 
+  // Owns its rows.
+  LogpJob(int64_t rows, int64_t hidden_size, std::vector<uint16_t> hidden_bf16,
+          std::vector<int32_t> targets, float temperature, absl::Time deadline,
+          DoneCallback done)
+      : LogpJob(rows, hidden_size, nullptr, nullptr, std::move(targets),
+                temperature, deadline, std::move(done)) {
+    auto owned = std::make_shared<const std::vector<uint16_t>>(std::move(hidden_bf16));
+    hidden_bf16_ = reinterpret_cast<const char*>(owned->data());
+    keep_alive_ = std::move(owned);
+  }
+
   LogpJob(const LogpJob&) = delete;
   LogpJob& operator=(const LogpJob&) = delete;
 
   int64_t rows() const { return rows_; }
-  const std::vector<uint16_t>& hidden() const { return hidden_; }
+  int64_t hidden_size() const { return hidden_size_; }
+  // Row r starts at hidden_bf16() + r * hidden_size() * 2.
+  const char* hidden_bf16() const { return hidden_bf16_; }
   const std::vector<int32_t>& targets() const { return targets_; }
   float temperature() const { return temperature_; }
   absl::Time deadline() const { return deadline_; }
@@ -68,7 +86,9 @@ class LogpJob {
 
  private:
   const int64_t rows_;
-  const std::vector<uint16_t> hidden_;  // bf16 bits, [rows, H]
+  const int64_t hidden_size_;
+  const char* hidden_bf16_;
+  std::shared_ptr<const void> keep_alive_;
   const std::vector<int32_t> targets_;
   const float temperature_;
   const absl::Time deadline_;

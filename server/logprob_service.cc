@@ -33,7 +33,8 @@ LogProbServiceImpl::LogProbServiceImpl(const Options& options,
     : options_(options), info_(std::move(info)), batcher_(batcher) {}
 
 absl::Status LogProbServiceImpl::Submit(
-    const LogProbRequest& request, absl::Time deadline,
+    const LogProbRequest& request, std::shared_ptr<const void> request_owner,
+    absl::Time deadline,
     LogProbResponse* response, absl::AnyInvocable<void(absl::Status)> done,
     std::shared_ptr<LogpJob>* job) {
   auto rows = ValidateLogProbRequest(request, options_.limits);
@@ -41,9 +42,19 @@ absl::Status LogProbServiceImpl::Submit(
   response->set_request_id(request.request_id());
   response->set_determinism_key(info_.determinism_key());
   const bool return_lse = rows->return_lse;
+  // bf16 rows stay in the request message (no copy); converted rows move
+  // into the job.
+  const char* hidden = rows->hidden_bf16;
+  std::shared_ptr<const void> keep_alive = std::move(request_owner);
+  if (!rows->converted.empty()) {
+    auto converted =
+        std::make_shared<const std::vector<uint16_t>>(std::move(rows->converted));
+    hidden = reinterpret_cast<const char*>(converted->data());
+    keep_alive = std::move(converted);
+  }
   *job = std::make_shared<LogpJob>(
-      rows->rows, std::move(rows->hidden_bf16), std::move(rows->targets),
-      rows->temperature, deadline,
+      rows->rows, options_.limits.hidden_size, hidden, std::move(keep_alive),
+      std::move(rows->targets), rows->temperature, deadline,
       [response, return_lse, done = std::move(done)](absl::Status status,
                                                       LogpJob& job) mutable {
         if (status.ok()) {
@@ -67,8 +78,9 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
  public:
   UnaryCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context,
             const LogProbRequest* request, LogProbResponse* response) {
+    // gRPC keeps *request alive until OnDone, after the job completed.
     const absl::Status status = service->Submit(
-        *request, DeadlineOf(context), response,
+        *request, nullptr, DeadlineOf(context), response,
         [this](absl::Status done) { Finish(ToGrpcStatus(done)); }, &job_);
     // After a successful Submit this object may already be gone.
     if (!status.ok()) Finish(ToGrpcStatus(status));
@@ -101,8 +113,7 @@ class LogProbServiceImpl::StreamCall final
   StreamCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
     absl::MutexLock lock(&mu_);
-    reading_ = true;
-    StartRead(&request_);
+    StartNextReadLocked();
   }
 
   void OnReadDone(bool ok) override {
@@ -114,12 +125,16 @@ class LogProbServiceImpl::StreamCall final
       return;
     }
     auto entry = std::make_shared<Entry>();
+    std::shared_ptr<LogProbRequest> request;
     {
       absl::MutexLock lock(&mu_);
       pending_.push_back(entry);
+      request = std::move(next_request_);
     }
+    // The job borrows the request's bytes; `request` keeps them alive.
+    const LogProbRequest& request_ref = *request;
     const absl::Status status = service_->Submit(
-        request_, DeadlineOf(context_), &entry->response,
+        request_ref, std::move(request), DeadlineOf(context_), &entry->response,
         [this, entry](absl::Status done) {
           absl::MutexLock lock(&mu_);
           entry->status = std::move(done);
@@ -187,8 +202,7 @@ class LogProbServiceImpl::StreamCall final
     if (!reading_ && !reads_done_ && !stopped &&
         static_cast<int>(pending_.size()) <
             service_->options_.max_stream_inflight_requests) {
-      reading_ = true;
-      StartRead(&request_);
+      StartNextReadLocked();
     }
     if (pending_.empty() && !writing_ && (reads_done_ || stopped)) {
       finished_ = true;
@@ -196,11 +210,18 @@ class LogProbServiceImpl::StreamCall final
     }
   }
 
+  void StartNextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    reading_ = true;
+    next_request_ = std::make_shared<LogProbRequest>();
+    StartRead(next_request_.get());
+  }
+
   LogProbServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
-  LogProbRequest request_;  // read buffer; Submit copies what it needs
 
   absl::Mutex mu_;
+  // Each read lands in a fresh message that the job can borrow from.
+  std::shared_ptr<LogProbRequest> next_request_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Entry>> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status terminal_ ABSL_GUARDED_BY(mu_);
   bool reading_ ABSL_GUARDED_BY(mu_) = false;

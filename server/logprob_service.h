@@ -42,9 +42,12 @@ class LogProbServiceImpl final
       detlogp::v1::ModelInfo* response) override;
 
   // Validates `request` and schedules its rows; on success `done` runs once
-  // with the job's status and the filled response.
+  // with the job's status and the filled response. The job may borrow the
+  // request's bytes: `request_owner` (or the caller) keeps them alive until
+  // `done` runs.
   absl::Status Submit(
-      const detlogp::v1::LogProbRequest& request, absl::Time deadline,
+      const detlogp::v1::LogProbRequest& request,
+      std::shared_ptr<const void> request_owner, absl::Time deadline,
       detlogp::v1::LogProbResponse* response,
       absl::AnyInvocable<void(absl::Status)> done,
       std::shared_ptr<LogpJob>* job);

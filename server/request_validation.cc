@@ -28,10 +28,12 @@ int64_t DtypeSize(DType dtype) {
 void DecodeToBf16(DType dtype, const std::string& data, int64_t elements,
                   uint16_t* out) {
   const char* bytes = data.data();
+  if (dtype == detlogp::v1::DTYPE_BFLOAT16) {
+    std::memcpy(out, bytes, elements * 2);
+    return;
+  }
   for (int64_t i = 0; i < elements; ++i) {
-    if (dtype == detlogp::v1::DTYPE_BFLOAT16) {
-      std::memcpy(&out[i], bytes + 2 * i, 2);
-    } else if (dtype == detlogp::v1::DTYPE_FLOAT16) {
+    if (dtype == detlogp::v1::DTYPE_FLOAT16) {
       uint16_t half;
       std::memcpy(&half, bytes + 2 * i, 2);
       out[i] = kernels::FloatToBf16(kernels::Fp16ToFloat(half));
@@ -104,9 +106,15 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   }
   validated.temperature = temperature == 0.0f ? 1.0f : temperature;
   validated.return_lse = request.return_lse();
-  validated.hidden_bf16.resize(rows * hidden_size);
-  DecodeToBf16(hidden.dtype(), hidden.data(), rows * hidden_size,
-               validated.hidden_bf16.data());
+  if (hidden.dtype() == detlogp::v1::DTYPE_BFLOAT16) {
+    validated.hidden_bf16 = hidden.data().data();  // no copy
+  } else {
+    validated.converted.resize(rows * hidden_size);
+    DecodeToBf16(hidden.dtype(), hidden.data(), rows * hidden_size,
+                 validated.converted.data());
+    validated.hidden_bf16 =
+        reinterpret_cast<const char*>(validated.converted.data());
+  }
   return validated;
 }
 

@@ -19,7 +19,10 @@ struct RequestLimits {
 
 struct ValidatedRows {
   int64_t rows = 0;
-  std::vector<uint16_t> hidden_bf16;  // [rows, hidden_size], RNE from input
+  // [rows, hidden_size] bf16, little-endian, any alignment: the request's own
+  // bytes when it sent bf16 (valid while the request lives), else `converted`.
+  const char* hidden_bf16 = nullptr;
+  std::vector<uint16_t> converted;  // RNE from fp32 / fp16 input
   std::vector<int32_t> targets;
   float temperature = 1.0f;
   bool return_lse = false;

@@ -44,7 +44,8 @@ absl::Status WarmUp(DynamicBatcher* batcher, const LmHeadWeights& weights) {
   absl::Notification done;
   absl::Status result;
   auto job = std::make_shared<LogpJob>(
-      rows, std::move(hidden), std::move(targets), 1.0f, absl::InfiniteFuture(),
+      rows, weights.hidden_size, std::move(hidden), std::move(targets), 1.0f,
+      absl::InfiniteFuture(),
       [&](absl::Status status, LogpJob&) {
         result = status;
         done.Notify();

@@ -30,7 +30,7 @@ TrackedJob MakeJob(int64_t rows, absl::Time deadline = absl::InfiniteFuture(),
     targets[r] = static_cast<int32_t>(2 * r);
   }
   tracked.job = std::make_shared<LogpJob>(
-      rows, std::move(hidden), std::move(targets), temperature, deadline,
+      rows, kH, std::move(hidden), std::move(targets), temperature, deadline,
       [done = tracked.done, status = tracked.status](absl::Status s, LogpJob&) {
         *status = s;
         done->Notify();

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "kernels/bfloat16.h"
@@ -43,7 +44,10 @@ TEST(RequestValidationTest, AcceptsEachDtypeAndConvertsToBf16) {
   ASSERT_TRUE(rows.ok()) << rows.status();
   EXPECT_EQ(rows->rows, 3);
   EXPECT_EQ(rows->temperature, 1.0f);  // 0 means 1
-  EXPECT_EQ(rows->hidden_bf16[0], kernels::FloatToBf16(0.25f));
+  EXPECT_EQ(rows->converted[0], kernels::FloatToBf16(0.25f));
+  uint16_t first;
+  std::memcpy(&first, rows->hidden_bf16, 2);
+  EXPECT_EQ(first, kernels::FloatToBf16(0.25f));
 
   LogProbRequest half = ValidRequest(1);
   half.mutable_hidden()->set_dtype(detlogp::v1::DTYPE_FLOAT16);
