@@ -55,6 +55,8 @@ class LogpBackend {
   virtual const BackendDescription& description() const = 0;
   virtual absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) = 0;
+  // Accelerator memory in use by this process's device(s); 0 on the CPU.
+  virtual int64_t DeviceMemoryUsedBytes() const { return 0; }
 };
 
 struct BackendOptions {

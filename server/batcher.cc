@@ -115,7 +115,7 @@ void DynamicBatcher::DropDeadJobsLocked(
     (cancelled ? rows_cancelled_ : rows_expired_)
         .fetch_add(remaining, std::memory_order_relaxed);
     dropped->emplace_back(
-        Slice{it->job, it->next_row, remaining},
+        Slice{it->job, it->next_row, remaining, it->queued},
         cancelled ? absl::CancelledError("call cancelled before compute")
                   : absl::DeadlineExceededError(
                         "deadline passed while queued; rows not computed"));
@@ -143,7 +143,7 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
       while (room > 0 && !queue_.empty()) {
         QueuedJob& front = queue_.front();
         const int64_t take = std::min(room, front.job->rows() - front.next_row);
-        batch.push_back(Slice{front.job, front.next_row, take});
+        batch.push_back(Slice{front.job, front.next_row, take, front.queued});
         front.next_row += take;
         queued_rows_ -= take;
         room -= take;
@@ -185,7 +185,17 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     std::fill_n(staging.temperatures + rows, slice.row_count, job.temperature());
     rows += slice.row_count;
   }
+  const absl::Time start = absl::Now();
   const absl::Status status = executor->Run(rows);
+  if (options_.on_batch) {
+    BatchRecord record;
+    record.rows = rows;
+    record.requests = static_cast<int64_t>(batch.size());
+    record.queue_delay = start - batch.front().queued;
+    record.compute = absl::Now() - start;
+    record.ok = status.ok();
+    options_.on_batch(record);
+  }
   batches_run_.fetch_add(1, std::memory_order_relaxed);
   (status.ok() ? rows_computed_ : rows_failed_)
       .fetch_add(rows, std::memory_order_relaxed);

@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -42,11 +43,22 @@ namespace detlogp::server {
 
 class DynamicBatcher {
  public:
+  // What one batch did, for metrics.
+  struct BatchRecord {
+    int64_t rows = 0;
+    int64_t requests = 0;         // request slices in the batch
+    absl::Duration queue_delay;   // how long its oldest slice waited
+    absl::Duration compute;       // the backend's Run, copies included
+    bool ok = true;
+  };
+
   struct Options {
     int64_t max_batch_rows = 256;
     int64_t max_queue_delay_micros = 500;
     int64_t max_queue_rows = 1 << 16;
     int num_batch_threads = 1;
+    // Called after every batch on its batch thread; may be empty.
+    std::function<void(const BatchRecord&)> on_batch;
   };
 
   // Counters since start; all rows, not requests.
@@ -85,6 +97,7 @@ class DynamicBatcher {
     std::shared_ptr<LogpJob> job;
     int64_t row_begin;
     int64_t row_count;
+    absl::Time queued;  // when its job was accepted
   };
   struct QueuedJob {
     std::shared_ptr<LogpJob> job;

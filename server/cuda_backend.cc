@@ -255,6 +255,15 @@ class CudaBackend final : public LogpBackend {
     return description_;
   }
 
+  int64_t DeviceMemoryUsedBytes() const override {
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaSetDevice(device_) != cudaSuccess ||
+        cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+      return 0;
+    }
+    return static_cast<int64_t>(total_bytes - free_bytes);
+  }
+
   absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) override {
     auto executor = CudaExecutor::Create(kernel_.get(), device_, hidden_size_,

@@ -27,6 +27,12 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
 
 }  // namespace
 
+grpc::Status LogProbServiceImpl::Record(absl::string_view method,
+                                        grpc::Status status) const {
+  if (options_.on_call_done) options_.on_call_done(method, status.error_code());
+  return status;
+}
+
 LogProbServiceImpl::LogProbServiceImpl(const Options& options,
                                        detlogp::v1::ModelInfo info,
                                        DynamicBatcher* batcher)
@@ -81,9 +87,14 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
     // gRPC keeps *request alive until OnDone, after the job completed.
     const absl::Status status = service->Submit(
         *request, nullptr, DeadlineOf(context), response,
-        [this](absl::Status done) { Finish(ToGrpcStatus(done)); }, &job_);
+        [this, service](absl::Status done) {
+          Finish(service->Record("ComputeLogProbs", ToGrpcStatus(done)));
+        },
+        &job_);
     // After a successful Submit this object may already be gone.
-    if (!status.ok()) Finish(ToGrpcStatus(status));
+    if (!status.ok()) {
+      Finish(service->Record("ComputeLogProbs", ToGrpcStatus(status)));
+    }
   }
 
   void OnCancel() override {
@@ -206,7 +217,7 @@ class LogProbServiceImpl::StreamCall final
     }
     if (pending_.empty() && !writing_ && (reads_done_ || stopped)) {
       finished_ = true;
-      Finish(ToGrpcStatus(terminal_));
+      Finish(service_->Record("StreamLogProbs", ToGrpcStatus(terminal_)));
     }
   }
 
@@ -243,7 +254,7 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
     detlogp::v1::ModelInfo* response) {
   *response = info_;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  reactor->Finish(Record("GetModelInfo", grpc::Status::OK));
   return reactor;
 }
 

@@ -4,9 +4,11 @@
 #ifndef DETLOGP_SERVER_LOGPROB_SERVICE_H_
 #define DETLOGP_SERVER_LOGPROB_SERVICE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "server/batcher.h"
 #include "server/request_validation.h"
@@ -21,6 +23,8 @@ class LogProbServiceImpl final
     // Requests read ahead on one stream before their answers are written;
     // reading stops (backpressure) beyond it.
     int max_stream_inflight_requests = 64;
+    // Called once per finished call with the method name and gRPC code.
+    std::function<void(absl::string_view method, int grpc_code)> on_call_done;
   };
 
   // `batcher` outlives the service.
@@ -55,6 +59,8 @@ class LogProbServiceImpl final
  private:
   class UnaryCall;
   class StreamCall;
+
+  grpc::Status Record(absl::string_view method, grpc::Status status) const;
 
   const Options options_;
   const detlogp::v1::ModelInfo info_;

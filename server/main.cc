@@ -40,6 +40,9 @@ ABSL_FLAG(int, max_message_mb, 80,
 ABSL_FLAG(int, batch_threads, 0,
           "Batches in flight at once; 0: the backend's preference.");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads; 0: all cores.");
+ABSL_FLAG(int, metrics_port, -1,
+          "Prometheus /metrics port on --host: -1 off, 0 a free port (written "
+          "as the second line of --port_file).");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "Seconds SIGTERM waits for accepted calls before cancelling them.");
 
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
   options.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
 
   auto server =
       detlogp::server::Server::BuildAndStart(options, *std::move(weights));
@@ -108,7 +112,8 @@ int main(int argc, char** argv) {
   }
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
-    std::ofstream(port_file + ".tmp") << (*server)->port() << "\n";
+    std::ofstream(port_file + ".tmp")
+        << (*server)->port() << "\n" << (*server)->metrics_port() << "\n";
     std::rename((port_file + ".tmp").c_str(), port_file.c_str());
   }
 

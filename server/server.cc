@@ -62,6 +62,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;
   server->weights_ = std::make_unique<LmHeadWeights>(std::move(weights));
+  server->metrics_ = std::make_unique<ServerMetrics>();
+  ServerMetrics* metrics = server->metrics_.get();
 
   BackendRegistry registry;
   RegisterBuiltinBackends(&registry);
@@ -82,6 +84,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   if (batcher_options.num_batch_threads <= 0) {
     batcher_options.num_batch_threads = description.preferred_inflight_batches;
   }
+  batcher_options.on_batch = [metrics](const DynamicBatcher::BatchRecord& r) {
+    metrics->ObserveBatch(r.rows, r.requests,
+                          absl::ToDoubleSeconds(r.queue_delay),
+                          absl::ToDoubleSeconds(r.compute));
+  };
   auto batcher =
       DynamicBatcher::Create(batcher_options, server->backend_.get());
   if (!batcher.ok()) return batcher.status();
@@ -94,6 +101,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   service_options.limits.max_request_rows = options.max_request_rows;
   service_options.max_stream_inflight_requests =
       options.max_stream_inflight_requests;
+  service_options.on_call_done = [metrics](absl::string_view method, int code) {
+    metrics->CountRequest(method, code);
+  };
   server->logprob_service_ = std::make_unique<LogProbServiceImpl>(
       service_options, server->info_, server->batcher_.get());
 
@@ -123,12 +133,37 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     return absl::InternalError(
         absl::StrCat("warm-up batch failed: ", s.message()));
   }
+  if (options.metrics_port >= 0) {
+    MetricsHttpServer::Options metrics_options;
+    metrics_options.host = options.host;
+    metrics_options.port = options.metrics_port;
+    Server* raw = server.get();
+    metrics_options.render = [raw] { return raw->RenderMetrics(); };
+    auto http = MetricsHttpServer::Start(metrics_options);
+    if (!http.ok()) return http.status();
+    server->metrics_http_ = *std::move(http);
+    spdlog::info("metrics on http://{}:{}/metrics", options.host,
+                 server->metrics_http_->port());
+  }
   health->SetServingStatus(true);
   health->SetServingStatus(kLogProbServiceName, true);
   spdlog::info("serving {} on {}:{} (determinism key {})",
                server->weights_->description, options.host, server->port_,
                server->info_.determinism_key());
   return server;
+}
+
+std::string Server::RenderMetrics() const {
+  const DynamicBatcher::Stats stats = batcher_->stats();
+  MetricsSnapshot snapshot;
+  snapshot.rows_computed = stats.rows_computed;
+  snapshot.rows_failed = stats.rows_failed;
+  snapshot.rows_expired = stats.rows_expired;
+  snapshot.rows_cancelled = stats.rows_cancelled;
+  snapshot.rows_rejected = stats.rows_rejected;
+  snapshot.queue_rows = stats.rows_queued;
+  snapshot.device_memory_used_bytes = backend_->DeviceMemoryUsedBytes();
+  return metrics_->Render(snapshot);
 }
 
 void Server::Shutdown() {
@@ -144,6 +179,7 @@ void Server::Shutdown() {
   }
   if (batcher_ == nullptr) return;
   batcher_->Stop();
+  metrics_http_.reset();
   const DynamicBatcher::Stats stats = batcher_->stats();
   spdlog::info("stopped: {} batches, {} rows computed, {} expired, {} cancelled, {} rejected",
                stats.batches_run, stats.rows_computed, stats.rows_expired,

@@ -21,6 +21,8 @@
 #include "server/batcher.h"
 #include "server/lm_head_weights.h"
 #include "server/logprob_service.h"
+#include "server/metrics.h"
+#include "server/metrics_http_server.h"
 
 namespace detlogp::server {
 
@@ -40,6 +42,8 @@ class Server {
     DynamicBatcher::Options batcher{256, 500, 1 << 16, 0};
     // How long Shutdown waits for accepted calls before cancelling them.
     absl::Duration shutdown_grace = absl::Seconds(30);
+    // Prometheus endpoint on `host`: -1 off, 0 a free port, else that port.
+    int metrics_port = -1;
   };
 
   static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
@@ -50,21 +54,31 @@ class Server {
   Server& operator=(const Server&) = delete;
 
   int port() const { return port_; }
+  // The metrics endpoint's port, or 0 when off.
+  int metrics_port() const {
+    return metrics_http_ != nullptr ? metrics_http_->port() : 0;
+  }
   const detlogp::v1::ModelInfo& model_info() const { return info_; }
   DynamicBatcher::Stats batcher_stats() const { return batcher_->stats(); }
 
   // Stops accepting calls, answers every accepted call, stops the batcher.
   void Shutdown();
 
+  // The Prometheus text of GET /metrics.
+  std::string RenderMetrics() const;
+
  private:
   Server() = default;
 
   Options options_;
   std::unique_ptr<LmHeadWeights> weights_;
+  // Before the batcher and services, which report into it.
+  std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<LogpBackend> backend_;
   std::unique_ptr<DynamicBatcher> batcher_;
   std::unique_ptr<LogProbServiceImpl> logprob_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
+  std::unique_ptr<MetricsHttpServer> metrics_http_;
   detlogp::v1::ModelInfo info_;
   int port_ = 0;
   bool shut_down_ = false;

@@ -18,6 +18,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "kernels/bfloat16.h"
+#include "kernels/split_policy.h"
 #include "server/lm_head_weights.h"
 #include "tests/linear_logp_reference.h"
 #include "tests/server_process.h"
@@ -67,7 +68,7 @@ TEST_F(ServerIntegrationTest, ModelInfoDescribesTheEmbeddedModel) {
   EXPECT_EQ(info->weight_dtype(), v1::DTYPE_BFLOAT16);
   EXPECT_TRUE(info->has_bias());
   EXPECT_EQ(info->weights_sha256(), server::SyntheticLmHead({}).sha256);
-  EXPECT_EQ(info->split_policy(), "v-only/granule64/max128/v1");
+  EXPECT_EQ(info->split_policy(), kernels::kSplitPolicyName);
   EXPECT_EQ(info->determinism_key().rfind("dk1-", 0), 0u);
   EXPECT_NE(info->backend().find("cpu"), std::string::npos);
   EXPECT_NE(server_->Log().find("EMBEDDED SYNTHETIC"), std::string::npos);
@@ -262,8 +263,16 @@ LogProbRequest SlowRequest(int64_t rows, uint64_t seed) {
                             client::RandomTargets(rows, 32000, seed), 1.0f, false);
 }
 
+// The value of the first exposition line starting with `series`.
+double MetricValue(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(text.substr(at + series.size() + 2));
+}
+
 TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
-  auto server = ServerProcess::Start({"--device=cpu", "--max_batch_rows=64"});
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--max_batch_rows=64", "--metrics_port=0"});
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options options;
   options.target = (*server)->target();
@@ -299,11 +308,46 @@ TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
   EXPECT_EQ(cancelled_status.error_code(), grpc::StatusCode::CANCELLED);
   busy.join();
   EXPECT_TRUE(client->Score(SlowRequest(2, 40)).ok());
+  auto metrics = (*server)->HttpGet("/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_EQ(MetricValue(*metrics, "detlogp_rows_expired_total"), 40);
+  EXPECT_EQ(MetricValue(*metrics, "detlogp_rows_cancelled_total"), 8);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
   const std::string log = (*server)->Log();
   // Warm-up 2 + 512 + 2 rows computed; 5 x 8 expired rows and 8 cancelled
   // rows never reached the kernel.
   EXPECT_NE(log.find("516 rows computed, 40 expired, 8 cancelled"), std::string::npos) << log;
+}
+
+TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
+  auto server = ServerProcess::Start({"--device=cpu", "--metrics_port=0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_GT((*server)->metrics_port(), 0);
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(client->Score(SlowRequest(5, 700 + i)).ok());
+  LogProbRequest bad = SlowRequest(2, 710);
+  bad.set_temperature(-1);
+  EXPECT_FALSE(client->Score(bad).ok());
+  ASSERT_TRUE(client->GetModelInfo().ok());
+  auto text = (*server)->HttpGet("/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_NE(text->find("HTTP/1.1 200 OK"), std::string::npos);
+  EXPECT_EQ(MetricValue(*text, "detlogp_requests_total{method=\"ComputeLogProbs\",code=\"OK\"}"), 3);
+  EXPECT_EQ(MetricValue(*text, "detlogp_requests_total{method=\"ComputeLogProbs\",code=\"INVALID_ARGUMENT\"}"), 1);
+  EXPECT_EQ(MetricValue(*text, "detlogp_requests_total{method=\"GetModelInfo\",code=\"OK\"}"), 1);
+  // The warm-up batch counts too: 2 + 3 x 5 rows.
+  EXPECT_EQ(MetricValue(*text, "detlogp_rows_total{outcome=\"computed\"}"), 17);
+  EXPECT_EQ(MetricValue(*text, "detlogp_rows_total{outcome=\"expired\"}"), 0);
+  EXPECT_EQ(MetricValue(*text, "detlogp_batch_rows_count"), 4);
+  EXPECT_EQ(MetricValue(*text, "detlogp_queue_rows"), 0);
+  EXPECT_GE(MetricValue(*text, "detlogp_compute_seconds_sum"), 0);
+  EXPECT_EQ(MetricValue(*text, "detlogp_device_memory_used_bytes"), 0);
+  auto missing = (*server)->HttpGet("/nope");
+  ASSERT_TRUE(missing.ok());
+  EXPECT_NE(missing->find("404"), std::string::npos);
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
 TEST(ServerLifecycleTest, FullQueueIsResourceExhaustedThenRecovers) {

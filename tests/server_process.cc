@@ -1,6 +1,9 @@
 #include "tests/server_process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,7 +51,9 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   const absl::Time deadline = absl::Now() + absl::Seconds(timeout_s);
   while (absl::Now() < deadline) {
     std::ifstream in(port_file);
-    if (in >> server->port_ && server->port_ > 0) return server;
+    if (in >> server->port_ >> server->metrics_port_ && server->port_ > 0) {
+      return server;
+    }
     int status;
     if (waitpid(pid, &status, WNOHANG) == pid) {
       server->pid_ = -1;
@@ -58,6 +63,30 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     absl::SleepFor(absl::Milliseconds(20));
   }
   return absl::DeadlineExceededError("server did not start in time");
+}
+
+absl::StatusOr<std::string> ServerProcess::HttpGet(const std::string& path) const {
+  if (metrics_port_ <= 0) return absl::FailedPreconditionError("no metrics port");
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(metrics_port_));
+  inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return absl::UnavailableError("cannot connect to the metrics port");
+  }
+  const std::string request = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return absl::UnavailableError("short write");
+  }
+  std::string response;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = read(fd, buffer, sizeof(buffer))) > 0) response.append(buffer, n);
+  close(fd);
+  return response;
 }
 
 int ServerProcess::Stop(int signal) {

@@ -22,6 +22,10 @@ class ServerProcess {
   ~ServerProcess();
 
   int port() const { return port_; }
+  // Port of /metrics when started with --metrics_port=0, else 0.
+  int metrics_port() const { return metrics_port_; }
+  // GET http://127.0.0.1:<metrics_port>/<path>; the body, or an error.
+  absl::StatusOr<std::string> HttpGet(const std::string& path) const;
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
 
@@ -34,6 +38,7 @@ class ServerProcess {
   ServerProcess() = default;
   pid_t pid_ = -1;
   int port_ = 0;
+  int metrics_port_ = 0;
   std::string log_path_;
 };
 

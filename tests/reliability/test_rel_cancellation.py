@@ -1,0 +1,126 @@
+"""2) Cancellation storm: about half the calls (unary and streaming) are
+cancelled at random moments. Holds: every call not cancelled is answered with
+solo-identical bits, the server keeps serving, and its RSS after the storm is
+within 10% of the RSS after an equal warm-up without cancellations."""
+import asyncio
+import random
+import time
+from collections import Counter
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from detlogp import requests
+from detlogp.loadgen import RowPool
+from detlogp.testing import LocalServer
+from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
+
+CLIENTS = 40
+PHASE_S = 8.0
+MAX_CALLS = 200_000
+
+
+async def storm(target, pool, seconds, cancel_fraction, seed):
+    """Mixed calls from CLIENTS coroutines; returns outcome counts."""
+    counts = Counter()
+    end = time.monotonic() + seconds
+    channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
+    stubs = [pb_grpc.LogProbServiceStub(c) for c in channels]
+
+    def make_request(rng):
+        rows = rng.sample(range(len(pool.targets)), rng.randint(1, 8))
+        return rows, requests.logprob_request(pool.hidden[rows], pool.targets[rows],
+                                              return_lse=True)
+
+    def check(rows, response):
+        got = np.array(response.logprobs, np.float32)
+        counts["rows_checked"] += len(rows)
+        counts["rows_mismatched"] += int(np.sum(got.view(np.uint32) !=
+                                                pool.solo_logp[rows].view(np.uint32)))
+
+    async def client(index):
+        rng = random.Random(seed * 1000 + index)
+        stub = stubs[index % len(stubs)]
+        while time.monotonic() < end and counts["calls"] < MAX_CALLS:
+            counts["calls"] += 1
+            cancel = rng.random() < cancel_fraction
+            delay = rng.uniform(0, 0.01)
+            if rng.random() < 0.5:
+                rows, request = make_request(rng)
+                call = stub.ComputeLogProbs(request, timeout=30)
+                if cancel:
+                    await asyncio.sleep(delay)
+                    call.cancel()
+                try:
+                    check(rows, await call)
+                    counts["unary_ok"] += 1
+                except asyncio.CancelledError:
+                    counts["unary_cancelled"] += 1
+                except grpc.RpcError as error:
+                    counts[f"unary_{error.code().name}"] += 1
+            else:
+                batch = [make_request(rng) for _ in range(rng.randint(1, 5))]
+                call = stub.StreamLogProbs(timeout=30)
+                try:
+                    for _, request in batch:
+                        await call.write(request)
+                    await call.done_writing()
+                    if cancel:
+                        await asyncio.sleep(delay)
+                        call.cancel()
+                    answered = 0
+                    async for response in call:
+                        check(batch[answered][0], response)
+                        answered += 1
+                    counts["stream_ok" if answered == len(batch) else "stream_short"] += 1
+                except asyncio.CancelledError:
+                    counts["stream_cancelled"] += 1
+                except grpc.RpcError as error:
+                    counts[f"stream_{error.code().name}"] += 1
+                except grpc.aio.UsageError:  # write after our own cancel
+                    counts["stream_cancelled"] += 1
+
+    await asyncio.gather(*[client(i) for i in range(CLIENTS)])
+    for channel in channels:
+        await channel.close()
+    return counts
+
+
+def test_cancellation_storm_keeps_serving_and_memory_flat(server_binary, model, report):
+    with LocalServer(server_binary, model.flags + [
+            "--cpu_threads=1", "--max_queue_delay_us=5000"], metrics=True) as server:
+        pool = RowPool.random(model.hidden, model.vocab, rows=64, seed=2)
+        pool.score_solo(server.target)
+        warm = asyncio.run(storm(server.target, pool, PHASE_S, 0.0, seed=1))
+        time.sleep(1.0)
+        rss_before = server.rss_kib()
+        hits = asyncio.run(storm(server.target, pool, PHASE_S, 0.5, seed=2))
+        time.sleep(1.0)
+        rss_after = server.rss_kib()
+        after = asyncio.run(storm(server.target, pool, 2.0, 0.0, seed=3))
+        metrics = server.metrics() or {}
+        assert server.terminate() == 0
+        stop = server.stop_counts()
+    report(f"tried: warm-up {warm['calls']} calls without cancels, then storm of "
+           f"{hits['calls']} calls from {CLIENTS} clients in {PHASE_S:.0f}s, ~50% cancelled "
+           f"at a random moment in [0, 10 ms]; then {after['calls']} calls after")
+    report(f"storm outcomes: {dict(sorted(hits.items()))}")
+    cancelled = hits["unary_cancelled"] + hits["stream_cancelled"]
+    report(f"held: {cancelled} cancelled, rows checked {hits['rows_checked']}, "
+           f"mismatched {hits['rows_mismatched']}; after-storm calls ok "
+           f"{after['unary_ok'] + after['stream_ok']}/{after['calls']}; RSS before "
+           f"{rss_before} KiB, after {rss_after} KiB "
+           f"({100.0 * (rss_after - rss_before) / rss_before:+.1f}%); server: {stop}; "
+           f"CANCELLED calls in metrics: "
+           f"{sum(v for k, v in metrics.items() if 'CANCELLED' in k)}")
+    assert hits["calls"] > 1000 and cancelled > hits["calls"] * 0.2
+    # Nothing failed that was not cancelled by us.
+    unexpected = {k: v for k, v in hits.items()
+                  if k.startswith(("unary_", "stream_")) and not k.endswith(
+                      ("_ok", "_cancelled", "_CANCELLED"))}
+    assert not unexpected, unexpected
+    assert hits["rows_mismatched"] == 0 and warm["rows_mismatched"] == 0
+    assert after["unary_ok"] + after["stream_ok"] == after["calls"] > 0
+    assert after["rows_mismatched"] == 0
+    assert abs(rss_after - rss_before) <= 0.10 * rss_before
