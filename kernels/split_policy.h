@@ -9,10 +9,15 @@
 //
 // Shape of the policy: the vocabulary is cut into granules of
 // `kSplitGranule` rows, and the granules are spread as evenly as possible over
-// min(kMaxVocabSplits, granules) contiguous splits. 128 splits keep one split
-// per multiprocessor on a 132-SM Hopper part at N = 1 (the weight is streamed
-// at full bandwidth) while a row's partial states stay at 128 x 8 bytes, under
-// the 1 KiB per-row workspace budget.
+// min(kMaxVocabSplits, granules) contiguous splits. 132 splits match the 132
+// multiprocessors of the H100/H200 SXM parts this service runs on: at N = 1
+// every multiprocessor streams 1/132 of the weight (with 128, four idled and
+// the largest split was 19 granules instead of 18), and at large N the
+// (128-row block, split) work items of the CUDA kernel fill whole waves
+// whenever N is a multiple of 128 (with 128 splits, N = 2048 needed 15.5
+// waves, i.e. 16). A row's per-split state is stored as the split's
+// logsumexp (4 bytes) by the CUDA kernel: 132 x 4 bytes, well under the
+// 1 KiB per-row workspace budget.
 //
 // Changing any constant here changes bits: bump kSplitPolicyName with it.
 #ifndef DETLOGP_KERNELS_SPLIT_POLICY_H_
@@ -25,8 +30,8 @@
 namespace detlogp::kernels {
 
 inline constexpr int64_t kSplitGranule = 64;
-inline constexpr int32_t kMaxVocabSplits = 128;
-inline constexpr const char kSplitPolicyName[] = "v-only/granule64/max128/v1";
+inline constexpr int32_t kMaxVocabSplits = 132;
+inline constexpr const char kSplitPolicyName[] = "v-only/granule64/max132/v2";
 
 // A contiguous half-open range of vocabulary rows [begin, end).
 struct VocabRange {

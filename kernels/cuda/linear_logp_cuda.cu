@@ -1,0 +1,315 @@
+// Launcher for the fused linear-logp kernel (kernel: linear_logp_kernel.cuh).
+#include "kernels/cuda/linear_logp_cuda.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/linear_logp_kernel.cuh"
+#include "kernels/softmax_partial.h"
+#include "kernels/split_policy.h"
+
+namespace detlogp::kernels::cuda {
+namespace {
+
+namespace kv = ::detlogp::kernels::cuda::v3;
+
+constexpr int64_t kMaxRows = int64_t{1} << 24;
+constexpr int64_t kMaxHidden = 65536;
+constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1024;
+
+absl::Status CudaError(cudaError_t err, const char* what) {
+  return absl::InternalError(absl::StrCat("linear_logp_cuda: ", what, ": ",
+                                          cudaGetErrorName(err), " (",
+                                          cudaGetErrorString(err), ")"));
+}
+
+#define DETLOGP_CUDA_RETURN_IF_ERROR(expr)           \
+  do {                                               \
+    const cudaError_t detlogp_err_ = (expr);         \
+    if (detlogp_err_ != cudaSuccess) {               \
+      return CudaError(detlogp_err_, #expr);         \
+    }                                                \
+  } while (0)
+
+bool Aligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+// Restores the calling thread's current device on scope exit.
+class DeviceGuard {
+ public:
+  DeviceGuard() = default;
+  absl::Status Enter(int device) {
+    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous_));
+    if (previous_ != device) {
+      DETLOGP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+      switched_ = true;
+    }
+    return absl::OkStatus();
+  }
+  ~DeviceGuard() {
+    if (switched_) (void)cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+// Throughput-tuned split (benchmarks only): splits of whole 256-wide tiles,
+// their count chosen to balance (row blocks x splits) items over the SMs.
+int32_t ThroughputSplits(int64_t rows, int64_t vocab, int num_sms,
+                         int32_t* begin) {
+  const int64_t row_blocks = (rows + kv::kBlockM - 1) / kv::kBlockM;
+  const int64_t tiles = (vocab + kv::kBlockN - 1) / kv::kBlockN;
+  const int64_t max_splits =
+      std::min<int64_t>(tiles, std::min<int64_t>(kv::kMaxSplits,
+                                                 NumVocabSplits(vocab)));
+  int64_t best = 1;
+  double best_cost = std::numeric_limits<double>::infinity();
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t items = row_blocks * s;
+    const int64_t waves = (items + num_sms - 1) / num_sms;
+    const int64_t per_item = (tiles + s - 1) / s;
+    // 0.05 tile of fixed cost per item (pipeline turn-around, partial write).
+    const double cost = static_cast<double>(waves) * (per_item + 0.05);
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  for (int64_t s = 0; s <= best; ++s) {
+    const int64_t b = std::min<int64_t>(vocab, tiles * s / best * kv::kBlockN);
+    begin[s] = static_cast<int32_t>(s == best ? vocab : b);
+  }
+  return static_cast<int32_t>(best);
+}
+
+absl::Status EncodeTiled(PFN_cuTensorMapEncodeTiled_v12000 encode,
+                         CUtensorMap* map, const void* base, int64_t inner,
+                         int64_t outer, uint32_t box_outer) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner),
+                              static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kv::kBlockK), box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(
+      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
+      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(
+        absl::StrCat("linear_logp_cuda: cuTensorMapEncodeTiled failed: ",
+                     static_cast<int>(r)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+struct LinearLogpCuda::Impl {
+  CUtensorMap weight_map;  // CUtensorMap is 64-byte aligned by its type
+  PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  int num_sms = 0;
+  int32_t invariant_splits = 0;
+  int32_t invariant_begin[kv::kMaxSplits + 1] = {};
+};
+
+LinearLogpCuda::LinearLogpCuda(const Options& options,
+                               std::unique_ptr<Impl> impl)
+    : options_(options), impl_(std::move(impl)) {}
+
+LinearLogpCuda::~LinearLogpCuda() = default;
+
+const char* LinearLogpCuda::KernelVersion() { return kv::kVersion; }
+
+absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
+    const Options& options) {
+  const LinearLogpWeightsView& w = options.weights;
+  if (w.weight == nullptr) {
+    return absl::InvalidArgumentError("linear_logp_cuda: weight is null");
+  }
+  if (!Aligned(w.weight, 16)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: weight must be 16-byte aligned");
+  }
+  if (w.bias != nullptr && !Aligned(w.bias, 8)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: bias must be 8-byte aligned");
+  }
+  if (w.hidden_size < 64 || w.hidden_size > kMaxHidden ||
+      w.hidden_size % 64 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_logp_cuda: hidden_size must be a multiple of 64 in [64, ",
+        kMaxHidden, "], got ", w.hidden_size));
+  }
+  if (w.vocab_size < 1 || w.vocab_size > kMaxVocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_logp_cuda: vocab_size out of range: ", w.vocab_size));
+  }
+  if (w.padded_vocab_size < w.vocab_size || w.padded_vocab_size > kMaxVocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_logp_cuda: padded_vocab_size ", w.padded_vocab_size,
+        " must be in [vocab_size=", w.vocab_size, ", ", kMaxVocab, "]"));
+  }
+  if (options.split != SplitMode::kBatchInvariant &&
+      options.split != SplitMode::kThroughput) {
+    return absl::InvalidArgumentError("linear_logp_cuda: bad split mode");
+  }
+
+  DeviceGuard guard;
+  if (absl::Status s = guard.Enter(options.device); !s.ok()) return s;
+  cudaDeviceProp prop;
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options.device));
+  if (prop.major != 9 || prop.minor != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "linear_logp_cuda: kernel ", kv::kVersion,
+        " needs compute capability 9.0 (sm_90a), device has ", prop.major, ".",
+        prop.minor));
+  }
+  if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kv::kSmemBytes)) {
+    return absl::FailedPreconditionError(
+        "linear_logp_cuda: not enough shared memory per block");
+  }
+  cudaFuncAttributes attrs;
+  DETLOGP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attrs, kv::LinearLogpSplitKernel));
+  DETLOGP_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kv::LinearLogpSplitKernel,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kv::kSmemBytes));
+
+  auto impl = std::make_unique<Impl>();
+  impl->num_sms = prop.multiProcessorCount;
+
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query;
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
+      "cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &query));
+  if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return absl::FailedPreconditionError(
+        "linear_logp_cuda: cuTensorMapEncodeTiled not available");
+  }
+  impl->encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  if (absl::Status s =
+          EncodeTiled(impl->encode, &impl->weight_map, w.weight, w.hidden_size,
+                      w.padded_vocab_size, kv::kChunkRows);
+      !s.ok()) {
+    return s;
+  }
+
+  const int32_t splits = NumVocabSplits(w.vocab_size);
+  if (splits < 1 || splits > kv::kMaxSplits) {
+    return absl::InternalError("linear_logp_cuda: split policy out of range");
+  }
+  impl->invariant_splits = splits;
+  for (int32_t s = 0; s < splits; ++s) {
+    const VocabRange r = VocabSplitRange(w.vocab_size, s);
+    impl->invariant_begin[s] = static_cast<int32_t>(r.begin);
+    if (s + 1 == splits) impl->invariant_begin[s + 1] = static_cast<int32_t>(r.end);
+  }
+  return std::unique_ptr<LinearLogpCuda>(
+      new LinearLogpCuda(options, std::move(impl)));
+}
+
+int32_t LinearLogpCuda::NumSplits(int64_t rows) const {
+  if (options_.split == SplitMode::kBatchInvariant || rows <= 0) {
+    return impl_->invariant_splits;
+  }
+  int32_t begin[kv::kMaxSplits + 1];
+  return ThroughputSplits(rows, options_.weights.vocab_size, impl_->num_sms,
+                          begin);
+}
+
+size_t LinearLogpCuda::WorkspaceBytes(int64_t rows) const {
+  if (rows <= 0) return 0;
+  // Throughput splits never exceed the invariant count, so size for that.
+  return static_cast<size_t>(rows) *
+         static_cast<size_t>(impl_->invariant_splits) * sizeof(float);
+}
+
+absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
+                                    void* workspace,
+                                    cudaStream_t stream) const {
+  const LinearLogpWeightsView& w = options_.weights;
+  if (batch.rows < 0 || batch.rows > kMaxRows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_logp_cuda: rows must be in [0, ", kMaxRows, "], got ",
+        batch.rows));
+  }
+  if (batch.rows == 0) return absl::OkStatus();
+  if (batch.hidden == nullptr || batch.targets == nullptr ||
+      batch.temperatures == nullptr || batch.logprobs == nullptr ||
+      batch.lse == nullptr || workspace == nullptr) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: null batch pointer or workspace");
+  }
+  if (!Aligned(batch.hidden, 16)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: hidden must be 16-byte aligned");
+  }
+  if (!Aligned(workspace, 4) || !Aligned(batch.targets, 4) ||
+      !Aligned(batch.temperatures, 4) || !Aligned(batch.logprobs, 4) ||
+      !Aligned(batch.lse, 4)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: misaligned batch pointer or workspace");
+  }
+
+  DeviceGuard guard;
+  if (absl::Status s = guard.Enter(options_.device); !s.ok()) return s;
+
+  CUtensorMap hidden_map;
+  // Small batches load only the rows they have (rounded up to 8).
+  const int a_box_rows = static_cast<int>(
+      std::min<int64_t>(kv::kBlockM, (batch.rows + 7) / 8 * 8));
+  if (absl::Status s = EncodeTiled(impl_->encode, &hidden_map, batch.hidden,
+                                   w.hidden_size, batch.rows, a_box_rows);
+      !s.ok()) {
+    return s;
+  }
+
+  kv::KernelParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.bias = w.bias;
+  p.targets = batch.targets;
+  p.temperatures = batch.temperatures;
+  p.logprobs = batch.logprobs;
+  p.split_lse = static_cast<float*>(workspace);
+  p.rows = static_cast<int32_t>(batch.rows);
+  p.k_blocks = static_cast<int32_t>(w.hidden_size / kv::kBlockK);
+  if (options_.split == SplitMode::kBatchInvariant) {
+    p.num_splits = impl_->invariant_splits;
+    std::memcpy(p.split_begin, impl_->invariant_begin,
+                sizeof(int32_t) * (p.num_splits + 1));
+  } else {
+    p.num_splits = ThroughputSplits(batch.rows, w.vocab_size, impl_->num_sms,
+                                    p.split_begin);
+  }
+  p.num_row_blocks =
+      static_cast<int32_t>((batch.rows + kv::kBlockM - 1) / kv::kBlockM);
+  p.num_items = p.num_row_blocks * p.num_splits;
+  p.a_box_rows = a_box_rows;
+  const int grid = std::min(impl_->num_sms, p.num_items);
+
+  (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
+  kv::LinearLogpSplitKernel<<<grid, kv::kThreads, kv::kSmemBytes, stream>>>(
+      hidden_map, impl_->weight_map, p);
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  constexpr int kCombineThreads = 128;
+  const int combine_grid =
+      static_cast<int>((batch.rows + kCombineThreads - 1) / kCombineThreads);
+  kv::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(
+      p.split_lse, p.num_splits, p.rows, batch.logprobs, batch.lse);
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+}  // namespace detlogp::kernels::cuda

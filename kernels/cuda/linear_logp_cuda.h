@@ -1,0 +1,116 @@
+// Host API of the batch-invariant fused linear + log-softmax gather on CUDA
+// (Hopper, sm_90a).
+//
+// For each row r of a batch:
+//   z[v]   = (hidden[r] . weight[v] + bias[v]) / temperature[r],  v < V
+//   lse[r] = logsumexp_v z[v]
+//   logprob[r] = z[targets[r]] - lse[r]
+// with bf16 inputs, fp32 accumulation and fp32 outputs; the [N, V] logits are
+// never written to memory.
+//
+// Determinism: in SplitMode::kBatchInvariant a row's output bits depend only on
+// its hidden vector, target and temperature and on the weights; never on the
+// batch size, the row's position, its neighbours, the stream or timing. The
+// vocabulary is cut by kernels/split_policy.h (a function of V alone) and the
+// per-split partials are folded in ascending split order. KernelVersion()
+// changes whenever the bits a given input produces may change.
+//
+// Build: nvcc -gencode=arch=compute_90a,code=sm_90a; needs a device of compute
+// capability 9.0 (H100/H200) at run time. No libcuda link is needed (the
+// tensor-map encoder is fetched through cudaGetDriverEntryPointByVersion).
+#ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_CUDA_H_
+#define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_CUDA_H_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace detlogp::kernels::cuda {
+
+// Device pointers to the model's output head; they must outlive the
+// LinearLogpCuda built on them.
+struct LinearLogpWeightsView {
+  const __nv_bfloat16* weight = nullptr;  // [padded_vocab_size, hidden_size],
+                                          // row-major, 16-byte aligned
+  const float* bias = nullptr;            // [padded_vocab_size] or null,
+                                          // 8-byte aligned
+  int64_t hidden_size = 0;        // H: a multiple of 64, 64 <= H <= 65536
+  int64_t vocab_size = 0;         // V: real vocabulary, rows >= V never count
+  int64_t padded_vocab_size = 0;  // Vpad >= V: rows stored in `weight`
+};
+
+// Device pointers for one batch. Targets must be in [0, V) and temperatures
+// finite and > 0 (the server validates both on the host).
+struct LinearLogpBatchView {
+  const __nv_bfloat16* hidden = nullptr;  // [rows, hidden_size], 16-B aligned
+  const int32_t* targets = nullptr;       // [rows]
+  const float* temperatures = nullptr;    // [rows]
+  float* logprobs = nullptr;              // [rows] out
+  float* lse = nullptr;                   // [rows] out
+  int64_t rows = 0;
+};
+
+enum class SplitMode {
+  kBatchInvariant,  // the product: split_policy.h, bits independent of N
+  kThroughput,      // benchmarks only: splits tuned to N and the SM count;
+                    // results depend on N (NOT batch-invariant)
+};
+
+// One per device and set of weights. Thread-compatible: Launch is const and may
+// be called concurrently from several host threads on different streams, each
+// with its own workspace and outputs.
+class LinearLogpCuda {
+ public:
+  struct Options {
+    LinearLogpWeightsView weights;
+    int device = 0;
+    SplitMode split = SplitMode::kBatchInvariant;
+  };
+
+  // Validates the weights view and the device (compute capability 9.0 with
+  // the sm_90a kernel present); builds the weight tensor map.
+  static absl::StatusOr<std::unique_ptr<LinearLogpCuda>> Create(
+      const Options& options);
+
+  ~LinearLogpCuda();
+  LinearLogpCuda(const LinearLogpCuda&) = delete;
+  LinearLogpCuda& operator=(const LinearLogpCuda&) = delete;
+
+  // Device workspace a batch of `rows` needs: 4 bytes per row and split
+  // (528 bytes per row at V = 151936; at most 1 KiB per row). Needs 4-byte
+  // alignment.
+  size_t WorkspaceBytes(int64_t rows) const;
+
+  // Enqueues the computation on `stream` (on options.device). Validates the
+  // shapes and pointers, never synchronizes the host. `workspace` must hold
+  // WorkspaceBytes(rows) bytes and must not be used concurrently by another
+  // launch. rows == 0 is a no-op.
+  absl::Status Launch(const LinearLogpBatchView& batch, void* workspace,
+                      cudaStream_t stream) const;
+
+  // Number of vocabulary splits used for a batch of `rows` rows (a function of
+  // V alone in kBatchInvariant mode).
+  int32_t NumSplits(int64_t rows) const;
+
+  // Identifies the arithmetic: changes whenever bits may change.
+  static const char* KernelVersion();
+
+  const Options& options() const { return options_; }
+
+ private:
+  struct Impl;
+  LinearLogpCuda(const Options& options, std::unique_ptr<Impl> impl);
+
+  Options options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace detlogp::kernels::cuda
+
+#endif  // DETLOGP_KERNELS_CUDA_LINEAR_LOGP_CUDA_H_
