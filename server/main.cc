@@ -20,6 +20,10 @@ ABSL_FLAG(std::string, port_file, "",
 ABSL_FLAG(std::string, weights, "",
           "A .safetensors file with the lm_head; empty serves the embedded "
           "synthetic model.");
+ABSL_FLAG(int64_t, synthetic_hidden_size, 1024,
+          "H of the embedded synthetic model (no --weights).");
+ABSL_FLAG(int64_t, synthetic_vocab_size, 32000,
+          "V of the embedded synthetic model (no --weights).");
 ABSL_FLAG(std::string, lm_head_tensor, "lm_head.weight",
           "Name of the [V, H] weight tensor in --weights.");
 ABSL_FLAG(std::string, bias_tensor, "",
@@ -55,7 +59,13 @@ absl::StatusOr<LmHeadWeights> LoadWeights() {
   if (path.empty()) {
     spdlog::info("no --weights given: serving the EMBEDDED SYNTHETIC model "
                  "(fixed seed), not a real lm_head");
-    return detlogp::server::SyntheticLmHead({});
+    detlogp::server::SyntheticLmHeadOptions synthetic;
+    synthetic.hidden_size = absl::GetFlag(FLAGS_synthetic_hidden_size);
+    synthetic.vocab_size = absl::GetFlag(FLAGS_synthetic_vocab_size);
+    if (synthetic.hidden_size <= 0 || synthetic.vocab_size <= 0) {
+      return absl::InvalidArgumentError("synthetic model sizes must be > 0");
+    }
+    return detlogp::server::SyntheticLmHead(synthetic);
   }
   detlogp::server::LmHeadSource source;
   source.path = path;

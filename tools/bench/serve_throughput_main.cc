@@ -1,0 +1,170 @@
+// End-to-end serving benchmark: C callers, each with one call in flight,
+// spread over K connections, send N-row bf16 requests for a fixed time and
+// report rows/s, GB/s of hidden states and latency percentiles (JSON + table).
+//
+//   bazel run //tools/bench:serve_throughput -- --target=127.0.0.1:50051 \
+//       --callers=64 --channels=8 --rows=256 --seconds=10
+#include <grpcpp/client_context.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "client/logp_client.h"
+#include "client/random_rows.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
+ABSL_FLAG(int, callers, 64, "Concurrent callers, one call in flight each.");
+ABSL_FLAG(int, channels, 8, "Distinct connections.");
+ABSL_FLAG(int, rows, 256, "Rows per request.");
+ABSL_FLAG(double, seconds, 10, "Measured duration.");
+ABSL_FLAG(double, warmup_seconds, 2, "Unmeasured warm-up.");
+ABSL_FLAG(int, payloads, 8, "Distinct request payloads, reused round-robin.");
+
+namespace {
+
+using detlogp::client::LogpClient;
+using detlogp::v1::LogProbRequest;
+using detlogp::v1::LogProbResponse;
+
+struct Shared {
+  std::vector<std::unique_ptr<LogpClient>> clients;
+  std::vector<LogProbRequest> payloads;
+  absl::Time measure_from;
+  absl::Time stop_at;
+  std::string expected_key;
+  absl::Mutex mu;
+  std::vector<double> latencies_ms ABSL_GUARDED_BY(mu);
+  std::atomic<int64_t> rows_done{0};
+  std::atomic<int64_t> calls_done{0};
+  std::atomic<int64_t> errors{0};
+  std::atomic<int64_t> bad_answers{0};
+  std::atomic<int> callers_left{0};
+  absl::Notification all_done;
+};
+
+// One caller: issues the next call from the previous one's callback.
+class Caller {
+ public:
+  Caller(Shared* shared, int index) : shared_(shared), index_(index) {}
+
+  void Start() { Issue(); }
+
+ private:
+  void Issue() {
+    if (absl::Now() >= shared_->stop_at) {
+      if (--shared_->callers_left == 0) shared_->all_done.Notify();
+      return;
+    }
+    context_ = std::make_unique<grpc::ClientContext>();
+    response_.Clear();
+    const LogProbRequest& request =
+        shared_->payloads[(index_ + calls_) % shared_->payloads.size()];
+    started_ = absl::Now();
+    LogpClient& client = *shared_->clients[index_ % shared_->clients.size()];
+    client.stub()->async()->ComputeLogProbs(
+        context_.get(), &request, &response_,
+        [this, &request](grpc::Status status) { Done(status, request); });
+  }
+
+  void Done(const grpc::Status& status, const LogProbRequest& request) {
+    const absl::Time now = absl::Now();
+    ++calls_;
+    if (started_ >= shared_->measure_from && now <= shared_->stop_at) {
+      if (!status.ok()) {
+        ++shared_->errors;
+      } else if (response_.logprobs_size() != request.target_ids_size() ||
+                 response_.determinism_key() != shared_->expected_key) {
+        ++shared_->bad_answers;
+      } else {
+        shared_->rows_done += response_.logprobs_size();
+        ++shared_->calls_done;
+        absl::MutexLock lock(&shared_->mu);
+        shared_->latencies_ms.push_back(absl::ToDoubleMilliseconds(now - started_));
+      }
+    }
+    Issue();
+  }
+
+  Shared* shared_;
+  const int index_;
+  int64_t calls_ = 0;
+  absl::Time started_;
+  std::unique_ptr<grpc::ClientContext> context_;
+  LogProbResponse response_;
+};
+
+double Percentile(std::vector<double>& values, double p) {
+  if (values.empty()) return 0;
+  const size_t k = std::min(values.size() - 1,
+                            static_cast<size_t>(p / 100.0 * values.size()));
+  std::nth_element(values.begin(), values.begin() + k, values.end());
+  return values[k];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  Shared shared;
+  for (int c = 0; c < absl::GetFlag(FLAGS_channels); ++c) {
+    LogpClient::Options options;
+    options.target = absl::GetFlag(FLAGS_target);
+    options.own_connection = true;
+    shared.clients.push_back(*LogpClient::Create(options));
+  }
+  auto info = shared.clients[0]->GetModelInfo();
+  if (!info.ok()) {
+    std::fprintf(stderr, "GetModelInfo: %s\n", info.status().ToString().c_str());
+    return 1;
+  }
+  shared.expected_key = info->determinism_key();
+  const int rows = absl::GetFlag(FLAGS_rows);
+  for (int p = 0; p < absl::GetFlag(FLAGS_payloads); ++p) {
+    shared.payloads.push_back(detlogp::client::MakeLogProbRequest(
+        absl::StrCat("bench-", p), detlogp::v1::DTYPE_BFLOAT16, rows,
+        info->hidden_size(),
+        detlogp::client::RandomBf16Rows(rows, info->hidden_size(), 1000 + p),
+        detlogp::client::RandomTargets(rows, info->vocab_size(), 2000 + p), 1.0f,
+        false));
+  }
+  const int callers = absl::GetFlag(FLAGS_callers);
+  shared.callers_left = callers;
+  shared.measure_from = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds));
+  shared.stop_at = shared.measure_from + absl::Seconds(absl::GetFlag(FLAGS_seconds));
+  std::vector<std::unique_ptr<Caller>> all;
+  for (int c = 0; c < callers; ++c) all.push_back(std::make_unique<Caller>(&shared, c));
+  for (auto& caller : all) caller->Start();
+  shared.all_done.WaitForNotification();
+
+  const double seconds = absl::GetFlag(FLAGS_seconds);
+  absl::MutexLock lock(&shared.mu);
+  std::vector<double>& lat = shared.latencies_ms;
+  const double rows_per_s = shared.rows_done / seconds;
+  const double gbytes_per_s = rows_per_s * info->hidden_size() * 2 / 1e9;
+  const double p50 = Percentile(lat, 50), p90 = Percentile(lat, 90),
+               p99 = Percentile(lat, 99),
+               max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
+  std::printf(
+      "{\"rows_per_request\": %d, \"callers\": %d, \"channels\": %d, "
+      "\"seconds\": %.1f, \"calls\": %lld, \"rows_per_s\": %.0f, "
+      "\"hidden_gb_per_s\": %.3f, \"p50_ms\": %.3f, \"p90_ms\": %.3f, "
+      "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"errors\": %lld, \"bad_answers\": %lld}\n",
+      rows, callers, absl::GetFlag(FLAGS_channels), seconds,
+      static_cast<long long>(shared.calls_done.load()), rows_per_s, gbytes_per_s,
+      p50, p90, p99, max, static_cast<long long>(shared.errors.load()),
+      static_cast<long long>(shared.bad_answers.load()));
+  std::printf("%-8s %-8s %-12s %-10s %-9s %-9s %-9s %-9s\n", "rows/req", "callers",
+              "rows/s", "GB/s", "p50 ms", "p90 ms", "p99 ms", "max ms");
+  std::printf("%-8d %-8d %-12.0f %-10.3f %-9.3f %-9.3f %-9.3f %-9.3f\n", rows,
+              callers, rows_per_s, gbytes_per_s, p50, p90, p99, max);
+  return shared.errors.load() == 0 && shared.bad_answers.load() == 0 ? 0 : 1;
+}
