@@ -4,6 +4,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -58,6 +59,8 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   client->channel_ = grpc::CreateCustomChannel(
       options.target, grpc::InsecureChannelCredentials(), args);
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
+  client->projection_stub_ =
+      detlogp::v1::ProjectionService::NewStub(client->channel_);
   return client;
 }
 
@@ -105,6 +108,60 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
                                             " requests"));
   }
   return results;
+}
+
+absl::StatusOr<LogpClient::ProjectResult> LogpClient::Project(
+    const std::vector<float>& x, int64_t rows, int64_t rows_per_chunk,
+    bool keep_output,
+    const std::function<void(const detlogp::v1::ProjectResponse&)>& on_chunk) {
+  constexpr int64_t kIn = 96, kOut = 5376;
+  if (static_cast<int64_t>(x.size()) != rows * kIn) {
+    return absl::InvalidArgumentError("x must hold rows * 96 floats");
+  }
+  detlogp::v1::ProjectRequest request;
+  request.set_request_id("project");
+  request.set_rows_per_chunk(rows_per_chunk);
+  detlogp::v1::Tensor* tensor = request.mutable_x();
+  tensor->set_dtype(detlogp::v1::DTYPE_FLOAT32);
+  tensor->add_shape(rows);
+  tensor->add_shape(kIn);
+  tensor->set_data(reinterpret_cast<const char*>(x.data()), x.size() * sizeof(float));
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  auto reader = projection_stub_->Project(&context, request);
+  ProjectResult result;
+  if (keep_output) result.y.resize(rows * kOut);
+  int64_t next_row = 0;
+  detlogp::v1::ProjectResponse chunk;
+  absl::Status problem;
+  while (reader->Read(&chunk)) {
+    const int64_t chunk_rows = chunk.y().shape_size() == 2 ? chunk.y().shape(0) : -1;
+    if (chunk.row_offset() != next_row || chunk_rows <= 0 ||
+        next_row + chunk_rows > rows ||
+        static_cast<int64_t>(chunk.y().data().size()) != chunk_rows * kOut * 4) {
+      problem = absl::DataLossError(absl::StrCat(
+          "projection chunk at row ", chunk.row_offset(), " does not follow row ",
+          next_row, " or has a bad shape"));
+      context.TryCancel();
+      break;
+    }
+    if (result.determinism_key.empty()) result.determinism_key = chunk.determinism_key();
+    if (keep_output) {
+      std::memcpy(result.y.data() + next_row * kOut, chunk.y().data().data(),
+                  chunk.y().data().size());
+    }
+    if (on_chunk) on_chunk(chunk);
+    next_row += chunk_rows;
+    ++result.chunks;
+  }
+  const grpc::Status status = reader->Finish();
+  if (!problem.ok()) return problem;
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (next_row != rows) {
+    return absl::DataLossError(absl::StrCat("projection stream ended at row ",
+                                            next_row, " of ", rows));
+  }
+  return result;
 }
 
 }  // namespace detlogp::client

@@ -8,6 +8,7 @@
 #ifndef DETLOGP_CLIENT_LOGP_CLIENT_H_
 #define DETLOGP_CLIENT_LOGP_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,7 +40,7 @@ class LogpClient {
     std::string target = "127.0.0.1:50051";
     // Per-call deadline.
     absl::Duration timeout = absl::Seconds(60);
-    int max_message_bytes = 80 << 20;
+    int max_message_bytes = 256 << 20;
     // Distinct channels are distinct TCP connections (local subchannel pool).
     bool own_connection = false;
   };
@@ -53,7 +54,23 @@ class LogpClient {
   absl::StatusOr<std::vector<ScoreResult>> ScoreStream(
       const std::vector<detlogp::v1::LogProbRequest>& requests);
 
+  // Streams the H3 projection of x ([rows, 96] fp32) and reassembles Y
+  // ([rows, 5376]) in row order, checking offsets and shapes. `on_chunk`, if
+  // set, sees each chunk as it arrives (e.g. to consume without holding all).
+  struct ProjectResult {
+    std::vector<float> y;  // empty when keep_output is false
+    std::string determinism_key;
+    int64_t chunks = 0;
+  };
+  absl::StatusOr<ProjectResult> Project(
+      const std::vector<float>& x, int64_t rows, int64_t rows_per_chunk = 0,
+      bool keep_output = true,
+      const std::function<void(const detlogp::v1::ProjectResponse&)>& on_chunk = {});
+
   detlogp::v1::LogProbService::Stub* stub() { return stub_.get(); }
+  detlogp::v1::ProjectionService::Stub* projection_stub() {
+    return projection_stub_.get();
+  }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
   const Options& options() const { return options_; }
 
@@ -63,6 +80,7 @@ class LogpClient {
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
+  std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
 };
 
 // gRPC status to absl::Status, with the same code and message.

@@ -9,12 +9,12 @@
 #define DETLOGP_SERVER_BACKEND_H_
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/backend_registry.h"
 #include "server/lm_head_weights.h"
 
 namespace detlogp::server {
@@ -66,28 +66,10 @@ struct BackendOptions {
   int cpu_threads = 0;  // 0: one per hardware thread
 };
 
-// Backends by name, tried in registration order for --device=auto.
-class BackendRegistry {
- public:
-  using Factory = std::function<absl::StatusOr<std::unique_ptr<LogpBackend>>(
-      const BackendOptions&)>;
-
-  void Register(std::string name, Factory factory);
-  std::vector<std::string> names() const;
-
-  // `device` is "auto", "cpu" or "<name>:<index>" (e.g. "cuda:0"). For
-  // "auto", the first backend that starts wins; the reasons the others gave
-  // are appended to `notes`.
-  absl::StatusOr<std::unique_ptr<LogpBackend>> Create(
-      const std::string& device, BackendOptions options,
-      std::vector<std::string>* notes) const;
-
- private:
-  std::vector<std::pair<std::string, Factory>> factories_;
-};
+using LogpBackendRegistry = BackendRegistry<LogpBackend, BackendOptions>;
 
 // Adds the backends this binary was built with (CUDA first when present).
-void RegisterBuiltinBackends(BackendRegistry* registry);
+void RegisterBuiltinBackends(LogpBackendRegistry* registry);
 
 }  // namespace detlogp::server
 

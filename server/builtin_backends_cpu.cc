@@ -1,11 +1,17 @@
 // Backends of a build without CUDA (--config=nocuda).
 #include "server/backend.h"
 #include "server/cpu_backend.h"
+#include "server/projection_backend.h"
 
 namespace detlogp::server {
 
-void RegisterBuiltinBackends(BackendRegistry* registry) {
+void RegisterBuiltinBackends(LogpBackendRegistry* registry) {
   registry->Register("cpu", CreateCpuBackend);
+}
+
+
+void RegisterBuiltinBackends(ProjectionBackendRegistry* registry) {
+  registry->Register("cpu", CreateCpuProjectionBackend);
 }
 
 }  // namespace detlogp::server

@@ -2,13 +2,20 @@
 // sm_90 GPU is present), then the CPU.
 #include "server/backend.h"
 #include "server/cpu_backend.h"
+#include "server/projection_backend.h"
 #include "server/cuda_backend.h"
 
 namespace detlogp::server {
 
-void RegisterBuiltinBackends(BackendRegistry* registry) {
+void RegisterBuiltinBackends(LogpBackendRegistry* registry) {
   registry->Register("cuda", CreateCudaBackend);
   registry->Register("cpu", CreateCpuBackend);
+}
+
+
+void RegisterBuiltinBackends(ProjectionBackendRegistry* registry) {
+  registry->Register("cuda", CreateCudaProjectionBackend);
+  registry->Register("cpu", CreateCpuProjectionBackend);
 }
 
 }  // namespace detlogp::server

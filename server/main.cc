@@ -39,8 +39,18 @@ ABSL_FLAG(int64_t, max_queue_rows, 65536,
           "Rows waiting at most; beyond it calls get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_request_rows, 65536,
           "Rows one request may carry; larger ones get INVALID_ARGUMENT.");
-ABSL_FLAG(int, max_message_mb, 80,
-          "Largest gRPC message, MiB (default fits 8192 x 4096 bf16 rows).");
+ABSL_FLAG(int, max_message_mb, 160,
+          "Largest gRPC message, MiB (default fits 8192 x 4096 bf16 rows and "
+          "a 364,608-row H3 video input).");
+ABSL_FLAG(std::string, projection_weights, "",
+          "A .safetensors file with the H3 video input projection; empty "
+          "serves seeded synthetic weights.");
+ABSL_FLAG(std::string, projection_weight_tensor, "proj.weight",
+          "Name of the [5376, 96] F32 weight in --projection_weights.");
+ABSL_FLAG(std::string, projection_bias_tensor, "proj.bias",
+          "Name of the optional [5376] F32 bias in --projection_weights.");
+ABSL_FLAG(int64_t, projection_max_launch_rows, 2048,
+          "Projection rows per launch (also the largest rows_per_chunk).");
 ABSL_FLAG(int, batch_threads, 0,
           "Batches in flight at once; 0: the backend's preference.");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads; 0: all cores.");
@@ -75,6 +85,20 @@ absl::StatusOr<LmHeadWeights> LoadWeights() {
   return detlogp::server::LoadLmHead(source);
 }
 
+absl::StatusOr<detlogp::server::ProjectionWeights> LoadProjection() {
+  const std::string path = absl::GetFlag(FLAGS_projection_weights);
+  if (path.empty()) {
+    spdlog::info("no --projection_weights given: the H3 projection serves "
+                 "seeded SYNTHETIC weights");
+    return detlogp::server::SyntheticProjectionWeights();
+  }
+  detlogp::server::ProjectionSource source;
+  source.path = path;
+  source.weight_tensor = absl::GetFlag(FLAGS_projection_weight_tensor);
+  source.bias_tensor = absl::GetFlag(FLAGS_projection_bias_tensor);
+  return detlogp::server::LoadProjectionWeights(source);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -100,6 +124,13 @@ int main(int argc, char** argv) {
                weights->padded_vocab_size, !weights->bias.empty(),
                weights->sha256);
 
+  auto projection = LoadProjection();
+  if (!projection.ok()) {
+    spdlog::error("cannot load projection weights: {}",
+                  projection.status().ToString());
+    return 2;
+  }
+
   detlogp::server::Server::Options options;
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
@@ -113,9 +144,12 @@ int main(int argc, char** argv) {
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.projection_max_launch_rows =
+      absl::GetFlag(FLAGS_projection_max_launch_rows);
 
   auto server =
-      detlogp::server::Server::BuildAndStart(options, *std::move(weights));
+      detlogp::server::Server::BuildAndStart(options, *std::move(weights),
+                                             *std::move(projection));
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().ToString());
     return 1;

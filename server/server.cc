@@ -15,6 +15,7 @@ namespace detlogp::server {
 namespace {
 
 constexpr char kLogProbServiceName[] = "detlogp.v1.LogProbService";
+constexpr char kProjectionServiceName[] = "detlogp.v1.ProjectionService";
 
 detlogp::v1::ModelInfo DescribeModel(const LmHeadWeights& weights,
                                      const BackendDescription& backend) {
@@ -55,17 +56,50 @@ absl::Status WarmUp(DynamicBatcher* batcher, const LmHeadWeights& weights) {
   return result;
 }
 
+// The projection's key names its arithmetic, not its backend: CPU and CUDA
+// compute the same fixed fma chain and give identical bits (tested on the
+// GPU), so they share a key.
+std::string ProjectionDeterminismKey(const ProjectionWeights& weights) {
+  return DeterminismKey({weights.sha256, "h3-projection", "ieee-fp32-fma",
+                         "fma-chain-k-ascending-then-bias/v1", "rows-independent"});
+}
+
+absl::Status StartProjection(const Server::Options& options,
+                             ProjectionBackend** backend_out,
+                             const ProjectionWeights* weights,
+                             std::unique_ptr<ProjectionBackend>* backend,
+                             std::unique_ptr<ProjectionScheduler>* scheduler) {
+  ProjectionBackendRegistry registry;
+  RegisterBuiltinBackends(&registry);
+  ProjectionBackendOptions backend_options;
+  backend_options.weights = weights;
+  backend_options.cpu_threads = options.cpu_threads;
+  std::vector<std::string> notes;
+  auto created = registry.Create(options.device, backend_options, &notes);
+  if (!created.ok()) return created.status();
+  *backend = *std::move(created);
+  *backend_out = backend->get();
+  ProjectionScheduler::Options scheduler_options;
+  scheduler_options.max_launch_rows = options.projection_max_launch_rows;
+  scheduler_options.num_threads = (*backend)->description().preferred_inflight_batches;
+  auto made = ProjectionScheduler::Create(scheduler_options, backend->get());
+  if (!made.ok()) return made.status();
+  *scheduler = *std::move(made);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
-    const Options& options, LmHeadWeights weights) {
+    const Options& options, LmHeadWeights weights,
+    ProjectionWeights projection_weights) {
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;
   server->weights_ = std::make_unique<LmHeadWeights>(std::move(weights));
   server->metrics_ = std::make_unique<ServerMetrics>();
   ServerMetrics* metrics = server->metrics_.get();
 
-  BackendRegistry registry;
+  LogpBackendRegistry registry;
   RegisterBuiltinBackends(&registry);
   BackendOptions backend_options;
   backend_options.weights = server->weights_.get();
@@ -107,6 +141,30 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   server->logprob_service_ = std::make_unique<LogProbServiceImpl>(
       service_options, server->info_, server->batcher_.get());
 
+  server->projection_weights_ =
+      std::make_unique<ProjectionWeights>(std::move(projection_weights));
+  ProjectionBackend* projection_backend = nullptr;
+  if (absl::Status s = StartProjection(options, &projection_backend,
+                                       server->projection_weights_.get(),
+                                       &server->projection_backend_,
+                                       &server->projection_scheduler_);
+      !s.ok()) {
+    return s;
+  }
+  ProjectionServiceImpl::Options projection_options;
+  projection_options.default_rows_per_chunk =
+      options.projection_default_rows_per_chunk;
+  projection_options.determinism_key =
+      ProjectionDeterminismKey(*server->projection_weights_);
+  projection_options.on_call_done = service_options.on_call_done;
+  server->projection_service_ = std::make_unique<ProjectionServiceImpl>(
+      projection_options, server->projection_scheduler_.get());
+  spdlog::info("projection: {} on {} (kernel {}, key {})",
+               server->projection_weights_->description,
+               projection_backend->description().device,
+               projection_backend->description().kernel_version,
+               projection_options.determinism_key);
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -119,6 +177,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(server->logprob_service_.get());
+  builder.RegisterService(server->projection_service_.get());
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(
@@ -147,6 +206,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   }
   health->SetServingStatus(true);
   health->SetServingStatus(kLogProbServiceName, true);
+  health->SetServingStatus(kProjectionServiceName, true);
   spdlog::info("serving {} on {}:{} (determinism key {})",
                server->weights_->description, options.host, server->port_,
                server->info_.determinism_key());
@@ -177,6 +237,7 @@ void Server::Shutdown() {
     // running, until the grace period ends.
     grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.shutdown_grace));
   }
+  if (projection_scheduler_ != nullptr) projection_scheduler_->Stop();
   if (batcher_ == nullptr) return;
   batcher_->Stop();
   metrics_http_.reset();

@@ -1,6 +1,6 @@
-// The detlogp server: weights, a backend chosen by name, the dynamic batcher
-// and the gRPC services (LogProbService, health, reflection), started and
-// stopped as one unit.
+// The detlogp server: weights, backends chosen by name, the dynamic batcher,
+// the projection scheduler and the gRPC services (LogProbService,
+// ProjectionService, health, reflection), started and stopped as one unit.
 //
 // Start-up: the backend is created (--device), a warm-up batch runs through
 // the batcher, and only then does health report SERVING. Shutdown: health
@@ -23,6 +23,10 @@
 #include "server/logprob_service.h"
 #include "server/metrics.h"
 #include "server/metrics_http_server.h"
+#include "server/projection_backend.h"
+#include "server/projection_scheduler.h"
+#include "server/projection_service.h"
+#include "server/projection_weights.h"
 
 namespace detlogp::server {
 
@@ -31,8 +35,9 @@ class Server {
   struct Options {
     std::string host = "127.0.0.1";
     int port = 50051;  // 0 picks a free port; see port()
-    // Largest message either way; the default fits 8192 x 4096 bf16 rows.
-    int max_message_bytes = 80 << 20;
+    // Largest message either way; the default fits 8192 x 4096 bf16 rows
+    // and a 364,608-row H3 video input (140 MB).
+    int max_message_bytes = 160 << 20;
     int64_t max_request_rows = 65536;
     int max_stream_inflight_requests = 64;
     // "auto", "cpu" or "cuda:N".
@@ -44,10 +49,14 @@ class Server {
     absl::Duration shutdown_grace = absl::Seconds(30);
     // Prometheus endpoint on `host`: -1 off, 0 a free port, else that port.
     int metrics_port = -1;
+    // Projection rows per launch; also the largest rows_per_chunk.
+    int64_t projection_max_launch_rows = 2048;
+    int64_t projection_default_rows_per_chunk = 512;
   };
 
   static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
-      const Options& options, LmHeadWeights weights);
+      const Options& options, LmHeadWeights weights,
+      ProjectionWeights projection_weights);
 
   ~Server();
   Server(const Server&) = delete;
@@ -77,6 +86,10 @@ class Server {
   std::unique_ptr<LogpBackend> backend_;
   std::unique_ptr<DynamicBatcher> batcher_;
   std::unique_ptr<LogProbServiceImpl> logprob_service_;
+  std::unique_ptr<ProjectionWeights> projection_weights_;
+  std::unique_ptr<ProjectionBackend> projection_backend_;
+  std::unique_ptr<ProjectionScheduler> projection_scheduler_;
+  std::unique_ptr<ProjectionServiceImpl> projection_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
   detlogp::v1::ModelInfo info_;

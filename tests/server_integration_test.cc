@@ -205,13 +205,13 @@ TEST_F(ServerIntegrationTest, BadRequestInStreamEndsItAfterEarlierAnswers) {
 
 TEST_F(ServerIntegrationTest, OversizedMessageIsRefused) {
   auto client = Connect();
-  // 48k rows x 1024 x 2 bytes = 96 MiB > the 80 MiB default limit.
+  // 90k rows x 1024 x 2 bytes = 180 MiB > the 160 MiB default limit.
   LogProbRequest request = MakeLogProbRequest(
-      "big", v1::DTYPE_BFLOAT16, 48 * 1024, 1024, std::string(96u << 20, '\x01'),
-      std::vector<int64_t>(48 * 1024, 1), 1.0f, false);
+      "big", v1::DTYPE_BFLOAT16, 90 * 1024, 1024, std::string(180u << 20, '\x01'),
+      std::vector<int64_t>(90 * 1024, 1), 1.0f, false);
   LogpClient::Options options;
   options.target = server_->target();
-  options.max_message_bytes = 128 << 20;
+  options.max_message_bytes = 256 << 20;
   auto big_client = *LogpClient::Create(options);
   auto result = big_client->Score(request);
   ASSERT_FALSE(result.ok());

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -355,6 +356,27 @@ TEST_F(FullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
   ExpectAccurate(*weights_, *batch, full, 0, {0, 1, 2, 129, 4095});
 }
 
+// 33 row blocks: clustered, with an idle CTA in the last pair; compared to
+// unclustered 257-row chunks and to single rows.
+TEST_F(FullVocabTest, OddRowBlockCountWithClustersMatchesChunks) {
+  auto k = MakeKernel(*weights_);
+  ASSERT_NE(k, nullptr);
+  const int64_t N = 33 * 128 - 5;
+  auto batch = MakeBatch(N, 4096, weights_->V);
+  const Result full = RunRows(*k, *batch, 0, N);
+  for (int64_t start = 0; start < N; start += 257) {
+    const int64_t count = std::min<int64_t>(257, N - start);
+    const Result part = RunRows(*k, *batch, start, count);
+    for (int64_t i = 0; i < count; ++i) {
+      ExpectRowBits(part, i, full, start + i, "257-chunk vs 33 blocks");
+    }
+  }
+  for (int64_t r : {int64_t{0}, int64_t{4095}, int64_t{4096}, N - 1}) {
+    const Result alone = RunRows(*k, *batch, r, 1);
+    ExpectRowBits(alone, 0, full, r, "alone vs 33 blocks");
+  }
+}
+
 TEST_F(FullVocabTest, TwoStreamsAndRepeatedRunsAgree) {
   auto k = MakeKernel(*weights_);
   ASSERT_NE(k, nullptr);
@@ -389,6 +411,32 @@ TEST_F(FullVocabTest, TwoStreamsAndRepeatedRunsAgree) {
   CUDA_OK(cudaStreamDestroy(s2));
 }
 
+TEST_F(FullVocabTest, ConcurrentLaunchesFromSeveralHostThreads) {
+  auto k = MakeKernel(*weights_);
+  ASSERT_NE(k, nullptr);
+  EXPECT_EQ(k->NumSplits(1), k->NumSplits(4096));  // a function of V alone
+  EXPECT_LE(k->WorkspaceBytes(1000), size_t{1000} * 1024);
+  const int64_t N = 333;
+  auto batch = MakeBatch(N, 4096, weights_->V);
+  const Result ref = RunRows(*k, *batch, 0, N);
+  constexpr int kThreads = 4;
+  std::vector<Result> got(kThreads);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < kThreads; ++t) {
+    pool.emplace_back([&, t] {
+      cudaStream_t s;
+      CUDA_CHECK_THROW(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      for (int rep = 0; rep < 3; ++rep) got[t] = RunRows(*k, *batch, 0, N, s);
+      CUDA_CHECK_THROW(cudaStreamDestroy(s));
+    });
+  }
+  for (auto& th : pool) th.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(std::memcmp(got[t].logprobs.data(), ref.logprobs.data(), N * 4), 0);
+    EXPECT_EQ(std::memcmp(got[t].lse.data(), ref.lse.data(), N * 4), 0);
+  }
+}
+
 TEST_F(FullVocabTest, ThroughputSplitIsAccurate) {
   auto k = MakeKernel(*weights_, SplitMode::kThroughput);
   ASSERT_NE(k, nullptr);
@@ -419,6 +467,10 @@ TEST_P(ShapeTest, AccurateAndBatchInvariant) {
   }
   const Result tail = RunRows(*k, *batch, 200, 100);
   for (int64_t i = 0; i < 100; ++i) ExpectRowBits(tail, i, full, 200 + i, "tail");
+  // 256 rows = 2 row blocks: the 2-CTA cluster (multicast) variant, against
+  // the 300-row batch (3 blocks: unclustered).
+  const Result pair = RunRows(*k, *batch, 17, 256);
+  for (int64_t i = 0; i < 256; ++i) ExpectRowBits(pair, i, full, 17 + i, "pair");
   // Reference rows: all for small problems, a sample for large ones.
   std::vector<int64_t> rows;
   const int64_t work = c.V * c.H;
@@ -440,7 +492,13 @@ INSTANTIATE_TEST_SUITE_P(
                       ShapeCase{4097, 4160, 2112, true, false},
                       ShapeCase{8191, 8256, 8192, true, false},
                       ShapeCase{151936, 151936, 64, true, false},
-                      ShapeCase{151936, 152064, 1024, false, true}));
+                      ShapeCase{151936, 152064, 1024, false, true}),
+    [](const ::testing::TestParamInfo<ShapeCase>& info) {
+      const ShapeCase& c = info.param;
+      return "V" + std::to_string(c.V) + "_Vpad" + std::to_string(c.Vpad) +
+             "_H" + std::to_string(c.H) + (c.bias ? "_bias" : "_nobias") +
+             (c.unit_temperature ? "_T1" : "_Trand");
+    });
 
 TEST(LinearLogpCudaValidation, RejectsInvalidSizes) {
   DevBuf<__nv_bfloat16> w(256 * 128);

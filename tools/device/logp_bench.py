@@ -16,6 +16,7 @@ import argparse
 import ctypes
 import json
 import statistics
+import subprocess
 import sys
 
 import torch
@@ -36,6 +37,18 @@ def median_ms(fn, reps, warmup=3):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times), min(times), max(times)
+
+
+def gpu_state():
+    """SM clock and power right after a measurement (throttling shows here)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+             "--format=csv,noheader"], capture_output=True, text=True,
+            timeout=10).stdout.strip()
+        return out
+    except Exception as e:  # noqa: BLE001 - informational only
+        return f"n/a ({e})"
 
 
 def median_ms_interleaved(fns, reps, warmup=3):
@@ -186,8 +199,9 @@ def main():
             rec[f"{k}_ms"] = ms
             rec[f"{k}_spread"] = (lo, hi)
         del runs
+        rec["gpu_state"] = gpu_state()
         rows_out.append(rec)
-        msg = f"N={n}: ours {rec['invariant_ms']:.4f} ms"
+        msg = f"N={n}: ours {rec['invariant_ms']:.4f} ms [{rec['gpu_state']}]"
         if "torch_ms" in rec:
             msg += f", torch {rec['torch_ms']:.4f} ms"
         print(msg, flush=True)

@@ -93,17 +93,24 @@ int main(int argc, char** argv) {
       "1,128,1024,4096,13104,37296,72576,102816,108576,364608";
   std::string json_path;
   int reps = 25;
+  bool all_variants = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--rows=", 0) == 0) rows_arg = a.substr(7);
     if (a.rfind("--reps=", 0) == 0) reps = std::max(20, std::atoi(a.c_str() + 7));
     if (a.rfind("--json=", 0) == 0) json_path = a.substr(7);
+    if (a == "--all-variants") all_variants = true;
   }
   const std::vector<int64_t> rows_list = ParseRows(rows_arg);
   const int64_t max_rows = *std::max_element(rows_list.begin(), rows_list.end());
   const int64_t K = kProjectionInDim, N = kProjectionOutDim;
 
-  float *w, *b, *x, *y, *dy, *dx;
+  float *w, *b, *x, *y, *dy, *dx, *dw, *db;
+  void* ws;
+  const int64_t ws_bytes = ProjectionCuda::WeightGradWorkspaceBytes(max_rows, 0);
+  CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
+  CHECK_CUDA(cudaMalloc(&dw, sizeof(float) * N * K));
+  CHECK_CUDA(cudaMalloc(&db, sizeof(float) * N));
   CHECK_CUDA(cudaMalloc(&w, sizeof(float) * N * K));
   CHECK_CUDA(cudaMalloc(&b, sizeof(float) * N));
   CHECK_CUDA(cudaMalloc(&x, sizeof(float) * max_rows * K));
@@ -118,8 +125,16 @@ int main(int argc, char** argv) {
     std::unique_ptr<ProjectionCuda> proj;
   };
   std::vector<Op> ops;
-  for (auto v : {ProjectionCuda::ForwardVariant::kSingleStage,
-                 ProjectionCuda::ForwardVariant::kDoubleBuffered}) {
+  // --all-variants also times the variants kDefault never picks.
+  std::vector<ProjectionCuda::ForwardVariant> variants = {
+      ProjectionCuda::ForwardVariant::kDefault,
+      ProjectionCuda::ForwardVariant::kSingleStage,
+      ProjectionCuda::ForwardVariant::kWide};
+  if (all_variants) {
+    variants.push_back(ProjectionCuda::ForwardVariant::kDoubleBuffered);
+    variants.push_back(ProjectionCuda::ForwardVariant::kSplitLoad);
+  }
+  for (auto v : variants) {
     ProjectionCuda::Options o;
     o.weight = w;
     o.bias = b;
@@ -129,10 +144,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "Create: %s\n", p.status().ToString().c_str());
       return 1;
     }
-    ops.push_back({std::string("fwd:") + (*p)->VariantName(), std::move(*p)});
+    ops.push_back({v == ProjectionCuda::ForwardVariant::kDefault
+                       ? std::string("fwd:default")
+                       : std::string("fwd:") + (*p)->VariantName(),
+                   std::move(*p)});
   }
 
   std::string json = "[\n";
+  const auto& grad = ops[0].proj;
   std::printf("default forward kernel: %s\n", ProjectionCuda::KernelVersion());
   std::printf("%-58s %9s %10s %10s %8s\n", "op", "rows", "median_ms", "min_ms",
               "TFLOP/s");
@@ -159,10 +178,29 @@ int main(int argc, char** argv) {
              if (!st.ok()) std::exit(2);
            }, reps));
     }
-    emit("dx", Time([&] {
-           auto st = ops[0].proj->InputGrad(dy, rows, dx, nullptr);
-           if (!st.ok()) std::exit(2);
+    const Timing t_dx = Time([&] {
+      if (!grad->InputGrad(dy, rows, dx, nullptr).ok()) std::exit(2);
+    }, reps);
+    emit("dx", t_dx);
+    // Keys 0..rows-1; the workspace is part of our backward's extra memory.
+    const Timing t_dw = Time([&] {
+      if (!grad->WeightGrad(dy, x, rows, 0, dw, db, ws, ws_bytes, nullptr).ok()) {
+        std::exit(2);
+      }
+    }, reps);
+    emit("dw+db", t_dw);
+    emit("bwd(dx+dw+db)", Time([&] {
+           if (!grad->InputGrad(dy, rows, dx, nullptr).ok()) std::exit(2);
+           if (!grad->WeightGrad(dy, x, rows, 0, dw, db, ws, ws_bytes,
+                                 nullptr).ok()) {
+             std::exit(2);
+           }
          }, reps));
+    std::printf("bwd extra memory (dx+dW+db+workspace) rows=%lld: %.1f MB\n",
+                static_cast<long long>(rows),
+                (rows * K + N * K + N) * 4.0 / (1 << 20) +
+                    ProjectionCuda::WeightGradWorkspaceBytes(rows, 0) /
+                        double(1 << 20));
   }
   CHECK_CUDA(cudaDeviceSynchronize());
   if (json.size() > 2) json.erase(json.size() - 2, 1);  // trailing comma

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the device machine (tools/device/build_logp.sh builds the inputs
-# here first; carry .device/logp). Usage: run_logp.sh [test|bench|all] [args
+# here first; carry .device/logp). Usage:
+# run_logp.sh [test|sanitize|bench|all] [args
 # for logp_bench.py]. Logs go to $OUT (or .device/logp/out when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,11 +16,28 @@ if command -v cuobjdump >/dev/null; then
 fi
 rc=0
 if [ "$MODE" = test ] || [ "$MODE" = all ]; then
-  timeout 400 .device/logp/linear_logp_cuda_test 2>&1 | tee "$LOG/test.log" | grep -vE '^\[       OK|^\[ RUN' ; rc=${PIPESTATUS[0]}
+  timeout 120 .device/logp/linear_logp_cuda_test 2>&1 | tee "$LOG/test.log" | grep -vE '^\[       OK|^\[ RUN' ; rc=${PIPESTATUS[0]}
   echo "test exit code: $rc"
+  if [ $rc -eq 124 ]; then echo "tests timed out (hang?): stopping"; exit $rc; fi
+fi
+if [ "$MODE" = sanitize ] || [ "$MODE" = all ]; then
+  # memcheck on the small shapes (the full-vocabulary cases are too slow
+  # under the tool); a failure here fails the run.
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
+      .device/logp/linear_logp_cuda_test \
+      --gtest_filter='Edges/ShapeTest.*/V63_*:Edges/ShapeTest.*/V64_*:Edges/ShapeTest.*/V65_*:Edges/ShapeTest.*/V1_*:Edges/ShapeTest.*/V129_*:Edges/ShapeTest.*/V2049_*:Edges/ShapeTest.*/V4097_*:Edges/ShapeTest.*/V8191_*:LinearLogpCudaValidation.*' \
+      > "$LOG/sanitize.log" 2>&1
+    src=$?
+    tail -n 4 "$LOG/sanitize.log"
+    echo "compute-sanitizer exit code: $src"
+    [ $rc -eq 0 ] && rc=$src
+  else
+    echo "compute-sanitizer not found: skipped"
+  fi
 fi
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
-  PYTHONUNBUFFERED=1 timeout 400 python3 tools/device/logp_bench.py \
+  PYTHONUNBUFFERED=1 timeout 240 python3 tools/device/logp_bench.py \
     --lib .device/logp/liblogp_bench.so --json "$LOG/bench.json" "$@" 2>&1 | tee "$LOG/bench.log"
   brc=${PIPESTATUS[0]}
   echo "bench exit code: $brc"

@@ -1,0 +1,474 @@
+// Kernel version sm90a-wgmma-v3: batch-invariant fused linear + log-softmax
+// gather for Hopper (sm_90a). Included by linear_logp_cuda.cu only.
+//
+// Work decomposition (see docs/perf.md, "Fused linear-logp (CUDA)"):
+//   * A work item is (row block of kBlockM = 128 rows, vocabulary split s).
+//     Splits come from a table the host fills; in the batch-invariant mode it
+//     is kernels/split_policy.h's VocabSplitRange(V, s), a function of V alone.
+//   * A persistent grid walks the items statically (block b takes items b,
+//     b + gridDim.x, ...). Which block computes an item never changes its
+//     bits: every item is computed by the same instruction sequence.
+//   * Inside an item the split is walked in ascending vocabulary order in
+//     ceil(S / 256) tiles (S = split size) whose widths are multiples of 32,
+//     spread as evenly as possible, wider first (TileWidth). The widths depend
+//     only on the split boundaries (a function of V in the invariant mode), so
+//     a given logit is always produced by the same wgmma shape (m64nWk16,
+//     W in {32, 64, ..., 256}) and the same K order (k = 0, 16, ... H-16).
+//     Row position and N never enter. (v1 used 256-wide tiles plus one narrow
+//     remainder tile per split; the narrow tiles ran at lower efficiency.)
+//   * The hidden-state TMA box is min(128, N rounded up to 8) rows, so small
+//     batches do not pay for out-of-bounds fill; smem rows past the box hold
+//     stale data that only feeds rows >= N, which are never written.
+//   * Warpgroup 0 is the producer (one thread issues TMA loads into a
+//     kStages-deep ring guarded by full/empty mbarriers); warpgroups 1 and 2
+//     are consumers, each owning 64 rows of the 128-row block. A consumer
+//     whose 64 rows are all >= N skips its wgmmas (its rows are never
+//     written), which changes no other row's arithmetic.
+//   * After each tile a consumer folds the accumulator fragment into a
+//     per-row online softmax state (max, sum of exp(z - max)) with a fixed
+//     sequence: per-thread in fixed column order, then a fixed xor-shuffle
+//     reduction across the 4 threads that share a row. The state is written
+//     once per (row, split) to the workspace as the split's logsumexp
+//     lse_s = max + log(sum) (4 bytes; the partial {lse_s, 1} is equivalent
+//     to {max, sum}); the split holding the target
+//     writes z[target] into logprobs[row]. A second kernel folds the
+//     partials in ascending split order (CombinePartials) and finishes
+//     logprob = z[target] - lse.
+#ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_KERNEL_CUH_
+#define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_KERNEL_CUH_
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/hopper_ptx.cuh"
+#include "kernels/softmax_partial.h"
+
+namespace detlogp::kernels::cuda::v3 {
+
+inline constexpr char kVersion[] = "sm90a-wgmma-v3";
+
+inline constexpr int kBlockM = 128;         // rows per item (2 x 64)
+inline constexpr int kBlockN = 256;         // widest vocabulary tile
+inline constexpr int kBlockK = 64;          // 128 bytes of bf16: one swizzle row
+inline constexpr int kChunkRows = 32;       // weight rows per TMA box
+inline constexpr int kStages = 4;
+inline constexpr int kConsumers = 2;
+inline constexpr int kThreads = 128 * (1 + kConsumers);
+inline constexpr int kATileBytes = kBlockM * kBlockK * 2;     // 16 KiB
+inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;     // 32 KiB
+inline constexpr int kBChunkBytes = kChunkRows * kBlockK * 2;  // 8 KiB
+inline constexpr int kMaxSplits = 256;  // 4 B per split: <= 1 KiB per row
+inline constexpr int kRowGroup = 8;  // row blocks that share weight tiles in L2
+inline constexpr int kSmemBytes =
+    1024 + kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8;
+inline constexpr int kProducerRegs = 40;
+inline constexpr int kConsumerRegs = 232;
+
+struct KernelParams {
+  const float* bias;             // [padded_vocab] or null
+  const int32_t* targets;        // [rows]
+  const float* temperatures;     // [rows]
+  float* logprobs;               // [rows]: z[target] here, then logprob
+  float* split_lse;              // [rows][num_splits]: logsumexp of split
+  int32_t rows;
+  int32_t k_blocks;              // hidden / 64
+  int32_t num_splits;
+  int32_t num_row_blocks;
+  int32_t num_items;
+  int32_t a_box_rows;             // hidden rows per TMA box (<= kBlockM)
+  int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
+};
+
+// Item -> (row block, split). Row blocks are taken kRowGroup at a time, with
+// the row block fastest inside a group, so concurrent blocks share weights.
+__device__ __forceinline__ void DecodeItem(const KernelParams& p, int item,
+                                           int& row_block, int& split) {
+  const int group_items = kRowGroup * p.num_splits;
+  const int g = item / group_items;
+  const int r = item - g * group_items;
+  const int in_group = min(kRowGroup, p.num_row_blocks - g * kRowGroup);
+  split = r / in_group;
+  row_block = g * kRowGroup + (r - split * in_group);
+}
+
+// Tiling of a split of `size` columns: ceil(size / 256) tiles whose widths are
+// multiples of 32 spread as evenly as possible, wider tiles first. A function
+// of the split boundaries alone.
+__host__ __device__ __forceinline__ int TileCount(int size) {
+  const int units = (size + 31) / 32;
+  return (units + 7) / 8;
+}
+__host__ __device__ __forceinline__ int TileWidth(int size, int tile) {
+  const int units = (size + 31) / 32;
+  const int tiles = (units + 7) / 8;
+  const int base = units / tiles;
+  const int rem = units - base * tiles;
+  return 32 * (base + (tile < rem ? 1 : 0));
+}
+
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <int kW>
+__device__ __forceinline__ void Wgmma(float* acc, uint64_t da, uint64_t db,
+                                      int scale_d) {
+  if constexpr (kW == 256) {
+    ptx::WgmmaM64N256K16(acc, da, db, scale_d);
+  } else if constexpr (kW == 224) {
+    ptx::WgmmaM64N224K16(acc, da, db, scale_d);
+  } else if constexpr (kW == 192) {
+    ptx::WgmmaM64N192K16(acc, da, db, scale_d);
+  } else if constexpr (kW == 160) {
+    ptx::WgmmaM64N160K16(acc, da, db, scale_d);
+  } else if constexpr (kW == 128) {
+    ptx::WgmmaM64N128K16(acc, da, db, scale_d);
+  } else if constexpr (kW == 96) {
+    ptx::WgmmaM64N96K16(acc, da, db, scale_d);
+  } else if constexpr (kW == 64) {
+    ptx::WgmmaM64N64K16(acc, da, db, scale_d);
+  } else {
+    static_assert(kW == 32, "tile widths are multiples of 32");
+    ptx::WgmmaM64N32K16(acc, da, db, scale_d);
+  }
+}
+
+// acc[4 * j + k] for a run-time j < kJ and compile-time-free k in [0, 4),
+// through a switch so that the accumulators stay in registers (a select
+// chain gets turned into a local-memory array by the compiler).
+template <int kJ>
+__device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) {
+  float v[4];
+  switch (j) {
+#define DETLOGP_CASE(J)                                 \
+  case J:                                               \
+    if constexpr (J < kJ) {                             \
+      v[0] = acc[4 * J + 0];                            \
+      v[1] = acc[4 * J + 1];                            \
+      v[2] = acc[4 * J + 2];                            \
+      v[3] = acc[4 * J + 3];                            \
+    }                                                   \
+    break;
+    DETLOGP_CASE(0) DETLOGP_CASE(1) DETLOGP_CASE(2) DETLOGP_CASE(3)
+    DETLOGP_CASE(4) DETLOGP_CASE(5) DETLOGP_CASE(6) DETLOGP_CASE(7)
+    DETLOGP_CASE(8) DETLOGP_CASE(9) DETLOGP_CASE(10) DETLOGP_CASE(11)
+    DETLOGP_CASE(12) DETLOGP_CASE(13) DETLOGP_CASE(14) DETLOGP_CASE(15)
+    DETLOGP_CASE(16) DETLOGP_CASE(17) DETLOGP_CASE(18) DETLOGP_CASE(19)
+    DETLOGP_CASE(20) DETLOGP_CASE(21) DETLOGP_CASE(22) DETLOGP_CASE(23)
+    DETLOGP_CASE(24) DETLOGP_CASE(25) DETLOGP_CASE(26) DETLOGP_CASE(27)
+    DETLOGP_CASE(28) DETLOGP_CASE(29) DETLOGP_CASE(30) DETLOGP_CASE(31)
+#undef DETLOGP_CASE
+    default:
+      v[0] = v[1] = v[2] = v[3] = 0.0f;
+      break;
+  }
+  return k == 0 ? v[0] : (k == 1 ? v[1] : (k == 2 ? v[2] : v[3]));
+}
+
+struct RowState {
+  float max;
+  float sum;
+};
+
+// Per-thread view of the two rows it owns in a 64-row consumer slab.
+struct ConsumerRows {
+  int row[2];
+  float inv_t[2];
+  int target[2];
+};
+
+struct Ring {
+  int stage;
+  uint32_t phase;
+  __device__ __forceinline__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Main loop over K for one vocabulary tile of width kW, then the online
+// softmax fold of the tile into `state`.
+template <int kW>
+__device__ __forceinline__ void ConsumeTile(
+    const KernelParams& p, float* acc, uint8_t* smem_a, uint8_t* smem_b,
+    uint64_t* full, uint64_t* empty, Ring& ring, bool active, int consumer,
+    int lane, int v0, int valid, const ConsumerRows& rows, RowState* state) {
+  constexpr int kRegs = kW / 2;
+  const bool lane_arrives = lane == 0;
+  int prev_stage = -1;
+  for (int kb = 0; kb < p.k_blocks; ++kb) {
+    ptx::MbarWait(&full[ring.stage], ring.phase);
+    if (active) {
+      const uint32_t a_addr = ptx::SmemAddr(smem_a + ring.stage * kATileBytes +
+                                            consumer * (kATileBytes / 2));
+      const uint32_t b_addr = ptx::SmemAddr(smem_b + ring.stage * kBTileBytes);
+      const uint64_t da = ptx::MakeSmemDescSw128(a_addr);
+      const uint64_t db = ptx::MakeSmemDescSw128(b_addr);
+      ptx::WgmmaFence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / 16; ++k) {
+        Wgmma<kW>(acc, da + 2 * k, db + 2 * k, (kb | k) != 0);
+      }
+      ptx::WgmmaCommit();
+      ptx::WgmmaWait<1>();
+      if (prev_stage >= 0 && lane_arrives) ptx::MbarArrive(&empty[prev_stage]);
+      prev_stage = ring.stage;
+    } else if (lane_arrives) {
+      ptx::MbarArrive(&empty[ring.stage]);
+    }
+    ring.Advance();
+  }
+  ptx::WgmmaWait<0>();  // no-op when inactive (nothing was issued)
+  ptx::FenceAccumulators<kRegs>(acc);
+  if (!active) return;
+  if (lane_arrives) ptx::MbarArrive(&empty[prev_stage]);
+
+  // ---- epilogue: online softmax of z = (acc + bias) / T over the tile.
+  // y = acc + bias; the tile max of z is fl(max(y) * (1/T)) because rounding
+  // is monotone and 1/T > 0; exp(z - m) is evaluated as
+  // ex2(y * (log2e / T) - m * log2e).
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int quad = lane & 3;
+  const int limit = valid < kW ? valid : kW;
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+  if (limit == kW) {
+#pragma unroll
+    for (int j = 0; j < kW / 8; ++j) {
+      float2 b = make_float2(0.0f, 0.0f);
+      if (p.bias != nullptr) {
+        b = __ldg(reinterpret_cast<const float2*>(p.bias + v0 + 8 * j +
+                                                  2 * quad));
+      }
+      acc[4 * j + 0] += b.x;
+      acc[4 * j + 1] += b.y;
+      acc[4 * j + 2] += b.x;
+      acc[4 * j + 3] += b.y;
+      mx0 = fmaxf(mx0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * quad + e;
+        const bool ok = col < limit;
+        float b = 0.0f;
+        if (p.bias != nullptr && ok) b = __ldg(p.bias + v0 + col);
+        const float y0 = acc[4 * j + e] + b;
+        const float y1 = acc[4 * j + 2 + e] + b;
+        acc[4 * j + e] = ok ? y0 : -INFINITY;
+        acc[4 * j + 2 + e] = ok ? y1 : -INFINITY;
+        mx0 = fmaxf(mx0, acc[4 * j + e]);
+        mx1 = fmaxf(mx1, acc[4 * j + 2 + e]);
+      }
+    }
+  }
+  // The target logit: only the one thread holding it does any work.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int tcol = rows.target[h] - v0;
+    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
+      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
+      p.logprobs[rows.row[h]] = y * rows.inv_t[h];
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float m0 = fmaxf(state[0].max, mx0 * rows.inv_t[0]);
+  const float m1 = fmaxf(state[1].max, mx1 * rows.inv_t[1]);
+  const float c0 = -m0 * kLog2e;
+  const float c1 = -m1 * kLog2e;
+  const float k0 = rows.inv_t[0] * kLog2e;
+  const float k1 = rows.inv_t[1] * kLog2e;
+  float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s0 += Ex2(fmaf(acc[4 * j + e], k0, c0));
+      s1 += Ex2(fmaf(acc[4 * j + 2 + e], k1, c1));
+    }
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  state[0].sum = state[0].sum * Ex2((state[0].max - m0) * kLog2e) + s0;
+  state[1].sum = state[1].sum * Ex2((state[1].max - m1) * kLog2e) + s1;
+  state[0].max = m0;
+  state[1].max = m1;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    LinearLogpSplitKernel(const __grid_constant__ CUtensorMap hidden_map,
+                          const __grid_constant__ CUtensorMap weight_map,
+                          const __grid_constant__ KernelParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem + kStages * kATileBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(
+      smem_b + kStages * kBTileBytes);
+  uint64_t* empty = full + kStages;
+
+  // Broadcast so that the compiler sees a warp-uniform value (keeps the wgmma
+  // paths free of divergence, which would serialize them).
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  if (threadIdx.x == 0) {
+    ptx::PrefetchTensorMap(&hidden_map);
+    ptx::PrefetchTensorMap(&weight_map);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::MbarInit(&full[s], 1);
+      ptx::MbarInit(&empty[s], kConsumers * 4);
+    }
+    ptx::FenceBarrierInit();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    ptx::SetMaxNRegDec<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    Ring ring{0, 0};
+    for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
+      int row_block, split;
+      DecodeItem(p, item, row_block, split);
+      const int begin = p.split_begin[split];
+      const int end = p.split_begin[split + 1];
+      const int tiles = TileCount(end - begin);
+      for (int t = 0, v0 = begin; t < tiles; ++t) {
+        const int width = TileWidth(end - begin, t);
+        const int chunks = width / kChunkRows;
+        const uint32_t bytes =
+            p.a_box_rows * (kBlockK * 2) + chunks * kBChunkBytes;
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+          ptx::MbarWait(&empty[ring.stage], ring.phase ^ 1u);
+          ptx::MbarArriveExpectTx(&full[ring.stage], bytes);
+          ptx::TmaLoad2d(smem_a + ring.stage * kATileBytes, &hidden_map,
+                         &full[ring.stage], kb * kBlockK, row_block * kBlockM);
+          for (int c = 0; c < chunks; ++c) {
+            ptx::TmaLoad2d(smem_b + ring.stage * kBTileBytes + c * kBChunkBytes,
+                           &weight_map, &full[ring.stage], kb * kBlockK,
+                           v0 + c * kChunkRows);
+          }
+          ring.Advance();
+        }
+        v0 += width;
+      }
+    }
+    return;
+  }
+
+  ptx::SetMaxNRegInc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x & 127;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  float acc[kBlockN / 2];
+  Ring ring{0, 0};
+  for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
+    int row_block, split;
+    DecodeItem(p, item, row_block, split);
+    const int begin = p.split_begin[split];
+    const int end = p.split_begin[split + 1];
+    const int slab = row_block * kBlockM + consumer * 64;
+    const bool active = slab < p.rows;
+    ConsumerRows rows;
+    RowState state[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = slab + warp * 16 + (lane >> 2) + 8 * h;
+      rows.row[h] = r;
+      const bool in = r < p.rows;
+      rows.inv_t[h] = in ? __frcp_rn(p.temperatures[r]) : 1.0f;
+      rows.target[h] = in ? p.targets[r] : -(1 << 30);
+      state[h] = RowState{-INFINITY, 0.0f};
+    }
+    const int tiles = TileCount(end - begin);
+    for (int t = 0, v0 = begin; t < tiles; ++t) {
+      const int width = TileWidth(end - begin, t);
+      const int valid = end - v0;
+      switch (width / kChunkRows) {
+        case 8:
+          ConsumeTile<256>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        case 7:
+          ConsumeTile<224>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        case 6:
+          ConsumeTile<192>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        case 5:
+          ConsumeTile<160>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        case 4:
+          ConsumeTile<128>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        case 3:
+          ConsumeTile<96>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        case 2:
+          ConsumeTile<64>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        case 1:
+          ConsumeTile<32>(p, acc, smem_a, smem_b, full, empty, ring, active,
+                          consumer, lane, v0, valid, rows, state);
+          break;
+        default:
+          __trap();  // unreachable: widths are 32..256
+      }
+      v0 += width;
+    }
+    if (active && (lane & 3) == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (rows.row[h] < p.rows) {
+          // The split's partial {max, sum_exp} is stored as its logsumexp
+          // (the equivalent partial {lse_s, 1}): 4 bytes instead of 8.
+          p.split_lse[static_cast<int64_t>(rows.row[h]) * p.num_splits +
+                      split] = state[h].max + logf(state[h].sum);
+        }
+      }
+    }
+  }
+}
+
+// Folds each row's split partials ({lse_s, 1}) in ascending split order with
+// CombinePartials, starting from split 0, and finishes
+// logprob = z[target] - lse. One thread per row: the fold order is fixed and
+// independent of the launch shape.
+__global__ void CombineKernel(const float* __restrict__ split_lse,
+                              int32_t num_splits, int32_t rows,
+                              float* __restrict__ logprobs,
+                              float* __restrict__ lse) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const float* row = split_lse + static_cast<int64_t>(r) * num_splits;
+  SoftmaxPartial acc{row[0], 1.0f};
+  for (int s = 1; s < num_splits; ++s) {
+    acc = CombinePartials(acc, SoftmaxPartial{row[s], 1.0f});
+  }
+  const float l = PartialLogSumExp(acc);
+  lse[r] = l;
+  logprobs[r] = logprobs[r] - l;
+}
+
+}  // namespace detlogp::kernels::cuda::v3
+
+#endif  // DETLOGP_KERNELS_CUDA_LINEAR_LOGP_KERNEL_CUH_

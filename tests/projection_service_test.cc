@@ -1,0 +1,187 @@
+// The ProjectionService end to end over loopback: streamed chunks reassemble
+// to the CPU kernel's bits; bad input; a cancelled stream; a slow reader that
+// must not make the server buffer the whole video.
+#include <grpcpp/client_context.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/logp_client.h"
+#include "kernels/projection.h"
+#include "server/projection_weights.h"
+#include "tests/server_process.h"
+
+namespace detlogp {
+namespace {
+
+using client::LogpClient;
+using testing::ServerProcess;
+
+std::vector<float> RandomX(int64_t rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(rows * kernels::kProjectionInDim);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+int64_t ResidentKiB(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  }
+  return -1;
+}
+
+class ProjectionServiceTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = server->release();
+  }
+  static void TearDownTestSuite() {
+    EXPECT_EQ(server_->Stop(SIGTERM), 0) << server_->Log();
+    delete server_;
+  }
+  std::unique_ptr<LogpClient> Connect() {
+    LogpClient::Options options;
+    options.target = server_->target();
+    options.max_message_bytes = 256 << 20;
+    return *LogpClient::Create(options);
+  }
+  static ServerProcess* server_;
+};
+ServerProcess* ProjectionServiceTest::server_ = nullptr;
+
+TEST_F(ProjectionServiceTest, StreamedChunksReassembleToTheCpuKernelsBits) {
+  const server::ProjectionWeights weights = server::SyntheticProjectionWeights();
+  kernels::ProjectionCpu::Options options;
+  options.weight = weights.weight;
+  options.bias = weights.bias;
+  auto cpu = *kernels::ProjectionCpu::Create(options);
+  auto client = Connect();
+  const int64_t rows = 1000;
+  const std::vector<float> x = RandomX(rows, 5);
+  std::vector<float> expected(rows * kernels::kProjectionOutDim);
+  ASSERT_TRUE(cpu->Forward(x, rows, absl::MakeSpan(expected)).ok());
+  std::string key;
+  for (int64_t chunk : {0, 1, 7, 128, 1000}) {
+    auto result = client->Project(x, rows, chunk);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->y.size(), expected.size());
+    EXPECT_EQ(std::memcmp(result->y.data(), expected.data(),
+                          expected.size() * sizeof(float)), 0)
+        << "rows_per_chunk " << chunk;
+    if (chunk > 0) EXPECT_EQ(result->chunks, (rows + chunk - 1) / chunk);
+    if (key.empty()) key = result->determinism_key;
+    EXPECT_EQ(result->determinism_key, key);
+  }
+  EXPECT_EQ(key.rfind("dk1-", 0), 0u);
+  // A row's bits do not depend on what it was sent with.
+  auto one = client->Project(std::vector<float>(x.begin() + 500 * 96, x.begin() + 501 * 96), 1);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(std::memcmp(one->y.data(), expected.data() + 500 * 5376, 5376 * 4), 0);
+}
+
+TEST_F(ProjectionServiceTest, ConcurrentStreamsShareLaunchesWithoutChangingBits) {
+  auto client = Connect();
+  const std::vector<float> x = RandomX(64, 9);
+  auto alone = client->Project(x, 64, 16);
+  ASSERT_TRUE(alone.ok());
+  std::vector<std::thread> threads;
+  std::atomic<int> equal{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      auto result = client->Project(x, 64, 16);
+      if (result.ok() && result->y == alone->y) ++equal;
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(equal.load(), 8);
+}
+
+TEST_F(ProjectionServiceTest, BadShapesAndDtypesAreInvalidArgument) {
+  auto client = Connect();
+  auto stub = client->projection_stub();
+  auto project = [&](const v1::ProjectRequest& request) {
+    grpc::ClientContext context;
+    auto reader = stub->Project(&context, request);
+    v1::ProjectResponse response;
+    while (reader->Read(&response)) {
+    }
+    return reader->Finish();
+  };
+  v1::ProjectRequest good;
+  good.mutable_x()->set_dtype(v1::DTYPE_FLOAT32);
+  good.mutable_x()->add_shape(2);
+  good.mutable_x()->add_shape(96);
+  good.mutable_x()->set_data(std::string(2 * 96 * 4, '\0'));
+  EXPECT_TRUE(project(good).ok());
+  v1::ProjectRequest bad = good;
+  bad.mutable_x()->set_dtype(v1::DTYPE_BFLOAT16);
+  EXPECT_EQ(project(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = good;
+  bad.mutable_x()->set_shape(1, 95);
+  EXPECT_EQ(project(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = good;
+  bad.mutable_x()->mutable_data()->pop_back();
+  const grpc::Status short_data = project(bad);
+  EXPECT_EQ(short_data.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(short_data.error_message().find("x.data"), std::string::npos);
+  bad = good;
+  bad.set_rows_per_chunk(-3);
+  EXPECT_EQ(project(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  bad = good;
+  bad.set_rows_per_chunk(1 << 20);
+  EXPECT_EQ(project(bad).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST_F(ProjectionServiceTest, CancelledStreamLeavesTheServerServing) {
+  auto client = Connect();
+  const std::vector<float> x = RandomX(4000, 11);
+  v1::ProjectRequest request;
+  request.set_rows_per_chunk(100);
+  request.mutable_x()->set_dtype(v1::DTYPE_FLOAT32);
+  request.mutable_x()->add_shape(4000);
+  request.mutable_x()->add_shape(96);
+  request.mutable_x()->set_data(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  grpc::ClientContext context;
+  auto reader = client->projection_stub()->Project(&context, request);
+  v1::ProjectResponse response;
+  ASSERT_TRUE(reader->Read(&response));
+  context.TryCancel();
+  while (reader->Read(&response)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(client->Project(RandomX(3, 12), 3).ok());
+}
+
+TEST_F(ProjectionServiceTest, SlowReaderDoesNotMakeTheServerBufferTheVideo) {
+  auto client = Connect();
+  // 24,000 rows: 516 MB of output in 47 chunks of 512 rows.
+  const int64_t rows = 24000;
+  const std::vector<float> x = RandomX(rows, 13);
+  const int64_t rss_before = ResidentKiB(server_->pid());
+  int64_t rss_peak = rss_before;
+  auto result = client->Project(
+      x, rows, 512, /*keep_output=*/false, [&](const v1::ProjectResponse&) {
+        absl::SleepFor(absl::Milliseconds(30));
+        rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
+      });
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->chunks, (rows + 511) / 512);
+  const int64_t growth_mib = (rss_peak - rss_before) / 1024;
+  std::cout << "server RSS before " << rss_before / 1024 << " MiB, peak "
+            << rss_peak / 1024 << " MiB while streaming 516 MB slowly\n";
+  // Two 11 MB chunks per stream, the request (9 MB) and gRPC's buffers.
+  EXPECT_LT(growth_mib, 150);
+}
+
+}  // namespace
+}  // namespace detlogp
