@@ -5,6 +5,7 @@
 //   detlogp_cli score --hidden=rows.npy --targets=targets.npy --return_lse
 //   detlogp_cli check-invariance --probes=16 --concurrency=32
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -20,6 +21,9 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
 ABSL_FLAG(int, timeout_s, 60, "Per-call deadline, seconds.");
+ABSL_FLAG(std::string, token_file, "",
+          "File whose first line is the bearer token to send.");
+ABSL_FLAG(std::string, tls_ca, "", "PEM roots; connect with TLS.");
 ABSL_FLAG(std::string, hidden, "",
           "score: [N, H] hidden rows (.npy or .safetensors).");
 ABSL_FLAG(std::string, hidden_tensor, "hidden",
@@ -45,6 +49,14 @@ absl::StatusOr<std::unique_ptr<LogpClient>> Connect() {
   LogpClient::Options options;
   options.target = absl::GetFlag(FLAGS_target);
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  if (!absl::GetFlag(FLAGS_token_file).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_token_file));
+    std::getline(in, options.bearer_token);
+  }
+  if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_tls_ca));
+    options.tls_root_certs.assign(std::istreambuf_iterator<char>(in), {});
+  }
   return LogpClient::Create(options);
 }
 

@@ -56,17 +56,32 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
   if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  client->channel_ = grpc::CreateCustomChannel(
-      options.target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      grpc::InsecureChannelCredentials();
+  if (!options.tls_root_certs.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_certs;
+    ssl.pem_cert_chain = options.tls_client_cert;
+    ssl.pem_private_key = options.tls_client_key;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  client->channel_ = grpc::CreateCustomChannel(options.target, credentials, args);
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
   return client;
 }
 
+void LogpClient::PrepareContext(grpc::ClientContext* context) const {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  if (!options_.bearer_token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
+}
+
 absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo() {
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  PrepareContext(&context);
   detlogp::v1::ModelInfo info;
   grpc::Status status =
       stub_->GetModelInfo(&context, detlogp::v1::GetModelInfoRequest(), &info);
@@ -77,7 +92,7 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo() {
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request) {
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  PrepareContext(&context);
   detlogp::v1::LogProbResponse response;
   grpc::Status status = stub_->ComputeLogProbs(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
@@ -87,7 +102,7 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
     const std::vector<detlogp::v1::LogProbRequest>& requests) {
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  PrepareContext(&context);
   auto stream = stub_->StreamLogProbs(&context);
   // Writes on one thread while this one reads, so the server can pipeline.
   std::thread writer([&] {
@@ -127,7 +142,7 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::Project(
   tensor->add_shape(kIn);
   tensor->set_data(reinterpret_cast<const char*>(x.data()), x.size() * sizeof(float));
   grpc::ClientContext context;
-  context.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  PrepareContext(&context);
   auto reader = projection_stub_->Project(&context, request);
   ProjectResult result;
   if (keep_output) result.y.resize(rows * kOut);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -43,6 +44,13 @@ class LogpClient {
     int max_message_bytes = 256 << 20;
     // Distinct channels are distinct TCP connections (local subchannel pool).
     bool own_connection = false;
+    // Sent as "authorization: Bearer <token>" when not empty.
+    std::string bearer_token;
+    // PEM roots to verify the server with; enables TLS when not empty.
+    std::string tls_root_certs;
+    // Client certificate and key (PEM) for mutual TLS.
+    std::string tls_client_cert;
+    std::string tls_client_key;
   };
 
   static absl::StatusOr<std::unique_ptr<LogpClient>> Create(
@@ -66,6 +74,9 @@ class LogpClient {
       const std::vector<float>& x, int64_t rows, int64_t rows_per_chunk = 0,
       bool keep_output = true,
       const std::function<void(const detlogp::v1::ProjectResponse&)>& on_chunk = {});
+
+  // Sets the deadline and credentials of a call made through stub().
+  void PrepareContext(grpc::ClientContext* context) const;
 
   detlogp::v1::LogProbService::Stub* stub() { return stub_.get(); }
   detlogp::v1::ProjectionService::Stub* projection_stub() {

@@ -2,12 +2,14 @@
 
 #include <chrono>
 #include <deque>
+#include <optional>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/grpc_status.h"
+#include "server/rejected_call.h"
 
 namespace detlogp::server {
 namespace {
@@ -31,6 +33,12 @@ grpc::Status LogProbServiceImpl::Record(absl::string_view method,
                                         grpc::Status status) const {
   if (options_.on_call_done) options_.on_call_done(method, status.error_code());
   return status;
+}
+
+grpc::Status LogProbServiceImpl::Authenticate(
+    const grpc::CallbackServerContext& context) const {
+  if (options_.authenticator == nullptr) return grpc::Status::OK;
+  return ToGrpcStatus(options_.authenticator->Check(context));
 }
 
 LogProbServiceImpl::LogProbServiceImpl(const Options& options,
@@ -109,6 +117,11 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* LogProbServiceImpl::ComputeLogProbs(
     grpc::CallbackServerContext* context, const LogProbRequest* request,
     LogProbResponse* response) {
+  if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(Record("ComputeLogProbs", denied));
+    return reactor;
+  }
   return new UnaryCall(this, context, request, response);
 }
 
@@ -129,10 +142,10 @@ class LogProbServiceImpl::StreamCall final
 
   void OnReadDone(bool ok) override {
     if (!ok) {
-      absl::MutexLock lock(&mu_);
-      reading_ = false;
-      reads_done_ = true;
-      StepLocked();
+      Update([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        reading_ = false;
+        reads_done_ = true;
+      });
       return;
     }
     auto entry = std::make_shared<Entry>();
@@ -147,33 +160,33 @@ class LogProbServiceImpl::StreamCall final
     const absl::Status status = service_->Submit(
         request_ref, std::move(request), DeadlineOf(context_), &entry->response,
         [this, entry](absl::Status done) {
-          absl::MutexLock lock(&mu_);
-          entry->status = std::move(done);
-          entry->done = true;
-          StepLocked();
+          Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            entry->status = std::move(done);
+            entry->done = true;
+          });
         },
         &entry->job);
-    absl::MutexLock lock(&mu_);
-    reading_ = false;
-    if (!status.ok()) {
-      entry->status = status;
-      entry->done = true;
-    }
-    StepLocked();
+    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      reading_ = false;
+      if (!status.ok()) {
+        entry->status = status;
+        entry->done = true;
+      }
+    });
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    pending_.pop_front();
-    if (!ok) StopLocked(absl::CancelledError("client went away"));
-    StepLocked();
+    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      writing_ = false;
+      pending_.pop_front();
+      if (!ok) StopLocked(absl::CancelledError("client went away"));
+    });
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    StopLocked(absl::CancelledError("stream cancelled"));
-    StepLocked();
+    Update([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      StopLocked(absl::CancelledError("stream cancelled"));
+    });
   }
 
   void OnDone() override { delete this; }
@@ -196,9 +209,24 @@ class LogProbServiceImpl::StreamCall final
     }
   }
 
-  // Writes the next answer, resumes reading, or finishes; whichever applies.
-  void StepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_) return;
+  // Applies `mutate` under the lock, then takes the next step. Finish runs
+  // after the lock is released and is the caller's last act: OnDone (which
+  // deletes this) may run on another thread as soon as it is called.
+  template <typename Mutate>
+  void Update(Mutate&& mutate) {
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      mutate();
+      finish = StepLocked();
+    }
+    if (finish.has_value()) Finish(*std::move(finish));
+  }
+
+  // Writes the next answer or resumes reading; returns the status to finish
+  // with once nothing is left in flight.
+  std::optional<grpc::Status> StepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return std::nullopt;
     while (!writing_ && !pending_.empty() && pending_.front()->done) {
       Entry& front = *pending_.front();
       if (front.status.ok() && terminal_.ok()) {
@@ -217,8 +245,9 @@ class LogProbServiceImpl::StreamCall final
     }
     if (pending_.empty() && !writing_ && (reads_done_ || stopped)) {
       finished_ = true;
-      Finish(service_->Record("StreamLogProbs", ToGrpcStatus(terminal_)));
+      return service_->Record("StreamLogProbs", ToGrpcStatus(terminal_));
     }
+    return std::nullopt;
   }
 
   void StartNextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -243,6 +272,11 @@ class LogProbServiceImpl::StreamCall final
 
 grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>*
 LogProbServiceImpl::StreamLogProbs(grpc::CallbackServerContext* context) {
+  if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
+    return new RejectedCall<
+        grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>>(
+        Record("StreamLogProbs", denied));
+  }
   return new StreamCall(this, context);
 }
 
@@ -252,8 +286,12 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
     grpc::CallbackServerContext* context,
     const detlogp::v1::GetModelInfoRequest* /*request*/,
     detlogp::v1::ModelInfo* response) {
-  *response = info_;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
+    reactor->Finish(Record("GetModelInfo", denied));
+    return reactor;
+  }
+  *response = info_;
   reactor->Finish(Record("GetModelInfo", grpc::Status::OK));
   return reactor;
 }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
+#include "server/auth.h"
 #include "server/batcher.h"
 #include "server/request_validation.h"
 
@@ -23,6 +24,8 @@ class LogProbServiceImpl final
     // Requests read ahead on one stream before their answers are written;
     // reading stops (backpressure) beyond it.
     int max_stream_inflight_requests = 64;
+    // When set, every call must carry a known bearer token.
+    const TokenAuthenticator* authenticator = nullptr;
     // Called once per finished call with the method name and gRPC code.
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
   };
@@ -61,6 +64,8 @@ class LogProbServiceImpl final
   class StreamCall;
 
   grpc::Status Record(absl::string_view method, grpc::Status status) const;
+  // OK, or the UNAUTHENTICATED status to finish the call with.
+  grpc::Status Authenticate(const grpc::CallbackServerContext& context) const;
 
   const Options options_;
   const detlogp::v1::ModelInfo info_;

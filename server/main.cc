@@ -57,6 +57,15 @@ ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads; 0: all cores.");
 ABSL_FLAG(int, metrics_port, -1,
           "Prometheus /metrics port on --host: -1 off, 0 a free port (written "
           "as the second line of --port_file).");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain; enables TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key for --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle; clients must present a certificate it signed.");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "File of accepted bearer tokens, one per line ('#' comments). Calls "
+          "without one get UNAUTHENTICATED; health stays open.");
+ABSL_FLAG(int, max_concurrent_streams, 256,
+          "HTTP/2 streams one connection may have open at once.");
 ABSL_FLAG(int, shutdown_grace_s, 30,
           "Seconds SIGTERM waits for accepted calls before cancelling them.");
 
@@ -144,6 +153,12 @@ int main(int argc, char** argv) {
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.tls_cert_path = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_path = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_path = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_tokens_path = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.max_concurrent_streams_per_connection =
+      absl::GetFlag(FLAGS_max_concurrent_streams);
   options.projection_max_launch_rows =
       absl::GetFlag(FLAGS_projection_max_launch_rows);
 

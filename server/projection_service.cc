@@ -1,12 +1,14 @@
 #include "server/projection_service.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/projection.h"
 #include "server/grpc_status.h"
+#include "server/rejected_call.h"
 
 namespace detlogp::server {
 namespace {
@@ -54,40 +56,39 @@ class ProjectionServiceImpl::ProjectCall final
       : service_(service), request_(request) {
     const absl::Status valid = ValidateProjectRequest(
         *request, service->scheduler_->options().max_launch_rows);
-    absl::MutexLock lock(&mu_);
-    if (!valid.ok()) {
-      status_ = valid;
-      FinishLocked();
-      return;
-    }
-    rows_ = request->x().shape(0);
-    chunk_rows_ = request->rows_per_chunk() > 0
-                      ? request->rows_per_chunk()
-                      : std::min(service->options_.default_rows_per_chunk,
-                                 service->scheduler_->options().max_launch_rows);
-    for (Slot& slot : slots_) StartComputeLocked(&slot);
-    StepLocked();
+    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      if (!valid.ok()) {
+        status_ = valid;
+        return;
+      }
+      rows_ = request->x().shape(0);
+      chunk_rows_ = request->rows_per_chunk() > 0
+                        ? request->rows_per_chunk()
+                        : std::min(service->options_.default_rows_per_chunk,
+                                   service->scheduler_->options().max_launch_rows);
+      for (Slot& slot : slots_) StartComputeLocked(&slot);
+    });
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    Slot& written = slots_[next_write_ % 2];
-    written.ready = false;
-    written.response.Clear();
-    ++next_write_;
-    if (!ok) {
-      if (status_.ok()) status_ = absl::CancelledError("client went away");
-    } else {
-      StartComputeLocked(&written);
-    }
-    StepLocked();
+    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      writing_ = false;
+      Slot& written = slots_[next_write_ % 2];
+      written.ready = false;
+      written.response.Clear();
+      ++next_write_;
+      if (!ok) {
+        if (status_.ok()) status_ = absl::CancelledError("client went away");
+      } else {
+        StartComputeLocked(&written);
+      }
+    });
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    if (status_.ok()) status_ = absl::CancelledError("stream cancelled");
-    StepLocked();
+    Update([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      if (status_.ok()) status_ = absl::CancelledError("stream cancelled");
+    });
   }
 
   void OnDone() override { delete this; }
@@ -124,11 +125,11 @@ class ProjectionServiceImpl::ProjectCall final
     work.y = reinterpret_cast<float*>(y->mutable_data()->data());
     work.rows = rows;
     work.done = [this, slot](absl::Status status) {
-      absl::MutexLock lock(&mu_);
-      slot->computing = false;
-      slot->ready = status.ok();
-      if (!status.ok() && status_.ok()) status_ = status;
-      StepLocked();
+      Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        slot->computing = false;
+        slot->ready = status.ok();
+        if (!status.ok() && status_.ok()) status_ = status;
+      });
     };
     if (absl::Status s = service_->scheduler_->Schedule(std::move(work)); !s.ok()) {
       slot->computing = false;
@@ -136,31 +137,42 @@ class ProjectionServiceImpl::ProjectCall final
     }
   }
 
-  void StepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_) return;
+  // Applies `mutate` under the lock, then takes the next step. Finish runs
+  // after the lock is released, as the caller's last act (OnDone may delete
+  // this at once, on another thread).
+  template <typename Mutate>
+  void Update(Mutate&& mutate) {
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      mutate();
+      finish = StepLocked();
+    }
+    if (finish.has_value()) Finish(*std::move(finish));
+  }
+
+  // Starts the next write when its chunk is ready; returns the status to
+  // finish with once nothing is in flight.
+  std::optional<grpc::Status> StepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return std::nullopt;
     const bool computing = slots_[0].computing || slots_[1].computing;
-    if (!status_.ok()) {
-      if (!computing && !writing_) FinishLocked();
-      return;
+    const bool done = !status_.ok() ? !computing && !writing_
+                                    : next_write_ == num_chunks() && !writing_;
+    if (done) {
+      finished_ = true;
+      const grpc::Status status = ToGrpcStatus(status_);
+      if (service_->options_.on_call_done) {
+        service_->options_.on_call_done("Project", status.error_code());
+      }
+      return status;
     }
-    if (next_write_ == num_chunks()) {
-      if (!writing_) FinishLocked();
-      return;
-    }
+    if (!status_.ok() || next_write_ == num_chunks()) return std::nullopt;
     Slot& next = slots_[next_write_ % 2];
     if (!writing_ && next.ready && next.chunk == next_write_) {
       writing_ = true;
       StartWrite(&next.response);
     }
-  }
-
-  void FinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    finished_ = true;
-    const grpc::Status status = ToGrpcStatus(status_);
-    if (service_->options_.on_call_done) {
-      service_->options_.on_call_done("Project", status.error_code());
-    }
-    Finish(status);
+    return std::nullopt;
   }
 
   ProjectionServiceImpl* const service_;
@@ -181,7 +193,14 @@ ProjectionServiceImpl::ProjectionServiceImpl(const Options& options,
     : options_(options), scheduler_(scheduler) {}
 
 grpc::ServerWriteReactor<ProjectResponse>* ProjectionServiceImpl::Project(
-    grpc::CallbackServerContext* /*context*/, const ProjectRequest* request) {
+    grpc::CallbackServerContext* context, const ProjectRequest* request) {
+  if (options_.authenticator != nullptr) {
+    if (absl::Status denied = options_.authenticator->Check(*context); !denied.ok()) {
+      const grpc::Status status = ToGrpcStatus(denied);
+      if (options_.on_call_done) options_.on_call_done("Project", status.error_code());
+      return new RejectedCall<grpc::ServerWriteReactor<ProjectResponse>>(status);
+    }
+  }
   return new ProjectCall(this, request);
 }
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
+#include "server/auth.h"
 #include "server/projection_scheduler.h"
 
 namespace detlogp::server {
@@ -21,6 +22,8 @@ class ProjectionServiceImpl final
     // Rows per response when the request leaves rows_per_chunk at 0.
     int64_t default_rows_per_chunk = 512;
     std::string determinism_key;
+    // When set, every call must carry a known bearer token.
+    const TokenAuthenticator* authenticator = nullptr;
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
   };
 

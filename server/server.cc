@@ -5,6 +5,9 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/split_policy.h"
@@ -88,6 +91,41 @@ absl::Status StartProjection(const Server::Options& options,
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
+    const Server::Options& options) {
+  if (options.tls_cert_path.empty() != options.tls_key_path.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
+  }
+  if (options.tls_cert_path.empty()) {
+    if (!options.tls_client_ca_path.empty()) {
+      return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+    }
+    return grpc::InsecureServerCredentials();
+  }
+  auto cert = ReadPem(options.tls_cert_path, "--tls_cert");
+  if (!cert.ok()) return cert.status();
+  auto key = ReadPem(options.tls_key_path, "--tls_key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!options.tls_client_ca_path.empty()) {
+    auto ca = ReadPem(options.tls_client_ca_path, "--tls_client_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request =
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
@@ -98,6 +136,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   server->weights_ = std::make_unique<LmHeadWeights>(std::move(weights));
   server->metrics_ = std::make_unique<ServerMetrics>();
   ServerMetrics* metrics = server->metrics_.get();
+  auto credentials = MakeCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+  if (!options.auth_tokens_path.empty()) {
+    auto authenticator = TokenAuthenticator::FromFile(options.auth_tokens_path);
+    if (!authenticator.ok()) return authenticator.status();
+    server->authenticator_ = *std::move(authenticator);
+  }
 
   LogpBackendRegistry registry;
   RegisterBuiltinBackends(&registry);
@@ -138,6 +183,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   service_options.on_call_done = [metrics](absl::string_view method, int code) {
     metrics->CountRequest(method, code);
   };
+  service_options.authenticator = server->authenticator_.get();
   server->logprob_service_ = std::make_unique<LogProbServiceImpl>(
       service_options, server->info_, server->batcher_.get());
 
@@ -157,6 +203,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   projection_options.determinism_key =
       ProjectionDeterminismKey(*server->projection_weights_);
   projection_options.on_call_done = service_options.on_call_done;
+  projection_options.authenticator = server->authenticator_.get();
   server->projection_service_ = std::make_unique<ProjectionServiceImpl>(
       projection_options, server->projection_scheduler_.get());
   spdlog::info("projection: {} on {} (kernel {}, key {})",
@@ -172,8 +219,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       options.host.find(':') != std::string::npos ? "[" + options.host + "]"
                                                   : options.host,
       ":", options.port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
-                           &server->port_);
+  builder.AddListeningPort(address, *credentials, &server->port_);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             options.max_concurrent_streams_per_connection);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(server->logprob_service_.get());
@@ -207,9 +255,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   health->SetServingStatus(true);
   health->SetServingStatus(kLogProbServiceName, true);
   health->SetServingStatus(kProjectionServiceName, true);
-  spdlog::info("serving {} on {}:{} (determinism key {})",
+  spdlog::info("serving {} on {}:{} (determinism key {}; {}, {})",
                server->weights_->description, options.host, server->port_,
-               server->info_.determinism_key());
+               server->info_.determinism_key(),
+               options.tls_cert_path.empty() ? "plaintext"
+               : options.tls_client_ca_path.empty() ? "TLS" : "mutual TLS",
+               server->authenticator_ ? "bearer tokens required"
+                                      : "no authentication");
   return server;
 }
 

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "detlogp/v1/detlogp.pb.h"
+#include "server/auth.h"
 #include "server/backend.h"
 #include "server/batcher.h"
 #include "server/lm_head_weights.h"
@@ -49,6 +50,15 @@ class Server {
     absl::Duration shutdown_grace = absl::Seconds(30);
     // Prometheus endpoint on `host`: -1 off, 0 a free port, else that port.
     int metrics_port = -1;
+    // TLS through gRPC's credentials: PEM paths set by the operator. With a
+    // client CA, clients must present a certificate it signed (mutual TLS).
+    std::string tls_cert_path;
+    std::string tls_key_path;
+    std::string tls_client_ca_path;
+    // A file of bearer tokens; empty means no authentication.
+    std::string auth_tokens_path;
+    // HTTP/2 streams one connection may have open at once.
+    int max_concurrent_streams_per_connection = 256;
     // Projection rows per launch; also the largest rows_per_chunk.
     int64_t projection_max_launch_rows = 2048;
     int64_t projection_default_rows_per_chunk = 512;
@@ -83,6 +93,7 @@ class Server {
   std::unique_ptr<LmHeadWeights> weights_;
   // Before the batcher and services, which report into it.
   std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<TokenAuthenticator> authenticator_;
   std::unique_ptr<LogpBackend> backend_;
   std::unique_ptr<DynamicBatcher> batcher_;
   std::unique_ptr<LogProbServiceImpl> logprob_service_;

@@ -7,8 +7,8 @@ row computed alone. Prints a short table and writes JSON.
   tests/load/detlogp_load.py --target 127.0.0.1:50051 --clients 64 --duration 20
   # start bazel-bin/server/detlogp_server (embedded synthetic model) itself
   tests/load/detlogp_load.py --spawn --clients 64 --duration 20 --json-out load.json
-  # open loop: 500 requests/s, at most 200 in flight
-  tests/load/detlogp_load.py --spawn --rate 500 --clients 200 --duration 20
+  # open loop: 40 calls/s (a stream is one call), at most 200 in flight
+  tests/load/detlogp_load.py --spawn --rate 40 --clients 200 --duration 20
 
 Exit status: 0 when every answer arrived once with solo-identical bits and no
 call failed; 1 otherwise. Needs the detlogp package (client/python) installed,
@@ -51,7 +51,7 @@ def main(argv=None):
     p.add_argument("--duration", type=float, default=10.0, help="seconds")
     p.add_argument("--max_requests", type=int, default=1_000_000)
     p.add_argument("--rate", type=float, default=0.0,
-                   help="total requests/s, open loop (0: closed loop)")
+                   help="calls started per second in all, open loop; a stream of 1-5 requests counts as one call (0: closed loop)")
     p.add_argument("--stream_fraction", type=float, default=0.5)
     p.add_argument("--rows", type=parse_range, default=(1, 8),
                    help="rows per request, MIN:MAX")

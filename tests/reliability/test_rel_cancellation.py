@@ -21,7 +21,7 @@ PHASE_S = 8.0
 MAX_CALLS = 200_000
 
 
-async def storm(target, pool, seconds, cancel_fraction, seed):
+async def storm(target, pool, seconds, cancel_fraction, seed, stream_fraction=0.5):
     """Mixed calls from CLIENTS coroutines; returns outcome counts."""
     counts = Counter()
     end = time.monotonic() + seconds
@@ -46,7 +46,7 @@ async def storm(target, pool, seconds, cancel_fraction, seed):
             counts["calls"] += 1
             cancel = rng.random() < cancel_fraction
             delay = rng.uniform(0, 0.01)
-            if rng.random() < 0.5:
+            if rng.random() >= stream_fraction:
                 rows, request = make_request(rng)
                 call = stub.ComputeLogProbs(request, timeout=30)
                 if cancel:
@@ -97,6 +97,9 @@ def test_cancellation_storm_keeps_serving_and_memory_flat(server_binary, model, 
         rss_before = server.rss_kib()
         hits = asyncio.run(storm(server.target, pool, PHASE_S, 0.5, seed=2))
         time.sleep(1.0)
+        assert server.running(), (
+            f"server died during the cancellation storm (exit {server.process.poll()}); "
+            f"storm outcomes {dict(hits)}; log tail:\n{server.log()[-1500:]}")
         rss_after = server.rss_kib()
         after = asyncio.run(storm(server.target, pool, 2.0, 0.0, seed=3))
         metrics = server.metrics() or {}

@@ -1,0 +1,65 @@
+"""Builds request messages from numpy inputs, and reassembles Project chunks."""
+import numpy as np
+
+from detlogp import tensors
+from detlogp.errors import DetlogpError
+from detlogp.results import ProjectResult
+from detlogp.v1 import detlogp_pb2 as pb
+
+
+def logprob_request(hidden, targets, temperature=0.0, return_lse=False,
+                    request_id=""):
+    """A LogProbRequest for hidden [N, H] and N target ids. Shapes are not
+    checked here: the server names the field that is wrong."""
+    return pb.LogProbRequest(
+        request_id=request_id,
+        hidden=tensors.to_tensor(hidden),
+        target_ids=[int(t) for t in np.asarray(targets).reshape(-1)],
+        temperature=float(temperature),
+        return_lse=bool(return_lse),
+    )
+
+
+def project_request(x, rows_per_chunk=0, request_id=""):
+    """A ProjectRequest for x [R, 96] float32."""
+    return pb.ProjectRequest(
+        request_id=request_id,
+        x=tensors.to_tensor(np.asarray(x, dtype=np.float32)),
+        rows_per_chunk=int(rows_per_chunk),
+    )
+
+
+class ProjectAssembler:
+    """Collects ProjectResponse chunks (any order) into one [R, C] array and
+    checks that every row arrived exactly once."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.y = None
+        self.filled = np.zeros(rows, dtype=bool)
+        self.key = ""
+        self.chunks = 0
+
+    def add(self, response):
+        chunk = tensors.from_tensor(response.y).astype(np.float32, copy=False)
+        if chunk.ndim != 2:
+            raise DetlogpError(f"Project chunk has rank {chunk.ndim}, expected 2")
+        begin, count = int(response.row_offset), chunk.shape[0]
+        if begin < 0 or begin + count > self.rows:
+            raise DetlogpError(
+                f"Project chunk rows [{begin}, {begin + count}) outside [0, {self.rows})")
+        if self.y is None:
+            self.y = np.empty((self.rows, chunk.shape[1]), dtype=np.float32)
+        if self.filled[begin:begin + count].any():
+            raise DetlogpError(f"Project chunk at row {begin} overlaps an earlier one")
+        self.y[begin:begin + count] = chunk
+        self.filled[begin:begin + count] = True
+        self.key = response.determinism_key or self.key
+        self.chunks += 1
+
+    def result(self):
+        if not self.filled.all():
+            missing = int((~self.filled).sum())
+            raise DetlogpError(f"Project stream ended with {missing} rows missing")
+        y = self.y if self.y is not None else np.empty((0, 0), np.float32)
+        return ProjectResult(y=y, determinism_key=self.key, chunks=self.chunks)

@@ -1,0 +1,99 @@
+"""The `detlogp` console command, ProjectionService.Project (when the server
+has it), and the checked-in stubs being current with proto/."""
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import detlogp
+from detlogp.v1 import detlogp_pb2
+
+PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]  # client/python
+
+
+def detlogp_command():
+    """The installed console script next to this interpreter, else the module."""
+    script = pathlib.Path(sys.executable).with_name("detlogp")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "detlogp.cli"]
+
+
+def test_cli_info_and_score(server, model, client, tmp_path):
+    run = lambda *args: subprocess.run(
+        detlogp_command() + ["--target", server.target, *args],
+        capture_output=True, text=True, timeout=60)
+    info = run("--json", "info")
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["hidden_size"] == model.hidden
+    assert "determinism_key" in run("info").stdout
+
+    hidden, targets = model.random_rows(3, seed=51)
+    np.save(tmp_path / "h.npy", hidden)
+    np.save(tmp_path / "t.npy", targets)
+    score = run("--json", "score", "--hidden", str(tmp_path / "h.npy"),
+                "--targets", str(tmp_path / "t.npy"), "--lse")
+    assert score.returncode == 0, score.stderr
+    rows = json.loads(score.stdout)["rows"]
+    want = client.logprobs(hidden, targets)
+    assert np.array_equal(np.array([r["logprob"] for r in rows], np.float32), want.logprobs)
+
+    table = run("score", "--rows", "2", "--seed", "3")
+    assert table.returncode == 0 and table.stdout.count("\nrow ") == 2, table.stdout
+
+    np.save(tmp_path / "bad.npy", np.full(3, model.vocab))
+    bad = run("score", "--hidden", str(tmp_path / "h.npy"), "--targets", str(tmp_path / "bad.npy"))
+    assert bad.returncode == 1 and "target_ids[0]" in bad.stderr
+
+
+def test_project_reassembles_chunks_when_the_server_has_it(client):
+    rng = np.random.default_rng(61)
+    x = rng.standard_normal((10, 96)).astype(np.float32)
+    try:
+        whole = client.project(x, timeout=30)
+    except detlogp.Unimplemented as error:
+        pytest.skip(f"server does not implement ProjectionService.Project yet "
+                    f"(UNIMPLEMENTED: {error.details})")
+    assert whole.y.shape == (10, 5376) and whole.y.dtype == np.float32
+    chunked = client.project(x, rows_per_chunk=3, timeout=30)
+    assert chunked.chunks == 4
+    assert chunked.y.tobytes() == whole.y.tobytes()
+    alone = client.project(x[4:5], timeout=30)
+    assert alone.y.tobytes() == whole.y[4:5].tobytes()
+
+
+def test_checked_in_stubs_match_the_proto(tmp_path, repo_root):
+    """The descriptor inside detlogp_pb2.py equals a fresh compile of proto/;
+    with the pinned grpcio-tools, the files are byte-identical too.
+    Fix: client/python/tools/regen_stubs.sh"""
+    grpc_tools = pytest.importorskip("grpc_tools.protoc")
+    from google.protobuf import descriptor_pb2
+
+    proto_root = repo_root / "proto"
+    out = tmp_path / "out"
+    out.mkdir()
+    rc = grpc_tools.main(["protoc", f"--proto_path={proto_root}",
+                          f"--include_imports",
+                          f"--descriptor_set_out={tmp_path / 'set.pb'}",
+                          f"--python_out={out}", f"--grpc_python_out={out}",
+                          str(proto_root / "detlogp/v1/detlogp.proto")])
+    assert rc == 0
+    fresh = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / "set.pb").read_bytes())
+    fresh_file = [f for f in fresh.file if f.name == "detlogp/v1/detlogp.proto"][0]
+    fresh_file.ClearField("source_code_info")
+    for message in fresh_file.message_type:  # protoc adds json names to sets only
+        for field in message.field:
+            field.ClearField("json_name")
+    checked_in = descriptor_pb2.FileDescriptorProto()
+    detlogp_pb2.DESCRIPTOR.CopyToProto(checked_in)
+    assert checked_in == fresh_file, "stubs are stale: run client/python/tools/regen_stubs.sh"
+
+    from importlib import metadata
+    pinned = "1.85.1"  # tools/regen_stubs.sh GRPCIO_TOOLS_VERSION
+    if metadata.version("grpcio-tools") == pinned:
+        for name in ("detlogp_pb2.py", "detlogp_pb2_grpc.py"):
+            fresh_text = (out / "detlogp/v1" / name).read_text()
+            assert (PACKAGE_ROOT / "detlogp/v1" / name).read_text() == fresh_text, (
+                f"{name} is stale: run client/python/tools/regen_stubs.sh")
