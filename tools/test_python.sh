@@ -31,11 +31,11 @@ if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv" || exit 1
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
-"$venv/bin/python" -m pip install -q "./client/python[test]" >&2 || exit 1
+"$venv/bin/python" -m pip install -q "./client/python[test]" pyyaml >&2 || exit 1
 
 # Non-editable install: the tests import the installed package, as users do.
 "$venv/bin/python" -m pytest -p no:cacheprovider --import-mode=importlib \
   -o junit_family=xunit1 --junitxml="$xml" -s -rs -v --durations=15 \
-  client/python/tests tests/reliability
+  client/python/tests tests/reliability tests/deploy
 rc=$?
 exit $rc
