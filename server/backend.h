@@ -59,6 +59,11 @@ class LogpBackend {
   virtual int64_t DeviceMemoryUsedBytes() const { return 0; }
 };
 
+// BackendOptions::device_index for "every suitable device" ("cuda:all") and
+// for "the first suitable device" ("auto").
+inline constexpr int kAllDevices = -1;
+inline constexpr int kFirstSuitableDevice = -2;
+
 struct BackendOptions {
   // Outlives the backend.
   const LmHeadWeights* weights = nullptr;

@@ -35,15 +35,17 @@ class BackendRegistry {
     return names;
   }
 
-  // `device` is "auto", "<name>" or "<name>:<index>" (e.g. "cpu", "cuda:0").
-  // For "auto" the first backend that starts wins, in registration order;
-  // why the others did not is appended to `notes`.
+  // `device` is "auto", "<name>", "<name>:<index>" or "<name>:all" (e.g.
+  // "cpu", "cuda:0", "cuda:all"); "all" passes device_index -1 (every
+  // suitable device), "auto" -2 (the first suitable device). For "auto" the
+  // first backend that starts wins, in registration order; why the others
+  // did not is in `notes`.
   absl::StatusOr<std::unique_ptr<Backend>> Create(
       const std::string& device, Options options,
       std::vector<std::string>* notes) const {
     if (device == "auto") {
       for (const auto& [name, factory] : factories_) {
-        options.device_index = 0;
+        options.device_index = -2;
         auto backend = factory(options);
         if (backend.ok()) return backend;
         notes->push_back(absl::StrCat(name, " unavailable: ",
@@ -53,11 +55,14 @@ class BackendRegistry {
     }
     std::vector<std::string> parts = absl::StrSplit(device, ':');
     options.device_index = 0;
-    if (parts.size() > 2 ||
-        (parts.size() == 2 && (!absl::SimpleAtoi(parts[1], &options.device_index) ||
-                               options.device_index < 0))) {
+    if (parts.size() == 2 && parts[1] == "all") {
+      options.device_index = -1;
+    } else if (parts.size() > 2 ||
+               (parts.size() == 2 &&
+                (!absl::SimpleAtoi(parts[1], &options.device_index) ||
+                 options.device_index < 0))) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--device=", device, ": expected auto, cpu or cuda:N"));
+          absl::StrCat("--device=", device, ": expected auto, cpu, cuda:N or cuda:all"));
     }
     for (const auto& [name, factory] : factories_) {
       if (name == parts[0]) return factory(options);

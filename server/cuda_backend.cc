@@ -3,8 +3,10 @@
 #include <cuda_runtime_api.h>
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "server/cuda_buffers.h"
 
@@ -125,6 +127,59 @@ class CudaExecutor final : public LogpExecutor {
   DeviceBuffer hidden_, targets_, temperatures_, logprobs_, lse_, workspace_;
 };
 
+// The weights and kernel on one GPU.
+struct DeviceReplica {
+  int device = 0;
+  DeviceBuffer weight;
+  DeviceBuffer bias;
+  // Declared after the buffers it points into, so it is destroyed first.
+  std::unique_ptr<LinearLogpCuda> kernel;
+};
+
+absl::StatusOr<std::unique_ptr<DeviceReplica>> UploadReplica(
+    const LmHeadWeights& weights, int device) {
+  auto replica = std::make_unique<DeviceReplica>();
+  replica->device = device;
+  DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
+  const size_t weight_bytes = weights.weight.size() * sizeof(uint16_t);
+  if (absl::Status s = replica->weight.Allocate(weight_bytes, "weights"); !s.ok()) {
+    return s;
+  }
+  DETLOGP_RETURN_IF_CUDA_ERROR(
+      cudaMemcpy(replica->weight.as<void>(), weights.weight.data(), weight_bytes,
+                 cudaMemcpyHostToDevice),
+      "upload weights");
+  if (!weights.bias.empty()) {
+    const size_t bias_bytes = weights.bias.size() * sizeof(float);
+    if (absl::Status s = replica->bias.Allocate(bias_bytes, "bias"); !s.ok()) {
+      return s;
+    }
+    DETLOGP_RETURN_IF_CUDA_ERROR(
+        cudaMemcpy(replica->bias.as<void>(), weights.bias.data(), bias_bytes,
+                   cudaMemcpyHostToDevice),
+        "upload bias");
+  }
+  LinearLogpCuda::Options kernel_options;
+  kernel_options.device = device;
+  kernel_options.weights.weight = replica->weight.as<const __nv_bfloat16>();
+  kernel_options.weights.bias =
+      weights.bias.empty() ? nullptr : replica->bias.as<const float>();
+  kernel_options.weights.hidden_size = weights.hidden_size;
+  kernel_options.weights.vocab_size = weights.vocab_size;
+  kernel_options.weights.padded_vocab_size = weights.padded_vocab_size;
+  auto kernel = LinearLogpCuda::Create(kernel_options);
+  if (!kernel.ok()) return kernel.status();
+  replica->kernel = *std::move(kernel);
+  return replica;
+}
+
+// Drives one GPU ("cuda:N", or the first sm_90 one for "auto") or every sm_90
+// GPU of one kind ("cuda:all").
+// Each GPU holds the full weights; executors are spread over the GPUs and
+// every batch thread pulls from the one queue when its executor is free, so
+// batches go to whichever GPU is least loaded. GPUs of the same kind run the
+// same kernel, hence the same bits: the determinism key names the
+// architecture, not the device index.
 class CudaBackend final : public LogpBackend {
  public:
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(
@@ -134,60 +189,52 @@ class CudaBackend final : public LogpBackend {
       cudaGetLastError();  // clear the sticky "no device" error
       return absl::UnavailableError("no CUDA device on this machine");
     }
-    const int device = options.device_index;
-    if (device >= count) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cuda:", device, " requested but only ", count, " GPU(s) visible"));
-    }
-    cudaDeviceProp props;
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&props, device),
-                                 "cudaGetDeviceProperties");
-    if (props.major != 9 || props.minor != 0) {
-      return absl::UnavailableError(absl::StrCat(
-          "cuda:", device, " (", props.name, ") is sm_", props.major,
-          props.minor, "; the kernel is built for sm_90a"));
+    std::vector<int> devices;
+    const bool any_suitable = options.device_index == kAllDevices ||
+                              options.device_index == kFirstSuitableDevice;
+    if (any_suitable) {
+      for (int d = 0; d < count; ++d) devices.push_back(d);
+    } else if (options.device_index < count) {
+      devices.push_back(options.device_index);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda:", options.device_index, " requested but only ",
+                       count, " GPU(s) visible"));
     }
     auto backend = std::unique_ptr<CudaBackend>(new CudaBackend());
-    backend->device_ = device;
-    const LmHeadWeights& weights = *options.weights;
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
-    const size_t weight_bytes = weights.weight.size() * sizeof(uint16_t);
-    if (absl::Status s = backend->weight_.Allocate(weight_bytes, "weights");
-        !s.ok()) {
-      return s;
-    }
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpy(backend->weight_.as<void>(), weights.weight.data(),
-                   weight_bytes, cudaMemcpyHostToDevice),
-        "upload weights");
-    if (!weights.bias.empty()) {
-      const size_t bias_bytes = weights.bias.size() * sizeof(float);
-      if (absl::Status s = backend->bias_.Allocate(bias_bytes, "bias");
-          !s.ok()) {
-        return s;
+    std::string name;
+    std::vector<int> used;
+    for (int device : devices) {
+      cudaDeviceProp props;
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&props, device),
+                                   "cudaGetDeviceProperties");
+      if (props.major != 9 || props.minor != 0) {
+        if (!any_suitable) {
+          return absl::UnavailableError(absl::StrCat(
+              "cuda:", device, " (", props.name, ") is sm_", props.major,
+              props.minor, "; the kernel is built for sm_90a"));
+        }
+        continue;  // "all" means every sm_90 GPU
       }
-      DETLOGP_RETURN_IF_CUDA_ERROR(
-          cudaMemcpy(backend->bias_.as<void>(), weights.bias.data(),
-                     bias_bytes, cudaMemcpyHostToDevice),
-          "upload bias");
+      if (!name.empty() && name != props.name) continue;  // one kind only
+      name = props.name;
+      auto replica = UploadReplica(*options.weights, device);
+      if (!replica.ok()) return replica.status();
+      backend->replicas_.push_back(*std::move(replica));
+      used.push_back(device);
+      if (options.device_index == kFirstSuitableDevice) break;
     }
-    LinearLogpCuda::Options kernel_options;
-    kernel_options.device = device;
-    kernel_options.weights.weight = backend->weight_.as<const __nv_bfloat16>();
-    kernel_options.weights.bias =
-        weights.bias.empty() ? nullptr : backend->bias_.as<const float>();
-    kernel_options.weights.hidden_size = weights.hidden_size;
-    kernel_options.weights.vocab_size = weights.vocab_size;
-    kernel_options.weights.padded_vocab_size = weights.padded_vocab_size;
-    auto kernel = LinearLogpCuda::Create(kernel_options);
-    if (!kernel.ok()) return kernel.status();
-    backend->kernel_ = *std::move(kernel);
-    backend->hidden_size_ = weights.hidden_size;
+    if (backend->replicas_.empty()) {
+      return absl::UnavailableError("no sm_90 GPU on this machine");
+    }
+    backend->hidden_size_ = options.weights->hidden_size;
     backend->description_.name = "cuda";
-    backend->description_.device = absl::StrCat("cuda:", device, " ", props.name);
+    backend->description_.device =
+        absl::StrCat("cuda:", absl::StrJoin(used, ","), " ", name);
     backend->description_.instruction_set = "sm_90a";
     backend->description_.kernel_version = LinearLogpCuda::KernelVersion();
-    backend->description_.preferred_inflight_batches = 2;
+    backend->description_.preferred_inflight_batches =
+        2 * static_cast<int>(backend->replicas_.size());
     return backend;
   }
 
@@ -196,18 +243,22 @@ class CudaBackend final : public LogpBackend {
   }
 
   int64_t DeviceMemoryUsedBytes() const override {
-    size_t free_bytes = 0, total_bytes = 0;
-    if (cudaSetDevice(device_) != cudaSuccess ||
-        cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
-      return 0;
+    int64_t used = 0;
+    for (const auto& replica : replicas_) {
+      size_t free_bytes = 0, total_bytes = 0;
+      if (cudaSetDevice(replica->device) == cudaSuccess &&
+          cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+        used += static_cast<int64_t>(total_bytes - free_bytes);
+      }
     }
-    return static_cast<int64_t>(total_bytes - free_bytes);
+    return used;
   }
 
   absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) override {
-    auto executor = CudaExecutor::Create(kernel_.get(), device_, hidden_size_,
-                                         max_batch_rows);
+    const DeviceReplica& replica = *replicas_[next_replica_++ % replicas_.size()];
+    auto executor = CudaExecutor::Create(replica.kernel.get(), replica.device,
+                                         hidden_size_, max_batch_rows);
     if (!executor.ok()) return executor.status();
     return std::unique_ptr<LogpExecutor>(*std::move(executor));
   }
@@ -215,12 +266,9 @@ class CudaBackend final : public LogpBackend {
  private:
   CudaBackend() = default;
 
-  int device_ = 0;
+  std::vector<std::unique_ptr<DeviceReplica>> replicas_;
+  size_t next_replica_ = 0;
   int64_t hidden_size_ = 0;
-  DeviceBuffer weight_;
-  DeviceBuffer bias_;
-  // Declared after the buffers it points into, so it is destroyed first.
-  std::unique_ptr<LinearLogpCuda> kernel_;
   BackendDescription description_;
 };
 

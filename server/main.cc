@@ -31,7 +31,7 @@ ABSL_FLAG(std::string, bias_tensor, "",
 ABSL_FLAG(int64_t, vocab_size, 0,
           "Real vocabulary (<= weight rows; the rest is padding). 0: all rows.");
 ABSL_FLAG(std::string, device, "auto",
-          "auto (first sm_90 GPU, else CPU), cpu, or cuda:N.");
+          "auto (first sm_90 GPU, else CPU), cpu, cuda:N, or cuda:all (every sm_90 GPU, batches to the least-loaded).");
 ABSL_FLAG(int64_t, max_batch_rows, 256, "Rows per batch at most.");
 ABSL_FLAG(int64_t, max_queue_delay_us, 500,
           "Longest a queued row waits for a fuller batch, microseconds.");

@@ -90,7 +90,8 @@ class CudaProjectionBackend final : public ProjectionBackend {
       cudaGetLastError();
       return absl::UnavailableError("no CUDA device on this machine");
     }
-    const int device = options.device_index;
+    // The projection runs on one GPU; "all"/"auto" use the first.
+    const int device = options.device_index < 0 ? 0 : options.device_index;
     if (device >= count) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda:", device, " requested but only ", count, " GPU(s) visible"));

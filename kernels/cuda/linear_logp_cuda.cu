@@ -119,7 +119,6 @@ struct LinearLogpCuda::Impl {
   CUtensorMap weight_map;  // CUtensorMap is 64-byte aligned by its type
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   int num_sms = 0;
-  int max_clusters = 0;  // co-resident 2-CTA clusters; 0: never cluster
   int32_t invariant_splits = 0;
   int32_t invariant_begin[kv::kMaxSplits + 1] = {};
 };
@@ -182,42 +181,14 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   }
   cudaFuncAttributes attrs;
   DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attrs, kv::LinearLogpSplitKernel<1>));
+      cudaFuncGetAttributes(&attrs, kv::LinearLogpSplitKernel));
   DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attrs, kv::LinearLogpSplitKernel<2>));
-  DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kv::LinearLogpSplitKernel<1>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kv::kSmemBytes));
-  DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kv::LinearLogpSplitKernel<2>,
+      cudaFuncSetAttribute(kv::LinearLogpSplitKernel,
                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kv::kSmemBytes));
 
   auto impl = std::make_unique<Impl>();
   impl->num_sms = prop.multiProcessorCount;
-  {
-    // How many 2-CTA clusters fit at once (GPC boundaries may leave SMs
-    // unusable). On failure the kernel simply never uses clusters.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(2 * (prop.multiProcessorCount / 2));
-    cfg.blockDim = dim3(kv::kThreads);
-    cfg.dynamicSmemBytes = kv::kSmemBytes;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kv::LinearLogpSplitKernel<2>,
-                                       &cfg) == cudaSuccess) {
-      impl->max_clusters = clusters;
-    } else {
-      (void)cudaGetLastError();
-    }
-  }
 
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult query;
@@ -324,42 +295,14 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
   }
   p.num_row_blocks =
       static_cast<int32_t>((batch.rows + kv::kBlockM - 1) / kv::kBlockM);
+  p.num_items = p.num_row_blocks * p.num_splits;
   p.a_box_rows = a_box_rows;
-  // Clusters of two CTAs (weight tiles multicast to both) pay off when the
-  // row blocks pair up: always for an even count, and for an odd count once
-  // the one idle half-unit per split is a small share. Bits do not depend on
-  // this choice.
-  const int rb = p.num_row_blocks;
-  const bool cluster = impl_->max_clusters > 0 && rb >= 2 &&
-                       (rb % 2 == 0 || rb >= 33);
-  const int cluster_size = cluster ? 2 : 1;
-  p.num_row_units = (rb + cluster_size - 1) / cluster_size;
-  p.num_items = p.num_row_units * p.num_splits;
+  const int grid = std::min(impl_->num_sms, p.num_items);
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
-  if (!cluster) {
-    const int grid = std::min(impl_->num_sms, p.num_items);
-    kv::LinearLogpSplitKernel<1>
-        <<<grid, kv::kThreads, kv::kSmemBytes, stream>>>(
-            hidden_map, impl_->weight_map, p);
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  } else {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(2 * std::min(impl_->max_clusters, p.num_items));
-    cfg.blockDim = dim3(kv::kThreads);
-    cfg.dynamicSmemBytes = kv::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = 2;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(
-        &cfg, kv::LinearLogpSplitKernel<2>, hidden_map, impl_->weight_map, p));
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
+  kv::LinearLogpSplitKernel<<<grid, kv::kThreads, kv::kSmemBytes, stream>>>(
+      hidden_map, impl_->weight_map, p);
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   constexpr int kCombineThreads = 128;
   const int combine_grid =
       static_cast<int>((batch.rows + kCombineThreads - 1) / kCombineThreads);

@@ -30,10 +30,21 @@
 //     reduction across the 4 threads that share a row. The state is written
 //     once per (row, split) to the workspace as the split's logsumexp
 //     lse_s = max + log(sum) (4 bytes; the partial {lse_s, 1} is equivalent
-//     to {max, sum}); the split holding the target
-//     writes z[target] into logprobs[row]. A second kernel folds the
-//     partials in ascending split order (CombinePartials) and finishes
-//     logprob = z[target] - lse.
+//     to {max, sum}); the split holding the target writes z[target] into
+//     logprobs[row]. A second kernel folds the partials {lse_s, 1} in
+//     ascending split order with CombinePartials, starting from split 0, and
+//     finishes logprob = z[target] - lse. No atomics anywhere.
+//   * The epilogue computes y = acc + bias; the tile max of z = y / T is
+//     fl(max(y) * (1/T)) (rounding is monotone, 1/T > 0), exp(z - m) is
+//     ex2(y * (log2e / T) - m * log2e), and z[target] = y * (1/T).
+//
+// Version history (docs/perf.md; earlier kernels in `git log -- kernels/cuda`):
+//   v1: 256-wide tiles + one narrow tail tile per split, 128-row A box,
+//       {max, sum} partials.
+//   v2: even 32-multiple tile widths, A box sized to N (small-N speed).
+//   v3: split policy max132/v2, 4-byte split logsumexp, cheaper epilogue.
+// Build flags matter for bits: -O3 -gencode=arch=compute_90a,code=sm_90a,
+// no --use_fast_math / -ftz / -prec-div changes (expf/logf in the combine).
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_KERNEL_CUH_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_KERNEL_CUH_
 
@@ -58,7 +69,7 @@ inline constexpr int kConsumers = 2;
 inline constexpr int kThreads = 128 * (1 + kConsumers);
 inline constexpr int kATileBytes = kBlockM * kBlockK * 2;     // 16 KiB
 inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;     // 32 KiB
-inline constexpr int kBChunkBytes = kChunkRows * kBlockK * 2;  // 8 KiB
+inline constexpr int kBChunkBytes = kChunkRows * kBlockK * 2;  // 4 KiB
 inline constexpr int kMaxSplits = 256;  // 4 B per split: <= 1 KiB per row
 inline constexpr int kRowGroup = 8;  // row blocks that share weight tiles in L2
 inline constexpr int kSmemBytes =
@@ -76,26 +87,21 @@ struct KernelParams {
   int32_t k_blocks;              // hidden / 64
   int32_t num_splits;
   int32_t num_row_blocks;
-  int32_t num_row_units;          // row blocks / cluster size, rounded up
   int32_t num_items;
   int32_t a_box_rows;             // hidden rows per TMA box (<= kBlockM)
   int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
 };
 
-// Item -> (row unit, split); a row unit is kCluster consecutive 128-row
-// blocks, one per CTA of a cluster. Row units are taken kRowGroup / kCluster
-// at a time, the unit fastest inside a group, so concurrently running CTAs
-// share weight tiles in L2.
-template <int kCluster>
+// Item -> (row block, split). Row blocks are taken kRowGroup at a time, with
+// the row block fastest inside a group, so concurrent blocks share weights.
 __device__ __forceinline__ void DecodeItem(const KernelParams& p, int item,
-                                           int& row_unit, int& split) {
-  constexpr int kUnitsPerGroup = kRowGroup / kCluster;
-  const int group_items = kUnitsPerGroup * p.num_splits;
+                                           int& row_block, int& split) {
+  const int group_items = kRowGroup * p.num_splits;
   const int g = item / group_items;
   const int r = item - g * group_items;
-  const int in_group = min(kUnitsPerGroup, p.num_row_units - g * kUnitsPerGroup);
+  const int in_group = min(kRowGroup, p.num_row_blocks - g * kRowGroup);
   split = r / in_group;
-  row_unit = g * kUnitsPerGroup + (r - split * in_group);
+  row_block = g * kRowGroup + (r - split * in_group);
 }
 
 // Tiling of a split of `size` columns: ceil(size / 256) tiles whose widths are
@@ -203,16 +209,9 @@ template <int kW>
 __device__ __forceinline__ void ConsumeTile(
     const KernelParams& p, float* acc, uint8_t* smem_a, uint8_t* smem_b,
     uint64_t* full, uint64_t* empty, Ring& ring, bool active, int consumer,
-    int lane, int v0, int valid, const ConsumerRows& rows, RowState* state,
-    int peer) {
+    int lane, int v0, int valid, const ConsumerRows& rows, RowState* state) {
   constexpr int kRegs = kW / 2;
   const bool lane_arrives = lane == 0;
-  // Frees a stage: every consumer warp of every CTA that the stage's loads
-  // were multicast to must arrive before a producer refills it.
-  auto release = [&](int stage) {
-    ptx::MbarArrive(&empty[stage]);
-    if (peer >= 0) ptx::MbarArriveCluster(&empty[stage], peer);
-  };
   int prev_stage = -1;
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     ptx::MbarWait(&full[ring.stage], ring.phase);
@@ -229,17 +228,17 @@ __device__ __forceinline__ void ConsumeTile(
       }
       ptx::WgmmaCommit();
       ptx::WgmmaWait<1>();
-      if (prev_stage >= 0 && lane_arrives) release(prev_stage);
+      if (prev_stage >= 0 && lane_arrives) ptx::MbarArrive(&empty[prev_stage]);
       prev_stage = ring.stage;
     } else if (lane_arrives) {
-      release(ring.stage);
+      ptx::MbarArrive(&empty[ring.stage]);
     }
     ring.Advance();
   }
   ptx::WgmmaWait<0>();  // no-op when inactive (nothing was issued)
   ptx::FenceAccumulators<kRegs>(acc);
   if (!active) return;
-  if (lane_arrives) release(prev_stage);
+  if (lane_arrives) ptx::MbarArrive(&empty[prev_stage]);
 
   // ---- epilogue: online softmax of z = (acc + bias) / T over the tile.
   // y = acc + bias; the tile max of z is fl(max(y) * (1/T)) because rounding
@@ -320,14 +319,6 @@ __device__ __forceinline__ void ConsumeTile(
   state[1].max = m1;
 }
 
-// kCluster = 1: one CTA per item. kCluster = 2: launched as clusters of two
-// CTAs that take the two row blocks of a row unit against the same split; each
-// CTA's producer loads its own hidden tile and half of the weight tile,
-// multicast to both CTAs, which halves the weight traffic out of L2. Both
-// variants feed the wgmmas the same shared-memory bytes and run the same
-// instruction sequence per row: their bits are identical (the tests compare
-// rows computed by each).
-template <int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     LinearLogpSplitKernel(const __grid_constant__ CUtensorMap hidden_map,
                           const __grid_constant__ CUtensorMap weight_map,
@@ -344,80 +335,48 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Broadcast so that the compiler sees a warp-uniform value (keeps the wgmma
   // paths free of divergence, which would serialize them).
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-  const int rank = kCluster == 1 ? 0 : static_cast<int>(ptx::ClusterCtaRank());
-  const int peer = kCluster == 1 ? -1 : (rank ^ 1);
-  const int cluster_id = blockIdx.x / kCluster;
-  const int num_clusters = gridDim.x / kCluster;
   if (threadIdx.x == 0) {
     ptx::PrefetchTensorMap(&hidden_map);
     ptx::PrefetchTensorMap(&weight_map);
     for (int s = 0; s < kStages; ++s) {
       ptx::MbarInit(&full[s], 1);
-      ptx::MbarInit(&empty[s], kConsumers * 4 * kCluster);
+      ptx::MbarInit(&empty[s], kConsumers * 4);
     }
     ptx::FenceBarrierInit();
   }
-  if constexpr (kCluster == 1) {
-    __syncthreads();
-  } else {
-    ptx::ClusterSync();  // peers' barriers are initialised before any use
-  }
+  __syncthreads();
 
   if (warpgroup == 0) {
     ptx::SetMaxNRegDec<kProducerRegs>();
-    if (threadIdx.x == 0) {
-      Ring ring{0, 0};
-      for (int item = cluster_id; item < p.num_items; item += num_clusters) {
-        int row_unit, split;
-        DecodeItem<kCluster>(p, item, row_unit, split);
-        // A CTA whose row block is past the batch (odd block count) still
-        // loads valid rows and multicasts its weight half; its consumers
-        // write nothing.
-        const int row_block =
-            min(row_unit * kCluster + rank, p.num_row_blocks - 1);
-        const int begin = p.split_begin[split];
-        const int end = p.split_begin[split + 1];
-        const int tiles = TileCount(end - begin);
-        for (int t = 0, v0 = begin; t < tiles; ++t) {
-          const int width = TileWidth(end - begin, t);
-          const int chunks = width / kChunkRows;
-          // This CTA's share of the weight chunks (all of them unclustered).
-          const int half = (chunks + 1) / 2;
-          const int c_begin = kCluster == 1 ? 0 : (rank == 0 ? 0 : half);
-          const int c_end = kCluster == 1 ? chunks : (rank == 0 ? half : chunks);
-          const uint32_t bytes =
-              p.a_box_rows * (kBlockK * 2) + chunks * kBChunkBytes;
-          for (int kb = 0; kb < p.k_blocks; ++kb) {
-            ptx::MbarWait(&empty[ring.stage], ring.phase ^ 1u);
-            ptx::MbarArriveExpectTx(&full[ring.stage], bytes);
-            ptx::TmaLoad2d(smem_a + ring.stage * kATileBytes, &hidden_map,
-                           &full[ring.stage], kb * kBlockK,
-                           row_block * kBlockM);
-            for (int c = c_begin; c < c_end; ++c) {
-              uint8_t* dst =
-                  smem_b + ring.stage * kBTileBytes + c * kBChunkBytes;
-              if constexpr (kCluster == 1) {
-                ptx::TmaLoad2d(dst, &weight_map, &full[ring.stage],
-                               kb * kBlockK, v0 + c * kChunkRows);
-              } else {
-                ptx::TmaLoad2dMulticast(dst, &weight_map, &full[ring.stage],
-                                        kb * kBlockK, v0 + c * kChunkRows,
-                                        static_cast<uint16_t>(0x3));
-              }
-            }
-            ring.Advance();
+    if (threadIdx.x != 0) return;
+    Ring ring{0, 0};
+    for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
+      int row_block, split;
+      DecodeItem(p, item, row_block, split);
+      const int begin = p.split_begin[split];
+      const int end = p.split_begin[split + 1];
+      const int tiles = TileCount(end - begin);
+      for (int t = 0, v0 = begin; t < tiles; ++t) {
+        const int width = TileWidth(end - begin, t);
+        const int chunks = width / kChunkRows;
+        const uint32_t bytes =
+            p.a_box_rows * (kBlockK * 2) + chunks * kBChunkBytes;
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+          ptx::MbarWait(&empty[ring.stage], ring.phase ^ 1u);
+          ptx::MbarArriveExpectTx(&full[ring.stage], bytes);
+          ptx::TmaLoad2d(smem_a + ring.stage * kATileBytes, &hidden_map,
+                         &full[ring.stage], kb * kBlockK, row_block * kBlockM);
+          for (int c = 0; c < chunks; ++c) {
+            ptx::TmaLoad2d(smem_b + ring.stage * kBTileBytes + c * kBChunkBytes,
+                           &weight_map, &full[ring.stage], kb * kBlockK,
+                           v0 + c * kChunkRows);
           }
-          v0 += width;
+          ring.Advance();
         }
+        v0 += width;
       }
     }
-    if constexpr (kCluster == 1) {
-      return;
-    } else {
-      __syncwarp();
-      ptx::ClusterSync();  // stay until the peer has stopped arriving here
-      return;
-    }
+    return;
   }
 
   ptx::SetMaxNRegInc<kConsumerRegs>();
@@ -427,10 +386,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = tid & 31;
   float acc[kBlockN / 2];
   Ring ring{0, 0};
-  for (int item = cluster_id; item < p.num_items; item += num_clusters) {
-    int row_unit, split;
-    DecodeItem<kCluster>(p, item, row_unit, split);
-    const int row_block = row_unit * kCluster + rank;
+  for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
+    int row_block, split;
+    DecodeItem(p, item, row_block, split);
     const int begin = p.split_begin[split];
     const int end = p.split_begin[split + 1];
     const int slab = row_block * kBlockM + consumer * 64;
@@ -453,35 +411,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       switch (width / kChunkRows) {
         case 8:
           ConsumeTile<256>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         case 7:
           ConsumeTile<224>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         case 6:
           ConsumeTile<192>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         case 5:
           ConsumeTile<160>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         case 4:
           ConsumeTile<128>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         case 3:
           ConsumeTile<96>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         case 2:
           ConsumeTile<64>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         case 1:
           ConsumeTile<32>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state, peer);
+                          consumer, lane, v0, valid, rows, state);
           break;
         default:
           __trap();  // unreachable: widths are 32..256
@@ -500,7 +458,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  if constexpr (kCluster == 2) ptx::ClusterSync();
 }
 
 // Folds each row's split partials ({lse_s, 1}) in ascending split order with
