@@ -1,4 +1,4 @@
-// detlogp_cli: info | score | check-invariance against a detlogp server.
+// detlogp_cli: info | score | check-invariance | project against a server.
 //
 //   detlogp_cli info --target=127.0.0.1:50051
 //   detlogp_cli score --random_rows=4
@@ -18,6 +18,9 @@
 #include "client/logp_client.h"
 #include "client/random_rows.h"
 #include "client/tensor_files.h"
+#include "kernels/random_normal.h"
+#include "server/sha256.h"
+#include "absl/time/clock.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
 ABSL_FLAG(int, timeout_s, 60, "Per-call deadline, seconds.");
@@ -36,6 +39,8 @@ ABSL_FLAG(int, random_rows, 4, "score: random demo rows when no --hidden.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed for random rows.");
 ABSL_FLAG(float, temperature, 1.0f, "Softmax temperature (0 means 1).");
 ABSL_FLAG(bool, return_lse, false, "score: print logsumexp too.");
+ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
+ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int, probes, 16, "check-invariance: probe rows.");
 ABSL_FLAG(int, concurrency, 32, "check-invariance: concurrent client threads.");
 ABSL_FLAG(int, calls_per_thread, 4, "check-invariance: calls per thread.");
@@ -121,6 +126,33 @@ int Score() {
   return 0;
 }
 
+// Streams the projection of seeded random rows and prints the determinism
+// key and a digest of Y's bits: equal digests across servers (CPU or GPU)
+// show equal bits.
+int Project() {
+  auto client = Connect();
+  if (!client.ok()) return Fail(client.status());
+  const int64_t rows = absl::GetFlag(FLAGS_project_rows);
+  detlogp::kernels::RandomNormal random(absl::GetFlag(FLAGS_seed));
+  std::vector<float> x(rows * 96);
+  for (float& v : x) v = random.Next(1.0f);
+  detlogp::server::Sha256 digest;
+  const absl::Time start = absl::Now();
+  auto result = (*client)->Project(
+      x, rows, absl::GetFlag(FLAGS_rows_per_chunk), /*keep_output=*/false,
+      [&](const detlogp::v1::ProjectResponse& chunk) {
+        digest.Update(chunk.y().data().data(), chunk.y().data().size());
+      });
+  if (!result.ok()) return Fail(result.status());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  std::printf("determinism_key %s\ny_sha256 %s\nrows %lld chunks %lld "
+              "seconds %.3f output_GB/s %.2f\n",
+              result->determinism_key.c_str(), digest.HexDigest().c_str(),
+              static_cast<long long>(rows), static_cast<long long>(result->chunks),
+              seconds, rows * 5376.0 * 4 / seconds / 1e9);
+  return 0;
+}
+
 int CheckInvariance() {
   detlogp::client::InvarianceOptions options;
   options.target = absl::GetFlag(FLAGS_target);
@@ -140,16 +172,17 @@ int CheckInvariance() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "detlogp_cli <info|score|check-invariance> [--flags]");
+      "detlogp_cli <info|score|check-invariance|project> [--flags]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::cerr << "usage: detlogp_cli <info|score|check-invariance> [--flags]\n";
+    std::cerr << "usage: detlogp_cli <info|score|check-invariance|project> [--flags]\n";
     return 2;
   }
   const std::string command = args[1];
   if (command == "info") return Info();
   if (command == "score") return Score();
   if (command == "check-invariance") return CheckInvariance();
+  if (command == "project") return Project();
   std::cerr << "unknown command '" << command << "'\n";
   return 2;
 }

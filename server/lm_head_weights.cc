@@ -1,9 +1,11 @@
 #include "server/lm_head_weights.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/bfloat16.h"
+#include "kernels/parallel_for.h"
 #include "kernels/random_normal.h"
 #include "server/safetensors.h"
 #include "server/sha256.h"
@@ -126,10 +128,24 @@ LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options) {
   weights.hidden_size = options.hidden_size;
   weights.vocab_size = options.vocab_size;
   weights.padded_vocab_size = options.vocab_size;
-  kernels::RandomNormal random(options.seed);
   weights.weight.resize(options.vocab_size * options.hidden_size);
-  for (uint16_t& w : weights.weight) w = kernels::FloatToBf16(random.Next(0.02f));
+  // Each block of rows has its own stream (seeded from the block index), so
+  // threads fill blocks in any order and the weights stay the same.
+  constexpr int64_t kRowsPerBlock = 1024;
+  const int64_t blocks = (options.vocab_size + kRowsPerBlock - 1) / kRowsPerBlock;
+  kernels::ParallelForRanges(blocks, 0, [&](int64_t first, int64_t last) {
+    for (int64_t block = first; block < last; ++block) {
+      kernels::RandomNormal random(options.seed * 1000003 + block);
+      const int64_t begin = block * kRowsPerBlock * options.hidden_size;
+      const int64_t end = std::min<int64_t>(
+          (block + 1) * kRowsPerBlock * options.hidden_size, weights.weight.size());
+      for (int64_t i = begin; i < end; ++i) {
+        weights.weight[i] = kernels::FloatToBf16(random.Next(0.02f));
+      }
+    }
+  });
   if (options.with_bias) {
+    kernels::RandomNormal random(options.seed);
     weights.bias.resize(options.vocab_size);
     for (float& b : weights.bias) b = random.Next(0.1f);
   }

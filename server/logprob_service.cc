@@ -152,6 +152,9 @@ class LogProbServiceImpl::StreamCall final
     std::shared_ptr<LogProbRequest> request;
     {
       absl::MutexLock lock(&mu_);
+      // Until the Update below, this thread still uses the reactor: no other
+      // thread may finish the call (and so delete it) in the meantime.
+      in_read_callback_ = true;
       pending_.push_back(entry);
       request = std::move(next_request_);
     }
@@ -159,15 +162,18 @@ class LogProbServiceImpl::StreamCall final
     const LogProbRequest& request_ref = *request;
     const absl::Status status = service_->Submit(
         request_ref, std::move(request), DeadlineOf(context_), &entry->response,
-        [this, entry](absl::Status done) {
+        // A raw pointer: the entry owns the job, which owns this callback;
+        // pending_ keeps the entry alive until the callback has run.
+        [this, raw_entry = entry.get()](absl::Status done) {
           Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            entry->status = std::move(done);
-            entry->done = true;
+            raw_entry->status = std::move(done);
+            raw_entry->done = true;
           });
         },
         &entry->job);
     Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       reading_ = false;
+      in_read_callback_ = false;
       if (!status.ok()) {
         entry->status = status;
         entry->done = true;
@@ -243,7 +249,8 @@ class LogProbServiceImpl::StreamCall final
             service_->options_.max_stream_inflight_requests) {
       StartNextReadLocked();
     }
-    if (pending_.empty() && !writing_ && (reads_done_ || stopped)) {
+    if (pending_.empty() && !writing_ && !in_read_callback_ &&
+        (reads_done_ || stopped)) {
       finished_ = true;
       return service_->Record("StreamLogProbs", ToGrpcStatus(terminal_));
     }
@@ -265,6 +272,7 @@ class LogProbServiceImpl::StreamCall final
   std::deque<std::shared_ptr<Entry>> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status terminal_ ABSL_GUARDED_BY(mu_);
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool in_read_callback_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;

@@ -28,7 +28,9 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags
       nvcc_flags: extra nvcc flags.
       **kwargs: passed to cc_library.
     """
-    archive = "lib%s_device.a" % name
+    # ".lo": Bazel links it whole (alwayslink), so static registrations such
+    # as gtest cases in .cu files are kept.
+    archive = "lib%s_device.lo" % name
     native.genrule(
         name = name + "_nvcc",
         srcs = srcs + hdrs + textual_hdrs,

@@ -1,35 +1,96 @@
 #!/usr/bin/env bash
 # Runs on the device machine, from the repository root, with .device/serve
-# carried: serves H=4096, V=151936 from the GPU, checks bit invariance over
-# gRPC, then measures end-to-end throughput and small-call latency.
+# carried (made by tools/device/build_serve.sh):
+#   1. the GPU bitwise tests of both kernels (Bazel-built binaries);
+#   2. the server on the GPU (H=4096, V=151936): bit invariance over gRPC,
+#      end-to-end throughput (N=256, 64 callers) and small-call latency;
+#   3. the H3 projection served from the GPU and from the CPU: equal digests
+#      of Y's bits and equal determinism keys.
 set -uo pipefail
 dir=.device/serve
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.used,clocks.sm,power.draw --format=csv | tee "$OUT/gpu.txt"
+status=0
 
-"$dir/detlogp_server" --device=cuda:0 --port=0 --port_file=/tmp/port \
+echo "== GPU tests"
+for test in linear_logp_cuda_test projection_cuda_test; do
+  "$dir/$test" > "$OUT/$test.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) \]|tests? ran" "$OUT/$test.log"
+  # On a GPU machine every case must run: none skipped, and more than zero.
+  if grep -q "SKIPPED \]" "$OUT/$test.log" || grep -q "PASSED  \] 0 tests" "$OUT/$test.log"; then
+    echo "$test: cases skipped or none ran"; status=1
+  fi
+done
+
+start_server() {  # $1 = port file, rest = flags
+  local port_file=$1; shift
+  rm -f "$port_file"
+  "$dir/detlogp_server" --port=0 --port_file="$port_file" --metrics_port=0 "$@" &
+  for _ in $(seq 1 900); do [[ -s $port_file ]] && break; sleep 0.2; done
+}
+
+echo "== GPU server, H=4096 V=151936"
+start_server /tmp/gpu.port --device=cuda:0 \
   --synthetic_hidden_size=4096 --synthetic_vocab_size=151936 \
   --max_batch_rows=${MAX_BATCH_ROWS:-2048} --max_queue_delay_us=${QUEUE_DELAY_US:-300} \
-  --max_queue_rows=262144 --metrics_port=0 > "$OUT/server.log" 2>&1 &
-server=$!
-for _ in $(seq 1 600); do [[ -s /tmp/port ]] && break; sleep 0.2; done
-port=$(head -1 /tmp/port)
-target=127.0.0.1:$port
-echo "== server on $target"; grep -E "backend|serving|unavailable" "$OUT/server.log"
+  --max_queue_rows=262144 > "$OUT/server.log" 2>&1
+gpu_server=$!
+target=127.0.0.1:$(head -1 /tmp/gpu.port)
+grep -E "backend|serving|unavailable|projection" "$OUT/server.log"
 
-echo "== bits over gRPC (probes alone vs mixed, 64 callers)"
+echo "== bits over gRPC: probes alone vs mixed into 64 concurrent callers"
 "$dir/detlogp_cli" check-invariance --target="$target" --probes=32 \
-  --concurrency=64 --calls_per_thread=4 --channels=8 | tee "$OUT/invariance.txt"
+  --concurrency=64 --calls_per_thread=4 --channels=8 | tee "$OUT/invariance.txt" || status=1
 
-echo "== throughput: N=256 rows per request, 64 callers, 8 channels"
+echo "== end to end: N=256 rows per request, 64 callers, 8 channels"
 "$dir/serve_throughput" --target="$target" --rows=256 --callers=64 --channels=8 \
-  --seconds=${SECONDS_MEASURED:-10} | tee "$OUT/throughput_256.json"
-echo "== latency: N=16, 8 callers"
+  --seconds=10 | tee "$OUT/throughput_256.json" || status=1
+echo "== small calls: N=16, 8 callers"
 "$dir/serve_throughput" --target="$target" --rows=16 --callers=8 --channels=8 \
-  --seconds=5 | tee "$OUT/latency_16.json"
-metrics_port=$(sed -n 2p /tmp/port)
-curl -s "http://127.0.0.1:$metrics_port/metrics" > "$OUT/metrics.txt" 2>/dev/null || true
-kill -TERM $server; wait $server; echo "server exit code $?"
-tail -3 "$OUT/server.log"
+  --seconds=5 | tee "$OUT/latency_16.json" || status=1
+curl -s "http://127.0.0.1:$(sed -n 2p /tmp/gpu.port)/metrics" > "$OUT/metrics.txt" 2>/dev/null
+
+echo "== projection from the GPU"
+"$dir/detlogp_cli" project --target="$target" --project_rows=37296 --seed=7 \
+  | tee "$OUT/project_gpu.txt" || status=1
+kill -TERM $gpu_server; wait $gpu_server; echo "GPU server exit code $?"
+
+echo "== projection from the CPU (same seeded rows)"
+start_server /tmp/cpu.port --device=cpu > "$OUT/server_cpu.log" 2>&1
+cpu_server=$!
+"$dir/detlogp_cli" project --target=127.0.0.1:$(head -1 /tmp/cpu.port) \
+  --project_rows=37296 --seed=7 | tee "$OUT/project_cpu.txt" || status=1
+kill -TERM $cpu_server; wait $cpu_server
+if [[ "$(grep -v seconds "$OUT/project_gpu.txt" | cut -d' ' -f1-2)" == \
+      "$(grep -v seconds "$OUT/project_cpu.txt" | cut -d' ' -f1-2)" ]]; then
+  echo "projection: GPU == CPU bits (same digest, same key)"
+else
+  echo "projection: GPU and CPU DIFFER"; status=1
+fi
+if [[ -n "${SWEEP:-}" ]]; then
+  echo "== sweep: batch threads x queue delay (N=256 x 64 callers; N=16 x 8 callers)"
+  for config in $SWEEP; do  # e.g. "4:300:2048 4:0:2048"
+    IFS=: read -r threads delay rows <<< "$config"
+    start_server /tmp/sweep.port --device=cuda:0 --synthetic_hidden_size=4096 \
+      --synthetic_vocab_size=151936 --batch_threads=$threads \
+      --max_queue_delay_us=$delay --max_batch_rows=$rows --max_queue_rows=262144 \
+      > "$OUT/server_sweep.log" 2>&1
+    sweep_server=$!
+    t=127.0.0.1:$(head -1 /tmp/sweep.port)
+    echo "-- batch_threads=$threads max_queue_delay_us=$delay max_batch_rows=$rows"
+    "$dir/serve_throughput" --target="$t" --rows=256 --callers=64 --channels=16 \
+      --seconds=8 --warmup_seconds=2 | tail -1
+    "$dir/serve_throughput" --target="$t" --rows=16 --callers=8 --channels=8 \
+      --seconds=4 --warmup_seconds=1 | tail -1
+    kill -TERM $sweep_server; wait $sweep_server
+  done
+fi
+if [[ -f .device/logp/liblogp_bench.so ]]; then
+  echo "== kernel only, same batch sizes (no transport)"
+  LD_LIBRARY_PATH="$PWD/.device/logp/lib:$LD_LIBRARY_PATH" python3 tools/device/logp_bench.py \
+    --ns 16,256,2048,4096 --reps 20 --no-torch 2>&1 | tail -8
+fi
+echo "overall status $status"
+exit $status
