@@ -44,6 +44,10 @@ class LogpClient {
     int max_message_bytes = 256 << 20;
     // Distinct channels are distinct TCP connections (local subchannel pool).
     bool own_connection = false;
+    // gRPC load-balancing policy, e.g. "round_robin" with a target listing
+    // several replicas ("ipv4:10.0.0.1:50051,10.0.0.2:50051") or a headless
+    // Service name ("dns:///detlogp.ns.svc:50051"). Empty: gRPC's default.
+    std::string load_balancing_policy;
     // Sent as "authorization: Bearer <token>" when not empty.
     std::string bearer_token;
     // PEM roots to verify the server with; enables TLS when not empty.
