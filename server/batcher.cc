@@ -92,8 +92,13 @@ DynamicBatcher::Stats DynamicBatcher::stats() const {
   return stats;
 }
 
-bool DynamicBatcher::HasWorkOrStopping() const {
-  return stopping_ || !queue_.empty();
+bool DynamicBatcher::CanStartBatchOrStopping() const {
+  if (stopping_) return true;
+  if (queue_.empty()) return false;
+  const int64_t overlap_rows = options_.min_rows_to_overlap >= 0
+                                   ? options_.min_rows_to_overlap
+                                   : options_.max_batch_rows / 4;
+  return batches_in_flight_ == 0 || queued_rows_ >= overlap_rows;
 }
 
 bool DynamicBatcher::HasFullBatchOrStopping() const {
@@ -130,7 +135,7 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
   {
     absl::MutexLock lock(&mu_);
     while (batch.empty()) {
-      mu_.Await(absl::Condition(this, &DynamicBatcher::HasWorkOrStopping));
+      mu_.Await(absl::Condition(this, &DynamicBatcher::CanStartBatchOrStopping));
       if (queue_.empty()) break;  // stopping, nothing left
       const absl::Time flush_at =
           queue_.front().queued +
@@ -149,6 +154,7 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
         room -= take;
         if (front.next_row == front.job->rows()) queue_.pop_front();
       }
+      if (!batch.empty()) ++batches_in_flight_;
       if (!dropped.empty()) break;  // complete them without holding the lock
     }
   }
@@ -167,6 +173,8 @@ void DynamicBatcher::BatchLoop(LogpExecutor* executor) {
       continue;
     }
     RunBatch(executor, batch);
+    absl::MutexLock lock(&mu_);
+    --batches_in_flight_;
   }
 }
 

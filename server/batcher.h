@@ -4,8 +4,9 @@
 // Parameters (Options): a batch holds at most `max_batch_rows` rows; the
 // first row queued waits at most `max_queue_delay_micros` for company before
 // its batch runs anyway; at most `max_queue_rows` rows wait at once (more is
-// RESOURCE_EXHAUSTED, which clients may retry); `num_batch_threads` batches
-// run at once, each on its own executor.
+// RESOURCE_EXHAUSTED, which clients may retry); up to `num_batch_threads`
+// batches run at once, each on its own executor (a second one only once
+// `min_rows_to_overlap` rows wait).
 //
 // Flow: Schedule() runs on the caller's thread: it checks the bound and
 // queues the job (FIFO). A batch thread takes rows from the front of the
@@ -57,6 +58,11 @@ class DynamicBatcher {
     int64_t max_queue_delay_micros = 500;
     int64_t max_queue_rows = 1 << 16;
     int num_batch_threads = 1;
+    // While a batch runs, another starts only once this many rows wait (-1:
+    // max_batch_rows / 4). Under light load this keeps one batch in flight,
+    // so small calls do not queue behind each other on the device; under
+    // heavy load every thread works.
+    int64_t min_rows_to_overlap = -1;
     // Called after every batch on its batch thread; may be empty.
     std::function<void(const BatchRecord&)> on_batch;
   };
@@ -118,7 +124,7 @@ class DynamicBatcher {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunBatch(LogpExecutor* executor, std::vector<Slice>& batch);
   bool HasFullBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CanStartBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   std::vector<std::unique_ptr<LogpExecutor>> executors_;
@@ -127,6 +133,7 @@ class DynamicBatcher {
   mutable absl::Mutex mu_;
   std::deque<QueuedJob> queue_ ABSL_GUARDED_BY(mu_);
   int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 
   std::atomic<int64_t> batches_run_{0};

@@ -53,6 +53,10 @@ ABSL_FLAG(int64_t, projection_max_launch_rows, 2048,
           "Projection rows per launch (also the largest rows_per_chunk).");
 ABSL_FLAG(int, batch_threads, 0,
           "Batches in flight at once; 0: the backend's preference.");
+ABSL_FLAG(int64_t, batch_overlap_rows, -1,
+          "While a batch runs, another starts only once this many rows wait "
+          "(-1: max_batch_rows / 4); keeps small calls from queueing on the "
+          "device under light load.");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads; 0: all cores.");
 ABSL_FLAG(int, metrics_port, -1,
           "Prometheus /metrics port on --host: -1 off, 0 a free port (written "
@@ -151,6 +155,7 @@ int main(int argc, char** argv) {
   options.batcher.max_queue_delay_micros = absl::GetFlag(FLAGS_max_queue_delay_us);
   options.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
+  options.batcher.min_rows_to_overlap = absl::GetFlag(FLAGS_batch_overlap_rows);
   options.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.tls_cert_path = absl::GetFlag(FLAGS_tls_cert);

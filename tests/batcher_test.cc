@@ -175,6 +175,30 @@ TEST(DynamicBatcherTest, StopAnswersEverythingQueuedThenRefuses) {
   EXPECT_EQ(batcher->Schedule(late.job).code(), absl::StatusCode::kUnavailable);
 }
 
+TEST(DynamicBatcherTest, SecondBatchStartsOnlyWhenEnoughRowsWait) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(300));
+  DynamicBatcher::Options options{8, 0, 1000, 2};
+  options.min_rows_to_overlap = 2;
+  auto batcher = MakeBatcher(&backend, options);
+  TrackedJob first = MakeJob(1);
+  ASSERT_TRUE(batcher->Schedule(first.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  TrackedJob second = MakeJob(1);
+  ASSERT_TRUE(batcher->Schedule(second.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  // One row waiting is below the overlap threshold: the idle thread waits.
+  EXPECT_EQ(backend.batches_started(), 1);
+  TrackedJob third = MakeJob(1);
+  ASSERT_TRUE(batcher->Schedule(third.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(backend.batches_started(), 2);  // two rows waiting: overlap
+  for (auto* job : {&first, &second, &third}) {
+    ASSERT_TRUE(job->done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  }
+  EXPECT_EQ(backend.batch_sizes(), (std::vector<int64_t>{1, 2}));
+}
+
 TEST(DynamicBatcherTest, EmptyJobCompletesAtOnce) {
   FakeBackend backend(kH);
   auto batcher = MakeBatcher(&backend, {4, 0, 1000, 1});

@@ -35,6 +35,7 @@ class FakeBackend final : public server::LogpBackend {
   void set_delay(absl::Duration delay) { delay_ns_ = absl::ToInt64Nanoseconds(delay); }
   void set_fail(bool fail) { fail_ = fail; }
   int64_t rows_computed() const { return rows_computed_; }
+  int64_t batches_started() const { return batches_started_; }
   std::vector<int64_t> batch_sizes() const {
     absl::MutexLock lock(&mu_);
     return batch_sizes_;
@@ -55,6 +56,7 @@ class FakeBackend final : public server::LogpBackend {
               temperatures_.data(), logprobs_.data(), lse_.data()};
     }
     absl::Status Run(int64_t rows) override {
+      ++backend_->batches_started_;
       absl::SleepFor(absl::Nanoseconds(backend_->delay_ns_.load()));
       {
         absl::MutexLock lock(&backend_->mu_);
@@ -84,6 +86,7 @@ class FakeBackend final : public server::LogpBackend {
   std::atomic<int64_t> delay_ns_{0};
   std::atomic<bool> fail_{false};
   std::atomic<int64_t> rows_computed_{0};
+  std::atomic<int64_t> batches_started_{0};
   mutable absl::Mutex mu_;
   std::vector<int64_t> batch_sizes_ ABSL_GUARDED_BY(mu_);
 };

@@ -34,7 +34,7 @@ start_server() {  # $1 = port file, rest = flags
 echo "== GPU server, H=4096 V=151936"
 start_server /tmp/gpu.port --device=cuda:0 \
   --synthetic_hidden_size=4096 --synthetic_vocab_size=151936 \
-  --max_batch_rows=${MAX_BATCH_ROWS:-2048} --max_queue_delay_us=${QUEUE_DELAY_US:-300} \
+  --max_batch_rows=${MAX_BATCH_ROWS:-4096} --max_queue_delay_us=${QUEUE_DELAY_US:-0} \
   --max_queue_rows=262144 > "$OUT/server.log" 2>&1
 gpu_server=$!
 target=127.0.0.1:$(head -1 /tmp/gpu.port)
@@ -44,12 +44,14 @@ echo "== bits over gRPC: probes alone vs mixed into 64 concurrent callers"
 "$dir/detlogp_cli" check-invariance --target="$target" --probes=32 \
   --concurrency=64 --calls_per_thread=4 --channels=8 | tee "$OUT/invariance.txt" || status=1
 
-echo "== end to end: N=256 rows per request, 64 callers, 8 channels"
-"$dir/serve_throughput" --target="$target" --rows=256 --callers=64 --channels=8 \
+echo "== end to end: N=256 rows per request, 64 callers, 16 channels"
+"$dir/serve_throughput" --target="$target" --rows=256 --callers=64 --channels=16 \
   --seconds=10 | tee "$OUT/throughput_256.json" || status=1
-echo "== small calls: N=16, 8 callers"
+echo "== small calls: N=16, 8 callers; then one caller"
 "$dir/serve_throughput" --target="$target" --rows=16 --callers=8 --channels=8 \
   --seconds=5 | tee "$OUT/latency_16.json" || status=1
+"$dir/serve_throughput" --target="$target" --rows=16 --callers=1 --channels=1 \
+  --seconds=3 | tail -1
 curl -s "http://127.0.0.1:$(sed -n 2p /tmp/gpu.port)/metrics" > "$OUT/metrics.txt" 2>/dev/null
 
 echo "== projection from the GPU"
