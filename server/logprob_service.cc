@@ -9,6 +9,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/grpc_status.h"
+#include "server/reactor_update.h"
 #include "server/rejected_call.h"
 
 namespace detlogp::server {
@@ -215,18 +216,13 @@ class LogProbServiceImpl::StreamCall final
     }
   }
 
-  // Applies `mutate` under the lock, then takes the next step. Finish runs
-  // after the lock is released and is the caller's last act: OnDone (which
-  // deletes this) may run on another thread as soon as it is called.
+  // State changes go through here (see reactor_update.h).
   template <typename Mutate>
   void Update(Mutate&& mutate) {
-    std::optional<grpc::Status> finish;
-    {
-      absl::MutexLock lock(&mu_);
-      mutate();
-      finish = StepLocked();
-    }
-    if (finish.has_value()) Finish(*std::move(finish));
+    UpdateThenMaybeFinish(
+        mu_, std::forward<Mutate>(mutate),
+        [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return StepLocked(); },
+        [this](grpc::Status status) { Finish(std::move(status)); });
   }
 
   // Writes the next answer or resumes reading; returns the status to finish

@@ -8,6 +8,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/projection.h"
 #include "server/grpc_status.h"
+#include "server/reactor_update.h"
 #include "server/rejected_call.h"
 
 namespace detlogp::server {
@@ -137,18 +138,13 @@ class ProjectionServiceImpl::ProjectCall final
     }
   }
 
-  // Applies `mutate` under the lock, then takes the next step. Finish runs
-  // after the lock is released, as the caller's last act (OnDone may delete
-  // this at once, on another thread).
+  // State changes go through here (see reactor_update.h).
   template <typename Mutate>
   void Update(Mutate&& mutate) {
-    std::optional<grpc::Status> finish;
-    {
-      absl::MutexLock lock(&mu_);
-      mutate();
-      finish = StepLocked();
-    }
-    if (finish.has_value()) Finish(*std::move(finish));
+    UpdateThenMaybeFinish(
+        mu_, std::forward<Mutate>(mutate),
+        [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return StepLocked(); },
+        [this](grpc::Status status) { Finish(std::move(status)); });
   }
 
   // Starts the next write when its chunk is ready; returns the status to

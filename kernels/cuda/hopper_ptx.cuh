@@ -58,38 +58,6 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
-// ---------------------------------------------------------------- cluster
-__device__ __forceinline__ uint32_t ClusterCtaRank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
-
-// Cluster-wide barrier (every thread of every CTA of the cluster). Release /
-// acquire order shared-memory accesses (and mbarrier initialisation) across
-// the cluster.
-__device__ __forceinline__ void ClusterSync() {
-  asm volatile(
-      "barrier.cluster.arrive.release.aligned;\n"
-      "barrier.cluster.wait.acquire.aligned;\n" ::
-          : "memory");
-}
-
-// Arrives on the mbarrier at the same shared-memory offset as `bar` in the CTA
-// of rank `cta` of this cluster. Default (.release.cta) semantics: an explicit
-// .release.cluster costs a MEMBAR.ALL.GPU per arrive (seen in SASS; it made
-// the clustered kernel 1.45x slower). Used to hand a consumed stage back to
-// the peer's producer, whose next write to it is a TMA (async proxy) load.
-__device__ __forceinline__ void MbarArriveCluster(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
-      "}\n" ::"r"(SmemAddr(bar)),
-      "r"(cta)
-      : "memory");
-}
-
 // ---------------------------------------------------------------- TMA
 __device__ __forceinline__ void PrefetchTensorMap(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(
@@ -107,23 +75,6 @@ __device__ __forceinline__ void TmaLoad2d(void* smem_dst, const void* tmap,
       "bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(SmemAddr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1),
       "r"(SmemAddr(bar))
-      : "memory");
-}
-
-// As TmaLoad2d, but the box lands at the same shared-memory offset in every
-// CTA of the cluster named in `cta_mask`, each completing on its own mbarrier
-// at `bar`'s offset.
-__device__ __forceinline__ void TmaLoad2dMulticast(void* smem_dst,
-                                                   const void* tmap,
-                                                   uint64_t* bar, int32_t c0,
-                                                   int32_t c1,
-                                                   uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::"
-      "bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(
-          SmemAddr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1),
-      "r"(SmemAddr(bar)), "h"(cta_mask)
       : "memory");
 }
 
