@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kernels/parallel_for.h"
 
 namespace detlogp::kernels {
 
@@ -59,12 +60,6 @@ class ProjectionCpu {
   std::vector<float> bias_;      // [5376] or empty
   int num_threads_;
 };
-
-// Runs fn(begin, end) over [0, n) split into contiguous ranges on up to
-// num_threads threads (0: hardware concurrency). Ranges never share outputs,
-// so thread count never changes bits.
-void ParallelForRanges(int64_t n, int num_threads,
-                       const std::function<void(int64_t, int64_t)>& fn);
 
 }  // namespace detlogp::kernels
 
