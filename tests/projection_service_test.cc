@@ -183,5 +183,30 @@ TEST_F(ProjectionServiceTest, SlowReaderDoesNotMakeTheServerBufferTheVideo) {
   EXPECT_LT(growth_mib, 150);
 }
 
+TEST_F(ProjectionServiceTest, AFullSizeVideoStreamsInBoundedServerMemory) {
+  // 364,608 rows: 140 MB of X in, 7.8 GB of Y out in 713 chunks of 512
+  // rows, consumed chunk by chunk; the server never holds more than two.
+  auto client = Connect();
+  const int64_t rows = 364608;
+  const std::vector<float> x = RandomX(rows, 17);
+  const int64_t rss_before = ResidentKiB(server_->pid());
+  int64_t rss_peak = rss_before;
+  int64_t chunks_seen = 0;
+  auto result = client->Project(
+      x, rows, 512, /*keep_output=*/false, [&](const v1::ProjectResponse&) {
+        if (++chunks_seen % 50 == 0) {
+          rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
+        }
+      });
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->chunks, (rows + 511) / 512);
+  const int64_t growth_mib = (rss_peak - rss_before) / 1024;
+  std::cout << "364,608-row video: " << result->chunks << " chunks; server RSS "
+            << rss_before / 1024 << " MiB before, peak " << rss_peak / 1024
+            << " MiB\n";
+  // The request itself (140 MB) plus two 11 MB chunks and gRPC's buffers.
+  EXPECT_LT(growth_mib, 400);
+}
+
 }  // namespace
 }  // namespace detlogp
