@@ -8,7 +8,7 @@
 from detlogp.client import Client
 from detlogp.errors import (Cancelled, DeadlineExceeded, DetlogpError,
                             InvalidArgument, Overloaded, Unavailable,
-                            Unimplemented)
+                            Unauthenticated, Unimplemented)
 from detlogp.results import LogProbResult, ProjectResult
 from detlogp.retry import NO_RETRY, RetryPolicy
 from detlogp import aio  # noqa: E402  (detlogp.aio.AsyncClient)
@@ -16,6 +16,7 @@ from detlogp import aio  # noqa: E402  (detlogp.aio.AsyncClient)
 __all__ = [
     "Client", "aio", "RetryPolicy", "NO_RETRY", "LogProbResult",
     "ProjectResult", "DetlogpError", "InvalidArgument", "Overloaded",
-    "DeadlineExceeded", "Unavailable", "Cancelled", "Unimplemented",
+    "DeadlineExceeded", "Unavailable", "Cancelled", "Unauthenticated",
+    "Unimplemented",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ import time
 import grpc
 
 from detlogp import requests
+from detlogp.credentials import make_channel
 from detlogp._common import (
     HEALTH_METHOD, Deadline, RoundRobin, channel_options, identity,
     normalize_targets, parse_health_response, stream_item_to_request)
@@ -25,15 +26,23 @@ class Client:
 
     timeout: default seconds per call, retries included (None: no deadline).
     retry: RetryPolicy for unary calls (UNAVAILABLE, queue-full).
+    token: bearer token sent on every call (servers with --auth_tokens_file).
+    root_certificates, client_certificate, client_key: PEM bytes for TLS and
+      mutual TLS (servers with --tls_cert / --tls_client_ca).
     """
 
     def __init__(self, targets, *, timeout=30.0, retry=RetryPolicy(),
-                 max_message_mb=80, channel_args=()):
+                 max_message_mb=256, channel_args=(), token=None,
+                 root_certificates=None, client_certificate=None,
+                 client_key=None):
         self.targets = normalize_targets(targets)
         self.timeout = timeout
         self.retry = retry
         options = channel_options(max_message_mb) + list(channel_args)
-        self._channels = [grpc.insecure_channel(t, options=options)
+        security = dict(token=token, root_certificates=root_certificates,
+                        client_certificate=client_certificate,
+                        client_key=client_key)
+        self._channels = [make_channel(t, options, **security)
                           for t in self.targets]
         self._logp = [pb_grpc.LogProbServiceStub(c) for c in self._channels]
         self._proj = [pb_grpc.ProjectionServiceStub(c) for c in self._channels]

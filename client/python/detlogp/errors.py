@@ -63,7 +63,12 @@ class Unimplemented(DetlogpError):
     """The server does not implement this method."""
 
 
+class Unauthenticated(DetlogpError):
+    """The call carried no valid bearer token (or client certificate)."""
+
+
 _BY_CODE = {
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
