@@ -29,6 +29,17 @@ static_assert(cuda_detail::kDwSuperKeys == kRowKeyChunk * kRowKeySuperChunk);
 // GPU; the single-stage kernel below.
 constexpr int64_t kWideMinRows = 8192;
 
+// dX splits the 42 chunks over CTAs (ProjectionInputGradKernel<true> + the
+// in-order fold) up to this many rows when the caller gives a workspace;
+// above it the one-pass kernel already has >= 64 row tiles, and the
+// [42][rows][96] workspace would outgrow PyTorch's own backward peak.
+constexpr int64_t kDxSplitMaxRows = 8192;
+constexpr int64_t kDxChunks = kProjectionOutDim / kInputGradChunk;  // 42
+
+// dW splits the 96 columns over 3 CTAs while 42 o-tiles x superchunks would
+// leave SMs idle (same bits: every dW element keeps its own chain).
+constexpr int kDwKParts = 3;
+
 absl::Status CudaError(cudaError_t err, const char* what) {
   return absl::InternalError(
       absl::StrCat(what, ": ", cudaGetErrorString(err)));
@@ -153,11 +164,18 @@ absl::StatusOr<std::unique_ptr<ProjectionCuda>> ProjectionCuda::Create(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, fwd_smem_max));
   }
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      cuda_detail::ProjectionInputGradKernel,
+      cuda_detail::ProjectionInputGradKernel<false>,
       cudaFuncAttributeMaxDynamicSharedMemorySize, dx_smem));
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      cuda_detail::ProjectionWeightGradKernel,
+      cuda_detail::ProjectionInputGradKernel<true>,
+      cudaFuncAttributeMaxDynamicSharedMemorySize, dx_smem));
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      cuda_detail::ProjectionWeightGradKernel<1>,
       cudaFuncAttributeMaxDynamicSharedMemorySize, dw_smem));
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      cuda_detail::ProjectionWeightGradKernel<kDwKParts>,
+      cudaFuncAttributeMaxDynamicSharedMemorySize,
+      2 * 4 * cuda_detail::kDwStageFloatsFor<kDwKParts>));
   for (int mode = 1; mode <= 4; ++mode) {
     DETLOGP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &p->forward_ctas_per_sm_[mode], ForwardKernelFor(mode, true),
@@ -231,6 +249,22 @@ absl::Status ProjectionCuda::Forward(const float* x, int64_t rows, float* y,
 
 absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows,
                                        float* dx, cudaStream_t stream) const {
+  return InputGrad(dy, rows, dx, nullptr, 0, stream);
+}
+
+int64_t ProjectionCuda::InputGradWorkspaceBytes(int64_t rows) {
+  // Up to kDxRowSerialMaxRows rows the row-serial kernel needs none.
+  if (rows <= cuda_detail::kDxRowSerialMaxRows || rows > kDxSplitMaxRows) {
+    return 0;
+  }
+  return kDxChunks * rows * kProjectionInDim *
+         static_cast<int64_t>(sizeof(float));
+}
+
+absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows,
+                                       float* dx, void* workspace,
+                                       int64_t workspace_bytes,
+                                       cudaStream_t stream) const {
   // One CTA per 128 rows: the grid's x dimension bounds the rows.
   constexpr int64_t kMaxRows = int64_t{0x7fffffff} * cuda_detail::kDxBM;
   if (rows < 0 || rows > std::min(kMaxRows, kProjectionMaxRows)) {
@@ -246,11 +280,41 @@ absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows,
   }
   DeviceScope scope(device_);
   if (!scope.ok()) return absl::InternalError("cudaSetDevice failed");
+  if (rows <= cuda_detail::kDxRowSerialMaxRows) {
+    cuda_detail::ProjectionInputGradRowSerialKernel<<<
+        static_cast<unsigned>(rows), cuda_detail::kDxN, 0, stream>>>(
+        dy, weight_, dx);
+    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  }
   const int64_t grid = (rows + cuda_detail::kDxBM - 1) / cuda_detail::kDxBM;
-  cuda_detail::ProjectionInputGradKernel<<<static_cast<unsigned>(grid),
-                                           cuda_detail::kDxThreads,
-                                           2 * cuda_detail::kDxStageBytes,
-                                           stream>>>(dy, weight_, dx, rows);
+  const int64_t ws_needed = InputGradWorkspaceBytes(rows);
+  if (workspace != nullptr && ws_needed > 0) {
+    if (!Aligned16(workspace) || workspace_bytes < ws_needed) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ProjectionCuda::InputGrad: workspace must be 16-byte aligned and "
+          "hold InputGradWorkspaceBytes=", ws_needed, " bytes, got ",
+          workspace_bytes));
+    }
+    // Chunk partials in parallel, then the in-order fold (same bits).
+    float* ws = static_cast<float*>(workspace);
+    const dim3 grid_split(static_cast<unsigned>(grid),
+                          static_cast<unsigned>(kDxChunks));
+    cuda_detail::ProjectionInputGradKernel<true>
+        <<<grid_split, cuda_detail::kDxThreads,
+           2 * cuda_detail::kDxStageBytes, stream>>>(dy, weight_, ws, rows);
+    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    const int64_t n = rows * kProjectionInDim;
+    constexpr int kBlock = 256;
+    cuda_detail::DxFoldChunks<<<static_cast<unsigned>(
+                                    (n / 4 + kBlock - 1) / kBlock),
+                                kBlock, 0, stream>>>(ws, n, dx);
+    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    return absl::OkStatus();
+  }
+  cuda_detail::ProjectionInputGradKernel<false>
+      <<<static_cast<unsigned>(grid), cuda_detail::kDxThreads,
+         2 * cuda_detail::kDxStageBytes, stream>>>(dy, weight_, dx, rows);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -318,12 +382,30 @@ absl::Status ProjectionCuda::WeightGrad(const float* dy, const float* x,
   const bool direct = ws_needed == 0;
   float* ws_w = static_cast<float*>(workspace);
   float* ws_b = direct ? nullptr : ws_w + supers * kWeightSize;
-  const dim3 grid_w(kProjectionOutDim / cuda_detail::kDwBO,
-                    static_cast<unsigned>(supers));
-  cuda_detail::ProjectionWeightGradKernel<<<grid_w, cuda_detail::kDwThreads,
-                                            2 * cuda_detail::kDwStageBytes,
-                                            stream>>>(
-      dy, x, rows, first_key, ws_w, direct ? dweight : nullptr);
+  constexpr int64_t kOTiles = kProjectionOutDim / cuda_detail::kDwBO;  // 42
+  float* bias_out = dbias == nullptr ? nullptr : direct ? dbias : ws_b;
+  if (kOTiles * supers < num_sms_) {  // few superchunks: split k too
+    const dim3 grid_w(kOTiles, static_cast<unsigned>(supers), kDwKParts);
+    cuda_detail::ProjectionWeightGradKernel<kDwKParts>
+        <<<grid_w, cuda_detail::kDwThreads,
+           2 * 4 * cuda_detail::kDwStageFloatsFor<kDwKParts>, stream>>>(
+            dy, x, rows, first_key, ws_w, direct ? dweight : nullptr,
+            bias_out);
+  } else {
+    const dim3 grid_w(kOTiles, static_cast<unsigned>(supers), 1);
+    cuda_detail::ProjectionWeightGradKernel<1>
+        <<<grid_w, cuda_detail::kDwThreads, 2 * cuda_detail::kDwStageBytes,
+           stream>>>(dy, x, rows, first_key, ws_w,
+                     direct ? dweight : nullptr, nullptr);
+    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    if (dbias != nullptr) {  // not fused here: see the kernel's header
+      constexpr int kBlock = 256;
+      const dim3 grid_b((kProjectionOutDim + kBlock - 1) / kBlock,
+                        static_cast<unsigned>(supers));
+      cuda_detail::ProjectionBiasGradKernel<<<grid_b, kBlock, 0, stream>>>(
+          dy, rows, first_key, ws_b, direct ? dbias : nullptr);
+    }
+  }
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   constexpr int kBlock = 256;
   if (!direct) {
@@ -333,11 +415,6 @@ absl::Status ProjectionCuda::WeightGrad(const float* dy, const float* x,
     DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   if (dbias != nullptr) {
-    const dim3 grid_b((kProjectionOutDim + kBlock - 1) / kBlock,
-                      static_cast<unsigned>(supers));
-    cuda_detail::ProjectionBiasGradKernel<<<grid_b, kBlock, 0, stream>>>(
-        dy, rows, first_key, ws_b, direct ? dbias : nullptr);
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (!direct) {
       cuda_detail::FoldSuperchunks<<<(kProjectionOutDim + kBlock - 1) / kBlock,
                                      kBlock, 0, stream>>>(
@@ -350,6 +427,11 @@ absl::Status ProjectionCuda::WeightGrad(const float* dy, const float* x,
 
 const char* ProjectionCuda::KernelVersion() {
   return "h3proj-fwd/auto:wide128x256>=8192rows,else-single-stage128x128/v1";
+}
+
+const char* ProjectionCuda::GradKernelVersion() {
+  return "h3proj-bwd/dx:row-serial<=256rows,chunk-split42+fold<=8192rows(workspace),else-one-pass;"
+         "dw:k-split3+fused-dbias-when-few-superchunks,else-v1/v2";
 }
 
 const char* ProjectionCuda::VariantName() const {

@@ -50,7 +50,16 @@ class ProjectionCuda {
                        cudaStream_t stream) const;
 
   // dx[rows][96] = dy[rows][5376] . W, in kernels/projection_grad.h's order.
+  // Without a workspace: one CTA per 128 rows walks all 42 chunks. With one
+  // of InputGradWorkspaceBytes(rows) bytes (16-byte aligned; 0 above 8192
+  // rows, where workspace is ignored): the 42 chunk partials are computed in
+  // parallel into it and folded in chunk order, much faster for small
+  // batches. Same bits either way.
   absl::Status InputGrad(const float* dy, int64_t rows, float* dx,
+                         cudaStream_t stream) const;
+  static int64_t InputGradWorkspaceBytes(int64_t rows);
+  absl::Status InputGrad(const float* dy, int64_t rows, float* dx,
+                         void* workspace, int64_t workspace_bytes,
                          cudaStream_t stream) const;
 
   // dweight[5376][96] and dbias[5376] (dbias may be null) for a batch whose
@@ -68,6 +77,8 @@ class ProjectionCuda {
 
   // Identifies the default forward kernel (changes when its code does).
   static const char* KernelVersion();
+  // Identifies the dX and dW/dbias kernels (changes when their code does).
+  static const char* GradKernelVersion();
   const char* VariantName() const;
 
  private:

@@ -189,18 +189,36 @@ TEST(ProjectionCudaTest, RowBitsIgnorePermutationMicroBatchingPadding) {
 TEST(ProjectionCudaTest, InputGradBitsEqualCpuAndMatchFloat64) {
   Fixture f;
   auto gpu = f.Gpu(Variant::kDefault, true);
-  for (int64_t rows : {1, 3, 130, 1000}) {
+  for (int64_t rows : {1, 3, 130, 256, 257, 1000, 5000}) {
     std::vector<float> dy = RandomVector(rows * kN, 1.f, f.rng);
+    std::vector<float> ref(rows * kK);
+    ASSERT_TRUE(
+        ProjectionInputGrad(f.weight, dy, rows, absl::MakeSpan(ref)).ok());
     DeviceBuffer d_dy(dy), d_dx(rows * kK);
+    // Row-serial (<= 256 rows), chunk-split (workspace) and one-pass paths:
+    // same bits.
+    const int64_t ws_bytes = ProjectionCuda::InputGradWorkspaceBytes(rows);
+    EXPECT_EQ(ws_bytes, rows <= 256 ? 0 : 42 * rows * kK * 4);
+    DeviceBuffer ws(std::max<int64_t>(ws_bytes / 4, 4));
+    ws.Poison();
+    d_dx.Poison();
+    ASSERT_TRUE(
+        gpu->InputGrad(d_dy.ptr, rows, d_dx.ptr, ws.ptr, ws_bytes, nullptr)
+            .ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> dx_split = d_dx.ToHost();
+    EXPECT_EQ(0, std::memcmp(dx_split.data(), ref.data(), dx_split.size() * 4))
+        << "split rows=" << rows << " seed=" << f.seed;
     d_dx.Poison();
     ASSERT_TRUE(gpu->InputGrad(d_dy.ptr, rows, d_dx.ptr, nullptr).ok());
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<float> dx = d_dx.ToHost();
-    std::vector<float> ref(rows * kK);
-    ASSERT_TRUE(
-        ProjectionInputGrad(f.weight, dy, rows, absl::MakeSpan(ref)).ok());
     EXPECT_EQ(0, std::memcmp(dx.data(), ref.data(), dx.size() * 4))
         << "rows=" << rows << " seed=" << f.seed;
+    if (rows == 1000) {  // too-small workspace: an error, not a wrong result
+      EXPECT_FALSE(gpu->InputGrad(d_dy.ptr, rows, d_dx.ptr, ws.ptr,
+                                  ws_bytes - 16, nullptr).ok());
+    }
     if (rows == 3) {
       int64_t bad = 0;
       for (int64_t r = 0; r < rows; ++r) {
@@ -223,7 +241,9 @@ TEST(ProjectionCudaTest, WeightGradBitsEqualCpuForKeyedRows) {
   // (rows, first_key): chunk and superchunk (4096 keys) edges both ways.
   const std::vector<std::pair<int64_t, int64_t>> cases = {
       {1, 0}, {1, 4095}, {64, 64}, {130, 77}, {300, 4000}, {5000, 1234},
-      {4096, 8192}};
+      {4096, 8192},
+      // >= 4 superchunks: the one-k-part kernel and the separate dbias pass.
+      {12300, 4000}};
   for (auto [rows, first_key] : cases) {
     std::vector<float> dy = RandomVector(rows * kN, 1.f, f.rng);
     std::vector<float> x = RandomVector(rows * kK, 1.f, f.rng);
@@ -280,6 +300,8 @@ TEST(ProjectionCudaTest, BadArgumentsAreErrors) {
   EXPECT_TRUE(gpu->Forward(nullptr, 0, nullptr, nullptr).ok());
   EXPECT_FALSE(gpu->InputGrad(y.ptr, 4, nullptr, nullptr).ok());
   EXPECT_FALSE(gpu->InputGrad(y.ptr, -2, x.ptr, nullptr).ok());
+  EXPECT_EQ(ProjectionCuda::InputGradWorkspaceBytes(8193), 0);
+  EXPECT_EQ(ProjectionCuda::InputGradWorkspaceBytes(0), 0);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 

@@ -31,7 +31,8 @@ GTEST="/usr/lib/x86_64-linux-gnu/libgtest_main.a /usr/lib/x86_64-linux-gnu/libgt
 grep -E "Compiling|registers|spill" "$OUT/ptxas.log" | sed 's/_ZN7detlogp7kernels//' || true
 g++ -std=c++17 -O2 -I. -c kernels/projection.cc -o "$OUT/projection.o"
 g++ -std=c++17 -O2 -I. -c kernels/projection_grad.cc -o "$OUT/projection_grad.o"
-CPU_OBJS="$OUT/projection.o $OUT/projection_grad.o"
+g++ -std=c++17 -O2 -I. -c kernels/parallel_for.cc -o "$OUT/parallel_for.o"
+CPU_OBJS="$OUT/projection.o $OUT/projection_grad.o $OUT/parallel_for.o"
 # CPU test (plain g++; also what the lead's Bazel target builds).
 g++ -std=c++17 -O2 -I. tests/projection_test.cc $CPU_OBJS -o "$OUT/projection_test" \
   $GTEST $LIBS -pthread

@@ -98,6 +98,8 @@ def main():
         bwd = mine.get("bwd(dx+dw+db)", {}).get("median_ms", float("nan"))
         supers = (rows - 1) // 4096 + 1
         ws = 0 if supers == 1 else supers * (N * K + N) * 4  # WeightGradWorkspaceBytes
+        ws_dx = 42 * rows * K * 4 if 256 < rows <= 8192 else 0  # InputGradWorkspaceBytes
+        ws = max(ws, ws_dx)  # one buffer serves dX, then dW
         our_mb = ((rows * K + N * K + N) * 4 + ws) / 2**20
         lines.append(
             f"| {rows} | " + " | ".join(cells) +

@@ -107,7 +107,12 @@ int main(int argc, char** argv) {
 
   float *w, *b, *x, *y, *dy, *dx, *dw, *db;
   void* ws;
-  const int64_t ws_bytes = ProjectionCuda::WeightGradWorkspaceBytes(max_rows, 0);
+  // One workspace serves dX (chunk partials) and then dW (superchunk totals):
+  // both run on one stream, one after the other.
+  int64_t ws_bytes = ProjectionCuda::WeightGradWorkspaceBytes(max_rows, 0);
+  for (int64_t r : rows_list) {
+    ws_bytes = std::max(ws_bytes, ProjectionCuda::InputGradWorkspaceBytes(r));
+  }
   CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
   CHECK_CUDA(cudaMalloc(&dw, sizeof(float) * N * K));
   CHECK_CUDA(cudaMalloc(&db, sizeof(float) * N));
@@ -153,6 +158,7 @@ int main(int argc, char** argv) {
   std::string json = "[\n";
   const auto& grad = ops[0].proj;
   std::printf("default forward kernel: %s\n", ProjectionCuda::KernelVersion());
+  std::printf("grad kernels: %s\n", ProjectionCuda::GradKernelVersion());
   std::printf("%-58s %9s %10s %10s %8s\n", "op", "rows", "median_ms", "min_ms",
               "TFLOP/s");
   uint64_t seed = 100;
@@ -179,7 +185,9 @@ int main(int argc, char** argv) {
            }, reps));
     }
     const Timing t_dx = Time([&] {
-      if (!grad->InputGrad(dy, rows, dx, nullptr).ok()) std::exit(2);
+      if (!grad->InputGrad(dy, rows, dx, ws, ws_bytes, nullptr).ok()) {
+        std::exit(2);
+      }
     }, reps);
     emit("dx", t_dx);
     // Keys 0..rows-1; the workspace is part of our backward's extra memory.
@@ -190,7 +198,9 @@ int main(int argc, char** argv) {
     }, reps);
     emit("dw+db", t_dw);
     emit("bwd(dx+dw+db)", Time([&] {
-           if (!grad->InputGrad(dy, rows, dx, nullptr).ok()) std::exit(2);
+           if (!grad->InputGrad(dy, rows, dx, ws, ws_bytes, nullptr).ok()) {
+             std::exit(2);
+           }
            if (!grad->WeightGrad(dy, x, rows, 0, dw, db, ws, ws_bytes,
                                  nullptr).ok()) {
              std::exit(2);
@@ -199,7 +209,8 @@ int main(int argc, char** argv) {
     std::printf("bwd extra memory (dx+dW+db+workspace) rows=%lld: %.1f MB\n",
                 static_cast<long long>(rows),
                 (rows * K + N * K + N) * 4.0 / (1 << 20) +
-                    ProjectionCuda::WeightGradWorkspaceBytes(rows, 0) /
+                    std::max(ProjectionCuda::WeightGradWorkspaceBytes(rows, 0),
+                             ProjectionCuda::InputGradWorkspaceBytes(rows)) /
                         double(1 << 20));
   }
   CHECK_CUDA(cudaDeviceSynchronize());
