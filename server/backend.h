@@ -69,6 +69,9 @@ struct BackendOptions {
   const LmHeadWeights* weights = nullptr;
   int device_index = 0;
   int cpu_threads = 0;  // 0: one per hardware thread
+  // Split the vocabulary over the devices instead of replicating the
+  // weights (backends without it ignore it).
+  bool vocab_parallel = false;
 };
 
 using LogpBackendRegistry = BackendRegistry<LogpBackend, BackendOptions>;

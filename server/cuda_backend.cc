@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "server/cuda_buffers.h"
+#include "server/cuda_vocab_parallel.h"
 
 namespace detlogp::server {
 namespace {
@@ -167,7 +168,8 @@ absl::StatusOr<std::unique_ptr<DeviceReplica>> UploadReplica(
 }
 
 // Drives one GPU ("cuda:N", or the first sm_90 one for "auto") or every sm_90
-// GPU of one kind ("cuda:all").
+// GPU of one kind ("cuda:all"), each holding the full weights, or, with
+// vocab_parallel, a share of the vocabulary each (cuda_vocab_parallel.h).
 // Each GPU holds the full weights; executors are spread over the GPUs and
 // every batch thread pulls from the one queue when its executor is free, so
 // batches go to whichever GPU is least loaded. GPUs of the same kind run the
@@ -211,25 +213,35 @@ class CudaBackend final : public LogpBackend {
       }
       if (!name.empty() && name != props.name) continue;  // one kind only
       name = props.name;
-      auto replica = UploadReplica(*options.weights, device);
-      if (!replica.ok()) return replica.status();
-      backend->replicas_.push_back(*std::move(replica));
       used.push_back(device);
       if (options.device_index == kFirstSuitableDevice) break;
     }
-    if (backend->replicas_.empty()) {
+    if (used.empty()) {
       return absl::UnavailableError("no sm_90 GPU on this machine");
     }
+    if (options.vocab_parallel) {
+      auto shards = UploadVocabShards(*options.weights, used);
+      if (!shards.ok()) return shards.status();
+      backend->shards_ = *std::move(shards);
+    } else {
+      for (int device : used) {
+        auto replica = UploadReplica(*options.weights, device);
+        if (!replica.ok()) return replica.status();
+        backend->replicas_.push_back(*std::move(replica));
+      }
+    }
     backend->hidden_size_ = options.weights->hidden_size;
+    backend->vocab_size_ = options.weights->vocab_size;
     backend->description_.name = "cuda";
     backend->description_.device =
-        absl::StrCat("cuda:", absl::StrJoin(used, ","), " ", name);
+        absl::StrCat("cuda:", absl::StrJoin(used, ","), " ", name,
+                     options.vocab_parallel ? " (vocabulary-parallel)" : "");
     backend->description_.instruction_set = "sm_90a";
     backend->description_.kernel_version = LinearLogpCuda::KernelVersion();
     // Four batches per GPU keep gathers and copies overlapping the kernel
     // (measured: docs/perf.md, serving section).
     backend->description_.preferred_inflight_batches =
-        4 * static_cast<int>(backend->replicas_.size());
+        options.vocab_parallel ? 4 : 4 * static_cast<int>(used.size());
     return backend;
   }
 
@@ -238,10 +250,13 @@ class CudaBackend final : public LogpBackend {
   }
 
   int64_t DeviceMemoryUsedBytes() const override {
+    std::vector<int> devices;
+    for (const auto& replica : replicas_) devices.push_back(replica->device);
+    for (const auto& shard : shards_) devices.push_back(shard->device);
     int64_t used = 0;
-    for (const auto& replica : replicas_) {
+    for (int device : devices) {
       size_t free_bytes = 0, total_bytes = 0;
-      if (cudaSetDevice(replica->device) == cudaSuccess &&
+      if (cudaSetDevice(device) == cudaSuccess &&
           cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
         used += static_cast<int64_t>(total_bytes - free_bytes);
       }
@@ -251,6 +266,10 @@ class CudaBackend final : public LogpBackend {
 
   absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) override {
+    if (!shards_.empty()) {
+      return NewVocabParallelExecutor(shards_, hidden_size_, vocab_size_,
+                                      max_batch_rows);
+    }
     const DeviceReplica& replica = *replicas_[next_replica_++ % replicas_.size()];
     auto executor = CudaExecutor::Create(replica.kernel.get(), replica.device,
                                          hidden_size_, max_batch_rows);
@@ -261,9 +280,11 @@ class CudaBackend final : public LogpBackend {
  private:
   CudaBackend() = default;
 
-  std::vector<std::unique_ptr<DeviceReplica>> replicas_;
+  std::vector<std::unique_ptr<DeviceReplica>> replicas_;  // data-parallel
+  std::vector<std::unique_ptr<VocabShard>> shards_;       // vocabulary-parallel
   size_t next_replica_ = 0;
   int64_t hidden_size_ = 0;
+  int64_t vocab_size_ = 0;
   BackendDescription description_;
 };
 

@@ -32,6 +32,9 @@ ABSL_FLAG(int64_t, vocab_size, 0,
           "Real vocabulary (<= weight rows; the rest is padding). 0: all rows.");
 ABSL_FLAG(std::string, device, "auto",
           "auto (first sm_90 GPU, else CPU), cpu, cuda:N, or cuda:all (every sm_90 GPU, batches to the least-loaded).");
+ABSL_FLAG(bool, vocab_parallel, false,
+          "With --device=cuda:all: each GPU holds a contiguous share of the "
+          "vocabulary splits instead of the whole lm_head (bits unchanged).");
 ABSL_FLAG(int64_t, max_batch_rows, 256, "Rows per batch at most.");
 ABSL_FLAG(int64_t, max_queue_delay_us, 500,
           "Longest a queued row waits for a fuller batch, microseconds.");
@@ -148,6 +151,7 @@ int main(int argc, char** argv) {
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
   options.device = absl::GetFlag(FLAGS_device);
+  options.vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.max_request_rows = absl::GetFlag(FLAGS_max_request_rows);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);

@@ -149,6 +149,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   BackendOptions backend_options;
   backend_options.weights = server->weights_.get();
   backend_options.cpu_threads = options.cpu_threads;
+  backend_options.vocab_parallel = options.vocab_parallel;
   std::vector<std::string> notes;
   auto backend = registry.Create(options.device, backend_options, &notes);
   for (const std::string& note : notes) spdlog::info("{}", note);

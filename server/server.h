@@ -43,6 +43,8 @@ class Server {
     int max_stream_inflight_requests = 64;
     // "auto", "cpu" or "cuda:N".
     std::string device = "auto";
+    // With several GPUs ("cuda:all"): each holds a share of the vocabulary.
+    bool vocab_parallel = false;
     int cpu_threads = 0;  // 0: one per hardware thread
     // num_batch_threads 0 means the backend's preferred count.
     DynamicBatcher::Options batcher{256, 500, 1 << 16, 0};

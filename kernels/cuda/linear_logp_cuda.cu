@@ -121,6 +121,7 @@ struct LinearLogpCuda::Impl {
   int num_sms = 0;
   int32_t invariant_splits = 0;
   int32_t invariant_begin[kv::kMaxSplits + 1] = {};
+  int64_t shard_begin = 0;
 };
 
 LinearLogpCuda::LinearLogpCuda(const Options& options,
@@ -155,10 +156,27 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_logp_cuda: vocab_size out of range: ", w.vocab_size));
   }
-  if (w.padded_vocab_size < w.vocab_size || w.padded_vocab_size > kMaxVocab) {
+  const bool shard = options.end_split > 0;
+  const int32_t all_splits = NumVocabSplits(w.vocab_size);
+  int64_t held_begin = 0, held_end = w.vocab_size;  // vocabulary rows used
+  if (shard) {
+    if (options.first_split < 0 || options.first_split >= options.end_split ||
+        options.end_split > all_splits ||
+        options.split != SplitMode::kBatchInvariant) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "linear_logp_cuda: shard splits [", options.first_split, ", ",
+          options.end_split, ") must lie in [0, ", all_splits,
+          ") in batch-invariant mode"));
+    }
+    held_begin = VocabSplitRange(w.vocab_size, options.first_split).begin;
+    held_end = VocabSplitRange(w.vocab_size, options.end_split - 1).end;
+  }
+  if (w.padded_vocab_size < held_end - held_begin ||
+      w.padded_vocab_size > kMaxVocab) {
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_logp_cuda: padded_vocab_size ", w.padded_vocab_size,
-        " must be in [vocab_size=", w.vocab_size, ", ", kMaxVocab, "]"));
+        " must be in [", held_end - held_begin, ", ", kMaxVocab,
+        "] (the rows this object holds)"));
   }
   if (options.split != SplitMode::kBatchInvariant &&
       options.split != SplitMode::kThroughput) {
@@ -206,15 +224,20 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     return s;
   }
 
-  const int32_t splits = NumVocabSplits(w.vocab_size);
-  if (splits < 1 || splits > kv::kMaxSplits) {
+  if (all_splits < 1 || all_splits > kv::kMaxSplits) {
     return absl::InternalError("linear_logp_cuda: split policy out of range");
   }
-  impl->invariant_splits = splits;
-  for (int32_t s = 0; s < splits; ++s) {
+  // Split boundaries in the rows this object holds (a shard's start at 0).
+  const int32_t first = shard ? options.first_split : 0;
+  const int32_t end = shard ? options.end_split : all_splits;
+  impl->invariant_splits = end - first;
+  impl->shard_begin = held_begin;
+  for (int32_t s = first; s < end; ++s) {
     const VocabRange r = VocabSplitRange(w.vocab_size, s);
-    impl->invariant_begin[s] = static_cast<int32_t>(r.begin);
-    if (s + 1 == splits) impl->invariant_begin[s + 1] = static_cast<int32_t>(r.end);
+    impl->invariant_begin[s - first] = static_cast<int32_t>(r.begin - held_begin);
+    if (s + 1 == end) {
+      impl->invariant_begin[s + 1 - first] = static_cast<int32_t>(r.end - held_begin);
+    }
   }
   return std::unique_ptr<LinearLogpCuda>(
       new LinearLogpCuda(options, std::move(impl)));
@@ -236,9 +259,33 @@ size_t LinearLogpCuda::WorkspaceBytes(int64_t rows) const {
          static_cast<size_t>(impl_->invariant_splits) * sizeof(float);
 }
 
+int64_t LinearLogpCuda::ShardBegin() const { return impl_->shard_begin; }
+
 absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
                                     void* workspace,
                                     cudaStream_t stream) const {
+  if (is_shard()) {
+    return absl::FailedPreconditionError(
+        "linear_logp_cuda: a shard runs LaunchSplits, then LaunchCombine over "
+        "every shard's partials");
+  }
+  if (batch.rows == 0) return absl::OkStatus();  // a no-op, before checks
+  if (workspace == nullptr || !Aligned(workspace, 4) || batch.lse == nullptr ||
+      !Aligned(batch.lse, 4)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: null or misaligned workspace or lse");
+  }
+  float* split_lse = static_cast<float*>(workspace);
+  if (absl::Status s = LaunchSplits(batch, split_lse, stream); !s.ok()) {
+    return s;
+  }
+  return LaunchCombine(split_lse, NumSplits(batch.rows), batch.rows,
+                       batch.logprobs, batch.lse, options_.device, stream);
+}
+
+absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
+                                          float* split_lse,
+                                          cudaStream_t stream) const {
   const LinearLogpWeightsView& w = options_.weights;
   if (batch.rows < 0 || batch.rows > kMaxRows) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -248,7 +295,7 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
   if (batch.rows == 0) return absl::OkStatus();
   if (batch.hidden == nullptr || batch.targets == nullptr ||
       batch.temperatures == nullptr || batch.logprobs == nullptr ||
-      batch.lse == nullptr || workspace == nullptr) {
+      split_lse == nullptr) {
     return absl::InvalidArgumentError(
         "linear_logp_cuda: null batch pointer or workspace");
   }
@@ -256,9 +303,8 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
     return absl::InvalidArgumentError(
         "linear_logp_cuda: hidden must be 16-byte aligned");
   }
-  if (!Aligned(workspace, 4) || !Aligned(batch.targets, 4) ||
-      !Aligned(batch.temperatures, 4) || !Aligned(batch.logprobs, 4) ||
-      !Aligned(batch.lse, 4)) {
+  if (!Aligned(split_lse, 4) || !Aligned(batch.targets, 4) ||
+      !Aligned(batch.temperatures, 4) || !Aligned(batch.logprobs, 4)) {
     return absl::InvalidArgumentError(
         "linear_logp_cuda: misaligned batch pointer or workspace");
   }
@@ -282,7 +328,7 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
   p.targets = batch.targets;
   p.temperatures = batch.temperatures;
   p.logprobs = batch.logprobs;
-  p.split_lse = static_cast<float*>(workspace);
+  p.split_lse = split_lse;
   p.rows = static_cast<int32_t>(batch.rows);
   p.k_blocks = static_cast<int32_t>(w.hidden_size / kv::kBlockK);
   if (options_.split == SplitMode::kBatchInvariant) {
@@ -303,11 +349,25 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
   kv::LinearLogpSplitKernel<<<grid, kv::kThreads, kv::kSmemBytes, stream>>>(
       hidden_map, impl_->weight_map, p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LinearLogpCuda::LaunchCombine(const float* split_lse,
+                                           int32_t num_splits, int64_t rows,
+                                           float* logprobs, float* lse,
+                                           int device, cudaStream_t stream) {
+  if (rows <= 0) return absl::OkStatus();
+  if (split_lse == nullptr || logprobs == nullptr || lse == nullptr ||
+      num_splits < 1 || rows > kMaxRows) {
+    return absl::InvalidArgumentError("linear_logp_cuda: bad combine arguments");
+  }
+  DeviceGuard guard;
+  if (absl::Status s = guard.Enter(device); !s.ok()) return s;
   constexpr int kCombineThreads = 128;
   const int combine_grid =
-      static_cast<int>((batch.rows + kCombineThreads - 1) / kCombineThreads);
+      static_cast<int>((rows + kCombineThreads - 1) / kCombineThreads);
   kv::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(
-      p.split_lse, p.num_splits, p.rows, batch.logprobs, batch.lse);
+      split_lse, num_splits, static_cast<int32_t>(rows), logprobs, lse);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

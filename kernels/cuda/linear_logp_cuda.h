@@ -71,6 +71,15 @@ class LinearLogpCuda {
     LinearLogpWeightsView weights;
     int device = 0;
     SplitMode split = SplitMode::kBatchInvariant;
+    // Vocabulary-parallel shard (end_split > 0): this object holds only the
+    // weight rows of splits [first_split, end_split) of the policy for
+    // weights.vocab_size (the full V). weights.weight and weights.bias then
+    // point at row ShardBegin(), and weights.padded_vocab_size counts the
+    // shard's rows. Only LaunchSplits may be used; every split is computed
+    // exactly as in the unsharded kernel, so folding all shards' partials in
+    // ascending split order (LaunchCombine) gives the unsharded bits.
+    int32_t first_split = 0;
+    int32_t end_split = 0;
   };
 
   // Validates the weights view and the device (compute capability 9.0 with
@@ -95,8 +104,26 @@ class LinearLogpCuda {
                       cudaStream_t stream) const;
 
   // Number of vocabulary splits used for a batch of `rows` rows (a function of
-  // V alone in kBatchInvariant mode).
+  // V alone in kBatchInvariant mode; a shard's own count for a shard).
   int32_t NumSplits(int64_t rows) const;
+
+  // The split pass alone: each split's logsumexp into split_lse
+  // ([rows][NumSplits(rows)], WorkspaceBytes(rows) bytes) and, for rows whose
+  // target lies in this object's rows, z[target] into batch.logprobs (other
+  // rows' logprobs are left untouched). For a shard, batch.targets hold
+  // target - ShardBegin().
+  absl::Status LaunchSplits(const LinearLogpBatchView& batch, float* split_lse,
+                            cudaStream_t stream) const;
+
+  // Folds rows' split partials in ascending split order and finishes
+  // logprob = z[target] - lse, on `device` (logprobs holds z on entry).
+  static absl::Status LaunchCombine(const float* split_lse, int32_t num_splits,
+                                    int64_t rows, float* logprobs, float* lse,
+                                    int device, cudaStream_t stream);
+
+  // First vocabulary row held (0 unless a shard).
+  int64_t ShardBegin() const;
+  bool is_shard() const { return options_.end_split > 0; }
 
   // Identifies the arithmetic: changes whenever bits may change.
   static const char* KernelVersion();

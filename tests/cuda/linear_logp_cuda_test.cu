@@ -15,10 +15,12 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "kernels/bfloat16.h"
 #include "kernels/cuda/linear_logp_cuda.h"
+#include "kernels/split_policy.h"
 
 namespace detlogp::kernels::cuda {
 namespace {
@@ -528,6 +530,109 @@ INSTANTIATE_TEST_SUITE_P(
              "_H" + std::to_string(c.H) + (c.bias ? "_bias" : "_nobias") +
              (c.unit_temperature ? "_T1" : "_Trand");
     });
+
+// Vocabulary parallelism: shards holding contiguous split ranges (here on
+// one GPU, in separate allocations, as on separate GPUs), their partials
+// assembled in ascending split order and folded once, equal the unsharded
+// kernel bit for bit.
+Result RunSharded(const Weights& w, const Batch& batch, int shards) {
+  const int32_t splits = NumVocabSplits(w.V);
+  const int64_t n = batch.N;
+  std::vector<float> split_lse(n * splits);
+  std::vector<float> z(n, std::nanf(""));
+  for (int g = 0; g < shards; ++g) {
+    const int32_t first = splits * g / shards;
+    const int32_t end = splits * (g + 1) / shards;
+    const int64_t row0 = VocabSplitRange(w.V, first).begin;
+    const int64_t row1 = VocabSplitRange(w.V, end - 1).end;
+    // The shard's own copy of its rows, as a GPU of its own would hold.
+    DevBuf<__nv_bfloat16> shard_w((row1 - row0) * w.H);
+    DevBuf<float> shard_b(row1 - row0);
+    CUDA_CHECK_THROW(cudaMemcpy(shard_w.ptr, w.w.ptr + row0 * w.H,
+                                (row1 - row0) * w.H * 2, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK_THROW(cudaMemcpy(shard_b.ptr, w.b.ptr + row0, (row1 - row0) * 4,
+                                cudaMemcpyDeviceToDevice));
+    LinearLogpCuda::Options options;
+    options.weights = LinearLogpWeightsView{
+        shard_w.ptr, w.has_bias ? shard_b.ptr : nullptr, w.H, w.V, row1 - row0};
+    options.first_split = first;
+    options.end_split = end;
+    auto shard = LinearLogpCuda::Create(options);
+    EXPECT_TRUE(shard.ok()) << shard.status();
+    if (!shard.ok()) return {};
+    EXPECT_EQ((*shard)->NumSplits(n), end - first);
+    EXPECT_EQ((*shard)->ShardBegin(), row0);
+    std::vector<int32_t> local(n);
+    for (int64_t r = 0; r < n; ++r) {
+      local[r] = static_cast<int32_t>(batch.host_targets[r] - row0);
+    }
+    DevBuf<int32_t> local_targets(n);
+    local_targets.FromHost(local);
+    DevBuf<float> part((end - first) * n), shard_z(n);
+    CUDA_CHECK_THROW(cudaMemset(shard_z.ptr, 0xFF, n * 4));
+    LinearLogpBatchView view{batch.hidden.ptr, local_targets.ptr, batch.temps.ptr,
+                             shard_z.ptr, nullptr, n};
+    const absl::Status s = (*shard)->LaunchSplits(view, part.ptr, nullptr);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_FALSE((*shard)->Launch(view, part.ptr, nullptr).ok());
+    CUDA_CHECK_THROW(cudaDeviceSynchronize());
+    const std::vector<float> part_host = part.ToHost();
+    const std::vector<float> z_host = shard_z.ToHost();
+    for (int64_t r = 0; r < n; ++r) {
+      for (int32_t sp = first; sp < end; ++sp) {
+        split_lse[r * splits + sp] = part_host[r * (end - first) + (sp - first)];
+      }
+      if (batch.host_targets[r] >= row0 && batch.host_targets[r] < row1) {
+        z[r] = z_host[r];
+      }
+    }
+  }
+  DevBuf<float> all(n * splits), lp(n), lse(n);
+  all.FromHost(split_lse);
+  lp.FromHost(z);
+  const absl::Status s =
+      LinearLogpCuda::LaunchCombine(all.ptr, splits, n, lp.ptr, lse.ptr, 0, nullptr);
+  EXPECT_TRUE(s.ok()) << s;
+  CUDA_CHECK_THROW(cudaDeviceSynchronize());
+  return Result{lp.ToHost(), lse.ToHost()};
+}
+
+TEST(LinearLogpCudaShards, ShardedSplitsEqualTheUnshardedKernel) {
+  REQUIRE_SM90();
+  for (auto [H, V, Vpad] : {std::tuple<int64_t, int64_t, int64_t>{256, 20000, 20032},
+                            {128, 4097, 4097},
+                            {64, 151936, 152064}}) {
+    auto w = MakeWeights(H, V, Vpad, /*bias=*/true);
+    auto batch = MakeBatch(300, H, V);
+    LinearLogpCuda::Options options;
+    options.weights = w->View();
+    auto full = LinearLogpCuda::Create(options);
+    ASSERT_TRUE(full.ok()) << full.status();
+    const Result reference = RunRows(**full, *batch, 0, batch->N);
+    for (int shards : {2, 3, 5}) {
+      const Result sharded = RunSharded(*w, *batch, shards);
+      ASSERT_EQ(sharded.logprobs.size(), reference.logprobs.size());
+      EXPECT_EQ(0, std::memcmp(sharded.logprobs.data(), reference.logprobs.data(),
+                               reference.logprobs.size() * 4))
+          << shards << " shards, V=" << V;
+      EXPECT_EQ(0, std::memcmp(sharded.lse.data(), reference.lse.data(),
+                               reference.lse.size() * 4))
+          << shards << " shards, V=" << V;
+    }
+  }
+}
+
+TEST(LinearLogpCudaShards, RejectsBadShardRanges) {
+  REQUIRE_SM90();
+  auto w = MakeWeights(64, 4097, 4097, false);
+  for (auto [first, end] : {std::pair{-1, 3}, {3, 3}, {0, 1000}}) {
+    LinearLogpCuda::Options options;
+    options.weights = w->View();
+    options.first_split = first;
+    options.end_split = end;
+    EXPECT_FALSE(LinearLogpCuda::Create(options).ok()) << first << ".." << end;
+  }
+}
 
 TEST(LinearLogpCudaValidation, RejectsInvalidSizes) {
   REQUIRE_SM90();
