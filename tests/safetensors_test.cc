@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "server/lm_head_weights.h"
+#include "server/projection_weights.h"
 
 namespace detlogp::server {
 namespace {
@@ -99,6 +100,40 @@ TEST(LmHeadWeightsTest, SyntheticModelIsReproducible) {
   EXPECT_EQ(a.weight, b.weight);
   options.seed += 1;
   EXPECT_NE(SyntheticLmHead(options).sha256, a.sha256);
+}
+
+TEST(ProjectionWeightsTest, LoadsNamedTensorsAndRejectsBadShapes) {
+  const std::string path = TempPath("projection.safetensors");
+  std::vector<float> weight(5376 * 96), bias(5376);
+  for (size_t i = 0; i < weight.size(); ++i) weight[i] = 0.001f * (i % 997);
+  for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.5f - 0.0001f * i;
+  ASSERT_TRUE(WriteSafetensors(path, {{"video.w", "F32", {5376, 96}, FloatBytes(weight)},
+                                      {"video.b", "F32", {5376}, FloatBytes(bias)},
+                                      {"wrong", "F32", {96, 5376}, FloatBytes(weight)}})
+                  .ok());
+  ProjectionSource source;
+  source.path = path;
+  source.weight_tensor = "video.w";
+  source.bias_tensor = "video.b";
+  auto loaded = LoadProjectionWeights(source);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(loaded->weight, weight);
+  EXPECT_EQ(loaded->bias, bias);
+  EXPECT_EQ(loaded->sha256.size(), 64u);
+
+  source.bias_tensor = "absent";  // an optional bias that is not there
+  auto no_bias = LoadProjectionWeights(source);
+  ASSERT_TRUE(no_bias.ok());
+  EXPECT_TRUE(no_bias->bias.empty());
+  EXPECT_NE(no_bias->sha256, loaded->sha256);
+
+  source.weight_tensor = "wrong";  // transposed
+  EXPECT_EQ(LoadProjectionWeights(source).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  source.weight_tensor = "proj.weight";
+  EXPECT_EQ(LoadProjectionWeights(source).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(SyntheticProjectionWeights().sha256, SyntheticProjectionWeights().sha256);
 }
 
 }  // namespace
