@@ -32,9 +32,8 @@ class CudaExecutor final : public LogpExecutor {
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaStreamCreateWithFlags(&executor->stream_, cudaStreamNonBlocking),
         "cudaStreamCreate");
-    const size_t input_bytes = executor->HiddenOffset() +
-                               capacity * hidden_size * sizeof(uint16_t);
-    const size_t output_bytes = 2 * capacity * sizeof(float);
+    const size_t input_bytes = executor->layout_.input_bytes(hidden_size);
+    const size_t output_bytes = executor->layout_.output_bytes();
     for (auto [buffer, bytes] : {std::pair{&executor->host_inputs_, input_bytes},
                                  {&executor->host_outputs_, output_bytes}}) {
       if (absl::Status s = buffer->Allocate(bytes, "cudaHostAlloc"); !s.ok()) {
@@ -57,16 +56,7 @@ class CudaExecutor final : public LogpExecutor {
   }
 
   LogpStaging staging() override {
-    char* inputs = host_inputs_.as<char>();
-    float* outputs = host_outputs_.as<float>();
-    LogpStaging staging;
-    staging.capacity = capacity_;
-    staging.targets = reinterpret_cast<int32_t*>(inputs);
-    staging.temperatures = reinterpret_cast<float*>(inputs + capacity_ * 4);
-    staging.hidden = reinterpret_cast<uint16_t*>(inputs + HiddenOffset());
-    staging.logprobs = outputs;
-    staging.lse = outputs + capacity_;
-    return staging;
+    return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
   absl::Status Run(int64_t rows) override {
@@ -77,17 +67,17 @@ class CudaExecutor final : public LogpExecutor {
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(inputs_.as<void>(), host_inputs_.as<void>(),
-                        HiddenOffset() + rows * hidden_size_ * sizeof(uint16_t),
+                        layout_.hidden_offset() +
+                            rows * hidden_size_ * sizeof(uint16_t),
                         cudaMemcpyHostToDevice, stream_),
         "copy batch to device");
-    char* inputs = inputs_.as<char>();
-    float* outputs = outputs_.as<float>();
+    const LogpStaging device = layout_.View(inputs_.as<void>(), outputs_.as<void>());
     kernels::cuda::LinearLogpBatchView batch;
-    batch.targets = reinterpret_cast<const int32_t*>(inputs);
-    batch.temperatures = reinterpret_cast<const float*>(inputs + capacity_ * 4);
-    batch.hidden = reinterpret_cast<const __nv_bfloat16*>(inputs + HiddenOffset());
-    batch.logprobs = outputs;
-    batch.lse = outputs + capacity_;
+    batch.targets = device.targets;
+    batch.temperatures = device.temperatures;
+    batch.hidden = reinterpret_cast<const __nv_bfloat16*>(device.hidden);
+    batch.logprobs = device.logprobs;
+    batch.lse = device.lse;
     batch.rows = rows;
     if (absl::Status s = kernel_->Launch(batch, workspace_.as<void>(), stream_);
         !s.ok()) {
@@ -108,14 +98,14 @@ class CudaExecutor final : public LogpExecutor {
       : kernel_(kernel),
         device_(device),
         hidden_size_(hidden_size),
-        capacity_(capacity) {}
-
-  size_t HiddenOffset() const { return 2 * capacity_ * sizeof(float); }
+        capacity_(capacity),
+        layout_{capacity} {}
 
   const LinearLogpCuda* kernel_;
   const int device_;
   const int64_t hidden_size_;
   const int64_t capacity_;
+  const BatchLayout layout_;
   cudaStream_t stream_ = nullptr;
   PinnedBuffer host_inputs_, host_outputs_;
   DeviceBuffer inputs_, outputs_, workspace_;

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "server/backend.h"
 
 namespace detlogp::server {
 
@@ -69,6 +70,34 @@ class PinnedBuffer {
 
  private:
   void* ptr_ = nullptr;
+};
+
+// The CUDA executors' batch layout: inputs in one block
+// [targets | temperatures | hidden] and outputs in [logprobs | lse], so a
+// batch moves in one copy each way. `capacity` is even, which keeps the
+// hidden rows 16-byte aligned.
+struct BatchLayout {
+  int64_t capacity = 0;
+
+  size_t hidden_offset() const { return 2 * capacity * sizeof(float); }
+  size_t input_bytes(int64_t hidden_size) const {
+    return hidden_offset() + capacity * hidden_size * sizeof(uint16_t);
+  }
+  size_t output_bytes() const { return 2 * capacity * sizeof(float); }
+
+  // Views of an inputs block and an outputs block laid out as above.
+  LogpStaging View(void* inputs, void* outputs) const {
+    char* in = static_cast<char*>(inputs);
+    float* out = static_cast<float*>(outputs);
+    LogpStaging view;
+    view.capacity = capacity;
+    view.targets = reinterpret_cast<int32_t*>(in);
+    view.temperatures = reinterpret_cast<float*>(in + capacity * sizeof(float));
+    view.hidden = reinterpret_cast<uint16_t*>(in + hidden_offset());
+    view.logprobs = out;
+    view.lse = out != nullptr ? out + capacity : nullptr;
+    return view;
+  }
 };
 
 }  // namespace detlogp::server

@@ -30,7 +30,8 @@ class VocabParallelExecutor final : public LogpExecutor {
                         int64_t capacity)
       : hidden_size_(hidden_size),
         total_splits_(total_splits),
-        capacity_(capacity + capacity % 2) {}
+        capacity_(capacity + capacity % 2),
+        layout_{capacity_} {}
 
   ~VocabParallelExecutor() override {
     for (auto& lane : lanes_) {
@@ -39,12 +40,12 @@ class VocabParallelExecutor final : public LogpExecutor {
   }
 
   absl::Status Init(const std::vector<std::unique_ptr<VocabShard>>& shards) {
-    const size_t input_bytes = HiddenOffset() + capacity_ * hidden_size_ * 2;
+    const size_t input_bytes = layout_.input_bytes(hidden_size_);
     if (absl::Status s = host_inputs_.Allocate(input_bytes, "cudaHostAlloc");
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = host_outputs_.Allocate(2 * capacity_ * sizeof(float),
+    if (absl::Status s = host_outputs_.Allocate(layout_.output_bytes(),
                                                 "cudaHostAlloc");
         !s.ok()) {
       return s;
@@ -85,16 +86,7 @@ class VocabParallelExecutor final : public LogpExecutor {
   }
 
   LogpStaging staging() override {
-    char* inputs = host_inputs_.as<char>();
-    float* outputs = host_outputs_.as<float>();
-    LogpStaging staging;
-    staging.capacity = capacity_;
-    staging.targets = reinterpret_cast<int32_t*>(inputs);
-    staging.temperatures = reinterpret_cast<float*>(inputs + capacity_ * 4);
-    staging.hidden = reinterpret_cast<uint16_t*>(inputs + HiddenOffset());
-    staging.logprobs = outputs;
-    staging.lse = outputs + capacity_;
-    return staging;
+    return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
   absl::Status Run(int64_t rows) override {
@@ -155,8 +147,6 @@ class VocabParallelExecutor final : public LogpExecutor {
   }
 
  private:
-  size_t HiddenOffset() const { return 2 * capacity_ * sizeof(float); }
-
   absl::Status LaunchShard(ShardLane& lane, const LogpStaging& host, int64_t rows) {
     const VocabShard& shard = *lane.shard;
     int32_t* local_targets = lane.host_local_targets.as<int32_t>();
@@ -164,23 +154,24 @@ class VocabParallelExecutor final : public LogpExecutor {
       local_targets[r] = static_cast<int32_t>(host.targets[r] - shard.first_row);
     }
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(shard.device), "cudaSetDevice");
-    char* inputs = lane.inputs.as<char>();
+    // Only the inputs block's layout is used on a shard (no outputs block).
+    const LogpStaging device = layout_.View(lane.inputs.as<void>(), nullptr);
     DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(inputs, local_targets, rows * sizeof(int32_t),
+        cudaMemcpyAsync(device.targets, local_targets, rows * sizeof(int32_t),
                         cudaMemcpyHostToDevice, lane.stream),
         "copy targets to a shard");
     DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(inputs + capacity_ * 4, host.temperatures,
+        cudaMemcpyAsync(device.temperatures, host.temperatures,
                         rows * sizeof(float), cudaMemcpyHostToDevice, lane.stream),
         "copy temperatures to a shard");
     DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(inputs + HiddenOffset(), host.hidden,
-                        rows * hidden_size_ * 2, cudaMemcpyHostToDevice, lane.stream),
+        cudaMemcpyAsync(device.hidden, host.hidden, rows * hidden_size_ * 2,
+                        cudaMemcpyHostToDevice, lane.stream),
         "copy hidden to a shard");
     LinearLogpBatchView batch;
-    batch.targets = reinterpret_cast<const int32_t*>(inputs);
-    batch.temperatures = reinterpret_cast<const float*>(inputs + capacity_ * 4);
-    batch.hidden = reinterpret_cast<const __nv_bfloat16*>(inputs + HiddenOffset());
+    batch.targets = device.targets;
+    batch.temperatures = device.temperatures;
+    batch.hidden = reinterpret_cast<const __nv_bfloat16*>(device.hidden);
     batch.logprobs = lane.z.as<float>();
     batch.rows = rows;
     if (absl::Status s = shard.kernel->LaunchSplits(batch, lane.split_lse.as<float>(),
@@ -217,6 +208,7 @@ class VocabParallelExecutor final : public LogpExecutor {
   const int64_t hidden_size_;
   const int32_t total_splits_;
   const int64_t capacity_;
+  const BatchLayout layout_;
   PinnedBuffer host_inputs_, host_outputs_, host_split_lse_;
   DeviceBuffer combine_split_lse_, combine_outputs_;
   std::vector<std::unique_ptr<ShardLane>> lanes_;
