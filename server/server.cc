@@ -67,8 +67,9 @@ std::string ProjectionDeterminismKey(const ProjectionWeights& weights) {
                          "fma-chain-k-ascending-then-bias/v1", "rows-independent"});
 }
 
+// Creates the projection backend (same --device as the log-prob backend) and
+// its scheduler.
 absl::Status StartProjection(const Server::Options& options,
-                             ProjectionBackend** backend_out,
                              const ProjectionWeights* weights,
                              std::unique_ptr<ProjectionBackend>* backend,
                              std::unique_ptr<ProjectionScheduler>* scheduler) {
@@ -81,7 +82,6 @@ absl::Status StartProjection(const Server::Options& options,
   auto created = registry.Create(options.device, backend_options, &notes);
   if (!created.ok()) return created.status();
   *backend = *std::move(created);
-  *backend_out = backend->get();
   ProjectionScheduler::Options scheduler_options;
   scheduler_options.max_launch_rows = options.projection_max_launch_rows;
   scheduler_options.num_threads = (*backend)->description().preferred_inflight_batches;
@@ -190,8 +190,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
 
   server->projection_weights_ =
       std::make_unique<ProjectionWeights>(std::move(projection_weights));
-  ProjectionBackend* projection_backend = nullptr;
-  if (absl::Status s = StartProjection(options, &projection_backend,
+  if (absl::Status s = StartProjection(options,
                                        server->projection_weights_.get(),
                                        &server->projection_backend_,
                                        &server->projection_scheduler_);
@@ -209,8 +208,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       projection_options, server->projection_scheduler_.get());
   spdlog::info("projection: {} on {} (kernel {}, key {})",
                server->projection_weights_->description,
-               projection_backend->description().device,
-               projection_backend->description().kernel_version,
+               server->projection_backend_->description().device,
+               server->projection_backend_->description().kernel_version,
                projection_options.determinism_key);
 
   grpc::EnableDefaultHealthCheckService(true);
