@@ -161,6 +161,7 @@ class LogProbServiceImpl::StreamCall final
     }
     // The job borrows the request's bytes; `request` keeps them alive.
     const LogProbRequest& request_ref = *request;
+    std::shared_ptr<LogpJob> job;  // stored under the lock, below
     const absl::Status status = service_->Submit(
         request_ref, std::move(request), DeadlineOf(context_), &entry->response,
         // A raw pointer: the entry owns the job, which owns this callback;
@@ -171,10 +172,12 @@ class LogProbServiceImpl::StreamCall final
             raw_entry->done = true;
           });
         },
-        &entry->job);
+        &job);
     Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       reading_ = false;
       in_read_callback_ = false;
+      entry->job = std::move(job);
+      if (!terminal_.ok() && entry->job != nullptr) entry->job->Cancel();
       if (!status.ok()) {
         entry->status = status;
         entry->done = true;
