@@ -7,6 +7,7 @@ import time
 from detlogp import requests
 from detlogp.errors import DeadlineExceeded
 from detlogp.v1 import detlogp_pb2 as pb
+from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
 HEALTH_METHOD = "/grpc.health.v1.Health/Check"
 _HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
@@ -94,3 +95,31 @@ def parse_health_response(data):
 
 def identity(data):
     return data
+
+
+class ClientState:
+    """What the sync and asyncio clients share: targets, channels made by
+    `make_channel` (sync or asyncio), stubs per target, the round-robin
+    cursor and retry counters."""
+
+    def __init__(self, targets, make_channel, *, timeout, retry,
+                 max_message_mb, channel_args, token, root_certificates,
+                 client_certificate, client_key):
+        self.targets = normalize_targets(targets)
+        self.timeout = timeout
+        self.retry = retry
+        options = channel_options(max_message_mb) + list(channel_args)
+        self._channels = [
+            make_channel(t, options, token=token,
+                         root_certificates=root_certificates,
+                         client_certificate=client_certificate,
+                         client_key=client_key)
+            for t in self.targets]
+        self._logp = [pb_grpc.LogProbServiceStub(c) for c in self._channels]
+        self._proj = [pb_grpc.ProjectionServiceStub(c) for c in self._channels]
+        self._health = [c.unary_unary(HEALTH_METHOD, request_serializer=identity,
+                                      response_deserializer=identity)
+                        for c in self._channels]
+        self._rr = RoundRobin(len(self.targets))
+        self.attempts = 0  # calls sent, retries included
+        self.retries = 0

@@ -9,21 +9,18 @@ Example:
 import asyncio
 
 import grpc
-import grpc.aio
 
 from detlogp import requests
 from detlogp.credentials import make_aio_channel
-from detlogp._common import (
-    HEALTH_METHOD, Deadline, RoundRobin, channel_options, identity,
-    normalize_targets, parse_health_response, stream_item_to_request)
+from detlogp._common import (ClientState, Deadline, parse_health_response,
+                              stream_item_to_request)
 from detlogp.errors import from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.retry import RetryPolicy, is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
-from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
 
-class AsyncClient:
+class AsyncClient(ClientState):
     """Round-robin over targets, deadlines and retries as in Client. Create
     it inside the event loop that uses it."""
 
@@ -31,23 +28,11 @@ class AsyncClient:
                  max_message_mb=256, channel_args=(), token=None,
                  root_certificates=None, client_certificate=None,
                  client_key=None):
-        self.targets = normalize_targets(targets)
-        self.timeout = timeout
-        self.retry = retry
-        options = channel_options(max_message_mb) + list(channel_args)
-        security = dict(token=token, root_certificates=root_certificates,
-                        client_certificate=client_certificate,
-                        client_key=client_key)
-        self._channels = [make_aio_channel(t, options, **security)
-                          for t in self.targets]
-        self._logp = [pb_grpc.LogProbServiceStub(c) for c in self._channels]
-        self._proj = [pb_grpc.ProjectionServiceStub(c) for c in self._channels]
-        self._health = [c.unary_unary(HEALTH_METHOD, request_serializer=identity,
-                                      response_deserializer=identity)
-                        for c in self._channels]
-        self._rr = RoundRobin(len(self.targets))
-        self.attempts = 0
-        self.retries = 0
+        ClientState.__init__(
+            self, targets, make_aio_channel, timeout=timeout, retry=retry,
+            max_message_mb=max_message_mb, channel_args=channel_args,
+            token=token, root_certificates=root_certificates,
+            client_certificate=client_certificate, client_key=client_key)
 
     async def close(self):
         for channel in self._channels:
