@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from detlogp.testing import TestModel, find_server_binary
+from detlogp.testing import TestModel, server_binary_for_tests
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -22,11 +22,7 @@ def repo_root():
 
 @pytest.fixture(scope="session")
 def server_binary():
-    binary = find_server_binary(REPO_ROOT)
-    if binary is None or not binary.exists():
-        pytest.fail("no server binary: run `bazel build //server:detlogp_server` "
-                    f"in {REPO_ROOT} (or set DETLOGP_SERVER)", pytrace=False)
-    return binary
+    return server_binary_for_tests(REPO_ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -36,6 +36,18 @@ def find_server_binary(start=None):
     return None
 
 
+def server_binary_for_tests(repo_root):
+    """find_server_binary(repo_root) for pytest fixtures: fails the session
+    with how to build it when there is none."""
+    import pytest  # only test sessions call this
+
+    binary = find_server_binary(repo_root)
+    if binary is None or not binary.exists():
+        pytest.fail("no server binary: run `bazel build //server:detlogp_server` "
+                    f"in {repo_root} (or set DETLOGP_SERVER)", pytrace=False)
+    return binary
+
+
 @functools.lru_cache(maxsize=None)
 def server_flags(binary):
     """Flag names the binary knows (from --helpfull)."""

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 import detlogp
-from detlogp.testing import LocalServer, TestModel, find_server_binary
+from detlogp.testing import LocalServer, TestModel, server_binary_for_tests
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 MAX_REQUEST_ROWS = 64
@@ -28,11 +28,7 @@ def max_request_rows():
 
 @pytest.fixture(scope="session")
 def server_binary():
-    binary = find_server_binary(REPO_ROOT)
-    if binary is None or not binary.exists():
-        pytest.fail("no server binary: run `bazel build //server:detlogp_server` "
-                    f"in {REPO_ROOT} (or set DETLOGP_SERVER)", pytrace=False)
-    return binary
+    return server_binary_for_tests(REPO_ROOT)
 
 
 @pytest.fixture(scope="session")
