@@ -9,28 +9,13 @@ data per row count. Prints a markdown table last; --json writes everything.
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from timing import median_ms
+
 K, N = 96, 5376
-
-
-def median_ms(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def torch_numbers(rows, reps):
@@ -44,15 +29,15 @@ def torch_numbers(rows, reps):
     dy = torch.rand(rows, N, device=dev) * 2 - 1
     out = {}
     with torch.no_grad():
-        out["fwd_ms"] = median_ms(lambda: F.linear(x, w, b), reps)
-        out["dx_ms"] = median_ms(lambda: dy @ w, reps)
+        out["fwd_ms"] = median_ms(lambda: F.linear(x, w, b), reps)[0]
+        out["dx_ms"] = median_ms(lambda: dy @ w, reps)[0]
     xg = x.clone().requires_grad_(True)
     wg = w.clone().requires_grad_(True)
     bg = b.clone().requires_grad_(True)
     y = F.linear(xg, wg, bg)
     out["bwd_ms"] = median_ms(
         lambda: torch.autograd.grad(y, (xg, wg, bg), dy, retain_graph=True),
-        reps)
+        reps)[0]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
