@@ -133,7 +133,7 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::ComputeLogProbs(
 // stream finishes only when every submitted job has completed, so no job
 // callback can outlive the reactor.
 class LogProbServiceImpl::StreamCall final
-    : public grpc::ServerBidiReactor<LogProbRequest, LogProbResponse> {
+    : public LockedReactor<grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>> {
  public:
   StreamCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {
@@ -219,18 +219,10 @@ class LogProbServiceImpl::StreamCall final
     }
   }
 
-  // State changes go through here (see reactor_update.h).
-  template <typename Mutate>
-  void Update(Mutate&& mutate) {
-    UpdateThenMaybeFinish(
-        mu_, std::forward<Mutate>(mutate),
-        [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return StepLocked(); },
-        [this](grpc::Status status) { Finish(std::move(status)); });
-  }
-
   // Writes the next answer or resumes reading; returns the status to finish
   // with once nothing is left in flight.
-  std::optional<grpc::Status> StepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  std::optional<grpc::Status> StepLocked() override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return std::nullopt;
     while (!writing_ && !pending_.empty() && pending_.front()->done) {
       Entry& front = *pending_.front();
@@ -265,7 +257,6 @@ class LogProbServiceImpl::StreamCall final
   LogProbServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
 
-  absl::Mutex mu_;
   // Each read lands in a fresh message that the job can borrow from.
   std::shared_ptr<LogProbRequest> next_request_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Entry>> pending_ ABSL_GUARDED_BY(mu_);

@@ -51,7 +51,7 @@ absl::Status ValidateProjectRequest(const ProjectRequest& request,
 // computed into the other. Finish comes only when no computation is in
 // flight, so no scheduler callback can outlive the reactor.
 class ProjectionServiceImpl::ProjectCall final
-    : public grpc::ServerWriteReactor<ProjectResponse> {
+    : public LockedReactor<grpc::ServerWriteReactor<ProjectResponse>> {
  public:
   ProjectCall(ProjectionServiceImpl* service, const ProjectRequest* request)
       : service_(service), request_(request) {
@@ -138,18 +138,10 @@ class ProjectionServiceImpl::ProjectCall final
     }
   }
 
-  // State changes go through here (see reactor_update.h).
-  template <typename Mutate>
-  void Update(Mutate&& mutate) {
-    UpdateThenMaybeFinish(
-        mu_, std::forward<Mutate>(mutate),
-        [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return StepLocked(); },
-        [this](grpc::Status status) { Finish(std::move(status)); });
-  }
-
   // Starts the next write when its chunk is ready; returns the status to
   // finish with once nothing is in flight.
-  std::optional<grpc::Status> StepLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  std::optional<grpc::Status> StepLocked() override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (finished_) return std::nullopt;
     const bool computing = slots_[0].computing || slots_[1].computing;
     const bool done = !status_.ok() ? !computing && !writing_
@@ -173,7 +165,6 @@ class ProjectionServiceImpl::ProjectCall final
 
   ProjectionServiceImpl* const service_;
   const ProjectRequest* const request_;  // gRPC keeps it until OnDone
-  absl::Mutex mu_;
   int64_t rows_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t chunk_rows_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t next_compute_ ABSL_GUARDED_BY(mu_) = 0;

@@ -12,23 +12,36 @@
 #include <optional>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 
 namespace detlogp::server {
 
-// Runs `mutate()` then `step()` under `mu`; `step` returns the status to
-// finish with, or nullopt. Then, unlocked, calls `finish(status)` if any.
-template <typename Mutate, typename Step, typename Finish>
-void UpdateThenMaybeFinish(absl::Mutex& mu, Mutate&& mutate, Step&& step,
-                           Finish&& finish) {
-  std::optional<grpc::Status> status;
-  {
-    absl::MutexLock lock(&mu);
-    mutate();
-    status = step();
+// `Base` is a grpc::ServerBidiReactor<...> or grpc::ServerWriteReactor<...>.
+// Subclasses keep their state under mu_ and say in StepLocked what happens
+// next (start a read or write) and whether to finish.
+template <typename Base>
+class LockedReactor : public Base {
+ protected:
+  // Runs `mutate()` under mu_, then StepLocked(); finishes, unlocked, if it
+  // returned a status.
+  template <typename Mutate>
+  void Update(Mutate&& mutate) {
+    std::optional<grpc::Status> status;
+    {
+      absl::MutexLock lock(&mu_);
+      mutate();
+      status = StepLocked();
+    }
+    if (status.has_value()) this->Finish(*std::move(status));
   }
-  if (status.has_value()) finish(*std::move(status));
-}
+
+  // Takes the next step; returns the status to finish with, or nullopt.
+  virtual std::optional<grpc::Status> StepLocked()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+
+  absl::Mutex mu_;
+};
 
 }  // namespace detlogp::server
 
