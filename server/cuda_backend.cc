@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "server/cuda_buffers.h"
+#include "server/cuda_lm_head.h"
 #include "server/cuda_vocab_parallel.h"
 
 namespace detlogp::server {
@@ -111,59 +112,13 @@ class CudaExecutor final : public LogpExecutor {
   DeviceBuffer inputs_, outputs_, workspace_;
 };
 
-// The weights and kernel on one GPU.
-struct DeviceReplica {
-  int device = 0;
-  DeviceBuffer weight;
-  DeviceBuffer bias;
-  // Declared after the buffers it points into, so it is destroyed first.
-  std::unique_ptr<LinearLogpCuda> kernel;
-};
-
-absl::StatusOr<std::unique_ptr<DeviceReplica>> UploadReplica(
-    const LmHeadWeights& weights, int device) {
-  auto replica = std::make_unique<DeviceReplica>();
-  replica->device = device;
-  DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
-  const size_t weight_bytes = weights.weight.size() * sizeof(uint16_t);
-  if (absl::Status s = replica->weight.Allocate(weight_bytes, "weights"); !s.ok()) {
-    return s;
-  }
-  DETLOGP_RETURN_IF_CUDA_ERROR(
-      cudaMemcpy(replica->weight.as<void>(), weights.weight.data(), weight_bytes,
-                 cudaMemcpyHostToDevice),
-      "upload weights");
-  if (!weights.bias.empty()) {
-    const size_t bias_bytes = weights.bias.size() * sizeof(float);
-    if (absl::Status s = replica->bias.Allocate(bias_bytes, "bias"); !s.ok()) {
-      return s;
-    }
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpy(replica->bias.as<void>(), weights.bias.data(), bias_bytes,
-                   cudaMemcpyHostToDevice),
-        "upload bias");
-  }
-  LinearLogpCuda::Options kernel_options;
-  kernel_options.device = device;
-  kernel_options.weights.weight = replica->weight.as<const __nv_bfloat16>();
-  kernel_options.weights.bias =
-      weights.bias.empty() ? nullptr : replica->bias.as<const float>();
-  kernel_options.weights.hidden_size = weights.hidden_size;
-  kernel_options.weights.vocab_size = weights.vocab_size;
-  kernel_options.weights.padded_vocab_size = weights.padded_vocab_size;
-  auto kernel = LinearLogpCuda::Create(kernel_options);
-  if (!kernel.ok()) return kernel.status();
-  replica->kernel = *std::move(kernel);
-  return replica;
-}
-
 // Drives one GPU ("cuda:N", or the first sm_90 one for "auto") or every sm_90
-// GPU of one kind ("cuda:all"), each holding the full weights, or, with
-// vocab_parallel, a share of the vocabulary each (cuda_vocab_parallel.h).
-// Each GPU holds the full weights; executors are spread over the GPUs and
-// every batch thread pulls from the one queue when its executor is free, so
-// batches go to whichever GPU is least loaded. GPUs of the same kind run the
-// same kernel, hence the same bits: the determinism key names the
+// GPU of one kind ("cuda:all"). Replicated (the default), each GPU holds the
+// full weights; executors are spread over the GPUs and every batch thread
+// pulls from the one queue when its executor is free, so batches go to
+// whichever GPU is least loaded. With vocab_parallel each GPU holds a share
+// of the vocabulary instead (cuda_vocab_parallel.h). GPUs of the same kind
+// run the same kernel, hence the same bits: the determinism key names the
 // architecture, not the device index.
 class CudaBackend final : public LogpBackend {
  public:
@@ -215,7 +170,7 @@ class CudaBackend final : public LogpBackend {
       backend->shards_ = *std::move(shards);
     } else {
       for (int device : used) {
-        auto replica = UploadReplica(*options.weights, device);
+        auto replica = UploadLmHead(*options.weights, device);
         if (!replica.ok()) return replica.status();
         backend->replicas_.push_back(*std::move(replica));
       }
@@ -260,7 +215,7 @@ class CudaBackend final : public LogpBackend {
       return NewVocabParallelExecutor(shards_, hidden_size_, vocab_size_,
                                       max_batch_rows);
     }
-    const DeviceReplica& replica = *replicas_[next_replica_++ % replicas_.size()];
+    const CudaLmHead& replica = *replicas_[next_replica_++ % replicas_.size()];
     auto executor = CudaExecutor::Create(replica.kernel.get(), replica.device,
                                          hidden_size_, max_batch_rows);
     if (!executor.ok()) return executor.status();
@@ -270,8 +225,8 @@ class CudaBackend final : public LogpBackend {
  private:
   CudaBackend() = default;
 
-  std::vector<std::unique_ptr<DeviceReplica>> replicas_;  // data-parallel
-  std::vector<std::unique_ptr<VocabShard>> shards_;       // vocabulary-parallel
+  std::vector<std::unique_ptr<CudaLmHead>> replicas_;  // data-parallel
+  std::vector<std::unique_ptr<CudaLmHead>> shards_;       // vocabulary-parallel
   size_t next_replica_ = 0;
   int64_t hidden_size_ = 0;
   int64_t vocab_size_ = 0;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/split_policy.h"
+#include "server/cuda_buffers.h"
 
 namespace detlogp::server {
 namespace {
@@ -15,7 +16,7 @@ using kernels::cuda::LinearLogpCuda;
 
 // Per-shard device buffers and stream of one executor.
 struct ShardLane {
-  const VocabShard* shard = nullptr;
+  const CudaLmHead* shard = nullptr;
   cudaStream_t stream = nullptr;
   DeviceBuffer inputs;     // [local targets | temperatures | hidden]
   DeviceBuffer split_lse;  // [capacity][shard splits]
@@ -39,7 +40,7 @@ class VocabParallelExecutor final : public LogpExecutor {
     }
   }
 
-  absl::Status Init(const std::vector<std::unique_ptr<VocabShard>>& shards) {
+  absl::Status Init(const std::vector<std::unique_ptr<CudaLmHead>>& shards) {
     const size_t input_bytes = layout_.input_bytes(hidden_size_);
     if (absl::Status s = host_inputs_.Allocate(input_bytes, "cudaHostAlloc");
         !s.ok()) {
@@ -148,7 +149,7 @@ class VocabParallelExecutor final : public LogpExecutor {
 
  private:
   absl::Status LaunchShard(ShardLane& lane, const LogpStaging& host, int64_t rows) {
-    const VocabShard& shard = *lane.shard;
+    const CudaLmHead& shard = *lane.shard;
     int32_t* local_targets = lane.host_local_targets.as<int32_t>();
     for (int64_t r = 0; r < rows; ++r) {
       local_targets[r] = static_cast<int32_t>(host.targets[r] - shard.first_row);
@@ -216,7 +217,7 @@ class VocabParallelExecutor final : public LogpExecutor {
 
 }  // namespace
 
-absl::StatusOr<std::vector<std::unique_ptr<VocabShard>>> UploadVocabShards(
+absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
     const LmHeadWeights& weights, const std::vector<int>& devices) {
   const int32_t splits = kernels::NumVocabSplits(weights.vocab_size);
   const int shards = static_cast<int>(devices.size());
@@ -225,54 +226,18 @@ absl::StatusOr<std::vector<std::unique_ptr<VocabShard>>> UploadVocabShards(
         "vocabulary parallelism over ", shards, " GPUs needs 1..", splits,
         " of them"));
   }
-  std::vector<std::unique_ptr<VocabShard>> out;
+  std::vector<std::unique_ptr<CudaLmHead>> out;
   for (int g = 0; g < shards; ++g) {
-    auto shard = std::make_unique<VocabShard>();
-    shard->device = devices[g];
-    shard->first_split = splits * g / shards;
-    shard->end_split = splits * (g + 1) / shards;
-    shard->first_row = kernels::VocabSplitRange(weights.vocab_size, shard->first_split).begin;
-    shard->end_row = kernels::VocabSplitRange(weights.vocab_size, shard->end_split - 1).end;
-    const int64_t rows = shard->end_row - shard->first_row;
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(shard->device), "cudaSetDevice");
-    const size_t weight_bytes = rows * weights.hidden_size * sizeof(uint16_t);
-    if (absl::Status s = shard->weight.Allocate(weight_bytes, "shard weights"); !s.ok()) {
-      return s;
-    }
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpy(shard->weight.as<void>(),
-                   weights.weight.data() + shard->first_row * weights.hidden_size,
-                   weight_bytes, cudaMemcpyHostToDevice),
-        "upload shard weights");
-    if (!weights.bias.empty()) {
-      if (absl::Status s = shard->bias.Allocate(rows * sizeof(float), "shard bias");
-          !s.ok()) {
-        return s;
-      }
-      DETLOGP_RETURN_IF_CUDA_ERROR(
-          cudaMemcpy(shard->bias.as<void>(), weights.bias.data() + shard->first_row,
-                     rows * sizeof(float), cudaMemcpyHostToDevice),
-          "upload shard bias");
-    }
-    LinearLogpCuda::Options options;
-    options.device = shard->device;
-    options.weights.weight = shard->weight.as<const __nv_bfloat16>();
-    options.weights.bias = weights.bias.empty() ? nullptr : shard->bias.as<const float>();
-    options.weights.hidden_size = weights.hidden_size;
-    options.weights.vocab_size = weights.vocab_size;
-    options.weights.padded_vocab_size = rows;
-    options.first_split = shard->first_split;
-    options.end_split = shard->end_split;
-    auto kernel = LinearLogpCuda::Create(options);
-    if (!kernel.ok()) return kernel.status();
-    shard->kernel = *std::move(kernel);
-    out.push_back(std::move(shard));
+    auto shard = UploadLmHead(weights, devices[g], splits * g / shards,
+                              splits * (g + 1) / shards);
+    if (!shard.ok()) return shard.status();
+    out.push_back(*std::move(shard));
   }
   return out;
 }
 
 absl::StatusOr<std::unique_ptr<LogpExecutor>> NewVocabParallelExecutor(
-    const std::vector<std::unique_ptr<VocabShard>>& shards, int64_t hidden_size,
+    const std::vector<std::unique_ptr<CudaLmHead>>& shards, int64_t hidden_size,
     int64_t vocab_size, int64_t capacity) {
   auto executor = std::make_unique<VocabParallelExecutor>(
       hidden_size, kernels::NumVocabSplits(vocab_size), capacity);

@@ -11,34 +11,20 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "kernels/cuda/linear_logp_cuda.h"
 #include "server/backend.h"
-#include "server/cuda_buffers.h"
+#include "server/cuda_lm_head.h"
 
 namespace detlogp::server {
 
-// One GPU's share of the vocabulary.
-struct VocabShard {
-  int device = 0;
-  int32_t first_split = 0;  // [first_split, end_split) of the policy
-  int32_t end_split = 0;
-  int64_t first_row = 0;    // [first_row, end_row) of the weight
-  int64_t end_row = 0;
-  DeviceBuffer weight;
-  DeviceBuffer bias;
-  // Declared after the buffers it points into, so it is destroyed first.
-  std::unique_ptr<kernels::cuda::LinearLogpCuda> kernel;
-};
-
 // Cuts the splits of `weights` evenly over `devices` (in order) and uploads
 // each device's rows.
-absl::StatusOr<std::vector<std::unique_ptr<VocabShard>>> UploadVocabShards(
+absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
     const LmHeadWeights& weights, const std::vector<int>& devices);
 
 // An executor that runs every batch on all shards, then combines on the
 // first shard's GPU. `shards` outlive it.
 absl::StatusOr<std::unique_ptr<LogpExecutor>> NewVocabParallelExecutor(
-    const std::vector<std::unique_ptr<VocabShard>>& shards, int64_t hidden_size,
+    const std::vector<std::unique_ptr<CudaLmHead>>& shards, int64_t hidden_size,
     int64_t vocab_size, int64_t capacity);
 
 }  // namespace detlogp::server
