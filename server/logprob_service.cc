@@ -142,22 +142,28 @@ class LogProbServiceImpl::StreamCall final
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {
+    auto entry = std::make_shared<Entry>();
+    std::shared_ptr<LogProbRequest> request;
+    bool accepted = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // A read that lands after the stream stopped (Finish may even have
+      // been called with this read outstanding) must not start a job whose
+      // callback could outlive the reactor. Accepting, and marking this
+      // thread as still using the reactor, happen in one critical section.
+      accepted = ok && !finished_ && terminal_.ok();
+      if (accepted) {
+        in_read_callback_ = true;
+        pending_.push_back(entry);
+        request = std::move(next_request_);
+      }
+    }
+    if (!accepted) {
       Update([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
         reading_ = false;
         reads_done_ = true;
       });
       return;
-    }
-    auto entry = std::make_shared<Entry>();
-    std::shared_ptr<LogProbRequest> request;
-    {
-      absl::MutexLock lock(&mu_);
-      // Until the Update below, this thread still uses the reactor: no other
-      // thread may finish the call (and so delete it) in the meantime.
-      in_read_callback_ = true;
-      pending_.push_back(entry);
-      request = std::move(next_request_);
     }
     // The job borrows the request's bytes; `request` keeps them alive.
     const LogProbRequest& request_ref = *request;
