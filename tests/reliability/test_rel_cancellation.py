@@ -127,3 +127,57 @@ def test_cancellation_storm_keeps_serving_and_memory_flat(server_binary, model, 
     assert after["unary_ok"] + after["stream_ok"] == after["calls"] > 0
     assert after["rows_mismatched"] == 0
     assert abs(rss_after - rss_before) <= 0.10 * rss_before
+
+
+async def stream_cancel_storm(target, pool, seconds, seed):
+    """Streams whose requests trickle in while the client cancels them at
+    random moments: reads, jobs and cancellation race inside the server."""
+    rng = random.Random(seed)
+    counts = Counter()
+    end = time.monotonic() + seconds
+    channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
+    stubs = [pb_grpc.LogProbServiceStub(c) for c in channels]
+
+    async def client(i):
+        stub = stubs[i % len(stubs)]
+        while time.monotonic() < end:
+            async def trickle():
+                for _ in range(rng.randint(1, 6)):
+                    rows = rng.sample(range(len(pool.targets)), rng.randint(1, 2))
+                    yield requests.logprob_request(pool.hidden[rows], pool.targets[rows])
+                    if rng.random() < 0.3:
+                        await asyncio.sleep(rng.random() * 0.002)
+            call = stub.StreamLogProbs(trickle())
+
+            async def consume():
+                async for _ in call:
+                    counts["answers"] += 1
+            task = asyncio.ensure_future(consume())
+            await asyncio.sleep(rng.random() * 0.004)
+            if rng.random() < 0.6:
+                call.cancel()
+                counts["cancelled"] += 1
+            try:
+                await task
+            except (grpc.RpcError, asyncio.CancelledError):
+                pass
+            counts["streams"] += 1
+
+    await asyncio.gather(*[client(i) for i in range(48)])
+    for channel in channels:
+        await channel.close()
+    return counts
+
+
+def test_stream_cancellations_racing_reads_never_crash(server_binary, model, report):
+    with LocalServer(server_binary, model.flags + ["--cpu_threads=1"]) as server:
+        pool = RowPool.random(model.hidden, model.vocab, rows=64, seed=4)
+        counts = asyncio.run(stream_cancel_storm(server.target, pool, PHASE_S, seed=5))
+        report(f"tried: {counts['streams']} trickling streams from 48 clients in "
+               f"{PHASE_S:.0f}s, {counts['cancelled']} cancelled at a random moment; "
+               f"{counts['answers']} answers read")
+        alive = server.running()
+        exit_code = server.terminate()
+        report(f"held: server alive {alive}, exit code {exit_code}")
+    assert counts["streams"] > 1000 and counts["cancelled"] > 0
+    assert alive and exit_code == 0
