@@ -26,6 +26,9 @@ struct BackendDescription {
   std::string kernel_version;   // changes whenever bits may change
   // Batches a backend wants in flight at once (copies overlap compute).
   int preferred_inflight_batches = 1;
+  // How long an idle batch thread polls before sleeping
+  // (DynamicBatcher::Options::idle_spin_micros).
+  int64_t preferred_idle_spin_micros = 0;
 };
 
 // Host buffers for one batch of up to `capacity` rows. Backends may place
@@ -44,6 +47,10 @@ class LogpExecutor {
  public:
   virtual ~LogpExecutor() = default;
   virtual LogpStaging staging() = 0;
+  // Says that rows [0, rows) of the staging are final while the batcher
+  // gathers the rest, so a device backend can start copying them; the
+  // batch's Run follows. Backends that copy in Run ignore it.
+  virtual void RowsStaged(int64_t rows) {}
   // Computes rows [0, rows) of the staging buffers and returns when the
   // outputs are in host memory. A failure fails this batch only.
   virtual absl::Status Run(int64_t rows) = 0;

@@ -62,6 +62,7 @@ absl::Status DynamicBatcher::Schedule(std::shared_ptr<LogpJob> job) {
     if (rows > 0) {
       queue_.push_back(QueuedJob{job, 0, absl::Now()});
       queued_rows_ += rows;
+      NotifyStateChangedLocked();
       return absl::OkStatus();
     }
   }
@@ -74,6 +75,7 @@ void DynamicBatcher::Stop() {
     absl::MutexLock lock(&mu_);
     if (stopping_ && threads_.empty()) return;
     stopping_ = true;
+    NotifyStateChangedLocked();
   }
   for (std::thread& thread : threads_) thread.join();
   threads_.clear();
@@ -99,6 +101,23 @@ bool DynamicBatcher::CanStartBatchOrStopping() const {
                                    ? options_.min_rows_to_overlap
                                    : options_.max_batch_rows / 4;
   return batches_in_flight_ == 0 || queued_rows_ >= overlap_rows;
+}
+
+void DynamicBatcher::SpinUntilBatchCanStartLocked() {
+  if (options_.idle_spin_micros <= 0 || thread_polling_) return;
+  thread_polling_ = true;
+  const absl::Time give_up =
+      absl::Now() + absl::Microseconds(options_.idle_spin_micros);
+  while (!CanStartBatchOrStopping() && absl::Now() < give_up) {
+    const uint64_t seen = state_version_.load(std::memory_order_acquire);
+    mu_.Unlock();
+    while (state_version_.load(std::memory_order_acquire) == seen &&
+           absl::Now() < give_up) {
+      std::this_thread::yield();
+    }
+    mu_.Lock();
+  }
+  thread_polling_ = false;
 }
 
 bool DynamicBatcher::HasFullBatchOrStopping() const {
@@ -135,6 +154,7 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
   {
     absl::MutexLock lock(&mu_);
     while (batch.empty()) {
+      SpinUntilBatchCanStartLocked();
       mu_.Await(absl::Condition(this, &DynamicBatcher::CanStartBatchOrStopping));
       if (queue_.empty()) break;  // stopping, nothing left
       const absl::Time flush_at =
@@ -173,13 +193,12 @@ void DynamicBatcher::BatchLoop(LogpExecutor* executor) {
       continue;
     }
     RunBatch(executor, batch);
-    absl::MutexLock lock(&mu_);
-    --batches_in_flight_;
   }
 }
 
 void DynamicBatcher::RunBatch(LogpExecutor* executor,
                               std::vector<Slice>& batch) {
+  const absl::Time gather_start = absl::Now();
   const LogpStaging staging = executor->staging();
   int64_t rows = 0;
   for (const Slice& slice : batch) {
@@ -192,15 +211,25 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
                 slice.row_count * sizeof(int32_t));
     std::fill_n(staging.temperatures + rows, slice.row_count, job.temperature());
     rows += slice.row_count;
+    executor->RowsStaged(rows);
   }
   const absl::Time start = absl::Now();
   const absl::Status status = executor->Run(rows);
+  const absl::Time end = absl::Now();
+  {
+    // The device is free for the next batch while this one's outputs are
+    // scattered and its calls answered.
+    absl::MutexLock lock(&mu_);
+    --batches_in_flight_;
+    NotifyStateChangedLocked();
+  }
   if (options_.on_batch) {
     BatchRecord record;
     record.rows = rows;
     record.requests = static_cast<int64_t>(batch.size());
-    record.queue_delay = start - batch.front().queued;
-    record.compute = absl::Now() - start;
+    record.queue_delay = gather_start - batch.front().queued;
+    record.gather = start - gather_start;
+    record.compute = end - start;
     record.ok = status.ok();
     options_.on_batch(record);
   }

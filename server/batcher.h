@@ -49,6 +49,7 @@ class DynamicBatcher {
     int64_t rows = 0;
     int64_t requests = 0;         // request slices in the batch
     absl::Duration queue_delay;   // how long its oldest slice waited
+    absl::Duration gather;        // copying its rows into the staging
     absl::Duration compute;       // the backend's Run, copies included
     bool ok = true;
   };
@@ -63,6 +64,11 @@ class DynamicBatcher {
     // so small calls do not queue behind each other on the device; under
     // heavy load every thread works.
     int64_t min_rows_to_overlap = -1;
+    // An idle batch thread polls for work this long before it sleeps (one
+    // thread at a time). Waking a sleeping thread costs tens of
+    // microseconds, a real share of a sub-millisecond GPU batch; 0 never
+    // polls (right for CPU backends, whose batch threads share the cores).
+    int64_t idle_spin_micros = 0;
     // Called after every batch on its batch thread; may be empty.
     std::function<void(const BatchRecord&)> on_batch;
   };
@@ -125,6 +131,13 @@ class DynamicBatcher {
   void RunBatch(LogpExecutor* executor, std::vector<Slice>& batch);
   bool HasFullBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool CanStartBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Polls, releasing mu_ while it does, until a batch can start or
+  // idle_spin_micros pass; returns at once when another thread polls.
+  void SpinUntilBatchCanStartLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells a polling thread that the queue or the batches in flight changed.
+  void NotifyStateChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    state_version_.fetch_add(1, std::memory_order_release);
+  }
 
   const Options options_;
   std::vector<std::unique_ptr<LogpExecutor>> executors_;
@@ -135,6 +148,10 @@ class DynamicBatcher {
   int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool thread_polling_ ABSL_GUARDED_BY(mu_) = false;
+  // Bumped under mu_ on every change a polling thread waits for; read
+  // without it.
+  std::atomic<uint64_t> state_version_{0};
 
   std::atomic<int64_t> batches_run_{0};
   std::atomic<int64_t> rows_computed_{0};

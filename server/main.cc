@@ -60,6 +60,10 @@ ABSL_FLAG(int64_t, batch_overlap_rows, -1,
           "While a batch runs, another starts only once this many rows wait "
           "(-1: max_batch_rows / 4); keeps small calls from queueing on the "
           "device under light load.");
+ABSL_FLAG(int64_t, batch_spin_us, -1,
+          "An idle batch thread polls for work this long before sleeping "
+          "(one thread at a time; -1: the backend's preference, 1000 on a "
+          "GPU, 0 on the CPU).");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads; 0: all cores.");
 ABSL_FLAG(int, metrics_port, -1,
           "Prometheus /metrics port on --host: -1 off, 0 a free port (written "
@@ -160,6 +164,7 @@ int main(int argc, char** argv) {
   options.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.batcher.min_rows_to_overlap = absl::GetFlag(FLAGS_batch_overlap_rows);
+  options.batcher.idle_spin_micros = absl::GetFlag(FLAGS_batch_spin_us);
   options.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.tls_cert_path = absl::GetFlag(FLAGS_tls_cert);

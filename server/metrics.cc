@@ -55,6 +55,7 @@ ServerMetrics::ServerMetrics()
     : batch_rows_(PowersOfTwo(1, 15)),
       batch_requests_(PowersOfTwo(1, 12)),
       queue_delay_seconds_(PowersOfTwo(1e-5, 18)),
+      gather_seconds_(PowersOfTwo(1e-6, 18)),
       compute_seconds_(PowersOfTwo(1e-5, 18)) {}
 
 void ServerMetrics::CountRequest(absl::string_view method, int grpc_code) {
@@ -64,10 +65,12 @@ void ServerMetrics::CountRequest(absl::string_view method, int grpc_code) {
 
 void ServerMetrics::ObserveBatch(int64_t rows, int64_t requests,
                                  double queue_delay_seconds,
+                                 double gather_seconds,
                                  double compute_seconds) {
   batch_rows_.Observe(static_cast<double>(rows));
   batch_requests_.Observe(static_cast<double>(requests));
   queue_delay_seconds_.Observe(queue_delay_seconds);
+  gather_seconds_.Observe(gather_seconds);
   compute_seconds_.Observe(compute_seconds);
 }
 
@@ -103,6 +106,7 @@ std::string ServerMetrics::Render(const MetricsSnapshot& snapshot) const {
   batch_rows_.Render("detlogp_batch_rows", &out);
   batch_requests_.Render("detlogp_batch_requests", &out);
   queue_delay_seconds_.Render("detlogp_queue_delay_seconds", &out);
+  gather_seconds_.Render("detlogp_gather_seconds", &out);
   compute_seconds_.Render("detlogp_compute_seconds", &out);
   absl::StrAppend(&out, "# TYPE detlogp_queue_rows gauge\ndetlogp_queue_rows ",
                   snapshot.queue_rows, "\n");

@@ -7,6 +7,7 @@
 //   detlogp_batch_rows                       histogram of rows per batch
 //   detlogp_batch_requests                   histogram of request slices per batch
 //   detlogp_queue_delay_seconds              histogram: oldest slice's wait
+//   detlogp_gather_seconds                   histogram: staging a batch's rows
 //   detlogp_compute_seconds                  histogram: backend time per batch
 //   detlogp_queue_rows                       gauge: rows waiting now
 //   detlogp_device_memory_used_bytes         gauge: GPU memory in use (0 on CPU)
@@ -58,7 +59,7 @@ class ServerMetrics {
 
   void CountRequest(absl::string_view method, int grpc_code);
   void ObserveBatch(int64_t rows, int64_t requests, double queue_delay_seconds,
-                    double compute_seconds);
+                    double gather_seconds, double compute_seconds);
   std::string Render(const MetricsSnapshot& snapshot) const;
 
  private:
@@ -67,6 +68,7 @@ class ServerMetrics {
   Histogram batch_rows_;
   Histogram batch_requests_;
   Histogram queue_delay_seconds_;
+  Histogram gather_seconds_;
   Histogram compute_seconds_;
 };
 

@@ -164,9 +164,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   if (batcher_options.num_batch_threads <= 0) {
     batcher_options.num_batch_threads = description.preferred_inflight_batches;
   }
+  if (batcher_options.idle_spin_micros < 0) {
+    batcher_options.idle_spin_micros = description.preferred_idle_spin_micros;
+  }
   batcher_options.on_batch = [metrics](const DynamicBatcher::BatchRecord& r) {
     metrics->ObserveBatch(r.rows, r.requests,
                           absl::ToDoubleSeconds(r.queue_delay),
+                          absl::ToDoubleSeconds(r.gather),
                           absl::ToDoubleSeconds(r.compute));
   };
   auto batcher =

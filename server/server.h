@@ -46,7 +46,8 @@ class Server {
     // With several GPUs ("cuda:all"): each holds a share of the vocabulary.
     bool vocab_parallel = false;
     int cpu_threads = 0;  // 0: one per hardware thread
-    // num_batch_threads 0 means the backend's preferred count.
+    // num_batch_threads 0 and idle_spin_micros -1 mean the backend's
+    // preference.
     DynamicBatcher::Options batcher{256, 500, 1 << 16, 0};
     // How long Shutdown waits for accepted calls before cancelling them.
     absl::Duration shutdown_grace = absl::Seconds(30);

@@ -66,6 +66,7 @@ TEST(DynamicBatcherTest, SplitsLargeRequestsAndScattersEveryRow) {
   }
   for (int64_t size : backend.batch_sizes()) EXPECT_LE(size, 8);
   EXPECT_EQ(backend.rows_computed(), 45);
+  EXPECT_EQ(backend.bad_staging_batches(), 0);
 }
 
 TEST(DynamicBatcherTest, PoolsRowsOfManyRequestsIntoOneBatch) {
@@ -80,6 +81,7 @@ TEST(DynamicBatcherTest, PoolsRowsOfManyRequestsIntoOneBatch) {
     EXPECT_TRUE(job.status->ok());
   }
   EXPECT_EQ(backend.batch_sizes(), std::vector<int64_t>{12});
+  EXPECT_EQ(backend.bad_staging_batches(), 0);  // staged 3, 6, 9, 12
   // Each job kept its own temperature through the shared batch.
   for (int i = 0; i < 4; ++i) EXPECT_EQ(jobs[i].job->lse()[2], 1.0f + i);
 }
@@ -175,11 +177,13 @@ TEST(DynamicBatcherTest, StopAnswersEverythingQueuedThenRefuses) {
   EXPECT_EQ(batcher->Schedule(late.job).code(), absl::StatusCode::kUnavailable);
 }
 
-TEST(DynamicBatcherTest, SecondBatchStartsOnlyWhenEnoughRowsWait) {
+// With or without a polling batch thread.
+void ExpectSecondBatchOnlyWhenEnoughRowsWait(int64_t idle_spin_micros) {
   FakeBackend backend(kH);
   backend.set_delay(absl::Milliseconds(300));
   DynamicBatcher::Options options{8, 0, 1000, 2};
   options.min_rows_to_overlap = 2;
+  options.idle_spin_micros = idle_spin_micros;
   auto batcher = MakeBatcher(&backend, options);
   TrackedJob first = MakeJob(1);
   ASSERT_TRUE(batcher->Schedule(first.job).ok());
@@ -197,6 +201,51 @@ TEST(DynamicBatcherTest, SecondBatchStartsOnlyWhenEnoughRowsWait) {
     ASSERT_TRUE(job->done->WaitForNotificationWithTimeout(absl::Seconds(10)));
   }
   EXPECT_EQ(backend.batch_sizes(), (std::vector<int64_t>{1, 2}));
+}
+
+TEST(DynamicBatcherTest, SecondBatchStartsOnlyWhenEnoughRowsWait) {
+  ExpectSecondBatchOnlyWhenEnoughRowsWait(0);
+}
+
+TEST(DynamicBatcherTest, PollingThreadKeepsTheOverlapGate) {
+  ExpectSecondBatchOnlyWhenEnoughRowsWait(1'000'000);
+}
+
+TEST(DynamicBatcherTest, PollingThreadServesSporadicCalls) {
+  FakeBackend backend(kH);
+  DynamicBatcher::Options options{8, 0, 1000, 2};
+  options.idle_spin_micros = 2000;
+  auto batcher = MakeBatcher(&backend, options);
+  int64_t rows_sent = 0;
+  for (int i = 0; i < 40; ++i) {
+    const int64_t rows = 1 + i % 11;  // some are cut into two batches
+    TrackedJob job = MakeJob(rows);
+    ASSERT_TRUE(batcher->Schedule(job.job).ok());
+    ASSERT_TRUE(job.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+    ASSERT_TRUE(job.status->ok());
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_EQ(job.job->logprobs()[r], static_cast<float>(3 * r));
+    }
+    rows_sent += rows;
+    // Gaps inside and beyond the polling window.
+    absl::SleepFor(absl::Microseconds(i % 2 == 0 ? 200 : 3000));
+  }
+  EXPECT_EQ(backend.rows_computed(), rows_sent);
+  EXPECT_EQ(backend.bad_staging_batches(), 0);
+}
+
+TEST(DynamicBatcherTest, StopWakesAPollingThread) {
+  FakeBackend backend(kH);
+  DynamicBatcher::Options options{8, 0, 1000, 2};
+  options.idle_spin_micros = 60'000'000;  // would poll a minute
+  auto batcher = MakeBatcher(&backend, options);
+  TrackedJob job = MakeJob(3);
+  ASSERT_TRUE(batcher->Schedule(job.job).ok());
+  ASSERT_TRUE(job.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(20));  // a thread is polling now
+  const absl::Time start = absl::Now();
+  batcher->Stop();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
 
 TEST(DynamicBatcherTest, EmptyJobCompletesAtOnce) {

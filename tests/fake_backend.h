@@ -1,6 +1,7 @@
 // A LogpBackend for batcher and server tests: "computes" logprob = first
-// hidden bf16 value + target, lse = row count of the batch, records batch
-// sizes, can be slowed down or made to fail.
+// hidden bf16 value + target, lse = the row's temperature, records batch
+// sizes, checks the RowsStaged calls before each Run, can be slowed down or
+// made to fail.
 #ifndef DETLOGP_TESTS_FAKE_BACKEND_H_
 #define DETLOGP_TESTS_FAKE_BACKEND_H_
 
@@ -36,6 +37,9 @@ class FakeBackend final : public server::LogpBackend {
   void set_fail(bool fail) { fail_ = fail; }
   int64_t rows_computed() const { return rows_computed_; }
   int64_t batches_started() const { return batches_started_; }
+  // Batches whose RowsStaged calls did not grow step by step up to the rows
+  // that Run was asked for.
+  int64_t bad_staging_batches() const { return bad_staging_batches_; }
   std::vector<int64_t> batch_sizes() const {
     absl::MutexLock lock(&mu_);
     return batch_sizes_;
@@ -55,8 +59,15 @@ class FakeBackend final : public server::LogpBackend {
       return {static_cast<int64_t>(targets_.size()), hidden_.data(), targets_.data(),
               temperatures_.data(), logprobs_.data(), lse_.data()};
     }
+    void RowsStaged(int64_t rows) override {
+      if (rows <= staged_rows_) staging_in_order_ = false;
+      staged_rows_ = rows;
+    }
     absl::Status Run(int64_t rows) override {
       ++backend_->batches_started_;
+      if (!staging_in_order_ || staged_rows_ != rows) ++backend_->bad_staging_batches_;
+      staged_rows_ = 0;
+      staging_in_order_ = true;
       absl::SleepFor(absl::Nanoseconds(backend_->delay_ns_.load()));
       {
         absl::MutexLock lock(&backend_->mu_);
@@ -74,6 +85,8 @@ class FakeBackend final : public server::LogpBackend {
 
    private:
     FakeBackend* backend_;
+    int64_t staged_rows_ = 0;
+    bool staging_in_order_ = true;
     std::vector<uint16_t> hidden_;
     std::vector<int32_t> targets_;
     std::vector<float> temperatures_;
@@ -87,6 +100,7 @@ class FakeBackend final : public server::LogpBackend {
   std::atomic<bool> fail_{false};
   std::atomic<int64_t> rows_computed_{0};
   std::atomic<int64_t> batches_started_{0};
+  std::atomic<int64_t> bad_staging_batches_{0};
   mutable absl::Mutex mu_;
   std::vector<int64_t> batch_sizes_ ABSL_GUARDED_BY(mu_);
 };

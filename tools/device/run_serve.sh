@@ -17,7 +17,7 @@ status=0
 echo "== GPU tests"
 for test in linear_logp_cuda_test projection_cuda_test; do
   "$dir/$test" > "$OUT/$test.log" 2>&1 || status=1
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) \]|tests? ran" "$OUT/$test.log"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|tests? from .* ran" "$OUT/$test.log"
   # On a GPU machine every case must run: none skipped, and more than zero.
   if grep -q "SKIPPED \]" "$OUT/$test.log" || grep -q "PASSED  \] 0 tests" "$OUT/$test.log"; then
     echo "$test: cases skipped or none ran"; status=1
@@ -29,6 +29,24 @@ start_server() {  # $1 = port file, rest = flags
   rm -f "$port_file"
   "$dir/detlogp_server" --port=0 --port_file="$port_file" --metrics_port=0 "$@" &
   for _ in $(seq 1 900); do [[ -s $port_file ]] && break; sleep 0.2; done
+}
+
+scrape() { curl -s "http://127.0.0.1:$(sed -n 2p "$1")/metrics"; }
+
+# Runs serve_throughput against the server of port file $1 with load flags
+# "rest", then says where the server's time went (metrics_delta.py).
+load_phase() {
+  local port_file=$1; shift
+  local seconds warmup
+  seconds=$(sed -n 's/.*--seconds=\([0-9.]*\).*/\1/p' <<< "$*")
+  warmup=$(sed -n 's/.*--warmup_seconds=\([0-9.]*\).*/\1/p' <<< "$*")
+  scrape "$port_file" > /tmp/metrics_before.txt
+  local rc=0
+  "$dir/serve_throughput" --target="127.0.0.1:$(head -1 "$port_file")" "$@" || rc=1
+  scrape "$port_file" > /tmp/metrics_after.txt
+  python3 tools/device/metrics_delta.py /tmp/metrics_before.txt /tmp/metrics_after.txt \
+    "$(python3 -c "print(${seconds:-10} + ${warmup:-2})")"
+  return $rc
 }
 
 echo "== GPU server, H=4096 V=151936"
@@ -45,13 +63,12 @@ echo "== bits over gRPC: probes alone vs mixed into 64 concurrent callers"
   --concurrency=64 --calls_per_thread=4 --channels=8 | tee "$OUT/invariance.txt" || status=1
 
 echo "== end to end: N=256 rows per request, 64 callers, 16 channels"
-"$dir/serve_throughput" --target="$target" --rows=256 --callers=64 --channels=16 \
-  --seconds=10 | tee "$OUT/throughput_256.json" || status=1
+load_phase /tmp/gpu.port --rows=256 --callers=64 --channels=16 --seconds=10 \
+  | tee "$OUT/throughput_256.json" || status=1
 echo "== small calls: N=16, 8 callers; then one caller"
-"$dir/serve_throughput" --target="$target" --rows=16 --callers=8 --channels=8 \
-  --seconds=5 | tee "$OUT/latency_16.json" || status=1
-"$dir/serve_throughput" --target="$target" --rows=16 --callers=1 --channels=1 \
-  --seconds=3 | tail -1
+load_phase /tmp/gpu.port --rows=16 --callers=8 --channels=8 --seconds=5 \
+  | tee "$OUT/latency_16.json" || status=1
+load_phase /tmp/gpu.port --rows=16 --callers=1 --channels=1 --seconds=3 | tail -2 || status=1
 curl -s "http://127.0.0.1:$(sed -n 2p /tmp/gpu.port)/metrics" > "$OUT/metrics.txt" 2>/dev/null
 
 echo "== projection from the GPU"
@@ -73,19 +90,19 @@ else
 fi
 if [[ -n "${SWEEP:-}" ]]; then
   echo "== sweep: batch threads x queue delay (N=256 x 64 callers; N=16 x 8 callers)"
-  for config in $SWEEP; do  # e.g. "4:300:2048 4:0:2048"
-    IFS=: read -r threads delay rows <<< "$config"
+  for config in $SWEEP; do  # threads:delay_us:rows[:spin_us], e.g. "4:300:2048 4:0:2048:0"
+    IFS=: read -r threads delay rows spin <<< "$config"
     start_server /tmp/sweep.port --device=cuda:0 --synthetic_hidden_size=4096 \
       --synthetic_vocab_size=151936 --batch_threads=$threads \
       --max_queue_delay_us=$delay --max_batch_rows=$rows --max_queue_rows=262144 \
+      --batch_spin_us=${spin:--1} \
       > "$OUT/server_sweep.log" 2>&1
     sweep_server=$!
-    t=127.0.0.1:$(head -1 /tmp/sweep.port)
-    echo "-- batch_threads=$threads max_queue_delay_us=$delay max_batch_rows=$rows"
-    "$dir/serve_throughput" --target="$t" --rows=256 --callers=64 --channels=16 \
-      --seconds=8 --warmup_seconds=2 | tail -1
-    "$dir/serve_throughput" --target="$t" --rows=16 --callers=8 --channels=8 \
-      --seconds=4 --warmup_seconds=1 | tail -1
+    echo "-- batch_threads=$threads max_queue_delay_us=$delay max_batch_rows=$rows batch_spin_us=${spin:--1}"
+    load_phase /tmp/sweep.port --rows=256 --callers=64 --channels=16 \
+      --seconds=8 --warmup_seconds=2 | tail -2
+    load_phase /tmp/sweep.port --rows=16 --callers=8 --channels=8 \
+      --seconds=4 --warmup_seconds=1 | tail -2
     kill -TERM $sweep_server; wait $sweep_server
   done
 fi
