@@ -94,6 +94,26 @@ DynamicBatcher::Stats DynamicBatcher::stats() const {
   return stats;
 }
 
+namespace {
+
+// Tells the core that this is a spin-wait loop (eases the sibling
+// hyper-thread and the memory order machinery).
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+bool DynamicBatcher::ShouldWakeSleepingThread() const {
+  // While one thread polls, it takes the next batch: waking a sleeper as
+  // well would only cost the waker a system call.
+  return stopping_ || (!thread_polling_ && CanStartBatchOrStopping());
+}
+
 bool DynamicBatcher::CanStartBatchOrStopping() const {
   if (stopping_) return true;
   if (queue_.empty()) return false;
@@ -113,7 +133,7 @@ void DynamicBatcher::SpinUntilBatchCanStartLocked() {
     mu_.Unlock();
     while (state_version_.load(std::memory_order_acquire) == seen &&
            absl::Now() < give_up) {
-      std::this_thread::yield();
+      CpuRelax();
     }
     mu_.Lock();
   }
@@ -155,14 +175,17 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
     absl::MutexLock lock(&mu_);
     while (batch.empty()) {
       SpinUntilBatchCanStartLocked();
-      mu_.Await(absl::Condition(this, &DynamicBatcher::CanStartBatchOrStopping));
+      mu_.Await(absl::Condition(this, &DynamicBatcher::ShouldWakeSleepingThread));
       if (queue_.empty()) break;  // stopping, nothing left
       const absl::Time flush_at =
           queue_.front().queued +
           absl::Microseconds(options_.max_queue_delay_micros);
-      mu_.AwaitWithDeadline(
-          absl::Condition(this, &DynamicBatcher::HasFullBatchOrStopping),
-          flush_at);
+      // Await releases the lock even when it need not wait; skip it then.
+      if (!HasFullBatchOrStopping() && absl::Now() < flush_at) {
+        mu_.AwaitWithDeadline(
+            absl::Condition(this, &DynamicBatcher::HasFullBatchOrStopping),
+            flush_at);
+      }
       DropDeadJobsLocked(absl::Now(), &dropped);
       int64_t room = options_.max_batch_rows;
       while (room > 0 && !queue_.empty()) {

@@ -131,6 +131,7 @@ class DynamicBatcher {
   void RunBatch(LogpExecutor* executor, std::vector<Slice>& batch);
   bool HasFullBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool CanStartBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ShouldWakeSleepingThread() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Polls, releasing mu_ while it does, until a batch can start or
   // idle_spin_micros pass; returns at once when another thread polls.
   void SpinUntilBatchCanStartLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
