@@ -234,6 +234,79 @@ TEST(DynamicBatcherTest, PollingThreadServesSporadicCalls) {
   EXPECT_EQ(backend.bad_staging_batches(), 0);
 }
 
+// Two batch threads, one polling; a second batch starts only when the
+// first is done (no overlap), so rows that arrive meanwhile are gathered ahead.
+DynamicBatcher::Options PollingOptions(int64_t max_batch_rows,
+                                       int64_t max_queue_rows) {
+  DynamicBatcher::Options options{max_batch_rows, 0, max_queue_rows, 2};
+  options.min_rows_to_overlap = 1'000'000;
+  options.idle_spin_micros = 1'000'000;
+  return options;
+}
+
+TEST(DynamicBatcherTest, RowsArrivingDuringABatchAreGatheredAhead) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(300));
+  auto batcher = MakeBatcher(&backend, PollingOptions(8, 1000));
+  TrackedJob running = MakeJob(2);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  TrackedJob second = MakeJob(3);
+  TrackedJob third = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(second.job).ok());
+  absl::SleepFor(absl::Milliseconds(20));
+  ASSERT_TRUE(batcher->Schedule(third.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  // Still inside the first batch: both waiting jobs are already staged.
+  EXPECT_EQ(backend.batches_started(), 1);
+  EXPECT_EQ(backend.rows_staged_calls(), 3);
+  EXPECT_EQ(batcher->stats().rows_queued, 7);
+  for (auto* job : {&running, &second, &third}) {
+    ASSERT_TRUE(job->done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+    ASSERT_TRUE(job->status->ok());
+  }
+  for (int64_t r = 0; r < 4; ++r) {
+    EXPECT_EQ(third.job->logprobs()[r], static_cast<float>(3 * r));
+  }
+  EXPECT_EQ(backend.batch_sizes(), (std::vector<int64_t>{2, 7}));
+  EXPECT_EQ(backend.bad_staging_batches(), 0);
+}
+
+TEST(DynamicBatcherTest, RowsGatheredAheadCountTowardsTheQueueBound) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(300));
+  auto batcher = MakeBatcher(&backend, PollingOptions(4, 8));
+  TrackedJob running = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  TrackedJob waiting = MakeJob(8);  // 4 rows gathered ahead, 4 queued
+  ASSERT_TRUE(batcher->Schedule(waiting.job).ok());
+  absl::SleepFor(absl::Milliseconds(20));
+  TrackedJob refused = MakeJob(1);
+  EXPECT_EQ(batcher->Schedule(refused.job).code(),
+            absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(waiting.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(waiting.status->ok());
+  EXPECT_EQ(backend.batch_sizes(), (std::vector<int64_t>{4, 4, 4}));
+}
+
+TEST(DynamicBatcherTest, StopRunsRowsGatheredAhead) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(100));
+  auto batcher = MakeBatcher(&backend, PollingOptions(8, 1000));
+  TrackedJob running = MakeJob(2);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  absl::SleepFor(absl::Milliseconds(30));
+  TrackedJob staged = MakeJob(5);
+  ASSERT_TRUE(batcher->Schedule(staged.job).ok());
+  absl::SleepFor(absl::Milliseconds(20));
+  batcher->Stop();
+  EXPECT_TRUE(running.done->HasBeenNotified());
+  ASSERT_TRUE(staged.done->HasBeenNotified());
+  EXPECT_TRUE(staged.status->ok());
+  EXPECT_EQ(backend.rows_computed(), 7);
+}
+
 TEST(DynamicBatcherTest, StopWakesAPollingThread) {
   FakeBackend backend(kH);
   DynamicBatcher::Options options{8, 0, 1000, 2};

@@ -324,6 +324,26 @@ TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
   EXPECT_NE(log.find("516 rows computed"), std::string::npos) << log;
 }
 
+// The GPU backend's batching mode on the CPU: a polling batch thread that
+// gathers rows ahead while a batch runs (no overlapping batches).
+TEST(ServerLifecycleTest, BitsUnchangedWithAPollingThreadGatheringAhead) {
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--batch_threads=3", "--batch_spin_us=2000",
+       "--batch_overlap_rows=1000000", "--max_queue_delay_us=0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  client::InvarianceOptions options;
+  options.target = (*server)->target();
+  options.probes = 12;
+  options.concurrency = 24;
+  options.calls_per_thread = 3;
+  options.max_rows_per_call = 48;
+  auto report = client::CheckInvariance(options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_TRUE(report->ok()) << report->Summary();
+  EXPECT_GE(report->calls, 72);
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
+}
+
 TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
   auto server = ServerProcess::Start({"--device=cpu", "--metrics_port=0"});
   ASSERT_TRUE(server.ok()) << server.status();
