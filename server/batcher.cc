@@ -13,6 +13,9 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
   if (options.max_batch_rows <= 0) {
     return absl::InvalidArgumentError("max_batch_rows must be positive");
   }
+  if (options.hold_after_batch_micros < 0) {
+    return absl::InvalidArgumentError("hold_after_batch_micros must be >= 0");
+  }
   if (options.max_queue_delay_micros < 0) {
     return absl::InvalidArgumentError("max_queue_delay_micros must be >= 0");
   }
@@ -237,8 +240,9 @@ bool DynamicBatcher::NextBatch(LogpExecutor* executor, Batch& batch) {
     }
     const absl::Time oldest =
         batch.slices.empty() ? queue_.front().queued : batch.slices.front().queued;
-    const absl::Time flush_at =
-        oldest + absl::Microseconds(options_.max_queue_delay_micros);
+    const absl::Time flush_at = std::max(
+        oldest + absl::Microseconds(options_.max_queue_delay_micros),
+        last_batch_done_ + absl::Microseconds(options_.hold_after_batch_micros));
     // Await releases the lock even when it need not wait; skip it then.
     if (!HasFullBatchOrStopping() && absl::Now() < flush_at) {
       mu_.AwaitWithDeadline(
@@ -312,6 +316,7 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor, Batch& batch) {
     // scattered and its calls answered.
     absl::MutexLock lock(&mu_);
     --batches_in_flight_;
+    last_batch_done_ = end;
     NotifyStateChangedLocked();
   }
   if (options_.on_batch) {

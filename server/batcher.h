@@ -75,6 +75,11 @@ class DynamicBatcher {
     // microseconds, a real share of a sub-millisecond GPU batch; 0 never
     // polls (right for CPU backends, whose batch threads share the cores).
     int64_t idle_spin_micros = 0;
+    // When a batch finishes, the next one waits up to this long for company
+    // (unless full). Callers answered by the finished batch send their next
+    // requests about one round trip later; waiting for them keeps small
+    // calls in few batches instead of many that queue behind each other.
+    int64_t hold_after_batch_micros = 0;
     // Called after every batch on its batch thread; may be empty.
     std::function<void(const BatchRecord&)> on_batch;
   };
@@ -180,6 +185,7 @@ class DynamicBatcher {
   // Rows the next batch's owner took and gathered ahead; waiting still.
   int64_t staged_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_batch_done_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool next_batch_owner_ ABSL_GUARDED_BY(mu_) = false;  // a thread owns it
   // Bumped under mu_ on every change a polling thread waits for; read

@@ -5,7 +5,8 @@
 #   2. the server on the GPU (H=4096, V=151936): bit invariance over gRPC,
 #      end-to-end throughput (N=256, 64 callers) and small-call latency;
 #   3. the H3 projection served from the GPU and from the CPU: equal digests
-#      of Y's bits and equal determinism keys.
+#      of Y's bits and equal determinism keys;
+#   4. with SWEEP set, the load again against other server configurations.
 set -uo pipefail
 dir=.device/serve
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
@@ -13,16 +14,6 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,power.draw --format=csv | tee "$OUT/gpu.txt"
 status=0
-
-echo "== GPU tests"
-for test in linear_logp_cuda_test projection_cuda_test; do
-  "$dir/$test" > "$OUT/$test.log" 2>&1 || status=1
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|tests? from .* ran" "$OUT/$test.log"
-  # On a GPU machine every case must run: none skipped, and more than zero.
-  if grep -q "SKIPPED \]" "$OUT/$test.log" || grep -q "PASSED  \] 0 tests" "$OUT/$test.log"; then
-    echo "$test: cases skipped or none ran"; status=1
-  fi
-done
 
 start_server() {  # $1 = port file, rest = flags
   local port_file=$1; shift
@@ -48,6 +39,18 @@ load_phase() {
     "$(python3 -c "print(${seconds:-10} + ${warmup:-2})")"
   return $rc
 }
+
+# SWEEP_ONLY=1 runs the sweep alone (server configurations, no tests).
+if [[ "${SWEEP_ONLY:-0}" != 1 ]]; then
+echo "== GPU tests"
+for test in linear_logp_cuda_test projection_cuda_test; do
+  "$dir/$test" > "$OUT/$test.log" 2>&1 || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|tests? from .* ran" "$OUT/$test.log"
+  # On a GPU machine every case must run: none skipped, and more than zero.
+  if grep -q "SKIPPED \]" "$OUT/$test.log" || grep -q "PASSED  \] 0 tests" "$OUT/$test.log"; then
+    echo "$test: cases skipped or none ran"; status=1
+  fi
+done
 
 echo "== GPU server, H=4096 V=151936"
 start_server /tmp/gpu.port --device=cuda:0 \
@@ -88,13 +91,14 @@ if [[ "$(grep -v seconds "$OUT/project_gpu.txt" | cut -d' ' -f1-2)" == \
 else
   echo "projection: GPU and CPU DIFFER"; status=1
 fi
+fi  # SWEEP_ONLY
 if [[ -n "${SWEEP:-}" ]]; then
-  # Each entry threads:delay_us:rows[:spin_us[:qos]], e.g. "4:300:2048 4:0:2048:0";
+  # Each entry threads:delay_us:rows[:spin_us[:qos[:hold_us]]], e.g. "4:300:2048 4:0:2048:0";
   # "qos" holds /dev/cpu_dma_latency at 0 (no deep CPU sleep states) meanwhile.
   # SWEEP_LARGE=0 skips the N=256 load.
   echo "== sweep: server configurations (N=256 x 64 callers; N=16 x 8 callers; N=16 x 1)"
   for config in $SWEEP; do
-    IFS=: read -r threads delay rows spin qos <<< "$config"
+    IFS=: read -r threads delay rows spin qos hold <<< "$config"
     qos_holder=""
     if [[ "$qos" == qos ]]; then
       python3 -c 'import os, struct, time
@@ -104,10 +108,10 @@ fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY); os.write(fd, struct.pack("i",
     start_server /tmp/sweep.port --device=cuda:0 --synthetic_hidden_size=4096 \
       --synthetic_vocab_size=151936 --batch_threads=$threads \
       --max_queue_delay_us=$delay --max_batch_rows=$rows --max_queue_rows=262144 \
-      --batch_spin_us=${spin:--1} \
+      --batch_spin_us=${spin:--1} --batch_hold_us=${hold:-0} \
       > "$OUT/server_sweep.log" 2>&1
     sweep_server=$!
-    echo "-- batch_threads=$threads max_queue_delay_us=$delay max_batch_rows=$rows batch_spin_us=${spin:--1} ${qos:+cpu_dma_latency=0}"
+    echo "-- batch_threads=$threads max_queue_delay_us=$delay max_batch_rows=$rows batch_spin_us=${spin:--1} batch_hold_us=${hold:-0} ${qos:+cpu_dma_latency=0}"
     if [[ "${SWEEP_LARGE:-1}" != 0 ]]; then
       load_phase /tmp/sweep.port --rows=256 --callers=64 --channels=16 \
         --seconds=8 --warmup_seconds=2 | tail -2
