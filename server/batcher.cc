@@ -13,9 +13,6 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
   if (options.max_batch_rows <= 0) {
     return absl::InvalidArgumentError("max_batch_rows must be positive");
   }
-  if (options.hold_after_batch_micros < 0) {
-    return absl::InvalidArgumentError("hold_after_batch_micros must be >= 0");
-  }
   if (options.max_queue_delay_micros < 0) {
     return absl::InvalidArgumentError("max_queue_delay_micros must be >= 0");
   }
@@ -55,7 +52,7 @@ absl::Status DynamicBatcher::Schedule(std::shared_ptr<LogpJob> job) {
     if (stopping_) {
       return absl::UnavailableError("server is shutting down");
     }
-    if (queued_rows_ + staged_rows_ + rows > options_.max_queue_rows) {
+    if (queued_rows_ + rows > options_.max_queue_rows) {
       rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
       return absl::ResourceExhaustedError(absl::StrCat(
           "queue full: ", queued_rows_, " rows waiting + ", rows,
@@ -93,7 +90,7 @@ DynamicBatcher::Stats DynamicBatcher::stats() const {
   stats.rows_cancelled = rows_cancelled_.load();
   stats.rows_rejected = rows_rejected_.load();
   absl::MutexLock lock(&mu_);
-  stats.rows_queued = queued_rows_ + staged_rows_;
+  stats.rows_queued = queued_rows_;
   return stats;
 }
 
@@ -111,64 +108,27 @@ inline void CpuRelax() {
 
 }  // namespace
 
-int64_t DynamicBatcher::OverlapRows() const {
-  return options_.min_rows_to_overlap >= 0 ? options_.min_rows_to_overlap
-                                           : options_.max_batch_rows / 4;
+bool DynamicBatcher::ShouldWakeSleepingThread() const {
+  // While one thread polls, it takes the next batch: waking a sleeper as
+  // well would only cost the waker a system call.
+  return stopping_ || (!thread_polling_ && CanStartBatchOrStopping());
 }
 
 bool DynamicBatcher::CanStartBatchOrStopping() const {
   if (stopping_) return true;
   if (queue_.empty()) return false;
-  return batches_in_flight_ == 0 || queued_rows_ >= OverlapRows();
+  const int64_t overlap_rows = options_.min_rows_to_overlap >= 0
+                                   ? options_.min_rows_to_overlap
+                                   : options_.max_batch_rows / 4;
+  return batches_in_flight_ == 0 || queued_rows_ >= overlap_rows;
 }
 
-bool DynamicBatcher::OwnerCanStartBatchOrStopping() const {
-  if (stopping_) return true;
-  if (queue_.empty() && staged_rows_ == 0) return false;
-  return batches_in_flight_ == 0 ||
-         queued_rows_ + staged_rows_ >= OverlapRows();
-}
-
-bool DynamicBatcher::ShouldWakeSleepingThread() const {
-  if (stopping_) return true;
-  // The owner of the next batch takes the work; waking a sleeper as well
-  // would only cost the waker a system call.
-  if (next_batch_owner_) return false;
-  // While the device is busy, a polling thread should gather what arrives.
-  const bool want_owner =
-      options_.idle_spin_micros > 0 && batches_in_flight_ > 0;
-  return want_owner || CanStartBatchOrStopping();
-}
-
-bool DynamicBatcher::HasFullBatchOrStopping() const {
-  return stopping_ || queued_rows_ + staged_rows_ >= options_.max_batch_rows;
-}
-
-bool DynamicBatcher::PollAsOwnerLocked(
-    LogpExecutor* executor, Batch& batch,
-    DroppedSlices* dropped) {
-  absl::Time give_up = absl::Now() + absl::Microseconds(options_.idle_spin_micros);
-  while (!OwnerCanStartBatchOrStopping()) {
-    const absl::Time now = absl::Now();
-    if (!queue_.empty() && batch.rows < options_.max_batch_rows) {
-      // The device is busy: gather what waits now, so that the batch can
-      // start the moment the device frees.
-      DropDeadJobsLocked(now, dropped);
-      staged_rows_ += TakeRowsLocked(batch);
-      mu_.Unlock();
-      FinishDropped(dropped);
-      GatherRows(executor, batch);
-      mu_.Lock();
-      continue;
-    }
-    // Give up only once the device has been idle, with nothing to gather,
-    // for idle_spin_micros.
-    if (batches_in_flight_ > 0) {
-      give_up = now + absl::Microseconds(options_.idle_spin_micros);
-    } else if (batch.rows == 0 && now >= give_up) {
-      next_batch_owner_ = false;
-      return false;
-    }
+void DynamicBatcher::SpinUntilBatchCanStartLocked() {
+  if (options_.idle_spin_micros <= 0 || thread_polling_) return;
+  thread_polling_ = true;
+  const absl::Time give_up =
+      absl::Now() + absl::Microseconds(options_.idle_spin_micros);
+  while (!CanStartBatchOrStopping() && absl::Now() < give_up) {
     const uint64_t seen = state_version_.load(std::memory_order_acquire);
     mu_.Unlock();
     while (state_version_.load(std::memory_order_acquire) == seen &&
@@ -177,11 +137,15 @@ bool DynamicBatcher::PollAsOwnerLocked(
     }
     mu_.Lock();
   }
-  return true;
+  thread_polling_ = false;
+}
+
+bool DynamicBatcher::HasFullBatchOrStopping() const {
+  return stopping_ || queued_rows_ >= options_.max_batch_rows;
 }
 
 void DynamicBatcher::DropDeadJobsLocked(
-    absl::Time now, DroppedSlices* dropped) {
+    absl::Time now, std::vector<std::pair<Slice, absl::Status>>* dropped) {
   for (auto it = queue_.begin(); it != queue_.end();) {
     LogpJob& job = *it->job;
     // A passed deadline wins: gRPC also cancels calls whose deadline passed.
@@ -204,110 +168,74 @@ void DynamicBatcher::DropDeadJobsLocked(
   }
 }
 
-int64_t DynamicBatcher::TakeRowsLocked(Batch& batch) {
-  int64_t taken = 0;
-  while (batch.rows < options_.max_batch_rows && !queue_.empty()) {
-    QueuedJob& front = queue_.front();
-    const int64_t take = std::min(options_.max_batch_rows - batch.rows,
-                                  front.job->rows() - front.next_row);
-    batch.slices.push_back(Slice{front.job, front.next_row, take, front.queued});
-    batch.rows += take;
-    front.next_row += take;
-    queued_rows_ -= take;
-    taken += take;
-    if (front.next_row == front.job->rows()) queue_.pop_front();
-  }
-  return taken;
-}
-
-bool DynamicBatcher::NextBatch(LogpExecutor* executor, Batch& batch) {
-  DroppedSlices dropped;
-  bool started = false;
-  mu_.Lock();
-  while (!started) {
-    bool owner = false;
-    if (options_.idle_spin_micros > 0 && !next_batch_owner_) {
-      next_batch_owner_ = true;
-      owner = PollAsOwnerLocked(executor, batch, &dropped);
-    }
-    if (!owner) {
+std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
+  std::vector<Slice> batch;
+  std::vector<std::pair<Slice, absl::Status>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    while (batch.empty()) {
+      SpinUntilBatchCanStartLocked();
       mu_.Await(absl::Condition(this, &DynamicBatcher::ShouldWakeSleepingThread));
-      if (!CanStartBatchOrStopping()) continue;  // woken to poll as owner
-    }
-    if (stopping_ && queue_.empty() && batch.rows == 0) {
-      if (owner) next_batch_owner_ = false;
-      break;  // nothing left
-    }
-    const absl::Time oldest =
-        batch.slices.empty() ? queue_.front().queued : batch.slices.front().queued;
-    const absl::Time flush_at = std::max(
-        oldest + absl::Microseconds(options_.max_queue_delay_micros),
-        last_batch_done_ + absl::Microseconds(options_.hold_after_batch_micros));
-    // Await releases the lock even when it need not wait; skip it then.
-    if (!HasFullBatchOrStopping() && absl::Now() < flush_at) {
-      mu_.AwaitWithDeadline(
-          absl::Condition(this, &DynamicBatcher::HasFullBatchOrStopping),
-          flush_at);
-    }
-    DropDeadJobsLocked(absl::Now(), &dropped);
-    TakeRowsLocked(batch);
-    if (owner) {
-      next_batch_owner_ = false;
-      staged_rows_ = 0;
-    }
-    if (batch.rows > 0) {
-      ++batches_in_flight_;
-      started = true;
-    } else if (!dropped.empty()) {
-      mu_.Unlock();  // complete them without holding the lock
-      FinishDropped(&dropped);
-      mu_.Lock();
+      if (queue_.empty()) break;  // stopping, nothing left
+      const absl::Time flush_at =
+          queue_.front().queued +
+          absl::Microseconds(options_.max_queue_delay_micros);
+      // Await releases the lock even when it need not wait; skip it then.
+      if (!HasFullBatchOrStopping() && absl::Now() < flush_at) {
+        mu_.AwaitWithDeadline(
+            absl::Condition(this, &DynamicBatcher::HasFullBatchOrStopping),
+            flush_at);
+      }
+      DropDeadJobsLocked(absl::Now(), &dropped);
+      int64_t room = options_.max_batch_rows;
+      while (room > 0 && !queue_.empty()) {
+        QueuedJob& front = queue_.front();
+        const int64_t take = std::min(room, front.job->rows() - front.next_row);
+        batch.push_back(Slice{front.job, front.next_row, take, front.queued});
+        front.next_row += take;
+        queued_rows_ -= take;
+        room -= take;
+        if (front.next_row == front.job->rows()) queue_.pop_front();
+      }
+      if (!batch.empty()) ++batches_in_flight_;
+      if (!dropped.empty()) break;  // complete them without holding the lock
     }
   }
-  mu_.Unlock();
-  FinishDropped(&dropped);
-  return started;
-}
-
-void DynamicBatcher::FinishDropped(
-    DroppedSlices* dropped) {
-  for (auto& [slice, status] : *dropped) {
+  for (auto& [slice, status] : dropped) {
     slice.job->FinishRows(slice.row_count, status);
   }
-  dropped->clear();
+  return batch;
 }
 
 void DynamicBatcher::BatchLoop(LogpExecutor* executor) {
-  Batch batch;
-  while (NextBatch(executor, batch)) {
+  while (true) {
+    std::vector<Slice> batch = NextBatch();
+    if (batch.empty()) {
+      absl::MutexLock lock(&mu_);
+      if (stopping_ && queue_.empty()) return;
+      continue;
+    }
     RunBatch(executor, batch);
-    batch = Batch{};
   }
 }
 
-void DynamicBatcher::GatherRows(LogpExecutor* executor, Batch& batch) {
+void DynamicBatcher::RunBatch(LogpExecutor* executor,
+                              std::vector<Slice>& batch) {
+  const absl::Time gather_start = absl::Now();
   const LogpStaging staging = executor->staging();
-  for (; batch.slices_gathered < batch.slices.size(); ++batch.slices_gathered) {
-    const Slice& slice = batch.slices[batch.slices_gathered];
+  int64_t rows = 0;
+  for (const Slice& slice : batch) {
     const LogpJob& job = *slice.job;
     const int64_t row_bytes = job.hidden_size() * sizeof(uint16_t);
-    const int64_t at = batch.rows_gathered;
-    std::memcpy(reinterpret_cast<char*>(staging.hidden) + at * row_bytes,
+    std::memcpy(reinterpret_cast<char*>(staging.hidden) + rows * row_bytes,
                 job.hidden_bf16() + slice.row_begin * row_bytes,
                 slice.row_count * row_bytes);
-    std::memcpy(staging.targets + at, job.targets().data() + slice.row_begin,
+    std::memcpy(staging.targets + rows, job.targets().data() + slice.row_begin,
                 slice.row_count * sizeof(int32_t));
-    std::fill_n(staging.temperatures + at, slice.row_count, job.temperature());
-    batch.rows_gathered += slice.row_count;
-    executor->RowsStaged(batch.rows_gathered);
+    std::fill_n(staging.temperatures + rows, slice.row_count, job.temperature());
+    rows += slice.row_count;
+    executor->RowsStaged(rows);
   }
-}
-
-void DynamicBatcher::RunBatch(LogpExecutor* executor, Batch& batch) {
-  const absl::Time gather_start = absl::Now();
-  GatherRows(executor, batch);
-  const LogpStaging staging = executor->staging();
-  const int64_t rows = batch.rows;
   const absl::Time start = absl::Now();
   const absl::Status status = executor->Run(rows);
   const absl::Time end = absl::Now();
@@ -316,14 +244,13 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor, Batch& batch) {
     // scattered and its calls answered.
     absl::MutexLock lock(&mu_);
     --batches_in_flight_;
-    last_batch_done_ = end;
     NotifyStateChangedLocked();
   }
   if (options_.on_batch) {
     BatchRecord record;
     record.rows = rows;
-    record.requests = static_cast<int64_t>(batch.slices.size());
-    record.queue_delay = gather_start - batch.slices.front().queued;
+    record.requests = static_cast<int64_t>(batch.size());
+    record.queue_delay = gather_start - batch.front().queued;
     record.gather = start - gather_start;
     record.compute = end - start;
     record.ok = status.ok();
@@ -333,7 +260,7 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor, Batch& batch) {
   (status.ok() ? rows_computed_ : rows_failed_)
       .fetch_add(rows, std::memory_order_relaxed);
   int64_t offset = 0;
-  for (Slice& slice : batch.slices) {
+  for (Slice& slice : batch) {
     if (status.ok()) {
       std::copy_n(staging.logprobs + offset, slice.row_count,
                   slice.job->logprobs().begin() + slice.row_begin);

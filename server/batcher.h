@@ -14,10 +14,6 @@
 // were cancelled or whose deadline passed (their rows are never computed),
 // gathers the rows into its executor's staging, runs it, scatters the outputs
 // back into each job and completes the jobs whose last row it carried.
-// With idle_spin_micros (GPU backends), the thread that will run the next
-// batch polls instead of sleeping and gathers rows while the device is busy
-// with the current batch; rows taken that way are computed even if their
-// deadline passes before the batch starts.
 //
 // Batching is free because backends are batch invariant: which rows share a
 // batch changes timing, never bits.
@@ -69,17 +65,10 @@ class DynamicBatcher {
     // heavy load every thread works.
     int64_t min_rows_to_overlap = -1;
     // An idle batch thread polls for work this long before it sleeps (one
-    // thread at a time, the owner of the next batch; while a batch runs it
-    // also gathers the rows that arrive, so that the next batch starts the
-    // moment the device frees). Waking a sleeping thread costs tens of
+    // thread at a time). Waking a sleeping thread costs tens of
     // microseconds, a real share of a sub-millisecond GPU batch; 0 never
     // polls (right for CPU backends, whose batch threads share the cores).
     int64_t idle_spin_micros = 0;
-    // When a batch finishes, the next one waits up to this long for company
-    // (unless full). Callers answered by the finished batch send their next
-    // requests about one round trip later; waiting for them keeps small
-    // calls in few batches instead of many that queue behind each other.
-    int64_t hold_after_batch_micros = 0;
     // Called after every batch on its batch thread; may be empty.
     std::function<void(const BatchRecord&)> on_batch;
   };
@@ -128,48 +117,24 @@ class DynamicBatcher {
     absl::Time queued;  // when Schedule accepted it
   };
 
-  // One batch thread's next batch: rows taken from the queue, the first
-  // rows_gathered of them already copied into its executor's staging.
-  struct Batch {
-    std::vector<Slice> slices;
-    int64_t rows = 0;
-    size_t slices_gathered = 0;
-    int64_t rows_gathered = 0;
-  };
-  using DroppedSlices = std::vector<std::pair<Slice, absl::Status>>;
-
   DynamicBatcher(const Options& options,
                  std::vector<std::unique_ptr<LogpExecutor>> executors);
 
   void BatchLoop(LogpExecutor* executor);
-  // Waits for work and fills `batch` (empty on entry) with up to
-  // max_batch_rows rows, counted in flight; false when stopping with
-  // nothing left.
-  bool NextBatch(LogpExecutor* executor, Batch& batch);
-  // With idle_spin_micros, one thread at a time owns the next batch: it
-  // polls (mu_ released while it spins) and, while the device is busy,
-  // takes the rows that arrive and gathers them ahead. Returns true once
-  // its batch may start; false after idle_spin_micros of an idle device
-  // with nothing taken, giving up the ownership.
-  bool PollAsOwnerLocked(LogpExecutor* executor, Batch& batch,
-                         DroppedSlices* dropped)
+  // Waits for work and takes up to max_batch_rows rows; empty when stopping
+  // with nothing left.
+  std::vector<Slice> NextBatch();
+  // Drops dead jobs at the queue's front; completes them outside the lock.
+  void DropDeadJobsLocked(absl::Time now,
+                          std::vector<std::pair<Slice, absl::Status>>* dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves rows from the queue's front into `batch`, up to max_batch_rows;
-  // returns how many.
-  int64_t TakeRowsLocked(Batch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Copies the batch's slices not yet gathered into the staging.
-  static void GatherRows(LogpExecutor* executor, Batch& batch);
-  // Removes dead jobs from the queue into `dropped`.
-  void DropDeadJobsLocked(absl::Time now, DroppedSlices* dropped)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Completes dropped jobs' rows (without the lock) and clears the list.
-  static void FinishDropped(DroppedSlices* dropped);
-  void RunBatch(LogpExecutor* executor, Batch& batch);
-  int64_t OverlapRows() const;
+  void RunBatch(LogpExecutor* executor, std::vector<Slice>& batch);
   bool HasFullBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool CanStartBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool OwnerCanStartBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ShouldWakeSleepingThread() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Polls, releasing mu_ while it does, until a batch can start or
+  // idle_spin_micros pass; returns at once when another thread polls.
+  void SpinUntilBatchCanStartLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells a polling thread that the queue or the batches in flight changed.
   void NotifyStateChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     state_version_.fetch_add(1, std::memory_order_release);
@@ -181,13 +146,10 @@ class DynamicBatcher {
 
   mutable absl::Mutex mu_;
   std::deque<QueuedJob> queue_ ABSL_GUARDED_BY(mu_);
-  int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;  // in queue_
-  // Rows the next batch's owner took and gathered ahead; waiting still.
-  int64_t staged_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Time last_batch_done_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool next_batch_owner_ ABSL_GUARDED_BY(mu_) = false;  // a thread owns it
+  bool thread_polling_ ABSL_GUARDED_BY(mu_) = false;
   // Bumped under mu_ on every change a polling thread waits for; read
   // without it.
   std::atomic<uint64_t> state_version_{0};

@@ -64,9 +64,6 @@ ABSL_FLAG(int64_t, batch_spin_us, -1,
           "An idle batch thread polls for work this long before sleeping "
           "(one thread at a time; -1: the backend's preference, 1000 on a "
           "GPU, 0 on the CPU).");
-ABSL_FLAG(int64_t, batch_hold_us, 0,
-          "When a batch finishes, the next one waits up to this long for "
-          "more rows (unless full), microseconds.");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend threads; 0: all cores.");
 ABSL_FLAG(int, metrics_port, -1,
           "Prometheus /metrics port on --host: -1 off, 0 a free port (written "
@@ -168,7 +165,6 @@ int main(int argc, char** argv) {
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.batcher.min_rows_to_overlap = absl::GetFlag(FLAGS_batch_overlap_rows);
   options.batcher.idle_spin_micros = absl::GetFlag(FLAGS_batch_spin_us);
-  options.batcher.hold_after_batch_micros = absl::GetFlag(FLAGS_batch_hold_us);
   options.shutdown_grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_s));
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.tls_cert_path = absl::GetFlag(FLAGS_tls_cert);

@@ -40,7 +40,6 @@ class FakeBackend final : public server::LogpBackend {
   // Batches whose RowsStaged calls did not grow step by step up to the rows
   // that Run was asked for.
   int64_t bad_staging_batches() const { return bad_staging_batches_; }
-  int64_t rows_staged_calls() const { return rows_staged_calls_; }
   std::vector<int64_t> batch_sizes() const {
     absl::MutexLock lock(&mu_);
     return batch_sizes_;
@@ -61,7 +60,6 @@ class FakeBackend final : public server::LogpBackend {
               temperatures_.data(), logprobs_.data(), lse_.data()};
     }
     void RowsStaged(int64_t rows) override {
-      ++backend_->rows_staged_calls_;
       if (rows <= staged_rows_) staging_in_order_ = false;
       staged_rows_ = rows;
     }
@@ -103,7 +101,6 @@ class FakeBackend final : public server::LogpBackend {
   std::atomic<int64_t> rows_computed_{0};
   std::atomic<int64_t> batches_started_{0};
   std::atomic<int64_t> bad_staging_batches_{0};
-  std::atomic<int64_t> rows_staged_calls_{0};
   mutable absl::Mutex mu_;
   std::vector<int64_t> batch_sizes_ ABSL_GUARDED_BY(mu_);
 };

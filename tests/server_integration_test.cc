@@ -324,9 +324,9 @@ TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
   EXPECT_NE(log.find("516 rows computed"), std::string::npos) << log;
 }
 
-// The GPU backend's batching mode on the CPU: a polling batch thread that
-// gathers rows ahead while a batch runs (no overlapping batches).
-TEST(ServerLifecycleTest, BitsUnchangedWithAPollingThreadGatheringAhead) {
+// The GPU backend's batching mode on the CPU: a batch thread that polls for
+// work instead of sleeping, one batch at a time.
+TEST(ServerLifecycleTest, BitsUnchangedWithAPollingBatchThread) {
   auto server = ServerProcess::Start(
       {"--device=cpu", "--batch_threads=3", "--batch_spin_us=2000",
        "--batch_overlap_rows=1000000", "--max_queue_delay_us=0"});

@@ -93,12 +93,12 @@ else
 fi
 fi  # SWEEP_ONLY
 if [[ -n "${SWEEP:-}" ]]; then
-  # Each entry threads:delay_us:rows[:spin_us[:qos[:hold_us]]], e.g. "4:300:2048 4:0:2048:0";
+  # Each entry threads:delay_us:rows[:spin_us[:qos]], e.g. "4:300:2048 4:0:2048:0";
   # "qos" holds /dev/cpu_dma_latency at 0 (no deep CPU sleep states) meanwhile.
   # SWEEP_LARGE=0 skips the N=256 load.
   echo "== sweep: server configurations (N=256 x 64 callers; N=16 x 8 callers; N=16 x 1)"
   for config in $SWEEP; do
-    IFS=: read -r threads delay rows spin qos hold <<< "$config"
+    IFS=: read -r threads delay rows spin qos <<< "$config"
     qos_holder=""
     if [[ "$qos" == qos ]]; then
       python3 -c 'import os, struct, time
@@ -108,10 +108,10 @@ fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY); os.write(fd, struct.pack("i",
     start_server /tmp/sweep.port --device=cuda:0 --synthetic_hidden_size=4096 \
       --synthetic_vocab_size=151936 --batch_threads=$threads \
       --max_queue_delay_us=$delay --max_batch_rows=$rows --max_queue_rows=262144 \
-      --batch_spin_us=${spin:--1} --batch_hold_us=${hold:-0} \
+      --batch_spin_us=${spin:--1} \
       > "$OUT/server_sweep.log" 2>&1
     sweep_server=$!
-    echo "-- batch_threads=$threads max_queue_delay_us=$delay max_batch_rows=$rows batch_spin_us=${spin:--1} batch_hold_us=${hold:-0} ${qos:+cpu_dma_latency=0}"
+    echo "-- batch_threads=$threads max_queue_delay_us=$delay max_batch_rows=$rows batch_spin_us=${spin:--1} ${qos:+cpu_dma_latency=0}"
     if [[ "${SWEEP_LARGE:-1}" != 0 ]]; then
       load_phase /tmp/sweep.port --rows=256 --callers=64 --channels=16 \
         --seconds=8 --warmup_seconds=2 | tail -2
