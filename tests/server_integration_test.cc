@@ -368,6 +368,8 @@ TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
   EXPECT_EQ(MetricValue(*text, "detlogp_batch_rows_count"), 4);
   EXPECT_EQ(MetricValue(*text, "detlogp_queue_rows"), 0);
   EXPECT_GE(MetricValue(*text, "detlogp_compute_seconds_sum"), 0);
+  EXPECT_EQ(MetricValue(*text, "detlogp_gather_seconds_count"), 4);
+  EXPECT_GT(MetricValue(*text, "detlogp_gather_seconds_sum"), 0);
   EXPECT_EQ(MetricValue(*text, "detlogp_device_memory_used_bytes"), 0);
   auto missing = (*server)->HttpGet("/nope");
   ASSERT_TRUE(missing.ok());

@@ -17,7 +17,7 @@ model=(--synthetic_hidden_size=4096 --synthetic_vocab_size=151936 --max_queue_ro
        --max_batch_rows=4096 --max_queue_delay_us=0)
 
 "$dir/linear_logp_cuda_test" > "$OUT/linear_logp_cuda_test.log" 2>&1 || status=1
-grep -E "^\[  (PASSED|FAILED) \]|SKIPPED \]" "$OUT/linear_logp_cuda_test.log"
+grep -E "^\[  (PASSED|FAILED) +\]|SKIPPED \]" "$OUT/linear_logp_cuda_test.log"
 
 start_server() {  # $1 = name, rest = flags; sets ${name}_target and ${name}_pid
   local name=$1; shift
