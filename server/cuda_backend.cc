@@ -76,11 +76,26 @@ class CudaExecutor final : public LogpExecutor {
   }
 
   absl::Status Run(int64_t rows) override {
+    const int64_t rows_copied = std::exchange(rows_copied_, 0);
     if (rows > capacity_) {
       return absl::InternalError("batch larger than the executor's staging");
     }
-    const int64_t rows_copied = std::exchange(rows_copied_, 0);
     if (rows == 0) return absl::OkStatus();
+    absl::Status enqueued = Enqueue(rows, rows_copied);
+    // Also after a failure: no copy may still read the staging when the
+    // batcher refills it.
+    const absl::Status done =
+        CudaStatus(cudaStreamSynchronize(stream_), "batch on the GPU");
+    return enqueued.ok() ? done : enqueued;
+  }
+
+ private:
+  // Below this, a copy's fixed cost outweighs starting it early.
+  static constexpr int64_t kMinEarlyCopyBytes = 128 << 10;
+
+  // Copies what RowsStaged has not, launches the kernel and copies the
+  // outputs back, all on the stream.
+  absl::Status Enqueue(int64_t rows, int64_t rows_copied) {
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     if (rows_copied == 0) {  // one copy for the whole block
       DETLOGP_RETURN_IF_CUDA_ERROR(
@@ -109,7 +124,6 @@ class CudaExecutor final : public LogpExecutor {
     batch.rows = rows;
     if (absl::Status s = kernel_->Launch(batch, workspace_.as<void>(), stream_);
         !s.ok()) {
-      cudaStreamSynchronize(stream_);
       return s;
     }
     DETLOGP_RETURN_IF_CUDA_ERROR(
@@ -117,12 +131,8 @@ class CudaExecutor final : public LogpExecutor {
                         2 * capacity_ * sizeof(float), cudaMemcpyDeviceToHost,
                         stream_),
         "copy results to host");
-    return CudaStatus(cudaStreamSynchronize(stream_), "batch on the GPU");
+    return absl::OkStatus();
   }
-
- private:
-  // Below this, a copy's fixed cost outweighs starting it early.
-  static constexpr int64_t kMinEarlyCopyBytes = 128 << 10;
 
   int64_t row_bytes() const { return hidden_size_ * sizeof(uint16_t); }
 
@@ -229,7 +239,7 @@ class CudaBackend final : public LogpBackend {
     backend->description_.preferred_inflight_batches =
         options.vocab_parallel ? 4 : 4 * static_cast<int>(used.size());
     // A batch of small calls takes ~0.35 ms; a sleeping batch thread took
-    // ~70 us to wake (docs/perf.md, serving section).
+    // 40-70 us to wake (docs/perf.md, "Small calls, session 2").
     backend->description_.preferred_idle_spin_micros = 1000;
     return backend;
   }
