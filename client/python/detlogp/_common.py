@@ -6,6 +6,7 @@ import time
 
 from detlogp import requests
 from detlogp.errors import DeadlineExceeded
+from detlogp.retry import RetryPolicy
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
@@ -98,19 +99,20 @@ def identity(data):
 
 
 class ClientState:
-    """What the sync and asyncio clients share: targets, channels made by
-    `make_channel` (sync or asyncio), stubs per target, the round-robin
-    cursor and retry counters."""
+    """What the sync and asyncio clients share: their constructor, targets,
+    channels made by the subclass's `_make_channel` (sync or asyncio), stubs
+    per target, the round-robin cursor and retry counters."""
 
-    def __init__(self, targets, make_channel, *, timeout, retry,
-                 max_message_mb, channel_args, token, root_certificates,
-                 client_certificate, client_key):
+    def __init__(self, targets, *, timeout=30.0, retry=RetryPolicy(),
+                 max_message_mb=256, channel_args=(), token=None,
+                 root_certificates=None, client_certificate=None,
+                 client_key=None):
         self.targets = normalize_targets(targets)
         self.timeout = timeout
         self.retry = retry
         options = channel_options(max_message_mb) + list(channel_args)
         self._channels = [
-            make_channel(t, options, token=token,
+            self._make_channel(t, options, token=token,
                          root_certificates=root_certificates,
                          client_certificate=client_certificate,
                          client_key=client_key)

@@ -16,7 +16,7 @@ from detlogp._common import (ClientState, Deadline, parse_health_response,
                               stream_item_to_request)
 from detlogp.errors import from_rpc_error
 from detlogp.results import logprob_result
-from detlogp.retry import RetryPolicy, is_retryable
+from detlogp.retry import is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
 
 
@@ -24,15 +24,7 @@ class AsyncClient(ClientState):
     """Round-robin over targets, deadlines and retries as in Client. Create
     it inside the event loop that uses it."""
 
-    def __init__(self, targets, *, timeout=30.0, retry=RetryPolicy(),
-                 max_message_mb=256, channel_args=(), token=None,
-                 root_certificates=None, client_certificate=None,
-                 client_key=None):
-        ClientState.__init__(
-            self, targets, make_aio_channel, timeout=timeout, retry=retry,
-            max_message_mb=max_message_mb, channel_args=channel_args,
-            token=token, root_certificates=root_certificates,
-            client_certificate=client_certificate, client_key=client_key)
+    _make_channel = staticmethod(make_aio_channel)
 
     async def close(self):
         for channel in self._channels:

@@ -14,7 +14,7 @@ from detlogp._common import (ClientState, Deadline, parse_health_response,
                               stream_item_to_request)
 from detlogp.errors import from_rpc_error
 from detlogp.results import logprob_result
-from detlogp.retry import RetryPolicy, is_retryable
+from detlogp.retry import is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
 
 
@@ -29,15 +29,7 @@ class Client(ClientState):
       mutual TLS (servers with --tls_cert / --tls_client_ca).
     """
 
-    def __init__(self, targets, *, timeout=30.0, retry=RetryPolicy(),
-                 max_message_mb=256, channel_args=(), token=None,
-                 root_certificates=None, client_certificate=None,
-                 client_key=None):
-        ClientState.__init__(
-            self, targets, make_channel, timeout=timeout, retry=retry,
-            max_message_mb=max_message_mb, channel_args=channel_args,
-            token=token, root_certificates=root_certificates,
-            client_certificate=client_certificate, client_key=client_key)
+    _make_channel = staticmethod(make_channel)
 
     # ------------------------------------------------------------ lifecycle
     def close(self):
