@@ -19,7 +19,7 @@
 #include "client/random_rows.h"
 #include "client/tensor_files.h"
 #include "kernels/random_normal.h"
-#include "server/sha256.h"
+#include "server/models/sha256.h"
 #include "absl/time/clock.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");

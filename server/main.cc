@@ -9,7 +9,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
-#include "server/lm_head_weights.h"
+#include "server/models/lm_head_weights.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
 

@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/split_policy.h"
-#include "server/determinism_key.h"
+#include "server/models/determinism_key.h"
 #include "spdlog/spdlog.h"
 
 namespace detlogp::server {

@@ -1,4 +1,4 @@
-#include "server/batcher.h"
+#include "server/batching/batcher.h"
 
 #include <gtest/gtest.h>
 

@@ -12,7 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kernels/bfloat16.h"
-#include "server/backend.h"
+#include "server/backends/backend.h"
 
 namespace detlogp::testing {
 

@@ -1,6 +1,6 @@
 // ProjectionScheduler pools chunks of different streams into one launch and
 // scatters each chunk's rows back, with a fake backend that records launches.
-#include "server/projection_scheduler.h"
+#include "server/batching/projection_scheduler.h"
 
 #include <gtest/gtest.h>
 

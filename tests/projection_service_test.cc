@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/logp_client.h"
 #include "kernels/projection.h"
-#include "server/projection_weights.h"
+#include "server/models/projection_weights.h"
 #include "tests/server_process.h"
 
 namespace detlogp {

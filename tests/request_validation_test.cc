@@ -1,4 +1,4 @@
-#include "server/request_validation.h"
+#include "server/transport/request_validation.h"
 
 #include <gtest/gtest.h>
 

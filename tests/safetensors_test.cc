@@ -1,4 +1,4 @@
-#include "server/safetensors.h"
+#include "server/models/safetensors.h"
 
 #include <gtest/gtest.h>
 
@@ -6,8 +6,8 @@
 #include <cstring>
 #include <fstream>
 
-#include "server/lm_head_weights.h"
-#include "server/projection_weights.h"
+#include "server/models/lm_head_weights.h"
+#include "server/models/projection_weights.h"
 
 namespace detlogp::server {
 namespace {

@@ -19,7 +19,7 @@
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "kernels/bfloat16.h"
 #include "kernels/split_policy.h"
-#include "server/lm_head_weights.h"
+#include "server/models/lm_head_weights.h"
 #include "tests/linear_logp_reference.h"
 #include "tests/server_process.h"
 

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "server/safetensors.h"
+#include "server/models/safetensors.h"
 
 namespace detlogp::client {
 namespace {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer target over request validation, outside Bazel:
 # protoc --cpp_out for the API proto, then clang++ -fsanitize=fuzzer,address
-# over the fuzzer, server/request_validation.cc and the generated code.
+# over the fuzzer, server/transport/request_validation.cc and the generated
+# code.
 #
 # Usage: tests/reliability/fuzz/build_fuzzer.sh [OUT_DIR]   (default build/fuzz)
 # Prints the fuzzer's path. Needs clang++ and libFuzzer (Debian 12:
@@ -12,7 +13,8 @@ repo=$(cd "$(dirname "$0")/../../.." && pwd)
 out=$(realpath -m "${1:-$repo/build/fuzz}")
 fuzzer="$out/request_validation_fuzzer"
 sources=("$repo/tests/reliability/fuzz/request_validation_fuzzer.cc"
-         "$repo/server/request_validation.cc" "$repo/server/request_validation.h"
+         "$repo/server/transport/request_validation.cc"
+         "$repo/server/transport/request_validation.h"
          "$repo/kernels/bfloat16.h" "$repo/proto/detlogp/v1/detlogp.proto")
 
 stale=0
@@ -42,7 +44,8 @@ if ((stale)); then
   clang++ -std=c++17 -O1 -g -fsanitize=fuzzer,address -fno-omit-frame-pointer \
     -I"$repo" -I"$out/gen" \
     "$repo/tests/reliability/fuzz/request_validation_fuzzer.cc" \
-    "$repo/server/request_validation.cc" "$out/gen/detlogp/v1/detlogp.pb.cc" \
+    "$repo/server/transport/request_validation.cc" \
+    "$out/gen/detlogp/v1/detlogp.pb.cc" \
     "${available[@]}" -o "$fuzzer.tmp"
   mv "$fuzzer.tmp" "$fuzzer"
 fi

@@ -1,4 +1,5 @@
-// libFuzzer target over request validation (server/request_validation.h).
+// libFuzzer target over request validation
+// (server/transport/request_validation.h).
 //
 // Input: one selector byte choosing the server limits, then a serialized
 // detlogp.v1.LogProbRequest. Bytes that do not parse are skipped (gRPC
@@ -18,7 +19,7 @@
 #include <cstring>
 #include <string>
 
-#include "server/request_validation.h"
+#include "server/transport/request_validation.h"
 
 namespace {
 

@@ -1,0 +1,302 @@
+#include "server/backends/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/cuda/linear_logp_cuda.h"
+#include "server/backends/cuda_buffers.h"
+#include "server/backends/cuda_lm_head.h"
+#include "server/backends/cuda_vocab_parallel.h"
+
+namespace detlogp::server {
+namespace {
+
+using kernels::cuda::LinearLogpCuda;
+
+// One batch at a time on its own stream. Inputs sit in one pinned block laid
+// out [targets | temperatures | hidden] and outputs in [logprobs | lse].
+// Hidden rows start their copy to the device as soon as they are staged, so
+// the copy overlaps the gathering of the rest; Run copies what is left
+// (targets, temperatures, the last rows) in one go.
+class CudaExecutor final : public LogpExecutor {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
+      const LinearLogpCuda* kernel, int device, int64_t hidden_size,
+      int64_t capacity) {
+    // An even capacity keeps the hidden block 16-byte aligned.
+    capacity += capacity % 2;
+    auto executor = std::unique_ptr<CudaExecutor>(
+        new CudaExecutor(kernel, device, hidden_size, capacity));
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
+    DETLOGP_RETURN_IF_CUDA_ERROR(
+        cudaStreamCreateWithFlags(&executor->stream_, cudaStreamNonBlocking),
+        "cudaStreamCreate");
+    const size_t input_bytes = executor->layout_.input_bytes(hidden_size);
+    const size_t output_bytes = executor->layout_.output_bytes();
+    for (auto [buffer, bytes] : {std::pair{&executor->host_inputs_, input_bytes},
+                                 {&executor->host_outputs_, output_bytes}}) {
+      if (absl::Status s = buffer->Allocate(bytes, "cudaHostAlloc"); !s.ok()) {
+        return s;
+      }
+    }
+    for (auto [buffer, bytes] :
+         {std::pair{&executor->inputs_, input_bytes},
+          {&executor->outputs_, output_bytes},
+          {&executor->workspace_, kernel->WorkspaceBytes(capacity)}}) {
+      if (absl::Status s = buffer->Allocate(bytes, "cudaMalloc"); !s.ok()) {
+        return s;
+      }
+    }
+    return executor;
+  }
+
+  ~CudaExecutor() override {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  LogpStaging staging() override {
+    return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
+  }
+
+  void RowsStaged(int64_t rows) override {
+    if (rows > capacity_ ||
+        (rows - rows_copied_) * row_bytes() < kMinEarlyCopyBytes) {
+      return;
+    }
+    // Rows whose early copy failed are copied again by Run.
+    if (cudaSetDevice(device_) == cudaSuccess &&
+        CopyHiddenRows(rows_copied_, rows) == cudaSuccess) {
+      rows_copied_ = rows;
+    }
+  }
+
+  absl::Status Run(int64_t rows) override {
+    const int64_t rows_copied = std::exchange(rows_copied_, 0);
+    if (rows > capacity_) {
+      return absl::InternalError("batch larger than the executor's staging");
+    }
+    if (rows == 0) return absl::OkStatus();
+    absl::Status enqueued = Enqueue(rows, rows_copied);
+    // Also after a failure: no copy may still read the staging when the
+    // batcher refills it.
+    const absl::Status done =
+        CudaStatus(cudaStreamSynchronize(stream_), "batch on the GPU");
+    return enqueued.ok() ? done : enqueued;
+  }
+
+ private:
+  // Below this, a copy's fixed cost outweighs starting it early.
+  static constexpr int64_t kMinEarlyCopyBytes = 128 << 10;
+
+  // Copies what RowsStaged has not, launches the kernel and copies the
+  // outputs back, all on the stream.
+  absl::Status Enqueue(int64_t rows, int64_t rows_copied) {
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    if (rows_copied == 0) {  // one copy for the whole block
+      DETLOGP_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(inputs_.as<void>(), host_inputs_.as<void>(),
+                          layout_.hidden_offset() + rows * row_bytes(),
+                          cudaMemcpyHostToDevice, stream_),
+          "copy batch to device");
+    } else {
+      DETLOGP_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(inputs_.as<void>(), host_inputs_.as<void>(),
+                          layout_.hidden_offset(), cudaMemcpyHostToDevice,
+                          stream_),
+          "copy targets to device");
+      if (rows_copied < rows) {
+        DETLOGP_RETURN_IF_CUDA_ERROR(CopyHiddenRows(rows_copied, rows),
+                                     "copy rows to device");
+      }
+    }
+    const LogpStaging device = layout_.View(inputs_.as<void>(), outputs_.as<void>());
+    kernels::cuda::LinearLogpBatchView batch;
+    batch.targets = device.targets;
+    batch.temperatures = device.temperatures;
+    batch.hidden = reinterpret_cast<const __nv_bfloat16*>(device.hidden);
+    batch.logprobs = device.logprobs;
+    batch.lse = device.lse;
+    batch.rows = rows;
+    if (absl::Status s = kernel_->Launch(batch, workspace_.as<void>(), stream_);
+        !s.ok()) {
+      return s;
+    }
+    DETLOGP_RETURN_IF_CUDA_ERROR(
+        cudaMemcpyAsync(host_outputs_.as<void>(), outputs_.as<void>(),
+                        2 * capacity_ * sizeof(float), cudaMemcpyDeviceToHost,
+                        stream_),
+        "copy results to host");
+    return absl::OkStatus();
+  }
+
+  int64_t row_bytes() const { return hidden_size_ * sizeof(uint16_t); }
+
+  cudaError_t CopyHiddenRows(int64_t begin, int64_t end) {
+    const size_t offset = layout_.hidden_offset() + begin * row_bytes();
+    return cudaMemcpyAsync(inputs_.as<char>() + offset,
+                           host_inputs_.as<char>() + offset,
+                           (end - begin) * row_bytes(), cudaMemcpyHostToDevice,
+                           stream_);
+  }
+
+  CudaExecutor(const LinearLogpCuda* kernel, int device, int64_t hidden_size,
+               int64_t capacity)
+      : kernel_(kernel),
+        device_(device),
+        hidden_size_(hidden_size),
+        capacity_(capacity),
+        layout_{capacity} {}
+
+  const LinearLogpCuda* kernel_;
+  const int device_;
+  const int64_t hidden_size_;
+  const int64_t capacity_;
+  const BatchLayout layout_;
+  cudaStream_t stream_ = nullptr;
+  int64_t rows_copied_ = 0;  // hidden rows of this batch already on their way
+  PinnedBuffer host_inputs_, host_outputs_;
+  DeviceBuffer inputs_, outputs_, workspace_;
+};
+
+// Drives one GPU ("cuda:N", or the first sm_90 one for "auto") or every sm_90
+// GPU of one kind ("cuda:all"). Replicated (the default), each GPU holds the
+// full weights; executors are spread over the GPUs and every batch thread
+// pulls from the one queue when its executor is free, so batches go to
+// whichever GPU is least loaded. With vocab_parallel each GPU holds a share
+// of the vocabulary instead (cuda_vocab_parallel.h). GPUs of the same kind
+// run the same kernel, hence the same bits: the determinism key names the
+// architecture, not the device index.
+class CudaBackend final : public LogpBackend {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(
+      const BackendOptions& options) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      cudaGetLastError();  // clear the sticky "no device" error
+      return absl::UnavailableError("no CUDA device on this machine");
+    }
+    std::vector<int> devices;
+    const bool any_suitable = options.device_index == kAllDevices ||
+                              options.device_index == kFirstSuitableDevice;
+    if (any_suitable) {
+      for (int d = 0; d < count; ++d) devices.push_back(d);
+    } else if (options.device_index < count) {
+      devices.push_back(options.device_index);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda:", options.device_index, " requested but only ",
+                       count, " GPU(s) visible"));
+    }
+    auto backend = std::unique_ptr<CudaBackend>(new CudaBackend());
+    std::string name;
+    std::vector<int> used;
+    for (int device : devices) {
+      cudaDeviceProp props;
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&props, device),
+                                   "cudaGetDeviceProperties");
+      if (props.major != 9 || props.minor != 0) {
+        if (!any_suitable) {
+          return absl::UnavailableError(absl::StrCat(
+              "cuda:", device, " (", props.name, ") is sm_", props.major,
+              props.minor, "; the kernel is built for sm_90a"));
+        }
+        continue;  // "all" means every sm_90 GPU
+      }
+      if (!name.empty() && name != props.name) continue;  // one kind only
+      name = props.name;
+      used.push_back(device);
+      if (options.device_index == kFirstSuitableDevice) break;
+    }
+    if (used.empty()) {
+      return absl::UnavailableError("no sm_90 GPU on this machine");
+    }
+    if (options.vocab_parallel) {
+      auto shards = UploadVocabShards(*options.weights, used);
+      if (!shards.ok()) return shards.status();
+      backend->shards_ = *std::move(shards);
+    } else {
+      for (int device : used) {
+        auto replica = UploadLmHead(*options.weights, device);
+        if (!replica.ok()) return replica.status();
+        backend->replicas_.push_back(*std::move(replica));
+      }
+    }
+    backend->hidden_size_ = options.weights->hidden_size;
+    backend->vocab_size_ = options.weights->vocab_size;
+    backend->description_.name = "cuda";
+    backend->description_.device =
+        absl::StrCat("cuda:", absl::StrJoin(used, ","), " ", name,
+                     options.vocab_parallel ? " (vocabulary-parallel)" : "");
+    backend->description_.instruction_set = "sm_90a";
+    backend->description_.kernel_version = LinearLogpCuda::KernelVersion();
+    // Four batches per GPU keep gathers and copies overlapping the kernel
+    // (measured: docs/perf.md, serving section).
+    backend->description_.preferred_inflight_batches =
+        options.vocab_parallel ? 4 : 4 * static_cast<int>(used.size());
+    // A batch of small calls takes ~0.35 ms; a sleeping batch thread took
+    // 40-70 us to wake (docs/perf.md, "Small calls, session 2").
+    backend->description_.preferred_idle_spin_micros = 1000;
+    return backend;
+  }
+
+  const BackendDescription& description() const override {
+    return description_;
+  }
+
+  int64_t DeviceMemoryUsedBytes() const override {
+    std::vector<int> devices;
+    for (const auto& replica : replicas_) devices.push_back(replica->device);
+    for (const auto& shard : shards_) devices.push_back(shard->device);
+    int64_t used = 0;
+    for (int device : devices) {
+      size_t free_bytes = 0, total_bytes = 0;
+      if (cudaSetDevice(device) == cudaSuccess &&
+          cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+        used += static_cast<int64_t>(total_bytes - free_bytes);
+      }
+    }
+    return used;
+  }
+
+  absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
+      int64_t max_batch_rows) override {
+    if (!shards_.empty()) {
+      return NewVocabParallelExecutor(shards_, hidden_size_, vocab_size_,
+                                      max_batch_rows);
+    }
+    const CudaLmHead& replica = *replicas_[next_replica_++ % replicas_.size()];
+    auto executor = CudaExecutor::Create(replica.kernel.get(), replica.device,
+                                         hidden_size_, max_batch_rows);
+    if (!executor.ok()) return executor.status();
+    return std::unique_ptr<LogpExecutor>(*std::move(executor));
+  }
+
+ private:
+  CudaBackend() = default;
+
+  std::vector<std::unique_ptr<CudaLmHead>> replicas_;  // data-parallel
+  std::vector<std::unique_ptr<CudaLmHead>> shards_;       // vocabulary-parallel
+  size_t next_replica_ = 0;
+  int64_t hidden_size_ = 0;
+  int64_t vocab_size_ = 0;
+  BackendDescription description_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LogpBackend>> CreateCudaBackend(
+    const BackendOptions& options) {
+  if (options.weights == nullptr) {
+    return absl::InvalidArgumentError("cuda backend: no weights");
+  }
+  auto backend = CudaBackend::Create(options);
+  if (!backend.ok()) return backend.status();
+  return std::unique_ptr<LogpBackend>(*std::move(backend));
+}
+
+}  // namespace detlogp::server

@@ -1,0 +1,105 @@
+// RAII owners of CUDA memory for the CUDA backends, and CUDA errors as
+// absl::Status (out of memory is RESOURCE_EXHAUSTED, the rest INTERNAL).
+#ifndef DETLOGP_SERVER_BACKENDS_CUDA_BUFFERS_H_
+#define DETLOGP_SERVER_BACKENDS_CUDA_BUFFERS_H_
+
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/backends/backend.h"
+
+namespace detlogp::server {
+
+inline absl::Status CudaStatus(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  const absl::StatusCode code = error == cudaErrorMemoryAllocation
+                                    ? absl::StatusCode::kResourceExhausted
+                                    : absl::StatusCode::kInternal;
+  return absl::Status(code, absl::StrCat(what, ": ", cudaGetErrorString(error)));
+}
+
+#define DETLOGP_RETURN_IF_CUDA_ERROR(expr, what)                  \
+  do {                                                            \
+    if (absl::Status _s = CudaStatus((expr), (what)); !_s.ok()) { \
+      return _s;                                                  \
+    }                                                             \
+  } while (false)
+
+// A device allocation freed on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  ~DeviceBuffer() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  absl::Status Allocate(size_t bytes, const char* what) {
+    return CudaStatus(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), what);
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// Pinned host memory, so copies run asynchronously at full PCIe speed.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  ~PinnedBuffer() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+
+  absl::Status Allocate(size_t bytes, const char* what) {
+    return CudaStatus(cudaHostAlloc(&ptr_, bytes == 0 ? 1 : bytes,
+                                    cudaHostAllocDefault),
+                      what);
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// The CUDA executors' batch layout: inputs in one block
+// [targets | temperatures | hidden] and outputs in [logprobs | lse], so a
+// batch moves in one copy each way. `capacity` is even, which keeps the
+// hidden rows 16-byte aligned.
+struct BatchLayout {
+  int64_t capacity = 0;
+
+  size_t hidden_offset() const { return 2 * capacity * sizeof(float); }
+  size_t input_bytes(int64_t hidden_size) const {
+    return hidden_offset() + capacity * hidden_size * sizeof(uint16_t);
+  }
+  size_t output_bytes() const { return 2 * capacity * sizeof(float); }
+
+  // Views of an inputs block and an outputs block laid out as above.
+  LogpStaging View(void* inputs, void* outputs) const {
+    char* in = static_cast<char*>(inputs);
+    float* out = static_cast<float*>(outputs);
+    LogpStaging view;
+    view.capacity = capacity;
+    view.targets = reinterpret_cast<int32_t*>(in);
+    view.temperatures = reinterpret_cast<float*>(in + capacity * sizeof(float));
+    view.hidden = reinterpret_cast<uint16_t*>(in + hidden_offset());
+    view.logprobs = out;
+    view.lse = out != nullptr ? out + capacity : nullptr;
+    return view;
+  }
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_BACKENDS_CUDA_BUFFERS_H_

@@ -1,0 +1,40 @@
+// The lm_head (or a contiguous share of its vocabulary splits) on one GPU,
+// with the fused kernel built over it. Used whole by the replicated CUDA
+// backend and in shares by vocabulary parallelism.
+#ifndef DETLOGP_SERVER_BACKENDS_CUDA_LM_HEAD_H_
+#define DETLOGP_SERVER_BACKENDS_CUDA_LM_HEAD_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kernels/cuda/linear_logp_cuda.h"
+#include "server/backends/cuda_buffers.h"
+#include "server/models/lm_head_weights.h"
+
+namespace detlogp::server {
+
+struct CudaLmHead {
+  int device = 0;
+  // Splits [first_split, end_split) of the policy; end_split == 0: all of
+  // them (the whole weight, padding rows included).
+  int32_t first_split = 0;
+  int32_t end_split = 0;
+  // Weight rows held: [first_row, end_row).
+  int64_t first_row = 0;
+  int64_t end_row = 0;
+  DeviceBuffer weight;
+  DeviceBuffer bias;
+  // Declared after the buffers it points into, so it is destroyed first.
+  std::unique_ptr<kernels::cuda::LinearLogpCuda> kernel;
+};
+
+// Uploads the rows of splits [first_split, end_split) of `weights` (all rows
+// when end_split is 0) to `device` and builds the kernel over them.
+absl::StatusOr<std::unique_ptr<CudaLmHead>> UploadLmHead(
+    const LmHeadWeights& weights, int device, int32_t first_split = 0,
+    int32_t end_split = 0);
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_BACKENDS_CUDA_LM_HEAD_H_

@@ -1,0 +1,275 @@
+#include "server/batching/batcher.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/memory/memory.h"
+#include "absl/strings/str_cat.h"
+
+namespace detlogp::server {
+
+absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
+    const Options& options, LogpBackend* backend) {
+  if (options.max_batch_rows <= 0) {
+    return absl::InvalidArgumentError("max_batch_rows must be positive");
+  }
+  if (options.max_queue_delay_micros < 0) {
+    return absl::InvalidArgumentError("max_queue_delay_micros must be >= 0");
+  }
+  if (options.max_queue_rows < options.max_batch_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_queue_rows (", options.max_queue_rows,
+        ") must be at least max_batch_rows (", options.max_batch_rows, ")"));
+  }
+  if (options.num_batch_threads <= 0) {
+    return absl::InvalidArgumentError("num_batch_threads must be positive");
+  }
+  if (backend == nullptr) return absl::InvalidArgumentError("no backend");
+  std::vector<std::unique_ptr<LogpExecutor>> executors;
+  for (int i = 0; i < options.num_batch_threads; ++i) {
+    auto executor = backend->NewExecutor(options.max_batch_rows);
+    if (!executor.ok()) return executor.status();
+    executors.push_back(*std::move(executor));
+  }
+  return absl::WrapUnique(new DynamicBatcher(options, std::move(executors)));
+}
+
+DynamicBatcher::DynamicBatcher(
+    const Options& options,
+    std::vector<std::unique_ptr<LogpExecutor>> executors)
+    : options_(options), executors_(std::move(executors)) {
+  for (auto& executor : executors_) {
+    threads_.emplace_back([this, e = executor.get()] { BatchLoop(e); });
+  }
+}
+
+DynamicBatcher::~DynamicBatcher() { Stop(); }
+
+absl::Status DynamicBatcher::Schedule(std::shared_ptr<LogpJob> job) {
+  const int64_t rows = job->rows();
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      return absl::UnavailableError("server is shutting down");
+    }
+    if (queued_rows_ + rows > options_.max_queue_rows) {
+      rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "queue full: ", queued_rows_, " rows waiting + ", rows,
+          " requested > --max_queue_rows=", options_.max_queue_rows,
+          "; retry with backoff"));
+    }
+    if (rows > 0) {
+      queue_.push_back(QueuedJob{job, 0, absl::Now()});
+      queued_rows_ += rows;
+      NotifyStateChangedLocked();
+      return absl::OkStatus();
+    }
+  }
+  job->FinishRows(0, absl::OkStatus());  // nothing to compute
+  return absl::OkStatus();
+}
+
+void DynamicBatcher::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ && threads_.empty()) return;
+    stopping_ = true;
+    NotifyStateChangedLocked();
+  }
+  for (std::thread& thread : threads_) thread.join();
+  threads_.clear();
+}
+
+DynamicBatcher::Stats DynamicBatcher::stats() const {
+  Stats stats;
+  stats.batches_run = batches_run_.load();
+  stats.rows_computed = rows_computed_.load();
+  stats.rows_failed = rows_failed_.load();
+  stats.rows_expired = rows_expired_.load();
+  stats.rows_cancelled = rows_cancelled_.load();
+  stats.rows_rejected = rows_rejected_.load();
+  absl::MutexLock lock(&mu_);
+  stats.rows_queued = queued_rows_;
+  return stats;
+}
+
+namespace {
+
+// Tells the core that this is a spin-wait loop (eases the sibling
+// hyper-thread and the memory order machinery).
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+}  // namespace
+
+bool DynamicBatcher::ShouldWakeSleepingThread() const {
+  // While one thread polls, it takes the next batch: waking a sleeper as
+  // well would only cost the waker a system call.
+  return stopping_ || (!thread_polling_ && CanStartBatchOrStopping());
+}
+
+bool DynamicBatcher::CanStartBatchOrStopping() const {
+  if (stopping_) return true;
+  if (queue_.empty()) return false;
+  const int64_t overlap_rows = options_.min_rows_to_overlap >= 0
+                                   ? options_.min_rows_to_overlap
+                                   : options_.max_batch_rows / 4;
+  return batches_in_flight_ == 0 || queued_rows_ >= overlap_rows;
+}
+
+void DynamicBatcher::SpinUntilBatchCanStartLocked() {
+  if (options_.idle_spin_micros <= 0 || thread_polling_) return;
+  thread_polling_ = true;
+  const absl::Time give_up =
+      absl::Now() + absl::Microseconds(options_.idle_spin_micros);
+  while (!CanStartBatchOrStopping() && absl::Now() < give_up) {
+    const uint64_t seen = state_version_.load(std::memory_order_acquire);
+    mu_.Unlock();
+    while (state_version_.load(std::memory_order_acquire) == seen &&
+           absl::Now() < give_up) {
+      CpuRelax();
+    }
+    mu_.Lock();
+  }
+  thread_polling_ = false;
+}
+
+bool DynamicBatcher::HasFullBatchOrStopping() const {
+  return stopping_ || queued_rows_ >= options_.max_batch_rows;
+}
+
+void DynamicBatcher::DropDeadJobsLocked(
+    absl::Time now, std::vector<std::pair<Slice, absl::Status>>* dropped) {
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    LogpJob& job = *it->job;
+    // A passed deadline wins: gRPC also cancels calls whose deadline passed.
+    const bool expired = job.deadline() <= now;
+    const bool cancelled = !expired && job.cancelled();
+    if (!expired && !cancelled) {
+      ++it;
+      continue;
+    }
+    const int64_t remaining = job.rows() - it->next_row;
+    (cancelled ? rows_cancelled_ : rows_expired_)
+        .fetch_add(remaining, std::memory_order_relaxed);
+    dropped->emplace_back(
+        Slice{it->job, it->next_row, remaining, it->queued},
+        cancelled ? absl::CancelledError("call cancelled before compute")
+                  : absl::DeadlineExceededError(
+                        "deadline passed while queued; rows not computed"));
+    queued_rows_ -= remaining;
+    it = queue_.erase(it);
+  }
+}
+
+std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
+  std::vector<Slice> batch;
+  std::vector<std::pair<Slice, absl::Status>> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    while (batch.empty()) {
+      SpinUntilBatchCanStartLocked();
+      mu_.Await(absl::Condition(this, &DynamicBatcher::ShouldWakeSleepingThread));
+      if (queue_.empty()) break;  // stopping, nothing left
+      const absl::Time flush_at =
+          queue_.front().queued +
+          absl::Microseconds(options_.max_queue_delay_micros);
+      // Await releases the lock even when it need not wait; skip it then.
+      if (!HasFullBatchOrStopping() && absl::Now() < flush_at) {
+        mu_.AwaitWithDeadline(
+            absl::Condition(this, &DynamicBatcher::HasFullBatchOrStopping),
+            flush_at);
+      }
+      DropDeadJobsLocked(absl::Now(), &dropped);
+      int64_t room = options_.max_batch_rows;
+      while (room > 0 && !queue_.empty()) {
+        QueuedJob& front = queue_.front();
+        const int64_t take = std::min(room, front.job->rows() - front.next_row);
+        batch.push_back(Slice{front.job, front.next_row, take, front.queued});
+        front.next_row += take;
+        queued_rows_ -= take;
+        room -= take;
+        if (front.next_row == front.job->rows()) queue_.pop_front();
+      }
+      if (!batch.empty()) ++batches_in_flight_;
+      if (!dropped.empty()) break;  // complete them without holding the lock
+    }
+  }
+  for (auto& [slice, status] : dropped) {
+    slice.job->FinishRows(slice.row_count, status);
+  }
+  return batch;
+}
+
+void DynamicBatcher::BatchLoop(LogpExecutor* executor) {
+  while (true) {
+    std::vector<Slice> batch = NextBatch();
+    if (batch.empty()) {
+      absl::MutexLock lock(&mu_);
+      if (stopping_ && queue_.empty()) return;
+      continue;
+    }
+    RunBatch(executor, batch);
+  }
+}
+
+void DynamicBatcher::RunBatch(LogpExecutor* executor,
+                              std::vector<Slice>& batch) {
+  const absl::Time gather_start = absl::Now();
+  const LogpStaging staging = executor->staging();
+  int64_t rows = 0;
+  for (const Slice& slice : batch) {
+    const LogpJob& job = *slice.job;
+    const int64_t row_bytes = job.hidden_size() * sizeof(uint16_t);
+    std::memcpy(reinterpret_cast<char*>(staging.hidden) + rows * row_bytes,
+                job.hidden_bf16() + slice.row_begin * row_bytes,
+                slice.row_count * row_bytes);
+    std::memcpy(staging.targets + rows, job.targets().data() + slice.row_begin,
+                slice.row_count * sizeof(int32_t));
+    std::fill_n(staging.temperatures + rows, slice.row_count, job.temperature());
+    rows += slice.row_count;
+    executor->RowsStaged(rows);
+  }
+  const absl::Time start = absl::Now();
+  const absl::Status status = executor->Run(rows);
+  const absl::Time end = absl::Now();
+  {
+    // The device is free for the next batch while this one's outputs are
+    // scattered and its calls answered.
+    absl::MutexLock lock(&mu_);
+    --batches_in_flight_;
+    NotifyStateChangedLocked();
+  }
+  if (options_.on_batch) {
+    BatchRecord record;
+    record.rows = rows;
+    record.requests = static_cast<int64_t>(batch.size());
+    record.queue_delay = gather_start - batch.front().queued;
+    record.gather = start - gather_start;
+    record.compute = end - start;
+    record.ok = status.ok();
+    options_.on_batch(record);
+  }
+  batches_run_.fetch_add(1, std::memory_order_relaxed);
+  (status.ok() ? rows_computed_ : rows_failed_)
+      .fetch_add(rows, std::memory_order_relaxed);
+  int64_t offset = 0;
+  for (Slice& slice : batch) {
+    if (status.ok()) {
+      std::copy_n(staging.logprobs + offset, slice.row_count,
+                  slice.job->logprobs().begin() + slice.row_begin);
+      std::copy_n(staging.lse + offset, slice.row_count,
+                  slice.job->lse().begin() + slice.row_begin);
+    }
+    offset += slice.row_count;
+    slice.job->FinishRows(slice.row_count, status);
+  }
+}
+
+}  // namespace detlogp::server

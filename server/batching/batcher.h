@@ -1,0 +1,167 @@
+// DynamicBatcher pools rows from every in-flight request into batches for a
+// LogpBackend.
+//
+// Parameters (Options): a batch holds at most `max_batch_rows` rows; the
+// first row queued waits at most `max_queue_delay_micros` for company before
+// its batch runs anyway; at most `max_queue_rows` rows wait at once (more is
+// RESOURCE_EXHAUSTED, which clients may retry); up to `num_batch_threads`
+// batches run at once, each on its own executor (a second one only once
+// `min_rows_to_overlap` rows wait).
+//
+// Flow: Schedule() runs on the caller's thread: it checks the bound and
+// queues the job (FIFO). A batch thread takes rows from the front of the
+// queue (cutting a job into slices when it does not fit), drops jobs that
+// were cancelled or whose deadline passed (their rows are never computed),
+// gathers the rows into its executor's staging, runs it, scatters the outputs
+// back into each job and completes the jobs whose last row it carried.
+//
+// Batching is free because backends are batch invariant: which rows share a
+// batch changes timing, never bits.
+//
+// Example:
+//   auto batcher = DynamicBatcher::Create(options, backend);
+//   absl::Status s = (*batcher)->Schedule(job);  // job completes later
+//   ...
+//   (*batcher)->Stop();  // runs everything queued, then joins
+#ifndef DETLOGP_SERVER_BATCHING_BATCHER_H_
+#define DETLOGP_SERVER_BATCHING_BATCHER_H_
+
+#include <atomic>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/backends/backend.h"
+#include "server/batching/logp_job.h"
+
+namespace detlogp::server {
+
+class DynamicBatcher {
+ public:
+  // What one batch did, for metrics.
+  struct BatchRecord {
+    int64_t rows = 0;
+    int64_t requests = 0;         // request slices in the batch
+    absl::Duration queue_delay;   // how long its oldest slice waited
+    absl::Duration gather;        // copying its rows into the staging
+    absl::Duration compute;       // the backend's Run, copies included
+    bool ok = true;
+  };
+
+  struct Options {
+    int64_t max_batch_rows = 256;
+    int64_t max_queue_delay_micros = 500;
+    int64_t max_queue_rows = 1 << 16;
+    int num_batch_threads = 1;
+    // While a batch runs, another starts only once this many rows wait (-1:
+    // max_batch_rows / 4). Under light load this keeps one batch in flight,
+    // so small calls do not queue behind each other on the device; under
+    // heavy load every thread works.
+    int64_t min_rows_to_overlap = -1;
+    // An idle batch thread polls for work this long before it sleeps (one
+    // thread at a time). Waking a sleeping thread costs tens of
+    // microseconds, a real share of a sub-millisecond GPU batch; 0 never
+    // polls (right for CPU backends, whose batch threads share the cores).
+    int64_t idle_spin_micros = 0;
+    // Called after every batch on its batch thread; may be empty.
+    std::function<void(const BatchRecord&)> on_batch;
+  };
+
+  // Counters since start; all rows, not requests.
+  struct Stats {
+    int64_t batches_run = 0;
+    int64_t rows_computed = 0;
+    int64_t rows_failed = 0;    // computed in a batch the backend failed
+    int64_t rows_expired = 0;   // dropped before compute: deadline passed
+    int64_t rows_cancelled = 0; // dropped before compute: call cancelled
+    int64_t rows_rejected = 0;  // refused by Schedule: queue full
+    int64_t rows_queued = 0;    // waiting now
+  };
+
+  // Validates options and creates one executor per batch thread.
+  static absl::StatusOr<std::unique_ptr<DynamicBatcher>> Create(
+      const Options& options, LogpBackend* backend);
+
+  ~DynamicBatcher();
+  DynamicBatcher(const DynamicBatcher&) = delete;
+  DynamicBatcher& operator=(const DynamicBatcher&) = delete;
+
+  // Queues `job`. Returns RESOURCE_EXHAUSTED when the queue is full and
+  // UNAVAILABLE after Stop(); the job is not completed then, the caller owns
+  // the answer.
+  absl::Status Schedule(std::shared_ptr<LogpJob> job);
+
+  // Stops accepting, runs everything already queued, joins the threads.
+  void Stop();
+
+  Stats stats() const;
+  const Options& options() const { return options_; }
+
+  // ---- Implementation details; API users need not read further. ----
+ private:
+  struct Slice {
+    std::shared_ptr<LogpJob> job;
+    int64_t row_begin;
+    int64_t row_count;
+    absl::Time queued;  // when its job was accepted
+  };
+  struct QueuedJob {
+    std::shared_ptr<LogpJob> job;
+    int64_t next_row;   // first row not yet taken into a batch
+    absl::Time queued;  // when Schedule accepted it
+  };
+
+  DynamicBatcher(const Options& options,
+                 std::vector<std::unique_ptr<LogpExecutor>> executors);
+
+  void BatchLoop(LogpExecutor* executor);
+  // Waits for work and takes up to max_batch_rows rows; empty when stopping
+  // with nothing left.
+  std::vector<Slice> NextBatch();
+  // Drops dead jobs at the queue's front; completes them outside the lock.
+  void DropDeadJobsLocked(absl::Time now,
+                          std::vector<std::pair<Slice, absl::Status>>* dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RunBatch(LogpExecutor* executor, std::vector<Slice>& batch);
+  bool HasFullBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool CanStartBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ShouldWakeSleepingThread() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Polls, releasing mu_ while it does, until a batch can start or
+  // idle_spin_micros pass; returns at once when another thread polls.
+  void SpinUntilBatchCanStartLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Tells a polling thread that the queue or the batches in flight changed.
+  void NotifyStateChangedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    state_version_.fetch_add(1, std::memory_order_release);
+  }
+
+  const Options options_;
+  std::vector<std::unique_ptr<LogpExecutor>> executors_;
+  std::vector<std::thread> threads_;
+
+  mutable absl::Mutex mu_;
+  std::deque<QueuedJob> queue_ ABSL_GUARDED_BY(mu_);
+  int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool thread_polling_ ABSL_GUARDED_BY(mu_) = false;
+  // Bumped under mu_ on every change a polling thread waits for; read
+  // without it.
+  std::atomic<uint64_t> state_version_{0};
+
+  std::atomic<int64_t> batches_run_{0};
+  std::atomic<int64_t> rows_computed_{0};
+  std::atomic<int64_t> rows_failed_{0};
+  std::atomic<int64_t> rows_expired_{0};
+  std::atomic<int64_t> rows_cancelled_{0};
+  std::atomic<int64_t> rows_rejected_{0};
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_BATCHING_BATCHER_H_

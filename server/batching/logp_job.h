@@ -1,0 +1,106 @@
+// One request's rows on their way through the batcher. A job may be cut into
+// slices that ride in different batches; it completes exactly once, when
+// every row has been computed or dropped.
+#ifndef DETLOGP_SERVER_BATCHING_LOGP_JOB_H_
+#define DETLOGP_SERVER_BATCHING_LOGP_JOB_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace detlogp::server {
+
+class LogpJob {
+ public:
+  // Called once, from whichever thread finished the last row; `job` is this.
+  using DoneCallback = absl::AnyInvocable<void(absl::Status, LogpJob& job)>;
+
+  // Borrows `hidden_bf16` (rows x hidden_size bf16 values, little-endian,
+  // any alignment), kept valid by `keep_alive` until the job completes.
+  LogpJob(int64_t rows, int64_t hidden_size, const char* hidden_bf16,
+          std::shared_ptr<const void> keep_alive, std::vector<int32_t> targets,
+          float temperature, absl::Time deadline, DoneCallback done)
+      : rows_(rows),
+        hidden_size_(hidden_size),
+        hidden_bf16_(hidden_bf16),
+        keep_alive_(std::move(keep_alive)),
+        targets_(std::move(targets)),
+        temperature_(temperature),
+        deadline_(deadline),
+        logprobs_(rows),
+        lse_(rows),
+        rows_outstanding_(rows),
+        done_(std::move(done)) {}
+
+  // Owns its rows.
+  LogpJob(int64_t rows, int64_t hidden_size, std::vector<uint16_t> hidden_bf16,
+          std::vector<int32_t> targets, float temperature, absl::Time deadline,
+          DoneCallback done)
+      : LogpJob(rows, hidden_size, nullptr, nullptr, std::move(targets),
+                temperature, deadline, std::move(done)) {
+    auto owned = std::make_shared<const std::vector<uint16_t>>(std::move(hidden_bf16));
+    hidden_bf16_ = reinterpret_cast<const char*>(owned->data());
+    keep_alive_ = std::move(owned);
+  }
+
+  LogpJob(const LogpJob&) = delete;
+  LogpJob& operator=(const LogpJob&) = delete;
+
+  int64_t rows() const { return rows_; }
+  int64_t hidden_size() const { return hidden_size_; }
+  // Row r starts at hidden_bf16() + r * hidden_size() * 2.
+  const char* hidden_bf16() const { return hidden_bf16_; }
+  const std::vector<int32_t>& targets() const { return targets_; }
+  float temperature() const { return temperature_; }
+  absl::Time deadline() const { return deadline_; }
+  std::vector<float>& logprobs() { return logprobs_; }
+  std::vector<float>& lse() { return lse_; }
+
+  void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+  bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
+
+  // Accounts for `count` rows that were computed (status OK) or dropped or
+  // failed (status not OK; the first such status is the job's). Completes
+  // the job when no rows are left.
+  void FinishRows(int64_t count, const absl::Status& status) {
+    if (!status.ok()) {
+      absl::MutexLock lock(&mu_);
+      if (status_.ok()) status_ = status;
+    }
+    if (rows_outstanding_.fetch_sub(count, std::memory_order_acq_rel) == count) {
+      absl::Status final_status;
+      {
+        absl::MutexLock lock(&mu_);
+        final_status = status_;
+      }
+      done_(final_status, *this);
+    }
+  }
+
+ private:
+  const int64_t rows_;
+  const int64_t hidden_size_;
+  const char* hidden_bf16_;
+  std::shared_ptr<const void> keep_alive_;
+  const std::vector<int32_t> targets_;
+  const float temperature_;
+  const absl::Time deadline_;
+  std::vector<float> logprobs_;  // each row written by one batch thread
+  std::vector<float> lse_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<int64_t> rows_outstanding_;
+  absl::Mutex mu_;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  DoneCallback done_;
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_BATCHING_LOGP_JOB_H_

@@ -1,0 +1,70 @@
+// Runs projection chunks from every stream on the projection backend's
+// executors. Chunks queued together share one launch (up to
+// max_launch_rows rows): each row's bits are independent of its neighbours,
+// so pooling changes speed only.
+#ifndef DETLOGP_SERVER_BATCHING_PROJECTION_SCHEDULER_H_
+#define DETLOGP_SERVER_BATCHING_PROJECTION_SCHEDULER_H_
+
+#include <deque>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/backends/projection_backend.h"
+
+namespace detlogp::server {
+
+class ProjectionScheduler {
+ public:
+  struct Options {
+    int64_t max_launch_rows = 2048;  // rows per backend launch
+    int num_threads = 1;             // launches in flight
+  };
+
+  // Rows [0, rows) of x ([rows, 96]) projected into y ([rows, 5376]); both
+  // stay valid until `done` runs.
+  struct Chunk {
+    const float* x = nullptr;
+    float* y = nullptr;
+    int64_t rows = 0;
+    absl::AnyInvocable<void(absl::Status)> done;
+  };
+
+  static absl::StatusOr<std::unique_ptr<ProjectionScheduler>> Create(
+      const Options& options, ProjectionBackend* backend);
+  ~ProjectionScheduler();
+  ProjectionScheduler(const ProjectionScheduler&) = delete;
+  ProjectionScheduler& operator=(const ProjectionScheduler&) = delete;
+
+  // INVALID_ARGUMENT for chunks over max_launch_rows, UNAVAILABLE once
+  // stopping. On OK, `done` runs exactly once, on a scheduler thread.
+  absl::Status Schedule(Chunk chunk);
+
+  // Runs what is queued, then joins.
+  void Stop();
+
+  const Options& options() const { return options_; }
+
+ private:
+  ProjectionScheduler(const Options& options,
+                      std::vector<std::unique_ptr<ProjectionExecutor>> executors);
+  void Loop(ProjectionExecutor* executor);
+  bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !queue_.empty();
+  }
+
+  const Options options_;
+  std::vector<std::unique_ptr<ProjectionExecutor>> executors_;
+  std::vector<std::thread> threads_;
+  absl::Mutex mu_;
+  std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_BATCHING_PROJECTION_SCHEDULER_H_

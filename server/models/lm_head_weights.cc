@@ -1,0 +1,159 @@
+#include "server/models/lm_head_weights.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/bfloat16.h"
+#include "kernels/parallel_for.h"
+#include "kernels/random_normal.h"
+#include "server/models/safetensors.h"
+#include "server/models/sha256.h"
+
+namespace detlogp::server {
+namespace {
+
+// Converts raw tensor bytes of a float dtype to floats.
+std::vector<float> BytesToFloats(const std::string& dtype,
+                                 const std::vector<uint8_t>& bytes) {
+  const size_t size = SafetensorDtypeSize(dtype);
+  std::vector<float> out(bytes.size() / size);
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (dtype == "F32") {
+      std::memcpy(&out[i], &bytes[4 * i], 4);
+    } else {
+      uint16_t bits;
+      std::memcpy(&bits, &bytes[2 * i], 2);
+      out[i] = dtype == "BF16" ? kernels::Bf16ToFloat(bits)
+                               : kernels::Fp16ToFloat(bits);
+    }
+  }
+  return out;
+}
+
+bool IsFloatDtype(const std::string& dtype) {
+  return dtype == "F32" || dtype == "BF16" || dtype == "F16";
+}
+
+}  // namespace
+
+kernels::LmHeadView LmHeadWeights::view() const {
+  kernels::LmHeadView view;
+  view.hidden_size = hidden_size;
+  view.vocab_size = vocab_size;
+  view.padded_vocab_size = padded_vocab_size;
+  view.weight = weight.data();
+  view.bias = bias.empty() ? nullptr : bias.data();
+  return view;
+}
+
+void ComputeLmHeadDigest(LmHeadWeights* weights) {
+  Sha256 hash;
+  hash.Update(absl::StrCat("detlogp-lm-head-v1 H=", weights->hidden_size,
+                           " V=", weights->vocab_size,
+                           " V_pad=", weights->padded_vocab_size,
+                           " bias=", weights->bias.empty() ? 0 : 1, "\n"));
+  hash.Update(weights->weight.data(), weights->weight.size() * sizeof(uint16_t));
+  hash.Update(weights->bias.data(), weights->bias.size() * sizeof(float));
+  weights->sha256 = hash.HexDigest();
+}
+
+absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
+  auto file = SafetensorsFile::Open(source.path);
+  if (!file.ok()) return file.status();
+  auto it = file->tensors().find(source.weight_tensor);
+  if (it == file->tensors().end()) {
+    return absl::NotFoundError(absl::StrCat(
+        source.path, ": no tensor '", source.weight_tensor,
+        "' (set --lm_head_tensor)"));
+  }
+  const SafetensorInfo& info = it->second;
+  if (info.shape.size() != 2 || info.shape[0] <= 0 || info.shape[1] <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source.weight_tensor, ": expected a [V, H] matrix"));
+  }
+  if (!IsFloatDtype(info.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        source.weight_tensor, ": dtype ", info.dtype, " is not F32, BF16 or F16"));
+  }
+  LmHeadWeights weights;
+  weights.padded_vocab_size = info.shape[0];
+  weights.hidden_size = info.shape[1];
+  weights.vocab_size =
+      source.vocab_size > 0 ? source.vocab_size : weights.padded_vocab_size;
+  if (weights.vocab_size > weights.padded_vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--vocab_size=", weights.vocab_size, " exceeds the ",
+        weights.padded_vocab_size, " rows of ", source.weight_tensor));
+  }
+  auto bytes = file->ReadTensor(source.weight_tensor);
+  if (!bytes.ok()) return bytes.status();
+  if (info.dtype == "BF16") {
+    weights.weight.resize(bytes->size() / 2);
+    std::memcpy(weights.weight.data(), bytes->data(), bytes->size());
+  } else {
+    const std::vector<float> values = BytesToFloats(info.dtype, *bytes);
+    weights.weight.resize(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      weights.weight[i] = kernels::FloatToBf16(values[i]);
+    }
+  }
+  if (!source.bias_tensor.empty()) {
+    auto bias_it = file->tensors().find(source.bias_tensor);
+    if (bias_it == file->tensors().end()) {
+      return absl::NotFoundError(absl::StrCat(
+          source.path, ": no tensor '", source.bias_tensor, "' (--bias_tensor)"));
+    }
+    const SafetensorInfo& bias_info = bias_it->second;
+    if (bias_info.shape.size() != 1 ||
+        bias_info.shape[0] != weights.padded_vocab_size ||
+        !IsFloatDtype(bias_info.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source.bias_tensor, ": expected a float vector of ",
+          weights.padded_vocab_size, " elements"));
+    }
+    auto bias_bytes = file->ReadTensor(source.bias_tensor);
+    if (!bias_bytes.ok()) return bias_bytes.status();
+    weights.bias = BytesToFloats(bias_info.dtype, *bias_bytes);
+  }
+  weights.description = absl::StrCat(source.path, " (", source.weight_tensor,
+                                     source.bias_tensor.empty() ? "" : ", ",
+                                     source.bias_tensor, ")");
+  ComputeLmHeadDigest(&weights);
+  return weights;
+}
+
+LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options) {
+  LmHeadWeights weights;
+  weights.hidden_size = options.hidden_size;
+  weights.vocab_size = options.vocab_size;
+  weights.padded_vocab_size = options.vocab_size;
+  weights.weight.resize(options.vocab_size * options.hidden_size);
+  // Each block of rows has its own stream (seeded from the block index), so
+  // threads fill blocks in any order and the weights stay the same.
+  constexpr int64_t kRowsPerBlock = 1024;
+  const int64_t blocks = (options.vocab_size + kRowsPerBlock - 1) / kRowsPerBlock;
+  kernels::ParallelForRanges(blocks, 0, [&](int64_t first, int64_t last) {
+    for (int64_t block = first; block < last; ++block) {
+      kernels::RandomNormal random(options.seed * 1000003 + block);
+      const int64_t begin = block * kRowsPerBlock * options.hidden_size;
+      const int64_t end = std::min<int64_t>(
+          (block + 1) * kRowsPerBlock * options.hidden_size, weights.weight.size());
+      for (int64_t i = begin; i < end; ++i) {
+        weights.weight[i] = kernels::FloatToBf16(random.Next(0.02f));
+      }
+    }
+  });
+  if (options.with_bias) {
+    kernels::RandomNormal random(options.seed);
+    weights.bias.resize(options.vocab_size);
+    for (float& b : weights.bias) b = random.Next(0.1f);
+  }
+  weights.description =
+      absl::StrCat("embedded synthetic model (seed ", options.seed, ", H=",
+                   options.hidden_size, ", V=", options.vocab_size, ")");
+  ComputeLmHeadDigest(&weights);
+  return weights;
+}
+
+}  // namespace detlogp::server

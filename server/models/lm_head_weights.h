@@ -1,0 +1,52 @@
+// The lm_head held by the server: bf16 weight rows, optional fp32 bias, and
+// the digest that the determinism key is built on.
+#ifndef DETLOGP_SERVER_MODELS_LM_HEAD_WEIGHTS_H_
+#define DETLOGP_SERVER_MODELS_LM_HEAD_WEIGHTS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/lm_head.h"
+
+namespace detlogp::server {
+
+struct LmHeadWeights {
+  int64_t hidden_size = 0;
+  int64_t vocab_size = 0;         // real vocabulary
+  int64_t padded_vocab_size = 0;  // rows of `weight`
+  std::vector<uint16_t> weight;   // bf16 bits, [padded_vocab_size, hidden_size]
+  std::vector<float> bias;        // [padded_vocab_size], or empty
+  std::string sha256;             // hex digest of shape, weight and bias
+  std::string description;        // where the weights came from, for logs
+
+  kernels::LmHeadView view() const;
+};
+
+struct LmHeadSource {
+  std::string path;                              // a .safetensors file
+  std::string weight_tensor = "lm_head.weight";  // [V_pad, H]
+  std::string bias_tensor;                       // optional, [V_pad]
+  int64_t vocab_size = 0;  // real vocabulary; 0 means every weight row
+};
+
+// Loads and converts (F32 / F16 weights are rounded to bf16, RNE).
+absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source);
+
+// The embedded default: weights ~ N(0, 0.02^2), bias ~ N(0, 0.1^2), from a
+// fixed seed, so every build serves the same synthetic model.
+struct SyntheticLmHeadOptions {
+  int64_t hidden_size = 1024;
+  int64_t vocab_size = 32000;
+  uint64_t seed = 20261129;
+  bool with_bias = true;
+};
+LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options);
+
+// Fills the digest from the shape, weight and bias.
+void ComputeLmHeadDigest(LmHeadWeights* weights);
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_MODELS_LM_HEAD_WEIGHTS_H_

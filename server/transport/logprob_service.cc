@@ -1,0 +1,303 @@
+#include "server/transport/logprob_service.h"
+
+#include <chrono>
+#include <deque>
+#include <optional>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "server/transport/grpc_status.h"
+#include "server/transport/reactor_update.h"
+#include "server/transport/rejected_call.h"
+
+namespace detlogp::server {
+namespace {
+
+using detlogp::v1::LogProbRequest;
+using detlogp::v1::LogProbResponse;
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
+  const auto deadline = context->deadline();
+  // gRPC reports "no deadline" as the far future; keep it out of absl's
+  // arithmetic range.
+  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(deadline);
+}
+
+}  // namespace
+
+grpc::Status LogProbServiceImpl::Record(absl::string_view method,
+                                        grpc::Status status) const {
+  if (options_.on_call_done) options_.on_call_done(method, status.error_code());
+  return status;
+}
+
+grpc::Status LogProbServiceImpl::Authenticate(
+    const grpc::CallbackServerContext& context) const {
+  if (options_.authenticator == nullptr) return grpc::Status::OK;
+  return ToGrpcStatus(options_.authenticator->Check(context));
+}
+
+LogProbServiceImpl::LogProbServiceImpl(const Options& options,
+                                       detlogp::v1::ModelInfo info,
+                                       DynamicBatcher* batcher)
+    : options_(options), info_(std::move(info)), batcher_(batcher) {}
+
+absl::Status LogProbServiceImpl::Submit(
+    const LogProbRequest& request, std::shared_ptr<const void> request_owner,
+    absl::Time deadline,
+    LogProbResponse* response, absl::AnyInvocable<void(absl::Status)> done,
+    std::shared_ptr<LogpJob>* job) {
+  auto rows = ValidateLogProbRequest(request, options_.limits);
+  if (!rows.ok()) return rows.status();
+  response->set_request_id(request.request_id());
+  response->set_determinism_key(info_.determinism_key());
+  const bool return_lse = rows->return_lse;
+  // bf16 rows stay in the request message (no copy); converted rows move
+  // into the job.
+  const char* hidden = rows->hidden_bf16;
+  std::shared_ptr<const void> keep_alive = std::move(request_owner);
+  if (!rows->converted.empty()) {
+    auto converted =
+        std::make_shared<const std::vector<uint16_t>>(std::move(rows->converted));
+    hidden = reinterpret_cast<const char*>(converted->data());
+    keep_alive = std::move(converted);
+  }
+  *job = std::make_shared<LogpJob>(
+      rows->rows, options_.limits.hidden_size, hidden, std::move(keep_alive),
+      std::move(rows->targets), rows->temperature, deadline,
+      [response, return_lse, done = std::move(done)](absl::Status status,
+                                                      LogpJob& job) mutable {
+        if (status.ok()) {
+          response->mutable_logprobs()->Add(job.logprobs().begin(),
+                                            job.logprobs().end());
+          if (return_lse) {
+            response->mutable_lse()->Add(job.lse().begin(), job.lse().end());
+          }
+        }
+        done(std::move(status));
+      });
+  // Once scheduled, the job may complete (and its caller go away) at once.
+  absl::Status scheduled = batcher_->Schedule(*job);
+  if (!scheduled.ok()) job->reset();
+  return scheduled;
+}
+
+// ---------------------------------------------------------------- unary
+
+class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  UnaryCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context,
+            const LogProbRequest* request, LogProbResponse* response) {
+    // gRPC keeps *request alive until OnDone, after the job completed.
+    const absl::Status status = service->Submit(
+        *request, nullptr, DeadlineOf(context), response,
+        [this, service](absl::Status done) {
+          Finish(service->Record("ComputeLogProbs", ToGrpcStatus(done)));
+        },
+        &job_);
+    // After a successful Submit this object may already be gone.
+    if (!status.ok()) {
+      Finish(service->Record("ComputeLogProbs", ToGrpcStatus(status)));
+    }
+  }
+
+  void OnCancel() override {
+    if (job_ != nullptr) job_->Cancel();
+  }
+  void OnDone() override { delete this; }
+
+ private:
+  std::shared_ptr<LogpJob> job_;
+};
+
+grpc::ServerUnaryReactor* LogProbServiceImpl::ComputeLogProbs(
+    grpc::CallbackServerContext* context, const LogProbRequest* request,
+    LogProbResponse* response) {
+  if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(Record("ComputeLogProbs", denied));
+    return reactor;
+  }
+  return new UnaryCall(this, context, request, response);
+}
+
+// ---------------------------------------------------------------- stream
+
+// Reads requests ahead (up to max_stream_inflight_requests), submits each to
+// the batcher at once, and writes answers strictly in request order. The
+// stream finishes only when every submitted job has completed, so no job
+// callback can outlive the reactor.
+class LogProbServiceImpl::StreamCall final
+    : public LockedReactor<grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>> {
+ public:
+  StreamCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context)
+      : service_(service), context_(context) {
+    absl::MutexLock lock(&mu_);
+    StartNextReadLocked();
+  }
+
+  void OnReadDone(bool ok) override {
+    auto entry = std::make_shared<Entry>();
+    std::shared_ptr<LogProbRequest> request;
+    bool accepted = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // A read that lands after the stream stopped (Finish may even have
+      // been called with this read outstanding) must not start a job whose
+      // callback could outlive the reactor. Accepting, and marking this
+      // thread as still using the reactor, happen in one critical section.
+      accepted = ok && !finished_ && terminal_.ok();
+      if (accepted) {
+        in_read_callback_ = true;
+        pending_.push_back(entry);
+        request = std::move(next_request_);
+      }
+    }
+    if (!accepted) {
+      Update([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        reading_ = false;
+        reads_done_ = true;
+      });
+      return;
+    }
+    // The job borrows the request's bytes; `request` keeps them alive.
+    const LogProbRequest& request_ref = *request;
+    std::shared_ptr<LogpJob> job;  // stored under the lock, below
+    const absl::Status status = service_->Submit(
+        request_ref, std::move(request), DeadlineOf(context_), &entry->response,
+        // A raw pointer: the entry owns the job, which owns this callback;
+        // pending_ keeps the entry alive until the callback has run.
+        [this, raw_entry = entry.get()](absl::Status done) {
+          Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            raw_entry->status = std::move(done);
+            raw_entry->done = true;
+          });
+        },
+        &job);
+    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      reading_ = false;
+      in_read_callback_ = false;
+      entry->job = std::move(job);
+      if (!terminal_.ok() && entry->job != nullptr) entry->job->Cancel();
+      if (!status.ok()) {
+        entry->status = status;
+        entry->done = true;
+      }
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      writing_ = false;
+      pending_.pop_front();
+      if (!ok) StopLocked(absl::CancelledError("client went away"));
+    });
+  }
+
+  void OnCancel() override {
+    Update([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      StopLocked(absl::CancelledError("stream cancelled"));
+    });
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Entry {
+    LogProbResponse response;
+    std::shared_ptr<LogpJob> job;
+    absl::Status status;
+    bool done = false;
+  };
+
+  // Ends the stream early with `status`: reading stops and queued jobs are
+  // cancelled (their completions still arrive and are discarded).
+  void StopLocked(absl::Status status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!terminal_.ok()) return;
+    terminal_ = std::move(status);
+    for (const auto& entry : pending_) {
+      if (entry->job != nullptr) entry->job->Cancel();
+    }
+  }
+
+  // Writes the next answer or resumes reading; returns the status to finish
+  // with once nothing is left in flight.
+  std::optional<grpc::Status> StepLocked() override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return std::nullopt;
+    while (!writing_ && !pending_.empty() && pending_.front()->done) {
+      Entry& front = *pending_.front();
+      if (front.status.ok() && terminal_.ok()) {
+        writing_ = true;
+        StartWrite(&front.response);
+        break;
+      }
+      if (!front.status.ok()) StopLocked(front.status);
+      pending_.pop_front();
+    }
+    const bool stopped = !terminal_.ok();
+    if (!reading_ && !reads_done_ && !stopped &&
+        static_cast<int>(pending_.size()) <
+            service_->options_.max_stream_inflight_requests) {
+      StartNextReadLocked();
+    }
+    if (pending_.empty() && !writing_ && !in_read_callback_ &&
+        (reads_done_ || stopped)) {
+      finished_ = true;
+      return service_->Record("StreamLogProbs", ToGrpcStatus(terminal_));
+    }
+    return std::nullopt;
+  }
+
+  void StartNextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    reading_ = true;
+    next_request_ = std::make_shared<LogProbRequest>();
+    StartRead(next_request_.get());
+  }
+
+  LogProbServiceImpl* const service_;
+  grpc::CallbackServerContext* const context_;
+
+  // Each read lands in a fresh message that the job can borrow from.
+  std::shared_ptr<LogProbRequest> next_request_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Entry>> pending_ ABSL_GUARDED_BY(mu_);
+  absl::Status terminal_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool in_read_callback_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>*
+LogProbServiceImpl::StreamLogProbs(grpc::CallbackServerContext* context) {
+  if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
+    return new RejectedCall<
+        grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>>(
+        Record("StreamLogProbs", denied));
+  }
+  return new StreamCall(this, context);
+}
+
+// ---------------------------------------------------------------- info
+
+grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
+    grpc::CallbackServerContext* context,
+    const detlogp::v1::GetModelInfoRequest* /*request*/,
+    detlogp::v1::ModelInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
+    reactor->Finish(Record("GetModelInfo", denied));
+    return reactor;
+  }
+  *response = info_;
+  reactor->Finish(Record("GetModelInfo", grpc::Status::OK));
+  return reactor;
+}
+
+}  // namespace detlogp::server

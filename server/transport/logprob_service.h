@@ -1,0 +1,77 @@
+// LogProbService over gRPC's callback API. Calls never block a gRPC thread:
+// a request is validated, handed to the DynamicBatcher, and its reactor is
+// finished from the batch thread that completes its last row.
+#ifndef DETLOGP_SERVER_TRANSPORT_LOGPROB_SERVICE_H_
+#define DETLOGP_SERVER_TRANSPORT_LOGPROB_SERVICE_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "detlogp/v1/detlogp.grpc.pb.h"
+#include "server/batching/batcher.h"
+#include "server/transport/auth.h"
+#include "server/transport/request_validation.h"
+
+namespace detlogp::server {
+
+class LogProbServiceImpl final
+    : public detlogp::v1::LogProbService::CallbackService {
+ public:
+  struct Options {
+    RequestLimits limits;
+    // Requests read ahead on one stream before their answers are written;
+    // reading stops (backpressure) beyond it.
+    int max_stream_inflight_requests = 64;
+    // When set, every call must carry a known bearer token.
+    const TokenAuthenticator* authenticator = nullptr;
+    // Called once per finished call with the method name and gRPC code.
+    std::function<void(absl::string_view method, int grpc_code)> on_call_done;
+  };
+
+  // `batcher` outlives the service.
+  LogProbServiceImpl(const Options& options, detlogp::v1::ModelInfo info,
+                     DynamicBatcher* batcher);
+
+  grpc::ServerUnaryReactor* ComputeLogProbs(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::LogProbRequest* request,
+      detlogp::v1::LogProbResponse* response) override;
+
+  grpc::ServerBidiReactor<detlogp::v1::LogProbRequest,
+                          detlogp::v1::LogProbResponse>*
+  StreamLogProbs(grpc::CallbackServerContext* context) override;
+
+  grpc::ServerUnaryReactor* GetModelInfo(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::GetModelInfoRequest* request,
+      detlogp::v1::ModelInfo* response) override;
+
+  // Validates `request` and schedules its rows; on success `done` runs once
+  // with the job's status and the filled response. The job may borrow the
+  // request's bytes: `request_owner` (or the caller) keeps them alive until
+  // `done` runs.
+  absl::Status Submit(
+      const detlogp::v1::LogProbRequest& request,
+      std::shared_ptr<const void> request_owner, absl::Time deadline,
+      detlogp::v1::LogProbResponse* response,
+      absl::AnyInvocable<void(absl::Status)> done,
+      std::shared_ptr<LogpJob>* job);
+
+ private:
+  class UnaryCall;
+  class StreamCall;
+
+  grpc::Status Record(absl::string_view method, grpc::Status status) const;
+  // OK, or the UNAUTHENTICATED status to finish the call with.
+  grpc::Status Authenticate(const grpc::CallbackServerContext& context) const;
+
+  const Options options_;
+  const detlogp::v1::ModelInfo info_;
+  DynamicBatcher* const batcher_;
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_TRANSPORT_LOGPROB_SERVICE_H_

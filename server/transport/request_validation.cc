@@ -1,0 +1,121 @@
+#include "server/transport/request_validation.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/bfloat16.h"
+
+namespace detlogp::server {
+namespace {
+
+using detlogp::v1::DType;
+
+int64_t DtypeSize(DType dtype) {
+  switch (dtype) {
+    case detlogp::v1::DTYPE_FLOAT32:
+      return 4;
+    case detlogp::v1::DTYPE_BFLOAT16:
+    case detlogp::v1::DTYPE_FLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+void DecodeToBf16(DType dtype, const std::string& data, int64_t elements,
+                  uint16_t* out) {
+  const char* bytes = data.data();
+  if (dtype == detlogp::v1::DTYPE_BFLOAT16) {
+    std::memcpy(out, bytes, elements * 2);
+    return;
+  }
+  for (int64_t i = 0; i < elements; ++i) {
+    if (dtype == detlogp::v1::DTYPE_FLOAT16) {
+      uint16_t half;
+      std::memcpy(&half, bytes + 2 * i, 2);
+      out[i] = kernels::FloatToBf16(kernels::Fp16ToFloat(half));
+    } else {
+      float value;
+      std::memcpy(&value, bytes + 4 * i, 4);
+      out[i] = kernels::FloatToBf16(value);
+    }
+  }
+}
+
+absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
+    const detlogp::v1::LogProbRequest& request, const RequestLimits& limits) {
+  const detlogp::v1::Tensor& hidden = request.hidden();
+  if (!detlogp::v1::DType_IsValid(hidden.dtype()) ||
+      DtypeSize(hidden.dtype()) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden.dtype: ", hidden.dtype(),
+        " is not DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16"));
+  }
+  if (hidden.shape_size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden.shape: expected rank 2 [N, H], got rank ", hidden.shape_size()));
+  }
+  const int64_t rows = hidden.shape(0);
+  const int64_t hidden_size = hidden.shape(1);
+  if (rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden.shape[0]: N=", rows, " is negative"));
+  }
+  if (hidden_size != limits.hidden_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden.shape[1]: H=", hidden_size,
+                     " does not match the model's hidden_size=",
+                     limits.hidden_size));
+  }
+  if (rows > limits.max_request_rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden.shape[0]: N=", rows, " rows exceeds the server's limit of ",
+        limits.max_request_rows, " rows per request (--max_request_rows); ",
+        "split the request"));
+  }
+  const int64_t expected_bytes = rows * hidden_size * DtypeSize(hidden.dtype());
+  if (static_cast<int64_t>(hidden.data().size()) != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden.data: ", hidden.data().size(), " bytes, expected N*H*",
+        DtypeSize(hidden.dtype()), " = ", expected_bytes));
+  }
+  if (request.target_ids_size() != rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_ids: ", request.target_ids_size(),
+                     " ids for N=", rows, " rows"));
+  }
+  ValidatedRows validated;
+  validated.rows = rows;
+  validated.targets.resize(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t target = request.target_ids(r);
+    if (target < 0 || target >= limits.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target_ids[", r, "]: ", target, " is outside [0, ",
+                       limits.vocab_size, ")"));
+    }
+    validated.targets[r] = static_cast<int32_t>(target);
+  }
+  const float temperature = request.temperature();
+  if (std::isnan(temperature) || std::isinf(temperature) || temperature < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "temperature: ", temperature, " must be finite and >= 0 (0 means 1)"));
+  }
+  validated.temperature = temperature == 0.0f ? 1.0f : temperature;
+  validated.return_lse = request.return_lse();
+  if (hidden.dtype() == detlogp::v1::DTYPE_BFLOAT16) {
+    validated.hidden_bf16 = hidden.data().data();  // no copy
+  } else {
+    validated.converted.resize(rows * hidden_size);
+    DecodeToBf16(hidden.dtype(), hidden.data(), rows * hidden_size,
+                 validated.converted.data());
+    validated.hidden_bf16 =
+        reinterpret_cast<const char*>(validated.converted.data());
+  }
+  return validated;
+}
+
+}  // namespace detlogp::server
