@@ -4,11 +4,13 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "server/models/lm_head_weights.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -18,8 +20,33 @@ ABSL_FLAG(int, port, 50051, "Port to listen on; 0 picks a free one.");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written here once serving (for tests).");
 ABSL_FLAG(std::string, weights, "",
-          "A .safetensors file with the lm_head; empty serves the embedded "
-          "synthetic model.");
+          "A .safetensors file with the lm_head, served as the model "
+          "\"default\"; with neither --weights nor --model, the embedded "
+          "synthetic model is served as \"default\".");
+ABSL_FLAG(std::vector<std::string>, model, {},
+          "Named start-up models, name=path.safetensors; repeat the flag or "
+          "separate with commas (--model=policy=/m/a.safetensors "
+          "--model=reference=/m/b.safetensors). --lm_head_tensor, "
+          "--bias_tensor and --vocab_size apply to each.");
+ABSL_FLAG(std::string, default_model, "",
+          "The model an empty request.model means; empty: \"default\" when "
+          "--weights is given or nothing is, else the first --model.");
+ABSL_FLAG(std::string, model_root, "",
+          "Directory LoadModel may read (paths relative to it) and where "
+          "uploaded versions are kept (<root>/<model>/<version>/) so a "
+          "restart serves them again; empty: no LoadModel, uploads in memory "
+          "only.");
+ABSL_FLAG(int, max_versions_per_model, 2,
+          "Ready versions kept per model; a new one unloads the oldest once "
+          "its requests are answered.");
+ABSL_FLAG(int64_t, max_model_memory_bytes, 0,
+          "Bound on the bytes all model versions hold (device bytes summed "
+          "over GPUs on CUDA, host bytes on the CPU); uploads beyond it get "
+          "RESOURCE_EXHAUSTED before any byte is taken. 0: no bound.");
+ABSL_FLAG(std::string, admin_tokens_file, "",
+          "File of bearer tokens for ModelRepositoryService (load, upload, "
+          "unload, list). Without it, admin calls are accepted only when "
+          "--host is loopback.");
 ABSL_FLAG(int64_t, synthetic_hidden_size, 1024,
           "H of the embedded synthetic model (no --weights).");
 ABSL_FLAG(int64_t, synthetic_vocab_size, 32000,
@@ -84,25 +111,74 @@ namespace {
 
 using detlogp::server::LmHeadWeights;
 
-absl::StatusOr<LmHeadWeights> LoadWeights() {
-  const std::string path = absl::GetFlag(FLAGS_weights);
-  if (path.empty()) {
-    spdlog::info("no --weights given: serving the EMBEDDED SYNTHETIC model "
-                 "(fixed seed), not a real lm_head");
+detlogp::server::LmHeadSource SourceFromFlags(const std::string& path) {
+  detlogp::server::LmHeadSource source;
+  source.path = path;
+  source.weight_tensor = absl::GetFlag(FLAGS_lm_head_tensor);
+  source.bias_tensor = absl::GetFlag(FLAGS_bias_tensor);
+  source.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  return source;
+}
+
+// --weights, every --model, or the embedded synthetic model. Each is loaded
+// by the server, and only when --model_root does not hold a newer version.
+absl::StatusOr<std::vector<detlogp::server::StartupModel>> StartupModels() {
+  std::vector<detlogp::server::StartupModel> models;
+  const std::string weights = absl::GetFlag(FLAGS_weights);
+  if (!weights.empty()) {
+    models.push_back({"default", weights, [source = SourceFromFlags(weights)] {
+                        return detlogp::server::LoadLmHead(source);
+                      }});
+  }
+  for (const std::string& spec : absl::GetFlag(FLAGS_model)) {
+    const size_t eq = spec.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--model=", spec, ": expected name=path.safetensors"));
+    }
+    const std::string path = spec.substr(eq + 1);
+    models.push_back({spec.substr(0, eq), path, [source = SourceFromFlags(path)] {
+                        return detlogp::server::LoadLmHead(source);
+                      }});
+  }
+  if (models.empty()) {
     detlogp::server::SyntheticLmHeadOptions synthetic;
     synthetic.hidden_size = absl::GetFlag(FLAGS_synthetic_hidden_size);
     synthetic.vocab_size = absl::GetFlag(FLAGS_synthetic_vocab_size);
     if (synthetic.hidden_size <= 0 || synthetic.vocab_size <= 0) {
       return absl::InvalidArgumentError("synthetic model sizes must be > 0");
     }
-    return detlogp::server::SyntheticLmHead(synthetic);
+    spdlog::info("no --weights or --model given: serving the EMBEDDED SYNTHETIC "
+                 "model (fixed seed) as \"default\", not a real lm_head");
+    models.push_back({"default", "synthetic",
+                      [synthetic]() -> absl::StatusOr<LmHeadWeights> {
+                        return detlogp::server::SyntheticLmHead(synthetic);
+                      }});
   }
-  detlogp::server::LmHeadSource source;
-  source.path = path;
-  source.weight_tensor = absl::GetFlag(FLAGS_lm_head_tensor);
-  source.bias_tensor = absl::GetFlag(FLAGS_bias_tensor);
-  source.vocab_size = absl::GetFlag(FLAGS_vocab_size);
-  return detlogp::server::LoadLmHead(source);
+  return models;
+}
+
+// Abseil keeps the last of repeated flags; --model is a list, so every
+// occurrence is folded into one comma-separated value first.
+std::vector<char*> FoldRepeatedModelFlags(int argc, char** argv,
+                                          std::string* folded) {
+  std::vector<char*> args;
+  std::vector<std::string> specs;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--model=", 0) == 0) {
+      specs.push_back(arg.substr(8));
+    } else if (arg == "--model" && i + 1 < argc) {
+      specs.push_back(argv[++i]);
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  if (!specs.empty()) {
+    *folded = absl::StrCat("--model=", absl::StrJoin(specs, ","));
+    args.push_back(folded->data());
+  }
+  return args;
 }
 
 absl::StatusOr<detlogp::server::ProjectionWeights> LoadProjection() {
@@ -124,7 +200,9 @@ absl::StatusOr<detlogp::server::ProjectionWeights> LoadProjection() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Serves deterministic, batch-invariant log-probabilities over gRPC.");
-  absl::ParseCommandLine(argc, argv);
+  std::string folded_models;
+  std::vector<char*> args = FoldRepeatedModelFlags(argc, argv, &folded_models);
+  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
 
   // Signals are taken synchronously by this thread (sigwait below); every
   // thread started later inherits the mask.
@@ -134,15 +212,11 @@ int main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
-  auto weights = LoadWeights();
-  if (!weights.ok()) {
-    spdlog::error("cannot load weights: {}", weights.status().ToString());
+  auto models = StartupModels();
+  if (!models.ok()) {
+    spdlog::error("{}", models.status().ToString());
     return 2;
   }
-  spdlog::info("lm_head H={} V={} V_pad={} bias={} sha256={}",
-               weights->hidden_size, weights->vocab_size,
-               weights->padded_vocab_size, !weights->bias.empty(),
-               weights->sha256);
 
   auto projection = LoadProjection();
   if (!projection.ok()) {
@@ -171,13 +245,18 @@ int main(int argc, char** argv) {
   options.tls_key_path = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_path = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_tokens_path = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.admin_tokens_path = absl::GetFlag(FLAGS_admin_tokens_file);
+  options.default_model = absl::GetFlag(FLAGS_default_model);
+  options.model_root = absl::GetFlag(FLAGS_model_root);
+  options.max_versions_per_model = absl::GetFlag(FLAGS_max_versions_per_model);
+  options.max_model_memory_bytes = absl::GetFlag(FLAGS_max_model_memory_bytes);
   options.max_concurrent_streams_per_connection =
       absl::GetFlag(FLAGS_max_concurrent_streams);
   options.projection_max_launch_rows =
       absl::GetFlag(FLAGS_projection_max_launch_rows);
 
   auto server =
-      detlogp::server::Server::BuildAndStart(options, *std::move(weights),
+      detlogp::server::Server::BuildAndStart(options, *std::move(models),
                                              *std::move(projection));
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().ToString());

@@ -5,7 +5,9 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <cmath>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -20,43 +22,37 @@ namespace {
 constexpr char kLogProbServiceName[] = "detlogp.v1.LogProbService";
 constexpr char kProjectionServiceName[] = "detlogp.v1.ProjectionService";
 
-detlogp::v1::ModelInfo DescribeModel(const LmHeadWeights& weights,
-                                     const BackendDescription& backend) {
-  detlogp::v1::ModelInfo info;
-  info.set_hidden_size(weights.hidden_size);
-  info.set_vocab_size(weights.vocab_size);
-  info.set_padded_vocab_size(weights.padded_vocab_size);
-  info.set_weight_dtype(detlogp::v1::DTYPE_BFLOAT16);
-  info.set_has_bias(!weights.bias.empty());
-  info.set_weights_sha256(weights.sha256);
-  info.set_backend(absl::StrCat(backend.name, " (", backend.device, ")"));
-  info.set_kernel_version(backend.kernel_version);
-  info.set_split_policy(kernels::kSplitPolicyName);
-  info.set_determinism_key(DeterminismKey({weights.sha256, backend.name,
-                                           backend.instruction_set,
-                                           backend.kernel_version,
-                                           kernels::kSplitPolicyName}));
-  return info;
-}
+constexpr char kRepositoryServiceName[] = "detlogp.v1.ModelRepositoryService";
 
-// Runs one batch end to end so that the first real call pays no start-up
-// cost and a broken backend is found before health says SERVING.
-absl::Status WarmUp(DynamicBatcher* batcher, const LmHeadWeights& weights) {
+// Runs a few rows of a new version end to end through the batcher, so that
+// its first real call pays no start-up cost and a broken placement is found
+// before the version serves.
+absl::Status WarmUp(DynamicBatcher* batcher, const ServedVersion& version) {
   const int64_t rows = 2;
-  std::vector<uint16_t> hidden(rows * weights.hidden_size, 0x3f80);  // 1.0
-  std::vector<int32_t> targets = {0, static_cast<int32_t>(weights.vocab_size - 1)};
+  std::vector<uint16_t> hidden(rows * version.hidden_size, 0x3f80);  // 1.0
+  std::vector<int32_t> targets = {0, static_cast<int32_t>(version.vocab_size - 1)};
   absl::Notification done;
   absl::Status result;
   auto job = std::make_shared<LogpJob>(
-      rows, weights.hidden_size, std::move(hidden), std::move(targets), 1.0f,
-      absl::InfiniteFuture(),
-      [&](absl::Status status, LogpJob&) {
+      version.placed, rows, std::move(hidden), std::move(targets), 1.0f,
+      absl::InfiniteFuture(), [&](absl::Status status, LogpJob& job) {
         result = status;
+        for (int64_t r = 0; result.ok() && r < rows; ++r) {
+          if (!std::isfinite(job.logprobs()[r]) || !std::isfinite(job.lse()[r])) {
+            result = absl::InternalError(absl::StrCat(
+                "warm-up row ", r, " gave logprob ", job.logprobs()[r], ", lse ",
+                job.lse()[r]));
+          }
+        }
         done.Notify();
       });
   if (absl::Status s = batcher->Schedule(job); !s.ok()) return s;
   done.WaitForNotification();
   return result;
+}
+
+bool IsLoopbackHost(const std::string& host) {
+  return host == "127.0.0.1" || host == "::1" || host == "localhost";
 }
 
 // The projection's key names its arithmetic, not its backend: CPU and CUDA
@@ -131,23 +127,38 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     const Options& options, LmHeadWeights weights,
     ProjectionWeights projection_weights) {
+  auto shared = std::make_shared<LmHeadWeights>(std::move(weights));
+  StartupModel model;
+  model.name = options.default_model.empty() ? "default" : options.default_model;
+  model.source = shared->description;
+  model.load = [shared]() -> absl::StatusOr<LmHeadWeights> { return *shared; };
+  std::vector<StartupModel> models;
+  models.push_back(std::move(model));
+  return BuildAndStart(options, std::move(models), std::move(projection_weights));
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
+    const Options& options, std::vector<StartupModel> models,
+    ProjectionWeights projection_weights) {
+  if (models.empty()) return absl::InvalidArgumentError("no model to serve");
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;
-  server->weights_ = std::make_unique<LmHeadWeights>(std::move(weights));
   server->metrics_ = std::make_unique<ServerMetrics>();
   ServerMetrics* metrics = server->metrics_.get();
   auto credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();
-  if (!options.auth_tokens_path.empty()) {
-    auto authenticator = TokenAuthenticator::FromFile(options.auth_tokens_path);
-    if (!authenticator.ok()) return authenticator.status();
-    server->authenticator_ = *std::move(authenticator);
+  for (auto [path, authenticator] :
+       {std::pair{&options.auth_tokens_path, &server->authenticator_},
+        {&options.admin_tokens_path, &server->admin_authenticator_}}) {
+    if (path->empty()) continue;
+    auto loaded = TokenAuthenticator::FromFile(*path);
+    if (!loaded.ok()) return loaded.status();
+    *authenticator = *std::move(loaded);
   }
 
   LogpBackendRegistry registry;
   RegisterBuiltinBackends(&registry);
   BackendOptions backend_options;
-  backend_options.weights = server->weights_.get();
   backend_options.cpu_threads = options.cpu_threads;
   backend_options.vocab_parallel = options.vocab_parallel;
   std::vector<std::string> notes;
@@ -178,19 +189,71 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   if (!batcher.ok()) return batcher.status();
   server->batcher_ = *std::move(batcher);
 
-  server->info_ = DescribeModel(*server->weights_, description);
+  if (!options.model_root.empty()) {
+    auto store = ModelStore::Open(options.model_root);
+    if (!store.ok()) return store.status();
+    server->model_store_ = *std::move(store);
+    if (!server->model_store_->writable()) {
+      spdlog::warn("--model_root={} is read-only: LoadModel works, uploads serve "
+                   "but are not kept for a restart",
+                   options.model_root);
+    }
+  }
+  ModelManager::Options manager_options;
+  manager_options.default_model =
+      options.default_model.empty() ? models.front().name : options.default_model;
+  manager_options.max_versions_per_model = options.max_versions_per_model;
+  manager_options.max_model_memory_bytes = options.max_model_memory_bytes;
+  manager_options.store = server->model_store_.get();
+  manager_options.key_inputs.backend = description.name;
+  manager_options.key_inputs.instruction_set = description.instruction_set;
+  manager_options.key_inputs.kernel_version = description.kernel_version;
+  manager_options.key_inputs.split_policy = kernels::kSplitPolicyName;
+  LogpBackend* raw_backend = server->backend_.get();
+  DynamicBatcher* raw_batcher = server->batcher_.get();
+  manager_options.place = [raw_backend](std::shared_ptr<const LmHeadWeights> w) {
+    return raw_backend->Load(std::move(w));
+  };
+  manager_options.estimate_bytes = [raw_backend](int64_t h, int64_t v, bool bias) {
+    return raw_backend->EstimateBytes(h, v, bias);
+  };
+  manager_options.warm_up = [raw_batcher](const ServedVersion& version) {
+    return WarmUp(raw_batcher, version);
+  };
+  auto manager = ModelManager::Create(std::move(manager_options));
+  if (!manager.ok()) return manager.status();
+  server->models_ = *std::move(manager);
+  if (absl::Status s = server->LoadModels(std::move(models)); !s.ok()) return s;
+  if (!server->models_->Resolve("", 0).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--default_model=", server->models_->default_model(), " is not loaded"));
+  }
+
   LogProbServiceImpl::Options service_options;
-  service_options.limits.hidden_size = server->weights_->hidden_size;
-  service_options.limits.vocab_size = server->weights_->vocab_size;
-  service_options.limits.max_request_rows = options.max_request_rows;
+  service_options.max_request_rows = options.max_request_rows;
   service_options.max_stream_inflight_requests =
       options.max_stream_inflight_requests;
   service_options.on_call_done = [metrics](absl::string_view method, int code) {
     metrics->CountRequest(method, code);
   };
+  service_options.on_rows_answered = [metrics](absl::string_view model, int64_t rows) {
+    metrics->CountModelRows(model, rows);
+  };
   service_options.authenticator = server->authenticator_.get();
   server->logprob_service_ = std::make_unique<LogProbServiceImpl>(
-      service_options, server->info_, server->batcher_.get());
+      service_options, server->models_.get(), server->batcher_.get());
+
+  ModelRepositoryServiceImpl::Options repository_options;
+  repository_options.admin_authenticator = server->admin_authenticator_.get();
+  repository_options.allow_without_admin_token = IsLoopbackHost(options.host);
+  repository_options.store = server->model_store_.get();
+  repository_options.on_call_done = service_options.on_call_done;
+  server->repository_service_ = std::make_unique<ModelRepositoryServiceImpl>(
+      repository_options, server->models_.get());
+  if (server->admin_authenticator_ == nullptr && !IsLoopbackHost(options.host)) {
+    spdlog::warn("no --admin_tokens_file: ModelRepositoryService refuses every "
+                 "call (the server listens on {}, beyond loopback)", options.host);
+  }
 
   server->projection_weights_ =
       std::make_unique<ProjectionWeights>(std::move(projection_weights));
@@ -229,6 +292,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(server->logprob_service_.get());
+  builder.RegisterService(server->repository_service_.get());
   builder.RegisterService(server->projection_service_.get());
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr || server->port_ == 0) {
@@ -239,11 +303,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       server->grpc_server_->GetHealthCheckService();
   health->SetServingStatus(false);
 
-  if (absl::Status s = WarmUp(server->batcher_.get(), *server->weights_);
-      !s.ok()) {
-    return absl::InternalError(
-        absl::StrCat("warm-up batch failed: ", s.message()));
-  }
   if (options.metrics_port >= 0) {
     MetricsHttpServer::Options metrics_options;
     metrics_options.host = options.host;
@@ -259,14 +318,76 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   health->SetServingStatus(true);
   health->SetServingStatus(kLogProbServiceName, true);
   health->SetServingStatus(kProjectionServiceName, true);
-  spdlog::info("serving {} on {}:{} (determinism key {}; {}, {})",
-               server->weights_->description, options.host, server->port_,
-               server->info_.determinism_key(),
+  health->SetServingStatus(kRepositoryServiceName, true);
+  const detlogp::v1::ModelInfo info = server->model_info();
+  spdlog::info("serving model {} v{} (default) and {} other(s) on {}:{} "
+               "(determinism key {}; {}, {})",
+               info.model(), info.model_version(),
+               server->models_->DescribeAll().size() - 1, options.host, server->port_,
+               info.determinism_key(),
                options.tls_cert_path.empty() ? "plaintext"
                : options.tls_client_ca_path.empty() ? "TLS" : "mutual TLS",
                server->authenticator_ ? "bearer tokens required"
                                       : "no authentication");
   return server;
+}
+
+absl::Status Server::LoadModels(std::vector<StartupModel> models) {
+  std::map<std::string, std::vector<StoredVersion>> stored;
+  if (model_store_ != nullptr) stored = model_store_->ListVersions();
+  // The latest complete stored version of every model; an older one when
+  // the latest no longer loads or matches its digest.
+  for (auto& [name, versions] : stored) {
+    for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
+      auto weights = LoadLmHead(it->source);
+      if (weights.ok() && weights->sha256 != it->weights_sha256) {
+        weights = absl::DataLossError(absl::StrCat("weights hash to ", weights->sha256,
+                                                   ", the manifest says ",
+                                                   it->weights_sha256));
+      }
+      if (!weights.ok()) {
+        spdlog::warn("model {} version {} not restored: {}", name, it->version,
+                     weights.status().ToString());
+        continue;
+      }
+      VersionOrigin origin;
+      origin.description = absl::StrCat("restored:", it->source.path);
+      origin.version = it->version;
+      auto added = models_->AddVersion(
+          name, std::make_shared<const LmHeadWeights>(*std::move(weights)),
+          std::move(origin));
+      if (!added.ok()) return added.status();
+      break;
+    }
+  }
+  for (StartupModel& model : models) {
+    if (absl::Status s = ValidateModelName(model.name, "--model"); !s.ok()) return s;
+    if (models_->Resolve(model.name, 0).ok()) {
+      spdlog::info("model {}: serving the version restored from --model_root, not {}",
+                   model.name, model.source);
+      continue;
+    }
+    auto weights = model.load();
+    if (!weights.ok()) {
+      return absl::Status(weights.status().code(),
+                          absl::StrCat("model ", model.name, ": ", weights.status().message()));
+    }
+    spdlog::info("model {}: H={} V={} V_pad={} bias={} sha256={} ({})", model.name,
+                 weights->hidden_size, weights->vocab_size, weights->padded_vocab_size,
+                 !weights->bias.empty(), weights->sha256, model.source);
+    VersionOrigin origin;
+    origin.description = absl::StrCat("startup:", model.source);
+    auto added = models_->AddVersion(
+        model.name, std::make_shared<const LmHeadWeights>(*std::move(weights)),
+        std::move(origin));
+    if (!added.ok()) return added.status();
+  }
+  return absl::OkStatus();
+}
+
+detlogp::v1::ModelInfo Server::model_info() const {
+  auto info = models_->Describe("", 0);
+  return info.ok() ? *std::move(info) : detlogp::v1::ModelInfo();
 }
 
 std::string Server::RenderMetrics() const {
@@ -279,6 +400,16 @@ std::string Server::RenderMetrics() const {
   snapshot.rows_rejected = stats.rows_rejected;
   snapshot.queue_rows = stats.rows_queued;
   snapshot.device_memory_used_bytes = backend_->DeviceMemoryUsedBytes();
+  for (const detlogp::v1::ModelInfo& info : models_->DescribeAll()) {
+    MetricsSnapshot::Model model;
+    model.name = info.model();
+    model.latest_version = info.model_version();
+    for (const auto& version : info.versions()) {
+      model.ready_versions += version.state() == detlogp::v1::ModelVersionStatus::READY;
+    }
+    snapshot.models.push_back(std::move(model));
+  }
+  snapshot.model_memory_bytes = models_->reserved_bytes();
   return metrics_->Render(snapshot);
 }
 

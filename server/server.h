@@ -1,16 +1,21 @@
-// The detlogp server: weights, backends chosen by name, the dynamic batcher,
-// the projection scheduler and the gRPC services (LogProbService,
+// The detlogp server: backends chosen by name, the dynamic batcher, the
+// model manager (named lm_head models with live versions), the projection
+// scheduler and the gRPC services (LogProbService, ModelRepositoryService,
 // ProjectionService, health, reflection), started and stopped as one unit.
 //
-// Start-up: the backend is created (--device), a warm-up batch runs through
-// the batcher, and only then does health report SERVING. Shutdown: health
+// Start-up: the backend is created (--device); every model is restored from
+// --model_root (its latest complete version) or loaded from its start-up
+// source, placed and warmed up through the batcher; only then does health
+// report SERVING. Shutdown: health
 // goes NOT_SERVING, new calls are refused, every accepted call is answered,
 // then the batcher's threads are joined.
 #ifndef DETLOGP_SERVER_SERVER_H_
 #define DETLOGP_SERVER_SERVER_H_
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/server.h>
 
@@ -22,14 +27,25 @@
 #include "server/batching/batcher.h"
 #include "server/batching/projection_scheduler.h"
 #include "server/models/lm_head_weights.h"
+#include "server/models/model_manager.h"
+#include "server/models/model_store.h"
 #include "server/models/projection_weights.h"
 #include "server/observability/metrics.h"
 #include "server/observability/metrics_http_server.h"
 #include "server/transport/auth.h"
 #include "server/transport/logprob_service.h"
+#include "server/transport/model_repository_service.h"
 #include "server/transport/projection_service.h"
 
 namespace detlogp::server {
+
+// A model named on the command line. Loaded at start-up unless --model_root
+// holds versions of it, in which case its latest stored version serves.
+struct StartupModel {
+  std::string name;
+  std::string source;  // for logs and ModelVersionStatus.source
+  std::function<absl::StatusOr<LmHeadWeights>()> load;
+};
 
 class Server {
  public:
@@ -60,6 +76,16 @@ class Server {
     std::string tls_client_ca_path;
     // A file of bearer tokens; empty means no authentication.
     std::string auth_tokens_path;
+    // Tokens for ModelRepositoryService; empty: admin calls only when the
+    // server listens on loopback.
+    std::string admin_tokens_path;
+    // The model an empty request.model means; empty: the first start-up
+    // model.
+    std::string default_model;
+    // Where LoadModel reads and uploaded versions are kept; empty: none.
+    std::string model_root;
+    int max_versions_per_model = 2;
+    int64_t max_model_memory_bytes = 0;  // 0: no bound
     // HTTP/2 streams one connection may have open at once.
     int max_concurrent_streams_per_connection = 256;
     // Projection rows per launch; also the largest rows_per_chunk.
@@ -67,6 +93,10 @@ class Server {
     int64_t projection_default_rows_per_chunk = 512;
   };
 
+  static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
+      const Options& options, std::vector<StartupModel> models,
+      ProjectionWeights projection_weights);
+  // One unnamed model (the default, named "default").
   static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
       const Options& options, LmHeadWeights weights,
       ProjectionWeights projection_weights);
@@ -80,7 +110,9 @@ class Server {
   int metrics_port() const {
     return metrics_http_ != nullptr ? metrics_http_->port() : 0;
   }
-  const detlogp::v1::ModelInfo& model_info() const { return info_; }
+  // The default model's latest version.
+  detlogp::v1::ModelInfo model_info() const;
+  ModelManager* models() { return models_.get(); }
   DynamicBatcher::Stats batcher_stats() const { return batcher_->stats(); }
 
   // Stops accepting calls, answers every accepted call, stops the batcher.
@@ -92,21 +124,28 @@ class Server {
  private:
   Server() = default;
 
+  // Restores stored versions, then loads start-up models not restored.
+  absl::Status LoadModels(std::vector<StartupModel> models);
+
   Options options_;
-  std::unique_ptr<LmHeadWeights> weights_;
   // Before the batcher and services, which report into it.
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<TokenAuthenticator> authenticator_;
+  std::unique_ptr<TokenAuthenticator> admin_authenticator_;
   std::unique_ptr<LogpBackend> backend_;
   std::unique_ptr<DynamicBatcher> batcher_;
+  std::unique_ptr<ModelStore> model_store_;
+  // After the batcher: versions free their device memory before the
+  // backend goes.
+  std::unique_ptr<ModelManager> models_;
   std::unique_ptr<LogProbServiceImpl> logprob_service_;
+  std::unique_ptr<ModelRepositoryServiceImpl> repository_service_;
   std::unique_ptr<ProjectionWeights> projection_weights_;
   std::unique_ptr<ProjectionBackend> projection_backend_;
   std::unique_ptr<ProjectionScheduler> projection_scheduler_;
   std::unique_ptr<ProjectionServiceImpl> projection_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;
-  detlogp::v1::ModelInfo info_;
   int port_ = 0;
   bool shut_down_ = false;
 };

@@ -20,8 +20,15 @@ struct TrackedJob {
   std::shared_ptr<absl::Status> status = std::make_shared<absl::Status>();
 };
 
+std::shared_ptr<const LogpModel> DefaultModel() {
+  static const auto* model =
+      new std::shared_ptr<const LogpModel>(FakeBackend::MakeModel(kH, 0.0f));
+  return *model;
+}
+
 TrackedJob MakeJob(int64_t rows, absl::Time deadline = absl::InfiniteFuture(),
-                   float temperature = 1.0f) {
+                   float temperature = 1.0f,
+                   std::shared_ptr<const LogpModel> model = DefaultModel()) {
   TrackedJob tracked;
   std::vector<uint16_t> hidden(rows * kH);
   std::vector<int32_t> targets(rows);
@@ -30,7 +37,7 @@ TrackedJob MakeJob(int64_t rows, absl::Time deadline = absl::InfiniteFuture(),
     targets[r] = static_cast<int32_t>(2 * r);
   }
   tracked.job = std::make_shared<LogpJob>(
-      rows, kH, std::move(hidden), std::move(targets), temperature, deadline,
+      std::move(model), rows, std::move(hidden), std::move(targets), temperature, deadline,
       [done = tracked.done, status = tracked.status](absl::Status s, LogpJob&) {
         *status = s;
         done->Notify();
@@ -255,6 +262,51 @@ TEST(DynamicBatcherTest, EmptyJobCompletesAtOnce) {
   ASSERT_TRUE(batcher->Schedule(empty.job).ok());
   EXPECT_TRUE(empty.done->HasBeenNotified());
   EXPECT_TRUE(empty.status->ok());
+}
+
+TEST(DynamicBatcherTest, BatchesHoldRowsOfOneModelAndJobsStayOnTheirModel) {
+  FakeBackend backend(kH);
+  // Two models of different widths, interleaved; B's jobs are cut into slices.
+  const auto model_a = FakeBackend::MakeModel(kH, 0.0f);
+  const auto model_b = FakeBackend::MakeModel(2 * kH, 1000.0f);
+  backend.set_delay(absl::Milliseconds(2));
+  auto batcher = MakeBatcher(&backend, {8, 1000, 1000, 2});
+  std::vector<std::pair<TrackedJob, float>> jobs;
+  for (int i = 0; i < 12; ++i) {
+    const bool b = i % 2 == 1;
+    const int64_t rows = b ? 19 : 3;
+    std::vector<uint16_t> hidden(rows * (b ? 2 * kH : kH));
+    std::vector<int32_t> targets(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      hidden[r * (b ? 2 * kH : kH)] = kernels::FloatToBf16(static_cast<float>(r));
+      targets[r] = static_cast<int32_t>(r);
+    }
+    TrackedJob tracked;
+    tracked.job = std::make_shared<LogpJob>(
+        b ? model_b : model_a, rows, std::move(hidden), std::move(targets), 1.0f,
+        absl::InfiniteFuture(),
+        [done = tracked.done, status = tracked.status](absl::Status s, LogpJob&) {
+          *status = s;
+          done->Notify();
+        });
+    ASSERT_TRUE(batcher->Schedule(tracked.job).ok());
+    jobs.emplace_back(std::move(tracked), b ? 1000.0f : 0.0f);
+  }
+  for (auto& [tracked, offset] : jobs) {
+    tracked.done->WaitForNotification();
+    ASSERT_TRUE(tracked.status->ok()) << *tracked.status;
+    for (int64_t r = 0; r < tracked.job->rows(); ++r) {
+      // Every slice of the job ran on the job's model.
+      EXPECT_EQ(tracked.job->logprobs()[r], 2.0f * r + offset) << "row " << r;
+    }
+  }
+  // Rows of both models waited together, yet no batch mixed them: each batch
+  // is one model's (the fake runs a whole batch on one model), and the rows
+  // of every batch add up.
+  const std::vector<float> models = backend.batch_models();
+  EXPECT_NE(std::count(models.begin(), models.end(), 0.0f), 0);
+  EXPECT_NE(std::count(models.begin(), models.end(), 1000.0f), 0);
+  EXPECT_EQ(backend.rows_computed(), 6 * 3 + 6 * 19);
 }
 
 }  // namespace

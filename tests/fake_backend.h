@@ -1,11 +1,12 @@
 // A LogpBackend for batcher and server tests: "computes" logprob = first
-// hidden bf16 value + target, lse = the row's temperature, records batch
-// sizes, checks the RowsStaged calls before each Run, can be slowed down or
-// made to fail.
+// hidden bf16 value + target + the model's offset, lse = the row's
+// temperature, records batch sizes and the model of every batch, checks the
+// RowsStaged calls before each Run, can be slowed down or made to fail.
 #ifndef DETLOGP_TESTS_FAKE_BACKEND_H_
 #define DETLOGP_TESTS_FAKE_BACKEND_H_
 
 #include <atomic>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -16,15 +17,42 @@
 
 namespace detlogp::testing {
 
+class FakeModel final : public server::LogpModel {
+ public:
+  FakeModel(int64_t hidden_size, float offset)
+      : LogpModel(hidden_size, 1 << 20), offset_(offset) {}
+  float offset() const { return offset_; }
+
+ private:
+  const float offset_;
+};
+
 class FakeBackend final : public server::LogpBackend {
  public:
-  explicit FakeBackend(int64_t hidden_size) : hidden_size_(hidden_size) {
+  explicit FakeBackend(int64_t hidden_size)
+      : default_model_(std::make_shared<FakeModel>(hidden_size, 0.0f)) {
     description_.name = "fake";
     description_.kernel_version = "fake-v1";
   }
 
   const server::BackendDescription& description() const override {
     return description_;
+  }
+
+  // The model of offset 0 that tests use unless they need several.
+  const std::shared_ptr<const server::LogpModel>& model() const { return default_model_; }
+  static std::shared_ptr<const server::LogpModel> MakeModel(int64_t hidden_size,
+                                                            float offset) {
+    return std::make_shared<FakeModel>(hidden_size, offset);
+  }
+
+  absl::StatusOr<std::shared_ptr<const server::LogpModel>> Load(
+      std::shared_ptr<const server::LmHeadWeights> weights) override {
+    return MakeModel(weights->hidden_size, 0.0f);
+  }
+  int64_t EstimateBytes(int64_t hidden_size, int64_t padded_vocab_size,
+                        bool has_bias) const override {
+    return padded_vocab_size * (2 * hidden_size + (has_bias ? 4 : 0));
   }
 
   absl::StatusOr<std::unique_ptr<server::LogpExecutor>> NewExecutor(
@@ -44,26 +72,33 @@ class FakeBackend final : public server::LogpBackend {
     absl::MutexLock lock(&mu_);
     return batch_sizes_;
   }
+  // The offset of each batch's model, in the order batches ran.
+  std::vector<float> batch_models() const {
+    absl::MutexLock lock(&mu_);
+    return batch_models_;
+  }
 
  private:
   class Executor final : public server::LogpExecutor {
    public:
     Executor(FakeBackend* backend, int64_t capacity)
         : backend_(backend),
-          hidden_(capacity * backend->hidden_size_),
           targets_(capacity),
           temperatures_(capacity),
           logprobs_(capacity),
           lse_(capacity) {}
-    server::LogpStaging staging() override {
-      return {static_cast<int64_t>(targets_.size()), hidden_.data(), targets_.data(),
-              temperatures_.data(), logprobs_.data(), lse_.data()};
+    absl::StatusOr<server::LogpStaging> Stage(const server::LogpModel& model) override {
+      hidden_.resize(targets_.size() * model.hidden_size());
+      return server::LogpStaging{static_cast<int64_t>(targets_.size()), hidden_.data(),
+                                 targets_.data(), temperatures_.data(),
+                                 logprobs_.data(), lse_.data()};
     }
     void RowsStaged(int64_t rows) override {
       if (rows <= staged_rows_) staging_in_order_ = false;
       staged_rows_ = rows;
     }
-    absl::Status Run(int64_t rows) override {
+    absl::Status Run(const server::LogpModel& model, int64_t rows) override {
+      const auto& fake = static_cast<const FakeModel&>(model);
       ++backend_->batches_started_;
       if (!staging_in_order_ || staged_rows_ != rows) ++backend_->bad_staging_batches_;
       staged_rows_ = 0;
@@ -72,11 +107,12 @@ class FakeBackend final : public server::LogpBackend {
       {
         absl::MutexLock lock(&backend_->mu_);
         backend_->batch_sizes_.push_back(rows);
+        backend_->batch_models_.push_back(fake.offset());
       }
       if (backend_->fail_) return absl::InternalError("fake backend failure");
       for (int64_t r = 0; r < rows; ++r) {
-        logprobs_[r] = kernels::Bf16ToFloat(hidden_[r * backend_->hidden_size_]) +
-                       static_cast<float>(targets_[r]);
+        logprobs_[r] = kernels::Bf16ToFloat(hidden_[r * model.hidden_size()]) +
+                       static_cast<float>(targets_[r]) + fake.offset();
         lse_[r] = temperatures_[r];
       }
       backend_->rows_computed_ += rows;
@@ -94,7 +130,7 @@ class FakeBackend final : public server::LogpBackend {
     std::vector<float> lse_;
   };
 
-  const int64_t hidden_size_;
+  const std::shared_ptr<const server::LogpModel> default_model_;
   server::BackendDescription description_;
   std::atomic<int64_t> delay_ns_{0};
   std::atomic<bool> fail_{false};
@@ -103,6 +139,7 @@ class FakeBackend final : public server::LogpBackend {
   std::atomic<int64_t> bad_staging_batches_{0};
   mutable absl::Mutex mu_;
   std::vector<int64_t> batch_sizes_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> batch_models_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace detlogp::testing

@@ -4,7 +4,8 @@
 //
 // Contract every backend keeps: a row's logprob and lse bits depend only on
 // the row (hidden, target, temperature) and the weights, never on the other
-// rows of the batch, the batch size or which executor ran it.
+// rows of the batch, the batch size, which executor ran it, or which other
+// models the backend holds.
 #ifndef DETLOGP_SERVER_BACKENDS_BACKEND_H_
 #define DETLOGP_SERVER_BACKENDS_BACKEND_H_
 
@@ -31,6 +32,25 @@ struct BackendDescription {
   int64_t preferred_idle_spin_micros = 0;
 };
 
+// An lm_head placed where a backend's executors read it: host memory for
+// the CPU, every GPU's memory for CUDA. Created by LogpBackend::Load; held by
+// shared_ptr, so the requests that picked a version keep it alive until they
+// are answered.
+class LogpModel {
+ public:
+  virtual ~LogpModel() = default;
+  int64_t hidden_size() const { return hidden_size_; }
+  int64_t vocab_size() const { return vocab_size_; }
+
+ protected:
+  LogpModel(int64_t hidden_size, int64_t vocab_size)
+      : hidden_size_(hidden_size), vocab_size_(vocab_size) {}
+
+ private:
+  const int64_t hidden_size_;
+  const int64_t vocab_size_;
+};
+
 // Host buffers for one batch of up to `capacity` rows. Backends may place
 // them in pinned memory.
 struct LogpStaging {
@@ -42,24 +62,37 @@ struct LogpStaging {
   float* lse = nullptr;           // [capacity], written by Run
 };
 
-// One batch at a time; each batch thread owns one executor.
+// One batch at a time; each batch thread owns one executor. A batch holds
+// rows of one model; consecutive batches may use different models (of any
+// shape), all loaded by the executor's backend.
 class LogpExecutor {
  public:
   virtual ~LogpExecutor() = default;
-  virtual LogpStaging staging() = 0;
+  // The staging for a batch of `model`'s rows (grown when a model's rows
+  // are wider than any before).
+  virtual absl::StatusOr<LogpStaging> Stage(const LogpModel& model) = 0;
   // Says that rows [0, rows) of the staging are final while the batcher
   // gathers the rest, so a device backend can start copying them; the
   // batch's Run follows. Backends that copy in Run ignore it.
   virtual void RowsStaged(int64_t rows) {}
-  // Computes rows [0, rows) of the staging buffers and returns when the
-  // outputs are in host memory. A failure fails this batch only.
-  virtual absl::Status Run(int64_t rows) = 0;
+  // Computes rows [0, rows) of the staging buffers on `model` (the one
+  // given to Stage) and returns when the outputs are in host memory. A
+  // failure fails this batch only.
+  virtual absl::Status Run(const LogpModel& model, int64_t rows) = 0;
 };
 
 class LogpBackend {
  public:
   virtual ~LogpBackend() = default;
   virtual const BackendDescription& description() const = 0;
+  // Places `weights` on the backend's devices (every GPU for a replicated
+  // CUDA backend) and builds what its executors run. Thread-safe; runs
+  // while other models serve.
+  virtual absl::StatusOr<std::shared_ptr<const LogpModel>> Load(
+      std::shared_ptr<const LmHeadWeights> weights) = 0;
+  // Bytes a model of this shape holds once loaded, summed over devices.
+  virtual int64_t EstimateBytes(int64_t hidden_size, int64_t padded_vocab_size,
+                                bool has_bias) const = 0;
   virtual absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) = 0;
   // Accelerator memory in use by this process's device(s); 0 on the CPU.
@@ -72,8 +105,6 @@ inline constexpr int kAllDevices = -1;
 inline constexpr int kFirstSuitableDevice = -2;
 
 struct BackendOptions {
-  // Outlives the backend.
-  const LmHeadWeights* weights = nullptr;
   int device_index = 0;
   int cpu_threads = 0;  // 0: one per hardware thread
   // Split the vocabulary over the devices instead of replicating the

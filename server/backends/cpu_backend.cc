@@ -11,20 +11,33 @@ namespace {
 // The ISA the kernels were compiled for (.bazelrc pins it): part of the key.
 constexpr char kCpuInstructionSet[] = "x86-64-v3/no-contract";
 
+// The host weights, shared with whoever else holds them (no copy).
+class CpuModel final : public LogpModel {
+ public:
+  explicit CpuModel(std::shared_ptr<const LmHeadWeights> weights)
+      : LogpModel(weights->hidden_size, weights->vocab_size),
+        weights_(std::move(weights)) {}
+  const LmHeadWeights& weights() const { return *weights_; }
+
+ private:
+  std::shared_ptr<const LmHeadWeights> weights_;
+};
+
 class CpuExecutor final : public LogpExecutor {
  public:
-  CpuExecutor(const LmHeadWeights* weights, int64_t capacity, int threads)
-      : weights_(weights),
+  CpuExecutor(int64_t capacity, int threads)
+      : capacity_(capacity),
         pool_(threads),
-        hidden_(capacity * weights->hidden_size),
         targets_(capacity),
         temperatures_(capacity),
         logprobs_(capacity),
         lse_(capacity) {}
 
-  LogpStaging staging() override {
+  absl::StatusOr<LogpStaging> Stage(const LogpModel& model) override {
+    const size_t hidden_values = capacity_ * model.hidden_size();
+    if (hidden_.size() < hidden_values) hidden_.resize(hidden_values);
     LogpStaging staging;
-    staging.capacity = static_cast<int64_t>(targets_.size());
+    staging.capacity = capacity_;
     staging.hidden = hidden_.data();
     staging.targets = targets_.data();
     staging.temperatures = temperatures_.data();
@@ -33,8 +46,9 @@ class CpuExecutor final : public LogpExecutor {
     return staging;
   }
 
-  absl::Status Run(int64_t rows) override {
-    if (rows > static_cast<int64_t>(targets_.size())) {
+  absl::Status Run(const LogpModel& model, int64_t rows) override {
+    if (rows > capacity_ ||
+        rows * model.hidden_size() > static_cast<int64_t>(hidden_.size())) {
       return absl::InternalError("batch larger than the executor's staging");
     }
     kernels::LogpRowsView view;
@@ -44,11 +58,12 @@ class CpuExecutor final : public LogpExecutor {
     view.temperatures = temperatures_.data();
     view.logprobs = logprobs_.data();
     view.lse = lse_.data();
-    return kernels::ComputeLinearLogpCpu(weights_->view(), view, &pool_);
+    return kernels::ComputeLinearLogpCpu(
+        static_cast<const CpuModel&>(model).weights().view(), view, &pool_);
   }
 
  private:
-  const LmHeadWeights* weights_;
+  const int64_t capacity_;
   kernels::ThreadPool pool_;
   std::vector<uint16_t> hidden_;
   std::vector<int32_t> targets_;
@@ -59,8 +74,7 @@ class CpuExecutor final : public LogpExecutor {
 
 class CpuBackend final : public LogpBackend {
  public:
-  CpuBackend(const LmHeadWeights* weights, int threads)
-      : weights_(weights), threads_(threads) {
+  explicit CpuBackend(int threads) : threads_(threads) {
     description_.name = "cpu";
     description_.device = "cpu";
     description_.instruction_set = kCpuInstructionSet;
@@ -72,13 +86,23 @@ class CpuBackend final : public LogpBackend {
     return description_;
   }
 
+  absl::StatusOr<std::shared_ptr<const LogpModel>> Load(
+      std::shared_ptr<const LmHeadWeights> weights) override {
+    if (weights == nullptr) return absl::InvalidArgumentError("cpu backend: no weights");
+    return std::make_shared<const CpuModel>(std::move(weights));
+  }
+
+  int64_t EstimateBytes(int64_t hidden_size, int64_t padded_vocab_size,
+                        bool has_bias) const override {
+    return padded_vocab_size * (hidden_size * 2 + (has_bias ? 4 : 0));
+  }
+
   absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) override {
-    return std::make_unique<CpuExecutor>(weights_, max_batch_rows, threads_);
+    return std::make_unique<CpuExecutor>(max_batch_rows, threads_);
   }
 
  private:
-  const LmHeadWeights* weights_;
   int threads_;
   BackendDescription description_;
 };
@@ -87,10 +111,7 @@ class CpuBackend final : public LogpBackend {
 
 absl::StatusOr<std::unique_ptr<LogpBackend>> CreateCpuBackend(
     const BackendOptions& options) {
-  if (options.weights == nullptr) {
-    return absl::InvalidArgumentError("cpu backend: no weights");
-  }
-  return std::make_unique<CpuBackend>(options.weights, options.cpu_threads);
+  return std::make_unique<CpuBackend>(options.cpu_threads);
 }
 
 }  // namespace detlogp::server

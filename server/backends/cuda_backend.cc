@@ -18,39 +18,32 @@ namespace {
 
 using kernels::cuda::LinearLogpCuda;
 
-// One batch at a time on its own stream. Inputs sit in one pinned block laid
-// out [targets | temperatures | hidden] and outputs in [logprobs | lse].
+// One batch at a time on its own stream, on the GPU at `slot` of the
+// backend's device list. Inputs sit in one pinned block laid out
+// [targets | temperatures | hidden] and outputs in [logprobs | lse]; both
+// grow when a model's rows are wider than any before.
 // Hidden rows start their copy to the device as soon as they are staged, so
 // the copy overlaps the gathering of the rest; Run copies what is left
 // (targets, temperatures, the last rows) in one go.
 class CudaExecutor final : public LogpExecutor {
  public:
-  static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
-      const LinearLogpCuda* kernel, int device, int64_t hidden_size,
-      int64_t capacity) {
+  static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(size_t slot, int device,
+                                                              int64_t capacity) {
     // An even capacity keeps the hidden block 16-byte aligned.
     capacity += capacity % 2;
-    auto executor = std::unique_ptr<CudaExecutor>(
-        new CudaExecutor(kernel, device, hidden_size, capacity));
+    auto executor =
+        std::unique_ptr<CudaExecutor>(new CudaExecutor(slot, device, capacity));
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaStreamCreateWithFlags(&executor->stream_, cudaStreamNonBlocking),
         "cudaStreamCreate");
-    const size_t input_bytes = executor->layout_.input_bytes(hidden_size);
     const size_t output_bytes = executor->layout_.output_bytes();
-    for (auto [buffer, bytes] : {std::pair{&executor->host_inputs_, input_bytes},
-                                 {&executor->host_outputs_, output_bytes}}) {
-      if (absl::Status s = buffer->Allocate(bytes, "cudaHostAlloc"); !s.ok()) {
-        return s;
-      }
+    if (absl::Status s = executor->host_outputs_.Allocate(output_bytes, "cudaHostAlloc");
+        !s.ok()) {
+      return s;
     }
-    for (auto [buffer, bytes] :
-         {std::pair{&executor->inputs_, input_bytes},
-          {&executor->outputs_, output_bytes},
-          {&executor->workspace_, kernel->WorkspaceBytes(capacity)}}) {
-      if (absl::Status s = buffer->Allocate(bytes, "cudaMalloc"); !s.ok()) {
-        return s;
-      }
+    if (absl::Status s = executor->outputs_.Allocate(output_bytes, "cudaMalloc"); !s.ok()) {
+      return s;
     }
     return executor;
   }
@@ -59,7 +52,18 @@ class CudaExecutor final : public LogpExecutor {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
-  LogpStaging staging() override {
+  absl::StatusOr<LogpStaging> Stage(const LogpModel& model) override {
+    const LinearLogpCuda& kernel = KernelOf(model);
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
+    const size_t input_bytes = layout_.input_bytes(model.hidden_size());
+    for (absl::Status s : {host_inputs_.Reserve(input_bytes, "cudaHostAlloc"),
+                           inputs_.Reserve(input_bytes, "cudaMalloc"),
+                           workspace_.Reserve(kernel.WorkspaceBytes(capacity_),
+                                              "cudaMalloc")}) {
+      if (!s.ok()) return s;
+    }
+    hidden_size_ = model.hidden_size();
+    rows_copied_ = 0;
     return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
@@ -75,13 +79,13 @@ class CudaExecutor final : public LogpExecutor {
     }
   }
 
-  absl::Status Run(int64_t rows) override {
+  absl::Status Run(const LogpModel& model, int64_t rows) override {
     const int64_t rows_copied = std::exchange(rows_copied_, 0);
-    if (rows > capacity_) {
-      return absl::InternalError("batch larger than the executor's staging");
+    if (rows > capacity_ || model.hidden_size() != hidden_size_) {
+      return absl::InternalError("batch does not match the executor's staging");
     }
     if (rows == 0) return absl::OkStatus();
-    absl::Status enqueued = Enqueue(rows, rows_copied);
+    absl::Status enqueued = Enqueue(KernelOf(model), rows, rows_copied);
     // Also after a failure: no copy may still read the staging when the
     // batcher refills it.
     const absl::Status done =
@@ -93,9 +97,14 @@ class CudaExecutor final : public LogpExecutor {
   // Below this, a copy's fixed cost outweighs starting it early.
   static constexpr int64_t kMinEarlyCopyBytes = 128 << 10;
 
+  const LinearLogpCuda& KernelOf(const LogpModel& model) const {
+    return *static_cast<const CudaModel&>(model).heads()[slot_]->kernel;
+  }
+
   // Copies what RowsStaged has not, launches the kernel and copies the
   // outputs back, all on the stream.
-  absl::Status Enqueue(int64_t rows, int64_t rows_copied) {
+  absl::Status Enqueue(const LinearLogpCuda& kernel, int64_t rows,
+                       int64_t rows_copied) {
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     if (rows_copied == 0) {  // one copy for the whole block
       DETLOGP_RETURN_IF_CUDA_ERROR(
@@ -122,7 +131,7 @@ class CudaExecutor final : public LogpExecutor {
     batch.logprobs = device.logprobs;
     batch.lse = device.lse;
     batch.rows = rows;
-    if (absl::Status s = kernel_->Launch(batch, workspace_.as<void>(), stream_);
+    if (absl::Status s = kernel.Launch(batch, workspace_.as<void>(), stream_);
         !s.ok()) {
       return s;
     }
@@ -144,20 +153,15 @@ class CudaExecutor final : public LogpExecutor {
                            stream_);
   }
 
-  CudaExecutor(const LinearLogpCuda* kernel, int device, int64_t hidden_size,
-               int64_t capacity)
-      : kernel_(kernel),
-        device_(device),
-        hidden_size_(hidden_size),
-        capacity_(capacity),
-        layout_{capacity} {}
+  CudaExecutor(size_t slot, int device, int64_t capacity)
+      : slot_(slot), device_(device), capacity_(capacity), layout_{capacity} {}
 
-  const LinearLogpCuda* kernel_;
+  const size_t slot_;
   const int device_;
-  const int64_t hidden_size_;
   const int64_t capacity_;
   const BatchLayout layout_;
   cudaStream_t stream_ = nullptr;
+  int64_t hidden_size_ = 0;  // of the model last staged
   int64_t rows_copied_ = 0;  // hidden rows of this batch already on their way
   PinnedBuffer host_inputs_, host_outputs_;
   DeviceBuffer inputs_, outputs_, workspace_;
@@ -215,19 +219,8 @@ class CudaBackend final : public LogpBackend {
     if (used.empty()) {
       return absl::UnavailableError("no sm_90 GPU on this machine");
     }
-    if (options.vocab_parallel) {
-      auto shards = UploadVocabShards(*options.weights, used);
-      if (!shards.ok()) return shards.status();
-      backend->shards_ = *std::move(shards);
-    } else {
-      for (int device : used) {
-        auto replica = UploadLmHead(*options.weights, device);
-        if (!replica.ok()) return replica.status();
-        backend->replicas_.push_back(*std::move(replica));
-      }
-    }
-    backend->hidden_size_ = options.weights->hidden_size;
-    backend->vocab_size_ = options.weights->vocab_size;
+    backend->devices_ = used;
+    backend->vocab_parallel_ = options.vocab_parallel;
     backend->description_.name = "cuda";
     backend->description_.device =
         absl::StrCat("cuda:", absl::StrJoin(used, ","), " ", name,
@@ -248,12 +241,35 @@ class CudaBackend final : public LogpBackend {
     return description_;
   }
 
+  absl::StatusOr<std::shared_ptr<const LogpModel>> Load(
+      std::shared_ptr<const LmHeadWeights> weights) override {
+    if (weights == nullptr) return absl::InvalidArgumentError("cuda backend: no weights");
+    std::vector<std::unique_ptr<CudaLmHead>> heads;
+    if (vocab_parallel_) {
+      auto shards = UploadVocabShards(*weights, devices_);
+      if (!shards.ok()) return shards.status();
+      heads = *std::move(shards);
+    } else {
+      for (int device : devices_) {
+        auto replica = UploadLmHead(*weights, device);
+        if (!replica.ok()) return replica.status();
+        heads.push_back(*std::move(replica));
+      }
+    }
+    // The host copy is not kept: the caller's reference is the last one.
+    return std::make_shared<const CudaModel>(weights->hidden_size,
+                                             weights->vocab_size, std::move(heads));
+  }
+
+  int64_t EstimateBytes(int64_t hidden_size, int64_t padded_vocab_size,
+                        bool has_bias) const override {
+    const int64_t bytes = padded_vocab_size * (hidden_size * 2 + (has_bias ? 4 : 0));
+    return vocab_parallel_ ? bytes : bytes * static_cast<int64_t>(devices_.size());
+  }
+
   int64_t DeviceMemoryUsedBytes() const override {
-    std::vector<int> devices;
-    for (const auto& replica : replicas_) devices.push_back(replica->device);
-    for (const auto& shard : shards_) devices.push_back(shard->device);
     int64_t used = 0;
-    for (int device : devices) {
+    for (int device : devices_) {
       size_t free_bytes = 0, total_bytes = 0;
       if (cudaSetDevice(device) == cudaSuccess &&
           cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
@@ -265,13 +281,9 @@ class CudaBackend final : public LogpBackend {
 
   absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) override {
-    if (!shards_.empty()) {
-      return NewVocabParallelExecutor(shards_, hidden_size_, vocab_size_,
-                                      max_batch_rows);
-    }
-    const CudaLmHead& replica = *replicas_[next_replica_++ % replicas_.size()];
-    auto executor = CudaExecutor::Create(replica.kernel.get(), replica.device,
-                                         hidden_size_, max_batch_rows);
+    if (vocab_parallel_) return NewVocabParallelExecutor(devices_, max_batch_rows);
+    const size_t slot = next_slot_++ % devices_.size();
+    auto executor = CudaExecutor::Create(slot, devices_[slot], max_batch_rows);
     if (!executor.ok()) return executor.status();
     return std::unique_ptr<LogpExecutor>(*std::move(executor));
   }
@@ -279,11 +291,9 @@ class CudaBackend final : public LogpBackend {
  private:
   CudaBackend() = default;
 
-  std::vector<std::unique_ptr<CudaLmHead>> replicas_;  // data-parallel
-  std::vector<std::unique_ptr<CudaLmHead>> shards_;       // vocabulary-parallel
-  size_t next_replica_ = 0;
-  int64_t hidden_size_ = 0;
-  int64_t vocab_size_ = 0;
+  std::vector<int> devices_;
+  bool vocab_parallel_ = false;
+  size_t next_slot_ = 0;
   BackendDescription description_;
 };
 
@@ -291,9 +301,6 @@ class CudaBackend final : public LogpBackend {
 
 absl::StatusOr<std::unique_ptr<LogpBackend>> CreateCudaBackend(
     const BackendOptions& options) {
-  if (options.weights == nullptr) {
-    return absl::InvalidArgumentError("cuda backend: no weights");
-  }
   auto backend = CudaBackend::Create(options);
   if (!backend.ok()) return backend.status();
   return std::unique_ptr<LogpBackend>(*std::move(backend));

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/backends/backend.h"
@@ -36,9 +38,19 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
+  // Frees what it held, then allocates `bytes`.
   absl::Status Allocate(size_t bytes, const char* what) {
-    return CudaStatus(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), what);
+    if (ptr_ != nullptr) cudaFree(std::exchange(ptr_, nullptr));
+    bytes_ = 0;
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), what);
+    bytes_ = bytes;
+    return absl::OkStatus();
   }
+  // Allocates when it holds fewer than `bytes`.
+  absl::Status Reserve(size_t bytes, const char* what) {
+    return bytes <= bytes_ && ptr_ != nullptr ? absl::OkStatus() : Allocate(bytes, what);
+  }
+  size_t bytes() const { return bytes_; }
   template <typename T>
   T* as() const {
     return static_cast<T*>(ptr_);
@@ -46,6 +58,7 @@ class DeviceBuffer {
 
  private:
   void* ptr_ = nullptr;
+  size_t bytes_ = 0;
 };
 
 // Pinned host memory, so copies run asynchronously at full PCIe speed.
@@ -58,11 +71,20 @@ class PinnedBuffer {
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
 
+  // Frees what it held, then allocates `bytes`.
   absl::Status Allocate(size_t bytes, const char* what) {
-    return CudaStatus(cudaHostAlloc(&ptr_, bytes == 0 ? 1 : bytes,
-                                    cudaHostAllocDefault),
-                      what);
+    if (ptr_ != nullptr) cudaFreeHost(std::exchange(ptr_, nullptr));
+    bytes_ = 0;
+    DETLOGP_RETURN_IF_CUDA_ERROR(
+        cudaHostAlloc(&ptr_, bytes == 0 ? 1 : bytes, cudaHostAllocDefault), what);
+    bytes_ = bytes;
+    return absl::OkStatus();
   }
+  // Allocates when it holds fewer than `bytes`.
+  absl::Status Reserve(size_t bytes, const char* what) {
+    return bytes <= bytes_ && ptr_ != nullptr ? absl::OkStatus() : Allocate(bytes, what);
+  }
+  size_t bytes() const { return bytes_; }
   template <typename T>
   T* as() const {
     return static_cast<T*>(ptr_);
@@ -70,6 +92,7 @@ class PinnedBuffer {
 
  private:
   void* ptr_ = nullptr;
+  size_t bytes_ = 0;
 };
 
 // The CUDA executors' batch layout: inputs in one block

@@ -6,9 +6,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/cuda/linear_logp_cuda.h"
+#include "server/backends/backend.h"
 #include "server/backends/cuda_buffers.h"
 #include "server/models/lm_head_weights.h"
 
@@ -27,6 +30,20 @@ struct CudaLmHead {
   DeviceBuffer bias;
   // Declared after the buffers it points into, so it is destroyed first.
   std::unique_ptr<kernels::cuda::LinearLogpCuda> kernel;
+};
+
+// A model on the CUDA backend's GPUs, one head per GPU in the backend's
+// device order: the whole lm_head on each (replicated), or a contiguous
+// share of its splits on each (vocabulary-parallel).
+class CudaModel final : public LogpModel {
+ public:
+  CudaModel(int64_t hidden_size, int64_t vocab_size,
+            std::vector<std::unique_ptr<CudaLmHead>> heads)
+      : LogpModel(hidden_size, vocab_size), heads_(std::move(heads)) {}
+  const std::vector<std::unique_ptr<CudaLmHead>>& heads() const { return heads_; }
+
+ private:
+  std::vector<std::unique_ptr<CudaLmHead>> heads_;
 };
 
 // Uploads the rows of splits [first_split, end_split) of `weights` (all rows

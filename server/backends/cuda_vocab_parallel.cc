@@ -14,9 +14,9 @@ namespace {
 using kernels::cuda::LinearLogpBatchView;
 using kernels::cuda::LinearLogpCuda;
 
-// Per-shard device buffers and stream of one executor.
+// Per-GPU device buffers and stream of one executor.
 struct ShardLane {
-  const CudaLmHead* shard = nullptr;
+  int device = 0;
   cudaStream_t stream = nullptr;
   DeviceBuffer inputs;     // [local targets | temperatures | hidden]
   DeviceBuffer split_lse;  // [capacity][shard splits]
@@ -25,14 +25,12 @@ struct ShardLane {
   PinnedBuffer host_local_targets;  // [capacity]
 };
 
+// Buffers depend on the model's H and split count, so they grow at Stage
+// when a wider model arrives.
 class VocabParallelExecutor final : public LogpExecutor {
  public:
-  VocabParallelExecutor(int64_t hidden_size, int32_t total_splits,
-                        int64_t capacity)
-      : hidden_size_(hidden_size),
-        total_splits_(total_splits),
-        capacity_(capacity + capacity % 2),
-        layout_{capacity_} {}
+  explicit VocabParallelExecutor(int64_t capacity)
+      : capacity_(capacity + capacity % 2), layout_{capacity_} {}
 
   ~VocabParallelExecutor() override {
     for (auto& lane : lanes_) {
@@ -40,64 +38,74 @@ class VocabParallelExecutor final : public LogpExecutor {
     }
   }
 
-  absl::Status Init(const std::vector<std::unique_ptr<CudaLmHead>>& shards) {
-    const size_t input_bytes = layout_.input_bytes(hidden_size_);
-    if (absl::Status s = host_inputs_.Allocate(input_bytes, "cudaHostAlloc");
+  absl::Status Init(const std::vector<int>& devices) {
+    if (absl::Status s = host_outputs_.Allocate(layout_.output_bytes(), "cudaHostAlloc");
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = host_outputs_.Allocate(layout_.output_bytes(),
-                                                "cudaHostAlloc");
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = host_split_lse_.Allocate(
-            capacity_ * total_splits_ * sizeof(float), "cudaHostAlloc");
-        !s.ok()) {
-      return s;
-    }
-    for (size_t g = 0; g < shards.size(); ++g) {
+    for (int device : devices) {
       lanes_.push_back(std::make_unique<ShardLane>());
       ShardLane& lane = *lanes_.back();
-      lane.shard = shards[g].get();
-      const int32_t splits = lane.shard->end_split - lane.shard->first_split;
-      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lane.shard->device), "cudaSetDevice");
+      lane.device = device;
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
       DETLOGP_RETURN_IF_CUDA_ERROR(
           cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking),
           "cudaStreamCreate");
-      for (auto [buffer, bytes] :
-           {std::pair{&lane.inputs, input_bytes},
-            {&lane.split_lse, capacity_ * splits * sizeof(float)},
-            {&lane.z, capacity_ * sizeof(float)}}) {
-        if (absl::Status s = buffer->Allocate(bytes, "cudaMalloc"); !s.ok()) return s;
+      if (absl::Status s = lane.z.Allocate(capacity_ * sizeof(float), "cudaMalloc"); !s.ok()) {
+        return s;
       }
       for (auto [buffer, bytes] : {std::pair{&lane.host_z, capacity_ * sizeof(float)},
                                    {&lane.host_local_targets, capacity_ * sizeof(int32_t)}}) {
         if (absl::Status s = buffer->Allocate(bytes, "cudaHostAlloc"); !s.ok()) return s;
       }
     }
-    // The combine runs on the first shard's GPU.
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->shard->device), "cudaSetDevice");
-    for (auto [buffer, bytes] :
-         {std::pair{&combine_split_lse_, capacity_ * total_splits_ * sizeof(float)},
-          {&combine_outputs_, 2 * capacity_ * sizeof(float)}}) {
-      if (absl::Status s = buffer->Allocate(bytes, "cudaMalloc"); !s.ok()) return s;
-    }
-    return absl::OkStatus();
+    // The combine runs on the first GPU.
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device), "cudaSetDevice");
+    return combine_outputs_.Allocate(2 * capacity_ * sizeof(float), "cudaMalloc");
   }
 
-  LogpStaging staging() override {
+  absl::StatusOr<LogpStaging> Stage(const LogpModel& model) override {
+    const auto& shards = static_cast<const CudaModel&>(model).heads();
+    if (shards.size() != lanes_.size()) {
+      return absl::InternalError("model has a shard count the executor lacks");
+    }
+    hidden_size_ = model.hidden_size();
+    total_splits_ = kernels::NumVocabSplits(model.vocab_size());
+    const size_t input_bytes = layout_.input_bytes(hidden_size_);
+    const size_t split_lse_bytes = capacity_ * total_splits_ * sizeof(float);
+    if (absl::Status s = host_inputs_.Reserve(input_bytes, "cudaHostAlloc"); !s.ok()) return s;
+    if (absl::Status s = host_split_lse_.Reserve(split_lse_bytes, "cudaHostAlloc"); !s.ok()) {
+      return s;
+    }
+    for (size_t g = 0; g < lanes_.size(); ++g) {
+      ShardLane& lane = *lanes_[g];
+      const int32_t splits = shards[g]->end_split - shards[g]->first_split;
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lane.device), "cudaSetDevice");
+      if (absl::Status s = lane.inputs.Reserve(input_bytes, "cudaMalloc"); !s.ok()) return s;
+      if (absl::Status s = lane.split_lse.Reserve(capacity_ * splits * sizeof(float),
+                                                  "cudaMalloc");
+          !s.ok()) {
+        return s;
+      }
+    }
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device), "cudaSetDevice");
+    if (absl::Status s = combine_split_lse_.Reserve(split_lse_bytes, "cudaMalloc"); !s.ok()) {
+      return s;
+    }
     return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
-  absl::Status Run(int64_t rows) override {
-    if (rows > capacity_) return absl::InternalError("batch exceeds staging");
+  absl::Status Run(const LogpModel& model, int64_t rows) override {
+    if (rows > capacity_ || model.hidden_size() != hidden_size_) {
+      return absl::InternalError("batch does not match the executor's staging");
+    }
     if (rows == 0) return absl::OkStatus();
-    const LogpStaging host = staging();
+    const auto& shards = static_cast<const CudaModel&>(model).heads();
+    const LogpStaging host = layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
     // 1. Every shard computes its splits; they run concurrently.
-    for (auto& lane : lanes_) {
-      if (absl::Status s = LaunchShard(*lane, host, rows); !s.ok()) {
-        SyncAll();
+    for (size_t g = 0; g < lanes_.size(); ++g) {
+      if (absl::Status s = LaunchShard(*lanes_[g], *shards[g], host, rows); !s.ok()) {
+        SyncAll().IgnoreError();  // reporting the launch failure, not the sync
         return s;
       }
     }
@@ -107,16 +115,16 @@ class VocabParallelExecutor final : public LogpExecutor {
     // arithmetic); the partials already sit in split order.
     float* z = host.logprobs;
     for (int64_t r = 0; r < rows; ++r) {
-      for (const auto& lane : lanes_) {
-        if (host.targets[r] >= lane->shard->first_row &&
-            host.targets[r] < lane->shard->end_row) {
-          z[r] = lane->host_z.as<float>()[r];
+      for (size_t g = 0; g < lanes_.size(); ++g) {
+        if (host.targets[r] >= shards[g]->first_row &&
+            host.targets[r] < shards[g]->end_row) {
+          z[r] = lanes_[g]->host_z.as<float>()[r];
         }
       }
     }
     // 3. The single-GPU fold, on the first shard's GPU.
     const ShardLane& first = *lanes_[0];
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(first.shard->device), "cudaSetDevice");
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(first.device), "cudaSetDevice");
     float* device_split_lse = combine_split_lse_.as<float>();
     float* device_logprobs = combine_outputs_.as<float>();
     float* device_lse = device_logprobs + capacity_;
@@ -131,7 +139,7 @@ class VocabParallelExecutor final : public LogpExecutor {
         "copy z[target] to the combining GPU");
     if (absl::Status s = LinearLogpCuda::LaunchCombine(
             device_split_lse, total_splits_, rows, device_logprobs, device_lse,
-            first.shard->device, first.stream);
+            first.device, first.stream);
         !s.ok()) {
       cudaStreamSynchronize(first.stream);
       return s;
@@ -148,8 +156,8 @@ class VocabParallelExecutor final : public LogpExecutor {
   }
 
  private:
-  absl::Status LaunchShard(ShardLane& lane, const LogpStaging& host, int64_t rows) {
-    const CudaLmHead& shard = *lane.shard;
+  absl::Status LaunchShard(ShardLane& lane, const CudaLmHead& shard,
+                           const LogpStaging& host, int64_t rows) {
     int32_t* local_targets = lane.host_local_targets.as<int32_t>();
     for (int64_t r = 0; r < rows; ++r) {
       local_targets[r] = static_cast<int32_t>(host.targets[r] - shard.first_row);
@@ -199,16 +207,16 @@ class VocabParallelExecutor final : public LogpExecutor {
   absl::Status SyncAll() {
     absl::Status first_error;
     for (auto& lane : lanes_) {
-      cudaSetDevice(lane->shard->device);
+      cudaSetDevice(lane->device);
       absl::Status s = CudaStatus(cudaStreamSynchronize(lane->stream), "shard on the GPU");
       if (first_error.ok()) first_error = s;
     }
     return first_error;
   }
 
-  const int64_t hidden_size_;
-  const int32_t total_splits_;
   const int64_t capacity_;
+  int64_t hidden_size_ = 0;    // of the model last staged
+  int32_t total_splits_ = 0;
   const BatchLayout layout_;
   PinnedBuffer host_inputs_, host_outputs_, host_split_lse_;
   DeviceBuffer combine_split_lse_, combine_outputs_;
@@ -237,11 +245,10 @@ absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
 }
 
 absl::StatusOr<std::unique_ptr<LogpExecutor>> NewVocabParallelExecutor(
-    const std::vector<std::unique_ptr<CudaLmHead>>& shards, int64_t hidden_size,
-    int64_t vocab_size, int64_t capacity) {
-  auto executor = std::make_unique<VocabParallelExecutor>(
-      hidden_size, kernels::NumVocabSplits(vocab_size), capacity);
-  if (absl::Status s = executor->Init(shards); !s.ok()) return s;
+    const std::vector<int>& devices, int64_t capacity) {
+  if (devices.empty()) return absl::InvalidArgumentError("no devices");
+  auto executor = std::make_unique<VocabParallelExecutor>(capacity);
+  if (absl::Status s = executor->Init(devices); !s.ok()) return s;
   return std::unique_ptr<LogpExecutor>(std::move(executor));
 }
 

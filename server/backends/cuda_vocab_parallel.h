@@ -21,11 +21,10 @@ namespace detlogp::server {
 absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
     const LmHeadWeights& weights, const std::vector<int>& devices);
 
-// An executor that runs every batch on all shards, then combines on the
-// first shard's GPU. `shards` outlive it.
+// An executor that runs every batch on the shards of its CudaModel (one per
+// device of `devices`, in order), then combines on the first device.
 absl::StatusOr<std::unique_ptr<LogpExecutor>> NewVocabParallelExecutor(
-    const std::vector<std::unique_ptr<CudaLmHead>>& shards, int64_t hidden_size,
-    int64_t vocab_size, int64_t capacity);
+    const std::vector<int>& devices, int64_t capacity);
 
 }  // namespace detlogp::server
 

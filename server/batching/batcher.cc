@@ -60,7 +60,13 @@ absl::Status DynamicBatcher::Schedule(std::shared_ptr<LogpJob> job) {
           "; retry with backoff"));
     }
     if (rows > 0) {
-      queue_.push_back(QueuedJob{job, 0, absl::Now()});
+      auto it = std::find_if(queues_.begin(), queues_.end(), [&](const ModelQueue& q) {
+        return q.model == job->model().get();
+      });
+      if (it == queues_.end()) {
+        it = queues_.insert(queues_.end(), ModelQueue{job->model().get(), {}});
+      }
+      it->jobs.push_back(QueuedJob{job, 0, absl::Now()});
       queued_rows_ += rows;
       NotifyStateChangedLocked();
       return absl::OkStatus();
@@ -116,7 +122,7 @@ bool DynamicBatcher::ShouldWakeSleepingThread() const {
 
 bool DynamicBatcher::CanStartBatchOrStopping() const {
   if (stopping_) return true;
-  if (queue_.empty()) return false;
+  if (queues_.empty()) return false;
   const int64_t overlap_rows = options_.min_rows_to_overlap >= 0
                                    ? options_.min_rows_to_overlap
                                    : options_.max_batch_rows / 4;
@@ -144,28 +150,45 @@ bool DynamicBatcher::HasFullBatchOrStopping() const {
   return stopping_ || queued_rows_ >= options_.max_batch_rows;
 }
 
+DynamicBatcher::ModelQueue& DynamicBatcher::OldestQueueLocked() {
+  auto oldest = queues_.begin();
+  for (auto it = queues_.begin(); it != queues_.end(); ++it) {
+    if (it->jobs.front().queued < oldest->jobs.front().queued) oldest = it;
+  }
+  return *oldest;
+}
+
 void DynamicBatcher::DropDeadJobsLocked(
     absl::Time now, std::vector<std::pair<Slice, absl::Status>>* dropped) {
-  for (auto it = queue_.begin(); it != queue_.end();) {
-    LogpJob& job = *it->job;
-    // A passed deadline wins: gRPC also cancels calls whose deadline passed.
-    const bool expired = job.deadline() <= now;
-    const bool cancelled = !expired && job.cancelled();
-    if (!expired && !cancelled) {
-      ++it;
-      continue;
+  for (ModelQueue& queue : queues_) {
+    for (auto it = queue.jobs.begin(); it != queue.jobs.end();) {
+      LogpJob& job = *it->job;
+      // A passed deadline wins: gRPC also cancels calls whose deadline passed.
+      const bool expired = job.deadline() <= now;
+      const bool cancelled = !expired && job.cancelled();
+      if (!expired && !cancelled) {
+        ++it;
+        continue;
+      }
+      const int64_t remaining = job.rows() - it->next_row;
+      (cancelled ? rows_cancelled_ : rows_expired_)
+          .fetch_add(remaining, std::memory_order_relaxed);
+      dropped->emplace_back(
+          Slice{it->job, it->next_row, remaining, it->queued},
+          cancelled ? absl::CancelledError("call cancelled before compute")
+                    : absl::DeadlineExceededError(
+                          "deadline passed while queued; rows not computed"));
+      queued_rows_ -= remaining;
+      it = queue.jobs.erase(it);
     }
-    const int64_t remaining = job.rows() - it->next_row;
-    (cancelled ? rows_cancelled_ : rows_expired_)
-        .fetch_add(remaining, std::memory_order_relaxed);
-    dropped->emplace_back(
-        Slice{it->job, it->next_row, remaining, it->queued},
-        cancelled ? absl::CancelledError("call cancelled before compute")
-                  : absl::DeadlineExceededError(
-                        "deadline passed while queued; rows not computed"));
-    queued_rows_ -= remaining;
-    it = queue_.erase(it);
   }
+  RemoveEmptyQueuesLocked();
+}
+
+void DynamicBatcher::RemoveEmptyQueuesLocked() {
+  queues_.erase(std::remove_if(queues_.begin(), queues_.end(),
+                               [](const ModelQueue& q) { return q.jobs.empty(); }),
+                queues_.end());
 }
 
 std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
@@ -176,9 +199,9 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
     while (batch.empty()) {
       SpinUntilBatchCanStartLocked();
       mu_.Await(absl::Condition(this, &DynamicBatcher::ShouldWakeSleepingThread));
-      if (queue_.empty()) break;  // stopping, nothing left
+      if (queues_.empty()) break;  // stopping, nothing left
       const absl::Time flush_at =
-          queue_.front().queued +
+          OldestQueueLocked().jobs.front().queued +
           absl::Microseconds(options_.max_queue_delay_micros);
       // Await releases the lock even when it need not wait; skip it then.
       if (!HasFullBatchOrStopping() && absl::Now() < flush_at) {
@@ -187,15 +210,19 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
             flush_at);
       }
       DropDeadJobsLocked(absl::Now(), &dropped);
-      int64_t room = options_.max_batch_rows;
-      while (room > 0 && !queue_.empty()) {
-        QueuedJob& front = queue_.front();
-        const int64_t take = std::min(room, front.job->rows() - front.next_row);
-        batch.push_back(Slice{front.job, front.next_row, take, front.queued});
-        front.next_row += take;
-        queued_rows_ -= take;
-        room -= take;
-        if (front.next_row == front.job->rows()) queue_.pop_front();
+      if (!queues_.empty()) {
+        std::deque<QueuedJob>& jobs = OldestQueueLocked().jobs;
+        int64_t room = options_.max_batch_rows;
+        while (room > 0 && !jobs.empty()) {
+          QueuedJob& front = jobs.front();
+          const int64_t take = std::min(room, front.job->rows() - front.next_row);
+          batch.push_back(Slice{front.job, front.next_row, take, front.queued});
+          front.next_row += take;
+          queued_rows_ -= take;
+          room -= take;
+          if (front.next_row == front.job->rows()) jobs.pop_front();
+        }
+        RemoveEmptyQueuesLocked();
       }
       if (!batch.empty()) ++batches_in_flight_;
       if (!dropped.empty()) break;  // complete them without holding the lock
@@ -212,17 +239,35 @@ void DynamicBatcher::BatchLoop(LogpExecutor* executor) {
     std::vector<Slice> batch = NextBatch();
     if (batch.empty()) {
       absl::MutexLock lock(&mu_);
-      if (stopping_ && queue_.empty()) return;
+      if (stopping_ && queues_.empty()) return;
       continue;
     }
     RunBatch(executor, batch);
   }
 }
 
+void DynamicBatcher::FailBatch(std::vector<Slice>& batch, const absl::Status& status) {
+  {
+    absl::MutexLock lock(&mu_);
+    --batches_in_flight_;
+    NotifyStateChangedLocked();
+  }
+  for (Slice& slice : batch) {
+    rows_failed_.fetch_add(slice.row_count, std::memory_order_relaxed);
+    slice.job->FinishRows(slice.row_count, status);
+  }
+}
+
 void DynamicBatcher::RunBatch(LogpExecutor* executor,
                               std::vector<Slice>& batch) {
   const absl::Time gather_start = absl::Now();
-  const LogpStaging staging = executor->staging();
+  const LogpModel& model = *batch.front().job->model();
+  auto staged = executor->Stage(model);
+  if (!staged.ok()) {
+    FailBatch(batch, staged.status());
+    return;
+  }
+  const LogpStaging staging = *staged;
   int64_t rows = 0;
   for (const Slice& slice : batch) {
     const LogpJob& job = *slice.job;
@@ -237,7 +282,7 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     executor->RowsStaged(rows);
   }
   const absl::Time start = absl::Now();
-  const absl::Status status = executor->Run(rows);
+  const absl::Status status = executor->Run(model, rows);
   const absl::Time end = absl::Now();
   {
     // The device is free for the next batch while this one's outputs are

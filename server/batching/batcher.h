@@ -9,11 +9,14 @@
 // `min_rows_to_overlap` rows wait).
 //
 // Flow: Schedule() runs on the caller's thread: it checks the bound and
-// queues the job (FIFO). A batch thread takes rows from the front of the
-// queue (cutting a job into slices when it does not fit), drops jobs that
-// were cancelled or whose deadline passed (their rows are never computed),
-// gathers the rows into its executor's staging, runs it, scatters the outputs
-// back into each job and completes the jobs whose last row it carried.
+// queues the job (FIFO per model: a batch holds rows of one model version
+// only). A batch thread picks the model whose oldest job waited longest,
+// takes rows from the front of its queue (cutting a job into slices when it
+// does not fit), drops jobs that were cancelled or whose deadline passed
+// (their rows are never computed), gathers the rows into its executor's
+// staging, runs it, scatters the outputs back into each job and completes
+// the jobs whose last row it carried. Every slice of a job runs on the
+// job's model.
 //
 // Batching is free because backends are batch invariant: which rows share a
 // batch changes timing, never bits.
@@ -116,6 +119,11 @@ class DynamicBatcher {
     int64_t next_row;   // first row not yet taken into a batch
     absl::Time queued;  // when Schedule accepted it
   };
+  // The jobs of one model, FIFO.
+  struct ModelQueue {
+    const LogpModel* model;
+    std::deque<QueuedJob> jobs;
+  };
 
   DynamicBatcher(const Options& options,
                  std::vector<std::unique_ptr<LogpExecutor>> executors);
@@ -128,8 +136,13 @@ class DynamicBatcher {
   void DropDeadJobsLocked(absl::Time now,
                           std::vector<std::pair<Slice, absl::Status>>* dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveEmptyQueuesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunBatch(LogpExecutor* executor, std::vector<Slice>& batch);
+  // Fails every slice of a batch that could not start.
+  void FailBatch(std::vector<Slice>& batch, const absl::Status& status);
   bool HasFullBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The queue whose front job waited longest; queues_ must not be empty.
+  ModelQueue& OldestQueueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool CanStartBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ShouldWakeSleepingThread() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Polls, releasing mu_ while it does, until a batch can start or
@@ -145,7 +158,8 @@ class DynamicBatcher {
   std::vector<std::thread> threads_;
 
   mutable absl::Mutex mu_;
-  std::deque<QueuedJob> queue_ ABSL_GUARDED_BY(mu_);
+  // Non-empty queues only; a handful (one per model version in use).
+  std::vector<ModelQueue> queues_ ABSL_GUARDED_BY(mu_);
   int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
   int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

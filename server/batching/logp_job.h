@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/backends/backend.h"
 
 namespace detlogp::server {
 
@@ -22,13 +23,16 @@ class LogpJob {
   // Called once, from whichever thread finished the last row; `job` is this.
   using DoneCallback = absl::AnyInvocable<void(absl::Status, LogpJob& job)>;
 
-  // Borrows `hidden_bf16` (rows x hidden_size bf16 values, little-endian,
-  // any alignment), kept valid by `keep_alive` until the job completes.
-  LogpJob(int64_t rows, int64_t hidden_size, const char* hidden_bf16,
-          std::shared_ptr<const void> keep_alive, std::vector<int32_t> targets,
-          float temperature, absl::Time deadline, DoneCallback done)
-      : rows_(rows),
-        hidden_size_(hidden_size),
+  // Computes on `model` (which the job keeps alive). Borrows `hidden_bf16`
+  // (rows x model->hidden_size() bf16 values, little-endian, any
+  // alignment), kept valid by `keep_alive` until the job completes.
+  LogpJob(std::shared_ptr<const LogpModel> model, int64_t rows,
+          const char* hidden_bf16, std::shared_ptr<const void> keep_alive,
+          std::vector<int32_t> targets, float temperature, absl::Time deadline,
+          DoneCallback done)
+      : model_(std::move(model)),
+        rows_(rows),
+        hidden_size_(model_->hidden_size()),
         hidden_bf16_(hidden_bf16),
         keep_alive_(std::move(keep_alive)),
         targets_(std::move(targets)),
@@ -40,10 +44,10 @@ class LogpJob {
         done_(std::move(done)) {}
 
   // Owns its rows.
-  LogpJob(int64_t rows, int64_t hidden_size, std::vector<uint16_t> hidden_bf16,
-          std::vector<int32_t> targets, float temperature, absl::Time deadline,
-          DoneCallback done)
-      : LogpJob(rows, hidden_size, nullptr, nullptr, std::move(targets),
+  LogpJob(std::shared_ptr<const LogpModel> model, int64_t rows,
+          std::vector<uint16_t> hidden_bf16, std::vector<int32_t> targets,
+          float temperature, absl::Time deadline, DoneCallback done)
+      : LogpJob(std::move(model), rows, nullptr, nullptr, std::move(targets),
                 temperature, deadline, std::move(done)) {
     auto owned = std::make_shared<const std::vector<uint16_t>>(std::move(hidden_bf16));
     hidden_bf16_ = reinterpret_cast<const char*>(owned->data());
@@ -53,6 +57,8 @@ class LogpJob {
   LogpJob(const LogpJob&) = delete;
   LogpJob& operator=(const LogpJob&) = delete;
 
+  // Every row of the job runs on this model.
+  const std::shared_ptr<const LogpModel>& model() const { return model_; }
   int64_t rows() const { return rows_; }
   int64_t hidden_size() const { return hidden_size_; }
   // Row r starts at hidden_bf16() + r * hidden_size() * 2.
@@ -85,6 +91,7 @@ class LogpJob {
   }
 
  private:
+  const std::shared_ptr<const LogpModel> model_;
   const int64_t rows_;
   const int64_t hidden_size_;
   const char* hidden_bf16_;

@@ -47,12 +47,18 @@ kernels::LmHeadView LmHeadWeights::view() const {
   return view;
 }
 
+std::string LmHeadDigestPreamble(int64_t hidden_size, int64_t vocab_size,
+                                 int64_t padded_vocab_size, bool has_bias) {
+  return absl::StrCat("detlogp-lm-head-v1 H=", hidden_size, " V=", vocab_size,
+                      " V_pad=", padded_vocab_size, " bias=", has_bias ? 1 : 0,
+                      "\n");
+}
+
 void ComputeLmHeadDigest(LmHeadWeights* weights) {
   Sha256 hash;
-  hash.Update(absl::StrCat("detlogp-lm-head-v1 H=", weights->hidden_size,
-                           " V=", weights->vocab_size,
-                           " V_pad=", weights->padded_vocab_size,
-                           " bias=", weights->bias.empty() ? 0 : 1, "\n"));
+  hash.Update(LmHeadDigestPreamble(weights->hidden_size, weights->vocab_size,
+                                   weights->padded_vocab_size,
+                                   !weights->bias.empty()));
   hash.Update(weights->weight.data(), weights->weight.size() * sizeof(uint16_t));
   hash.Update(weights->bias.data(), weights->bias.size() * sizeof(float));
   weights->sha256 = hash.HexDigest();

@@ -44,8 +44,12 @@ struct SyntheticLmHeadOptions {
 };
 LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options);
 
-// Fills the digest from the shape, weight and bias.
+// Fills the digest from the shape, weight and bias: SHA-256 over
+// LmHeadDigestPreamble, then the bf16 weight bytes, then the fp32 bias bytes
+// (little-endian). Clients that upload weights compute the same.
 void ComputeLmHeadDigest(LmHeadWeights* weights);
+std::string LmHeadDigestPreamble(int64_t hidden_size, int64_t vocab_size,
+                                 int64_t padded_vocab_size, bool has_bias);
 
 }  // namespace detlogp::server
 

@@ -63,6 +63,13 @@ void ServerMetrics::CountRequest(absl::string_view method, int grpc_code) {
   ++requests_[{std::string(method), grpc_code}];
 }
 
+void ServerMetrics::CountModelRows(absl::string_view model, int64_t rows) {
+  absl::MutexLock lock(&mu_);
+  auto it = model_rows_.find(model);
+  if (it == model_rows_.end()) it = model_rows_.emplace(std::string(model), 0).first;
+  it->second += rows;
+}
+
 void ServerMetrics::ObserveBatch(int64_t rows, int64_t requests,
                                  double queue_delay_seconds,
                                  double gather_seconds,
@@ -114,6 +121,26 @@ std::string ServerMetrics::Render(const MetricsSnapshot& snapshot) const {
                   "# TYPE detlogp_device_memory_used_bytes gauge\n"
                   "detlogp_device_memory_used_bytes ",
                   snapshot.device_memory_used_bytes, "\n");
+  out += "# HELP detlogp_model_rows_total Rows answered, by model.\n";
+  out += "# TYPE detlogp_model_rows_total counter\n";
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [model, rows] : model_rows_) {
+      absl::StrAppend(&out, "detlogp_model_rows_total{model=\"", model, "\"} ", rows, "\n");
+    }
+  }
+  out += "# TYPE detlogp_model_latest_version gauge\n";
+  for (const auto& model : snapshot.models) {
+    absl::StrAppend(&out, "detlogp_model_latest_version{model=\"", model.name, "\"} ",
+                    model.latest_version, "\n");
+  }
+  out += "# TYPE detlogp_model_ready_versions gauge\n";
+  for (const auto& model : snapshot.models) {
+    absl::StrAppend(&out, "detlogp_model_ready_versions{model=\"", model.name, "\"} ",
+                    model.ready_versions, "\n");
+  }
+  absl::StrAppend(&out, "# TYPE detlogp_model_memory_bytes gauge\ndetlogp_model_memory_bytes ",
+                  snapshot.model_memory_bytes, "\n");
   return out;
 }
 

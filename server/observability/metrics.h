@@ -11,6 +11,10 @@
 //   detlogp_compute_seconds                  histogram: backend time per batch
 //   detlogp_queue_rows                       gauge: rows waiting now
 //   detlogp_device_memory_used_bytes         gauge: GPU memory in use (0 on CPU)
+//   detlogp_model_rows_total{model}          rows answered, by model
+//   detlogp_model_latest_version{model}      gauge: newest ready version
+//   detlogp_model_ready_versions{model}      gauge: versions answering requests
+//   detlogp_model_memory_bytes               gauge: bytes held by model versions
 #ifndef DETLOGP_SERVER_OBSERVABILITY_METRICS_H_
 #define DETLOGP_SERVER_OBSERVABILITY_METRICS_H_
 
@@ -51,6 +55,13 @@ struct MetricsSnapshot {
   int64_t rows_rejected = 0;
   int64_t queue_rows = 0;
   int64_t device_memory_used_bytes = 0;
+  struct Model {
+    std::string name;
+    int64_t latest_version = 0;
+    int64_t ready_versions = 0;
+  };
+  std::vector<Model> models;
+  int64_t model_memory_bytes = 0;
 };
 
 class ServerMetrics {
@@ -58,6 +69,7 @@ class ServerMetrics {
   ServerMetrics();
 
   void CountRequest(absl::string_view method, int grpc_code);
+  void CountModelRows(absl::string_view model, int64_t rows);
   void ObserveBatch(int64_t rows, int64_t requests, double queue_delay_seconds,
                     double gather_seconds, double compute_seconds);
   std::string Render(const MetricsSnapshot& snapshot) const;
@@ -65,6 +77,7 @@ class ServerMetrics {
  private:
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, int>, int64_t> requests_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int64_t, std::less<>> model_rows_ ABSL_GUARDED_BY(mu_);
   Histogram batch_rows_;
   Histogram batch_requests_;
   Histogram queue_delay_seconds_;

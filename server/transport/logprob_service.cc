@@ -7,6 +7,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/reactor_update.h"
@@ -43,19 +44,33 @@ grpc::Status LogProbServiceImpl::Authenticate(
 }
 
 LogProbServiceImpl::LogProbServiceImpl(const Options& options,
-                                       detlogp::v1::ModelInfo info,
+                                       const ModelManager* models,
                                        DynamicBatcher* batcher)
-    : options_(options), info_(std::move(info)), batcher_(batcher) {}
+    : options_(options), models_(models), batcher_(batcher) {}
 
 absl::Status LogProbServiceImpl::Submit(
     const LogProbRequest& request, std::shared_ptr<const void> request_owner,
     absl::Time deadline,
     LogProbResponse* response, absl::AnyInvocable<void(absl::Status)> done,
     std::shared_ptr<LogpJob>* job) {
-  auto rows = ValidateLogProbRequest(request, options_.limits);
+  if (request.model_version() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model_version: ", request.model_version(), " is negative (0 means the latest)"));
+  }
+  // The whole request runs on this version; the handle keeps it loaded
+  // until the answer is built.
+  auto version = models_->Resolve(request.model(), request.model_version());
+  if (!version.ok()) return version.status();
+  RequestLimits limits;
+  limits.hidden_size = (*version)->hidden_size;
+  limits.vocab_size = (*version)->vocab_size;
+  limits.max_request_rows = options_.max_request_rows;
+  auto rows = ValidateLogProbRequest(request, limits);
   if (!rows.ok()) return rows.status();
   response->set_request_id(request.request_id());
-  response->set_determinism_key(info_.determinism_key());
+  response->set_determinism_key((*version)->determinism_key);
+  response->set_model((*version)->model);
+  response->set_model_version((*version)->version);
   const bool return_lse = rows->return_lse;
   // bf16 rows stay in the request message (no copy); converted rows move
   // into the job.
@@ -67,11 +82,15 @@ absl::Status LogProbServiceImpl::Submit(
     hidden = reinterpret_cast<const char*>(converted->data());
     keep_alive = std::move(converted);
   }
+  std::shared_ptr<const LogpModel> placed = (*version)->placed;
   *job = std::make_shared<LogpJob>(
-      rows->rows, options_.limits.hidden_size, hidden, std::move(keep_alive),
+      std::move(placed), rows->rows, hidden, std::move(keep_alive),
       std::move(rows->targets), rows->temperature, deadline,
-      [response, return_lse, done = std::move(done)](absl::Status status,
-                                                      LogpJob& job) mutable {
+      [this, response, return_lse, done = std::move(done),
+       version = *std::move(version)](absl::Status status, LogpJob& job) mutable {
+        if (status.ok() && options_.on_rows_answered) {
+          options_.on_rows_answered(version->model, job.rows());
+        }
         if (status.ok()) {
           response->mutable_logprobs()->Add(job.logprobs().begin(),
                                             job.logprobs().end());
@@ -79,6 +98,7 @@ absl::Status LogProbServiceImpl::Submit(
             response->mutable_lse()->Add(job.lse().begin(), job.lse().end());
           }
         }
+        version.reset();  // answered: the version may be freed
         done(std::move(status));
       });
   // Once scheduled, the job may complete (and its caller go away) at once.
@@ -288,15 +308,16 @@ LogProbServiceImpl::StreamLogProbs(grpc::CallbackServerContext* context) {
 
 grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
     grpc::CallbackServerContext* context,
-    const detlogp::v1::GetModelInfoRequest* /*request*/,
+    const detlogp::v1::GetModelInfoRequest* request,
     detlogp::v1::ModelInfo* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
     reactor->Finish(Record("GetModelInfo", denied));
     return reactor;
   }
-  *response = info_;
-  reactor->Finish(Record("GetModelInfo", grpc::Status::OK));
+  auto info = models_->Describe(request->model(), request->model_version());
+  if (info.ok()) *response = *std::move(info);
+  reactor->Finish(Record("GetModelInfo", ToGrpcStatus(info.status())));
   return reactor;
 }
 

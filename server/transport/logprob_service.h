@@ -1,6 +1,8 @@
 // LogProbService over gRPC's callback API. Calls never block a gRPC thread:
-// a request is validated, handed to the DynamicBatcher, and its reactor is
-// finished from the batch thread that completes its last row.
+// a request picks its model version (ModelManager), is validated against
+// that version's shapes, handed to the DynamicBatcher, and its reactor is
+// finished from the batch thread that completes its last row. The request
+// holds the version until it is answered.
 #ifndef DETLOGP_SERVER_TRANSPORT_LOGPROB_SERVICE_H_
 #define DETLOGP_SERVER_TRANSPORT_LOGPROB_SERVICE_H_
 
@@ -11,6 +13,7 @@
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "server/batching/batcher.h"
+#include "server/models/model_manager.h"
 #include "server/transport/auth.h"
 #include "server/transport/request_validation.h"
 
@@ -20,7 +23,7 @@ class LogProbServiceImpl final
     : public detlogp::v1::LogProbService::CallbackService {
  public:
   struct Options {
-    RequestLimits limits;
+    int64_t max_request_rows = 65536;
     // Requests read ahead on one stream before their answers are written;
     // reading stops (backpressure) beyond it.
     int max_stream_inflight_requests = 64;
@@ -28,10 +31,12 @@ class LogProbServiceImpl final
     const TokenAuthenticator* authenticator = nullptr;
     // Called once per finished call with the method name and gRPC code.
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
+    // Called once per computed request with its model and row count.
+    std::function<void(absl::string_view model, int64_t rows)> on_rows_answered;
   };
 
-  // `batcher` outlives the service.
-  LogProbServiceImpl(const Options& options, detlogp::v1::ModelInfo info,
+  // `models` and `batcher` outlive the service.
+  LogProbServiceImpl(const Options& options, const ModelManager* models,
                      DynamicBatcher* batcher);
 
   grpc::ServerUnaryReactor* ComputeLogProbs(
@@ -68,7 +73,7 @@ class LogProbServiceImpl final
   grpc::Status Authenticate(const grpc::CallbackServerContext& context) const;
 
   const Options options_;
-  const detlogp::v1::ModelInfo info_;
+  const ModelManager* const models_;
   DynamicBatcher* const batcher_;
 };
 

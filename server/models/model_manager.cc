@@ -1,0 +1,331 @@
+#include "server/models/model_manager.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+
+namespace detlogp::server {
+
+// Bytes reserved or held by placed versions. Shared with the deleters of
+// placed weights, which may run after the manager is gone.
+class ModelManager::Tracker {
+ public:
+  explicit Tracker(int64_t limit) : limit_(limit) {}
+
+  absl::Status Reserve(int64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    if (limit_ > 0 && used_ + bytes > limit_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "model memory: ", used_, " bytes held + ", bytes,
+          " for the new version > --max_model_memory_bytes=", limit_,
+          "; unload a version first"));
+    }
+    used_ += bytes;
+    return absl::OkStatus();
+  }
+  void Release(int64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    used_ -= bytes;
+  }
+  int64_t used() const {
+    absl::MutexLock lock(&mu_);
+    return used_;
+  }
+
+ private:
+  const int64_t limit_;
+  mutable absl::Mutex mu_;
+  int64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+ModelManager::Reservation& ModelManager::Reservation::operator=(
+    Reservation&& other) noexcept {
+  if (this != &other) {
+    if (tracker_ != nullptr) tracker_->Release(bytes_);
+    tracker_ = std::move(other.tracker_);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+ModelManager::Reservation::~Reservation() {
+  if (tracker_ != nullptr) tracker_->Release(bytes_);
+}
+
+absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(Options options) {
+  if (options.max_versions_per_model < 1) {
+    return absl::InvalidArgumentError("--max_versions_per_model must be >= 1");
+  }
+  if (options.max_model_memory_bytes < 0) {
+    return absl::InvalidArgumentError("--max_model_memory_bytes must be >= 0");
+  }
+  if (!options.place || !options.estimate_bytes || !options.warm_up) {
+    return absl::InvalidArgumentError("model manager: place, estimate_bytes and warm_up are required");
+  }
+  if (absl::Status s = ValidateModelName(options.default_model, "--default_model"); !s.ok()) {
+    return s;
+  }
+  return std::unique_ptr<ModelManager>(new ModelManager(std::move(options)));
+}
+
+ModelManager::ModelManager(Options options)
+    : options_(std::move(options)),
+      tracker_(std::make_shared<Tracker>(options_.max_model_memory_bytes)) {}
+
+ModelManager::~ModelManager() = default;
+
+absl::StatusOr<std::shared_ptr<const ServedVersion>> ModelManager::Resolve(
+    absl::string_view model, int64_t version) const {
+  const std::string name(model.empty() ? options_.default_model : model);
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = models_.find(name);
+  if (it == models_.end() || it->second.ready.empty()) {
+    return absl::NotFoundError(
+        absl::StrCat("model: no model '", name, "' is loaded"));
+  }
+  const Model& m = it->second;
+  if (version == 0) return m.ready.rbegin()->second;
+  auto v = m.ready.find(version);
+  if (v == m.ready.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "model_version: model '", name, "' has no ready version ", version,
+        " (ready: ", m.ready.begin()->first, "..", m.ready.rbegin()->first, ")"));
+  }
+  return v->second;
+}
+
+absl::StatusOr<ModelManager::Reservation> ModelManager::Reserve(
+    int64_t hidden_size, int64_t padded_vocab_size, bool has_bias) {
+  const int64_t bytes = options_.estimate_bytes(hidden_size, padded_vocab_size, has_bias);
+  if (absl::Status s = tracker_->Reserve(bytes); !s.ok()) return s;
+  Reservation reservation;
+  reservation.tracker_ = tracker_;
+  reservation.bytes_ = bytes;
+  return reservation;
+}
+
+absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
+    const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+    VersionOrigin origin) {
+  return AddVersion(model, std::move(weights), std::move(origin), Reservation());
+}
+
+absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
+    const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+    VersionOrigin origin, Reservation reservation) {
+  if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
+  if (reservation.tracker_ == nullptr) {
+    auto reserved = Reserve(weights->hidden_size, weights->padded_vocab_size,
+                            !weights->bias.empty());
+    if (!reserved.ok()) return reserved.status();
+    reservation = *std::move(reserved);
+  }
+  auto placed = options_.place(weights);
+  if (!placed.ok()) {
+    return absl::Status(placed.status().code(),
+                        absl::StrCat("placing the weights: ", placed.status().message()));
+  }
+  // The reservation now belongs to the placed weights: released when the
+  // last request holding them is answered.
+  const LogpModel* raw_placed = placed->get();
+  std::shared_ptr<const LogpModel> tracked(
+      raw_placed, [held = *std::move(placed), tracker = reservation.tracker_,
+                      bytes = std::exchange(reservation.bytes_, 0)](
+                         const LogpModel*) mutable {
+        held.reset();
+        tracker->Release(bytes);
+      });
+
+  auto version = std::make_shared<ServedVersion>();
+  version->model = model;
+  version->weights_sha256 = weights->sha256;
+  DeterminismInputs key_inputs = options_.key_inputs;
+  key_inputs.weights_sha256 = weights->sha256;
+  version->determinism_key = DeterminismKey(key_inputs);
+  version->hidden_size = weights->hidden_size;
+  version->vocab_size = weights->vocab_size;
+  version->padded_vocab_size = weights->padded_vocab_size;
+  version->has_bias = !weights->bias.empty();
+  version->memory_bytes = options_.estimate_bytes(
+      weights->hidden_size, weights->padded_vocab_size, version->has_bias);
+  version->source = origin.description;
+  version->placed = std::move(tracked);
+  weights.reset();  // backends that keep host weights hold their own reference
+
+  if (absl::Status s = options_.warm_up(*version); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("warm-up: ", s.message()));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    Model& m = models_[model];
+    if (origin.version == 0) {
+      version->version = m.next_version++;
+    } else {
+      version->version = origin.version;
+      m.next_version = std::max(m.next_version, origin.version + 1);
+    }
+  }
+  if (origin.persist) {
+    absl::Status s = origin.persist(version->version);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("persisting: ", s.message()));
+    }
+    version->persisted = options_.store != nullptr && options_.store->writable();
+  }
+  detlogp::v1::ModelVersionStatus status = StatusOf(*version, /*ready=*/true);
+  {
+    absl::MutexLock lock(&mu_);
+    Model& m = models_[model];
+    m.ready[version->version] = version;
+    while (static_cast<int>(m.ready.size()) > options_.max_versions_per_model) {
+      RetireLocked(model, m, m.ready.begin()->first);
+    }
+  }
+  spdlog::info("model {} version {} ready ({}; weights {}, key {})", model,
+               version->version, version->source, version->weights_sha256,
+               version->determinism_key);
+  return status;
+}
+
+void ModelManager::RetireLocked(const std::string& name, Model& model,
+                                int64_t version) {
+  auto it = model.ready.find(version);
+  if (it == model.ready.end()) return;
+  spdlog::info("model {} version {} unloading (new requests refused; {} in flight)",
+               name, version, it->second.use_count() - 1);
+  unloading_.erase(std::remove_if(unloading_.begin(), unloading_.end(),
+                                  [](const Unloading& u) { return u.handle.expired(); }),
+                   unloading_.end());
+  unloading_.push_back(Unloading{name, version, it->second});
+  model.ready.erase(it);
+  if (options_.store != nullptr) {
+    if (absl::Status s = options_.store->Remove(name, version); !s.ok()) {
+      spdlog::warn("model {} version {}: could not remove its files: {}", name,
+                   version, std::string(s.message()));
+    }
+  }
+}
+
+absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
+  if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
+  if (version <= 0) {
+    return absl::InvalidArgumentError("model_version: name the version to unload (> 0)");
+  }
+  std::weak_ptr<const ServedVersion> watched;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model);
+    if (it == models_.end()) {
+      return absl::NotFoundError(absl::StrCat("model: no model '", model, "' is loaded"));
+    }
+    auto v = it->second.ready.find(version);
+    if (v == it->second.ready.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          "model_version: model '", model, "' has no ready version ", version));
+    }
+    watched = v->second;
+    RetireLocked(model, it->second, version);
+  }
+  // Requests that picked the version hold it; it is freed with the last.
+  const absl::Time give_up = absl::Now() + options_.unload_wait;
+  absl::Duration pause = absl::Microseconds(100);
+  while (!watched.expired()) {
+    if (absl::Now() >= give_up) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "model '", model, "' version ", version, " still answers ",
+          watched.use_count(),
+          " request(s); it is refused to new ones and freed when they finish"));
+    }
+    absl::SleepFor(pause);
+    pause = std::min(pause * 2, absl::Milliseconds(10));
+  }
+  // The placed weights may still be referenced by a batch finishing its
+  // scatter; the bytes are released with them.
+  return absl::OkStatus();
+}
+
+detlogp::v1::ModelVersionStatus ModelManager::StatusOf(const ServedVersion& version,
+                                                       bool ready) const {
+  detlogp::v1::ModelVersionStatus status;
+  status.set_version(version.version);
+  status.set_state(ready ? detlogp::v1::ModelVersionStatus::READY
+                         : detlogp::v1::ModelVersionStatus::UNLOADING);
+  status.set_weights_sha256(version.weights_sha256);
+  status.set_determinism_key(version.determinism_key);
+  status.set_hidden_size(version.hidden_size);
+  status.set_vocab_size(version.vocab_size);
+  status.set_padded_vocab_size(version.padded_vocab_size);
+  status.set_has_bias(version.has_bias);
+  status.set_memory_bytes(version.memory_bytes);
+  status.set_source(version.source);
+  status.set_persisted(version.persisted);
+  return status;
+}
+
+detlogp::v1::ModelInfo ModelManager::DescribeLocked(const std::string& name,
+                                                    const Model& model,
+                                                    const ServedVersion& at) const {
+  detlogp::v1::ModelInfo info;
+  info.set_model(name);
+  info.set_model_version(at.version);
+  info.set_hidden_size(at.hidden_size);
+  info.set_vocab_size(at.vocab_size);
+  info.set_padded_vocab_size(at.padded_vocab_size);
+  info.set_weight_dtype(detlogp::v1::DTYPE_BFLOAT16);
+  info.set_has_bias(at.has_bias);
+  info.set_weights_sha256(at.weights_sha256);
+  info.set_backend(options_.key_inputs.backend);
+  info.set_kernel_version(options_.key_inputs.kernel_version);
+  info.set_split_policy(options_.key_inputs.split_policy);
+  info.set_determinism_key(at.determinism_key);
+  for (const auto& [number, version] : model.ready) {
+    auto* status = info.add_versions();
+    *status = StatusOf(*version, /*ready=*/true);
+    // The manager's own reference is not a request.
+    status->set_requests_in_flight(version.use_count() - 1);
+  }
+  for (const Unloading& u : unloading_) {
+    auto handle = u.handle.lock();
+    if (u.model != name || handle == nullptr) continue;
+    auto* status = info.add_versions();
+    *status = StatusOf(*handle, /*ready=*/false);
+    status->set_requests_in_flight(handle.use_count() - 1);  // minus `handle`
+  }
+  std::sort(info.mutable_versions()->begin(), info.mutable_versions()->end(),
+            [](const auto& a, const auto& b) { return a.version() < b.version(); });
+  return info;
+}
+
+absl::StatusOr<detlogp::v1::ModelInfo> ModelManager::Describe(absl::string_view model,
+                                                              int64_t version) const {
+  auto handle = Resolve(model, version);
+  if (!handle.ok()) return handle.status();
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = models_.find((*handle)->model);
+  if (it == models_.end()) {
+    return absl::NotFoundError(absl::StrCat("model: '", (*handle)->model, "' was unloaded"));
+  }
+  return DescribeLocked((*handle)->model, it->second, **handle);
+}
+
+std::vector<detlogp::v1::ModelInfo> ModelManager::DescribeAll() const {
+  std::vector<detlogp::v1::ModelInfo> out;
+  absl::ReaderMutexLock lock(&mu_);
+  for (const auto& [name, model] : models_) {
+    if (model.ready.empty()) continue;
+    out.push_back(DescribeLocked(name, model, *model.ready.rbegin()->second));
+  }
+  return out;
+}
+
+int64_t ModelManager::NextVersion(const std::string& model) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = models_.find(model);
+  return it == models_.end() ? 1 : it->second.next_version;
+}
+
+int64_t ModelManager::reserved_bytes() const { return tracker_->used(); }
+
+}  // namespace detlogp::server

@@ -1,0 +1,199 @@
+// ModelManager holds the server's named lm_head models and their numbered
+// versions, and moves versions in and out while requests are served
+// (TensorFlow Serving's AspiredVersionsManager with the availability
+// preserving policy).
+//
+// A version is *placed* (weights on every device of the backend), warmed up
+// through the batcher and checked before it becomes its model's latest; the
+// oldest versions beyond `max_versions_per_model` are then unloaded. A
+// request resolves (model, version) once, to a ServedVersion handle (a
+// reference count) that it holds until it is answered: a version is freed
+// only when the last handle goes, so every row of a request is computed on
+// the version it picked, and an answer names that version and its key.
+//
+// Memory: every placed version counts its bytes (as the backend estimates
+// them) against `max_model_memory_bytes` from the moment it is reserved (an
+// upload's header) until it is freed; a reservation that would exceed the
+// bound is RESOURCE_EXHAUSTED before any bytes are taken.
+//
+// Failure changes nothing: a load, upload, digest check or warm-up that
+// fails leaves every existing version serving as before.
+//
+// Example:
+//   auto manager = ModelManager::Create(options);
+//   auto status = (*manager)->AddVersion({.model = "policy", ...}, weights);
+//   auto handle = (*manager)->Resolve("policy", /*version=*/0);  // latest
+//   ... (*handle)->placed is what the batcher runs on
+#ifndef DETLOGP_SERVER_MODELS_MODEL_MANAGER_H_
+#define DETLOGP_SERVER_MODELS_MODEL_MANAGER_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "detlogp/v1/detlogp.pb.h"
+#include "server/backends/backend.h"
+#include "server/models/determinism_key.h"
+#include "server/models/lm_head_weights.h"
+#include "server/models/model_store.h"
+
+namespace detlogp::server {
+
+// One version of one model, as requests see it. Immutable; shared by every
+// request that picked it.
+struct ServedVersion {
+  std::string model;
+  int64_t version = 0;
+  std::string weights_sha256;
+  std::string determinism_key;
+  int64_t hidden_size = 0;
+  int64_t vocab_size = 0;
+  int64_t padded_vocab_size = 0;
+  bool has_bias = false;
+  int64_t memory_bytes = 0;
+  std::string source;
+  bool persisted = false;
+  // The weights on the backend's devices; what the batcher runs.
+  std::shared_ptr<const LogpModel> placed;
+};
+
+// Where a new version comes from, for ModelVersionStatus.source and the
+// store.
+struct VersionOrigin {
+  std::string description;  // "upload", "load:<path>", "startup:<path>", ...
+  // Called once the version is checked and warmed up, with its number,
+  // before it becomes the latest: makes it durable (or does nothing).
+  // A failure drops the version.
+  std::function<absl::Status(int64_t version)> persist;
+  // 0: the model's next number; else this one (restoring from disk).
+  int64_t version = 0;
+};
+
+class ModelManager {
+ public:
+  struct Options {
+    // The model an empty request.model means.
+    std::string default_model = "default";
+    // Ready versions kept per model; adding one more unloads the oldest.
+    int max_versions_per_model = 2;
+    // Bound on the bytes of all placed and reserved versions; 0: none.
+    int64_t max_model_memory_bytes = 0;
+    // Where durable versions live; may be null. Outlives the manager.
+    ModelStore* store = nullptr;
+    // Everything of the key but the weights (backend, ISA, kernel, policy).
+    DeterminismInputs key_inputs;
+    // Places weights on the backend's devices.
+    std::function<absl::StatusOr<std::shared_ptr<const LogpModel>>(
+        std::shared_ptr<const LmHeadWeights>)>
+        place;
+    // Bytes a placed version of this shape holds.
+    std::function<int64_t(int64_t hidden_size, int64_t padded_vocab_size,
+                          bool has_bias)>
+        estimate_bytes;
+    // Runs a few rows on a placed version through the batcher; OK when they
+    // came back finite.
+    std::function<absl::Status(const ServedVersion&)> warm_up;
+    // How long UnloadModel waits for requests on the version; the version
+    // stays unloading (and is freed later) when they take longer.
+    absl::Duration unload_wait = absl::Minutes(5);
+  };
+
+  class Tracker;  // counts bytes until placed weights are freed
+
+  // Memory set aside for a version that is still arriving. Released when
+  // destroyed unless handed to AddVersion.
+  class Reservation {
+   public:
+    Reservation() = default;
+    Reservation(Reservation&& other) noexcept { *this = std::move(other); }
+    Reservation& operator=(Reservation&& other) noexcept;
+    ~Reservation();
+    int64_t bytes() const { return bytes_; }
+
+   private:
+    friend class ModelManager;
+    std::shared_ptr<Tracker> tracker_;
+    int64_t bytes_ = 0;
+  };
+
+  static absl::StatusOr<std::unique_ptr<ModelManager>> Create(Options options);
+  ~ModelManager();
+  ModelManager(const ModelManager&) = delete;
+  ModelManager& operator=(const ModelManager&) = delete;
+
+  const std::string& default_model() const { return options_.default_model; }
+
+  // The version a request runs on: `model` empty means the default model,
+  // `version` 0 the latest ready one. NOT_FOUND naming the model or version.
+  absl::StatusOr<std::shared_ptr<const ServedVersion>> Resolve(
+      absl::string_view model, int64_t version) const;
+
+  // Sets memory aside for a version of this shape, or RESOURCE_EXHAUSTED.
+  absl::StatusOr<Reservation> Reserve(int64_t hidden_size,
+                                      int64_t padded_vocab_size, bool has_bias);
+
+  // Places, warms up, persists and publishes `weights` as a version of
+  // `model`; returns it once it is the model's latest. `reservation` (may be
+  // empty) becomes the version's memory; without one, memory is reserved
+  // here.
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> AddVersion(
+      const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+      VersionOrigin origin, Reservation reservation);
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> AddVersion(
+      const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+      VersionOrigin origin);
+
+  // Refuses the version to new requests, removes it from the store, and
+  // waits (up to unload_wait) until every request holding it is answered.
+  absl::Status Unload(const std::string& model, int64_t version);
+
+  // A model's description at one version (0: latest), with every version.
+  absl::StatusOr<detlogp::v1::ModelInfo> Describe(absl::string_view model,
+                                                  int64_t version) const;
+  std::vector<detlogp::v1::ModelInfo> DescribeAll() const;
+
+  // The next number AddVersion would give `model` (tests, restore).
+  int64_t NextVersion(const std::string& model) const;
+  int64_t reserved_bytes() const;
+
+  // ---- Implementation details; API users need not read further. ----
+ private:
+  struct Model {
+    // Ready versions, ascending; the last is the latest.
+    std::map<int64_t, std::shared_ptr<const ServedVersion>> ready;
+    int64_t next_version = 1;
+  };
+  // A version out of routing but still held by requests.
+  struct Unloading {
+    std::string model;
+    int64_t version;
+    std::weak_ptr<const ServedVersion> handle;
+  };
+  explicit ModelManager(Options options);
+  detlogp::v1::ModelVersionStatus StatusOf(const ServedVersion& version,
+                                           bool ready) const;
+  detlogp::v1::ModelInfo DescribeLocked(const std::string& name, const Model& model,
+                                        const ServedVersion& at) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Moves a version out of routing and its files out of the store.
+  void RetireLocked(const std::string& name, Model& model, int64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  std::shared_ptr<Tracker> tracker_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
+  std::vector<Unloading> unloading_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_MODELS_MODEL_MANAGER_H_

@@ -1,0 +1,481 @@
+#include "server/transport/model_repository_service.h"
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <optional>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "server/models/sha256.h"
+#include "server/transport/grpc_status.h"
+#include "server/transport/rejected_call.h"
+#include "spdlog/spdlog.h"
+
+namespace detlogp::server {
+namespace {
+
+using detlogp::v1::ModelVersionStatus;
+using detlogp::v1::UploadModelHeader;
+using detlogp::v1::UploadModelRequest;
+
+// Shapes the kernels take: H a multiple of 8 up to 64Ki, V within int32.
+constexpr int64_t kMaxHiddenSize = 1 << 16;
+constexpr int64_t kMaxPaddedVocab = (int64_t{1} << 31) - 1;
+
+bool IsHexDigest(const std::string& text) {
+  if (text.size() != 64) return false;
+  for (char c : text) {
+    if (!absl::ascii_isxdigit(c) || absl::ascii_isupper(c)) return false;
+  }
+  return true;
+}
+
+struct UploadShape {
+  int64_t hidden_size = 0;
+  int64_t vocab_size = 0;
+  int64_t padded_vocab_size = 0;
+  bool has_bias = false;
+  int64_t weight_bytes() const { return padded_vocab_size * hidden_size * 2; }
+  int64_t total_bytes() const {
+    return weight_bytes() + (has_bias ? padded_vocab_size * 4 : 0);
+  }
+};
+
+absl::StatusOr<UploadShape> ValidateUploadHeader(const UploadModelHeader& header) {
+  if (absl::Status s = ValidateModelName(header.model(), "header.model"); !s.ok()) {
+    return s;
+  }
+  if (header.dtype() != detlogp::v1::DTYPE_BFLOAT16) {
+    return absl::InvalidArgumentError(
+        "header.dtype: uploads carry bf16 weights (DTYPE_BFLOAT16); round "
+        "fp32/fp16 to bf16 (round-to-nearest-even) before sending");
+  }
+  if (header.shape_size() != 2 || header.shape(0) <= 0 || header.shape(1) <= 0 ||
+      header.shape(0) > kMaxPaddedVocab || header.shape(1) > kMaxHiddenSize ||
+      header.shape(1) % 8 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.shape: expected [padded_vocab_size, hidden_size] with 0 < V <= ",
+        kMaxPaddedVocab, " and 0 < H <= ", kMaxHiddenSize, ", H a multiple of 8"));
+  }
+  UploadShape shape;
+  shape.padded_vocab_size = header.shape(0);
+  shape.hidden_size = header.shape(1);
+  shape.vocab_size = header.vocab_size() == 0 ? shape.padded_vocab_size : header.vocab_size();
+  if (shape.vocab_size < 0 || shape.vocab_size > shape.padded_vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header.vocab_size: ", header.vocab_size(), " is not in [0, ",
+        shape.padded_vocab_size, "] (0 means every row)"));
+  }
+  shape.has_bias = header.has_bias();
+  if (!header.weights_sha256().empty() && !IsHexDigest(header.weights_sha256())) {
+    return absl::InvalidArgumentError(
+        "header.weights_sha256: expected 64 lowercase hex digits");
+  }
+  return shape;
+}
+
+}  // namespace
+
+ModelRepositoryServiceImpl::ModelRepositoryServiceImpl(const Options& options,
+                                                       ModelManager* manager)
+    : options_(options), manager_(manager) {}
+
+ModelRepositoryServiceImpl::~ModelRepositoryServiceImpl() = default;
+
+grpc::Status ModelRepositoryServiceImpl::Record(absl::string_view method,
+                                                grpc::Status status) const {
+  if (options_.on_call_done) options_.on_call_done(method, status.error_code());
+  return status;
+}
+
+grpc::Status ModelRepositoryServiceImpl::Authorize(
+    const grpc::CallbackServerContext& context) const {
+  if (options_.admin_authenticator != nullptr) {
+    absl::Status s = options_.admin_authenticator->Check(context);
+    if (!s.ok()) {
+      return ToGrpcStatus(absl::UnauthenticatedError(
+          absl::StrCat("admin call: ", s.message(),
+                       " (a token from --admin_tokens_file)")));
+    }
+    return grpc::Status::OK;
+  }
+  if (options_.allow_without_admin_token) return grpc::Status::OK;
+  return ToGrpcStatus(absl::PermissionDeniedError(
+      "admin calls are refused: the server listens beyond loopback and has no "
+      "--admin_tokens_file"));
+}
+
+grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::FinishNow(
+    grpc::CallbackServerContext* context, absl::string_view method,
+    grpc::Status status) const {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(Record(method, std::move(status)));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::ListModels(
+    grpc::CallbackServerContext* context,
+    const detlogp::v1::ListModelsRequest* /*request*/,
+    detlogp::v1::ListModelsResponse* response) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) {
+    return FinishNow(context, "ListModels", denied);
+  }
+  for (auto& info : manager_->DescribeAll()) *response->add_models() = std::move(info);
+  response->set_default_model(manager_->default_model());
+  return FinishNow(context, "ListModels", grpc::Status::OK);
+}
+
+grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
+    grpc::CallbackServerContext* context,
+    const detlogp::v1::LoadModelRequest* request,
+    ModelVersionStatus* response) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) {
+    return FinishNow(context, "LoadModel", denied);
+  }
+  if (absl::Status s = ValidateModelName(request->model(), "model"); !s.ok()) {
+    return FinishNow(context, "LoadModel", ToGrpcStatus(s));
+  }
+  if (options_.store == nullptr) {
+    return FinishNow(context, "LoadModel",
+                     ToGrpcStatus(absl::FailedPreconditionError(
+                         "LoadModel reads files under --model_root, which this "
+                         "server was started without; use UploadModel")));
+  }
+  auto path = options_.store->ResolveInside(request->path(), "path");
+  if (!path.ok()) return FinishNow(context, "LoadModel", ToGrpcStatus(path.status()));
+  if (!request->expected_weights_sha256().empty() &&
+      !IsHexDigest(request->expected_weights_sha256())) {
+    return FinishNow(context, "LoadModel",
+                     ToGrpcStatus(absl::InvalidArgumentError(
+                         "expected_weights_sha256: expected 64 lowercase hex digits")));
+  }
+  LmHeadSource source;
+  source.path = *path;
+  if (!request->lm_head_tensor().empty()) source.weight_tensor = request->lm_head_tensor();
+  source.bias_tensor = request->bias_tensor();
+  source.vocab_size = request->vocab_size();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  tasks_.Start([this, reactor, response, source, model = request->model(),
+                relative = request->path(),
+                expected = request->expected_weights_sha256()]() {
+    absl::Status status = [&]() -> absl::Status {
+      auto weights = LoadLmHead(source);
+      if (!weights.ok()) return weights.status();
+      if (!expected.empty() && weights->sha256 != expected) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "expected_weights_sha256: ", relative, " holds weights ", weights->sha256));
+      }
+      VersionOrigin origin;
+      origin.description = absl::StrCat("load:", relative);
+      const std::string sha = weights->sha256;
+      origin.persist = [this, model, source, sha](int64_t version) {
+        return options_.store->RecordLoaded(model, version, source, sha);
+      };
+      auto added = manager_->AddVersion(
+          model, std::make_shared<const LmHeadWeights>(*std::move(weights)),
+          std::move(origin));
+      if (!added.ok()) return added.status();
+      *response = *std::move(added);
+      return absl::OkStatus();
+    }();
+    if (!status.ok()) {
+      spdlog::warn("LoadModel {} from {} refused: {}", model, relative, status.ToString());
+    }
+    reactor->Finish(Record("LoadModel", ToGrpcStatus(status)));
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::UnloadModel(
+    grpc::CallbackServerContext* context,
+    const detlogp::v1::UnloadModelRequest* request,
+    detlogp::v1::UnloadModelResponse* /*response*/) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) {
+    return FinishNow(context, "UnloadModel", denied);
+  }
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  tasks_.Start([this, reactor, model = request->model(),
+                version = request->model_version()]() {
+    const absl::Status status = manager_->Unload(model, version);
+    reactor->Finish(Record("UnloadModel", ToGrpcStatus(status)));
+  });
+  return reactor;
+}
+
+// ---------------------------------------------------------------- upload
+
+// Reads the header, then chunks. A worker thread (one per upload) hashes
+// each chunk, copies it into the weights and writes it under --model_root
+// while the next chunks arrive; reading pauses when max_pending_upload_chunks
+// wait. Once the worker has started, it alone finishes the call, as its last
+// act, so the reactor is never deleted under it.
+class ModelRepositoryServiceImpl::UploadCall final
+    : public grpc::ServerReadReactor<UploadModelRequest> {
+ public:
+  UploadCall(ModelRepositoryServiceImpl* service, ModelVersionStatus* response)
+      : service_(service), response_(response) {
+    absl::MutexLock lock(&mu_);
+    reading_ = true;
+    StartRead(&message_);
+  }
+
+  void OnReadDone(bool ok) override {
+    std::optional<absl::Status> finish_now;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (finished_) return;
+      if (!worker_started_) {
+        finish_now = ok ? StartFromHeaderLocked()
+                        : (cancelled_ ? absl::CancelledError("upload cancelled")
+                                      : absl::InvalidArgumentError(
+                                            "header: the stream ended before the header"));
+        if (finish_now->ok()) {
+          finish_now.reset();
+          ContinueReadingLocked();
+        } else {
+          finished_ = true;
+        }
+      } else if (!ok) {
+        queue_.push_back(Item{Item::kEnd});
+      } else {
+        AcceptLocked();
+      }
+    }
+    if (finish_now.has_value()) {
+      Finish(service_->Record("UploadModel", ToGrpcStatus(*finish_now)));
+    }
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    if (worker_started_) {
+      queue_.push_back(Item{Item::kAbort, {}, absl::CancelledError("upload cancelled")});
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  struct Item {
+    enum Kind { kChunk, kEnd, kAbort } kind;
+    std::string bytes;
+    absl::Status status;
+  };
+
+  absl::Status StartFromHeaderLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (message_.part_case() != UploadModelRequest::kHeader) {
+      return absl::InvalidArgumentError(
+          "header: the first message of an upload must carry the header");
+    }
+    const UploadModelHeader& header = message_.header();
+    auto shape = ValidateUploadHeader(header);
+    if (!shape.ok()) return shape.status();
+    shape_ = *shape;
+    model_ = header.model();
+    expected_sha256_ = header.weights_sha256();
+    // Before any bytes are taken.
+    auto reservation = service_->manager_->Reserve(
+        shape_.hidden_size, shape_.padded_vocab_size, shape_.has_bias);
+    if (!reservation.ok()) return reservation.status();
+    reservation_ = *std::move(reservation);
+    ModelStore* store = service_->options_.store;
+    if (store != nullptr && store->writable()) {
+      auto writer = store->BeginUpload(model_, shape_.hidden_size, shape_.vocab_size,
+                                       shape_.padded_vocab_size, shape_.has_bias);
+      if (!writer.ok()) return writer.status();
+      writer_ = *std::move(writer);
+    }
+    auto weights = std::make_shared<LmHeadWeights>();
+    weights->hidden_size = shape_.hidden_size;
+    weights->vocab_size = shape_.vocab_size;
+    weights->padded_vocab_size = shape_.padded_vocab_size;
+    weights->weight.resize(shape_.padded_vocab_size * shape_.hidden_size);
+    if (shape_.has_bias) weights->bias.resize(shape_.padded_vocab_size);
+    weights->description = absl::StrCat("upload of ", model_);
+    weights_ = std::move(weights);
+    hash_.Update(LmHeadDigestPreamble(shape_.hidden_size, shape_.vocab_size,
+                                      shape_.padded_vocab_size, shape_.has_bias));
+    worker_started_ = true;
+    service_->tasks_.Start([this] { Work(); });
+    return absl::OkStatus();
+  }
+
+  void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    switch (message_.part_case()) {
+      case UploadModelRequest::kChunk: {
+        const int64_t size = static_cast<int64_t>(message_.chunk().size());
+        if (trailer_seen_) {
+          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
+              "weights_sha256: the digest message must be the last one")});
+          return;
+        }
+        if (received_ + size > shape_.total_bytes()) {
+          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(absl::StrCat(
+              "chunk: more bytes than the header announced (", shape_.total_bytes(),
+              " = weight [", shape_.padded_vocab_size, ", ", shape_.hidden_size,
+              "] bf16", shape_.has_bias ? " + bias fp32" : "", ")"))});
+          return;
+        }
+        received_ += size;
+        queue_.push_back(Item{Item::kChunk, std::move(*message_.mutable_chunk())});
+        break;
+      }
+      case UploadModelRequest::kWeightsSha256:
+        if (!expected_sha256_.empty() || trailer_seen_) {
+          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
+              "weights_sha256: sent twice (header and last message)")});
+          return;
+        }
+        if (!IsHexDigest(message_.weights_sha256())) {
+          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
+              "weights_sha256: expected 64 lowercase hex digits")});
+          return;
+        }
+        trailer_seen_ = true;
+        expected_sha256_ = message_.weights_sha256();
+        break;
+      default:
+        queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
+            "header: sent twice; an upload has one header, then chunks")});
+        return;
+    }
+    ContinueReadingLocked();
+  }
+
+  void ContinueReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (static_cast<int>(queue_.size()) <
+        service_->options_.max_pending_upload_chunks) {
+      reading_ = true;
+      StartRead(&message_);
+    }
+  }
+
+  bool HasItem() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty(); }
+
+  // The upload's thread: consumes chunks, then finalizes and finishes.
+  void Work() {
+    absl::Status status = Consume();
+    if (status.ok()) status = Publish();
+    if (!status.ok()) {
+      spdlog::warn("upload of {} refused: {}", model_, status.ToString());
+    }
+    // Dropped before Finish: a refused upload frees its memory and removes
+    // its temporary files before the client hears of it.
+    writer_.reset();
+    weights_.reset();
+    reservation_ = {};
+    {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+    }
+    Finish(service_->Record("UploadModel", ToGrpcStatus(status)));
+  }
+
+  absl::Status Consume() {
+    int64_t offset = 0;
+    char* weight_bytes = reinterpret_cast<char*>(weights_->weight.data());
+    char* bias_bytes = reinterpret_cast<char*>(weights_->bias.data());
+    const int64_t weight_size = shape_.weight_bytes();
+    while (true) {
+      Item item;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &UploadCall::HasItem));
+        item = std::move(queue_.front());
+        queue_.pop_front();
+        if (!reading_ && !finished_ && item.kind == Item::kChunk) {
+          ContinueReadingLocked();
+        }
+      }
+      if (item.kind == Item::kAbort) return item.status;
+      if (item.kind == Item::kEnd) break;
+      const char* data = item.bytes.data();
+      const int64_t size = static_cast<int64_t>(item.bytes.size());
+      hash_.Update(data, size);
+      // A chunk may straddle the weight and the bias.
+      const int64_t to_weight = std::max<int64_t>(0, std::min(size, weight_size - offset));
+      std::memcpy(weight_bytes + offset, data, to_weight);
+      if (size > to_weight) {
+        std::memcpy(bias_bytes + (offset + to_weight - weight_size), data + to_weight,
+                    size - to_weight);
+      }
+      offset += size;
+      if (writer_ != nullptr) {
+        if (absl::Status s = writer_->Append(data, size); !s.ok()) return s;
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    if (cancelled_) return absl::CancelledError("upload cancelled");
+    if (offset != shape_.total_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk: the upload ended after ", offset, " of the ", shape_.total_bytes(),
+          " bytes the header announced"));
+    }
+    if (expected_sha256_.empty()) {
+      return absl::InvalidArgumentError(
+          "weights_sha256: neither the header nor the last message carried it");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Publish() {
+    const std::string digest = hash_.HexDigest();
+    if (digest != expected_sha256_) {
+      return absl::DataLossError(absl::StrCat(
+          "weights_sha256: the client said ", expected_sha256_,
+          " but the bytes received hash to ", digest));
+    }
+    weights_->sha256 = digest;
+    VersionOrigin origin;
+    origin.description = "upload";
+    if (writer_ != nullptr) {
+      origin.persist = [this, digest](int64_t version) {
+        return writer_->Commit(version, digest);
+      };
+    }
+    auto added = service_->manager_->AddVersion(model_, std::move(weights_),
+                                                std::move(origin),
+                                                std::move(reservation_));
+    if (!added.ok()) return added.status();
+    *response_ = *std::move(added);
+    return absl::OkStatus();
+  }
+
+  ModelRepositoryServiceImpl* const service_;
+  ModelVersionStatus* const response_;
+
+  absl::Mutex mu_;
+  UploadModelRequest message_ ABSL_GUARDED_BY(mu_);
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool worker_started_ ABSL_GUARDED_BY(mu_) = false;
+  bool trailer_seen_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t received_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set from the header (under mu_), then used by the worker alone.
+  std::string expected_sha256_;
+  UploadShape shape_;
+  std::string model_;
+  ModelManager::Reservation reservation_;
+  std::unique_ptr<VersionWriter> writer_;
+  std::shared_ptr<LmHeadWeights> weights_;
+  Sha256 hash_;
+};
+
+grpc::ServerReadReactor<UploadModelRequest>* ModelRepositoryServiceImpl::UploadModel(
+    grpc::CallbackServerContext* context, ModelVersionStatus* response) {
+  if (grpc::Status denied = Authorize(*context); !denied.ok()) {
+    return new RejectedCall<grpc::ServerReadReactor<UploadModelRequest>>(
+        Record("UploadModel", denied));
+  }
+  return new UploadCall(this, response);
+}
+
+}  // namespace detlogp::server

@@ -1,0 +1,83 @@
+// ModelRepositoryService over gRPC's callback API: lists, loads, uploads and
+// unloads lm_head model versions while the server answers requests.
+//
+// Every call needs an admin token (--admin_tokens_file; scoring tokens are
+// not enough). With no admin tokens configured, calls are refused unless the
+// server listens on loopback only.
+//
+// Loads and uploads never block a gRPC thread: their work (reading a file,
+// hashing and writing uploaded bytes, placing the weights on the devices,
+// the warm-up) runs on threads of the service's own.
+#ifndef DETLOGP_SERVER_TRANSPORT_MODEL_REPOSITORY_SERVICE_H_
+#define DETLOGP_SERVER_TRANSPORT_MODEL_REPOSITORY_SERVICE_H_
+
+#include <functional>
+#include <memory>
+
+#include "absl/strings/string_view.h"
+#include "detlogp/v1/detlogp.grpc.pb.h"
+#include "server/models/model_manager.h"
+#include "server/models/model_store.h"
+#include "server/transport/auth.h"
+#include "server/transport/background_tasks.h"
+
+namespace detlogp::server {
+
+class ModelRepositoryServiceImpl final
+    : public detlogp::v1::ModelRepositoryService::CallbackService {
+ public:
+  struct Options {
+    // Accepted admin tokens; null means none are configured.
+    const TokenAuthenticator* admin_authenticator = nullptr;
+    // Without admin tokens: allow calls (true only when the server listens
+    // on loopback only).
+    bool allow_without_admin_token = false;
+    // --model_root; null: LoadModel is refused and uploads are not kept on
+    // disk.
+    ModelStore* store = nullptr;
+    // Uploaded chunks waiting to be hashed and written, per upload, before
+    // reading pauses (backpressure).
+    int max_pending_upload_chunks = 8;
+    std::function<void(absl::string_view method, int grpc_code)> on_call_done;
+  };
+
+  // `manager` outlives the service.
+  ModelRepositoryServiceImpl(const Options& options, ModelManager* manager);
+  // Joins the load and upload threads.
+  ~ModelRepositoryServiceImpl() override;
+
+  grpc::ServerUnaryReactor* ListModels(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::ListModelsRequest* request,
+      detlogp::v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* LoadModel(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::LoadModelRequest* request,
+      detlogp::v1::ModelVersionStatus* response) override;
+  grpc::ServerReadReactor<detlogp::v1::UploadModelRequest>* UploadModel(
+      grpc::CallbackServerContext* context,
+      detlogp::v1::ModelVersionStatus* response) override;
+  grpc::ServerUnaryReactor* UnloadModel(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::UnloadModelRequest* request,
+      detlogp::v1::UnloadModelResponse* response) override;
+
+ private:
+  class UploadCall;
+
+  grpc::Status Authorize(const grpc::CallbackServerContext& context) const;
+  grpc::Status Record(absl::string_view method, grpc::Status status) const;
+  // Finishes a unary call with `status` on the default reactor.
+  grpc::ServerUnaryReactor* FinishNow(grpc::CallbackServerContext* context,
+                                      absl::string_view method,
+                                      grpc::Status status) const;
+
+  const Options options_;
+  ModelManager* const manager_;
+  // Declared last: joined first, while everything its tasks use still lives.
+  BackgroundTasks tasks_;
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_TRANSPORT_MODEL_REPOSITORY_SERVICE_H_
