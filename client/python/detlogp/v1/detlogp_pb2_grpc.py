@@ -72,7 +72,8 @@ class LogProbServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """The model and the determinism key this server answers with.
+        """A model's shapes, its versions and the determinism key of the version
+        asked for (the latest ready one by default).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,6 +180,224 @@ class LogProbService:
             '/detlogp.v1.LogProbService/GetModelInfo',
             detlogp_dot_v1_dot_detlogp__pb2.GetModelInfoRequest.SerializeToString,
             detlogp_dot_v1_dot_detlogp__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ModelRepositoryServiceStub:
+    """Named lm_head models with numbered versions, changed while the server
+    serves. Every call here needs an admin token (--admin_tokens_file); with
+    none configured they are refused unless the server listens on loopback.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListModels = channel.unary_unary(
+                '/detlogp.v1.ModelRepositoryService/ListModels',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/detlogp.v1.ModelRepositoryService/LoadModel',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.FromString,
+                _registered_method=True)
+        self.UploadModel = channel.stream_unary(
+                '/detlogp.v1.ModelRepositoryService/UploadModel',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.UploadModelRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/detlogp.v1.ModelRepositoryService/UnloadModel',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
+
+
+class ModelRepositoryServiceServicer:
+    """Named lm_head models with numbered versions, changed while the server
+    serves. Every call here needs an admin token (--admin_tokens_file); with
+    none configured they are refused unless the server listens on loopback.
+    """
+
+    def ListModels(self, request, context):
+        """Every model with its versions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadModel(self, request, context):
+        """Loads a .safetensors file under the server's --model_root as the
+        model's next version; returns once it is ready (checked, on every
+        device, warmed up) and is the model's latest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadModel(self, request_iterator, context):
+        """The same from bytes the client sends: an UploadModelHeader, then the
+        weight (bf16, row-major) and the bias (fp32) as chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Refuses the version to new requests, waits until every request that
+        picked it is answered, then frees it (and its files under --model_root).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ModelRepositoryServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.ListModelsRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.LoadModelRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.SerializeToString,
+            ),
+            'UploadModel': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadModel,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.UploadModelRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'detlogp.v1.ModelRepositoryService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('detlogp.v1.ModelRepositoryService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ModelRepositoryService:
+    """Named lm_head models with numbered versions, changed while the server
+    serves. Every call here needs an admin token (--admin_tokens_file); with
+    none configured they are refused unless the server listens on loopback.
+    """
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.ModelRepositoryService/ListModels',
+            detlogp_dot_v1_dot_detlogp__pb2.ListModelsRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.ModelRepositoryService/LoadModel',
+            detlogp_dot_v1_dot_detlogp__pb2.LoadModelRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadModel(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/detlogp.v1.ModelRepositoryService/UploadModel',
+            detlogp_dot_v1_dot_detlogp__pb2.UploadModelRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.ModelRepositoryService/UnloadModel',
+            detlogp_dot_v1_dot_detlogp__pb2.UnloadModelRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.UnloadModelResponse.FromString,
             options,
             channel_credentials,
             insecure,
