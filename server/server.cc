@@ -125,19 +125,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
-    const Options& options, LmHeadWeights weights,
-    ProjectionWeights projection_weights) {
-  auto shared = std::make_shared<LmHeadWeights>(std::move(weights));
-  StartupModel model;
-  model.name = options.default_model.empty() ? "default" : options.default_model;
-  model.source = shared->description;
-  model.load = [shared]() -> absl::StatusOr<LmHeadWeights> { return *shared; };
-  std::vector<StartupModel> models;
-  models.push_back(std::move(model));
-  return BuildAndStart(options, std::move(models), std::move(projection_weights));
-}
-
-absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     const Options& options, std::vector<StartupModel> models,
     ProjectionWeights projection_weights) {
   if (models.empty()) return absl::InvalidArgumentError("no model to serve");

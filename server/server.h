@@ -96,10 +96,6 @@ class Server {
   static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
       const Options& options, std::vector<StartupModel> models,
       ProjectionWeights projection_weights);
-  // One unnamed model (the default, named "default").
-  static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(
-      const Options& options, LmHeadWeights weights,
-      ProjectionWeights projection_weights);
 
   ~Server();
   Server(const Server&) = delete;

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -28,6 +29,8 @@ ABSL_FLAG(int, rows, 256, "Rows per request.");
 ABSL_FLAG(double, seconds, 10, "Measured duration.");
 ABSL_FLAG(double, warmup_seconds, 2, "Unmeasured warm-up.");
 ABSL_FLAG(int, payloads, 8, "Distinct request payloads, reused round-robin.");
+ABSL_FLAG(std::vector<std::string>, models, {},
+          "Models to score, alternating call by call (empty: the default model).");
 
 namespace {
 
@@ -40,7 +43,8 @@ struct Shared {
   std::vector<LogProbRequest> payloads;
   absl::Time measure_from;
   absl::Time stop_at;
-  std::string expected_key;
+  // Per payload: the key its model answers with.
+  std::vector<std::string> expected_keys;
   absl::Mutex mu;
   std::vector<double> latencies_ms ABSL_GUARDED_BY(mu);
   std::atomic<int64_t> rows_done{0};
@@ -66,8 +70,8 @@ class Caller {
     }
     context_ = std::make_unique<grpc::ClientContext>();
     response_.Clear();
-    const LogProbRequest& request =
-        shared_->payloads[(index_ + calls_) % shared_->payloads.size()];
+    payload_ = static_cast<size_t>((index_ + calls_) % shared_->payloads.size());
+    const LogProbRequest& request = shared_->payloads[payload_];
     started_ = absl::Now();
     LogpClient& client = *shared_->clients[index_ % shared_->clients.size()];
     client.stub()->async()->ComputeLogProbs(
@@ -82,7 +86,7 @@ class Caller {
       if (!status.ok()) {
         ++shared_->errors;
       } else if (response_.logprobs_size() != request.target_ids_size() ||
-                 response_.determinism_key() != shared_->expected_key) {
+                 response_.determinism_key() != shared_->expected_keys[payload_]) {
         ++shared_->bad_answers;
       } else {
         shared_->rows_done += response_.logprobs_size();
@@ -97,6 +101,7 @@ class Caller {
   Shared* shared_;
   const int index_;
   int64_t calls_ = 0;
+  size_t payload_ = 0;
   absl::Time started_;
   std::unique_ptr<grpc::ClientContext> context_;
   LogProbResponse response_;
@@ -121,20 +126,37 @@ int main(int argc, char** argv) {
     options.own_connection = true;
     shared.clients.push_back(*LogpClient::Create(options));
   }
-  auto info = shared.clients[0]->GetModelInfo();
-  if (!info.ok()) {
-    std::fprintf(stderr, "GetModelInfo: %s\n", info.status().ToString().c_str());
-    return 1;
-  }
-  shared.expected_key = info->determinism_key();
+  std::vector<std::string> models = absl::GetFlag(FLAGS_models);
+  if (models.empty()) models.push_back("");
   const int rows = absl::GetFlag(FLAGS_rows);
-  for (int p = 0; p < absl::GetFlag(FLAGS_payloads); ++p) {
-    shared.payloads.push_back(detlogp::client::MakeLogProbRequest(
+  absl::StatusOr<detlogp::v1::ModelInfo> info;
+  // Payload p scores model p % models: consecutive calls of a caller
+  // alternate between the models.
+  for (int p = 0; p < absl::GetFlag(FLAGS_payloads) * static_cast<int>(models.size()); ++p) {
+    const std::string& model = models[p % models.size()];
+    {
+      grpc::ClientContext context;
+      detlogp::v1::GetModelInfoRequest info_request;
+      info_request.set_model(model);
+      detlogp::v1::ModelInfo reply;
+      const grpc::Status status =
+          shared.clients[0]->stub()->GetModelInfo(&context, info_request, &reply);
+      if (!status.ok()) {
+        std::fprintf(stderr, "GetModelInfo(%s): %s\n", model.c_str(),
+                     status.error_message().c_str());
+        return 1;
+      }
+      info = reply;
+    }
+    LogProbRequest request = detlogp::client::MakeLogProbRequest(
         absl::StrCat("bench-", p), detlogp::v1::DTYPE_BFLOAT16, rows,
         info->hidden_size(),
         detlogp::client::RandomBf16Rows(rows, info->hidden_size(), 1000 + p),
         detlogp::client::RandomTargets(rows, info->vocab_size(), 2000 + p), 1.0f,
-        false));
+        false);
+    request.set_model(model);
+    shared.payloads.push_back(std::move(request));
+    shared.expected_keys.push_back(info->determinism_key());
   }
   const int callers = absl::GetFlag(FLAGS_callers);
   shared.callers_left = callers;
