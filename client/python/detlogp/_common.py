@@ -1,12 +1,15 @@
 """Pieces shared by the sync and asyncio clients: targets, channel options,
-deadline arithmetic, stream item conversion, the raw health check."""
+deadline arithmetic, retry decisions, stream item conversion, the raw
+health check, and combining several replicas' answers to an admin call."""
 import itertools
 import threading
 import time
 
 from detlogp import requests
-from detlogp.errors import DeadlineExceeded
-from detlogp.retry import RetryPolicy
+from detlogp.credentials import bearer
+from detlogp.errors import DeadlineExceeded, NotFound, ReplicaMismatch
+from detlogp.results import ModelVersionResult
+from detlogp.retry import RetryPolicy, is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
@@ -65,17 +68,115 @@ class Deadline:
         return self._end is None or time.monotonic() + seconds < self._end
 
 
-def stream_item_to_request(item, index):
+class CallPlan:
+    """Which target each attempt of one unary call goes to, and whether a
+    failed attempt is tried again.
+
+    The first attempt takes the next target round-robin. A retryable error
+    (UNAVAILABLE, queue full) is retried with backoff within the deadline,
+    on the next round-robin target, up to RetryPolicy.max_attempts. With
+    `retry_not_found` (a call pinned to an explicit model version), NOT_FOUND
+    moves at once to the following target, so a replica that lacks the
+    version is skipped; each target is tried at most once that way."""
+
+    def __init__(self, state, timeout, retry_not_found=False):
+        self.deadline = Deadline(state.timeout if timeout is None else timeout)
+        self._state = state
+        self._n = len(state.targets)
+        self.index = state._rr.next()
+        self._retry_not_found = retry_not_found
+        self._failures = 0
+        self._not_found = 0
+
+    def after(self, error):
+        """None when `error` should be raised; else the seconds to wait
+        before the next attempt (self.index is then its target)."""
+        if self._retry_not_found and isinstance(error, NotFound):
+            self._not_found += 1
+            if self._not_found >= self._n:
+                return None
+            self.index = (self.index + 1) % self._n
+            self._state.retries += 1
+            return 0.0
+        self._failures += 1
+        policy = self._state.retry
+        if not is_retryable(error) or self._failures >= policy.max_attempts:
+            return None
+        pause = policy.backoff(self._failures - 1)
+        if not self.deadline.allows_sleep(pause):
+            return None
+        self.index = self._state._rr.next()
+        self._state.retries += 1
+        return pause
+
+
+def stream_item_to_request(item, index, model=None, version=None):
     """A StreamLogProbs item: a LogProbRequest, a (hidden, targets) tuple, or
-    a dict of logprob_request's keyword arguments."""
+    a dict of logprob_request's keyword arguments. `model` and `version`
+    apply to items that do not name their own."""
     if isinstance(item, pb.LogProbRequest):
+        if (model and not item.model) or (version and not item.model_version):
+            request = pb.LogProbRequest()
+            request.CopyFrom(item)  # the caller's message stays as it was
+            request.model = item.model or model or ""
+            request.model_version = item.model_version or int(version or 0)
+            return request
         return item
     if isinstance(item, dict):
         kwargs = dict(item)
         kwargs.setdefault("request_id", str(index))
+        if kwargs.get("model") is None:
+            kwargs["model"] = model
+        if kwargs.get("version") is None:
+            kwargs["version"] = version
         return requests.logprob_request(**kwargs)
     hidden, targets = item
-    return requests.logprob_request(hidden, targets, request_id=str(index))
+    return requests.logprob_request(hidden, targets, request_id=str(index),
+                                    model=model, version=version)
+
+
+def legacy_info_args(model, timeout):
+    """info(5.0) meant info(timeout=5.0) before models had names."""
+    if isinstance(model, (int, float)) and not isinstance(model, bool):
+        return None, model if timeout is None else timeout
+    return model, timeout
+
+
+def combine_versions(model, per_target):
+    """One ModelVersionResult from {target: ModelVersionStatus}; raises
+    ReplicaMismatch when the targets disagree on the determinism key, the
+    digest or the version number (a version pinned by number would then
+    mean different weights on different replicas)."""
+    statuses = list(per_target.values())
+    first = statuses[0]
+    for what in ("determinism_key", "weights_sha256", "version"):
+        values = {target: getattr(status, what) for target, status in per_target.items()}
+        if len(set(values.values())) > 1:
+            listed = ", ".join(f"{t}: {v}" for t, v in values.items())
+            raise ReplicaMismatch(
+                f"model '{model}': the targets answered with different {what}s "
+                f"({listed}); each published its version, but equal requests "
+                "will not get equal bits (or the same version number) everywhere",
+                per_target)
+    return ModelVersionResult(model=model, version=int(first.version),
+                              weights_sha256=first.weights_sha256,
+                              determinism_key=first.determinism_key,
+                              per_target=dict(per_target))
+
+
+def first_failure(model, action, outcomes):
+    """Of {target: status or exception}, the first exception, annotated with
+    every target's outcome (`.per_target`), or None when all succeeded."""
+    for target, outcome in outcomes.items():
+        if isinstance(outcome, BaseException):
+            outcome.per_target = dict(outcomes)
+            if len(outcomes) > 1:
+                done = [t for t, o in outcomes.items() if not isinstance(o, BaseException)]
+                outcome.args = (f"{outcome.args[0] if outcome.args else outcome} "
+                                f"[{action} of '{model}' on {target}; succeeded on: "
+                                f"{', '.join(done) or 'none'}]",)
+            return outcome
+    return None
 
 
 def parse_health_response(data):
@@ -106,10 +207,14 @@ class ClientState:
     def __init__(self, targets, *, timeout=30.0, retry=RetryPolicy(),
                  max_message_mb=256, channel_args=(), token=None,
                  root_certificates=None, client_certificate=None,
-                 client_key=None):
+                 client_key=None, admin_token=None, admin_timeout=600.0):
         self.targets = normalize_targets(targets)
         self.timeout = timeout
         self.retry = retry
+        self.admin_timeout = admin_timeout
+        # Admin calls carry the admin token as their only bearer token (the
+        # channel's scoring token is then left off).
+        self._admin_metadata = bearer(admin_token) if admin_token else None
         options = channel_options(max_message_mb) + list(channel_args)
         self._channels = [
             self._make_channel(t, options, token=token,
@@ -119,9 +224,13 @@ class ClientState:
             for t in self.targets]
         self._logp = [pb_grpc.LogProbServiceStub(c) for c in self._channels]
         self._proj = [pb_grpc.ProjectionServiceStub(c) for c in self._channels]
+        self._repo = [pb_grpc.ModelRepositoryServiceStub(c) for c in self._channels]
         self._health = [c.unary_unary(HEALTH_METHOD, request_serializer=identity,
                                       response_deserializer=identity)
                         for c in self._channels]
         self._rr = RoundRobin(len(self.targets))
         self.attempts = 0  # calls sent, retries included
         self.retries = 0
+
+    def _admin_timeout(self, timeout):
+        return self.admin_timeout if timeout is None else timeout

@@ -12,17 +12,20 @@ import grpc
 
 from detlogp import requests
 from detlogp.credentials import make_aio_channel
-from detlogp._common import (ClientState, Deadline, parse_health_response,
+from detlogp._common import (CallPlan, ClientState, Deadline, combine_versions,
+                              first_failure, legacy_info_args,
+                              parse_health_response,
                               stream_item_to_request)
-from detlogp.errors import from_rpc_error
+from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
-from detlogp.retry import is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
+from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
 
 
 class AsyncClient(ClientState):
-    """Round-robin over targets, deadlines and retries as in Client. Create
-    it inside the event loop that uses it."""
+    """Round-robin over targets, deadlines and retries as in Client, and the
+    same model calls (admin_token, every-target uploads, NOT_FOUND moving
+    on for pinned versions). Create it inside the event loop that uses it."""
 
     _make_channel = staticmethod(make_aio_channel)
 
@@ -40,44 +43,48 @@ class AsyncClient(ClientState):
         for channel in self._channels:
             await asyncio.wait_for(channel.channel_ready(), timeout)
 
-    async def _unary(self, stubs, method, request, timeout):
-        deadline = Deadline(self.timeout if timeout is None else timeout)
-        attempt = 0
+    async def _unary(self, stubs, method, request, timeout, *,
+                     retry_not_found=False, metadata=None):
+        plan = CallPlan(self, timeout, retry_not_found)
         while True:
-            stub = stubs[self._rr.next()]
+            call = method(stubs[plan.index])
             self.attempts += 1
             try:
-                return await method(stub)(request, timeout=deadline.remaining())
+                if metadata is None:
+                    return await call(request, timeout=plan.deadline.remaining())
+                return await call(request, timeout=plan.deadline.remaining(),
+                                  metadata=metadata)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
-            attempt += 1
-            if not is_retryable(error) or attempt >= self.retry.max_attempts:
+            pause = plan.after(error)
+            if pause is None:
                 raise error
-            pause = self.retry.backoff(attempt - 1)
-            if not deadline.allows_sleep(pause):
-                raise error
-            self.retries += 1
-            await asyncio.sleep(pause)
+            if pause:
+                await asyncio.sleep(pause)
 
-    async def info(self, timeout=None):
+    async def info(self, model=None, version=None, *, timeout=None):
+        model, timeout = legacy_info_args(model, timeout)
         return await self._unary(self._logp, lambda s: s.GetModelInfo,
-                                 pb.GetModelInfoRequest(), timeout)
+                                 requests.model_info_request(model, version),
+                                 timeout, retry_not_found=bool(version))
 
     async def health(self, timeout=5.0):
         data = await self._unary(self._health, lambda s: s, b"", timeout)
         return parse_health_response(data)
 
     async def logprobs(self, hidden, targets, *, temperature=0.0,
-                       return_lse=False, timeout=None, request_id=""):
+                       return_lse=False, timeout=None, request_id="",
+                       model=None, version=None):
         request = requests.logprob_request(hidden, targets, temperature,
-                                           return_lse, request_id)
+                                           return_lse, request_id, model, version)
         return logprob_result(await self.compute(request, timeout=timeout))
 
     async def compute(self, request, timeout=None):
         return await self._unary(self._logp, lambda s: s.ComputeLogProbs,
-                                 request, timeout)
+                                 request, timeout,
+                                 retry_not_found=bool(request.model_version))
 
-    async def stream(self, items, *, timeout=None):
+    async def stream(self, items, *, timeout=None, model=None, version=None):
         """Async generator over StreamLogProbs; `items` may be a plain or an
         async iterable. One target, no retries."""
         stub = self._logp[self._rr.next()]
@@ -87,11 +94,11 @@ class AsyncClient(ClientState):
             index = 0
             if hasattr(items, "__aiter__"):
                 async for item in items:
-                    yield stream_item_to_request(item, index)
+                    yield stream_item_to_request(item, index, model, version)
                     index += 1
             else:
                 for item in items:
-                    yield stream_item_to_request(item, index)
+                    yield stream_item_to_request(item, index, model, version)
                     index += 1
 
         call = stub.StreamLogProbs(
@@ -117,3 +124,66 @@ class AsyncClient(ClientState):
             return call
 
         return await self._unary(self._proj, run, request, timeout)
+
+    # ------------------------------------------------------------ models
+    async def list_models(self, timeout=None):
+        return await self._unary(self._repo, lambda s: s.ListModels,
+                                 pb.ListModelsRequest(), timeout,
+                                 metadata=self._admin_metadata)
+
+    async def load_model(self, name, path, lm_head_tensor=None, bias_tensor=None,
+                         vocab_size=None, expected_sha256=None, *, timeout=None):
+        request = pb.LoadModelRequest(
+            model=name, path=str(path), lm_head_tensor=lm_head_tensor or "",
+            bias_tensor=bias_tensor or "", vocab_size=int(vocab_size or 0),
+            expected_weights_sha256=expected_sha256 or "")
+        outcomes = await self._on_every_target(
+            name, "LoadModel",
+            lambda i, left: self._repo[i].LoadModel(
+                request, timeout=left, metadata=self._admin_metadata),
+            timeout)
+        return combine_versions(name, outcomes)
+
+    async def upload_model(self, name, weight, bias=None, vocab_size=None,
+                           chunk_bytes=DEFAULT_CHUNK_BYTES, *, weights_sha256=None,
+                           timeout=None):
+        """Client.upload_model as a coroutine (every target at once)."""
+        head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
+
+        async def messages():
+            for message in head.messages(name, chunk_bytes, weights_sha256):
+                yield message
+
+        outcomes = await self._on_every_target(
+            name, "UploadModel",
+            lambda i, left: self._repo[i].UploadModel(
+                messages(), timeout=left, metadata=self._admin_metadata),
+            timeout)
+        return combine_versions(name, outcomes)
+
+    async def unload_model(self, name, version, *, timeout=None):
+        request = pb.UnloadModelRequest(model=name, model_version=int(version))
+        await self._on_every_target(
+            name, "UnloadModel",
+            lambda i, left: self._repo[i].UnloadModel(
+                request, timeout=left, metadata=self._admin_metadata),
+            timeout)
+
+    async def _on_every_target(self, model, action, call, timeout):
+        deadline = Deadline(self._admin_timeout(timeout))
+
+        async def one(index):
+            self.attempts += 1
+            try:
+                return await call(index, deadline.remaining())
+            except grpc.RpcError as rpc_error:
+                return from_rpc_error(rpc_error)
+            except DetlogpError as error:
+                return error
+
+        answers = await asyncio.gather(*[one(i) for i in range(len(self.targets))])
+        outcomes = dict(zip(self.targets, answers))
+        failure = first_failure(model, action, outcomes)
+        if failure is not None:
+            raise failure
+        return outcomes

@@ -3,19 +3,28 @@
 Example:
     with detlogp.Client(["127.0.0.1:50051", "127.0.0.1:50052"]) as client:
         result = client.logprobs(hidden, targets, return_lse=True, timeout=5)
+
+    # live weights: push a new policy to every target, score pinned to it
+    with detlogp.Client(targets, admin_token=ADMIN) as client:
+        published = client.upload_model("policy", weight_bf16, bias)
+        result = client.logprobs(hidden, ids, model="policy",
+                                 version=published.version)
 """
+import concurrent.futures
 import time
 
 import grpc
 
 from detlogp import requests
 from detlogp.credentials import make_channel
-from detlogp._common import (ClientState, Deadline, parse_health_response,
+from detlogp._common import (CallPlan, ClientState, Deadline, combine_versions,
+                              first_failure, legacy_info_args,
+                              parse_health_response,
                               stream_item_to_request)
-from detlogp.errors import from_rpc_error
+from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
-from detlogp.retry import is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
+from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
 
 
 class Client(ClientState):
@@ -27,6 +36,16 @@ class Client(ClientState):
     token: bearer token sent on every call (servers with --auth_tokens_file).
     root_certificates, client_certificate, client_key: PEM bytes for TLS and
       mutual TLS (servers with --tls_cert / --tls_client_ca).
+    admin_token: bearer token for ModelRepositoryService calls (list, load,
+      upload, unload; servers with --admin_tokens_file), sent on those calls
+      only, instead of `token`.
+    admin_timeout: default seconds for load/upload/unload (they wait until
+      the version is placed and warmed up, or freed).
+
+    With several targets, scoring is round-robin; load_model, upload_model
+    and unload_model act on EVERY target (replicas must hold the same
+    versions), and a call pinned to a version that one target lacks
+    (NOT_FOUND) moves on to the next target.
     """
 
     _make_channel = staticmethod(make_channel)
@@ -48,31 +67,37 @@ class Client(ClientState):
             grpc.channel_ready_future(channel).result(timeout=timeout)
 
     # ------------------------------------------------------------ calls
-    def _unary(self, stubs, method, request, timeout):
-        """Runs stubs[i].method(request) with round-robin, deadline and retries."""
-        deadline = Deadline(self.timeout if timeout is None else timeout)
-        attempt = 0
+    def _unary(self, stubs, method, request, timeout, *, retry_not_found=False,
+               metadata=None):
+        """Runs stubs[i].method(request) with round-robin, deadline and
+        retries (CallPlan)."""
+        plan = CallPlan(self, timeout, retry_not_found)
         while True:
-            stub = stubs[self._rr.next()]
+            call = method(stubs[plan.index])
             self.attempts += 1
             try:
-                return method(stub)(request, timeout=deadline.remaining())
+                if metadata is None:
+                    return call(request, timeout=plan.deadline.remaining())
+                return call(request, timeout=plan.deadline.remaining(),
+                            metadata=metadata)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
-            attempt += 1
-            if not is_retryable(error) or attempt >= self.retry.max_attempts:
+            pause = plan.after(error)
+            if pause is None:
                 raise error
-            pause = self.retry.backoff(attempt - 1)
-            if not deadline.allows_sleep(pause):
-                raise error
-            self.retries += 1
-            time.sleep(pause)
+            if pause:
+                time.sleep(pause)
 
-    def info(self, timeout=None):
-        """The server's ModelInfo message (hidden_size, vocab_size, ...,
-        determinism_key)."""
+    def info(self, model=None, version=None, *, timeout=None):
+        """A ModelInfo message: hidden_size, vocab_size, ..., determinism_key
+        of `model` (None: the server's default model) at `version` (None:
+        its latest ready one), with .model, .model_version and .versions
+        (every version the server holds of that model). A number as the
+        first argument is taken as `timeout` (the former signature)."""
+        model, timeout = legacy_info_args(model, timeout)
         return self._unary(self._logp, lambda s: s.GetModelInfo,
-                           pb.GetModelInfoRequest(), timeout)
+                           requests.model_info_request(model, version), timeout,
+                           retry_not_found=bool(version))
 
     def health(self, timeout=5.0):
         """grpc.health.v1 status of the next target: "SERVING", ..."""
@@ -80,24 +105,33 @@ class Client(ClientState):
         return parse_health_response(data)
 
     def logprobs(self, hidden, targets, *, temperature=0.0, return_lse=False,
-                 timeout=None, request_id=""):
-        """log p(target) for each row of hidden [N, H]: a LogProbResult."""
+                 timeout=None, request_id="", model=None, version=None):
+        """log p(target) for each row of hidden [N, H]: a LogProbResult.
+
+        model: None for the server's default model. version: None for the
+        latest ready version, else that version exactly (NotFound when no
+        target holds it). The result names the model and version used
+        (.model, .model_version); scoring again with version= that number
+        gives the same bits."""
         request = requests.logprob_request(hidden, targets, temperature,
-                                           return_lse, request_id)
+                                           return_lse, request_id, model, version)
         return logprob_result(self.compute(request, timeout=timeout))
 
     def compute(self, request, timeout=None):
-        """ComputeLogProbs on a ready LogProbRequest; the raw response."""
+        """ComputeLogProbs on a ready LogProbRequest; the raw response. A
+        request pinned to a model_version is retried on the next target when
+        one answers NOT_FOUND."""
         return self._unary(self._logp, lambda s: s.ComputeLogProbs, request,
-                           timeout)
+                           timeout, retry_not_found=bool(request.model_version))
 
-    def stream(self, items, *, timeout=None):
+    def stream(self, items, *, timeout=None, model=None, version=None):
         """StreamLogProbs over `items` (LogProbRequest, (hidden, targets), or
         dicts of logprobs() arguments); yields LogProbResults in order.
-        One target, no retries: a failure ends the stream with its error."""
+        `model` and `version` apply to items that name none. One target, no
+        retries: a failure ends the stream with its error."""
         stub = self._logp[self._rr.next()]
         self.attempts += 1
-        request_iter = (stream_item_to_request(item, i)
+        request_iter = (stream_item_to_request(item, i, model, version)
                         for i, item in enumerate(items))
         call = stub.StreamLogProbs(
             request_iter, timeout=self.timeout if timeout is None else timeout)
@@ -124,3 +158,93 @@ class Client(ClientState):
             return call
 
         return self._unary(self._proj, run, request, timeout)
+
+    # ------------------------------------------------------------ models
+    def list_models(self, timeout=None):
+        """ModelRepositoryService.ListModels on the next target: a
+        ListModelsResponse with .models (a ModelInfo per model, its
+        .versions listing each ModelVersionStatus) and .default_model."""
+        return self._unary(self._repo, lambda s: s.ListModels,
+                           pb.ListModelsRequest(), timeout,
+                           metadata=self._admin_metadata)
+
+    def load_model(self, name, path, lm_head_tensor=None, bias_tensor=None,
+                   vocab_size=None, expected_sha256=None, *, timeout=None):
+        """Loads the .safetensors file `path` (relative to each server's
+        --model_root) as the next version of model `name` on every target;
+        returns once it is ready and the latest: a ModelVersionResult.
+        expected_sha256: the weights' digest must equal it."""
+        request = pb.LoadModelRequest(
+            model=name, path=str(path), lm_head_tensor=lm_head_tensor or "",
+            bias_tensor=bias_tensor or "", vocab_size=int(vocab_size or 0),
+            expected_weights_sha256=expected_sha256 or "")
+        outcomes = self._on_every_target(
+            name, "LoadModel",
+            lambda i, left: self._repo[i].LoadModel(
+                request, timeout=left, metadata=self._admin_metadata),
+            timeout)
+        return combine_versions(name, outcomes)
+
+    def upload_model(self, name, weight, bias=None, vocab_size=None,
+                     chunk_bytes=DEFAULT_CHUNK_BYTES, *, weights_sha256=None,
+                     timeout=None):
+        """Streams an lm_head to every target as the next version of model
+        `name`; returns once it is ready and the latest there: a
+        ModelVersionResult (.version, .weights_sha256, .determinism_key,
+        .per_target). Raises ReplicaMismatch when the targets' keys (or
+        version numbers) differ.
+
+        weight: [V_pad, H]: numpy float32/float16 (rounded to bf16 by
+          round-to-nearest-even, as the server rounds), ml_dtypes.bfloat16 or
+          uint16 bf16 bits, or a torch tensor (CPU or CUDA; bf16 sent as its
+          bits); or a detlogp.weights.LmHead prepared once.
+        bias: [V_pad] float (sent as fp32), or None.
+        vocab_size: the real vocabulary (None: every row).
+        weights_sha256: the digest the weights must have (e.g. recorded by
+          the trainer); default: computed while sending.
+        """
+        head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
+        outcomes = self._on_every_target(
+            name, "UploadModel",
+            lambda i, left: self._repo[i].UploadModel(
+                head.messages(name, chunk_bytes, weights_sha256), timeout=left,
+                metadata=self._admin_metadata),
+            timeout)
+        return combine_versions(name, outcomes)
+
+    def unload_model(self, name, version, *, timeout=None):
+        """Unloads version `version` of model `name` on every target: new
+        requests pinned to it get NotFound at once; returns when every
+        request that picked it is answered and it is freed."""
+        request = pb.UnloadModelRequest(model=name, model_version=int(version))
+        self._on_every_target(
+            name, "UnloadModel",
+            lambda i, left: self._repo[i].UnloadModel(
+                request, timeout=left, metadata=self._admin_metadata),
+            timeout)
+
+    def _on_every_target(self, model, action, call, timeout):
+        """call(i, seconds_left) on every target at once (no retries: these
+        calls change the server); {target: answer}, or the first error with
+        every target's outcome in its .per_target."""
+        deadline = Deadline(self._admin_timeout(timeout))
+
+        def one(index):
+            self.attempts += 1
+            try:
+                return call(index, deadline.remaining())
+            except grpc.RpcError as rpc_error:
+                return from_rpc_error(rpc_error)
+            except DetlogpError as error:
+                return error
+
+        if len(self.targets) == 1:
+            answers = [one(0)]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(len(self.targets)) as pool:
+                answers = list(pool.map(one, range(len(self.targets))))
+        outcomes = dict(zip(self.targets, answers))
+        failure = first_failure(model, action, outcomes)
+        if failure is not None:
+            raise failure
+        return outcomes

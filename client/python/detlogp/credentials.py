@@ -1,6 +1,7 @@
 """Channels with the server's security options: TLS roots (and a client
 certificate for mutual TLS) and a bearer token sent on every call as
-"authorization: Bearer <token>"."""
+"authorization: Bearer <token>", unless the call carries its own
+authorization (admin calls carry the admin token instead)."""
 import collections
 
 import grpc
@@ -16,7 +17,19 @@ class _CallDetails(
     pass
 
 
+def has_authorization(metadata):
+    """True when call metadata already holds an authorization entry."""
+    return any(key.lower() == "authorization" for key, _ in (metadata or ()))
+
+
+def bearer(token):
+    """Call metadata sending `token` as the call's only bearer token."""
+    return (("authorization", f"Bearer {token}"),)
+
+
 def _with_token(details, token):
+    if has_authorization(details.metadata):
+        return details
     metadata = list(details.metadata or []) + [("authorization", f"Bearer {token}")]
     return _CallDetails(details.method, details.timeout, metadata,
                         details.credentials, details.wait_for_ready,
@@ -45,6 +58,8 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor,
 
 def _aio_token_interceptors(token):
     def add(details):
+        if has_authorization(details.metadata):
+            return details
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
         metadata.add("authorization", f"Bearer {token}")
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
@@ -58,11 +73,15 @@ def _aio_token_interceptors(token):
         async def intercept_unary_stream(self, continuation, details, request):
             return await continuation(add(details), request)
 
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, details, requests):
+            return await continuation(add(details), requests)
+
     class StreamStream(grpc.aio.StreamStreamClientInterceptor):
         async def intercept_stream_stream(self, continuation, details, requests):
             return await continuation(add(details), requests)
 
-    return [UnaryUnary(), UnaryStream(), StreamStream()]
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
 
 
 def _ssl(root_certificates, client_certificate, client_key):

@@ -8,7 +8,15 @@
     UNAVAILABLE         -> Unavailable
     CANCELLED           -> Cancelled
     UNIMPLEMENTED       -> Unimplemented
+    UNAUTHENTICATED     -> Unauthenticated
+    PERMISSION_DENIED   -> PermissionDenied (.field: "path", ...)
+    NOT_FOUND           -> NotFound         (.field: "model", "model_version")
+    DATA_LOSS           -> DataLoss         (.field: "weights_sha256")
+    FAILED_PRECONDITION -> FailedPrecondition
     anything else       -> DetlogpError
+
+ReplicaMismatch is raised by the client itself when replicas that were
+given the same weights answer with different determinism keys or versions.
 """
 import re
 
@@ -25,16 +33,32 @@ class DetlogpError(Exception):
         self.details = details
 
 
+_FIELD = re.compile(r"^([A-Za-z_][\w.]*(?:\[\d+\])?(?:\.\w+)*):")
+
+
+def _field_of(details):
+    match = _FIELD.match(details or "")
+    return match.group(1) if match else None
+
+
 class InvalidArgument(DetlogpError):
     """The request was malformed. `field` names the offending field as the
-    server reported it (e.g. "target_ids[3]"), or None if it named none."""
-
-    _FIELD = re.compile(r"^([A-Za-z_][\w.]*(?:\[\d+\])?(?:\.\w+)*):")
+    server reported it (e.g. "target_ids[3]", "header.shape"), or None if it
+    named none."""
 
     def __init__(self, details, code=grpc.StatusCode.INVALID_ARGUMENT):
         super().__init__(details, code)
-        match = self._FIELD.match(details or "")
-        self.field = match.group(1) if match else None
+        self.field = _field_of(details)
+
+
+class NotFound(DetlogpError):
+    """NOT_FOUND: no such model ("model") or no ready version of it
+    ("model_version"), or a LoadModel path that does not exist ("path").
+    `field` names what the server could not find."""
+
+    def __init__(self, details, code=grpc.StatusCode.NOT_FOUND):
+        super().__init__(details, code)
+        self.field = _field_of(details)
 
 
 class Overloaded(DetlogpError):
@@ -64,7 +88,44 @@ class Unimplemented(DetlogpError):
 
 
 class Unauthenticated(DetlogpError):
-    """The call carried no valid bearer token (or client certificate)."""
+    """The call carried no valid bearer token (or client certificate); for
+    ModelRepositoryService calls, no valid admin token."""
+
+
+class PermissionDenied(DetlogpError):
+    """PERMISSION_DENIED: the server refuses the call whoever makes it: a
+    LoadModel path that leaves --model_root (absolute, "..", a symlink out;
+    `field` is "path"), or admin calls on a server that listens beyond
+    loopback without --admin_tokens_file."""
+
+    def __init__(self, details, code=grpc.StatusCode.PERMISSION_DENIED):
+        super().__init__(details, code)
+        self.field = _field_of(details)
+
+
+class DataLoss(DetlogpError):
+    """DATA_LOSS: the uploaded bytes do not hash to the digest the client
+    sent (`field` is "weights_sha256"); nothing was changed on the server."""
+
+    def __init__(self, details, code=grpc.StatusCode.DATA_LOSS):
+        super().__init__(details, code)
+        self.field = _field_of(details)
+
+
+class FailedPrecondition(DetlogpError):
+    """FAILED_PRECONDITION: e.g. LoadModel on a server without --model_root."""
+
+
+class ReplicaMismatch(DetlogpError):
+    """Raised by the client (no server status): replicas given the same
+    weights answered with different determinism keys (or version numbers),
+    so equal requests would not get equal bits on every target. `results`
+    maps each target to its ModelVersionStatus; the version IS published on
+    every replica that answered."""
+
+    def __init__(self, details, results=None):
+        super().__init__(details, None)
+        self.results = dict(results or {})
 
 
 _BY_CODE = {
@@ -75,6 +136,10 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.CANCELLED: Cancelled,
     grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
 
 

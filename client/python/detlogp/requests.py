@@ -8,16 +8,24 @@ from detlogp.v1 import detlogp_pb2 as pb
 
 
 def logprob_request(hidden, targets, temperature=0.0, return_lse=False,
-                    request_id=""):
-    """A LogProbRequest for hidden [N, H] and N target ids. Shapes are not
-    checked here: the server names the field that is wrong."""
+                    request_id="", model=None, version=None):
+    """A LogProbRequest for hidden [N, H] and N target ids, scored with
+    `model` (None: the server's default model) at `version` (None or 0: its
+    latest ready version). Shapes are not checked here: the server names
+    the field that is wrong."""
     return pb.LogProbRequest(
         request_id=request_id,
         hidden=tensors.to_tensor(hidden),
         target_ids=[int(t) for t in np.asarray(targets).reshape(-1)],
         temperature=float(temperature),
         return_lse=bool(return_lse),
+        model=model or "",
+        model_version=int(version or 0),
     )
+
+
+def model_info_request(model=None, version=None):
+    return pb.GetModelInfoRequest(model=model or "", model_version=int(version or 0))
 
 
 def project_request(x, rows_per_chunk=0, request_id=""):

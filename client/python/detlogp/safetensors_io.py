@@ -47,8 +47,26 @@ def write(path, named_arrays):
         f.write(to_bytes(named_arrays))
 
 
-def read(path):
-    """Returns {name: array} (BF16 as uint16 bits)."""
+def read(path, mmap=False):
+    """Returns {name: array} (BF16 as uint16 bits). With mmap=True the arrays
+    are read-only views of the file mapped into memory (nothing is read
+    until used: for multi-GB lm_heads)."""
+    if mmap:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        out = {}
+        for name, meta in header.items():
+            begin, end = meta["data_offsets"]
+            dtype = _DTYPES.get(meta["dtype"])
+            if dtype is None:
+                raise ValueError(f"{path}: tensor '{name}' has unsupported dtype "
+                                 f"{meta['dtype']}")
+            count = (end - begin) // dtype.itemsize
+            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + length + begin,
+                                  shape=(count,)).reshape(meta["shape"])
+        return out
     with open(path, "rb") as f:
         blob = f.read()
     (length,) = struct.unpack("<Q", blob[:8])

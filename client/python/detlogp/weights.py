@@ -1,0 +1,186 @@
+"""lm_head weights for ModelRepositoryService.UploadModel: the bf16 bytes the
+server takes, the model's digest, and the upload's messages.
+
+The wire form (docs/live_weights.md): weight [V_pad, H] as bf16, row-major,
+little-endian; optional bias [V_pad] as fp32. The digest is SHA-256 over
+
+    "detlogp-lm-head-v1 H=<H> V=<vocab_size> V_pad=<V_pad> bias=<0|1>\\n"
+
+then the weight bytes, then the bias bytes (vocab_size 0 means V_pad).
+
+Accepted weights:
+  numpy float32 / float16 / float64   rounded to bf16 by round-to-nearest-even
+                                      (tensors.float32_to_bf16_bits, the
+                                      server's rule; float64 goes through
+                                      float32 first, as hidden rows do), in
+                                      blocks of rows: one bf16 buffer is made,
+                                      never a full float32 copy
+  numpy ml_dtypes.bfloat16 or uint16  taken as bf16 bits, no copy when
+                                      C-contiguous and little-endian
+  torch tensors (CPU or CUDA)         bfloat16 viewed as int16 and copied to
+                                      the host as they are (no float32
+                                      detour); float types as numpy's after
+                                      .cpu(). torch is imported only when a
+                                      torch tensor is passed.
+The bias: any float array or tensor of V_pad values, sent as fp32.
+"""
+import hashlib
+
+import numpy as np
+
+from detlogp import tensors
+from detlogp.v1 import detlogp_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+# Elements rounded per block when a float weight is converted to bf16: the
+# float32 temporaries stay ~16 MiB whatever the weight's size.
+_ROUND_BLOCK_ELEMENTS = 1 << 22
+
+
+def is_torch_tensor(value):
+    """True for a torch.Tensor, without importing torch."""
+    return type(value).__module__.split(".", 1)[0] == "torch" and hasattr(value, "detach")
+
+
+def _torch_to_numpy(tensor, *, for_weight):
+    import torch  # reached only for torch tensors, so torch is installed
+
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        if not for_weight:
+            return tensor.to(torch.float32).cpu().numpy()  # exact widening
+        # The bf16 bits as they are: a view, then one device-to-host copy
+        # (none for a contiguous CPU tensor).
+        return tensor.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    if tensor.dtype in (torch.float32, torch.float16, torch.float64):
+        return tensor.cpu().numpy()
+    raise TypeError(f"torch dtype {tensor.dtype} is not bfloat16, float16, "
+                    "float32 or float64")
+
+
+def weight_bits(weight):
+    """The weight as a C-contiguous little-endian uint16 array of bf16 bits
+    (see the module's docstring for what is accepted)."""
+    if is_torch_tensor(weight):
+        weight = _torch_to_numpy(weight, for_weight=True)
+    array = np.asarray(weight)
+    kind, size = array.dtype.kind, array.dtype.itemsize
+    if tensors.BFLOAT16 is not None and array.dtype == tensors.BFLOAT16:
+        array = array.view(np.uint16)
+        kind = "u"
+    if kind == "u" and size == 2:
+        return np.ascontiguousarray(array, dtype="<u2")
+    if kind != "f" or size not in (2, 4, 8):
+        raise TypeError(
+            f"weight dtype {array.dtype} is not float32, float16, float64, "
+            "bfloat16 (ml_dtypes or torch) or uint16 bf16 bits")
+    if array.ndim == 0:
+        raise ValueError("weight must be [padded_vocab_size, hidden_size]")
+    out = np.empty(array.shape, dtype="<u2")
+    rows = array.shape[0]
+    per_row = max(1, int(np.prod(array.shape[1:])))
+    step = max(1, _ROUND_BLOCK_ELEMENTS // per_row)
+    for begin in range(0, rows, step):
+        block = array[begin:begin + step].astype(np.float32)  # fp16: exact
+        out[begin:begin + step] = tensors.float32_to_bf16_bits(block)
+    return out
+
+
+def bias_values(bias, padded_vocab_size):
+    """The bias as a C-contiguous little-endian float32 [padded_vocab_size]."""
+    if is_torch_tensor(bias):
+        bias = _torch_to_numpy(bias, for_weight=False)
+    array = np.asarray(bias)
+    is_bf16 = tensors.BFLOAT16 is not None and array.dtype == tensors.BFLOAT16
+    if array.dtype.kind != "f" and not is_bf16:
+        raise TypeError(f"bias dtype {array.dtype} is not a float type")
+    if array.shape != (padded_vocab_size,):
+        raise ValueError(f"bias has shape {list(array.shape)}; expected "
+                         f"[{padded_vocab_size}] (one fp32 per weight row)")
+    return np.ascontiguousarray(array, dtype="<f4")
+
+
+def digest_preamble(hidden_size, vocab_size, padded_vocab_size, has_bias):
+    """The ASCII line the model digest starts with."""
+    return (f"detlogp-lm-head-v1 H={hidden_size} V={vocab_size} "
+            f"V_pad={padded_vocab_size} bias={1 if has_bias else 0}\n").encode("ascii")
+
+
+class LmHead:
+    """An lm_head ready to upload: bf16 weight bits and an fp32 bias held
+    once; `messages()` yields the UploadModel stream from memoryview slices
+    of them, hashing while it yields.
+
+    vocab_size: the real vocabulary (rows beyond it are padding); None or 0
+    means every row.
+    """
+
+    def __init__(self, weight, bias=None, vocab_size=None):
+        self.weight = weight_bits(weight)
+        if self.weight.ndim != 2:
+            raise ValueError(f"weight has shape {list(self.weight.shape)}; expected "
+                             "[padded_vocab_size, hidden_size]")
+        self.padded_vocab_size, self.hidden_size = (int(n) for n in self.weight.shape)
+        self.bias = None if bias is None else bias_values(bias, self.padded_vocab_size)
+        self.vocab_size = int(vocab_size or 0)
+        self._sha256 = None
+
+    @property
+    def has_bias(self):
+        return self.bias is not None
+
+    @property
+    def nbytes(self):
+        """Bytes the upload carries (weight and bias)."""
+        return self.weight.nbytes + (self.bias.nbytes if self.has_bias else 0)
+
+    def preamble(self):
+        return digest_preamble(self.hidden_size, self.vocab_size or self.padded_vocab_size,
+                               self.padded_vocab_size, self.has_bias)
+
+    def _buffers(self):
+        """The bytes in wire order, as memoryviews (no copies)."""
+        views = [memoryview(self.weight.reshape(-1).view(np.uint8))]
+        if self.has_bias:
+            views.append(memoryview(self.bias.view(np.uint8)))
+        return views
+
+    def sha256(self):
+        """The digest the server will report as weights_sha256."""
+        if self._sha256 is None:
+            digest = hashlib.sha256(self.preamble())
+            for view in self._buffers():
+                digest.update(view)
+            self._sha256 = digest.hexdigest()
+        return self._sha256
+
+    def header(self, model):
+        return pb.UploadModelHeader(
+            model=model, dtype=pb.DTYPE_BFLOAT16,
+            shape=[self.padded_vocab_size, self.hidden_size],
+            vocab_size=self.vocab_size, has_bias=self.has_bias)
+
+    def messages(self, model, chunk_bytes=DEFAULT_CHUNK_BYTES, weights_sha256=None):
+        """The UploadModel stream: the header, the weight's then the bias's
+        bytes in chunks of `chunk_bytes`, then the digest, computed over the
+        bytes as they are yielded. `weights_sha256`, when given, is sent
+        instead of the computed digest: the server then refuses bytes that
+        do not hash to it (DATA_LOSS)."""
+        chunk_bytes = int(chunk_bytes)
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be > 0")
+        yield pb.UploadModelRequest(header=self.header(model))
+        digest = hashlib.sha256(self.preamble())
+        for view in self._buffers():
+            for begin in range(0, len(view), chunk_bytes):
+                piece = view[begin:begin + chunk_bytes]
+                digest.update(piece)
+                yield pb.UploadModelRequest(chunk=bytes(piece))
+        computed = digest.hexdigest()
+        self._sha256 = computed
+        yield pb.UploadModelRequest(weights_sha256=weights_sha256 or computed)
+
+
+def lm_head_sha256(weight, bias=None, vocab_size=None):
+    """The weights_sha256 the server reports for these weights."""
+    return LmHead(weight, bias, vocab_size).sha256()
