@@ -1,35 +1,57 @@
 """The `detlogp` console command.
 
-    detlogp info  --target HOST:PORT[,HOST:PORT...]
-    detlogp score --target HOST:PORT --rows 4 --seed 1 [--lse] [--json]
-    detlogp score --target HOST:PORT --hidden h.npy --targets t.npy
+    detlogp info   --target HOST:PORT[,HOST:PORT...] [--model M] [--version N]
+    detlogp score  --target HOST:PORT --rows 4 --seed 1 [--lse] [--json]
+    detlogp score  --target HOST:PORT --hidden h.npy --targets t.npy
+                   [--model M] [--version N]
+    detlogp models --target HOST:PORT                        (admin)
+    detlogp load   NAME PATH [--bias-tensor lm_head.bias] [--vocab-size V]
+                   [--sha256 HEX]                            (admin)
+    detlogp upload NAME FILE.safetensors|FILE.npy [--bias-tensor T | --bias b.npy]
+                   [--vocab-size V] [--chunk-mb 4]           (admin)
+    detlogp unload NAME VERSION                              (admin)
+
+Admin commands (ModelRepositoryService) send --admin-token (or
+$DETLOGP_ADMIN_TOKEN); scoring sends --token (or $DETLOGP_TOKEN). With
+several targets, load/upload/unload act on every one. `load` reads PATH
+relative to the server's --model_root; `upload` sends a local file: a
+.safetensors (tensor --lm-head-tensor, bias --bias-tensor) or a .npy
+[V_pad, H] (float32/float16, rounded to bf16, or uint16 bf16 bits).
 """
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
 
+from detlogp import safetensors_io
 from detlogp.client import Client
 from detlogp.errors import DetlogpError
 from detlogp.v1 import detlogp_pb2 as pb
 
 
+def _print(args, fields):
+    if args.json:
+        print(json.dumps(fields))
+    else:
+        for key, value in fields.items():
+            print(f"{key:18} {value}")
+
+
 def _info(client, args):
-    info = client.info()
+    info = client.info(model=args.model, version=args.version)
     fields = {
+        "model": info.model, "model_version": info.model_version,
         "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
         "padded_vocab_size": info.padded_vocab_size,
         "weight_dtype": pb.DType.Name(info.weight_dtype), "has_bias": info.has_bias,
         "weights_sha256": info.weights_sha256, "backend": info.backend,
         "kernel_version": info.kernel_version, "split_policy": info.split_policy,
         "determinism_key": info.determinism_key,
+        "versions": [v.version for v in info.versions],
     }
-    if args.json:
-        print(json.dumps(fields))
-    else:
-        for key, value in fields.items():
-            print(f"{key:18} {value}")
+    _print(args, fields)
 
 
 def _score(client, args):
@@ -39,12 +61,13 @@ def _score(client, args):
             raise SystemExit("--hidden needs --targets")
         targets = np.load(args.targets)
     else:
-        info = client.info()
+        info = client.info(model=args.model, version=args.version)
         rng = np.random.default_rng(args.seed)
         hidden = rng.standard_normal((args.rows, info.hidden_size), dtype=np.float32)
         targets = rng.integers(0, info.vocab_size, size=args.rows)
     result = client.logprobs(hidden, targets, temperature=args.temperature,
-                             return_lse=args.lse)
+                             return_lse=args.lse, model=args.model,
+                             version=args.version)
     rows = []
     for i, target in enumerate(np.asarray(targets).reshape(-1)):
         row = {"row": i, "target": int(target), "logprob": float(result.logprobs[i])}
@@ -52,13 +75,99 @@ def _score(client, args):
             row["lse"] = float(result.lse[i])
         rows.append(row)
     if args.json:
-        print(json.dumps({"determinism_key": result.determinism_key, "rows": rows}))
+        print(json.dumps({"determinism_key": result.determinism_key,
+                          "model": result.model,
+                          "model_version": result.model_version, "rows": rows}))
     else:
         print(f"determinism_key {result.determinism_key}")
+        print(f"model {result.model} version {result.model_version}")
         for row in rows:
             extra = f"  lse {row['lse']:.9g}" if "lse" in row else ""
             print(f"row {row['row']:4d}  target {row['target']:8d}  "
                   f"logprob {row['logprob']:.9g}{extra}")
+
+
+def _status_fields(status):
+    return {
+        "version": status.version,
+        "state": pb.ModelVersionStatus.State.Name(status.state),
+        "weights_sha256": status.weights_sha256,
+        "determinism_key": status.determinism_key,
+        "hidden_size": status.hidden_size, "vocab_size": status.vocab_size,
+        "padded_vocab_size": status.padded_vocab_size, "has_bias": status.has_bias,
+        "memory_bytes": status.memory_bytes, "source": status.source,
+        "persisted": status.persisted,
+        "requests_in_flight": status.requests_in_flight,
+    }
+
+
+def _models(client, args):
+    listing = client.list_models()
+    if args.json:
+        print(json.dumps({
+            "default_model": listing.default_model,
+            "models": {m.model: [_status_fields(v) for v in m.versions]
+                       for m in listing.models}}))
+        return
+    print(f"default model: {listing.default_model}")
+    for model in listing.models:
+        print(f"{model.model}  (H={model.hidden_size}, V={model.vocab_size}, "
+              f"V_pad={model.padded_vocab_size})")
+        for v in model.versions:
+            state = pb.ModelVersionStatus.State.Name(v.state)
+            print(f"  v{v.version:<5d} {state:9} {v.determinism_key}  "
+                  f"sha256 {v.weights_sha256[:16]}  {v.memory_bytes} B  "
+                  f"in flight {v.requests_in_flight}  {v.source}")
+
+
+def _published(args, result):
+    fields = {"model": result.model, "version": result.version,
+              "weights_sha256": result.weights_sha256,
+              "determinism_key": result.determinism_key,
+              "targets": list(result.per_target)}
+    _print(args, fields)
+
+
+def _load(client, args):
+    result = client.load_model(args.name, args.path, args.lm_head_tensor,
+                               args.bias_tensor, args.vocab_size, args.sha256)
+    _published(args, result)
+
+
+def _read_upload(args):
+    """(weight, bias) arrays from the file named on the command line."""
+    path = args.file
+    if path.endswith(".npy"):
+        weight = np.load(path, mmap_mode="r")
+        bias = np.load(args.bias, mmap_mode="r") if args.bias else None
+        if args.bias_tensor:
+            raise SystemExit("--bias-tensor applies to .safetensors; use --bias b.npy")
+        return weight, bias
+    tensors = safetensors_io.read(path, mmap=True)
+    name = args.lm_head_tensor or "lm_head.weight"
+    if name not in tensors:
+        raise SystemExit(f"{path}: no tensor '{name}' (has: {', '.join(tensors)})")
+    if args.bias and args.bias_tensor:
+        raise SystemExit("give --bias or --bias-tensor, not both")
+    if args.bias_tensor:
+        if args.bias_tensor not in tensors:
+            raise SystemExit(f"{path}: no tensor '{args.bias_tensor}'")
+        bias = tensors[args.bias_tensor]
+    else:
+        bias = np.load(args.bias, mmap_mode="r") if args.bias else None
+    return tensors[name], bias
+
+
+def _upload(client, args):
+    weight, bias = _read_upload(args)
+    result = client.upload_model(args.name, weight, bias, args.vocab_size,
+                                 chunk_bytes=int(args.chunk_mb * (1 << 20)))
+    _published(args, result)
+
+
+def _unload(client, args):
+    client.unload_model(args.name, args.version)
+    _print(args, {"model": args.name, "unloaded_version": args.version})
 
 
 def main(argv=None):
@@ -67,9 +176,20 @@ def main(argv=None):
     parser.add_argument("--target", default="127.0.0.1:50051",
                         help="host:port, or several separated by commas")
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--admin-timeout", type=float, default=600.0,
+                        help="seconds for load/upload/unload")
+    parser.add_argument("--token", default=os.environ.get("DETLOGP_TOKEN"),
+                        help="bearer token for scoring ($DETLOGP_TOKEN)")
+    parser.add_argument("--admin-token", default=os.environ.get("DETLOGP_ADMIN_TOKEN"),
+                        help="bearer token for admin commands ($DETLOGP_ADMIN_TOKEN)")
     parser.add_argument("--json", action="store_true", help="print JSON")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="the model and its determinism key")
+
+    def model_flags(command):
+        command.add_argument("--model", help="model name (default: the server's)")
+        command.add_argument("--version", type=int, help="model version (default: latest)")
+
+    model_flags(sub.add_parser("info", help="a model and its determinism key"))
     score = sub.add_parser("score", help="log p(target) for rows")
     score.add_argument("--rows", type=int, default=4, help="random rows to score")
     score.add_argument("--seed", type=int, default=0)
@@ -77,13 +197,40 @@ def main(argv=None):
     score.add_argument("--targets", help=".npy [N] int target ids")
     score.add_argument("--temperature", type=float, default=0.0)
     score.add_argument("--lse", action="store_true", help="also print logsumexp")
+    model_flags(score)
+    sub.add_parser("models", help="every model and its versions (admin)")
+    load = sub.add_parser("load", help="load a file under the server's --model_root (admin)")
+    load.add_argument("name")
+    load.add_argument("path", help="relative to the server's --model_root")
+    load.add_argument("--lm-head-tensor", help="default lm_head.weight")
+    load.add_argument("--bias-tensor", help="default: no bias")
+    load.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
+    load.add_argument("--sha256", help="the weights' expected digest")
+    upload = sub.add_parser("upload", help="send a local lm_head as a new version (admin)")
+    upload.add_argument("name")
+    upload.add_argument("file", help=".safetensors or .npy [V_pad, H]")
+    upload.add_argument("--lm-head-tensor", help="default lm_head.weight (.safetensors)")
+    upload.add_argument("--bias-tensor", help="bias tensor in the .safetensors")
+    upload.add_argument("--bias", help=".npy [V_pad] bias")
+    upload.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
+    upload.add_argument("--chunk-mb", type=float, default=4.0)
+    unload = sub.add_parser("unload", help="unload one version (admin)")
+    unload.add_argument("name")
+    unload.add_argument("version", type=int)
     args = parser.parse_args(argv)
+    commands = {"info": _info, "score": _score, "models": _models, "load": _load,
+                "upload": _upload, "unload": _unload}
     try:
-        with Client(args.target, timeout=args.timeout) as client:
-            {"info": _info, "score": _score}[args.command](client, args)
+        with Client(args.target, timeout=args.timeout, token=args.token,
+                    admin_token=args.admin_token,
+                    admin_timeout=args.admin_timeout) as client:
+            commands[args.command](client, args)
     except DetlogpError as error:
         print(f"detlogp: {error}", file=sys.stderr)
         return 1
+    except (OSError, ValueError, TypeError) as error:
+        print(f"detlogp: {error}", file=sys.stderr)
+        return 2
     return 0
 
 
