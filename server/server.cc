@@ -5,6 +5,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -46,7 +47,18 @@ absl::Status WarmUp(DynamicBatcher* batcher, const ServedVersion& version) {
         }
         done.Notify();
       });
-  if (absl::Status s = batcher->Schedule(job); !s.ok()) return s;
+  // Scoring traffic may fill the queue for a moment; a version that arrived
+  // whole is not refused for that: the warm-up waits for room (up to 30 s).
+  // A refused Schedule leaves the job untouched, so it is offered again.
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  absl::Duration pause = absl::Microseconds(200);
+  absl::Status scheduled;
+  while (absl::IsResourceExhausted(scheduled = batcher->Schedule(job)) &&
+         absl::Now() < give_up) {
+    absl::SleepFor(pause);
+    pause = std::min(pause * 2, absl::Milliseconds(20));
+  }
+  if (!scheduled.ok()) return scheduled;
   done.WaitForNotification();
   return result;
 }
