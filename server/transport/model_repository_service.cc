@@ -239,6 +239,7 @@ class ModelRepositoryServiceImpl::UploadCall final
           ContinueReadingLocked();
         } else {
           finished_ = true;
+          result_ = *finish_now;
         }
       } else if (!ok) {
         queue_.push_back(Item{Item::kEnd});
@@ -246,9 +247,7 @@ class ModelRepositoryServiceImpl::UploadCall final
         AcceptLocked();
       }
     }
-    if (finish_now.has_value()) {
-      Finish(service_->Record("UploadModel", ToGrpcStatus(*finish_now)));
-    }
+    if (finish_now.has_value()) Finish(ToGrpcStatus(*finish_now));
   }
 
   void OnCancel() override {
@@ -259,7 +258,25 @@ class ModelRepositoryServiceImpl::UploadCall final
     }
   }
 
-  void OnDone() override { delete this; }
+  // The outcome is logged and counted here, once every reaction has run: a
+  // client's cancel reaches the worker first as a failed read (the end of
+  // the stream) and only then as OnCancel, so the worker may have finished
+  // with "the upload ended after N of M bytes" for what was a cancel.
+  void OnDone() override {
+    absl::Status result;
+    bool worker_started;
+    {
+      absl::MutexLock lock(&mu_);
+      result = cancelled_ && !result_.ok() ? absl::CancelledError("upload cancelled")
+                                           : result_;
+      worker_started = worker_started_;
+    }
+    if (worker_started && !result.ok()) {
+      spdlog::warn("upload of {} refused: {}", model_, result.ToString());
+    }
+    service_->Record("UploadModel", ToGrpcStatus(result));
+    delete this;
+  }
 
  private:
   struct Item {
@@ -362,9 +379,6 @@ class ModelRepositoryServiceImpl::UploadCall final
   void Work() {
     absl::Status status = Consume();
     if (status.ok()) status = Publish();
-    if (!status.ok()) {
-      spdlog::warn("upload of {} refused: {}", model_, status.ToString());
-    }
     // Dropped before Finish: a refused upload frees its memory and removes
     // its temporary files before the client hears of it.
     writer_.reset();
@@ -373,8 +387,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     {
       absl::MutexLock lock(&mu_);
       finished_ = true;
+      result_ = status;
     }
-    Finish(service_->Record("UploadModel", ToGrpcStatus(status)));
+    Finish(ToGrpcStatus(status));
   }
 
   absl::Status Consume() {
@@ -458,6 +473,7 @@ class ModelRepositoryServiceImpl::UploadCall final
   bool trailer_seen_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status result_ ABSL_GUARDED_BY(mu_);  // what Finish sent
   int64_t received_ ABSL_GUARDED_BY(mu_) = 0;
   // Set from the header (under mu_), then used by the worker alone.
   std::string expected_sha256_;
