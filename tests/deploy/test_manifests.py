@@ -51,16 +51,87 @@ def test_probes_use_grpc_health_on_the_serving_port(manifests):
     assert "--host=0.0.0.0" in args  # pods must listen beyond loopback
 
 
+def volumes_of(manifests):
+    spec = manifests["Deployment"]["spec"]["template"]["spec"]
+    return {v["name"]: v for v in spec["volumes"]}
+
+
+def flag_values(args, name):
+    return [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+
+
+def under(path, folder):
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
 def test_weights_and_secrets_come_from_read_only_volumes(manifests):
     c = container(manifests)
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["weights"]["readOnly"] is True
-    assert any(a.startswith("--weights=" + mounts["weights"]["mountPath"]) for a in c["args"])
     assert any(a.startswith("--auth_tokens_file=" + mounts["tokens"]["mountPath"]) for a in c["args"])
-    volumes = {v["name"]: v for v in manifests["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    volumes = volumes_of(manifests)
     assert volumes["tokens"]["secret"]["secretName"]
     assert volumes["weights"]["persistentVolumeClaim"]["claimName"] == \
         manifests["PersistentVolumeClaim"]["metadata"]["name"]
+    assert volumes["weights"]["persistentVolumeClaim"]["readOnly"] is True
+    assert manifests["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+def test_start_up_models_come_from_the_shared_read_only_volume(manifests):
+    args = container(manifests)["args"]
+    weights = {m["name"]: m for m in container(manifests)["volumeMounts"]}["weights"]
+    models = dict(spec.split("=", 1) for spec in flag_values(args, "model"))
+    assert set(models) == {"policy", "reference"}
+    assert models["policy"] == "/models/base/lm_head.safetensors"
+    assert models["reference"] == "/models/reference/lm_head.safetensors"
+    for path in models.values():
+        assert under(path, weights["mountPath"]), path
+    assert flag_values(args, "default_model") == ["policy"]
+    assert not flag_values(args, "weights")  # the models are named now
+
+
+def test_model_root_is_a_writable_per_pod_volume(manifests):
+    c = container(manifests)
+    root = flag_values(c["args"], "model_root")
+    assert len(root) == 1
+    mounts = [m for m in c["volumeMounts"] if under(root[0], m["mountPath"])]
+    assert len(mounts) == 1 and not mounts[0].get("readOnly", False), mounts
+    volume = volumes_of(manifests)[mounts[0]["name"]]
+    # emptyDir: each replica keeps its own uploaded versions; never the
+    # shared weights claim.
+    assert "emptyDir" in volume and volume["emptyDir"]["sizeLimit"]
+    assert c["resources"]["requests"]["ephemeral-storage"]
+    # The root filesystem stays read-only; only mounted volumes are written.
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    spec = manifests["Deployment"]["spec"]["template"]["spec"]
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
+
+
+def test_versions_and_model_memory_are_bounded(manifests):
+    args = container(manifests)["args"]
+    assert int(flag_values(args, "max_versions_per_model")[0]) >= 2
+    assert int(flag_values(args, "max_model_memory_bytes")[0]) > 0
+
+
+def test_admin_token_comes_from_its_own_secret(manifests):
+    c = container(manifests)
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    volumes = volumes_of(manifests)
+    admin = flag_values(c["args"], "admin_tokens_file")
+    assert len(admin) == 1
+    mount = [m for m in mounts.values() if under(admin[0], m["mountPath"])]
+    assert len(mount) == 1 and mount[0]["readOnly"] is True
+    secret = volumes[mount[0]["name"]]["secret"]["secretName"]
+    assert secret and secret != volumes["tokens"]["secret"]["secretName"]
+    # The scoring tokens are not admin tokens.
+    assert admin[0] != flag_values(c["args"], "auth_tokens_file")[0]
+
+
+def test_readme_explains_replicas_and_live_weights():
+    text = (DEPLOY / "README.md").read_text()
+    for phrase in ("--model_root", "emptyDir", "read-only", "every replica",
+                   "determinism key", "detlogp-admin-tokens"):
+        assert phrase in text, phrase
 
 
 def test_drain_fits_in_the_termination_grace(manifests):
@@ -86,6 +157,13 @@ def test_pdb_keeps_a_replica(manifests):
     assert manifests["Deployment"]["spec"]["replicas"] > pdb["minAvailable"]
 
 
+def test_dockerfile_keeps_uploaded_versions_in_a_volume():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert "--model_root=/var/lib/detlogp/models" in text
+    assert 'VOLUME ["/var/lib/detlogp/models"]' in text
+    assert "chown detlogp:detlogp /var/lib/detlogp/models" in text
+
+
 def test_dockerfile_is_multi_stage_on_a_cuda_runtime_base():
     lines = [l for l in (DEPLOY / "Dockerfile").read_text().splitlines()
              if l.startswith("FROM ")]
@@ -106,3 +184,26 @@ def test_systemd_unit_drains_on_sigterm():
     assert int(service["TimeoutStopSec"]) > grace
     assert service["Restart"] == "on-failure"
     assert "--host=127.0.0.1" in service["ExecStart"]
+
+
+def test_systemd_unit_keeps_uploads_under_var_lib_detlogp():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read_string((DEPLOY / "systemd" / "detlogp.service").read_text())
+    service = unit["Service"]
+    args = service["ExecStart"].replace("\\\n", " ").split()
+    root = flag_values(args, "model_root")
+    assert root == ["/var/lib/detlogp/models"]
+    # Writable to the service (ProtectSystem=strict makes the rest read-only)...
+    assert service["ProtectSystem"] == "strict"
+    assert service["StateDirectory"] == "detlogp/models"
+    assert root[0] in service["ReadWritePaths"].split()
+    # ...while the start-up weights and the tokens are read-only.
+    read_only = service["ReadOnlyPaths"].split()
+    models = dict(spec.split("=", 1) for spec in flag_values(args, "model"))
+    assert set(models) == {"policy", "reference"}
+    for path in models.values():
+        assert any(under(path, folder) for folder in read_only), path
+        assert not under(path, root[0])
+    assert not any(under(root[0], folder) for folder in read_only)
+    admin = flag_values(args, "admin_tokens_file")
+    assert len(admin) == 1 and any(under(admin[0], folder) for folder in read_only)
