@@ -116,6 +116,7 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
     VersionOrigin origin, Reservation reservation) {
   if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
+  if (absl::Status s = CheckVersionNumber(model, origin.version); !s.ok()) return s;
   if (reservation.tracker_ == nullptr) {
     auto reserved = Reserve(weights->hidden_size, weights->padded_vocab_size,
                             !weights->bias.empty());
@@ -162,9 +163,12 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     Model& m = models_[model];
     if (origin.version == 0) {
       version->version = m.next_version++;
+    } else if (origin.version < m.next_version) {
+      // Another version took the number while this one was placed.
+      return VersionTaken(model, origin.version, m.next_version);
     } else {
       version->version = origin.version;
-      m.next_version = std::max(m.next_version, origin.version + 1);
+      m.next_version = origin.version + 1;
     }
   }
   if (origin.persist) {
@@ -187,6 +191,24 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
                version->version, version->source, version->weights_sha256,
                version->determinism_key);
   return status;
+}
+
+absl::Status ModelManager::VersionTaken(const std::string& model, int64_t asked,
+                                        int64_t next) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model_version: model '", model, "' has had versions up to ", next - 1,
+      "; a new one must be numbered above (asked ", asked, ")"));
+}
+
+absl::Status ModelManager::CheckVersionNumber(const std::string& model,
+                                              int64_t version) const {
+  if (version < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model_version: ", version, " is negative (0 means the next number)"));
+  }
+  if (version == 0) return absl::OkStatus();
+  const int64_t next = NextVersion(model);
+  return version >= next ? absl::OkStatus() : VersionTaken(model, version, next);
 }
 
 void ModelManager::RetireLocked(const std::string& name, Model& model,

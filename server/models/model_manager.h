@@ -73,7 +73,8 @@ struct VersionOrigin {
   // before it becomes the latest: makes it durable (or does nothing).
   // A failure drops the version.
   std::function<absl::Status(int64_t version)> persist;
-  // 0: the model's next number; else this one (restoring from disk).
+  // 0: the model's next number; else this one (restoring from disk, or a
+  // number the client chose), which must be above every number so far.
   int64_t version = 0;
 };
 
@@ -162,6 +163,9 @@ class ModelManager {
 
   // The next number AddVersion would give `model` (tests, restore).
   int64_t NextVersion(const std::string& model) const;
+  // OK when `version` (0: the next) may be published for `model`: explicit
+  // numbers must be above every number the model has had.
+  absl::Status CheckVersionNumber(const std::string& model, int64_t version) const;
   int64_t reserved_bytes() const;
 
   // ---- Implementation details; API users need not read further. ----
@@ -178,6 +182,8 @@ class ModelManager {
     std::weak_ptr<const ServedVersion> handle;
   };
   explicit ModelManager(Options options);
+  static absl::Status VersionTaken(const std::string& model, int64_t asked,
+                                   int64_t next);
   detlogp::v1::ModelVersionStatus StatusOf(const ServedVersion& version,
                                            bool ready) const;
   detlogp::v1::ModelInfo DescribeLocked(const std::string& name, const Model& model,

@@ -147,6 +147,11 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
   }
   auto path = options_.store->ResolveInside(request->path(), "path");
   if (!path.ok()) return FinishNow(context, "LoadModel", ToGrpcStatus(path.status()));
+  if (absl::Status s = manager_->CheckVersionNumber(request->model(),
+                                                    request->model_version());
+      !s.ok()) {
+    return FinishNow(context, "LoadModel", ToGrpcStatus(s));
+  }
   if (!request->expected_weights_sha256().empty() &&
       !IsHexDigest(request->expected_weights_sha256())) {
     return FinishNow(context, "LoadModel",
@@ -160,7 +165,7 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
   source.vocab_size = request->vocab_size();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   tasks_.Start([this, reactor, response, source, model = request->model(),
-                relative = request->path(),
+                relative = request->path(), version = request->model_version(),
                 expected = request->expected_weights_sha256()]() {
     absl::Status status = [&]() -> absl::Status {
       auto weights = LoadLmHead(source);
@@ -171,6 +176,7 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
       }
       VersionOrigin origin;
       origin.description = absl::StrCat("load:", relative);
+      origin.version = version;
       const std::string sha = weights->sha256;
       origin.persist = [this, model, source, sha](int64_t version) {
         return options_.store->RecordLoaded(model, version, source, sha);
@@ -293,8 +299,14 @@ class ModelRepositoryServiceImpl::UploadCall final
     const UploadModelHeader& header = message_.header();
     auto shape = ValidateUploadHeader(header);
     if (!shape.ok()) return shape.status();
+    if (absl::Status s = service_->manager_->CheckVersionNumber(
+            header.model(), header.model_version());
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("header.", s.message()));
+    }
     shape_ = *shape;
     model_ = header.model();
+    version_ = header.model_version();
     expected_sha256_ = header.weights_sha256();
     // Before any bytes are taken.
     auto reservation = service_->manager_->Reserve(
@@ -449,6 +461,7 @@ class ModelRepositoryServiceImpl::UploadCall final
     weights_->sha256 = digest;
     VersionOrigin origin;
     origin.description = "upload";
+    origin.version = version_;
     if (writer_ != nullptr) {
       origin.persist = [this, digest](int64_t version) {
         return writer_->Commit(version, digest);
@@ -479,6 +492,7 @@ class ModelRepositoryServiceImpl::UploadCall final
   std::string expected_sha256_;
   UploadShape shape_;
   std::string model_;
+  int64_t version_ = 0;  // 0: the model's next number
   ModelManager::Reservation reservation_;
   std::unique_ptr<VersionWriter> writer_;
   std::shared_ptr<LmHeadWeights> weights_;

@@ -12,6 +12,8 @@
 // solo check needs every version), and H, V given by --hidden_size and
 // --vocab_size.
 #include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
 
 #include <algorithm>
 #include <atomic>
