@@ -147,14 +147,18 @@ def run(args, target, started_here):
         return 1
 
     # Every answer again, pinned to the version it named.
-    mismatches, key_mismatches = 0, 0
+    mismatches, key_mismatches, retired = 0, 0, 0
     per_version = collections.Counter()
     for record in records:
         per_version[(record.model, record.version)] += 1
         if record.model == "policy" and published.get(record.version, record.key) != record.key:
             key_mismatches += 1
-        again = client.logprobs(record.hidden, record.targets, model=record.model,
-                                version=record.version)
+        try:
+            again = client.logprobs(record.hidden, record.targets, model=record.model,
+                                    version=record.version)
+        except detlogp.NotFound:
+            retired += 1  # the server no longer holds that version
+            continue
         if (again.model_version != record.version or again.determinism_key != record.key
                 or again.logprobs.tobytes() != record.logprobs.tobytes()):
             mismatches += 1
@@ -172,10 +176,14 @@ def run(args, target, started_here):
           f"{policy_versions}")
     for (model, version), count in sorted(per_version.items()):
         print(f"  {model:9} v{version:<3d} {count:5d} answers")
-    print(f"re-scored pinned to the answered version: {len(records)}; "
+    print(f"re-scored pinned to the answered version: {len(records) - retired}; "
           f"{mismatches} mismatches, {key_mismatches} keys differing from the upload's")
+    if retired:
+        print(f"FAILED: {retired} answers named versions the server no longer holds; "
+              "give it --max_versions_per_model >= steps + 1", file=sys.stderr)
     if mismatches or key_mismatches:
         print("FAILED: an answer's version did not name its bits", file=sys.stderr)
+    if retired or mismatches or key_mismatches:
         return 1
     print("OK: every answer is reproduced bit for bit by its version")
     return 0
