@@ -132,11 +132,13 @@ class AsyncClient(ClientState):
                                  metadata=self._admin_metadata)
 
     async def load_model(self, name, path, lm_head_tensor=None, bias_tensor=None,
-                         vocab_size=None, expected_sha256=None, *, timeout=None):
+                         vocab_size=None, expected_sha256=None, *, version=None,
+                         timeout=None):
         request = pb.LoadModelRequest(
             model=name, path=str(path), lm_head_tensor=lm_head_tensor or "",
             bias_tensor=bias_tensor or "", vocab_size=int(vocab_size or 0),
-            expected_weights_sha256=expected_sha256 or "")
+            expected_weights_sha256=expected_sha256 or "",
+            model_version=int(version or 0))
         outcomes = await self._on_every_target(
             name, "LoadModel",
             lambda i, left: self._repo[i].LoadModel(
@@ -145,13 +147,13 @@ class AsyncClient(ClientState):
         return combine_versions(name, outcomes)
 
     async def upload_model(self, name, weight, bias=None, vocab_size=None,
-                           chunk_bytes=DEFAULT_CHUNK_BYTES, *, weights_sha256=None,
-                           timeout=None):
+                           chunk_bytes=DEFAULT_CHUNK_BYTES, *, version=None,
+                           weights_sha256=None, timeout=None):
         """Client.upload_model as a coroutine (every target at once)."""
         head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
 
         async def messages():
-            for message in head.messages(name, chunk_bytes, weights_sha256):
+            for message in head.messages(name, chunk_bytes, weights_sha256, version):
                 yield message
 
         outcomes = await self._on_every_target(

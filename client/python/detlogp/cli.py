@@ -6,9 +6,9 @@
                    [--model M] [--version N]
     detlogp models --target HOST:PORT                        (admin)
     detlogp load   NAME PATH [--bias-tensor lm_head.bias] [--vocab-size V]
-                   [--sha256 HEX]                            (admin)
+                   [--sha256 HEX] [--version N]              (admin)
     detlogp upload NAME FILE.safetensors|FILE.npy [--bias-tensor T | --bias b.npy]
-                   [--vocab-size V] [--chunk-mb 4]           (admin)
+                   [--vocab-size V] [--chunk-mb 4] [--version N]  (admin)
     detlogp unload NAME VERSION                              (admin)
 
 Admin commands (ModelRepositoryService) send --admin-token (or
@@ -130,7 +130,8 @@ def _published(args, result):
 
 def _load(client, args):
     result = client.load_model(args.name, args.path, args.lm_head_tensor,
-                               args.bias_tensor, args.vocab_size, args.sha256)
+                               args.bias_tensor, args.vocab_size, args.sha256,
+                               version=args.version)
     _published(args, result)
 
 
@@ -161,7 +162,8 @@ def _read_upload(args):
 def _upload(client, args):
     weight, bias = _read_upload(args)
     result = client.upload_model(args.name, weight, bias, args.vocab_size,
-                                 chunk_bytes=int(args.chunk_mb * (1 << 20)))
+                                 chunk_bytes=int(args.chunk_mb * (1 << 20)),
+                                 version=args.version)
     _published(args, result)
 
 
@@ -206,6 +208,8 @@ def main(argv=None):
     load.add_argument("--bias-tensor", help="default: no bias")
     load.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
     load.add_argument("--sha256", help="the weights' expected digest")
+    load.add_argument("--version", type=int,
+                      help="version number to publish as (default: the next)")
     upload = sub.add_parser("upload", help="send a local lm_head as a new version (admin)")
     upload.add_argument("name")
     upload.add_argument("file", help=".safetensors or .npy [V_pad, H]")
@@ -214,6 +218,8 @@ def main(argv=None):
     upload.add_argument("--bias", help=".npy [V_pad] bias")
     upload.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
     upload.add_argument("--chunk-mb", type=float, default=4.0)
+    upload.add_argument("--version", type=int,
+                        help="version number to publish as (default: the next)")
     unload = sub.add_parser("unload", help="unload one version (admin)")
     unload.add_argument("name")
     unload.add_argument("version", type=int)

@@ -169,15 +169,20 @@ class Client(ClientState):
                            metadata=self._admin_metadata)
 
     def load_model(self, name, path, lm_head_tensor=None, bias_tensor=None,
-                   vocab_size=None, expected_sha256=None, *, timeout=None):
+                   vocab_size=None, expected_sha256=None, *, version=None,
+                   timeout=None):
         """Loads the .safetensors file `path` (relative to each server's
         --model_root) as the next version of model `name` on every target;
         returns once it is ready and the latest: a ModelVersionResult.
-        expected_sha256: the weights' digest must equal it."""
+        expected_sha256: the weights' digest must equal it.
+        version: the number to publish it as (None: each server's next);
+        it must be above every number the model has had there
+        (FailedPrecondition otherwise)."""
         request = pb.LoadModelRequest(
             model=name, path=str(path), lm_head_tensor=lm_head_tensor or "",
             bias_tensor=bias_tensor or "", vocab_size=int(vocab_size or 0),
-            expected_weights_sha256=expected_sha256 or "")
+            expected_weights_sha256=expected_sha256 or "",
+            model_version=int(version or 0))
         outcomes = self._on_every_target(
             name, "LoadModel",
             lambda i, left: self._repo[i].LoadModel(
@@ -186,8 +191,8 @@ class Client(ClientState):
         return combine_versions(name, outcomes)
 
     def upload_model(self, name, weight, bias=None, vocab_size=None,
-                     chunk_bytes=DEFAULT_CHUNK_BYTES, *, weights_sha256=None,
-                     timeout=None):
+                     chunk_bytes=DEFAULT_CHUNK_BYTES, *, version=None,
+                     weights_sha256=None, timeout=None):
         """Streams an lm_head to every target as the next version of model
         `name`; returns once it is ready and the latest there: a
         ModelVersionResult (.version, .weights_sha256, .determinism_key,
@@ -200,6 +205,10 @@ class Client(ClientState):
           bits); or a detlogp.weights.LmHead prepared once.
         bias: [V_pad] float (sent as fp32), or None.
         vocab_size: the real vocabulary (None: every row).
+        version: the number to publish it as, above every number the model
+          has had on each target (else FailedPrecondition, field
+          "header.model_version"); None: each server's next number. Name it
+          when pushing to replicas, so they number versions alike.
         weights_sha256: the digest the weights must have (e.g. recorded by
           the trainer); default: computed while sending.
         """
@@ -207,8 +216,8 @@ class Client(ClientState):
         outcomes = self._on_every_target(
             name, "UploadModel",
             lambda i, left: self._repo[i].UploadModel(
-                head.messages(name, chunk_bytes, weights_sha256), timeout=left,
-                metadata=self._admin_metadata),
+                head.messages(name, chunk_bytes, weights_sha256, version),
+                timeout=left, metadata=self._admin_metadata),
             timeout)
         return combine_versions(name, outcomes)
 

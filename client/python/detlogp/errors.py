@@ -12,7 +12,7 @@
     PERMISSION_DENIED   -> PermissionDenied (.field: "path", ...)
     NOT_FOUND           -> NotFound         (.field: "model", "model_version")
     DATA_LOSS           -> DataLoss         (.field: "weights_sha256")
-    FAILED_PRECONDITION -> FailedPrecondition
+    FAILED_PRECONDITION -> FailedPrecondition (.field: "header.model_version")
     anything else       -> DetlogpError
 
 ReplicaMismatch is raised by the client itself when replicas that were
@@ -113,7 +113,13 @@ class DataLoss(DetlogpError):
 
 
 class FailedPrecondition(DetlogpError):
-    """FAILED_PRECONDITION: e.g. LoadModel on a server without --model_root."""
+    """FAILED_PRECONDITION: LoadModel on a server without --model_root, or an
+    explicit version number not above every number the model has had
+    (`field` "model_version" or "header.model_version")."""
+
+    def __init__(self, details, code=grpc.StatusCode.FAILED_PRECONDITION):
+        super().__init__(details, code)
+        self.field = _field_of(details)
 
 
 class ReplicaMismatch(DetlogpError):

@@ -154,22 +154,25 @@ class LmHead:
             self._sha256 = digest.hexdigest()
         return self._sha256
 
-    def header(self, model):
+    def header(self, model, version=None):
         return pb.UploadModelHeader(
             model=model, dtype=pb.DTYPE_BFLOAT16,
             shape=[self.padded_vocab_size, self.hidden_size],
-            vocab_size=self.vocab_size, has_bias=self.has_bias)
+            vocab_size=self.vocab_size, has_bias=self.has_bias,
+            model_version=int(version or 0))
 
-    def messages(self, model, chunk_bytes=DEFAULT_CHUNK_BYTES, weights_sha256=None):
+    def messages(self, model, chunk_bytes=DEFAULT_CHUNK_BYTES, weights_sha256=None,
+                 version=None):
         """The UploadModel stream: the header, the weight's then the bias's
         bytes in chunks of `chunk_bytes`, then the digest, computed over the
         bytes as they are yielded. `weights_sha256`, when given, is sent
         instead of the computed digest: the server then refuses bytes that
-        do not hash to it (DATA_LOSS)."""
+        do not hash to it (DATA_LOSS). `version`: the number to publish the
+        weights as (None: the model's next number on the server)."""
         chunk_bytes = int(chunk_bytes)
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be > 0")
-        yield pb.UploadModelRequest(header=self.header(model))
+        yield pb.UploadModelRequest(header=self.header(model, version))
         digest = hashlib.sha256(self.preamble())
         for view in self._buffers():
             for begin in range(0, len(view), chunk_bytes):
