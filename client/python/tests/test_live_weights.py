@@ -574,6 +574,43 @@ def test_pinned_version_moves_past_a_replica_without_it(live, replica, trained, 
             _upload(both, "lagging", trained)
         assert "version" in str(error.value)
         assert {s.version for s in error.value.results.values()} == {2, 3}
+        # A version number named by the trainer realigns them.
+        aligned = _upload(both, "lagging", third, version=10)
+        assert {s.version for s in aligned.per_target.values()} == {10}
+        retries = both.retries
+        answers = [both.logprobs(hidden, targets, model="lagging", version=10)
+                   for _ in range(4)]
+        assert {a.logprobs.tobytes() for a in answers} == {want.logprobs.tobytes()}
+        assert both.retries == retries  # both targets hold it
+
+
+def test_explicit_version_numbers_must_increase(client, root, trained, third):
+    hidden, targets = _rows(trained, seed=15)
+    assert _upload(client, "numbered", trained, version=5).version == 5
+    before = client.logprobs(hidden, targets, model="numbered")
+    for taken in (5, 3):
+        with pytest.raises(detlogp.FailedPrecondition) as error:
+            _upload(client, "numbered", third, version=taken)
+        assert error.value.field == "header.model_version", error.value
+    with pytest.raises(detlogp.InvalidArgument) as error:
+        _upload(client, "numbered", third, version=-1)
+    assert error.value.field == "header.model_version"
+    assert _versions(client, "numbered") == [5]
+    after = client.logprobs(hidden, targets, model="numbered")
+    assert (after.model_version, after.logprobs.tobytes()) == (5, before.logprobs.tobytes())
+    assert _upload(client, "numbered", third).version == 6  # the next after 5
+
+    (root / "numbered-files").mkdir()
+    shutil.copy(trained.path, root / "numbered-files" / "lm.safetensors")
+    with pytest.raises(detlogp.FailedPrecondition) as error:
+        client.load_model("numbered", "numbered-files/lm.safetensors",
+                          bias_tensor="lm_head.bias", vocab_size=trained.vocab, version=6)
+    assert error.value.field == "model_version"
+    loaded = client.load_model("numbered", "numbered-files/lm.safetensors",
+                               bias_tensor="lm_head.bias", vocab_size=trained.vocab, version=9)
+    assert loaded.version == 9 and _versions(client, "numbered") == [5, 6, 9]
+    pinned = client.logprobs(hidden, targets, model="numbered", version=5)
+    assert pinned.logprobs.tobytes() == before.logprobs.tobytes()
 
 
 # ---------------------------------------------------------------- CLI
@@ -596,8 +633,9 @@ def test_cli_models_upload_load_score_unload(live, root, trained, third, tmp_pat
     assert first["weights_sha256"] == detlogp.lm_head_sha256(third.weight_bits, third.bias,
                                                              third.vocab)
     up = run("--json", "upload", "cli", str(trained.path), "--bias-tensor", "lm_head.bias",
-             "--vocab-size", str(trained.vocab))
+             "--vocab-size", str(trained.vocab), "--version", "2")
     assert up.returncode == 0, up.stderr
+    assert json.loads(up.stdout)["version"] == 2
     assert json.loads(up.stdout)["weights_sha256"] == detlogp.lm_head_sha256(
         trained.weight_bits, trained.bias, trained.vocab)
 
