@@ -29,6 +29,7 @@ import time
 import numpy as np
 
 import detlogp
+import detlogp._common
 from detlogp import safetensors_io
 from detlogp.testing import LocalServer, find_server_binary
 
@@ -100,6 +101,17 @@ def rollout(worker, client, args, stop, records, errors):
         errors.append(error)
 
 
+def highest_version(args, target, model):
+    """The highest version of `model` that any replica holds (0: none)."""
+    highest = 0
+    for one in detlogp._common.normalize_targets(target):
+        with detlogp.Client(one, token=args.token, admin_token=args.admin_token) as client:
+            for info in client.list_models().models:
+                if info.model == model:
+                    highest = max([highest] + [v.version for v in info.versions])
+    return highest
+
+
 def run(args, target, started_here):
     client = detlogp.Client(target, timeout=120.0, token=args.token,
                             admin_token=args.admin_token)
@@ -107,15 +119,17 @@ def run(args, target, started_here):
     published = {}  # policy version -> determinism key
 
     # The frozen reference and the first policy: a server started here
-    # serves both from its flags (version 1); a running one gets the first
-    # policy (and a reference, when it has none) uploaded.
+    # serves both from its flags (version 1); running ones (every replica)
+    # get the first policy (and a reference, when they have none) uploaded.
+    # The trainer names each version's number, so replicas number alike.
     if started_here:
         info = client.info(model="policy")
         published[info.model_version] = info.determinism_key
     else:
-        if "reference" not in [m.model for m in client.list_models().models]:
-            client.upload_model("reference", trainer.weight, trainer.bias)
-        first = client.upload_model("policy", trainer.weight, trainer.bias)
+        if not highest_version(args, target, "reference"):
+            client.upload_model("reference", trainer.weight, trainer.bias, version=1)
+        first = client.upload_model("policy", trainer.weight, trainer.bias,
+                                    version=highest_version(args, target, "policy") + 1)
         published[first.version] = first.determinism_key
 
     stop = threading.Event()
@@ -131,7 +145,8 @@ def run(args, target, started_here):
             time.sleep(args.step_interval)
             trainer.step()
             t0 = time.monotonic()
-            result = client.upload_model("policy", trainer.weight, trainer.bias)
+            result = client.upload_model("policy", trainer.weight, trainer.bias,
+                                         version=max(published) + 1)
             upload_seconds.append(time.monotonic() - t0)
             published[result.version] = result.determinism_key
             print(f"step {step + 1}/{args.steps}: policy version {result.version} "
