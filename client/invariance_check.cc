@@ -31,7 +31,8 @@ MixedCall MakeMixedCall(const std::string& probe_data,
                         const std::vector<int64_t>& probe_targets,
                         int64_t hidden_size, int64_t vocab_size,
                         const InvarianceOptions& options, std::mt19937_64& rng,
-                        const std::string& id) {
+                        const std::string& id, const std::string& model,
+                        int64_t model_version) {
   const int rows = std::uniform_int_distribution<int>(1, options.max_rows_per_call)(rng);
   const std::string filler = RandomBf16Rows(rows, hidden_size, rng());
   const std::vector<int64_t> filler_targets = RandomTargets(rows, vocab_size, rng());
@@ -55,7 +56,8 @@ MixedCall MakeMixedCall(const std::string& probe_data,
   }
   call.request = MakeLogProbRequest(id, detlogp::v1::DTYPE_BFLOAT16, rows,
                                     hidden_size, std::move(data), targets,
-                                    options.temperature, /*return_lse=*/true);
+                                    options.temperature, /*return_lse=*/true,
+                                    model, model_version);
   return call;
 }
 
@@ -86,8 +88,12 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
     if (!client.ok()) return client.status();
     clients.push_back(*std::move(client));
   }
-  auto info = clients[0]->GetModelInfo();
+  // Every call is pinned to the version resolved here, so a version
+  // published meanwhile does not change the bits under the check.
+  auto info = clients[0]->GetModelInfo(options.model, options.model_version);
   if (!info.ok()) return info.status();
+  const std::string model = info->model();
+  const int64_t model_version = info->model_version();
   const int64_t hidden_size = info->hidden_size();
   const int64_t vocab_size = info->vocab_size();
 
@@ -104,7 +110,7 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
     auto answer = clients[0]->Score(MakeLogProbRequest(
         absl::StrCat("solo-", p), detlogp::v1::DTYPE_BFLOAT16, 1, hidden_size,
         probe_data.substr(p * hidden_size * 2, hidden_size * 2),
-        {probe_targets[p]}, options.temperature, true));
+        {probe_targets[p]}, options.temperature, true, model, model_version));
     if (!answer.ok()) return answer.status();
     solo[p] = {answer->logprobs[0], answer->lse[0]};
   }
@@ -119,7 +125,8 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
       for (int i = 0; i < options.calls_per_thread; ++i) {
         calls.push_back(MakeMixedCall(probe_data, probe_targets, hidden_size,
                                       vocab_size, options, rng,
-                                      absl::StrCat("mixed-", t, "-", i)));
+                                      absl::StrCat("mixed-", t, "-", i), model,
+                                      model_version));
       }
       // Odd threads send their calls on one stream, even ones one by one.
       const bool streamed = t % 2 == 1;

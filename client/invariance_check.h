@@ -21,6 +21,10 @@ struct InvarianceOptions {
   int channels = 4;             // distinct connections
   float temperature = 1.0f;
   uint64_t seed = 1;
+  // The model (empty: the server's default) and version (0: the latest when
+  // the check starts); every call is pinned to that version.
+  std::string model;
+  int64_t model_version = 0;
 };
 
 struct InvarianceReport {

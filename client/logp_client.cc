@@ -15,7 +15,8 @@ namespace detlogp::client {
 detlogp::v1::LogProbRequest MakeLogProbRequest(
     std::string request_id, detlogp::v1::DType dtype, int64_t rows,
     int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
-    float temperature, bool return_lse) {
+    float temperature, bool return_lse, std::string model,
+    int64_t model_version) {
   detlogp::v1::LogProbRequest request;
   request.set_request_id(std::move(request_id));
   detlogp::v1::Tensor* hidden = request.mutable_hidden();
@@ -26,6 +27,8 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
   for (int64_t target : targets) request.add_target_ids(target);
   request.set_temperature(temperature);
   request.set_return_lse(return_lse);
+  request.set_model(std::move(model));
+  request.set_model_version(model_version);
   return request;
 }
 
@@ -41,17 +44,12 @@ ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response) {
   result.logprobs.assign(response.logprobs().begin(), response.logprobs().end());
   result.lse.assign(response.lse().begin(), response.lse().end());
   result.determinism_key = response.determinism_key();
+  result.model = response.model();
+  result.model_version = response.model_version();
   return result;
 }
 
-LogpClient::LogpClient(const Options& options) : options_(options) {}
-
-absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
-    const Options& options) {
-  if (options.target.empty()) {
-    return absl::InvalidArgumentError("client: empty target");
-  }
-  std::unique_ptr<LogpClient> client(new LogpClient(options));
+std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
@@ -68,7 +66,18 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     ssl.pem_private_key = options.tls_client_key;
     credentials = grpc::SslCredentials(ssl);
   }
-  client->channel_ = grpc::CreateCustomChannel(options.target, credentials, args);
+  return grpc::CreateCustomChannel(options.target, credentials, args);
+}
+
+LogpClient::LogpClient(const Options& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
+    const Options& options) {
+  if (options.target.empty()) {
+    return absl::InvalidArgumentError("client: empty target");
+  }
+  std::unique_ptr<LogpClient> client(new LogpClient(options));
+  client->channel_ = MakeChannel(options);
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
@@ -82,12 +91,15 @@ void LogpClient::PrepareContext(grpc::ClientContext* context) const {
   }
 }
 
-absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo() {
+absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
+    const std::string& model, int64_t model_version) {
   grpc::ClientContext context;
   PrepareContext(&context);
+  detlogp::v1::GetModelInfoRequest request;
+  request.set_model(model);
+  request.set_model_version(model_version);
   detlogp::v1::ModelInfo info;
-  grpc::Status status =
-      stub_->GetModelInfo(&context, detlogp::v1::GetModelInfoRequest(), &info);
+  grpc::Status status = stub_->GetModelInfo(&context, request, &info);
   if (!status.ok()) return FromGrpcStatus(status);
   return info;
 }

@@ -1,8 +1,12 @@
 // A small C++ client for detlogp's LogProbService.
 //
 //   auto client = LogpClient::Create({.target = "127.0.0.1:50051"});
-//   auto info = (*client)->GetModelInfo();
-//   auto result = (*client)->Score(MakeRequest(...));
+//   auto info = (*client)->GetModelInfo("policy");
+//   auto result = (*client)->Score(MakeLogProbRequest(..., "policy"));
+//   // result->model_version: the version every row was computed with
+//
+// Model versions are managed with ModelRepositoryClient
+// (client/model_repository_client.h).
 //
 // gRPC statuses come back as absl::Status with the server's message.
 #ifndef DETLOGP_CLIENT_LOGP_CLIENT_H_
@@ -27,13 +31,18 @@ struct ScoreResult {
   std::vector<float> logprobs;
   std::vector<float> lse;  // empty unless asked for
   std::string determinism_key;
+  // The model and version every row was computed with.
+  std::string model;
+  int64_t model_version = 0;
 };
 
-// Builds a request from raw little-endian rows of `dtype`.
+// Builds a request from raw little-endian rows of `dtype`. `model` empty
+// means the server's default model; `model_version` 0 its latest version.
 detlogp::v1::LogProbRequest MakeLogProbRequest(
     std::string request_id, detlogp::v1::DType dtype, int64_t rows,
     int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
-    float temperature, bool return_lse);
+    float temperature, bool return_lse, std::string model = "",
+    int64_t model_version = 0);
 
 class LogpClient {
  public:
@@ -60,7 +69,10 @@ class LogpClient {
   static absl::StatusOr<std::unique_ptr<LogpClient>> Create(
       const Options& options);
 
-  absl::StatusOr<detlogp::v1::ModelInfo> GetModelInfo();
+  // `model` empty: the default model; `model_version` 0: its latest version.
+  // The answer lists every version the server holds of that model.
+  absl::StatusOr<detlogp::v1::ModelInfo> GetModelInfo(
+      const std::string& model = "", int64_t model_version = 0);
   absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& request);
   // Sends every request on one stream and returns the answers in order.
   absl::StatusOr<std::vector<ScoreResult>> ScoreStream(
@@ -97,6 +109,10 @@ class LogpClient {
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
 };
+
+// A channel as LogpClient makes it (message limits, TLS, load balancing);
+// `options.bearer_token` and `options.timeout` belong to calls, not here.
+std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options);
 
 // gRPC status to absl::Status, with the same code and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
