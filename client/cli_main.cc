@@ -1,9 +1,19 @@
-// detlogp_cli: info | score | check-invariance | project against a server.
+// detlogp_cli: scores, checks and manages model versions on a server.
 //
-//   detlogp_cli info --target=127.0.0.1:50051
-//   detlogp_cli score --random_rows=4
+//   detlogp_cli info --target=127.0.0.1:50051 [--model=policy --model_version=3]
+//   detlogp_cli score --random_rows=4 [--model=policy --model_version=3]
 //   detlogp_cli score --hidden=rows.npy --targets=targets.npy --return_lse
-//   detlogp_cli check-invariance --probes=16 --concurrency=32
+//   detlogp_cli check-invariance --probes=16 --concurrency=32 [--model=policy]
+//   detlogp_cli project --project_rows=4096
+//
+// Model versions (ModelRepositoryService; --admin_token_file when the server
+// has --admin_tokens_file):
+//   detlogp_cli models
+//   detlogp_cli load --model=policy --path=ckpt/step_42.safetensors
+//   detlogp_cli upload --model=policy --weights_file=step_42.safetensors
+//       [--lm_head_tensor=lm_head.weight --bias_tensor= --vocab_size=0]
+//       [--targets=10.0.0.1:50051,10.0.0.2:50051] [--model_version=42]
+//   detlogp_cli unload --model=policy --model_version=3
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -14,8 +24,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/invariance_check.h"
 #include "client/logp_client.h"
+#include "client/model_repository_client.h"
 #include "client/random_rows.h"
 #include "client/tensor_files.h"
 #include "kernels/random_normal.h"
@@ -32,7 +44,8 @@ ABSL_FLAG(std::string, hidden, "",
 ABSL_FLAG(std::string, hidden_tensor, "hidden",
           "score: tensor name inside a .safetensors --hidden.");
 ABSL_FLAG(std::string, targets, "",
-          "score: N target ids (.npy or .safetensors, int32/int64).");
+          "score: N target ids (.npy or .safetensors, int32/int64). upload: "
+          "the servers to push to, comma-separated (default: --target).");
 ABSL_FLAG(std::string, targets_tensor, "target_ids",
           "score: tensor name inside a .safetensors --targets.");
 ABSL_FLAG(int, random_rows, 4, "score: random demo rows when no --hidden.");
@@ -45,24 +58,70 @@ ABSL_FLAG(int, probes, 16, "check-invariance: probe rows.");
 ABSL_FLAG(int, concurrency, 32, "check-invariance: concurrent client threads.");
 ABSL_FLAG(int, calls_per_thread, 4, "check-invariance: calls per thread.");
 ABSL_FLAG(int, channels, 4, "check-invariance: distinct connections.");
+ABSL_FLAG(std::string, model, "",
+          "The model (info, score, check-invariance: empty means the server's "
+          "default; load, upload, unload: required).");
+ABSL_FLAG(int64_t, model_version, 0,
+          "info, score, check-invariance: a version of --model (0: the latest); "
+          "unload: the version to unload; upload, load: the number to publish "
+          "the new version as (0: the model's next; name it when pushing to "
+          "several replicas so they number it alike).");
+ABSL_FLAG(std::string, admin_token_file, "",
+          "models, load, upload, unload: file whose first line is the admin "
+          "token (the server's --admin_tokens_file); sent only on these calls.");
+ABSL_FLAG(std::string, path, "",
+          "load: a .safetensors file relative to the server's --model_root.");
+ABSL_FLAG(std::string, weights_file, "",
+          "upload: a local .safetensors file holding the lm_head (F32/F16 are "
+          "rounded to bf16, round-to-nearest-even, before sending).");
+ABSL_FLAG(std::string, lm_head_tensor, "lm_head.weight",
+          "load, upload: the [V, H] weight tensor's name.");
+ABSL_FLAG(std::string, bias_tensor, "",
+          "load, upload: the optional [V] bias tensor's name.");
+ABSL_FLAG(int64_t, vocab_size, 0,
+          "load, upload: the real vocabulary (0: every weight row).");
+ABSL_FLAG(std::string, expected_sha256, "",
+          "load: refuse unless the file's weights hash to this digest.");
+ABSL_FLAG(int64_t, chunk_mb, 4, "upload: MiB per streamed chunk.");
 
 namespace {
 
 using detlogp::client::LogpClient;
+using detlogp::client::ModelRepositoryClient;
 
-absl::StatusOr<std::unique_ptr<LogpClient>> Connect() {
+std::string FirstLine(const std::string& path) {
+  std::string line;
+  if (path.empty()) return line;
+  std::ifstream in(path);
+  std::getline(in, line);
+  return line;
+}
+
+LogpClient::Options ConnectionOptions() {
   LogpClient::Options options;
   options.target = absl::GetFlag(FLAGS_target);
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
-  if (!absl::GetFlag(FLAGS_token_file).empty()) {
-    std::ifstream in(absl::GetFlag(FLAGS_token_file));
-    std::getline(in, options.bearer_token);
-  }
+  options.bearer_token = FirstLine(absl::GetFlag(FLAGS_token_file));
   if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
     std::ifstream in(absl::GetFlag(FLAGS_tls_ca));
     options.tls_root_certs.assign(std::istreambuf_iterator<char>(in), {});
   }
-  return LogpClient::Create(options);
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<LogpClient>> Connect() {
+  return LogpClient::Create(ConnectionOptions());
+}
+
+ModelRepositoryClient::Options AdminOptions() {
+  ModelRepositoryClient::Options options;
+  options.admin_token = FirstLine(absl::GetFlag(FLAGS_admin_token_file));
+  options.chunk_bytes = absl::GetFlag(FLAGS_chunk_mb) << 20;
+  return options;
+}
+
+absl::StatusOr<std::unique_ptr<ModelRepositoryClient>> ConnectAdmin() {
+  return ModelRepositoryClient::Create(ConnectionOptions(), AdminOptions());
 }
 
 int Fail(const absl::Status& status) {
@@ -73,7 +132,8 @@ int Fail(const absl::Status& status) {
 int Info() {
   auto client = Connect();
   if (!client.ok()) return Fail(client.status());
-  auto info = (*client)->GetModelInfo();
+  auto info = (*client)->GetModelInfo(absl::GetFlag(FLAGS_model),
+                                      absl::GetFlag(FLAGS_model_version));
   if (!info.ok()) return Fail(info.status());
   std::cout << info->DebugString();
   return 0;
@@ -82,7 +142,10 @@ int Info() {
 int Score() {
   auto client = Connect();
   if (!client.ok()) return Fail(client.status());
-  auto info = (*client)->GetModelInfo();
+  // Shapes of the version asked for; the request is pinned to it, so a
+  // version published meanwhile cannot change the shapes under it.
+  auto info = (*client)->GetModelInfo(absl::GetFlag(FLAGS_model),
+                                      absl::GetFlag(FLAGS_model_version));
   if (!info.ok()) return Fail(info.status());
   detlogp::v1::DType dtype = detlogp::v1::DTYPE_BFLOAT16;
   int64_t rows = 0;
@@ -114,9 +177,11 @@ int Score() {
   }
   auto result = (*client)->Score(detlogp::client::MakeLogProbRequest(
       "cli", dtype, rows, info->hidden_size(), std::move(data), targets,
-      absl::GetFlag(FLAGS_temperature), absl::GetFlag(FLAGS_return_lse)));
+      absl::GetFlag(FLAGS_temperature), absl::GetFlag(FLAGS_return_lse),
+      info->model(), info->model_version()));
   if (!result.ok()) return Fail(result.status());
-  std::cout << "determinism_key " << result->determinism_key << "\n";
+  std::cout << "model " << result->model << " version " << result->model_version
+            << "\ndeterminism_key " << result->determinism_key << "\n";
   for (int64_t r = 0; r < rows; ++r) {
     std::printf("row %lld target %lld logprob %.9g", static_cast<long long>(r),
                 static_cast<long long>(targets[r]), result->logprobs[r]);
@@ -162,20 +227,132 @@ int CheckInvariance() {
   options.channels = absl::GetFlag(FLAGS_channels);
   options.temperature = absl::GetFlag(FLAGS_temperature);
   options.seed = absl::GetFlag(FLAGS_seed);
+  options.model = absl::GetFlag(FLAGS_model);
+  options.model_version = absl::GetFlag(FLAGS_model_version);
   auto report = detlogp::client::CheckInvariance(options);
   if (!report.ok()) return Fail(report.status());
   std::cout << report->Summary() << "\n";
   return report->ok() ? 0 : 3;
 }
 
+void PrintVersion(const detlogp::v1::ModelVersionStatus& v) {
+  std::printf("  version %lld %s H=%lld V=%lld V_pad=%lld bias=%d memory=%lld "
+              "in_flight=%lld persisted=%d source=%s\n    weights_sha256 %s\n"
+              "    determinism_key %s\n",
+              static_cast<long long>(v.version()),
+              detlogp::v1::ModelVersionStatus::State_Name(v.state()).c_str(),
+              static_cast<long long>(v.hidden_size()),
+              static_cast<long long>(v.vocab_size()),
+              static_cast<long long>(v.padded_vocab_size()), v.has_bias() ? 1 : 0,
+              static_cast<long long>(v.memory_bytes()),
+              static_cast<long long>(v.requests_in_flight()), v.persisted() ? 1 : 0,
+              v.source().c_str(), v.weights_sha256().c_str(),
+              v.determinism_key().c_str());
+}
+
+int Models() {
+  auto client = ConnectAdmin();
+  if (!client.ok()) return Fail(client.status());
+  auto models = (*client)->ListModels();
+  if (!models.ok()) return Fail(models.status());
+  for (const detlogp::v1::ModelInfo& info : models->models()) {
+    std::printf("model %s latest %lld%s\n", info.model().c_str(),
+                static_cast<long long>(info.model_version()),
+                info.model() == models->default_model() ? " (default)" : "");
+    for (const auto& version : info.versions()) PrintVersion(version);
+  }
+  return 0;
+}
+
+absl::Status RequireModel() {
+  if (absl::GetFlag(FLAGS_model).empty()) {
+    return absl::InvalidArgumentError("--model is required");
+  }
+  return absl::OkStatus();
+}
+
+int Load() {
+  if (absl::Status s = RequireModel(); !s.ok()) return Fail(s);
+  if (absl::GetFlag(FLAGS_path).empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "--path is required (relative to the server's --model_root)"));
+  }
+  auto client = ConnectAdmin();
+  if (!client.ok()) return Fail(client.status());
+  detlogp::v1::LoadModelRequest request;
+  request.set_model(absl::GetFlag(FLAGS_model));
+  request.set_path(absl::GetFlag(FLAGS_path));
+  request.set_lm_head_tensor(absl::GetFlag(FLAGS_lm_head_tensor));
+  request.set_bias_tensor(absl::GetFlag(FLAGS_bias_tensor));
+  request.set_vocab_size(absl::GetFlag(FLAGS_vocab_size));
+  request.set_expected_weights_sha256(absl::GetFlag(FLAGS_expected_sha256));
+  request.set_model_version(absl::GetFlag(FLAGS_model_version));
+  auto version = (*client)->LoadModel(request);
+  if (!version.ok()) return Fail(version.status());
+  std::printf("model %s\n", request.model().c_str());
+  PrintVersion(*version);
+  return 0;
+}
+
+// Uploads to --targets (or --target); one line per target.
+int Upload() {
+  if (absl::Status s = RequireModel(); !s.ok()) return Fail(s);
+  if (absl::GetFlag(FLAGS_weights_file).empty()) {
+    return Fail(absl::InvalidArgumentError("--weights_file is required"));
+  }
+  auto upload = detlogp::client::ReadLmHeadUpload(
+      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_weights_file),
+      absl::GetFlag(FLAGS_lm_head_tensor), absl::GetFlag(FLAGS_bias_tensor),
+      absl::GetFlag(FLAGS_vocab_size));
+  if (!upload.ok()) return Fail(upload.status());
+  upload->version = absl::GetFlag(FLAGS_model_version);
+  std::vector<std::string> targets =
+      absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipWhitespace());
+  if (targets.empty()) targets.push_back(absl::GetFlag(FLAGS_target));
+  const detlogp::client::PushReport report = detlogp::client::PushToTargets(
+      targets, ConnectionOptions(), AdminOptions(), *upload);
+  for (const detlogp::client::PushedVersion& pushed : report.targets) {
+    if (pushed.version.ok()) {
+      std::printf("target %s model %s version %lld weights_sha256 %s "
+                  "determinism_key %s\n",
+                  pushed.target.c_str(), upload->model.c_str(),
+                  static_cast<long long>(pushed.version->version()),
+                  pushed.version->weights_sha256().c_str(),
+                  pushed.version->determinism_key().c_str());
+    } else {
+      std::printf("target %s error %s\n", pushed.target.c_str(),
+                  pushed.version.status().ToString().c_str());
+    }
+  }
+  if (!report.status.ok()) return Fail(report.status);
+  return 0;
+}
+
+int Unload() {
+  if (absl::Status s = RequireModel(); !s.ok()) return Fail(s);
+  if (absl::GetFlag(FLAGS_model_version) <= 0) {
+    return Fail(absl::InvalidArgumentError("--model_version is required (> 0)"));
+  }
+  auto client = ConnectAdmin();
+  if (!client.ok()) return Fail(client.status());
+  const absl::Status status = (*client)->UnloadModel(
+      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_model_version));
+  if (!status.ok()) return Fail(status);
+  std::printf("model %s version %lld unloaded\n", absl::GetFlag(FLAGS_model).c_str(),
+              static_cast<long long>(absl::GetFlag(FLAGS_model_version)));
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "detlogp_cli <info|score|check-invariance|project> [--flags]");
+  constexpr char kUsage[] =
+      "detlogp_cli <info|score|check-invariance|project|models|load|upload|"
+      "unload> [--flags]";
+  absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::cerr << "usage: detlogp_cli <info|score|check-invariance|project> [--flags]\n";
+    std::cerr << "usage: " << kUsage << "\n";
     return 2;
   }
   const std::string command = args[1];
@@ -183,6 +360,10 @@ int main(int argc, char** argv) {
   if (command == "score") return Score();
   if (command == "check-invariance") return CheckInvariance();
   if (command == "project") return Project();
+  if (command == "models") return Models();
+  if (command == "load") return Load();
+  if (command == "upload") return Upload();
+  if (command == "unload") return Unload();
   std::cerr << "unknown command '" << command << "'\n";
   return 2;
 }
