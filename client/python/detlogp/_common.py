@@ -153,11 +153,13 @@ def combine_versions(model, per_target):
         values = {target: getattr(status, what) for target, status in per_target.items()}
         if len(set(values.values())) > 1:
             listed = ", ".join(f"{t}: {v}" for t, v in values.items())
+            hint = ("; pass version= to publish it under one number everywhere"
+                    if what == "version" else "")
             raise ReplicaMismatch(
                 f"model '{model}': the targets answered with different {what}s "
                 f"({listed}); each published its version, but equal requests "
-                "will not get equal bits (or the same version number) everywhere",
-                per_target)
+                "will not get equal bits (or the same version number) "
+                f"everywhere{hint}", per_target)
     return ModelVersionResult(model=model, version=int(first.version),
                               weights_sha256=first.weights_sha256,
                               determinism_key=first.determinism_key,
