@@ -311,7 +311,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     auto http = MetricsHttpServer::Start(metrics_options);
     if (!http.ok()) return http.status();
     server->metrics_http_ = *std::move(http);
-    spdlog::info("metrics on http://{}:{}/metrics", options.host,
+    spdlog::info("metrics on http://{}:{}/metrics",
+                 options.host.find(':') != std::string::npos ? "[" + options.host + "]"
+                                                             : options.host,
                  server->metrics_http_->port());
   }
   health->SetServingStatus(true);
@@ -334,10 +336,22 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
 absl::Status Server::LoadModels(std::vector<StartupModel> models) {
   std::map<std::string, std::vector<StoredVersion>> stored;
   if (model_store_ != nullptr) stored = model_store_->ListVersions();
-  // The latest complete stored version of every model; an older one when
-  // the latest no longer loads or matches its digest.
+  // The latest max_versions_per_model complete stored versions of every
+  // model whose files still hash to their manifests, published oldest first
+  // (so pinned re-scoring survives a restart). Older ones leave the store;
+  // damaged ones stay for the operator to look at, and new versions are
+  // numbered above every directory on disk.
   for (auto& [name, versions] : stored) {
+    std::vector<std::pair<const StoredVersion*, LmHeadWeights>> restored;
     for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
+      if (static_cast<int>(restored.size()) == options_.max_versions_per_model) {
+        spdlog::info("model {} version {}: older than the {} restored; removing it",
+                     name, it->version, restored.size());
+        if (absl::Status s = model_store_->Remove(name, it->version); !s.ok()) {
+          spdlog::warn("{}", s.ToString());
+        }
+        continue;
+      }
       auto weights = LoadLmHead(it->source);
       if (weights.ok() && weights->sha256 != it->weights_sha256) {
         weights = absl::DataLossError(absl::StrCat("weights hash to ", weights->sha256,
@@ -345,19 +359,23 @@ absl::Status Server::LoadModels(std::vector<StartupModel> models) {
                                                    it->weights_sha256));
       }
       if (!weights.ok()) {
-        spdlog::warn("model {} version {} not restored: {}", name, it->version,
-                     weights.status().ToString());
+        spdlog::warn("model {} version {} not restored (left on disk): {}", name,
+                     it->version, weights.status().ToString());
         continue;
       }
+      restored.emplace_back(&*it, *std::move(weights));
+    }
+    for (auto it = restored.rbegin(); it != restored.rend(); ++it) {
       VersionOrigin origin;
-      origin.description = absl::StrCat("restored:", it->source.path);
-      origin.version = it->version;
+      origin.description = absl::StrCat("restored:", it->first->source.path);
+      origin.version = it->first->version;
+      origin.persist = [](int64_t) { return absl::OkStatus(); };  // on disk already
       auto added = models_->AddVersion(
-          name, std::make_shared<const LmHeadWeights>(*std::move(weights)),
+          name, std::make_shared<const LmHeadWeights>(std::move(it->second)),
           std::move(origin));
       if (!added.ok()) return added.status();
-      break;
     }
+    models_->NumberAbove(name, versions.back().version);
   }
   for (StartupModel& model : models) {
     if (absl::Status s = ValidateModelName(model.name, "--model"); !s.ok()) return s;

@@ -247,6 +247,12 @@ absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
       return absl::NotFoundError(absl::StrCat(
           "model_version: model '", model, "' has no ready version ", version));
     }
+    if (model == options_.default_model && it->second.ready.size() == 1) {
+      // Requests without a model would all fail while health says SERVING.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "model_version: ", version, " is the default model's only ready version; "
+          "publish another before unloading it"));
+    }
     watched = v->second;
     RetireLocked(model, it->second, version);
   }
@@ -346,6 +352,12 @@ int64_t ModelManager::NextVersion(const std::string& model) const {
   absl::ReaderMutexLock lock(&mu_);
   auto it = models_.find(model);
   return it == models_.end() ? 1 : it->second.next_version;
+}
+
+void ModelManager::NumberAbove(const std::string& model, int64_t version) {
+  absl::MutexLock lock(&mu_);
+  Model& m = models_[model];
+  m.next_version = std::max(m.next_version, version + 1);
 }
 
 int64_t ModelManager::reserved_bytes() const { return tracker_->used(); }

@@ -163,6 +163,9 @@ class ModelManager {
 
   // The next number AddVersion would give `model` (tests, restore).
   int64_t NextVersion(const std::string& model) const;
+  // Numbers the model's next versions above `version` (a restart: numbers
+  // already used on disk are never given again).
+  void NumberAbove(const std::string& model, int64_t version);
   // OK when `version` (0: the next) may be published for `model`: explicit
   // numbers must be above every number the model has had.
   absl::Status CheckVersionNumber(const std::string& model, int64_t version) const;

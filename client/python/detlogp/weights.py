@@ -51,7 +51,14 @@ def _torch_to_numpy(tensor, *, for_weight):
             return tensor.to(torch.float32).cpu().numpy()  # exact widening
         # The bf16 bits as they are: a view, then one device-to-host copy
         # (none for a contiguous CPU tensor).
-        return tensor.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+        bits = tensor.contiguous().view(torch.int16)
+        if bits.is_cuda:
+            # Through pinned memory: a pageable copy of 1.2 GB took 1.08 s on
+            # an H200 host, a pinned one a fraction of it.
+            host = torch.empty(bits.shape, dtype=torch.int16, pin_memory=True)
+            host.copy_(bits)
+            return host.numpy().view(np.uint16)
+        return bits.numpy().view(np.uint16)
     if tensor.dtype in (torch.float32, torch.float16, torch.float64):
         return tensor.cpu().numpy()
     raise TypeError(f"torch dtype {tensor.dtype} is not bfloat16, float16, "

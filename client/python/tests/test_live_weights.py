@@ -249,6 +249,18 @@ def test_reference_and_policy_side_by_side(client, ref_model, trained, fresh):
     assert listing.default_model == "default"
 
 
+def test_the_default_models_only_version_cannot_be_unloaded(server_binary, model):
+    """Requests without a model would all fail while health says SERVING."""
+    with LocalServer(server_binary, model.flags + ["--cpu_threads=1"]) as srv:
+        with detlogp.Client(srv.target) as c:
+            with pytest.raises(detlogp.FailedPrecondition) as error:
+                c.unload_model("default", 1)
+            assert error.value.field == "model_version"
+            hidden, targets = _rows(model, seed=5, n=2)
+            assert c.logprobs(hidden, targets).model_version == 1
+            assert c.health() == "SERVING"
+
+
 def test_unknown_model_and_version_are_not_found(client, model):
     hidden, targets = _rows(model, seed=4, n=2)
     with pytest.raises(detlogp.NotFound) as error:
