@@ -9,7 +9,7 @@
 #include "absl/time/clock.h"
 #include "client/tensor_files.h"
 #include "kernels/bfloat16.h"
-#include "server/models/sha256.h"
+#include "server/models/lm_head_digest.h"
 
 namespace detlogp::client {
 namespace {
@@ -115,21 +115,11 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
   return upload;
 }
 
-std::string LmHeadDigestPreambleText(int64_t hidden_size, int64_t vocab_size,
-                                     int64_t padded_vocab_size, bool has_bias) {
-  return absl::StrCat("detlogp-lm-head-v1 H=", hidden_size, " V=", vocab_size,
-                      " V_pad=", padded_vocab_size, " bias=", has_bias ? 1 : 0,
-                      "\n");
-}
-
 std::string LmHeadUploadDigest(const LmHeadUpload& upload) {
-  server::Sha256 hash;
-  hash.Update(LmHeadDigestPreambleText(upload.hidden_size,
-                                       upload.effective_vocab_size(),
-                                       upload.padded_vocab_size, !upload.bias.empty()));
-  hash.Update(upload.weight.data(), upload.weight.size() * 2);
-  hash.Update(upload.bias.data(), upload.bias.size() * 4);
-  return hash.HexDigest();
+  return server::ComputeLmHeadDigest(
+      {upload.hidden_size, upload.effective_vocab_size(), upload.padded_vocab_size,
+       !upload.bias.empty()},
+      upload.weight.data(), upload.bias.data());
 }
 
 // ------------------------------------------------------------------ client
@@ -215,9 +205,10 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
   header->set_vocab_size(upload.vocab_size);
   header->set_has_bias(!upload.bias.empty());
   header->set_model_version(upload.version);
-  server::Sha256 hash;
-  hash.Update(LmHeadDigestPreambleText(upload.hidden_size, upload.effective_vocab_size(),
-                                       upload.padded_vocab_size, !upload.bias.empty()));
+  // Its blocks hash on every core in a fraction of the transfer's time, so
+  // the digest travels in the header.
+  const std::string digest = LmHeadUploadDigest(upload);
+  header->set_weights_sha256(digest);
   // A failed write means the server has ended the call (e.g. the header was
   // refused); Finish says why.
   bool open = writer->Write(message);
@@ -241,7 +232,6 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
       const int64_t to = std::min<int64_t>(sent + size, begin + part_sizes[part]);
       if (to > from) chunk->append(parts[part] + (from - begin), to - from);
     }
-    hash.Update(chunk->data(), chunk->size());
     open = writer->Write(message);
     sent += size;
     if (open && hooks.after_chunk && !hooks.after_chunk(sent, total)) {
@@ -249,11 +239,6 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
       cancelled = true;
       break;
     }
-  }
-  const std::string digest = hash.HexDigest();
-  if (open && !cancelled) {
-    message.set_weights_sha256(digest);
-    open = writer->Write(message);
   }
   if (open && !cancelled) writer->WritesDone();
   const grpc::Status status = writer->Finish();

@@ -68,11 +68,8 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(
     const std::string& weight_tensor = "lm_head.weight",
     const std::string& bias_tensor = "", int64_t vocab_size = 0);
 
-// The weights' digest as ModelVersionStatus.weights_sha256 reports it:
-// SHA-256 over "detlogp-lm-head-v1 H=<H> V=<V> V_pad=<V_pad> bias=<0|1>\n",
-// the weight bytes, then the bias bytes (little-endian).
-std::string LmHeadDigestPreambleText(int64_t hidden_size, int64_t vocab_size,
-                                     int64_t padded_vocab_size, bool has_bias);
+// The weights' digest as ModelVersionStatus.weights_sha256 reports it
+// (server/models/lm_head_digest.h), its blocks hashed on every core.
 std::string LmHeadUploadDigest(const LmHeadUpload& upload);
 
 class ModelRepositoryClient {

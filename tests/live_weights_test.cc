@@ -354,8 +354,6 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   weights.bias = upload.bias;
   server::ComputeLmHeadDigest(&weights);
   EXPECT_EQ(client::LmHeadUploadDigest(upload), weights.sha256);
-  EXPECT_EQ(client::LmHeadDigestPreambleText(64, 1000, 1024, true),
-            server::LmHeadDigestPreamble(64, 1000, 1024, true));
 
   // An F32 file is rounded to bf16 as the server rounds it (RNE); ties and
   // values that round up are in the data.
@@ -1007,10 +1005,12 @@ TEST_F(LiveWeightsStoreTest, KillDuringUploadKeepsTheLastCompleteVersion) {
   ModelRepositoryClient::UploadHooks hooks;
   hooks.after_chunk = [&](int64_t sent, int64_t total) {
     if (sent < total / 2) return true;
-    // Kill once the server has written part of the new version.
+    // Kill once the server has started the new version's file (it writes
+    // whole 16 MiB digest blocks; this model is smaller than one, so the
+    // file holds its header so far).
     EXPECT_TRUE(WaitFor([&] {
       const auto temp = TempVersionDirs(model_dir);
-      return temp.size() == 1 && FileSize(temp[0] + "/lm_head.safetensors") > total / 4;
+      return temp.size() == 1 && FileSize(temp[0] + "/lm_head.safetensors") > 0;
     }));
     server_->Stop(SIGKILL);
     killed = true;

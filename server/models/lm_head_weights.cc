@@ -47,21 +47,9 @@ kernels::LmHeadView LmHeadWeights::view() const {
   return view;
 }
 
-std::string LmHeadDigestPreamble(int64_t hidden_size, int64_t vocab_size,
-                                 int64_t padded_vocab_size, bool has_bias) {
-  return absl::StrCat("detlogp-lm-head-v1 H=", hidden_size, " V=", vocab_size,
-                      " V_pad=", padded_vocab_size, " bias=", has_bias ? 1 : 0,
-                      "\n");
-}
-
 void ComputeLmHeadDigest(LmHeadWeights* weights) {
-  Sha256 hash;
-  hash.Update(LmHeadDigestPreamble(weights->hidden_size, weights->vocab_size,
-                                   weights->padded_vocab_size,
-                                   !weights->bias.empty()));
-  hash.Update(weights->weight.data(), weights->weight.size() * sizeof(uint16_t));
-  hash.Update(weights->bias.data(), weights->bias.size() * sizeof(float));
-  weights->sha256 = hash.HexDigest();
+  weights->sha256 = ComputeLmHeadDigest(weights->shape(), weights->weight.data(),
+                                        weights->bias.data());
 }
 
 absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
@@ -92,12 +80,16 @@ absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
         "--vocab_size=", weights.vocab_size, " exceeds the ",
         weights.padded_vocab_size, " rows of ", source.weight_tensor));
   }
-  auto bytes = file->ReadTensor(source.weight_tensor);
-  if (!bytes.ok()) return bytes.status();
-  if (info.dtype == "BF16") {
-    weights.weight.resize(bytes->size() / 2);
-    std::memcpy(weights.weight.data(), bytes->data(), bytes->size());
+  if (info.dtype == "BF16") {  // straight into place
+    weights.weight.resize(weights.padded_vocab_size * weights.hidden_size);
+    if (absl::Status s = file->ReadTensorInto(source.weight_tensor, weights.weight.data(),
+                                              weights.weight.size() * 2);
+        !s.ok()) {
+      return s;
+    }
   } else {
+    auto bytes = file->ReadTensor(source.weight_tensor);
+    if (!bytes.ok()) return bytes.status();
     const std::vector<float> values = BytesToFloats(info.dtype, *bytes);
     weights.weight.resize(values.size());
     for (size_t i = 0; i < values.size(); ++i) {

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/lm_head.h"
+#include "server/models/lm_head_digest.h"
 
 namespace detlogp::server {
 
@@ -22,6 +23,9 @@ struct LmHeadWeights {
   std::string description;        // where the weights came from, for logs
 
   kernels::LmHeadView view() const;
+  LmHeadShape shape() const {
+    return {hidden_size, vocab_size, padded_vocab_size, !bias.empty()};
+  }
 };
 
 struct LmHeadSource {
@@ -44,12 +48,8 @@ struct SyntheticLmHeadOptions {
 };
 LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options);
 
-// Fills the digest from the shape, weight and bias: SHA-256 over
-// LmHeadDigestPreamble, then the bf16 weight bytes, then the fp32 bias bytes
-// (little-endian). Clients that upload weights compute the same.
+// Fills the digest from the shape, weight and bias (lm_head_digest.h).
 void ComputeLmHeadDigest(LmHeadWeights* weights);
-std::string LmHeadDigestPreamble(int64_t hidden_size, int64_t vocab_size,
-                                 int64_t padded_vocab_size, bool has_bias);
 
 }  // namespace detlogp::server
 

@@ -123,7 +123,9 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     if (!reserved.ok()) return reserved.status();
     reservation = *std::move(reserved);
   }
+  const absl::Time place_start = absl::Now();
   auto placed = options_.place(weights);
+  const absl::Duration place_time = absl::Now() - place_start;
   if (!placed.ok()) {
     return absl::Status(placed.status().code(),
                         absl::StrCat("placing the weights: ", placed.status().message()));
@@ -155,7 +157,10 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
   version->placed = std::move(tracked);
   weights.reset();  // backends that keep host weights hold their own reference
 
-  if (absl::Status s = options_.warm_up(*version); !s.ok()) {
+  const absl::Time warm_start = absl::Now();
+  absl::Status warmed = options_.warm_up(*version);
+  const absl::Duration warm_time = absl::Now() - warm_start;
+  if (absl::Status s = std::move(warmed); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("warm-up: ", s.message()));
   }
   {
@@ -171,6 +176,7 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
       m.next_version = origin.version + 1;
     }
   }
+  const absl::Time persist_start = absl::Now();
   if (origin.persist) {
     absl::Status s = origin.persist(version->version);
     if (!s.ok()) {
@@ -178,6 +184,7 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     }
     version->persisted = options_.store != nullptr && options_.store->writable();
   }
+  const absl::Duration persist_time = absl::Now() - persist_start;
   detlogp::v1::ModelVersionStatus status = StatusOf(*version, /*ready=*/true);
   {
     absl::MutexLock lock(&mu_);
@@ -187,9 +194,11 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
       RetireLocked(model, m, m.ready.begin()->first);
     }
   }
-  spdlog::info("model {} version {} ready ({}; weights {}, key {})", model,
-               version->version, version->source, version->weights_sha256,
-               version->determinism_key);
+  spdlog::info("model {} version {} ready ({}; weights {}, key {}; placed in {:.3f} s, "
+               "warmed up in {:.3f} s, persisted in {:.3f} s)",
+               model, version->version, version->source, version->weights_sha256,
+               version->determinism_key, absl::ToDoubleSeconds(place_time),
+               absl::ToDoubleSeconds(warm_time), absl::ToDoubleSeconds(persist_time));
   return status;
 }
 

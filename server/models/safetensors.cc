@@ -1,11 +1,19 @@
 #include "server/models/safetensors.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+
 #include <cctype>
 #include <cstring>
 #include <fstream>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/parallel_for.h"
 
 namespace detlogp::server {
 namespace {
@@ -246,7 +254,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   return file;
 }
 
-absl::StatusOr<std::vector<uint8_t>> SafetensorsFile::ReadTensor(
+absl::StatusOr<const SafetensorInfo*> SafetensorsFile::CheckedTensor(
     const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
@@ -265,13 +273,51 @@ absl::StatusOr<std::vector<uint8_t>> SafetensorsFile::ReadTensor(
     return absl::InvalidArgumentError(absl::StrCat(
         path_, ": tensor '", name, "' byte range does not match its shape"));
   }
-  std::ifstream in(path_, std::ios::binary);
-  in.seekg(static_cast<std::streamoff>(data_offset_ + info.data_begin));
-  std::vector<uint8_t> data(info.data_end - info.data_begin);
-  if (!in.read(reinterpret_cast<char*>(data.data()),
-               static_cast<std::streamsize>(data.size()))) {
-    return absl::DataLossError(absl::StrCat(path_, ": cannot read '", name, "'"));
+  return &info;
+}
+
+absl::Status SafetensorsFile::ReadTensorInto(const std::string& name, void* dst,
+                                             size_t bytes) const {
+  auto info = CheckedTensor(name);
+  if (!info.ok()) return info.status();
+  if ((*info)->data_end - (*info)->data_begin != bytes) {
+    return absl::InternalError(absl::StrCat(path_, ": '", name, "' is not ", bytes, " bytes"));
   }
+  const int fd = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::NotFoundError(absl::StrCat(path_, ": cannot open"));
+  // Ranges read on several threads: one thread reads a cached file at a
+  // few GB/s, a 1.2 GB lm_head takes several times less on eight.
+  constexpr uint64_t kRangeBytes = 64 << 20;
+  const uint64_t base = data_offset_ + (*info)->data_begin;
+  const int64_t ranges = static_cast<int64_t>((bytes + kRangeBytes - 1) / kRangeBytes);
+  std::atomic<bool> failed{false};
+  kernels::ParallelForRanges(ranges, 8, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last && !failed; ++r) {
+      uint64_t done = r * kRangeBytes;
+      const uint64_t end = std::min<uint64_t>(bytes, done + kRangeBytes);
+      while (done < end) {
+        const ssize_t n = pread(fd, static_cast<char*>(dst) + done, end - done,
+                                static_cast<off_t>(base + done));
+        if (n <= 0) {
+          if (n < 0 && errno == EINTR) continue;
+          failed = true;
+          break;
+        }
+        done += static_cast<uint64_t>(n);
+      }
+    }
+  });
+  close(fd);
+  if (failed) return absl::DataLossError(absl::StrCat(path_, ": cannot read '", name, "'"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<uint8_t>> SafetensorsFile::ReadTensor(
+    const std::string& name) const {
+  auto info = CheckedTensor(name);
+  if (!info.ok()) return info.status();
+  std::vector<uint8_t> data((*info)->data_end - (*info)->data_begin);
+  if (absl::Status s = ReadTensorInto(name, data.data(), data.size()); !s.ok()) return s;
   return data;
 }
 

@@ -30,8 +30,12 @@ class SafetensorsFile {
   }
   // Reads one tensor's bytes, checking that its size matches dtype and shape.
   absl::StatusOr<std::vector<uint8_t>> ReadTensor(const std::string& name) const;
+  // Reads one tensor's `bytes` bytes (checked as ReadTensor does) into dst.
+  absl::Status ReadTensorInto(const std::string& name, void* dst, size_t bytes) const;
 
  private:
+  absl::StatusOr<const SafetensorInfo*> CheckedTensor(const std::string& name) const;
+
   std::string path_;
   uint64_t data_offset_ = 0;  // where the data section starts in the file
   uint64_t file_size_ = 0;

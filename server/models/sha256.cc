@@ -19,15 +19,19 @@ void Sha256::Update(const void* data, size_t size) {
   EVP_DigestUpdate(state_->context, data, size);
 }
 
-std::string Sha256::HexDigest() {
+std::string Sha256::Digest() {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
   EVP_DigestFinal_ex(state_->context, digest, &length);
+  return std::string(reinterpret_cast<const char*>(digest), length);
+}
+
+std::string Sha256::HexDigest() {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string hex;
-  for (unsigned int i = 0; i < length; ++i) {
-    hex.push_back(kHex[digest[i] >> 4]);
-    hex.push_back(kHex[digest[i] & 15]);
+  for (unsigned char byte : Digest()) {
+    hex.push_back(kHex[byte >> 4]);
+    hex.push_back(kHex[byte & 15]);
   }
   return hex;
 }

@@ -17,6 +17,8 @@ class Sha256 {
 
   void Update(const void* data, size_t size);
   void Update(const std::string& text) { Update(text.data(), text.size()); }
+  // The 32 raw bytes; either ends the hash.
+  std::string Digest();
   std::string HexDigest();
 
  private:

@@ -10,7 +10,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "server/models/sha256.h"
+#include "server/models/upload_assembler.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/rejected_call.h"
 #include "spdlog/spdlog.h"
@@ -320,16 +320,11 @@ class ModelRepositoryServiceImpl::UploadCall final
       if (!writer.ok()) return writer.status();
       writer_ = *std::move(writer);
     }
-    auto weights = std::make_shared<LmHeadWeights>();
-    weights->hidden_size = shape_.hidden_size;
-    weights->vocab_size = shape_.vocab_size;
-    weights->padded_vocab_size = shape_.padded_vocab_size;
-    weights->weight.resize(shape_.padded_vocab_size * shape_.hidden_size);
-    if (shape_.has_bias) weights->bias.resize(shape_.padded_vocab_size);
-    weights->description = absl::StrCat("upload of ", model_);
-    weights_ = std::move(weights);
-    hash_.Update(LmHeadDigestPreamble(shape_.hidden_size, shape_.vocab_size,
-                                      shape_.padded_vocab_size, shape_.has_bias));
+    // Hashing and writing run beside the copy, block by block.
+    assembler_ = std::make_unique<UploadAssembler>(
+        LmHeadShape{shape_.hidden_size, shape_.vocab_size, shape_.padded_vocab_size,
+                    shape_.has_bias},
+        writer_.get());
     worker_started_ = true;
     service_->tasks_.Start([this] { Work(); });
     return absl::OkStatus();
@@ -393,8 +388,8 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (status.ok()) status = Publish();
     // Dropped before Finish: a refused upload frees its memory and removes
     // its temporary files before the client hears of it.
+    assembler_.reset();  // before the writer it writes to
     writer_.reset();
-    weights_.reset();
     reservation_ = {};
     {
       absl::MutexLock lock(&mu_);
@@ -405,10 +400,7 @@ class ModelRepositoryServiceImpl::UploadCall final
   }
 
   absl::Status Consume() {
-    int64_t offset = 0;
-    char* weight_bytes = reinterpret_cast<char*>(weights_->weight.data());
-    char* bias_bytes = reinterpret_cast<char*>(weights_->bias.data());
-    const int64_t weight_size = shape_.weight_bytes();
+    const absl::Time start = absl::Now();
     while (true) {
       Item item;
       {
@@ -422,43 +414,39 @@ class ModelRepositoryServiceImpl::UploadCall final
       }
       if (item.kind == Item::kAbort) return item.status;
       if (item.kind == Item::kEnd) break;
-      const char* data = item.bytes.data();
-      const int64_t size = static_cast<int64_t>(item.bytes.size());
-      hash_.Update(data, size);
-      // A chunk may straddle the weight and the bias.
-      const int64_t to_weight = std::max<int64_t>(0, std::min(size, weight_size - offset));
-      std::memcpy(weight_bytes + offset, data, to_weight);
-      if (size > to_weight) {
-        std::memcpy(bias_bytes + (offset + to_weight - weight_size), data + to_weight,
-                    size - to_weight);
-      }
-      offset += size;
-      if (writer_ != nullptr) {
-        if (absl::Status s = writer_->Append(data, size); !s.ok()) return s;
+      if (absl::Status s = assembler_->Append(item.bytes.data(), item.bytes.size());
+          !s.ok()) {
+        return s;
       }
     }
-    absl::MutexLock lock(&mu_);
-    if (cancelled_) return absl::CancelledError("upload cancelled");
-    if (offset != shape_.total_bytes()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk: the upload ended after ", offset, " of the ", shape_.total_bytes(),
-          " bytes the header announced"));
+    {
+      absl::MutexLock lock(&mu_);
+      if (cancelled_) return absl::CancelledError("upload cancelled");
+      if (expected_sha256_.empty() &&
+          assembler_->received_bytes() == assembler_->total_bytes()) {
+        return absl::InvalidArgumentError(
+            "weights_sha256: neither the header nor the last message carried it");
+      }
     }
-    if (expected_sha256_.empty()) {
-      return absl::InvalidArgumentError(
-          "weights_sha256: neither the header nor the last message carried it");
-    }
+    auto digest = assembler_->Finish();
+    if (!digest.ok()) return digest.status();
+    digest_ = *std::move(digest);
+    spdlog::info("upload of {}: {} bytes received, hashed and written in {:.3f} s "
+                 "after the header",
+                 model_, assembler_->total_bytes(),
+                 absl::ToDoubleSeconds(absl::Now() - start));
     return absl::OkStatus();
   }
 
   absl::Status Publish() {
-    const std::string digest = hash_.HexDigest();
+    const std::string& digest = digest_;
     if (digest != expected_sha256_) {
       return absl::DataLossError(absl::StrCat(
           "weights_sha256: the client said ", expected_sha256_,
           " but the bytes received hash to ", digest));
     }
-    weights_->sha256 = digest;
+    std::shared_ptr<LmHeadWeights> weights = assembler_->TakeWeights();
+    weights->description = absl::StrCat("upload of ", model_);
     VersionOrigin origin;
     origin.description = "upload";
     origin.version = version_;
@@ -467,7 +455,7 @@ class ModelRepositoryServiceImpl::UploadCall final
         return writer_->Commit(version, digest);
       };
     }
-    auto added = service_->manager_->AddVersion(model_, std::move(weights_),
+    auto added = service_->manager_->AddVersion(model_, std::move(weights),
                                                 std::move(origin),
                                                 std::move(reservation_));
     if (!added.ok()) return added.status();
@@ -495,8 +483,9 @@ class ModelRepositoryServiceImpl::UploadCall final
   int64_t version_ = 0;  // 0: the model's next number
   ModelManager::Reservation reservation_;
   std::unique_ptr<VersionWriter> writer_;
-  std::shared_ptr<LmHeadWeights> weights_;
-  Sha256 hash_;
+  // Declared after the writer it writes to: destroyed first.
+  std::unique_ptr<UploadAssembler> assembler_;
+  std::string digest_;
 };
 
 grpc::ServerReadReactor<UploadModelRequest>* ModelRepositoryServiceImpl::UploadModel(

@@ -84,8 +84,14 @@ class Version:
         self.model = TestModel(folder, hidden=H, vocab=V, padded_vocab=V_PAD, seed=seed)
         self.payload = (self.model.weight_bits.astype("<u2").tobytes() +
                         self.model.bias.astype("<f4").tobytes())
-        preamble = f"detlogp-lm-head-v1 H={H} V={V} V_pad={V_PAD} bias=1\n".encode()
-        self.sha256 = hashlib.sha256(preamble + self.payload).hexdigest()
+        # One 16 MiB digest block per part at this size: the leaves are the
+        # weight's and the bias's SHA-256.
+        weight = self.model.weight_bits.astype("<u2").tobytes()
+        preamble = (f"detlogp-lm-head-v2 H={H} V={V} V_pad={V_PAD} bias=1 "
+                    f"block={16 << 20}\n").encode()
+        self.sha256 = hashlib.sha256(
+            preamble + hashlib.sha256(weight).digest()
+            + hashlib.sha256(self.model.bias.astype("<f4").tobytes()).digest()).hexdigest()
 
 
 def upload_messages(version, rng, digest=None, in_header=True, stall=None):

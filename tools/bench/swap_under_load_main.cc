@@ -5,7 +5,7 @@
 // Reports rows/s before and during the swaps, each upload's time from its
 // first byte to ready, failed calls and mismatched answers.
 //
-//   swap_under_load --target=127.0.0.1:50051 --model=policy --callers=64 \
+//   swap_under_load --target=127.0.0.1:50051 --model=policy --callers=64
 //       --rows=256 --steady_seconds=10 --swap_seconds=60 --swap_every_seconds=2
 //
 // The server needs --max_versions_per_model above the number of pushes (the
@@ -34,8 +34,7 @@
 #include "client/random_rows.h"
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
-#include "server/models/lm_head_weights.h"
-#include "server/models/sha256.h"
+#include "server/models/lm_head_digest.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
 ABSL_FLAG(std::string, model, "policy", "Model to push and score.");
@@ -109,7 +108,8 @@ struct PushRecord {
   bool ok = false;
 };
 
-// Uploads the current weight as the model's next version.
+// Uploads the current weight as the model's next version; the time counts
+// from the call (hashing included) to the answer.
 PushRecord Push(detlogp::v1::ModelRepositoryService::Stub* stub,
                 const std::string& model, const VersionWeights& weights,
                 int64_t hidden, int64_t vocab, size_t chunk_bytes) {
@@ -125,19 +125,16 @@ PushRecord Push(detlogp::v1::ModelRepositoryService::Stub* stub,
   header->add_shape(vocab);
   header->add_shape(hidden);
   header->set_vocab_size(vocab);
+  header->set_weights_sha256(detlogp::server::ComputeLmHeadDigest(
+      {hidden, vocab, vocab, false}, weights.current().data(), nullptr));
   writer->Write(message);
-  detlogp::server::Sha256 hash;
-  hash.Update(detlogp::server::LmHeadDigestPreamble(hidden, vocab, vocab, false));
   const char* bytes = reinterpret_cast<const char*>(weights.current().data());
   const size_t total = weights.current().size() * 2;
   for (size_t offset = 0; offset < total; offset += chunk_bytes) {
     const size_t size = std::min(chunk_bytes, total - offset);
-    hash.Update(bytes + offset, size);
     message.set_chunk(bytes + offset, size);
     if (!writer->Write(message)) break;
   }
-  message.set_weights_sha256(hash.HexDigest());
-  writer->Write(message);
   writer->WritesDone();
   const grpc::Status done = writer->Finish();
   record.seconds = absl::ToDoubleSeconds(absl::Now() - start);

@@ -4,9 +4,10 @@ server takes, the model's digest, and the upload's messages.
 The wire form (docs/live_weights.md): weight [V_pad, H] as bf16, row-major,
 little-endian; optional bias [V_pad] as fp32. The digest is SHA-256 over
 
-    "detlogp-lm-head-v1 H=<H> V=<vocab_size> V_pad=<V_pad> bias=<0|1>\\n"
+    "detlogp-lm-head-v2 H=<H> V=<vocab_size> V_pad=<V_pad> bias=<0|1> block=16777216\\n"
 
-then the weight bytes, then the bias bytes (vocab_size 0 means V_pad).
+then the raw SHA-256 of every 16 MiB block of the weight bytes, then of the
+bias bytes (vocab_size 0 means V_pad); blocks hash on every core.
 
 Accepted weights:
   numpy float32 / float16 / float64   rounded to bf16 by round-to-nearest-even
@@ -24,7 +25,9 @@ Accepted weights:
                                       torch tensor is passed.
 The bias: any float array or tensor of V_pad values, sent as fp32.
 """
+import concurrent.futures
 import hashlib
+import os
 
 import numpy as np
 
@@ -107,10 +110,32 @@ def bias_values(bias, padded_vocab_size):
     return np.ascontiguousarray(array, dtype="<f4")
 
 
+DIGEST_BLOCK_BYTES = 16 << 20
+
+
 def digest_preamble(hidden_size, vocab_size, padded_vocab_size, has_bias):
     """The ASCII line the model digest starts with."""
-    return (f"detlogp-lm-head-v1 H={hidden_size} V={vocab_size} "
-            f"V_pad={padded_vocab_size} bias={1 if has_bias else 0}\n").encode("ascii")
+    return (f"detlogp-lm-head-v2 H={hidden_size} V={vocab_size} "
+            f"V_pad={padded_vocab_size} bias={1 if has_bias else 0} "
+            f"block={DIGEST_BLOCK_BYTES}\n").encode("ascii")
+
+
+def _leaf(view):
+    return hashlib.sha256(view).digest()  # releases the GIL: leaves hash in parallel
+
+
+def block_digest(preamble, buffers, threads=None):
+    """SHA-256 over `preamble` and the raw SHA-256 of every 16 MiB block of
+    each buffer in turn (docs/live_weights.md)."""
+    blocks = [view[begin:begin + DIGEST_BLOCK_BYTES]
+              for view in buffers for begin in range(0, len(view), DIGEST_BLOCK_BYTES)]
+    workers = threads or min(32, os.cpu_count() or 1)
+    if workers > 1 and len(blocks) > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            leaves = list(pool.map(_leaf, blocks))
+    else:
+        leaves = [_leaf(block) for block in blocks]
+    return hashlib.sha256(preamble + b"".join(leaves)).hexdigest()
 
 
 class LmHead:
@@ -153,42 +178,35 @@ class LmHead:
         return views
 
     def sha256(self):
-        """The digest the server will report as weights_sha256."""
+        """The digest the server will report as weights_sha256 (its 16 MiB
+        blocks hashed on every core)."""
         if self._sha256 is None:
-            digest = hashlib.sha256(self.preamble())
-            for view in self._buffers():
-                digest.update(view)
-            self._sha256 = digest.hexdigest()
+            self._sha256 = block_digest(self.preamble(), self._buffers())
         return self._sha256
 
-    def header(self, model, version=None):
+    def header(self, model, version=None, weights_sha256=None):
         return pb.UploadModelHeader(
             model=model, dtype=pb.DTYPE_BFLOAT16,
             shape=[self.padded_vocab_size, self.hidden_size],
             vocab_size=self.vocab_size, has_bias=self.has_bias,
-            model_version=int(version or 0))
+            model_version=int(version or 0),
+            weights_sha256=weights_sha256 or self.sha256())
 
     def messages(self, model, chunk_bytes=DEFAULT_CHUNK_BYTES, weights_sha256=None,
                  version=None):
-        """The UploadModel stream: the header, the weight's then the bias's
-        bytes in chunks of `chunk_bytes`, then the digest, computed over the
-        bytes as they are yielded. `weights_sha256`, when given, is sent
-        instead of the computed digest: the server then refuses bytes that
-        do not hash to it (DATA_LOSS). `version`: the number to publish the
-        weights as (None: the model's next number on the server)."""
+        """The UploadModel stream: the header (with the digest), then the
+        weight's and the bias's bytes in chunks of `chunk_bytes`.
+        `weights_sha256`, when given, is sent instead of the computed digest:
+        the server then refuses bytes that do not hash to it (DATA_LOSS).
+        `version`: the number to publish the weights as (None: the model's
+        next number on the server)."""
         chunk_bytes = int(chunk_bytes)
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be > 0")
-        yield pb.UploadModelRequest(header=self.header(model, version))
-        digest = hashlib.sha256(self.preamble())
+        yield pb.UploadModelRequest(header=self.header(model, version, weights_sha256))
         for view in self._buffers():
             for begin in range(0, len(view), chunk_bytes):
-                piece = view[begin:begin + chunk_bytes]
-                digest.update(piece)
-                yield pb.UploadModelRequest(chunk=bytes(piece))
-        computed = digest.hexdigest()
-        self._sha256 = computed
-        yield pb.UploadModelRequest(weights_sha256=weights_sha256 or computed)
+                yield pb.UploadModelRequest(chunk=bytes(view[begin:begin + chunk_bytes]))
 
 
 def lm_head_sha256(weight, bias=None, vocab_size=None):

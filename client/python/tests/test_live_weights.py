@@ -359,8 +359,13 @@ def test_bad_upload_header_is_invalid_argument_naming_the_field(client, live, tr
                     .messages("bad", chunk_bytes=64 << 10))
     error = _raw_upload(live.target, messages[:2] + messages[-1:])
     assert isinstance(error, detlogp.InvalidArgument) and error.field == "chunk", error
-    # The digest first, then chunks.
-    error = _raw_upload(live.target, [messages[0], messages[-1]] + messages[1:-1])
+    # The digest as a message of its own before the chunks (it must be last).
+    header = pb.UploadModelRequest()
+    header.CopyFrom(messages[0])
+    digest = header.header.weights_sha256
+    header.header.weights_sha256 = ""
+    error = _raw_upload(live.target, [header, pb.UploadModelRequest(weights_sha256=digest)]
+                        + messages[1:])
     assert isinstance(error, detlogp.InvalidArgument), error
     assert error.field == "weights_sha256"
 

@@ -78,39 +78,58 @@ def test_refused_weights_and_biases():
         weights.LmHead(np.zeros((4, 8), np.float32), np.zeros(4, np.int64))
 
 
-def test_digest_is_the_documented_preamble_weight_then_bias():
+def _sha(data):
+    return hashlib.sha256(data).digest()
+
+
+def test_digest_is_the_documented_block_digest():
     bits = weights.tensors.float32_to_bf16_bits(
         np.random.default_rng(5).standard_normal((24, 8)).astype(np.float32))
     bias = np.random.default_rng(6).standard_normal(24)  # float64: sent as fp32
     head = weights.LmHead(bits, bias, vocab_size=20)
-    want = hashlib.sha256(b"detlogp-lm-head-v1 H=8 V=20 V_pad=24 bias=1\n"
-                          + bits.astype("<u2").tobytes()
-                          + bias.astype("<f4").tobytes()).hexdigest()
+    # One block each: the leaves are the weight's and the bias's SHA-256.
+    want = hashlib.sha256(b"detlogp-lm-head-v2 H=8 V=20 V_pad=24 bias=1 block=16777216\n"
+                          + _sha(bits.astype("<u2").tobytes())
+                          + _sha(bias.astype("<f4").tobytes())).hexdigest()
     assert head.sha256() == want == detlogp.lm_head_sha256(bits, bias, 20)
-    no_bias = hashlib.sha256(b"detlogp-lm-head-v1 H=8 V=24 V_pad=24 bias=0\n"
-                             + bits.tobytes()).hexdigest()
+    no_bias = hashlib.sha256(b"detlogp-lm-head-v2 H=8 V=24 V_pad=24 bias=0 block=16777216\n"
+                             + _sha(bits.tobytes())).hexdigest()
     assert weights.LmHead(bits).sha256() == no_bias
     assert weights.LmHead(bits, vocab_size=24).sha256() == no_bias  # 24 == all rows
 
 
+def test_digest_cuts_16_mib_blocks_from_each_part():
+    rows, hidden = 4100, 4096  # 32.03 MiB of weight: blocks of 16, 16, 0.03 MiB
+    bits = np.random.default_rng(8).integers(0, 1 << 16, (rows, hidden), dtype=np.uint16)
+    bias = np.arange(rows, dtype=np.float32)
+    raw = bits.tobytes()
+    block = 16 << 20
+    leaves = b"".join(_sha(raw[i:i + block]) for i in range(0, len(raw), block))
+    want = hashlib.sha256(
+        f"detlogp-lm-head-v2 H={hidden} V={rows} V_pad={rows} bias=1 block={block}\n".encode()
+        + leaves + _sha(bias.tobytes())).hexdigest()
+    assert weights.LmHead(bits, bias).sha256() == want
+    assert weights.block_digest(weights.LmHead(bits, bias).preamble(),
+                                weights.LmHead(bits, bias)._buffers(), threads=1) == want
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 100, 384, 1 << 20])
-def test_messages_are_header_chunks_then_digest(chunk_bytes):
+def test_messages_are_header_with_digest_then_chunks(chunk_bytes):
     bits = weights.tensors.float32_to_bf16_bits(
         np.random.default_rng(7).standard_normal((24, 8)).astype(np.float32))
     bias = np.arange(24, dtype=np.float32)
     head = weights.LmHead(bits, bias, vocab_size=21)
     messages = list(head.messages("policy", chunk_bytes=chunk_bytes))
-    first, middle, last = messages[0], messages[1:-1], messages[-1]
+    first, rest = messages[0], messages[1:]
     assert first.WhichOneof("part") == "header"
     assert first.header == pb.UploadModelHeader(
-        model="policy", dtype=pb.DTYPE_BFLOAT16, shape=[24, 8], vocab_size=21, has_bias=True)
+        model="policy", dtype=pb.DTYPE_BFLOAT16, shape=[24, 8], vocab_size=21, has_bias=True,
+        weights_sha256=head.sha256())
     assert all(m.WhichOneof("part") == "chunk" and 0 < len(m.chunk) <= chunk_bytes
-               for m in middle)
-    assert b"".join(m.chunk for m in middle) == bits.tobytes() + bias.tobytes()
-    assert last.WhichOneof("part") == "weights_sha256"
-    assert last.weights_sha256 == head.sha256()
+               for m in rest)
+    assert b"".join(m.chunk for m in rest) == bits.tobytes() + bias.tobytes()
     claimed = list(head.messages("policy", chunk_bytes, weights_sha256="ab" * 32))
-    assert claimed[-1].weights_sha256 == "ab" * 32
+    assert claimed[0].header.weights_sha256 == "ab" * 32
     with pytest.raises(ValueError):
         list(head.messages("policy", chunk_bytes=0))
 
