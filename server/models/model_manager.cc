@@ -186,14 +186,17 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
   }
   const absl::Duration persist_time = absl::Now() - persist_start;
   detlogp::v1::ModelVersionStatus status = StatusOf(*version, /*ready=*/true);
+  std::vector<int64_t> retired;
   {
     absl::MutexLock lock(&mu_);
     Model& m = models_[model];
     m.ready[version->version] = version;
     while (static_cast<int>(m.ready.size()) > options_.max_versions_per_model) {
-      RetireLocked(model, m, m.ready.begin()->first);
+      retired.push_back(m.ready.begin()->first);
+      RetireLocked(model, m, retired.back());
     }
   }
+  RemoveFiles(model, retired);
   spdlog::info("model {} version {} ready ({}; weights {}, key {}; placed in {:.3f} s, "
                "warmed up in {:.3f} s, persisted in {:.3f} s)",
                model, version->version, version->source, version->weights_sha256,
@@ -231,7 +234,12 @@ void ModelManager::RetireLocked(const std::string& name, Model& model,
                    unloading_.end());
   unloading_.push_back(Unloading{name, version, it->second});
   model.ready.erase(it);
-  if (options_.store != nullptr) {
+}
+
+void ModelManager::RemoveFiles(const std::string& name,
+                               const std::vector<int64_t>& versions) {
+  if (options_.store == nullptr) return;
+  for (int64_t version : versions) {
     if (absl::Status s = options_.store->Remove(name, version); !s.ok()) {
       spdlog::warn("model {} version {}: could not remove its files: {}", name,
                    version, std::string(s.message()));
@@ -265,6 +273,7 @@ absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
     watched = v->second;
     RetireLocked(model, it->second, version);
   }
+  RemoveFiles(model, {version});
   // Requests that picked the version hold it; it is freed with the last.
   const absl::Time give_up = absl::Now() + options_.unload_wait;
   absl::Duration pause = absl::Microseconds(100);

@@ -192,9 +192,12 @@ class ModelManager {
   detlogp::v1::ModelInfo DescribeLocked(const std::string& name, const Model& model,
                                         const ServedVersion& at) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Moves a version out of routing and its files out of the store.
+  // Moves a version out of routing (its files go with RemoveFiles).
   void RetireLocked(const std::string& name, Model& model, int64_t version)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Outside mu_: unlinking a 1.2 GB file took 0.3-0.4 s on the H200 host,
+  // and every request resolves its version under mu_.
+  void RemoveFiles(const std::string& name, const std::vector<int64_t>& versions);
 
   const Options options_;
   std::shared_ptr<Tracker> tracker_;
