@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -65,15 +66,21 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   return absl::DeadlineExceededError("server did not start in time");
 }
 
-absl::StatusOr<std::string> ServerProcess::HttpGet(const std::string& path) const {
+absl::StatusOr<std::string> ServerProcess::HttpGet(const std::string& path,
+                                                   const std::string& host) const {
   if (metrics_port_ <= 0) return absl::FailedPreconditionError("no metrics port");
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(metrics_port_));
-  inet_pton(AF_INET, "127.0.0.1", &address.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    close(fd);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(metrics_port_).c_str(), &hints, &found) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(host, " is not an IP address"));
+  }
+  const int fd = socket(found->ai_family, SOCK_STREAM, 0);
+  const bool connected = fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0;
+  freeaddrinfo(found);
+  if (!connected) {
+    if (fd >= 0) close(fd);
     return absl::UnavailableError("cannot connect to the metrics port");
   }
   const std::string request = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";

@@ -24,8 +24,10 @@ class ServerProcess {
   int port() const { return port_; }
   // Port of /metrics when started with --metrics_port=0, else 0.
   int metrics_port() const { return metrics_port_; }
-  // GET http://127.0.0.1:<metrics_port>/<path>; the body, or an error.
-  absl::StatusOr<std::string> HttpGet(const std::string& path) const;
+  // GET http://<host>:<metrics_port>/<path> (host an IPv4 or IPv6 address);
+  // the whole response (status line, headers, body), or an error.
+  absl::StatusOr<std::string> HttpGet(const std::string& path,
+                                      const std::string& host = "127.0.0.1") const;
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
 

@@ -1,17 +1,80 @@
 #include "server/observability/metrics.h"
 
+#include <algorithm>
+#include <utility>
+
+#include <prometheus/client_metric.h>
+#include <prometheus/metric_type.h>
+#include <prometheus/text_serializer.h>
+
 #include "absl/strings/str_cat.h"
 
 namespace detlogp::server {
 namespace {
 
-std::vector<double> PowersOfTwo(double first, int count) {
-  std::vector<double> bounds;
-  for (int i = 0; i < count; ++i) bounds.push_back(first * (1 << i));
-  return bounds;
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+constexpr char kRequestsHelp[] = "Calls finished, by method and gRPC code.";
+constexpr char kRowsHelp[] =
+    "Rows by outcome; expired and cancelled rows were never computed.";
+constexpr char kModelRowsHelp[] = "Rows answered, by model.";
+
+MetricFamily EmptyFamily(std::string name, std::string help, MetricType type) {
+  MetricFamily family;
+  family.name = std::move(name);
+  family.help = std::move(help);
+  family.type = type;
+  return family;
 }
 
-std::string FormatBound(double bound) { return absl::StrCat(bound); }
+// A counter or gauge sample with labels in the given order.
+ClientMetric Sample(MetricType type, double value,
+                    std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric metric;
+  metric.label = std::move(labels);
+  if (type == MetricType::Counter) {
+    metric.counter.value = value;
+  } else {
+    metric.gauge.value = value;
+  }
+  return metric;
+}
+
+MetricFamily OneSampleFamily(std::string name, std::string help, MetricType type,
+                             double value) {
+  MetricFamily family = EmptyFamily(std::move(name), std::move(help), type);
+  family.metric.push_back(Sample(type, value));
+  return family;
+}
+
+// The family's samples, or an empty family of that name and type when it
+// has none yet (prometheus-cpp lists a family only once it has samples).
+template <typename T>
+MetricFamily CollectFamily(const prometheus::Family<T>& family, const char* help,
+                           MetricType type) {
+  std::vector<MetricFamily> collected = family.Collect();
+  if (collected.empty()) return EmptyFamily(family.GetName(), help, type);
+  return std::move(collected.front());
+}
+
+// prometheus-cpp keeps labels sorted by name; the series keep the label
+// order they always had (`names` first, in that order), and samples are
+// sorted by label values so that every scrape lists them alike.
+void OrderLabels(const std::vector<std::string>& names, MetricFamily* family) {
+  auto rank = [&names](const ClientMetric::Label& label) {
+    return std::find(names.begin(), names.end(), label.name) - names.begin();
+  };
+  for (ClientMetric& metric : family->metric) {
+    std::stable_sort(metric.label.begin(), metric.label.end(),
+                     [&rank](const ClientMetric::Label& a, const ClientMetric::Label& b) {
+                       return rank(a) < rank(b);
+                     });
+  }
+  std::sort(family->metric.begin(), family->metric.end(),
+            [](const ClientMetric& a, const ClientMetric& b) { return a.label < b.label; });
+}
 
 }  // namespace
 
@@ -25,123 +88,135 @@ const char* GrpcCodeName(int code) {
   return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
 }
 
-Histogram::Histogram(std::vector<double> upper_bounds)
-    : upper_bounds_(std::move(upper_bounds)),
-      counts_(upper_bounds_.size() + 1, 0) {}
-
-void Histogram::Observe(double value) {
-  size_t bucket = 0;
-  while (bucket < upper_bounds_.size() && value > upper_bounds_[bucket]) ++bucket;
-  absl::MutexLock lock(&mu_);
-  ++counts_[bucket];
-  sum_ += value;
-  ++count_;
-}
-
-void Histogram::Render(absl::string_view name, std::string* out) const {
-  absl::MutexLock lock(&mu_);
-  absl::StrAppend(out, "# TYPE ", name, " histogram\n");
-  int64_t cumulative = 0;
-  for (size_t i = 0; i < counts_.size(); ++i) {
-    cumulative += counts_[i];
-    absl::StrAppend(out, name, "_bucket{le=\"",
-                    i < upper_bounds_.size() ? FormatBound(upper_bounds_[i]) : "+Inf",
-                    "\"} ", cumulative, "\n");
-  }
-  absl::StrAppend(out, name, "_sum ", sum_, "\n", name, "_count ", count_, "\n");
+std::vector<double> PowersOfTwoBounds(double first, int count) {
+  std::vector<double> bounds;
+  for (int i = 0; i < count; ++i) bounds.push_back(first * (1 << i));
+  return bounds;
 }
 
 ServerMetrics::ServerMetrics()
-    : batch_rows_(PowersOfTwo(1, 15)),
-      batch_requests_(PowersOfTwo(1, 12)),
-      queue_delay_seconds_(PowersOfTwo(1e-5, 18)),
-      gather_seconds_(PowersOfTwo(1e-6, 18)),
-      compute_seconds_(PowersOfTwo(1e-5, 18)) {}
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("detlogp_requests_total")
+                    .Help(kRequestsHelp)
+                    .Register(*registry_)),
+      model_rows_(prometheus::BuildCounter()
+                      .Name("detlogp_model_rows_total")
+                      .Help(kModelRowsHelp)
+                      .Register(*registry_)),
+      batch_rows_(prometheus::BuildHistogram()
+                      .Name("detlogp_batch_rows")
+                      .Help("Rows per batch.")
+                      .Register(*registry_)),
+      batch_requests_(prometheus::BuildHistogram()
+                          .Name("detlogp_batch_requests")
+                          .Help("Request slices per batch.")
+                          .Register(*registry_)),
+      queue_delay_seconds_(prometheus::BuildHistogram()
+                               .Name("detlogp_queue_delay_seconds")
+                               .Help("Time the oldest slice of a batch waited in the queue.")
+                               .Register(*registry_)),
+      gather_seconds_(prometheus::BuildHistogram()
+                          .Name("detlogp_gather_seconds")
+                          .Help("Time staging a batch's rows.")
+                          .Register(*registry_)),
+      compute_seconds_(prometheus::BuildHistogram()
+                           .Name("detlogp_compute_seconds")
+                           .Help("Backend time per batch.")
+                           .Register(*registry_)),
+      batch_rows_histogram_(batch_rows_.Add({}, PowersOfTwoBounds(1, 15))),
+      batch_requests_histogram_(batch_requests_.Add({}, PowersOfTwoBounds(1, 12))),
+      queue_delay_seconds_histogram_(
+          queue_delay_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
+      gather_seconds_histogram_(gather_seconds_.Add({}, PowersOfTwoBounds(1e-6, 18))),
+      compute_seconds_histogram_(compute_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))) {}
 
 void ServerMetrics::CountRequest(absl::string_view method, int grpc_code) {
-  absl::MutexLock lock(&mu_);
-  ++requests_[{std::string(method), grpc_code}];
+  requests_.Add({{"method", std::string(method)}, {"code", GrpcCodeName(grpc_code)}})
+      .Increment();
 }
 
 void ServerMetrics::CountModelRows(absl::string_view model, int64_t rows) {
-  absl::MutexLock lock(&mu_);
-  auto it = model_rows_.find(model);
-  if (it == model_rows_.end()) it = model_rows_.emplace(std::string(model), 0).first;
-  it->second += rows;
+  model_rows_.Add({{"model", std::string(model)}}).Increment(static_cast<double>(rows));
 }
 
 void ServerMetrics::ObserveBatch(int64_t rows, int64_t requests,
                                  double queue_delay_seconds,
                                  double gather_seconds,
                                  double compute_seconds) {
-  batch_rows_.Observe(static_cast<double>(rows));
-  batch_requests_.Observe(static_cast<double>(requests));
-  queue_delay_seconds_.Observe(queue_delay_seconds);
-  gather_seconds_.Observe(gather_seconds);
-  compute_seconds_.Observe(compute_seconds);
+  batch_rows_histogram_.Observe(static_cast<double>(rows));
+  batch_requests_histogram_.Observe(static_cast<double>(requests));
+  queue_delay_seconds_histogram_.Observe(queue_delay_seconds);
+  gather_seconds_histogram_.Observe(gather_seconds);
+  compute_seconds_histogram_.Observe(compute_seconds);
 }
 
-std::string ServerMetrics::Render(const MetricsSnapshot& snapshot) const {
-  std::string out;
-  out += "# HELP detlogp_requests_total Calls finished, by method and gRPC code.\n";
-  out += "# TYPE detlogp_requests_total counter\n";
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [key, count] : requests_) {
-      absl::StrAppend(&out, "detlogp_requests_total{method=\"", key.first,
-                      "\",code=\"", GrpcCodeName(key.second), "\"} ", count, "\n");
-    }
-  }
-  out += "# HELP detlogp_rows_total Rows by outcome; expired and cancelled rows were never computed.\n";
-  out += "# TYPE detlogp_rows_total counter\n";
+std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot) const {
+  std::vector<MetricFamily> families;
+  families.push_back(CollectFamily(requests_, kRequestsHelp, MetricType::Counter));
+  OrderLabels({"method", "code"}, &families.back());
+
+  MetricFamily rows = EmptyFamily("detlogp_rows_total", kRowsHelp, MetricType::Counter);
   for (const auto& [outcome, value] :
        {std::pair{"computed", snapshot.rows_computed},
         {"failed", snapshot.rows_failed},
         {"expired", snapshot.rows_expired},
         {"cancelled", snapshot.rows_cancelled},
         {"rejected", snapshot.rows_rejected}}) {
-    absl::StrAppend(&out, "detlogp_rows_total{outcome=\"", outcome, "\"} ", value, "\n");
+    rows.metric.push_back(
+        Sample(MetricType::Counter, static_cast<double>(value), {{"outcome", outcome}}));
   }
+  families.push_back(std::move(rows));
   // Flat aliases, handy for alerts and scripts.
-  for (const auto& [name, value] :
-       {std::pair{"detlogp_rows_computed_total", snapshot.rows_computed},
-        {"detlogp_rows_expired_total", snapshot.rows_expired},
-        {"detlogp_rows_cancelled_total", snapshot.rows_cancelled},
-        {"detlogp_rows_rejected_total", snapshot.rows_rejected}}) {
-    absl::StrAppend(&out, "# TYPE ", name, " counter\n", name, " ", value, "\n");
+  for (const auto& [outcome, value] :
+       {std::pair{"computed", snapshot.rows_computed},
+        {"expired", snapshot.rows_expired},
+        {"cancelled", snapshot.rows_cancelled},
+        {"rejected", snapshot.rows_rejected}}) {
+    families.push_back(OneSampleFamily(
+        absl::StrCat("detlogp_rows_", outcome, "_total"),
+        absl::StrCat("Rows ", outcome, " (detlogp_rows_total{outcome=\"", outcome, "\"})."),
+        MetricType::Counter, static_cast<double>(value)));
   }
-  batch_rows_.Render("detlogp_batch_rows", &out);
-  batch_requests_.Render("detlogp_batch_requests", &out);
-  queue_delay_seconds_.Render("detlogp_queue_delay_seconds", &out);
-  gather_seconds_.Render("detlogp_gather_seconds", &out);
-  compute_seconds_.Render("detlogp_compute_seconds", &out);
-  absl::StrAppend(&out, "# TYPE detlogp_queue_rows gauge\ndetlogp_queue_rows ",
-                  snapshot.queue_rows, "\n");
-  absl::StrAppend(&out,
-                  "# TYPE detlogp_device_memory_used_bytes gauge\n"
-                  "detlogp_device_memory_used_bytes ",
-                  snapshot.device_memory_used_bytes, "\n");
-  out += "# HELP detlogp_model_rows_total Rows answered, by model.\n";
-  out += "# TYPE detlogp_model_rows_total counter\n";
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [model, rows] : model_rows_) {
-      absl::StrAppend(&out, "detlogp_model_rows_total{model=\"", model, "\"} ", rows, "\n");
-    }
+
+  for (const prometheus::Family<prometheus::Histogram>* histogram :
+       {&batch_rows_, &batch_requests_, &queue_delay_seconds_, &gather_seconds_,
+        &compute_seconds_}) {
+    families.push_back(CollectFamily(*histogram, "", MetricType::Histogram));
   }
-  out += "# TYPE detlogp_model_latest_version gauge\n";
-  for (const auto& model : snapshot.models) {
-    absl::StrAppend(&out, "detlogp_model_latest_version{model=\"", model.name, "\"} ",
-                    model.latest_version, "\n");
+
+  families.push_back(OneSampleFamily("detlogp_queue_rows", "Rows waiting in the queue now.",
+                                     MetricType::Gauge,
+                                     static_cast<double>(snapshot.queue_rows)));
+  families.push_back(OneSampleFamily(
+      "detlogp_device_memory_used_bytes", "GPU memory in use (0 on the CPU).",
+      MetricType::Gauge, static_cast<double>(snapshot.device_memory_used_bytes)));
+
+  families.push_back(CollectFamily(model_rows_, kModelRowsHelp, MetricType::Counter));
+  OrderLabels({"model"}, &families.back());
+  MetricFamily latest = EmptyFamily("detlogp_model_latest_version",
+                                    "Newest ready version, by model.", MetricType::Gauge);
+  MetricFamily ready = EmptyFamily("detlogp_model_ready_versions",
+                                   "Versions answering requests, by model.",
+                                   MetricType::Gauge);
+  for (const MetricsSnapshot::Model& model : snapshot.models) {
+    latest.metric.push_back(Sample(MetricType::Gauge,
+                                   static_cast<double>(model.latest_version),
+                                   {{"model", model.name}}));
+    ready.metric.push_back(Sample(MetricType::Gauge,
+                                  static_cast<double>(model.ready_versions),
+                                  {{"model", model.name}}));
   }
-  out += "# TYPE detlogp_model_ready_versions gauge\n";
-  for (const auto& model : snapshot.models) {
-    absl::StrAppend(&out, "detlogp_model_ready_versions{model=\"", model.name, "\"} ",
-                    model.ready_versions, "\n");
-  }
-  absl::StrAppend(&out, "# TYPE detlogp_model_memory_bytes gauge\ndetlogp_model_memory_bytes ",
-                  snapshot.model_memory_bytes, "\n");
-  return out;
+  families.push_back(std::move(latest));
+  families.push_back(std::move(ready));
+  families.push_back(OneSampleFamily(
+      "detlogp_model_memory_bytes", "Bytes held by model versions.", MetricType::Gauge,
+      static_cast<double>(snapshot.model_memory_bytes)));
+  return families;
+}
+
+std::string ServerMetrics::Render(const MetricsSnapshot& snapshot) const {
+  return prometheus::TextSerializer().Serialize(Collect(snapshot));
 }
 
 }  // namespace detlogp::server

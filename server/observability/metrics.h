@@ -1,9 +1,12 @@
-// Prometheus metrics of the server, rendered in the text exposition format
-// (served by MetricsHttpServer on --metrics_port).
+// Prometheus metrics of the server, kept in prometheus-cpp's metric types
+// and rendered by its text serializer (Debian's prometheus-cpp-dev, core
+// library); served by MetricsHttpServer on --metrics_port.
 //
 //   detlogp_requests_total{method,code}      calls finished, by gRPC code
 //   detlogp_rows_total{outcome}              rows: computed, failed, expired,
 //                                            cancelled, rejected
+//   detlogp_rows_{computed,expired,cancelled,rejected}_total
+//                                            the same, flat (alerts, scripts)
 //   detlogp_batch_rows                       histogram of rows per batch
 //   detlogp_batch_requests                   histogram of request slices per batch
 //   detlogp_queue_delay_seconds              histogram: oldest slice's wait
@@ -15,36 +18,30 @@
 //   detlogp_model_latest_version{model}      gauge: newest ready version
 //   detlogp_model_ready_versions{model}      gauge: versions answering requests
 //   detlogp_model_memory_bytes               gauge: bytes held by model versions
+//
+// Names, types, label names and values and bucket bounds are those of the
+// hand-written registry this replaced; dashboards depend on them. Requests,
+// model rows and the histograms are counted here as they happen; the rows
+// by outcome and the gauges live in the server's parts (batcher, backend,
+// model manager) and are read at every scrape (MetricsSnapshot), so a
+// scrape never shows a stale value.
 #ifndef DETLOGP_SERVER_OBSERVABILITY_METRICS_H_
 #define DETLOGP_SERVER_OBSERVABILITY_METRICS_H_
 
-#include <atomic>
-#include <map>
+#include <cstdint>
+#include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 
 namespace detlogp::server {
-
-// A cumulative histogram with fixed upper bounds.
-class Histogram {
- public:
-  explicit Histogram(std::vector<double> upper_bounds);
-  void Observe(double value);
-  // Appends the _bucket, _sum and _count lines of `name`.
-  void Render(absl::string_view name, std::string* out) const;
-
- private:
-  const std::vector<double> upper_bounds_;
-  mutable absl::Mutex mu_;
-  std::vector<int64_t> counts_ ABSL_GUARDED_BY(mu_);  // per bucket, +Inf last
-  double sum_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t count_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 // Point-in-time values the server reads from its parts at scrape time.
 struct MetricsSnapshot {
@@ -64,29 +61,48 @@ struct MetricsSnapshot {
   int64_t model_memory_bytes = 0;
 };
 
+// Thread-safe: calls, batches and scrapes may come from any thread.
 class ServerMetrics {
  public:
   ServerMetrics();
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
 
   void CountRequest(absl::string_view method, int grpc_code);
   void CountModelRows(absl::string_view model, int64_t rows);
   void ObserveBatch(int64_t rows, int64_t requests, double queue_delay_seconds,
                     double gather_seconds, double compute_seconds);
+
+  // Every family, in the order of the list above, with the counted values
+  // and those of `snapshot`. A family without samples yet (no call
+  // finished) is still listed, with its type.
+  std::vector<prometheus::MetricFamily> Collect(const MetricsSnapshot& snapshot) const;
+  // Collect(snapshot) in the Prometheus text exposition format (0.0.4).
   std::string Render(const MetricsSnapshot& snapshot) const;
 
  private:
-  mutable absl::Mutex mu_;
-  std::map<std::pair<std::string, int>, int64_t> requests_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, int64_t, std::less<>> model_rows_ ABSL_GUARDED_BY(mu_);
-  Histogram batch_rows_;
-  Histogram batch_requests_;
-  Histogram queue_delay_seconds_;
-  Histogram gather_seconds_;
-  Histogram compute_seconds_;
+  // Owns the families below.
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Counter>& model_rows_;
+  prometheus::Family<prometheus::Histogram>& batch_rows_;
+  prometheus::Family<prometheus::Histogram>& batch_requests_;
+  prometheus::Family<prometheus::Histogram>& queue_delay_seconds_;
+  prometheus::Family<prometheus::Histogram>& gather_seconds_;
+  prometheus::Family<prometheus::Histogram>& compute_seconds_;
+  prometheus::Histogram& batch_rows_histogram_;
+  prometheus::Histogram& batch_requests_histogram_;
+  prometheus::Histogram& queue_delay_seconds_histogram_;
+  prometheus::Histogram& gather_seconds_histogram_;
+  prometheus::Histogram& compute_seconds_histogram_;
 };
 
 // Canonical upper-case name of a gRPC status code ("OK", "INVALID_ARGUMENT").
 const char* GrpcCodeName(int code);
+
+// Upper bounds of the histograms' buckets: first, 2 first, 4 first, ...
+// (`count` bounds; +Inf is implied).
+std::vector<double> PowersOfTwoBounds(double first, int count);
 
 }  // namespace detlogp::server
 

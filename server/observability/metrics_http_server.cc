@@ -1,12 +1,15 @@
 #include "server/observability/metrics_http_server.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -17,26 +20,44 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
     const Options& options) {
   std::unique_ptr<MetricsHttpServer> server(new MetricsHttpServer());
   server->options_ = options;
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(options.port));
-  if (inet_pton(AF_INET, options.host.c_str(), &address.sin_addr) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics: ", options.host, " is not an IPv4 address"));
+  // An IPv4 or IPv6 address ("127.0.0.1", "::1", "0.0.0.0", "::"), as gRPC's
+  // --host takes it; "::" also accepts IPv4 unless the system says v6only.
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV | AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(options.host.c_str(), std::to_string(options.port).c_str(), &hints,
+                  &found) != 0 ||
+      found == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics: ", options.host, " is not an IPv4 or IPv6 address"));
   }
-  server->listen_fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> address(found, freeaddrinfo);
+  const std::string where = absl::StrCat(
+      address->ai_family == AF_INET6 ? absl::StrCat("[", options.host, "]") : options.host,
+      ":", options.port);
+  server->listen_fd_ =
+      socket(address->ai_family, SOCK_STREAM | SOCK_CLOEXEC, address->ai_protocol);
+  if (server->listen_fd_ < 0) {
+    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", where,
+                                               ": ", std::strerror(errno)));
+  }
   const int one = 1;
-  setsockopt(server->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (bind(server->listen_fd_, reinterpret_cast<sockaddr*>(&address),
-           sizeof(address)) != 0 ||
+  if (setsockopt(server->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+      bind(server->listen_fd_, address->ai_addr, address->ai_addrlen) != 0 ||
       listen(server->listen_fd_, 16) != 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "metrics: cannot listen on ", options.host, ":", options.port, ": ",
-        std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", where,
+                                               ": ", std::strerror(errno)));
   }
-  socklen_t length = sizeof(address);
-  getsockname(server->listen_fd_, reinterpret_cast<sockaddr*>(&address), &length);
-  server->port_ = ntohs(address.sin_port);
+  sockaddr_storage bound{};
+  socklen_t length = sizeof(bound);
+  if (getsockname(server->listen_fd_, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
+    return absl::InternalError(absl::StrCat("metrics: getsockname: ", std::strerror(errno)));
+  }
+  server->port_ = ntohs(bound.ss_family == AF_INET6
+                            ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   server->thread_ = std::thread([s = server.get()] { s->ServeLoop(); });
   return server;
 }

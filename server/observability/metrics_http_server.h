@@ -1,6 +1,11 @@
 // A minimal HTTP/1.1 server for Prometheus scrapes: GET /metrics answers the
 // text exposition format, anything else 404. One thread, one connection at a
-// time (scrapes are rare and small).
+// time (scrapes are rare and small). Listens on an IPv4 or IPv6 address.
+//
+// Not prometheus-cpp's pull Exposer: it serves through civetweb, and
+// Debian 12's libcivetweb1 is built without IPv6 (mg_check_feature(8) is 0;
+// Exposer("[::1]:0") throws "null context when constructing CivetServer"),
+// so --host=::1 could not serve /metrics through it.
 #ifndef DETLOGP_SERVER_OBSERVABILITY_METRICS_HTTP_SERVER_H_
 #define DETLOGP_SERVER_OBSERVABILITY_METRICS_HTTP_SERVER_H_
 
@@ -17,6 +22,7 @@ namespace detlogp::server {
 class MetricsHttpServer {
  public:
   struct Options {
+    // An IPv4 or IPv6 address, without brackets ("127.0.0.1", "::1").
     std::string host = "127.0.0.1";
     int port = 0;  // 0 picks a free port
     // Produces the body of GET /metrics.
