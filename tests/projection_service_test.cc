@@ -78,7 +78,9 @@ TEST_F(ProjectionServiceTest, StreamedChunksReassembleToTheCpuKernelsBits) {
     EXPECT_EQ(std::memcmp(result->y.data(), expected.data(),
                           expected.size() * sizeof(float)), 0)
         << "rows_per_chunk " << chunk;
-    if (chunk > 0) EXPECT_EQ(result->chunks, (rows + chunk - 1) / chunk);
+    if (chunk > 0) {
+      EXPECT_EQ(result->chunks, (rows + chunk - 1) / chunk);
+    }
     if (key.empty()) key = result->determinism_key;
     EXPECT_EQ(result->determinism_key, key);
   }

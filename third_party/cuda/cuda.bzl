@@ -11,6 +11,11 @@ NVCC_FLAGS = [
     "-gencode=arch=compute_90a,code=sm_90a",
     "-Xcompiler=-fPIC",
     "-Xcompiler=-ffp-contract=off",
+    # Warnings are errors: the host compiler's (as --copt=-Werror does for
+    # the C++ targets, see .bazelrc) and nvcc's own.
+    "-Xcompiler=-Wall",
+    "-Xcompiler=-Werror",
+    "-Werror=all-warnings",
     "-DSPDLOG_FMT_EXTERNAL",
     "--expt-relaxed-constexpr",
     "-I.",

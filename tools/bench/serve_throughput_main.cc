@@ -2,7 +2,7 @@
 // spread over K connections, send N-row bf16 requests for a fixed time and
 // report rows/s, GB/s of hidden states and latency percentiles (JSON + table).
 //
-//   bazel run //tools/bench:serve_throughput -- --target=127.0.0.1:50051 \
+//   bazel run //tools/bench:serve_throughput -- --target=127.0.0.1:50051
 //       --callers=64 --channels=8 --rows=256 --seconds=10
 #include <grpcpp/client_context.h>
 
