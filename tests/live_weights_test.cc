@@ -350,7 +350,7 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   weights.hidden_size = 64;
   weights.vocab_size = 1000;
   weights.padded_vocab_size = 1024;
-  weights.weight = upload.weight;
+  weights.weight.assign(upload.weight.begin(), upload.weight.end());
   weights.bias = upload.bias;
   server::ComputeLmHeadDigest(&weights);
   EXPECT_EQ(client::LmHeadUploadDigest(upload), weights.sha256);

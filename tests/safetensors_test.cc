@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -117,7 +119,8 @@ TEST(ProjectionWeightsTest, LoadsNamedTensorsAndRejectsBadShapes) {
   source.bias_tensor = "video.b";
   auto loaded = LoadProjectionWeights(source);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  EXPECT_EQ(loaded->weight, weight);
+  EXPECT_TRUE(std::equal(loaded->weight.begin(), loaded->weight.end(), weight.begin(),
+                         weight.end()));
   EXPECT_EQ(loaded->bias, bias);
   EXPECT_EQ(loaded->sha256.size(), 64u);
 

@@ -5,8 +5,10 @@
 
 1. upload: a bf16 torch tensor on the GPU (H=4096, V=151936: 1.24 GB) and the
    same weight as a numpy uint16 view, each pushed with client.upload_model;
-   the time from the call (first byte) to its return (uploaded, digest
-   checked, on the GPU, warmed up, persisted when --model_root is set);
+   "prepare" is the client's work before the first byte (leaving the GPU,
+   the digest), "upload" the time from the first byte to the call's return
+   (uploaded, digest checked, on the GPU, warmed up, persisted when
+   --model_root is set);
 2. load: a .safetensors file written under --model_root, loaded with
    client.load_model; the time from the call to its return;
 3. each new version answers with its own key, and re-scoring a row pinned to
@@ -24,12 +26,20 @@ import numpy as np
 import torch
 
 import detlogp
+import detlogp.weights
 
 
 def timed(fn):
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
+
+
+def prepared(weight):
+    """The upload as the client sends it, digest computed."""
+    head = detlogp.weights.LmHead(weight)
+    head.sha256()
+    return head
 
 
 def main():
@@ -47,12 +57,15 @@ def main():
     gigabytes = weight.numel() * 2 / 1e9
     rows = np.random.default_rng(1).standard_normal((8, args.hidden), dtype=np.float32)
     targets = list(range(0, 8 * 997, 997))
-    results = {"upload_torch_cuda_s": [], "upload_numpy_s": [], "load_file_s": []}
+    results = {"prepare_torch_cuda_s": [], "upload_torch_cuda_s": [],
+               "prepare_numpy_s": [], "upload_numpy_s": [], "load_file_s": []}
     answers = []  # (version, logprobs)
 
     for repeat in range(args.repeats):
         weight[repeat % args.vocab, 0] += 1  # a new digest each time
-        seconds, pushed = timed(lambda: client.upload_model("policy", weight))
+        seconds, head = timed(lambda: prepared(weight))
+        results["prepare_torch_cuda_s"].append(seconds)
+        seconds, pushed = timed(lambda: client.upload_model("policy", head))
         results["upload_torch_cuda_s"].append(seconds)
         print(json.dumps({"what": "upload torch cuda bf16", "gb": gigabytes,
                           "seconds": seconds, "version": pushed.version,
@@ -62,7 +75,9 @@ def main():
 
         host = weight.cpu().view(torch.int16).numpy().view(np.uint16)
         host[repeat % args.vocab, 1] ^= 1
-        seconds, pushed = timed(lambda: client.upload_model("policy", host))
+        seconds, head = timed(lambda: prepared(host))
+        results["prepare_numpy_s"].append(seconds)
+        seconds, pushed = timed(lambda: client.upload_model("policy", head))
         results["upload_numpy_s"].append(seconds)
         print(json.dumps({"what": "upload numpy bf16 bits", "gb": gigabytes,
                           "seconds": seconds, "version": pushed.version}), flush=True)
