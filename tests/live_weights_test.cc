@@ -384,7 +384,7 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   source.vocab_size = 200;
   auto loaded = server::LoadLmHead(source);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  EXPECT_EQ(read->weight, loaded->weight);
+  EXPECT_EQ(read->weight, std::vector<uint16_t>(loaded->weight.begin(), loaded->weight.end()));
   EXPECT_EQ(read->weight[0], 0x3f80);
   EXPECT_EQ(read->weight[1], 0x3f82);
   ASSERT_EQ(read->bias.size(), loaded->bias.size());
