@@ -9,6 +9,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/models/lm_head_weights.h"
@@ -62,9 +63,11 @@ ABSL_FLAG(std::string, device, "auto",
 ABSL_FLAG(bool, vocab_parallel, false,
           "With --device=cuda:all: each GPU holds a contiguous share of the "
           "vocabulary splits instead of the whole lm_head (bits unchanged).");
-ABSL_FLAG(int64_t, max_batch_rows, 256, "Rows per batch at most.");
-ABSL_FLAG(int64_t, max_queue_delay_us, 500,
-          "Longest a queued row waits for a fuller batch, microseconds.");
+ABSL_FLAG(int64_t, max_batch_rows, -1,
+          "Rows per batch at most; -1: the backend's (CUDA 4096, CPU 256).");
+ABSL_FLAG(int64_t, max_queue_delay_us, -1,
+          "Longest a queued row waits for a fuller batch, microseconds; -1: "
+          "the backend's (CUDA 0, CPU 500).");
 ABSL_FLAG(int64_t, max_queue_rows, 65536,
           "Rows waiting at most; beyond it calls get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_request_rows, 65536,
@@ -200,6 +203,14 @@ absl::StatusOr<detlogp::server::ProjectionWeights> LoadProjection() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Serves deterministic, batch-invariant log-probabilities over gRPC.");
+  // Abseil's --help and --helpshort list only flags defined in a file named
+  // after the program (detlogp_server.cc); ours live here, in main.cc.
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return file == __FILE__;
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   std::string folded_models;
   std::vector<char*> args = FoldRepeatedModelFlags(argc, argv, &folded_models);
   absl::ParseCommandLine(static_cast<int>(args.size()), args.data());

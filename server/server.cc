@@ -171,6 +171,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
                description.instruction_set);
 
   DynamicBatcher::Options batcher_options = options.batcher;
+  if (batcher_options.max_batch_rows < 0) {
+    batcher_options.max_batch_rows = description.preferred_max_batch_rows;
+  }
+  if (batcher_options.max_queue_delay_micros < 0) {
+    batcher_options.max_queue_delay_micros = description.preferred_max_queue_delay_micros;
+  }
   if (batcher_options.num_batch_threads <= 0) {
     batcher_options.num_batch_threads = description.preferred_inflight_batches;
   }
@@ -186,6 +192,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   auto batcher =
       DynamicBatcher::Create(batcher_options, server->backend_.get());
   if (!batcher.ok()) return batcher.status();
+  spdlog::info("batching: max_batch_rows={} max_queue_delay_us={} batch_threads={} "
+               "batch_spin_us={} (flags or the {} backend's defaults)",
+               batcher_options.max_batch_rows, batcher_options.max_queue_delay_micros,
+               batcher_options.num_batch_threads, batcher_options.idle_spin_micros,
+               description.name);
+
   server->batcher_ = *std::move(batcher);
 
   if (!options.model_root.empty()) {
@@ -208,6 +220,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   manager_options.key_inputs.instruction_set = description.instruction_set;
   manager_options.key_inputs.kernel_version = description.kernel_version;
   manager_options.key_inputs.split_policy = kernels::kSplitPolicyName;
+  manager_options.backend_description =
+      absl::StrCat(description.name, " (", description.device, ")");
+  manager_options.batching.set_max_batch_rows(batcher_options.max_batch_rows);
+  manager_options.batching.set_max_queue_delay_us(batcher_options.max_queue_delay_micros);
+  manager_options.batching.set_batch_threads(batcher_options.num_batch_threads);
+  manager_options.batching.set_batch_spin_us(batcher_options.idle_spin_micros);
   LogpBackend* raw_backend = server->backend_.get();
   DynamicBatcher* raw_batcher = server->batcher_.get();
   manager_options.place = [raw_backend](std::shared_ptr<const LmHeadWeights> w) {

@@ -27,6 +27,10 @@ struct BackendDescription {
   std::string kernel_version;   // changes whenever bits may change
   // Batches a backend wants in flight at once (copies overlap compute).
   int preferred_inflight_batches = 1;
+  // Batching defaults that suit the device (DynamicBatcher::Options): the
+  // largest batch and how long a row waits for company.
+  int64_t preferred_max_batch_rows = 256;
+  int64_t preferred_max_queue_delay_micros = 500;
   // How long an idle batch thread polls before sleeping
   // (DynamicBatcher::Options::idle_spin_micros).
   int64_t preferred_idle_spin_micros = 0;

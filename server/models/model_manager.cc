@@ -322,7 +322,8 @@ detlogp::v1::ModelInfo ModelManager::DescribeLocked(const std::string& name,
   info.set_weight_dtype(detlogp::v1::DTYPE_BFLOAT16);
   info.set_has_bias(at.has_bias);
   info.set_weights_sha256(at.weights_sha256);
-  info.set_backend(options_.key_inputs.backend);
+  info.set_backend(options_.backend_description);
+  *info.mutable_batching() = options_.batching;
   info.set_kernel_version(options_.key_inputs.kernel_version);
   info.set_split_policy(options_.key_inputs.split_policy);
   info.set_determinism_key(at.determinism_key);

@@ -91,6 +91,9 @@ class ModelManager {
     ModelStore* store = nullptr;
     // Everything of the key but the weights (backend, ISA, kernel, policy).
     DeterminismInputs key_inputs;
+    // For ModelInfo: the backend and its devices, and the batching in effect.
+    std::string backend_description;
+    detlogp::v1::BatchingSettings batching;
     // Places weights on the backend's devices.
     std::function<absl::StatusOr<std::shared_ptr<const LogpModel>>(
         std::shared_ptr<const LmHeadWeights>)>

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65tlogp/v1/detlogp.proto\x12\ndetlogp.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.detlogp.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xab\x01\n\x0eLogProbRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06hidden\x18\x02 \x01(\x0b\x32\x12.detlogp.v1.Tensor\x12\x12\n\ntarget_ids\x18\x03 \x03(\x03\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\nreturn_lse\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\x03\"\x83\x01\n\x0fLogProbResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0b\n\x03lse\x18\x03 \x03(\x02\x12\x17\n\x0f\x64\x65terminism_key\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\x03\";\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\xd2\x02\n\tModelInfo\x12\x13\n\x0bhidden_size\x18\x01 \x01(\x03\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x19\n\x11padded_vocab_size\x18\x03 \x01(\x03\x12\'\n\x0cweight_dtype\x18\x04 \x01(\x0e\x32\x11.detlogp.v1.DType\x12\x10\n\x08has_bias\x18\x05 \x01(\x08\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x16\n\x0ekernel_version\x18\x08 \x01(\t\x12\x14\n\x0csplit_policy\x18\t \x01(\t\x12\x17\n\x0f\x64\x65terminism_key\x18\n \x01(\t\x12\r\n\x05model\x18\x0b \x01(\t\x12\x15\n\rmodel_version\x18\x0c \x01(\x03\x12\x30\n\x08versions\x18\r \x03(\x0b\x32\x1e.detlogp.v1.ModelVersionStatus\"\xf0\x02\n\x12ModelVersionStatus\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\x05state\x18\x02 \x01(\x0e\x32$.detlogp.v1.ModelVersionStatus.State\x12\x16\n\x0eweights_sha256\x18\x03 \x01(\t\x12\x17\n\x0f\x64\x65terminism_key\x18\x04 \x01(\t\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x12\n\nvocab_size\x18\x06 \x01(\x03\x12\x19\n\x11padded_vocab_size\x18\x07 \x01(\x03\x12\x10\n\x08has_bias\x18\x08 \x01(\x08\x12\x14\n\x0cmemory_bytes\x18\t \x01(\x03\x12\x0e\n\x06source\x18\n \x01(\t\x12\x11\n\tpersisted\x18\x0b \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x0c \x01(\x03\"8\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\r\n\tUNLOADING\x10\x02\"\x13\n\x11ListModelsRequest\"R\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.detlogp.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\xa8\x01\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x16\n\x0elm_head_tensor\x18\x03 \x01(\t\x12\x13\n\x0b\x62ias_tensor\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x1f\n\x17\x65xpected_weights_sha256\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\x03\"\xa8\x01\n\x11UploadModelHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.detlogp.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x10\n\x08has_bias\x18\x05 \x01(\x08\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\x03\"x\n\x12UploadModelRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.detlogp.v1.UploadModelHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x18\n\x0eweights_sha256\x18\x03 \x01(\tH\x00\x42\x06\n\x04part\":\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\x15\n\x13UnloadModelResponse\"[\n\x0eProjectRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1d\n\x01x\x18\x02 \x01(\x0b\x32\x12.detlogp.v1.Tensor\x12\x16\n\x0erows_per_chunk\x18\x03 \x01(\x03\"q\n\x0fProjectResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nrow_offset\x18\x02 \x01(\x03\x12\x1d\n\x01y\x18\x03 \x01(\x0b\x32\x12.detlogp.v1.Tensor\x12\x17\n\x0f\x64\x65terminism_key\x18\x04 \x01(\t*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x32\xf3\x01\n\x0eLogProbService\x12J\n\x0f\x43omputeLogProbs\x12\x1a.detlogp.v1.LogProbRequest\x1a\x1b.detlogp.v1.LogProbResponse\x12M\n\x0eStreamLogProbs\x12\x1a.detlogp.v1.LogProbRequest\x1a\x1b.detlogp.v1.LogProbResponse(\x01\x30\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.detlogp.v1.GetModelInfoRequest\x1a\x15.detlogp.v1.ModelInfo2\xd1\x02\n\x16ModelRepositoryService\x12K\n\nListModels\x12\x1d.detlogp.v1.ListModelsRequest\x1a\x1e.detlogp.v1.ListModelsResponse\x12I\n\tLoadModel\x12\x1c.detlogp.v1.LoadModelRequest\x1a\x1e.detlogp.v1.ModelVersionStatus\x12O\n\x0bUploadModel\x12\x1e.detlogp.v1.UploadModelRequest\x1a\x1e.detlogp.v1.ModelVersionStatus(\x01\x12N\n\x0bUnloadModel\x12\x1e.detlogp.v1.UnloadModelRequest\x1a\x1f.detlogp.v1.UnloadModelResponse2Y\n\x11ProjectionService\x12\x44\n\x07Project\x12\x1a.detlogp.v1.ProjectRequest\x1a\x1b.detlogp.v1.ProjectResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64\x65tlogp/v1/detlogp.proto\x12\ndetlogp.v1\"G\n\x06Tensor\x12 \n\x05\x64type\x18\x01 \x01(\x0e\x32\x11.detlogp.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xab\x01\n\x0eLogProbRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x06hidden\x18\x02 \x01(\x0b\x32\x12.detlogp.v1.Tensor\x12\x12\n\ntarget_ids\x18\x03 \x03(\x03\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\nreturn_lse\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\x03\"\x83\x01\n\x0fLogProbResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0b\n\x03lse\x18\x03 \x03(\x02\x12\x17\n\x0f\x64\x65terminism_key\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\rmodel_version\x18\x06 \x01(\x03\";\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\x82\x03\n\tModelInfo\x12\x13\n\x0bhidden_size\x18\x01 \x01(\x03\x12\x12\n\nvocab_size\x18\x02 \x01(\x03\x12\x19\n\x11padded_vocab_size\x18\x03 \x01(\x03\x12\'\n\x0cweight_dtype\x18\x04 \x01(\x0e\x32\x11.detlogp.v1.DType\x12\x10\n\x08has_bias\x18\x05 \x01(\x08\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x16\n\x0ekernel_version\x18\x08 \x01(\t\x12\x14\n\x0csplit_policy\x18\t \x01(\t\x12\x17\n\x0f\x64\x65terminism_key\x18\n \x01(\t\x12\r\n\x05model\x18\x0b \x01(\t\x12\x15\n\rmodel_version\x18\x0c \x01(\x03\x12\x30\n\x08versions\x18\r \x03(\x0b\x32\x1e.detlogp.v1.ModelVersionStatus\x12.\n\x08\x62\x61tching\x18\x0e \x01(\x0b\x32\x1c.detlogp.v1.BatchingSettings\"t\n\x10\x42\x61tchingSettings\x12\x16\n\x0emax_batch_rows\x18\x01 \x01(\x03\x12\x1a\n\x12max_queue_delay_us\x18\x02 \x01(\x03\x12\x15\n\rbatch_threads\x18\x03 \x01(\x03\x12\x15\n\rbatch_spin_us\x18\x04 \x01(\x03\"\xf0\x02\n\x12ModelVersionStatus\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x33\n\x05state\x18\x02 \x01(\x0e\x32$.detlogp.v1.ModelVersionStatus.State\x12\x16\n\x0eweights_sha256\x18\x03 \x01(\t\x12\x17\n\x0f\x64\x65terminism_key\x18\x04 \x01(\t\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x03\x12\x12\n\nvocab_size\x18\x06 \x01(\x03\x12\x19\n\x11padded_vocab_size\x18\x07 \x01(\x03\x12\x10\n\x08has_bias\x18\x08 \x01(\x08\x12\x14\n\x0cmemory_bytes\x18\t \x01(\x03\x12\x0e\n\x06source\x18\n \x01(\t\x12\x11\n\tpersisted\x18\x0b \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x0c \x01(\x03\"8\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\r\n\tUNLOADING\x10\x02\"\x13\n\x11ListModelsRequest\"R\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.detlogp.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\xa8\x01\n\x10LoadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x16\n\x0elm_head_tensor\x18\x03 \x01(\t\x12\x13\n\x0b\x62ias_tensor\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x1f\n\x17\x65xpected_weights_sha256\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\x03\"\xa8\x01\n\x11UploadModelHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.detlogp.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x12\n\nvocab_size\x18\x04 \x01(\x03\x12\x10\n\x08has_bias\x18\x05 \x01(\x08\x12\x16\n\x0eweights_sha256\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\x03\"x\n\x12UploadModelRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.detlogp.v1.UploadModelHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x18\n\x0eweights_sha256\x18\x03 \x01(\tH\x00\x42\x06\n\x04part\":\n\x12UnloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\x03\"\x15\n\x13UnloadModelResponse\"[\n\x0eProjectRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1d\n\x01x\x18\x02 \x01(\x0b\x32\x12.detlogp.v1.Tensor\x12\x16\n\x0erows_per_chunk\x18\x03 \x01(\x03\"q\n\x0fProjectResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nrow_offset\x18\x02 \x01(\x03\x12\x1d\n\x01y\x18\x03 \x01(\x0b\x32\x12.detlogp.v1.Tensor\x12\x17\n\x0f\x64\x65terminism_key\x18\x04 \x01(\t*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x32\xf3\x01\n\x0eLogProbService\x12J\n\x0f\x43omputeLogProbs\x12\x1a.detlogp.v1.LogProbRequest\x1a\x1b.detlogp.v1.LogProbResponse\x12M\n\x0eStreamLogProbs\x12\x1a.detlogp.v1.LogProbRequest\x1a\x1b.detlogp.v1.LogProbResponse(\x01\x30\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.detlogp.v1.GetModelInfoRequest\x1a\x15.detlogp.v1.ModelInfo2\xd1\x02\n\x16ModelRepositoryService\x12K\n\nListModels\x12\x1d.detlogp.v1.ListModelsRequest\x1a\x1e.detlogp.v1.ListModelsResponse\x12I\n\tLoadModel\x12\x1c.detlogp.v1.LoadModelRequest\x1a\x1e.detlogp.v1.ModelVersionStatus\x12O\n\x0bUploadModel\x12\x1e.detlogp.v1.UploadModelRequest\x1a\x1e.detlogp.v1.ModelVersionStatus(\x01\x12N\n\x0bUnloadModel\x12\x1e.detlogp.v1.UnloadModelRequest\x1a\x1f.detlogp.v1.UnloadModelResponse2Y\n\x11ProjectionService\x12\x44\n\x07Project\x12\x1a.detlogp.v1.ProjectRequest\x1a\x1b.detlogp.v1.ProjectResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'detlogp.v1.detlogp_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2054
-  _globals['_DTYPE']._serialized_end=2142
+  _globals['_DTYPE']._serialized_start=2220
+  _globals['_DTYPE']._serialized_end=2308
   _globals['_TENSOR']._serialized_start=40
   _globals['_TENSOR']._serialized_end=111
   _globals['_LOGPROBREQUEST']._serialized_start=114
@@ -42,33 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=421
   _globals['_GETMODELINFOREQUEST']._serialized_end=480
   _globals['_MODELINFO']._serialized_start=483
-  _globals['_MODELINFO']._serialized_end=821
-  _globals['_MODELVERSIONSTATUS']._serialized_start=824
-  _globals['_MODELVERSIONSTATUS']._serialized_end=1192
-  _globals['_MODELVERSIONSTATUS_STATE']._serialized_start=1136
-  _globals['_MODELVERSIONSTATUS_STATE']._serialized_end=1192
-  _globals['_LISTMODELSREQUEST']._serialized_start=1194
-  _globals['_LISTMODELSREQUEST']._serialized_end=1213
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1215
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1297
-  _globals['_LOADMODELREQUEST']._serialized_start=1300
-  _globals['_LOADMODELREQUEST']._serialized_end=1468
-  _globals['_UPLOADMODELHEADER']._serialized_start=1471
-  _globals['_UPLOADMODELHEADER']._serialized_end=1639
-  _globals['_UPLOADMODELREQUEST']._serialized_start=1641
-  _globals['_UPLOADMODELREQUEST']._serialized_end=1761
-  _globals['_UNLOADMODELREQUEST']._serialized_start=1763
-  _globals['_UNLOADMODELREQUEST']._serialized_end=1821
-  _globals['_UNLOADMODELRESPONSE']._serialized_start=1823
-  _globals['_UNLOADMODELRESPONSE']._serialized_end=1844
-  _globals['_PROJECTREQUEST']._serialized_start=1846
-  _globals['_PROJECTREQUEST']._serialized_end=1937
-  _globals['_PROJECTRESPONSE']._serialized_start=1939
-  _globals['_PROJECTRESPONSE']._serialized_end=2052
-  _globals['_LOGPROBSERVICE']._serialized_start=2145
-  _globals['_LOGPROBSERVICE']._serialized_end=2388
-  _globals['_MODELREPOSITORYSERVICE']._serialized_start=2391
-  _globals['_MODELREPOSITORYSERVICE']._serialized_end=2728
-  _globals['_PROJECTIONSERVICE']._serialized_start=2730
-  _globals['_PROJECTIONSERVICE']._serialized_end=2819
+  _globals['_MODELINFO']._serialized_end=869
+  _globals['_BATCHINGSETTINGS']._serialized_start=871
+  _globals['_BATCHINGSETTINGS']._serialized_end=987
+  _globals['_MODELVERSIONSTATUS']._serialized_start=990
+  _globals['_MODELVERSIONSTATUS']._serialized_end=1358
+  _globals['_MODELVERSIONSTATUS_STATE']._serialized_start=1302
+  _globals['_MODELVERSIONSTATUS_STATE']._serialized_end=1358
+  _globals['_LISTMODELSREQUEST']._serialized_start=1360
+  _globals['_LISTMODELSREQUEST']._serialized_end=1379
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1381
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1463
+  _globals['_LOADMODELREQUEST']._serialized_start=1466
+  _globals['_LOADMODELREQUEST']._serialized_end=1634
+  _globals['_UPLOADMODELHEADER']._serialized_start=1637
+  _globals['_UPLOADMODELHEADER']._serialized_end=1805
+  _globals['_UPLOADMODELREQUEST']._serialized_start=1807
+  _globals['_UPLOADMODELREQUEST']._serialized_end=1927
+  _globals['_UNLOADMODELREQUEST']._serialized_start=1929
+  _globals['_UNLOADMODELREQUEST']._serialized_end=1987
+  _globals['_UNLOADMODELRESPONSE']._serialized_start=1989
+  _globals['_UNLOADMODELRESPONSE']._serialized_end=2010
+  _globals['_PROJECTREQUEST']._serialized_start=2012
+  _globals['_PROJECTREQUEST']._serialized_end=2103
+  _globals['_PROJECTRESPONSE']._serialized_start=2105
+  _globals['_PROJECTRESPONSE']._serialized_end=2218
+  _globals['_LOGPROBSERVICE']._serialized_start=2311
+  _globals['_LOGPROBSERVICE']._serialized_end=2554
+  _globals['_MODELREPOSITORYSERVICE']._serialized_start=2557
+  _globals['_MODELREPOSITORYSERVICE']._serialized_end=2894
+  _globals['_PROJECTIONSERVICE']._serialized_start=2896
+  _globals['_PROJECTIONSERVICE']._serialized_end=2985
 # @@protoc_insertion_point(module_scope)
