@@ -23,6 +23,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/invariance_check.h"
@@ -350,6 +351,15 @@ int main(int argc, char** argv) {
       "detlogp_cli <info|score|check-invariance|project|models|load|upload|"
       "unload> [--flags]";
   absl::SetProgramUsageMessage(kUsage);
+  // Abseil's --help and --helpshort list only flags defined in a file named
+  // after the program (detlogp_cli.cc); ours live here, in cli_main.cc.
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return file == __FILE__;
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  usage_config.contains_helppackage_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::cerr << "usage: " << kUsage << "\n";

@@ -210,6 +210,7 @@ int main(int argc, char** argv) {
     return file == __FILE__;
   };
   usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  usage_config.contains_helppackage_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   std::string folded_models;
   std::vector<char*> args = FoldRepeatedModelFlags(argc, argv, &folded_models);
