@@ -28,21 +28,24 @@ inline absl::Status CudaStatus(cudaError_t error, const char* what) {
     }                                                             \
   } while (false)
 
-// A device allocation freed on destruction.
-class DeviceBuffer {
+// CUDA memory freed on destruction: device memory (DeviceBuffer) or pinned
+// host memory (PinnedBuffer, so copies run asynchronously at full PCIe
+// speed).
+template <cudaError_t (*Alloc)(void**, size_t), cudaError_t (*Free)(void*)>
+class CudaBuffer {
  public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+  CudaBuffer() = default;
+  ~CudaBuffer() {
+    if (ptr_ != nullptr) Free(ptr_);
   }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  CudaBuffer(const CudaBuffer&) = delete;
+  CudaBuffer& operator=(const CudaBuffer&) = delete;
 
   // Frees what it held, then allocates `bytes`.
   absl::Status Allocate(size_t bytes, const char* what) {
-    if (ptr_ != nullptr) cudaFree(std::exchange(ptr_, nullptr));
+    if (ptr_ != nullptr) Free(std::exchange(ptr_, nullptr));
     bytes_ = 0;
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), what);
+    DETLOGP_RETURN_IF_CUDA_ERROR(Alloc(&ptr_, bytes == 0 ? 1 : bytes), what);
     bytes_ = bytes;
     return absl::OkStatus();
   }
@@ -61,39 +64,12 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-// Pinned host memory, so copies run asynchronously at full PCIe speed.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  ~PinnedBuffer() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-  }
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-
-  // Frees what it held, then allocates `bytes`.
-  absl::Status Allocate(size_t bytes, const char* what) {
-    if (ptr_ != nullptr) cudaFreeHost(std::exchange(ptr_, nullptr));
-    bytes_ = 0;
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaHostAlloc(&ptr_, bytes == 0 ? 1 : bytes, cudaHostAllocDefault), what);
-    bytes_ = bytes;
-    return absl::OkStatus();
-  }
-  // Allocates when it holds fewer than `bytes`.
-  absl::Status Reserve(size_t bytes, const char* what) {
-    return bytes <= bytes_ && ptr_ != nullptr ? absl::OkStatus() : Allocate(bytes, what);
-  }
-  size_t bytes() const { return bytes_; }
-  template <typename T>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+inline cudaError_t AllocateDevice(void** ptr, size_t bytes) { return cudaMalloc(ptr, bytes); }
+inline cudaError_t AllocatePinned(void** ptr, size_t bytes) {
+  return cudaHostAlloc(ptr, bytes, cudaHostAllocDefault);
+}
+using DeviceBuffer = CudaBuffer<AllocateDevice, cudaFree>;
+using PinnedBuffer = CudaBuffer<AllocatePinned, cudaFreeHost>;
 
 // The CUDA executors' batch layout: inputs in one block
 // [targets | temperatures | hidden] and outputs in [logprobs | lse], so a

@@ -34,18 +34,7 @@ bool IsHexDigest(const std::string& text) {
   return true;
 }
 
-struct UploadShape {
-  int64_t hidden_size = 0;
-  int64_t vocab_size = 0;
-  int64_t padded_vocab_size = 0;
-  bool has_bias = false;
-  int64_t weight_bytes() const { return padded_vocab_size * hidden_size * 2; }
-  int64_t total_bytes() const {
-    return weight_bytes() + (has_bias ? padded_vocab_size * 4 : 0);
-  }
-};
-
-absl::StatusOr<UploadShape> ValidateUploadHeader(const UploadModelHeader& header) {
+absl::StatusOr<LmHeadShape> ValidateUploadHeader(const UploadModelHeader& header) {
   if (absl::Status s = ValidateModelName(header.model(), "header.model"); !s.ok()) {
     return s;
   }
@@ -61,7 +50,7 @@ absl::StatusOr<UploadShape> ValidateUploadHeader(const UploadModelHeader& header
         "header.shape: expected [padded_vocab_size, hidden_size] with 0 < V <= ",
         kMaxPaddedVocab, " and 0 < H <= ", kMaxHiddenSize, ", H a multiple of 8"));
   }
-  UploadShape shape;
+  LmHeadShape shape;
   shape.padded_vocab_size = header.shape(0);
   shape.hidden_size = header.shape(1);
   shape.vocab_size = header.vocab_size() == 0 ? shape.padded_vocab_size : header.vocab_size();
@@ -322,8 +311,7 @@ class ModelRepositoryServiceImpl::UploadCall final
     }
     // Hashing and writing run beside the copy, block by block.
     assembler_ = std::make_unique<UploadAssembler>(
-        LmHeadShape{shape_.hidden_size, shape_.vocab_size, shape_.padded_vocab_size,
-                    shape_.has_bias},
+        shape_,
         writer_.get());
     worker_started_ = true;
     service_->tasks_.Start([this] { Work(); });
@@ -339,9 +327,9 @@ class ModelRepositoryServiceImpl::UploadCall final
               "weights_sha256: the digest message must be the last one")});
           return;
         }
-        if (received_ + size > shape_.total_bytes()) {
+        if (received_ + size > (shape_.weight_bytes() + shape_.bias_bytes())) {
           queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(absl::StrCat(
-              "chunk: more bytes than the header announced (", shape_.total_bytes(),
+              "chunk: more bytes than the header announced (", (shape_.weight_bytes() + shape_.bias_bytes()),
               " = weight [", shape_.padded_vocab_size, ", ", shape_.hidden_size,
               "] bf16", shape_.has_bias ? " + bias fp32" : "", ")"))});
           return;
@@ -478,7 +466,7 @@ class ModelRepositoryServiceImpl::UploadCall final
   int64_t received_ ABSL_GUARDED_BY(mu_) = 0;
   // Set from the header (under mu_), then used by the worker alone.
   std::string expected_sha256_;
-  UploadShape shape_;
+  LmHeadShape shape_;
   std::string model_;
   int64_t version_ = 0;  // 0: the model's next number
   ModelManager::Reservation reservation_;
