@@ -143,7 +143,7 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
 absl::StatusOr<LogpClient::ProjectResult> LogpClient::Project(
     const std::vector<float>& x, int64_t rows, int64_t rows_per_chunk,
     bool keep_output,
-    const std::function<void(const detlogp::v1::ProjectResponse&)>& on_chunk) {
+    const std::function<void(detlogp::v1::ProjectResponse&)>& on_chunk) {
   constexpr int64_t kIn = 96, kOut = 5376;
   if (static_cast<int64_t>(x.size()) != rows * kIn) {
     return absl::InvalidArgumentError("x must hold rows * 96 floats");

@@ -80,7 +80,10 @@ class LogpClient {
 
   // Streams the H3 projection of x ([rows, 96] fp32) and reassembles Y
   // ([rows, 5376]) in row order, checking offsets and shapes. `on_chunk`, if
-  // set, sees each chunk as it arrives (e.g. to consume without holding all).
+  // set, sees each chunk as it arrives (e.g. to consume without holding all);
+  // it may take the chunk's bytes (swap y().data() out): the client reads
+  // nothing of a chunk after its callback, and the next chunk is read into
+  // whatever buffer was left there.
   struct ProjectResult {
     std::vector<float> y;  // empty when keep_output is false
     std::string determinism_key;
@@ -89,7 +92,7 @@ class LogpClient {
   absl::StatusOr<ProjectResult> Project(
       const std::vector<float>& x, int64_t rows, int64_t rows_per_chunk = 0,
       bool keep_output = true,
-      const std::function<void(const detlogp::v1::ProjectResponse&)>& on_chunk = {});
+      const std::function<void(detlogp::v1::ProjectResponse&)>& on_chunk = {});
 
   // Sets the deadline and credentials of a call made through stub().
   void PrepareContext(grpc::ClientContext* context) const;
