@@ -189,8 +189,15 @@ std::vector<RowBits> BitsOf(const ScoreResult& result) {
   return out;
 }
 
+// The CPU backend in CI; DETLOGP_TEST_DEVICE=cuda:0 runs the same tests on a
+// GPU (tools/device/run_live_weights.sh).
+std::string TestDevice() {
+  const char* device = std::getenv("DETLOGP_TEST_DEVICE");
+  return device != nullptr ? device : "cpu";
+}
+
 std::unique_ptr<ServerProcess> StartServer(std::vector<std::string> args) {
-  args.insert(args.begin(), {"--device=cpu", "--bias_tensor=lm_head.bias"});
+  args.insert(args.begin(), {"--device=" + TestDevice(), "--bias_tensor=lm_head.bias"});
   auto server = ServerProcess::Start(args, 60);
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? *std::move(server) : nullptr;
