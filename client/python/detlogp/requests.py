@@ -1,4 +1,5 @@
-"""Builds request messages from numpy inputs, and reassembles Project chunks."""
+"""Builds request messages from numpy inputs (or torch tensors, see
+tensors.py), and reassembles Project chunks."""
 import numpy as np
 
 from detlogp import tensors
@@ -11,12 +12,14 @@ def logprob_request(hidden, targets, temperature=0.0, return_lse=False,
                     request_id="", model=None, version=None):
     """A LogProbRequest for hidden [N, H] and N target ids, scored with
     `model` (None: the server's default model) at `version` (None or 0: its
-    latest ready version). Shapes are not checked here: the server names
-    the field that is wrong."""
+    latest ready version). hidden: a numpy array or a torch tensor (CPU or
+    CUDA; bf16 sent as its bits, fp16 and fp32 as themselves); targets: ints,
+    an integer array or an integer torch tensor. Shapes are not checked
+    here: the server names the field that is wrong."""
     return pb.LogProbRequest(
         request_id=request_id,
         hidden=tensors.to_tensor(hidden),
-        target_ids=[int(t) for t in np.asarray(targets).reshape(-1)],
+        target_ids=tensors.target_ids(targets),
         temperature=float(temperature),
         return_lse=bool(return_lse),
         model=model or "",
