@@ -4,7 +4,9 @@
 # rows scored on GPU 0, on GPU 1, on both with replicated weights
 # (cuda:all) and on both with the vocabulary split between them
 # (--vocab_parallel) must give identical bits under one determinism key;
-# then throughput of each mode.
+# then throughput of each mode, and new versions uploaded while 64 callers
+# score (replicated and vocabulary-parallel: every answer checked against
+# the row alone on the version it names).
 set -uo pipefail
 dir=.device/serve
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
@@ -35,6 +37,10 @@ score() {  # $1 = target: 512 seeded random rows, printed exactly (%.9g)
 same() {  # $1 $2 = score files, $3 = what
   if cmp -s "$1" "$2"; then echo "$3: identical bits and key"; else echo "$3: DIFFER"; status=1; fi
 }
+swap() {  # $1 = target: a new 1.24 GB version every 2 s for 8 s under load
+  "$dir/swap_under_load" --target="$1" --callers=64 --channels=16 --rows=256 \
+    --steady_seconds=3 --swap_seconds=8 --swap_every_seconds=2 || status=1
+}
 throughput() {  # $1 = target, $2 = callers
   "$dir/serve_throughput" --target="$1" --rows=256 --callers="$2" --channels=16 \
     --seconds=6 --warmup_seconds=2 | tail -1
@@ -48,17 +54,19 @@ same "$OUT/score_gpu0.txt" "$OUT/score_gpu1.txt" "GPU 1 vs GPU 0"
 echo "== one GPU, N=256 x 64 callers"; throughput "$gpu0_target" 64
 kill -TERM $gpu0_pid $gpu1_pid; wait
 
-start_server all --device=cuda:all
+start_server all --device=cuda:all --max_versions_per_model=16
 score "$all_target" > "$OUT/score_all.txt"
 same "$OUT/score_gpu0.txt" "$OUT/score_all.txt" "cuda:all (replicated) vs GPU 0"
+echo "== cuda:all, versions uploaded under load"; swap "$all_target"
 kill -TERM $all_pid; wait
 
-start_server vocab --device=cuda:all --vocab_parallel
+start_server vocab --device=cuda:all --vocab_parallel --max_versions_per_model=16
 score "$vocab_target" > "$OUT/score_vocab.txt"
 same "$OUT/score_gpu0.txt" "$OUT/score_vocab.txt" "vocabulary-parallel (2 GPUs) vs GPU 0"
 "$dir/detlogp_cli" check-invariance --target="$vocab_target" --probes=16 \
   --concurrency=32 --calls_per_thread=4 --channels=8 || status=1
 echo "== vocabulary-parallel, N=256 x 64 callers"; throughput "$vocab_target" 64
+echo "== vocabulary-parallel, versions uploaded under load"; swap "$vocab_target"
 kill -TERM $vocab_pid; wait
 echo "overall status $status"
 exit $status
