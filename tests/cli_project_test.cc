@@ -23,21 +23,8 @@ namespace detlogp {
 namespace {
 
 using client::LogpClient;
+using testing::RunCli;
 using testing::ServerProcess;
-
-std::pair<int, std::string> RunCli(const std::string& arguments) {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  const std::string command = absl::StrCat(srcdir != nullptr ? srcdir : ".",
-                                           "/detlogp/client/detlogp_cli ", arguments);
-  FILE* pipe = popen(command.c_str(), "r");  // stdout only: what scripts read
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string output;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
-}
 
 // The fields of a "name value name value ..." line.
 std::vector<std::string> Words(const std::string& line) {

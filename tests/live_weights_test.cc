@@ -1260,22 +1260,9 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   EXPECT_FALSE(report.targets[1].version.ok());
 }
 
-std::string CliPath() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/detlogp/client/detlogp_cli");
-}
-
-// Runs detlogp_cli; returns its exit code and output (stdout and stderr).
-std::pair<int, std::string> RunCli(const std::string& arguments) {
-  const std::string command = CliPath() + " " + arguments + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return {-1, "popen failed"};
-  std::string output;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+// detlogp_cli with stderr too (its errors are on stderr).
+std::pair<int, std::string> RunCliAll(const std::string& arguments) {
+  return testing::RunCli(arguments + " 2>&1");
 }
 
 TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
@@ -1297,7 +1284,7 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
   const std::string on_a = " --target=" + a->target();
 
   // To both servers, numbered 5 on both.
-  auto [code, out] = RunCli("upload --model=policy --weights_file=" + dir +
+  auto [code, out] = RunCliAll("upload --model=policy --weights_file=" + dir +
                             "/v2.safetensors --bias_tensor=lm_head.bias --chunk_mb=1" + admin +
                             " --model_version=5 --targets=" + a->target() + "," + b->target());
   EXPECT_EQ(code, 0) << out;
@@ -1310,17 +1297,17 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
                           digest, " determinism_key ", key->determinism_key())))
         << out;
   }
-  std::tie(code, out) = RunCli("upload --model=policy --weights_file=" + dir +
+  std::tie(code, out) = RunCliAll("upload --model=policy --weights_file=" + dir +
                                "/v2.safetensors --bias_tensor=lm_head.bias" + on_a);
   EXPECT_NE(code, 0) << "no admin token";
   EXPECT_TRUE(absl::StrContains(out, "UNAUTHENTICATED")) << out;
 
-  std::tie(code, out) = RunCli("load --model=policy --path=files/v3.safetensors "
+  std::tie(code, out) = RunCliAll("load --model=policy --path=files/v3.safetensors "
                                "--bias_tensor=lm_head.bias" + admin + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "version 6 READY")) << out;
 
-  std::tie(code, out) = RunCli("models" + admin + on_a);
+  std::tie(code, out) = RunCliAll("models" + admin + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "model policy latest 6 (default)")) << out;
   for (const char* line : {"version 1 READY", "version 5 READY", "version 6 READY",
@@ -1328,20 +1315,20 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
     EXPECT_TRUE(absl::StrContains(out, line)) << line << "\n" << out;
   }
 
-  std::tie(code, out) = RunCli("score --random_rows=3 --model=policy --model_version=5" + on_a);
+  std::tie(code, out) = RunCliAll("score --random_rows=3 --model=policy --model_version=5" + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "model policy version 5\ndeterminism_key " +
                                          key->determinism_key()))
       << out;
-  std::tie(code, out) = RunCli("check-invariance --probes=4 --concurrency=4 --channels=2 "
+  std::tie(code, out) = RunCliAll("check-invariance --probes=4 --concurrency=4 --channels=2 "
                                "--model=policy --model_version=1" + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "INVARIANT")) << out;
 
-  std::tie(code, out) = RunCli("unload --model=policy --model_version=5" + admin + on_a);
+  std::tie(code, out) = RunCliAll("unload --model=policy --model_version=5" + admin + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "model policy version 5 unloaded")) << out;
-  std::tie(code, out) = RunCli("score --random_rows=1 --model=policy --model_version=5" + on_a);
+  std::tie(code, out) = RunCliAll("score --random_rows=1 --model=policy --model_version=5" + on_a);
   EXPECT_NE(code, 0);
   EXPECT_TRUE(absl::StrContains(out, "NOT_FOUND")) << out;
 }

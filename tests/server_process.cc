@@ -23,6 +23,23 @@ std::string ServerBinaryPath() {
                       "/detlogp/server/detlogp_server");
 }
 
+std::string CliBinaryPath() {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/detlogp/client/detlogp_cli");
+}
+
+std::pair<int, std::string> RunCli(const std::string& arguments) {
+  const std::string command = CliBinaryPath() + " " + arguments;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return {-1, "popen failed"};
+  std::string output;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
+}
+
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     const std::vector<std::string>& args, int timeout_s) {
   static int counter = 0;

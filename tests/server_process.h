@@ -7,6 +7,7 @@
 #include <sys/types.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,6 +47,13 @@ class ServerProcess {
 
 // Path of the server binary in the test's runfiles.
 std::string ServerBinaryPath();
+// Path of detlogp_cli in the test's runfiles (tests that run it depend on
+// //client:detlogp_cli as data).
+std::string CliBinaryPath();
+
+// Runs detlogp_cli with `arguments` through the shell (add " 2>&1" to them
+// to capture stderr too); returns its exit code and stdout.
+std::pair<int, std::string> RunCli(const std::string& arguments);
 
 }  // namespace detlogp::testing
 
