@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "client/logp_client.h"
 #include "client/random_rows.h"
+#include "tools/bench/closed_loop_caller.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
 ABSL_FLAG(int, callers, 64, "Concurrent callers, one call in flight each.");
@@ -55,57 +56,23 @@ struct Shared {
   absl::Notification all_done;
 };
 
-// One caller: issues the next call from the previous one's callback.
-class Caller {
- public:
-  Caller(Shared* shared, int index) : shared_(shared), index_(index) {}
-
-  void Start() { Issue(); }
-
- private:
-  void Issue() {
-    if (absl::Now() >= shared_->stop_at) {
-      if (--shared_->callers_left == 0) shared_->all_done.Notify();
-      return;
-    }
-    context_ = std::make_unique<grpc::ClientContext>();
-    response_.Clear();
-    payload_ = static_cast<size_t>((index_ + calls_) % shared_->payloads.size());
-    const LogProbRequest& request = shared_->payloads[payload_];
-    started_ = absl::Now();
-    LogpClient& client = *shared_->clients[index_ % shared_->clients.size()];
-    client.stub()->async()->ComputeLogProbs(
-        context_.get(), &request, &response_,
-        [this, &request](grpc::Status status) { Done(status, request); });
+// Counts an answer of a call started after the warm-up and answered in time.
+void Record(Shared* shared, const detlogp::bench::ClosedLoopCaller::Answer& answer) {
+  if (answer.started < shared->measure_from || answer.finished > shared->stop_at) return;
+  const LogProbRequest& request = shared->payloads[answer.payload];
+  if (!answer.status.ok()) {
+    ++shared->errors;
+  } else if (answer.response.logprobs_size() != request.target_ids_size() ||
+             answer.response.determinism_key() != shared->expected_keys[answer.payload]) {
+    ++shared->bad_answers;
+  } else {
+    shared->rows_done += answer.response.logprobs_size();
+    ++shared->calls_done;
+    absl::MutexLock lock(&shared->mu);
+    shared->latencies_ms.push_back(
+        absl::ToDoubleMilliseconds(answer.finished - answer.started));
   }
-
-  void Done(const grpc::Status& status, const LogProbRequest& request) {
-    const absl::Time now = absl::Now();
-    ++calls_;
-    if (started_ >= shared_->measure_from && now <= shared_->stop_at) {
-      if (!status.ok()) {
-        ++shared_->errors;
-      } else if (response_.logprobs_size() != request.target_ids_size() ||
-                 response_.determinism_key() != shared_->expected_keys[payload_]) {
-        ++shared_->bad_answers;
-      } else {
-        shared_->rows_done += response_.logprobs_size();
-        ++shared_->calls_done;
-        absl::MutexLock lock(&shared_->mu);
-        shared_->latencies_ms.push_back(absl::ToDoubleMilliseconds(now - started_));
-      }
-    }
-    Issue();
-  }
-
-  Shared* shared_;
-  const int index_;
-  int64_t calls_ = 0;
-  size_t payload_ = 0;
-  absl::Time started_;
-  std::unique_ptr<grpc::ClientContext> context_;
-  LogProbResponse response_;
-};
+}
 
 double Percentile(std::vector<double>& values, double p) {
   if (values.empty()) return 0;
@@ -162,8 +129,15 @@ int main(int argc, char** argv) {
   shared.callers_left = callers;
   shared.measure_from = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds));
   shared.stop_at = shared.measure_from + absl::Seconds(absl::GetFlag(FLAGS_seconds));
-  std::vector<std::unique_ptr<Caller>> all;
-  for (int c = 0; c < callers; ++c) all.push_back(std::make_unique<Caller>(&shared, c));
+  std::vector<std::unique_ptr<detlogp::bench::ClosedLoopCaller>> all;
+  for (int c = 0; c < callers; ++c) {
+    all.push_back(std::make_unique<detlogp::bench::ClosedLoopCaller>(
+        shared.clients[c % shared.clients.size()].get(), &shared.payloads, c,
+        shared.stop_at, [&shared](const auto& answer) { Record(&shared, answer); },
+        [&shared] {
+          if (--shared.callers_left == 0) shared.all_done.Notify();
+        }));
+  }
   for (auto& caller : all) caller->Start();
   shared.all_done.WaitForNotification();
 

@@ -32,6 +32,7 @@
 #include "absl/time/clock.h"
 #include "client/logp_client.h"
 #include "client/random_rows.h"
+#include "tools/bench/closed_loop_caller.h"
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
 #include "server/models/lm_head_digest.h"
@@ -159,62 +160,32 @@ struct Shared {
   std::map<std::pair<int64_t, int>, std::vector<float>> seen ABSL_GUARDED_BY(mu);
 };
 
-class Caller {
- public:
-  Caller(Shared* shared, int index) : shared_(shared), index_(index) {}
-  void Start() { Issue(); }
-
- private:
-  void Issue() {
-    if (absl::Now() >= shared_->stop_at) {
-      if (--shared_->callers_left == 0) shared_->all_done.Notify();
-      return;
-    }
-    context_ = std::make_unique<grpc::ClientContext>();
-    response_.Clear();
-    payload_ = static_cast<int>((index_ + calls_) % shared_->payloads.size());
-    LogpClient& client = *shared_->clients[index_ % shared_->clients.size()];
-    client.stub()->async()->ComputeLogProbs(
-        context_.get(), &shared_->payloads[payload_], &response_,
-        [this](grpc::Status status) { Done(status); });
+// Keeps the first bits of every (version, payload) and counts answers that
+// differ from them, and rows per phase.
+void Record(Shared* shared, const detlogp::bench::ClosedLoopCaller::Answer& answer) {
+  ++shared->calls;
+  if (!answer.status.ok()) {
+    ++shared->errors;
+    std::fprintf(stderr, "call failed: %s\n", answer.status.error_message().c_str());
+    return;
   }
-
-  void Done(const grpc::Status& status) {
-    const absl::Time now = absl::Now();
-    ++calls_;
-    ++shared_->calls;
-    if (!status.ok()) {
-      ++shared_->errors;
-      std::fprintf(stderr, "call failed: %s\n", status.error_message().c_str());
-    } else {
-      Check();
-      const int64_t rows = response_.logprobs_size();
-      if (now >= shared_->swaps_from && now < shared_->stop_at) {
-        shared_->swap_rows += rows;
-      } else if (now >= shared_->steady_from && now < shared_->swaps_from) {
-        shared_->steady_rows += rows;
-      }
-    }
-    Issue();
-  }
-
-  void Check() {
-    std::vector<float> got(response_.logprobs().begin(), response_.logprobs().end());
-    absl::MutexLock lock(&shared_->mu);
-    auto [it, inserted] =
-        shared_->seen.try_emplace({response_.model_version(), payload_}, got);
+  const auto& logprobs = answer.response.logprobs();
+  std::vector<float> got(logprobs.begin(), logprobs.end());
+  {
+    absl::MutexLock lock(&shared->mu);
+    auto [it, inserted] = shared->seen.try_emplace(
+        {answer.response.model_version(), static_cast<int>(answer.payload)}, got);
     if (!inserted && std::memcmp(it->second.data(), got.data(), got.size() * 4) != 0) {
-      ++shared_->mismatches;
+      ++shared->mismatches;
     }
   }
-
-  Shared* shared_;
-  const int index_;
-  int64_t calls_ = 0;
-  int payload_ = 0;
-  std::unique_ptr<grpc::ClientContext> context_;
-  LogProbResponse response_;
-};
+  const absl::Time now = answer.finished;
+  if (now >= shared->swaps_from && now < shared->stop_at) {
+    shared->swap_rows += static_cast<int64_t>(got.size());
+  } else if (now >= shared->steady_from && now < shared->swaps_from) {
+    shared->steady_rows += static_cast<int64_t>(got.size());
+  }
+}
 
 // Scores every row of every payload alone, pinned to `version`; returns the
 // rows whose bits differ from `seen`.
@@ -292,8 +263,15 @@ int main(int argc, char** argv) {
   shared.stop_at = shared.swaps_from + absl::Seconds(swaps);
   const int callers = absl::GetFlag(FLAGS_callers);
   shared.callers_left = callers;
-  std::vector<std::unique_ptr<Caller>> all;
-  for (int c = 0; c < callers; ++c) all.push_back(std::make_unique<Caller>(&shared, c));
+  std::vector<std::unique_ptr<detlogp::bench::ClosedLoopCaller>> all;
+  for (int c = 0; c < callers; ++c) {
+    all.push_back(std::make_unique<detlogp::bench::ClosedLoopCaller>(
+        shared.clients[c % shared.clients.size()].get(), &shared.payloads, c,
+        shared.stop_at, [&shared](const auto& answer) { Record(&shared, answer); },
+        [&shared] {
+          if (--shared.callers_left == 0) shared.all_done.Notify();
+        }));
+  }
   for (auto& caller : all) caller->Start();
 
   absl::SleepFor(shared.swaps_from - absl::Now());
