@@ -20,6 +20,9 @@
 namespace detlogp::kernels {
 
 inline constexpr char kCpuKernelVersion[] = "cpu-lanes16-v1";
+// The ISA the kernels are compiled for (.bazelrc pins it): part of the
+// determinism key (server/backends/cpu_backend.cc, kernels/capi).
+inline constexpr char kCpuInstructionSet[] = "x86-64-v3/no-contract";
 
 // Checks the views' shapes and pointers (not the row values).
 absl::Status ValidateLinearLogpViews(const LmHeadView& head,

@@ -8,9 +8,6 @@
 namespace detlogp::server {
 namespace {
 
-// The ISA the kernels were compiled for (.bazelrc pins it): part of the key.
-constexpr char kCpuInstructionSet[] = "x86-64-v3/no-contract";
-
 // The host weights, shared with whoever else holds them (no copy).
 class CpuModel final : public LogpModel {
  public:
@@ -77,7 +74,7 @@ class CpuBackend final : public LogpBackend {
   explicit CpuBackend(int threads) : threads_(threads) {
     description_.name = "cpu";
     description_.device = "cpu";
-    description_.instruction_set = kCpuInstructionSet;
+    description_.instruction_set = kernels::kCpuInstructionSet;
     description_.kernel_version = kernels::kCpuKernelVersion;
     description_.preferred_inflight_batches = 1;
   }

@@ -1,0 +1,216 @@
+// The C ABI over the CPU kernels (detlogp_ops.h). Every entry point validates
+// its arguments before computing, then calls the same kernel functions the CPU
+// server's backends call, so the bits are the served bits.
+#include "kernels/capi/detlogp_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "kernels/linear_logp_cpu.h"
+#include "kernels/lm_head.h"
+#include "kernels/projection.h"
+#include "kernels/split_policy.h"
+#include "kernels/thread_pool.h"
+#include "server/models/determinism_key.h"
+#include "server/models/lm_head_digest.h"
+
+namespace {
+
+int Fail(const std::string& message, char* error, size_t error_len) {
+  if (error != nullptr && error_len > 0) {
+    const size_t n = std::min(message.size(), error_len - 1);
+    std::memcpy(error, message.data(), n);
+    error[n] = '\0';
+  }
+  return 1;
+}
+
+void ClearError(char* error, size_t error_len) {
+  if (error != nullptr && error_len > 0) error[0] = '\0';
+}
+
+// Checks the lm_head arguments shared by linear_logp and the key; empty when
+// they are sane.
+std::string CheckHead(const uint16_t* weight, int64_t padded_vocab_size,
+                      int64_t hidden_size, int64_t vocab_size) {
+  if (weight == nullptr) return "weight: null pointer";
+  if (hidden_size <= 0) {
+    return absl::StrCat("hidden_size: must be positive, got ", hidden_size);
+  }
+  if (padded_vocab_size <= 0) {
+    return absl::StrCat("padded_vocab_size: must be positive, got ",
+                        padded_vocab_size);
+  }
+  if (vocab_size <= 0 || vocab_size > padded_vocab_size) {
+    return absl::StrCat("vocab_size: must be in [1, ", padded_vocab_size,
+                        "] (the weight's rows), got ", vocab_size);
+  }
+  if (vocab_size > INT32_MAX) {
+    return absl::StrCat("vocab_size: exceeds int32 targets, got ", vocab_size);
+  }
+  return "";
+}
+
+}  // namespace
+
+extern "C" {
+
+int detlogp_ops_abi_version(void) { return DETLOGP_OPS_ABI_VERSION; }
+
+int detlogp_cpu_linear_logp(const uint16_t* weight, int64_t padded_vocab_size,
+                            int64_t hidden_size, const float* bias,
+                            int64_t vocab_size, const uint16_t* hidden,
+                            int64_t rows, const int32_t* targets,
+                            const float* temperatures, int num_threads,
+                            float* logprobs, float* lse, char* error,
+                            size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    std::string bad =
+        CheckHead(weight, padded_vocab_size, hidden_size, vocab_size);
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    if (rows < 0) {
+      return Fail(absl::StrCat("rows: must be >= 0, got ", rows), error,
+                  error_len);
+    }
+    if (rows == 0) return 0;
+    if (hidden == nullptr) return Fail("hidden: null pointer", error, error_len);
+    if (targets == nullptr) {
+      return Fail("targets: null pointer", error, error_len);
+    }
+    if (temperatures == nullptr) {
+      return Fail("temperatures: null pointer", error, error_len);
+    }
+    if (logprobs == nullptr) {
+      return Fail("logprobs: null pointer", error, error_len);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (targets[r] < 0 || targets[r] >= vocab_size) {
+        return Fail(absl::StrCat("targets[", r, "] = ", targets[r],
+                                 " is outside [0, ", vocab_size, ")"),
+                    error, error_len);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!std::isfinite(temperatures[r]) || !(temperatures[r] > 0.0f)) {
+        return Fail(absl::StrCat("temperatures[", r, "] = ", temperatures[r],
+                                 " is not finite and positive"),
+                    error, error_len);
+      }
+    }
+    std::vector<float> lse_scratch;
+    if (lse == nullptr) {
+      lse_scratch.resize(rows);
+      lse = lse_scratch.data();
+    }
+    detlogp::kernels::LmHeadView head;
+    head.hidden_size = hidden_size;
+    head.vocab_size = vocab_size;
+    head.padded_vocab_size = padded_vocab_size;
+    head.weight = weight;
+    head.bias = bias;
+    detlogp::kernels::LogpRowsView view;
+    view.rows = rows;
+    view.hidden = hidden;
+    view.targets = targets;
+    view.temperatures = temperatures;
+    view.logprobs = logprobs;
+    view.lse = lse;
+    absl::Status status;
+    if (num_threads == 1) {
+      status = detlogp::kernels::ComputeLinearLogpCpu(head, view, nullptr);
+    } else {
+      detlogp::kernels::ThreadPool pool(num_threads);
+      status = detlogp::kernels::ComputeLinearLogpCpu(head, view, &pool);
+    }
+    if (!status.ok()) return Fail(status.ToString(), error, error_len);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int64_t detlogp_h3_projection_in_dim(void) {
+  return detlogp::kernels::kProjectionInDim;
+}
+int64_t detlogp_h3_projection_out_dim(void) {
+  return detlogp::kernels::kProjectionOutDim;
+}
+
+int detlogp_cpu_h3_projection(const float* x, int64_t rows, const float* weight,
+                              const float* bias, int num_threads, float* y,
+                              char* error, size_t error_len) {
+  using detlogp::kernels::kProjectionInDim;
+  using detlogp::kernels::kProjectionMaxRows;
+  using detlogp::kernels::kProjectionOutDim;
+  try {
+    ClearError(error, error_len);
+    if (weight == nullptr) return Fail("weight: null pointer", error, error_len);
+    if (rows < 0 || rows > kProjectionMaxRows) {
+      return Fail(absl::StrCat("rows: must be in [0, ", kProjectionMaxRows,
+                               "], got ", rows),
+                  error, error_len);
+    }
+    if (rows > 0 && x == nullptr) return Fail("x: null pointer", error, error_len);
+    if (rows > 0 && y == nullptr) return Fail("y: null pointer", error, error_len);
+    detlogp::kernels::ProjectionCpu::Options options;
+    options.weight =
+        absl::MakeConstSpan(weight, kProjectionOutDim * kProjectionInDim);
+    if (bias != nullptr) options.bias = absl::MakeConstSpan(bias, kProjectionOutDim);
+    options.num_threads = num_threads;
+    auto kernel = detlogp::kernels::ProjectionCpu::Create(options);
+    if (!kernel.ok()) return Fail(kernel.status().ToString(), error, error_len);
+    absl::Status status = (*kernel)->Forward(
+        absl::MakeConstSpan(x, rows * kProjectionInDim), rows,
+        absl::MakeSpan(y, rows * kProjectionOutDim));
+    if (!status.ok()) return Fail(status.ToString(), error, error_len);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int detlogp_cpu_determinism_key(const uint16_t* weight,
+                                int64_t padded_vocab_size, int64_t hidden_size,
+                                const float* bias, int64_t vocab_size,
+                                char* key, size_t key_len, char* error,
+                                size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    std::string bad =
+        CheckHead(weight, padded_vocab_size, hidden_size, vocab_size);
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    if (key == nullptr) return Fail("key: null pointer", error, error_len);
+    detlogp::server::LmHeadShape shape;
+    shape.hidden_size = hidden_size;
+    shape.vocab_size = vocab_size;
+    shape.padded_vocab_size = padded_vocab_size;
+    shape.has_bias = bias != nullptr;
+    // As the server: the weights' digest (lm_head_weights.cc), then the key
+    // over the CPU backend's description (cpu_backend.cc, server.cc).
+    detlogp::server::DeterminismInputs inputs;
+    inputs.weights_sha256 =
+        detlogp::server::ComputeLmHeadDigest(shape, weight, bias);
+    inputs.backend = "cpu";
+    inputs.instruction_set = detlogp::kernels::kCpuInstructionSet;
+    inputs.kernel_version = detlogp::kernels::kCpuKernelVersion;
+    inputs.split_policy = detlogp::kernels::kSplitPolicyName;
+    const std::string result = detlogp::server::DeterminismKey(inputs);
+    if (key_len < result.size() + 1) {
+      return Fail(absl::StrCat("key_len: need at least ", result.size() + 1,
+                               " bytes, got ", key_len),
+                  error, error_len);
+    }
+    std::memcpy(key, result.c_str(), result.size() + 1);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+}  // extern "C"
