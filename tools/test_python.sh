@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the Python tests (client/python/tests and tests/reliability) against
-# the real server in bazel-bin/server/detlogp_server, writing JUnit XML.
+# the real server in bazel-bin/server/detlogp_server (and detlogp.ops against
+# bazel-bin/kernels/capi/libdetlogp_ops.so), writing JUnit XML.
 #
 # Usage: tools/test_python.sh <junit-xml-path>
 #
@@ -13,9 +14,11 @@ xml=${1:?usage: tools/test_python.sh <junit-xml-path>}
 xml=$(realpath -m "$xml")
 venv=${DETLOGP_VENV:-.venv-ci}
 
-if [[ ! -x bazel-bin/server/detlogp_server ]]; then
-  echo "building //server:detlogp_server" >&2
-  bazel build $(tools/bazel_config.sh 2>/dev/null) //server:detlogp_server >&2 || exit 1
+# The server and the trainer-side ops library (detlogp.ops, tests/test_ops.py).
+if [[ ! -x bazel-bin/server/detlogp_server || ! -f bazel-bin/kernels/capi/libdetlogp_ops.so ]]; then
+  echo "building //server:detlogp_server //kernels/capi:libdetlogp_ops.so" >&2
+  bazel build $(tools/bazel_config.sh 2>/dev/null) //server:detlogp_server \
+    //kernels/capi:libdetlogp_ops.so >&2 || exit 1
 fi
 
 # clang + libFuzzer for tests/reliability/fuzz (Debian 12: clang 14).

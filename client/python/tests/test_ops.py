@@ -1,0 +1,207 @@
+"""detlogp.ops (issue #14, first step: CPU): the trainer-side ops give exactly
+the CPU server's bits for the same weights and rows, and its determinism key.
+
+Nothing is built here: bazel-bin/kernels/capi/libdetlogp_ops.so (or
+$DETLOGP_OPS_LIBRARY) and the server binary must exist; tools/test_python.sh
+builds both.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import detlogp
+from detlogp import ops, safetensors_io, tensors
+from detlogp.testing import LocalServer, TestModel
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
+    ml_dtypes = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ops_library(repo_root):
+    path = ops.find_library(repo_root)
+    if path is None or not path.exists():
+        pytest.fail("no ops library: run `bazel build //kernels/capi:libdetlogp_ops.so` "
+                    f"in {repo_root} (or set {ops.LIBRARY_ENV})", pytrace=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ops.LIBRARY_ENV, str(path))
+        yield path
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def projection(tmp_path_factory):
+    """H3 projection weights written to a safetensors file."""
+    rng = np.random.default_rng(23)
+    weight = (rng.standard_normal((ops.H3_OUT_DIM, ops.H3_IN_DIM)) * 0.1).astype(np.float32)
+    bias = (rng.standard_normal(ops.H3_OUT_DIM) * 0.1).astype(np.float32)
+    path = tmp_path_factory.mktemp("proj") / "proj.safetensors"
+    safetensors_io.write(path, {"proj.weight": weight, "proj.bias": bias})
+    return path, weight, bias
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory):
+    """No bias, no padding, several vocabulary splits."""
+    return TestModel(tmp_path_factory.mktemp("plain"), hidden=96, vocab=3000,
+                     padded_vocab=3000, seed=11, scale=0.3, with_bias=False)
+
+
+@pytest.fixture(scope="module")
+def plain_server(server_binary, plain_model, projection):
+    with LocalServer(server_binary, plain_model.flags + [
+            f"--projection_weights={projection[0]}", "--cpu_threads=2"]) as srv:
+        yield srv
+
+
+@pytest.fixture
+def plain_client(plain_server):
+    with detlogp.Client(plain_server.target, timeout=30.0) as c:
+        yield c
+
+
+def served(client, hidden, targets, temperature):
+    result = client.logprobs(hidden, targets, temperature=temperature, return_lse=True)
+    return result.logprobs, result.lse
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
+def test_linear_logp_bits_equal_the_cpu_server_bias_and_padding(
+        client, model, temperature):
+    # model: 1000 real tokens in 1024 rows, with a bias.
+    hidden, targets = model.random_rows(48, seed=101)
+    want_logp, want_lse = served(client, hidden, targets, temperature)
+    logp, lse = ops.linear_logp(hidden, model.weight_bits, targets, bias=model.bias,
+                                temperature=temperature, vocab_size=model.vocab,
+                                return_lse=True)
+    assert logp.dtype == np.float32 and lse.dtype == np.float32
+    assert same_bits(logp, want_logp)
+    assert same_bits(lse, want_lse)
+    # The thread count never changes bits; lse is optional.
+    alone = ops.linear_logp(hidden, model.weight_bits, targets, bias=model.bias,
+                            temperature=temperature, vocab_size=model.vocab,
+                            num_threads=1)
+    assert same_bits(alone, want_logp)
+
+
+def test_linear_logp_bits_equal_the_cpu_server_no_bias(plain_client, plain_model):
+    hidden, targets = plain_model.random_rows(40, seed=202)
+    want_logp, want_lse = served(plain_client, hidden, targets, 1.0)
+    logp, lse = ops.linear_logp(hidden, plain_model.weight_bits, targets,
+                                return_lse=True)
+    assert same_bits(logp, want_logp) and same_bits(lse, want_lse)
+    # The weight as float32 (exactly the bf16 values) rounds to the same bits.
+    weight32 = tensors.bf16_bits_to_float32(plain_model.weight_bits)
+    assert same_bits(ops.linear_logp(hidden, weight32, targets), want_logp)
+
+
+def test_linear_logp_takes_bf16_hidden_and_per_row_temperatures(client, model):
+    hidden, targets = model.random_rows(8, seed=303)
+    bits = tensors.float32_to_bf16_bits(hidden)
+    want = client.logprobs(bits, targets, temperature=1.3).logprobs
+    got = ops.linear_logp(bits, model.weight_bits, targets, bias=model.bias,
+                          temperature=1.3, vocab_size=model.vocab)
+    assert same_bits(got, want)
+    if ml_dtypes is not None:
+        got_bf16 = ops.linear_logp(bits.view(ml_dtypes.bfloat16),
+                                   model.weight_bits.view(ml_dtypes.bfloat16),
+                                   targets, bias=model.bias, temperature=1.3,
+                                   vocab_size=model.vocab)
+        assert same_bits(got_bf16, want)
+    # A temperature per row: each row's bits are its own request's bits.
+    temps = np.array([0.5, 1.0, 1.5, 2.0, 0.5, 1.0, 1.5, 2.0], np.float32)
+    per_row = ops.linear_logp(hidden, model.weight_bits, targets, bias=model.bias,
+                              temperature=temps, vocab_size=model.vocab)
+    for r in range(len(temps)):
+        one = client.logprobs(hidden[r:r + 1], targets[r:r + 1],
+                              temperature=float(temps[r])).logprobs
+        assert same_bits(per_row[r:r + 1], one), r
+
+
+def test_determinism_key_is_the_cpu_servers(client, model, plain_client, plain_model):
+    assert ops.determinism_key(model.weight_bits, model.bias, model.vocab) == \
+        client.info().determinism_key
+    assert ops.determinism_key(plain_model.weight_bits) == \
+        plain_client.info().determinism_key
+    # Every input counts: the bias, the vocabulary.
+    keys = {ops.determinism_key(model.weight_bits, model.bias, model.vocab),
+            ops.determinism_key(model.weight_bits, None, model.vocab),
+            ops.determinism_key(model.weight_bits, model.bias, model.vocab - 1)}
+    assert len(keys) == 3
+
+
+def test_h3_projection_bits_equal_the_servers_project(plain_client, projection):
+    _, weight, bias = projection
+    x = np.random.default_rng(404).standard_normal((7, ops.H3_IN_DIM)).astype(np.float32)
+    want = plain_client.project(x, timeout=60).y
+    got = ops.h3_projection(x, weight, bias)
+    assert got.shape == (7, ops.H3_OUT_DIM) and got.dtype == np.float32
+    assert same_bits(got, want)
+    assert same_bits(ops.h3_projection(x[2:3], weight, bias, num_threads=1), want[2:3])
+
+
+def test_invalid_targets_are_rejected_naming_targets(model):
+    hidden, targets = model.random_rows(4, seed=505)
+    for bad in (model.vocab, -1, model.padded_vocab):
+        t = targets.copy()
+        t[2] = bad
+        with pytest.raises(ValueError, match=r"targets\[2\]"):
+            ops.linear_logp(hidden, model.weight_bits, t, bias=model.bias,
+                            vocab_size=model.vocab)
+    with pytest.raises(ValueError, match="targets"):
+        ops.linear_logp(hidden, model.weight_bits, targets[:3], bias=model.bias,
+                        vocab_size=model.vocab)
+    with pytest.raises(ValueError, match="hidden"):
+        ops.linear_logp(hidden[:, :10], model.weight_bits, targets,
+                        vocab_size=model.vocab)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ops.linear_logp(hidden, model.weight_bits, targets,
+                        vocab_size=model.padded_vocab + 1)
+    with pytest.raises(ValueError, match="temperatures"):  # from the C ABI
+        ops.linear_logp(hidden, model.weight_bits, targets, temperature=0.0,
+                        vocab_size=model.vocab)
+
+
+def test_cuda_is_not_built_yet(model):
+    hidden, targets = model.random_rows(2, seed=606)
+    with pytest.raises(NotImplementedError, match="CUDA ops are not built yet"):
+        ops.linear_logp(hidden, model.weight_bits, targets, device="cuda")
+    with pytest.raises(NotImplementedError, match="issue #14"):
+        ops.determinism_key(model.weight_bits, device="cuda:0")
+
+    class FakeCudaArray:
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+    with pytest.raises(NotImplementedError, match="CUDA ops are not built yet"):
+        ops.h3_projection(FakeCudaArray(), None)
+
+
+def test_a_missing_library_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(ops, "_lib", None)
+    monkeypatch.setenv(ops.LIBRARY_ENV, str(tmp_path / "nothing.so"))
+    with pytest.raises(RuntimeError, match="DETLOGP_OPS_LIBRARY.*does not exist"):
+        ops.load_library()
+    monkeypatch.delenv(ops.LIBRARY_ENV)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="libdetlogp_ops.so"):
+        ops.linear_logp(np.zeros((1, 4), np.float32), np.zeros((8, 4), np.float32),
+                        np.zeros(1, np.int64))
+
+
+def test_the_package_imports_without_the_library(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != ops.LIBRARY_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", "import detlogp, detlogp.ops as o; print(o.find_library())"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
