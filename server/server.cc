@@ -5,7 +5,6 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
-#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -47,18 +46,9 @@ absl::Status WarmUp(DynamicBatcher* batcher, const ServedVersion& version) {
         }
         done.Notify();
       });
-  // Scoring traffic may fill the queue for a moment; a version that arrived
-  // whole is not refused for that: the warm-up waits for room (up to 30 s).
-  // A refused Schedule leaves the job untouched, so it is offered again.
-  const absl::Time give_up = absl::Now() + absl::Seconds(30);
-  absl::Duration pause = absl::Microseconds(200);
-  absl::Status scheduled;
-  while (absl::IsResourceExhausted(scheduled = batcher->Schedule(job)) &&
-         absl::Now() < give_up) {
-    absl::SleepFor(pause);
-    pause = std::min(pause * 2, absl::Milliseconds(20));
-  }
-  if (!scheduled.ok()) return scheduled;
+  // Two rows over the queue bound: a full queue of scoring traffic must not
+  // refuse a version that arrived whole.
+  if (absl::Status s = batcher->ScheduleInternal(job); !s.ok()) return s;
   done.WaitForNotification();
   return result;
 }

@@ -126,6 +126,25 @@ TEST(DynamicBatcherTest, FullQueueIsResourceExhausted) {
   ASSERT_TRUE(later.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
 }
 
+TEST(DynamicBatcherTest, InternalJobsPassAFullQueue) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(300));
+  auto batcher = MakeBatcher(&backend, {4, 0, 8, 1});
+  TrackedJob running = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  TrackedJob queued = MakeJob(8);
+  ASSERT_TRUE(batcher->Schedule(queued.job).ok());
+  EXPECT_EQ(batcher->Schedule(MakeJob(2).job).code(), absl::StatusCode::kResourceExhausted);
+  // A warm-up is not refused and runs; the bound still holds for callers.
+  TrackedJob warm_up = MakeJob(2);
+  ASSERT_TRUE(batcher->ScheduleInternal(warm_up.job).ok());
+  ASSERT_TRUE(warm_up.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(warm_up.status->ok()) << *warm_up.status;
+  EXPECT_EQ(warm_up.job->logprobs()[1], 1.0f + 2.0f);  // hidden 1, target 2
+  EXPECT_EQ(batcher->stats().rows_rejected, 2);
+}
+
 TEST(DynamicBatcherTest, ExpiredAndCancelledRowsAreNeverComputed) {
   FakeBackend backend(kH);
   backend.set_delay(absl::Milliseconds(200));

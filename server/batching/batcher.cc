@@ -46,13 +46,21 @@ DynamicBatcher::DynamicBatcher(
 DynamicBatcher::~DynamicBatcher() { Stop(); }
 
 absl::Status DynamicBatcher::Schedule(std::shared_ptr<LogpJob> job) {
+  return Enqueue(std::move(job), /*bounded=*/true);
+}
+
+absl::Status DynamicBatcher::ScheduleInternal(std::shared_ptr<LogpJob> job) {
+  return Enqueue(std::move(job), /*bounded=*/false);
+}
+
+absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job, bool bounded) {
   const int64_t rows = job->rows();
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) {
       return absl::UnavailableError("server is shutting down");
     }
-    if (queued_rows_ + rows > options_.max_queue_rows) {
+    if (bounded && queued_rows_ + rows > options_.max_queue_rows) {
       rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
       return absl::ResourceExhaustedError(absl::StrCat(
           "queue full: ", queued_rows_, " rows waiting + ", rows,

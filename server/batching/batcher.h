@@ -99,6 +99,10 @@ class DynamicBatcher {
   // UNAVAILABLE after Stop(); the job is not completed then, the caller owns
   // the answer.
   absl::Status Schedule(std::shared_ptr<LogpJob> job);
+  // Schedule for the server's own few rows (a new version's warm-up): never
+  // refused for a full queue, so scoring traffic cannot fail a load whose
+  // weights already arrived. UNAVAILABLE after Stop().
+  absl::Status ScheduleInternal(std::shared_ptr<LogpJob> job);
 
   // Stops accepting, runs everything already queued, joins the threads.
   void Stop();
@@ -124,6 +128,8 @@ class DynamicBatcher {
     const LogpModel* model;
     std::deque<QueuedJob> jobs;
   };
+
+  absl::Status Enqueue(std::shared_ptr<LogpJob> job, bool bounded);
 
   DynamicBatcher(const Options& options,
                  std::vector<std::unique_ptr<LogpExecutor>> executors);
