@@ -377,7 +377,7 @@ absl::Status Server::LoadModels(std::vector<StartupModel> models) {
       VersionOrigin origin;
       origin.description = absl::StrCat("restored:", it->first->source.path);
       origin.version = it->first->version;
-      origin.persist = [](int64_t) { return absl::OkStatus(); };  // on disk already
+      origin.on_disk = true;
       auto added = models_->AddVersion(
           name, std::make_shared<const LmHeadWeights>(std::move(it->second)),
           std::move(origin));

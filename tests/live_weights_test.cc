@@ -1071,6 +1071,9 @@ TEST_F(LiveWeightsStoreTest, RestartServesTheLatestUploadedVersion) {
   EXPECT_EQ(info->weights_sha256(), v3->weights_sha256());
   EXPECT_NE(info->weights_sha256(), client::LmHeadUploadDigest(v1_));
   EXPECT_NE(server_->Log().find("serving the version restored"), std::string::npos);
+  // Both kept versions came back (pinned re-scoring survives), on disk.
+  EXPECT_EQ(VersionNumbers(*info), (std::vector<int64_t>{2, 3}));
+  for (const ModelVersionStatus& v : info->versions()) EXPECT_TRUE(v.persisted());
   EXPECT_EQ(Scorer(*server_)->Score(rows_.All("policy", 1)).status().code(),
             absl::StatusCode::kNotFound);
   auto v4 = Repo(*server_)->UploadModel(RandomLmHead("policy", 4));

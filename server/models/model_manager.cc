@@ -184,6 +184,7 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     }
     version->persisted = options_.store != nullptr && options_.store->writable();
   }
+  version->persisted = version->persisted || origin.on_disk;
   const absl::Duration persist_time = absl::Now() - persist_start;
   detlogp::v1::ModelVersionStatus status = StatusOf(*version, /*ready=*/true);
   std::vector<int64_t> retired;

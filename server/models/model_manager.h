@@ -73,6 +73,8 @@ struct VersionOrigin {
   // before it becomes the latest: makes it durable (or does nothing).
   // A failure drops the version.
   std::function<absl::Status(int64_t version)> persist;
+  // Already under --model_root (a restored version): reported as persisted.
+  bool on_disk = false;
   // 0: the model's next number; else this one (restoring from disk, or a
   // number the client chose), which must be above every number so far.
   int64_t version = 0;
