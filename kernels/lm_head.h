@@ -16,8 +16,12 @@ struct LmHeadView {
   const float* bias = nullptr;       // [padded_vocab_size] or null
 };
 
+// Largest top_k any kernel computes (the CUDA kernel keeps one list of this
+// many candidates per row in shared memory).
+inline constexpr int32_t kMaxTopK = 32;
+
 // Rows to score. Inputs are already validated: targets in [0, vocab_size),
-// temperatures finite and positive.
+// temperatures finite and positive, 0 <= top_k <= min(kMaxTopK, vocab_size).
 struct LogpRowsView {
   int64_t rows = 0;
   const uint16_t* hidden = nullptr;     // bf16 bits, [rows, H]
@@ -25,6 +29,11 @@ struct LogpRowsView {
   const float* temperatures = nullptr;  // [rows]
   float* logprobs = nullptr;            // [rows] out
   float* lse = nullptr;                 // [rows] out
+  // Optional outputs. Asking for them never changes logprobs or lse bits.
+  float* entropy = nullptr;             // [rows] out, or null: not computed
+  int32_t top_k = 0;                    // the same k for every row; 0: none
+  int32_t* top_ids = nullptr;           // [rows, top_k] out, descending
+  float* top_logprobs = nullptr;        // [rows, top_k] out: z - lse
 };
 
 }  // namespace detlogp::kernels

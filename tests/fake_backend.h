@@ -97,7 +97,8 @@ class FakeBackend final : public server::LogpBackend {
       if (rows <= staged_rows_) staging_in_order_ = false;
       staged_rows_ = rows;
     }
-    absl::Status Run(const server::LogpModel& model, int64_t rows) override {
+    absl::Status Run(const server::LogpModel& model, int64_t rows,
+                     const server::LogpExtras& extras) override {
       const auto& fake = static_cast<const FakeModel&>(model);
       ++backend_->batches_started_;
       if (!staging_in_order_ || staged_rows_ != rows) ++backend_->bad_staging_batches_;

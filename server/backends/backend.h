@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/lm_head.h"
 #include "server/backends/backend_registry.h"
 #include "server/models/lm_head_weights.h"
 
@@ -64,6 +65,21 @@ struct LogpStaging {
   float* temperatures = nullptr;  // [capacity]
   float* logprobs = nullptr;      // [capacity], written by Run
   float* lse = nullptr;           // [capacity], written by Run
+  // Written by Run when the batch asks for them (LogpExtras). The top lists
+  // hold capacity * kernels::kMaxTopK elements; Run writes [rows, top_k]
+  // row-major with the batch's top_k.
+  float* entropy = nullptr;       // [capacity]
+  int32_t* top_ids = nullptr;
+  float* top_logprobs = nullptr;
+};
+
+// What a batch computes beyond logprob and lse: entropy when any of its rows
+// asks for it, and the largest top_k any of its rows asks for (a row's top-k
+// list for a smaller k is a prefix of it). Rows that asked for less get the
+// same bits as if alone: the extras are per-row quantities.
+struct LogpExtras {
+  bool entropy = false;
+  int32_t top_k = 0;  // <= kernels::kMaxTopK; top lists are [rows, top_k]
 };
 
 // One batch at a time; each batch thread owns one executor. A batch holds
@@ -80,9 +96,10 @@ class LogpExecutor {
   // batch's Run follows. Backends that copy in Run ignore it.
   virtual void RowsStaged(int64_t rows) {}
   // Computes rows [0, rows) of the staging buffers on `model` (the one
-  // given to Stage) and returns when the outputs are in host memory. A
-  // failure fails this batch only.
-  virtual absl::Status Run(const LogpModel& model, int64_t rows) = 0;
+  // given to Stage), and `extras`, and returns when the outputs are in host
+  // memory. A failure fails this batch only.
+  virtual absl::Status Run(const LogpModel& model, int64_t rows,
+                           const LogpExtras& extras) = 0;
 };
 
 class LogpBackend {

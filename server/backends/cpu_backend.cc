@@ -43,7 +43,8 @@ class CpuExecutor final : public LogpExecutor {
     return staging;
   }
 
-  absl::Status Run(const LogpModel& model, int64_t rows) override {
+  absl::Status Run(const LogpModel& model, int64_t rows,
+                   const LogpExtras& extras) override {
     if (rows > capacity_ ||
         rows * model.hidden_size() > static_cast<int64_t>(hidden_.size())) {
       return absl::InternalError("batch larger than the executor's staging");

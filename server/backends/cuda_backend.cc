@@ -79,7 +79,8 @@ class CudaExecutor final : public LogpExecutor {
     }
   }
 
-  absl::Status Run(const LogpModel& model, int64_t rows) override {
+  absl::Status Run(const LogpModel& model, int64_t rows,
+                   const LogpExtras& extras) override {
     const int64_t rows_copied = std::exchange(rows_copied_, 0);
     if (rows > capacity_ || model.hidden_size() != hidden_size_) {
       return absl::InternalError("batch does not match the executor's staging");

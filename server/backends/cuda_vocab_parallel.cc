@@ -95,7 +95,8 @@ class VocabParallelExecutor final : public LogpExecutor {
     return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
-  absl::Status Run(const LogpModel& model, int64_t rows) override {
+  absl::Status Run(const LogpModel& model, int64_t rows,
+                   const LogpExtras& extras) override {
     if (rows > capacity_ || model.hidden_size() != hidden_size_) {
       return absl::InternalError("batch does not match the executor's staging");
     }

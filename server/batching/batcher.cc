@@ -290,7 +290,7 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     executor->RowsStaged(rows);
   }
   const absl::Time start = absl::Now();
-  const absl::Status status = executor->Run(model, rows);
+  const absl::Status status = executor->Run(model, rows, LogpExtras{});
   const absl::Time end = absl::Now();
   {
     // The device is free for the next batch while this one's outputs are
