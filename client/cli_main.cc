@@ -3,6 +3,7 @@
 //   detlogp_cli info --target=127.0.0.1:50051 [--model=policy --model_version=3]
 //   detlogp_cli score --random_rows=4 [--model=policy --model_version=3]
 //   detlogp_cli score --hidden=rows.npy --targets=targets.npy --return_lse
+//   detlogp_cli score --random_rows=4 --entropy --top_k=5
 //   detlogp_cli check-invariance --probes=16 --concurrency=32 [--model=policy]
 //   detlogp_cli project --project_rows=4096
 //
@@ -58,6 +59,12 @@ ABSL_FLAG(int, random_rows, 4, "score: random demo rows when no --hidden.");
 ABSL_FLAG(uint64_t, seed, 1, "Seed for random rows.");
 ABSL_FLAG(float, temperature, 1.0f, "Softmax temperature (0 means 1).");
 ABSL_FLAG(bool, return_lse, false, "score: print logsumexp too.");
+ABSL_FLAG(bool, entropy, false,
+          "score: print each row's entropy (nats) too (\"entropy E\").");
+ABSL_FLAG(int64_t, top_k, 0,
+          "score: print each row's top_k most likely tokens too, in descending "
+          "log-prob order (\"top_ids i,j,... top_logprobs a,b,...\"); 0: none, at "
+          "most the server's --max_top_k.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
@@ -184,17 +191,39 @@ int Score() {
     if (!target_file.ok()) return Fail(target_file.status());
     targets = target_file->integers;
   }
+  detlogp::client::LogProbOptions options;
+  options.temperature = absl::GetFlag(FLAGS_temperature);
+  options.return_lse = absl::GetFlag(FLAGS_return_lse);
+  options.return_entropy = absl::GetFlag(FLAGS_entropy);
+  options.top_k = absl::GetFlag(FLAGS_top_k);
+  options.model = info->model();
+  options.model_version = info->model_version();
+  // The client checks the answer's sizes against the request (N rows, N * k
+  // top-k entries); the server checks top_k.
   auto result = (*client)->Score(detlogp::client::MakeLogProbRequest(
-      "cli", dtype, rows, info->hidden_size(), std::move(data), targets,
-      absl::GetFlag(FLAGS_temperature), absl::GetFlag(FLAGS_return_lse),
-      info->model(), info->model_version()));
+      "cli", dtype, rows, info->hidden_size(), std::move(data), targets, options));
   if (!result.ok()) return Fail(result.status());
   std::cout << "model " << result->model << " version " << result->model_version
             << "\ndeterminism_key " << result->determinism_key << "\n";
+  // One line per row of "name value" pairs; a top-k list is one value,
+  // comma-separated. %.9g round-trips a float.
+  const int64_t k = result->top_k;
   for (int64_t r = 0; r < rows; ++r) {
     std::printf("row %lld target %lld logprob %.9g", static_cast<long long>(r),
                 static_cast<long long>(targets[r]), result->logprobs[r]);
     if (!result->lse.empty()) std::printf(" lse %.9g", result->lse[r]);
+    if (!result->entropy.empty()) std::printf(" entropy %.9g", result->entropy[r]);
+    if (k > 0) {
+      std::printf(" top_ids ");
+      for (int64_t j = 0; j < k; ++j) {
+        std::printf("%s%lld", j ? "," : "",
+                    static_cast<long long>(result->top_ids[r * k + j]));
+      }
+      std::printf(" top_logprobs ");
+      for (int64_t j = 0; j < k; ++j) {
+        std::printf("%s%.9g", j ? "," : "", result->top_logprobs[r * k + j]);
+      }
+    }
     std::printf("\n");
   }
   return 0;

@@ -4,10 +4,13 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 
 namespace detlogp::client {
@@ -15,8 +18,7 @@ namespace detlogp::client {
 detlogp::v1::LogProbRequest MakeLogProbRequest(
     std::string request_id, detlogp::v1::DType dtype, int64_t rows,
     int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
-    float temperature, bool return_lse, std::string model,
-    int64_t model_version) {
+    const LogProbOptions& options) {
   detlogp::v1::LogProbRequest request;
   request.set_request_id(std::move(request_id));
   detlogp::v1::Tensor* hidden = request.mutable_hidden();
@@ -24,12 +26,28 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
   hidden->add_shape(rows);
   hidden->add_shape(hidden_size);
   hidden->set_data(std::move(data));
-  for (int64_t target : targets) request.add_target_ids(target);
-  request.set_temperature(temperature);
-  request.set_return_lse(return_lse);
-  request.set_model(std::move(model));
-  request.set_model_version(model_version);
+  request.mutable_target_ids()->Add(targets.begin(), targets.end());
+  request.set_temperature(options.temperature);
+  request.set_return_lse(options.return_lse);
+  request.set_return_entropy(options.return_entropy);
+  request.set_top_k(options.top_k);
+  request.set_model(options.model);
+  request.set_model_version(options.model_version);
   return request;
+}
+
+detlogp::v1::LogProbRequest MakeLogProbRequest(
+    std::string request_id, detlogp::v1::DType dtype, int64_t rows,
+    int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
+    float temperature, bool return_lse, std::string model,
+    int64_t model_version) {
+  LogProbOptions options;
+  options.temperature = temperature;
+  options.return_lse = return_lse;
+  options.model = std::move(model);
+  options.model_version = model_version;
+  return MakeLogProbRequest(std::move(request_id), dtype, rows, hidden_size,
+                            std::move(data), targets, options);
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
@@ -38,14 +56,73 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
+namespace {
+
+// DATA_LOSS naming `field` unless it holds `want` values.
+absl::Status CheckSize(absl::string_view field, int64_t got, int64_t want,
+                       absl::string_view why) {
+  if (got == want) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(field, ": the response holds ", got,
+                                          " values, expected ", want, " (", why,
+                                          ")"));
+}
+
+}  // namespace
+
+absl::Status CheckLogProbResponse(const detlogp::v1::LogProbRequest& request,
+                                  const detlogp::v1::LogProbResponse& response) {
+  const int64_t rows = request.target_ids_size();
+  const std::string per_row = absl::StrCat(rows, " rows");
+  absl::Status status =
+      CheckSize("logprobs", response.logprobs_size(), rows, per_row);
+  if (status.ok()) {
+    status = CheckSize("lse", response.lse_size(), request.return_lse() ? rows : 0,
+                       request.return_lse() ? per_row : "return_lse not set");
+  }
+  if (status.ok()) {
+    status = CheckSize("entropy", response.entropy_size(),
+                       request.return_entropy() ? rows : 0,
+                       request.return_entropy() ? per_row : "return_entropy not set");
+  }
+  const int64_t k = std::max<int64_t>(request.top_k(), 0);
+  const std::string per_top =
+      k > 0 ? absl::StrCat(rows, " rows x top_k ", k) : std::string("top_k not set");
+  if (status.ok()) {
+    status = CheckSize("top_ids", response.top_ids_size(), rows * k, per_top);
+  }
+  if (status.ok()) {
+    status = CheckSize("top_logprobs", response.top_logprobs_size(), rows * k,
+                       per_top);
+  }
+  return status;
+}
+
 ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response) {
   ScoreResult result;
   result.request_id = response.request_id();
   result.logprobs.assign(response.logprobs().begin(), response.logprobs().end());
   result.lse.assign(response.lse().begin(), response.lse().end());
+  result.entropy.assign(response.entropy().begin(), response.entropy().end());
+  result.top_ids.assign(response.top_ids().begin(), response.top_ids().end());
+  result.top_logprobs.assign(response.top_logprobs().begin(),
+                             response.top_logprobs().end());
+  if (!result.logprobs.empty()) {
+    result.top_k = static_cast<int64_t>(result.top_ids.size() / result.logprobs.size());
+  }
   result.determinism_key = response.determinism_key();
   result.model = response.model();
   result.model_version = response.model_version();
+  return result;
+}
+
+absl::StatusOr<ScoreResult> ToScoreResult(
+    const detlogp::v1::LogProbRequest& request,
+    const detlogp::v1::LogProbResponse& response) {
+  if (absl::Status status = CheckLogProbResponse(request, response); !status.ok()) {
+    return status;
+  }
+  ScoreResult result = ToScoreResult(response);
+  result.top_k = std::max<int64_t>(request.top_k(), 0);
   return result;
 }
 
@@ -111,7 +188,7 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
   detlogp::v1::LogProbResponse response;
   grpc::Status status = stub_->ComputeLogProbs(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
-  return ToScoreResult(response);
+  return ToScoreResult(request, response);
 }
 
 absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
@@ -127,11 +204,29 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
     stream->WritesDone();
   });
   std::vector<ScoreResult> results;
+  absl::Status problem;
   detlogp::v1::LogProbResponse response;
-  while (stream->Read(&response)) results.push_back(ToScoreResult(response));
+  while (stream->Read(&response)) {
+    if (!problem.ok()) continue;  // drain, so that Finish can return
+    if (results.size() >= requests.size()) {
+      problem = absl::DataLossError(absl::StrCat(
+          "stream answered more than the ", requests.size(), " requests sent"));
+      continue;
+    }
+    absl::StatusOr<ScoreResult> result =
+        ToScoreResult(requests[results.size()], response);
+    if (!result.ok()) {
+      problem = absl::Status(result.status().code(),
+                             absl::StrCat(result.status().message(),
+                                          " [stream answer ", results.size(), "]"));
+      continue;
+    }
+    results.push_back(*std::move(result));
+  }
   writer.join();
   grpc::Status status = stream->Finish();
   if (!status.ok()) return FromGrpcStatus(status);
+  if (!problem.ok()) return problem;
   if (results.size() != requests.size()) {
     return absl::DataLossError(absl::StrCat("stream answered ", results.size(),
                                             " of ", requests.size(),

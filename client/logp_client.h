@@ -5,6 +5,18 @@
 //   auto result = (*client)->Score(MakeLogProbRequest(..., "policy"));
 //   // result->model_version: the version every row was computed with
 //
+//   // Entropy and the 5 most likely tokens of every row, beside log p(target):
+//   LogProbOptions extras;
+//   extras.return_entropy = true;
+//   extras.top_k = 5;
+//   auto more = (*client)->Score(MakeLogProbRequest(id, dtype, rows, H, data,
+//                                                   targets, extras));
+//   // more->entropy[r], more->top_ids[r * 5 + j], more->top_logprobs[r * 5 + j]
+//
+// Every answer is checked against its request: one logprob per row, lse and
+// entropy per row exactly when asked for, N * top_k top-k ids and log-probs;
+// a response of another size is a DATA_LOSS error naming the field.
+//
 // Model versions are managed with ModelRepositoryClient
 // (client/model_repository_client.h).
 //
@@ -30,14 +42,47 @@ struct ScoreResult {
   std::string request_id;
   std::vector<float> logprobs;
   std::vector<float> lse;  // empty unless asked for
+  // Entropy of each row's softmax (nats), [N]; empty unless asked for.
+  std::vector<float> entropy;
+  // The k of top_ids / top_logprobs (the request's top_k; 0: not asked for).
+  int64_t top_k = 0;
+  // [N * top_k] row-major: row r's j-th most likely token is
+  // top_ids[r * top_k + j] with log-prob top_logprobs[r * top_k + j]; each
+  // row in descending log-prob order, ties to the lower token id.
+  std::vector<int64_t> top_ids;
+  std::vector<float> top_logprobs;
   std::string determinism_key;
   // The model and version every row was computed with.
   std::string model;
   int64_t model_version = 0;
 };
 
-// Builds a request from raw little-endian rows of `dtype`. `model` empty
-// means the server's default model; `model_version` 0 its latest version.
+// What a request asks for beyond log p(target), and what it runs on.
+struct LogProbOptions {
+  // Softmax temperature; 0 means 1.
+  float temperature = 1.0f;
+  // Also return logsumexp per row.
+  bool return_lse = false;
+  // Also return the entropy per row.
+  bool return_entropy = false;
+  // Also return the top_k most likely tokens per row (0: none). The server
+  // refuses (INVALID_ARGUMENT naming top_k) a negative value, or one above
+  // its --max_top_k or the vocabulary.
+  int64_t top_k = 0;
+  // Empty: the server's default model.
+  std::string model;
+  // 0: the model's latest ready version.
+  int64_t model_version = 0;
+};
+
+// Builds a request from raw little-endian rows of `dtype`.
+detlogp::v1::LogProbRequest MakeLogProbRequest(
+    std::string request_id, detlogp::v1::DType dtype, int64_t rows,
+    int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
+    const LogProbOptions& options);
+
+// The same, with the former positional arguments. `model` empty means the
+// server's default model; `model_version` 0 its latest version.
 detlogp::v1::LogProbRequest MakeLogProbRequest(
     std::string request_id, detlogp::v1::DType dtype, int64_t rows,
     int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
@@ -73,8 +118,10 @@ class LogpClient {
   // The answer lists every version the server holds of that model.
   absl::StatusOr<detlogp::v1::ModelInfo> GetModelInfo(
       const std::string& model = "", int64_t model_version = 0);
+  // One call; the answer checked against the request (CheckLogProbResponse).
   absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& request);
-  // Sends every request on one stream and returns the answers in order.
+  // Sends every request on one stream and returns the answers in order,
+  // each checked against its request.
   absl::StatusOr<std::vector<ScoreResult>> ScoreStream(
       const std::vector<detlogp::v1::LogProbRequest>& requests);
 
@@ -120,6 +167,20 @@ std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options);
 // gRPC status to absl::Status, with the same code and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+// OK when `response` has the sizes `request` asks for: N = target_ids
+// logprobs; N lse when return_lse, else none; N entropy when return_entropy,
+// else none; N * top_k top_ids and top_logprobs. Otherwise DATA_LOSS whose
+// message starts with the field ("entropy: 3 values for 4 rows ...").
+absl::Status CheckLogProbResponse(const detlogp::v1::LogProbRequest& request,
+                                  const detlogp::v1::LogProbResponse& response);
+
+// The response as a ScoreResult, checked against its request.
+absl::StatusOr<ScoreResult> ToScoreResult(
+    const detlogp::v1::LogProbRequest& request,
+    const detlogp::v1::LogProbResponse& response);
+
+// Unchecked: the response as it came. top_k is inferred as
+// top_ids.size() / logprobs.size() (0 when there are no rows).
 ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response);
 
 }  // namespace detlogp::client
