@@ -1,13 +1,14 @@
 """Pieces shared by the sync and asyncio clients: targets, channel options,
 deadline arithmetic, retry decisions, stream item conversion, the raw
 health check, and combining several replicas' answers to an admin call."""
+import collections
 import itertools
 import threading
 import time
 
 from detlogp import requests
 from detlogp.credentials import bearer
-from detlogp.errors import DeadlineExceeded, NotFound, ReplicaMismatch
+from detlogp.errors import DataLoss, DeadlineExceeded, NotFound, ReplicaMismatch
 from detlogp.results import ModelVersionResult
 from detlogp.retry import RetryPolicy, is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
@@ -133,6 +134,26 @@ def stream_item_to_request(item, index, model=None, version=None):
     hidden, targets = item
     return requests.logprob_request(hidden, targets, request_id=str(index),
                                     model=model, version=version)
+
+
+class SentRequests:
+    """The requests of one stream, in the order they were sent, so that each
+    answer (in the same order) is checked against its own request. Filled by
+    the thread or task that feeds the stream, drained by the reader; an
+    answer never arrives before its request was sent."""
+
+    def __init__(self):
+        self._queue = collections.deque()
+
+    def add(self, request):
+        self._queue.append(request)
+        return request
+
+    def answered(self):
+        """The request the next answer belongs to."""
+        if not self._queue:
+            raise DataLoss("stream: an answer arrived for no outstanding request")
+        return self._queue.popleft()
 
 
 def legacy_info_args(model, timeout):

@@ -3,6 +3,7 @@
 Example:
     async with detlogp.aio.AsyncClient("127.0.0.1:50051") as client:
         result = await client.logprobs(hidden, targets)
+        more = await client.logprobs(hidden, targets, return_entropy=True, top_k=5)
         async for r in client.stream(items):
             ...
 """
@@ -12,9 +13,9 @@ import grpc
 
 from detlogp import requests
 from detlogp.credentials import make_aio_channel
-from detlogp._common import (CallPlan, ClientState, Deadline, combine_versions,
-                              first_failure, legacy_info_args,
-                              parse_health_response,
+from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
+                              combine_versions, first_failure,
+                              legacy_info_args, parse_health_response,
                               stream_item_to_request)
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
@@ -74,10 +75,12 @@ class AsyncClient(ClientState):
 
     async def logprobs(self, hidden, targets, *, temperature=0.0,
                        return_lse=False, timeout=None, request_id="",
-                       model=None, version=None):
-        request = requests.logprob_request(hidden, targets, temperature,
-                                           return_lse, request_id, model, version)
-        return logprob_result(await self.compute(request, timeout=timeout))
+                       model=None, version=None, return_entropy=False, top_k=0):
+        """Client.logprobs as a coroutine (return_entropy, top_k alike)."""
+        request = requests.logprob_request(
+            hidden, targets, temperature, return_lse, request_id, model, version,
+            return_entropy=return_entropy, top_k=top_k)
+        return logprob_result(await self.compute(request, timeout=timeout), request)
 
     async def compute(self, request, timeout=None):
         return await self._unary(self._logp, lambda s: s.ComputeLogProbs,
@@ -89,23 +92,24 @@ class AsyncClient(ClientState):
         async iterable. One target, no retries."""
         stub = self._logp[self._rr.next()]
         self.attempts += 1
+        sent = SentRequests()
 
         async def request_iter():
             index = 0
             if hasattr(items, "__aiter__"):
                 async for item in items:
-                    yield stream_item_to_request(item, index, model, version)
+                    yield sent.add(stream_item_to_request(item, index, model, version))
                     index += 1
             else:
                 for item in items:
-                    yield stream_item_to_request(item, index, model, version)
+                    yield sent.add(stream_item_to_request(item, index, model, version))
                     index += 1
 
         call = stub.StreamLogProbs(
             request_iter(), timeout=self.timeout if timeout is None else timeout)
         try:
             async for response in call:
-                yield logprob_result(response)
+                yield logprob_result(response, sent.answered())
         except grpc.RpcError as rpc_error:
             raise from_rpc_error(rpc_error) from None
         finally:

@@ -2,6 +2,7 @@
 
     detlogp info   --target HOST:PORT[,HOST:PORT...] [--model M] [--version N]
     detlogp score  --target HOST:PORT --rows 4 --seed 1 [--lse] [--json]
+                   [--entropy] [--top-k 5]
     detlogp score  --target HOST:PORT --hidden h.npy --targets t.npy
                    [--model M] [--version N]
     detlogp models --target HOST:PORT                        (admin)
@@ -67,12 +68,18 @@ def _score(client, args):
         targets = rng.integers(0, info.vocab_size, size=args.rows)
     result = client.logprobs(hidden, targets, temperature=args.temperature,
                              return_lse=args.lse, model=args.model,
-                             version=args.version)
+                             version=args.version, return_entropy=args.entropy,
+                             top_k=args.top_k)
     rows = []
     for i, target in enumerate(np.asarray(targets).reshape(-1)):
         row = {"row": i, "target": int(target), "logprob": float(result.logprobs[i])}
         if result.lse is not None:
             row["lse"] = float(result.lse[i])
+        if result.entropy is not None:
+            row["entropy"] = float(result.entropy[i])
+        if result.top_ids is not None:
+            row["top_ids"] = [int(t) for t in result.top_ids[i]]
+            row["top_logprobs"] = [float(v) for v in result.top_logprobs[i]]
         rows.append(row)
     if args.json:
         print(json.dumps({"determinism_key": result.determinism_key,
@@ -83,6 +90,12 @@ def _score(client, args):
         print(f"model {result.model} version {result.model_version}")
         for row in rows:
             extra = f"  lse {row['lse']:.9g}" if "lse" in row else ""
+            if "entropy" in row:
+                extra += f"  entropy {row['entropy']:.9g}"
+            if "top_ids" in row:
+                extra += ("  top_ids " + ",".join(map(str, row["top_ids"]))
+                          + "  top_logprobs "
+                          + ",".join(f"{v:.9g}" for v in row["top_logprobs"]))
             print(f"row {row['row']:4d}  target {row['target']:8d}  "
                   f"logprob {row['logprob']:.9g}{extra}")
 
@@ -199,6 +212,10 @@ def main(argv=None):
     score.add_argument("--targets", help=".npy [N] int target ids")
     score.add_argument("--temperature", type=float, default=0.0)
     score.add_argument("--lse", action="store_true", help="also print logsumexp")
+    score.add_argument("--entropy", action="store_true",
+                       help="also print each row's entropy (nats)")
+    score.add_argument("--top-k", type=int, default=0,
+                       help="also print each row's top-k tokens and log-probs")
     model_flags(score)
     sub.add_parser("models", help="every model and its versions (admin)")
     load = sub.add_parser("load", help="load a file under the server's --model_root (admin)")

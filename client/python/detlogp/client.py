@@ -3,6 +3,8 @@
 Example:
     with detlogp.Client(["127.0.0.1:50051", "127.0.0.1:50052"]) as client:
         result = client.logprobs(hidden, targets, return_lse=True, timeout=5)
+        more = client.logprobs(hidden, targets, return_entropy=True, top_k=5)
+        more.entropy, more.top_ids, more.top_logprobs  # [N], [N, 5], [N, 5]
 
     # live weights: push a new policy to every target, score pinned to it
     with detlogp.Client(targets, admin_token=ADMIN) as client:
@@ -17,9 +19,9 @@ import grpc
 
 from detlogp import requests
 from detlogp.credentials import make_channel
-from detlogp._common import (CallPlan, ClientState, Deadline, combine_versions,
-                              first_failure, legacy_info_args,
-                              parse_health_response,
+from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
+                              combine_versions, first_failure,
+                              legacy_info_args, parse_health_response,
                               stream_item_to_request)
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
@@ -105,17 +107,27 @@ class Client(ClientState):
         return parse_health_response(data)
 
     def logprobs(self, hidden, targets, *, temperature=0.0, return_lse=False,
-                 timeout=None, request_id="", model=None, version=None):
+                 timeout=None, request_id="", model=None, version=None,
+                 return_entropy=False, top_k=0):
         """log p(target) for each row of hidden [N, H]: a LogProbResult.
 
         model: None for the server's default model. version: None for the
         latest ready version, else that version exactly (NotFound when no
         target holds it). The result names the model and version used
         (.model, .model_version); scoring again with version= that number
-        gives the same bits."""
-        request = requests.logprob_request(hidden, targets, temperature,
-                                           return_lse, request_id, model, version)
-        return logprob_result(self.compute(request, timeout=timeout))
+        gives the same bits.
+
+        return_entropy: also .entropy, float32 [N] (nats). top_k: also
+        .top_ids, int64 [N, top_k], and .top_logprobs, float32 [N, top_k]:
+        each row's most likely tokens in descending order, ties to the lower
+        id (0: none; a negative top_k raises ValueError, one above the
+        server's --max_top_k InvalidArgument with .field "top_k"). Fields
+        not asked for are None. The answer's sizes are checked against the
+        request (DataLoss naming the field otherwise)."""
+        request = requests.logprob_request(
+            hidden, targets, temperature, return_lse, request_id, model, version,
+            return_entropy=return_entropy, top_k=top_k)
+        return logprob_result(self.compute(request, timeout=timeout), request)
 
     def compute(self, request, timeout=None):
         """ComputeLogProbs on a ready LogProbRequest; the raw response. A
@@ -126,18 +138,20 @@ class Client(ClientState):
 
     def stream(self, items, *, timeout=None, model=None, version=None):
         """StreamLogProbs over `items` (LogProbRequest, (hidden, targets), or
-        dicts of logprobs() arguments); yields LogProbResults in order.
+        dicts of logprobs() arguments, return_entropy= and top_k= included);
+        yields LogProbResults in order, each checked against its request.
         `model` and `version` apply to items that name none. One target, no
         retries: a failure ends the stream with its error."""
         stub = self._logp[self._rr.next()]
         self.attempts += 1
-        request_iter = (stream_item_to_request(item, i, model, version)
+        sent = SentRequests()
+        request_iter = (sent.add(stream_item_to_request(item, i, model, version))
                         for i, item in enumerate(items))
         call = stub.StreamLogProbs(
             request_iter, timeout=self.timeout if timeout is None else timeout)
         try:
             for response in call:
-                yield logprob_result(response)
+                yield logprob_result(response, sent.answered())
         except grpc.RpcError as rpc_error:
             raise from_rpc_error(rpc_error) from None
         finally:

@@ -1,5 +1,7 @@
 """Builds request messages from numpy inputs (or torch tensors, see
 tensors.py), and reassembles Project chunks."""
+import operator
+
 import numpy as np
 
 from detlogp import tensors
@@ -8,14 +10,33 @@ from detlogp.results import ProjectResult
 from detlogp.v1 import detlogp_pb2 as pb
 
 
+def top_k_value(top_k):
+    """top_k as the request's int: None -> 0; a negative number raises
+    ValueError and a non-integer TypeError, both naming top_k. The upper
+    bound (the server's --max_top_k, the vocabulary) is the server's to
+    check: InvalidArgument with .field == "top_k"."""
+    if top_k is None:
+        return 0
+    try:
+        k = operator.index(top_k)
+    except TypeError:
+        raise TypeError(f"top_k must be an integer, got {top_k!r}") from None
+    if k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: no top-k), got {k}")
+    return k
+
+
 def logprob_request(hidden, targets, temperature=0.0, return_lse=False,
-                    request_id="", model=None, version=None):
+                    request_id="", model=None, version=None, *,
+                    return_entropy=False, top_k=0):
     """A LogProbRequest for hidden [N, H] and N target ids, scored with
     `model` (None: the server's default model) at `version` (None or 0: its
     latest ready version). hidden: a numpy array or a torch tensor (CPU or
     CUDA; bf16 sent as its bits, fp16 and fp32 as themselves); targets: ints,
-    an integer array or an integer torch tensor. Shapes are not checked
-    here: the server names the field that is wrong."""
+    an integer array or an integer torch tensor. return_entropy: also the
+    entropy of each row; top_k: also each row's top_k most likely tokens
+    (0: none). Shapes are not checked here: the server names the field that
+    is wrong (only a negative top_k is refused here, ValueError)."""
     return pb.LogProbRequest(
         request_id=request_id,
         hidden=tensors.to_tensor(hidden),
@@ -24,6 +45,8 @@ def logprob_request(hidden, targets, temperature=0.0, return_lse=False,
         return_lse=bool(return_lse),
         model=model or "",
         model_version=int(version or 0),
+        return_entropy=bool(return_entropy),
+        top_k=top_k_value(top_k),
     )
 
 

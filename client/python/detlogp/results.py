@@ -4,13 +4,23 @@ from typing import Dict, Optional
 
 import numpy as np
 
+from detlogp.errors import DataLoss
+
 
 @dataclasses.dataclass
 class LogProbResult:
     """One answer: log p(target) per row (float32), logsumexp per row when
     asked for (else None), the key under which equal rows give equal bits,
     and the model and version every row was computed with (pin `version`
-    to this `model_version` to get the same bits again)."""
+    to this `model_version` to get the same bits again).
+
+    entropy: float32 [N], the entropy (nats) of each row's softmax, when
+      asked for (return_entropy=True), else None.
+    top_ids: int64 [N, k] and top_logprobs: float32 [N, k], each row's k
+      most likely tokens and their log-probs in descending order (ties: the
+      lower id first), when asked for (top_k=k > 0), else None. A smaller k
+      gives a prefix of these rows, with the same bits.
+    Like logprobs, their bits depend only on the row (and the key)."""
 
     logprobs: np.ndarray
     lse: Optional[np.ndarray]
@@ -18,6 +28,9 @@ class LogProbResult:
     request_id: str = ""
     model: str = ""
     model_version: int = 0
+    entropy: Optional[np.ndarray] = None
+    top_ids: Optional[np.ndarray] = None
+    top_logprobs: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass
@@ -29,9 +42,50 @@ class ProjectResult:
     chunks: int
 
 
-def logprob_result(response):
-    """Builds a LogProbResult from a LogProbResponse message."""
+def _check_size(field, got, want, why):
+    if got != want:
+        raise DataLoss(f"{field}: the response holds {got} values, expected "
+                       f"{want} ({why})")
+
+
+def check_response(request, response):
+    """Raises DataLoss (.field naming it) unless `response` has the sizes
+    `request` asks for: N logprobs, N lse / entropy exactly when asked for,
+    N * top_k top_ids and top_logprobs."""
+    rows = len(request.target_ids)
+    per_row = f"{rows} rows"
+    _check_size("logprobs", len(response.logprobs), rows, per_row)
+    _check_size("lse", len(response.lse), rows if request.return_lse else 0,
+                per_row if request.return_lse else "return_lse not set")
+    _check_size("entropy", len(response.entropy),
+                rows if request.return_entropy else 0,
+                per_row if request.return_entropy else "return_entropy not set")
+    k = max(int(request.top_k), 0)
+    why = f"{rows} rows x top_k {k}" if k else "top_k not set"
+    _check_size("top_ids", len(response.top_ids), rows * k, why)
+    _check_size("top_logprobs", len(response.top_logprobs), rows * k, why)
+
+
+def logprob_result(response, request=None):
+    """Builds a LogProbResult from a LogProbResponse message. With the
+    `request` it answers, the sizes are checked first (check_response) and
+    entropy / top-k are arrays exactly when the request asked for them;
+    without it they are arrays when the response holds values (k inferred
+    from the sizes)."""
+    if request is not None:
+        check_response(request, response)
+        want_entropy = bool(request.return_entropy)
+        k = max(int(request.top_k), 0)
+    else:
+        want_entropy = len(response.entropy) > 0
+        rows = len(response.logprobs)
+        k = len(response.top_ids) // rows if rows and len(response.top_ids) else 0
     lse = np.array(response.lse, dtype=np.float32) if len(response.lse) else None
+    entropy = np.array(response.entropy, dtype=np.float32) if want_entropy else None
+    top_ids = top_logprobs = None
+    if k:
+        top_ids = np.array(response.top_ids, dtype=np.int64).reshape(-1, k)
+        top_logprobs = np.array(response.top_logprobs, dtype=np.float32).reshape(-1, k)
     return LogProbResult(
         logprobs=np.array(response.logprobs, dtype=np.float32),
         lse=lse,
@@ -39,6 +93,9 @@ def logprob_result(response):
         request_id=response.request_id,
         model=response.model,
         model_version=int(response.model_version),
+        entropy=entropy,
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
     )
 
 
