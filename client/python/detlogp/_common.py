@@ -140,14 +140,43 @@ class SentRequests:
     """The requests of one stream, in the order they were sent, so that each
     answer (in the same order) is checked against its own request. Filled by
     the thread or task that feeds the stream, drained by the reader; an
-    answer never arrives before its request was sent."""
+    answer never arrives before its request was sent.
+
+    `failure` is the exception that stopped the feeding (an item that could
+    not be made a request, e.g. a negative top_k): gRPC only cancels the
+    call then, and the reader raises this instead of the cancellation."""
 
     def __init__(self):
         self._queue = collections.deque()
+        self.failure = None
 
     def add(self, request):
         self._queue.append(request)
         return request
+
+    def feed(self, items, model=None, version=None):
+        """The requests for `items` (stream_item_to_request), each recorded."""
+        try:
+            for index, item in enumerate(items):
+                yield self.add(stream_item_to_request(item, index, model, version))
+        except Exception as error:
+            self.failure = error
+            raise
+
+    async def feed_async(self, items, model=None, version=None):
+        """feed() for a plain or an async iterable of items."""
+        try:
+            if hasattr(items, "__aiter__"):
+                index = 0
+                async for item in items:
+                    yield self.add(stream_item_to_request(item, index, model, version))
+                    index += 1
+            else:
+                for index, item in enumerate(items):
+                    yield self.add(stream_item_to_request(item, index, model, version))
+        except Exception as error:
+            self.failure = error
+            raise
 
     def answered(self):
         """The request the next answer belongs to."""

@@ -15,8 +15,7 @@ from detlogp import requests
 from detlogp.credentials import make_aio_channel
 from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
                               combine_versions, first_failure,
-                              legacy_info_args, parse_health_response,
-                              stream_item_to_request)
+                              legacy_info_args, parse_health_response)
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
@@ -93,25 +92,20 @@ class AsyncClient(ClientState):
         stub = self._logp[self._rr.next()]
         self.attempts += 1
         sent = SentRequests()
-
-        async def request_iter():
-            index = 0
-            if hasattr(items, "__aiter__"):
-                async for item in items:
-                    yield sent.add(stream_item_to_request(item, index, model, version))
-                    index += 1
-            else:
-                for item in items:
-                    yield sent.add(stream_item_to_request(item, index, model, version))
-                    index += 1
-
         call = stub.StreamLogProbs(
-            request_iter(), timeout=self.timeout if timeout is None else timeout)
+            sent.feed_async(items, model, version),
+            timeout=self.timeout if timeout is None else timeout)
         try:
             async for response in call:
                 yield logprob_result(response, sent.answered())
         except grpc.RpcError as rpc_error:
+            if sent.failure is not None:  # an item, not the call, failed
+                raise sent.failure from None
             raise from_rpc_error(rpc_error) from None
+        except asyncio.CancelledError:
+            if sent.failure is not None:
+                raise sent.failure from None
+            raise
         finally:
             call.cancel()
 

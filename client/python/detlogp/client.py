@@ -21,8 +21,7 @@ from detlogp import requests
 from detlogp.credentials import make_channel
 from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
                               combine_versions, first_failure,
-                              legacy_info_args, parse_health_response,
-                              stream_item_to_request)
+                              legacy_info_args, parse_health_response)
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
@@ -145,14 +144,15 @@ class Client(ClientState):
         stub = self._logp[self._rr.next()]
         self.attempts += 1
         sent = SentRequests()
-        request_iter = (sent.add(stream_item_to_request(item, i, model, version))
-                        for i, item in enumerate(items))
         call = stub.StreamLogProbs(
-            request_iter, timeout=self.timeout if timeout is None else timeout)
+            sent.feed(items, model, version),
+            timeout=self.timeout if timeout is None else timeout)
         try:
             for response in call:
                 yield logprob_result(response, sent.answered())
         except grpc.RpcError as rpc_error:
+            if sent.failure is not None:  # an item, not the call, failed
+                raise sent.failure from None
             raise from_rpc_error(rpc_error) from None
         finally:
             call.cancel()  # no-op once finished; frees the call if abandoned

@@ -231,6 +231,13 @@ class TestModel:
         return reference.logprobs(hidden, targets, self.weight_bits, self.bias,
                                   temperature, self.vocab)
 
+    def reference_entropy_top_k(self, hidden, k, temperature=1.0):
+        """float64 (entropy, top_ids [N, k], top_logprobs [N, k])."""
+        from detlogp import reference
+
+        return reference.entropy_top_k(hidden, self.weight_bits, self.bias,
+                                       temperature, self.vocab, k)
+
     def random_rows(self, n, seed):
         """n float32 rows and n valid targets, deterministic in `seed`."""
         import numpy as np
