@@ -72,6 +72,9 @@ ABSL_FLAG(int64_t, max_queue_rows, 65536,
           "Rows waiting at most; beyond it calls get RESOURCE_EXHAUSTED.");
 ABSL_FLAG(int64_t, max_request_rows, 65536,
           "Rows one request may carry; larger ones get INVALID_ARGUMENT.");
+ABSL_FLAG(int64_t, max_top_k, 20,
+          "Largest top_k a request may ask for (0 .. 32); larger ones get "
+          "INVALID_ARGUMENT.");
 ABSL_FLAG(int, max_message_mb, 160,
           "Largest gRPC message, MiB (default fits 8192 x 4096 bf16 rows and "
           "a 364,608-row H3 video input).");
@@ -244,6 +247,7 @@ int main(int argc, char** argv) {
   options.vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.max_request_rows = absl::GetFlag(FLAGS_max_request_rows);
+  options.max_top_k = absl::GetFlag(FLAGS_max_top_k);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
   options.batcher.max_queue_delay_micros = absl::GetFlag(FLAGS_max_queue_delay_us);

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "kernels/lm_head.h"
 #include "kernels/split_policy.h"
 #include "server/models/determinism_key.h"
 #include "spdlog/spdlog.h"
@@ -130,6 +131,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     const Options& options, std::vector<StartupModel> models,
     ProjectionWeights projection_weights) {
   if (models.empty()) return absl::InvalidArgumentError("no model to serve");
+  if (options.max_top_k < 0 || options.max_top_k > kernels::kMaxTopK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_top_k=", options.max_top_k, " is outside [0, ",
+                     kernels::kMaxTopK, "]"));
+  }
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;
   server->metrics_ = std::make_unique<ServerMetrics>();
@@ -238,6 +244,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
 
   LogProbServiceImpl::Options service_options;
   service_options.max_request_rows = options.max_request_rows;
+  service_options.max_top_k = options.max_top_k;
+  spdlog::info("requests: up to {} rows (--max_request_rows), entropy on "
+               "request, top_k up to {} (--max_top_k; kernels allow {})",
+               options.max_request_rows, options.max_top_k, kernels::kMaxTopK);
   service_options.max_stream_inflight_requests =
       options.max_stream_inflight_requests;
   service_options.on_call_done = [metrics](absl::string_view method, int code) {

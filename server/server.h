@@ -56,6 +56,8 @@ class Server {
     // and a 364,608-row H3 video input (140 MB).
     int max_message_bytes = 160 << 20;
     int64_t max_request_rows = 65536;
+    // Largest top_k a request may ask for; 0 .. kernels::kMaxTopK.
+    int64_t max_top_k = 20;
     int max_stream_inflight_requests = 64;
     // "auto", "cpu" or "cuda:N".
     std::string device = "auto";

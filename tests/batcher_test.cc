@@ -93,6 +93,52 @@ TEST(DynamicBatcherTest, PoolsRowsOfManyRequestsIntoOneBatch) {
   for (int i = 0; i < 4; ++i) EXPECT_EQ(jobs[i].job->lse()[2], 1.0f + i);
 }
 
+// Four jobs of 5 rows asking for different extras, pooled into batches of
+// 8 (so jobs are cut across batches): each batch computes the union (entropy
+// if any row asks, the largest top_k), each row gets back only its own.
+TEST(DynamicBatcherTest, BatchesComputeTheUnionOfExtrasAndRowsGetTheirOwn) {
+  FakeBackend backend(kH);
+  auto batcher = MakeBatcher(&backend, {8, 5'000'000, 1000, 1});
+  const std::vector<LogpExtras> asked = {{true, 0}, {false, 3}, {true, 5}, {false, 0}};
+  std::vector<TrackedJob> jobs;
+  for (const LogpExtras& extras : asked) {
+    jobs.push_back(MakeJob(5));
+    jobs.back().job->set_extras(extras);
+  }
+  for (auto& job : jobs) ASSERT_TRUE(batcher->Schedule(job.job).ok());
+  batcher->Stop();  // runs the last, partial batch
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    ASSERT_TRUE(jobs[j].done->HasBeenNotified());
+    ASSERT_TRUE(jobs[j].status->ok());
+    LogpJob& job = *jobs[j].job;
+    const int32_t k = asked[j].top_k;
+    ASSERT_EQ(job.entropy().size(), asked[j].entropy ? 5u : 0u) << "job " << j;
+    ASSERT_EQ(job.top_ids().size(), 5u * k);
+    ASSERT_EQ(job.top_logprobs().size(), 5u * k);
+    for (int64_t r = 0; r < 5; ++r) {
+      // Fake rows: hidden[0] = r, target 2r.
+      if (asked[j].entropy) {
+        EXPECT_EQ(job.entropy()[r], r + 0.001f * (2 * r)) << "job " << j << " row " << r;
+      }
+      for (int32_t i = 0; i < k; ++i) {
+        EXPECT_EQ(job.top_ids()[r * k + i], 2 * r + i) << "job " << j << " row " << r;
+        EXPECT_EQ(job.top_logprobs()[r * k + i], -static_cast<float>(r) - i);
+      }
+    }
+  }
+  // Rows 0-7: jobs 0 and 1 (+ no job 2 yet): entropy, k 3; rows 8-15: jobs
+  // 1, 2, 3: entropy, k 5; rows 16-19: job 3 only: nothing extra.
+  EXPECT_EQ(backend.batch_sizes(), (std::vector<int64_t>{8, 8, 4}));
+  const std::vector<LogpExtras> batches = backend.batch_extras();
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_TRUE(batches[0].entropy);
+  EXPECT_EQ(batches[0].top_k, 3);
+  EXPECT_TRUE(batches[1].entropy);
+  EXPECT_EQ(batches[1].top_k, 5);
+  EXPECT_FALSE(batches[2].entropy);
+  EXPECT_EQ(batches[2].top_k, 0);
+}
+
 TEST(DynamicBatcherTest, FlushesPartialBatchAfterQueueDelay) {
   FakeBackend backend(kH);
   auto batcher = MakeBatcher(&backend, {64, 20'000, 1000, 1});

@@ -1,11 +1,15 @@
 // A LogpBackend for batcher and server tests: "computes" logprob = first
 // hidden bf16 value + target + the model's offset, lse = the row's
-// temperature, records batch sizes and the model of every batch, checks the
-// RowsStaged calls before each Run, can be slowed down or made to fail.
+// temperature, and when the batch asks (LogpExtras) entropy = |h0| +
+// target / 1000 and the top list id i = (target + i) % V with log-prob
+// -|h0| - i (descending, the target first); records batch sizes, the model
+// and extras of every batch, checks the RowsStaged calls before each Run, can
+// be slowed down or made to fail.
 #ifndef DETLOGP_TESTS_FAKE_BACKEND_H_
 #define DETLOGP_TESTS_FAKE_BACKEND_H_
 
 #include <atomic>
+#include <cmath>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -77,6 +81,11 @@ class FakeBackend final : public server::LogpBackend {
     absl::MutexLock lock(&mu_);
     return batch_models_;
   }
+  // The extras each batch computed, in the order batches ran.
+  std::vector<server::LogpExtras> batch_extras() const {
+    absl::MutexLock lock(&mu_);
+    return batch_extras_;
+  }
 
  private:
   class Executor final : public server::LogpExecutor {
@@ -86,12 +95,16 @@ class FakeBackend final : public server::LogpBackend {
           targets_(capacity),
           temperatures_(capacity),
           logprobs_(capacity),
-          lse_(capacity) {}
+          lse_(capacity),
+          entropy_(capacity),
+          top_ids_(capacity * kernels::kMaxTopK),
+          top_logprobs_(capacity * kernels::kMaxTopK) {}
     absl::StatusOr<server::LogpStaging> Stage(const server::LogpModel& model) override {
       hidden_.resize(targets_.size() * model.hidden_size());
       return server::LogpStaging{static_cast<int64_t>(targets_.size()), hidden_.data(),
                                  targets_.data(), temperatures_.data(),
-                                 logprobs_.data(), lse_.data()};
+                                 logprobs_.data(), lse_.data(), entropy_.data(),
+                                 top_ids_.data(), top_logprobs_.data()};
     }
     void RowsStaged(int64_t rows) override {
       if (rows <= staged_rows_) staging_in_order_ = false;
@@ -109,12 +122,20 @@ class FakeBackend final : public server::LogpBackend {
         absl::MutexLock lock(&backend_->mu_);
         backend_->batch_sizes_.push_back(rows);
         backend_->batch_models_.push_back(fake.offset());
+        backend_->batch_extras_.push_back(extras);
       }
       if (backend_->fail_) return absl::InternalError("fake backend failure");
       for (int64_t r = 0; r < rows; ++r) {
         logprobs_[r] = kernels::Bf16ToFloat(hidden_[r * model.hidden_size()]) +
                        static_cast<float>(targets_[r]) + fake.offset();
         lse_[r] = temperatures_[r];
+        const float h0 = std::fabs(kernels::Bf16ToFloat(hidden_[r * model.hidden_size()]));
+        if (extras.entropy) entropy_[r] = h0 + 0.001f * static_cast<float>(targets_[r]);
+        for (int32_t i = 0; i < extras.top_k; ++i) {
+          top_ids_[r * extras.top_k + i] =
+              static_cast<int32_t>((targets_[r] + i) % model.vocab_size());
+          top_logprobs_[r * extras.top_k + i] = -h0 - static_cast<float>(i);
+        }
       }
       backend_->rows_computed_ += rows;
       return absl::OkStatus();
@@ -129,6 +150,9 @@ class FakeBackend final : public server::LogpBackend {
     std::vector<float> temperatures_;
     std::vector<float> logprobs_;
     std::vector<float> lse_;
+    std::vector<float> entropy_;
+    std::vector<int32_t> top_ids_;
+    std::vector<float> top_logprobs_;
   };
 
   const std::shared_ptr<const server::LogpModel> default_model_;
@@ -141,6 +165,7 @@ class FakeBackend final : public server::LogpBackend {
   mutable absl::Mutex mu_;
   std::vector<int64_t> batch_sizes_ ABSL_GUARDED_BY(mu_);
   std::vector<float> batch_models_ ABSL_GUARDED_BY(mu_);
+  std::vector<server::LogpExtras> batch_extras_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace detlogp::testing

@@ -14,7 +14,7 @@ namespace {
 using detlogp::v1::LogProbRequest;
 
 constexpr int64_t kH = 8;
-const RequestLimits kLimits{kH, 100, 16};
+const RequestLimits kLimits{kH, 100, 16, 20};
 
 LogProbRequest ValidRequest(int64_t rows) {
   LogProbRequest request;
@@ -107,6 +107,39 @@ TEST(RequestValidationTest, NamesTheFieldOfEveryBadInput) {
   request = ValidRequest(2);
   request.mutable_hidden()->set_shape(0, -1);
   ExpectInvalid(request, "hidden.shape[0]");
+}
+
+TEST(RequestValidationTest, TopKWithinTheServerAndVocabularyLimits) {
+  LogProbRequest request = ValidRequest(2);
+  request.set_return_entropy(true);
+  request.set_top_k(20);
+  auto rows = ValidateLogProbRequest(request, kLimits);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_TRUE(rows->return_entropy);
+  EXPECT_EQ(rows->top_k, 20);
+
+  for (int64_t bad : {int64_t{-1}, int64_t{-(int64_t{1} << 40)}}) {
+    request.set_top_k(bad);
+    ExpectInvalid(request, "top_k");
+    ExpectInvalid(request, "negative");
+  }
+  for (int64_t bad : {int64_t{21}, int64_t{1} << 40}) {
+    request.set_top_k(bad);
+    ExpectInvalid(request, "top_k");
+    ExpectInvalid(request, "--max_top_k");
+    ExpectInvalid(request, "20");
+  }
+  // A server limit above the vocabulary: the vocabulary bounds it.
+  const RequestLimits small_vocab{kH, 10, 16, 20};
+  request.set_top_k(11);
+  auto refused = ValidateLogProbRequest(request, small_vocab);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("top_k"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("vocab_size=10"), std::string::npos);
+  for (int64_t r = 0; r < 2; ++r) request.set_target_ids(r, 0);
+  request.set_top_k(10);
+  EXPECT_TRUE(ValidateLogProbRequest(request, small_vocab).ok());
 }
 
 TEST(RequestValidationTest, EmptyRequestIsValid) {

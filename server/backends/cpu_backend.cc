@@ -28,7 +28,10 @@ class CpuExecutor final : public LogpExecutor {
         targets_(capacity),
         temperatures_(capacity),
         logprobs_(capacity),
-        lse_(capacity) {}
+        lse_(capacity),
+        entropy_(capacity),
+        top_ids_(capacity * kernels::kMaxTopK),
+        top_logprobs_(capacity * kernels::kMaxTopK) {}
 
   absl::StatusOr<LogpStaging> Stage(const LogpModel& model) override {
     const size_t hidden_values = capacity_ * model.hidden_size();
@@ -40,6 +43,9 @@ class CpuExecutor final : public LogpExecutor {
     staging.temperatures = temperatures_.data();
     staging.logprobs = logprobs_.data();
     staging.lse = lse_.data();
+    staging.entropy = entropy_.data();
+    staging.top_ids = top_ids_.data();
+    staging.top_logprobs = top_logprobs_.data();
     return staging;
   }
 
@@ -56,6 +62,11 @@ class CpuExecutor final : public LogpExecutor {
     view.temperatures = temperatures_.data();
     view.logprobs = logprobs_.data();
     view.lse = lse_.data();
+    // Null entropy and top_k 0 run the logp-only loop.
+    if (extras.entropy) view.entropy = entropy_.data();
+    view.top_k = extras.top_k;
+    view.top_ids = top_ids_.data();
+    view.top_logprobs = top_logprobs_.data();
     return kernels::ComputeLinearLogpCpu(
         static_cast<const CpuModel&>(model).weights().view(), view, &pool_);
   }
@@ -68,6 +79,9 @@ class CpuExecutor final : public LogpExecutor {
   std::vector<float> temperatures_;
   std::vector<float> logprobs_;
   std::vector<float> lse_;
+  std::vector<float> entropy_;
+  std::vector<int32_t> top_ids_;       // [capacity, kMaxTopK]
+  std::vector<float> top_logprobs_;    // [capacity, kMaxTopK]
 };
 
 class CpuBackend final : public LogpBackend {

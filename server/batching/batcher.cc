@@ -254,6 +254,24 @@ void DynamicBatcher::BatchLoop(LogpExecutor* executor) {
   }
 }
 
+void DynamicBatcher::ScatterExtras(const LogpStaging& staging,
+                                   int32_t batch_top_k, int64_t offset,
+                                   const Slice& slice) {
+  LogpJob& job = *slice.job;
+  if (job.extras().entropy) {
+    std::copy_n(staging.entropy + offset, slice.row_count,
+                job.entropy().begin() + slice.row_begin);
+  }
+  // A row's top-k list for a smaller k is the prefix of the batch's.
+  const int32_t k = job.extras().top_k;
+  for (int64_t i = 0; k > 0 && i < slice.row_count; ++i) {
+    const int64_t from = (offset + i) * batch_top_k;
+    const int64_t to = (slice.row_begin + i) * k;
+    std::copy_n(staging.top_ids + from, k, job.top_ids().begin() + to);
+    std::copy_n(staging.top_logprobs + from, k, job.top_logprobs().begin() + to);
+  }
+}
+
 void DynamicBatcher::FailBatch(std::vector<Slice>& batch, const absl::Status& status) {
   {
     absl::MutexLock lock(&mu_);
@@ -276,6 +294,21 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     return;
   }
   const LogpStaging staging = *staged;
+  // The batch computes what any of its rows asks for; each row then takes
+  // only its own (the extras are per-row quantities, so this costs bits
+  // nothing).
+  LogpExtras extras;
+  for (const Slice& slice : batch) {
+    extras.entropy = extras.entropy || slice.job->extras().entropy;
+    extras.top_k = std::max(extras.top_k, slice.job->extras().top_k);
+  }
+  if ((extras.entropy && staging.entropy == nullptr) ||
+      (extras.top_k > 0 &&
+       (staging.top_ids == nullptr || staging.top_logprobs == nullptr))) {
+    FailBatch(batch, absl::UnimplementedError(
+                         "this backend does not compute entropy or top_k"));
+    return;
+  }
   int64_t rows = 0;
   for (const Slice& slice : batch) {
     const LogpJob& job = *slice.job;
@@ -290,7 +323,7 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     executor->RowsStaged(rows);
   }
   const absl::Time start = absl::Now();
-  const absl::Status status = executor->Run(model, rows, LogpExtras{});
+  const absl::Status status = executor->Run(model, rows, extras);
   const absl::Time end = absl::Now();
   {
     // The device is free for the next batch while this one's outputs are
@@ -319,6 +352,7 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
                   slice.job->logprobs().begin() + slice.row_begin);
       std::copy_n(staging.lse + offset, slice.row_count,
                   slice.job->lse().begin() + slice.row_begin);
+      ScatterExtras(staging, extras.top_k, offset, slice);
     }
     offset += slice.row_count;
     slice.job->FinishRows(slice.row_count, status);

@@ -15,7 +15,9 @@
 // does not fit), drops jobs that were cancelled or whose deadline passed
 // (their rows are never computed), gathers the rows into its executor's
 // staging, runs it, scatters the outputs back into each job and completes
-// the jobs whose last row it carried. Every slice of a job runs on the
+// the jobs whose last row it carried. A batch computes entropy when any of
+// its rows asks for it and the largest top_k any row asks for (LogpExtras);
+// each row gets back only what it asked for. Every slice of a job runs on the
 // job's model.
 //
 // Batching is free because backends are batch invariant: which rows share a
@@ -144,6 +146,10 @@ class DynamicBatcher {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveEmptyQueuesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunBatch(LogpExecutor* executor, std::vector<Slice>& batch);
+  // Copies a slice's entropy and first top_k entries of each row's top list
+  // (the batch computed `batch_top_k`) from the staging at row `offset`.
+  static void ScatterExtras(const LogpStaging& staging, int32_t batch_top_k,
+                            int64_t offset, const Slice& slice);
   // Fails every slice of a batch that could not start.
   void FailBatch(std::vector<Slice>& batch, const absl::Status& status);
   bool HasFullBatchOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

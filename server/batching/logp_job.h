@@ -69,6 +69,20 @@ class LogpJob {
   std::vector<float>& logprobs() { return logprobs_; }
   std::vector<float>& lse() { return lse_; }
 
+  // What the job asks for beyond logprob and lse; set before Schedule (the
+  // batcher reads it). Sizes the outputs: entropy [rows] when asked, top
+  // lists [rows, top_k] row-major.
+  void set_extras(const LogpExtras& extras) {
+    extras_ = extras;
+    entropy_.assign(extras.entropy ? rows_ : 0, 0.0f);
+    top_ids_.assign(rows_ * extras.top_k, 0);
+    top_logprobs_.assign(rows_ * extras.top_k, 0.0f);
+  }
+  const LogpExtras& extras() const { return extras_; }
+  std::vector<float>& entropy() { return entropy_; }
+  std::vector<int32_t>& top_ids() { return top_ids_; }
+  std::vector<float>& top_logprobs() { return top_logprobs_; }
+
   void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
   bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
 
@@ -101,6 +115,10 @@ class LogpJob {
   const absl::Time deadline_;
   std::vector<float> logprobs_;  // each row written by one batch thread
   std::vector<float> lse_;
+  LogpExtras extras_;
+  std::vector<float> entropy_;
+  std::vector<int32_t> top_ids_;
+  std::vector<float> top_logprobs_;
   std::atomic<bool> cancelled_{false};
   std::atomic<int64_t> rows_outstanding_;
   absl::Mutex mu_;

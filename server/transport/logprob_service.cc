@@ -65,6 +65,7 @@ absl::Status LogProbServiceImpl::Submit(
   limits.hidden_size = (*version)->hidden_size;
   limits.vocab_size = (*version)->vocab_size;
   limits.max_request_rows = options_.max_request_rows;
+  limits.max_top_k = options_.max_top_k;
   auto rows = ValidateLogProbRequest(request, limits);
   if (!rows.ok()) return rows.status();
   response->set_request_id(request.request_id());
@@ -72,6 +73,9 @@ absl::Status LogProbServiceImpl::Submit(
   response->set_model((*version)->model);
   response->set_model_version((*version)->version);
   const bool return_lse = rows->return_lse;
+  LogpExtras extras;
+  extras.entropy = rows->return_entropy;
+  extras.top_k = rows->top_k;
   // bf16 rows stay in the request message (no copy); converted rows move
   // into the job.
   const char* hidden = rows->hidden_bf16;
@@ -86,7 +90,7 @@ absl::Status LogProbServiceImpl::Submit(
   *job = std::make_shared<LogpJob>(
       std::move(placed), rows->rows, hidden, std::move(keep_alive),
       std::move(rows->targets), rows->temperature, deadline,
-      [this, response, return_lse, done = std::move(done),
+      [this, response, return_lse, extras, done = std::move(done),
        version = *std::move(version)](absl::Status status, LogpJob& job) mutable {
         if (status.ok() && options_.on_rows_answered) {
           options_.on_rows_answered(version->model, job.rows());
@@ -97,10 +101,21 @@ absl::Status LogProbServiceImpl::Submit(
           if (return_lse) {
             response->mutable_lse()->Add(job.lse().begin(), job.lse().end());
           }
+          if (extras.entropy) {
+            response->mutable_entropy()->Add(job.entropy().begin(),
+                                             job.entropy().end());
+          }
+          if (extras.top_k > 0) {
+            response->mutable_top_ids()->Add(job.top_ids().begin(),
+                                             job.top_ids().end());
+            response->mutable_top_logprobs()->Add(job.top_logprobs().begin(),
+                                                  job.top_logprobs().end());
+          }
         }
         version.reset();  // answered: the version may be freed
         done(std::move(status));
       });
+  (*job)->set_extras(extras);
   // Once scheduled, the job may complete (and its caller go away) at once.
   absl::Status scheduled = batcher_->Schedule(*job);
   if (!scheduled.ok()) job->reset();

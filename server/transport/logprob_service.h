@@ -24,6 +24,8 @@ class LogProbServiceImpl final
  public:
   struct Options {
     int64_t max_request_rows = 65536;
+    // Largest top_k a request may ask for (<= kernels::kMaxTopK).
+    int64_t max_top_k = 20;
     // Requests read ahead on one stream before their answers are written;
     // reading stops (backpressure) beyond it.
     int max_stream_inflight_requests = 64;

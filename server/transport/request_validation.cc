@@ -106,6 +106,23 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   }
   validated.temperature = temperature == 0.0f ? 1.0f : temperature;
   validated.return_lse = request.return_lse();
+  validated.return_entropy = request.return_entropy();
+  const int64_t top_k = request.top_k();
+  if (top_k < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k: ", top_k, " is negative (0 means none)"));
+  }
+  if (top_k > limits.max_top_k) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k: ", top_k, " exceeds the server's limit of ",
+                     limits.max_top_k, " (--max_top_k)"));
+  }
+  if (top_k > limits.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k: ", top_k, " exceeds the model's vocab_size=",
+                     limits.vocab_size));
+  }
+  validated.top_k = static_cast<int32_t>(top_k);
   if (hidden.dtype() == detlogp::v1::DTYPE_BFLOAT16) {
     validated.hidden_bf16 = hidden.data().data();  // no copy
   } else {

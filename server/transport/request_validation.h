@@ -15,6 +15,7 @@ struct RequestLimits {
   int64_t hidden_size = 0;
   int64_t vocab_size = 0;       // real vocabulary: targets must be below it
   int64_t max_request_rows = 0; // larger requests are refused
+  int64_t max_top_k = 0;        // --max_top_k: larger top_k is refused
 };
 
 struct ValidatedRows {
@@ -26,6 +27,8 @@ struct ValidatedRows {
   std::vector<int32_t> targets;
   float temperature = 1.0f;
   bool return_lse = false;
+  bool return_entropy = false;
+  int32_t top_k = 0;  // in [0, min(max_top_k, vocab_size)]
 };
 
 // INVALID_ARGUMENT naming the field for every malformed request.

@@ -54,10 +54,10 @@ bool StartsWithField(const std::string& message) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   static const RequestLimits kLimits[] = {
-      {8, 100, 64},    // the seed corpus is written for this one
-      {1, 1, 1},
-      {16, 50000, 4},
-      {3, 7, 1024},
+      {8, 100, 64, 20},    // the seed corpus is written for this one
+      {1, 1, 1, 32},       // --max_top_k above the vocabulary
+      {16, 50000, 4, 0},
+      {3, 7, 1024, 20},
   };
   const RequestLimits& limits = kLimits[data[0] % 4];
   detlogp::v1::LogProbRequest request;
@@ -89,6 +89,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (static_cast<int64_t>(rows.targets.size()) != rows.rows) Fail("wrong target count");
   for (int32_t t : rows.targets) {
     if (t < 0 || t >= limits.vocab_size) Fail("accepted an out-of-range target");
+  }
+  if (rows.top_k < 0 || rows.top_k > limits.max_top_k ||
+      rows.top_k > limits.vocab_size || rows.top_k != request.top_k()) {
+    Fail("accepted a top_k outside [0, min(max_top_k, vocab_size)]");
   }
   if (!std::isfinite(rows.temperature) || rows.temperature <= 0) {
     Fail("accepted a temperature that is not finite and positive");
