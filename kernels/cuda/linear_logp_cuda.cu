@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/linear_logp_kernel.cuh"
+#include "kernels/lm_head.h"
 #include "kernels/softmax_partial.h"
 #include "kernels/split_policy.h"
 
@@ -19,6 +20,9 @@ namespace detlogp::kernels::cuda {
 namespace {
 
 namespace kv = ::detlogp::kernels::cuda::v3;
+
+static_assert(kv::kMaxTopK == kMaxTopK,
+              "the kernel's top-k lists hold kernels::kMaxTopK entries");
 
 constexpr int64_t kMaxRows = int64_t{1} << 24;
 constexpr int64_t kMaxHidden = 65536;
@@ -113,6 +117,22 @@ absl::Status EncodeTiled(PFN_cuTensorMapEncodeTiled_v12000 encode,
   return absl::OkStatus();
 }
 
+using SplitKernel = void (*)(const CUtensorMap, const CUtensorMap,
+                            const kv::KernelParams);
+
+// The kernel variant for a batch's extras, and its shared memory.
+SplitKernel VariantFor(bool entropy, bool top_k) {
+  if (top_k) {
+    return entropy ? kv::LinearLogpSplitKernel<true, true>
+                   : kv::LinearLogpSplitKernel<false, true>;
+  }
+  return entropy ? kv::LinearLogpSplitKernel<true, false>
+                 : kv::LinearLogpSplitKernel<false, false>;
+}
+int SmemBytesFor(bool top_k) {
+  return top_k ? kv::kSmemBytesTopK : kv::kSmemBytes;
+}
+
 }  // namespace
 
 struct LinearLogpCuda::Impl {
@@ -193,17 +213,20 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
         " needs compute capability 9.0 (sm_90a), device has ", prop.major, ".",
         prop.minor));
   }
-  if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kv::kSmemBytes)) {
+  if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kv::kSmemBytesTopK)) {
     return absl::FailedPreconditionError(
         "linear_logp_cuda: not enough shared memory per block");
   }
-  cudaFuncAttributes attrs;
-  DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attrs, kv::LinearLogpSplitKernel));
-  DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kv::LinearLogpSplitKernel,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kv::kSmemBytes));
+  for (bool entropy : {false, true}) {
+    for (bool top_k : {false, true}) {
+      SplitKernel kernel = VariantFor(entropy, top_k);
+      cudaFuncAttributes attrs;
+      DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, kernel));
+      DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          SmemBytesFor(top_k)));
+    }
+  }
 
   auto impl = std::make_unique<Impl>();
   impl->num_sms = prop.multiProcessorCount;
@@ -252,11 +275,37 @@ int32_t LinearLogpCuda::NumSplits(int64_t rows) const {
                           begin);
 }
 
-size_t LinearLogpCuda::WorkspaceBytes(int64_t rows) const {
+size_t LinearLogpCuda::WorkspaceBytes(int64_t rows, bool entropy,
+                                      int32_t top_k) const {
   if (rows <= 0) return 0;
   // Throughput splits never exceed the invariant count, so size for that.
-  return static_cast<size_t>(rows) *
-         static_cast<size_t>(impl_->invariant_splits) * sizeof(float);
+  const size_t cells = static_cast<size_t>(rows) *
+                       static_cast<size_t>(impl_->invariant_splits);
+  const size_t per_cell = sizeof(float) * (entropy ? 2 : 1) +
+                          static_cast<size_t>(std::max(top_k, 0)) *
+                              (sizeof(float) + sizeof(int32_t));
+  return cells * per_cell;
+}
+
+SplitPartials LinearLogpCuda::PartitionWorkspace(void* workspace, int64_t rows,
+                                                 int32_t splits, bool entropy,
+                                                 int32_t top_k) {
+  const size_t cells = static_cast<size_t>(std::max<int64_t>(rows, 0)) *
+                       static_cast<size_t>(std::max(splits, 0));
+  float* next = static_cast<float*>(workspace);
+  SplitPartials partials;
+  partials.lse = next;
+  next += cells;
+  if (entropy) {
+    partials.mean_z = next;
+    next += cells;
+  }
+  if (top_k > 0) {
+    partials.top_z = next;
+    next += cells * top_k;
+    partials.top_ids = reinterpret_cast<int32_t*>(next);
+  }
+  return partials;
 }
 
 int64_t LinearLogpCuda::ShardBegin() const { return impl_->shard_begin; }
@@ -275,17 +324,43 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
     return absl::InvalidArgumentError(
         "linear_logp_cuda: null or misaligned workspace or lse");
   }
-  float* split_lse = static_cast<float*>(workspace);
-  if (absl::Status s = LaunchSplits(batch, split_lse, stream); !s.ok()) {
+  const int32_t splits = NumSplits(batch.rows);
+  const SplitPartials partials = PartitionWorkspace(
+      workspace, batch.rows, splits, batch.entropy != nullptr, batch.top_k);
+  if (absl::Status s = LaunchSplits(batch, partials, stream); !s.ok()) {
     return s;
   }
-  return LaunchCombine(split_lse, NumSplits(batch.rows), batch.rows,
-                       batch.logprobs, batch.lse, options_.device, stream);
+  return LaunchCombine(partials, splits, batch, options_.device, stream);
 }
 
+namespace {
+
+// The extras' arguments, shared by LaunchSplits and LaunchCombine.
+absl::Status ValidateExtras(const LinearLogpBatchView& batch,
+                            const SplitPartials& partials, int64_t vocab_size) {
+  if (batch.top_k < 0 || batch.top_k > kMaxTopK || batch.top_k > vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_logp_cuda: top_k must be in [0, min(", kMaxTopK, ", V = ",
+        vocab_size, ")], got ", batch.top_k));
+  }
+  if (batch.entropy != nullptr && partials.mean_z == nullptr) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: entropy asked for without mean_z partials");
+  }
+  if (batch.top_k > 0 &&
+      (partials.top_z == nullptr || partials.top_ids == nullptr)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: top_k asked for without top-k partials");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
-                                          float* split_lse,
+                                          const SplitPartials& partials,
                                           cudaStream_t stream) const {
+  float* split_lse = partials.lse;
   const LinearLogpWeightsView& w = options_.weights;
   if (batch.rows < 0 || batch.rows > kMaxRows) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -308,6 +383,9 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
     return absl::InvalidArgumentError(
         "linear_logp_cuda: misaligned batch pointer or workspace");
   }
+  if (absl::Status s = ValidateExtras(batch, partials, w.vocab_size); !s.ok()) {
+    return s;
+  }
 
   DeviceGuard guard;
   if (absl::Status s = guard.Enter(options_.device); !s.ok()) return s;
@@ -329,6 +407,15 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   p.temperatures = batch.temperatures;
   p.logprobs = batch.logprobs;
   p.split_lse = split_lse;
+  // Entropy partials whenever there is room for them (a shard's caller
+  // wants them without an entropy output of its own).
+  const bool entropy = partials.mean_z != nullptr;
+  const bool top_k = batch.top_k > 0;
+  p.split_mean_z = entropy ? partials.mean_z : nullptr;
+  p.split_top_z = top_k ? partials.top_z : nullptr;
+  p.split_top_id = top_k ? partials.top_ids : nullptr;
+  p.top_k = batch.top_k;
+  p.id_offset = static_cast<int32_t>(impl_->shard_begin);
   p.rows = static_cast<int32_t>(batch.rows);
   p.k_blocks = static_cast<int32_t>(w.hidden_size / kv::kBlockK);
   if (options_.split == SplitMode::kBatchInvariant) {
@@ -346,28 +433,49 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   const int grid = std::min(impl_->num_sms, p.num_items);
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
-  kv::LinearLogpSplitKernel<<<grid, kv::kThreads, kv::kSmemBytes, stream>>>(
-      hidden_map, impl_->weight_map, p);
+  VariantFor(entropy, top_k)<<<grid, kv::kThreads, SmemBytesFor(top_k),
+                               stream>>>(hidden_map, impl_->weight_map, p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
 
-absl::Status LinearLogpCuda::LaunchCombine(const float* split_lse,
-                                           int32_t num_splits, int64_t rows,
-                                           float* logprobs, float* lse,
+absl::Status LinearLogpCuda::LaunchCombine(const SplitPartials& partials,
+                                           int32_t num_splits,
+                                           const LinearLogpBatchView& outputs,
                                            int device, cudaStream_t stream) {
+  const int64_t rows = outputs.rows;
   if (rows <= 0) return absl::OkStatus();
-  if (split_lse == nullptr || logprobs == nullptr || lse == nullptr ||
-      num_splits < 1 || rows > kMaxRows) {
+  if (partials.lse == nullptr || outputs.logprobs == nullptr ||
+      outputs.lse == nullptr || num_splits < 1 || rows > kMaxRows) {
     return absl::InvalidArgumentError("linear_logp_cuda: bad combine arguments");
+  }
+  if (absl::Status s = ValidateExtras(outputs, partials, kMaxTopK); !s.ok()) {
+    return s;
+  }
+  if (outputs.top_k > 0 &&
+      (outputs.top_ids == nullptr || outputs.top_logprobs == nullptr)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: top_k asked for without top_ids/top_logprobs");
   }
   DeviceGuard guard;
   if (absl::Status s = guard.Enter(device); !s.ok()) return s;
+  kv::CombineParams p;
+  p.split_lse = partials.lse;
+  p.split_mean_z = outputs.entropy != nullptr ? partials.mean_z : nullptr;
+  p.split_top_z = outputs.top_k > 0 ? partials.top_z : nullptr;
+  p.split_top_id = outputs.top_k > 0 ? partials.top_ids : nullptr;
+  p.num_splits = num_splits;
+  p.rows = static_cast<int32_t>(rows);
+  p.top_k = outputs.top_k;
+  p.logprobs = outputs.logprobs;
+  p.lse = outputs.lse;
+  p.entropy = outputs.entropy;
+  p.top_ids = outputs.top_k > 0 ? outputs.top_ids : nullptr;
+  p.top_logprobs = outputs.top_logprobs;
   constexpr int kCombineThreads = 128;
   const int combine_grid =
       static_cast<int>((rows + kCombineThreads - 1) / kCombineThreads);
-  kv::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(
-      split_lse, num_splits, static_cast<int32_t>(rows), logprobs, lse);
+  kv::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

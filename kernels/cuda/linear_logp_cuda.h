@@ -54,6 +54,23 @@ struct LinearLogpBatchView {
   float* logprobs = nullptr;              // [rows] out
   float* lse = nullptr;                   // [rows] out
   int64_t rows = 0;
+  // Optional outputs (kernels/lm_head.h has the definitions). They never
+  // change logprobs or lse bits; a batch without them runs the same kernel
+  // as before they existed.
+  float* entropy = nullptr;       // [rows] out, or null: not computed
+  int32_t top_k = 0;              // 0..min(kMaxTopK, V), the same for all rows
+  int32_t* top_ids = nullptr;     // [rows, top_k] out, descending
+  float* top_logprobs = nullptr;  // [rows, top_k] out: z - lse
+};
+
+// Per-(row, split) partial states in device memory: a view of a workspace
+// (LinearLogpCuda::PartitionWorkspace) or of a vocabulary-parallel gather.
+struct SplitPartials {
+  float* lse = nullptr;         // [rows][splits]: each split's logsumexp
+  float* mean_z = nullptr;      // [rows][splits]: sum p z over the split
+                                // (entropy only)
+  float* top_z = nullptr;       // [rows][splits][top_k] (top-k only)
+  int32_t* top_ids = nullptr;   // [rows][splits][top_k], global token ids
 };
 
 enum class SplitMode {
@@ -92,9 +109,17 @@ class LinearLogpCuda {
   LinearLogpCuda& operator=(const LinearLogpCuda&) = delete;
 
   // Device workspace a batch of `rows` needs: 4 bytes per row and split
-  // (528 bytes per row at V = 151936; at most 1 KiB per row). Needs 4-byte
-  // alignment.
-  size_t WorkspaceBytes(int64_t rows) const;
+  // (528 bytes per row at V = 151936; at most 1 KiB per row), 4 more with
+  // entropy and 8 * top_k more with top-k. Needs 4-byte alignment.
+  size_t WorkspaceBytes(int64_t rows, bool entropy = false,
+                        int32_t top_k = 0) const;
+
+  // Cuts a workspace of WorkspaceBytes(rows, entropy, top_k) bytes into the
+  // partials of `splits` splits (NumSplits(rows) here; the whole policy's
+  // count for a vocabulary-parallel gather).
+  static SplitPartials PartitionWorkspace(void* workspace, int64_t rows,
+                                          int32_t splits, bool entropy,
+                                          int32_t top_k);
 
   // Enqueues the computation on `stream` (on options.device). Validates the
   // shapes and pointers, never synchronizes the host. `workspace` must hold
@@ -107,18 +132,23 @@ class LinearLogpCuda {
   // V alone in kBatchInvariant mode; a shard's own count for a shard).
   int32_t NumSplits(int64_t rows) const;
 
-  // The split pass alone: each split's logsumexp into split_lse
-  // ([rows][NumSplits(rows)], WorkspaceBytes(rows) bytes) and, for rows whose
-  // target lies in this object's rows, z[target] into batch.logprobs (other
-  // rows' logprobs are left untouched). For a shard, batch.targets hold
-  // target - ShardBegin().
-  absl::Status LaunchSplits(const LinearLogpBatchView& batch, float* split_lse,
+  // The split pass alone: each split's partials into `partials`
+  // ([rows][NumSplits(rows)]; mean_z when partials.mean_z is set, the top
+  // lists when batch.top_k > 0) and, for rows whose target lies in this
+  // object's rows, z[target] into batch.logprobs (other rows' logprobs are
+  // left untouched). For a shard, batch.targets hold target - ShardBegin();
+  // top-k ids are global.
+  absl::Status LaunchSplits(const LinearLogpBatchView& batch,
+                            const SplitPartials& partials,
                             cudaStream_t stream) const;
 
   // Folds rows' split partials in ascending split order and finishes
-  // logprob = z[target] - lse, on `device` (logprobs holds z on entry).
-  static absl::Status LaunchCombine(const float* split_lse, int32_t num_splits,
-                                    int64_t rows, float* logprobs, float* lse,
+  // logprob = z[target] - lse (logprobs holds z on entry), entropy when
+  // outputs.entropy is set and the top lists when outputs.top_k > 0, on
+  // `device`. Only the output fields and rows of `outputs` are used.
+  static absl::Status LaunchCombine(const SplitPartials& partials,
+                                    int32_t num_splits,
+                                    const LinearLogpBatchView& outputs,
                                     int device, cudaStream_t stream);
 
   // First vocabulary row held (0 unless a shard).

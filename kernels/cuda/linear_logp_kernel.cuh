@@ -38,6 +38,24 @@
 //     fl(max(y) * (1/T)) (rounding is monotone, 1/T > 0), exp(z - m) is
 //     ex2(y * (log2e / T) - m * log2e), and z[target] = y * (1/T).
 //
+// Entropy and top-k (issue #11) are compile-time variants of the same kernel
+// (kEntropy, kTopK). The logprob/lse arithmetic is the same instruction
+// sequence in every variant, so asking for extras never changes those bits:
+//   * entropy: next to sum = sum exp(z - m), each split also accumulates
+//     t = sum exp(z - m) * y (y = acc + bias, z = y / T) with the same
+//     rescaling, and stores the split's mean z = (t / sum) / T. The combine
+//     folds {lse_s, 1, mean_s} in ascending split order with the lse fold's
+//     rescaling (softmax_partial.h): entropy = lse - T / S.
+//   * top-k: each (row, split) keeps a list of the k best (z, id) in shared
+//     memory under RanksBefore (a total order, so the list is one set
+//     whatever order candidates arrive in). A tile's values are screened
+//     against the list's worst entry and a lower bound on the tile's own
+//     k-th best (the least of kW / 8 disjoint 8-value group maxima); the few
+//     survivors are inserted by one lane of the row at a time. Lists go to
+//     the workspace per (row, split); the combine merges them.
+// The version string covers the extras too: any change to their arithmetic
+// must bump it.
+//
 // Version history (docs/perf.md; earlier kernels in `git log -- kernels/cuda`):
 //   v1: 256-wide tiles + one narrow tail tile per split, 128-row A box,
 //       {max, sum} partials.
@@ -51,6 +69,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <cfloat>
 #include <cstdint>
 
 #include "kernels/cuda/hopper_ptx.cuh"
@@ -74,6 +93,11 @@ inline constexpr int kMaxSplits = 256;  // 4 B per split: <= 1 KiB per row
 inline constexpr int kRowGroup = 8;  // row blocks that share weight tiles in L2
 inline constexpr int kSmemBytes =
     1024 + kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8;
+// Top-k lists: kBlockM rows x kMaxTopK (z, id) pairs plus each row's index of
+// its worst entry, after the barriers.
+inline constexpr int kMaxTopK = 32;
+inline constexpr int kTopKSmemBytes = kBlockM * kMaxTopK * 8 + kBlockM * 4;
+inline constexpr int kSmemBytesTopK = kSmemBytes + kTopKSmemBytes;
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
 
@@ -83,6 +107,11 @@ struct KernelParams {
   const float* temperatures;     // [rows]
   float* logprobs;               // [rows]: z[target] here, then logprob
   float* split_lse;              // [rows][num_splits]: logsumexp of split
+  float* split_mean_z;           // [rows][num_splits] (kEntropy)
+  float* split_top_z;            // [rows][num_splits][top_k] (kTopK)
+  int32_t* split_top_id;         // [rows][num_splits][top_k] (kTopK)
+  int32_t top_k;                 // 1..kMaxTopK (kTopK)
+  int32_t id_offset;             // added to top-k ids (a shard's first row)
   int32_t rows;
   int32_t k_blocks;              // hidden / 64
   int32_t num_splits;
@@ -183,7 +212,107 @@ __device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) 
 struct RowState {
   float max;
   float sum;
+  float sum_y;  // sum of exp(z - max) * y (kEntropy only)
 };
+
+// A thread's two rows' top-k lists in shared memory (kTopK only).
+struct TopKLists {
+  float* z[2];
+  int32_t* id[2];
+  int32_t* worst[2];  // index of the list's worst entry
+};
+
+// Screens a tile's values of the thread's two rows and inserts the ones that
+// rank before the list's worst entry. Exact: the screen only drops values
+// that k others in the tile already beat.
+template <int kW>
+__device__ __forceinline__ void TopKTile(const KernelParams& p, const float* acc,
+                                         int lane, int v0,
+                                         const float* inv_t,
+                                         const TopKLists& lists) {
+  const int quad = lane & 3;
+  const int k = p.top_k;
+  uint64_t mask[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float worst_z = lists.z[h][*lists.worst[h]];
+    float lower = -INFINITY;
+    if (kW / 8 >= k) {
+      // Each of the quad's threads holds kW / 32 groups of 8 values per row:
+      // kW / 8 disjoint groups whose maxima are all >= their least.
+      float least = INFINITY;
+#pragma unroll
+      for (int g = 0; g < kW / 32; ++g) {
+        float gm = -INFINITY;
+#pragma unroll
+        for (int j = 4 * g; j < 4 * g + 4; ++j) {
+          gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+        }
+        least = fminf(least, gm);
+      }
+      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+      lower = least * inv_t[h];
+    }
+    const float screen = fmaxf(lower, worst_z);
+    uint64_t m = 0;
+#pragma unroll
+    for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (acc[4 * j + 2 * h + e] * inv_t[h] >= screen) {
+          m |= uint64_t{1} << (2 * j + e);
+        }
+      }
+    }
+    mask[h] = m;
+  }
+  // A row's list is touched by one of its quad's lanes at a time: in turn t
+  // lane q works on row 0 if q == t and on row 1 if q == t + 2 (mod 4).
+  const int id_base = p.id_offset + v0 + 2 * quad;
+#pragma unroll 1
+  for (int turn = 0; turn < 4; ++turn) {
+    const int h = quad == turn ? 0 : (quad == ((turn + 2) & 3) ? 1 : -1);
+    // Selects rather than indexes with the run-time h: keeps the arrays in
+    // registers.
+    const bool second = h == 1;
+    uint64_t m = h < 0 ? 0 : (second ? mask[1] : mask[0]);
+    if (m != 0) {
+      float* list_z = second ? lists.z[1] : lists.z[0];
+      int32_t* list_id = second ? lists.id[1] : lists.id[0];
+      int32_t* worst = second ? lists.worst[1] : lists.worst[0];
+      int wi = *worst;
+      float wz = list_z[wi];
+      int32_t wid = list_id[wi];
+      const float it = second ? inv_t[1] : inv_t[0];
+      while (m != 0) {
+        const int idx = __ffsll(static_cast<long long>(m)) - 1;
+        m &= m - 1;
+        const float z =
+            SelectFragment<kW / 8>(acc, idx >> 1, (second ? 2 : 0) + (idx & 1)) *
+            it;
+        const int32_t id = id_base + 8 * (idx >> 1) + (idx & 1);
+        if (!RanksBefore(z, id, wz, wid)) continue;
+        list_z[wi] = z;
+        list_id[wi] = id;
+        wi = 0;
+        wz = list_z[0];
+        wid = list_id[0];
+        for (int i = 1; i < k; ++i) {
+          const float zi = list_z[i];
+          const int32_t idi = list_id[i];
+          if (RanksBefore(wz, wid, zi, idi)) {
+            wi = i;
+            wz = zi;
+            wid = idi;
+          }
+        }
+      }
+      *worst = wi;
+    }
+    __syncwarp();
+  }
+}
 
 // Per-thread view of the two rows it owns in a 64-row consumer slab.
 struct ConsumerRows {
@@ -205,11 +334,12 @@ struct Ring {
 
 // Main loop over K for one vocabulary tile of width kW, then the online
 // softmax fold of the tile into `state`.
-template <int kW>
+template <int kW, bool kEntropy, bool kTopK>
 __device__ __forceinline__ void ConsumeTile(
     const KernelParams& p, float* acc, uint8_t* smem_a, uint8_t* smem_b,
     uint64_t* full, uint64_t* empty, Ring& ring, bool active, int consumer,
-    int lane, int v0, int valid, const ConsumerRows& rows, RowState* state) {
+    int lane, int v0, int valid, const ConsumerRows& rows, RowState* state,
+    const TopKLists& lists) {
   constexpr int kRegs = kW / 2;
   const bool lane_arrives = lane == 0;
   int prev_stage = -1;
@@ -300,25 +430,46 @@ __device__ __forceinline__ void ConsumeTile(
   const float c1 = -m1 * kLog2e;
   const float k0 = rows.inv_t[0] * kLog2e;
   const float k1 = rows.inv_t[1] * kLog2e;
-  float s0 = 0.0f, s1 = 0.0f;
+  // Columns past the vocabulary hold y = -inf and weigh exp = 0; their y
+  // enters the entropy sum clamped to -FLT_MAX so that 0 * y stays 0.
+  const float y_floor = limit == kW ? -INFINITY : -FLT_MAX;
+  float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;
 #pragma unroll
   for (int j = 0; j < kW / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      s0 += Ex2(fmaf(acc[4 * j + e], k0, c0));
-      s1 += Ex2(fmaf(acc[4 * j + 2 + e], k1, c1));
+      const float e0 = Ex2(fmaf(acc[4 * j + e], k0, c0));
+      const float e1 = Ex2(fmaf(acc[4 * j + 2 + e], k1, c1));
+      s0 += e0;
+      s1 += e1;
+      if constexpr (kEntropy) {
+        t0 = fmaf(e0, fmaxf(acc[4 * j + e], y_floor), t0);
+        t1 = fmaf(e1, fmaxf(acc[4 * j + 2 + e], y_floor), t1);
+      }
     }
   }
   s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
   s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
   s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
   s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-  state[0].sum = state[0].sum * Ex2((state[0].max - m0) * kLog2e) + s0;
-  state[1].sum = state[1].sum * Ex2((state[1].max - m1) * kLog2e) + s1;
+  const float r0 = Ex2((state[0].max - m0) * kLog2e);
+  const float r1 = Ex2((state[1].max - m1) * kLog2e);
+  state[0].sum = state[0].sum * r0 + s0;
+  state[1].sum = state[1].sum * r1 + s1;
+  if constexpr (kEntropy) {
+    t0 += __shfl_xor_sync(0xffffffffu, t0, 1);
+    t1 += __shfl_xor_sync(0xffffffffu, t1, 1);
+    t0 += __shfl_xor_sync(0xffffffffu, t0, 2);
+    t1 += __shfl_xor_sync(0xffffffffu, t1, 2);
+    state[0].sum_y = state[0].sum_y * r0 + t0;
+    state[1].sum_y = state[1].sum_y * r1 + t1;
+  }
   state[0].max = m0;
   state[1].max = m1;
+  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, rows.inv_t, lists);
 }
 
+template <bool kEntropy, bool kTopK>
 __global__ void __launch_bounds__(kThreads, 1)
     LinearLogpSplitKernel(const __grid_constant__ CUtensorMap hidden_map,
                           const __grid_constant__ CUtensorMap weight_map,
@@ -331,6 +482,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(
       smem_b + kStages * kBTileBytes);
   uint64_t* empty = full + kStages;
+  float* top_z = reinterpret_cast<float*>(empty + kStages);
+  int32_t* top_id = reinterpret_cast<int32_t*>(top_z + kBlockM * kMaxTopK);
+  int32_t* top_worst = top_id + kBlockM * kMaxTopK;
 
   // Broadcast so that the compiler sees a warp-uniform value (keeps the wgmma
   // paths free of divergence, which would serialize them).
@@ -395,6 +549,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool active = slab < p.rows;
     ConsumerRows rows;
     RowState state[2];
+    TopKLists lists;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = slab + warp * 16 + (lane >> 2) + 8 * h;
@@ -402,44 +557,66 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool in = r < p.rows;
       rows.inv_t[h] = in ? __frcp_rn(p.temperatures[r]) : 1.0f;
       rows.target[h] = in ? p.targets[r] : -(1 << 30);
-      state[h] = RowState{-INFINITY, 0.0f};
+      state[h] = RowState{-INFINITY, 0.0f, 0.0f};
+      const int local = r - row_block * kBlockM;
+      lists.z[h] = top_z + local * kMaxTopK;
+      lists.id[h] = top_id + local * kMaxTopK;
+      lists.worst[h] = top_worst + local;
+      if constexpr (kTopK) {
+        // Empty entries rank after every real value and never let padding
+        // (z = -inf, id >= V) in.
+        for (int i = lane & 3; i < p.top_k; i += 4) {
+          lists.z[h][i] = -INFINITY;
+          lists.id[h][i] = -1;
+        }
+        if ((lane & 3) == 0) *lists.worst[h] = 0;
+      }
     }
+    if constexpr (kTopK) __syncwarp();
     const int tiles = TileCount(end - begin);
     for (int t = 0, v0 = begin; t < tiles; ++t) {
       const int width = TileWidth(end - begin, t);
       const int valid = end - v0;
       switch (width / kChunkRows) {
         case 8:
-          ConsumeTile<256>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<256, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         case 7:
-          ConsumeTile<224>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<224, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         case 6:
-          ConsumeTile<192>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<192, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         case 5:
-          ConsumeTile<160>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<160, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         case 4:
-          ConsumeTile<128>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<128, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         case 3:
-          ConsumeTile<96>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<96, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         case 2:
-          ConsumeTile<64>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<64, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         case 1:
-          ConsumeTile<32>(p, acc, smem_a, smem_b, full, empty, ring, active,
-                          consumer, lane, v0, valid, rows, state);
+          ConsumeTile<32, kEntropy, kTopK>(
+              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
+              lane, v0, valid, rows, state, lists);
           break;
         default:
           __trap();  // unreachable: widths are 32..256
@@ -452,32 +629,108 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (rows.row[h] < p.rows) {
           // The split's partial {max, sum_exp} is stored as its logsumexp
           // (the equivalent partial {lse_s, 1}): 4 bytes instead of 8.
-          p.split_lse[static_cast<int64_t>(rows.row[h]) * p.num_splits +
-                      split] = state[h].max + logf(state[h].sum);
+          const int64_t cell =
+              static_cast<int64_t>(rows.row[h]) * p.num_splits + split;
+          p.split_lse[cell] = state[h].max + logf(state[h].sum);
+          if constexpr (kEntropy) {
+            p.split_mean_z[cell] =
+                (state[h].sum_y / state[h].sum) * rows.inv_t[h];
+          }
         }
       }
+    }
+    if constexpr (kTopK) {
+      __syncwarp();
+      if (active) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (rows.row[h] >= p.rows) continue;
+          const int64_t base =
+              (static_cast<int64_t>(rows.row[h]) * p.num_splits + split) *
+              p.top_k;
+          for (int i = lane & 3; i < p.top_k; i += 4) {
+            p.split_top_z[base + i] = lists.z[h][i];
+            p.split_top_id[base + i] = lists.id[h][i];
+          }
+        }
+      }
+      __syncwarp();
     }
   }
 }
 
+struct CombineParams {
+  const float* split_lse;     // [rows][num_splits]
+  const float* split_mean_z;  // [rows][num_splits] or null: no entropy
+  const float* split_top_z;   // [rows][num_splits][top_k] or null
+  const int32_t* split_top_id;
+  int32_t num_splits;
+  int32_t rows;
+  int32_t top_k;
+  float* logprobs;  // z[target] on entry
+  float* lse;
+  float* entropy;    // or null
+  int32_t* top_ids;  // [rows][top_k] or null
+  float* top_logprobs;
+};
+
 // Folds each row's split partials ({lse_s, 1}) in ascending split order with
 // CombinePartials, starting from split 0, and finishes
-// logprob = z[target] - lse. One thread per row: the fold order is fixed and
-// independent of the launch shape.
-__global__ void CombineKernel(const float* __restrict__ split_lse,
-                              int32_t num_splits, int32_t rows,
-                              float* __restrict__ logprobs,
-                              float* __restrict__ lse) {
+// logprob = z[target] - lse; the entropy sums fold alongside with the same
+// rescaling, and the per-split top-k lists merge into one sorted list. One
+// thread per row: the fold order is fixed and independent of the launch
+// shape.
+__global__ void CombineKernel(const __grid_constant__ CombineParams p) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  const float* row = split_lse + static_cast<int64_t>(r) * num_splits;
+  if (r >= p.rows) return;
+  const int64_t first = static_cast<int64_t>(r) * p.num_splits;
+  const float* row = p.split_lse + first;
   SoftmaxPartial acc{row[0], 1.0f};
-  for (int s = 1; s < num_splits; ++s) {
-    acc = CombinePartials(acc, SoftmaxPartial{row[s], 1.0f});
+  float sum_exp_z = p.split_mean_z != nullptr ? p.split_mean_z[first] : 0.0f;
+  for (int s = 1; s < p.num_splits; ++s) {
+    const SoftmaxPartial next{row[s], 1.0f};
+    if (p.split_mean_z != nullptr) {
+      sum_exp_z = CombineEntropySums(
+          EntropyPartial{acc, sum_exp_z},
+          EntropyPartial{next, p.split_mean_z[first + s]},
+          fmaxf(acc.max, next.max));
+    }
+    acc = CombinePartials(acc, next);
   }
   const float l = PartialLogSumExp(acc);
-  lse[r] = l;
-  logprobs[r] = logprobs[r] - l;
+  p.lse[r] = l;
+  p.logprobs[r] = p.logprobs[r] - l;
+  if (p.entropy != nullptr) p.entropy[r] = PartialEntropy(acc, sum_exp_z, l);
+  if (p.top_ids == nullptr) return;
+  // Insertion into a sorted list; the candidates' order does not matter (the
+  // k best under a total order are one set).
+  float best_z[kMaxTopK];
+  int32_t best_id[kMaxTopK];
+  int count = 0;
+  const int64_t cells = static_cast<int64_t>(p.num_splits) * p.top_k;
+  const float* cand_z = p.split_top_z + first * p.top_k;
+  const int32_t* cand_id = p.split_top_id + first * p.top_k;
+  for (int64_t c = 0; c < cells; ++c) {
+    const float z = cand_z[c];
+    const int32_t id = cand_id[c];
+    if (id < 0) continue;  // an empty entry of a split smaller than k
+    if (count == p.top_k &&
+        !RanksBefore(z, id, best_z[count - 1], best_id[count - 1])) {
+      continue;
+    }
+    int i = count < p.top_k ? count++ : count - 1;
+    for (; i > 0 && RanksBefore(z, id, best_z[i - 1], best_id[i - 1]); --i) {
+      best_z[i] = best_z[i - 1];
+      best_id[i] = best_id[i - 1];
+    }
+    best_z[i] = z;
+    best_id[i] = id;
+  }
+  for (int i = 0; i < p.top_k; ++i) {
+    const int64_t out = static_cast<int64_t>(r) * p.top_k + i;
+    p.top_ids[out] = i < count ? best_id[i] : -1;
+    p.top_logprobs[out] = i < count ? best_z[i] - l : -INFINITY;
+  }
 }
 
 }  // namespace detlogp::kernels::cuda::v3

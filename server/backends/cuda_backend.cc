@@ -86,7 +86,15 @@ class CudaExecutor final : public LogpExecutor {
       return absl::InternalError("batch does not match the executor's staging");
     }
     if (rows == 0) return absl::OkStatus();
-    absl::Status enqueued = Enqueue(KernelOf(model), rows, rows_copied);
+    const LinearLogpCuda& kernel = KernelOf(model);
+    // The extras' partials are larger; the workspace grows on first use.
+    if (absl::Status s = workspace_.Reserve(
+            kernel.WorkspaceBytes(capacity_, extras.entropy, extras.top_k),
+            "cudaMalloc");
+        !s.ok()) {
+      return s;
+    }
+    absl::Status enqueued = Enqueue(kernel, rows, rows_copied, extras);
     // Also after a failure: no copy may still read the staging when the
     // batcher refills it.
     const absl::Status done =
@@ -105,7 +113,7 @@ class CudaExecutor final : public LogpExecutor {
   // Copies what RowsStaged has not, launches the kernel and copies the
   // outputs back, all on the stream.
   absl::Status Enqueue(const LinearLogpCuda& kernel, int64_t rows,
-                       int64_t rows_copied) {
+                       int64_t rows_copied, const LogpExtras& extras) {
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     if (rows_copied == 0) {  // one copy for the whole block
       DETLOGP_RETURN_IF_CUDA_ERROR(
@@ -132,16 +140,16 @@ class CudaExecutor final : public LogpExecutor {
     batch.logprobs = device.logprobs;
     batch.lse = device.lse;
     batch.rows = rows;
+    batch.entropy = extras.entropy ? device.entropy : nullptr;
+    batch.top_k = extras.top_k;
+    batch.top_ids = device.top_ids;
+    batch.top_logprobs = device.top_logprobs;
     if (absl::Status s = kernel.Launch(batch, workspace_.as<void>(), stream_);
         !s.ok()) {
       return s;
     }
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(host_outputs_.as<void>(), outputs_.as<void>(),
-                        2 * capacity_ * sizeof(float), cudaMemcpyDeviceToHost,
-                        stream_),
-        "copy results to host");
-    return absl::OkStatus();
+    return CopyOutputsToHost(layout_, device, host_outputs_.as<void>(), rows,
+                             extras, stream_);
   }
 
   int64_t row_bytes() const { return hidden_size_ * sizeof(uint16_t); }

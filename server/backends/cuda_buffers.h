@@ -82,7 +82,11 @@ struct BatchLayout {
   size_t input_bytes(int64_t hidden_size) const {
     return hidden_offset() + capacity * hidden_size * sizeof(uint16_t);
   }
-  size_t output_bytes() const { return 2 * capacity * sizeof(float); }
+  // Outputs: [logprobs | lse | entropy | top_logprobs | top_ids], the top
+  // lists kernels::kMaxTopK wide per row (a batch uses [rows, top_k] of it).
+  size_t output_bytes() const {
+    return (3 + 2 * kernels::kMaxTopK) * capacity * sizeof(float);
+  }
 
   // Views of an inputs block and an outputs block laid out as above.
   LogpStaging View(void* inputs, void* outputs) const {
@@ -93,11 +97,54 @@ struct BatchLayout {
     view.targets = reinterpret_cast<int32_t*>(in);
     view.temperatures = reinterpret_cast<float*>(in + capacity * sizeof(float));
     view.hidden = reinterpret_cast<uint16_t*>(in + hidden_offset());
-    view.logprobs = out;
-    view.lse = out != nullptr ? out + capacity : nullptr;
+    if (out != nullptr) {
+      view.logprobs = out;
+      view.lse = out + capacity;
+      view.entropy = out + 2 * capacity;
+      view.top_logprobs = out + 3 * capacity;
+      view.top_ids = reinterpret_cast<int32_t*>(out + (3 + kernels::kMaxTopK) *
+                                                          capacity);
+    }
     return view;
   }
 };
+
+// Copies a batch's outputs from the device block `device` (a View of the
+// layout) to the host block: logprobs and lse always, entropy and the top
+// lists ([rows, top_k] each) only when the batch asked for them.
+inline absl::Status CopyOutputsToHost(const BatchLayout& layout,
+                                      const LogpStaging& device,
+                                      void* host_outputs, int64_t rows,
+                                      const LogpExtras& extras,
+                                      cudaStream_t stream) {
+  const LogpStaging host = layout.View(nullptr, host_outputs);
+  auto copy = [&](void* to, const void* from, size_t bytes) {
+    return CudaStatus(
+        cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, stream),
+        "copy results to host");
+  };
+  // logprobs and lse are adjacent: one copy of the block's first 2 columns.
+  if (absl::Status s = copy(host.logprobs, device.logprobs,
+                            2 * layout.capacity * sizeof(float));
+      !s.ok()) {
+    return s;
+  }
+  if (extras.entropy) {
+    if (absl::Status s = copy(host.entropy, device.entropy, rows * sizeof(float));
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (extras.top_k > 0) {
+    const size_t bytes = rows * extras.top_k * sizeof(float);
+    if (absl::Status s = copy(host.top_logprobs, device.top_logprobs, bytes);
+        !s.ok()) {
+      return s;
+    }
+    return copy(host.top_ids, device.top_ids, bytes);
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace detlogp::server
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/split_policy.h"
@@ -13,13 +14,28 @@ namespace {
 
 using kernels::cuda::LinearLogpBatchView;
 using kernels::cuda::LinearLogpCuda;
+using kernels::cuda::SplitPartials;
+
+// Bytes of `splits` splits' partials for `rows` rows with these extras
+// (LinearLogpCuda::PartitionWorkspace's layout).
+size_t PartialsBytes(int64_t rows, int32_t splits, const LogpExtras& extras) {
+  const size_t per_cell = sizeof(float) * (extras.entropy ? 2 : 1) +
+                          extras.top_k * (sizeof(float) + sizeof(int32_t));
+  return static_cast<size_t>(rows) * splits * per_cell;
+}
+
+SplitPartials Partition(void* block, int64_t rows, int32_t splits,
+                        const LogpExtras& extras) {
+  return LinearLogpCuda::PartitionWorkspace(block, rows, splits, extras.entropy,
+                                            extras.top_k);
+}
 
 // Per-GPU device buffers and stream of one executor.
 struct ShardLane {
   int device = 0;
   cudaStream_t stream = nullptr;
   DeviceBuffer inputs;     // [local targets | temperatures | hidden]
-  DeviceBuffer split_lse;  // [capacity][shard splits]
+  DeviceBuffer partials;   // the shard's splits' partials for a batch
   DeviceBuffer z;          // [capacity]: z[target] for targets it holds
   PinnedBuffer host_z;     // [capacity]
   PinnedBuffer host_local_targets;  // [capacity]
@@ -61,7 +77,7 @@ class VocabParallelExecutor final : public LogpExecutor {
     }
     // The combine runs on the first GPU.
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device), "cudaSetDevice");
-    return combine_outputs_.Allocate(2 * capacity_ * sizeof(float), "cudaMalloc");
+    return combine_outputs_.Allocate(layout_.output_bytes(), "cudaMalloc");
   }
 
   absl::StatusOr<LogpStaging> Stage(const LogpModel& model) override {
@@ -72,26 +88,12 @@ class VocabParallelExecutor final : public LogpExecutor {
     hidden_size_ = model.hidden_size();
     total_splits_ = kernels::NumVocabSplits(model.vocab_size());
     const size_t input_bytes = layout_.input_bytes(hidden_size_);
-    const size_t split_lse_bytes = capacity_ * total_splits_ * sizeof(float);
     if (absl::Status s = host_inputs_.Reserve(input_bytes, "cudaHostAlloc"); !s.ok()) return s;
-    if (absl::Status s = host_split_lse_.Reserve(split_lse_bytes, "cudaHostAlloc"); !s.ok()) {
-      return s;
+    for (auto& lane : lanes_) {
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lane->device), "cudaSetDevice");
+      if (absl::Status s = lane->inputs.Reserve(input_bytes, "cudaMalloc"); !s.ok()) return s;
     }
-    for (size_t g = 0; g < lanes_.size(); ++g) {
-      ShardLane& lane = *lanes_[g];
-      const int32_t splits = shards[g]->end_split - shards[g]->first_split;
-      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lane.device), "cudaSetDevice");
-      if (absl::Status s = lane.inputs.Reserve(input_bytes, "cudaMalloc"); !s.ok()) return s;
-      if (absl::Status s = lane.split_lse.Reserve(capacity_ * splits * sizeof(float),
-                                                  "cudaMalloc");
-          !s.ok()) {
-        return s;
-      }
-    }
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device), "cudaSetDevice");
-    if (absl::Status s = combine_split_lse_.Reserve(split_lse_bytes, "cudaMalloc"); !s.ok()) {
-      return s;
-    }
+    if (absl::Status s = ReservePartials(shards, LogpExtras{}); !s.ok()) return s;
     return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
@@ -102,10 +104,13 @@ class VocabParallelExecutor final : public LogpExecutor {
     }
     if (rows == 0) return absl::OkStatus();
     const auto& shards = static_cast<const CudaModel&>(model).heads();
+    // The extras' partials are larger; buffers grow on first use.
+    if (absl::Status s = ReservePartials(shards, extras); !s.ok()) return s;
     const LogpStaging host = layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
     // 1. Every shard computes its splits; they run concurrently.
     for (size_t g = 0; g < lanes_.size(); ++g) {
-      if (absl::Status s = LaunchShard(*lanes_[g], *shards[g], host, rows); !s.ok()) {
+      if (absl::Status s = LaunchShard(*lanes_[g], *shards[g], host, rows, extras);
+          !s.ok()) {
         SyncAll().IgnoreError();  // reporting the launch failure, not the sync
         return s;
       }
@@ -126,39 +131,59 @@ class VocabParallelExecutor final : public LogpExecutor {
     // 3. The single-GPU fold, on the first shard's GPU.
     const ShardLane& first = *lanes_[0];
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(first.device), "cudaSetDevice");
-    float* device_split_lse = combine_split_lse_.as<float>();
-    float* device_logprobs = combine_outputs_.as<float>();
-    float* device_lse = device_logprobs + capacity_;
+    const LogpStaging device = layout_.View(nullptr, combine_outputs_.as<void>());
     DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(device_split_lse, host_split_lse_.as<void>(),
-                        rows * total_splits_ * sizeof(float),
+        cudaMemcpyAsync(combine_partials_.as<void>(), host_partials_.as<void>(),
+                        PartialsBytes(rows, total_splits_, extras),
                         cudaMemcpyHostToDevice, first.stream),
         "copy partials to the combining GPU");
     DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(device_logprobs, z, rows * sizeof(float),
+        cudaMemcpyAsync(device.logprobs, z, rows * sizeof(float),
                         cudaMemcpyHostToDevice, first.stream),
         "copy z[target] to the combining GPU");
-    if (absl::Status s = LinearLogpCuda::LaunchCombine(
-            device_split_lse, total_splits_, rows, device_logprobs, device_lse,
-            first.device, first.stream);
-        !s.ok()) {
-      cudaStreamSynchronize(first.stream);
-      return s;
+    LinearLogpBatchView outputs;
+    outputs.rows = rows;
+    outputs.logprobs = device.logprobs;
+    outputs.lse = device.lse;
+    outputs.entropy = extras.entropy ? device.entropy : nullptr;
+    outputs.top_k = extras.top_k;
+    outputs.top_ids = device.top_ids;
+    outputs.top_logprobs = device.top_logprobs;
+    absl::Status combined = LinearLogpCuda::LaunchCombine(
+        Partition(combine_partials_.as<void>(), rows, total_splits_, extras),
+        total_splits_, outputs, first.device, first.stream);
+    if (combined.ok()) {
+      combined = CopyOutputsToHost(layout_, device, host_outputs_.as<void>(),
+                                   rows, extras, first.stream);
     }
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(host.logprobs, device_logprobs, rows * sizeof(float),
-                        cudaMemcpyDeviceToHost, first.stream),
-        "copy logprobs to host");
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(host.lse, device_lse, rows * sizeof(float),
-                        cudaMemcpyDeviceToHost, first.stream),
-        "copy lse to host");
-    return CudaStatus(cudaStreamSynchronize(first.stream), "combine on the GPU");
+    const absl::Status synced_combine =
+        CudaStatus(cudaStreamSynchronize(first.stream), "combine on the GPU");
+    return combined.ok() ? synced_combine : combined;
   }
 
  private:
+  // Grows the shards' partials, the host gather and the combining GPU's copy
+  // to `extras`' size for a full batch.
+  absl::Status ReservePartials(const std::vector<std::unique_ptr<CudaLmHead>>& shards,
+                               const LogpExtras& extras) {
+    for (size_t g = 0; g < lanes_.size(); ++g) {
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[g]->device), "cudaSetDevice");
+      const int32_t splits = shards[g]->end_split - shards[g]->first_split;
+      if (absl::Status s = lanes_[g]->partials.Reserve(
+              PartialsBytes(capacity_, splits, extras), "cudaMalloc");
+          !s.ok()) {
+        return s;
+      }
+    }
+    const size_t bytes = PartialsBytes(capacity_, total_splits_, extras);
+    if (absl::Status s = host_partials_.Reserve(bytes, "cudaHostAlloc"); !s.ok()) return s;
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device), "cudaSetDevice");
+    return combine_partials_.Reserve(bytes, "cudaMalloc");
+  }
+
   absl::Status LaunchShard(ShardLane& lane, const CudaLmHead& shard,
-                           const LogpStaging& host, int64_t rows) {
+                           const LogpStaging& host, int64_t rows,
+                           const LogpExtras& extras) {
     int32_t* local_targets = lane.host_local_targets.as<int32_t>();
     for (int64_t r = 0; r < rows; ++r) {
       local_targets[r] = static_cast<int32_t>(host.targets[r] - shard.first_row);
@@ -184,20 +209,33 @@ class VocabParallelExecutor final : public LogpExecutor {
     batch.hidden = reinterpret_cast<const __nv_bfloat16*>(device.hidden);
     batch.logprobs = lane.z.as<float>();
     batch.rows = rows;
-    if (absl::Status s = shard.kernel->LaunchSplits(batch, lane.split_lse.as<float>(),
-                                                    lane.stream);
-        !s.ok()) {
+    batch.top_k = extras.top_k;
+    const int32_t splits = shard.end_split - shard.first_split;
+    const SplitPartials local = Partition(lane.partials.as<void>(), rows, splits, extras);
+    if (absl::Status s = shard.kernel->LaunchSplits(batch, local, lane.stream); !s.ok()) {
       return s;
     }
-    // The shard's [rows][splits] block lands in columns [first, end) of the
-    // host's [rows][total_splits] table: ascending split order.
-    const int32_t splits = shard.end_split - shard.first_split;
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpy2DAsync(host_split_lse_.as<float>() + shard.first_split,
-                          total_splits_ * sizeof(float), lane.split_lse.as<void>(),
-                          splits * sizeof(float), splits * sizeof(float), rows,
-                          cudaMemcpyDeviceToHost, lane.stream),
-        "copy partials from a shard");
+    // The shard's [rows][splits] blocks land in columns [first, end) of the
+    // host's [rows][total_splits] tables (the top lists top_k wide per
+    // split): ascending split order, global token ids.
+    const SplitPartials all = Partition(host_partials_.as<void>(), rows, total_splits_, extras);
+    auto gather = [&](void* to, const void* from, size_t cell_bytes) {
+      return CudaStatus(
+          cudaMemcpy2DAsync(static_cast<char*>(to) + shard.first_split * cell_bytes,
+                            total_splits_ * cell_bytes, from, splits * cell_bytes,
+                            splits * cell_bytes, rows, cudaMemcpyDeviceToHost,
+                            lane.stream),
+          "copy partials from a shard");
+    };
+    const size_t top_bytes = extras.top_k * sizeof(float);
+    for (auto [to, from, cell_bytes] :
+         {std::tuple<void*, const void*, size_t>{all.lse, local.lse, sizeof(float)},
+          {all.mean_z, local.mean_z, sizeof(float)},
+          {all.top_z, local.top_z, top_bytes},
+          {all.top_ids, local.top_ids, top_bytes}}) {
+      if (from == nullptr) continue;  // not asked for
+      if (absl::Status s = gather(to, from, cell_bytes); !s.ok()) return s;
+    }
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(lane.host_z.as<void>(), lane.z.as<void>(),
                         rows * sizeof(float), cudaMemcpyDeviceToHost, lane.stream),
@@ -219,8 +257,8 @@ class VocabParallelExecutor final : public LogpExecutor {
   int64_t hidden_size_ = 0;    // of the model last staged
   int32_t total_splits_ = 0;
   const BatchLayout layout_;
-  PinnedBuffer host_inputs_, host_outputs_, host_split_lse_;
-  DeviceBuffer combine_split_lse_, combine_outputs_;
+  PinnedBuffer host_inputs_, host_outputs_, host_partials_;
+  DeviceBuffer combine_partials_, combine_outputs_;
   std::vector<std::unique_ptr<ShardLane>> lanes_;
 };
 
