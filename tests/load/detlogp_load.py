@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """detlogp load tool: unary + streaming calls at a fixed concurrency or
 request rate for a bounded time, every answer's bits checked against the same
-row computed alone. Prints a short table and writes JSON.
+row computed alone. Requests mix entropy, top-k (several k), both and
+neither (--extras mix, the default): a row's entropy must keep its solo
+bits and its top-k list must be the first k of its solo list, bit for bit,
+whatever the request and batch around it asked for. Prints a short table
+and writes JSON.
 
   # against a running server
   tests/load/detlogp_load.py --target 127.0.0.1:50051 --clients 64 --duration 20
@@ -9,6 +13,8 @@ row computed alone. Prints a short table and writes JSON.
   tests/load/detlogp_load.py --spawn --clients 64 --duration 20 --json-out load.json
   # open loop: 40 calls/s (a stream is one call), at most 200 in flight
   tests/load/detlogp_load.py --spawn --rate 40 --clients 200 --duration 20
+  # log p(target) and lse only (servers without entropy / top-k)
+  tests/load/detlogp_load.py --spawn --extras none
 
 Exit status: 0 when every answer arrived once with solo-identical bits and no
 call failed; 1 otherwise. Needs the detlogp package (client/python) installed,
@@ -27,7 +33,7 @@ except ImportError:  # run from the source tree without installing
     sys.path.insert(0, str(REPO_ROOT / "client" / "python"))
 
 import detlogp  # noqa: E402
-from detlogp.loadgen import LoadConfig, RowPool, run_load  # noqa: E402
+from detlogp.loadgen import NEITHER, LoadConfig, RowPool, extras_mix, run_load  # noqa: E402
 from detlogp.testing import LocalServer, find_server_binary  # noqa: E402
 
 
@@ -61,6 +67,11 @@ def main(argv=None):
                    help="distinct rows scored alone first")
     p.add_argument("--timeout", type=float, default=30.0, help="per call, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extras", choices=["mix", "none"], default="mix",
+                   help="mix: requests ask for entropy, top-k, both or neither "
+                        "in about equal shares; none: log p(target) and lse only")
+    p.add_argument("--max_top_k", type=int, default=20,
+                   help="largest top_k asked for (at most the server's --max_top_k)")
     p.add_argument("--json_out", help="write the JSON report here")
     args = p.parse_args(argv)
 
@@ -77,14 +88,16 @@ def main(argv=None):
         with detlogp.Client(args.target) as client:
             info = client.info()
         pool = RowPool.random(info.hidden_size, info.vocab_size, args.pool_rows, args.seed)
-        for target in args.target:  # every target must give the solo bits
-            pool.score_solo(target)
+        extras = extras_mix(args.max_top_k) if args.extras == "mix" else (NEITHER,)
+        solo_top_k = max(k for _, k in extras)
+        for target in args.target:  # every target must give the same solo bits
+            pool.score_solo(target, entropy=args.extras == "mix", top_k=solo_top_k)
         config = LoadConfig(
             targets=args.target, clients=args.clients, duration_s=args.duration,
             max_requests=args.max_requests, rate=args.rate or None,
             stream_fraction=args.stream_fraction, rows=args.rows,
             stream_requests=args.stream_requests, timeout_s=args.timeout,
-            channels=args.channels or None, seed=args.seed)
+            channels=args.channels or None, seed=args.seed, extras=extras)
         report = asyncio.run(run_load(config, pool))
     finally:
         if server is not None:

@@ -2,8 +2,11 @@
 """Writes ghz payloads for detlogp as binary protobuf (for ghz -B):
 
   compute_N{rows}.bin   one LogProbRequest ([rows, H] bf16 + targets)
+  compute_N{rows}_entropy_top{K}.bin  the same asking for entropy and top_k=K
   stream_N{rows}x{k}.bin  k LogProbRequests, each varint-length-prefixed
                           ("count-prefixed", what ghz reads for streams)
+  stream_N{rows}x{k}_mixed.bin  the same, the requests cycling through
+                          neither, entropy, top_k=K and both
   info.bin              an empty GetModelInfoRequest
 
   tests/load/make_ghz_data.py --out /tmp/ghz --hidden 1024 --vocab 32000
@@ -38,11 +41,12 @@ def varint(n):
             return bytes(out)
 
 
-def request(rows, hidden_size, vocab, rng, index):
+def request(rows, hidden_size, vocab, rng, index, entropy=False, top_k=0):
     hidden = tensors.float32_to_bf16_bits(
         rng.standard_normal((rows, hidden_size)).astype(np.float32))
     return requests.logprob_request(hidden, rng.integers(0, vocab, size=rows),
-                                    return_lse=True, request_id=f"ghz-{index}")
+                                    return_lse=True, request_id=f"ghz-{index}",
+                                    return_entropy=entropy, top_k=top_k)
 
 
 def main():
@@ -55,6 +59,8 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--stream_messages", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top_k", type=int, default=20,
+                   help="k of the entropy/top-k payloads (at most the server's --max_top_k)")
     args = p.parse_args()
     if args.target:
         with detlogp.Client(args.target) as client:
@@ -71,6 +77,17 @@ def main():
             message = request(rows, args.hidden, args.vocab, rng, i).SerializeToString()
             blob += varint(len(message)) + message
         (out / f"stream_N{rows}x{args.stream_messages}.bin").write_bytes(blob)
+        (out / f"compute_N{rows}_entropy_top{args.top_k}.bin").write_bytes(
+            request(rows, args.hidden, args.vocab, rng, 0, True, args.top_k)
+            .SerializeToString())
+        mixes = [(False, 0), (True, 0), (False, args.top_k), (True, args.top_k)]
+        blob = b""
+        for i in range(args.stream_messages):
+            entropy, top_k = mixes[i % len(mixes)]
+            message = request(rows, args.hidden, args.vocab, rng, i, entropy,
+                              top_k).SerializeToString()
+            blob += varint(len(message)) + message
+        (out / f"stream_N{rows}x{args.stream_messages}_mixed.bin").write_bytes(blob)
     (out / "info.bin").write_bytes(pb.GetModelInfoRequest().SerializeToString())
     for path in sorted(out.glob("*.bin")):
         print(f"{path}  {path.stat().st_size} bytes")

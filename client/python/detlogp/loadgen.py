@@ -7,9 +7,17 @@ they can (closed loop, optional think time) or at a fixed total request rate
 (open loop). Every answer is checked: exactly one per request, ids echoed in
 order, every row's bits equal to its solo bits, the determinism key equal.
 
+Requests may also ask for entropy and top-k log-probs (issue #11), mixed
+freely (LoadConfig.extras): the pool is then scored alone with entropy and
+the largest top-k, and every answered row's entropy must have its solo bits
+and its top-k list must be the first k of its solo list, bit for bit, ids
+and log-probs; log p(target) and lse must keep their bits whatever else was
+asked for.
+
     pool = RowPool.random(client_info, rows=64, seed=0)
-    pool.score_solo(target)
-    report = asyncio.run(run_load(LoadConfig(targets=[target]), pool))
+    pool.score_solo(target, entropy=True, top_k=20)
+    config = LoadConfig(targets=[target], extras=extras_mix(20))
+    report = asyncio.run(run_load(config, pool))
     print(report.table()); json.dumps(report.summary())
 """
 import asyncio
@@ -27,6 +35,19 @@ from detlogp.errors import DetlogpError
 from detlogp.retry import NO_RETRY
 
 
+# What a request asks for beyond log p(target) and lse: (return_entropy, top_k).
+NEITHER = (False, 0)
+
+
+def extras_mix(max_top_k=20):
+    """Requests with entropy, top-k of several sizes, both, or neither, in
+    about equal shares (max_top_k: the largest k, at most the server's
+    --max_top_k)."""
+    ks = sorted({k for k in (1, 5, max_top_k) if 0 < k <= max_top_k})
+    return (NEITHER, (True, 0)) + tuple((False, k) for k in ks) + \
+        tuple((True, k) for k in ks)
+
+
 @dataclasses.dataclass
 class RowPool:
     """Rows to draw requests from, with each row's solo answer bits."""
@@ -36,6 +57,11 @@ class RowPool:
     solo_logp: Optional[np.ndarray] = None  # float32 per row
     solo_lse: Optional[np.ndarray] = None
     key: str = ""
+    # With score_solo(entropy=True, top_k=K): float32 [P], int64 [P, K],
+    # float32 [P, K].
+    solo_entropy: Optional[np.ndarray] = None
+    solo_top_ids: Optional[np.ndarray] = None
+    solo_top_logprobs: Optional[np.ndarray] = None
 
     @classmethod
     def random(cls, hidden_size, vocab_size, rows=64, seed=0):
@@ -43,18 +69,52 @@ class RowPool:
         return cls(rng.standard_normal((rows, hidden_size)).astype(np.float32),
                    rng.integers(0, vocab_size, size=rows))
 
-    def score_solo(self, target, timeout=60.0):
-        """Scores every row alone (N=1), sequentially, on one target."""
-        logp, lse = [], []
+    @property
+    def solo_top_k(self):
+        """The k of the solo top-k lists (0: none)."""
+        return 0 if self.solo_top_ids is None else self.solo_top_ids.shape[1]
+
+    def score_solo(self, target, timeout=60.0, *, entropy=False, top_k=0):
+        """Scores every row alone (N=1), sequentially, on one target, with
+        lse (and entropy, and the top_k largest, when asked). Called again
+        for another target, it checks that target gives the same bits and
+        key (ValueError otherwise)."""
+        logp, lse, ent, ids, top = [], [], [], [], []
+        key = ""
         with Client(target, timeout=timeout) as client:
             for i in range(len(self.targets)):
                 r = client.logprobs(self.hidden[i:i + 1], self.targets[i:i + 1],
-                                    return_lse=True)
+                                    return_lse=True, return_entropy=entropy,
+                                    top_k=top_k)
                 logp.append(r.logprobs[0])
                 lse.append(r.lse[0])
-                self.key = r.determinism_key
-        self.solo_logp = np.array(logp, np.float32)
-        self.solo_lse = np.array(lse, np.float32)
+                if entropy:
+                    ent.append(r.entropy[0])
+                if top_k:
+                    ids.append(r.top_ids[0])
+                    top.append(r.top_logprobs[0])
+                key = r.determinism_key
+        scored = dict(
+            solo_logp=np.array(logp, np.float32), solo_lse=np.array(lse, np.float32),
+            solo_entropy=np.array(ent, np.float32) if entropy else None,
+            solo_top_ids=np.array(ids, np.int64).reshape(-1, top_k) if top_k else None,
+            solo_top_logprobs=(np.array(top, np.float32).reshape(-1, top_k)
+                               if top_k else None))
+        if self.solo_logp is not None:  # another target: the same bits
+            differ = [name for name, value in scored.items()
+                      if _bits(value) != _bits(getattr(self, name))]
+            if key != self.key:
+                differ.append("determinism_key")
+            if differ:
+                raise ValueError(f"{target} scores the pool's rows with other bits "
+                                 f"than the first target ({', '.join(differ)})")
+        self.key = key
+        for name, value in scored.items():
+            setattr(self, name, value)
+
+
+def _bits(array):
+    return None if array is None else np.ascontiguousarray(array).tobytes()
 
 
 @dataclasses.dataclass
@@ -71,6 +131,9 @@ class LoadConfig:
     timeout_s: float = 30.0        # per call
     channels: Optional[int] = None  # shared channels; None: one per client
     seed: int = 0
+    # (return_entropy, top_k) choices, drawn uniformly per request; the pool
+    # must be scored alone with entropy / a top_k at least the largest here.
+    extras: tuple = (NEITHER,)
 
 
 @dataclasses.dataclass
@@ -84,6 +147,11 @@ class LoadReport:
     lost: int = 0          # sent, never answered, no error either
     duplicated: int = 0    # answered more than once
     out_of_order: int = 0  # stream answers whose id was not the next one
+    # Rows checked and mismatched per output ("logprob", "lse", "entropy",
+    # "top_k"); requests per (return_entropy, top_k) asked for.
+    checked_by_output: Counter = dataclasses.field(default_factory=Counter)
+    mismatched_by_output: Counter = dataclasses.field(default_factory=Counter)
+    requests_by_extras: Counter = dataclasses.field(default_factory=Counter)
     errors: Counter = dataclasses.field(default_factory=Counter)
     unary_calls: int = 0
     stream_calls: int = 0
@@ -105,6 +173,11 @@ class LoadReport:
             "rows_checked": self.rows_checked, "rows_mismatched": self.rows_mismatched,
             "key_mismatches": self.key_mismatches, "lost": self.lost,
             "duplicated": self.duplicated, "out_of_order": self.out_of_order,
+            "rows_checked_by_output": dict(self.checked_by_output),
+            "rows_mismatched_by_output": dict(self.mismatched_by_output),
+            "requests_by_extras": {
+                f"entropy={int(e)},top_k={k}": n
+                for (e, k), n in sorted(self.requests_by_extras.items())},
             "errors": dict(self.errors),
         }
 
@@ -120,6 +193,8 @@ class LoadReport:
             f"({s['unary_calls']} unary calls, {s['stream_calls']} streams), "
             f"rows checked {s['rows_checked']}, mismatched {s['rows_mismatched']}, "
             f"lost {s['lost']}, duplicated {s['duplicated']}, errors {s['errors']}",
+            f"rows checked by output {s['rows_checked_by_output']}, "
+            f"mismatched {s['rows_mismatched_by_output']}",
         ])
 
 
@@ -139,12 +214,14 @@ class _Caller:
     def _new_request(self):
         rows = self.rng.sample(range(len(self.pool.targets)),
                                self.rng.randint(*self.config.rows))
+        extras = self.rng.choice(self.config.extras)
         request_id = f"c{self.index}-{self.seq}"
         self.seq += 1
         self.report.requests_sent += 1
-        return request_id, rows
+        self.report.requests_by_extras[extras] += 1
+        return request_id, rows, extras
 
-    def _check(self, request_id, rows, answer, sent_at, answered):
+    def _check(self, request_id, rows, extras, answer, sent_at, answered):
         report = self.report
         report.latencies_s.append(time.monotonic() - sent_at)
         if answered.get(request_id):
@@ -154,46 +231,41 @@ class _Caller:
         report.rows_answered += len(rows)
         if answer.determinism_key != self.pool.key:
             report.key_mismatches += 1
-        got_logp = answer.logprobs.view(np.uint32)
-        got_lse = answer.lse.view(np.uint32) if answer.lse is not None else None
-        want_logp = self.pool.solo_logp[rows].view(np.uint32)
-        want_lse = self.pool.solo_lse[rows].view(np.uint32)
         report.rows_checked += len(rows)
-        if got_lse is None or len(got_logp) != len(rows) or len(got_lse) != len(rows):
-            report.rows_mismatched += len(rows)
-        else:
-            report.rows_mismatched += int(np.sum((got_logp != want_logp) |
-                                                 (got_lse != want_lse)))
+        bad = _row_mismatches(self.pool, rows, extras, answer, report)
+        report.rows_mismatched += int(bad.sum())
 
     async def unary(self):
-        request_id, rows = self._new_request()
+        request_id, rows, extras = self._new_request()
         self.report.unary_calls += 1
         sent_at = time.monotonic()
         answered = {}
         try:
             answer = await self.client.logprobs(
                 self.pool.hidden[rows], self.pool.targets[rows], return_lse=True,
+                return_entropy=extras[0], top_k=extras[1],
                 request_id=request_id, timeout=self.config.timeout_s)
         except DetlogpError as error:
             self.report.errors[error.code.name if error.code else "CLIENT"] += 1
             return
         if answer.request_id != request_id:
             self.report.out_of_order += 1
-        self._check(request_id, rows, answer, sent_at, answered)
+        self._check(request_id, rows, extras, answer, sent_at, answered)
 
     async def stream(self):
         count = self.rng.randint(*self.config.stream_requests)
         count = max(1, min(count, self.budget.take(count - 1) + 1))
         self.report.stream_calls += 1
-        sent = []  # (request_id, rows, sent_at) in order
+        sent = []  # (request_id, rows, extras, sent_at) in order
         answered = {}
 
         def items():
             for _ in range(count):
-                request_id, rows = self._new_request()
-                sent.append((request_id, rows, time.monotonic()))
+                request_id, rows, extras = self._new_request()
+                sent.append((request_id, rows, extras, time.monotonic()))
                 yield dict(hidden=self.pool.hidden[rows],
                            targets=self.pool.targets[rows], return_lse=True,
+                           return_entropy=extras[0], top_k=extras[1],
                            request_id=request_id)
 
         got = 0
@@ -204,15 +276,56 @@ class _Caller:
                     match = [s for s in sent if s[0] == answer.request_id]
                     if not match:
                         continue
-                    request_id, rows, sent_at = match[0]
+                    request_id, rows, extras, sent_at = match[0]
                 else:
-                    request_id, rows, sent_at = sent[got]
-                self._check(request_id, rows, answer, sent_at, answered)
+                    request_id, rows, extras, sent_at = sent[got]
+                self._check(request_id, rows, extras, answer, sent_at, answered)
                 got += 1
         except DetlogpError as error:
             self.report.errors[error.code.name if error.code else "CLIENT"] += 1
             return
         self.report.lost += sum(1 for s in sent if s[0] not in answered)
+
+
+def _row_mismatches(pool, rows, extras, answer, report):
+    """Bool [len(rows)]: rows whose logprob, lse, entropy or top-k bits
+    differ from their solo bits (top-k: the solo list's first k), or that
+    hold an output not asked for. Counts per output go into `report`."""
+    n = len(rows)
+    entropy, k = extras
+    bad = np.zeros(n, bool)
+
+    def compare(output, got, want):  # float32 [n] each
+        report.checked_by_output[output] += n
+        if got is None or got.shape != want.shape:
+            differ = np.ones(n, bool)
+        else:
+            differ = got.view(np.uint32) != want.view(np.uint32)
+        report.mismatched_by_output[output] += int(np.sum(differ))
+        bad[:] |= differ
+
+    compare("logprob", answer.logprobs, pool.solo_logp[rows])
+    compare("lse", answer.lse, pool.solo_lse[rows])
+    if entropy:
+        compare("entropy", answer.entropy, pool.solo_entropy[rows])
+    elif answer.entropy is not None:
+        bad[:] = True
+    if k:
+        got_ids, got_lp = answer.top_ids, answer.top_logprobs
+        want_ids = pool.solo_top_ids[rows, :k]
+        want_lp = pool.solo_top_logprobs[rows, :k]
+        report.checked_by_output["top_k"] += n
+        if got_ids is None or got_lp is None or got_ids.shape != want_ids.shape \
+                or got_lp.shape != want_lp.shape:
+            differ = np.ones(n, bool)
+        else:
+            differ = np.any(got_ids != want_ids, axis=1) | np.any(
+                got_lp.view(np.uint32) != want_lp.view(np.uint32), axis=1)
+        report.mismatched_by_output["top_k"] += int(np.sum(differ))
+        bad |= differ
+    elif answer.top_ids is not None or answer.top_logprobs is not None:
+        bad[:] = True
+    return bad
 
 
 class _Budget:
@@ -235,6 +348,13 @@ async def run_load(config, pool):
     """Runs the load described by `config` against `pool`; a LoadReport."""
     if pool.solo_logp is None:
         raise ValueError("pool.score_solo(target) first")
+    if any(e for e, _ in config.extras) and pool.solo_entropy is None:
+        raise ValueError("config.extras ask for entropy: "
+                         "pool.score_solo(target, entropy=True) first")
+    max_k = max(k for _, k in config.extras)
+    if max_k > pool.solo_top_k:
+        raise ValueError(f"config.extras ask for top_k={max_k}: "
+                         f"pool.score_solo(target, top_k={max_k}) first")
     report = LoadReport()
     n_channels = config.channels or config.clients
     clients = [AsyncClient(config.targets, timeout=config.timeout_s, retry=NO_RETRY)

@@ -411,3 +411,88 @@ def test_asyncio_client_and_streams_give_the_sync_bits(server, solo):
             again = client.logprobs(hidden[rows], targets[rows], return_entropy=e, top_k=k)
             assert [row_bits(again, j) for j in range(len(rows))] == \
                 [row_bits(answer, j) for j in range(len(rows))]
+
+
+# ---------------------------------------------------------------- load tool
+def test_loadgen_row_check_catches_each_output():
+    """The load generator's per-row check (no server): a row whose entropy,
+    top-k id or top-k log-prob bits differ from its solo bits, or that holds
+    an output not asked for, is a mismatch; a smaller k is checked as a
+    prefix of the solo list."""
+    from detlogp import loadgen
+
+    rng = np.random.default_rng(0)
+    pool = loadgen.RowPool(hidden=np.zeros((4, 2), np.float32), targets=np.arange(4))
+    pool.solo_logp = -rng.random(4).astype(np.float32)
+    pool.solo_lse = rng.random(4).astype(np.float32)
+    pool.solo_entropy = rng.random(4).astype(np.float32)
+    pool.solo_top_ids = np.argsort(rng.random((4, 6)), axis=1).astype(np.int64)
+    pool.solo_top_logprobs = -np.sort(rng.random((4, 6)), axis=1).astype(np.float32)
+    rows = [2, 0]
+
+    def answer(k, entropy):
+        return results.LogProbResult(
+            logprobs=pool.solo_logp[rows].copy(), lse=pool.solo_lse[rows].copy(),
+            determinism_key="", entropy=pool.solo_entropy[rows].copy() if entropy else None,
+            top_ids=pool.solo_top_ids[rows, :k].copy() if k else None,
+            top_logprobs=pool.solo_top_logprobs[rows, :k].copy() if k else None)
+
+    def mismatches(extras, result):
+        report = loadgen.LoadReport()
+        return loadgen._row_mismatches(pool, rows, extras, result, report).tolist(), report
+
+    for extras in loadgen.extras_mix(6):
+        good, report = mismatches(extras, answer(extras[1], extras[0]))
+        assert good == [False, False], extras
+        assert report.checked_by_output["logprob"] == 2
+    bad = answer(3, True)
+    bad.entropy[1] = np.nextafter(bad.entropy[1], np.float32(1))
+    assert mismatches((True, 3), bad)[0] == [False, True]
+    bad = answer(3, True)
+    bad.top_ids[0, 2] += 1
+    flagged, report = mismatches((True, 3), bad)
+    assert flagged == [True, False] and report.mismatched_by_output["top_k"] == 1
+    bad = answer(3, False)
+    bad.top_logprobs[1, 0] = np.nextafter(bad.top_logprobs[1, 0], np.float32(0))
+    assert mismatches((False, 3), bad)[0] == [False, True]
+    assert mismatches((False, 0), answer(0, True))[0] == [True, True]  # not asked
+    assert mismatches((False, 0), answer(2, False))[0] == [True, True]
+    assert mismatches((True, 0), answer(0, False))[0] == [True, True]  # missing
+    bad = answer(0, False)
+    bad.logprobs[0] = np.nextafter(bad.logprobs[0], np.float32(0))
+    assert mismatches((False, 0), bad)[0] == [True, False]
+
+
+def test_loadgen_needs_solo_extras_for_a_mixed_config():
+    from detlogp import loadgen
+
+    pool = loadgen.RowPool(hidden=np.zeros((1, 2), np.float32), targets=np.arange(1),
+                           solo_logp=np.zeros(1, np.float32),
+                           solo_lse=np.zeros(1, np.float32))
+    config = loadgen.LoadConfig(targets=["127.0.0.1:1"], extras=loadgen.extras_mix(5))
+    with pytest.raises(ValueError, match="entropy"):
+        asyncio.run(loadgen.run_load(config, pool))
+    pool.solo_entropy = np.zeros(1, np.float32)
+    with pytest.raises(ValueError, match="top_k=5"):
+        asyncio.run(loadgen.run_load(config, pool))
+
+
+def test_loadgen_mixed_extras_keep_solo_bits(server, model):
+    """A short mixed run through run_load against the CPU server."""
+    from detlogp import loadgen
+
+    pool = loadgen.RowPool.random(model.hidden, model.vocab, rows=32, seed=9)
+    pool.score_solo(server.target, entropy=True, top_k=MAX_TOP_K)
+    pool.score_solo(server.target, entropy=True, top_k=MAX_TOP_K)  # same bits again
+    config = loadgen.LoadConfig(
+        targets=[server.target], clients=8, duration_s=2.0, max_requests=400,
+        rows=(1, 6), timeout_s=30.0, seed=3, extras=loadgen.extras_mix(MAX_TOP_K))
+    report = asyncio.run(loadgen.run_load(config, pool))
+    s = report.summary()
+    print(report.table())
+    assert report.answers == report.requests_sent > 0 and not report.errors
+    assert report.rows_mismatched == 0 and report.key_mismatches == 0
+    assert report.lost == report.duplicated == report.out_of_order == 0
+    assert s["rows_checked_by_output"]["entropy"] > 0
+    assert s["rows_checked_by_output"]["top_k"] > 0
+    assert len(s["requests_by_extras"]) > 4
