@@ -13,6 +13,7 @@
 #include "absl/types/span.h"
 #include "kernels/linear_logp_cpu.h"
 #include "kernels/projection.h"
+#include "kernels/projection_grad.h"
 #include "kernels/random_normal.h"
 #include "kernels/split_policy.h"
 #include "kernels/thread_pool.h"
@@ -56,7 +57,7 @@ TEST(CapiOpsTest, LinearLogpBitsEqualTheKernel) {
                     head.weight.data(), head.padded_vocab_size,
                     head.hidden_size, with_bias ? head.bias.data() : nullptr,
                     head.vocab_size, hidden.data(), rows, targets.data(),
-                    temperatures.data(), threads, logp.data(), lse.data(),
+                    temperatures.data(), threads, logp.data(), lse.data(), nullptr,
                     error, sizeof(error)),
                 0)
           << error;
@@ -70,8 +71,22 @@ TEST(CapiOpsTest, LinearLogpBitsEqualTheKernel) {
                   head.weight.data(), head.padded_vocab_size, head.hidden_size,
                   with_bias ? head.bias.data() : nullptr, head.vocab_size,
                   hidden.data(), rows, targets.data(), temperatures.data(), 2,
-                  logp.data(), nullptr, nullptr, 0),
+                  logp.data(), nullptr, nullptr, nullptr, 0),
               0);
+    EXPECT_TRUE(SameBits(logp, want_logp));
+
+    // Entropy, asked for: the kernel's entropy bits, logprobs unchanged.
+    std::vector<float> want_entropy(rows, NAN);
+    view.entropy = want_entropy.data();
+    ASSERT_TRUE(kernels::ComputeLinearLogpCpu(head.view(), view, &pool).ok());
+    std::vector<float> entropy(rows, NAN);
+    ASSERT_EQ(detlogp_cpu_linear_logp(
+                  head.weight.data(), head.padded_vocab_size, head.hidden_size,
+                  with_bias ? head.bias.data() : nullptr, head.vocab_size,
+                  hidden.data(), rows, targets.data(), temperatures.data(), 2,
+                  logp.data(), nullptr, entropy.data(), nullptr, 0),
+              0);
+    EXPECT_TRUE(SameBits(entropy, want_entropy));
     EXPECT_TRUE(SameBits(logp, want_logp));
   }
 }
@@ -88,7 +103,7 @@ TEST(CapiOpsTest, LinearLogpRejectsBadArgumentsBeforeComputing) {
     return detlogp_cpu_linear_logp(
         head.weight.data(), head.padded_vocab_size, head.hidden_size, nullptr,
         vocab_size, hidden.data(), rows, targets.data(), temperatures.data(), 1,
-        logp.data(), lse.data(), error, sizeof(error));
+        logp.data(), lse.data(), nullptr, error, sizeof(error));
   };
   targets[2] = 100;  // == vocab_size: a padding row, not a token
   EXPECT_NE(call(100), 0);
@@ -112,19 +127,19 @@ TEST(CapiOpsTest, LinearLogpRejectsBadArgumentsBeforeComputing) {
   EXPECT_NE(detlogp_cpu_linear_logp(nullptr, 128, 64, nullptr, 100,
                                     hidden.data(), rows, targets.data(),
                                     temperatures.data(), 1, logp.data(),
-                                    nullptr, error, sizeof(error)),
+                                    nullptr, nullptr, error, sizeof(error)),
             0);
   EXPECT_NE(std::string(error).find("weight"), std::string::npos) << error;
   EXPECT_NE(detlogp_cpu_linear_logp(head.weight.data(), 128, 0, nullptr, 100,
                                     hidden.data(), rows, targets.data(),
                                     temperatures.data(), 1, logp.data(),
-                                    nullptr, error, sizeof(error)),
+                                    nullptr, nullptr, error, sizeof(error)),
             0);
   EXPECT_NE(std::string(error).find("hidden_size"), std::string::npos) << error;
   EXPECT_NE(detlogp_cpu_linear_logp(head.weight.data(), 128, 64, nullptr, 100,
                                     nullptr, rows, targets.data(),
                                     temperatures.data(), 1, logp.data(),
-                                    nullptr, error, sizeof(error)),
+                                    nullptr, nullptr, error, sizeof(error)),
             0);
   EXPECT_NE(std::string(error).find("hidden"), std::string::npos) << error;
   // A short error buffer is truncated, still NUL-terminated.
@@ -132,7 +147,7 @@ TEST(CapiOpsTest, LinearLogpRejectsBadArgumentsBeforeComputing) {
   EXPECT_NE(detlogp_cpu_linear_logp(nullptr, 128, 64, nullptr, 100,
                                     hidden.data(), rows, targets.data(),
                                     temperatures.data(), 1, logp.data(),
-                                    nullptr, tiny, sizeof(tiny)),
+                                    nullptr, nullptr, tiny, sizeof(tiny)),
             0);
   EXPECT_STREQ(tiny, "wei");
 }
@@ -213,6 +228,55 @@ TEST(CapiOpsTest, ProjectionBitsEqualTheKernel) {
                                       nullptr, error, sizeof(error)),
             0);
   EXPECT_NE(std::string(error).find("rows"), std::string::npos) << error;
+}
+
+TEST(CapiOpsTest, ProjectionGradsEqualTheKernels) {
+  const int64_t in = kernels::kProjectionInDim;
+  const int64_t out = kernels::kProjectionOutDim;
+  kernels::RandomNormal random(23);
+  std::vector<float> weight(out * in);
+  for (float& w : weight) w = random.Next(0.1f);
+  const int64_t rows = 7;
+  std::vector<float> x(rows * in), dy(rows * out);
+  for (float& v : x) v = random.Next(1.0f);
+  for (float& v : dy) v = random.Next(1.0f);
+  char error[256];
+
+  std::vector<float> want_dx(rows * in, NAN), dx(rows * in, NAN);
+  ASSERT_TRUE(kernels::ProjectionInputGrad(weight, dy, rows,
+                                           absl::MakeSpan(want_dx), 1)
+                  .ok());
+  ASSERT_EQ(detlogp_cpu_h3_projection_input_grad(weight.data(), dy.data(),
+                                                 rows, 0, dx.data(), error,
+                                                 sizeof(error)),
+            0)
+      << error;
+  EXPECT_TRUE(SameBits(dx, want_dx));
+
+  const int64_t first_key = 4090;  // crosses a 4096-key superchunk
+  std::vector<int64_t> keys(rows);
+  for (int64_t i = 0; i < rows; ++i) keys[i] = first_key + i;
+  auto want = kernels::ComputeProjectionWeightGrads(dy, x, keys, 1);
+  ASSERT_TRUE(want.ok());
+  std::vector<float> dweight(out * in, NAN), dbias(out, NAN);
+  ASSERT_EQ(detlogp_cpu_h3_projection_weight_grad(
+                dy.data(), x.data(), rows, first_key, 0, dweight.data(),
+                dbias.data(), error, sizeof(error)),
+            0)
+      << error;
+  EXPECT_TRUE(SameBits(dweight, want->dweight));
+  EXPECT_TRUE(SameBits(dbias, want->dbias));
+
+  EXPECT_NE(detlogp_cpu_h3_projection_weight_grad(
+                dy.data(), x.data(), rows, -1, 0, dweight.data(), nullptr,
+                error, sizeof(error)),
+            0);
+  EXPECT_NE(std::string(error).find("first_key"), std::string::npos) << error;
+  EXPECT_NE(detlogp_cpu_h3_projection_input_grad(nullptr, dy.data(), rows, 0,
+                                                 dx.data(), error,
+                                                 sizeof(error)),
+            0);
+  EXPECT_NE(std::string(error).find("weight"), std::string::npos) << error;
 }
 
 }  // namespace

@@ -3,7 +3,6 @@
 // server's backends call, so the bits are the served bits.
 #include "kernels/capi/detlogp_ops.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -11,50 +10,19 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "kernels/capi/capi_util.h"
 #include "kernels/linear_logp_cpu.h"
 #include "kernels/lm_head.h"
 #include "kernels/projection.h"
+#include "kernels/projection_grad.h"
 #include "kernels/split_policy.h"
 #include "kernels/thread_pool.h"
-#include "server/models/determinism_key.h"
-#include "server/models/lm_head_digest.h"
 
 namespace {
 
-int Fail(const std::string& message, char* error, size_t error_len) {
-  if (error != nullptr && error_len > 0) {
-    const size_t n = std::min(message.size(), error_len - 1);
-    std::memcpy(error, message.data(), n);
-    error[n] = '\0';
-  }
-  return 1;
-}
-
-void ClearError(char* error, size_t error_len) {
-  if (error != nullptr && error_len > 0) error[0] = '\0';
-}
-
-// Checks the lm_head arguments shared by linear_logp and the key; empty when
-// they are sane.
-std::string CheckHead(const uint16_t* weight, int64_t padded_vocab_size,
-                      int64_t hidden_size, int64_t vocab_size) {
-  if (weight == nullptr) return "weight: null pointer";
-  if (hidden_size <= 0) {
-    return absl::StrCat("hidden_size: must be positive, got ", hidden_size);
-  }
-  if (padded_vocab_size <= 0) {
-    return absl::StrCat("padded_vocab_size: must be positive, got ",
-                        padded_vocab_size);
-  }
-  if (vocab_size <= 0 || vocab_size > padded_vocab_size) {
-    return absl::StrCat("vocab_size: must be in [1, ", padded_vocab_size,
-                        "] (the weight's rows), got ", vocab_size);
-  }
-  if (vocab_size > INT32_MAX) {
-    return absl::StrCat("vocab_size: exceeds int32 targets, got ", vocab_size);
-  }
-  return "";
-}
+using detlogp::capi::CheckHead;
+using detlogp::capi::ClearError;
+using detlogp::capi::Fail;
 
 }  // namespace
 
@@ -67,8 +35,8 @@ int detlogp_cpu_linear_logp(const uint16_t* weight, int64_t padded_vocab_size,
                             int64_t vocab_size, const uint16_t* hidden,
                             int64_t rows, const int32_t* targets,
                             const float* temperatures, int num_threads,
-                            float* logprobs, float* lse, char* error,
-                            size_t error_len) {
+                            float* logprobs, float* lse, float* entropy,
+                            char* error, size_t error_len) {
   try {
     ClearError(error, error_len);
     std::string bad =
@@ -121,6 +89,7 @@ int detlogp_cpu_linear_logp(const uint16_t* weight, int64_t padded_vocab_size,
     view.temperatures = temperatures;
     view.logprobs = logprobs;
     view.lse = lse;
+    view.entropy = entropy;
     absl::Status status;
     if (num_threads == 1) {
       status = detlogp::kernels::ComputeLinearLogpCpu(head, view, nullptr);
@@ -175,6 +144,78 @@ int detlogp_cpu_h3_projection(const float* x, int64_t rows, const float* weight,
   }
 }
 
+int detlogp_cpu_h3_projection_input_grad(const float* weight, const float* dy,
+                                         int64_t rows, int num_threads,
+                                         float* dx, char* error,
+                                         size_t error_len) {
+  using detlogp::kernels::kProjectionInDim;
+  using detlogp::kernels::kProjectionMaxRows;
+  using detlogp::kernels::kProjectionOutDim;
+  try {
+    ClearError(error, error_len);
+    if (weight == nullptr) return Fail("weight: null pointer", error, error_len);
+    if (rows < 0 || rows > kProjectionMaxRows) {
+      return Fail(absl::StrCat("rows: must be in [0, ", kProjectionMaxRows,
+                               "], got ", rows),
+                  error, error_len);
+    }
+    if (rows == 0) return 0;
+    if (dy == nullptr) return Fail("dy: null pointer", error, error_len);
+    if (dx == nullptr) return Fail("dx: null pointer", error, error_len);
+    absl::Status status = detlogp::kernels::ProjectionInputGrad(
+        absl::MakeConstSpan(weight, kProjectionOutDim * kProjectionInDim),
+        absl::MakeConstSpan(dy, rows * kProjectionOutDim), rows,
+        absl::MakeSpan(dx, rows * kProjectionInDim), num_threads);
+    if (!status.ok()) return Fail(status.ToString(), error, error_len);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int detlogp_cpu_h3_projection_weight_grad(const float* dy, const float* x,
+                                          int64_t rows, int64_t first_key,
+                                          int num_threads, float* dweight,
+                                          float* dbias, char* error,
+                                          size_t error_len) {
+  using detlogp::kernels::kProjectionInDim;
+  using detlogp::kernels::kProjectionMaxRows;
+  using detlogp::kernels::kProjectionOutDim;
+  try {
+    ClearError(error, error_len);
+    if (rows < 0 || rows > kProjectionMaxRows) {
+      return Fail(absl::StrCat("rows: must be in [0, ", kProjectionMaxRows,
+                               "], got ", rows),
+                  error, error_len);
+    }
+    if (first_key < 0 || first_key > INT64_MAX - rows) {
+      return Fail(absl::StrCat("first_key: must be >= 0 with first_key + rows "
+                               "in int64, got ",
+                               first_key),
+                  error, error_len);
+    }
+    if (dweight == nullptr) {
+      return Fail("dweight: null pointer", error, error_len);
+    }
+    if (rows > 0 && dy == nullptr) return Fail("dy: null pointer", error, error_len);
+    if (rows > 0 && x == nullptr) return Fail("x: null pointer", error, error_len);
+    std::vector<int64_t> keys(rows);
+    for (int64_t i = 0; i < rows; ++i) keys[i] = first_key + i;
+    auto grads = detlogp::kernels::ComputeProjectionWeightGrads(
+        absl::MakeConstSpan(dy, rows * kProjectionOutDim),
+        absl::MakeConstSpan(x, rows * kProjectionInDim), keys, num_threads);
+    if (!grads.ok()) return Fail(grads.status().ToString(), error, error_len);
+    std::memcpy(dweight, grads->dweight.data(),
+                sizeof(float) * kProjectionOutDim * kProjectionInDim);
+    if (dbias != nullptr) {
+      std::memcpy(dbias, grads->dbias.data(), sizeof(float) * kProjectionOutDim);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
 int detlogp_cpu_determinism_key(const uint16_t* weight,
                                 int64_t padded_vocab_size, int64_t hidden_size,
                                 const float* bias, int64_t vocab_size,
@@ -182,32 +223,13 @@ int detlogp_cpu_determinism_key(const uint16_t* weight,
                                 size_t error_len) {
   try {
     ClearError(error, error_len);
-    std::string bad =
-        CheckHead(weight, padded_vocab_size, hidden_size, vocab_size);
-    if (!bad.empty()) return Fail(bad, error, error_len);
-    if (key == nullptr) return Fail("key: null pointer", error, error_len);
-    detlogp::server::LmHeadShape shape;
-    shape.hidden_size = hidden_size;
-    shape.vocab_size = vocab_size;
-    shape.padded_vocab_size = padded_vocab_size;
-    shape.has_bias = bias != nullptr;
-    // As the server: the weights' digest (lm_head_weights.cc), then the key
-    // over the CPU backend's description (cpu_backend.cc, server.cc).
-    detlogp::server::DeterminismInputs inputs;
-    inputs.weights_sha256 =
-        detlogp::server::ComputeLmHeadDigest(shape, weight, bias);
-    inputs.backend = "cpu";
-    inputs.instruction_set = detlogp::kernels::kCpuInstructionSet;
-    inputs.kernel_version = detlogp::kernels::kCpuKernelVersion;
-    inputs.split_policy = detlogp::kernels::kSplitPolicyName;
-    const std::string result = detlogp::server::DeterminismKey(inputs);
-    if (key_len < result.size() + 1) {
-      return Fail(absl::StrCat("key_len: need at least ", result.size() + 1,
-                               " bytes, got ", key_len),
-                  error, error_len);
-    }
-    std::memcpy(key, result.c_str(), result.size() + 1);
-    return 0;
+    detlogp::capi::BackendIdentity cpu;  // cpu_backend.cc's description
+    cpu.backend = "cpu";
+    cpu.instruction_set = detlogp::kernels::kCpuInstructionSet;
+    cpu.kernel_version = detlogp::kernels::kCpuKernelVersion;
+    return detlogp::capi::WriteDeterminismKey(cpu, weight, padded_vocab_size,
+                                              hidden_size, bias, vocab_size,
+                                              key, key_len, error, error_len);
   } catch (const std::exception& e) {
     return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
   }

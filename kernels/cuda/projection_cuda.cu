@@ -186,6 +186,13 @@ absl::StatusOr<std::unique_ptr<ProjectionCuda>> ProjectionCuda::Create(
     }
   }
 
+  if (options.wrap) {
+    p->owns_buffers_ = false;
+    p->weight_ = const_cast<float*>(options.weight);
+    p->weight_t_ = const_cast<float*>(options.weight_t);
+    p->bias_ = const_cast<float*>(options.bias);
+    return p;
+  }
   constexpr size_t kWeightBytes =
       sizeof(float) * kProjectionOutDim * kProjectionInDim;
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaMalloc(&p->weight_, kWeightBytes));
@@ -210,10 +217,28 @@ absl::StatusOr<std::unique_ptr<ProjectionCuda>> ProjectionCuda::Create(
 }
 
 ProjectionCuda::~ProjectionCuda() {
+  if (!owns_buffers_) return;
   DeviceScope scope(device_);
   cudaFree(weight_);
   cudaFree(weight_t_);
   cudaFree(bias_);
+}
+
+absl::Status ProjectionCuda::LaunchTransposeWeight(const float* weight,
+                                                   float* weight_t, int device,
+                                                   cudaStream_t stream) {
+  if (weight == nullptr || weight_t == nullptr) {
+    return absl::InvalidArgumentError(
+        "ProjectionCuda::LaunchTransposeWeight: null pointer");
+  }
+  DeviceScope scope(device);
+  if (!scope.ok()) return absl::InternalError("cudaSetDevice failed");
+  constexpr int kBlock = 256;
+  TransposeWeight<<<(kProjectionOutDim * kProjectionInDim + kBlock - 1) /
+                        kBlock,
+                    kBlock, 0, stream>>>(weight, weight_t);
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
 }
 
 absl::Status ProjectionCuda::Forward(const float* x, int64_t rows, float* y,
@@ -227,6 +252,10 @@ absl::Status ProjectionCuda::Forward(const float* x, int64_t rows, float* y,
   if (x == nullptr || y == nullptr || !Aligned16(x) || !Aligned16(y)) {
     return absl::InvalidArgumentError(
         "ProjectionCuda::Forward: x and y must be non-null, 16-byte aligned");
+  }
+  if (weight_t_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "ProjectionCuda::Forward: wrapped without weight_t");
   }
   DeviceScope scope(device_);
   if (!scope.ok()) return absl::InternalError("cudaSetDevice failed");

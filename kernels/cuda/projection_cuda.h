@@ -5,8 +5,10 @@
 // that with memcmp for every forward variant, dX, dW and dbias. Create()
 // copies the weight (and keeps a transposed copy for the forward SGEMM), so
 // re-create after a weight update; the caller's buffers may be freed after
-// Create returns. Methods only launch work; they are safe to call from
-// several threads on different streams (no mutable state after Create).
+// Create returns. With Options::wrap (the trainer-side ops, kernels/capi)
+// it copies nothing and reads the caller's buffers at each launch instead.
+// Methods only launch work; they are safe to call from several threads on
+// different streams (no mutable state after Create).
 #ifndef DETLOGP_KERNELS_CUDA_PROJECTION_CUDA_H_
 #define DETLOGP_KERNELS_CUDA_PROJECTION_CUDA_H_
 
@@ -36,6 +38,14 @@ class ProjectionCuda {
     const float* bias = nullptr;    // device, [5376], or null for no bias
     int device = 0;
     ForwardVariant variant = ForwardVariant::kDefault;
+    // Wrap the caller's device buffers instead of copying them: Create then
+    // allocates, copies and synchronizes nothing, and every launch reads
+    // weight, weight_t and bias where the caller keeps them (they must hold
+    // their values when the launched work runs, and outlive the object).
+    bool wrap = false;
+    // With wrap: the weight's transpose [96][5376] (LaunchTransposeWeight),
+    // read by Forward only; null when only InputGrad/WeightGrad are called.
+    const float* weight_t = nullptr;
   };
 
   static absl::StatusOr<std::unique_ptr<ProjectionCuda>> Create(
@@ -75,6 +85,12 @@ class ProjectionCuda {
                           void* workspace, int64_t workspace_bytes,
                           cudaStream_t stream) const;
 
+  // weight_t[96][5376] = transpose of weight[5376][96] (device pointers), on
+  // `stream` of `device`: what Options::weight_t holds for a wrapped object.
+  static absl::Status LaunchTransposeWeight(const float* weight,
+                                            float* weight_t, int device,
+                                            cudaStream_t stream);
+
   // Identifies the default forward kernel (changes when its code does).
   static const char* KernelVersion();
   // Identifies the dX and dW/dbias kernels (changes when their code does).
@@ -88,9 +104,10 @@ class ProjectionCuda {
   ForwardVariant variant_ = ForwardVariant::kDefault;
   int num_sms_ = 0;
   int forward_ctas_per_sm_[5] = {1, 1, 1, 1, 1};  // by kernel mode
-  float* weight_ = nullptr;    // [5376][96], owned
-  float* weight_t_ = nullptr;  // [96][5376], owned
-  float* bias_ = nullptr;      // [5376], owned, or null
+  bool owns_buffers_ = true;   // false with Options::wrap
+  float* weight_ = nullptr;    // [5376][96], owned unless wrapped
+  float* weight_t_ = nullptr;  // [96][5376], owned unless wrapped
+  float* bias_ = nullptr;      // [5376], owned unless wrapped, or null
 };
 
 }  // namespace detlogp::kernels

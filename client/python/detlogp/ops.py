@@ -1,20 +1,31 @@
-"""Trainer-side ops with exactly the served bits (issue #14, first step: CPU).
+"""Trainer-side ops with exactly the served bits (issue #14).
 
-The functions here run the server's own CPU kernels, built as a shared library
-with a small C ABI (kernels/capi/detlogp_ops.h), on numpy arrays:
+The functions here run the server's own kernels, built as shared libraries
+with small C ABIs (kernels/capi/detlogp_ops.h for the CPU kernels,
+kernels/capi/detlogp_ops_cuda.h for the sm_90a ones):
 
-    linear_logp(hidden, weight, targets, ...)  log p(target) (and lse): the
-                                               CPU server's bits
+    linear_logp(hidden, weight, targets, ...)  log p(target) (and lse,
+                                               entropy): the served bits
     h3_projection(x, weight, bias)            the H3 video input projection:
                                                the server's Project bits
-    determinism_key(weight, ...)               the CPU server's determinism key
-                                               for these weights
+    determinism_key(weight, ..., device=)      the server's determinism key
+                                               for these weights on that device
 
-The library is found at $DETLOGP_OPS_LIBRARY, else at
-bazel-bin/kernels/capi/libdetlogp_ops.so in the working directory or a folder
-above it (`bazel build //kernels/capi:libdetlogp_ops.so`). It is loaded on the
-first call, so the package imports without it. The CUDA ops are not built yet:
-device="cuda" (or a CUDA tensor) raises NotImplementedError.
+Numpy arrays (and CPU torch tensors) run the CPU kernels and give the CPU
+server's bits. CUDA arrays (torch tensors, or anything DLPack-capable such as
+cupy arrays, which go through torch.from_dlpack without a copy) run the sm_90a
+kernels on the current CUDA stream and give the CUDA server's bits; outputs
+are allocated by PyTorch's caching allocator and the weight is never copied.
+For autograd, use detlogp.torch.
+
+The libraries are found, in order, at $DETLOGP_OPS_LIBRARY /
+$DETLOGP_OPS_CUDA_LIBRARY, in the installed package (detlogp/_lib/, put there
+by `pip install ./client/python[ops]` with DETLOGP_BUILD_OPS=1, see
+client/python/README.md), else at bazel-bin/kernels/capi/ in the working
+directory or a folder above it (`bazel build //kernels/capi:all`). They are
+loaded on first use, so the package imports without them; asking for CUDA
+where the CUDA library, PyTorch or an sm_90 GPU is missing raises
+RuntimeError naming what is missing.
 """
 import ctypes
 import os
@@ -26,11 +37,18 @@ import numpy as np
 from detlogp import tensors
 
 __all__ = ["linear_logp", "h3_projection", "determinism_key", "find_library",
-           "load_library", "LIBRARY_ENV", "H3_IN_DIM", "H3_OUT_DIM"]
+           "load_library", "find_cuda_library", "load_cuda_library",
+           "cuda_available", "LIBRARY_ENV", "CUDA_LIBRARY_ENV", "H3_IN_DIM",
+           "H3_OUT_DIM"]
 
 LIBRARY_ENV = "DETLOGP_OPS_LIBRARY"
+CUDA_LIBRARY_ENV = "DETLOGP_OPS_CUDA_LIBRARY"
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "kernels" / "capi" / "libdetlogp_ops.so"
-_ABI_VERSION = 1
+_CUDA_LIBRARY_PATH = (pathlib.Path("bazel-bin") / "kernels" / "capi"
+                      / "libdetlogp_ops_cuda.so")
+_PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
+_ABI_VERSION = 2
+_CUDA_ABI_VERSION = 1
 H3_IN_DIM = 96
 H3_OUT_DIM = 5376
 _ERROR_LEN = 1024
@@ -38,6 +56,7 @@ _KEY_LEN = 128
 
 _lock = threading.Lock()
 _lib = None
+_cuda_lib = None
 
 _u16p = ctypes.POINTER(ctypes.c_uint16)
 _f32p = ctypes.POINTER(ctypes.c_float)
@@ -45,19 +64,32 @@ _i32p = ctypes.POINTER(ctypes.c_int32)
 _i64 = ctypes.c_int64
 
 
-def find_library(start=None):
-    """$DETLOGP_OPS_LIBRARY, else bazel-bin/kernels/capi/libdetlogp_ops.so in
-    `start` (or the working directory) or any folder above it; None if not
-    found."""
-    env = os.environ.get(LIBRARY_ENV)
+def _find(env_name, relative, start):
+    env = os.environ.get(env_name)
     if env:
         return pathlib.Path(env)
+    packaged = _PACKAGE_LIB_DIR / relative.name
+    if packaged.exists():
+        return packaged
     here = pathlib.Path(start or os.getcwd()).resolve()
     for folder in [here, *here.parents]:
-        candidate = folder / _LIBRARY_PATH
+        candidate = folder / relative
         if candidate.exists():
             return candidate
     return None
+
+
+def find_library(start=None):
+    """$DETLOGP_OPS_LIBRARY, else detlogp/_lib/libdetlogp_ops.so in the
+    installed package, else bazel-bin/kernels/capi/libdetlogp_ops.so in
+    `start` (or the working directory) or any folder above it; None if not
+    found."""
+    return _find(LIBRARY_ENV, _LIBRARY_PATH, start)
+
+
+def find_cuda_library(start=None):
+    """As find_library, for libdetlogp_ops_cuda.so ($DETLOGP_OPS_CUDA_LIBRARY)."""
+    return _find(CUDA_LIBRARY_ENV, _CUDA_LIBRARY_PATH, start)
 
 
 def load_library():
@@ -93,11 +125,20 @@ def load_library():
         lib.detlogp_cpu_linear_logp.restype = ctypes.c_int
         lib.detlogp_cpu_linear_logp.argtypes = [
             _u16p, _i64, _i64, _f32p, _i64, _u16p, _i64, _i32p, _f32p,
-            ctypes.c_int, _f32p, _f32p, ctypes.c_char_p, ctypes.c_size_t]
+            ctypes.c_int, _f32p, _f32p, _f32p, ctypes.c_char_p, ctypes.c_size_t]
         lib.detlogp_cpu_h3_projection.restype = ctypes.c_int
         lib.detlogp_cpu_h3_projection.argtypes = [
             _f32p, _i64, _f32p, _f32p, ctypes.c_int, _f32p, ctypes.c_char_p,
             ctypes.c_size_t]
+        for name in ("detlogp_cpu_h3_projection_input_grad",):
+            getattr(lib, name).restype = ctypes.c_int
+            getattr(lib, name).argtypes = [
+                _f32p, _f32p, _i64, ctypes.c_int, _f32p, ctypes.c_char_p,
+                ctypes.c_size_t]
+        lib.detlogp_cpu_h3_projection_weight_grad.restype = ctypes.c_int
+        lib.detlogp_cpu_h3_projection_weight_grad.argtypes = [
+            _f32p, _f32p, _i64, _i64, ctypes.c_int, _f32p, _f32p,
+            ctypes.c_char_p, ctypes.c_size_t]
         lib.detlogp_cpu_determinism_key.restype = ctypes.c_int
         lib.detlogp_cpu_determinism_key.argtypes = [
             _u16p, _i64, _i64, _f32p, _i64, ctypes.c_char_p, ctypes.c_size_t,
@@ -106,31 +147,177 @@ def load_library():
         return lib
 
 
-# ------------------------------------------------------------------ inputs
-def _check_device(device, *arrays):
-    """CPU only for now: device="cpu" and host arrays."""
-    if device is not None and str(device).split(":")[0].lower() != "cpu":
-        raise NotImplementedError(
-            f"detlogp.ops: device {device!r}: only the CPU ops are built so far; "
-            "the CUDA ops are not built yet (issue #14 continues)")
-    for array in arrays:
-        dlpack_device = getattr(array, "__dlpack_device__", None)
-        if dlpack_device is None:
-            continue
+_vp = ctypes.c_void_p
+_CUDA_SIGNATURES = {
+    "detlogp_cuda_check_device": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p,
+                                                 ctypes.c_size_t]),
+    "detlogp_cuda_lm_head_create": (ctypes.c_int, [
+        _vp, _i64, _i64, _vp, _i64, ctypes.c_int, ctypes.POINTER(_vp),
+        ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_lm_head_destroy": (None, [_vp]),
+    "detlogp_cuda_linear_logp_workspace_bytes": (_i64, [_vp, _i64, ctypes.c_int]),
+    "detlogp_cuda_linear_logp": (ctypes.c_int, [
+        _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, ctypes.c_size_t, _vp,
+        ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_h3_projection_forward_workspace_bytes": (_i64, []),
+    "detlogp_cuda_h3_projection_forward": (ctypes.c_int, [
+        _vp, _i64, _vp, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int, _vp,
+        ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_h3_projection_input_grad_workspace_bytes": (_i64, [_i64]),
+    "detlogp_cuda_h3_projection_input_grad": (ctypes.c_int, [
+        _vp, _i64, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int, _vp,
+        ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_h3_projection_weight_grad_workspace_bytes": (_i64, [_i64, _i64]),
+    "detlogp_cuda_h3_projection_weight_grad": (ctypes.c_int, [
+        _vp, _vp, _i64, _i64, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int,
+        _vp, ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_determinism_key": (ctypes.c_int, [
+        _u16p, _i64, _i64, _f32p, _i64, ctypes.c_char_p, ctypes.c_size_t,
+        ctypes.c_char_p, ctypes.c_size_t]),
+}
+
+
+def load_cuda_library():
+    """The loaded ctypes CUDA library (loaded once); RuntimeError naming what
+    is missing when it cannot be found or loaded. Loading needs the CUDA
+    runtime (libcudart.so.13), not a GPU."""
+    global _cuda_lib
+    with _lock:
+        if _cuda_lib is not None:
+            return _cuda_lib
+        path = find_cuda_library()
+        if path is None:
+            raise RuntimeError(
+                "detlogp.ops on CUDA needs the CUDA ops library "
+                f"libdetlogp_ops_cuda.so, which is not installed: on a machine with "
+                f"the CUDA toolkit, run `DETLOGP_BUILD_OPS=1 pip install "
+                f"./client/python[ops]` (see client/python/README.md), or `bazel "
+                f"build //kernels/capi:libdetlogp_ops_cuda.so` in the detlogp "
+                f"repository and work from inside it, or set ${CUDA_LIBRARY_ENV} "
+                f"(looked in {_PACKAGE_LIB_DIR} and for {_CUDA_LIBRARY_PATH} in "
+                f"{pathlib.Path.cwd()} and every folder above)")
+        if not path.exists():
+            raise RuntimeError(f"detlogp.ops: ${CUDA_LIBRARY_ENV}={path} does not "
+                               "exist (build it with `bazel build "
+                               "//kernels/capi:libdetlogp_ops_cuda.so`)")
         try:
-            kind = int(dlpack_device()[0])
-        except Exception:  # not a usable DLPack device: treat as host data
-            continue
-        if kind not in (1, 3):  # kDLCPU, kDLCUDAHost
-            raise NotImplementedError(
-                f"detlogp.ops: a {type(array).__name__} on DLPack device type "
-                f"{kind}: only the CPU ops are built so far; the CUDA ops are not "
-                "built yet (issue #14 continues)")
+            lib = ctypes.CDLL(str(path))
+        except OSError as error:
+            raise RuntimeError(
+                f"detlogp.ops: cannot load the CUDA ops library {path}: {error} "
+                "(it needs the CUDA 13 runtime libcudart.so.13 and the libraries "
+                "it was built against on the loader's path)") from None
+        lib.detlogp_ops_cuda_abi_version.restype = ctypes.c_int
+        lib.detlogp_ops_cuda_abi_version.argtypes = []
+        if lib.detlogp_ops_cuda_abi_version() != _CUDA_ABI_VERSION:
+            raise RuntimeError(
+                f"detlogp.ops: {path} has CUDA C ABI version "
+                f"{lib.detlogp_ops_cuda_abi_version()}, this package wants "
+                f"{_CUDA_ABI_VERSION} (rebuild it from the same checkout)")
+        for name, (restype, argtypes) in _CUDA_SIGNATURES.items():
+            function = getattr(lib, name)
+            function.restype = restype
+            function.argtypes = argtypes
+        _cuda_lib = lib
+        return lib
+
+
+def cuda_available(device=0):
+    """(True, "") when the CUDA ops can run on cuda:`device`, else (False, what
+    is missing): the library, PyTorch, or an sm_90 GPU."""
+    if int(device) in _usable_devices:
+        return True, ""
+    try:
+        lib = load_cuda_library()
+    except RuntimeError as error:
+        return False, str(error)
+    error = ctypes.create_string_buffer(_ERROR_LEN)
+    if lib.detlogp_cuda_check_device(int(device), error, _ERROR_LEN) != 0:
+        return False, "detlogp.ops on CUDA: " + error.value.decode(errors="replace")
+    _usable_devices.add(int(device))
+    return True, ""
+
+
+_usable_devices = set()
+
+
+# ------------------------------------------------------------------ inputs
+def _is_cuda_array(array):
+    """True for a torch CUDA tensor or a DLPack array on a CUDA device."""
+    if array is None or isinstance(array, (int, float, np.ndarray, np.generic)):
+        return False
+    if tensors.is_torch_tensor(array):
+        return array.device.type == "cuda"
+    dlpack_device = getattr(array, "__dlpack_device__", None)
+    if dlpack_device is None:
+        return False
+    try:
+        kind = int(dlpack_device()[0])
+    except Exception:  # not a usable DLPack device: treat as host data
+        return False
+    if kind in (1, 3):  # kDLCPU, kDLCUDAHost
+        return False
+    if kind in (2, 13):  # kDLCUDA, kDLCUDAManaged
+        return True
+    raise ValueError(f"detlogp.ops: a {type(array).__name__} on DLPack device "
+                     f"type {kind}: only CPU and CUDA arrays are supported")
+
+
+def _wants_cuda(device, named):
+    """True when the call runs on CUDA: device="cuda[:N]" or CUDA arrays. All
+    array arguments must then be on CUDA (and on the CPU otherwise)."""
+    on_cuda = {name: _is_cuda_array(array) for name, array in named.items()
+               if array is not None}
+    kind = None if device is None else str(device).split(":")[0].lower()
+    if kind not in (None, "cpu", "cuda"):
+        raise ValueError(f"detlogp.ops: device {device!r} is neither 'cpu' nor 'cuda'")
+    if kind is None:
+        kind = "cuda" if any(on_cuda.values()) else "cpu"
+    wrong = [name for name, cuda in on_cuda.items() if cuda != (kind == "cuda")]
+    if wrong:
+        raise ValueError(
+            f"detlogp.ops: {', '.join(wrong)} not on the {kind.upper()} like the "
+            f"call ({'device=' + repr(device) if device is not None else 'the other arrays'}): "
+            "pass every array on one device (no hidden copies are made)")
+    return kind == "cuda"
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as error:
+        raise RuntimeError(
+            "detlogp.ops on CUDA needs PyTorch (its CUDA tensors, caching allocator "
+            f"and streams): `import torch` failed: {error}") from None
+    return torch
+
+
+def _as_torch(array, name):
+    """A torch tensor for a CUDA array: itself, or a zero-copy DLPack view."""
+    torch = _torch()
+    if array is None or isinstance(array, torch.Tensor):
+        return array
+    try:
+        return torch.from_dlpack(array)
+    except Exception as error:
+        raise TypeError(f"{name}: cannot view a {type(array).__name__} as a CUDA "
+                        f"tensor through DLPack: {error}") from None
+
+
+def _like_input(tensor, template):
+    """Output tensor as the caller's framework: torch as is, else DLPack."""
+    if tensor is None or tensors.is_torch_tensor(template):
+        return tensor
+    module = __import__(type(template).__module__.split(".", 1)[0])
+    from_dlpack = getattr(module, "from_dlpack", None)
+    return from_dlpack(tensor) if from_dlpack is not None else tensor
 
 
 def _host(array):
     if tensors.is_torch_tensor(array):
         return tensors.torch_to_numpy(array, bf16_bits=True)
+    if _is_cuda_array(array):  # e.g. cupy: one copy to the host
+        return tensors.torch_to_numpy(_as_torch(array, "array"), bf16_bits=True)
     return np.asarray(array)
 
 
@@ -182,21 +369,281 @@ def _raise(rc, error, what):
         raise ValueError(f"detlogp.ops.{what}: {message}")
 
 
+# ------------------------------------------------------------------ CUDA
+class _LmHeadCache:
+    """LinearLogpCuda handles (the weight's TMA tensor map) by the weight
+    tensor's address, shape and bias: a handle holds pointers, never data, so
+    a handle found for the same address and shape is valid for whatever
+    tensor lives there now (a weight updated in place, or a new one in the
+    same allocation). Bounded; evicted handles are destroyed."""
+
+    def __init__(self, capacity=16):
+        self._capacity = capacity
+        self._handles = {}
+        self._lock = threading.Lock()
+
+    def get(self, lib, weight, bias, vocab_size, device):
+        key = (weight.data_ptr(), tuple(weight.shape), 0 if bias is None else
+               bias.data_ptr(), int(vocab_size), int(device))
+        with self._lock:
+            handle = self._handles.pop(key, None)
+            if handle is not None:
+                self._handles[key] = handle  # most recently used last
+                return handle
+        handle = ctypes.c_void_p()
+        error = ctypes.create_string_buffer(_ERROR_LEN)
+        rc = lib.detlogp_cuda_lm_head_create(
+            weight.data_ptr(), weight.shape[0], weight.shape[1],
+            None if bias is None else bias.data_ptr(), int(vocab_size), int(device),
+            ctypes.byref(handle), error, _ERROR_LEN)
+        _raise(rc, error, "linear_logp")
+        with self._lock:
+            self._handles[key] = handle
+            while len(self._handles) > self._capacity:
+                old = self._handles.pop(next(iter(self._handles)))
+                lib.detlogp_cuda_lm_head_destroy(old)
+        return handle
+
+
+_lm_heads = _LmHeadCache()
+
+
+def _stream(torch, device):
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
+                     vocab_size=None, return_entropy=False):
+    """The CUDA server's linear-logp on torch CUDA tensors, checked by the
+    caller (detlogp.torch and linear_logp below do): hidden bf16 [N, H] and
+    weight bf16 [V_pad, H] contiguous, targets int32 [N], temperatures
+    float32 [N], bias float32 [V_pad] or None, all on one GPU. Runs on the
+    current stream without synchronizing; returns (logprobs, lse, entropy or
+    None), float32 [N]. A target outside [0, vocab_size) gives NaN."""
+    torch = _torch()
+    lib = load_cuda_library()
+    device = weight.device.index if weight.device.index is not None else \
+        torch.cuda.current_device()
+    vocab_size = weight.shape[0] if vocab_size is None else int(vocab_size)
+    rows = hidden.shape[0]
+    logprobs = torch.full((rows,), float("nan"), dtype=torch.float32,
+                          device=weight.device)
+    lse = torch.empty((rows,), dtype=torch.float32, device=weight.device)
+    entropy = (torch.empty((rows,), dtype=torch.float32, device=weight.device)
+               if return_entropy else None)
+    if rows == 0:
+        return logprobs, lse, entropy
+    handle = _lm_heads.get(lib, weight, bias, vocab_size, device)
+    workspace_bytes = lib.detlogp_cuda_linear_logp_workspace_bytes(
+        handle, rows, int(bool(return_entropy)))
+    workspace = torch.empty((max(int(workspace_bytes), 16),), dtype=torch.uint8,
+                            device=weight.device)
+    error = ctypes.create_string_buffer(_ERROR_LEN)
+    rc = lib.detlogp_cuda_linear_logp(
+        handle, hidden.data_ptr(), rows, targets.data_ptr(),
+        temperatures.data_ptr(), logprobs.data_ptr(), lse.data_ptr(),
+        None if entropy is None else entropy.data_ptr(), workspace.data_ptr(),
+        workspace.numel(), _stream(torch, device), error, _ERROR_LEN)
+    _raise(rc, error, "linear_logp")
+    return logprobs, lse, entropy
+
+
+def cuda_h3_projection(x, weight, bias=None):
+    """The H3 projection forward on torch CUDA float32 tensors (x [R, 96],
+    weight [5376, 96], bias [5376] or None, contiguous, one GPU), on the
+    current stream: y [R, 5376] float32."""
+    torch = _torch()
+    lib = load_cuda_library()
+    device = weight.device.index
+    rows = x.shape[0]
+    y = torch.empty((rows, H3_OUT_DIM), dtype=torch.float32, device=weight.device)
+    workspace = torch.empty(
+        (int(lib.detlogp_cuda_h3_projection_forward_workspace_bytes()),),
+        dtype=torch.uint8, device=weight.device)
+    error = ctypes.create_string_buffer(_ERROR_LEN)
+    rc = lib.detlogp_cuda_h3_projection_forward(
+        x.data_ptr() if rows else None, rows, weight.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr() if rows else None,
+        workspace.data_ptr(), workspace.numel(), device, _stream(torch, device),
+        error, _ERROR_LEN)
+    _raise(rc, error, "h3_projection")
+    return y
+
+
+def cuda_h3_projection_input_grad(dy, weight):
+    """dx [R, 96] = dy [R, 5376] . weight on CUDA (the batch-invariant dX
+    kernel, the CPU's bits)."""
+    torch = _torch()
+    lib = load_cuda_library()
+    device = weight.device.index
+    rows = dy.shape[0]
+    dx = torch.empty((rows, H3_IN_DIM), dtype=torch.float32, device=weight.device)
+    need = int(lib.detlogp_cuda_h3_projection_input_grad_workspace_bytes(rows))
+    workspace = (torch.empty((need,), dtype=torch.uint8, device=weight.device)
+                 if need > 0 else None)
+    error = ctypes.create_string_buffer(_ERROR_LEN)
+    rc = lib.detlogp_cuda_h3_projection_input_grad(
+        dy.data_ptr() if rows else None, rows, weight.data_ptr(),
+        dx.data_ptr() if rows else None,
+        None if workspace is None else workspace.data_ptr(), need, device,
+        _stream(torch, device), error, _ERROR_LEN)
+    _raise(rc, error, "h3_projection (dX)")
+    return dx
+
+
+def cuda_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0):
+    """(dweight [5376, 96], dbias [5376] or None) of one batch on CUDA, row i
+    keyed first_key + i (the batch-invariant dW/dbias kernels, the CPU's
+    bits)."""
+    torch = _torch()
+    lib = load_cuda_library()
+    device = x.device.index
+    rows = x.shape[0]
+    dweight = torch.empty((H3_OUT_DIM, H3_IN_DIM), dtype=torch.float32,
+                          device=x.device)
+    dbias = (torch.empty((H3_OUT_DIM,), dtype=torch.float32, device=x.device)
+             if with_bias else None)
+    need = int(lib.detlogp_cuda_h3_projection_weight_grad_workspace_bytes(
+        rows, int(first_key)))
+    if need < 0:
+        raise ValueError(f"detlogp.ops.h3_projection: bad rows {rows} or "
+                         f"first_key {first_key}")
+    workspace = (torch.empty((need,), dtype=torch.uint8, device=x.device)
+                 if need > 0 else None)
+    error = ctypes.create_string_buffer(_ERROR_LEN)
+    rc = lib.detlogp_cuda_h3_projection_weight_grad(
+        dy.data_ptr() if rows else None, x.data_ptr() if rows else None, rows,
+        int(first_key), dweight.data_ptr(),
+        None if dbias is None else dbias.data_ptr(),
+        None if workspace is None else workspace.data_ptr(), need, device,
+        _stream(torch, device), error, _ERROR_LEN)
+    _raise(rc, error, "h3_projection (dW)")
+    return dweight, dbias
+
+
+def cpu_h3_projection_input_grad(dy, weight, num_threads=0):
+    """dx [R, 96] (numpy float32) = dy [R, 5376] . weight, the CPU kernel."""
+    dy32, w32 = _float32(dy, "dy"), _float32(weight, "weight")
+    rows = dy32.shape[0]
+    dx = np.empty((rows, H3_IN_DIM), dtype=np.float32)
+    lib = load_library()
+    error = ctypes.create_string_buffer(_ERROR_LEN)
+    rc = lib.detlogp_cpu_h3_projection_input_grad(
+        _ptr(w32, _f32p), _ptr(dy32, _f32p), rows, int(num_threads),
+        _ptr(dx, _f32p), error, _ERROR_LEN)
+    _raise(rc, error, "h3_projection (dX)")
+    return dx
+
+
+def cpu_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0,
+                                  num_threads=0):
+    """(dweight [5376, 96], dbias [5376] or None), numpy float32, of one batch
+    whose row i has key first_key + i: the CPU kernels."""
+    dy32, x32 = _float32(dy, "dy"), _float32(x, "x")
+    rows = x32.shape[0]
+    dweight = np.empty((H3_OUT_DIM, H3_IN_DIM), dtype=np.float32)
+    dbias = np.empty(H3_OUT_DIM, dtype=np.float32) if with_bias else None
+    lib = load_library()
+    error = ctypes.create_string_buffer(_ERROR_LEN)
+    rc = lib.detlogp_cpu_h3_projection_weight_grad(
+        _ptr(dy32, _f32p), _ptr(x32, _f32p), rows, int(first_key),
+        int(num_threads), _ptr(dweight, _f32p), _ptr(dbias, _f32p), error,
+        _ERROR_LEN)
+    _raise(rc, error, "h3_projection (dW)")
+    return dweight, dbias
+
+
+def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
+                              vocab_size):
+    """Checks torch CUDA inputs and returns them as the kernel takes them.
+    hidden float32 is rounded to bf16 (a copy of hidden, as the server rounds
+    fp32 input); the weight must already be bf16 and contiguous (it is never
+    copied)."""
+    torch = _torch()
+    if weight.dtype != torch.bfloat16:
+        raise TypeError(f"weight: dtype {weight.dtype}: the CUDA kernel reads a "
+                        "bfloat16 weight in place (convert it once, outside the "
+                        "loop; it is never copied per call)")
+    if weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous [V_pad, H] tensor, got "
+                         f"shape {tuple(weight.shape)} strides {weight.stride()}")
+    padded, hidden_size = weight.shape
+    device = weight.device
+    if hidden.device != device:
+        raise ValueError(f"hidden: on {hidden.device}, weight on {device}")
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ValueError(f"hidden: expected [N, {hidden_size}] (the weight's H), "
+                         f"got shape {tuple(hidden.shape)}")
+    if hidden.dtype == torch.float32:
+        hidden = hidden.to(torch.bfloat16)
+    elif hidden.dtype != torch.bfloat16:
+        raise TypeError(f"hidden: dtype {hidden.dtype} is not bfloat16 or float32")
+    hidden = hidden.contiguous()
+    rows = hidden.shape[0]
+    vocab_size = padded if vocab_size is None else int(vocab_size)
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size: must be in [1, {padded}] (the weight's "
+                         f"rows), got {vocab_size}")
+    if targets.device != device or targets.shape != (rows,):
+        raise ValueError(f"targets: expected shape ({rows},) on {device}, got "
+                         f"{tuple(targets.shape)} on {targets.device}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"targets: dtype {targets.dtype} is not int32 or int64")
+    targets = targets.to(torch.int32).contiguous()
+    if bias is not None:
+        if (bias.device != device or bias.dtype != torch.float32
+                or bias.shape != (padded,) or not bias.is_contiguous()):
+            raise ValueError(f"bias: expected a contiguous float32 ({padded},) "
+                             f"tensor on {device}, got {bias.dtype} "
+                             f"{tuple(bias.shape)} on {bias.device}")
+    if isinstance(temperature, torch.Tensor):
+        temps = temperature.to(device=device, dtype=torch.float32)
+        if temps.dim() == 0:
+            temps = temps.expand(rows)
+        if temps.shape != (rows,):
+            raise ValueError(f"temperature: expected a scalar or shape ({rows},), "
+                             f"got {tuple(temps.shape)}")
+        temps = temps.contiguous()
+    else:
+        value = float(temperature)
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"temperature: {value} is not finite and positive")
+        temps = torch.full((rows,), value, dtype=torch.float32, device=device)
+    return hidden, weight, targets, bias, temps, vocab_size
+
+
 # ------------------------------------------------------------------ ops
 def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
-                vocab_size=None, return_lse=False, *, num_threads=0, device=None):
+                vocab_size=None, return_lse=False, return_entropy=False, *,
+                num_threads=0, device=None):
     """log p(targets[r]) under softmax((hidden[r] . W^T + bias) / temperature)
-    over the first vocab_size rows of W: the CPU server's bits for the same
-    weights and rows.
+    over the first vocab_size rows of W: the served bits for the same weights
+    and rows (the CPU server's for host arrays, the CUDA server's for CUDA
+    arrays or device="cuda").
 
-    hidden [N, H] and weight [V_pad, H]: float32 (rounded to bf16, nearest
-    even, as the server rounds fp32 input), ml_dtypes.bfloat16, or uint16 bf16
-    bits. bias: [V_pad] float32 or None. temperature: a scalar or one per row,
-    finite and > 0. vocab_size: the real vocabulary (rows beyond it are
-    padding), default all rows. num_threads: 0 = all cores (bits never depend
-    on it). Returns float32 logprobs [N], or (logprobs, lse) with return_lse.
+    hidden [N, H] and weight [V_pad, H]: on the CPU float32 (rounded to bf16,
+    nearest even, as the server rounds fp32 input), ml_dtypes.bfloat16, uint16
+    bf16 bits, or CPU torch tensors; on CUDA torch (or DLPack, e.g. cupy)
+    tensors, the weight bfloat16 (read in place, never copied), hidden
+    bfloat16 or float32. bias: [V_pad] float32 or None. temperature: a scalar
+    or one per row, finite and > 0. vocab_size: the real vocabulary (rows
+    beyond it are padding), default all rows. num_threads (CPU): 0 = all
+    cores (bits never depend on it).
+
+    Returns float32 logprobs [N]; with return_lse and/or return_entropy a
+    tuple (logprobs, lse, entropy) holding those asked for, in that order
+    (entropy = -sum p log p of the row's distribution). CUDA results are torch
+    tensors (or the input's framework through DLPack) on the current stream,
+    not synchronized; on CUDA a target outside [0, vocab_size) is an error
+    (checked with one device-to-host sync; detlogp.torch skips it and gives
+    NaN).
     """
-    _check_device(device, hidden, weight, targets, bias)
+    named = {"hidden": hidden, "weight": weight, "targets": targets, "bias": bias}
+    if np.ndim(temperature) if not hasattr(temperature, "__dlpack_device__") else True:
+        named["temperature"] = temperature  # an array, not a scalar
+    if _wants_cuda(device, named):
+        return _linear_logp_cuda(hidden, weight, targets, bias, temperature,
+                                 vocab_size, return_lse, return_entropy)
     weight_bits, bias32, padded, hidden_size, vocab_size = _head(weight, bias, vocab_size)
     hidden_bits = _bf16_bits(hidden, "hidden")
     if hidden_bits.ndim != 2 or hidden_bits.shape[1] != hidden_size:
@@ -222,6 +669,7 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
     temps = np.ascontiguousarray(temps)
     logprobs = np.empty(rows, dtype=np.float32)
     lse = np.empty(rows, dtype=np.float32)
+    entropy = np.empty(rows, dtype=np.float32) if return_entropy else None
     if rows:
         lib = load_library()
         error = ctypes.create_string_buffer(_ERROR_LEN)
@@ -229,16 +677,65 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
             _ptr(weight_bits, _u16p), padded, hidden_size, _ptr(bias32, _f32p),
             vocab_size, _ptr(hidden_bits, _u16p), rows, _ptr(targets32, _i32p),
             _ptr(temps, _f32p), int(num_threads), _ptr(logprobs, _f32p),
-            _ptr(lse, _f32p), error, _ERROR_LEN)
+            _ptr(lse, _f32p), _ptr(entropy, _f32p), error, _ERROR_LEN)
         _raise(rc, error, "linear_logp")
-    return (logprobs, lse) if return_lse else logprobs
+    return _pack(logprobs, lse, entropy, return_lse, return_entropy)
+
+
+def _pack(logprobs, lse, entropy, return_lse, return_entropy):
+    if not (return_lse or return_entropy):
+        return logprobs
+    return tuple([logprobs] + ([lse] if return_lse else [])
+                 + ([entropy] if return_entropy else []))
+
+
+def _linear_logp_cuda(hidden, weight, targets, bias, temperature, vocab_size,
+                      return_lse, return_entropy):
+    torch = _torch()
+    template = hidden
+    hidden_t, weight_t = _as_torch(hidden, "hidden"), _as_torch(weight, "weight")
+    targets_t, bias_t = _as_torch(targets, "targets"), _as_torch(bias, "bias")
+    if not (isinstance(temperature, (int, float)) or
+            isinstance(temperature, torch.Tensor)):
+        temperature = _as_torch(temperature, "temperature")
+    if weight_t.dtype == torch.int16 or weight_t.dtype == torch.uint16:
+        weight_t = weight_t.view(torch.bfloat16)  # bf16 bits (e.g. cupy uint16)
+    if hidden_t.dtype in (torch.int16, torch.uint16):
+        hidden_t = hidden_t.view(torch.bfloat16)
+    ok, why = cuda_available(weight_t.device.index or 0)
+    if not ok:
+        raise RuntimeError(why)
+    hidden_t, weight_t, targets_t, bias_t, temps, vocab = _cuda_prepare_linear_logp(
+        hidden_t, weight_t, targets_t, bias_t, temperature, vocab_size)
+    if targets_t.numel():
+        bad = torch.nonzero((targets_t < 0) | (targets_t >= vocab))
+        if bad.numel():
+            index = int(bad[0, 0])
+            raise ValueError(f"detlogp.ops.linear_logp: targets[{index}] = "
+                             f"{int(targets_t[index])} is outside [0, {vocab})")
+    with torch.cuda.device(weight_t.device):
+        logprobs, lse, entropy = cuda_linear_logp(
+            hidden_t, weight_t, targets_t, temps, bias_t, vocab, return_entropy)
+    return _pack(*(_like_input(t, template) for t in (logprobs, lse, entropy)),
+                 return_lse, return_entropy)
 
 
 def h3_projection(x, weight, bias=None, *, num_threads=0, device=None):
     """Y [R, 5376] = x [R, 96] . weight^T + bias in float32 with the fixed
-    per-output fma order (kernels/projection.h): the server's Project bits.
-    weight: [5376, 96] float32; bias: [5376] float32 or None."""
-    _check_device(device, x, weight, bias)
+    per-output fma order (kernels/projection.h): the server's Project bits,
+    equal on the CPU (numpy / CPU tensors) and on CUDA (torch or DLPack CUDA
+    tensors, current stream). weight: [5376, 96] float32; bias: [5376]
+    float32 or None."""
+    if _wants_cuda(device, {"x": x, "weight": weight, "bias": bias}):
+        torch = _torch()
+        x_t, w_t, b_t = (_as_torch(a, n) for a, n in ((x, "x"), (weight, "weight"),
+                                                     (bias, "bias")))
+        ok, why = cuda_available(w_t.device.index or 0)
+        if not ok:
+            raise RuntimeError(why)
+        _check_projection_tensors(torch, x_t, w_t, b_t)
+        with torch.cuda.device(w_t.device):
+            return _like_input(cuda_h3_projection(x_t, w_t, b_t), x)
     x32 = _float32(x, "x")
     if x32.ndim != 2 or x32.shape[1] != H3_IN_DIM:
         raise ValueError(f"x: expected [R, {H3_IN_DIM}], got shape {x32.shape}")
@@ -262,18 +759,47 @@ def h3_projection(x, weight, bias=None, *, num_threads=0, device=None):
     return y
 
 
+def _check_projection_tensors(torch, x, weight, bias):
+    """Shapes, dtypes (float32), devices and contiguity of the projection's
+    CUDA tensors; the messages name the argument."""
+    device = weight.device
+    for name, tensor, shape in (("x", x, None), ("weight", weight,
+                                                 (H3_OUT_DIM, H3_IN_DIM)),
+                                ("bias", bias, (H3_OUT_DIM,))):
+        if tensor is None:
+            continue
+        if tensor.dtype != torch.float32:
+            raise TypeError(f"{name}: dtype {tensor.dtype} is not float32")
+        if tensor.device != device:
+            raise ValueError(f"{name}: on {tensor.device}, weight on {device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: not contiguous (no hidden copies are made)")
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got "
+                             f"{tuple(tensor.shape)}")
+    if x.dim() != 2 or x.shape[1] != H3_IN_DIM:
+        raise ValueError(f"x: expected [R, {H3_IN_DIM}], got shape {tuple(x.shape)}")
+
+
 def determinism_key(weight, bias=None, vocab_size=None, *, device=None):
-    """The determinism key the CPU server reports (ModelInfo.determinism_key)
-    when it serves these weights: weight [V_pad, H] (float32 rounded to bf16,
-    or bf16 bits), bias [V_pad] float32 or None, vocab_size (default all
+    """The determinism key the server reports (ModelInfo.determinism_key) when
+    it serves these weights on `device`: "cpu" (default for host arrays) or
+    "cuda" (default for CUDA arrays; the key names the architecture, sm_90a,
+    not the GPU, and needs no GPU to compute). weight [V_pad, H] (float32
+    rounded to bf16, or bf16 / bf16 bits; CUDA tensors are copied to the host
+    once to hash them), bias [V_pad] float32 or None, vocab_size (default all
     rows)."""
-    _check_device(device, weight, bias)
+    cuda = _wants_cuda(device, {"weight": weight, "bias": bias}) if device is None \
+        else str(device).split(":")[0].lower() == "cuda"
+    if device is not None and str(device).split(":")[0].lower() not in ("cpu", "cuda"):
+        raise ValueError(f"detlogp.ops: device {device!r} is neither 'cpu' nor 'cuda'")
     weight_bits, bias32, padded, hidden_size, vocab_size = _head(weight, bias, vocab_size)
-    lib = load_library()
+    lib = load_cuda_library() if cuda else load_library()
+    function = (lib.detlogp_cuda_determinism_key if cuda
+                else lib.detlogp_cpu_determinism_key)
     key = ctypes.create_string_buffer(_KEY_LEN)
     error = ctypes.create_string_buffer(_ERROR_LEN)
-    rc = lib.detlogp_cpu_determinism_key(
-        _ptr(weight_bits, _u16p), padded, hidden_size, _ptr(bias32, _f32p),
-        vocab_size, key, _KEY_LEN, error, _ERROR_LEN)
+    rc = function(_ptr(weight_bits, _u16p), padded, hidden_size, _ptr(bias32, _f32p),
+                  vocab_size, key, _KEY_LEN, error, _ERROR_LEN)
     _raise(rc, error, "determinism_key")
     return key.value.decode()

@@ -171,19 +171,84 @@ def test_invalid_targets_are_rejected_naming_targets(model):
                         vocab_size=model.vocab)
 
 
-def test_cuda_is_not_built_yet(model):
+def test_cuda_asked_for_where_missing_is_a_clear_error(model, monkeypatch):
+    """Without the CUDA library (or PyTorch, or an sm_90 GPU) a CUDA call
+    names what is missing; mixing host and CUDA arrays is refused."""
     hidden, targets = model.random_rows(2, seed=606)
-    with pytest.raises(NotImplementedError, match="CUDA ops are not built yet"):
+    with pytest.raises(ValueError, match="hidden, weight, targets not on the CUDA"):
         ops.linear_logp(hidden, model.weight_bits, targets, device="cuda")
-    with pytest.raises(NotImplementedError, match="issue #14"):
-        ops.determinism_key(model.weight_bits, device="cuda:0")
 
     class FakeCudaArray:
         def __dlpack_device__(self):
             return (2, 0)  # kDLCUDA
 
-    with pytest.raises(NotImplementedError, match="CUDA ops are not built yet"):
-        ops.h3_projection(FakeCudaArray(), None)
+    with pytest.raises(ValueError, match="x not on the CPU"):
+        ops.h3_projection(FakeCudaArray(), np.zeros((5376, 96), np.float32),
+                          device="cpu")
+    monkeypatch.setattr(ops, "_cuda_lib", None)
+    monkeypatch.setenv(ops.CUDA_LIBRARY_ENV, "/nonexistent/libdetlogp_ops_cuda.so")
+    ok, why = ops.cuda_available()
+    assert not ok and "libdetlogp_ops_cuda.so" in why
+    with pytest.raises(RuntimeError, match="libdetlogp_ops_cuda.so"):
+        ops.determinism_key(model.weight_bits, device="cuda:0")
+
+
+def test_cuda_key_is_the_cuda_servers_and_not_the_cpus(repo_root, model):
+    """The CUDA key needs the CUDA library but no GPU; it differs from the
+    CPU key (another backend) and, like it, depends on the weights."""
+    path = ops.find_cuda_library(repo_root)
+    if path is None:
+        pytest.skip("no libdetlogp_ops_cuda.so built (bazel build "
+                    "//kernels/capi:libdetlogp_ops_cuda.so needs nvcc)")
+    try:
+        ops.load_cuda_library()
+    except RuntimeError as error:  # e.g. no CUDA runtime on this machine
+        pytest.skip(str(error))
+    cuda_key = ops.determinism_key(model.weight_bits, model.bias,
+                                   model.vocab, device="cuda")
+    cpu_key = ops.determinism_key(model.weight_bits, model.bias, model.vocab)
+    assert cuda_key.startswith("dk1-") and len(cuda_key) == 36
+    assert cuda_key != cpu_key
+    other = model.weight_bits.copy()
+    other[0, 0] ^= 1
+    assert ops.determinism_key(other, model.bias, model.vocab,
+                               device="cuda") != cuda_key
+
+
+def test_entropy_is_the_float64_entropy_and_leaves_logprobs_alone(model):
+    hidden, targets = model.random_rows(9, seed=808)
+    plain = ops.linear_logp(hidden, model.weight_bits, targets, model.bias,
+                            vocab_size=model.vocab)
+    logp, lse, entropy = ops.linear_logp(
+        hidden, model.weight_bits, targets, model.bias, vocab_size=model.vocab,
+        return_lse=True, return_entropy=True)
+    assert same_bits(logp, plain)
+    logp2, entropy2 = ops.linear_logp(
+        hidden, model.weight_bits, targets, model.bias, vocab_size=model.vocab,
+        return_entropy=True)
+    assert same_bits(entropy, entropy2) and same_bits(logp2, plain)
+    want, _, _ = model.reference_entropy_top_k(hidden, 1)
+    np.testing.assert_allclose(entropy, want, rtol=1e-4, atol=1e-4)
+
+
+def test_projection_grads_are_the_kernels_and_match_float64(projection):
+    _, weight, _ = projection
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((37, ops.H3_IN_DIM)).astype(np.float32)
+    dy = rng.standard_normal((37, ops.H3_OUT_DIM)).astype(np.float32)
+    dx = ops.cpu_h3_projection_input_grad(dy, weight)
+    dweight, dbias = ops.cpu_h3_projection_weight_grad(dy, x)
+    np.testing.assert_allclose(dx, dy.astype(np.float64) @ weight, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dweight, dy.T.astype(np.float64) @ x, rtol=1e-4,
+                               atol=1e-3)
+    np.testing.assert_allclose(dbias, dy.sum(axis=0, dtype=np.float64), rtol=1e-4,
+                               atol=1e-3)
+    # Row keys fix the order: the same rows as two batches with their keys
+    # give the same bits only through the accumulator; one batch is
+    # deterministic across thread counts.
+    again, _ = ops.cpu_h3_projection_weight_grad(dy, x, num_threads=1)
+    assert same_bits(again, dweight)
+    assert ops.cpu_h3_projection_weight_grad(dy, x, with_bias=False)[1] is None
 
 
 def test_a_missing_library_is_a_clear_error(tmp_path, monkeypatch):

@@ -1,0 +1,377 @@
+// The C ABI over the sm_90a kernels (detlogp_ops_cuda.h). Each entry point
+// validates its host-side arguments, then launches the same kernels the CUDA
+// server's backend launches (kernels/cuda/), on the caller's stream, into the
+// caller's buffers.
+#include "kernels/capi/detlogp_ops_cuda.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/capi/capi_util.h"
+#include "kernels/cuda/linear_logp_cuda.h"
+#include "kernels/cuda/projection_cuda.h"
+#include "kernels/projection.h"
+
+struct detlogp_cuda_lm_head {
+  std::unique_ptr<detlogp::kernels::cuda::LinearLogpCuda> kernel;
+};
+
+namespace {
+
+using detlogp::capi::CheckHead;
+using detlogp::capi::ClearError;
+using detlogp::capi::Fail;
+using detlogp::kernels::kProjectionInDim;
+using detlogp::kernels::kProjectionMaxRows;
+using detlogp::kernels::kProjectionOutDim;
+using detlogp::kernels::ProjectionCuda;
+using detlogp::kernels::cuda::LinearLogpCuda;
+
+constexpr int64_t kTransposeBytes =
+    static_cast<int64_t>(sizeof(float)) * kProjectionOutDim * kProjectionInDim;
+
+bool Aligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+int FailStatus(const absl::Status& status, char* error, size_t error_len) {
+  return Fail(std::string(status.message()), error, error_len);
+}
+
+// Empty when `device` is an sm_90 GPU this process can use.
+std::string DeviceProblem(int device) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky error
+    return absl::StrCat("no usable CUDA driver or device: ",
+                        cudaGetErrorString(err));
+  }
+  if (count == 0) return "no CUDA device on this machine";
+  if (device < 0 || device >= count) {
+    return absl::StrCat("device: cuda:", device, " requested but ", count,
+                        " GPU(s) visible");
+  }
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                             device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
+                             device) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::StrCat("device: cannot query cuda:", device);
+  }
+  if (major != 9 || minor != 0) {
+    return absl::StrCat("device: cuda:", device, " is sm_", major, minor,
+                        "; the kernels are built for sm_90a (H100/H200)");
+  }
+  return "";
+}
+
+// A ProjectionCuda over the caller's buffers (no copy, no allocation).
+absl::StatusOr<std::unique_ptr<ProjectionCuda>> WrapProjection(
+    const float* weight, const float* weight_t, const float* bias,
+    int device) {
+  ProjectionCuda::Options options;
+  options.weight = weight;
+  options.weight_t = weight_t;
+  options.bias = bias;
+  options.device = device;
+  options.wrap = true;
+  return ProjectionCuda::Create(options);
+}
+
+// Shared checks of the projection entry points; empty when sane.
+std::string CheckProjectionRows(int64_t rows) {
+  if (rows < 0 || rows > kProjectionMaxRows) {
+    return absl::StrCat("rows: must be in [0, ", kProjectionMaxRows, "], got ",
+                        rows);
+  }
+  return "";
+}
+
+std::string CheckDevicePointer(const void* p, const char* name,
+                               bool may_be_null) {
+  if (p == nullptr) {
+    return may_be_null ? "" : absl::StrCat(name, ": null pointer");
+  }
+  if (!Aligned(p, 16)) return absl::StrCat(name, ": not 16-byte aligned");
+  return "";
+}
+
+}  // namespace
+
+extern "C" {
+
+int detlogp_ops_cuda_abi_version(void) { return DETLOGP_OPS_CUDA_ABI_VERSION; }
+
+int detlogp_cuda_check_device(int device, char* error, size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    const std::string problem = DeviceProblem(device);
+    return problem.empty() ? 0 : Fail(problem, error, error_len);
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
+                                int64_t hidden_size, const float* bias,
+                                int64_t vocab_size, int device,
+                                detlogp_cuda_lm_head** head, char* error,
+                                size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    if (head == nullptr) return Fail("head: null pointer", error, error_len);
+    *head = nullptr;
+    std::string bad =
+        CheckHead(weight, padded_vocab_size, hidden_size, vocab_size);
+    if (bad.empty()) bad = CheckDevicePointer(weight, "weight", false);
+    if (bad.empty() && bias != nullptr && !Aligned(bias, 8)) {
+      bad = "bias: not 8-byte aligned";
+    }
+    if (bad.empty()) bad = DeviceProblem(device);
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    LinearLogpCuda::Options options;
+    options.weights.weight = static_cast<const __nv_bfloat16*>(weight);
+    options.weights.bias = bias;
+    options.weights.hidden_size = hidden_size;
+    options.weights.vocab_size = vocab_size;
+    options.weights.padded_vocab_size = padded_vocab_size;
+    options.device = device;
+    auto kernel = LinearLogpCuda::Create(options);
+    if (!kernel.ok()) return FailStatus(kernel.status(), error, error_len);
+    auto result = std::make_unique<detlogp_cuda_lm_head>();
+    result->kernel = std::move(*kernel);
+    *head = result.release();
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+void detlogp_cuda_lm_head_destroy(detlogp_cuda_lm_head* head) { delete head; }
+
+int64_t detlogp_cuda_linear_logp_workspace_bytes(
+    const detlogp_cuda_lm_head* head, int64_t rows, int return_entropy) {
+  if (head == nullptr || rows < 0) return -1;
+  (void)return_entropy;  // no extra workspace until the kernel has entropy
+  return static_cast<int64_t>(head->kernel->WorkspaceBytes(rows));
+}
+
+int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
+                             const void* hidden, int64_t rows,
+                             const int32_t* targets,
+                             const float* temperatures, float* logprobs,
+                             float* lse, float* entropy, void* workspace,
+                             size_t workspace_bytes, void* stream,
+                             char* error, size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    if (head == nullptr) return Fail("head: null pointer", error, error_len);
+    if (entropy != nullptr) {
+      return Fail(
+          "entropy: not supported yet: the CUDA linear-logp kernel "
+          "(kernels/cuda/linear_logp_cuda.h) has no entropy output in this "
+          "build (issue #11)",
+          error, error_len);
+    }
+    if (rows < 0) {
+      return Fail(absl::StrCat("rows: must be >= 0, got ", rows), error,
+                  error_len);
+    }
+    if (rows == 0) return 0;
+    std::string bad = CheckDevicePointer(hidden, "hidden", false);
+    if (bad.empty() && targets == nullptr) bad = "targets: null pointer";
+    if (bad.empty() && temperatures == nullptr) {
+      bad = "temperatures: null pointer";
+    }
+    if (bad.empty() && logprobs == nullptr) bad = "logprobs: null pointer";
+    if (bad.empty() && lse == nullptr) bad = "lse: null pointer";
+    const size_t need = head->kernel->WorkspaceBytes(rows);
+    if (bad.empty() && workspace_bytes < need) {
+      bad = absl::StrCat("workspace_bytes: need ", need, " for ", rows,
+                         " rows, got ", workspace_bytes);
+    }
+    if (bad.empty() && (workspace == nullptr || !Aligned(workspace, 4))) {
+      bad = "workspace: null or not 4-byte aligned";
+    }
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    detlogp::kernels::cuda::LinearLogpBatchView batch;
+    batch.hidden = static_cast<const __nv_bfloat16*>(hidden);
+    batch.targets = targets;
+    batch.temperatures = temperatures;
+    batch.logprobs = logprobs;
+    batch.lse = lse;
+    batch.rows = rows;
+    const absl::Status status = head->kernel->Launch(
+        batch, workspace, static_cast<cudaStream_t>(stream));
+    if (!status.ok()) return FailStatus(status, error, error_len);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int64_t detlogp_cuda_h3_projection_forward_workspace_bytes(void) {
+  return kTransposeBytes;
+}
+
+int detlogp_cuda_h3_projection_forward(const float* x, int64_t rows,
+                                       const float* weight, const float* bias,
+                                       float* y, void* workspace,
+                                       size_t workspace_bytes, int device,
+                                       void* stream, char* error,
+                                       size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    std::string bad = CheckProjectionRows(rows);
+    if (bad.empty()) bad = CheckDevicePointer(weight, "weight", false);
+    if (bad.empty()) bad = CheckDevicePointer(bias, "bias", true);
+    if (bad.empty()) bad = CheckDevicePointer(workspace, "workspace", false);
+    if (bad.empty() &&
+        workspace_bytes < static_cast<size_t>(kTransposeBytes)) {
+      bad = absl::StrCat("workspace_bytes: need ", kTransposeBytes, ", got ",
+                         workspace_bytes);
+    }
+    if (bad.empty() && rows > 0) bad = CheckDevicePointer(x, "x", false);
+    if (bad.empty() && rows > 0) bad = CheckDevicePointer(y, "y", false);
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    if (rows == 0) return 0;
+    auto* weight_t = static_cast<float*>(workspace);
+    auto cuda_stream = static_cast<cudaStream_t>(stream);
+    absl::Status status = ProjectionCuda::LaunchTransposeWeight(
+        weight, weight_t, device, cuda_stream);
+    if (!status.ok()) return FailStatus(status, error, error_len);
+    auto projection = WrapProjection(weight, weight_t, bias, device);
+    if (!projection.ok()) {
+      return FailStatus(projection.status(), error, error_len);
+    }
+    status = (*projection)->Forward(x, rows, y, cuda_stream);
+    if (!status.ok()) return FailStatus(status, error, error_len);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int64_t detlogp_cuda_h3_projection_input_grad_workspace_bytes(int64_t rows) {
+  if (rows < 0) return -1;
+  return ProjectionCuda::InputGradWorkspaceBytes(rows);
+}
+
+int detlogp_cuda_h3_projection_input_grad(const float* dy, int64_t rows,
+                                          const float* weight, float* dx,
+                                          void* workspace,
+                                          size_t workspace_bytes, int device,
+                                          void* stream, char* error,
+                                          size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    std::string bad = CheckProjectionRows(rows);
+    if (bad.empty()) bad = CheckDevicePointer(weight, "weight", false);
+    if (bad.empty()) bad = CheckDevicePointer(workspace, "workspace", true);
+    const int64_t need = ProjectionCuda::InputGradWorkspaceBytes(rows);
+    if (bad.empty() && need > 0 &&
+        (workspace == nullptr ||
+         workspace_bytes < static_cast<size_t>(need))) {
+      bad = absl::StrCat("workspace_bytes: need ", need, " for ", rows,
+                         " rows, got ", workspace_bytes);
+    }
+    if (bad.empty() && rows > 0) bad = CheckDevicePointer(dy, "dy", false);
+    if (bad.empty() && rows > 0) bad = CheckDevicePointer(dx, "dx", false);
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    if (rows == 0) return 0;
+    auto projection = WrapProjection(weight, nullptr, nullptr, device);
+    if (!projection.ok()) {
+      return FailStatus(projection.status(), error, error_len);
+    }
+    const absl::Status status = (*projection)->InputGrad(
+        dy, rows, dx, need > 0 ? workspace : nullptr, need,
+        static_cast<cudaStream_t>(stream));
+    if (!status.ok()) return FailStatus(status, error, error_len);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int64_t detlogp_cuda_h3_projection_weight_grad_workspace_bytes(
+    int64_t rows, int64_t first_key) {
+  if (rows < 0 || first_key < 0 || first_key > INT64_MAX - rows) return -1;
+  return ProjectionCuda::WeightGradWorkspaceBytes(rows, first_key);
+}
+
+int detlogp_cuda_h3_projection_weight_grad(const float* dy, const float* x,
+                                           int64_t rows, int64_t first_key,
+                                           float* dweight, float* dbias,
+                                           void* workspace,
+                                           size_t workspace_bytes, int device,
+                                           void* stream, char* error,
+                                           size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    std::string bad = CheckProjectionRows(rows);
+    if (bad.empty() && (first_key < 0 || first_key > INT64_MAX - rows)) {
+      bad = absl::StrCat("first_key: must be >= 0, got ", first_key);
+    }
+    if (bad.empty()) bad = CheckDevicePointer(dweight, "dweight", false);
+    if (bad.empty()) bad = CheckDevicePointer(dbias, "dbias", true);
+    if (bad.empty()) bad = CheckDevicePointer(workspace, "workspace", true);
+    if (bad.empty() && rows > 0) bad = CheckDevicePointer(dy, "dy", false);
+    if (bad.empty() && rows > 0) bad = CheckDevicePointer(x, "x", false);
+    const int64_t need = bad.empty()
+                             ? ProjectionCuda::WeightGradWorkspaceBytes(
+                                   rows, first_key)
+                             : 0;
+    if (bad.empty() && need > 0 &&
+        (workspace == nullptr ||
+         workspace_bytes < static_cast<size_t>(need))) {
+      bad = absl::StrCat("workspace_bytes: need ", need, " for ", rows,
+                         " rows from key ", first_key, ", got ",
+                         workspace_bytes);
+    }
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    // dW/dbias read no weight; any non-null pointer satisfies Create.
+    auto projection = WrapProjection(dweight, nullptr, nullptr, device);
+    if (!projection.ok()) {
+      return FailStatus(projection.status(), error, error_len);
+    }
+    const absl::Status status = (*projection)->WeightGrad(
+        dy, x, rows, first_key, dweight, dbias, workspace,
+        static_cast<int64_t>(workspace_bytes),
+        static_cast<cudaStream_t>(stream));
+    if (!status.ok()) return FailStatus(status, error, error_len);
+    return 0;
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int detlogp_cuda_determinism_key(const uint16_t* weight,
+                                 int64_t padded_vocab_size,
+                                 int64_t hidden_size, const float* bias,
+                                 int64_t vocab_size, char* key,
+                                 size_t key_len, char* error,
+                                 size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    // server/backends/cuda_backend.cc's description: the architecture, not
+    // the device, names the arithmetic.
+    detlogp::capi::BackendIdentity cuda;
+    cuda.backend = "cuda";
+    cuda.instruction_set = "sm_90a";
+    cuda.kernel_version = LinearLogpCuda::KernelVersion();
+    return detlogp::capi::WriteDeterminismKey(cuda, weight, padded_vocab_size,
+                                              hidden_size, bias, vocab_size,
+                                              key, key_len, error, error_len);
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+}  // extern "C"
