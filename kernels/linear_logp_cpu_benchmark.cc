@@ -1,4 +1,6 @@
-// Google Benchmark for the CPU fused linear-logp: GFLOP/s counting 2*N*H*V.
+// Google Benchmark for the CPU fused linear-logp: GFLOP/s counting 2*N*H*V,
+// logp-only and with the extras (issue #11): BM_LinearLogpCpu/N/H/V/extras
+// with extras 0 = none, 1 = entropy, 2 = top_k 20, 3 = both.
 //   bazel run -c opt //kernels:linear_logp_cpu_benchmark
 #include <benchmark/benchmark.h>
 
@@ -26,8 +28,18 @@ void BM_LinearLogpCpu(benchmark::State& state) {
   for (int64_t r = 0; r < rows; ++r) targets[r] = static_cast<int32_t>((r * 7717) % vocab_size);
   std::vector<float> temperatures(rows, 1.0f), logprobs(rows), lse(rows);
   const LmHeadView head{hidden_size, vocab_size, vocab_size, weight.data(), bias.data()};
-  const LogpRowsView view{rows, hidden.data(), targets.data(), temperatures.data(),
-                          logprobs.data(), lse.data()};
+  LogpRowsView view{rows, hidden.data(), targets.data(), temperatures.data(),
+                    logprobs.data(), lse.data()};
+  const int64_t extras = state.range(3);
+  constexpr int32_t kTopK = 20;
+  std::vector<float> entropy(rows), top_logprobs(rows * kTopK);
+  std::vector<int32_t> top_ids(rows * kTopK);
+  if (extras & 1) view.entropy = entropy.data();
+  if (extras & 2) {
+    view.top_k = kTopK;
+    view.top_ids = top_ids.data();
+    view.top_logprobs = top_logprobs.data();
+  }
   ThreadPool pool(0);
   for (auto _ : state) {
     benchmark::DoNotOptimize(ComputeLinearLogpCpu(head, view, &pool));
@@ -41,10 +53,8 @@ void BM_LinearLogpCpu(benchmark::State& state) {
 }
 
 BENCHMARK(BM_LinearLogpCpu)
-    ->Args({1, 1024, 32000})
-    ->Args({16, 1024, 32000})
-    ->Args({64, 1024, 32000})
-    ->Args({256, 1024, 32000})
+    ->ArgsProduct({{1, 16, 64, 256}, {1024}, {32000}, {0, 1, 2, 3}})
+    ->ArgNames({"N", "H", "V", "extras"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
