@@ -1,0 +1,317 @@
+// Projection streaming without the compute: the real ProjectionService and
+// ProjectionScheduler over loopback, on a backend whose Run returns at once,
+// so what is measured is the transport path (the service's buffers and
+// writes, gRPC, the reader). Reports GB/s of Y per rows_per_chunk for one
+// stream and for several at once, and where each server stream's time went.
+//
+//   bazel run --config=nocuda //tools/bench:projection_stream --
+//     --rows=364608 --chunks=256,512,1024,2048 --streams=4 --reader=proto
+//
+// --reader=proto parses every chunk into a ProjectResponse (what
+// LogpClient::Project does); --reader=raw keeps gRPC's bytes (what
+// detlogp_cli project does) and only checks the chunk's row offset.
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/impl/codegen/sync_stream.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "detlogp/v1/detlogp.grpc.pb.h"
+#include "kernels/projection.h"
+#include "server/backends/projection_backend.h"
+#include "server/batching/projection_scheduler.h"
+#include "server/transport/projection_service.h"
+
+ABSL_FLAG(int64_t, rows, 364608, "Rows of X per stream (one H3 video).");
+ABSL_FLAG(std::string, chunks, "256,512,1024,2048", "rows_per_chunk values.");
+ABSL_FLAG(int, streams, 4, "Streams at once for the concurrent run (0: skip).");
+ABSL_FLAG(int64_t, concurrent_chunk, 512, "rows_per_chunk of the concurrent run.");
+ABSL_FLAG(std::string, reader, "proto", "proto or raw (see the file comment).");
+ABSL_FLAG(int64_t, max_stream_buffer_mb, -1,
+          "ProjectionServiceImpl::Options::max_stream_buffer_bytes in MiB "
+          "(-1: the default).");
+ABSL_FLAG(std::string, client_args, "",
+          "Integer channel arguments for the client, name=value,...");
+ABSL_FLAG(std::string, server_args, "",
+          "Integer channel arguments for the server, name=value,...");
+ABSL_FLAG(int, scheduler_threads, 2, "ProjectionScheduler::Options::num_threads.");
+
+namespace detlogp {
+namespace {
+
+using kernels::kProjectionInDim;
+using kernels::kProjectionOutDim;
+
+// Run returns at once; y holds a fixed pattern written once.
+class InstantProjectionBackend final : public server::ProjectionBackend {
+ public:
+  InstantProjectionBackend() { description_.name = "instant"; }
+  const server::BackendDescription& description() const override {
+    return description_;
+  }
+  absl::StatusOr<std::unique_ptr<server::ProjectionExecutor>> NewExecutor(
+      int64_t max_rows) override {
+    return std::unique_ptr<server::ProjectionExecutor>(new Executor(max_rows));
+  }
+
+ private:
+  class Executor final : public server::ProjectionExecutor {
+   public:
+    explicit Executor(int64_t rows)
+        : rows_(rows), x_(rows * kProjectionInDim), y_(rows * kProjectionOutDim) {
+      for (size_t i = 0; i < y_.size(); ++i) y_[i] = static_cast<float>(i % 977);
+    }
+    server::ProjectionStaging staging() override { return {rows_, x_.data(), y_.data()}; }
+    absl::Status Run(int64_t) override { return absl::OkStatus(); }
+
+   private:
+    int64_t rows_;
+    std::vector<float> x_, y_;
+  };
+  server::BackendDescription description_;
+};
+
+struct StreamResult {
+  double seconds = 0;
+  int64_t bytes = 0;
+  bool ok = false;
+  std::string error;
+};
+
+StreamResult RunStream(const std::shared_ptr<grpc::Channel>& channel,
+                       const std::string& request_bytes, int64_t rows,
+                       int64_t rows_per_chunk, bool raw) {
+  StreamResult result;
+  grpc::ClientContext context;
+  const absl::Time start = absl::Now();
+  int64_t next_row = 0;
+  if (raw) {
+    grpc::Slice slice(request_bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    const grpc::internal::RpcMethod method(
+        "/detlogp.v1.ProjectionService/Project",
+        grpc::internal::RpcMethod::SERVER_STREAMING, channel);
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+            channel.get(), method, &context, request));
+    grpc::ByteBuffer chunk;
+    while (reader->Read(&chunk)) {
+      result.bytes += static_cast<int64_t>(chunk.Length());
+      next_row += std::min(rows_per_chunk, rows - next_row);
+    }
+    const grpc::Status status = reader->Finish();
+    result.ok = status.ok();
+    result.error = status.error_message();
+  } else {
+    v1::ProjectRequest request;
+    request.ParseFromString(request_bytes);
+    auto stub = v1::ProjectionService::NewStub(channel);
+    auto reader = stub->Project(&context, request);
+    v1::ProjectResponse chunk;
+    while (reader->Read(&chunk)) {
+      if (chunk.row_offset() != next_row) {
+        result.error = "out of order";
+        context.TryCancel();
+        break;
+      }
+      next_row += chunk.y().shape(0);
+      result.bytes += static_cast<int64_t>(chunk.y().data().size());
+    }
+    const grpc::Status status = reader->Finish();
+    result.ok = status.ok() && result.error.empty();
+    if (!status.ok()) result.error = status.error_message();
+  }
+  if (next_row != rows && result.ok) {
+    result.ok = false;
+    result.error = absl::StrCat("ended at row ", next_row);
+  }
+  result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  return result;
+}
+
+// name=value,... of integer channel arguments.
+std::vector<std::pair<std::string, int>> IntArgs(const std::string& text) {
+  std::vector<std::pair<std::string, int>> args;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(item, '=');
+    int value = 0;
+    if (!absl::SimpleAtoi(kv.second, &value)) {
+      std::fprintf(stderr, "bad channel argument %s\n", std::string(item).c_str());
+      std::exit(2);
+    }
+    args.emplace_back(kv.first, value);
+  }
+  return args;
+}
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& target, int index) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  args.SetMaxSendMessageSize(-1);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection each,
+  args.SetInt("detlogp.bench.channel", index);         // as separate CLIs
+  for (const auto& [name, value] : IntArgs(absl::GetFlag(FLAGS_client_args))) {
+    args.SetInt(name, value);
+  }
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+#ifndef DETLOGP_BENCH_OLD_SERVICE
+// Sums of the service's per-stream timings since the last Take().
+class TimingSink {
+ public:
+  void Add(const server::ProjectionServiceImpl::StreamTimings& t) {
+    absl::MutexLock lock(&mu_);
+    sum_.chunks += t.chunks;
+    sum_.write_seconds += t.write_seconds;
+    sum_.start_write_seconds += t.start_write_seconds;
+    sum_.waited_for_compute_seconds += t.waited_for_compute_seconds;
+    sum_.most_chunks_buffered = std::max(sum_.most_chunks_buffered, t.most_chunks_buffered);
+    sum_.buffers_allocated += t.buffers_allocated;
+    ++streams_;
+  }
+  std::string Take() {
+    absl::MutexLock lock(&mu_);
+    std::string line = absl::StrCat(
+        "server, summed over ", streams_, " streams: chunks ", sum_.chunks,
+        ", StartWrite s ", absl::SixDigits(sum_.start_write_seconds),
+        ", write in flight s ", absl::SixDigits(sum_.write_seconds),
+        ", no write, next chunk not computed s ",
+        absl::SixDigits(sum_.waited_for_compute_seconds),
+        ", most chunks buffered in a stream ", sum_.most_chunks_buffered,
+        ", chunk buffers allocated ", sum_.buffers_allocated);
+    sum_ = {};
+    streams_ = 0;
+    return line;
+  }
+
+ private:
+  absl::Mutex mu_;
+  server::ProjectionServiceImpl::StreamTimings sum_ ABSL_GUARDED_BY(mu_);
+  int streams_ ABSL_GUARDED_BY(mu_) = 0;
+};
+#else
+struct TimingSink {
+  std::string Take() { return ""; }
+};
+#endif
+
+int Main() {
+  const int64_t rows = absl::GetFlag(FLAGS_rows);
+  const bool raw = absl::GetFlag(FLAGS_reader) == "raw";
+  std::vector<int64_t> chunk_sizes;
+  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_chunks), ',')) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(s, &v) || v <= 0) {
+      std::fprintf(stderr, "bad --chunks\n");
+      return 2;
+    }
+    chunk_sizes.push_back(v);
+  }
+  int64_t max_chunk = absl::GetFlag(FLAGS_concurrent_chunk);
+  for (int64_t c : chunk_sizes) max_chunk = std::max(max_chunk, c);
+
+  InstantProjectionBackend backend;
+  server::ProjectionScheduler::Options scheduler_options;
+  scheduler_options.max_launch_rows = max_chunk;
+  scheduler_options.num_threads = absl::GetFlag(FLAGS_scheduler_threads);
+  auto scheduler = *server::ProjectionScheduler::Create(scheduler_options, &backend);
+  TimingSink timings;
+  server::ProjectionServiceImpl::Options service_options;
+  service_options.determinism_key = "bench";
+#ifndef DETLOGP_BENCH_OLD_SERVICE
+  if (absl::GetFlag(FLAGS_max_stream_buffer_mb) >= 0) {
+    service_options.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_mb) << 20;
+  }
+  service_options.on_stream_timings =
+      [&](const server::ProjectionServiceImpl::StreamTimings& t) { timings.Add(t); };
+#endif
+  server::ProjectionServiceImpl service(service_options, scheduler.get());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  for (const auto& [name, value] : IntArgs(absl::GetFlag(FLAGS_server_args))) {
+    builder.AddChannelArgument(name, value);
+  }
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  const std::string target = absl::StrCat("127.0.0.1:", port);
+
+  std::vector<float> x(rows * kProjectionInDim, 0.5f);
+  v1::ProjectRequest request;
+  request.set_request_id("bench");
+  request.mutable_x()->set_dtype(v1::DTYPE_FLOAT32);
+  request.mutable_x()->add_shape(rows);
+  request.mutable_x()->add_shape(kProjectionInDim);
+  request.mutable_x()->set_data(x.data(), x.size() * sizeof(float));
+  const double output_gb = rows * kProjectionOutDim * 4.0 / 1e9;
+
+  std::printf("rows %lld (%.2f GB of Y per stream), reader %s\n",
+              static_cast<long long>(rows), output_gb, raw ? "raw" : "proto");
+  for (int64_t chunk : chunk_sizes) {
+    request.set_rows_per_chunk(chunk);
+    const StreamResult r =
+        RunStream(NewChannel(target, 0), request.SerializeAsString(), rows, chunk, raw);
+    if (!r.ok) {
+      std::printf("rows_per_chunk %lld failed: %s\n", static_cast<long long>(chunk),
+                  r.error.c_str());
+      return 1;
+    }
+    absl::SleepFor(absl::Milliseconds(50));  // the stream's timings arrive in OnDone
+    std::printf("one stream, rows_per_chunk %5lld: %.3f s, %.2f GB/s\n  %s\n",
+                static_cast<long long>(chunk), r.seconds, output_gb / r.seconds,
+                timings.Take().c_str());
+    std::fflush(stdout);
+  }
+  const int streams = absl::GetFlag(FLAGS_streams);
+  if (streams > 0) {
+    request.set_rows_per_chunk(absl::GetFlag(FLAGS_concurrent_chunk));
+    const std::string bytes = request.SerializeAsString();
+    std::vector<StreamResult> results(streams);
+    std::vector<std::thread> threads;
+    const absl::Time start = absl::Now();
+    for (int i = 0; i < streams; ++i) {
+      threads.emplace_back([&, i] {
+        results[i] = RunStream(NewChannel(target, i + 1), bytes, rows,
+                               absl::GetFlag(FLAGS_concurrent_chunk), raw);
+      });
+    }
+    for (auto& t : threads) t.join();
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    absl::SleepFor(absl::Milliseconds(50));
+    for (const StreamResult& r : results) {
+      if (!r.ok) {
+        std::printf("concurrent stream failed: %s\n", r.error.c_str());
+        return 1;
+      }
+    }
+    std::printf("%d streams, rows_per_chunk %lld: %.3f s, %.2f GB/s in total\n  %s\n",
+                streams, static_cast<long long>(absl::GetFlag(FLAGS_concurrent_chunk)),
+                seconds, streams * output_gb / seconds, timings.Take().c_str());
+  }
+  server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  scheduler->Stop();
+  return 0;
+}
+
+}  // namespace
+}  // namespace detlogp
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return detlogp::Main();
+}
