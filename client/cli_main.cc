@@ -70,6 +70,9 @@ ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
           "project: MiB of Y at most waiting for SHA-256 (hashed on its own "
           "thread); past it the stream waits, and the wait is reported.");
+ABSL_FLAG(bool, hash_y, true,
+          "project: SHA-256 Y's bits. --nohash_y measures the stream alone "
+          "(y_sha256 prints as -; each chunk's buffer is reused at once).");
 ABSL_FLAG(int, probes, 16, "check-invariance: probe rows.");
 ABSL_FLAG(int, concurrency, 32, "check-invariance: concurrent client threads.");
 ABSL_FLAG(int, calls_per_thread, 4, "check-invariance: calls per thread.");
@@ -340,16 +343,17 @@ int Project() {
   for (float& v : x) v = random.Next(1.0f);
   const int64_t backlog_mb = std::max<int64_t>(0, absl::GetFlag(FLAGS_hash_backlog_mb));
   ChunkHasher hasher(static_cast<size_t>(backlog_mb) << 20);
+  const bool hash_y = absl::GetFlag(FLAGS_hash_y);
   absl::Duration first_chunk = absl::InfiniteDuration();
   const absl::Time start = absl::Now();
   auto result = (*client)->Project(
       x, rows, absl::GetFlag(FLAGS_rows_per_chunk), /*keep_output=*/false,
       [&](detlogp::v1::ProjectResponse& chunk) {
         if (first_chunk == absl::InfiniteDuration()) first_chunk = absl::Now() - start;
-        hasher.Add(chunk.mutable_y()->mutable_data());
+        if (hash_y) hasher.Add(chunk.mutable_y()->mutable_data());
       });
   const double transfer = absl::ToDoubleSeconds(absl::Now() - start);
-  const std::string y_sha256 = hasher.Finish();
+  const std::string y_sha256 = hash_y ? hasher.Finish() : "-";
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!result.ok()) return Fail(result.status());
   const double output_bytes = rows * 5376.0 * 4;
