@@ -42,7 +42,7 @@ bool StartsWithField(const std::string& message) {
   static const char* kFields[] = {"hidden.dtype:", "hidden.shape:",
                                   "hidden.shape[0]:", "hidden.shape[1]:",
                                   "hidden.data:", "target_ids:", "target_ids[",
-                                  "temperature:"};
+                                  "temperature:", "top_k:"};
   for (const char* field : kFields) {
     if (message.rfind(field, 0) == 0) return true;
   }
