@@ -496,3 +496,22 @@ def test_loadgen_mixed_extras_keep_solo_bits(server, model):
     assert s["rows_checked_by_output"]["entropy"] > 0
     assert s["rows_checked_by_output"]["top_k"] > 0
     assert len(s["requests_by_extras"]) > 4
+
+
+def test_console_score_prints_entropy_and_top_k(server, capsys):
+    import json
+
+    from detlogp import cli
+
+    assert cli.main(["--target", server.target, "--json", "score", "--rows", "3",
+                     "--entropy", "--top-k", "4"]) in (0, None)
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["entropy"] > 0 and len(row["top_ids"]) == 4
+        assert row["top_logprobs"] == sorted(row["top_logprobs"], reverse=True)
+    assert cli.main(["--target", server.target, "--json", "score", "--rows", "3"]) in (0, None)
+    plain = json.loads(capsys.readouterr().out)["rows"]
+    for row, with_extras in zip(plain, rows):
+        assert "entropy" not in row and "top_ids" not in row
+        assert row["logprob"] == with_extras["logprob"]
