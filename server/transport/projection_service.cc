@@ -251,7 +251,6 @@ class ProjectionServiceImpl::ProjectCall final
     slot->computing = true;
     int64_t buffered = 0;
     for (const Slot& s : slots_) buffered += s.computing || s.ready ? 1 : 0;
-    buffered += writing_ ? 1 : 0;
     timings_.most_chunks_buffered = std::max(timings_.most_chunks_buffered, buffered);
     ProjectionScheduler::Chunk work;
     work.x = reinterpret_cast<const float*>(request_.x().data().data()) +
