@@ -1,0 +1,478 @@
+"""The trainer's twin: the served kernels as PyTorch ops with autograd
+(issue #14).
+
+    linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
+                vocab_size=None, return_lse=False, return_entropy=False)
+    h3_projection(x, weight, bias=None)
+
+are `torch.library` custom ops (detlogp::linear_logp, detlogp::h3_projection)
+with fake (meta) implementations, so they work under torch.compile and CUDA
+graphs, and autograd through `register_autograd`. Forward bits are the
+server's: on CUDA tensors the sm_90a kernels (the CUDA server's bits, run on
+the current stream, workspace from PyTorch's caching allocator, the weight
+read in place), on CPU tensors the CPU kernels (the CPU server's bits).
+
+Dtypes:
+  * CUDA: weight bfloat16 (never copied: convert it once, outside the loop),
+    hidden bfloat16 or float32 (float32 is rounded to bf16 as the server
+    rounds fp32 input: a copy of hidden, not of the weight), bias float32.
+  * CPU: bfloat16 or float32 (rounded to bf16 as on CUDA) through the CPU
+    library; or float64 for every floating input, which selects a float64
+    reference (chunked log-softmax in float64, no bf16 rounding): not the
+    served bits, but what `torch.autograd.gradcheck` needs to check the
+    backward. Results are float32, or float64 on the float64 path.
+
+linear_logp's backward is correct, deterministic and memory-bounded, not yet
+fast: the logits are recomputed from the saved per-row lse in tiles of rows x
+vocabulary (float32 arithmetic on the bf16-rounded inputs with TF32 off;
+float64 on the float64 path), two passes (one for d hidden, one for d weight
+and d bias, each accumulating in float32 over one tile dimension), so the
+[N, V] logits never exist and the extra memory stays under
+BACKWARD_BUDGET_BYTES (default 512 MiB) at any N. Gradients flow from
+logprobs, lse and entropy; float32 hidden/weight get the gradient of the
+rounded values (straight through the bf16 rounding). Row gradients of
+targets outside [0, vocab_size) are NaN, as their forward values.
+
+h3_projection's backward is the batch-invariant dX and dW/dbias kernels
+(kernels/cuda/projection_cuda.h on CUDA, kernels/projection_grad.h on the
+CPU; equal bits), rows keyed 0..R-1 in batch order.
+"""
+import contextlib
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from detlogp import ops
+
+__all__ = ["linear_logp", "h3_projection", "BACKWARD_BUDGET_BYTES"]
+
+# Extra memory the chunked linear-logp backward may use (tiles and their
+# float32 accumulators), in bytes.
+BACKWARD_BUDGET_BYTES = 512 << 20
+
+_FLOAT64 = torch.float64
+
+
+# ------------------------------------------------------------------ helpers
+def _bf16_bits_numpy(tensor):
+    """A CPU tensor's values as bf16 bits (uint16 numpy, no copy for bf16)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
+    return tensor.detach().contiguous().numpy()  # float32: rounded by ops
+
+
+def _rounded(tensor):
+    """The values the kernels see: bf16-rounded, widened to float32 (float64
+    tensors stay as they are: the reference path)."""
+    if tensor.dtype == _FLOAT64:
+        return tensor
+    return tensor.to(torch.bfloat16).to(torch.float32)
+
+
+@contextlib.contextmanager
+def _ieee_fp32_matmul(device):
+    """float32 matmuls in full float32 (no TF32) inside the block."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = saved
+
+
+def _check_linear_logp(hidden, weight, targets, bias, temperature, vocab_size):
+    """Inputs checked in one place; messages name the argument."""
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError("hidden and weight must be torch tensors (detlogp.ops takes "
+                        "numpy arrays)")
+    device = weight.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"weight: on {device}; only CPU and CUDA are supported")
+    for name, tensor in (("hidden", hidden), ("targets", targets), ("bias", bias),
+                         ("temperature", temperature)):
+        if tensor is not None and tensor.device != device:
+            raise ValueError(f"{name}: on {tensor.device}, weight on {device} "
+                             "(no hidden copies are made)")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [V_pad, H], got shape {tuple(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight: not contiguous (it is never copied; pass a "
+                         "contiguous [V_pad, H] tensor)")
+    padded, hidden_size = weight.shape
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ValueError(f"hidden: expected [N, {hidden_size}] (the weight's H), got "
+                         f"shape {tuple(hidden.shape)}")
+    float64 = weight.dtype == _FLOAT64
+    allowed = ((_FLOAT64,) if float64 else
+               (torch.bfloat16,) if device.type == "cuda" else
+               (torch.bfloat16, torch.float32))
+    if weight.dtype not in allowed:
+        raise TypeError(f"weight: dtype {weight.dtype}; expected one of {allowed} "
+                        f"on {device.type} (float64 everywhere selects the CPU "
+                        "float64 reference)")
+    hidden_allowed = (_FLOAT64,) if float64 else (torch.bfloat16, torch.float32)
+    if hidden.dtype not in hidden_allowed:
+        raise TypeError(f"hidden: dtype {hidden.dtype}; expected one of {hidden_allowed}"
+                        f" with a {weight.dtype} weight")
+    if float64 and device.type != "cpu":
+        raise TypeError("float64 inputs select the CPU reference path: CPU tensors only")
+    if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"targets: expected shape ({hidden.shape[0]},), got "
+                         f"{tuple(targets.shape)}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"targets: dtype {targets.dtype} is not int32 or int64")
+    if bias is not None:
+        want = _FLOAT64 if float64 else torch.float32
+        if bias.dtype != want or tuple(bias.shape) != (padded,):
+            raise ValueError(f"bias: expected {want} of shape ({padded},), got "
+                             f"{bias.dtype} {tuple(bias.shape)}")
+    if temperature.dim() != 1 or temperature.shape[0] != hidden.shape[0]:
+        raise ValueError(f"temperature: expected shape ({hidden.shape[0]},), got "
+                         f"{tuple(temperature.shape)}")
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size: must be in [1, {padded}] (the weight's rows), "
+                         f"got {vocab_size}")
+
+
+def _out_dtype(weight):
+    return _FLOAT64 if weight.dtype == _FLOAT64 else torch.float32
+
+
+# ------------------------------------------------------------------ linear_logp
+@torch.library.custom_op("detlogp::linear_logp", mutates_args=())
+def _linear_logp_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    bias: Optional[torch.Tensor], temperature: torch.Tensor,
+                    vocab_size: int, return_entropy: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_linear_logp(hidden, weight, targets, bias, temperature, vocab_size)
+    rows = hidden.shape[0]
+    if weight.device.type == "cuda":
+        h, w, t, b, temps, vocab = ops._cuda_prepare_linear_logp(
+            hidden, weight, targets, bias, temperature, vocab_size)
+        with torch.cuda.device(weight.device):
+            logp, lse, entropy = ops.cuda_linear_logp(h, w, t, temps, b, vocab,
+                                                      return_entropy)
+        if entropy is None:
+            entropy = logp.new_empty((0,))
+        return logp, lse, entropy
+    if weight.dtype == _FLOAT64:
+        return _reference_linear_logp(hidden, weight, targets, bias, temperature,
+                                      vocab_size, return_entropy)
+    # CPU kernels through the CPU library; invalid targets give NaN as on CUDA.
+    valid = (targets >= 0) & (targets < vocab_size)
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+    out = ops.linear_logp(
+        _bf16_bits_numpy(hidden), _bf16_bits_numpy(weight),
+        safe_targets.detach().numpy(),
+        None if bias is None else bias.detach().contiguous().numpy(),
+        temperature.detach().to(torch.float32).contiguous().numpy(),
+        vocab_size=vocab_size, return_lse=True, return_entropy=return_entropy)
+    logp = torch.from_numpy(out[0])
+    logp = torch.where(valid, logp, torch.full_like(logp, float("nan")))
+    lse = torch.from_numpy(out[1])
+    entropy = torch.from_numpy(out[2]) if return_entropy else logp.new_empty((0,))
+    del rows
+    return logp, lse, entropy
+
+
+@_linear_logp_op.register_fake
+def _(hidden, weight, targets, bias, temperature, vocab_size, return_entropy):
+    rows = hidden.shape[0]
+    dtype = _out_dtype(weight)
+    return (hidden.new_empty((rows,), dtype=dtype), hidden.new_empty((rows,), dtype=dtype),
+            hidden.new_empty((rows if return_entropy else 0,), dtype=dtype))
+
+
+def _row_chunk(rows, hidden_size, vocab, budget_bytes):
+    """Tile edge C (rows and vocabulary) so that the tiles and accumulators of
+    one step fit the budget: ~ 4 bytes x (3 H C + 6 C^2) (the caller halves
+    the budget for float64)."""
+    budget = max(int(budget_bytes), 1 << 20)
+    c = (-3 * hidden_size + math.sqrt(9 * hidden_size ** 2 + 24 * budget / 4.0)) / 12
+    return max(1, min(int(c), 8192))
+
+
+def _reference_linear_logp(hidden, weight, targets, bias, temperature, vocab_size,
+                           return_entropy):
+    """float64 forward (the gradcheck path): chunked over rows."""
+    rows = hidden.shape[0]
+    logp = hidden.new_empty((rows,))
+    lse = hidden.new_empty((rows,))
+    entropy = hidden.new_empty((rows if return_entropy else 0,))
+    w = weight[:vocab_size]
+    chunk = _row_chunk(rows, weight.shape[1], vocab_size, BACKWARD_BUDGET_BYTES)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        z = hidden[r0:r1] @ w.T
+        if bias is not None:
+            z = z + bias[:vocab_size]
+        z = z / temperature[r0:r1, None]
+        row_lse = torch.logsumexp(z, dim=1)
+        lse[r0:r1] = row_lse
+        t = targets[r0:r1].long()
+        valid = (t >= 0) & (t < vocab_size)
+        picked = z.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
+        logp[r0:r1] = torch.where(valid, picked - row_lse,
+                                  torch.full_like(row_lse, float("nan")))
+        if return_entropy:
+            logq = z - row_lse[:, None]
+            entropy[r0:r1] = -(logq.exp() * logq).sum(dim=1)
+    return logp, lse, entropy
+
+
+def _tile_grad(h, w, b, temps, lse, targets, g_logp, g_lse, g_ent, ent, v0):
+    """d loss / d (h . w^T + b) for one tile of rows x vocabulary [v0, v0 +
+    len(w)), from the saved lse: float32 (float64 on the reference path)."""
+    z = h @ w.T
+    if b is not None:
+        z = z + b
+    z = z / temps[:, None]
+    logq = z - lse[:, None]
+    p = logq.exp()
+    coef = g_lse - g_logp  # d/dz of lse and of -lse in logp
+    g = p * coef[:, None]
+    if g_ent is not None:
+        # entropy = -sum p log p: d/dz_v = -p_v (log p_v + entropy)
+        g = g - g_ent[:, None] * p * (logq + ent[:, None])
+    # + g_logp at the target's column, for rows whose target is in the tile
+    # (no host sync: rows outside add 0 at column 0).
+    local = targets.long() - v0
+    inside = (local >= 0) & (local < w.shape[0])
+    g.scatter_add_(1, torch.where(inside, local, 0)[:, None],
+                   torch.where(inside, g_logp, 0)[:, None])
+    return g / temps[:, None]
+
+
+def _linear_logp_backward_impl(hidden, weight, targets, bias, temperature, vocab_size,
+                               lse, entropy, g_logp, g_lse, g_ent, need_hidden,
+                               need_weight, need_bias, budget_bytes):
+    float64 = weight.dtype == _FLOAT64
+    acc_dtype = _FLOAT64 if float64 else torch.float32
+    rows, hidden_size = hidden.shape
+    padded = weight.shape[0]
+    device = weight.device
+    # Rows whose target is invalid have NaN forward values; their
+    # gradients are NaN too (as the forward), never silently zero.
+    g_logp = (torch.zeros(rows, dtype=acc_dtype, device=device) if g_logp is None
+              else g_logp.to(acc_dtype))
+    g_lse = (torch.zeros(rows, dtype=acc_dtype, device=device) if g_lse is None
+             else g_lse.to(acc_dtype))
+    if g_ent is not None:
+        g_ent = g_ent.to(acc_dtype)
+        entropy = entropy.to(acc_dtype)
+    temps = temperature.to(acc_dtype)
+    lse = lse.to(acc_dtype)
+    chunk = _row_chunk(rows, hidden_size, vocab_size,
+                       budget_bytes / (2 if float64 else 1))
+    d_hidden = d_weight = d_bias = None
+
+    def bias_tile(v0, v1):
+        return None if bias is None else bias[v0:v1].to(acc_dtype)
+
+    with _ieee_fp32_matmul(device):
+        if need_hidden:
+            d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device)
+            for r0 in range(0, rows, chunk):
+                r1 = min(rows, r0 + chunk)
+                h = _rounded(hidden[r0:r1])
+                acc = torch.zeros((r1 - r0, hidden_size), dtype=acc_dtype, device=device)
+                for v0 in range(0, vocab_size, chunk):
+                    v1 = min(vocab_size, v0 + chunk)
+                    w = _rounded(weight[v0:v1])
+                    g = _tile_grad(h, w, bias_tile(v0, v1), temps[r0:r1], lse[r0:r1],
+                                   targets[r0:r1], g_logp[r0:r1], g_lse[r0:r1],
+                                   None if g_ent is None else g_ent[r0:r1],
+                                   None if g_ent is None else entropy[r0:r1], v0)
+                    acc.addmm_(g, w)
+                d_hidden[r0:r1] = acc.to(hidden.dtype)
+        if need_weight or need_bias:
+            if need_weight:
+                d_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=device)
+            if need_bias:
+                d_bias = torch.zeros((padded,), dtype=bias.dtype, device=device)
+            for v0 in range(0, vocab_size, chunk):
+                v1 = min(vocab_size, v0 + chunk)
+                w = _rounded(weight[v0:v1])
+                acc_w = (torch.zeros((v1 - v0, hidden_size), dtype=acc_dtype,
+                                     device=device) if need_weight else None)
+                acc_b = (torch.zeros((v1 - v0,), dtype=acc_dtype, device=device)
+                         if need_bias else None)
+                for r0 in range(0, rows, chunk):
+                    r1 = min(rows, r0 + chunk)
+                    h = _rounded(hidden[r0:r1])
+                    g = _tile_grad(h, w, bias_tile(v0, v1), temps[r0:r1], lse[r0:r1],
+                                   targets[r0:r1], g_logp[r0:r1], g_lse[r0:r1],
+                                   None if g_ent is None else g_ent[r0:r1],
+                                   None if g_ent is None else entropy[r0:r1], v0)
+                    if acc_w is not None:
+                        acc_w.addmm_(g.T, h)
+                    if acc_b is not None:
+                        acc_b += g.sum(dim=0)
+                if need_weight:
+                    d_weight[v0:v1] = acc_w.to(weight.dtype)
+                if need_bias:
+                    d_bias[v0:v1] = acc_b.to(bias.dtype)
+    return d_hidden, d_weight, d_bias
+
+
+def _setup_linear_logp(ctx, inputs, output):
+    hidden, weight, targets, bias, temperature, vocab_size, return_entropy = inputs
+    _, lse, entropy = output
+    ctx.save_for_backward(hidden, weight, targets, bias, temperature, lse, entropy)
+    ctx.vocab_size = vocab_size
+    ctx.return_entropy = return_entropy
+
+
+def _backward_linear_logp(ctx, g_logp, g_lse, g_ent):
+    hidden, weight, targets, bias, temperature, lse, entropy = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if not ctx.return_entropy or g_ent is None or g_ent.numel() == 0:
+        g_ent = None
+    d_hidden, d_weight, d_bias = _linear_logp_backward_impl(
+        hidden, weight, targets, bias, temperature, ctx.vocab_size, lse, entropy,
+        g_logp, g_lse, g_ent, need[0], need[1], bias is not None and need[3],
+        BACKWARD_BUDGET_BYTES)
+    return d_hidden, d_weight, None, d_bias, None, None, None
+
+
+_linear_logp_op.register_autograd(_backward_linear_logp,
+                                  setup_context=_setup_linear_logp)
+
+
+def linear_logp(hidden, weight, targets, bias=None, temperature=1.0, vocab_size=None,
+                return_lse=False, return_entropy=False):
+    """log p(targets[r]) under softmax((hidden[r] . W^T + bias) / temperature)
+    over the first vocab_size rows of W, with the server's bits (see the
+    module docstring for devices and dtypes) and autograd for hidden, weight
+    and bias. temperature: a float or a [N] tensor. Returns logprobs [N], or
+    a tuple (logprobs, lse, entropy) of those asked for, in that order."""
+    if not isinstance(targets, torch.Tensor):
+        targets = torch.as_tensor(np.asarray(targets), device=weight.device)
+    out_dtype = _out_dtype(weight)
+    if isinstance(temperature, torch.Tensor):
+        temps = temperature.to(dtype=out_dtype)
+        if temps.dim() == 0:
+            temps = temps.expand(hidden.shape[0])
+        temps = temps.contiguous()
+    else:
+        value = float(temperature)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"temperature: {value} is not finite and positive")
+        temps = torch.full((hidden.shape[0],), value, dtype=out_dtype,
+                           device=weight.device)
+    vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
+    logp, lse, entropy = _linear_logp_op(hidden, weight, targets, bias, temps, vocab,
+                                         bool(return_entropy))
+    return ops._pack(logp, lse, entropy, return_lse, return_entropy)
+
+
+# ------------------------------------------------------------------ H3 projection
+def _check_projection(x, weight, bias):
+    device = weight.device
+    float64 = weight.dtype == _FLOAT64
+    want = _FLOAT64 if float64 else torch.float32
+    if float64 and device.type != "cpu":
+        raise TypeError("float64 inputs select the CPU reference path: CPU tensors only")
+    for name, tensor, shape in (("x", x, None),
+                                ("weight", weight, (ops.H3_OUT_DIM, ops.H3_IN_DIM)),
+                                ("bias", bias, (ops.H3_OUT_DIM,))):
+        if tensor is None:
+            continue
+        if tensor.dtype != want:
+            raise TypeError(f"{name}: dtype {tensor.dtype}, expected {want}")
+        if tensor.device != device:
+            raise ValueError(f"{name}: on {tensor.device}, weight on {device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: not contiguous (no hidden copies are made)")
+        if shape is not None and tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
+    if x.dim() != 2 or x.shape[1] != ops.H3_IN_DIM:
+        raise ValueError(f"x: expected [R, {ops.H3_IN_DIM}], got {tuple(x.shape)}")
+
+
+@torch.library.custom_op("detlogp::h3_projection", mutates_args=())
+def _h3_projection_op(x: torch.Tensor, weight: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    _check_projection(x, weight, bias)
+    if weight.device.type == "cuda":
+        with torch.cuda.device(weight.device):
+            return ops.cuda_h3_projection(x, weight, bias)
+    if weight.dtype == _FLOAT64:
+        y = x @ weight.T
+        return y + bias if bias is not None else y
+    return torch.from_numpy(ops.h3_projection(
+        x.detach().numpy(), weight.detach().numpy(),
+        None if bias is None else bias.detach().numpy()))
+
+
+@_h3_projection_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], ops.H3_OUT_DIM))
+
+
+@torch.library.custom_op("detlogp::h3_projection_input_grad", mutates_args=())
+def _h3_input_grad_op(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if weight.device.type == "cuda":
+        with torch.cuda.device(weight.device):
+            return ops.cuda_h3_projection_input_grad(dy.contiguous(), weight)
+    if weight.dtype == _FLOAT64:
+        return dy @ weight
+    return torch.from_numpy(ops.cpu_h3_projection_input_grad(
+        dy.detach().contiguous().numpy(), weight.detach().numpy()))
+
+
+@_h3_input_grad_op.register_fake
+def _(dy, weight):
+    return dy.new_empty((dy.shape[0], ops.H3_IN_DIM))
+
+
+@torch.library.custom_op("detlogp::h3_projection_weight_grad", mutates_args=())
+def _h3_weight_grad_op(dy: torch.Tensor, x: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    if x.device.type == "cuda":
+        with torch.cuda.device(x.device):
+            return ops.cuda_h3_projection_weight_grad(dy.contiguous(), x, True)
+    if x.dtype == _FLOAT64:
+        return dy.T @ x, dy.sum(dim=0)
+    dweight, dbias = ops.cpu_h3_projection_weight_grad(
+        dy.detach().contiguous().numpy(), x.detach().numpy(), True)
+    return torch.from_numpy(dweight), torch.from_numpy(dbias)
+
+
+@_h3_weight_grad_op.register_fake
+def _(dy, x):
+    return (x.new_empty((ops.H3_OUT_DIM, ops.H3_IN_DIM)),
+            x.new_empty((ops.H3_OUT_DIM,)))
+
+
+def _setup_projection(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward_projection(ctx, dy):
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    dx = _h3_input_grad_op(dy, weight) if need_x else None
+    dweight = dbias = None
+    if need_w or (need_b and ctx.has_bias):
+        dweight, dbias = _h3_weight_grad_op(dy, x)
+    return dx, dweight if need_w else None, dbias if (need_b and ctx.has_bias) else None
+
+
+_h3_projection_op.register_autograd(_backward_projection,
+                                    setup_context=_setup_projection)
+
+
+def h3_projection(x, weight, bias=None):
+    """Y [R, 5376] = x [R, 96] . weight^T + bias: the server's Project bits
+    (equal on CPU and CUDA; float32, or float64 on the CPU reference path),
+    with autograd through the batch-invariant dX/dW/dbias kernels."""
+    return _h3_projection_op(x, weight, bias)
