@@ -193,7 +193,7 @@ def _row_chunk(rows, hidden_size, vocab, budget_bytes):
     """Tile edge C (rows and vocabulary) so that the tiles and accumulators of
     one step fit the budget: ~ 4 bytes x (3 H C + 6 C^2) (the caller halves
     the budget for float64)."""
-    budget = max(int(budget_bytes), 1 << 20)
+    budget = max(int(budget_bytes), 1 << 12)
     c = (-3 * hidden_size + math.sqrt(9 * hidden_size ** 2 + 24 * budget / 4.0)) / 12
     return max(1, min(int(c), 8192))
 
