@@ -5,6 +5,7 @@
 //   detlogp_cli score --hidden=rows.npy --targets=targets.npy --return_lse
 //   detlogp_cli score --random_rows=4 --entropy --top_k=5
 //   detlogp_cli check-invariance --probes=16 --concurrency=32 [--model=policy]
+//       [--entropy --top_k=20]
 //   detlogp_cli project --project_rows=4096
 //
 // Model versions (ModelRepositoryService; --admin_token_file when the server
@@ -60,11 +61,13 @@ ABSL_FLAG(uint64_t, seed, 1, "Seed for random rows.");
 ABSL_FLAG(float, temperature, 1.0f, "Softmax temperature (0 means 1).");
 ABSL_FLAG(bool, return_lse, false, "score: print logsumexp too.");
 ABSL_FLAG(bool, entropy, false,
-          "score: print each row's entropy (nats) too (\"entropy E\").");
+          "score: print each row's entropy (nats) too (\"entropy E\"). "
+          "check-invariance: half the mixed calls ask for it, checked too.");
 ABSL_FLAG(int64_t, top_k, 0,
           "score: print each row's top_k most likely tokens too, in descending "
           "log-prob order (\"top_ids i,j,... top_logprobs a,b,...\"); 0: none, at "
-          "most the server's --max_top_k.");
+          "most the server's --max_top_k. check-invariance: half the mixed calls "
+          "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
@@ -384,6 +387,8 @@ int CheckInvariance() {
   options.seed = absl::GetFlag(FLAGS_seed);
   options.model = absl::GetFlag(FLAGS_model);
   options.model_version = absl::GetFlag(FLAGS_model_version);
+  options.entropy = absl::GetFlag(FLAGS_entropy);
+  options.top_k = absl::GetFlag(FLAGS_top_k);
   auto report = detlogp::client::CheckInvariance(options);
   if (!report.ok()) return Fail(report.status());
   std::cout << report->Summary() << "\n";

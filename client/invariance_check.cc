@@ -15,8 +15,11 @@ namespace detlogp::client {
 namespace {
 
 struct ProbeAnswer {
-  float logprob;
-  float lse;
+  float logprob = 0;
+  float lse = 0;
+  float entropy = 0;                // when options.entropy
+  std::vector<int64_t> top_ids;     // options.top_k of them
+  std::vector<float> top_logprobs;
 };
 
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof(a)) == 0; }
@@ -54,10 +57,20 @@ MixedCall MakeMixedCall(const std::string& probe_data,
       call.probe_at_row.push_back(-1);
     }
   }
+  LogProbOptions request_options;
+  request_options.temperature = options.temperature;
+  request_options.return_lse = true;
+  request_options.return_entropy =
+      options.entropy && std::bernoulli_distribution(0.5)(rng);
+  if (options.top_k > 0 && std::bernoulli_distribution(0.5)(rng)) {
+    request_options.top_k =
+        std::uniform_int_distribution<int64_t>(1, options.top_k)(rng);
+  }
+  request_options.model = model;
+  request_options.model_version = model_version;
   call.request = MakeLogProbRequest(id, detlogp::v1::DTYPE_BFLOAT16, rows,
                                     hidden_size, std::move(data), targets,
-                                    options.temperature, /*return_lse=*/true,
-                                    model, model_version);
+                                    request_options);
   return call;
 }
 
@@ -67,7 +80,8 @@ std::string InvarianceReport::Summary() const {
   return absl::StrCat(
       ok() ? "INVARIANT" : "NOT INVARIANT", ": ", probe_rows_checked,
       " probe rows checked in ", calls, " mixed calls (", stream_calls,
-      " streamed), ", probe_rows_mismatched, " with different bits, ",
+      " streamed; entropy checked on ", entropy_rows_checked, ", top-k on ",
+      top_k_rows_checked, "), ", probe_rows_mismatched, " with different bits, ",
       failed_calls, " failed calls, key ", determinism_key,
       keys_consistent ? " (consistent)" : " (CHANGED)",
       first_error.empty() ? "" : absl::StrCat("; first error: ", first_error));
@@ -78,6 +92,9 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
   if (options.probes <= 0 || options.concurrency <= 0 ||
       options.channels <= 0 || options.max_rows_per_call <= 0) {
     return absl::InvalidArgumentError("invariance check: counts must be > 0");
+  }
+  if (options.top_k < 0) {
+    return absl::InvalidArgumentError("invariance check: top_k must be >= 0");
   }
   std::vector<std::unique_ptr<LogpClient>> clients;
   for (int c = 0; c < options.channels; ++c) {
@@ -104,15 +121,26 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
   const std::vector<int64_t> probe_targets =
       RandomTargets(options.probes, vocab_size, options.seed + 1);
 
-  // Each probe alone (N = 1).
+  // Each probe alone (N = 1), with every output the mixed calls may ask for.
+  LogProbOptions solo_options;
+  solo_options.temperature = options.temperature;
+  solo_options.return_lse = true;
+  solo_options.return_entropy = options.entropy;
+  solo_options.top_k = options.top_k;
+  solo_options.model = model;
+  solo_options.model_version = model_version;
   std::vector<ProbeAnswer> solo(options.probes);
   for (int p = 0; p < options.probes; ++p) {
     auto answer = clients[0]->Score(MakeLogProbRequest(
         absl::StrCat("solo-", p), detlogp::v1::DTYPE_BFLOAT16, 1, hidden_size,
         probe_data.substr(p * hidden_size * 2, hidden_size * 2),
-        {probe_targets[p]}, options.temperature, true, model, model_version));
+        {probe_targets[p]}, solo_options));
     if (!answer.ok()) return answer.status();
-    solo[p] = {answer->logprobs[0], answer->lse[0]};
+    solo[p].logprob = answer->logprobs[0];
+    solo[p].lse = answer->lse[0];
+    if (options.entropy) solo[p].entropy = answer->entropy[0];
+    solo[p].top_ids = std::move(answer->top_ids);
+    solo[p].top_logprobs = std::move(answer->top_logprobs);
   }
 
   absl::Mutex mu;
@@ -165,10 +193,23 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
           const int p = calls[i].probe_at_row[r];
           if (p < 0) continue;
           ++report.probe_rows_checked;
-          if (!SameBits(result.logprobs[r], solo[p].logprob) ||
-              !SameBits(result.lse[r], solo[p].lse)) {
-            ++report.probe_rows_mismatched;
+          bool same = SameBits(result.logprobs[r], solo[p].logprob) &&
+                      SameBits(result.lse[r], solo[p].lse);
+          if (!result.entropy.empty()) {
+            ++report.entropy_rows_checked;
+            same = same && SameBits(result.entropy[r], solo[p].entropy);
           }
+          // The answer holds k = the request's top_k per row (checked by
+          // the client); the solo list holds options.top_k >= k.
+          const int64_t k = result.top_k;
+          if (k > 0) {
+            ++report.top_k_rows_checked;
+            for (int64_t j = 0; j < k; ++j) {
+              same = same && result.top_ids[r * k + j] == solo[p].top_ids[j] &&
+                     SameBits(result.top_logprobs[r * k + j], solo[p].top_logprobs[j]);
+            }
+          }
+          if (!same) ++report.probe_rows_mismatched;
         }
       }
     });

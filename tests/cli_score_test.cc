@@ -3,7 +3,7 @@
 // printed number has the bits LogpClient receives for the same rows (%.9g
 // round-trips a float), the lists descend, a smaller K prints a prefix, the
 // fields appear only when asked for, and a top_k above the server's maximum
-// fails naming top_k.
+// fails naming top_k. check-invariance checks entropy and top-k bits too.
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -203,6 +203,21 @@ TEST_F(CliScoreTest, TopKAboveTheMaximumFailsNamingTopK) {
   EXPECT_NE(out.find("INVALID_ARGUMENT"), std::string::npos) << out;
   EXPECT_NE(out.find("top_k"), std::string::npos) << out;
   EXPECT_TRUE(RowLines(out).empty()) << out;
+}
+
+// check-invariance with --entropy --top_k: probes hidden among filler rows
+// in calls that ask for entropy, top-k lists of random sizes, both or
+// neither keep their solo bits (a smaller k: a prefix of the solo list).
+TEST_F(CliScoreTest, CheckInvarianceCoversEntropyAndTopK) {
+  auto [code, out] = RunCli(absl::StrCat(
+      "check-invariance --target=", server_->target(),
+      " --probes=8 --concurrency=6 --calls_per_thread=4 --channels=2 --entropy "
+      "--top_k=20 2>&1"));
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_TRUE(absl::StartsWith(out, "INVARIANT: ")) << out;
+  EXPECT_TRUE(absl::StrContains(out, " 0 with different bits")) << out;
+  EXPECT_FALSE(absl::StrContains(out, "entropy checked on 0,")) << out;
+  EXPECT_FALSE(absl::StrContains(out, "top-k on 0)")) << out;
 }
 
 }  // namespace
