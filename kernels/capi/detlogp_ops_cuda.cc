@@ -159,8 +159,8 @@ void detlogp_cuda_lm_head_destroy(detlogp_cuda_lm_head* head) { delete head; }
 int64_t detlogp_cuda_linear_logp_workspace_bytes(
     const detlogp_cuda_lm_head* head, int64_t rows, int return_entropy) {
   if (head == nullptr || rows < 0) return -1;
-  (void)return_entropy;  // no extra workspace until the kernel has entropy
-  return static_cast<int64_t>(head->kernel->WorkspaceBytes(rows));
+  return static_cast<int64_t>(
+      head->kernel->WorkspaceBytes(rows, return_entropy != 0));
 }
 
 int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
@@ -173,13 +173,6 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
   try {
     ClearError(error, error_len);
     if (head == nullptr) return Fail("head: null pointer", error, error_len);
-    if (entropy != nullptr) {
-      return Fail(
-          "entropy: not supported yet: the CUDA linear-logp kernel "
-          "(kernels/cuda/linear_logp_cuda.h) has no entropy output in this "
-          "build (issue #11)",
-          error, error_len);
-    }
     if (rows < 0) {
       return Fail(absl::StrCat("rows: must be >= 0, got ", rows), error,
                   error_len);
@@ -192,7 +185,8 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
     }
     if (bad.empty() && logprobs == nullptr) bad = "logprobs: null pointer";
     if (bad.empty() && lse == nullptr) bad = "lse: null pointer";
-    const size_t need = head->kernel->WorkspaceBytes(rows);
+    const size_t need =
+        head->kernel->WorkspaceBytes(rows, entropy != nullptr);
     if (bad.empty() && workspace_bytes < need) {
       bad = absl::StrCat("workspace_bytes: need ", need, " for ", rows,
                          " rows, got ", workspace_bytes);
@@ -207,6 +201,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
     batch.temperatures = temperatures;
     batch.logprobs = logprobs;
     batch.lse = lse;
+    batch.entropy = entropy;
     batch.rows = rows;
     const absl::Status status = head->kernel->Launch(
         batch, workspace, static_cast<cudaStream_t>(stream));

@@ -61,8 +61,8 @@ int64_t detlogp_cuda_linear_logp_workspace_bytes(
  * `rows` or its neighbours).
  *   hidden: device bf16 [rows, hidden_size], 16-byte aligned; targets: device
  *   int32 [rows]; temperatures: device fp32 [rows]; logprobs, lse: device
- *   fp32 [rows] out; entropy: device fp32 [rows] out, or null (not yet
- *   supported by the kernel: non-null fails with a message saying so);
+ *   fp32 [rows] out; entropy: device fp32 [rows] out, or null (not
+ *   computed; asking for it never changes logprobs or lse bits);
  *   workspace: device, at least
  *   detlogp_cuda_linear_logp_workspace_bytes(head, rows, entropy != null)
  *   bytes, not used by another launch at the same time. */
