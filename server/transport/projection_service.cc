@@ -8,6 +8,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -154,7 +155,7 @@ class ProjectionServiceImpl::ProjectCall final
       valid = ValidateProjectRequest(request_,
                                      service->scheduler_->options().max_launch_rows);
     }
-    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    UpdateAndWrite([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       if (!valid.ok()) {
         status_ = valid;
         return;
@@ -176,7 +177,7 @@ class ProjectionServiceImpl::ProjectCall final
   }
 
   void OnWriteDone(bool ok) override {
-    Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    UpdateAndWrite([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       const absl::Time now = absl::Now();
       timings_.write_seconds += Seconds(now - write_start_);
       idle_since_ = now;
@@ -195,7 +196,7 @@ class ProjectionServiceImpl::ProjectCall final
   }
 
   void OnCancel() override {
-    Update([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    UpdateAndWrite([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       if (status_.ok()) status_ = absl::CancelledError("stream cancelled");
     });
   }
@@ -266,7 +267,7 @@ class ProjectionServiceImpl::ProjectCall final
             ChunkBuffer::Lend(slot->buffer, rows * kRowBytes), grpc::Slice(tail_)};
         slot->message = grpc::ByteBuffer(parts, 3);
       }
-      Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      UpdateAndWrite([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
         slot->computing = false;
         slot->ready = status.ok();
         if (!status.ok() && status_.ok()) status_ = status;
@@ -301,10 +302,32 @@ class ProjectionServiceImpl::ProjectCall final
       writing_ = true;
       write_start_ = absl::Now();
       timings_.waited_for_compute_seconds += Seconds(write_start_ - idle_since_);
-      StartWrite(&next.message);
-      timings_.start_write_seconds += Seconds(absl::Now() - write_start_);
+      write_to_start_ = &next.message;
     }
     return std::nullopt;
+  }
+
+  // LockedReactor::Update, except that a write StepLocked chose starts after
+  // the lock is released: StartWrite sends inline (a socket buffer's worth,
+  // ~1 ms for MBs), and a scheduler thread reporting a computed chunk must
+  // not wait that long for the lock. Safe: while writing_ is set nothing
+  // finishes the call, and writing_ stays set until OnWriteDone, which only
+  // this StartWrite can cause; `this` is not touched after it.
+  template <typename Mutate>
+  void UpdateAndWrite(Mutate&& mutate) {
+    std::optional<grpc::Status> status;
+    grpc::ByteBuffer* write = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      mutate();
+      status = StepLocked();
+      write = std::exchange(write_to_start_, nullptr);
+    }
+    if (write != nullptr) {
+      StartWrite(write);
+    } else if (status.has_value()) {
+      Finish(*std::move(status));
+    }
   }
 
   ProjectionServiceImpl* const service_;
@@ -317,6 +340,8 @@ class ProjectionServiceImpl::ProjectCall final
   int64_t next_write_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);  // sized once, never resized
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  // Set by StepLocked, started by UpdateAndWrite once the lock is released.
+  grpc::ByteBuffer* write_to_start_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   absl::Time idle_since_ ABSL_GUARDED_BY(mu_);

@@ -33,8 +33,7 @@ class ProjectionServiceImpl final
   // Where one stream's time went, reported once per stream when it ends.
   struct StreamTimings {
     int64_t chunks = 0;                       // chunks written
-    double start_write_seconds = 0;           // inside StartWrite
-    double write_seconds = 0;                 // a write in flight
+    double write_seconds = 0;                 // StartWrite until OnWriteDone
     double waited_for_compute_seconds = 0;    // no write: next chunk not ready
     int64_t most_chunks_buffered = 0;         // chunks held at once
     int64_t buffers_allocated = 0;            // chunk buffers allocated

@@ -176,7 +176,6 @@ class TimingSink {
     absl::MutexLock lock(&mu_);
     sum_.chunks += t.chunks;
     sum_.write_seconds += t.write_seconds;
-    sum_.start_write_seconds += t.start_write_seconds;
     sum_.waited_for_compute_seconds += t.waited_for_compute_seconds;
     sum_.most_chunks_buffered = std::max(sum_.most_chunks_buffered, t.most_chunks_buffered);
     sum_.buffers_allocated += t.buffers_allocated;
@@ -186,7 +185,6 @@ class TimingSink {
     absl::MutexLock lock(&mu_);
     std::string line = absl::StrCat(
         "server, summed over ", streams_, " streams: chunks ", sum_.chunks,
-        ", StartWrite s ", absl::SixDigits(sum_.start_write_seconds),
         ", write in flight s ", absl::SixDigits(sum_.write_seconds),
         ", no write, next chunk not computed s ",
         absl::SixDigits(sum_.waited_for_compute_seconds),
