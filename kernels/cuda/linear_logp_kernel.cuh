@@ -46,13 +46,16 @@
 //     rescaling, and stores the split's mean z = (t / sum) / T. The combine
 //     folds {lse_s, 1, mean_s} in ascending split order with the lse fold's
 //     rescaling (softmax_partial.h): entropy = lse - T / S.
-//   * top-k: each (row, split) keeps a list of the k best (z, id) in shared
-//     memory under RanksBefore (a total order, so the list is one set
-//     whatever order candidates arrive in). A tile's values are screened
-//     against the list's worst entry and a lower bound on the tile's own
-//     k-th best (the least of kW / 8 disjoint 8-value group maxima); the few
-//     survivors are inserted by one lane of the row at a time. Lists go to
-//     the workspace per (row, split); the combine merges them.
+//   * top-k: each (row, split) keeps a sorted list of the k best (z, id) in
+//     shared memory under RanksBefore (a total order, so the list is one set
+//     whatever order candidates arrive in), owned by one lane of the row's
+//     quad (lane 0 for the thread's first row, lane 1 for its second). A
+//     tile's values are screened against the list's worst entry and a lower
+//     bound on the tile's own k-th best (the least of kW / 8 disjoint 8-value
+//     group maxima); survivors are shuffled to the owner, which inserts
+//     them. Every fragment index is a compile-time constant (a run-time index
+//     into the accumulators is a divergent indirect branch). Lists go to the
+//     workspace per (row, split); the combine merges them.
 // The version string covers the extras too: any change to their arithmetic
 // must bump it.
 //
@@ -93,10 +96,9 @@ inline constexpr int kMaxSplits = 256;  // 4 B per split: <= 1 KiB per row
 inline constexpr int kRowGroup = 8;  // row blocks that share weight tiles in L2
 inline constexpr int kSmemBytes =
     1024 + kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8;
-// Top-k lists: kBlockM rows x kMaxTopK (z, id) pairs plus each row's index of
-// its worst entry, after the barriers.
+// Top-k lists: kBlockM rows x kMaxTopK (z, id) pairs after the barriers.
 inline constexpr int kMaxTopK = 32;
-inline constexpr int kTopKSmemBytes = kBlockM * kMaxTopK * 8 + kBlockM * 4;
+inline constexpr int kTopKSmemBytes = kBlockM * kMaxTopK * 8;
 inline constexpr int kSmemBytesTopK = kSmemBytes + kTopKSmemBytes;
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
@@ -215,27 +217,75 @@ struct RowState {
   float sum_y;  // sum of exp(z - max) * y (kEntropy only)
 };
 
-// A thread's two rows' top-k lists in shared memory (kTopK only).
-struct TopKLists {
-  float* z[2];
-  int32_t* id[2];
-  int32_t* worst[2];  // index of the list's worst entry
+// The top-k list a lane owns (kTopK only): sorted best first in shared
+// memory, entry i at z[i * kBlockM] (rows interleaved, so the owners of a
+// warp hit distinct banks), its length and worst entry in registers.
+struct TopKOwner {
+  float* z;
+  int32_t* id;
+  int count;
+  float worst_z;     // -inf until the list holds k entries
+  int32_t worst_id;  // -1 until then
 };
 
-// Screens a tile's values of the thread's two rows and inserts the ones that
-// rank before the list's worst entry. Exact: the screen only drops values
-// that k others in the tile already beat.
+// The owner's exact insertion: anything that ranks before the worst entry
+// (or any real value while the list is short) goes in at its place.
+__device__ __forceinline__ void TopKInsert(TopKOwner& o, int k, float z,
+                                           int32_t id) {
+  if (!(z > -INFINITY)) return;  // a column past the vocabulary
+  if (o.count == k && !RanksBefore(z, id, o.worst_z, o.worst_id)) return;
+  constexpr int kStride = kBlockM;
+  int i = o.count < k ? o.count++ : k - 1;
+  for (; i > 0; --i) {
+    const float prev_z = o.z[(i - 1) * kStride];
+    const int32_t prev_id = o.id[(i - 1) * kStride];
+    if (!RanksBefore(z, id, prev_z, prev_id)) break;
+    o.z[i * kStride] = prev_z;
+    o.id[i * kStride] = prev_id;
+  }
+  o.z[i * kStride] = z;
+  o.id[i * kStride] = id;
+  if (o.count == k) {
+    o.worst_z = o.z[(k - 1) * kStride];
+    o.worst_id = o.id[(k - 1) * kStride];
+  }
+}
+
+// One fragment position (column id_q = id + 2 q for quad lane q) whose
+// values passed some lane's screen: each owner takes its row's survivors in
+// quad-lane order. Not inlined: a copy per position and tile width would
+// overflow the instruction cache (measured: 4-5x slower).
+__device__ __noinline__ TopKOwner TopKSite(TopKOwner owner, int k, float z0,
+                                           float z1, unsigned pass0,
+                                           unsigned pass1, int32_t id) {
+  const int lane = threadIdx.x & 31;
+  const int quad = lane & 3;
+  const int quad_base = lane & ~3;
+  const unsigned pass = quad == 1 ? pass1 : pass0;
+  for (int q = 0; q < 4; ++q) {
+    if (((pass0 | pass1) & (0x11111111u << q)) == 0) continue;  // uniform
+    const float zq0 = __shfl_sync(0xffffffffu, z0, quad_base + q);
+    const float zq1 = __shfl_sync(0xffffffffu, z1, quad_base + q);
+    if (quad < 2 && ((pass >> (quad_base + q)) & 1u)) {
+      TopKInsert(owner, k, quad == 1 ? zq1 : zq0, id + 2 * q);
+    }
+  }
+  return owner;
+}
+
+// Screens a tile's values of the thread's two rows and hands the survivors
+// to their rows' owners. Exact: the screen only drops values that rank
+// after the list's worst entry or that k others in the tile beat.
 template <int kW>
 __device__ __forceinline__ void TopKTile(const KernelParams& p, const float* acc,
-                                         int lane, int v0,
-                                         const float* inv_t,
-                                         const TopKLists& lists) {
-  const int quad = lane & 3;
+                                         int lane, int v0, const float* inv_t,
+                                         TopKOwner& owner) {
+  const int quad_base = lane & ~3;
   const int k = p.top_k;
-  uint64_t mask[2];
+  float screen[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float worst_z = lists.z[h][*lists.worst[h]];
+    const float worst_z = __shfl_sync(0xffffffffu, owner.worst_z, quad_base + h);
     float lower = -INFINITY;
     if (kW / 8 >= k) {
       // Each of the quad's threads holds kW / 32 groups of 8 values per row:
@@ -254,63 +304,21 @@ __device__ __forceinline__ void TopKTile(const KernelParams& p, const float* acc
       least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
       lower = least * inv_t[h];
     }
-    const float screen = fmaxf(lower, worst_z);
-    uint64_t m = 0;
-#pragma unroll
-    for (int j = 0; j < kW / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (acc[4 * j + 2 * h + e] * inv_t[h] >= screen) {
-          m |= uint64_t{1} << (2 * j + e);
-        }
-      }
-    }
-    mask[h] = m;
+    screen[h] = fmaxf(lower, worst_z);
   }
-  // A row's list is touched by one of its quad's lanes at a time: in turn t
-  // lane q works on row 0 if q == t and on row 1 if q == t + 2 (mod 4).
-  const int id_base = p.id_offset + v0 + 2 * quad;
-#pragma unroll 1
-  for (int turn = 0; turn < 4; ++turn) {
-    const int h = quad == turn ? 0 : (quad == ((turn + 2) & 3) ? 1 : -1);
-    // Selects rather than indexes with the run-time h: keeps the arrays in
-    // registers.
-    const bool second = h == 1;
-    uint64_t m = h < 0 ? 0 : (second ? mask[1] : mask[0]);
-    if (m != 0) {
-      float* list_z = second ? lists.z[1] : lists.z[0];
-      int32_t* list_id = second ? lists.id[1] : lists.id[0];
-      int32_t* worst = second ? lists.worst[1] : lists.worst[0];
-      int wi = *worst;
-      float wz = list_z[wi];
-      int32_t wid = list_id[wi];
-      const float it = second ? inv_t[1] : inv_t[0];
-      while (m != 0) {
-        const int idx = __ffsll(static_cast<long long>(m)) - 1;
-        m &= m - 1;
-        const float z =
-            SelectFragment<kW / 8>(acc, idx >> 1, (second ? 2 : 0) + (idx & 1)) *
-            it;
-        const int32_t id = id_base + 8 * (idx >> 1) + (idx & 1);
-        if (!RanksBefore(z, id, wz, wid)) continue;
-        list_z[wi] = z;
-        list_id[wi] = id;
-        wi = 0;
-        wz = list_z[0];
-        wid = list_id[0];
-        for (int i = 1; i < k; ++i) {
-          const float zi = list_z[i];
-          const int32_t idi = list_id[i];
-          if (RanksBefore(wz, wid, zi, idi)) {
-            wi = i;
-            wz = zi;
-            wid = idi;
-          }
-        }
+  const int id_base = p.id_offset + v0;
+#pragma unroll
+  for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float z0 = acc[4 * j + e] * inv_t[0];
+      const float z1 = acc[4 * j + 2 + e] * inv_t[1];
+      const unsigned pass0 = __ballot_sync(0xffffffffu, z0 >= screen[0]);
+      const unsigned pass1 = __ballot_sync(0xffffffffu, z1 >= screen[1]);
+      if ((pass0 | pass1) != 0) {  // warp-uniform
+        owner = TopKSite(owner, k, z0, z1, pass0, pass1, id_base + 8 * j + e);
       }
-      *worst = wi;
     }
-    __syncwarp();
   }
 }
 
@@ -339,7 +347,7 @@ __device__ __forceinline__ void ConsumeTile(
     const KernelParams& p, float* acc, uint8_t* smem_a, uint8_t* smem_b,
     uint64_t* full, uint64_t* empty, Ring& ring, bool active, int consumer,
     int lane, int v0, int valid, const ConsumerRows& rows, RowState* state,
-    const TopKLists& lists) {
+    TopKOwner& owner) {
   constexpr int kRegs = kW / 2;
   const bool lane_arrives = lane == 0;
   int prev_stage = -1;
@@ -466,7 +474,7 @@ __device__ __forceinline__ void ConsumeTile(
   }
   state[0].max = m0;
   state[1].max = m1;
-  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, rows.inv_t, lists);
+  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, rows.inv_t, owner);
 }
 
 template <bool kEntropy, bool kTopK>
@@ -484,7 +492,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + kStages;
   float* top_z = reinterpret_cast<float*>(empty + kStages);
   int32_t* top_id = reinterpret_cast<int32_t*>(top_z + kBlockM * kMaxTopK);
-  int32_t* top_worst = top_id + kBlockM * kMaxTopK;
 
   // Broadcast so that the compiler sees a warp-uniform value (keeps the wgmma
   // paths free of divergence, which would serialize them).
@@ -549,7 +556,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool active = slab < p.rows;
     ConsumerRows rows;
     RowState state[2];
-    TopKLists lists;
+    // The list this lane owns: its first row's (quad lane 0) or its second
+    // row's (quad lane 1); lanes 2 and 3 own none.
+    TopKOwner owner;
+    {
+      const int h = (lane & 3) == 1 ? 1 : 0;
+      const int local = warp * 16 + (lane >> 2) + 8 * h + consumer * 64;
+      owner.z = top_z + local;
+      owner.id = top_id + local;
+      owner.count = 0;
+      owner.worst_z = -INFINITY;
+      owner.worst_id = -1;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = slab + warp * 16 + (lane >> 2) + 8 * h;
@@ -558,21 +576,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       rows.inv_t[h] = in ? __frcp_rn(p.temperatures[r]) : 1.0f;
       rows.target[h] = in ? p.targets[r] : -(1 << 30);
       state[h] = RowState{-INFINITY, 0.0f, 0.0f};
-      const int local = r - row_block * kBlockM;
-      lists.z[h] = top_z + local * kMaxTopK;
-      lists.id[h] = top_id + local * kMaxTopK;
-      lists.worst[h] = top_worst + local;
-      if constexpr (kTopK) {
-        // Empty entries rank after every real value and never let padding
-        // (z = -inf, id >= V) in.
-        for (int i = lane & 3; i < p.top_k; i += 4) {
-          lists.z[h][i] = -INFINITY;
-          lists.id[h][i] = -1;
-        }
-        if ((lane & 3) == 0) *lists.worst[h] = 0;
-      }
     }
-    if constexpr (kTopK) __syncwarp();
     const int tiles = TileCount(end - begin);
     for (int t = 0, v0 = begin; t < tiles; ++t) {
       const int width = TileWidth(end - begin, t);
@@ -581,42 +585,42 @@ __global__ void __launch_bounds__(kThreads, 1)
         case 8:
           ConsumeTile<256, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         case 7:
           ConsumeTile<224, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         case 6:
           ConsumeTile<192, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         case 5:
           ConsumeTile<160, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         case 4:
           ConsumeTile<128, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         case 3:
           ConsumeTile<96, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         case 2:
           ConsumeTile<64, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         case 1:
           ConsumeTile<32, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+              lane, v0, valid, rows, state, owner);
           break;
         default:
           __trap();  // unreachable: widths are 32..256
@@ -640,18 +644,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if constexpr (kTopK) {
-      __syncwarp();
-      if (active) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (rows.row[h] >= p.rows) continue;
-          const int64_t base =
-              (static_cast<int64_t>(rows.row[h]) * p.num_splits + split) *
-              p.top_k;
-          for (int i = lane & 3; i < p.top_k; i += 4) {
-            p.split_top_z[base + i] = lists.z[h][i];
-            p.split_top_id[base + i] = lists.id[h][i];
-          }
+      // The owner writes its list (sorted; empty entries past its count for
+      // a split smaller than k).
+      const int h = (lane & 3) == 1 ? 1 : 0;
+      const int r = h == 1 ? rows.row[1] : rows.row[0];
+      if (active && (lane & 3) < 2 && r < p.rows) {
+        const int64_t base =
+            (static_cast<int64_t>(r) * p.num_splits + split) * p.top_k;
+        for (int i = 0; i < p.top_k; ++i) {
+          const bool real = i < owner.count;
+          p.split_top_z[base + i] = real ? owner.z[i * kBlockM] : -INFINITY;
+          p.split_top_id[base + i] = real ? owner.id[i * kBlockM] : -1;
         }
       }
       __syncwarp();
@@ -707,24 +710,27 @@ __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
   float best_z[kMaxTopK];
   int32_t best_id[kMaxTopK];
   int count = 0;
-  const int64_t cells = static_cast<int64_t>(p.num_splits) * p.top_k;
   const float* cand_z = p.split_top_z + first * p.top_k;
   const int32_t* cand_id = p.split_top_id + first * p.top_k;
-  for (int64_t c = 0; c < cells; ++c) {
-    const float z = cand_z[c];
-    const int32_t id = cand_id[c];
-    if (id < 0) continue;  // an empty entry of a split smaller than k
-    if (count == p.top_k &&
-        !RanksBefore(z, id, best_z[count - 1], best_id[count - 1])) {
-      continue;
+  for (int s = 0; s < p.num_splits; ++s) {
+    // Each split's list is sorted, empty entries last: once an entry does
+    // not make the list, the rest of the split's do not either.
+    for (int c = s * p.top_k; c < (s + 1) * p.top_k; ++c) {
+      const float z = cand_z[c];
+      const int32_t id = cand_id[c];
+      if (id < 0) break;
+      if (count == p.top_k &&
+          !RanksBefore(z, id, best_z[count - 1], best_id[count - 1])) {
+        break;
+      }
+      int i = count < p.top_k ? count++ : count - 1;
+      for (; i > 0 && RanksBefore(z, id, best_z[i - 1], best_id[i - 1]); --i) {
+        best_z[i] = best_z[i - 1];
+        best_id[i] = best_id[i - 1];
+      }
+      best_z[i] = z;
+      best_id[i] = id;
     }
-    int i = count < p.top_k ? count++ : count - 1;
-    for (; i > 0 && RanksBefore(z, id, best_z[i - 1], best_id[i - 1]); --i) {
-      best_z[i] = best_z[i - 1];
-      best_id[i] = best_id[i - 1];
-    }
-    best_z[i] = z;
-    best_id[i] = id;
   }
   for (int i = 0; i < p.top_k; ++i) {
     const int64_t out = static_cast<int64_t>(r) * p.top_k + i;

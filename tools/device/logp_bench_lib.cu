@@ -63,4 +63,35 @@ int logp_launch(void* h, const void* hidden, const int* targets,
   return 0;
 }
 
+unsigned long long logp_workspace_bytes_extras(void* h, long long rows,
+                                               int entropy, int top_k) {
+  return static_cast<LinearLogpCuda*>(h)->WorkspaceBytes(rows, entropy != 0,
+                                                         top_k);
+}
+
+// logp_launch with entropy (null: none) and top-k (top_k = 0: none).
+int logp_launch_extras(void* h, const void* hidden, const int* targets,
+                       const float* temps, float* logprobs, float* lse,
+                       float* entropy, int top_k, int* top_ids,
+                       float* top_logprobs, long long rows, void* workspace,
+                       void* stream) {
+  LinearLogpBatchView b{static_cast<const __nv_bfloat16*>(hidden),
+                        targets,
+                        temps,
+                        logprobs,
+                        lse,
+                        rows};
+  b.entropy = entropy;
+  b.top_k = top_k;
+  b.top_ids = top_ids;
+  b.top_logprobs = top_logprobs;
+  const absl::Status s = static_cast<LinearLogpCuda*>(h)->Launch(
+      b, workspace, static_cast<cudaStream_t>(stream));
+  if (!s.ok()) {
+    std::fprintf(stderr, "logp_launch_extras: %s\n", s.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}
+
 }  // extern "C"

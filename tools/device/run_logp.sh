@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the device machine (tools/device/build_logp.sh builds the inputs
 # here first; carry .device/logp). Usage:
-# run_logp.sh [test|sanitize|bench|all] [args
+# run_logp.sh [test|sanitize|bench|extras|all] [args
 # for logp_bench.py]. Logs go to $OUT (or .device/logp/out when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -16,9 +16,16 @@ if command -v cuobjdump >/dev/null; then
 fi
 rc=0
 if [ "$MODE" = test ] || [ "$MODE" = all ]; then
-  timeout 120 .device/logp/linear_logp_cuda_test 2>&1 | tee "$LOG/test.log" | grep -vE '^\[       OK|^\[ RUN' ; rc=${PIPESTATUS[0]}
+  timeout 240 .device/logp/linear_logp_cuda_test 2>&1 | tee "$LOG/test.log" | grep -vE '^\[       OK|^\[ RUN' ; rc=${PIPESTATUS[0]}
   echo "test exit code: $rc"
-  if [ $rc -eq 124 ]; then echo "tests timed out (hang?): stopping"; exit $rc; fi
+  if [ $rc -eq 124 ]; then echo "tests timed out (hang?): stopping"; if [ "$MODE" = extras ] || [ "$MODE" = all ]; then
+  PYTHONUNBUFFERED=1 timeout 240 python3 tools/device/logp_extras_bench.py \
+    --lib .device/logp/liblogp_bench.so --json "$LOG/extras.json" 2>&1 | tee "$LOG/extras.log"
+  erc=${PIPESTATUS[0]}
+  echo "extras bench exit code: $erc"
+  [ $rc -eq 0 ] && rc=$erc
+fi
+exit $rc; fi
   # On the device machine nothing may be skipped (skips mean no sm_90 GPU).
   if grep -q '^\[  SKIPPED \]' "$LOG/test.log"; then
     echo "tests were SKIPPED on the device machine"; [ $rc -eq 0 ] && rc=5
@@ -30,7 +37,7 @@ if [ "$MODE" = sanitize ] || [ "$MODE" = all ]; then
   if command -v compute-sanitizer >/dev/null; then
     timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
       .device/logp/linear_logp_cuda_test \
-      --gtest_filter='Edges/ShapeTest.*/V63_*:Edges/ShapeTest.*/V64_*:Edges/ShapeTest.*/V65_*:Edges/ShapeTest.*/V1_*:Edges/ShapeTest.*/V129_*:Edges/ShapeTest.*/V2049_*:Edges/ShapeTest.*/V4097_*:Edges/ShapeTest.*/V8191_*:LinearLogpCudaValidation.*' \
+      --gtest_filter='Edges/ShapeTest.*/V63_*:Edges/ShapeTest.*/V64_*:Edges/ShapeTest.*/V65_*:Edges/ShapeTest.*/V1_*:Edges/ShapeTest.*/V129_*:Edges/ShapeTest.*/V2049_*:Edges/ShapeTest.*/V4097_*:Edges/ShapeTest.*/V8191_*:LinearLogpCudaValidation.*:LinearLogpCudaExtras.RejectsBadTopK:LinearLogpCudaExtras.SmallVocabulariesAndPadding' \
       > "$LOG/sanitize.log" 2>&1
     src=$?
     tail -n 4 "$LOG/sanitize.log"
@@ -46,5 +53,12 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   brc=${PIPESTATUS[0]}
   echo "bench exit code: $brc"
   [ $rc -eq 0 ] && rc=$brc
+fi
+if [ "$MODE" = extras ] || [ "$MODE" = all ]; then
+  PYTHONUNBUFFERED=1 timeout 240 python3 tools/device/logp_extras_bench.py \
+    --lib .device/logp/liblogp_bench.so --json "$LOG/extras.json" 2>&1 | tee "$LOG/extras.log"
+  erc=${PIPESTATUS[0]}
+  echo "extras bench exit code: $erc"
+  [ $rc -eq 0 ] && rc=$erc
 fi
 exit $rc
