@@ -75,7 +75,7 @@ ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
           "thread); past it the stream waits, and the wait is reported.");
 ABSL_FLAG(bool, hash_y, true,
           "project: SHA-256 Y's bits. --nohash_y measures the stream alone "
-          "(y_sha256 prints as -; each chunk's buffer is reused at once).");
+          "(y_sha256 prints as -; each chunk goes back to gRPC at once).");
 ABSL_FLAG(int, probes, 16, "check-invariance: probe rows.");
 ABSL_FLAG(int, concurrency, 32, "check-invariance: concurrent client threads.");
 ABSL_FLAG(int, calls_per_thread, 4, "check-invariance: calls per thread.");
@@ -240,18 +240,19 @@ int Score() {
 // show equal bits.
 // SHA-256 of Y's chunks, in arrival order, on a thread of its own: one core
 // hashes at 1.5-2 GB/s (OpenSSL), slower than the stream it would otherwise
-// hold up. The receiving thread hands each chunk's bytes over by swapping
-// strings (no copy) and takes back hashed buffers for the next chunks to be
-// read into. At most max_backlog_bytes wait to be hashed (one chunk at least);
-// past that the receiver waits, and the time it waited is reported.
+// hold up. The receiving thread hands each chunk over as it came from gRPC
+// (moved: the hasher holds references to gRPC's receive slices and hashes
+// y.data straight from them, no copy). At most max_backlog_bytes wait to be
+// hashed (one chunk at least); past that the receiver waits, and the time it
+// waited is reported.
 class ChunkHasher {
  public:
   explicit ChunkHasher(size_t max_backlog_bytes)
       : max_backlog_bytes_(max_backlog_bytes), thread_([this] { Run(); }) {}
   ~ChunkHasher() { Finish(); }
 
-  // Takes `bytes`, leaving an empty buffer (with capacity, when one is free).
-  void Add(std::string* bytes) {
+  // Takes the chunk (its slices; y.data is never copied).
+  void Add(detlogp::client::ProjectChunk chunk) {
     std::unique_lock<std::mutex> lock(mu_);
     const auto room = [&] {
       return backlog_bytes_ == 0 || backlog_bytes_ < max_backlog_bytes_;
@@ -261,13 +262,8 @@ class ChunkHasher {
       room_.wait(lock, room);
       waited_ += absl::Now() - wait_start;
     }
-    backlog_bytes_ += bytes->size();
-    queue_.push_back(std::move(*bytes));
-    bytes->clear();
-    if (!spare_.empty()) {
-      bytes->swap(spare_.back());
-      spare_.pop_back();
-    }
+    backlog_bytes_ += static_cast<size_t>(chunk.y_data_bytes);
+    queue_.push_back(std::move(chunk));
     work_.notify_one();
   }
 
@@ -291,36 +287,34 @@ class ChunkHasher {
 
  private:
   void Run() {
-    std::string chunk;
     for (;;) {
+      detlogp::client::ProjectChunk chunk;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        if (!chunk.empty()) {
-          backlog_bytes_ -= chunk.size();
-          room_.notify_one();
-          chunk.clear();
-          if (spare_.size() < kMaxSpare) spare_.push_back(std::move(chunk));
-          chunk = std::string();
-        }
         work_.wait(lock, [&] { return done_ || !queue_.empty(); });
         if (queue_.empty()) return;
-        chunk.swap(queue_.front());
+        chunk = std::move(queue_.front());
         queue_.pop_front();
       }
       const absl::Time start = absl::Now();
-      digest_.Update(chunk.data(), chunk.size());
+      for (absl::string_view piece : chunk.y_data) {
+        digest_.Update(piece.data(), piece.size());
+      }
       hashing_ += absl::Now() - start;
-      bytes_ += static_cast<int64_t>(chunk.size());
+      bytes_ += chunk.y_data_bytes;
+      const size_t hashed = static_cast<size_t>(chunk.y_data_bytes);
+      chunk = detlogp::client::ProjectChunk();  // gRPC's slices go back first
+      std::lock_guard<std::mutex> lock(mu_);
+      backlog_bytes_ -= hashed;
+      room_.notify_one();
     }
   }
 
-  static constexpr size_t kMaxSpare = 4;
   const size_t max_backlog_bytes_;
   std::mutex mu_;
   std::condition_variable work_;  // a chunk queued, or done_
   std::condition_variable room_;  // backlog_bytes_ went down
-  std::deque<std::string> queue_;
-  std::vector<std::string> spare_;  // hashed buffers, kept for their capacity
+  std::deque<detlogp::client::ProjectChunk> queue_;
   size_t backlog_bytes_ = 0;
   bool done_ = false;
   absl::Duration waited_;  // written by the receiving thread only
@@ -349,11 +343,14 @@ int Project() {
   const bool hash_y = absl::GetFlag(FLAGS_hash_y);
   absl::Duration first_chunk = absl::InfiniteDuration();
   const absl::Time start = absl::Now();
-  auto result = (*client)->Project(
-      x, rows, absl::GetFlag(FLAGS_rows_per_chunk), /*keep_output=*/false,
-      [&](detlogp::v1::ProjectResponse& chunk) {
+  LogpClient::ProjectOptions options;
+  options.rows_per_chunk = absl::GetFlag(FLAGS_rows_per_chunk);
+  // Read raw: only each chunk's header is parsed; y.data stays in gRPC's
+  // receive slices and is hashed from there.
+  auto result = (*client)->ProjectChunks(
+      x, rows, options, [&](detlogp::client::ProjectChunk& chunk) {
         if (first_chunk == absl::InfiniteDuration()) first_chunk = absl::Now() - start;
-        if (hash_y) hasher.Add(chunk.mutable_y()->mutable_data());
+        if (hash_y) hasher.Add(std::move(chunk));
       });
   const double transfer = absl::ToDoubleSeconds(absl::Now() - start);
   const std::string y_sha256 = hash_y ? hasher.Finish() : "-";

@@ -31,9 +31,11 @@
 
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
+#include <grpcpp/impl/rpc_method.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "client/project_chunk.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 
 namespace detlogp::client {
@@ -127,10 +129,9 @@ class LogpClient {
 
   // Streams the H3 projection of x ([rows, 96] fp32) and reassembles Y
   // ([rows, 5376]) in row order, checking offsets and shapes. `on_chunk`, if
-  // set, sees each chunk as it arrives (e.g. to consume without holding all);
-  // it may take the chunk's bytes (swap y().data() out): the client reads
-  // nothing of a chunk after its callback, and the next chunk is read into
-  // whatever buffer was left there.
+  // set, sees each chunk as a ProjectResponse: that costs a copy of the
+  // chunk's bytes (ProjectChunk::ToProto), so fast consumers use
+  // ProjectChunks. It may take the chunk's bytes (swap y().data() out).
   struct ProjectResult {
     std::vector<float> y;  // empty when keep_output is false
     std::string determinism_key;
@@ -140,6 +141,25 @@ class LogpClient {
       const std::vector<float>& x, int64_t rows, int64_t rows_per_chunk = 0,
       bool keep_output = true,
       const std::function<void(detlogp::v1::ProjectResponse&)>& on_chunk = {});
+
+  // The projection stream read raw: each response stays in gRPC's receive
+  // buffers and only its header is parsed (client/project_chunk.h), so the
+  // reading thread is back on the socket at once. Each chunk is checked
+  // (row_offset follows the previous chunk, y is FLOAT32 [r, 5376] with r > 0
+  // rows inside the request, y.data holds r * 5376 floats; otherwise
+  // DATA_LOSS naming the field and the stream is cancelled), copied once to
+  // `options.y` when set, then handed to `on_chunk`, which may keep it by
+  // moving it out (no copy; the slices are reference-counted).
+  struct ProjectOptions {
+    // Rows per response message; 0 lets the server choose.
+    int64_t rows_per_chunk = 0;
+    // Where Y goes: rows * 5376 floats, row order. Null: not kept.
+    float* y = nullptr;
+    std::string request_id = "project";
+  };
+  absl::StatusOr<ProjectResult> ProjectChunks(
+      const std::vector<float>& x, int64_t rows, const ProjectOptions& options,
+      const std::function<void(ProjectChunk&)>& on_chunk = {});
 
   // Sets the deadline and credentials of a call made through stub().
   void PrepareContext(grpc::ClientContext* context) const;
@@ -158,6 +178,8 @@ class LogpClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
+  // ProjectionService/Project, read as grpc::ByteBuffer.
+  std::unique_ptr<grpc::internal::RpcMethod> raw_project_method_;
 };
 
 // A channel as LogpClient makes it (message limits, TLS, load balancing);
