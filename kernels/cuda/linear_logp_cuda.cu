@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -116,6 +117,11 @@ absl::Status EncodeTiled(PFN_cuTensorMapEncodeTiled_v12000 encode,
   }
   return absl::OkStatus();
 }
+
+absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
+                            const LinearLogpBatchView& outputs,
+                            int64_t nan_vocab_size, int device,
+                            cudaStream_t stream);
 
 using SplitKernel = void (*)(const CUtensorMap, const CUtensorMap,
                             const kv::KernelParams);
@@ -330,7 +336,8 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
   if (absl::Status s = LaunchSplits(batch, partials, stream); !s.ok()) {
     return s;
   }
-  return LaunchCombine(partials, splits, batch, options_.device, stream);
+  return EnqueueCombine(partials, splits, batch, options_.weights.vocab_size,
+                        options_.device, stream);
 }
 
 namespace {
@@ -368,9 +375,9 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
         batch.rows));
   }
   if (batch.rows == 0) return absl::OkStatus();
-  if (batch.hidden == nullptr || batch.targets == nullptr ||
-      batch.temperatures == nullptr || batch.logprobs == nullptr ||
-      split_lse == nullptr) {
+  if (batch.hidden == nullptr ||
+      (batch.targets == nullptr && batch.targets64 == nullptr) ||
+      batch.logprobs == nullptr || split_lse == nullptr) {
     return absl::InvalidArgumentError(
         "linear_logp_cuda: null batch pointer or workspace");
   }
@@ -379,9 +386,16 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
         "linear_logp_cuda: hidden must be 16-byte aligned");
   }
   if (!Aligned(split_lse, 4) || !Aligned(batch.targets, 4) ||
-      !Aligned(batch.temperatures, 4) || !Aligned(batch.logprobs, 4)) {
+      !Aligned(batch.targets64, 8) || !Aligned(batch.temperatures, 4) ||
+      !Aligned(batch.logprobs, 4)) {
     return absl::InvalidArgumentError(
         "linear_logp_cuda: misaligned batch pointer or workspace");
+  }
+  if (batch.temperatures == nullptr &&
+      !(std::isfinite(batch.temperature) && batch.temperature > 0.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_logp_cuda: temperature must be finite and > 0, got ",
+        batch.temperature));
   }
   if (absl::Status s = ValidateExtras(batch, partials, w.vocab_size); !s.ok()) {
     return s;
@@ -404,7 +418,9 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   std::memset(&p, 0, sizeof(p));
   p.bias = w.bias;
   p.targets = batch.targets;
+  p.targets64 = batch.targets != nullptr ? nullptr : batch.targets64;
   p.temperatures = batch.temperatures;
+  p.temperature = batch.temperature;
   p.logprobs = batch.logprobs;
   p.split_lse = split_lse;
   // Entropy partials whenever there is room for them (a shard's caller
@@ -439,10 +455,15 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   return absl::OkStatus();
 }
 
-absl::Status LinearLogpCuda::LaunchCombine(const SplitPartials& partials,
-                                           int32_t num_splits,
-                                           const LinearLogpBatchView& outputs,
-                                           int device, cudaStream_t stream) {
+namespace {
+
+// LaunchCombine's body. nan_vocab_size > 0: rows whose target (from
+// outputs.targets or outputs.targets64) lies outside [0, nan_vocab_size) get
+// a NaN logprob (Launch: the whole vocabulary); 0: targets are not read.
+absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
+                            const LinearLogpBatchView& outputs,
+                            int64_t nan_vocab_size, int device,
+                            cudaStream_t stream) {
   const int64_t rows = outputs.rows;
   if (rows <= 0) return absl::OkStatus();
   if (partials.lse == nullptr || outputs.logprobs == nullptr ||
@@ -472,12 +493,27 @@ absl::Status LinearLogpCuda::LaunchCombine(const SplitPartials& partials,
   p.entropy = outputs.entropy;
   p.top_ids = outputs.top_k > 0 ? outputs.top_ids : nullptr;
   p.top_logprobs = outputs.top_logprobs;
+  p.targets = nan_vocab_size > 0 ? outputs.targets : nullptr;
+  p.targets64 = nan_vocab_size > 0 && outputs.targets == nullptr
+                    ? outputs.targets64
+                    : nullptr;
+  p.vocab_size = static_cast<int32_t>(nan_vocab_size);
   constexpr int kCombineThreads = 128;
   const int combine_grid =
       static_cast<int>((rows + kCombineThreads - 1) / kCombineThreads);
   kv::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LinearLogpCuda::LaunchCombine(const SplitPartials& partials,
+                                           int32_t num_splits,
+                                           const LinearLogpBatchView& outputs,
+                                           int device, cudaStream_t stream) {
+  return EnqueueCombine(partials, num_splits, outputs, /*nan_vocab_size=*/0,
+                        device, stream);
 }
 
 }  // namespace detlogp::kernels::cuda

@@ -45,12 +45,13 @@ struct LinearLogpWeightsView {
   int64_t padded_vocab_size = 0;  // Vpad >= V: rows stored in `weight`
 };
 
-// Device pointers for one batch. Targets must be in [0, V) and temperatures
-// finite and > 0 (the server validates both on the host).
+// Device pointers for one batch. Temperatures must be finite and > 0 (the
+// server validates them and the targets on the host). Launch gives a row
+// whose target lies outside [0, V) a NaN logprob (its lse is still exact).
 struct LinearLogpBatchView {
   const __nv_bfloat16* hidden = nullptr;  // [rows, hidden_size], 16-B aligned
-  const int32_t* targets = nullptr;       // [rows]
-  const float* temperatures = nullptr;    // [rows]
+  const int32_t* targets = nullptr;       // [rows], or null: targets64
+  const float* temperatures = nullptr;    // [rows], or null: temperature
   float* logprobs = nullptr;              // [rows] out
   float* lse = nullptr;                   // [rows] out
   int64_t rows = 0;
@@ -61,6 +62,12 @@ struct LinearLogpBatchView {
   int32_t top_k = 0;              // 0..min(kMaxTopK, V), the same for all rows
   int32_t* top_ids = nullptr;     // [rows, top_k] out, descending
   float* top_logprobs = nullptr;  // [rows, top_k] out: z - lse
+  // Read in place instead of a converted copy (a trainer's int64 token ids;
+  // kernels/capi): used only when targets is null. 8-byte aligned.
+  const int64_t* targets64 = nullptr;  // [rows]
+  // Every row's temperature when temperatures is null (the same bits as a
+  // [rows] array holding it).
+  float temperature = 1.0f;
 };
 
 // Per-(row, split) partial states in device memory: a view of a workspace

@@ -105,8 +105,10 @@ inline constexpr int kConsumerRegs = 232;
 
 struct KernelParams {
   const float* bias;             // [padded_vocab] or null
-  const int32_t* targets;        // [rows]
-  const float* temperatures;     // [rows]
+  const int32_t* targets;        // [rows], or null: targets64
+  const int64_t* targets64;      // [rows] when targets is null
+  const float* temperatures;     // [rows], or null: temperature
+  float temperature;             // every row's, when temperatures is null
   float* logprobs;               // [rows]: z[target] here, then logprob
   float* split_lse;              // [rows][num_splits]: logsumexp of split
   float* split_mean_z;           // [rows][num_splits] (kEntropy)
@@ -122,6 +124,18 @@ struct KernelParams {
   int32_t a_box_rows;             // hidden rows per TMA box (<= kBlockM)
   int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
 };
+
+// A row's target as the split pass compares it with its columns: int64
+// targets outside the int32 range become one no split holds.
+__device__ __forceinline__ int RowTarget(const KernelParams& p, int r) {
+  if (p.targets != nullptr) return p.targets[r];
+  const int64_t t = p.targets64[r];
+  return (t >= 0 && t <= INT32_MAX) ? static_cast<int>(t) : -(1 << 30);
+}
+
+__device__ __forceinline__ float RowTemperature(const KernelParams& p, int r) {
+  return p.temperatures != nullptr ? p.temperatures[r] : p.temperature;
+}
 
 // Item -> (row block, split). Row blocks are taken kRowGroup at a time, with
 // the row block fastest inside a group, so concurrent blocks share weights.
@@ -573,8 +587,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int r = slab + warp * 16 + (lane >> 2) + 8 * h;
       rows.row[h] = r;
       const bool in = r < p.rows;
-      rows.inv_t[h] = in ? __frcp_rn(p.temperatures[r]) : 1.0f;
-      rows.target[h] = in ? p.targets[r] : -(1 << 30);
+      rows.inv_t[h] = in ? __frcp_rn(RowTemperature(p, r)) : 1.0f;
+      rows.target[h] = in ? RowTarget(p, r) : -(1 << 30);
       state[h] = RowState{-INFINITY, 0.0f, 0.0f};
     }
     const int tiles = TileCount(end - begin);
@@ -672,6 +686,11 @@ struct CombineParams {
   int32_t top_k;
   float* logprobs;  // z[target] on entry
   float* lse;
+  // When either is set, a row whose target lies outside [0, vocab_size)
+  // (no split wrote its z) gets a NaN logprob.
+  const int32_t* targets;
+  const int64_t* targets64;
+  int32_t vocab_size;
   float* entropy;    // or null
   int32_t* top_ids;  // [rows][top_k] or null
   float* top_logprobs;
@@ -702,7 +721,12 @@ __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
   }
   const float l = PartialLogSumExp(acc);
   p.lse[r] = l;
-  p.logprobs[r] = p.logprobs[r] - l;
+  float z_target = p.logprobs[r];
+  if (p.targets != nullptr || p.targets64 != nullptr) {
+    const int64_t t = p.targets != nullptr ? p.targets[r] : p.targets64[r];
+    if (t < 0 || t >= p.vocab_size) z_target = NAN;
+  }
+  p.logprobs[r] = z_target - l;
   if (p.entropy != nullptr) p.entropy[r] = PartialEntropy(acc, sum_exp_z, l);
   if (p.top_ids == nullptr) return;
   // Insertion into a sorted list; the candidates' order does not matter (the
