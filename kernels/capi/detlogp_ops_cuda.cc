@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -165,11 +166,11 @@ int64_t detlogp_cuda_linear_logp_workspace_bytes(
 
 int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
                              const void* hidden, int64_t rows,
-                             const int32_t* targets,
-                             const float* temperatures, float* logprobs,
-                             float* lse, float* entropy, void* workspace,
-                             size_t workspace_bytes, void* stream,
-                             char* error, size_t error_len) {
+                             const void* targets, int targets_are_int64,
+                             const float* temperatures, float temperature,
+                             float* logprobs, float* lse, float* entropy,
+                             void* workspace, size_t workspace_bytes,
+                             void* stream, char* error, size_t error_len) {
   try {
     ClearError(error, error_len);
     if (head == nullptr) return Fail("head: null pointer", error, error_len);
@@ -180,8 +181,16 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
     if (rows == 0) return 0;
     std::string bad = CheckDevicePointer(hidden, "hidden", false);
     if (bad.empty() && targets == nullptr) bad = "targets: null pointer";
-    if (bad.empty() && temperatures == nullptr) {
-      bad = "temperatures: null pointer";
+    if (bad.empty() && targets_are_int64 != 0 && !Aligned(targets, 8)) {
+      bad = "targets: int64 but not 8-byte aligned";
+    }
+    if (bad.empty() && targets_are_int64 == 0 && !Aligned(targets, 4)) {
+      bad = "targets: not 4-byte aligned";
+    }
+    if (bad.empty() && temperatures == nullptr &&
+        !(std::isfinite(temperature) && temperature > 0.0f)) {
+      bad = absl::StrCat("temperature: must be finite and > 0, got ",
+                         temperature);
     }
     if (bad.empty() && logprobs == nullptr) bad = "logprobs: null pointer";
     if (bad.empty() && lse == nullptr) bad = "lse: null pointer";
@@ -197,8 +206,13 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
     if (!bad.empty()) return Fail(bad, error, error_len);
     detlogp::kernels::cuda::LinearLogpBatchView batch;
     batch.hidden = static_cast<const __nv_bfloat16*>(hidden);
-    batch.targets = targets;
+    if (targets_are_int64 != 0) {
+      batch.targets64 = static_cast<const int64_t*>(targets);
+    } else {
+      batch.targets = static_cast<const int32_t*>(targets);
+    }
     batch.temperatures = temperatures;
+    batch.temperature = temperature;
     batch.logprobs = logprobs;
     batch.lse = lse;
     batch.entropy = entropy;

@@ -26,7 +26,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature below changes. */
-#define DETLOGP_OPS_CUDA_ABI_VERSION 1
+#define DETLOGP_OPS_CUDA_ABI_VERSION 2
 int detlogp_ops_cuda_abi_version(void);
 
 /* 0 when `device` is a usable sm_90 GPU with the sm_90a kernels; otherwise
@@ -58,21 +58,25 @@ int64_t detlogp_cuda_linear_logp_workspace_bytes(
 /* logprobs[r] = z[targets[r]] - lse[r], lse[r] = logsumexp(z) with
  * z[v] = (hidden[r] . weight[v] + bias[v]) / temperatures[r], v < vocab_size:
  * the CUDA server's bits (batch-invariant: a row's bits never depend on
- * `rows` or its neighbours).
+ * `rows` or its neighbours). Exactly two kernels on `stream` (the vocabulary
+ * splits, then their fold); nothing else is launched, filled or copied.
  *   hidden: device bf16 [rows, hidden_size], 16-byte aligned; targets: device
- *   int32 [rows]; temperatures: device fp32 [rows]; logprobs, lse: device
- *   fp32 [rows] out; entropy: device fp32 [rows] out, or null (not
- *   computed; asking for it never changes logprobs or lse bits);
- *   workspace: device, at least
+ *   [rows], int32 or, when targets_are_int64 != 0, int64 (read in place, no
+ *   converted copy), a target outside [0, vocab_size) giving a NaN logprob;
+ *   temperatures: device fp32 [rows], or null: every row's is `temperature`
+ *   (finite, > 0; the same bits as an array holding it); logprobs, lse:
+ *   device fp32 [rows] out (need no initial value); entropy: device fp32
+ *   [rows] out, or null (not computed; asking for it never changes logprobs
+ *   or lse bits); workspace: device, at least
  *   detlogp_cuda_linear_logp_workspace_bytes(head, rows, entropy != null)
- *   bytes, not used by another launch at the same time. */
+ *   bytes, not used by another launch at the same time, no initial value. */
 int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
                              const void* hidden, int64_t rows,
-                             const int32_t* targets,
-                             const float* temperatures, float* logprobs,
-                             float* lse, float* entropy, void* workspace,
-                             size_t workspace_bytes, void* stream,
-                             char* error, size_t error_len);
+                             const void* targets, int targets_are_int64,
+                             const float* temperatures, float temperature,
+                             float* logprobs, float* lse, float* entropy,
+                             void* workspace, size_t workspace_bytes,
+                             void* stream, char* error, size_t error_len);
 
 /* The H3 video input projection on the GPU (kernels/cuda/projection_cuda.h):
  * the same bits as the CPU ops and the server's Project, forward and

@@ -48,7 +48,7 @@ _CUDA_LIBRARY_PATH = (pathlib.Path("bazel-bin") / "kernels" / "capi"
                       / "libdetlogp_ops_cuda.so")
 _PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
 _ABI_VERSION = 2
-_CUDA_ABI_VERSION = 1
+_CUDA_ABI_VERSION = 2
 H3_IN_DIM = 96
 H3_OUT_DIM = 5376
 _ERROR_LEN = 1024
@@ -157,8 +157,8 @@ _CUDA_SIGNATURES = {
     "detlogp_cuda_lm_head_destroy": (None, [_vp]),
     "detlogp_cuda_linear_logp_workspace_bytes": (_i64, [_vp, _i64, ctypes.c_int]),
     "detlogp_cuda_linear_logp": (ctypes.c_int, [
-        _vp, _vp, _i64, _vp, _vp, _vp, _vp, _vp, _vp, ctypes.c_size_t, _vp,
-        ctypes.c_char_p, ctypes.c_size_t]),
+        _vp, _vp, _i64, _vp, ctypes.c_int, _vp, ctypes.c_float, _vp, _vp, _vp, _vp,
+        ctypes.c_size_t, _vp, ctypes.c_char_p, ctypes.c_size_t]),
     "detlogp_cuda_h3_projection_forward_workspace_bytes": (_i64, []),
     "detlogp_cuda_h3_projection_forward": (ctypes.c_int, [
         _vp, _i64, _vp, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int, _vp,
@@ -412,38 +412,61 @@ def _stream(torch, device):
     return torch.cuda.current_stream(device).cuda_stream
 
 
+_errors = threading.local()
+
+
+def _error_buffer():
+    """This thread's message buffer for the C ABI (one allocation per
+    thread, not per call)."""
+    buffer = getattr(_errors, "buffer", None)
+    if buffer is None:
+        buffer = _errors.buffer = ctypes.create_string_buffer(_ERROR_LEN)
+    return buffer
+
+
 def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
                      vocab_size=None, return_entropy=False):
     """The CUDA server's linear-logp on torch CUDA tensors, checked by the
     caller (detlogp.torch and linear_logp below do): hidden bf16 [N, H] and
-    weight bf16 [V_pad, H] contiguous, targets int32 [N], temperatures
-    float32 [N], bias float32 [V_pad] or None, all on one GPU. Runs on the
+    weight bf16 [V_pad, H] contiguous, targets int32 or int64 [N] contiguous
+    (read in place), temperatures float32 [N] contiguous or one Python float
+    for every row, bias float32 [V_pad] or None, all on one GPU. Runs on the
     current stream without synchronizing; returns (logprobs, lse, entropy or
-    None), float32 [N]. A target outside [0, vocab_size) gives NaN."""
+    None), float32 [N]. A target outside [0, vocab_size) gives NaN.
+
+    The forward's whole GPU work is the library's two kernels: outputs and
+    workspace come uninitialized from the caching allocator and nothing is
+    filled, converted or copied (twin_check.py's overhead check counts the
+    kernels)."""
     torch = _torch()
-    lib = load_cuda_library()
-    device = weight.device.index if weight.device.index is not None else \
-        torch.cuda.current_device()
+    lib = _cuda_lib if _cuda_lib is not None else load_cuda_library()
+    device = weight.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
     vocab_size = weight.shape[0] if vocab_size is None else int(vocab_size)
     rows = hidden.shape[0]
-    logprobs = torch.full((rows,), float("nan"), dtype=torch.float32,
-                          device=weight.device)
-    lse = torch.empty((rows,), dtype=torch.float32, device=weight.device)
-    entropy = (torch.empty((rows,), dtype=torch.float32, device=weight.device)
+    logprobs = torch.empty((rows,), dtype=torch.float32, device=device)
+    lse = torch.empty((rows,), dtype=torch.float32, device=device)
+    entropy = (torch.empty((rows,), dtype=torch.float32, device=device)
                if return_entropy else None)
     if rows == 0:
         return logprobs, lse, entropy
-    handle = _lm_heads.get(lib, weight, bias, vocab_size, device)
+    handle = _lm_heads.get(lib, weight, bias, vocab_size, index)
     workspace_bytes = lib.detlogp_cuda_linear_logp_workspace_bytes(
-        handle, rows, int(bool(return_entropy)))
+        handle, rows, 1 if return_entropy else 0)
     workspace = torch.empty((max(int(workspace_bytes), 16),), dtype=torch.uint8,
-                            device=weight.device)
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+                            device=device)
+    if isinstance(temperatures, torch.Tensor):
+        temps_ptr, temperature = temperatures.data_ptr(), 1.0
+    else:
+        temps_ptr, temperature = None, float(temperatures)
+    error = _error_buffer()
     rc = lib.detlogp_cuda_linear_logp(
         handle, hidden.data_ptr(), rows, targets.data_ptr(),
-        temperatures.data_ptr(), logprobs.data_ptr(), lse.data_ptr(),
+        1 if targets.dtype == torch.int64 else 0, temps_ptr, temperature,
+        logprobs.data_ptr(), lse.data_ptr(),
         None if entropy is None else entropy.data_ptr(), workspace.data_ptr(),
-        workspace.numel(), _stream(torch, device), error, _ERROR_LEN)
+        workspace.numel(), torch.cuda.current_stream(index).cuda_stream, error,
+        _ERROR_LEN)
     _raise(rc, error, "linear_logp")
     return logprobs, lse, entropy
 
@@ -558,7 +581,8 @@ def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
     """Checks torch CUDA inputs and returns them as the kernel takes them.
     hidden float32 is rounded to bf16 (a copy of hidden, as the server rounds
     fp32 input); the weight must already be bf16 and contiguous (it is never
-    copied)."""
+    copied); int32 and int64 targets are read in place; a scalar temperature
+    stays a Python float (no [N] tensor is filled)."""
     torch = _torch()
     if weight.dtype != torch.bfloat16:
         raise TypeError(f"weight: dtype {weight.dtype}: the CUDA kernel reads a "
@@ -589,7 +613,7 @@ def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
                          f"{tuple(targets.shape)} on {targets.device}")
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets: dtype {targets.dtype} is not int32 or int64")
-    targets = targets.to(torch.int32).contiguous()
+    targets = targets.contiguous()
     if bias is not None:
         if (bias.device != device or bias.dtype != torch.float32
                 or bias.shape != (padded,) or not bias.is_contiguous()):
@@ -608,7 +632,7 @@ def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
         value = float(temperature)
         if not (np.isfinite(value) and value > 0):
             raise ValueError(f"temperature: {value} is not finite and positive")
-        temps = torch.full((rows,), value, dtype=torch.float32, device=device)
+        temps = value
     return hidden, weight, targets, bias, temps, vocab_size
 
 
@@ -713,9 +737,8 @@ def _linear_logp_cuda(hidden, weight, targets, bias, temperature, vocab_size,
             index = int(bad[0, 0])
             raise ValueError(f"detlogp.ops.linear_logp: targets[{index}] = "
                              f"{int(targets_t[index])} is outside [0, {vocab})")
-    with torch.cuda.device(weight_t.device):
-        logprobs, lse, entropy = cuda_linear_logp(
-            hidden_t, weight_t, targets_t, temps, bias_t, vocab, return_entropy)
+    logprobs, lse, entropy = cuda_linear_logp(
+        hidden_t, weight_t, targets_t, temps, bias_t, vocab, return_entropy)
     return _pack(*(_like_input(t, template) for t in (logprobs, lse, entropy)),
                  return_lse, return_entropy)
 

@@ -87,7 +87,8 @@ def _ieee_fp32_matmul(device):
 
 
 def _check_linear_logp(hidden, weight, targets, bias, temperature, vocab_size):
-    """Inputs checked in one place; messages name the argument."""
+    """Inputs checked in one place; messages name the argument. temperature:
+    a [N] tensor, or None (one value for every row, passed as a float)."""
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise TypeError("hidden and weight must be torch tensors (detlogp.ops takes "
                         "numpy arrays)")
@@ -132,7 +133,11 @@ def _check_linear_logp(hidden, weight, targets, bias, temperature, vocab_size):
         if bias.dtype != want or tuple(bias.shape) != (padded,):
             raise ValueError(f"bias: expected {want} of shape ({padded},), got "
                              f"{bias.dtype} {tuple(bias.shape)}")
-    if temperature.dim() != 1 or temperature.shape[0] != hidden.shape[0]:
+        if not bias.is_contiguous():
+            raise ValueError("bias: not contiguous (it is read in place, never "
+                             "copied)")
+    if temperature is not None and (temperature.dim() != 1 or
+                                    temperature.shape[0] != hidden.shape[0]):
         raise ValueError(f"temperature: expected shape ({hidden.shape[0]},), got "
                          f"{tuple(temperature.shape)}")
     if not 0 < vocab_size <= padded:
@@ -144,23 +149,41 @@ def _out_dtype(weight):
     return _FLOAT64 if weight.dtype == _FLOAT64 else torch.float32
 
 
+def _temperatures(temperature, value, rows, dtype, device):
+    """The per-row temperatures as a [rows] tensor (the CPU, float64 and
+    backward paths; the CUDA forward takes the scalar as it is)."""
+    if temperature is not None:
+        return temperature.to(dtype)
+    return torch.full((rows,), value, dtype=dtype, device=device)
+
+
 # ------------------------------------------------------------------ linear_logp
+# temperature: [N] per-row temperatures, or None: every row's is
+# temperature_value (so the common scalar case fills no [N] tensor on the GPU).
 @torch.library.custom_op("detlogp::linear_logp", mutates_args=())
 def _linear_logp_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    bias: Optional[torch.Tensor], temperature: torch.Tensor,
-                    vocab_size: int, return_entropy: bool
+                    bias: Optional[torch.Tensor], temperature: Optional[torch.Tensor],
+                    temperature_value: float, vocab_size: int, return_entropy: bool
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_linear_logp(hidden, weight, targets, bias, temperature, vocab_size)
     rows = hidden.shape[0]
     if weight.device.type == "cuda":
-        h, w, t, b, temps, vocab = ops._cuda_prepare_linear_logp(
-            hidden, weight, targets, bias, temperature, vocab_size)
-        with torch.cuda.device(weight.device):
-            logp, lse, entropy = ops.cuda_linear_logp(h, w, t, temps, b, vocab,
-                                                      return_entropy)
+        # Checked above; what the kernel reads in place stays as it is (bf16
+        # hidden, int32/int64 targets, float32 temperatures, all contiguous
+        # in the usual call): the forward launches the library's two kernels
+        # and nothing else.
+        if hidden.dtype != torch.bfloat16:
+            hidden = hidden.to(torch.bfloat16)  # fp32 rounded as the server does
+        temps = (temperature_value if temperature is None else
+                 temperature.to(torch.float32).contiguous())
+        logp, lse, entropy = ops.cuda_linear_logp(
+            hidden.contiguous(), weight, targets.contiguous(), temps, bias,
+            vocab_size, return_entropy)
         if entropy is None:
             entropy = logp.new_empty((0,))
         return logp, lse, entropy
+    temperature = _temperatures(temperature, temperature_value, rows,
+                                _out_dtype(weight), weight.device)
     if weight.dtype == _FLOAT64:
         return _reference_linear_logp(hidden, weight, targets, bias, temperature,
                                       vocab_size, return_entropy)
@@ -182,7 +205,8 @@ def _linear_logp_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 @_linear_logp_op.register_fake
-def _(hidden, weight, targets, bias, temperature, vocab_size, return_entropy):
+def _(hidden, weight, targets, bias, temperature, temperature_value, vocab_size,
+      return_entropy):
     rows = hidden.shape[0]
     dtype = _out_dtype(weight)
     return (hidden.new_empty((rows,), dtype=dtype), hidden.new_empty((rows,), dtype=dtype),
@@ -322,9 +346,11 @@ def _linear_logp_backward_impl(hidden, weight, targets, bias, temperature, vocab
 
 
 def _setup_linear_logp(ctx, inputs, output):
-    hidden, weight, targets, bias, temperature, vocab_size, return_entropy = inputs
+    (hidden, weight, targets, bias, temperature, temperature_value, vocab_size,
+     return_entropy) = inputs
     _, lse, entropy = output
     ctx.save_for_backward(hidden, weight, targets, bias, temperature, lse, entropy)
+    ctx.temperature_value = temperature_value
     ctx.vocab_size = vocab_size
     ctx.return_entropy = return_entropy
 
@@ -334,11 +360,13 @@ def _backward_linear_logp(ctx, g_logp, g_lse, g_ent):
     need = ctx.needs_input_grad
     if not ctx.return_entropy or g_ent is None or g_ent.numel() == 0:
         g_ent = None
+    temperature = _temperatures(temperature, ctx.temperature_value, hidden.shape[0],
+                                lse.dtype, lse.device)
     d_hidden, d_weight, d_bias = _linear_logp_backward_impl(
         hidden, weight, targets, bias, temperature, ctx.vocab_size, lse, entropy,
         g_logp, g_lse, g_ent, need[0], need[1], bias is not None and need[3],
         BACKWARD_BUDGET_BYTES)
-    return d_hidden, d_weight, None, d_bias, None, None, None
+    return d_hidden, d_weight, None, d_bias, None, None, None, None
 
 
 _linear_logp_op.register_autograd(_backward_linear_logp,
@@ -355,20 +383,21 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0, vocab_size=
     if not isinstance(targets, torch.Tensor):
         targets = torch.as_tensor(np.asarray(targets), device=weight.device)
     out_dtype = _out_dtype(weight)
+    value = 1.0
     if isinstance(temperature, torch.Tensor):
         temps = temperature.to(dtype=out_dtype)
         if temps.dim() == 0:
             temps = temps.expand(hidden.shape[0])
         temps = temps.contiguous()
     else:
+        # One value for every row: passed as a float, no [N] tensor filled.
         value = float(temperature)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"temperature: {value} is not finite and positive")
-        temps = torch.full((hidden.shape[0],), value, dtype=out_dtype,
-                           device=weight.device)
+        temps = None
     vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
-    logp, lse, entropy = _linear_logp_op(hidden, weight, targets, bias, temps, vocab,
-                                         bool(return_entropy))
+    logp, lse, entropy = _linear_logp_op(hidden, weight, targets, bias, temps, value,
+                                         vocab, bool(return_entropy))
     return ops._pack(logp, lse, entropy, return_lse, return_entropy)
 
 

@@ -160,10 +160,11 @@ def test_opcheck():
     torch.manual_seed(4)
     weight = (torch.randn(64, 32) * 0.3).to(torch.bfloat16)
     hidden = torch.randn(6, 32).to(torch.bfloat16)
-    args = (hidden, weight, torch.randint(0, 64, (6,)), None,
-            torch.ones(6), 64, False)
-    torch.library.opcheck(dtorch._linear_logp_op, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    targets = torch.randint(0, 64, (6,))
+    for args in ((hidden, weight, targets, None, torch.ones(6), 1.0, 64, False),
+                 (hidden, weight, targets, None, None, 0.7, 64, True)):
+        torch.library.opcheck(dtorch._linear_logp_op, args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -180,3 +181,32 @@ def test_cuda_forward_is_batch_invariant_and_backward_runs():
     assert bits(alone) == bits(logp[37:38])
     logp.sum().backward()
     assert hidden.grad is not None and bool(torch.isfinite(hidden.grad.float()).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_forward_reads_inputs_in_place_with_the_same_bits():
+    """int64 targets and a scalar temperature are read as they are (no
+    converted copies): the same bits as int32 targets and a [N] tensor; an
+    invalid target gives NaN without any fill of the outputs."""
+    ok, why = ops.cuda_available()
+    if not ok:
+        pytest.skip(why)
+    torch.manual_seed(6)
+    weight = (torch.randn(4096, 256, device="cuda") * 0.1).to(torch.bfloat16)
+    hidden = torch.randn(300, 256, device="cuda").to(torch.bfloat16)
+    targets = torch.randint(0, 4000, (300,), device="cuda")
+    targets[7] = 4000  # padding row: invalid
+    targets[8] = -1
+    targets[9] = 1 << 40  # beyond int32
+    a = dtorch.linear_logp(hidden, weight, targets, temperature=0.7, vocab_size=4000,
+                           return_lse=True, return_entropy=True)
+    t32 = targets.clamp(-1, 4000).to(torch.int32)
+    b = dtorch.linear_logp(hidden, weight, t32, temperature=torch.full(
+        (300,), 0.7, device="cuda"), vocab_size=4000, return_lse=True,
+        return_entropy=True)
+    for x, y in zip(a, b):
+        assert bits(x) == bits(y)
+    logp = a[0].cpu()
+    assert bool(torch.isnan(logp[7:10]).all())
+    assert bool(torch.isfinite(logp[:7]).all()) and bool(torch.isfinite(logp[10:]).all())
+    assert bool(torch.isfinite(a[1]).all())
