@@ -39,7 +39,7 @@
 #include "client/random_rows.h"
 #include "client/tensor_files.h"
 #include "kernels/random_normal.h"
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 #include "absl/time/clock.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
@@ -319,7 +319,7 @@ class ChunkHasher {
   bool done_ = false;
   absl::Duration waited_;  // written by the receiving thread only
   // Written by the hashing thread only; read after the join.
-  detlogp::server::Sha256 digest_;
+  detlogp::digests::Sha256 digest_;
   absl::Duration hashing_;
   int64_t bytes_ = 0;
   std::string hex_;

@@ -9,7 +9,7 @@
 #include "absl/time/clock.h"
 #include "client/tensor_files.h"
 #include "kernels/bfloat16.h"
-#include "server/models/lm_head_digest.h"
+#include "digests/lm_head_digest.h"
 
 namespace detlogp::client {
 namespace {
@@ -116,7 +116,7 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
 }
 
 std::string LmHeadUploadDigest(const LmHeadUpload& upload) {
-  return server::ComputeLmHeadDigest(
+  return digests::ComputeLmHeadDigest(
       {upload.hidden_size, upload.effective_vocab_size(), upload.padded_vocab_size,
        !upload.bias.empty()},
       upload.weight.data(), upload.bias.data());

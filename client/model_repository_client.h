@@ -69,7 +69,7 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(
     const std::string& bias_tensor = "", int64_t vocab_size = 0);
 
 // The weights' digest as ModelVersionStatus.weights_sha256 reports it
-// (server/models/lm_head_digest.h), its blocks hashed on every core.
+// (digests/lm_head_digest.h), its blocks hashed on every core.
 std::string LmHeadUploadDigest(const LmHeadUpload& upload);
 
 class ModelRepositoryClient {

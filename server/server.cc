@@ -14,7 +14,7 @@
 #include "absl/synchronization/notification.h"
 #include "kernels/lm_head.h"
 #include "kernels/split_policy.h"
-#include "server/models/determinism_key.h"
+#include "digests/determinism_key.h"
 #include "spdlog/spdlog.h"
 
 namespace detlogp::server {
@@ -62,7 +62,7 @@ bool IsLoopbackHost(const std::string& host) {
 // compute the same fixed fma chain and give identical bits (tested on the
 // GPU), so they share a key.
 std::string ProjectionDeterminismKey(const ProjectionWeights& weights) {
-  return DeterminismKey({weights.sha256, "h3-projection", "ieee-fp32-fma",
+  return digests::DeterminismKey({weights.sha256, "h3-projection", "ieee-fp32-fma",
                          "fma-chain-k-ascending-then-bias/v1", "rows-independent"});
 }
 

@@ -17,8 +17,8 @@
 #include "kernels/random_normal.h"
 #include "kernels/split_policy.h"
 #include "kernels/thread_pool.h"
-#include "server/models/determinism_key.h"
-#include "server/models/lm_head_digest.h"
+#include "digests/determinism_key.h"
+#include "digests/lm_head_digest.h"
 #include "tests/test_data.h"
 
 namespace detlogp {
@@ -155,19 +155,19 @@ TEST(CapiOpsTest, LinearLogpRejectsBadArgumentsBeforeComputing) {
 TEST(CapiOpsTest, DeterminismKeyIsTheCpuServers) {
   const TestLmHead head = MakeTestLmHead(64, 100, 128, true, 4);
   for (bool with_bias : {false, true}) {
-    server::LmHeadShape shape;
+    digests::LmHeadShape shape;
     shape.hidden_size = head.hidden_size;
     shape.vocab_size = head.vocab_size;
     shape.padded_vocab_size = head.padded_vocab_size;
     shape.has_bias = with_bias;
-    server::DeterminismInputs inputs;
-    inputs.weights_sha256 = server::ComputeLmHeadDigest(
+    digests::DeterminismInputs inputs;
+    inputs.weights_sha256 = digests::ComputeLmHeadDigest(
         shape, head.weight.data(), with_bias ? head.bias.data() : nullptr);
     inputs.backend = "cpu";
     inputs.instruction_set = "x86-64-v3/no-contract";
     inputs.kernel_version = kernels::kCpuKernelVersion;
     inputs.split_policy = kernels::kSplitPolicyName;
-    const std::string want = server::DeterminismKey(inputs);
+    const std::string want = digests::DeterminismKey(inputs);
 
     char key[64];
     char error[256];

@@ -3,6 +3,7 @@
 // tools/device/run_serve.sh) are Y's own digest and key, whether SHA-256
 // keeps up with the stream or the stream waits for it; transfer and hashing
 // are reported on lines of their own, each holding the word "seconds".
+#include <grpcpp/client_context.h>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -52,8 +53,54 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
   ASSERT_TRUE(whole.ok()) << whole.status();
   server::Sha256 digest;
   digest.Update(whole->y.data(), whole->y.size() * sizeof(float));
+  const std::string y_hex = digest.HexDigest();  // once: it finishes the digest
+
+  // The raw read path against protobuf's own parse of the same stream.
+  {
+    v1::ProjectRequest request;
+    request.set_request_id("proto");
+    request.set_rows_per_chunk(200);
+    request.mutable_x()->set_dtype(v1::DTYPE_FLOAT32);
+    request.mutable_x()->add_shape(rows);
+    request.mutable_x()->add_shape(96);
+    request.mutable_x()->set_data(reinterpret_cast<const char*>(x.data()),
+                                  x.size() * sizeof(float));
+    grpc::ClientContext context;
+    (*client)->PrepareContext(&context);
+    auto reader = (*client)->projection_stub()->Project(&context, request);
+    server::Sha256 proto_digest;
+    v1::ProjectResponse chunk;
+    while (reader->Read(&chunk)) proto_digest.Update(chunk.y().data());
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(proto_digest.HexDigest(), y_hex);
+  }
+  // Chunks kept past their callback (moved out: no copy) still hold their
+  // bytes once the stream is done and equal Project's rows; Y delivered into
+  // the caller's buffer is the same.
+  {
+    std::vector<client::ProjectChunk> kept;
+    std::vector<float> y(rows * 5376);
+    LogpClient::ProjectOptions project;
+    project.rows_per_chunk = 200;
+    project.y = y.data();
+    auto chunks = (*client)->ProjectChunks(
+        x, rows, project,
+        [&](client::ProjectChunk& chunk) { kept.push_back(std::move(chunk)); });
+    ASSERT_TRUE(chunks.ok()) << chunks.status();
+    EXPECT_EQ(chunks->chunks, 8);
+    EXPECT_EQ(chunks->determinism_key, whole->determinism_key);
+    EXPECT_TRUE(y == whole->y);
+    ASSERT_EQ(kept.size(), 8u);
+    server::Sha256 kept_digest;
+    for (const client::ProjectChunk& chunk : kept) {
+      for (absl::string_view piece : chunk.y_data) {
+        kept_digest.Update(piece.data(), piece.size());
+      }
+    }
+    EXPECT_EQ(kept_digest.HexDigest(), y_hex);
+  }
   const std::string want_key = "determinism_key " + whole->determinism_key;
-  const std::string want_sha = "y_sha256 " + digest.HexDigest();
+  const std::string want_sha = "y_sha256 " + y_hex;
 
   // The default backlog, and none (every chunk waits for the one before to
   // be hashed): the same digest either way.
@@ -94,6 +141,17 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_GE(std::stod(total[5]), std::stod(transfer[2]));
     EXPECT_GE(std::stod(transfer[2]), std::stod(transfer[6]));
   }
+
+  // --nohash_y: the stream alone; the same lines, no digest.
+  auto [code, out] = RunCli(absl::StrCat("project --target=", (*server)->target(),
+                                         " --project_rows=", rows,
+                                         " --rows_per_chunk=200 --nohash_y --seed=", seed));
+  ASSERT_EQ(code, 0) << out;
+  const std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 5u) << out;
+  EXPECT_EQ(lines[0], want_key);
+  EXPECT_EQ(lines[1], "y_sha256 -");
+  EXPECT_EQ(Words(lines[3])[0], "transfer");
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 

@@ -1,6 +1,6 @@
 // The weights' digest as docs/live_weights.md defines it, computed here the
 // slow way, against the parallel one and the streaming upload assembler.
-#include "server/models/lm_head_digest.h"
+#include "digests/lm_head_digest.h"
 
 #include <gtest/gtest.h>
 
@@ -10,11 +10,15 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 #include "server/models/upload_assembler.h"
 
 namespace detlogp::server {
 namespace {
+
+using digests::ComputeLmHeadDigest;
+using digests::LmHeadShape;
+using digests::Sha256;
 
 struct Head {
   LmHeadShape shape;

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/split_policy.h"
-#include "server/models/determinism_key.h"
-#include "server/models/lm_head_digest.h"
+#include "digests/determinism_key.h"
+#include "digests/lm_head_digest.h"
 
 namespace detlogp::capi {
 
@@ -51,20 +51,20 @@ int WriteDeterminismKey(const BackendIdentity& identity, const uint16_t* weight,
       CheckHead(weight, padded_vocab_size, hidden_size, vocab_size);
   if (!bad.empty()) return Fail(bad, error, error_len);
   if (key == nullptr) return Fail("key: null pointer", error, error_len);
-  server::LmHeadShape shape;
+  digests::LmHeadShape shape;
   shape.hidden_size = hidden_size;
   shape.vocab_size = vocab_size;
   shape.padded_vocab_size = padded_vocab_size;
   shape.has_bias = bias != nullptr;
   // As the server: the weights' digest (lm_head_weights.cc), then the key
   // over the backend's description (server.cc, model_manager.cc).
-  server::DeterminismInputs inputs;
-  inputs.weights_sha256 = server::ComputeLmHeadDigest(shape, weight, bias);
+  digests::DeterminismInputs inputs;
+  inputs.weights_sha256 = digests::ComputeLmHeadDigest(shape, weight, bias);
   inputs.backend = identity.backend;
   inputs.instruction_set = identity.instruction_set;
   inputs.kernel_version = identity.kernel_version;
   inputs.split_policy = kernels::kSplitPolicyName;
-  const std::string result = server::DeterminismKey(inputs);
+  const std::string result = digests::DeterminismKey(inputs);
   if (key_len < result.size() + 1) {
     return Fail(absl::StrCat("key_len: need at least ", result.size() + 1,
                              " bytes, got ", key_len),

@@ -20,7 +20,7 @@ std::string CheckHead(const void* weight, int64_t padded_vocab_size,
                       int64_t hidden_size, int64_t vocab_size);
 
 // What names a backend's arithmetic in the server's determinism key
-// (server/models/determinism_key.h): its description's fields.
+// (digests/determinism_key.h): its description's fields.
 struct BackendIdentity {
   const char* backend = "";
   const char* instruction_set = "";

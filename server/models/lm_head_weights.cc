@@ -8,7 +8,7 @@
 #include "kernels/parallel_for.h"
 #include "kernels/random_normal.h"
 #include "server/models/safetensors.h"
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 
 namespace detlogp::server {
 namespace {
@@ -48,7 +48,7 @@ kernels::LmHeadView LmHeadWeights::view() const {
 }
 
 void ComputeLmHeadDigest(LmHeadWeights* weights) {
-  weights->sha256 = ComputeLmHeadDigest(weights->shape(), weights->weight.data(),
+  weights->sha256 = digests::ComputeLmHeadDigest(weights->shape(), weights->weight.data(),
                                         weights->bias.data());
 }
 

@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/lm_head.h"
-#include "server/models/lm_head_digest.h"
+#include "digests/lm_head_digest.h"
 
 namespace detlogp::server {
 
@@ -47,7 +47,7 @@ struct LmHeadWeights {
   std::string description;        // where the weights came from, for logs
 
   kernels::LmHeadView view() const;
-  LmHeadShape shape() const {
+  digests::LmHeadShape shape() const {
     return {hidden_size, vocab_size, padded_vocab_size, !bias.empty()};
   }
 };

@@ -144,9 +144,9 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
   auto version = std::make_shared<ServedVersion>();
   version->model = model;
   version->weights_sha256 = weights->sha256;
-  DeterminismInputs key_inputs = options_.key_inputs;
+  digests::DeterminismInputs key_inputs = options_.key_inputs;
   key_inputs.weights_sha256 = weights->sha256;
-  version->determinism_key = DeterminismKey(key_inputs);
+  version->determinism_key = digests::DeterminismKey(key_inputs);
   version->hidden_size = weights->hidden_size;
   version->vocab_size = weights->vocab_size;
   version->padded_vocab_size = weights->padded_vocab_size;

@@ -41,7 +41,7 @@
 #include "absl/time/time.h"
 #include "detlogp/v1/detlogp.pb.h"
 #include "server/backends/backend.h"
-#include "server/models/determinism_key.h"
+#include "digests/determinism_key.h"
 #include "server/models/lm_head_weights.h"
 #include "server/models/model_store.h"
 
@@ -92,7 +92,7 @@ class ModelManager {
     // Where durable versions live; may be null. Outlives the manager.
     ModelStore* store = nullptr;
     // Everything of the key but the weights (backend, ISA, kernel, policy).
-    DeterminismInputs key_inputs;
+    digests::DeterminismInputs key_inputs;
     // For ModelInfo: the backend and its devices, and the batching in effect.
     std::string backend_description;
     detlogp::v1::BatchingSettings batching;

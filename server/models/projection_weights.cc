@@ -7,13 +7,13 @@
 #include "kernels/projection.h"
 #include "kernels/random_normal.h"
 #include "server/models/safetensors.h"
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 
 namespace detlogp::server {
 namespace {
 
 void ComputeDigest(ProjectionWeights* weights) {
-  Sha256 hash;
+  digests::Sha256 hash;
   hash.Update(absl::StrCat("detlogp-h3-projection-v1 bias=",
                            weights->bias.empty() ? 0 : 1, "\n"));
   hash.Update(weights->weight.data(), weights->weight.size() * sizeof(float));

@@ -7,7 +7,7 @@
 
 namespace detlogp::server {
 
-UploadAssembler::UploadAssembler(const LmHeadShape& shape, VersionWriter* writer,
+UploadAssembler::UploadAssembler(const digests::LmHeadShape& shape, VersionWriter* writer,
                                  int hash_threads)
     : total_bytes_(shape.weight_bytes() + shape.bias_bytes()),
       weights_(std::make_shared<LmHeadWeights>()),
@@ -36,7 +36,7 @@ UploadAssembler::~UploadAssembler() {
 }
 
 const char* UploadAssembler::BlockData(int64_t index) const {
-  const LmHeadDigest::Block& block = digest_.block(index);
+  const digests::LmHeadDigest::Block& block = digest_.block(index);
   const char* base = block.segment == 0
                          ? reinterpret_cast<const char*>(weights_->weight.data())
                          : reinterpret_cast<const char*>(weights_->bias.data());

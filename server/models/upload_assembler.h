@@ -20,7 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "server/models/lm_head_digest.h"
+#include "digests/lm_head_digest.h"
 #include "server/models/lm_head_weights.h"
 #include "server/models/model_store.h"
 
@@ -29,7 +29,7 @@ namespace detlogp::server {
 class UploadAssembler {
  public:
   // `writer` (may be null) receives the stream's bytes in order.
-  UploadAssembler(const LmHeadShape& shape, VersionWriter* writer,
+  UploadAssembler(const digests::LmHeadShape& shape, VersionWriter* writer,
                   int hash_threads = 8);
   // Stops and joins the threads (an unfinished upload is dropped).
   ~UploadAssembler();
@@ -59,7 +59,7 @@ class UploadAssembler {
 
   const int64_t total_bytes_;
   std::shared_ptr<LmHeadWeights> weights_;
-  LmHeadDigest digest_;
+  digests::LmHeadDigest digest_;
   VersionWriter* const writer_;
   int64_t received_ = 0;        // worker thread only
   int64_t next_block_end_ = 0;  // stream offset where the next block ends

@@ -34,7 +34,7 @@ bool IsHexDigest(const std::string& text) {
   return true;
 }
 
-absl::StatusOr<LmHeadShape> ValidateUploadHeader(const UploadModelHeader& header) {
+absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(const UploadModelHeader& header) {
   if (absl::Status s = ValidateModelName(header.model(), "header.model"); !s.ok()) {
     return s;
   }
@@ -50,7 +50,7 @@ absl::StatusOr<LmHeadShape> ValidateUploadHeader(const UploadModelHeader& header
         "header.shape: expected [padded_vocab_size, hidden_size] with 0 < V <= ",
         kMaxPaddedVocab, " and 0 < H <= ", kMaxHiddenSize, ", H a multiple of 8"));
   }
-  LmHeadShape shape;
+  digests::LmHeadShape shape;
   shape.padded_vocab_size = header.shape(0);
   shape.hidden_size = header.shape(1);
   shape.vocab_size = header.vocab_size() == 0 ? shape.padded_vocab_size : header.vocab_size();
@@ -466,7 +466,7 @@ class ModelRepositoryServiceImpl::UploadCall final
   int64_t received_ ABSL_GUARDED_BY(mu_) = 0;
   // Set from the header (under mu_), then used by the worker alone.
   std::string expected_sha256_;
-  LmHeadShape shape_;
+  digests::LmHeadShape shape_;
   std::string model_;
   int64_t version_ = 0;  // 0: the model's next number
   ModelManager::Reservation reservation_;

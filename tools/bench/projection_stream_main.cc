@@ -8,8 +8,13 @@
 //     --rows=364608 --chunks=256,512,1024,2048 --streams=4 --reader=proto
 //
 // --reader=proto parses every chunk into a ProjectResponse (what
-// LogpClient::Project does); --reader=raw keeps gRPC's bytes (what
-// detlogp_cli project does) and only checks the chunk's row offset.
+// LogpClient::Project did before the raw read path); --reader=raw keeps
+// gRPC's bytes and checks nothing (the floor); --reader=client is
+// LogpClient::ProjectChunks, what detlogp_cli project and Project use now
+// (header walked from the wire bytes, every chunk checked, y.data left in
+// gRPC's slices), with --client_copy_y copying each chunk once into a
+// caller's buffer as Project does (a reused 64 MiB one here, so that a 7.8 GB
+// Y need not fit in memory).
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/sync_stream.h>
 
@@ -28,6 +33,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/logp_client.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "kernels/projection.h"
 #include "server/backends/projection_backend.h"
@@ -38,7 +44,10 @@ ABSL_FLAG(int64_t, rows, 364608, "Rows of X per stream (one H3 video).");
 ABSL_FLAG(std::string, chunks, "256,512,1024,2048", "rows_per_chunk values.");
 ABSL_FLAG(int, streams, 4, "Streams at once for the concurrent run (0: skip).");
 ABSL_FLAG(int64_t, concurrent_chunk, 512, "rows_per_chunk of the concurrent run.");
-ABSL_FLAG(std::string, reader, "proto", "proto or raw (see the file comment).");
+ABSL_FLAG(std::string, reader, "proto",
+          "proto, raw or client (see the file comment).");
+ABSL_FLAG(bool, client_copy_y, false,
+          "--reader=client: copy each chunk's y once into a caller's buffer.");
 ABSL_FLAG(int64_t, max_stream_buffer_mb, -1,
           "ProjectionServiceImpl::Options::max_stream_buffer_bytes in MiB "
           "(-1: the default).");
@@ -89,6 +98,43 @@ struct StreamResult {
   bool ok = false;
   std::string error;
 };
+
+enum class Reader { kProto, kRaw, kClient };
+
+// LogpClient::ProjectChunks on a connection of its own (own_connection).
+StreamResult RunClientStream(const std::string& target, const std::vector<float>& x,
+                             int64_t rows, int64_t rows_per_chunk) {
+  StreamResult result;
+  client::LogpClient::Options options;
+  options.target = target;
+  options.own_connection = true;
+  options.max_message_bytes = -1;
+  options.timeout = absl::Minutes(10);
+  auto client = client::LogpClient::Create(options);
+  if (!client.ok()) {
+    result.error = client.status().ToString();
+    return result;
+  }
+  client::LogpClient::ProjectOptions project;
+  project.rows_per_chunk = rows_per_chunk;
+  std::vector<float> y;
+  const int64_t row_floats = kProjectionOutDim;
+  if (absl::GetFlag(FLAGS_client_copy_y)) y.resize((64 << 20) / sizeof(float));
+  const int64_t ring_rows = static_cast<int64_t>(y.size()) / row_floats;
+  const absl::Time start = absl::Now();
+  auto done = (*client)->ProjectChunks(x, rows, project, [&](client::ProjectChunk& chunk) {
+    result.bytes += chunk.y_data_bytes;
+    if (!y.empty()) {
+      const int64_t chunk_rows = chunk.y_shape[0];
+      const int64_t at = chunk.row_offset % ring_rows;
+      chunk.CopyYTo(y.data() + (at + chunk_rows <= ring_rows ? at : 0) * row_floats);
+    }
+  });
+  result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  result.ok = done.ok();
+  if (!done.ok()) result.error = done.status().ToString();
+  return result;
+}
 
 StreamResult RunStream(const std::shared_ptr<grpc::Channel>& channel,
                        const std::string& request_bytes, int64_t rows,
@@ -208,7 +254,16 @@ struct TimingSink {
 
 int Main() {
   const int64_t rows = absl::GetFlag(FLAGS_rows);
-  const bool raw = absl::GetFlag(FLAGS_reader) == "raw";
+  Reader reader = Reader::kProto;
+  if (absl::GetFlag(FLAGS_reader) == "raw") {
+    reader = Reader::kRaw;
+  } else if (absl::GetFlag(FLAGS_reader) == "client") {
+    reader = Reader::kClient;
+  } else if (absl::GetFlag(FLAGS_reader) != "proto") {
+    std::fprintf(stderr, "bad --reader\n");
+    return 2;
+  }
+  const bool raw = reader == Reader::kRaw;
   std::vector<int64_t> chunk_sizes;
   for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_chunks), ',')) {
     int64_t v = 0;
@@ -258,12 +313,19 @@ int Main() {
   request.mutable_x()->set_data(x.data(), x.size() * sizeof(float));
   const double output_gb = rows * kProjectionOutDim * 4.0 / 1e9;
 
-  std::printf("rows %lld (%.2f GB of Y per stream), reader %s\n",
-              static_cast<long long>(rows), output_gb, raw ? "raw" : "proto");
+  std::printf("rows %lld (%.2f GB of Y per stream), reader %s%s\n",
+              static_cast<long long>(rows), output_gb,
+              absl::GetFlag(FLAGS_reader).c_str(),
+              reader == Reader::kClient && absl::GetFlag(FLAGS_client_copy_y)
+                  ? " (one copy of y)"
+                  : "");
   for (int64_t chunk : chunk_sizes) {
     request.set_rows_per_chunk(chunk);
     const StreamResult r =
-        RunStream(NewChannel(target, 0), request.SerializeAsString(), rows, chunk, raw);
+        reader == Reader::kClient
+            ? RunClientStream(target, x, rows, chunk)
+            : RunStream(NewChannel(target, 0), request.SerializeAsString(), rows, chunk,
+                        raw);
     if (!r.ok) {
       std::printf("rows_per_chunk %lld failed: %s\n", static_cast<long long>(chunk),
                   r.error.c_str());
@@ -284,8 +346,10 @@ int Main() {
     const absl::Time start = absl::Now();
     for (int i = 0; i < streams; ++i) {
       threads.emplace_back([&, i] {
-        results[i] = RunStream(NewChannel(target, i + 1), bytes, rows,
-                               absl::GetFlag(FLAGS_concurrent_chunk), raw);
+        const int64_t chunk = absl::GetFlag(FLAGS_concurrent_chunk);
+        results[i] = reader == Reader::kClient
+                         ? RunClientStream(target, x, rows, chunk)
+                         : RunStream(NewChannel(target, i + 1), bytes, rows, chunk, raw);
       });
     }
     for (auto& t : threads) t.join();

@@ -35,7 +35,7 @@
 #include "tools/bench/closed_loop_caller.h"
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
-#include "server/models/lm_head_digest.h"
+#include "digests/lm_head_digest.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
 ABSL_FLAG(std::string, model, "policy", "Model to push and score.");
@@ -126,7 +126,7 @@ PushRecord Push(detlogp::v1::ModelRepositoryService::Stub* stub,
   header->add_shape(vocab);
   header->add_shape(hidden);
   header->set_vocab_size(vocab);
-  header->set_weights_sha256(detlogp::server::ComputeLmHeadDigest(
+  header->set_weights_sha256(detlogp::digests::ComputeLmHeadDigest(
       {hidden, vocab, vocab, false}, weights.current().data(), nullptr));
   writer->Write(message);
   const char* bytes = reinterpret_cast<const char*>(weights.current().data());

@@ -1,13 +1,13 @@
-#include "server/models/lm_head_digest.h"
+#include "digests/lm_head_digest.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/parallel_for.h"
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 
-namespace detlogp::server {
+namespace detlogp::digests {
 
 std::string LmHeadDigestPreamble(const LmHeadShape& shape) {
   return absl::StrCat("detlogp-lm-head-v2 H=", shape.hidden_size, " V=",
@@ -62,4 +62,4 @@ std::string ComputeLmHeadDigest(const LmHeadShape& shape, const void* weight,
   return digest.Finish();
 }
 
-}  // namespace detlogp::server
+}  // namespace detlogp::digests

@@ -1,12 +1,12 @@
 // The determinism key: equal keys mean equal bits for equal rows. It is a
 // digest of everything that can change a row's bits: the weights, the backend
 // and its instruction set, the kernel version and the split policy.
-#ifndef DETLOGP_SERVER_MODELS_DETERMINISM_KEY_H_
-#define DETLOGP_SERVER_MODELS_DETERMINISM_KEY_H_
+#ifndef DETLOGP_DIGESTS_DETERMINISM_KEY_H_
+#define DETLOGP_DIGESTS_DETERMINISM_KEY_H_
 
 #include <string>
 
-namespace detlogp::server {
+namespace detlogp::digests {
 
 struct DeterminismInputs {
   std::string weights_sha256;
@@ -19,6 +19,6 @@ struct DeterminismInputs {
 // "dk1-" followed by 32 hex digits of SHA-256 over the inputs.
 std::string DeterminismKey(const DeterminismInputs& inputs);
 
-}  // namespace detlogp::server
+}  // namespace detlogp::digests
 
-#endif  // DETLOGP_SERVER_MODELS_DETERMINISM_KEY_H_
+#endif  // DETLOGP_DIGESTS_DETERMINISM_KEY_H_

@@ -1,12 +1,12 @@
 // SHA-256 through OpenSSL, as lowercase hex.
-#ifndef DETLOGP_SERVER_MODELS_SHA256_H_
-#define DETLOGP_SERVER_MODELS_SHA256_H_
+#ifndef DETLOGP_DIGESTS_SHA256_H_
+#define DETLOGP_DIGESTS_SHA256_H_
 
 #include <cstddef>
 #include <memory>
 #include <string>
 
-namespace detlogp::server {
+namespace detlogp::digests {
 
 class Sha256 {
  public:
@@ -32,6 +32,6 @@ inline std::string Sha256Hex(const std::string& text) {
   return hash.HexDigest();
 }
 
-}  // namespace detlogp::server
+}  // namespace detlogp::digests
 
-#endif  // DETLOGP_SERVER_MODELS_SHA256_H_
+#endif  // DETLOGP_DIGESTS_SHA256_H_

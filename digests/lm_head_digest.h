@@ -12,15 +12,15 @@
 // A single SHA-256 pass over 1.2 GB takes ~0.7 s on one core; the leaves of
 // this one take ~0.05 s on 16. Clients that upload weights compute the same
 // (client/python/detlogp/weights.py, client/model_repository_client.cc).
-#ifndef DETLOGP_SERVER_MODELS_LM_HEAD_DIGEST_H_
-#define DETLOGP_SERVER_MODELS_LM_HEAD_DIGEST_H_
+#ifndef DETLOGP_DIGESTS_LM_HEAD_DIGEST_H_
+#define DETLOGP_DIGESTS_LM_HEAD_DIGEST_H_
 
 #include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace detlogp::server {
+namespace detlogp::digests {
 
 inline constexpr int64_t kLmHeadDigestBlockBytes = int64_t{16} << 20;
 
@@ -71,6 +71,6 @@ class LmHeadDigest {
 std::string ComputeLmHeadDigest(const LmHeadShape& shape, const void* weight,
                                 const void* bias, int threads = 0);
 
-}  // namespace detlogp::server
+}  // namespace detlogp::digests
 
-#endif  // DETLOGP_SERVER_MODELS_LM_HEAD_DIGEST_H_
+#endif  // DETLOGP_DIGESTS_LM_HEAD_DIGEST_H_

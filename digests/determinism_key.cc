@@ -1,9 +1,9 @@
-#include "server/models/determinism_key.h"
+#include "digests/determinism_key.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 
-namespace detlogp::server {
+namespace detlogp::digests {
 
 std::string DeterminismKey(const DeterminismInputs& inputs) {
   const std::string canonical = absl::StrCat(
@@ -13,4 +13,4 @@ std::string DeterminismKey(const DeterminismInputs& inputs) {
   return absl::StrCat("dk1-", Sha256Hex(canonical).substr(0, 32));
 }
 
-}  // namespace detlogp::server
+}  // namespace detlogp::digests

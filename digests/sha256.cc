@@ -1,8 +1,8 @@
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 
 #include <openssl/evp.h>
 
-namespace detlogp::server {
+namespace detlogp::digests {
 
 struct Sha256::State {
   EVP_MD_CTX* context = nullptr;
@@ -36,4 +36,4 @@ std::string Sha256::HexDigest() {
   return hex;
 }
 
-}  // namespace detlogp::server
+}  // namespace detlogp::digests
