@@ -17,7 +17,7 @@
 #include "client/logp_client.h"
 #include "gtest/gtest.h"
 #include "kernels/random_normal.h"
-#include "server/models/sha256.h"
+#include "digests/sha256.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -51,7 +51,7 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
   ASSERT_TRUE(client.ok()) << client.status();
   auto whole = (*client)->Project(x, rows, 200);
   ASSERT_TRUE(whole.ok()) << whole.status();
-  server::Sha256 digest;
+  digests::Sha256 digest;
   digest.Update(whole->y.data(), whole->y.size() * sizeof(float));
   const std::string y_hex = digest.HexDigest();  // once: it finishes the digest
 
@@ -68,7 +68,7 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     grpc::ClientContext context;
     (*client)->PrepareContext(&context);
     auto reader = (*client)->projection_stub()->Project(&context, request);
-    server::Sha256 proto_digest;
+    digests::Sha256 proto_digest;
     v1::ProjectResponse chunk;
     while (reader->Read(&chunk)) proto_digest.Update(chunk.y().data());
     ASSERT_TRUE(reader->Finish().ok());
@@ -91,7 +91,7 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_EQ(chunks->determinism_key, whole->determinism_key);
     EXPECT_TRUE(y == whole->y);
     ASSERT_EQ(kept.size(), 8u);
-    server::Sha256 kept_digest;
+    digests::Sha256 kept_digest;
     for (const client::ProjectChunk& chunk : kept) {
       for (absl::string_view piece : chunk.y_data) {
         kept_digest.Update(piece.data(), piece.size());
