@@ -13,7 +13,7 @@
 # stream).
 #   CHUNKS="256 512 1024 2048"  ROWS=364608  FOUR_CHUNK=512
 set -uo pipefail
-dir=.device/serve
+dir=${STREAM_DIR:-.device/serve}
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
 rows=${ROWS:-364608}
 four_chunk=${FOUR_CHUNK:-512}

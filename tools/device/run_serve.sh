@@ -65,6 +65,19 @@ echo "== bits over gRPC: probes alone vs mixed into 64 concurrent callers"
 "$dir/detlogp_cli" check-invariance --target="$target" --probes=32 \
   --concurrency=64 --calls_per_thread=4 --channels=8 | tee "$OUT/invariance.txt" || status=1
 
+echo "== bits over gRPC with entropy and top-k mixed in (issue #11)"
+"$dir/detlogp_cli" check-invariance --target="$target" --probes=32 \
+  --concurrency=64 --calls_per_thread=4 --channels=8 --entropy --top_k=20 \
+  | tee "$OUT/invariance_extras.txt" || status=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  echo "== Python load generator, extras mixed (needs .whl: grpcio, protobuf)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/serve-site .whl/*.whl
+  PYTHONPATH=/tmp/serve-site:$PWD/client/python timeout 120 python3 \
+    tests/load/detlogp_load.py --target "$target" --clients 32 --channels 8 \
+    --duration 15 --json_out "$OUT/load_extras.json" 2>&1 | tail -15 || status=1
+fi
+
 echo "== end to end: N=256 rows per request, 64 callers, 16 channels"
 load_phase /tmp/gpu.port --rows=256 --callers=64 --channels=16 --seconds=10 \
   | tee "$OUT/throughput_256.json" || status=1
