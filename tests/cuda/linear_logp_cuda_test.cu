@@ -684,6 +684,49 @@ TEST(LinearLogpCudaValidation, RejectsInvalidSizes) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// The trainer-side inputs (kernels/capi): int64 targets read in place and one
+// temperature for every row give the bits of int32 targets and a [rows]
+// array; a target outside [0, V) gives a NaN logprob (its lse still exact)
+// with no prefilled output.
+TEST(LinearLogpCudaInputs, Int64TargetsAndScalarTemperatureKeepTheBits) {
+  REQUIRE_SM90();
+  auto w = MakeWeights(128, 1000, 1024, /*bias=*/true);
+  auto batch = MakeBatch(300, 128, 1000);
+  for (float& t : batch->host_temps) t = 0.7f;
+  batch->Upload();
+  auto k = MakeKernel(*w);
+  const Result want = RunRows(*k, *batch, 0, batch->N);
+  std::vector<int64_t> wide(batch->host_targets.begin(), batch->host_targets.end());
+  wide[7] = 1000;              // padding row
+  wide[8] = -1;
+  wide[9] = int64_t{1} << 40;  // beyond int32
+  DevBuf<int64_t> targets64(batch->N);
+  targets64.FromHost(wide);
+  DevBuf<float> lp(batch->N), lse(batch->N);
+  DevBuf<uint8_t> ws(k->WorkspaceBytes(batch->N));
+  CUDA_CHECK_THROW(cudaMemset(lp.ptr, 0, batch->N * 4));  // not NaN
+  LinearLogpBatchView view;
+  view.hidden = batch->hidden.ptr;
+  view.targets64 = targets64.ptr;
+  view.temperature = 0.7f;
+  view.logprobs = lp.ptr;
+  view.lse = lse.ptr;
+  view.rows = batch->N;
+  const absl::Status s = k->Launch(view, ws.ptr, nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::vector<float> got = lp.ToHost(), got_lse = lse.ToHost();
+  for (int64_t i = 0; i < batch->N; ++i) {
+    EXPECT_TRUE(SameBits(got_lse[i], want.lse[i])) << "row " << i;
+    if (i >= 7 && i <= 9) {
+      EXPECT_TRUE(std::isnan(got[i])) << "row " << i;
+    } else {
+      EXPECT_TRUE(SameBits(got[i], want.logprobs[i])) << "row " << i;
+    }
+  }
+  view.temperature = 0.0f;  // a scalar temperature is checked on the host
+  EXPECT_FALSE(k->Launch(view, ws.ptr, nullptr).ok());
+}
+
 // ------------------------------------------------------------ entropy, top-k
 struct Extras {
   std::vector<float> logprobs, lse, entropy, top_logprobs;
