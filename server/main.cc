@@ -87,6 +87,9 @@ ABSL_FLAG(std::string, projection_bias_tensor, "proj.bias",
           "Name of the optional [5376] F32 bias in --projection_weights.");
 ABSL_FLAG(int64_t, projection_max_launch_rows, 2048,
           "Projection rows per launch (also the largest rows_per_chunk).");
+ABSL_FLAG(int64_t, projection_stream_buffer_mb, 64,
+          "Output MiB one projection stream may hold in chunk buffers "
+          "(computed, waiting or being written; two chunks at least).");
 ABSL_FLAG(int, batch_threads, 0,
           "Batches in flight at once; 0: the backend's preference.");
 ABSL_FLAG(int64_t, batch_overlap_rows, -1,
@@ -270,6 +273,8 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_max_concurrent_streams);
   options.projection_max_launch_rows =
       absl::GetFlag(FLAGS_projection_max_launch_rows);
+  options.projection_stream_buffer_bytes =
+      absl::GetFlag(FLAGS_projection_stream_buffer_mb) << 20;
 
   auto server =
       detlogp::server::Server::BuildAndStart(options, *std::move(models),

@@ -136,6 +136,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
         absl::StrCat("--max_top_k=", options.max_top_k, " is outside [0, ",
                      kernels::kMaxTopK, "]"));
   }
+  if (options.projection_stream_buffer_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--projection_stream_buffer_mb must be positive, got ",
+        options.projection_stream_buffer_bytes >> 20));
+  }
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;
   server->metrics_ = std::make_unique<ServerMetrics>();
@@ -284,6 +289,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   ProjectionServiceImpl::Options projection_options;
   projection_options.default_rows_per_chunk =
       options.projection_default_rows_per_chunk;
+  projection_options.max_stream_buffer_bytes =
+      options.projection_stream_buffer_bytes;
   projection_options.determinism_key =
       ProjectionDeterminismKey(*server->projection_weights_);
   projection_options.on_call_done = service_options.on_call_done;

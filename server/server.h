@@ -94,6 +94,7 @@ class Server {
     // Projection rows per launch; also the largest rows_per_chunk.
     int64_t projection_max_launch_rows = 2048;
     int64_t projection_default_rows_per_chunk = 512;
+    int64_t projection_stream_buffer_bytes = int64_t{64} << 20;
   };
 
   static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(

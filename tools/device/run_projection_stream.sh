@@ -11,7 +11,7 @@
 # compared with a CPU server's. The server's RSS is sampled during the
 # four-stream run (bounded: the request's X plus <= 64 MiB of chunks per
 # stream).
-#   CHUNKS="256 512 1024 2048"  ROWS=364608  FOUR_CHUNK=512
+#   CHUNKS="256 512 1024 2048"  ROWS=364608  FOUR_CHUNK=512  SERVER_ARGS=...
 set -uo pipefail
 dir=${STREAM_DIR:-.device/serve}
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
@@ -19,7 +19,7 @@ rows=${ROWS:-364608}
 four_chunk=${FOUR_CHUNK:-512}
 cli() { "$dir/detlogp_cli" project --target="$target" --project_rows="$rows" "$@"; }
 rm -f /tmp/p.port
-"$dir/detlogp_server" --port=0 --port_file=/tmp/p.port --device=cuda:0 > /tmp/p.log 2>&1 &
+"$dir/detlogp_server" --port=0 --port_file=/tmp/p.port --device=cuda:0 ${SERVER_ARGS:-} > /tmp/p.log 2>&1 &
 server=$!
 for _ in $(seq 1 900); do [[ -s /tmp/p.port ]] && break; sleep 0.2; done
 target=127.0.0.1:$(head -1 /tmp/p.port)
