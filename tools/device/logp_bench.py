@@ -61,7 +61,8 @@ def median_ms_interleaved(fns, reps, warmup=3):
     return [(statistics.median(t), min(t), max(t)) for t in times]
 
 
-def main():
+def bench_arguments():
+    """The arguments every linear-logp bench takes: library, shape, N, reps."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default=".device/logp/liblogp_bench.so")
     ap.add_argument("--json", default=None)
@@ -70,6 +71,11 @@ def main():
     ap.add_argument("--padded-vocab", type=int, default=152064)
     ap.add_argument("--ns", default="1,16,64,256,1024,2048,4096,8192")
     ap.add_argument("--reps", type=int, default=25)
+    return ap
+
+
+def main():
+    ap = bench_arguments()
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
 

@@ -44,25 +44,6 @@ int logp_num_splits(void* h, long long rows) {
 
 const char* logp_version() { return LinearLogpCuda::KernelVersion(); }
 
-// Returns 0 on success, 1 on error (printed).
-int logp_launch(void* h, const void* hidden, const int* targets,
-                const float* temps, float* logprobs, float* lse,
-                long long rows, void* workspace, void* stream) {
-  LinearLogpBatchView b{static_cast<const __nv_bfloat16*>(hidden),
-                        targets,
-                        temps,
-                        logprobs,
-                        lse,
-                        rows};
-  const absl::Status s = static_cast<LinearLogpCuda*>(h)->Launch(
-      b, workspace, static_cast<cudaStream_t>(stream));
-  if (!s.ok()) {
-    std::fprintf(stderr, "logp_launch: %s\n", s.ToString().c_str());
-    return 1;
-  }
-  return 0;
-}
-
 unsigned long long logp_workspace_bytes_extras(void* h, long long rows,
                                                int entropy, int top_k) {
   return static_cast<LinearLogpCuda*>(h)->WorkspaceBytes(rows, entropy != 0,
@@ -92,6 +73,14 @@ int logp_launch_extras(void* h, const void* hidden, const int* targets,
     return 1;
   }
   return 0;
+}
+
+// Returns 0 on success, 1 on error (printed).
+int logp_launch(void* h, const void* hidden, const int* targets,
+                const float* temps, float* logprobs, float* lse,
+                long long rows, void* workspace, void* stream) {
+  return logp_launch_extras(h, hidden, targets, temps, logprobs, lse, nullptr,
+                            0, nullptr, nullptr, rows, workspace, stream);
 }
 
 }  // extern "C"

@@ -9,7 +9,6 @@ rows. FLOPs are counted as 2*N*H*V for every variant.
 
   python3 tools/device/logp_extras_bench.py --lib .device/logp/liblogp_bench.so
 """
-import argparse
 import ctypes
 import json
 import os
@@ -18,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from logp_bench import median_ms_interleaved  # noqa: E402
+from logp_bench import bench_arguments, median_ms_interleaved  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 TOP_K = 20
@@ -54,15 +53,7 @@ def reference(hidden, W, bias, temps, rows):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", default=".device/logp/liblogp_bench.so")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--padded-vocab", type=int, default=152064)
-    ap.add_argument("--ns", default="1,16,64,256,1024,2048,4096,8192")
-    ap.add_argument("--reps", type=int, default=25)
-    args = ap.parse_args()
+    args = bench_arguments().parse_args()
 
     lib = load(args.lib)
     version = lib.logp_version().decode()
