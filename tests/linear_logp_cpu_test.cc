@@ -58,10 +58,7 @@ TEST(LinearLogpCpuTest, PaddingRowsNeverCount) {
   // Padding rows carry huge weights and bias: if one leaked into the
   // softmax, lse would jump by thousands.
   const TestLmHead padded = MakeTestLmHead(128, 1000, 1088, true, 3);
-  TestLmHead unpadded = padded;
-  unpadded.padded_vocab_size = 1000;
-  unpadded.weight.resize(1000 * 128);
-  unpadded.bias.resize(1000);
+  const TestLmHead unpadded = WithoutPadding(padded);
   const auto hidden = RandomHidden(5, 128, 4);
   const auto targets = RandomTargets(5, 1000, 5);
   const std::vector<float> temperatures(5, 1.0f);

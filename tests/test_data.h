@@ -51,6 +51,15 @@ inline TestLmHead MakeTestLmHead(int64_t hidden_size, int64_t vocab_size,
   return head;
 }
 
+// The same head with its padding rows dropped: a padded head must give the
+// same bits.
+inline TestLmHead WithoutPadding(TestLmHead head) {
+  head.padded_vocab_size = head.vocab_size;
+  head.weight.resize(head.vocab_size * head.hidden_size);
+  if (!head.bias.empty()) head.bias.resize(head.vocab_size);
+  return head;
+}
+
 inline std::vector<uint16_t> RandomHidden(int64_t rows, int64_t hidden_size,
                                           uint64_t seed) {
   kernels::RandomNormal random(seed);
