@@ -48,14 +48,15 @@
 //     rescaling (softmax_partial.h): entropy = lse - T / S.
 //   * top-k: each (row, split) keeps a sorted list of the k best (z, id) in
 //     shared memory under RanksBefore (a total order, so the list is one set
-//     whatever order candidates arrive in), owned by one lane of the row's
-//     quad (lane 0 for the thread's first row, lane 1 for its second). A
-//     tile's values are screened against the list's worst entry and a lower
-//     bound on the tile's own k-th best (the least of kW / 8 disjoint 8-value
-//     group maxima); survivors are shuffled to the owner, which inserts
-//     them. Every fragment index is a compile-time constant (a run-time index
-//     into the accumulators is a divergent indirect branch). Lists go to the
-//     workspace per (row, split); the combine merges them.
+//     whatever order candidates arrive in). A tile's values are screened
+//     against the list's worst entry and a lower bound on the tile's own
+//     k-th best (the least of kW / 8 disjoint 8-value group maxima); each
+//     survivor is inserted by the whole warp at once (lane i holds entry i:
+//     a ballot finds its place, a shuffle moves the tail), and the row's
+//     screen tightens to the new worst entry. Every fragment index is a
+//     compile-time constant (a run-time index into the accumulators is a
+//     divergent indirect branch). Lists go to the workspace per (row,
+//     split); the combine merges them.
 // The version string covers the extras too: any change to their arithmetic
 // must bump it.
 //
@@ -231,75 +232,92 @@ struct RowState {
   float sum_y;  // sum of exp(z - max) * y (kEntropy only)
 };
 
-// The top-k list a lane owns (kTopK only): sorted best first in shared
-// memory, entry i at z[i * kBlockM] (rows interleaved, so the owners of a
-// warp hit distinct banks), its length and worst entry in registers.
-struct TopKOwner {
+// The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
+// entry i of row r at z[i * kBlockM + r] (lane i reads entry i: no bank
+// conflicts), sorted best first and padded with empty entries (-inf, -1),
+// which rank after every real value and never let padding columns in.
+struct TopKLists {
   float* z;
   int32_t* id;
-  int count;
-  float worst_z;     // -inf until the list holds k entries
-  int32_t worst_id;  // -1 until then
+  int row0;
 };
 
-// The owner's exact insertion: anything that ranks before the worst entry
-// (or any real value while the list is short) goes in at its place.
-__device__ __forceinline__ void TopKInsert(TopKOwner& o, int k, float z,
-                                           int32_t id) {
-  if (!(z > -INFINITY)) return;  // a column past the vocabulary
-  if (o.count == k && !RanksBefore(z, id, o.worst_z, o.worst_id)) return;
-  constexpr int kStride = kBlockM;
-  int i = o.count < k ? o.count++ : k - 1;
-  for (; i > 0; --i) {
-    const float prev_z = o.z[(i - 1) * kStride];
-    const int32_t prev_id = o.id[(i - 1) * kStride];
-    if (!RanksBefore(z, id, prev_z, prev_id)) break;
-    o.z[i * kStride] = prev_z;
-    o.id[i * kStride] = prev_id;
+__device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
+  for (int idx = lane; idx < 16 * k; idx += 32) {
+    const int at = (idx / 16) * kBlockM + l.row0 + idx % 16;
+    l.z[at] = -INFINITY;
+    l.id[at] = -1;
   }
-  o.z[i * kStride] = z;
-  o.id[i * kStride] = id;
-  if (o.count == k) {
-    o.worst_z = o.z[(k - 1) * kStride];
-    o.worst_id = o.id[(k - 1) * kStride];
-  }
+  __syncwarp();
 }
 
-// One fragment position (column id_q = id + 2 q for quad lane q) whose
-// values passed some lane's screen: each owner takes its row's survivors in
-// quad-lane order. Not inlined: a copy per position and tile width would
-// overflow the instruction cache (measured: 4-5x slower).
-__device__ __noinline__ TopKOwner TopKSite(TopKOwner owner, int k, float z0,
-                                           float z1, unsigned pass0,
-                                           unsigned pass1, int32_t id) {
+// Inserts (z, id) into the list of block row `row`, the whole warp at once:
+// lane i holds entry i, the candidate's place is the number of entries that
+// rank before it (a prefix: the list is sorted), entries from there move
+// down one and the last drops. Returns the list's worst z afterwards.
+__device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
+                                                int lane, int row, float z,
+                                                int32_t id) {
+  const bool holds = lane < k;
+  const int at = lane * kBlockM + row;
+  const float entry_z = holds ? l.z[at] : -INFINITY;
+  const int32_t entry_id = holds ? l.id[at] : -1;
+  const int place = __popc(__ballot_sync(
+      0xffffffffu, holds && RanksBefore(entry_z, entry_id, z, id)));
+  const float above_z = __shfl_up_sync(0xffffffffu, entry_z, 1);
+  const int32_t above_id = __shfl_up_sync(0xffffffffu, entry_id, 1);
+  float now_z = entry_z;
+  if (holds && lane >= place) {
+    now_z = lane == place ? z : above_z;
+    l.z[at] = now_z;
+    l.id[at] = lane == place ? id : above_id;
+  }
+  __syncwarp();
+  return __shfl_sync(0xffffffffu, now_z, k - 1);
+}
+
+// One fragment position whose values passed some lane's screen (pass0 for
+// the lanes' first rows, pass1 for their second; column id_col + 2 * quad
+// lane): every survivor goes into its row's list, and the row's quad
+// tightens its screen to the list's new worst entry. Not inlined: a copy
+// per position and tile width would overflow the instruction cache.
+__device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0, float z1,
+                                        unsigned pass0, unsigned pass1,
+                                        int32_t id_col, float2 screen) {
   const int lane = threadIdx.x & 31;
-  const int quad = lane & 3;
-  const int quad_base = lane & ~3;
-  const unsigned pass = quad == 1 ? pass1 : pass0;
-  for (int q = 0; q < 4; ++q) {
-    if (((pass0 | pass1) & (0x11111111u << q)) == 0) continue;  // uniform
-    const float zq0 = __shfl_sync(0xffffffffu, z0, quad_base + q);
-    const float zq1 = __shfl_sync(0xffffffffu, z1, quad_base + q);
-    if (quad < 2 && ((pass >> (quad_base + q)) & 1u)) {
-      TopKInsert(owner, k, quad == 1 ? zq1 : zq0, id + 2 * q);
-    }
+  while (pass0 != 0) {  // warp-uniform
+    const int src = __ffs(pass0) - 1;
+    pass0 &= pass0 - 1;
+    const float z = __shfl_sync(0xffffffffu, z0, src);
+    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2), z,
+                                       id_col + 2 * (src & 3));
+    if ((lane >> 2) == (src >> 2)) screen.x = fmaxf(screen.x, worst);
   }
-  return owner;
+  while (pass1 != 0) {
+    const int src = __ffs(pass1) - 1;
+    pass1 &= pass1 - 1;
+    const float z = __shfl_sync(0xffffffffu, z1, src);
+    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2) + 8, z,
+                                       id_col + 2 * (src & 3));
+    if ((lane >> 2) == (src >> 2)) screen.y = fmaxf(screen.y, worst);
+  }
+  return screen;
 }
 
-// Screens a tile's values of the thread's two rows and hands the survivors
-// to their rows' owners. Exact: the screen only drops values that rank
-// after the list's worst entry or that k others in the tile beat.
+// Screens a tile's values of the thread's two rows against each row's worst
+// entry and a lower bound on the tile's own k-th best, and inserts the
+// survivors. Exact: the screen only drops values that rank after the list's
+// worst entry or that k others in the tile beat.
 template <int kW>
 __device__ __forceinline__ void TopKTile(const KernelParams& p, const float* acc,
                                          int lane, int v0, const float* inv_t,
-                                         TopKOwner& owner) {
-  const int quad_base = lane & ~3;
+                                         const TopKLists& lists) {
   const int k = p.top_k;
   float screen[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float worst_z = __shfl_sync(0xffffffffu, owner.worst_z, quad_base + h);
+    const int row = lists.row0 + (lane >> 2) + 8 * h;
+    const float worst_z = lists.z[(k - 1) * kBlockM + row];
     float lower = -INFINITY;
     if (kW / 8 >= k) {
       // Each of the quad's threads holds kW / 32 groups of 8 values per row:
@@ -330,7 +348,11 @@ __device__ __forceinline__ void TopKTile(const KernelParams& p, const float* acc
       const unsigned pass0 = __ballot_sync(0xffffffffu, z0 >= screen[0]);
       const unsigned pass1 = __ballot_sync(0xffffffffu, z1 >= screen[1]);
       if ((pass0 | pass1) != 0) {  // warp-uniform
-        owner = TopKSite(owner, k, z0, z1, pass0, pass1, id_base + 8 * j + e);
+        const float2 tightened =
+            TopKSite(lists, k, z0, z1, pass0, pass1, id_base + 8 * j + e,
+                     make_float2(screen[0], screen[1]));
+        screen[0] = tightened.x;
+        screen[1] = tightened.y;
       }
     }
   }
@@ -361,7 +383,7 @@ __device__ __forceinline__ void ConsumeTile(
     const KernelParams& p, float* acc, uint8_t* smem_a, uint8_t* smem_b,
     uint64_t* full, uint64_t* empty, Ring& ring, bool active, int consumer,
     int lane, int v0, int valid, const ConsumerRows& rows, RowState* state,
-    TopKOwner& owner) {
+    const TopKLists& lists) {
   constexpr int kRegs = kW / 2;
   const bool lane_arrives = lane == 0;
   int prev_stage = -1;
@@ -488,7 +510,7 @@ __device__ __forceinline__ void ConsumeTile(
   }
   state[0].max = m0;
   state[1].max = m1;
-  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, rows.inv_t, owner);
+  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, rows.inv_t, lists);
 }
 
 template <bool kEntropy, bool kTopK>
@@ -570,18 +592,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool active = slab < p.rows;
     ConsumerRows rows;
     RowState state[2];
-    // The list this lane owns: its first row's (quad lane 0) or its second
-    // row's (quad lane 1); lanes 2 and 3 own none.
-    TopKOwner owner;
-    {
-      const int h = (lane & 3) == 1 ? 1 : 0;
-      const int local = warp * 16 + (lane >> 2) + 8 * h + consumer * 64;
-      owner.z = top_z + local;
-      owner.id = top_id + local;
-      owner.count = 0;
-      owner.worst_z = -INFINITY;
-      owner.worst_id = -1;
-    }
+    // The warp's rows' top-k lists, emptied for this item.
+    const TopKLists lists{top_z, top_id, consumer * 64 + warp * 16};
+    if constexpr (kTopK) TopKReset(lists, p.top_k, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = slab + warp * 16 + (lane >> 2) + 8 * h;
@@ -599,42 +612,42 @@ __global__ void __launch_bounds__(kThreads, 1)
         case 8:
           ConsumeTile<256, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         case 7:
           ConsumeTile<224, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         case 6:
           ConsumeTile<192, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         case 5:
           ConsumeTile<160, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         case 4:
           ConsumeTile<128, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         case 3:
           ConsumeTile<96, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         case 2:
           ConsumeTile<64, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         case 1:
           ConsumeTile<32, kEntropy, kTopK>(
               p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, owner);
+              lane, v0, valid, rows, state, lists);
           break;
         default:
           __trap();  // unreachable: widths are 32..256
@@ -658,18 +671,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if constexpr (kTopK) {
-      // The owner writes its list (sorted; empty entries past its count for
-      // a split smaller than k).
-      const int h = (lane & 3) == 1 ? 1 : 0;
-      const int r = h == 1 ? rows.row[1] : rows.row[0];
-      if (active && (lane & 3) < 2 && r < p.rows) {
-        const int64_t base =
-            (static_cast<int64_t>(r) * p.num_splits + split) * p.top_k;
-        for (int i = 0; i < p.top_k; ++i) {
-          const bool real = i < owner.count;
-          p.split_top_z[base + i] = real ? owner.z[i * kBlockM] : -INFINITY;
-          p.split_top_id[base + i] = real ? owner.id[i * kBlockM] : -1;
-        }
+      // Each list, sorted, empty entries (id -1) last.
+      const int64_t first_row = static_cast<int64_t>(row_block) * kBlockM;
+      for (int idx = lane; idx < 16 * p.top_k; idx += 32) {
+        const int r = lists.row0 + idx % 16;
+        const int i = idx / 16;
+        if (!active || first_row + r >= p.rows) continue;
+        const int64_t out =
+            ((first_row + r) * p.num_splits + split) * p.top_k + i;
+        p.split_top_z[out] = lists.z[i * kBlockM + r];
+        p.split_top_id[out] = lists.id[i * kBlockM + r];
       }
       __syncwarp();
     }
