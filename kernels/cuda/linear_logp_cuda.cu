@@ -1,4 +1,6 @@
-// Launcher for the fused linear-logp kernel (kernel: linear_logp_kernel.cuh).
+// Launcher for the fused linear-logp kernels: Hopper v3
+// (linear_logp_kernel.cuh) and the portable mma.sync kernel
+// (linear_logp_portable_kernel.cuh, issue #13, groundwork).
 #include "kernels/cuda/linear_logp_cuda.h"
 
 #include <cuda.h>
@@ -13,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/linear_logp_kernel.cuh"
+#include "kernels/cuda/linear_logp_portable_kernel.cuh"
 #include "kernels/lm_head.h"
 #include "kernels/softmax_partial.h"
 #include "kernels/split_policy.h"
@@ -21,6 +24,10 @@ namespace detlogp::kernels::cuda {
 namespace {
 
 namespace kv = ::detlogp::kernels::cuda::v3;
+namespace kp = ::detlogp::kernels::cuda::portable_v1;
+
+static_assert(kp::kMaxSplits == kv::kMaxSplits,
+              "both kernels take the same split tables and partials");
 
 static_assert(kv::kMaxTopK == kMaxTopK,
               "the kernel's top-k lists hold kernels::kMaxTopK entries");
@@ -145,6 +152,8 @@ struct LinearLogpCuda::Impl {
   CUtensorMap weight_map;  // CUtensorMap is 64-byte aligned by its type
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
   int num_sms = 0;
+  int cc_major = 0;  // the device's compute capability
+  int cc_minor = 0;
   int32_t invariant_splits = 0;
   int32_t invariant_begin[kv::kMaxSplits + 1] = {};
   int64_t shard_begin = 0;
@@ -157,6 +166,85 @@ LinearLogpCuda::LinearLogpCuda(const Options& options,
 LinearLogpCuda::~LinearLogpCuda() = default;
 
 const char* LinearLogpCuda::KernelVersion() { return kv::kVersion; }
+
+const char* LinearLogpCuda::KernelVersion(KernelKind kernel) {
+  return kernel == KernelKind::kPortable ? kp::kVersion : kv::kVersion;
+}
+
+const char* LinearLogpCuda::kernel_version() const {
+  return KernelVersion(options_.kernel);
+}
+
+std::string LinearLogpCuda::instruction_set() const {
+  if (options_.kernel == KernelKind::kHopper) return "sm_90a";
+  // TODO(issue #13): once the build ships compute_80 PTX, a device without
+  // its own machine code runs JIT-compiled code: add the driver version.
+  return absl::StrCat("sm_", impl_->cc_major, impl_->cc_minor, "/mma.sync");
+}
+
+namespace {
+
+// The batch-invariant split table of the rows an object holds (a shard's
+// boundaries start at 0).
+void FillSplitTable(const LinearLogpCuda::Options& options, int32_t all_splits,
+                    bool shard, int64_t held_begin, int32_t* splits,
+                    int32_t* begin) {
+  const int64_t vocab = options.weights.vocab_size;
+  const int32_t first = shard ? options.first_split : 0;
+  const int32_t end = shard ? options.end_split : all_splits;
+  *splits = end - first;
+  for (int32_t s = first; s < end; ++s) {
+    const VocabRange r = VocabSplitRange(vocab, s);
+    begin[s - first] = static_cast<int32_t>(r.begin - held_begin);
+    if (s + 1 == end) {
+      begin[s + 1 - first] = static_cast<int32_t>(r.end - held_begin);
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::CreatePortable(
+    const Options& options, const cudaDeviceProp& prop, int32_t all_splits,
+    bool shard, int64_t held_begin) {
+  if (prop.major < 8) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "linear_logp_cuda: kernel ", kp::kVersion,
+        " needs compute capability >= 8.0, device has ", prop.major, ".",
+        prop.minor));
+  }
+  if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kp::kSmemBytes)) {
+    return absl::FailedPreconditionError(
+        "linear_logp_cuda: not enough shared memory per block");
+  }
+  // Both kernels need code for this device (this build has sm_90a only:
+  // the error says so on any other GPU).
+  cudaFuncAttributes attrs;
+  if (cudaError_t e =
+          cudaFuncGetAttributes(&attrs, kp::LinearLogpPortableSplitKernel);
+      e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "linear_logp_cuda: kernel ", kp::kVersion, " has no code for sm_",
+        prop.major, prop.minor, " in this build: ", cudaGetErrorString(e)));
+  }
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, kv::CombineKernel));
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kp::LinearLogpPortableSplitKernel,
+      cudaFuncAttributeMaxDynamicSharedMemorySize, kp::kSmemBytes));
+  if (all_splits < 1 || all_splits > kp::kMaxSplits) {
+    return absl::InternalError("linear_logp_cuda: split policy out of range");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->num_sms = prop.multiProcessorCount;
+  impl->cc_major = prop.major;
+  impl->cc_minor = prop.minor;
+  impl->shard_begin = held_begin;
+  FillSplitTable(options, all_splits, shard, held_begin,
+                 &impl->invariant_splits, impl->invariant_begin);
+  return std::unique_ptr<LinearLogpCuda>(
+      new LinearLogpCuda(options, std::move(impl)));
+}
 
 absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     const Options& options) {
@@ -213,6 +301,12 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   if (absl::Status s = guard.Enter(options.device); !s.ok()) return s;
   cudaDeviceProp prop;
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options.device));
+  if (options.kernel == KernelKind::kPortable) {
+    return CreatePortable(options, prop, all_splits, shard, held_begin);
+  }
+  if (options.kernel != KernelKind::kHopper) {
+    return absl::InvalidArgumentError("linear_logp_cuda: bad kernel kind");
+  }
   if (prop.major != 9 || prop.minor != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
         "linear_logp_cuda: kernel ", kv::kVersion,
@@ -236,6 +330,8 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
 
   auto impl = std::make_unique<Impl>();
   impl->num_sms = prop.multiProcessorCount;
+  impl->cc_major = prop.major;
+  impl->cc_minor = prop.minor;
 
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult query;
@@ -257,17 +353,9 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     return absl::InternalError("linear_logp_cuda: split policy out of range");
   }
   // Split boundaries in the rows this object holds (a shard's start at 0).
-  const int32_t first = shard ? options.first_split : 0;
-  const int32_t end = shard ? options.end_split : all_splits;
-  impl->invariant_splits = end - first;
   impl->shard_begin = held_begin;
-  for (int32_t s = first; s < end; ++s) {
-    const VocabRange r = VocabSplitRange(w.vocab_size, s);
-    impl->invariant_begin[s - first] = static_cast<int32_t>(r.begin - held_begin);
-    if (s + 1 == end) {
-      impl->invariant_begin[s + 1 - first] = static_cast<int32_t>(r.end - held_begin);
-    }
-  }
+  FillSplitTable(options, all_splits, shard, held_begin,
+                 &impl->invariant_splits, impl->invariant_begin);
   return std::unique_ptr<LinearLogpCuda>(
       new LinearLogpCuda(options, std::move(impl)));
 }
@@ -401,6 +489,10 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
     return s;
   }
 
+  if (options_.kernel == KernelKind::kPortable) {
+    return LaunchPortableSplits(batch, partials, stream);
+  }
+
   DeviceGuard guard;
   if (absl::Status s = guard.Enter(options_.device); !s.ok()) return s;
 
@@ -451,6 +543,54 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
   VariantFor(entropy, top_k)<<<grid, kv::kThreads, SmemBytesFor(top_k),
                                stream>>>(hidden_map, impl_->weight_map, p);
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::Status LinearLogpCuda::LaunchPortableSplits(
+    const LinearLogpBatchView& batch, const SplitPartials& partials,
+    cudaStream_t stream) const {
+  if (batch.entropy != nullptr || batch.top_k > 0 ||
+      partials.mean_z != nullptr || partials.top_z != nullptr) {
+    return absl::UnimplementedError(absl::StrCat(
+        "linear_logp_cuda: kernel ", kp::kVersion,
+        " has no entropy or top-k yet (issue #13)"));
+  }
+  const LinearLogpWeightsView& w = options_.weights;
+  DeviceGuard guard;
+  if (absl::Status s = guard.Enter(options_.device); !s.ok()) return s;
+
+  kp::KernelParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.hidden = batch.hidden;
+  p.weight = w.weight;
+  p.bias = w.bias;
+  p.targets = batch.targets;
+  p.targets64 = batch.targets != nullptr ? nullptr : batch.targets64;
+  p.temperatures = batch.temperatures;
+  p.temperature = batch.temperature;
+  p.logprobs = batch.logprobs;
+  p.split_lse = partials.lse;
+  p.hidden_size = w.hidden_size;
+  p.padded_vocab = w.padded_vocab_size;
+  p.rows = static_cast<int32_t>(batch.rows);
+  p.k_blocks = static_cast<int32_t>(w.hidden_size / kp::kBlockK);
+  if (options_.split == SplitMode::kBatchInvariant) {
+    p.num_splits = impl_->invariant_splits;
+    std::memcpy(p.split_begin, impl_->invariant_begin,
+                sizeof(int32_t) * (p.num_splits + 1));
+  } else {
+    p.num_splits = ThroughputSplits(batch.rows, w.vocab_size, impl_->num_sms,
+                                    p.split_begin);
+  }
+  p.num_row_blocks =
+      static_cast<int32_t>((batch.rows + kp::kBlockM - 1) / kp::kBlockM);
+  const int64_t grid = int64_t{p.num_row_blocks} * p.num_splits;
+
+  (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
+  kp::LinearLogpPortableSplitKernel<<<static_cast<unsigned>(grid),
+                                      kp::kThreads, kp::kSmemBytes, stream>>>(
+      p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

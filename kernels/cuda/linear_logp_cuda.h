@@ -16,8 +16,10 @@
 // changes whenever the bits a given input produces may change.
 //
 // Build: nvcc -gencode=arch=compute_90a,code=sm_90a; needs a device of compute
-// capability 9.0 (H100/H200) at run time. No libcuda link is needed (the
-// tensor-map encoder is fetched through cudaGetDriverEntryPointByVersion).
+// capability 9.0 (H100/H200) at run time (Options::kernel = kPortable selects
+// the mma.sync kernel of issue #13, groundwork, see KernelKind). No libcuda
+// link is needed (the tensor-map encoder is fetched through
+// cudaGetDriverEntryPointByVersion).
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_CUDA_H_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_CUDA_H_
 
@@ -27,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -80,6 +83,18 @@ struct SplitPartials {
   int32_t* top_ids = nullptr;   // [rows][splits][top_k], global token ids
 };
 
+// Which split-pass kernel a LinearLogpCuda runs. Both follow the same
+// contract (split policy, partial format, combine); their bits differ, so
+// each has its own kernel version.
+enum class KernelKind {
+  kHopper,    // sm90a-wgmma-v3: wgmma + TMA, compute capability 9.0 only
+  kPortable,  // portable-mma-sync-v1 (issue #13): mma.sync + ldmatrix +
+              // cp.async, any compute capability >= 8.0 the build has code
+              // for. GROUNDWORK: no entropy/top-k (UNIMPLEMENTED), and this
+              // build's code is sm_90a only, so today it runs on Hopper
+              // (forced) alone.
+};
+
 enum class SplitMode {
   kBatchInvariant,  // the product: split_policy.h, bits independent of N
   kThroughput,      // benchmarks only: splits tuned to N and the SM count;
@@ -95,6 +110,7 @@ class LinearLogpCuda {
     LinearLogpWeightsView weights;
     int device = 0;
     SplitMode split = SplitMode::kBatchInvariant;
+    KernelKind kernel = KernelKind::kHopper;
     // Vocabulary-parallel shard (end_split > 0): this object holds only the
     // weight rows of splits [first_split, end_split) of the policy for
     // weights.vocab_size (the full V). weights.weight and weights.bias then
@@ -162,14 +178,30 @@ class LinearLogpCuda {
   int64_t ShardBegin() const;
   bool is_shard() const { return options_.end_split > 0; }
 
-  // Identifies the arithmetic: changes whenever bits may change.
+  // Identifies the arithmetic: changes whenever bits may change. The
+  // no-argument form is the Hopper kernel's (kept for existing callers).
   static const char* KernelVersion();
+  static const char* KernelVersion(KernelKind kernel);
+  // This object's kernel version: KernelVersion(options().kernel).
+  const char* kernel_version() const;
+  // What the bits depend on besides the kernel version, for the
+  // determinism key: "sm_90a" for the Hopper kernel (its existing key), and
+  // "sm_<major><minor>/mma.sync" (the device's compute capability) for the
+  // portable kernel.
+  std::string instruction_set() const;
 
   const Options& options() const { return options_; }
 
  private:
   struct Impl;
   LinearLogpCuda(const Options& options, std::unique_ptr<Impl> impl);
+  // Create's and LaunchSplits' kPortable paths.
+  static absl::StatusOr<std::unique_ptr<LinearLogpCuda>> CreatePortable(
+      const Options& options, const cudaDeviceProp& prop, int32_t all_splits,
+      bool shard, int64_t held_begin);
+  absl::Status LaunchPortableSplits(const LinearLogpBatchView& batch,
+                                    const SplitPartials& partials,
+                                    cudaStream_t stream) const;
 
   Options options_;
   std::unique_ptr<Impl> impl_;

@@ -1,0 +1,694 @@
+// Tests of the portable mma.sync linear-logp kernel (issue #13,
+// KernelKind::kPortable, kernels/cuda/linear_logp_portable_kernel.cuh):
+// accuracy against a float64 CPU reference and bitwise batch invariance
+// (memcmp), as linear_logp_cuda_test.cu does for the Hopper kernel.
+//
+// This build compiles the kernels for sm_90a only, so the tests need an sm_90
+// GPU (the portable kernel is forced there, which is how issue #13 tests it);
+// without one every test is skipped. Written before any GPU run: the first
+// run is tools/device/build_portable.sh + run_portable.sh on the H200.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "kernels/bfloat16.h"
+#include "kernels/cuda/linear_logp_cuda.h"
+#include "kernels/split_policy.h"
+
+namespace detlogp::kernels::cuda {
+namespace {
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+#define CUDA_CHECK_THROW(expr)                                            \
+  do {                                                                    \
+    cudaError_t e_ = (expr);                                              \
+    if (e_ != cudaSuccess) {                                              \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::abort();                                                       \
+    }                                                                     \
+  } while (0)
+
+// The kernel needs a compute-capability-9.0 device; without one (CI machines)
+// every test is skipped, with the reason.
+bool HaveSm90() {
+  static const bool have = [] {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+    return prop.major == 9 && prop.minor == 0;
+  }();
+  return have;
+}
+
+#define REQUIRE_SM90()                                              \
+  do {                                                              \
+    if (!HaveSm90()) GTEST_SKIP() << "needs an sm_90 (Hopper) GPU"; \
+  } while (0)
+
+uint64_t FreshSeed() {
+  static const uint64_t base = [] {
+    std::random_device rd;
+    const uint64_t s = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    std::printf("[linear_logp_portable_test] seed base = %llu\n",
+                static_cast<unsigned long long>(s));
+    return s;
+  }();
+  static uint64_t counter = 0;
+  return base + 0x9E3779B97F4A7C15ull * (++counter);
+}
+
+// ------------------------------------------------------------------ RNG
+__device__ __forceinline__ uint64_t Mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return x;
+}
+
+__device__ __forceinline__ float Normal(uint64_t seed, uint64_t i) {
+  const uint64_t a = Mix(seed ^ Mix(2 * i + 1));
+  const uint64_t b = Mix(seed ^ Mix(2 * i + 2));
+  const float u1 = (static_cast<float>(a >> 40) + 1.0f) * (1.0f / 16777217.0f);
+  const float u2 = static_cast<float>(b >> 40) * (1.0f / 16777216.0f);
+  return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+}
+
+__global__ void FillNormalBf16(__nv_bfloat16* out, int64_t n, uint64_t seed,
+                               float sigma) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = __float2bfloat16_rn(sigma * Normal(seed, i));
+  }
+}
+
+__global__ void FillConstBf16(__nv_bfloat16* out, int64_t n, float v) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = __float2bfloat16_rn(v);
+  }
+}
+
+__global__ void FillNormalF32(float* out, int64_t n, uint64_t seed,
+                              float sigma) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = sigma * Normal(seed, i);
+  }
+}
+
+// ------------------------------------------------------------------ buffers
+template <typename T>
+struct DevBuf {
+  T* ptr = nullptr;
+  int64_t n = 0;
+  DevBuf() = default;
+  explicit DevBuf(int64_t count) : n(count) {
+    CUDA_CHECK_THROW(cudaMalloc(&ptr, std::max<int64_t>(count, 1) * sizeof(T)));
+  }
+  ~DevBuf() {
+    if (ptr) cudaFree(ptr);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : ptr(o.ptr), n(o.n) { o.ptr = nullptr; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    std::swap(n, o.n);
+    return *this;
+  }
+  std::vector<T> ToHost() const {
+    std::vector<T> h(n);
+    CUDA_CHECK_THROW(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  void FromHost(const std::vector<T>& h) {
+    CUDA_CHECK_THROW(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+};
+
+struct Weights {
+  int64_t H, V, Vpad;
+  bool has_bias;
+  DevBuf<__nv_bfloat16> w;
+  DevBuf<float> b;
+  std::vector<uint16_t> host_w;  // first V rows only
+  std::vector<float> host_b;
+
+  LinearLogpWeightsView View() const {
+    return LinearLogpWeightsView{w.ptr, has_bias ? b.ptr : nullptr, H, V, Vpad};
+  }
+};
+
+// Real rows ~ N(0, 0.02^2), bias ~ N(0, 0.1^2). Padding rows are set to 1.0
+// and their bias to 50 so that counting them would wreck the results.
+std::unique_ptr<Weights> MakeWeights(int64_t H, int64_t V, int64_t Vpad,
+                                     bool bias) {
+  auto w = std::make_unique<Weights>();
+  w->H = H;
+  w->V = V;
+  w->Vpad = Vpad;
+  w->has_bias = bias;
+  w->w = DevBuf<__nv_bfloat16>(Vpad * H);
+  w->b = DevBuf<float>(Vpad);
+  FillNormalBf16<<<1024, 256>>>(w->w.ptr, V * H, FreshSeed(), 0.02f);
+  if (Vpad > V) FillConstBf16<<<256, 256>>>(w->w.ptr + V * H, (Vpad - V) * H, 1.0f);
+  FillNormalF32<<<256, 256>>>(w->b.ptr, Vpad, FreshSeed(), 0.1f);
+  CUDA_CHECK_THROW(cudaDeviceSynchronize());
+  if (Vpad > V) {
+    std::vector<float> pad(Vpad - V, 50.0f);
+    CUDA_CHECK_THROW(cudaMemcpy(w->b.ptr + V, pad.data(), pad.size() * 4,
+                                cudaMemcpyHostToDevice));
+  }
+  w->host_w.resize(V * H);
+  CUDA_CHECK_THROW(cudaMemcpy(w->host_w.data(), w->w.ptr, V * H * 2,
+                              cudaMemcpyDeviceToHost));
+  w->host_b = w->b.ToHost();
+  return w;
+}
+
+struct Batch {
+  int64_t N, H;
+  DevBuf<__nv_bfloat16> hidden;
+  DevBuf<int32_t> targets;
+  DevBuf<float> temps;
+  std::vector<uint16_t> host_hidden;
+  std::vector<int32_t> host_targets;
+  std::vector<float> host_temps;
+
+  void Upload() {
+    CUDA_CHECK_THROW(cudaMemcpy(hidden.ptr, host_hidden.data(), N * H * 2,
+                                cudaMemcpyHostToDevice));
+    targets.FromHost(host_targets);
+    temps.FromHost(host_temps);
+  }
+};
+
+std::unique_ptr<Batch> MakeBatch(int64_t N, int64_t H, int64_t V,
+                                 bool unit_temperature = false) {
+  auto b = std::make_unique<Batch>();
+  b->N = N;
+  b->H = H;
+  b->hidden = DevBuf<__nv_bfloat16>(N * H);
+  b->targets = DevBuf<int32_t>(N);
+  b->temps = DevBuf<float>(N);
+  FillNormalBf16<<<1024, 256>>>(b->hidden.ptr, N * H, FreshSeed(), 1.0f);
+  CUDA_CHECK_THROW(cudaDeviceSynchronize());
+  b->host_hidden.resize(N * H);
+  CUDA_CHECK_THROW(cudaMemcpy(b->host_hidden.data(), b->hidden.ptr, N * H * 2,
+                              cudaMemcpyDeviceToHost));
+  std::mt19937_64 rng(FreshSeed());
+  std::uniform_int_distribution<int32_t> tgt(0, static_cast<int32_t>(V - 1));
+  std::uniform_real_distribution<float> temp(0.5f, 2.0f);
+  b->host_targets.resize(N);
+  b->host_temps.resize(N);
+  for (int64_t i = 0; i < N; ++i) {
+    b->host_targets[i] = tgt(rng);
+    b->host_temps[i] = unit_temperature ? 1.0f : temp(rng);
+  }
+  // Make sure the vocabulary edges are hit as targets too.
+  if (N > 2) {
+    b->host_targets[0] = 0;
+    b->host_targets[1] = static_cast<int32_t>(V - 1);
+  }
+  b->Upload();
+  return b;
+}
+
+struct Result {
+  std::vector<float> logprobs, lse;
+};
+
+// Runs rows [start, start + count) of `batch`; outputs are poisoned (all-ones
+// bytes, a NaN) first and every element is checked to be written.
+Result RunRows(const LinearLogpCuda& k, const Batch& batch, int64_t start,
+           int64_t count, cudaStream_t stream = nullptr) {
+  DevBuf<float> lp(count), lse(count);
+  DevBuf<uint8_t> ws(std::max<size_t>(k.WorkspaceBytes(count), 1));
+  CUDA_CHECK_THROW(cudaMemsetAsync(lp.ptr, 0xFF, count * 4, stream));
+  CUDA_CHECK_THROW(cudaMemsetAsync(lse.ptr, 0xFF, count * 4, stream));
+  CUDA_CHECK_THROW(cudaMemsetAsync(ws.ptr, 0xFF, ws.n, stream));
+  LinearLogpBatchView view{batch.hidden.ptr + start * batch.H,
+                           batch.targets.ptr + start, batch.temps.ptr + start,
+                           lp.ptr, lse.ptr, count};
+  const absl::Status s = k.Launch(view, ws.ptr, stream);
+  EXPECT_TRUE(s.ok()) << s;
+  CUDA_CHECK_THROW(cudaStreamSynchronize(stream));
+  Result r{lp.ToHost(), lse.ToHost()};
+  for (int64_t i = 0; i < count; ++i) {
+    EXPECT_TRUE(std::isfinite(r.logprobs[i]) && std::isfinite(r.lse[i]))
+        << "row " << start + i << " not written or not finite";
+  }
+  return r;
+}
+
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
+
+void ExpectRowBits(const Result& a, int64_t ia, const Result& b, int64_t ib,
+                   const char* what) {
+  EXPECT_TRUE(SameBits(a.logprobs[ia], b.logprobs[ib]) &&
+              SameBits(a.lse[ia], b.lse[ib]))
+      << what << ": row " << ia << " vs " << ib << " logprob "
+      << a.logprobs[ia] << " vs " << b.logprobs[ib] << ", lse " << a.lse[ia]
+      << " vs " << b.lse[ib];
+}
+
+// float64 reference for the given rows (threads over rows x vocab).
+void Reference(const Weights& w, const Batch& b, const std::vector<int64_t>& rows,
+               std::vector<double>* ref_lp, std::vector<double>* ref_lse) {
+  const int64_t H = w.H, V = w.V;
+  std::vector<float> wf(w.host_w.size());
+  for (size_t i = 0; i < wf.size(); ++i) wf[i] = Bf16ToFloat(w.host_w[i]);
+  ref_lp->assign(rows.size(), 0.0);
+  ref_lse->assign(rows.size(), 0.0);
+  const int threads = std::max(1u, std::thread::hardware_concurrency());
+  for (size_t ri = 0; ri < rows.size(); ++ri) {
+    const int64_t r = rows[ri];
+    std::vector<double> h(H);
+    for (int64_t k = 0; k < H; ++k) h[k] = Bf16ToFloat(b.host_hidden[r * H + k]);
+    std::vector<double> z(V);
+    const double t = b.host_temps[r];
+    std::vector<std::thread> pool;
+    for (int ti = 0; ti < threads; ++ti) {
+      pool.emplace_back([&, ti] {
+        for (int64_t v = ti; v < V; v += threads) {
+          const float* wr = wf.data() + v * H;
+          double acc = 0.0;
+          for (int64_t k = 0; k < H; ++k) acc += h[k] * wr[k];
+          if (w.has_bias) acc += w.host_b[v];
+          z[v] = acc / t;
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    double m = -INFINITY;
+    for (double x : z) m = std::max(m, x);
+    double s = 0.0;
+    for (double x : z) s += std::exp(x - m);
+    const double lse = m + std::log(s);
+    (*ref_lse)[ri] = lse;
+    (*ref_lp)[ri] = z[b.host_targets[r]] - lse;
+  }
+}
+
+void ExpectAccurate(const Weights& w, const Batch& b, const Result& res,
+                    int64_t res_offset, const std::vector<int64_t>& rows) {
+  std::vector<double> lp, lse;
+  Reference(w, b, rows, &lp, &lse);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const int64_t r = rows[i];
+    EXPECT_LE(std::fabs(res.logprobs[r - res_offset] - lp[i]), 1e-3)
+        << "row " << r << " logprob " << res.logprobs[r - res_offset]
+        << " ref " << lp[i];
+    EXPECT_LE(std::fabs(res.lse[r - res_offset] - lse[i]), 1e-3)
+        << "row " << r << " lse " << res.lse[r - res_offset] << " ref "
+        << lse[i];
+  }
+}
+
+std::unique_ptr<LinearLogpCuda> MakeKernel(
+    const Weights& w, KernelKind kernel = KernelKind::kPortable,
+    SplitMode mode = SplitMode::kBatchInvariant) {
+  LinearLogpCuda::Options o;
+  o.weights = w.View();
+  o.split = mode;
+  o.kernel = kernel;
+  auto k = LinearLogpCuda::Create(o);
+  EXPECT_TRUE(k.ok()) << k.status();
+  return k.ok() ? std::move(*k) : nullptr;
+}
+
+// ------------------------------------------------------------------ tests
+TEST(LinearLogpPortableVersion, VersionAndInstructionSet) {
+  REQUIRE_SM90();
+  auto w = MakeWeights(64, 65, 65, /*bias=*/false);
+  auto portable = MakeKernel(*w);
+  auto hopper = MakeKernel(*w, KernelKind::kHopper);
+  ASSERT_NE(portable, nullptr);
+  ASSERT_NE(hopper, nullptr);
+  EXPECT_STREQ(portable->kernel_version(), "portable-mma-sync-v1");
+  EXPECT_STREQ(LinearLogpCuda::KernelVersion(KernelKind::kPortable),
+               "portable-mma-sync-v1");
+  // The Hopper kernel's identity is unchanged.
+  EXPECT_STREQ(LinearLogpCuda::KernelVersion(), "sm90a-wgmma-v3");
+  EXPECT_STREQ(hopper->kernel_version(), "sm90a-wgmma-v3");
+  EXPECT_EQ(hopper->instruction_set(), "sm_90a");
+  EXPECT_EQ(portable->instruction_set(), "sm_90/mma.sync");
+  EXPECT_EQ(portable->NumSplits(1), NumVocabSplits(65));
+  EXPECT_EQ(portable->WorkspaceBytes(10), hopper->WorkspaceBytes(10));
+}
+
+class PortableFullVocabTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!HaveSm90()) return;
+    weights_ = MakeWeights(4096, 151936, 152064, /*bias=*/true).release();
+  }
+  static void TearDownTestSuite() {
+    delete weights_;
+    weights_ = nullptr;
+  }
+  static Weights* weights_;
+};
+Weights* PortableFullVocabTest::weights_ = nullptr;
+
+TEST_F(PortableFullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
+  REQUIRE_SM90();
+  auto k = MakeKernel(*weights_);
+  ASSERT_NE(k, nullptr);
+  const int64_t N = 2048, H = 4096;
+  auto batch = MakeBatch(N, H, weights_->V);
+  const int64_t positions[] = {0, 15, 16, 63, 64, 127, 128, 255, 2047};
+  const int64_t src = 2000;
+  for (int64_t p : positions) {
+    std::memcpy(&batch->host_hidden[p * H], &batch->host_hidden[src * H], H * 2);
+    batch->host_targets[p] = batch->host_targets[src];
+    batch->host_temps[p] = batch->host_temps[src];
+  }
+  batch->Upload();
+
+  const Result full = RunRows(*k, *batch, 0, N);
+  ExpectAccurate(*weights_, *batch, full, 0, {0, 1, 2, 129, 2000, 2047});
+  if (::testing::Test::HasFailure()) return;  // wrong values: bits are moot
+  const Result alone = RunRows(*k, *batch, src, 1);
+  ExpectRowBits(alone, 0, full, src, "alone vs in batch");
+  for (int64_t p : positions) ExpectRowBits(alone, 0, full, p, "probe position");
+
+  // Single rows for the first 300 (every row position of the first blocks),
+  // then chunkings whose block boundaries fall elsewhere.
+  for (int64_t r = 0; r < 300; ++r) {
+    const Result one = RunRows(*k, *batch, r, 1);
+    ExpectRowBits(one, 0, full, r, "single row vs full");
+  }
+  for (int64_t chunk : {7, 127, 128, 129, 256, 257, 1000}) {
+    for (int64_t start = 0; start < N; start += chunk) {
+      const int64_t count = std::min(chunk, N - start);
+      const Result part = RunRows(*k, *batch, start, count);
+      for (int64_t i = 0; i < count; ++i) {
+        ExpectRowBits(part, i, full, start + i, "chunked vs full");
+      }
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+}
+
+TEST_F(PortableFullVocabTest, TwoStreamsAndRepeatedRunsAgree) {
+  REQUIRE_SM90();
+  auto k = MakeKernel(*weights_);
+  ASSERT_NE(k, nullptr);
+  const int64_t N = 1000;
+  auto batch = MakeBatch(N, 4096, weights_->V);
+  cudaStream_t s1, s2;
+  CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  DevBuf<float> lp1(N), lse1(N), lp2(N), lse2(N);
+  DevBuf<uint8_t> ws1(k->WorkspaceBytes(N)), ws2(k->WorkspaceBytes(N));
+  for (int rep = 0; rep < 3; ++rep) {
+    CUDA_OK(cudaMemsetAsync(lp1.ptr, 0xFF, N * 4, s1));
+    CUDA_OK(cudaMemsetAsync(lp2.ptr, 0xFF, N * 4, s2));
+    LinearLogpBatchView v1{batch->hidden.ptr, batch->targets.ptr,
+                           batch->temps.ptr, lp1.ptr, lse1.ptr, N};
+    LinearLogpBatchView v2{batch->hidden.ptr, batch->targets.ptr,
+                           batch->temps.ptr, lp2.ptr, lse2.ptr, N};
+    ASSERT_TRUE(k->Launch(v1, ws1.ptr, s1).ok());
+    ASSERT_TRUE(k->Launch(v2, ws2.ptr, s2).ok());
+    CUDA_OK(cudaStreamSynchronize(s1));
+    CUDA_OK(cudaStreamSynchronize(s2));
+    const Result a{lp1.ToHost(), lse1.ToHost()};
+    const Result b{lp2.ToHost(), lse2.ToHost()};
+    const Result c = RunRows(*k, *batch, 0, N);
+    EXPECT_EQ(std::memcmp(a.logprobs.data(), b.logprobs.data(), N * 4), 0);
+    EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), N * 4), 0);
+    EXPECT_EQ(std::memcmp(a.logprobs.data(), c.logprobs.data(), N * 4), 0);
+    EXPECT_EQ(std::memcmp(a.lse.data(), c.lse.data(), N * 4), 0);
+  }
+  CUDA_OK(cudaStreamDestroy(s1));
+  CUDA_OK(cudaStreamDestroy(s2));
+}
+
+// Not bitwise (other instructions, other fold order): both kernels agree
+// to the accuracy each has against float64.
+TEST_F(PortableFullVocabTest, AgreesWithTheHopperKernel) {
+  REQUIRE_SM90();
+  auto portable = MakeKernel(*weights_);
+  auto hopper = MakeKernel(*weights_, KernelKind::kHopper);
+  ASSERT_NE(portable, nullptr);
+  ASSERT_NE(hopper, nullptr);
+  const int64_t N = 257;
+  auto batch = MakeBatch(N, 4096, weights_->V);
+  const Result a = RunRows(*portable, *batch, 0, N);
+  const Result b = RunRows(*hopper, *batch, 0, N);
+  for (int64_t i = 0; i < N; ++i) {
+    EXPECT_LE(std::fabs(a.logprobs[i] - b.logprobs[i]), 2e-3) << "row " << i;
+    EXPECT_LE(std::fabs(a.lse[i] - b.lse[i]), 2e-3) << "row " << i;
+  }
+}
+
+TEST_F(PortableFullVocabTest, ThroughputSplitIsAccurate) {
+  REQUIRE_SM90();
+  auto k = MakeKernel(*weights_, KernelKind::kPortable, SplitMode::kThroughput);
+  ASSERT_NE(k, nullptr);
+  auto batch = MakeBatch(300, 4096, weights_->V);
+  const Result r = RunRows(*k, *batch, 0, 300);
+  ExpectAccurate(*weights_, *batch, r, 0, {0, 1, 150, 299});
+}
+
+struct ShapeCase {
+  int64_t V, Vpad, H;
+  bool bias;
+  bool unit_temperature;
+};
+
+// Every V edge with every H edge; padding, bias and temperature vary with
+// the case index so that each appears with several shapes.
+std::vector<ShapeCase> EdgeCases() {
+  std::vector<ShapeCase> cases;
+  int i = 0;
+  for (int64_t V : {1, 63, 64, 65, 4097, 151936}) {
+    for (int64_t H : {64, 128, 4096}) {
+      const int64_t Vpad = i % 3 == 0 ? V : (V + 127) / 128 * 128 + 64 * (i % 3);
+      cases.push_back(ShapeCase{V, Vpad, H, i % 2 == 0, i % 4 == 1});
+      ++i;
+    }
+  }
+  return cases;
+}
+
+class PortableShapeTest : public ::testing::TestWithParam<ShapeCase> {};
+
+TEST_P(PortableShapeTest, AccurateAndBatchInvariant) {
+  REQUIRE_SM90();
+  const ShapeCase c = GetParam();
+  auto w = MakeWeights(c.H, c.V, c.Vpad, c.bias);
+  auto k = MakeKernel(*w);
+  ASSERT_NE(k, nullptr);
+  const int64_t N = 300;
+  auto batch = MakeBatch(N, c.H, c.V, c.unit_temperature);
+  const Result full = RunRows(*k, *batch, 0, N);
+  // Reference rows: all for small problems, a sample for large ones.
+  std::vector<int64_t> rows;
+  const int64_t work = c.V * c.H;
+  const int64_t step =
+      work <= (int64_t{1} << 20) ? 1 : (work <= (int64_t{1} << 24) ? 13 : 97);
+  for (int64_t r = 0; r < N; r += step) rows.push_back(r);
+  rows.push_back(N - 1);
+  ExpectAccurate(*w, *batch, full, 0, rows);
+  for (int64_t r : {0, 1, 15, 16, 63, 64, 127, 128, 130, 299}) {
+    const Result alone = RunRows(*k, *batch, r, 1);
+    ExpectRowBits(alone, 0, full, r, "alone vs batch");
+  }
+  const Result tail = RunRows(*k, *batch, 200, 100);
+  for (int64_t i = 0; i < 100; ++i) ExpectRowBits(tail, i, full, 200 + i, "tail");
+  const Result pair = RunRows(*k, *batch, 17, 256);
+  for (int64_t i = 0; i < 256; ++i) ExpectRowBits(pair, i, full, 17 + i, "pair");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Edges, PortableShapeTest, ::testing::ValuesIn(EdgeCases()),
+    [](const ::testing::TestParamInfo<ShapeCase>& info) {
+      const ShapeCase& c = info.param;
+      return "V" + std::to_string(c.V) + "_Vpad" + std::to_string(c.Vpad) +
+             "_H" + std::to_string(c.H) + (c.bias ? "_bias" : "_nobias") +
+             (c.unit_temperature ? "_T1" : "_Trand");
+    });
+
+// LaunchSplits of the portable kernel, then the shared LaunchCombine, equals
+// Launch bit for bit; so do vocabulary shards of the portable kernel, their
+// partials assembled in ascending split order and folded once.
+TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
+  REQUIRE_SM90();
+  for (auto [H, V, Vpad] :
+       {std::tuple<int64_t, int64_t, int64_t>{256, 20000, 20032},
+        {128, 4097, 4097},
+        {64, 151936, 152064}}) {
+    auto w = MakeWeights(H, V, Vpad, /*bias=*/true);
+    auto batch = MakeBatch(300, H, V);
+    const int64_t n = batch->N;
+    auto k = MakeKernel(*w);
+    ASSERT_NE(k, nullptr);
+    const Result want = RunRows(*k, *batch, 0, n);
+
+    // Unsharded: split pass, then the combine.
+    const int32_t splits = k->NumSplits(n);
+    ASSERT_EQ(splits, NumVocabSplits(V));
+    DevBuf<float> part(n * splits), z(n), lse(n);
+    LinearLogpBatchView view{batch->hidden.ptr, batch->targets.ptr,
+                             batch->temps.ptr, z.ptr, nullptr, n};
+    ASSERT_TRUE(k->LaunchSplits(view, SplitPartials{part.ptr}, nullptr).ok());
+    LinearLogpBatchView outputs;
+    outputs.logprobs = z.ptr;
+    outputs.lse = lse.ptr;
+    outputs.rows = n;
+    ASSERT_TRUE(LinearLogpCuda::LaunchCombine(SplitPartials{part.ptr}, splits,
+                                              outputs, 0, nullptr)
+                    .ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    const Result folded{z.ToHost(), lse.ToHost()};
+    EXPECT_EQ(0, std::memcmp(folded.logprobs.data(), want.logprobs.data(), n * 4));
+    EXPECT_EQ(0, std::memcmp(folded.lse.data(), want.lse.data(), n * 4));
+
+    // Shards.
+    for (int shards : {2, 3}) {
+      std::vector<float> split_lse(n * splits);
+      std::vector<float> zt(n, std::nanf(""));
+      for (int g = 0; g < shards; ++g) {
+        const int32_t first = splits * g / shards;
+        const int32_t end = splits * (g + 1) / shards;
+        const int64_t row0 = VocabSplitRange(V, first).begin;
+        const int64_t row1 = VocabSplitRange(V, end - 1).end;
+        DevBuf<__nv_bfloat16> shard_w((row1 - row0) * H);
+        DevBuf<float> shard_b(row1 - row0);
+        CUDA_OK(cudaMemcpy(shard_w.ptr, w->w.ptr + row0 * H,
+                           (row1 - row0) * H * 2, cudaMemcpyDeviceToDevice));
+        CUDA_OK(cudaMemcpy(shard_b.ptr, w->b.ptr + row0, (row1 - row0) * 4,
+                           cudaMemcpyDeviceToDevice));
+        LinearLogpCuda::Options options;
+        options.weights =
+            LinearLogpWeightsView{shard_w.ptr, shard_b.ptr, H, V, row1 - row0};
+        options.first_split = first;
+        options.end_split = end;
+        options.kernel = KernelKind::kPortable;
+        auto shard = LinearLogpCuda::Create(options);
+        ASSERT_TRUE(shard.ok()) << shard.status();
+        std::vector<int32_t> local(n);
+        for (int64_t r = 0; r < n; ++r) {
+          local[r] = static_cast<int32_t>(batch->host_targets[r] - row0);
+        }
+        DevBuf<int32_t> local_targets(n);
+        local_targets.FromHost(local);
+        DevBuf<float> shard_part((end - first) * n), shard_z(n);
+        CUDA_OK(cudaMemset(shard_z.ptr, 0xFF, n * 4));
+        LinearLogpBatchView sv{batch->hidden.ptr, local_targets.ptr,
+                               batch->temps.ptr, shard_z.ptr, nullptr, n};
+        const absl::Status s =
+            (*shard)->LaunchSplits(sv, SplitPartials{shard_part.ptr}, nullptr);
+        ASSERT_TRUE(s.ok()) << s;
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<float> ph = shard_part.ToHost(), zh = shard_z.ToHost();
+        for (int64_t r = 0; r < n; ++r) {
+          for (int32_t sp = first; sp < end; ++sp) {
+            split_lse[r * splits + sp] = ph[r * (end - first) + (sp - first)];
+          }
+          if (batch->host_targets[r] >= row0 && batch->host_targets[r] < row1) {
+            zt[r] = zh[r];
+          }
+        }
+      }
+      DevBuf<float> all(n * splits), lp2(n), lse2(n);
+      all.FromHost(split_lse);
+      lp2.FromHost(zt);
+      LinearLogpBatchView out2;
+      out2.logprobs = lp2.ptr;
+      out2.lse = lse2.ptr;
+      out2.rows = n;
+      ASSERT_TRUE(LinearLogpCuda::LaunchCombine(SplitPartials{all.ptr}, splits,
+                                                out2, 0, nullptr)
+                      .ok());
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(0, std::memcmp(lp2.ToHost().data(), want.logprobs.data(), n * 4))
+          << shards << " shards, V=" << V;
+      EXPECT_EQ(0, std::memcmp(lse2.ToHost().data(), want.lse.data(), n * 4))
+          << shards << " shards, V=" << V;
+    }
+  }
+}
+
+TEST(LinearLogpPortableInputs, Int64TargetsAndScalarTemperatureKeepTheBits) {
+  REQUIRE_SM90();
+  auto w = MakeWeights(128, 1000, 1024, /*bias=*/true);
+  auto batch = MakeBatch(300, 128, 1000);
+  for (float& t : batch->host_temps) t = 0.7f;
+  batch->Upload();
+  auto k = MakeKernel(*w);
+  ASSERT_NE(k, nullptr);
+  const Result want = RunRows(*k, *batch, 0, batch->N);
+  std::vector<int64_t> wide(batch->host_targets.begin(), batch->host_targets.end());
+  wide[7] = 1000;              // padding row
+  wide[8] = -1;
+  wide[9] = int64_t{1} << 40;  // beyond int32
+  DevBuf<int64_t> targets64(batch->N);
+  targets64.FromHost(wide);
+  DevBuf<float> lp(batch->N), lse(batch->N);
+  DevBuf<uint8_t> ws(k->WorkspaceBytes(batch->N));
+  CUDA_OK(cudaMemset(lp.ptr, 0, batch->N * 4));  // not NaN
+  LinearLogpBatchView view;
+  view.hidden = batch->hidden.ptr;
+  view.targets64 = targets64.ptr;
+  view.temperature = 0.7f;
+  view.logprobs = lp.ptr;
+  view.lse = lse.ptr;
+  view.rows = batch->N;
+  const absl::Status s = k->Launch(view, ws.ptr, nullptr);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::vector<float> got = lp.ToHost(), got_lse = lse.ToHost();
+  for (int64_t i = 0; i < batch->N; ++i) {
+    EXPECT_TRUE(SameBits(got_lse[i], want.lse[i])) << "row " << i;
+    if (i >= 7 && i <= 9) {
+      EXPECT_TRUE(std::isnan(got[i])) << "row " << i;
+    } else {
+      EXPECT_TRUE(SameBits(got[i], want.logprobs[i])) << "row " << i;
+    }
+  }
+}
+
+TEST(LinearLogpPortableInputs, EntropyAndTopKAreUnimplemented) {
+  REQUIRE_SM90();
+  auto w = MakeWeights(64, 100, 128, /*bias=*/false);
+  auto batch = MakeBatch(4, 64, 100);
+  auto k = MakeKernel(*w);
+  ASSERT_NE(k, nullptr);
+  DevBuf<float> lp(4), lse(4), ent(4), top_lp(4 * 2);
+  DevBuf<int32_t> top_ids(4 * 2);
+  DevBuf<uint8_t> ws(k->WorkspaceBytes(4, true, 2));
+  LinearLogpBatchView view{batch->hidden.ptr, batch->targets.ptr,
+                           batch->temps.ptr, lp.ptr, lse.ptr, 4};
+  view.entropy = ent.ptr;
+  EXPECT_EQ(k->Launch(view, ws.ptr, nullptr).code(),
+            absl::StatusCode::kUnimplemented);
+  view.entropy = nullptr;
+  view.top_k = 2;
+  view.top_ids = top_ids.ptr;
+  view.top_logprobs = top_lp.ptr;
+  EXPECT_EQ(k->Launch(view, ws.ptr, nullptr).code(),
+            absl::StatusCode::kUnimplemented);
+}
+
+}  // namespace
+}  // namespace detlogp::kernels::cuda
