@@ -129,7 +129,8 @@ __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t& r0,
   asm volatile(
       "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-      : "r"(addr));
+      : "r"(addr)
+      : "memory");  // never hoisted above the __syncthreads of its K step
 }
 
 // d += a * b for one m16n8k16 fragment (bf16 in, fp32 accumulate).
