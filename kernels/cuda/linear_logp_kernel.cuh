@@ -45,7 +45,8 @@
 //     t = sum exp(z - m) * y (y = acc + bias, z = y / T) with the same
 //     rescaling, and stores the split's mean z = (t / sum) / T. The combine
 //     folds {lse_s, 1, mean_s} in ascending split order with the lse fold's
-//     rescaling (softmax_partial.h): entropy = lse - T / S.
+//     rescaling (softmax_partial.h): entropy = lse - Z / S, Z and S the
+//     folded sums of the splits' mean z and of their exp weights.
 //   * top-k: each (row, split) keeps a sorted list of the k best (z, id) in
 //     shared memory under RanksBefore (a total order, so the list is one set
 //     whatever order candidates arrive in). A tile's values are screened
