@@ -11,8 +11,9 @@ using detlogp::kernels::cuda::SplitMode;
 
 extern "C" {
 
-// mode: 0 = batch-invariant, 1 = throughput split. Returns null on error
-// (printed to stderr).
+// mode: 0 = batch-invariant, 1 = throughput split, 2 = batch-invariant on the
+// portable mma.sync kernel (issue #13). Returns null on error (printed to
+// stderr).
 void* logp_create(const void* weight, const float* bias, long long hidden,
                   long long vocab, long long padded_vocab, int mode,
                   int device) {
@@ -24,6 +25,7 @@ void* logp_create(const void* weight, const float* bias, long long hidden,
   o.weights.padded_vocab_size = padded_vocab;
   o.device = device;
   o.split = mode == 1 ? SplitMode::kThroughput : SplitMode::kBatchInvariant;
+  if (mode == 2) o.kernel = detlogp::kernels::cuda::KernelKind::kPortable;
   auto k = LinearLogpCuda::Create(o);
   if (!k.ok()) {
     std::fprintf(stderr, "logp_create: %s\n", k.status().ToString().c_str());

@@ -1,0 +1,97 @@
+"""Speed of the portable mma.sync linear-logp kernel (issue #13) on this GPU,
+forced, beside the Hopper kernel and PyTorch eager in the same run.
+
+Runs on the device machine with .device/logp built (tools/device/build_logp.sh):
+for each N, the portable and Hopper kernels (batch-invariant splits) timed
+interleaved with CUDA events (median), PyTorch eager's logprob (bf16 matmul,
+fp32 log-softmax, gather) after them; FLOPs counted 2*N*H*V; the weight-read
+floor from a device copy of the weight measured in the same run.
+
+  python3 tools/device/logp_portable_bench.py --lib .device/logp/liblogp_bench.so
+"""
+import ctypes
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from logp_bench import bench_arguments, median_ms_interleaved  # noqa: E402
+from timing import median_ms  # noqa: E402
+
+KERNELS = (("portable", 2), ("hopper", 0))
+
+
+def main():
+    ap = bench_arguments()
+    args = ap.parse_args()
+    lib = ctypes.CDLL(args.lib)
+    lib.logp_create.restype = ctypes.c_void_p
+    lib.logp_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                                ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
+                                ctypes.c_int]
+    lib.logp_workspace_bytes.restype = ctypes.c_ulonglong
+    lib.logp_workspace_bytes.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
+    lib.logp_launch.restype = ctypes.c_int
+    lib.logp_launch.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_longlong,
+                                                        ctypes.c_void_p, ctypes.c_void_p]
+    H, V, Vp = args.hidden, args.vocab, args.padded_vocab
+    dev = torch.device("cuda")
+    W = (torch.randn(Vp, H, device=dev) * 0.02).to(torch.bfloat16)
+    bias = torch.randn(Vp, device=dev) * 0.1
+    handles = {}
+    for name, mode in KERNELS:
+        handles[name] = lib.logp_create(W.data_ptr(), bias.data_ptr(), H, V, Vp, mode, 0)
+        if not handles[name]:
+            sys.exit(f"logp_create failed for the {name} kernel")
+    dst = torch.empty(V, H, device=dev, dtype=torch.bfloat16)
+    copy_ms, _, _ = median_ms(lambda: dst.copy_(W[:V]), args.reps)
+    del dst
+    floor_ms = copy_ms / 2.0
+    stream = torch.cuda.current_stream().cuda_stream
+    print(f"{torch.cuda.get_device_name()}; H={H} V={V}; weight-read floor "
+          f"{floor_ms:.4f} ms", flush=True)
+    print(f"{'N':>5} {'portable ms':>11} {'TFLOP/s':>8} {'x floor':>7} {'hopper ms':>9}"
+          f" {'TFLOP/s':>8} {'port/hop':>8} {'eager ms':>9} {'TFLOP/s':>8} {'port/eager':>10}")
+    for n in [int(x) for x in args.ns.split(",")]:
+        hidden = torch.randn(n, H, device=dev).to(torch.bfloat16)
+        targets = torch.randint(0, V, (n,), device=dev, dtype=torch.int32)
+        temps = torch.rand(n, device=dev) * 1.5 + 0.5
+        fns, outs = [], []
+        for name, _ in KERNELS:
+            h = handles[name]
+            ws = torch.empty(max(lib.logp_workspace_bytes(h, n), 1), device=dev,
+                             dtype=torch.uint8)
+            lp = torch.empty(n, device=dev)
+            lse = torch.empty(n, device=dev)
+
+            def run(h=h, ws=ws, lp=lp, lse=lse):
+                if lib.logp_launch(h, hidden.data_ptr(), targets.data_ptr(), temps.data_ptr(),
+                                   lp.data_ptr(), lse.data_ptr(), n, ws.data_ptr(), stream):
+                    raise RuntimeError("logp_launch failed")
+
+            run()
+            fns.append(run)
+            outs.append((lp, lse))
+        torch.cuda.synchronize()
+        err = (outs[0][0] - outs[1][0]).abs().max().item()
+        (p_ms, _, _), (h_ms, _, _) = median_ms_interleaved(fns, args.reps)
+
+        def eager():
+            logits = F.linear(hidden, W[:V]).float()
+            logits += bias[:V]
+            logits /= temps[:, None]
+            return logits.gather(1, targets[:, None].long()).squeeze(1) - \
+                torch.logsumexp(logits, dim=-1)
+
+        e_ms = median_ms(eager, args.reps)[0] if n <= 4096 else float("nan")
+        flops = 2.0 * n * H * V
+        tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+        print(f"{n:>5} {p_ms:>11.4f} {tf(p_ms):>8.1f} {p_ms / floor_ms:>7.2f} {h_ms:>9.4f}"
+              f" {tf(h_ms):>8.1f} {p_ms / h_ms:>8.2f} {e_ms:>9.4f} {tf(e_ms):>8.1f}"
+              f" {e_ms / p_ms:>10.2f}   |portable - hopper| {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
