@@ -115,34 +115,7 @@ TEST_F(PortableFullVocabTest, TwoStreamsAndRepeatedRunsAgree) {
   REQUIRE_SM90();
   auto k = MakeKernel(*weights_);
   ASSERT_NE(k, nullptr);
-  const int64_t N = 1000;
-  auto batch = MakeBatch(N, 4096, weights_->V);
-  cudaStream_t s1, s2;
-  CUDA_OK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
-  CUDA_OK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  DevBuf<float> lp1(N), lse1(N), lp2(N), lse2(N);
-  DevBuf<uint8_t> ws1(k->WorkspaceBytes(N)), ws2(k->WorkspaceBytes(N));
-  for (int rep = 0; rep < 3; ++rep) {
-    CUDA_OK(cudaMemsetAsync(lp1.ptr, 0xFF, N * 4, s1));
-    CUDA_OK(cudaMemsetAsync(lp2.ptr, 0xFF, N * 4, s2));
-    LinearLogpBatchView v1{batch->hidden.ptr, batch->targets.ptr,
-                           batch->temps.ptr, lp1.ptr, lse1.ptr, N};
-    LinearLogpBatchView v2{batch->hidden.ptr, batch->targets.ptr,
-                           batch->temps.ptr, lp2.ptr, lse2.ptr, N};
-    ASSERT_TRUE(k->Launch(v1, ws1.ptr, s1).ok());
-    ASSERT_TRUE(k->Launch(v2, ws2.ptr, s2).ok());
-    CUDA_OK(cudaStreamSynchronize(s1));
-    CUDA_OK(cudaStreamSynchronize(s2));
-    const Result a{lp1.ToHost(), lse1.ToHost()};
-    const Result b{lp2.ToHost(), lse2.ToHost()};
-    const Result c = RunRows(*k, *batch, 0, N);
-    EXPECT_EQ(std::memcmp(a.logprobs.data(), b.logprobs.data(), N * 4), 0);
-    EXPECT_EQ(std::memcmp(a.lse.data(), b.lse.data(), N * 4), 0);
-    EXPECT_EQ(std::memcmp(a.logprobs.data(), c.logprobs.data(), N * 4), 0);
-    EXPECT_EQ(std::memcmp(a.lse.data(), c.lse.data(), N * 4), 0);
-  }
-  CUDA_OK(cudaStreamDestroy(s1));
-  CUDA_OK(cudaStreamDestroy(s2));
+  ExpectTwoStreamsAndRepeatsAgree(*k, *weights_);
 }
 
 // Not bitwise (other instructions, other fold order): both kernels agree
@@ -334,40 +307,7 @@ TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
 
 TEST(LinearLogpPortableInputs, Int64TargetsAndScalarTemperatureKeepTheBits) {
   REQUIRE_SM90();
-  auto w = MakeWeights(128, 1000, 1024, /*bias=*/true);
-  auto batch = MakeBatch(300, 128, 1000);
-  for (float& t : batch->host_temps) t = 0.7f;
-  batch->Upload();
-  auto k = MakeKernel(*w);
-  ASSERT_NE(k, nullptr);
-  const Result want = RunRows(*k, *batch, 0, batch->N);
-  std::vector<int64_t> wide(batch->host_targets.begin(), batch->host_targets.end());
-  wide[7] = 1000;              // padding row
-  wide[8] = -1;
-  wide[9] = int64_t{1} << 40;  // beyond int32
-  DevBuf<int64_t> targets64(batch->N);
-  targets64.FromHost(wide);
-  DevBuf<float> lp(batch->N), lse(batch->N);
-  DevBuf<uint8_t> ws(k->WorkspaceBytes(batch->N));
-  CUDA_OK(cudaMemset(lp.ptr, 0, batch->N * 4));  // not NaN
-  LinearLogpBatchView view;
-  view.hidden = batch->hidden.ptr;
-  view.targets64 = targets64.ptr;
-  view.temperature = 0.7f;
-  view.logprobs = lp.ptr;
-  view.lse = lse.ptr;
-  view.rows = batch->N;
-  const absl::Status s = k->Launch(view, ws.ptr, nullptr);
-  ASSERT_TRUE(s.ok()) << s;
-  const std::vector<float> got = lp.ToHost(), got_lse = lse.ToHost();
-  for (int64_t i = 0; i < batch->N; ++i) {
-    EXPECT_TRUE(SameBits(got_lse[i], want.lse[i])) << "row " << i;
-    if (i >= 7 && i <= 9) {
-      EXPECT_TRUE(std::isnan(got[i])) << "row " << i;
-    } else {
-      EXPECT_TRUE(SameBits(got[i], want.logprobs[i])) << "row " << i;
-    }
-  }
+  ExpectInt64TargetsAndScalarTemperatureKeepBits(KernelKind::kPortable);
 }
 
 TEST(LinearLogpPortableInputs, EntropyAndTopKAreUnimplemented) {
