@@ -360,13 +360,19 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
       new LinearLogpCuda(options, std::move(impl)));
 }
 
-int32_t LinearLogpCuda::NumSplits(int64_t rows) const {
+int32_t LinearLogpCuda::SplitTable(int64_t rows, int32_t* begin) const {
   if (options_.split == SplitMode::kBatchInvariant || rows <= 0) {
+    std::memcpy(begin, impl_->invariant_begin,
+                sizeof(int32_t) * (impl_->invariant_splits + 1));
     return impl_->invariant_splits;
   }
-  int32_t begin[kv::kMaxSplits + 1];
   return ThroughputSplits(rows, options_.weights.vocab_size, impl_->num_sms,
                           begin);
+}
+
+int32_t LinearLogpCuda::NumSplits(int64_t rows) const {
+  int32_t begin[kv::kMaxSplits + 1];
+  return SplitTable(rows, begin);
 }
 
 size_t LinearLogpCuda::WorkspaceBytes(int64_t rows, bool entropy,
@@ -526,14 +532,7 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   p.id_offset = static_cast<int32_t>(impl_->shard_begin);
   p.rows = static_cast<int32_t>(batch.rows);
   p.k_blocks = static_cast<int32_t>(w.hidden_size / kv::kBlockK);
-  if (options_.split == SplitMode::kBatchInvariant) {
-    p.num_splits = impl_->invariant_splits;
-    std::memcpy(p.split_begin, impl_->invariant_begin,
-                sizeof(int32_t) * (p.num_splits + 1));
-  } else {
-    p.num_splits = ThroughputSplits(batch.rows, w.vocab_size, impl_->num_sms,
-                                    p.split_begin);
-  }
+  p.num_splits = SplitTable(batch.rows, p.split_begin);
   p.num_row_blocks =
       static_cast<int32_t>((batch.rows + kv::kBlockM - 1) / kv::kBlockM);
   p.num_items = p.num_row_blocks * p.num_splits;
@@ -575,14 +574,7 @@ absl::Status LinearLogpCuda::LaunchPortableSplits(
   p.padded_vocab = w.padded_vocab_size;
   p.rows = static_cast<int32_t>(batch.rows);
   p.k_blocks = static_cast<int32_t>(w.hidden_size / kp::kBlockK);
-  if (options_.split == SplitMode::kBatchInvariant) {
-    p.num_splits = impl_->invariant_splits;
-    std::memcpy(p.split_begin, impl_->invariant_begin,
-                sizeof(int32_t) * (p.num_splits + 1));
-  } else {
-    p.num_splits = ThroughputSplits(batch.rows, w.vocab_size, impl_->num_sms,
-                                    p.split_begin);
-  }
+  p.num_splits = SplitTable(batch.rows, p.split_begin);
   p.num_row_blocks =
       static_cast<int32_t>((batch.rows + kp::kBlockM - 1) / kp::kBlockM);
   const int64_t grid = int64_t{p.num_row_blocks} * p.num_splits;

@@ -193,6 +193,9 @@ class LinearLogpCuda {
   const Options& options() const { return options_; }
 
  private:
+  // Fills begin[0..n] with the boundaries of the n splits a batch of `rows`
+  // uses (the policy's table in batch-invariant mode) and returns n.
+  int32_t SplitTable(int64_t rows, int32_t* begin) const;
   struct Impl;
   LinearLogpCuda(const Options& options, std::unique_ptr<Impl> impl);
   // Create's and LaunchSplits' kPortable paths.
