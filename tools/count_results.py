@@ -33,7 +33,13 @@ def main():
     args = parser.parse_args()
     passed = failed = 0
     root = pathlib.Path(args.results_dir)
-    for xml in sorted(root.rglob("*.xml")):
+    xmls = sorted(root.rglob("*.xml"))
+    if args.bazel_rc == 1:
+        # The build failed, so no test ran: bazel-testlogs holds an earlier
+        # build's results. Count the build as one failure, not those.
+        xmls = [x for x in xmls if (root / "bazel") not in x.parents]
+        failed += 1
+    for xml in xmls:
         try:
             p, f, cases = count_file(xml)
         except ET.ParseError:
@@ -44,7 +50,7 @@ def main():
             f = 1 if log.exists() and "FAILED" in log.read_text(errors="replace") else 0
         passed += p
         failed += f
-    if args.bazel_rc not in (0, 4) and failed == 0:
+    if args.bazel_rc not in (0, 1, 4) and failed == 0:
         failed = 1  # the build itself failed
     if args.python_rc != 0 and failed == 0:
         failed = 1

@@ -10,8 +10,8 @@ results_dir=$(mktemp -d)
 config=$(tools/bazel_config.sh)
 echo "== bazel test //... ${config:-(cuda build; GPU tests skipped)}" >&2
 bazel test ${config} --test_tag_filters=-gpu --build_tests_only=false \
-  --local_test_jobs=1 //... >&2
-bazel_rc=$?
+  --local_test_jobs=1 //... 2>&1 | tee "$results_dir/bazel.log" >&2
+bazel_rc=${PIPESTATUS[0]}
 cp -r bazel-testlogs/ "$results_dir/bazel" 2>/dev/null || true
 
 python_rc=0
@@ -21,5 +21,10 @@ if [[ -x tools/test_python.sh ]]; then
   python_rc=$?
 fi
 
+if [[ $bazel_rc -eq 1 ]]; then
+  # Repeated last, where a reader of the log's tail sees it.
+  echo "== the Bazel build failed:" >&2
+  grep -E "^(ERROR|FAILED)|error:|fatal error" "$results_dir/bazel.log" | head -20 >&2
+fi
 python3 tools/count_results.py "$results_dir" --bazel_rc "$bazel_rc" \
   --python_rc "$python_rc"

@@ -42,8 +42,12 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags
         outs = [archive],
         cmd = " && ".join([
             "NVCC=$$(readlink -f /usr/local/cuda/bin/nvcc)",
+            # A private temp dir per action: nvcc names its temp files after
+            # its PID, and in the sandbox's PID namespace two concurrent nvcc
+            # runs share a PID and delete each other's files in /tmp.
             "OBJDIR=$$(mktemp -d)",
-            "for src in %s; do $$NVCC %s -c $$src -o $$OBJDIR/$$(basename $$src).o || exit 1; done" % (
+            "export TMPDIR=$$OBJDIR",
+            "for src in %s; do $$NVCC %s --objdir-as-tempdir -c $$src -o $$OBJDIR/$$(basename $$src).o || exit 1; done" % (
                 " ".join(["$(location %s)" % s for s in srcs]),
                 " ".join(NVCC_FLAGS + nvcc_flags),
             ),
