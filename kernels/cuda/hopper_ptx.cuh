@@ -102,6 +102,26 @@ __device__ __forceinline__ uint64_t MakeSmemDescSw128(uint32_t smem_addr) {
   return desc;
 }
 
+// Descriptor for an MN-major tile (the operand's M or N dimension
+// contiguous) under the 128-byte swizzle, as TMA boxes of {64 MN, 64 K}
+// write it: row k holds 64 MN-consecutive bf16 (128 bytes), 8-row core groups
+// 1024 bytes apart, 64-wide MN blocks `mn_block_bytes` apart. Stepping K by
+// 16 advances the start address by 16 rows (2048 bytes). Which field takes
+// which stride is checked on a device by tests/cuda/wgmma_mn_major_test.
+inline constexpr bool kMnMajorCoreGroupsInSbo = true;
+__device__ __forceinline__ uint64_t MakeSmemDescSw128MnMajor(
+    uint32_t smem_addr, uint32_t mn_block_bytes) {
+  const uint32_t groups = 1024;
+  const uint32_t lbo = kMnMajorCoreGroupsInSbo ? mn_block_bytes : groups;
+  const uint32_t sbo = kMnMajorCoreGroupsInSbo ? groups : mn_block_bytes;
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((smem_addr & 0x3FFFFu) >> 4);
+  desc |= static_cast<uint64_t>((lbo >> 4) & 0x3FFFu) << 16;
+  desc |= static_cast<uint64_t>((sbo >> 4) & 0x3FFFu) << 32;
+  desc |= static_cast<uint64_t>(1) << 62;  // 128-byte swizzle
+  return desc;
+}
+
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -204,10 +224,14 @@ __device__ __forceinline__ void WgmmaM64N192K16(float* d, uint64_t desc_a,
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T, both K-major in shared memory
-// (128-byte swizzle). scale_d == 0 overwrites D, otherwise accumulates.
-__device__ __forceinline__ void WgmmaM64N256K16(float* d, uint64_t desc_a,
-                                                uint64_t desc_b, int scale_d) {
+// D[64 x 256] (+)= A[64 x 16] * B[256 x 16]^T in shared memory (128-byte
+// swizzle), each operand K-major or, with its transpose bit set, MN-major
+// (MakeSmemDescSw128MnMajor). scale_d == 0 overwrites D, else accumulates.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void WgmmaM64N256K16T(float* d, uint64_t desc_a,
+                                                 uint64_t desc_b, int scale_d) {
+  static_assert((kTransA == 0 || kTransA == 1) && (kTransB == 0 || kTransB == 1),
+                "transpose bits are 0 or 1");
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
@@ -227,7 +251,7 @@ __device__ __forceinline__ void WgmmaM64N256K16(float* d, uint64_t desc_a,
       "%104, %105, %106, %107, %108, %109, %110, %111, "
       "%112, %113, %114, %115, %116, %117, %118, %119, "
       "%120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
         "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
         "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
@@ -250,7 +274,13 @@ __device__ __forceinline__ void WgmmaM64N256K16(float* d, uint64_t desc_a,
         "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
         "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+}
+
+// Both operands K-major (the forward kernel's case).
+__device__ __forceinline__ void WgmmaM64N256K16(float* d, uint64_t desc_a,
+                                                uint64_t desc_b, int scale_d) {
+  WgmmaM64N256K16T<0, 0>(d, desc_a, desc_b, scale_d);
 }
 
 // D[64 x 32] (+)= A[64 x 16] * B[32 x 16]^T (see WgmmaM64N64K16).

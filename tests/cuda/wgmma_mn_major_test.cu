@@ -245,6 +245,9 @@ void ExpectOneAssignmentMatches(WgmmaMnMajorTest* test, const char* operand) {
               operand, err_sbo, err_lbo);
   EXPECT_TRUE((err_sbo < kTolerance) != (err_lbo < kTolerance))
       << "exactly one stride assignment must match";
+  EXPECT_EQ(ptx::kMnMajorCoreGroupsInSbo, err_sbo < kTolerance)
+      << "hopper_ptx.cuh's MakeSmemDescSw128MnMajor must use the assignment "
+         "that matched";
   const std::vector<float>& good = err_sbo < kTolerance ? sbo : lbo;
   std::printf("MN-major %s: bits %s the K-major run's\n", operand,
               std::memcmp(good.data(), k_major.data(), good.size() * 4) == 0

@@ -1,0 +1,347 @@
+// Kernel version sm90a-wgmma-bwd-v1: the batch-invariant backward of
+// linear-logp for Hopper (sm_90a), issue #15. Included by
+// linear_logp_backward_cuda.cu only. Design and counts: docs/fused_backward.md.
+//
+// For each vocabulary chunk of kChunkCols columns, in ascending order:
+//   K1  G = dL/dlogits / T for the chunk, recomputed from hidden · W_cᵀ and
+//       the forward's saved lse (GradLogitsEpilogue), stored as bf16
+//       [rows][kChunkCols];
+//   K2  dhidden (+)= G · W_c   (A = G K-major, B = W_c MN-major);
+//   K3  dweight_c = Gᵀ · hidden (A = G MN-major, B = hidden MN-major);
+//   and dbias_c as fixed-order column sums of G.
+// All three are one main loop (Gemm): a 128 x 256 output tile per block,
+// K in 64-wide steps through a kStages-deep TMA ring, a producer warpgroup
+// and two consumer warpgroups of 64 rows each (the forward kernel's
+// structure, linear_logp_kernel.cuh). Every output element is one fixed
+// K loop (k-blocks ascending, k16 steps ascending) with no split-K and no
+// atomics, so:
+//   * a row's dhidden is the chunks' products folded in ascending chunk
+//     order, each independent of the other rows and of N: batch invariant;
+//   * dweight and dbias reduce over the rows in ascending order: the same
+//     bits run to run (they depend on the batch, as the issue allows).
+// The chunk width is a constant of this version: chunk boundaries never
+// depend on N.
+#ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_BACKWARD_KERNEL_CUH_
+#define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_BACKWARD_KERNEL_CUH_
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/hopper_ptx.cuh"
+
+namespace detlogp::kernels::cuda::backward_v1 {
+
+inline constexpr char kVersion[] = "sm90a-wgmma-bwd-v1";
+
+inline constexpr int kBlockM = 128;
+inline constexpr int kBlockN = 256;
+inline constexpr int kBlockK = 64;   // 128 bytes of bf16: one swizzle row
+inline constexpr int kMnBlock = 64;  // MN width of one MN-major TMA box
+inline constexpr int kStages = 4;
+inline constexpr int kConsumers = 2;
+inline constexpr int kThreads = 128 * (1 + kConsumers);
+inline constexpr int kATileBytes = kBlockM * kBlockK * 2;    // 16 KiB
+inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;    // 32 KiB
+inline constexpr int kMnBoxBytes = kMnBlock * kBlockK * 2;   // 8 KiB
+inline constexpr int kSmemBytes =
+    kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + 1024;
+inline constexpr int kProducerRegs = 40;
+inline constexpr int kConsumerRegs = 232;
+// Vocabulary columns per chunk (G is [rows][kChunkCols] bf16).
+inline constexpr int kChunkCols = 4096;
+// Rows per fixed slice of the dbias column sums.
+inline constexpr int kBiasSliceRows = 256;
+
+// The output tile and K extent of one Gemm launch.
+struct GemmShape {
+  int32_t m;         // output rows
+  int32_t n;         // output columns
+  int32_t k_blocks;  // ceil(K / kBlockK); K past the operands reads zeros
+  int32_t tiles_n;   // ceil(n / kBlockN)
+  // Added to B's row coordinate (K-major B: K1's chunk start in W) or to
+  // B's K coordinate (MN-major B over W: K2's chunk start).
+  int32_t b_offset;
+};
+
+// K1's epilogue inputs: the forward's inputs and saved state, the upstream
+// gradients ([rows] or null: zero) and the chunk.
+struct GradLogitsParams {
+  const float* bias;          // [padded_vocab] or null
+  const int32_t* targets;     // [rows], or null: targets64
+  const int64_t* targets64;
+  const float* temperatures;  // [rows], or null: temperature
+  float temperature;
+  const float* lse;           // [rows] (the forward's)
+  const float* entropy;       // [rows] or null (needed with grad_entropy)
+  const float* grad_logprobs;
+  const float* grad_lse;
+  const float* grad_entropy;
+  int32_t vocab_size;         // real V: columns >= V get G = 0
+  int32_t chunk_begin;        // the chunk's first vocabulary id
+  __nv_bfloat16* grad;        // [rows][kChunkCols]
+};
+
+// K2's and K3's epilogue: out = acc (+ f32[.] when accumulate), written as
+// fp32 to f32 or, when bf16 is set, rounded to bf16 there.
+struct RowsOutParams {
+  float* f32;            // [m][ld]: written, or read when accumulate
+  __nv_bfloat16* bf16;   // [m][ld] or null
+  int64_t ld;
+  int32_t accumulate;
+};
+
+struct Ring {
+  int stage;
+  uint32_t phase;
+  __device__ __forceinline__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// The accumulator fragment of m64n256: thread `lane` of warp `warp` holds
+// rows 16 * warp + lane / 4 (+ 8) and columns 8 * j + 2 * (lane % 4) (+ 1):
+// acc[4 * j + 2 * h + e] is (row + 8 h, column + e).
+__device__ __forceinline__ int FragmentRow(int warp, int lane, int h) {
+  return 16 * warp + lane / 4 + 8 * h;
+}
+__device__ __forceinline__ int FragmentCol(int lane, int j) {
+  return 8 * j + 2 * (lane % 4);
+}
+
+__device__ __forceinline__ int RowTarget(const GradLogitsParams& p, int r) {
+  if (p.targets != nullptr) return p.targets[r];
+  const int64_t t = p.targets64[r];
+  return (t >= 0 && t <= INT32_MAX) ? static_cast<int>(t) : -1;
+}
+
+__device__ __forceinline__ float LoadOr0(const float* p, int r) {
+  return p != nullptr ? p[r] : 0.0f;
+}
+
+// G = dL/dz / T for z = (acc + bias) / T, with p = exp(z - lse):
+// dL/dz_v = p_v (g_lse - g_logp - g_ent (z_v - lse + entropy)) + g_logp [v = t].
+struct GradLogitsEpilogue {
+  GradLogitsParams p;
+
+  __device__ __forceinline__ void Apply(const float* acc, int m0, int n0,
+                                        const GemmShape& shape, int consumer,
+                                        int warp, int lane) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
+      if (r >= shape.m) continue;
+      const float temperature =
+          p.temperatures != nullptr ? p.temperatures[r] : p.temperature;
+      const float inv_t = __frcp_rn(temperature);
+      const float lse = p.lse[r];
+      const float entropy = LoadOr0(p.entropy, r);
+      const float g_logp = LoadOr0(p.grad_logprobs, r);
+      const float g_ent = LoadOr0(p.grad_entropy, r);
+      const float coef = LoadOr0(p.grad_lse, r) - g_logp;
+      const int target = RowTarget(p, r);
+      __nv_bfloat16* out = p.grad + static_cast<int64_t>(r) * kChunkCols;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = n0 + FragmentCol(lane, j);
+        float g[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int v = p.chunk_begin + col + e;
+          float y = acc[4 * j + 2 * h + e];
+          if (p.bias != nullptr && col + e < shape.n) y += __ldg(p.bias + v);
+          const float d = y * inv_t - lse;
+          const float prob = expf(d);
+          float dz = prob * (coef - g_ent * (d + entropy));
+          if (v == target) dz += g_logp;
+          g[e] = v < p.vocab_size ? dz * inv_t : 0.0f;
+        }
+        if (col + 1 < shape.n) {
+          *reinterpret_cast<__nv_bfloat162*>(out + col) =
+              __floats2bfloat162_rn(g[0], g[1]);
+        } else if (col < shape.n) {
+          out[col] = __float2bfloat16_rn(g[0]);
+        }
+      }
+    }
+  }
+};
+
+struct RowsOutEpilogue {
+  RowsOutParams p;
+
+  __device__ __forceinline__ void Apply(const float* acc, int m0, int n0,
+                                        const GemmShape& shape, int consumer,
+                                        int warp, int lane) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
+      if (r >= shape.m) continue;
+      const int64_t base = static_cast<int64_t>(r) * p.ld;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = n0 + FragmentCol(lane, j);
+        if (col >= shape.n) continue;  // n is a multiple of 8: pairs whole
+        float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        if (p.accumulate) {
+          const float2 prev =
+              *reinterpret_cast<const float2*>(p.f32 + base + col);
+          v.x = prev.x + v.x;
+          v.y = prev.y + v.y;
+        }
+        if (p.bf16 != nullptr) {
+          *reinterpret_cast<__nv_bfloat162*>(p.bf16 + base + col) =
+              __floats2bfloat162_rn(v.x, v.y);
+        } else {
+          *reinterpret_cast<float2*>(p.f32 + base + col) = v;
+        }
+      }
+    }
+  }
+};
+
+// C[m x n] = A[m x K] · B[n x K]ᵀ, then the epilogue. A K-major operand is
+// loaded as one box of {kBlockK, rows}; an MN-major one as boxes of
+// {kMnBlock, kBlockK}, kMnBoxBytes apart. Blocks walk the n tiles fastest,
+// so concurrent blocks share their A tile and the B operand stays in L2.
+template <bool kTransA, bool kTransB, class Epilogue>
+__global__ void __launch_bounds__(kThreads, 1)
+    Gemm(const __grid_constant__ CUtensorMap a_map,
+         const __grid_constant__ CUtensorMap b_map,
+         const __grid_constant__ GemmShape shape,
+         const __grid_constant__ Epilogue epilogue) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem_a = smem;
+  uint8_t* smem_b = smem + kStages * kATileBytes;
+  uint64_t* full =
+      reinterpret_cast<uint64_t*>(smem_b + kStages * kBTileBytes);
+  uint64_t* empty = full + kStages;
+
+  const int m0 = (blockIdx.x / shape.tiles_n) * kBlockM;
+  const int n0 = (blockIdx.x % shape.tiles_n) * kBlockN;
+  const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  if (threadIdx.x == 0) {
+    ptx::PrefetchTensorMap(&a_map);
+    ptx::PrefetchTensorMap(&b_map);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::MbarInit(&full[s], 1);
+      ptx::MbarInit(&empty[s], kConsumers * 4);
+    }
+    ptx::FenceBarrierInit();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    ptx::SetMaxNRegDec<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    Ring ring{0, 0};
+    for (int kb = 0; kb < shape.k_blocks; ++kb) {
+      const int k = kb * kBlockK;
+      ptx::MbarWait(&empty[ring.stage], ring.phase ^ 1u);
+      // Out-of-bounds parts of a box are zero-filled and still counted.
+      ptx::MbarArriveExpectTx(&full[ring.stage], kATileBytes + kBTileBytes);
+      uint8_t* a = smem_a + ring.stage * kATileBytes;
+      uint8_t* b = smem_b + ring.stage * kBTileBytes;
+      if constexpr (kTransA) {
+        for (int i = 0; i < kBlockM / kMnBlock; ++i) {
+          ptx::TmaLoad2d(a + i * kMnBoxBytes, &a_map, &full[ring.stage],
+                         m0 + i * kMnBlock, k);
+        }
+      } else {
+        ptx::TmaLoad2d(a, &a_map, &full[ring.stage], k, m0);
+      }
+      if constexpr (kTransB) {
+        for (int i = 0; i < kBlockN / kMnBlock; ++i) {
+          ptx::TmaLoad2d(b + i * kMnBoxBytes, &b_map, &full[ring.stage],
+                         n0 + i * kMnBlock, k + shape.b_offset);
+        }
+      } else {
+        ptx::TmaLoad2d(b, &b_map, &full[ring.stage], k, n0 + shape.b_offset);
+      }
+      ring.Advance();
+    }
+    return;
+  }
+
+  ptx::SetMaxNRegInc<kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x & 127;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  float acc[kBlockN / 2];
+#pragma unroll
+  for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
+  Ring ring{0, 0};
+  int prev_stage = -1;
+  for (int kb = 0; kb < shape.k_blocks; ++kb) {
+    ptx::MbarWait(&full[ring.stage], ring.phase);
+    // The consumer's 64 rows of A: rows 64c.. (K-major) or MN block c
+    // (MN-major); both start kATileBytes / 2 into the stage.
+    const uint32_t a_addr = ptx::SmemAddr(smem_a + ring.stage * kATileBytes +
+                                          consumer * (kATileBytes / 2));
+    const uint32_t b_addr = ptx::SmemAddr(smem_b + ring.stage * kBTileBytes);
+    ptx::WgmmaFence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 16; ++k) {
+      // K-major: +32 bytes per 16 k inside the swizzled row; MN-major: +16
+      // rows of 128 bytes.
+      const uint64_t da =
+          kTransA ? ptx::MakeSmemDescSw128MnMajor(a_addr + k * 2048,
+                                                  kMnBoxBytes)
+                  : ptx::MakeSmemDescSw128(a_addr + k * 32);
+      const uint64_t db =
+          kTransB ? ptx::MakeSmemDescSw128MnMajor(b_addr + k * 2048,
+                                                  kMnBoxBytes)
+                  : ptx::MakeSmemDescSw128(b_addr + k * 32);
+      ptx::WgmmaM64N256K16T<kTransA ? 1 : 0, kTransB ? 1 : 0>(
+          acc, da, db, (kb | k) != 0);
+    }
+    ptx::WgmmaCommit();
+    ptx::WgmmaWait<1>();
+    if (prev_stage >= 0 && lane == 0) ptx::MbarArrive(&empty[prev_stage]);
+    prev_stage = ring.stage;
+    ring.Advance();
+  }
+  ptx::WgmmaWait<0>();
+  ptx::FenceAccumulators<kBlockN / 2>(acc);
+  if (prev_stage >= 0 && lane == 0) ptx::MbarArrive(&empty[prev_stage]);
+  epilogue.Apply(acc, m0, n0, shape, consumer, warp, lane);
+}
+
+// dbias, step 1: column sums of G over fixed kBiasSliceRows-row slices, rows
+// ascending. Grid: (ceil(cols / 256), slices); 256 threads, one column each.
+__global__ void BiasPartialKernel(const __nv_bfloat16* grad, int32_t rows,
+                                  int32_t cols, float* partial) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  const int begin = blockIdx.y * kBiasSliceRows;
+  const int end = min(rows, begin + kBiasSliceRows);
+  float sum = 0.0f;
+  for (int r = begin; r < end; ++r) {
+    sum += __bfloat162float(grad[static_cast<int64_t>(r) * kChunkCols + col]);
+  }
+  partial[static_cast<int64_t>(blockIdx.y) * kChunkCols + col] = sum;
+}
+
+// dbias, step 2: the slices folded in ascending order; added to `out` when
+// accumulate (a later row block).
+__global__ void BiasFoldKernel(const float* partial, int32_t slices,
+                               int32_t cols, int32_t accumulate, float* out) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  float sum = 0.0f;
+  for (int s = 0; s < slices; ++s) {
+    sum += partial[static_cast<int64_t>(s) * kChunkCols + col];
+  }
+  out[col] = accumulate ? out[col] + sum : sum;
+}
+
+}  // namespace detlogp::kernels::cuda::backward_v1
+
+#endif  // DETLOGP_KERNELS_CUDA_LINEAR_LOGP_BACKWARD_KERNEL_CUH_
