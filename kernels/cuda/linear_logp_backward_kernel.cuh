@@ -113,8 +113,10 @@ __device__ __forceinline__ int FragmentCol(int lane, int j) {
   return 8 * j + 2 * (lane % 4);
 }
 
+// -1 (no column) without targets: only grad_logprobs needs them.
 __device__ __forceinline__ int RowTarget(const GradLogitsParams& p, int r) {
   if (p.targets != nullptr) return p.targets[r];
+  if (p.targets64 == nullptr) return -1;
   const int64_t t = p.targets64[r];
   return (t >= 0 && t <= INT32_MAX) ? static_cast<int>(t) : -1;
 }
