@@ -1,0 +1,154 @@
+"""Forward + backward of linear-logp on the H200 (issue #15), one run beside
+PyTorch eager and Liger-Kernel's fused linear cross-entropy (when its wheel
+is installed), at the issue's shapes: H = 4096, V = 151936, bf16, loss =
+sum_i a_i * logp_i with random per-row weights a_i.
+
+  ours    detlogp.ops.cuda_linear_logp (the served forward) +
+          detlogp.ops.cuda_linear_logp_backward (sm90a-wgmma-bwd-v1)
+  eager   logits = hidden @ W^T (bf16) -> float -> log_softmax -> gather,
+          autograd
+  liger   LigerFusedLinearCrossEntropyLoss(reduction="sum"): the same FLOPs;
+          uniform per-row weights (it has no per-row weights)
+
+For each N: median of --repeats CUDA-event timings (fresh random data per
+size, a warm-up call first), peak extra device memory over the inputs
+(torch.cuda.max_memory_allocated), TFLOP/s counting 8·N·H·V for the pair,
+and, for ours and eager, the relative Frobenius error of dhidden and
+dweight vs float64 at N = 1024 (row subset for dhidden). Prints one line
+per (method, N) and a final PASS/FAIL line per target of the issue.
+
+Usage: python3 tools/device/logp_backward_bench.py [--sizes 1024,4096,8192,16384]
+"""
+import argparse
+import statistics
+
+import torch
+
+from detlogp import ops
+
+H, V = 4096, 151936
+TARGET_MS = {1024: 10.0, 4096: 36.0, 8192: 70.0, 16384: 140.0}
+
+
+def time_ms(fn, repeats):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+            enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def ours(hidden, weight, targets, a):
+    logp, lse, _ = ops.cuda_linear_logp(hidden, weight, targets, 1.0)
+    return ops.cuda_linear_logp_backward(
+        hidden, weight, targets, lse, grad_logprobs=a, need_hidden=True,
+        need_weight=True, weight_grad_dtype=torch.bfloat16)
+
+
+def eager(hidden, weight, targets, a):
+    h = hidden.detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    logits = (h @ w.t()).float()
+    logp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None].long())[:, 0]
+    (a * logp).sum().backward()
+    return h.grad, w.grad
+
+
+def liger_fn():
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss_fn = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+
+    def run(hidden, weight, targets, a):
+        h = hidden.detach().requires_grad_()
+        w = weight.detach().requires_grad_()
+        loss_fn(w, h, targets.long()).backward()
+        return h.grad, w.grad
+    return run
+
+
+def float64_grads(hidden, weight, targets, a, rows):
+    """dhidden of `rows` and dweight over all rows, float64 on the GPU."""
+    h = hidden.double()
+    z = h @ weight.double().t()
+    lse = torch.logsumexp(z, dim=1, keepdim=True)
+    g = -torch.exp(z - lse) * a.double()[:, None]
+    g[torch.arange(len(targets)), targets.long()] += a.double()
+    return g[rows] @ weight.double(), g.t() @ h
+
+
+def rel_error(got, want):
+    return (torch.linalg.norm(got.double() - want) / torch.linalg.norm(want)).item()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="1024,4096,8192,16384")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    weight = (torch.randn((V, H), device="cuda", generator=gen) * 0.02).bfloat16()
+    liger = liger_fn()
+    methods = [("ours", ours), ("eager", eager)] + (
+        [("liger", liger)] if liger is not None else [])
+    if liger is None:
+        print("liger: not installed (pip install liger-kernel), skipped")
+    verdicts = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        hidden = torch.randn((n, H), device="cuda", generator=gen).bfloat16()
+        targets = torch.randint(0, V, (n,), device="cuda", generator=gen,
+                                dtype=torch.int32)
+        a = torch.rand((n,), device="cuda", generator=gen)
+        for name, fn in methods:
+            ms = time_ms(lambda: fn(hidden, weight, targets, a), args.repeats)
+            extra = peak_extra_bytes(lambda: fn(hidden, weight, targets, a))
+            tflops = 8 * n * H * V / (ms * 1e-3) / 1e12
+            print(f"{name:6s} N={n:6d}: {ms:8.2f} ms  {tflops:6.1f} TFLOP/s (8NHV)  "
+                  f"peak extra {extra / 2**20:8.0f} MiB", flush=True)
+            if name == "ours":
+                verdicts.append((f"time N={n} <= {TARGET_MS.get(n)} ms",
+                                 n not in TARGET_MS or ms <= TARGET_MS[n]))
+                # Extra beyond inputs, saved state and gradient outputs.
+                outputs = n * H * 2 + V * H * 2 + n * 8
+                verdicts.append((f"memory N={n} <= 512 MiB",
+                                 extra - outputs <= 512 * 2**20))
+        if n == 1024:
+            rows = torch.arange(0, n, 8, device="cuda")
+            want_h, want_w = float64_grads(hidden, weight, targets, a, rows)
+            dh, dw, _ = ours(hidden, weight, targets, a)
+            eh, ew = eager(hidden, weight, targets, a)
+            errors = {"ours": (rel_error(dh[rows], want_h), rel_error(dw, want_w)),
+                      "eager": (rel_error(eh[rows], want_h), rel_error(ew, want_w))}
+            for name, (e_h, e_w) in errors.items():
+                print(f"{name:6s} N=1024: relative Frobenius error dhidden {e_h:.3g} "
+                      f"dweight {e_w:.3g}")
+            verdicts.append(("accuracy <= 1.5x eager's",
+                             errors["ours"][0] <= 1.5 * errors["eager"][0] and
+                             errors["ours"][1] <= 1.5 * errors["eager"][1]))
+        del hidden, targets, a
+        torch.cuda.empty_cache()
+    for what, ok in verdicts:
+        print(f"{'PASS' if ok else 'FAIL'} {what}")
+
+
+if __name__ == "__main__":
+    main()
