@@ -37,10 +37,21 @@ std::string PortableInstructionSet(int cc_major, int cc_minor,
       std::find(shipped_sass.begin(), shipped_sass.end(), binary_version) !=
       shipped_sass.end();
   if (shipped) {
-    return absl::StrCat(device, "/sass_sm_", binary_version, "/mma.sync");
+    return absl::StrCat(device, "/sass_sm_", binary_version);
   }
   return absl::StrCat(device, "/jit_compute_", ptx_version, "/driver_",
-                      driver_version, "/mma.sync");
+                      driver_version);
+}
+
+int BestShippedSass(int cc_major, int cc_minor,
+                    absl::Span<const int> shipped_sass) {
+  int best = 0;
+  for (int arch : shipped_sass) {
+    if (arch / 10 == cc_major && arch % 10 <= cc_minor && arch > best) {
+      best = arch;
+    }
+  }
+  return best;
 }
 
 }  // namespace detlogp::kernels::cuda

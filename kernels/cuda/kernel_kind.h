@@ -47,20 +47,28 @@ absl::StatusOr<KernelKind> DefaultKernelFor(int cc_major, int cc_minor);
 // Whether `kernel` can run on a device of this compute capability.
 bool KernelRunsOn(KernelKind kernel, int cc_major, int cc_minor);
 
-// The portable kernel's instruction set for the determinism key: what the
+// The instruction set of code built for PORTABLE_GENCODE (the portable
+// linear-logp kernel, the H3 projection) for the determinism key: what the
 // bits depend on besides the kernel version. binary_version and ptx_version
-// are the loaded split kernel's cudaFuncAttributes; driver_version is
+// are the loaded kernel's cudaFuncAttributes; driver_version is
 // cudaDriverGetVersion's (e.g. 13000); shipped_sass is kPortableSassArchs.
 //   * machine code shipped in the build (binary_version is one of
-//     shipped_sass): "sm_86/sass_sm_80/mma.sync" names the device's compute
+//     shipped_sass): "sm_86/sass_sm_80" names the device's compute
 //     capability and the cubin the driver loaded (sm_80 SASS also runs on
 //     sm_86, sm_87 and sm_89; which one ran is part of the bits).
 //   * otherwise the driver JIT-compiled the PTX, and a different driver may
-//     emit different code: "sm_120/jit_compute_80/driver_13000/mma.sync".
+//     emit different code: "sm_120/jit_compute_80/driver_13000".
 std::string PortableInstructionSet(int cc_major, int cc_minor,
                                    int binary_version, int ptx_version,
                                    int driver_version,
                                    absl::Span<const int> shipped_sass);
+
+// The cubin the driver loads on a device of this compute capability when
+// the build ships `shipped_sass` (the newest of the device's major version
+// not newer than the device), or 0 when there is none and the PTX is
+// JIT-compiled. For code whose cudaFuncAttributes are not at hand.
+int BestShippedSass(int cc_major, int cc_minor,
+                    absl::Span<const int> shipped_sass);
 
 }  // namespace detlogp::kernels::cuda
 
