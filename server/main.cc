@@ -59,7 +59,14 @@ ABSL_FLAG(std::string, bias_tensor, "",
 ABSL_FLAG(int64_t, vocab_size, 0,
           "Real vocabulary (<= weight rows; the rest is padding). 0: all rows.");
 ABSL_FLAG(std::string, device, "auto",
-          "auto (first sm_90 GPU, else CPU), cpu, cuda:N, or cuda:all (every sm_90 GPU, batches to the least-loaded).");
+          "auto (first GPU of compute capability >= 8.0, else CPU), cpu, cuda:N, "
+          "or cuda:all (every GPU of the first one's kind, batches to the "
+          "least-loaded).");
+ABSL_FLAG(std::string, logp_kernel, "auto",
+          "CUDA linear-logp kernel: auto (hopper on compute capability 9.0, "
+          "portable on other GPUs >= 8.0), hopper (9.0 only; fails at start "
+          "elsewhere) or portable (mma.sync, any GPU >= 8.0; no entropy or "
+          "top_k yet).");
 ABSL_FLAG(bool, vocab_parallel, false,
           "With --device=cuda:all: each GPU holds a contiguous share of the "
           "vocabulary splits instead of the whole lm_head (bits unchanged).");
@@ -248,6 +255,7 @@ int main(int argc, char** argv) {
   options.port = absl::GetFlag(FLAGS_port);
   options.device = absl::GetFlag(FLAGS_device);
   options.vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
+  options.logp_kernel = absl::GetFlag(FLAGS_logp_kernel);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.max_request_rows = absl::GetFlag(FLAGS_max_request_rows);
   options.max_top_k = absl::GetFlag(FLAGS_max_top_k);

@@ -161,6 +161,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   BackendOptions backend_options;
   backend_options.cpu_threads = options.cpu_threads;
   backend_options.vocab_parallel = options.vocab_parallel;
+  backend_options.logp_kernel = options.logp_kernel;
   std::vector<std::string> notes;
   auto backend = registry.Create(options.device, backend_options, &notes);
   for (const std::string& note : notes) spdlog::info("{}", note);
@@ -170,6 +171,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   spdlog::info("backend {} on {} (kernel {}, isa {})", description.name,
                description.device, description.kernel_version,
                description.instruction_set);
+  if (!description.extras_unavailable.empty()) {
+    spdlog::warn("return_entropy and top_k are refused: {}",
+                 description.extras_unavailable);
+  }
 
   DynamicBatcher::Options batcher_options = options.batcher;
   if (batcher_options.max_batch_rows < 0) {
@@ -221,8 +226,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   manager_options.key_inputs.instruction_set = description.instruction_set;
   manager_options.key_inputs.kernel_version = description.kernel_version;
   manager_options.key_inputs.split_policy = kernels::kSplitPolicyName;
-  manager_options.backend_description =
-      absl::StrCat(description.name, " (", description.device, ")");
+  // ModelInfo.backend: where and on what code the bits are computed (the
+  // kernel version has its own field), and what this server cannot compute.
+  manager_options.backend_description = absl::StrCat(
+      description.name, " (", description.device, "; isa ",
+      description.instruction_set, ")",
+      description.extras_unavailable.empty()
+          ? ""
+          : absl::StrCat("; no entropy or top_k: ",
+                         description.extras_unavailable));
   manager_options.batching.set_max_batch_rows(batcher_options.max_batch_rows);
   manager_options.batching.set_max_queue_delay_us(batcher_options.max_queue_delay_micros);
   manager_options.batching.set_batch_threads(batcher_options.num_batch_threads);
@@ -250,6 +262,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   LogProbServiceImpl::Options service_options;
   service_options.max_request_rows = options.max_request_rows;
   service_options.max_top_k = options.max_top_k;
+  service_options.extras_unavailable = description.extras_unavailable;
   spdlog::info("requests: up to {} rows (--max_request_rows), entropy on "
                "request, top_k up to {} (--max_top_k; kernels allow {})",
                options.max_request_rows, options.max_top_k, kernels::kMaxTopK);

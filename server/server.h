@@ -63,6 +63,11 @@ class Server {
     std::string device = "auto";
     // With several GPUs ("cuda:all"): each holds a share of the vocabulary.
     bool vocab_parallel = false;
+    // Which CUDA linear-logp kernel: "auto" (Hopper on compute capability
+    // 9.0, portable on other GPUs >= 8.0), "hopper" or "portable"
+    // (server/backends/cuda_device_selection.h). A forced kernel never falls
+    // back to the CPU.
+    std::string logp_kernel = "auto";
     int cpu_threads = 0;  // 0: one per hardware thread
     // max_batch_rows, max_queue_delay_micros and idle_spin_micros -1 and
     // num_batch_threads 0 mean the backend's preference

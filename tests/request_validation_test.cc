@@ -142,6 +142,28 @@ TEST(RequestValidationTest, TopKWithinTheServerAndVocabularyLimits) {
   EXPECT_TRUE(ValidateLogProbRequest(request, small_vocab).ok());
 }
 
+// A backend without entropy/top-k (the portable CUDA kernel): such requests
+// are refused with FAILED_PRECONDITION naming the field, plain ones pass.
+TEST(RequestValidationTest, ExtrasRefusedWhenTheBackendLacksThem) {
+  RequestLimits no_extras = kLimits;
+  no_extras.extras_unavailable = "kernel portable-mma-sync-v1 has none";
+  LogProbRequest request = ValidRequest(2);
+  EXPECT_TRUE(ValidateLogProbRequest(request, no_extras).ok());
+  request.set_return_entropy(true);
+  auto entropy = ValidateLogProbRequest(request, no_extras);
+  ASSERT_FALSE(entropy.ok());
+  EXPECT_EQ(entropy.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(entropy.status().message().find("return_entropy"), std::string::npos);
+  EXPECT_NE(entropy.status().message().find("portable-mma-sync-v1"),
+            std::string::npos);
+  request.set_return_entropy(false);
+  request.set_top_k(3);
+  auto top_k = ValidateLogProbRequest(request, no_extras);
+  ASSERT_FALSE(top_k.ok());
+  EXPECT_EQ(top_k.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(top_k.status().message().find("top_k"), std::string::npos);
+}
+
 TEST(RequestValidationTest, EmptyRequestIsValid) {
   auto rows = ValidateLogProbRequest(ValidRequest(0), kLimits);
   ASSERT_TRUE(rows.ok());

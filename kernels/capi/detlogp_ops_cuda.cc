@@ -1,4 +1,4 @@
-// The C ABI over the sm_90a kernels (detlogp_ops_cuda.h). Each entry point
+// The C ABI over the CUDA kernels (detlogp_ops_cuda.h). Each entry point
 // validates its host-side arguments, then launches the same kernels the CUDA
 // server's backend launches (kernels/cuda/), on the caller's stream, into the
 // caller's buffers.
@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/capi/capi_util.h"
+#include "kernels/cuda/kernel_kind.h"
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "kernels/cuda/projection_cuda.h"
 #include "kernels/projection.h"
@@ -44,7 +45,29 @@ int FailStatus(const absl::Status& status, char* error, size_t error_len) {
   return Fail(std::string(status.message()), error, error_len);
 }
 
-// Empty when `device` is an sm_90 GPU this process can use.
+// The linear-logp kernel `device` runs (the server's --logp_kernel=auto
+// rule), or why none can.
+absl::StatusOr<detlogp::kernels::cuda::KernelKind> KernelForDevice(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                             device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
+                             device) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("device: cannot query cuda:", device));
+  }
+  auto kernel = detlogp::kernels::cuda::DefaultKernelFor(major, minor);
+  if (!kernel.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device: cuda:", device, " is sm_", major, minor, ": ",
+        kernel.status().message()));
+  }
+  return kernel;
+}
+
+// Empty when `device` is a GPU of compute capability >= 8.0 this process can
+// use.
 std::string DeviceProblem(int device) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -58,19 +81,8 @@ std::string DeviceProblem(int device) {
     return absl::StrCat("device: cuda:", device, " requested but ", count,
                         " GPU(s) visible");
   }
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                             device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
-                             device) != cudaSuccess) {
-    cudaGetLastError();
-    return absl::StrCat("device: cannot query cuda:", device);
-  }
-  if (major != 9 || minor != 0) {
-    return absl::StrCat("device: cuda:", device, " is sm_", major, minor,
-                        "; the kernels are built for sm_90a (H100/H200)");
-  }
-  return "";
+  auto kernel = KernelForDevice(device);
+  return kernel.ok() ? "" : std::string(kernel.status().message());
 }
 
 // A ProjectionCuda over the caller's buffers (no copy, no allocation).
@@ -137,7 +149,12 @@ int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
     }
     if (bad.empty()) bad = DeviceProblem(device);
     if (!bad.empty()) return Fail(bad, error, error_len);
+    auto kernel_kind = KernelForDevice(device);
+    if (!kernel_kind.ok()) {
+      return FailStatus(kernel_kind.status(), error, error_len);
+    }
     LinearLogpCuda::Options options;
+    options.kernel = *kernel_kind;
     options.weights.weight = static_cast<const __nv_bfloat16*>(weight);
     options.weights.bias = bias;
     options.weights.hidden_size = hidden_size;
@@ -373,8 +390,38 @@ int detlogp_cuda_determinism_key(const uint16_t* weight,
     // the device, names the arithmetic.
     detlogp::capi::BackendIdentity cuda;
     cuda.backend = "cuda";
-    cuda.instruction_set = "sm_90a";
-    cuda.kernel_version = LinearLogpCuda::KernelVersion();
+    cuda.instruction_set = detlogp::kernels::cuda::kHopperInstructionSet;
+    cuda.kernel_version = LinearLogpCuda::KernelVersion(
+        detlogp::kernels::cuda::KernelKind::kHopper);
+    return detlogp::capi::WriteDeterminismKey(cuda, weight, padded_vocab_size,
+                                              hidden_size, bias, vocab_size,
+                                              key, key_len, error, error_len);
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+int detlogp_cuda_device_determinism_key(int device, const uint16_t* weight,
+                                        int64_t padded_vocab_size,
+                                        int64_t hidden_size, const float* bias,
+                                        int64_t vocab_size, char* key,
+                                        size_t key_len, char* error,
+                                        size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    const std::string problem = DeviceProblem(device);
+    if (!problem.empty()) return Fail(problem, error, error_len);
+    auto kernel = KernelForDevice(device);
+    if (!kernel.ok()) return FailStatus(kernel.status(), error, error_len);
+    // The same description the server's CUDA backend builds for this GPU.
+    auto instruction_set = LinearLogpCuda::InstructionSetOn(*kernel, device);
+    if (!instruction_set.ok()) {
+      return FailStatus(instruction_set.status(), error, error_len);
+    }
+    detlogp::capi::BackendIdentity cuda;
+    cuda.backend = "cuda";
+    cuda.instruction_set = instruction_set->c_str();
+    cuda.kernel_version = LinearLogpCuda::KernelVersion(*kernel);
     return detlogp::capi::WriteDeterminismKey(cuda, weight, padded_vocab_size,
                                               hidden_size, bias, vocab_size,
                                               key, key_len, error, error_len);

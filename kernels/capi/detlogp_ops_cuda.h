@@ -1,6 +1,9 @@
-/* The trainer-side ops on CUDA (issue #14): a small C ABI over the sm_90a
- * kernels the CUDA server runs (kernels/cuda/), so a trainer gets the CUDA
- * server's bits. Built as its own library, libdetlogp_ops_cuda.so, so the CPU
+/* The trainer-side ops on CUDA (issue #14): a small C ABI over the kernels
+ * the CUDA server runs (kernels/cuda/), so a trainer gets the CUDA server's
+ * bits. The linear-logp kernel is chosen as the server's --logp_kernel=auto
+ * chooses it (kernels/cuda/kernel_kind.h): the Hopper kernel (sm_90a) on
+ * compute capability 9.0, the portable mma.sync kernel on any other GPU of
+ * compute capability >= 8.0 (no entropy there yet: refused with an error). Built as its own library, libdetlogp_ops_cuda.so, so the CPU
  * one (detlogp_ops.h) builds and loads without CUDA.
  *
  * Every pointer named "device" is a CUDA device pointer on `device`; the
@@ -26,11 +29,11 @@ extern "C" {
 #endif
 
 /* Bumped when a signature below changes. */
-#define DETLOGP_OPS_CUDA_ABI_VERSION 2
+#define DETLOGP_OPS_CUDA_ABI_VERSION 3
 int detlogp_ops_cuda_abi_version(void);
 
-/* 0 when `device` is a usable sm_90 GPU with the sm_90a kernels; otherwise
- * the message says what is missing (no driver, no device, wrong arch). */
+/* 0 when `device` is a usable GPU of compute capability >= 8.0; otherwise
+ * the message says what is missing (no driver, no device, too old a GPU). */
 int detlogp_cuda_check_device(int device, char* error, size_t error_len);
 
 /* An lm_head on the GPU: wraps the caller's device tensors (no copy) and
@@ -120,8 +123,8 @@ int detlogp_cuda_h3_projection_weight_grad(const float* dy, const float* x,
                                            void* stream, char* error,
                                            size_t error_len);
 
-/* The CUDA server's determinism key ("dk1-" + 32 hex digits) for this
- * lm_head, from HOST copies of its bytes (weight: bf16 bits
+/* The determinism key ("dk1-" + 32 hex digits) a CUDA server running the
+ * Hopper kernel (compute capability 9.0) reports for this lm_head, from HOST copies of its bytes (weight: bf16 bits
  * [padded_vocab_size, hidden_size]; bias: fp32 [padded_vocab_size] or null),
  * as detlogp_cpu_determinism_key. Needs no GPU. key_len >= 37. */
 int detlogp_cuda_determinism_key(const uint16_t* weight,
@@ -130,6 +133,17 @@ int detlogp_cuda_determinism_key(const uint16_t* weight,
                                  int64_t vocab_size, char* key,
                                  size_t key_len, char* error,
                                  size_t error_len);
+/* As detlogp_cuda_determinism_key, for the kernel `device` runs: on compute
+ * capability 9.0 the same key (the Hopper kernel); on another GPU the
+ * portable kernel's, which names the device's compute capability and the
+ * code the driver loaded there (and the driver's version when it
+ * JIT-compiled the PTX). Needs the GPU. */
+int detlogp_cuda_device_determinism_key(int device, const uint16_t* weight,
+                                        int64_t padded_vocab_size,
+                                        int64_t hidden_size, const float* bias,
+                                        int64_t vocab_size, char* key,
+                                        size_t key_len, char* error,
+                                        size_t error_len);
 
 #ifdef __cplusplus
 }  /* extern "C" */

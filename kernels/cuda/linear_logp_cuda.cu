@@ -1,6 +1,7 @@
 // Launcher for the fused linear-logp kernels: Hopper v3
-// (linear_logp_kernel.cuh) and the portable mma.sync kernel
-// (linear_logp_portable_kernel.cuh, issue #13, groundwork).
+// (linear_logp_kernel.cuh, compiled here for sm_90a with its combine) and the
+// portable mma.sync kernel (reached through linear_logp_portable.h: its code
+// lives in linear_logp_portable.cu, built for sm_80..sm_90 + compute_80 PTX).
 #include "kernels/cuda/linear_logp_cuda.h"
 
 #include <cuda.h>
@@ -14,8 +15,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/linear_logp_combine_kernel.cuh"
 #include "kernels/cuda/linear_logp_kernel.cuh"
-#include "kernels/cuda/linear_logp_portable_kernel.cuh"
+#include "kernels/cuda/linear_logp_portable.h"
 #include "kernels/lm_head.h"
 #include "kernels/softmax_partial.h"
 #include "kernels/split_policy.h"
@@ -128,7 +130,7 @@ absl::Status EncodeTiled(PFN_cuTensorMapEncodeTiled_v12000 encode,
 absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
                             const LinearLogpBatchView& outputs,
                             int64_t nan_vocab_size, int device,
-                            cudaStream_t stream);
+                            cudaStream_t stream, KernelKind kernel);
 
 using SplitKernel = void (*)(const CUtensorMap, const CUtensorMap,
                             const kv::KernelParams);
@@ -157,6 +159,7 @@ struct LinearLogpCuda::Impl {
   int32_t invariant_splits = 0;
   int32_t invariant_begin[kv::kMaxSplits + 1] = {};
   int64_t shard_begin = 0;
+  std::string instruction_set;  // for the determinism key
 };
 
 LinearLogpCuda::LinearLogpCuda(const Options& options,
@@ -176,13 +179,34 @@ const char* LinearLogpCuda::kernel_version() const {
 }
 
 std::string LinearLogpCuda::instruction_set() const {
-  if (options_.kernel == KernelKind::kHopper) return "sm_90a";
-  // TODO(issue #13): once the build ships compute_80 PTX, a device without
-  // its own machine code runs JIT-compiled code: add the driver version.
-  return absl::StrCat("sm_", impl_->cc_major, impl_->cc_minor, "/mma.sync");
+  return impl_->instruction_set;
 }
 
 namespace {
+
+// Loads the portable kernels on the current device (`prop`'s) and names the
+// code that runs: the cubin the driver picked, or JIT-compiled PTX and the
+// driver that compiled it.
+absl::StatusOr<std::string> PreparePortable(const cudaDeviceProp& prop) {
+  if (!KernelRunsOn(KernelKind::kPortable, prop.major, prop.minor)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "linear_logp_cuda: kernel ", kp::kVersion,
+        " needs compute capability >= 8.0, device has ", prop.major, ".",
+        prop.minor));
+  }
+  kp::LoadedCode code;
+  if (cudaError_t e = kp::PrepareKernels(&code); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "linear_logp_cuda: kernel ", kp::kVersion, " has no code for sm_",
+        prop.major, prop.minor, " in this build: ", cudaGetErrorString(e)));
+  }
+  int driver_version = 0;
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaDriverGetVersion(&driver_version));
+  return PortableInstructionSet(prop.major, prop.minor, code.binary_version,
+                                code.ptx_version, driver_version,
+                                kPortableSassArchs);
+}
 
 // The batch-invariant split table of the rows an object holds (a shard's
 // boundaries start at 0).
@@ -207,31 +231,13 @@ void FillSplitTable(const LinearLogpCuda::Options& options, int32_t all_splits,
 absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::CreatePortable(
     const Options& options, const cudaDeviceProp& prop, int32_t all_splits,
     bool shard, int64_t held_begin) {
-  if (prop.major < 8) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "linear_logp_cuda: kernel ", kp::kVersion,
-        " needs compute capability >= 8.0, device has ", prop.major, ".",
-        prop.minor));
-  }
-  if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kp::kSmemBytes)) {
+  if (prop.major >= 8 &&
+      prop.sharedMemPerBlockOptin < static_cast<size_t>(kp::kSmemBytes)) {
     return absl::FailedPreconditionError(
         "linear_logp_cuda: not enough shared memory per block");
   }
-  // Both kernels need code for this device (this build has sm_90a only:
-  // the error says so on any other GPU).
-  cudaFuncAttributes attrs;
-  if (cudaError_t e =
-          cudaFuncGetAttributes(&attrs, kp::LinearLogpPortableSplitKernel);
-      e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "linear_logp_cuda: kernel ", kp::kVersion, " has no code for sm_",
-        prop.major, prop.minor, " in this build: ", cudaGetErrorString(e)));
-  }
-  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, kv::CombineKernel));
-  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kp::LinearLogpPortableSplitKernel,
-      cudaFuncAttributeMaxDynamicSharedMemorySize, kp::kSmemBytes));
+  auto instruction_set = PreparePortable(prop);
+  if (!instruction_set.ok()) return instruction_set.status();
   if (all_splits < 1 || all_splits > kp::kMaxSplits) {
     return absl::InternalError("linear_logp_cuda: split policy out of range");
   }
@@ -240,10 +246,24 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::CreatePortable(
   impl->cc_major = prop.major;
   impl->cc_minor = prop.minor;
   impl->shard_begin = held_begin;
+  impl->instruction_set = *std::move(instruction_set);
   FillSplitTable(options, all_splits, shard, held_begin,
                  &impl->invariant_splits, impl->invariant_begin);
   return std::unique_ptr<LinearLogpCuda>(
       new LinearLogpCuda(options, std::move(impl)));
+}
+
+absl::StatusOr<std::string> LinearLogpCuda::InstructionSetOn(KernelKind kernel,
+                                                             int device) {
+  if (kernel == KernelKind::kHopper) return std::string(kHopperInstructionSet);
+  if (kernel != KernelKind::kPortable) {
+    return absl::InvalidArgumentError("linear_logp_cuda: bad kernel kind");
+  }
+  DeviceGuard guard;
+  if (absl::Status s = guard.Enter(device); !s.ok()) return s;
+  cudaDeviceProp prop;
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  return PreparePortable(prop);
 }
 
 absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
@@ -332,6 +352,7 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   impl->num_sms = prop.multiProcessorCount;
   impl->cc_major = prop.major;
   impl->cc_minor = prop.minor;
+  impl->instruction_set = kHopperInstructionSet;
 
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult query;
@@ -431,7 +452,7 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
     return s;
   }
   return EnqueueCombine(partials, splits, batch, options_.weights.vocab_size,
-                        options_.device, stream);
+                        options_.device, stream, options_.kernel);
 }
 
 namespace {
@@ -580,10 +601,8 @@ absl::Status LinearLogpCuda::LaunchPortableSplits(
   const int64_t grid = int64_t{p.num_row_blocks} * p.num_splits;
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
-  kp::LinearLogpPortableSplitKernel<<<static_cast<unsigned>(grid),
-                                      kp::kThreads, kp::kSmemBytes, stream>>>(
-      p);
-  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  DETLOGP_CUDA_RETURN_IF_ERROR(
+      kp::EnqueueSplitKernel(p, static_cast<unsigned>(grid), stream));
   return absl::OkStatus();
 }
 
@@ -595,7 +614,7 @@ namespace {
 absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
                             const LinearLogpBatchView& outputs,
                             int64_t nan_vocab_size, int device,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, KernelKind kernel) {
   const int64_t rows = outputs.rows;
   if (rows <= 0) return absl::OkStatus();
   if (partials.lse == nullptr || outputs.logprobs == nullptr ||
@@ -612,7 +631,7 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
   }
   DeviceGuard guard;
   if (absl::Status s = guard.Enter(device); !s.ok()) return s;
-  kv::CombineParams p;
+  combine::CombineParams p;
   p.split_lse = partials.lse;
   p.split_mean_z = outputs.entropy != nullptr ? partials.mean_z : nullptr;
   p.split_top_z = outputs.top_k > 0 ? partials.top_z : nullptr;
@@ -633,7 +652,12 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
   constexpr int kCombineThreads = 128;
   const int combine_grid =
       static_cast<int>((rows + kCombineThreads - 1) / kCombineThreads);
-  kv::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(p);
+  if (kernel == KernelKind::kPortable) {
+    DETLOGP_CUDA_RETURN_IF_ERROR(kp::EnqueueCombineKernel(
+        p, combine_grid, kCombineThreads, stream));
+    return absl::OkStatus();
+  }
+  combine::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -643,9 +667,10 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
 absl::Status LinearLogpCuda::LaunchCombine(const SplitPartials& partials,
                                            int32_t num_splits,
                                            const LinearLogpBatchView& outputs,
-                                           int device, cudaStream_t stream) {
+                                           int device, cudaStream_t stream,
+                                           KernelKind kernel) {
   return EnqueueCombine(partials, num_splits, outputs, /*nan_vocab_size=*/0,
-                        device, stream);
+                        device, stream, kernel);
 }
 
 }  // namespace detlogp::kernels::cuda

@@ -1,5 +1,6 @@
-// Host API of the batch-invariant fused linear + log-softmax gather on CUDA
-// (Hopper, sm_90a).
+// Host API of the batch-invariant fused linear + log-softmax gather on CUDA:
+// the Hopper kernel (sm_90a) and the portable kernel (any GPU of compute
+// capability >= 8.0), see KernelKind (kernel_kind.h).
 //
 // For each row r of a batch:
 //   z[v]   = (hidden[r] . weight[v] + bias[v]) / temperature[r],  v < V
@@ -15,9 +16,12 @@
 // per-split partials are folded in ascending split order. KernelVersion()
 // changes whenever the bits a given input produces may change.
 //
-// Build: nvcc -gencode=arch=compute_90a,code=sm_90a; needs a device of compute
-// capability 9.0 (H100/H200) at run time (Options::kernel = kPortable selects
-// the mma.sync kernel of issue #13, groundwork, see KernelKind). No libcuda
+// Build: two translation units with unambiguous code. linear_logp_cuda.cu
+// (this launcher, the Hopper kernel and its combine) is sm_90a only;
+// linear_logp_portable.cu (the portable kernel and its own combine) holds
+// sm_80/86/89/90 machine code and compute_80 PTX. kHopper needs a device of
+// compute capability 9.0 (H100/H200); kPortable any of >= 8.0 (newer GPUs
+// such as sm_100/sm_120 run its PTX through the driver's JIT). No libcuda
 // link is needed (the tensor-map encoder is fetched through
 // cudaGetDriverEntryPointByVersion).
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_CUDA_H_
@@ -33,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/cuda/kernel_kind.h"
 
 namespace detlogp::kernels::cuda {
 
@@ -83,17 +88,10 @@ struct SplitPartials {
   int32_t* top_ids = nullptr;   // [rows][splits][top_k], global token ids
 };
 
-// Which split-pass kernel a LinearLogpCuda runs. Both follow the same
-// contract (split policy, partial format, combine); their bits differ, so
-// each has its own kernel version.
-enum class KernelKind {
-  kHopper,    // sm90a-wgmma-v3: wgmma + TMA, compute capability 9.0 only
-  kPortable,  // portable-mma-sync-v1 (issue #13): mma.sync + ldmatrix +
-              // cp.async, any compute capability >= 8.0 the build has code
-              // for. GROUNDWORK: no entropy/top-k (UNIMPLEMENTED), and this
-              // build's code is sm_90a only, so today it runs on Hopper
-              // (forced) alone.
-};
+// Which split-pass kernel a LinearLogpCuda runs: KernelKind (kernel_kind.h).
+// Both follow the same contract (split policy, partial format, combine);
+// their bits differ, so each has its own kernel version. kPortable computes
+// no entropy or top-k yet (UNIMPLEMENTED).
 
 enum class SplitMode {
   kBatchInvariant,  // the product: split_policy.h, bits independent of N
@@ -122,8 +120,9 @@ class LinearLogpCuda {
     int32_t end_split = 0;
   };
 
-  // Validates the weights view and the device (compute capability 9.0 with
-  // the sm_90a kernel present); builds the weight tensor map.
+  // Validates the weights view and the device (kHopper: compute capability
+  // 9.0 with the sm_90a kernel present, and builds the weight tensor map;
+  // kPortable: >= 8.0 with code this build ships or the driver can JIT).
   static absl::StatusOr<std::unique_ptr<LinearLogpCuda>> Create(
       const Options& options);
 
@@ -169,10 +168,14 @@ class LinearLogpCuda {
   // logprob = z[target] - lse (logprobs holds z on entry), entropy when
   // outputs.entropy is set and the top lists when outputs.top_k > 0, on
   // `device`. Only the output fields and rows of `outputs` are used.
+  // `kernel` picks the combine built with that kernel's split pass (the same
+  // source, compiled in the same translation unit for the same
+  // architectures): pass the kind of the objects that wrote the partials.
   static absl::Status LaunchCombine(const SplitPartials& partials,
                                     int32_t num_splits,
                                     const LinearLogpBatchView& outputs,
-                                    int device, cudaStream_t stream);
+                                    int device, cudaStream_t stream,
+                                    KernelKind kernel = KernelKind::kHopper);
 
   // First vocabulary row held (0 unless a shard).
   int64_t ShardBegin() const;
@@ -185,10 +188,17 @@ class LinearLogpCuda {
   // This object's kernel version: KernelVersion(options().kernel).
   const char* kernel_version() const;
   // What the bits depend on besides the kernel version, for the
-  // determinism key: "sm_90a" for the Hopper kernel (its existing key), and
-  // "sm_<major><minor>/mma.sync" (the device's compute capability) for the
-  // portable kernel.
+  // determinism key: kHopperInstructionSet ("sm_90a") for the Hopper kernel
+  // (its existing key), and PortableInstructionSet(...) for the portable
+  // kernel: the device's compute capability and the cubin the driver loaded,
+  // or, when the driver JIT-compiled the PTX, the PTX's architecture and the
+  // driver's version (kernel_kind.h).
   std::string instruction_set() const;
+  // The instruction set a LinearLogpCuda of `kernel` would report on
+  // `device`, without weights (loads the kernel's code, so an error when the
+  // build has none the device can run).
+  static absl::StatusOr<std::string> InstructionSetOn(KernelKind kernel,
+                                                      int device);
 
   const Options& options() const { return options_; }
 

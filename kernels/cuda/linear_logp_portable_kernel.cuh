@@ -3,12 +3,11 @@
 // NVIDIA GPU from sm_80 on has: mma.sync.aligned.m16n8k16 (bf16 in, fp32
 // accumulate), ldmatrix and cp.async. Self-contained (no Hopper PTX), so the
 // same source builds for sm_80, sm_86, sm_89, sm_90 and compute_80 PTX.
-// Included by linear_logp_cuda.cu (launcher) and by the multi-arch
-// compile check linear_logp_portable_arch_check.cu.
-//
-// STATUS: groundwork. Compiled, never run on a GPU when written; the first
-// run is tests/cuda/linear_logp_portable_test.cu on the H200
-// (docs/perf.md, "Portable kernel (issue #13), groundwork").
+// Included by linear_logp_portable.cu alone: the kernel's one translation
+// unit, built for sm_80, sm_86, sm_89 and sm_90 machine code and compute_80
+// PTX (kernels/cuda/BUILD); the launcher reaches it through
+// linear_logp_portable.h. Tested bitwise on the H200 (forced there):
+// tests/cuda/linear_logp_portable_test.cu.
 //
 // Contract (the same as v3, linear_logp_kernel.cuh):
 //   * A work item is (row block of kBlockM = 128 rows, vocabulary split s),
@@ -31,8 +30,9 @@
 //     the per-row online state (max, sum exp(z - max)) in ascending tile order.
 //     No shared-memory or cross-warp reduction, no atomics.
 //   * The split's state is written once per (row, split) as its logsumexp to
-//     split_lse[row][split] (v3's partial format), folded by v3's
-//     CombineKernel (LinearLogpCuda::LaunchCombine) in ascending split order.
+//     split_lse[row][split] (v3's partial format), folded by the shared
+//     combine kernel (linear_logp_combine_kernel.cuh, compiled in the same
+//     translation unit for the same architectures) in ascending split order.
 //   * z = y * inv_t with y = acc + bias and inv_t = __frcp_rn(T), as in v3;
 //     the thread that holds z[target] writes it to logprobs[row].
 //   * Rows >= N and weight rows >= the padded vocabulary are zero-filled by
@@ -54,52 +54,9 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/linear_logp_portable_params.cuh"
+
 namespace detlogp::kernels::cuda::portable_v1 {
-
-inline constexpr char kVersion[] = "portable-mma-sync-v1";
-
-inline constexpr int kBlockM = 128;  // rows per item
-inline constexpr int kBlockN = 128;  // vocabulary columns per tile
-inline constexpr int kBlockK = 32;   // bf16 per shared row: 64 bytes
-inline constexpr int kStages = 4;
-inline constexpr int kWarps = 8;
-inline constexpr int kThreads = 32 * kWarps;
-inline constexpr int kWarpRows = kBlockM / kWarps;  // 16: one m16 fragment
-inline constexpr int kNFrags = kBlockN / 8;         // 16 n8 fragments
-inline constexpr int kRowBytes = kBlockK * 2;       // 64
-inline constexpr int kChunksPerRow = kRowBytes / 16;  // 4
-inline constexpr int kATileBytes = kBlockM * kRowBytes;  // 8 KiB
-inline constexpr int kBTileBytes = kBlockN * kRowBytes;  // 8 KiB
-inline constexpr int kStageBytes = kATileBytes + kBTileBytes;
-inline constexpr int kSmemBytes = kStages * kStageBytes;  // 64 KiB
-inline constexpr int kMaxSplits = 256;  // as v3: 4 B per split, <= 1 KiB/row
-
-static_assert(kWarpRows == 16, "one m16 fragment per warp");
-static_assert(kBlockK % 16 == 0, "k16 steps");
-static_assert(kChunksPerRow == 4, "the swizzle assumes 4 chunks per row");
-static_assert((kBlockM * kChunksPerRow) % kThreads == 0, "A copy split");
-static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "B copy split");
-// 99 KiB is the opt-in maximum on sm_86/sm_89, the smallest of sm_80+.
-static_assert(kSmemBytes <= 99 * 1024, "fits every sm_80+ GPU");
-
-struct KernelParams {
-  const __nv_bfloat16* hidden;   // [rows][hidden]
-  const __nv_bfloat16* weight;   // [padded_vocab][hidden]
-  const float* bias;             // [padded_vocab] or null
-  const int32_t* targets;        // [rows], or null: targets64
-  const int64_t* targets64;      // [rows] when targets is null
-  const float* temperatures;     // [rows], or null: temperature
-  float temperature;             // every row's, when temperatures is null
-  float* logprobs;               // [rows]: z[target] here
-  float* split_lse;              // [rows][num_splits]: logsumexp of split
-  int64_t hidden_size;           // H, a multiple of 64
-  int64_t padded_vocab;          // weight rows that may be read
-  int32_t rows;
-  int32_t k_blocks;              // H / kBlockK
-  int32_t num_splits;
-  int32_t num_row_blocks;
-  int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
-};
 
 // ------------------------------------------------------------------ PTX
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {

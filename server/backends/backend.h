@@ -26,6 +26,10 @@ struct BackendDescription {
   std::string device;           // human readable, e.g. "cuda:0 NVIDIA H200"
   std::string instruction_set;  // part of the determinism key, e.g. "sm_90a"
   std::string kernel_version;   // changes whenever bits may change
+  // Empty when the backend computes entropy and top-k; otherwise why not
+  // (e.g. the portable CUDA kernel): requests asking for them are refused
+  // with FAILED_PRECONDITION naming the field.
+  std::string extras_unavailable;
   // Batches a backend wants in flight at once (copies overlap compute).
   int preferred_inflight_batches = 1;
   // Batching defaults that suit the device (DynamicBatcher::Options): the
@@ -131,6 +135,9 @@ struct BackendOptions {
   // Split the vocabulary over the devices instead of replicating the
   // weights (backends without it ignore it).
   bool vocab_parallel = false;
+  // --logp_kernel: which CUDA kernel runs ("auto", "hopper", "portable";
+  // empty means auto). Backends with one kernel refuse anything but auto.
+  std::string logp_kernel;
 };
 
 using LogpBackendRegistry = BackendRegistry<LogpBackend, BackendOptions>;

@@ -51,7 +51,8 @@ class BackendRegistry {
         notes->push_back(absl::StrCat(name, " unavailable: ",
                                       backend.status().message()));
       }
-      return absl::UnavailableError("no backend could start");
+      return absl::UnavailableError(absl::StrCat(
+          "no backend could start: ", absl::StrJoin(*notes, "; ")));
     }
     std::vector<std::string> parts = absl::StrSplit(device, ':');
     options.device_index = 0;

@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/linear_logp_cpu.h"
 #include "kernels/thread_pool.h"
 
@@ -123,6 +124,12 @@ class CpuBackend final : public LogpBackend {
 
 absl::StatusOr<std::unique_ptr<LogpBackend>> CreateCpuBackend(
     const BackendOptions& options) {
+  if (!options.logp_kernel.empty() && options.logp_kernel != "auto") {
+    // A forced CUDA kernel never quietly becomes the CPU.
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--logp_kernel=", options.logp_kernel,
+        " chooses a CUDA kernel; the cpu backend has one (use auto)"));
+  }
   return std::make_unique<CpuBackend>(options.cpu_threads);
 }
 

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "server/backends/cuda_buffers.h"
+#include "server/backends/cuda_device_selection.h"
 #include "server/backends/cuda_lm_head.h"
 #include "server/backends/cuda_vocab_parallel.h"
 
@@ -176,68 +177,73 @@ class CudaExecutor final : public LogpExecutor {
   DeviceBuffer inputs_, outputs_, workspace_;
 };
 
-// Drives one GPU ("cuda:N", or the first sm_90 one for "auto") or every sm_90
-// GPU of one kind ("cuda:all"). Replicated (the default), each GPU holds the
-// full weights; executors are spread over the GPUs and every batch thread
-// pulls from the one queue when its executor is free, so batches go to
-// whichever GPU is least loaded. With vocab_parallel each GPU holds a share
-// of the vocabulary instead (cuda_vocab_parallel.h). GPUs of the same kind
-// run the same kernel, hence the same bits: the determinism key names the
-// architecture, not the device index.
+// Drives one GPU ("cuda:N", or the first suitable one for "auto") or every
+// GPU of one kind ("cuda:all"); which ones and which kernel is
+// SelectGpus' rule (cuda_device_selection.h): the Hopper kernel on compute
+// capability 9.0, the portable kernel on any other >= 8.0, or the one
+// --logp_kernel forces. Replicated (the default), each GPU holds the full
+// weights; executors are spread over the GPUs and every batch thread pulls
+// from the one queue when its executor is free, so batches go to whichever
+// GPU is least loaded. With vocab_parallel each GPU holds a share of the
+// vocabulary instead (cuda_vocab_parallel.h). GPUs of one kind run the same
+// kernel build, hence the same bits: the determinism key names the kernel
+// and its instruction set, not the device index.
 class CudaBackend final : public LogpBackend {
  public:
   static absl::StatusOr<std::unique_ptr<CudaBackend>> Create(
       const BackendOptions& options) {
+    auto choice = ParseLogpKernelChoice(options.logp_kernel);
+    if (!choice.ok()) return choice.status();
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
       cudaGetLastError();  // clear the sticky "no device" error
       return absl::UnavailableError("no CUDA device on this machine");
     }
-    std::vector<int> devices;
-    const bool any_suitable = options.device_index == kAllDevices ||
-                              options.device_index == kFirstSuitableDevice;
-    if (any_suitable) {
-      for (int d = 0; d < count; ++d) devices.push_back(d);
-    } else if (options.device_index < count) {
-      devices.push_back(options.device_index);
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("cuda:", options.device_index, " requested but only ",
-                       count, " GPU(s) visible"));
-    }
-    auto backend = std::unique_ptr<CudaBackend>(new CudaBackend());
-    std::string name;
-    std::vector<int> used;
-    for (int device : devices) {
+    std::vector<GpuInfo> visible;
+    for (int device = 0; device < count; ++device) {
       cudaDeviceProp props;
       DETLOGP_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&props, device),
                                    "cudaGetDeviceProperties");
-      if (props.major != 9 || props.minor != 0) {
-        if (!any_suitable) {
-          return absl::UnavailableError(absl::StrCat(
-              "cuda:", device, " (", props.name, ") is sm_", props.major,
-              props.minor, "; the kernel is built for sm_90a"));
-        }
-        continue;  // "all" means every sm_90 GPU
+      visible.push_back(GpuInfo{device, props.name, props.major, props.minor});
+    }
+    auto selection = SelectGpus(visible, options.device_index,
+                                options.vocab_parallel, *choice);
+    if (!selection.ok()) return selection.status();
+    // Every selected GPU is of one kind, so one instruction set names them
+    // all; each is still asked (each loads the kernel's code).
+    std::string instruction_set;
+    for (int device : selection->devices) {
+      auto isa = LinearLogpCuda::InstructionSetOn(selection->kernel, device);
+      if (!isa.ok()) return isa.status();
+      if (!instruction_set.empty() && *isa != instruction_set) {
+        return absl::InternalError(absl::StrCat(
+            "GPUs of one kind report different code: ", instruction_set,
+            " vs ", *isa, " on cuda:", device));
       }
-      if (!name.empty() && name != props.name) continue;  // one kind only
-      name = props.name;
-      used.push_back(device);
-      if (options.device_index == kFirstSuitableDevice) break;
+      instruction_set = *std::move(isa);
     }
-    if (used.empty()) {
-      return absl::UnavailableError("no sm_90 GPU on this machine");
-    }
+    auto backend = std::unique_ptr<CudaBackend>(new CudaBackend());
+    const std::vector<int>& used = selection->devices;
     backend->devices_ = used;
+    backend->kernel_ = selection->kernel;
     backend->vocab_parallel_ = options.vocab_parallel;
     backend->description_.name = "cuda";
-    backend->description_.device =
-        absl::StrCat("cuda:", absl::StrJoin(used, ","), " ", name,
-                     options.vocab_parallel ? " (vocabulary-parallel)" : "");
-    backend->description_.instruction_set = "sm_90a";
-    backend->description_.kernel_version = LinearLogpCuda::KernelVersion();
-    // Four batches per GPU keep gathers and copies overlapping the kernel
-    // (measured: docs/perf.md, serving section).
+    backend->description_.device = absl::StrCat(
+        "cuda:", absl::StrJoin(used, ","), " ", selection->name,
+        options.vocab_parallel ? " (vocabulary-parallel)" : "",
+        selection->left_out.empty()
+            ? ""
+            : absl::StrCat(" (left idle, another kind: ",
+                           absl::StrJoin(selection->left_out, ", "), ")"));
+    backend->description_.instruction_set = instruction_set;
+    backend->description_.kernel_version =
+        LinearLogpCuda::KernelVersion(selection->kernel);
+    if (selection->kernel == kernels::cuda::KernelKind::kPortable) {
+      backend->description_.extras_unavailable = absl::StrCat(
+          "kernel ", backend->description_.kernel_version,
+          " computes no entropy or top-k (issue #13); the Hopper kernel does "
+          "(compute capability 9.0, --logp_kernel=auto or hopper)");
+    }
     backend->description_.preferred_inflight_batches =
         options.vocab_parallel ? 4 : 4 * static_cast<int>(used.size());
     // A batch of small calls takes ~0.35 ms; a sleeping batch thread took
@@ -260,12 +266,12 @@ class CudaBackend final : public LogpBackend {
     if (weights == nullptr) return absl::InvalidArgumentError("cuda backend: no weights");
     std::vector<std::unique_ptr<CudaLmHead>> heads;
     if (vocab_parallel_) {
-      auto shards = UploadVocabShards(*weights, devices_);
+      auto shards = UploadVocabShards(*weights, devices_, kernel_);
       if (!shards.ok()) return shards.status();
       heads = *std::move(shards);
     } else {
       for (int device : devices_) {
-        auto replica = UploadLmHead(*weights, device);
+        auto replica = UploadLmHead(*weights, device, kernel_);
         if (!replica.ok()) return replica.status();
         heads.push_back(*std::move(replica));
       }
@@ -306,6 +312,7 @@ class CudaBackend final : public LogpBackend {
   CudaBackend() = default;
 
   std::vector<int> devices_;
+  kernels::cuda::KernelKind kernel_ = kernels::cuda::KernelKind::kHopper;
   bool vocab_parallel_ = false;
   size_t next_slot_ = 0;
   BackendDescription description_;

@@ -12,7 +12,8 @@
 
 namespace detlogp::server {
 
-// UNAVAILABLE when the machine has no suitable GPU (sm_90).
+// UNAVAILABLE when the machine has no suitable GPU (compute capability >= 8.0,
+// or 9.0 with --logp_kernel=hopper); see cuda_device_selection.h.
 absl::StatusOr<std::unique_ptr<LogpBackend>> CreateCudaBackend(
     const BackendOptions& options);
 

@@ -66,8 +66,8 @@ absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CudaLmHead>> UploadLmHead(
-    const LmHeadWeights& weights, int device, int32_t first_split,
-    int32_t end_split) {
+    const LmHeadWeights& weights, int device, kernels::cuda::KernelKind kernel_kind,
+    int32_t first_split, int32_t end_split) {
   auto head = std::make_unique<CudaLmHead>();
   head->device = device;
   head->first_split = first_split;
@@ -100,6 +100,7 @@ absl::StatusOr<std::unique_ptr<CudaLmHead>> UploadLmHead(
   }
   kernels::cuda::LinearLogpCuda::Options options;
   options.device = device;
+  options.kernel = kernel_kind;
   options.weights.weight = head->weight.as<const __nv_bfloat16>();
   options.weights.bias =
       weights.bias.empty() ? nullptr : head->bias.as<const float>();

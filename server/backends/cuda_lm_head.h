@@ -47,10 +47,10 @@ class CudaModel final : public LogpModel {
 };
 
 // Uploads the rows of splits [first_split, end_split) of `weights` (all rows
-// when end_split is 0) to `device` and builds the kernel over them.
+// when end_split is 0) to `device` and builds `kernel` over them.
 absl::StatusOr<std::unique_ptr<CudaLmHead>> UploadLmHead(
-    const LmHeadWeights& weights, int device, int32_t first_split = 0,
-    int32_t end_split = 0);
+    const LmHeadWeights& weights, int device, kernels::cuda::KernelKind kernel,
+    int32_t first_split = 0, int32_t end_split = 0);
 
 }  // namespace detlogp::server
 

@@ -151,7 +151,8 @@ class VocabParallelExecutor final : public LogpExecutor {
     outputs.top_logprobs = device.top_logprobs;
     absl::Status combined = LinearLogpCuda::LaunchCombine(
         Partition(combine_partials_.as<void>(), rows, total_splits_, extras),
-        total_splits_, outputs, first.device, first.stream);
+        total_splits_, outputs, first.device, first.stream,
+        shards[0]->kernel->options().kernel);
     if (combined.ok()) {
       combined = CopyOutputsToHost(layout_, device, host_outputs_.as<void>(),
                                    rows, extras, first.stream);
@@ -265,7 +266,8 @@ class VocabParallelExecutor final : public LogpExecutor {
 }  // namespace
 
 absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
-    const LmHeadWeights& weights, const std::vector<int>& devices) {
+    const LmHeadWeights& weights, const std::vector<int>& devices,
+    kernels::cuda::KernelKind kernel) {
   const int32_t splits = kernels::NumVocabSplits(weights.vocab_size);
   const int shards = static_cast<int>(devices.size());
   if (shards < 1 || shards > splits) {
@@ -275,7 +277,7 @@ absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
   }
   std::vector<std::unique_ptr<CudaLmHead>> out;
   for (int g = 0; g < shards; ++g) {
-    auto shard = UploadLmHead(weights, devices[g], splits * g / shards,
+    auto shard = UploadLmHead(weights, devices[g], kernel, splits * g / shards,
                               splits * (g + 1) / shards);
     if (!shard.ok()) return shard.status();
     out.push_back(*std::move(shard));

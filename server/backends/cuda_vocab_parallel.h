@@ -18,8 +18,11 @@ namespace detlogp::server {
 
 // Cuts the splits of `weights` evenly over `devices` (in order) and uploads
 // each device's rows.
+// Every shard runs `kernel` (the GPUs are of one kind, see
+// cuda_device_selection.h); the fold runs that kernel's combine.
 absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
-    const LmHeadWeights& weights, const std::vector<int>& devices);
+    const LmHeadWeights& weights, const std::vector<int>& devices,
+    kernels::cuda::KernelKind kernel);
 
 // An executor that runs every batch on the shards of its CudaModel (one per
 // device of `devices`, in order), then combines on the first device.

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/kernel_kind.h"
 #include "kernels/cuda/projection_cuda.h"
 #include "kernels/projection.h"
 #include "server/backends/cuda_buffers.h"
@@ -99,11 +100,15 @@ class CudaProjectionBackend final : public ProjectionBackend {
     cudaDeviceProp props;
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&props, device),
                                  "cudaGetDeviceProperties");
-    if (props.major != 9) {
+    // Built for every GPU from Ampere on (PORTABLE_GENCODE).
+    if (props.major < 8) {
       return absl::UnavailableError(absl::StrCat(
           "cuda:", device, " is sm_", props.major, props.minor,
-          "; the projection kernel is built for sm_90a"));
+          "; the projection kernels need compute capability >= 8.0"));
     }
+    int driver_version = 0;
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaDriverGetVersion(&driver_version),
+                                 "cudaDriverGetVersion");
     std::unique_ptr<CudaProjectionBackend> backend(new CudaProjectionBackend());
     backend->device_ = device;
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
@@ -137,7 +142,15 @@ class CudaProjectionBackend final : public ProjectionBackend {
     backend->kernel_ = *std::move(kernel);
     backend->description_.name = "cuda";
     backend->description_.device = absl::StrCat("cuda:", device, " ", props.name);
-    backend->description_.instruction_set = "sm_90a";
+    // The cubin the driver loads, or JIT-compiled PTX and the driver's
+    // version (kernels/cuda/kernel_kind.h).
+    const int cubin = kernels::cuda::BestShippedSass(
+        props.major, props.minor, kernels::cuda::kPortableSassArchs);
+    backend->description_.instruction_set = kernels::cuda::PortableInstructionSet(
+        props.major, props.minor,
+        cubin != 0 ? cubin : props.major * 10 + props.minor,
+        kernels::cuda::kPortablePtxArch, driver_version,
+        kernels::cuda::kPortableSassArchs);
     backend->description_.kernel_version = kernels::ProjectionCuda::KernelVersion();
     backend->description_.preferred_inflight_batches = 2;
     return std::unique_ptr<ProjectionBackend>(std::move(backend));

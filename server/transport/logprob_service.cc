@@ -66,6 +66,7 @@ absl::Status LogProbServiceImpl::Submit(
   limits.vocab_size = (*version)->vocab_size;
   limits.max_request_rows = options_.max_request_rows;
   limits.max_top_k = options_.max_top_k;
+  limits.extras_unavailable = options_.extras_unavailable;
   auto rows = ValidateLogProbRequest(request, limits);
   if (!rows.ok()) return rows.status();
   response->set_request_id(request.request_id());

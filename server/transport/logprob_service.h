@@ -26,6 +26,9 @@ class LogProbServiceImpl final
     int64_t max_request_rows = 65536;
     // Largest top_k a request may ask for (<= kernels::kMaxTopK).
     int64_t max_top_k = 20;
+    // Non-empty: the backend computes no entropy or top-k, and why
+    // (requests asking for them get FAILED_PRECONDITION).
+    std::string extras_unavailable;
     // Requests read ahead on one stream before their answers are written;
     // reading stops (backpressure) beyond it.
     int max_stream_inflight_requests = 64;

@@ -123,6 +123,18 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
                      limits.vocab_size));
   }
   validated.top_k = static_cast<int32_t>(top_k);
+  // A well-formed request this server cannot answer (the portable CUDA
+  // kernel): refused, never silently answered without the extras.
+  if (!limits.extras_unavailable.empty()) {
+    if (validated.return_entropy) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("return_entropy: ", limits.extras_unavailable));
+    }
+    if (validated.top_k > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("top_k: ", limits.extras_unavailable));
+    }
+  }
   if (hidden.dtype() == detlogp::v1::DTYPE_BFLOAT16) {
     validated.hidden_bf16 = hidden.data().data();  // no copy
   } else {

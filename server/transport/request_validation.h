@@ -4,6 +4,7 @@
 #define DETLOGP_SERVER_TRANSPORT_REQUEST_VALIDATION_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -16,6 +17,9 @@ struct RequestLimits {
   int64_t vocab_size = 0;       // real vocabulary: targets must be below it
   int64_t max_request_rows = 0; // larger requests are refused
   int64_t max_top_k = 0;        // --max_top_k: larger top_k is refused
+  // Non-empty: the backend computes no entropy or top-k, and why
+  // (BackendDescription::extras_unavailable); asking for them is refused.
+  std::string extras_unavailable;
 };
 
 struct ValidatedRows {
@@ -31,7 +35,9 @@ struct ValidatedRows {
   int32_t top_k = 0;  // in [0, min(max_top_k, vocab_size)]
 };
 
-// INVALID_ARGUMENT naming the field for every malformed request.
+// INVALID_ARGUMENT naming the field for every malformed request;
+// FAILED_PRECONDITION naming return_entropy or top_k when the request asks
+// for extras the backend does not compute (limits.extras_unavailable).
 absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
     const detlogp::v1::LogProbRequest& request, const RequestLimits& limits);
 

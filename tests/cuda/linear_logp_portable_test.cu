@@ -52,7 +52,12 @@ TEST(LinearLogpPortableVersion, VersionAndInstructionSet) {
   EXPECT_STREQ(LinearLogpCuda::KernelVersion(), "sm90a-wgmma-v3");
   EXPECT_STREQ(hopper->kernel_version(), "sm90a-wgmma-v3");
   EXPECT_EQ(hopper->instruction_set(), "sm_90a");
-  EXPECT_EQ(portable->instruction_set(), "sm_90/mma.sync");
+  // The H200 loads the build's own sm_90 cubin (no JIT, no driver version).
+  EXPECT_EQ(portable->instruction_set(), "sm_90/sass_sm_90");
+  auto on_device = LinearLogpCuda::InstructionSetOn(KernelKind::kPortable, 0);
+  ASSERT_TRUE(on_device.ok()) << on_device.status();
+  EXPECT_EQ(*on_device, portable->instruction_set());
+  EXPECT_EQ(*LinearLogpCuda::InstructionSetOn(KernelKind::kHopper, 0), "sm_90a");
   EXPECT_EQ(portable->NumSplits(1), NumVocabSplits(65));
   EXPECT_EQ(portable->WorkspaceBytes(10), hopper->WorkspaceBytes(10));
 }
@@ -204,7 +209,8 @@ INSTANTIATE_TEST_SUITE_P(
              (c.unit_temperature ? "_T1" : "_Trand");
     });
 
-// LaunchSplits of the portable kernel, then the shared LaunchCombine, equals
+// LaunchSplits of the portable kernel, then its LaunchCombine (the combine
+// compiled with the portable kernel, KernelKind::kPortable), equals
 // Launch bit for bit; so do vocabulary shards of the portable kernel, their
 // partials assembled in ascending split order and folded once.
 TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
@@ -232,7 +238,8 @@ TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
     outputs.lse = lse.ptr;
     outputs.rows = n;
     ASSERT_TRUE(LinearLogpCuda::LaunchCombine(SplitPartials{part.ptr}, splits,
-                                              outputs, 0, nullptr)
+                                              outputs, 0, nullptr,
+                                              KernelKind::kPortable)
                     .ok());
     CUDA_OK(cudaDeviceSynchronize());
     const Result folded{z.ToHost(), lse.ToHost()};
@@ -294,7 +301,8 @@ TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
       out2.lse = lse2.ptr;
       out2.rows = n;
       ASSERT_TRUE(LinearLogpCuda::LaunchCombine(SplitPartials{all.ptr}, splits,
-                                                out2, 0, nullptr)
+                                                out2, 0, nullptr,
+                                                KernelKind::kPortable)
                       .ok());
       CUDA_OK(cudaDeviceSynchronize());
       EXPECT_EQ(0, std::memcmp(lp2.ToHost().data(), want.logprobs.data(), n * 4))

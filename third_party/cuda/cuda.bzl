@@ -2,13 +2,29 @@
 
 nvcc is called through its real path (readlink -f): through the
 /usr/local/cuda symlink it cannot find its own headers. Objects target
-sm_90a (wgmma, setmaxnreg, TMA).
+sm_90a (wgmma, setmaxnreg, TMA) unless a library names its own `gencode`
+(PORTABLE_GENCODE: every GPU from Ampere on).
 """
+
+# The Hopper kernels: wgmma, setmaxnreg and TMA exist on sm_90a alone.
+HOPPER_GENCODE = ["-gencode=arch=compute_90a,code=sm_90a"]
+
+# Code that uses nothing beyond sm_80 (mma.sync, ldmatrix, cp.async):
+# machine code for Ampere (sm_80, sm_86; sm_80's also runs on sm_87), Ada
+# (sm_89) and Hopper (sm_90), and compute_80 PTX that the driver JIT-compiles
+# on newer GPUs (sm_100, sm_120, ...). kernels/cuda/kernel_kind.h's
+# kPortableSassArchs must list the same machine code.
+PORTABLE_GENCODE = [
+    "-gencode=arch=compute_80,code=sm_80",
+    "-gencode=arch=compute_86,code=sm_86",
+    "-gencode=arch=compute_89,code=sm_89",
+    "-gencode=arch=compute_90,code=sm_90",
+    "-gencode=arch=compute_80,code=compute_80",
+]
 
 NVCC_FLAGS = [
     "-std=c++17",
     "-O3",
-    "-gencode=arch=compute_90a,code=sm_90a",
     "-Xcompiler=-fPIC",
     "-Xcompiler=-ffp-contract=off",
     # Warnings are errors: the host compiler's (as --copt=-Werror does for
@@ -21,7 +37,7 @@ NVCC_FLAGS = [
     "-I.",
 ]
 
-def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags = [], **kwargs):
+def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags = [], gencode = HOPPER_GENCODE, **kwargs):
     """A cc_library whose sources are .cu files compiled by nvcc.
 
     Args:
@@ -31,6 +47,8 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags
       textual_hdrs: every other header the .cu files include (labels).
       deps: cc_library deps for linking.
       nvcc_flags: extra nvcc flags.
+      gencode: the architectures to build for (HOPPER_GENCODE or
+        PORTABLE_GENCODE).
       **kwargs: passed to cc_library.
     """
     # ".lo": Bazel links it whole (alwayslink), so static registrations such
@@ -49,7 +67,7 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags
             "export TMPDIR=$$OBJDIR",
             "for src in %s; do $$NVCC %s --objdir-as-tempdir -c $$src -o $$OBJDIR/$$(basename $$src).o || exit 1; done" % (
                 " ".join(["$(location %s)" % s for s in srcs]),
-                " ".join(NVCC_FLAGS + nvcc_flags),
+                " ".join(NVCC_FLAGS + gencode + nvcc_flags),
             ),
             "$$NVCC -lib $$OBJDIR/*.o -o $@",
             "rm -rf $$OBJDIR",

@@ -11,13 +11,13 @@ mkdir -p "$OUT/lib"
 FLAGS="-std=c++17 -O3 $ARCH -I. -Xcompiler -fPIC -Xptxas -v"
 LIBS="$(absl_link_flags)"
 
-"$NVCC" $FLAGS -c kernels/cuda/linear_logp_cuda.cu -o "$OUT/linear_logp_cuda.o" 2> "$OUT/ptxas.log" || { cat "$OUT/ptxas.log"; exit 1; }
+LOGP_OBJS="$(linear_logp_objects "$OUT")"
 grep -E "registers|stack|C75" "$OUT/ptxas.log" || true
 "$NVCC" -std=c++17 -O3 $ARCH -I. -c tests/cuda/linear_logp_cuda_test.cu -o "$OUT/linear_logp_cuda_test.o"
-"$NVCC" $ARCH -o "$OUT/linear_logp_cuda_test" "$OUT/linear_logp_cuda_test.o" "$OUT/linear_logp_cuda.o" \
+"$NVCC" $ARCH -o "$OUT/linear_logp_cuda_test" "$OUT/linear_logp_cuda_test.o" $LOGP_OBJS \
   /usr/lib/x86_64-linux-gnu/libgtest_main.a /usr/lib/x86_64-linux-gnu/libgtest.a $LIBS -lpthread
 "$NVCC" $FLAGS -c tools/device/logp_bench_lib.cu -o "$OUT/logp_bench_lib.o" 2>/dev/null
-"$NVCC" $ARCH -shared -o "$OUT/liblogp_bench.so" "$OUT/logp_bench_lib.o" "$OUT/linear_logp_cuda.o" $LIBS
+"$NVCC" $ARCH -shared -o "$OUT/liblogp_bench.so" "$OUT/logp_bench_lib.o" $LOGP_OBJS $LIBS
 # SASS check; the device image has cuobjdump too, and run_logp.sh repeats it.
 if sass_check "$OUT/linear_logp_cuda.o" "$OUT/sass.txt"; then
   echo "HGMMA instructions in SASS: $(grep -c HGMMA "$OUT/sass.txt")"

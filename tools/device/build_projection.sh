@@ -14,7 +14,7 @@ FLAGS="-std=c++17 -O3 $ARCH -I. -Xptxas -v"
 LIBS="$(absl_link_flags)"
 GTEST="/usr/lib/x86_64-linux-gnu/libgtest_main.a /usr/lib/x86_64-linux-gnu/libgtest.a"
 
-"$NVCC" $FLAGS -c kernels/cuda/projection_cuda.cu -o "$OUT/projection_cuda.o" 2> "$OUT/ptxas.log" || { cat "$OUT/ptxas.log"; exit 1; }
+"$NVCC" ${FLAGS/$ARCH/$PORTABLE_ARCH} -c kernels/cuda/projection_cuda.cu -o "$OUT/projection_cuda.o" 2> "$OUT/ptxas.log" || { cat "$OUT/ptxas.log"; exit 1; }
 grep -E "Compiling|registers|spill" "$OUT/ptxas.log" | sed 's/_ZN7detlogp7kernels//' || true
 g++ -std=c++17 -O2 -I. -c kernels/projection.cc -o "$OUT/projection.o"
 g++ -std=c++17 -O2 -I. -c kernels/projection_grad.cc -o "$OUT/projection_grad.o"

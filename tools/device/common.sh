@@ -4,6 +4,22 @@
 # its own headers.
 NVCC="$(readlink -f /usr/local/cuda/bin/nvcc)"
 ARCH="-gencode=arch=compute_90a,code=sm_90a"
+# The portable linear-logp kernel and the H3 projection: every GPU from Ampere
+# on (third_party/cuda/cuda.bzl's PORTABLE_GENCODE).
+PORTABLE_ARCH="-gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_86,code=sm_86 -gencode=arch=compute_89,code=sm_89 -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_80,code=compute_80"
+
+# Compiles LinearLogpCuda's three objects into DIR as Bazel does: the launcher
+# and Hopper kernel (sm_90a), the portable kernel (PORTABLE_ARCH) and the
+# plain C++ kernel choice; ptxas' report goes to DIR/ptxas.log. Prints the
+# objects to link.
+linear_logp_objects() {
+  local dir=$1
+  local flags="-std=c++17 -O3 -I. -Xcompiler -fPIC -Xcompiler -ffp-contract=off -Xptxas -v"
+  "$NVCC" $flags $ARCH -c kernels/cuda/linear_logp_cuda.cu -o "$dir/linear_logp_cuda.o" 2> "$dir/ptxas.log" || { cat "$dir/ptxas.log" >&2; return 1; }
+  "$NVCC" $flags $PORTABLE_ARCH -c kernels/cuda/linear_logp_portable.cu -o "$dir/linear_logp_portable.o" 2>> "$dir/ptxas.log" || { cat "$dir/ptxas.log" >&2; return 1; }
+  g++ -std=c++17 -O2 -fPIC -ffp-contract=off -I. -c kernels/cuda/kernel_kind.cc -o "$dir/kernel_kind.o"
+  echo "$dir/linear_logp_cuda.o $dir/linear_logp_portable.o $dir/kernel_kind.o"
+}
 
 # -l flags for the abseil libraries the kernels' host code needs, keeping
 # only those this system has (Debian's split differs between versions).

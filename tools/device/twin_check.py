@@ -8,7 +8,7 @@ non-zero when any failed:
   twin_entropy   the same rows with return_entropy: detlogp.torch and
                  detlogp.ops on CUDA == the CUDA server's entropy (and its
                  logprobs and lse) bit for bit
-  twin_key       detlogp.ops.determinism_key(device="cuda") == the server's
+  twin_key       detlogp.ops.determinism_key(device="cuda:0") == the server's
   twin_h3        detlogp.torch.h3_projection on CUDA == the server's Project
                  (memcmp), and its CUDA gradients == the CPU kernels' bits
   grad_accuracy  chunked backward vs float64, beside PyTorch eager's error
@@ -162,7 +162,7 @@ def check_twin(args, workdir):
                f"entropy, logprobs and lse {'bit-equal to' if ok_e else 'DIFFER from'}"
                f" the CUDA server's (served entropy in [{want_e[2].min():.3f}, "
                f"{want_e[2].max():.3f}] nats{'' if finite else ', NOT finite/>= 0'})")
-        key = ops.determinism_key(weight, bias, V, device="cuda")
+        key = ops.determinism_key(weight, bias, V, device="cuda:0")
         report("twin_key", key == info.determinism_key,
                f"ops {key} vs server {info.determinism_key}")
         y = dtorch.h3_projection(x, proj_w, proj_b)

@@ -2,7 +2,7 @@
 
 The functions here run the server's own kernels, built as shared libraries
 with small C ABIs (kernels/capi/detlogp_ops.h for the CPU kernels,
-kernels/capi/detlogp_ops_cuda.h for the sm_90a ones):
+kernels/capi/detlogp_ops_cuda.h for the CUDA ones):
 
     linear_logp(hidden, weight, targets, ...)  log p(target) (and lse,
                                                entropy): the served bits
@@ -13,8 +13,10 @@ kernels/capi/detlogp_ops_cuda.h for the sm_90a ones):
 
 Numpy arrays (and CPU torch tensors) run the CPU kernels and give the CPU
 server's bits. CUDA arrays (torch tensors, or anything DLPack-capable such as
-cupy arrays, which go through torch.from_dlpack without a copy) run the sm_90a
-kernels on the current CUDA stream and give the CUDA server's bits; outputs
+cupy arrays, which go through torch.from_dlpack without a copy) run the CUDA
+kernels the server's --logp_kernel=auto picks for their GPU (the Hopper kernel
+on compute capability 9.0, the portable one on other GPUs >= 8.0) on the
+current CUDA stream and give the CUDA server's bits; outputs
 are allocated by PyTorch's caching allocator and the weight is never copied.
 For autograd, use detlogp.torch.
 
@@ -24,7 +26,8 @@ by `pip install ./client/python[ops]` with DETLOGP_BUILD_OPS=1, see
 client/python/README.md), else at bazel-bin/kernels/capi/ in the working
 directory or a folder above it (`bazel build //kernels/capi:all`). They are
 loaded on first use, so the package imports without them; asking for CUDA
-where the CUDA library, PyTorch or an sm_90 GPU is missing raises
+where the CUDA library, PyTorch or a GPU of compute capability >= 8.0 is
+missing raises
 RuntimeError naming what is missing.
 """
 import ctypes
@@ -48,7 +51,7 @@ _CUDA_LIBRARY_PATH = (pathlib.Path("bazel-bin") / "kernels" / "capi"
                       / "libdetlogp_ops_cuda.so")
 _PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
 _ABI_VERSION = 2
-_CUDA_ABI_VERSION = 2
+_CUDA_ABI_VERSION = 3
 H3_IN_DIM = 96
 H3_OUT_DIM = 5376
 _ERROR_LEN = 1024
@@ -174,6 +177,9 @@ _CUDA_SIGNATURES = {
     "detlogp_cuda_determinism_key": (ctypes.c_int, [
         _u16p, _i64, _i64, _f32p, _i64, ctypes.c_char_p, ctypes.c_size_t,
         ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_device_determinism_key": (ctypes.c_int, [
+        ctypes.c_int, _u16p, _i64, _i64, _f32p, _i64, ctypes.c_char_p,
+        ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]),
 }
 
 
@@ -806,9 +812,12 @@ def _check_projection_tensors(torch, x, weight, bias):
 
 def determinism_key(weight, bias=None, vocab_size=None, *, device=None):
     """The determinism key the server reports (ModelInfo.determinism_key) when
-    it serves these weights on `device`: "cpu" (default for host arrays) or
-    "cuda" (default for CUDA arrays; the key names the architecture, sm_90a,
-    not the GPU, and needs no GPU to compute). weight [V_pad, H] (float32
+    it serves these weights on `device`: "cpu" (default for host arrays),
+    "cuda:N" (the kernel GPU N runs: the Hopper kernel on compute capability
+    9.0, else the portable kernel, whose key names the GPU's compute
+    capability and loaded code; needs the GPU; the default for CUDA arrays,
+    with their GPU) or "cuda" (the Hopper kernel's key, sm_90a, which needs no
+    GPU to compute). weight [V_pad, H] (float32
     rounded to bf16, or bf16 / bf16 bits; CUDA tensors are copied to the host
     once to hash them), bias [V_pad] float32 or None, vocab_size (default all
     rows)."""
@@ -816,13 +825,23 @@ def determinism_key(weight, bias=None, vocab_size=None, *, device=None):
         else str(device).split(":")[0].lower() == "cuda"
     if device is not None and str(device).split(":")[0].lower() not in ("cpu", "cuda"):
         raise ValueError(f"detlogp.ops: device {device!r} is neither 'cpu' nor 'cuda'")
+    gpu = None  # the GPU whose kernel the key is for; None: the Hopper kernel
+    if cuda and device is not None and ":" in str(device):
+        gpu = int(str(device).split(":")[1])
+    elif cuda and device is None:
+        gpu = getattr(getattr(weight, "device", None), "index", None)
+        gpu = 0 if gpu is None else gpu
     weight_bits, bias32, padded, hidden_size, vocab_size = _head(weight, bias, vocab_size)
     lib = load_cuda_library() if cuda else load_library()
-    function = (lib.detlogp_cuda_determinism_key if cuda
-                else lib.detlogp_cpu_determinism_key)
     key = ctypes.create_string_buffer(_KEY_LEN)
     error = ctypes.create_string_buffer(_ERROR_LEN)
-    rc = function(_ptr(weight_bits, _u16p), padded, hidden_size, _ptr(bias32, _f32p),
-                  vocab_size, key, _KEY_LEN, error, _ERROR_LEN)
+    args = (_ptr(weight_bits, _u16p), padded, hidden_size, _ptr(bias32, _f32p),
+            vocab_size, key, _KEY_LEN, error, _ERROR_LEN)
+    if gpu is not None:
+        rc = lib.detlogp_cuda_device_determinism_key(gpu, *args)
+    elif cuda:
+        rc = lib.detlogp_cuda_determinism_key(*args)
+    else:
+        rc = lib.detlogp_cpu_determinism_key(*args)
     _raise(rc, error, "determinism_key")
     return key.value.decode()
