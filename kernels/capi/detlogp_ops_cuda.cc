@@ -15,12 +15,15 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/capi/capi_util.h"
 #include "kernels/cuda/kernel_kind.h"
+#include "kernels/cuda/linear_logp_backward_cuda.h"
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "kernels/cuda/projection_cuda.h"
 #include "kernels/projection.h"
 
 struct detlogp_cuda_lm_head {
   std::unique_ptr<detlogp::kernels::cuda::LinearLogpCuda> kernel;
+  // The linear-logp backward (Hopper only; null on other GPUs).
+  std::unique_ptr<detlogp::kernels::cuda::LinearLogpBackwardCuda> backward;
 };
 
 namespace {
@@ -32,7 +35,11 @@ using detlogp::kernels::kProjectionInDim;
 using detlogp::kernels::kProjectionMaxRows;
 using detlogp::kernels::kProjectionOutDim;
 using detlogp::kernels::ProjectionCuda;
+using detlogp::kernels::cuda::GradDtype;
+using detlogp::kernels::cuda::KernelKind;
+using detlogp::kernels::cuda::LinearLogpBackwardCuda;
 using detlogp::kernels::cuda::LinearLogpCuda;
+using detlogp::kernels::cuda::LinearLogpGradView;
 
 constexpr int64_t kTransposeBytes =
     static_cast<int64_t>(sizeof(float)) * kProjectionOutDim * kProjectionInDim;
@@ -116,6 +123,53 @@ std::string CheckDevicePointer(const void* p, const char* name,
   return "";
 }
 
+// The backward's view of a call; `bad` names the first bad argument.
+LinearLogpGradView GradView(const void* hidden, int64_t rows,
+                            const void* targets, int targets_are_int64,
+                            const float* temperatures, float temperature,
+                            const float* lse, const float* entropy,
+                            const float* grad_logprobs, const float* grad_lse,
+                            const float* grad_entropy, void* grad_hidden,
+                            int grad_hidden_bf16, void* grad_weight,
+                            int grad_weight_bf16, float* grad_bias,
+                            std::string* bad) {
+  LinearLogpGradView v;
+  v.hidden = static_cast<const __nv_bfloat16*>(hidden);
+  v.rows = rows;
+  if (targets_are_int64 != 0) {
+    v.targets64 = static_cast<const int64_t*>(targets);
+    if (!Aligned(targets, 8)) *bad = "targets: int64 but not 8-byte aligned";
+  } else {
+    v.targets = static_cast<const int32_t*>(targets);
+    if (!Aligned(targets, 4)) *bad = "targets: not 4-byte aligned";
+  }
+  v.temperatures = temperatures;
+  v.temperature = temperature;
+  v.lse = lse;
+  v.entropy = entropy;
+  v.grad_logprobs = grad_logprobs;
+  v.grad_lse = grad_lse;
+  v.grad_entropy = grad_entropy;
+  v.grad_hidden = grad_hidden;
+  v.grad_hidden_dtype =
+      grad_hidden_bf16 != 0 ? GradDtype::kBfloat16 : GradDtype::kFloat32;
+  v.grad_weight = grad_weight;
+  v.grad_weight_dtype =
+      grad_weight_bf16 != 0 ? GradDtype::kBfloat16 : GradDtype::kFloat32;
+  v.grad_bias = grad_bias;
+  return v;
+}
+
+std::string NoBackward(const detlogp_cuda_lm_head* head) {
+  if (head == nullptr) return "head: null pointer";
+  if (head->backward == nullptr) {
+    return absl::StrCat("device: the linear-logp backward kernel (",
+                        LinearLogpBackwardCuda::KernelVersion(),
+                        ") needs compute capability 9.0 (sm_90a)");
+  }
+  return "";
+}
+
 }  // namespace
 
 extern "C" {
@@ -165,6 +219,12 @@ int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
     if (!kernel.ok()) return FailStatus(kernel.status(), error, error_len);
     auto result = std::make_unique<detlogp_cuda_lm_head>();
     result->kernel = std::move(*kernel);
+    if (*kernel_kind == KernelKind::kHopper) {
+      auto backward =
+          LinearLogpBackwardCuda::Create({options.weights, options.device});
+      if (!backward.ok()) return FailStatus(backward.status(), error, error_len);
+      result->backward = std::move(*backward);
+    }
     *head = result.release();
     return 0;
   } catch (const std::exception& e) {
@@ -425,6 +485,41 @@ int detlogp_cuda_device_determinism_key(int device, const uint16_t* weight,
     return detlogp::capi::WriteDeterminismKey(cuda, weight, padded_vocab_size,
                                               hidden_size, bias, vocab_size,
                                               key, key_len, error, error_len);
+  } catch (const std::exception& e) {
+    return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
+  }
+}
+
+
+int64_t detlogp_cuda_linear_logp_backward_workspace_bytes(
+    const detlogp_cuda_lm_head* head, int64_t rows, int bf16_grad_hidden,
+    int grad_bias) {
+  if (!NoBackward(head).empty() || rows < 1) return -1;
+  return static_cast<int64_t>(head->backward->WorkspaceBytes(
+      rows, bf16_grad_hidden != 0, grad_bias != 0));
+}
+
+int detlogp_cuda_linear_logp_backward(
+    const detlogp_cuda_lm_head* head, const void* hidden, int64_t rows,
+    const void* targets, int targets_are_int64, const float* temperatures,
+    float temperature, const float* lse, const float* entropy,
+    const float* grad_logprobs, const float* grad_lse,
+    const float* grad_entropy, void* grad_hidden, int grad_hidden_bf16,
+    void* grad_weight, int grad_weight_bf16, float* grad_bias,
+    void* workspace, size_t workspace_bytes, void* stream, char* error,
+    size_t error_len) {
+  try {
+    ClearError(error, error_len);
+    std::string bad = NoBackward(head);
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    const LinearLogpGradView view = GradView(
+        hidden, rows, targets, targets_are_int64, temperatures, temperature,
+        lse, entropy, grad_logprobs, grad_lse, grad_entropy, grad_hidden,
+        grad_hidden_bf16, grad_weight, grad_weight_bf16, grad_bias, &bad);
+    if (!bad.empty()) return Fail(bad, error, error_len);
+    const absl::Status s = head->backward->Launch(
+        view, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+    return s.ok() ? 0 : FailStatus(s, error, error_len);
   } catch (const std::exception& e) {
     return Fail(absl::StrCat("internal error: ", e.what()), error, error_len);
   }

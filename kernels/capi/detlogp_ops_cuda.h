@@ -81,6 +81,37 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
                              void* workspace, size_t workspace_bytes,
                              void* stream, char* error, size_t error_len);
 
+/* The backward of detlogp_cuda_linear_logp (kernels/cuda/
+ * linear_logp_backward_cuda.h, issue #15; compute capability 9.0 only, a
+ * head made on another GPU answers with an error): for upstream gradients
+ * of logprobs, lse and entropy (each device fp32 [rows] or null: zero),
+ *   grad_hidden [rows, hidden_size]    bf16 when grad_hidden_bf16, else fp32
+ *   grad_weight [padded_vocab_size, hidden_size]  bf16 when
+ *               grad_weight_bf16 (rows <= 16384), else fp32
+ *   grad_bias   [padded_vocab_size] fp32
+ * each out or null (not computed; at least one). The logits are recomputed
+ * from the forward's saved `lse` (and `entropy`, needed with grad_entropy);
+ * `hidden`, `targets` and the temperature are the forward's. grad_hidden of
+ * a row depends only on that row and its upstream gradients; grad_weight
+ * and grad_bias are the same bits run to run. No atomics; nothing is
+ * allocated. STATUS: compiled, not yet run on a GPU (see
+ * docs/fused_backward.md). workspace: at least
+ * detlogp_cuda_linear_logp_backward_workspace_bytes(head, rows,
+ * grad_hidden_bf16 && grad_hidden, grad_bias != null), 256-byte aligned.
+ * -1 from the size query on a bad argument or a head without the backward. */
+int64_t detlogp_cuda_linear_logp_backward_workspace_bytes(
+    const detlogp_cuda_lm_head* head, int64_t rows, int bf16_grad_hidden,
+    int grad_bias);
+int detlogp_cuda_linear_logp_backward(
+    const detlogp_cuda_lm_head* head, const void* hidden, int64_t rows,
+    const void* targets, int targets_are_int64, const float* temperatures,
+    float temperature, const float* lse, const float* entropy,
+    const float* grad_logprobs, const float* grad_lse,
+    const float* grad_entropy, void* grad_hidden, int grad_hidden_bf16,
+    void* grad_weight, int grad_weight_bf16, float* grad_bias,
+    void* workspace, size_t workspace_bytes, void* stream, char* error,
+    size_t error_len);
+
 /* The H3 video input projection on the GPU (kernels/cuda/projection_cuda.h):
  * the same bits as the CPU ops and the server's Project, forward and
  * gradients. weight: device fp32 [5376, 96]; bias: device fp32 [5376] or

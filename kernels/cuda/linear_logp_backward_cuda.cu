@@ -118,24 +118,32 @@ struct WorkspaceLayout {
   size_t total = 0;
 };
 
-WorkspaceLayout LayoutFor(const LinearLogpGradView& g, int64_t hidden_size) {
+WorkspaceLayout LayoutFor(int64_t rows, int64_t hidden_size,
+                          bool bf16_grad_hidden, bool grad_bias) {
   const int64_t pass_rows =
-      std::min(g.rows, LinearLogpBackwardCuda::kMaxRowsPerPass);
+      std::min(rows, LinearLogpBackwardCuda::kMaxRowsPerPass);
   WorkspaceLayout l;
   size_t at = 0;
   l.grad = at;
   at += RoundUp256(static_cast<size_t>(pass_rows) * kb::kChunkCols * 2);
   l.hidden_acc = at;
-  if (g.grad_hidden != nullptr && g.grad_hidden_dtype == GradDtype::kBfloat16) {
+  if (bf16_grad_hidden) {
     at += RoundUp256(static_cast<size_t>(pass_rows) * hidden_size * 4);
   }
   l.bias_partial = at;
-  if (g.grad_bias != nullptr) {
+  if (grad_bias) {
     at += RoundUp256(static_cast<size_t>(CeilDiv(pass_rows, kb::kBiasSliceRows)) *
                      kb::kChunkCols * 4);
   }
   l.total = at;
   return l;
+}
+
+WorkspaceLayout LayoutFor(const LinearLogpGradView& g, int64_t hidden_size) {
+  return LayoutFor(g.rows, hidden_size,
+                   g.grad_hidden != nullptr &&
+                       g.grad_hidden_dtype == GradDtype::kBfloat16,
+                   g.grad_bias != nullptr);
 }
 
 template <class T>
@@ -228,6 +236,14 @@ LinearLogpBackwardCuda::Create(const Options& options) {
 size_t LinearLogpBackwardCuda::WorkspaceBytes(
     const LinearLogpGradView& grads) const {
   return LayoutFor(grads, options_.weights.hidden_size).total;
+}
+
+size_t LinearLogpBackwardCuda::WorkspaceBytes(int64_t rows,
+                                              bool bf16_grad_hidden,
+                                              bool grad_bias) const {
+  return LayoutFor(rows, options_.weights.hidden_size, bf16_grad_hidden,
+                   grad_bias)
+      .total;
 }
 
 absl::Status LinearLogpBackwardCuda::Validate(const LinearLogpGradView& g,

@@ -73,6 +73,10 @@ class LinearLogpBackwardCuda {
 
   // Device workspace Launch needs for `grads` (its rows and outputs).
   size_t WorkspaceBytes(const LinearLogpGradView& grads) const;
+  // The same from what it depends on: the rows, whether dhidden is asked
+  // for in bf16 (an fp32 accumulator) and whether dbias is asked for.
+  size_t WorkspaceBytes(int64_t rows, bool bf16_grad_hidden,
+                        bool grad_bias) const;
 
   // Enqueues the backward on `stream`. Everything is checked before the
   // first launch: an error status leaves the outputs untouched.

@@ -162,6 +162,12 @@ _CUDA_SIGNATURES = {
     "detlogp_cuda_linear_logp": (ctypes.c_int, [
         _vp, _vp, _i64, _vp, ctypes.c_int, _vp, ctypes.c_float, _vp, _vp, _vp, _vp,
         ctypes.c_size_t, _vp, ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_linear_logp_backward_workspace_bytes": (_i64, [
+        _vp, _i64, ctypes.c_int, ctypes.c_int]),
+    "detlogp_cuda_linear_logp_backward": (ctypes.c_int, [
+        _vp, _vp, _i64, _vp, ctypes.c_int, _vp, ctypes.c_float, _vp, _vp, _vp,
+        _vp, _vp, _vp, ctypes.c_int, _vp, ctypes.c_int, _vp, _vp, ctypes.c_size_t,
+        _vp, ctypes.c_char_p, ctypes.c_size_t]),
     "detlogp_cuda_h3_projection_forward_workspace_bytes": (_i64, []),
     "detlogp_cuda_h3_projection_forward": (ctypes.c_int, [
         _vp, _i64, _vp, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int, _vp,
@@ -475,6 +481,69 @@ def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
         _ERROR_LEN)
     _raise(rc, error, "linear_logp")
     return logprobs, lse, entropy
+
+
+def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
+                              bias=None, vocab_size=None, entropy=None,
+                              grad_logprobs=None, grad_lse=None, grad_entropy=None,
+                              need_hidden=True, need_weight=True, need_bias=False,
+                              weight_grad_dtype=None):
+    """The linear-logp backward on torch CUDA tensors (sm_90a only; issue
+    #15, not yet verified on a GPU: detlogp.torch still uses the chunked
+    backward). Inputs as cuda_linear_logp's, plus the forward's lse (and
+    entropy, needed with grad_entropy) and upstream gradients float32 [N] or
+    None (zero). Returns (grad_hidden in hidden's dtype, grad_weight in
+    weight_grad_dtype (default: weight's), grad_bias float32), each None when
+    not asked for. Runs on the current stream."""
+    torch = _torch()
+    lib = _cuda_lib if _cuda_lib is not None else load_cuda_library()
+    device = weight.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    vocab_size = weight.shape[0] if vocab_size is None else int(vocab_size)
+    rows = hidden.shape[0]
+    weight_grad_dtype = weight.dtype if weight_grad_dtype is None else weight_grad_dtype
+    for name, dtype in (("hidden", hidden.dtype), ("weight_grad_dtype", weight_grad_dtype)):
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"{name}: gradients are bf16 or float32, got {dtype}")
+    grad_hidden = (torch.empty((rows, weight.shape[1]), dtype=hidden.dtype,
+                               device=device) if need_hidden else None)
+    grad_weight = (torch.empty(tuple(weight.shape), dtype=weight_grad_dtype,
+                               device=device) if need_weight else None)
+    grad_bias = (torch.empty((weight.shape[0],), dtype=torch.float32, device=device)
+                 if need_bias else None)
+    if rows == 0 or not (need_hidden or need_weight or need_bias):
+        for g in (grad_hidden, grad_weight, grad_bias):
+            if g is not None:
+                g.zero_()
+        return grad_hidden, grad_weight, grad_bias
+    handle = _lm_heads.get(lib, weight, bias, vocab_size, index)
+    hidden_bf16 = 1 if need_hidden and hidden.dtype == torch.bfloat16 else 0
+    workspace_bytes = lib.detlogp_cuda_linear_logp_backward_workspace_bytes(
+        handle, rows, hidden_bf16, 1 if need_bias else 0)
+    if workspace_bytes < 0:
+        raise ValueError("detlogp.ops.linear_logp_backward: this GPU has no "
+                         "backward kernel (needs compute capability 9.0)")
+    workspace = torch.empty((max(int(workspace_bytes), 256),), dtype=torch.uint8,
+                            device=device)
+    if isinstance(temperatures, torch.Tensor):
+        temps_ptr, temperature = temperatures.data_ptr(), 1.0
+    else:
+        temps_ptr, temperature = None, float(temperatures)
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    error = _error_buffer()
+    rc = lib.detlogp_cuda_linear_logp_backward(
+        handle, hidden.data_ptr(), rows, targets.data_ptr(),
+        1 if targets.dtype == torch.int64 else 0, temps_ptr, temperature,
+        lse.data_ptr(), ptr(entropy), ptr(grad_logprobs), ptr(grad_lse),
+        ptr(grad_entropy), ptr(grad_hidden), hidden_bf16, ptr(grad_weight),
+        1 if weight_grad_dtype == torch.bfloat16 else 0, ptr(grad_bias),
+        workspace.data_ptr(), workspace.numel(),
+        torch.cuda.current_stream(index).cuda_stream, error, _ERROR_LEN)
+    _raise(rc, error, "linear_logp_backward")
+    return grad_hidden, grad_weight, grad_bias
 
 
 def cuda_h3_projection(x, weight, bias=None):
