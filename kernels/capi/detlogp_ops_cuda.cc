@@ -123,6 +123,16 @@ std::string CheckDevicePointer(const void* p, const char* name,
   return "";
 }
 
+// Empty when `targets` is aligned for its type (or null where allowed).
+std::string TargetsProblem(const void* targets, int targets_are_int64,
+                           bool required) {
+  if (targets == nullptr) return required ? "targets: null pointer" : "";
+  if (targets_are_int64 != 0) {
+    return Aligned(targets, 8) ? "" : "targets: int64 but not 8-byte aligned";
+  }
+  return Aligned(targets, 4) ? "" : "targets: not 4-byte aligned";
+}
+
 // The backward's view of a call; `bad` names the first bad argument.
 LinearLogpGradView GradView(const void* hidden, int64_t rows,
                             const void* targets, int targets_are_int64,
@@ -136,12 +146,11 @@ LinearLogpGradView GradView(const void* hidden, int64_t rows,
   LinearLogpGradView v;
   v.hidden = static_cast<const __nv_bfloat16*>(hidden);
   v.rows = rows;
+  *bad = TargetsProblem(targets, targets_are_int64, false);
   if (targets_are_int64 != 0) {
     v.targets64 = static_cast<const int64_t*>(targets);
-    if (!Aligned(targets, 8)) *bad = "targets: int64 but not 8-byte aligned";
   } else {
     v.targets = static_cast<const int32_t*>(targets);
-    if (!Aligned(targets, 4)) *bad = "targets: not 4-byte aligned";
   }
   v.temperatures = temperatures;
   v.temperature = temperature;
@@ -257,13 +266,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
     }
     if (rows == 0) return 0;
     std::string bad = CheckDevicePointer(hidden, "hidden", false);
-    if (bad.empty() && targets == nullptr) bad = "targets: null pointer";
-    if (bad.empty() && targets_are_int64 != 0 && !Aligned(targets, 8)) {
-      bad = "targets: int64 but not 8-byte aligned";
-    }
-    if (bad.empty() && targets_are_int64 == 0 && !Aligned(targets, 4)) {
-      bad = "targets: not 4-byte aligned";
-    }
+    if (bad.empty()) bad = TargetsProblem(targets, targets_are_int64, true);
     if (bad.empty() && temperatures == nullptr &&
         !(std::isfinite(temperature) && temperature > 0.0f)) {
       bad = absl::StrCat("temperature: must be finite and > 0, got ",

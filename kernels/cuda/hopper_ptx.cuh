@@ -58,6 +58,21 @@ __device__ __forceinline__ void MbarWait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Position in a ring of kStages shared-memory stages guarded by full/empty
+// mbarriers: the stage, and the parity of the barrier phase to wait on
+// (flips each time the ring wraps).
+template <int kStages>
+struct StageRing {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
 // ---------------------------------------------------------------- TMA
 __device__ __forceinline__ void PrefetchTensorMap(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_host.h"
 #include "kernels/cuda/linear_logp_backward_kernel.cuh"
 
 namespace detlogp::kernels::cuda {
@@ -17,27 +18,11 @@ namespace {
 
 namespace kb = ::detlogp::kernels::cuda::backward_v1;
 
-absl::Status CudaError(cudaError_t err, const char* what) {
-  return absl::InternalError(absl::StrCat("linear_logp_backward_cuda: ", what,
-                                          ": ", cudaGetErrorName(err), " (",
-                                          cudaGetErrorString(err), ")"));
-}
-
-#define DETLOGP_BWD_RETURN_IF_CUDA_ERROR(expr)  \
-  do {                                          \
-    const cudaError_t detlogp_err_ = (expr);    \
-    if (detlogp_err_ != cudaSuccess) {          \
-      return CudaError(detlogp_err_, #expr);    \
-    }                                           \
-  } while (0)
+constexpr char kCudaComponent[] = "linear_logp_backward_cuda";
 
 absl::Status Invalid(const char* field, const char* why) {
   return absl::InvalidArgumentError(
       absl::StrCat("linear_logp_backward_cuda: ", field, " ", why));
-}
-
-bool Aligned(const void* p, uintptr_t bytes) {
-  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 
 constexpr int64_t kMaxRows = int64_t{1} << 24;
@@ -45,31 +30,6 @@ constexpr int64_t kMaxRows = int64_t{1} << 24;
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 size_t RoundUp256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-// A 2-D bf16 tensor map (128-byte swizzle): `inner` contiguous elements per
-// row (rows `row_stride` elements apart), `outer` rows, boxes of
-// {box_inner, box_outer}.
-absl::Status EncodeBf16Map(PFN_cuTensorMapEncodeTiled_v12000 encode,
-                           CUtensorMap* map, const void* base, int64_t inner,
-                           int64_t outer, int64_t row_stride,
-                           uint32_t box_inner, uint32_t box_outer) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner),
-                              static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};
-  const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(
-      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
-      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return absl::InternalError(absl::StrCat(
-        "linear_logp_backward_cuda: cuTensorMapEncodeTiled failed: ",
-        static_cast<int>(r)));
-  }
-  return absl::OkStatus();
-}
 
 // A K-major operand map (boxes of {kBlockK, rows}) and an MN-major one
 // (boxes of {kMnBlock, kBlockK}) over the same matrix.
@@ -82,13 +42,15 @@ absl::Status EncodeOperand(PFN_cuTensorMapEncodeTiled_v12000 encode,
                            OperandMaps* maps, const void* base, int64_t inner,
                            int64_t outer, int64_t row_stride,
                            uint32_t k_major_box_rows) {
-  if (absl::Status s = EncodeBf16Map(encode, &maps->k_major, base, inner, outer,
-                                     row_stride, kb::kBlockK, k_major_box_rows);
+  if (absl::Status s = EncodeBf16TensorMap(
+          encode, kCudaComponent, &maps->k_major, base, inner, outer,
+          row_stride, kb::kBlockK, k_major_box_rows);
       !s.ok()) {
     return s;
   }
-  return EncodeBf16Map(encode, &maps->mn_major, base, inner, outer, row_stride,
-                       kb::kMnBlock, kb::kBlockK);
+  return EncodeBf16TensorMap(encode, kCudaComponent, &maps->mn_major, base,
+                             inner, outer, row_stride, kb::kMnBlock,
+                             kb::kBlockK);
 }
 
 // K1: A = hidden (K-major), B = W (K-major). K2: A = G (K-major), B = W
@@ -106,7 +68,7 @@ absl::Status EnqueueGemm(void (*kernel)(const CUtensorMap, const CUtensorMap,
   const int64_t blocks = CeilDiv(shape.m, kb::kBlockM) * shape.tiles_n;
   kernel<<<static_cast<unsigned>(blocks), kb::kThreads, kb::kSmemBytes,
            stream>>>(a, b, shape, epilogue);
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
 
@@ -183,15 +145,10 @@ LinearLogpBackwardCuda::Create(const Options& options) {
     return Invalid("weights.vocab_size",
                    "must be >= 1 and <= padded_vocab_size < 2^31 - 4096");
   }
-  int previous = 0;
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaGetDevice(&previous));
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaSetDevice(options.device));
-  struct Restore {
-    int device;
-    ~Restore() { (void)cudaSetDevice(device); }
-  } restore{previous};
+  DeviceGuard guard;
+  if (absl::Status s = guard.Enter(options.device); !s.ok()) return s;
   cudaDeviceProp prop;
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(
+  DETLOGP_CUDA_RETURN_IF_ERROR(
       cudaGetDeviceProperties(&prop, options.device));
   if (prop.major != 9 || prop.minor != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -203,26 +160,20 @@ LinearLogpBackwardCuda::Create(const Options& options) {
     return absl::FailedPreconditionError(
         "linear_logp_backward_cuda: not enough shared memory per block");
   }
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kGradLogitsGemm, cudaFuncAttributeMaxDynamicSharedMemorySize,
       kb::kSmemBytes));
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kHiddenGradGemm, cudaFuncAttributeMaxDynamicSharedMemorySize,
       kb::kSmemBytes));
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kWeightGradGemm, cudaFuncAttributeMaxDynamicSharedMemorySize,
       kb::kSmemBytes));
 
   auto impl = std::make_unique<Impl>();
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult query;
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaGetDriverEntryPointByVersion(
-      "cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &query));
-  if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return absl::FailedPreconditionError(
-        "linear_logp_backward_cuda: cuTensorMapEncodeTiled not available");
-  }
-  impl->encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  auto encode = TensorMapEncoder(kCudaComponent);
+  if (!encode.ok()) return encode.status();
+  impl->encode = *encode;
   if (absl::Status s = EncodeOperand(impl->encode, &impl->weight, w.weight,
                                      w.hidden_size, w.padded_vocab_size,
                                      w.hidden_size, kb::kBlockN);
@@ -337,13 +288,8 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
     }
   }
 
-  int previous = 0;
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaGetDevice(&previous));
-  DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaSetDevice(options_.device));
-  struct Restore {
-    int device;
-    ~Restore() { (void)cudaSetDevice(device); }
-  } restore{previous};
+  DeviceGuard guard;
+  if (absl::Status s = guard.Enter(options_.device); !s.ok()) return s;
 
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t r0 = pass * kMaxRowsPerPass;
@@ -434,7 +380,7 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
         kb::BiasFoldKernel<<<col_blocks, 256, 0, stream>>>(
             bias_partial, slices, width, pass > 0 ? 1 : 0,
             g.grad_bias + begin);
-        DETLOGP_BWD_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+        DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
     }
   }

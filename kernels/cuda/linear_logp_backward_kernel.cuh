@@ -92,16 +92,7 @@ struct RowsOutParams {
   int32_t accumulate;
 };
 
-struct Ring {
-  int stage;
-  uint32_t phase;
-  __device__ __forceinline__ void Advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
-};
+using Ring = ptx::StageRing<kStages>;
 
 // The accumulator fragment of m64n256: thread `lane` of warp `warp` holds
 // rows 16 * warp + lane / 4 (+ 8) and columns 8 * j + 2 * (lane % 4) (+ 1):
@@ -242,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     ptx::SetMaxNRegDec<kProducerRegs>();
     if (threadIdx.x != 0) return;
-    Ring ring{0, 0};
+    Ring ring;
     for (int kb = 0; kb < shape.k_blocks; ++kb) {
       const int k = kb * kBlockK;
       ptx::MbarWait(&empty[ring.stage], ring.phase ^ 1u);
@@ -279,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kBlockN / 2];
 #pragma unroll
   for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
-  Ring ring{0, 0};
+  Ring ring;
   int prev_stage = -1;
   for (int kb = 0; kb < shape.k_blocks; ++kb) {
     ptx::MbarWait(&full[ring.stage], ring.phase);

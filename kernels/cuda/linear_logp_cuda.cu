@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_host.h"
 #include "kernels/cuda/linear_logp_combine_kernel.cuh"
 #include "kernels/cuda/linear_logp_kernel.cuh"
 #include "kernels/cuda/linear_logp_portable.h"
@@ -38,44 +39,7 @@ constexpr int64_t kMaxRows = int64_t{1} << 24;
 constexpr int64_t kMaxHidden = 65536;
 constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1024;
 
-absl::Status CudaError(cudaError_t err, const char* what) {
-  return absl::InternalError(absl::StrCat("linear_logp_cuda: ", what, ": ",
-                                          cudaGetErrorName(err), " (",
-                                          cudaGetErrorString(err), ")"));
-}
-
-#define DETLOGP_CUDA_RETURN_IF_ERROR(expr)           \
-  do {                                               \
-    const cudaError_t detlogp_err_ = (expr);         \
-    if (detlogp_err_ != cudaSuccess) {               \
-      return CudaError(detlogp_err_, #expr);         \
-    }                                                \
-  } while (0)
-
-bool Aligned(const void* p, uintptr_t bytes) {
-  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
-}
-
-// Restores the calling thread's current device on scope exit.
-class DeviceGuard {
- public:
-  DeviceGuard() = default;
-  absl::Status Enter(int device) {
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&previous_));
-    if (previous_ != device) {
-      DETLOGP_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-      switched_ = true;
-    }
-    return absl::OkStatus();
-  }
-  ~DeviceGuard() {
-    if (switched_) (void)cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool switched_ = false;
-};
+constexpr char kCudaComponent[] = "linear_logp_cuda";
 
 // Throughput-tuned split (benchmarks only): splits of whole 256-wide tiles,
 // their count chosen to balance (row blocks x splits) items over the SMs.
@@ -106,25 +70,13 @@ int32_t ThroughputSplits(int64_t rows, int64_t vocab, int num_sms,
   return static_cast<int32_t>(best);
 }
 
+// The kernels' TMA maps: boxes of {kBlockK, box_outer} over a row-major
+// [outer, inner] bf16 matrix.
 absl::Status EncodeTiled(PFN_cuTensorMapEncodeTiled_v12000 encode,
                          CUtensorMap* map, const void* base, int64_t inner,
                          int64_t outer, uint32_t box_outer) {
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner),
-                              static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kv::kBlockK), box_outer};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(
-      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
-      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return absl::InternalError(
-        absl::StrCat("linear_logp_cuda: cuTensorMapEncodeTiled failed: ",
-                     static_cast<int>(r)));
-  }
-  return absl::OkStatus();
+  return EncodeBf16TensorMap(encode, kCudaComponent, map, base, inner, outer,
+                             inner, kv::kBlockK, box_outer);
 }
 
 absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
@@ -354,15 +306,9 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   impl->cc_minor = prop.minor;
   impl->instruction_set = kHopperInstructionSet;
 
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult query;
-  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
-      "cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &query));
-  if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return absl::FailedPreconditionError(
-        "linear_logp_cuda: cuTensorMapEncodeTiled not available");
-  }
-  impl->encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  auto encode = TensorMapEncoder(kCudaComponent);
+  if (!encode.ok()) return encode.status();
+  impl->encode = *encode;
   if (absl::Status s =
           EncodeTiled(impl->encode, &impl->weight_map, w.weight, w.hidden_size,
                       w.padded_vocab_size, kv::kChunkRows);

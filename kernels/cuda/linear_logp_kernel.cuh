@@ -366,16 +366,7 @@ struct ConsumerRows {
   int target[2];
 };
 
-struct Ring {
-  int stage;
-  uint32_t phase;
-  __device__ __forceinline__ void Advance() {
-    if (++stage == kStages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
-};
+using Ring = ptx::StageRing<kStages>;
 
 // Main loop over K for one vocabulary tile of width kW, then the online
 // softmax fold of the tile into `state`.
@@ -547,7 +538,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     ptx::SetMaxNRegDec<kProducerRegs>();
     if (threadIdx.x != 0) return;
-    Ring ring{0, 0};
+    Ring ring;
     for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
       int row_block, split;
       DecodeItem(p, item, row_block, split);
@@ -583,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   float acc[kBlockN / 2];
-  Ring ring{0, 0};
+  Ring ring;
   for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
     int row_block, split;
     DecodeItem(p, item, row_block, split);

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_host.h"
 #include "kernels/cuda/projection_forward_kernel.cuh"
 #include "kernels/cuda/projection_forward_wide_kernel.cuh"
 #include "kernels/cuda/projection_input_grad_kernel.cuh"
@@ -40,16 +41,7 @@ constexpr int64_t kDxChunks = kProjectionOutDim / kInputGradChunk;  // 42
 // leave SMs idle (same bits: every dW element keeps its own chain).
 constexpr int kDwKParts = 3;
 
-absl::Status CudaError(cudaError_t err, const char* what) {
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
-
-#define DETLOGP_CUDA_RETURN_IF_ERROR(expr)                 \
-  do {                                                     \
-    cudaError_t err_ = (expr);                             \
-    if (err_ != cudaSuccess) return CudaError(err_, #expr); \
-  } while (0)
+constexpr char kCudaComponent[] = "projection_cuda";
 
 // Makes `device` current for a scope, restoring the caller's device after.
 class DeviceScope {

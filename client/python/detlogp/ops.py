@@ -436,6 +436,14 @@ def _error_buffer():
     return buffer
 
 
+def _temperature_args(torch, temperatures):
+    """(device pointer or None, scalar) for the C ABI: a float32 [N] tensor
+    read in place, or one Python float for every row."""
+    if isinstance(temperatures, torch.Tensor):
+        return temperatures.data_ptr(), 1.0
+    return None, float(temperatures)
+
+
 def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
                      vocab_size=None, return_entropy=False):
     """The CUDA server's linear-logp on torch CUDA tensors, checked by the
@@ -467,10 +475,7 @@ def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
         handle, rows, 1 if return_entropy else 0)
     workspace = torch.empty((max(int(workspace_bytes), 16),), dtype=torch.uint8,
                             device=device)
-    if isinstance(temperatures, torch.Tensor):
-        temps_ptr, temperature = temperatures.data_ptr(), 1.0
-    else:
-        temps_ptr, temperature = None, float(temperatures)
+    temps_ptr, temperature = _temperature_args(torch, temperatures)
     error = _error_buffer()
     rc = lib.detlogp_cuda_linear_logp(
         handle, hidden.data_ptr(), rows, targets.data_ptr(),
@@ -525,10 +530,7 @@ def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
                          "backward kernel (needs compute capability 9.0)")
     workspace = torch.empty((max(int(workspace_bytes), 256),), dtype=torch.uint8,
                             device=device)
-    if isinstance(temperatures, torch.Tensor):
-        temps_ptr, temperature = temperatures.data_ptr(), 1.0
-    else:
-        temps_ptr, temperature = None, float(temperatures)
+    temps_ptr, temperature = _temperature_args(torch, temperatures)
 
     def ptr(t):
         return None if t is None else t.data_ptr()
