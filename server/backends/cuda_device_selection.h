@@ -1,6 +1,6 @@
 // Which GPUs the CUDA log-prob backend drives and which kernel they run: a
 // pure function of the visible GPUs, --device and --logp_kernel, so that the
-// rules are tested on the CPU (tests/cuda_device_selection_test.cc).
+// rules are tested on the CPU (tests/kernel_selection_test.cc).
 //
 // Rules:
 //   * Kernel: --logp_kernel=auto runs the Hopper kernel on compute capability
