@@ -436,6 +436,17 @@ def _error_buffer():
     return buffer
 
 
+def _cuda_call(weight, vocab_size):
+    """(torch, the CUDA library, weight's device, its index, the real
+    vocabulary) for a call on `weight`'s GPU."""
+    torch = _torch()
+    lib = _cuda_lib if _cuda_lib is not None else load_cuda_library()
+    device = weight.device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    vocab_size = weight.shape[0] if vocab_size is None else int(vocab_size)
+    return torch, lib, device, index, vocab_size
+
+
 def _temperature_args(torch, temperatures):
     """(device pointer or None, scalar) for the C ABI: a float32 [N] tensor
     read in place, or one Python float for every row."""
@@ -458,11 +469,7 @@ def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
     workspace come uninitialized from the caching allocator and nothing is
     filled, converted or copied (twin_check.py's overhead check counts the
     kernels)."""
-    torch = _torch()
-    lib = _cuda_lib if _cuda_lib is not None else load_cuda_library()
-    device = weight.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    vocab_size = weight.shape[0] if vocab_size is None else int(vocab_size)
+    torch, lib, device, index, vocab_size = _cuda_call(weight, vocab_size)
     rows = hidden.shape[0]
     logprobs = torch.empty((rows,), dtype=torch.float32, device=device)
     lse = torch.empty((rows,), dtype=torch.float32, device=device)
@@ -500,11 +507,7 @@ def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
     None (zero). Returns (grad_hidden in hidden's dtype, grad_weight in
     weight_grad_dtype (default: weight's), grad_bias float32), each None when
     not asked for. Runs on the current stream."""
-    torch = _torch()
-    lib = _cuda_lib if _cuda_lib is not None else load_cuda_library()
-    device = weight.device
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    vocab_size = weight.shape[0] if vocab_size is None else int(vocab_size)
+    torch, lib, device, index, vocab_size = _cuda_call(weight, vocab_size)
     rows = hidden.shape[0]
     weight_grad_dtype = weight.dtype if weight_grad_dtype is None else weight_grad_dtype
     for name, dtype in (("hidden", hidden.dtype), ("weight_grad_dtype", weight_grad_dtype)):
