@@ -33,6 +33,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/heap_retention.h"
 #include "client/invariance_check.h"
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
@@ -73,6 +74,11 @@ ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
           "project: MiB of Y at most waiting for SHA-256 (hashed on its own "
           "thread); past it the stream waits, and the wait is reported.");
+ABSL_FLAG(int64_t, heap_retain_mb, 256,
+          "MiB of freed memory malloc keeps for reuse at the top of each heap "
+          "instead of returning it to the OS (0: glibc's default, 128 KiB). "
+          "Received messages are freed whole; returned memory comes back as "
+          "page faults on the next message (docs/perf.md, session 5).");
 ABSL_FLAG(bool, hash_y, true,
           "project: SHA-256 Y's bits. --nohash_y measures the stream alone "
           "(y_sha256 prints as -; each chunk goes back to gRPC at once).");
@@ -517,6 +523,12 @@ int main(int argc, char** argv) {
   usage_config.contains_helppackage_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (absl::Status s = detlogp::client::RetainFreedHeapMemory(
+          absl::GetFlag(FLAGS_heap_retain_mb) * (int64_t{1} << 20));
+      !s.ok()) {
+    std::cerr << "--heap_retain_mb: " << s << "\n";
+    return 2;
+  }
   if (args.size() != 2) {
     std::cerr << "usage: " << kUsage << "\n";
     return 2;
