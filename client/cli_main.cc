@@ -16,6 +16,8 @@
 //       [--lm_head_tensor=lm_head.weight --bias_tensor= --vocab_size=0]
 //       [--targets=10.0.0.1:50051,10.0.0.2:50051] [--model_version=42]
 //   detlogp_cli unload --model=policy --model_version=3
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
@@ -33,6 +35,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/heap_retention.h"
 #include "client/invariance_check.h"
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
@@ -73,6 +76,11 @@ ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
           "project: MiB of Y at most waiting for SHA-256 (hashed on its own "
           "thread); past it the stream waits, and the wait is reported.");
+ABSL_FLAG(int64_t, heap_retain_mb, 256,
+          "MiB of freed memory malloc keeps for reuse at the top of each heap "
+          "instead of returning it to the OS (0: glibc's default, 128 KiB). "
+          "Received messages are freed whole; returned memory comes back as "
+          "page faults on the next message (docs/perf.md, session 5).");
 ABSL_FLAG(bool, hash_y, true,
           "project: SHA-256 Y's bits. --nohash_y measures the stream alone "
           "(y_sha256 prints as -; each chunk goes back to gRPC at once).");
@@ -326,11 +334,29 @@ class ChunkHasher {
   std::thread thread_;  // last: starts once the members above exist
 };
 
+// This process's CPU time (all threads) and minor page faults so far.
+struct ProcessUsage {
+  double cpu_seconds = 0;
+  int64_t minor_page_faults = 0;
+
+  static ProcessUsage Now() {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    auto secs = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+    return {secs(usage.ru_utime) + secs(usage.ru_stime), usage.ru_minflt};
+  }
+  ProcessUsage operator-(const ProcessUsage& o) const {
+    return {cpu_seconds - o.cpu_seconds, minor_page_faults - o.minor_page_faults};
+  }
+};
+
 // Prints the determinism key and the SHA-256 of Y's bits (the first two
 // lines, unchanged: tools/device/run_serve.sh compares them between a GPU
 // and a CPU server), then the time of the whole call and, separately, the
 // stream's (request sent until the last chunk arrived; hashing runs beside
-// it) and SHA-256's. Every timing line holds the word "seconds".
+// it) and SHA-256's, and last the CLI's own CPU time and minor page faults
+// per GB of Y (received bytes landing on fresh pages show up there; see
+// --heap_retain_mb). Every timing line holds the word "seconds".
 int Project() {
   auto client = Connect();
   if (!client.ok()) return Fail(client.status());
@@ -342,6 +368,7 @@ int Project() {
   ChunkHasher hasher(static_cast<size_t>(backlog_mb) << 20);
   const bool hash_y = absl::GetFlag(FLAGS_hash_y);
   absl::Duration first_chunk = absl::InfiniteDuration();
+  const ProcessUsage usage_before = ProcessUsage::Now();
   const absl::Time start = absl::Now();
   LogpClient::ProjectOptions options;
   options.rows_per_chunk = absl::GetFlag(FLAGS_rows_per_chunk);
@@ -355,6 +382,7 @@ int Project() {
   const double transfer = absl::ToDoubleSeconds(absl::Now() - start);
   const std::string y_sha256 = hash_y ? hasher.Finish() : "-";
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  const ProcessUsage usage = ProcessUsage::Now() - usage_before;
   if (!result.ok()) return Fail(result.status());
   const double output_bytes = rows * 5376.0 * 4;
   const double hashing = absl::ToDoubleSeconds(hasher.hashing());
@@ -370,6 +398,9 @@ int Project() {
               absl::ToDoubleSeconds(hasher.waited()));
   std::printf("sha256 seconds %.3f GB/s %.2f after_transfer_seconds %.3f\n", hashing,
               hashing > 0 ? hasher.bytes() / hashing / 1e9 : 0.0, seconds - transfer);
+  std::printf("client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f\n",
+              usage.cpu_seconds, static_cast<long long>(usage.minor_page_faults),
+              output_bytes > 0 ? usage.minor_page_faults / (output_bytes / 1e9) : 0.0);
   return 0;
 }
 
@@ -517,6 +548,12 @@ int main(int argc, char** argv) {
   usage_config.contains_helppackage_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (absl::Status s = detlogp::client::RetainFreedHeapMemory(
+          absl::GetFlag(FLAGS_heap_retain_mb) * (int64_t{1} << 20));
+      !s.ok()) {
+    std::cerr << "--heap_retain_mb: " << s << "\n";
+    return 2;
+  }
   if (args.size() != 2) {
     std::cerr << "usage: " << kUsage << "\n";
     return 2;

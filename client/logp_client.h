@@ -150,6 +150,10 @@ class LogpClient {
   // DATA_LOSS naming the field and the stream is cancelled), copied once to
   // `options.y` when set, then handed to `on_chunk`, which may keep it by
   // moving it out (no copy; the slices are reference-counted).
+  // A program streaming many large chunks should call
+  // RetainFreedHeapMemory (client/heap_retention.h) once in main: with
+  // glibc's defaults each chunk's freed receive buffers go back to the OS
+  // and the next chunk is received into freshly faulted pages.
   struct ProjectOptions {
     // Rows per response message; 0 lets the server choose.
     int64_t rows_per_chunk = 0;

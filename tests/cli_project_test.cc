@@ -111,7 +111,7 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
         " --rows_per_chunk=200 --seed=", seed, backlog));
     ASSERT_EQ(code, 0) << out;
     const std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
-    ASSERT_EQ(lines.size(), 5u) << out;
+    ASSERT_EQ(lines.size(), 6u) << out;
     EXPECT_EQ(lines[0], want_key);
     EXPECT_EQ(lines[1], want_sha);
     // run_serve.sh drops the lines holding "seconds" and compares the rest.
@@ -137,6 +137,12 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_EQ(sha[1], "seconds");
     EXPECT_GT(std::stod(sha[2]), 0.0);
     EXPECT_EQ(sha[3], "GB/s");
+    const std::vector<std::string> usage = Words(lines[5]);
+    ASSERT_EQ(usage.size(), 7u) << lines[5];
+    EXPECT_EQ(usage[0], "client");
+    EXPECT_EQ(usage[1], "cpu_seconds");
+    EXPECT_GT(std::stod(usage[2]), 0.0);
+    EXPECT_EQ(usage[3], "minor_page_faults");
     // The whole call outlasts the stream, which outlasts its first chunk.
     EXPECT_GE(std::stod(total[5]), std::stod(transfer[2]));
     EXPECT_GE(std::stod(transfer[2]), std::stod(transfer[6]));
@@ -148,7 +154,7 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
                                          " --rows_per_chunk=200 --nohash_y --seed=", seed));
   ASSERT_EQ(code, 0) << out;
   const std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
-  ASSERT_EQ(lines.size(), 5u) << out;
+  ASSERT_EQ(lines.size(), 6u) << out;
   EXPECT_EQ(lines[0], want_key);
   EXPECT_EQ(lines[1], "y_sha256 -");
   EXPECT_EQ(Words(lines[3])[0], "transfer");

@@ -4,8 +4,15 @@
 // writes, gRPC, the reader). Reports GB/s of Y per rows_per_chunk for one
 // stream and for several at once, and where each server stream's time went.
 //
-//   bazel run --config=nocuda //tools/bench:projection_stream --
-//     --rows=364608 --chunks=256,512,1024,2048 --streams=4 --reader=proto
+//   bazel build //tools/bench:projection_stream
+//   bazel-bin/tools/bench/projection_stream --reader=client --rows=364608
+//     --chunks=256,512,1024,2048 --streams=4 --concurrent_chunks=256,512,1024,2048
+//
+// Each setting runs --repeats times (a fresh connection each); the median
+// run's GB/s is reported with the process's CPU seconds and minor page
+// faults per GB moved (client and server share the process) and the
+// server's StreamTimings. --heap_retain_mb is detlogp_cli's flag of the same
+// name (client/heap_retention.h); 0 gives glibc's default for a before/after.
 //
 // --reader=proto parses every chunk into a ProjectResponse (what
 // LogpClient::Project did before the raw read path); --reader=raw keeps
@@ -18,6 +25,9 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/sync_stream.h>
 
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -28,11 +38,14 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/heap_retention.h"
 #include "client/logp_client.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "kernels/projection.h"
@@ -43,7 +56,12 @@
 ABSL_FLAG(int64_t, rows, 364608, "Rows of X per stream (one H3 video).");
 ABSL_FLAG(std::string, chunks, "256,512,1024,2048", "rows_per_chunk values.");
 ABSL_FLAG(int, streams, 4, "Streams at once for the concurrent run (0: skip).");
-ABSL_FLAG(int64_t, concurrent_chunk, 512, "rows_per_chunk of the concurrent run.");
+ABSL_FLAG(std::string, concurrent_chunks, "512",
+          "rows_per_chunk values of the concurrent runs.");
+ABSL_FLAG(int, repeats, 3, "Runs per setting; the median is reported.");
+ABSL_FLAG(int64_t, heap_retain_mb, 256,
+          "client::RetainFreedHeapMemory in MiB, as detlogp_cli's flag "
+          "(0: glibc's default: freed receive buffers go back to the OS).");
 ABSL_FLAG(std::string, reader, "proto",
           "proto, raw or client (see the file comment).");
 ABSL_FLAG(bool, client_copy_y, false,
@@ -187,6 +205,64 @@ StreamResult RunStream(const std::shared_ptr<grpc::Channel>& channel,
   return result;
 }
 
+// Comma-separated positive rows_per_chunk values; exits on a bad one.
+std::vector<int64_t> ChunkList(const std::string& text) {
+  std::vector<int64_t> values;
+  for (absl::string_view s : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(s, &v) || v <= 0) {
+      std::fprintf(stderr, "bad rows_per_chunk list: %s\n", text.c_str());
+      std::exit(2);
+    }
+    values.push_back(v);
+  }
+  return values;
+}
+
+// Wall time, CPU time and minor page faults of the whole process (server
+// and client share it): faults per GB say how many received bytes landed
+// on fresh pages.
+struct ProcessCounters {
+  double seconds = 0;
+  double cpu_seconds = 0;
+  int64_t page_faults = 0;
+
+  static ProcessCounters Now() {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    auto secs = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+    return {absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()),
+            secs(usage.ru_utime) + secs(usage.ru_stime), usage.ru_minflt};
+  }
+  ProcessCounters operator-(const ProcessCounters& o) const {
+    return {seconds - o.seconds, cpu_seconds - o.cpu_seconds, page_faults - o.page_faults};
+  }
+};
+
+struct RunStats {
+  double gb_per_s = 0;
+  double cpu_s_per_gb = 0;
+  double page_faults_per_gb = 0;
+  std::string server;  // the service's StreamTimings, summed over streams
+};
+
+// "1 stream(s), rows_per_chunk 2048: median 1.52 GB/s (1.41 1.52 1.60), ..."
+// with the median run's CPU, faults and server timings.
+std::string Summary(int streams, int64_t chunk, std::vector<RunStats> runs) {
+  std::string all;
+  for (const RunStats& r : runs) absl::StrAppend(&all, all.empty() ? "" : " ",
+                                                 absl::StrFormat("%.2f", r.gb_per_s));
+  std::sort(runs.begin(), runs.end(), [](const RunStats& a, const RunStats& b) {
+    return a.gb_per_s < b.gb_per_s;
+  });
+  const RunStats& median = runs[runs.size() / 2];
+  return absl::StrFormat(
+      "%d stream(s), rows_per_chunk %5d: median %.2f GB/s in total (runs %s); "
+      "CPU s/GB %.2f, page faults/GB %.0f (a GB is %.0f pages)\n  %s",
+      streams, chunk, median.gb_per_s, all, median.cpu_s_per_gb,
+      median.page_faults_per_gb, 1e9 / 4096, median.server);
+}
+
 // name=value,... of integer channel arguments.
 std::vector<std::pair<std::string, int>> IntArgs(const std::string& text) {
   std::vector<std::pair<std::string, int>> args;
@@ -264,17 +340,19 @@ int Main() {
     return 2;
   }
   const bool raw = reader == Reader::kRaw;
-  std::vector<int64_t> chunk_sizes;
-  for (absl::string_view s : absl::StrSplit(absl::GetFlag(FLAGS_chunks), ',')) {
-    int64_t v = 0;
-    if (!absl::SimpleAtoi(s, &v) || v <= 0) {
-      std::fprintf(stderr, "bad --chunks\n");
-      return 2;
-    }
-    chunk_sizes.push_back(v);
-  }
-  int64_t max_chunk = absl::GetFlag(FLAGS_concurrent_chunk);
+  const std::vector<int64_t> chunk_sizes = ChunkList(absl::GetFlag(FLAGS_chunks));
+  const std::vector<int64_t> concurrent_chunks =
+      ChunkList(absl::GetFlag(FLAGS_concurrent_chunks));
+  int64_t max_chunk = 1;
   for (int64_t c : chunk_sizes) max_chunk = std::max(max_chunk, c);
+  for (int64_t c : concurrent_chunks) max_chunk = std::max(max_chunk, c);
+  const int repeats = std::max(1, absl::GetFlag(FLAGS_repeats));
+  if (absl::Status s = client::RetainFreedHeapMemory(
+          absl::GetFlag(FLAGS_heap_retain_mb) * (int64_t{1} << 20));
+      !s.ok()) {
+    std::fprintf(stderr, "--heap_retain_mb: %s\n", s.ToString().c_str());
+    return 2;
+  }
 
   InstantProjectionBackend backend;
   server::ProjectionScheduler::Options scheduler_options;
@@ -313,57 +391,60 @@ int Main() {
   request.mutable_x()->set_data(x.data(), x.size() * sizeof(float));
   const double output_gb = rows * kProjectionOutDim * 4.0 / 1e9;
 
-  std::printf("rows %lld (%.2f GB of Y per stream), reader %s%s\n",
+  std::printf("rows %lld (%.2f GB of Y per stream), reader %s%s, heap_retain_mb %lld, "
+              "median of %d runs\n",
               static_cast<long long>(rows), output_gb,
               absl::GetFlag(FLAGS_reader).c_str(),
               reader == Reader::kClient && absl::GetFlag(FLAGS_client_copy_y)
                   ? " (one copy of y)"
-                  : "");
-  for (int64_t chunk : chunk_sizes) {
+                  : "",
+              static_cast<long long>(absl::GetFlag(FLAGS_heap_retain_mb)), repeats);
+  // `streams` streams at once, each a connection of its own; GB/s in total.
+  auto run_streams = [&](int streams, int64_t chunk) -> absl::StatusOr<RunStats> {
     request.set_rows_per_chunk(chunk);
-    const StreamResult r =
-        reader == Reader::kClient
-            ? RunClientStream(target, x, rows, chunk)
-            : RunStream(NewChannel(target, 0), request.SerializeAsString(), rows, chunk,
-                        raw);
-    if (!r.ok) {
-      std::printf("rows_per_chunk %lld failed: %s\n", static_cast<long long>(chunk),
-                  r.error.c_str());
-      return 1;
-    }
-    absl::SleepFor(absl::Milliseconds(50));  // the stream's timings arrive in OnDone
-    std::printf("one stream, rows_per_chunk %5lld: %.3f s, %.2f GB/s\n  %s\n",
-                static_cast<long long>(chunk), r.seconds, output_gb / r.seconds,
-                timings.Take().c_str());
-    std::fflush(stdout);
-  }
-  const int streams = absl::GetFlag(FLAGS_streams);
-  if (streams > 0) {
-    request.set_rows_per_chunk(absl::GetFlag(FLAGS_concurrent_chunk));
     const std::string bytes = request.SerializeAsString();
     std::vector<StreamResult> results(streams);
     std::vector<std::thread> threads;
-    const absl::Time start = absl::Now();
+    const ProcessCounters before = ProcessCounters::Now();
     for (int i = 0; i < streams; ++i) {
       threads.emplace_back([&, i] {
-        const int64_t chunk = absl::GetFlag(FLAGS_concurrent_chunk);
         results[i] = reader == Reader::kClient
                          ? RunClientStream(target, x, rows, chunk)
-                         : RunStream(NewChannel(target, i + 1), bytes, rows, chunk, raw);
+                         : RunStream(NewChannel(target, i), bytes, rows, chunk, raw);
       });
     }
     for (auto& t : threads) t.join();
-    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-    absl::SleepFor(absl::Milliseconds(50));
+    const ProcessCounters used = ProcessCounters::Now() - before;
     for (const StreamResult& r : results) {
-      if (!r.ok) {
-        std::printf("concurrent stream failed: %s\n", r.error.c_str());
-        return 1;
-      }
+      if (!r.ok) return absl::InternalError(r.error);
     }
-    std::printf("%d streams, rows_per_chunk %lld: %.3f s, %.2f GB/s in total\n  %s\n",
-                streams, static_cast<long long>(absl::GetFlag(FLAGS_concurrent_chunk)),
-                seconds, streams * output_gb / seconds, timings.Take().c_str());
+    const double gb = streams * output_gb;
+    RunStats stats;
+    stats.gb_per_s = gb / used.seconds;
+    stats.cpu_s_per_gb = used.cpu_seconds / gb;
+    stats.page_faults_per_gb = static_cast<double>(used.page_faults) / gb;
+    absl::SleepFor(absl::Milliseconds(50));  // the streams' timings arrive in OnDone
+    stats.server = timings.Take();
+    return stats;
+  };
+  auto measure = [&](int streams, int64_t chunk) {
+    std::vector<RunStats> runs;
+    for (int i = 0; i < repeats; ++i) {
+      absl::StatusOr<RunStats> run = run_streams(streams, chunk);
+      if (!run.ok()) {
+        std::printf("%d stream(s), rows_per_chunk %lld failed: %s\n", streams,
+                    static_cast<long long>(chunk), run.status().ToString().c_str());
+        std::exit(1);
+      }
+      runs.push_back(*std::move(run));
+    }
+    std::printf("%s\n", Summary(streams, chunk, runs).c_str());
+    std::fflush(stdout);
+  };
+  for (int64_t chunk : chunk_sizes) measure(1, chunk);
+  const int streams = absl::GetFlag(FLAGS_streams);
+  if (streams > 0) {
+    for (int64_t chunk : concurrent_chunks) measure(streams, chunk);
   }
   server->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   scheduler->Stop();

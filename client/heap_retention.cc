@@ -1,0 +1,29 @@
+#include "client/heap_retention.h"
+
+#include <malloc.h>
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace detlogp::client {
+
+absl::Status RetainFreedHeapMemory(int64_t bytes) {
+  if (bytes < 0 || bytes > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "heap retention: ", bytes, " bytes is outside [0, ",
+        std::numeric_limits<int>::max(), "]"));
+  }
+  if (bytes == 0) return absl::OkStatus();
+  // mallopt returns 1 on success. Setting the trim threshold also freezes
+  // glibc's mmap threshold at its default (128 KiB): blocks that large are
+  // still mapped and unmapped one by one, which is fine here (gRPC's receive
+  // slices are 64 KiB; the large buffers of a stream are reused).
+  if (mallopt(M_TRIM_THRESHOLD, static_cast<int>(bytes)) != 1) {
+    return absl::InternalError(
+        absl::StrCat("heap retention: mallopt(M_TRIM_THRESHOLD, ", bytes, ") failed"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace detlogp::client
