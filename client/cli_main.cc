@@ -16,8 +16,6 @@
 //       [--lm_head_tensor=lm_head.weight --bias_tensor= --vocab_size=0]
 //       [--targets=10.0.0.1:50051,10.0.0.2:50051] [--model_version=42]
 //   detlogp_cli unload --model=policy --model_version=3
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
@@ -36,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/heap_retention.h"
+#include "client/process_usage.h"
 #include "client/invariance_check.h"
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
@@ -118,6 +117,7 @@ namespace {
 
 using detlogp::client::LogpClient;
 using detlogp::client::ModelRepositoryClient;
+using detlogp::client::ProcessUsage;
 
 std::string FirstLine(const std::string& path) {
   std::string line;
@@ -332,22 +332,6 @@ class ChunkHasher {
   int64_t bytes_ = 0;
   std::string hex_;
   std::thread thread_;  // last: starts once the members above exist
-};
-
-// This process's CPU time (all threads) and minor page faults so far.
-struct ProcessUsage {
-  double cpu_seconds = 0;
-  int64_t minor_page_faults = 0;
-
-  static ProcessUsage Now() {
-    rusage usage{};
-    getrusage(RUSAGE_SELF, &usage);
-    auto secs = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
-    return {secs(usage.ru_utime) + secs(usage.ru_stime), usage.ru_minflt};
-  }
-  ProcessUsage operator-(const ProcessUsage& o) const {
-    return {cpu_seconds - o.cpu_seconds, minor_page_faults - o.minor_page_faults};
-  }
 };
 
 // Prints the determinism key and the SHA-256 of Y's bits (the first two

@@ -25,7 +25,6 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/sync_stream.h>
 
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +45,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/heap_retention.h"
+#include "client/process_usage.h"
 #include "client/logp_client.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "kernels/projection.h"
@@ -224,18 +224,14 @@ std::vector<int64_t> ChunkList(const std::string& text) {
 // on fresh pages.
 struct ProcessCounters {
   double seconds = 0;
-  double cpu_seconds = 0;
-  int64_t page_faults = 0;
+  client::ProcessUsage usage;
 
   static ProcessCounters Now() {
-    rusage usage{};
-    getrusage(RUSAGE_SELF, &usage);
-    auto secs = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
     return {absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()),
-            secs(usage.ru_utime) + secs(usage.ru_stime), usage.ru_minflt};
+            client::ProcessUsage::Now()};
   }
   ProcessCounters operator-(const ProcessCounters& o) const {
-    return {seconds - o.seconds, cpu_seconds - o.cpu_seconds, page_faults - o.page_faults};
+    return {seconds - o.seconds, usage - o.usage};
   }
 };
 
@@ -421,8 +417,8 @@ int Main() {
     const double gb = streams * output_gb;
     RunStats stats;
     stats.gb_per_s = gb / used.seconds;
-    stats.cpu_s_per_gb = used.cpu_seconds / gb;
-    stats.page_faults_per_gb = static_cast<double>(used.page_faults) / gb;
+    stats.cpu_s_per_gb = used.usage.cpu_seconds / gb;
+    stats.page_faults_per_gb = static_cast<double>(used.usage.minor_page_faults) / gb;
     absl::SleepFor(absl::Milliseconds(50));  // the streams' timings arrive in OnDone
     stats.server = timings.Take();
     return stats;
