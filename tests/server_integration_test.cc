@@ -10,6 +10,7 @@
 #include <functional>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "client/invariance_check.h"
@@ -275,6 +276,21 @@ double MetricValue(const std::string& text, const std::string& series) {
   const size_t at = text.find("\n" + series + " ");
   if (at == std::string::npos) return -1;
   return std::stod(text.substr(at + series.size() + 2));
+}
+
+// --logp_kernel names a CUDA kernel: a server that would serve from the CPU
+// instead (no GPU, or --device=cpu) refuses to start.
+TEST(ServerLifecycleTest, ForcedKernelNeverFallsBackToTheCpu) {
+  for (const char* device : {"--device=cpu", "--device=auto"}) {
+    auto forced = ServerProcess::Start({device, "--logp_kernel=portable"}, 60);
+    if (forced.ok() && absl::StrContains((*forced)->Log(), "backend cuda")) {
+      continue;  // a GPU machine: --device=auto may really run the kernel
+    }
+    ASSERT_FALSE(forced.ok()) << device;
+    EXPECT_TRUE(absl::StrContains(forced.status().message(),
+                                  "--logp_kernel=portable chooses a CUDA kernel"))
+        << forced.status();
+  }
 }
 
 TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
