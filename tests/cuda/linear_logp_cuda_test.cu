@@ -32,19 +32,6 @@ std::unique_ptr<LinearLogpCuda> MakeKernel(
 }
 
 // ------------------------------------------------------------------ tests
-class FullVocabTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    if (!HaveSm90()) return;
-    weights_ = MakeWeights(4096, 151936, 152064, /*bias=*/true).release();
-  }
-  static void TearDownTestSuite() {
-    delete weights_;
-    weights_ = nullptr;
-  }
-  static Weights* weights_;
-};
-Weights* FullVocabTest::weights_ = nullptr;
 
 TEST(LinearLogpCudaVersion, HasVersion) {
   REQUIRE_SM90();

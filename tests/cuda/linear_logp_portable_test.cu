@@ -62,19 +62,8 @@ TEST(LinearLogpPortableVersion, VersionAndInstructionSet) {
   EXPECT_EQ(portable->WorkspaceBytes(10), hopper->WorkspaceBytes(10));
 }
 
-class PortableFullVocabTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    if (!HaveSm90()) return;
-    weights_ = MakeWeights(4096, 151936, 152064, /*bias=*/true).release();
-  }
-  static void TearDownTestSuite() {
-    delete weights_;
-    weights_ = nullptr;
-  }
-  static Weights* weights_;
-};
-Weights* PortableFullVocabTest::weights_ = nullptr;
+// Its own suite name, so the logs tell the two kernels' runs apart.
+class PortableFullVocabTest : public FullVocabTest {};
 
 TEST_F(PortableFullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
   REQUIRE_SM90();

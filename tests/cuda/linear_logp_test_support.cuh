@@ -180,6 +180,21 @@ inline std::unique_ptr<Weights> MakeWeights(int64_t H, int64_t V, int64_t Vpad,
   return w;
 }
 
+// Tests at the production shape (H 4096, V 151936 padded to 152064, with
+// bias): the weights are made once per test suite.
+class FullVocabTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!HaveSm90()) return;
+    weights_ = MakeWeights(4096, 151936, 152064, /*bias=*/true).release();
+  }
+  static void TearDownTestSuite() {
+    delete weights_;
+    weights_ = nullptr;
+  }
+  inline static Weights* weights_ = nullptr;
+};
+
 struct Batch {
   int64_t N, H;
   DevBuf<__nv_bfloat16> hidden;

@@ -83,3 +83,30 @@ def cuda_library(name, srcs, hdrs = [], textual_hdrs = [], deps = [], nvcc_flags
         alwayslink = 1,
         **kwargs
     )
+
+def cuda_gpu_test(name, textual_hdrs = [], deps = [], size = "large"):
+    """A gtest binary from `<name>.cu`, tagged "gpu": built everywhere (CI
+    compiles it), run only where a GPU is (tools/device scripts).
+
+    Args:
+      name: test name; the source is name + ".cu".
+      textual_hdrs: headers the .cu includes (labels).
+      deps: cc_library deps.
+      size: the test's size.
+    """
+    cuda_library(
+        name = name + "_lib",
+        testonly = True,
+        srcs = [name + ".cu"],
+        textual_hdrs = textual_hdrs,
+        deps = deps,
+    )
+    native.cc_test(
+        name = name,
+        size = size,
+        tags = ["gpu"],
+        deps = [
+            ":" + name + "_lib",
+            "//third_party:gtest_main",
+        ],
+    )
