@@ -133,6 +133,16 @@ std::string TargetsProblem(const void* targets, int targets_are_int64,
   return Aligned(targets, 4) ? "" : "targets: not 4-byte aligned";
 }
 
+// Points a kernel view's int32 or int64 targets at the caller's array.
+template <class View>
+void SetTargets(const void* targets, int targets_are_int64, View* view) {
+  if (targets_are_int64 != 0) {
+    view->targets64 = static_cast<const int64_t*>(targets);
+  } else {
+    view->targets = static_cast<const int32_t*>(targets);
+  }
+}
+
 // The backward's view of a call; `bad` names the first bad argument.
 LinearLogpGradView GradView(const void* hidden, int64_t rows,
                             const void* targets, int targets_are_int64,
@@ -147,11 +157,7 @@ LinearLogpGradView GradView(const void* hidden, int64_t rows,
   v.hidden = static_cast<const __nv_bfloat16*>(hidden);
   v.rows = rows;
   *bad = TargetsProblem(targets, targets_are_int64, false);
-  if (targets_are_int64 != 0) {
-    v.targets64 = static_cast<const int64_t*>(targets);
-  } else {
-    v.targets = static_cast<const int32_t*>(targets);
-  }
+  SetTargets(targets, targets_are_int64, &v);
   v.temperatures = temperatures;
   v.temperature = temperature;
   v.lse = lse;
@@ -286,11 +292,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
     if (!bad.empty()) return Fail(bad, error, error_len);
     detlogp::kernels::cuda::LinearLogpBatchView batch;
     batch.hidden = static_cast<const __nv_bfloat16*>(hidden);
-    if (targets_are_int64 != 0) {
-      batch.targets64 = static_cast<const int64_t*>(targets);
-    } else {
-      batch.targets = static_cast<const int32_t*>(targets);
-    }
+    SetTargets(targets, targets_are_int64, &batch);
     batch.temperatures = temperatures;
     batch.temperature = temperature;
     batch.logprobs = logprobs;
