@@ -64,8 +64,10 @@ absl::Status EnqueueGemm(void (*kernel)(const CUtensorMap, const CUtensorMap,
                                         const kb::GemmShape, const Epilogue),
                          const CUtensorMap& a, const CUtensorMap& b,
                          const kb::GemmShape& shape, const Epilogue& epilogue,
-                         cudaStream_t stream) {
-  const int64_t blocks = CeilDiv(shape.m, kb::kBlockM) * shape.tiles_n;
+                         int sm_count, cudaStream_t stream) {
+  // Persistent: at most one block per SM, each looping over tiles.
+  const int64_t tiles = CeilDiv(shape.m, kb::kBlockM) * shape.tiles_n;
+  const int64_t blocks = std::min<int64_t>(tiles, sm_count);
   kernel<<<static_cast<unsigned>(blocks), kb::kThreads, kb::kSmemBytes,
            stream>>>(a, b, shape, epilogue);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -118,6 +120,7 @@ const T* Offset(const T* p, int64_t n) {
 struct LinearLogpBackwardCuda::Impl {
   OperandMaps weight;  // CUtensorMap is 64-byte aligned by its type
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  int sm_count = 0;    // the persistent GEMMs' grid
 };
 
 LinearLogpBackwardCuda::LinearLogpBackwardCuda(const Options& options,
@@ -174,6 +177,7 @@ LinearLogpBackwardCuda::Create(const Options& options) {
   auto encode = TensorMapEncoder(kCudaComponent);
   if (!encode.ok()) return encode.status();
   impl->encode = *encode;
+  impl->sm_count = prop.multiProcessorCount;
   if (absl::Status s = EncodeOperand(impl->encode, &impl->weight, w.weight,
                                      w.hidden_size, w.padded_vocab_size,
                                      w.hidden_size, kb::kBlockN);
@@ -323,7 +327,8 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
           static_cast<int32_t>(CeilDiv(width, kb::kBlockN)), begin};
       if (absl::Status s = EnqueueGemm(
               kGradLogitsGemm, hidden_pass.k_major, impl_->weight.k_major,
-              logits_shape, kb::GradLogitsEpilogue{logits}, stream);
+              logits_shape, kb::GradLogitsEpilogue{logits}, impl_->sm_count,
+              stream);
           !s.ok()) {
         return s;
       }
@@ -345,7 +350,7 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
         if (absl::Status s =
                 EnqueueGemm(kHiddenGradGemm, grad_chunk.k_major,
                             impl_->weight.mn_major, shape,
-                            kb::RowsOutEpilogue{out}, stream);
+                            kb::RowsOutEpilogue{out}, impl_->sm_count, stream);
             !s.ok()) {
           return s;
         }
@@ -366,7 +371,7 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
         if (absl::Status s =
                 EnqueueGemm(kWeightGradGemm, grad_chunk.mn_major,
                             hidden_pass.mn_major, shape,
-                            kb::RowsOutEpilogue{out}, stream);
+                            kb::RowsOutEpilogue{out}, impl_->sm_count, stream);
             !s.ok()) {
           return s;
         }

@@ -9,7 +9,7 @@
 //   K2  dhidden (+)= G · W_c   (A = G K-major, B = W_c MN-major);
 //   K3  dweight_c = Gᵀ · hidden (A = G MN-major, B = hidden MN-major);
 //   and dbias_c as fixed-order column sums of G.
-// All three are one main loop (Gemm): a 128 x 256 output tile per block,
+// All three are one persistent main loop (Gemm): 128 x 256 output tiles,
 // K in 64-wide steps through a kStages-deep TMA ring, a producer warpgroup
 // and two consumer warpgroups of 64 rows each (the forward kernel's
 // structure, linear_logp_kernel.cuh). Every output element is one fixed
@@ -59,7 +59,7 @@ struct GemmShape {
   int32_t m;         // output rows
   int32_t n;         // output columns
   int32_t k_blocks;  // ceil(K / kBlockK); K past the operands reads zeros
-  int32_t tiles_n;   // ceil(n / kBlockN)
+  int32_t tiles_n;   // ceil(n / kBlockN); tiles = ceil(m / kBlockM) * tiles_n
   // Added to B's row coordinate (K-major B: K1's chunk start in W) or to
   // B's K coordinate (MN-major B over W: K2's chunk start).
   int32_t b_offset;
@@ -121,22 +121,41 @@ __device__ __forceinline__ float LoadOr0(const float* p, int r) {
 struct GradLogitsEpilogue {
   GradLogitsParams p;
 
-  __device__ __forceinline__ void Apply(const float* acc, int m0, int n0,
-                                        const GemmShape& shape, int consumer,
-                                        int warp, int lane) const {
+  // The per-row inputs of the thread's two fragment rows, loaded by Begin
+  // before the main loop so their latency hides behind it.
+  struct State {
+    float inv_t[2], lse[2], entropy[2], g_logp[2], g_ent[2], coef[2];
+    int target[2];
+  };
+
+  __device__ __forceinline__ State Begin(float* /*acc*/, int m0, int /*n0*/,
+                                         const GemmShape& shape, int consumer,
+                                         int warp, int lane) const {
+    State st{};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
       if (r >= shape.m) continue;
       const float temperature =
           p.temperatures != nullptr ? p.temperatures[r] : p.temperature;
-      const float inv_t = __frcp_rn(temperature);
-      const float lse = p.lse[r];
-      const float entropy = LoadOr0(p.entropy, r);
-      const float g_logp = LoadOr0(p.grad_logprobs, r);
-      const float g_ent = LoadOr0(p.grad_entropy, r);
-      const float coef = LoadOr0(p.grad_lse, r) - g_logp;
-      const int target = RowTarget(p, r);
+      st.inv_t[h] = __frcp_rn(temperature);
+      st.lse[h] = p.lse[r];
+      st.entropy[h] = LoadOr0(p.entropy, r);
+      st.g_logp[h] = LoadOr0(p.grad_logprobs, r);
+      st.g_ent[h] = LoadOr0(p.grad_entropy, r);
+      st.coef[h] = LoadOr0(p.grad_lse, r) - st.g_logp[h];
+      st.target[h] = RowTarget(p, r);
+    }
+    return st;
+  }
+
+  __device__ __forceinline__ void Apply(float* acc, const State& st, int m0,
+                                        int n0, const GemmShape& shape,
+                                        int consumer, int warp, int lane) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
+      if (r >= shape.m) continue;
       __nv_bfloat16* out = p.grad + static_cast<int64_t>(r) * kChunkCols;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
@@ -147,11 +166,11 @@ struct GradLogitsEpilogue {
           const int v = p.chunk_begin + col + e;
           float y = acc[4 * j + 2 * h + e];
           if (p.bias != nullptr && col + e < shape.n) y += __ldg(p.bias + v);
-          const float d = y * inv_t - lse;
+          const float d = y * st.inv_t[h] - st.lse[h];
           const float prob = expf(d);
-          float dz = prob * (coef - g_ent * (d + entropy));
-          if (v == target) dz += g_logp;
-          g[e] = v < p.vocab_size ? dz * inv_t : 0.0f;
+          float dz = prob * (st.coef[h] - st.g_ent[h] * (d + st.entropy[h]));
+          if (v == st.target[h]) dz += st.g_logp[h];
+          g[e] = v < p.vocab_size ? dz * st.inv_t[h] : 0.0f;
         }
         if (col + 1 < shape.n) {
           *reinterpret_cast<__nv_bfloat162*>(out + col) =
@@ -167,9 +186,39 @@ struct GradLogitsEpilogue {
 struct RowsOutEpilogue {
   RowsOutParams p;
 
-  __device__ __forceinline__ void Apply(const float* acc, int m0, int n0,
-                                        const GemmShape& shape, int consumer,
-                                        int warp, int lane) const {
+  struct State {};
+
+  __device__ __forceinline__ State Begin(float* /*acc*/, int /*m0*/,
+                                         int /*n0*/, const GemmShape& /*shape*/,
+                                         int /*consumer*/, int /*warp*/,
+                                         int /*lane*/) const {
+    return State{};
+  }
+
+  // With accumulate, every earlier value is loaded before the first store:
+  // the stores may alias the loads, so interleaved they would serialise 64
+  // round trips per thread (measured: K2 at 450 TFLOP/s, 590 without).
+  // (Loading them into the accumulators before the main loop instead makes
+  // ptxas serialise the wgmma chain, C7515: measured slower.)
+  __device__ __forceinline__ void Apply(float* acc, const State& /*st*/,
+                                        int m0, int n0, const GemmShape& shape,
+                                        int consumer, int warp, int lane) const {
+    if (p.accumulate) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
+        if (r >= shape.m) continue;
+        const float* row = p.f32 + static_cast<int64_t>(r) * p.ld;
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          const int col = n0 + FragmentCol(lane, j);
+          if (col >= shape.n) continue;  // n is a multiple of 8: pairs whole
+          const float2 prev = *reinterpret_cast<const float2*>(row + col);
+          acc[4 * j + 2 * h] = prev.x + acc[4 * j + 2 * h];
+          acc[4 * j + 2 * h + 1] = prev.y + acc[4 * j + 2 * h + 1];
+        }
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
@@ -178,14 +227,8 @@ struct RowsOutEpilogue {
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
         const int col = n0 + FragmentCol(lane, j);
-        if (col >= shape.n) continue;  // n is a multiple of 8: pairs whole
-        float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        if (p.accumulate) {
-          const float2 prev =
-              *reinterpret_cast<const float2*>(p.f32 + base + col);
-          v.x = prev.x + v.x;
-          v.y = prev.y + v.y;
-        }
+        if (col >= shape.n) continue;
+        const float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         if (p.bf16 != nullptr) {
           *reinterpret_cast<__nv_bfloat162*>(p.bf16 + base + col) =
               __floats2bfloat162_rn(v.x, v.y);
@@ -199,8 +242,11 @@ struct RowsOutEpilogue {
 
 // C[m x n] = A[m x K] · B[n x K]ᵀ, then the epilogue. A K-major operand is
 // loaded as one box of {kBlockK, rows}; an MN-major one as boxes of
-// {kMnBlock, kBlockK}, kMnBoxBytes apart. Blocks walk the n tiles fastest,
-// so concurrent blocks share their A tile and the B operand stays in L2.
+// {kMnBlock, kBlockK}, kMnBoxBytes apart. Persistent: block b takes tiles
+// b, b + gridDim.x, ... (n tiles fastest, so concurrent blocks share their A
+// tile and the B operand stays in L2), and the producer runs on into the
+// next tile's stages while the consumers finish a tile's epilogue. A tile's
+// arithmetic does not depend on which block takes it.
 template <bool kTransA, bool kTransB, class Epilogue>
 __global__ void __launch_bounds__(kThreads, 1)
     Gemm(const __grid_constant__ CUtensorMap a_map,
@@ -216,8 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       reinterpret_cast<uint64_t*>(smem_b + kStages * kBTileBytes);
   uint64_t* empty = full + kStages;
 
-  const int m0 = (blockIdx.x / shape.tiles_n) * kBlockM;
-  const int n0 = (blockIdx.x % shape.tiles_n) * kBlockN;
+  const int tiles = ((shape.m + kBlockM - 1) / kBlockM) * shape.tiles_n;
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (threadIdx.x == 0) {
     ptx::PrefetchTensorMap(&a_map);
@@ -234,30 +279,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::SetMaxNRegDec<kProducerRegs>();
     if (threadIdx.x != 0) return;
     Ring ring;
-    for (int kb = 0; kb < shape.k_blocks; ++kb) {
-      const int k = kb * kBlockK;
-      ptx::MbarWait(&empty[ring.stage], ring.phase ^ 1u);
-      // Out-of-bounds parts of a box are zero-filled and still counted.
-      ptx::MbarArriveExpectTx(&full[ring.stage], kATileBytes + kBTileBytes);
-      uint8_t* a = smem_a + ring.stage * kATileBytes;
-      uint8_t* b = smem_b + ring.stage * kBTileBytes;
-      if constexpr (kTransA) {
-        for (int i = 0; i < kBlockM / kMnBlock; ++i) {
-          ptx::TmaLoad2d(a + i * kMnBoxBytes, &a_map, &full[ring.stage],
-                         m0 + i * kMnBlock, k);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int m0 = (tile / shape.tiles_n) * kBlockM;
+      const int n0 = (tile % shape.tiles_n) * kBlockN;
+      for (int kb = 0; kb < shape.k_blocks; ++kb) {
+        const int k = kb * kBlockK;
+        ptx::MbarWait(&empty[ring.stage], ring.phase ^ 1u);
+        // Out-of-bounds parts of a box are zero-filled and still counted.
+        ptx::MbarArriveExpectTx(&full[ring.stage], kATileBytes + kBTileBytes);
+        uint8_t* a = smem_a + ring.stage * kATileBytes;
+        uint8_t* b = smem_b + ring.stage * kBTileBytes;
+        if constexpr (kTransA) {
+          for (int i = 0; i < kBlockM / kMnBlock; ++i) {
+            ptx::TmaLoad2d(a + i * kMnBoxBytes, &a_map, &full[ring.stage],
+                           m0 + i * kMnBlock, k);
+          }
+        } else {
+          ptx::TmaLoad2d(a, &a_map, &full[ring.stage], k, m0);
         }
-      } else {
-        ptx::TmaLoad2d(a, &a_map, &full[ring.stage], k, m0);
-      }
-      if constexpr (kTransB) {
-        for (int i = 0; i < kBlockN / kMnBlock; ++i) {
-          ptx::TmaLoad2d(b + i * kMnBoxBytes, &b_map, &full[ring.stage],
-                         n0 + i * kMnBlock, k + shape.b_offset);
+        if constexpr (kTransB) {
+          for (int i = 0; i < kBlockN / kMnBlock; ++i) {
+            ptx::TmaLoad2d(b + i * kMnBoxBytes, &b_map, &full[ring.stage],
+                           n0 + i * kMnBlock, k + shape.b_offset);
+          }
+        } else {
+          ptx::TmaLoad2d(b, &b_map, &full[ring.stage], k, n0 + shape.b_offset);
         }
-      } else {
-        ptx::TmaLoad2d(b, &b_map, &full[ring.stage], k, n0 + shape.b_offset);
+        ring.Advance();
       }
-      ring.Advance();
     }
     return;
   }
@@ -268,43 +317,49 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   float acc[kBlockN / 2];
-#pragma unroll
-  for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
   Ring ring;
-  int prev_stage = -1;
-  for (int kb = 0; kb < shape.k_blocks; ++kb) {
-    ptx::MbarWait(&full[ring.stage], ring.phase);
-    // The consumer's 64 rows of A: rows 64c.. (K-major) or MN block c
-    // (MN-major); both start kATileBytes / 2 into the stage.
-    const uint32_t a_addr = ptx::SmemAddr(smem_a + ring.stage * kATileBytes +
-                                          consumer * (kATileBytes / 2));
-    const uint32_t b_addr = ptx::SmemAddr(smem_b + ring.stage * kBTileBytes);
-    ptx::WgmmaFence();
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int m0 = (tile / shape.tiles_n) * kBlockM;
+    const int n0 = (tile % shape.tiles_n) * kBlockN;
 #pragma unroll
-    for (int k = 0; k < kBlockK / 16; ++k) {
-      // K-major: +32 bytes per 16 k inside the swizzled row; MN-major: +16
-      // rows of 128 bytes.
-      const uint64_t da =
-          kTransA ? ptx::MakeSmemDescSw128MnMajor(a_addr + k * 2048,
-                                                  kMnBoxBytes)
-                  : ptx::MakeSmemDescSw128(a_addr + k * 32);
-      const uint64_t db =
-          kTransB ? ptx::MakeSmemDescSw128MnMajor(b_addr + k * 2048,
-                                                  kMnBoxBytes)
-                  : ptx::MakeSmemDescSw128(b_addr + k * 32);
-      ptx::WgmmaM64N256K16T<kTransA ? 1 : 0, kTransB ? 1 : 0>(
-          acc, da, db, (kb | k) != 0);
+    for (int i = 0; i < kBlockN / 2; ++i) acc[i] = 0.0f;
+    const typename Epilogue::State state =
+        epilogue.Begin(acc, m0, n0, shape, consumer, warp, lane);
+    int prev_stage = -1;
+    for (int kb = 0; kb < shape.k_blocks; ++kb) {
+      ptx::MbarWait(&full[ring.stage], ring.phase);
+      // The consumer's 64 rows of A: rows 64c.. (K-major) or MN block c
+      // (MN-major); both start kATileBytes / 2 into the stage.
+      const uint32_t a_addr = ptx::SmemAddr(smem_a + ring.stage * kATileBytes +
+                                            consumer * (kATileBytes / 2));
+      const uint32_t b_addr = ptx::SmemAddr(smem_b + ring.stage * kBTileBytes);
+      ptx::WgmmaFence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / 16; ++k) {
+        // K-major: +32 bytes per 16 k inside the swizzled row; MN-major: +16
+        // rows of 128 bytes.
+        const uint64_t da =
+            kTransA ? ptx::MakeSmemDescSw128MnMajor(a_addr + k * 2048,
+                                                    kMnBoxBytes)
+                    : ptx::MakeSmemDescSw128(a_addr + k * 32);
+        const uint64_t db =
+            kTransB ? ptx::MakeSmemDescSw128MnMajor(b_addr + k * 2048,
+                                                    kMnBoxBytes)
+                    : ptx::MakeSmemDescSw128(b_addr + k * 32);
+        ptx::WgmmaM64N256K16T<kTransA ? 1 : 0, kTransB ? 1 : 0>(
+            acc, da, db, (kb | k) != 0);
+      }
+      ptx::WgmmaCommit();
+      ptx::WgmmaWait<1>();
+      if (prev_stage >= 0 && lane == 0) ptx::MbarArrive(&empty[prev_stage]);
+      prev_stage = ring.stage;
+      ring.Advance();
     }
-    ptx::WgmmaCommit();
-    ptx::WgmmaWait<1>();
+    ptx::WgmmaWait<0>();
+    ptx::FenceAccumulators<kBlockN / 2>(acc);
     if (prev_stage >= 0 && lane == 0) ptx::MbarArrive(&empty[prev_stage]);
-    prev_stage = ring.stage;
-    ring.Advance();
+    epilogue.Apply(acc, state, m0, n0, shape, consumer, warp, lane);
   }
-  ptx::WgmmaWait<0>();
-  ptx::FenceAccumulators<kBlockN / 2>(acc);
-  if (prev_stage >= 0 && lane == 0) ptx::MbarArrive(&empty[prev_stage]);
-  epilogue.Apply(acc, m0, n0, shape, consumer, warp, lane);
 }
 
 // dbias, step 1: column sums of G over fixed kBiasSliceRows-row slices, rows

@@ -105,6 +105,9 @@ def cuda_gpu_test(name, textual_hdrs = [], deps = [], size = "large"):
         name = name,
         size = size,
         tags = ["gpu"],
+        # Static against the project's libraries, so the binary copied into a
+        # tools/device bundle loads no bazel-bin/_solib_k8 library.
+        linkstatic = 1,
         deps = [
             ":" + name + "_lib",
             "//third_party:gtest_main",

@@ -17,7 +17,12 @@ and, for ours and eager, the relative Frobenius error of dhidden and
 dweight vs float64 at N = 1024 (row subset for dhidden). Prints one line
 per (method, N) and a final PASS/FAIL line per target of the issue.
 
+With --profile N: also one profiled call of ours at N, its GPU time per
+kernel (torch.profiler), to place the time between the forward and the
+backward's K1/K2/K3/dbias launches.
+
 Usage: python3 tools/device/logp_backward_bench.py [--sizes 1024,4096,8192,16384]
+         [--profile 16384] [--weight_grad_dtype bf16|fp32]
 """
 import argparse
 import statistics
@@ -54,11 +59,38 @@ def peak_extra_bytes(fn):
     return torch.cuda.max_memory_allocated() - base
 
 
-def ours(hidden, weight, targets, a):
-    logp, lse, _ = ops.cuda_linear_logp(hidden, weight, targets, 1.0)
-    return ops.cuda_linear_logp_backward(
-        hidden, weight, targets, lse, grad_logprobs=a, need_hidden=True,
-        need_weight=True, weight_grad_dtype=torch.bfloat16)
+WEIGHT_GRAD_DTYPE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def make_ours(weight_grad_dtype):
+    def ours(hidden, weight, targets, a):
+        logp, lse, _ = ops.cuda_linear_logp(hidden, weight, targets, 1.0)
+        return ops.cuda_linear_logp_backward(
+            hidden, weight, targets, lse, grad_logprobs=a, need_hidden=True,
+            need_weight=True, weight_grad_dtype=weight_grad_dtype)
+    return ours
+
+
+def profile_kernels(fn, label):
+    """GPU time per kernel name of one call of fn (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = event.self_cuda_time_total
+        if us > 0:
+            name = event.key if len(event.key) < 90 else event.key[:87] + "..."
+            totals[name] = (event.count, us)
+    total = sum(us for _, us in totals.values())
+    print(f"profile {label}: {total / 1e3:.2f} ms of GPU time")
+    for name, (count, us) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {us / 1e3:8.2f} ms {100 * us / total:5.1f}% x{count:4d}  {name}")
 
 
 def eager(hidden, weight, targets, a):
@@ -103,7 +135,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="1024,4096,8192,16384")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--profile", type=int, default=0)
+    parser.add_argument("--weight_grad_dtype", choices=sorted(WEIGHT_GRAD_DTYPE),
+                        default="bf16")
     args = parser.parse_args()
+    ours = make_ours(WEIGHT_GRAD_DTYPE[args.weight_grad_dtype])
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(15)
     weight = (torch.randn((V, H), device="cuda", generator=gen) * 0.02).bfloat16()
@@ -113,7 +149,7 @@ def main():
     if liger is None:
         print("liger: not installed (pip install liger-kernel), skipped")
     verdicts = []
-    for n in [int(s) for s in args.sizes.split(",")]:
+    for n in [int(s) for s in args.sizes.split(",") if s]:
         hidden = torch.randn((n, H), device="cuda", generator=gen).bfloat16()
         targets = torch.randint(0, V, (n,), device="cuda", generator=gen,
                                 dtype=torch.int32)
@@ -128,7 +164,8 @@ def main():
                 verdicts.append((f"time N={n} <= {TARGET_MS.get(n)} ms",
                                  n not in TARGET_MS or ms <= TARGET_MS[n]))
                 # Extra beyond inputs, saved state and gradient outputs.
-                outputs = n * H * 2 + V * H * 2 + n * 8
+                weight_grad_bytes = 4 if args.weight_grad_dtype == "fp32" else 2
+                outputs = n * H * 2 + V * H * weight_grad_bytes + n * 8
                 verdicts.append((f"memory N={n} <= 512 MiB",
                                  extra - outputs <= 512 * 2**20))
         if n == 1024:
@@ -146,6 +183,13 @@ def main():
                              errors["ours"][1] <= 1.5 * errors["eager"][1]))
         del hidden, targets, a
         torch.cuda.empty_cache()
+    if args.profile:
+        n = args.profile
+        hidden = torch.randn((n, H), device="cuda", generator=gen).bfloat16()
+        targets = torch.randint(0, V, (n,), device="cuda", generator=gen,
+                                dtype=torch.int32)
+        a = torch.rand((n,), device="cuda", generator=gen)
+        profile_kernels(lambda: ours(hidden, weight, targets, a), f"ours N={n}")
     for what, ok in verdicts:
         print(f"{'PASS' if ok else 'FAIL'} {what}")
 

@@ -11,9 +11,11 @@ non-zero when any failed:
   twin_key       detlogp.ops.determinism_key(device="cuda:0") == the server's
   twin_h3        detlogp.torch.h3_projection on CUDA == the server's Project
                  (memcmp), and its CUDA gradients == the CPU kernels' bits
-  grad_accuracy  chunked backward vs float64, beside PyTorch eager's error
-                 (bf16 logits -> float -> log_softmax): ours <= 1.5x eager's
-  grad_memory    peak extra memory of the backward <= 1 GiB (N = 1024, 16384)
+  grad_accuracy  the op's backward (on the H200 the fused kernel, issue #15)
+                 vs float64, beside PyTorch eager's error (bf16 logits ->
+                 float -> log_softmax): ours <= 1.5x eager's
+  grad_memory    peak extra memory of the backward beyond the gradients
+                 <= 512 MiB (N = 1024, 16384; issue #15's target)
   overhead       forward through the op vs the kernel alone (the bare C ABI
                  launch through ctypes into preallocated buffers): both timed
                  the same way, CUDA events around many back-to-back calls on
@@ -254,11 +256,11 @@ def check_memory(args):
         seconds = time.time() - t0
         grads = hidden.grad.numel() * 2 + weight.grad.numel() * 2
         extra = torch.cuda.max_memory_allocated() - before - grads
-        ok &= extra <= (1 << 30)
+        ok &= extra <= (512 << 20)
         parts.append(f"N={n}: {extra / 2**20:.0f} MiB extra, {seconds * 1e3:.0f} ms")
         del hidden, logp, loss
         hidden = None
-    report("grad_memory", ok, "; ".join(parts) + " (target <= 1024 MiB beyond the "
+    report("grad_memory", ok, "; ".join(parts) + " (target <= 512 MiB beyond the "
            "gradients themselves)")
 
 

@@ -495,25 +495,40 @@ def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
     return logprobs, lse, entropy
 
 
+def cuda_fused_backward_available(weight, bias=None, vocab_size=None):
+    """Whether weight's GPU has the fused linear-logp backward (the Hopper
+    kernel, compute capability 9.0): cuda_linear_logp_backward runs there."""
+    torch, lib, device, index, vocab_size = _cuda_call(weight, vocab_size)
+    handle = _lm_heads.get(lib, weight, bias, vocab_size, index)
+    return lib.detlogp_cuda_linear_logp_backward_workspace_bytes(handle, 1, 1, 0) >= 0
+
+
 def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
                               bias=None, vocab_size=None, entropy=None,
                               grad_logprobs=None, grad_lse=None, grad_entropy=None,
                               need_hidden=True, need_weight=True, need_bias=False,
-                              weight_grad_dtype=None):
-    """The linear-logp backward on torch CUDA tensors (sm_90a only; issue
-    #15, not yet verified on a GPU: detlogp.torch still uses the chunked
-    backward). Inputs as cuda_linear_logp's, plus the forward's lse (and
-    entropy, needed with grad_entropy) and upstream gradients float32 [N] or
-    None (zero). Returns (grad_hidden in hidden's dtype, grad_weight in
-    weight_grad_dtype (default: weight's), grad_bias float32), each None when
-    not asked for. Runs on the current stream."""
+                              weight_grad_dtype=None, hidden_grad_dtype=None):
+    """The fused, batch-invariant linear-logp backward on torch CUDA tensors
+    (sm_90a, kernel sm90a-wgmma-bwd-v1; issue #15). Inputs as
+    cuda_linear_logp's (hidden bf16), plus the forward's lse (and entropy,
+    needed with grad_entropy) and upstream gradients float32 [N] contiguous
+    or None (zero). Returns (grad_hidden in hidden_grad_dtype (default:
+    hidden's), grad_weight in weight_grad_dtype (default: weight's),
+    grad_bias float32), each None when not asked for; bf16 or float32 each.
+    A row's grad_hidden bits depend only on that row; grad_weight and
+    grad_bias are the same bits run to run. Runs on the current stream."""
     torch, lib, device, index, vocab_size = _cuda_call(weight, vocab_size)
     rows = hidden.shape[0]
     weight_grad_dtype = weight.dtype if weight_grad_dtype is None else weight_grad_dtype
-    for name, dtype in (("hidden", hidden.dtype), ("weight_grad_dtype", weight_grad_dtype)):
+    hidden_grad_dtype = hidden.dtype if hidden_grad_dtype is None else hidden_grad_dtype
+    if hidden.dtype != torch.bfloat16:
+        raise ValueError(f"hidden: the backward reads bf16 (as the forward), got "
+                         f"{hidden.dtype}")
+    for name, dtype in (("hidden_grad_dtype", hidden_grad_dtype),
+                        ("weight_grad_dtype", weight_grad_dtype)):
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"{name}: gradients are bf16 or float32, got {dtype}")
-    grad_hidden = (torch.empty((rows, weight.shape[1]), dtype=hidden.dtype,
+    grad_hidden = (torch.empty((rows, weight.shape[1]), dtype=hidden_grad_dtype,
                                device=device) if need_hidden else None)
     grad_weight = (torch.empty(tuple(weight.shape), dtype=weight_grad_dtype,
                                device=device) if need_weight else None)
@@ -525,7 +540,7 @@ def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
                 g.zero_()
         return grad_hidden, grad_weight, grad_bias
     handle = _lm_heads.get(lib, weight, bias, vocab_size, index)
-    hidden_bf16 = 1 if need_hidden and hidden.dtype == torch.bfloat16 else 0
+    hidden_bf16 = 1 if need_hidden and hidden_grad_dtype == torch.bfloat16 else 0
     workspace_bytes = lib.detlogp_cuda_linear_logp_backward_workspace_bytes(
         handle, rows, hidden_bf16, 1 if need_bias else 0)
     if workspace_bytes < 0:

@@ -22,16 +22,24 @@ Dtypes:
     served bits, but what `torch.autograd.gradcheck` needs to check the
     backward. Results are float32, or float64 on the float64 path.
 
-linear_logp's backward is correct, deterministic and memory-bounded, not yet
-fast: the logits are recomputed from the saved per-row lse in tiles of rows x
-vocabulary (float32 arithmetic on the bf16-rounded inputs with TF32 off;
-float64 on the float64 path), two passes (one for d hidden, one for d weight
-and d bias, each accumulating in float32 over one tile dimension), so the
-[N, V] logits never exist and the extra memory stays under
-BACKWARD_BUDGET_BYTES (default 512 MiB) at any N. Gradients flow from
-logprobs, lse and entropy; float32 hidden/weight get the gradient of the
-rounded values (straight through the bf16 rounding). Row gradients of
-targets outside [0, vocab_size) are NaN, as their forward values.
+linear_logp's backward:
+  * on a GPU with the Hopper kernel (compute capability 9.0), the fused,
+    batch-invariant kernel sm90a-wgmma-bwd-v1 (issue #15,
+    ops.cuda_linear_logp_backward): the logits recomputed tile by tile from
+    the saved lse (never [N, V]), bf16 operands with float32 accumulation; a
+    row's d hidden bits depend only on that row, d weight and d bias are the
+    same bits run to run; extra memory <= 384 MiB at N = 16384;
+  * elsewhere (CPU tensors, the float64 path, GPUs without it) the chunked
+    backward: the logits recomputed from the saved lse in tiles of rows x
+    vocabulary (float32 arithmetic on the bf16-rounded inputs with TF32 off;
+    float64 on the float64 path), two passes (one for d hidden, one for d
+    weight and d bias, each accumulating in float32 over one tile
+    dimension), extra memory under BACKWARD_BUDGET_BYTES (default 512 MiB)
+    at any N.
+Both are deterministic. Gradients flow from logprobs, lse and entropy;
+float32 hidden/weight get the gradient of the rounded values (straight
+through the bf16 rounding). A row whose target is outside [0, vocab_size)
+(NaN log-prob) gets the gradient of its lse term only.
 
 h3_projection's backward is the batch-invariant dX and dW/dbias kernels
 (kernels/cuda/projection_cuda.h on CUDA, kernels/projection_grad.h on the
@@ -355,17 +363,43 @@ def _setup_linear_logp(ctx, inputs, output):
     ctx.return_entropy = return_entropy
 
 
+def _fused_cuda_backward(hidden, weight, targets, bias, temperature, temperature_value,
+                         vocab_size, lse, entropy, g_logp, g_lse, g_ent, need_hidden,
+                         need_weight, need_bias):
+    """The fused Hopper backward (ops.cuda_linear_logp_backward) on the
+    forward's inputs as saved; gradients in the inputs' dtypes."""
+    def upstream(grad):
+        return None if grad is None else grad.to(torch.float32).contiguous()
+
+    temps = (temperature_value if temperature is None else
+             temperature.to(torch.float32).contiguous())
+    return ops.cuda_linear_logp_backward(
+        hidden.to(torch.bfloat16).contiguous(), weight, targets.contiguous(), lse,
+        temperatures=temps, bias=bias, vocab_size=vocab_size,
+        entropy=None if g_ent is None else entropy, grad_logprobs=upstream(g_logp),
+        grad_lse=upstream(g_lse), grad_entropy=upstream(g_ent),
+        need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias,
+        hidden_grad_dtype=hidden.dtype, weight_grad_dtype=weight.dtype)
+
+
 def _backward_linear_logp(ctx, g_logp, g_lse, g_ent):
     hidden, weight, targets, bias, temperature, lse, entropy = ctx.saved_tensors
     need = ctx.needs_input_grad
     if not ctx.return_entropy or g_ent is None or g_ent.numel() == 0:
         g_ent = None
-    temperature = _temperatures(temperature, ctx.temperature_value, hidden.shape[0],
-                                lse.dtype, lse.device)
-    d_hidden, d_weight, d_bias = _linear_logp_backward_impl(
-        hidden, weight, targets, bias, temperature, ctx.vocab_size, lse, entropy,
-        g_logp, g_lse, g_ent, need[0], need[1], bias is not None and need[3],
-        BACKWARD_BUDGET_BYTES)
+    need_bias = bias is not None and need[3]
+    if weight.device.type == "cuda" and ops.cuda_fused_backward_available(
+            weight, bias, ctx.vocab_size):
+        d_hidden, d_weight, d_bias = _fused_cuda_backward(
+            hidden, weight, targets, bias, temperature, ctx.temperature_value,
+            ctx.vocab_size, lse, entropy, g_logp, g_lse, g_ent, need[0], need[1],
+            need_bias)
+    else:
+        temperature = _temperatures(temperature, ctx.temperature_value,
+                                    hidden.shape[0], lse.dtype, lse.device)
+        d_hidden, d_weight, d_bias = _linear_logp_backward_impl(
+            hidden, weight, targets, bias, temperature, ctx.vocab_size, lse, entropy,
+            g_logp, g_lse, g_ent, need[0], need[1], need_bias, BACKWARD_BUDGET_BYTES)
     return d_hidden, d_weight, None, d_bias, None, None, None, None
 
 
