@@ -26,9 +26,17 @@ cudaError_t PrepareKernels(LoadedCode* split_code) {
   }
   split_code->binary_version = attrs.binaryVersion;
   split_code->ptx_version = attrs.ptxVersion;
+  if (cudaError_t e = cudaFuncSetAttribute(
+          LinearLogpPortableSplitKernel,
+          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      e != cudaSuccess) {
+    return e;
+  }
+  // As much shared memory as the SM has, so kMinBlocksPerSm CTAs fit where
+  // they can (a hint: GPUs with less run one).
   return cudaFuncSetAttribute(LinearLogpPortableSplitKernel,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              kSmemBytes);
+                              cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared);
 }
 
 cudaError_t EnqueueSplitKernel(const KernelParams& params, unsigned grid,

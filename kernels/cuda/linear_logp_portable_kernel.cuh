@@ -41,8 +41,14 @@
 //   * Pipeline: kStages-deep cp.async ring of (A: 128 x kBlockK, B: 128 x
 //     kBlockK) bf16 tiles, one __syncthreads per K step; the (tile, k-block)
 //     steps of an item form one stream, so the ring runs across tiles.
-//     Shared rows of 64 bytes, 16-byte chunks XOR-swizzled by (row / 2) % 4
-//     so that ldmatrix and cp.async hit distinct banks.
+//     Shared rows of 128 bytes (kBlockK = 64), 16-byte chunks XOR-swizzled
+//     by row % 8 so that ldmatrix and cp.async hit distinct banks; 3 stages
+//     (96 KiB, under sm_86/sm_89's 99 KiB) and registers capped so two CTAs
+//     share an SM where it has the shared memory (sm_80, sm_90). The K depth
+//     per step, the ring and the occupancy are schedule only: every logit is
+//     the same mma chain and every fold the same order, so they keep the
+//     version's bits (checked on the H200: tools/device/logp_portable_bench.py
+//     digests equal for BK = 32 / 4 stages / one CTA per SM and this).
 // Entropy and top-k are not implemented for this kernel (the host rejects
 // them with UNIMPLEMENTED).
 // Build flags matter for bits: -O3, no --use_fast_math / -ftz / -prec-div
@@ -107,10 +113,13 @@ __device__ __forceinline__ float Ex2(float x) {
   return y;
 }
 
-// Byte offset of 16-byte chunk `chunk` of shared row `row` in a tile.
+// Byte offset of 16-byte chunk `chunk` of shared row `row` in a tile: the
+// chunk XOR-ed with the row's position among the rows sharing one 128-byte
+// bank line, so the 8 rows an ldmatrix phase reads hit 8 distinct 16-byte
+// bank groups.
 __device__ __forceinline__ uint32_t Swizzle(int row, int chunk) {
-  return static_cast<uint32_t>(row * kRowBytes +
-                               ((chunk ^ ((row >> 1) & 3)) << 4));
+  const int phase = kChunksPerRow == 8 ? (row & 7) : ((row >> 1) & 3);
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ phase) << 4));
 }
 
 // ------------------------------------------------------------------ helpers
@@ -300,7 +309,7 @@ __device__ __forceinline__ void FoldTile(const KernelParams& p, float* acc,
 
 // One CTA per item: blockIdx.x = split * num_row_blocks + row_block (the
 // row blocks of a split run together and share its weight rows in L2).
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     LinearLogpPortableSplitKernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int item = blockIdx.x;

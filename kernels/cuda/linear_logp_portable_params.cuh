@@ -17,23 +17,27 @@ inline constexpr char kVersion[] = "portable-mma-sync-v1";
 
 inline constexpr int kBlockM = 128;  // rows per item
 inline constexpr int kBlockN = 128;  // vocabulary columns per tile
-inline constexpr int kBlockK = 32;   // bf16 per shared row: 64 bytes
-inline constexpr int kStages = 4;
+inline constexpr int kBlockK = 64;   // bf16 per shared row: 128 bytes
+inline constexpr int kStages = 3;
+// Two CTAs per SM where shared memory allows (sm_80, sm_90: 16 warps to
+// hide the mma and copy latencies); registers are capped for it.
+inline constexpr int kMinBlocksPerSm = 2;
 inline constexpr int kWarps = 8;
 inline constexpr int kThreads = 32 * kWarps;
 inline constexpr int kWarpRows = kBlockM / kWarps;  // 16: one m16 fragment
 inline constexpr int kNFrags = kBlockN / 8;         // 16 n8 fragments
-inline constexpr int kRowBytes = kBlockK * 2;       // 64
-inline constexpr int kChunksPerRow = kRowBytes / 16;  // 4
+inline constexpr int kRowBytes = kBlockK * 2;       // 128
+inline constexpr int kChunksPerRow = kRowBytes / 16;  // 8
 inline constexpr int kATileBytes = kBlockM * kRowBytes;  // 8 KiB
 inline constexpr int kBTileBytes = kBlockN * kRowBytes;  // 8 KiB
 inline constexpr int kStageBytes = kATileBytes + kBTileBytes;
-inline constexpr int kSmemBytes = kStages * kStageBytes;  // 64 KiB
+inline constexpr int kSmemBytes = kStages * kStageBytes;  // 96 KiB
 inline constexpr int kMaxSplits = 256;  // as v3: 4 B per split, <= 1 KiB/row
 
 static_assert(kWarpRows == 16, "one m16 fragment per warp");
 static_assert(kBlockK % 16 == 0, "k16 steps");
-static_assert(kChunksPerRow == 4, "the swizzle assumes 4 chunks per row");
+static_assert(kChunksPerRow == 4 || kChunksPerRow == 8,
+              "the swizzle handles 64- and 128-byte rows");
 static_assert((kBlockM * kChunksPerRow) % kThreads == 0, "A copy split");
 static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "B copy split");
 // 99 KiB is the opt-in maximum on sm_86/sm_89, the smallest of sm_80+.
