@@ -12,6 +12,8 @@
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_COMBINE_KERNEL_CUH_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_COMBINE_KERNEL_CUH_
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "kernels/cuda/linear_logp_combine_params.h"
@@ -20,12 +22,11 @@
 
 namespace detlogp::kernels::cuda::combine {
 
-// Folds each row's split partials ({lse_s, 1}) in ascending split order with
+// Folds row r's split partials ({lse_s, 1}) in ascending split order with
 // CombinePartials, starting from split 0, and finishes
 // logprob = z[target] - lse; the entropy sums fold alongside with the same
-// rescaling, and the per-split top-k lists merge into one sorted list. One
-// thread per row: the fold order is fixed and independent of the launch
-// shape.
+// rescaling. One thread per row: the fold order is fixed and independent of
+// the launch shape.
 static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= p.rows) return;
@@ -52,39 +53,77 @@ static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
   }
   p.logprobs[r] = z_target - l;
   if (p.entropy != nullptr) p.entropy[r] = PartialEntropy(acc, sum_exp_z, l);
-  if (p.top_ids == nullptr) return;
-  // Insertion into a sorted list; the candidates' order does not matter (the
-  // k best under a total order are one set).
-  float best_z[::detlogp::kernels::kMaxTopK];
-  int32_t best_id[::detlogp::kernels::kMaxTopK];
-  int count = 0;
-  const float* cand_z = p.split_top_z + first * p.top_k;
-  const int32_t* cand_id = p.split_top_id + first * p.top_k;
+}
+
+// Top-k, after CombineKernel on the same stream (it reads p.lse, so the
+// logprob fold is the same kernel with or without top-k): one warp per row
+// merges the per-split lists into one, lane i holding entry i (k <= 32).
+// Each split's candidates are screened at once against the list's worst
+// entry and the survivors inserted one at a time by the whole warp (a ballot
+// finds the place, a shuffle moves the tail). The k best under RanksBefore
+// (a total order) are one set whatever order candidates arrive in, so this
+// equals a sequential merge bit for bit.
+static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p) {
+  const int r = static_cast<int>(
+      (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32);
+  const int lane = threadIdx.x & 31;
+  if (r >= p.rows) return;  // warp-uniform
+  const float l = p.lse[r];
+  const int k = p.top_k;
+  const bool holds = lane < k;
+  float best_z = -INFINITY;  // empty entries rank after every real one
+  int32_t best_id = -1;
+  const int64_t first = static_cast<int64_t>(r) * p.num_splits * k;
   for (int s = 0; s < p.num_splits; ++s) {
-    // Each split's list is sorted, empty entries last: once an entry does
-    // not make the list, the rest of the split's do not either.
-    for (int c = s * p.top_k; c < (s + 1) * p.top_k; ++c) {
-      const float z = cand_z[c];
-      const int32_t id = cand_id[c];
-      if (id < 0) break;
-      if (count == p.top_k &&
-          !RanksBefore(z, id, best_z[count - 1], best_id[count - 1])) {
-        break;
+    const int64_t at = first + static_cast<int64_t>(s) * k + lane;
+    const float z = holds ? p.split_top_z[at] : -INFINITY;
+    const int32_t id = holds ? p.split_top_id[at] : -1;
+    const float worst_z = __shfl_sync(0xffffffffu, best_z, k - 1);
+    const int32_t worst_id = __shfl_sync(0xffffffffu, best_id, k - 1);
+    unsigned pass = __ballot_sync(
+        0xffffffffu, id >= 0 && RanksBefore(z, id, worst_z, worst_id));
+    while (pass != 0) {  // warp-uniform
+      const int src = __ffs(pass) - 1;
+      pass &= pass - 1;
+      const float cz = __shfl_sync(0xffffffffu, z, src);
+      const int32_t cid = __shfl_sync(0xffffffffu, id, src);
+      const int place = __popc(__ballot_sync(
+          0xffffffffu, holds && RanksBefore(best_z, best_id, cz, cid)));
+      const float above_z = __shfl_up_sync(0xffffffffu, best_z, 1);
+      const int32_t above_id = __shfl_up_sync(0xffffffffu, best_id, 1);
+      if (place < k) {  // warp-uniform: the candidate makes the list
+        if (lane == place) {
+          best_z = cz;
+          best_id = cid;
+        } else if (lane > place) {
+          best_z = above_z;
+          best_id = above_id;
+        }
       }
-      int i = count < p.top_k ? count++ : count - 1;
-      for (; i > 0 && RanksBefore(z, id, best_z[i - 1], best_id[i - 1]); --i) {
-        best_z[i] = best_z[i - 1];
-        best_id[i] = best_id[i - 1];
-      }
-      best_z[i] = z;
-      best_id[i] = id;
     }
   }
-  for (int i = 0; i < p.top_k; ++i) {
-    const int64_t out = static_cast<int64_t>(r) * p.top_k + i;
-    p.top_ids[out] = i < count ? best_id[i] : -1;
-    p.top_logprobs[out] = i < count ? best_z[i] - l : -INFINITY;
+  if (holds) {
+    const int64_t out = static_cast<int64_t>(r) * k + lane;
+    p.top_ids[out] = best_id;
+    p.top_logprobs[out] = best_id >= 0 ? best_z - l : -INFINITY;
   }
+}
+
+// Enqueues this translation unit's combine for p.rows rows (and its top-k
+// merge when p.top_ids is set).
+static inline cudaError_t EnqueueCombineKernels(const CombineParams& p,
+                                                cudaStream_t stream) {
+  constexpr int kThreads = 128;
+  CombineKernel<<<static_cast<unsigned>((p.rows + kThreads - 1) / kThreads),
+                  kThreads, 0, stream>>>(p);
+  if (p.top_ids != nullptr) {
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    const int64_t threads = static_cast<int64_t>(p.rows) * 32;
+    CombineTopKKernel<<<static_cast<unsigned>((threads + kThreads - 1) /
+                                              kThreads),
+                        kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace detlogp::kernels::cuda::combine

@@ -29,6 +29,7 @@ namespace {
 namespace kv = ::detlogp::kernels::cuda::v3;
 namespace kp = ::detlogp::kernels::cuda::portable_v1;
 
+static_assert(kp::kMaxTopK == kv::kMaxTopK, "one top-k limit for both");
 static_assert(kp::kMaxSplits == kv::kMaxSplits,
               "both kernels take the same split tables and partials");
 
@@ -111,6 +112,7 @@ struct LinearLogpCuda::Impl {
   int32_t invariant_splits = 0;
   int32_t invariant_begin[kv::kMaxSplits + 1] = {};
   int64_t shard_begin = 0;
+  int smem_optin_bytes = 0;  // shared memory per block (the portable tilings)
   std::string instruction_set;  // for the determinism key
 };
 
@@ -147,7 +149,9 @@ absl::StatusOr<std::string> PreparePortable(const cudaDeviceProp& prop) {
         prop.minor));
   }
   kp::LoadedCode code;
-  if (cudaError_t e = kp::PrepareKernels(&code); e != cudaSuccess) {
+  if (cudaError_t e = kp::PrepareKernels(
+          static_cast<int>(prop.sharedMemPerBlockOptin), &code);
+      e != cudaSuccess) {
     (void)cudaGetLastError();
     return absl::FailedPreconditionError(absl::StrCat(
         "linear_logp_cuda: kernel ", kp::kVersion, " has no code for sm_",
@@ -184,7 +188,7 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::CreatePortable(
     const Options& options, const cudaDeviceProp& prop, int32_t all_splits,
     bool shard, int64_t held_begin) {
   if (prop.major >= 8 &&
-      prop.sharedMemPerBlockOptin < static_cast<size_t>(kp::kSmemBytes)) {
+      prop.sharedMemPerBlockOptin < static_cast<size_t>(kp::kMinSmemBytes)) {
     return absl::FailedPreconditionError(
         "linear_logp_cuda: not enough shared memory per block");
   }
@@ -198,6 +202,7 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::CreatePortable(
   impl->cc_major = prop.major;
   impl->cc_minor = prop.minor;
   impl->shard_begin = held_begin;
+  impl->smem_optin_bytes = static_cast<int>(prop.sharedMemPerBlockOptin);
   impl->instruction_set = *std::move(instruction_set);
   FillSplitTable(options, all_splits, shard, held_begin,
                  &impl->invariant_splits, impl->invariant_begin);
@@ -516,12 +521,6 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
 absl::Status LinearLogpCuda::LaunchPortableSplits(
     const LinearLogpBatchView& batch, const SplitPartials& partials,
     cudaStream_t stream) const {
-  if (batch.entropy != nullptr || batch.top_k > 0 ||
-      partials.mean_z != nullptr || partials.top_z != nullptr) {
-    return absl::UnimplementedError(absl::StrCat(
-        "linear_logp_cuda: kernel ", kp::kVersion,
-        " has no entropy or top-k yet (issue #13)"));
-  }
   const LinearLogpWeightsView& w = options_.weights;
   DeviceGuard guard;
   if (absl::Status s = guard.Enter(options_.device); !s.ok()) return s;
@@ -537,18 +536,21 @@ absl::Status LinearLogpCuda::LaunchPortableSplits(
   p.temperature = batch.temperature;
   p.logprobs = batch.logprobs;
   p.split_lse = partials.lse;
+  // Entropy partials whenever there is room for them, as for v3.
+  p.split_mean_z = partials.mean_z;
+  p.split_top_z = batch.top_k > 0 ? partials.top_z : nullptr;
+  p.split_top_id = batch.top_k > 0 ? partials.top_ids : nullptr;
+  p.top_k = batch.top_k;
+  p.id_offset = static_cast<int32_t>(impl_->shard_begin);
   p.hidden_size = w.hidden_size;
   p.padded_vocab = w.padded_vocab_size;
   p.rows = static_cast<int32_t>(batch.rows);
   p.k_blocks = static_cast<int32_t>(w.hidden_size / kp::kBlockK);
   p.num_splits = SplitTable(batch.rows, p.split_begin);
-  p.num_row_blocks =
-      static_cast<int32_t>((batch.rows + kp::kBlockM - 1) / kp::kBlockM);
-  const int64_t grid = int64_t{p.num_row_blocks} * p.num_splits;
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
   DETLOGP_CUDA_RETURN_IF_ERROR(
-      kp::EnqueueSplitKernel(p, static_cast<unsigned>(grid), stream));
+      kp::EnqueueSplitKernel(p, impl_->smem_optin_bytes, stream));
   return absl::OkStatus();
 }
 
@@ -595,16 +597,11 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
                     ? outputs.targets64
                     : nullptr;
   p.vocab_size = static_cast<int32_t>(nan_vocab_size);
-  constexpr int kCombineThreads = 128;
-  const int combine_grid =
-      static_cast<int>((rows + kCombineThreads - 1) / kCombineThreads);
   if (kernel == KernelKind::kPortable) {
-    DETLOGP_CUDA_RETURN_IF_ERROR(kp::EnqueueCombineKernel(
-        p, combine_grid, kCombineThreads, stream));
-    return absl::OkStatus();
+    DETLOGP_CUDA_RETURN_IF_ERROR(kp::EnqueueCombineKernel(p, stream));
+  } else {
+    DETLOGP_CUDA_RETURN_IF_ERROR(combine::EnqueueCombineKernels(p, stream));
   }
-  combine::CombineKernel<<<combine_grid, kCombineThreads, 0, stream>>>(p);
-  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
 

@@ -90,8 +90,8 @@ struct SplitPartials {
 
 // Which split-pass kernel a LinearLogpCuda runs: KernelKind (kernel_kind.h).
 // Both follow the same contract (split policy, partial format, combine);
-// their bits differ, so each has its own kernel version. kPortable computes
-// no entropy or top-k yet (UNIMPLEMENTED).
+// their bits differ, so each has its own kernel version. Both compute
+// entropy and top-k (the same epilogue code, linear_logp_epilogue.cuh).
 
 enum class SplitMode {
   kBatchInvariant,  // the product: split_policy.h, bits independent of N

@@ -78,9 +78,13 @@
 #include <cstdint>
 
 #include "kernels/cuda/hopper_ptx.cuh"
+#include "kernels/cuda/linear_logp_epilogue.cuh"
 #include "kernels/softmax_partial.h"
 
 namespace detlogp::kernels::cuda::v3 {
+
+using epilogue::RowState;
+using epilogue::TopKLists;
 
 inline constexpr char kVersion[] = "sm90a-wgmma-v3";
 
@@ -166,12 +170,6 @@ __host__ __device__ __forceinline__ int TileWidth(int size, int tile) {
   return 32 * (base + (tile < rem ? 1 : 0));
 }
 
-__device__ __forceinline__ float Ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 template <int kW>
 __device__ __forceinline__ void Wgmma(float* acc, uint64_t da, uint64_t db,
                                       int scale_d) {
@@ -192,170 +190,6 @@ __device__ __forceinline__ void Wgmma(float* acc, uint64_t da, uint64_t db,
   } else {
     static_assert(kW == 32, "tile widths are multiples of 32");
     ptx::WgmmaM64N32K16(acc, da, db, scale_d);
-  }
-}
-
-// acc[4 * j + k] for a run-time j < kJ and compile-time-free k in [0, 4),
-// through a switch so that the accumulators stay in registers (a select
-// chain gets turned into a local-memory array by the compiler).
-template <int kJ>
-__device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) {
-  float v[4];
-  switch (j) {
-#define DETLOGP_CASE(J)                                 \
-  case J:                                               \
-    if constexpr (J < kJ) {                             \
-      v[0] = acc[4 * J + 0];                            \
-      v[1] = acc[4 * J + 1];                            \
-      v[2] = acc[4 * J + 2];                            \
-      v[3] = acc[4 * J + 3];                            \
-    }                                                   \
-    break;
-    DETLOGP_CASE(0) DETLOGP_CASE(1) DETLOGP_CASE(2) DETLOGP_CASE(3)
-    DETLOGP_CASE(4) DETLOGP_CASE(5) DETLOGP_CASE(6) DETLOGP_CASE(7)
-    DETLOGP_CASE(8) DETLOGP_CASE(9) DETLOGP_CASE(10) DETLOGP_CASE(11)
-    DETLOGP_CASE(12) DETLOGP_CASE(13) DETLOGP_CASE(14) DETLOGP_CASE(15)
-    DETLOGP_CASE(16) DETLOGP_CASE(17) DETLOGP_CASE(18) DETLOGP_CASE(19)
-    DETLOGP_CASE(20) DETLOGP_CASE(21) DETLOGP_CASE(22) DETLOGP_CASE(23)
-    DETLOGP_CASE(24) DETLOGP_CASE(25) DETLOGP_CASE(26) DETLOGP_CASE(27)
-    DETLOGP_CASE(28) DETLOGP_CASE(29) DETLOGP_CASE(30) DETLOGP_CASE(31)
-#undef DETLOGP_CASE
-    default:
-      v[0] = v[1] = v[2] = v[3] = 0.0f;
-      break;
-  }
-  return k == 0 ? v[0] : (k == 1 ? v[1] : (k == 2 ? v[2] : v[3]));
-}
-
-struct RowState {
-  float max;
-  float sum;
-  float sum_y;  // sum of exp(z - max) * y (kEntropy only)
-};
-
-// The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
-// entry i of row r at z[i * kBlockM + r] (lane i reads entry i: no bank
-// conflicts), sorted best first and padded with empty entries (-inf, -1),
-// which rank after every real value and never let padding columns in.
-struct TopKLists {
-  float* z;
-  int32_t* id;
-  int row0;
-};
-
-__device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
-  for (int idx = lane; idx < 16 * k; idx += 32) {
-    const int at = (idx / 16) * kBlockM + l.row0 + idx % 16;
-    l.z[at] = -INFINITY;
-    l.id[at] = -1;
-  }
-  __syncwarp();
-}
-
-// Inserts (z, id) into the list of block row `row`, the whole warp at once:
-// lane i holds entry i, the candidate's place is the number of entries that
-// rank before it (a prefix: the list is sorted), entries from there move
-// down one and the last drops. Returns the list's worst z afterwards.
-__device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
-                                                int lane, int row, float z,
-                                                int32_t id) {
-  const bool holds = lane < k;
-  const int at = lane * kBlockM + row;
-  const float entry_z = holds ? l.z[at] : -INFINITY;
-  const int32_t entry_id = holds ? l.id[at] : -1;
-  const int place = __popc(__ballot_sync(
-      0xffffffffu, holds && RanksBefore(entry_z, entry_id, z, id)));
-  const float above_z = __shfl_up_sync(0xffffffffu, entry_z, 1);
-  const int32_t above_id = __shfl_up_sync(0xffffffffu, entry_id, 1);
-  float now_z = entry_z;
-  if (holds && lane >= place) {
-    now_z = lane == place ? z : above_z;
-    l.z[at] = now_z;
-    l.id[at] = lane == place ? id : above_id;
-  }
-  __syncwarp();
-  return __shfl_sync(0xffffffffu, now_z, k - 1);
-}
-
-// One fragment position whose values passed some lane's screen (pass0 for
-// the lanes' first rows, pass1 for their second; column id_col + 2 * quad
-// lane): every survivor goes into its row's list, and the row's quad
-// tightens its screen to the list's new worst entry. Not inlined: a copy
-// per position and tile width would overflow the instruction cache.
-__device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0, float z1,
-                                        unsigned pass0, unsigned pass1,
-                                        int32_t id_col, float2 screen) {
-  const int lane = threadIdx.x & 31;
-  while (pass0 != 0) {  // warp-uniform
-    const int src = __ffs(pass0) - 1;
-    pass0 &= pass0 - 1;
-    const float z = __shfl_sync(0xffffffffu, z0, src);
-    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2), z,
-                                       id_col + 2 * (src & 3));
-    if ((lane >> 2) == (src >> 2)) screen.x = fmaxf(screen.x, worst);
-  }
-  while (pass1 != 0) {
-    const int src = __ffs(pass1) - 1;
-    pass1 &= pass1 - 1;
-    const float z = __shfl_sync(0xffffffffu, z1, src);
-    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2) + 8, z,
-                                       id_col + 2 * (src & 3));
-    if ((lane >> 2) == (src >> 2)) screen.y = fmaxf(screen.y, worst);
-  }
-  return screen;
-}
-
-// Screens a tile's values of the thread's two rows against each row's worst
-// entry and a lower bound on the tile's own k-th best, and inserts the
-// survivors. Exact: the screen only drops values that rank after the list's
-// worst entry or that k others in the tile beat.
-template <int kW>
-__device__ __forceinline__ void TopKTile(const KernelParams& p, const float* acc,
-                                         int lane, int v0, const float* inv_t,
-                                         const TopKLists& lists) {
-  const int k = p.top_k;
-  float screen[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = lists.row0 + (lane >> 2) + 8 * h;
-    const float worst_z = lists.z[(k - 1) * kBlockM + row];
-    float lower = -INFINITY;
-    if (kW / 8 >= k) {
-      // Each of the quad's threads holds kW / 32 groups of 8 values per row:
-      // kW / 8 disjoint groups whose maxima are all >= their least.
-      float least = INFINITY;
-#pragma unroll
-      for (int g = 0; g < kW / 32; ++g) {
-        float gm = -INFINITY;
-#pragma unroll
-        for (int j = 4 * g; j < 4 * g + 4; ++j) {
-          gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
-        }
-        least = fminf(least, gm);
-      }
-      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
-      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
-      lower = least * inv_t[h];
-    }
-    screen[h] = fmaxf(lower, worst_z);
-  }
-  const int id_base = p.id_offset + v0;
-#pragma unroll
-  for (int j = 0; j < kW / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float z0 = acc[4 * j + e] * inv_t[0];
-      const float z1 = acc[4 * j + 2 + e] * inv_t[1];
-      const unsigned pass0 = __ballot_sync(0xffffffffu, z0 >= screen[0]);
-      const unsigned pass1 = __ballot_sync(0xffffffffu, z1 >= screen[1]);
-      if ((pass0 | pass1) != 0) {  // warp-uniform
-        const float2 tightened =
-            TopKSite(lists, k, z0, z1, pass0, pass1, id_base + 8 * j + e,
-                     make_float2(screen[0], screen[1]));
-        screen[0] = tightened.x;
-        screen[1] = tightened.y;
-      }
-    }
   }
 }
 
@@ -406,103 +240,10 @@ __device__ __forceinline__ void ConsumeTile(
   if (!active) return;
   if (lane_arrives) ptx::MbarArrive(&empty[prev_stage]);
 
-  // ---- epilogue: online softmax of z = (acc + bias) / T over the tile.
-  // y = acc + bias; the tile max of z is fl(max(y) * (1/T)) because rounding
-  // is monotone and 1/T > 0; exp(z - m) is evaluated as
-  // ex2(y * (log2e / T) - m * log2e).
-  constexpr float kLog2e = 1.4426950408889634f;
-  const int quad = lane & 3;
-  const int limit = valid < kW ? valid : kW;
-  float mx0 = -INFINITY, mx1 = -INFINITY;
-  if (limit == kW) {
-#pragma unroll
-    for (int j = 0; j < kW / 8; ++j) {
-      float2 b = make_float2(0.0f, 0.0f);
-      if (p.bias != nullptr) {
-        b = __ldg(reinterpret_cast<const float2*>(p.bias + v0 + 8 * j +
-                                                  2 * quad));
-      }
-      acc[4 * j + 0] += b.x;
-      acc[4 * j + 1] += b.y;
-      acc[4 * j + 2] += b.x;
-      acc[4 * j + 3] += b.y;
-      mx0 = fmaxf(mx0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < kW / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * quad + e;
-        const bool ok = col < limit;
-        float b = 0.0f;
-        if (p.bias != nullptr && ok) b = __ldg(p.bias + v0 + col);
-        const float y0 = acc[4 * j + e] + b;
-        const float y1 = acc[4 * j + 2 + e] + b;
-        acc[4 * j + e] = ok ? y0 : -INFINITY;
-        acc[4 * j + 2 + e] = ok ? y1 : -INFINITY;
-        mx0 = fmaxf(mx0, acc[4 * j + e]);
-        mx1 = fmaxf(mx1, acc[4 * j + 2 + e]);
-      }
-    }
-  }
-  // The target logit: only the one thread holding it does any work.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int tcol = rows.target[h] - v0;
-    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
-      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
-      p.logprobs[rows.row[h]] = y * rows.inv_t[h];
-    }
-  }
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float m0 = fmaxf(state[0].max, mx0 * rows.inv_t[0]);
-  const float m1 = fmaxf(state[1].max, mx1 * rows.inv_t[1]);
-  const float c0 = -m0 * kLog2e;
-  const float c1 = -m1 * kLog2e;
-  const float k0 = rows.inv_t[0] * kLog2e;
-  const float k1 = rows.inv_t[1] * kLog2e;
-  // Columns past the vocabulary hold y = -inf and weigh exp = 0; their y
-  // enters the entropy sum clamped to -FLT_MAX so that 0 * y stays 0.
-  const float y_floor = limit == kW ? -INFINITY : -FLT_MAX;
-  float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kW / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float e0 = Ex2(fmaf(acc[4 * j + e], k0, c0));
-      const float e1 = Ex2(fmaf(acc[4 * j + 2 + e], k1, c1));
-      s0 += e0;
-      s1 += e1;
-      if constexpr (kEntropy) {
-        t0 = fmaf(e0, fmaxf(acc[4 * j + e], y_floor), t0);
-        t1 = fmaf(e1, fmaxf(acc[4 * j + 2 + e], y_floor), t1);
-      }
-    }
-  }
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-  const float r0 = Ex2((state[0].max - m0) * kLog2e);
-  const float r1 = Ex2((state[1].max - m1) * kLog2e);
-  state[0].sum = state[0].sum * r0 + s0;
-  state[1].sum = state[1].sum * r1 + s1;
-  if constexpr (kEntropy) {
-    t0 += __shfl_xor_sync(0xffffffffu, t0, 1);
-    t1 += __shfl_xor_sync(0xffffffffu, t1, 1);
-    t0 += __shfl_xor_sync(0xffffffffu, t0, 2);
-    t1 += __shfl_xor_sync(0xffffffffu, t1, 2);
-    state[0].sum_y = state[0].sum_y * r0 + t0;
-    state[1].sum_y = state[1].sum_y * r1 + t1;
-  }
-  state[0].max = m0;
-  state[1].max = m1;
-  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, rows.inv_t, lists);
+  const epilogue::EpilogueParams ep{p.bias, p.logprobs, p.top_k, p.id_offset};
+  epilogue::FoldTile<kW, kEntropy, kTopK>(ep, acc, lane, v0, valid, rows.row,
+                                          rows.inv_t, rows.target, state,
+                                          lists);
 }
 
 template <bool kEntropy, bool kTopK>
@@ -585,8 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     ConsumerRows rows;
     RowState state[2];
     // The warp's rows' top-k lists, emptied for this item.
-    const TopKLists lists{top_z, top_id, consumer * 64 + warp * 16};
-    if constexpr (kTopK) TopKReset(lists, p.top_k, lane);
+    const TopKLists lists{top_z, top_id, consumer * 64 + warp * 16, kBlockM};
+    if constexpr (kTopK) epilogue::TopKReset(lists, p.top_k, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = slab + warp * 16 + (lane >> 2) + 8 * h;
@@ -650,31 +391,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (rows.row[h] < p.rows) {
-          // The split's partial {max, sum_exp} is stored as its logsumexp
-          // (the equivalent partial {lse_s, 1}): 4 bytes instead of 8.
-          const int64_t cell =
-              static_cast<int64_t>(rows.row[h]) * p.num_splits + split;
-          p.split_lse[cell] = state[h].max + logf(state[h].sum);
-          if constexpr (kEntropy) {
-            p.split_mean_z[cell] =
-                (state[h].sum_y / state[h].sum) * rows.inv_t[h];
-          }
+          epilogue::StoreSplitPartials(
+              p.split_lse, kEntropy ? p.split_mean_z : nullptr,
+              static_cast<int64_t>(rows.row[h]) * p.num_splits + split,
+              state[h], rows.inv_t[h]);
         }
       }
     }
     if constexpr (kTopK) {
-      // Each list, sorted, empty entries (id -1) last.
-      const int64_t first_row = static_cast<int64_t>(row_block) * kBlockM;
-      for (int idx = lane; idx < 16 * p.top_k; idx += 32) {
-        const int r = lists.row0 + idx % 16;
-        const int i = idx / 16;
-        if (!active || first_row + r >= p.rows) continue;
-        const int64_t out =
-            ((first_row + r) * p.num_splits + split) * p.top_k + i;
-        p.split_top_z[out] = lists.z[i * kBlockM + r];
-        p.split_top_id[out] = lists.id[i * kBlockM + r];
+      if (active) {
+        epilogue::StoreTopKLists(
+            lists, p.top_k, lane, static_cast<int64_t>(row_block) * kBlockM,
+            p.rows, p.num_splits, split, p.split_top_z, p.split_top_id);
       }
-      __syncwarp();
     }
   }
 }

@@ -1,8 +1,9 @@
-// The portable linear-logp kernel's translation unit: its split kernel and
-// its own copy of the combine kernel, built for sm_80, sm_86, sm_89 and sm_90
-// machine code and compute_80 PTX (kernels/cuda/BUILD). Nothing here is
-// sm_90a, so every cubin in this object's fatbin is one the portable kernel's
-// determinism key can name (linear_logp_portable.h).
+// The portable linear-logp kernel's translation unit: its split kernel (every
+// tiling and extras variant) and its own copy of the combine kernel, built
+// for sm_80, sm_86, sm_89 and sm_90 machine code and compute_80 PTX
+// (kernels/cuda/BUILD). Nothing here is sm_90a, so every cubin in this
+// object's fatbin is one the portable kernel's determinism key can name
+// (linear_logp_portable.h).
 #include "kernels/cuda/linear_logp_portable.h"
 
 #include <cuda_runtime.h>
@@ -11,45 +12,119 @@
 #include "kernels/cuda/linear_logp_portable_kernel.cuh"
 
 namespace detlogp::kernels::cuda::portable_v1 {
+namespace {
 
-cudaError_t PrepareKernels(LoadedCode* split_code) {
+using SplitKernel = void (*)(KernelParams);
+
+template <class T, bool kTopK>
+SplitKernel Variant(bool entropy) {
+  return entropy ? LinearLogpPortableSplitKernel<T, true, kTopK>
+                 : LinearLogpPortableSplitKernel<T, false, kTopK>;
+}
+
+// Dynamic shared memory and the carveout for one kernel: as much shared
+// memory as the SM has, so kMinBlocksPerSm CTAs fit where they can (a hint:
+// GPUs with less run one).
+cudaError_t Configure(SplitKernel kernel, int smem_bytes) {
+  if (cudaError_t e = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+      e != cudaSuccess) {
+    return e;
+  }
+  return cudaFuncSetAttribute(kernel,
+                              cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared);
+}
+
+// A tiling's variants with and without entropy.
+template <class T, bool kTopK>
+cudaError_t ConfigureTiling() {
+  for (const bool entropy : {false, true}) {
+    if (cudaError_t e = Configure(Variant<T, kTopK>(entropy), T::kSmemBytes);
+        e != cudaSuccess) {
+      return e;
+    }
+  }
+  return cudaSuccess;
+}
+
+struct Launch {
+  SplitKernel kernel;
+  int threads;
+  int smem_bytes;
+  int block_rows;
+};
+
+template <class T, bool kTopK>
+Launch LaunchOf(bool entropy) {
+  return Launch{Variant<T, kTopK>(entropy), T::kThreads, T::kSmemBytes,
+                T::kBlockM};
+}
+
+// The tiling for a batch: top-k has its own; N <= 64 streams the weight
+// through the deep ring where the GPU has its shared memory.
+Launch PickLaunch(const KernelParams& p, int smem_optin_bytes) {
+  const bool entropy = p.split_mean_z != nullptr;
+  if (p.top_k > 0) return LaunchOf<TopKTiling, true>(entropy);
+  if (p.rows <= NarrowTiling::kBlockM) {
+    return smem_optin_bytes >= NarrowTiling::kSmemBytes
+               ? LaunchOf<NarrowTiling, false>(entropy)
+               : LaunchOf<NarrowShallowTiling, false>(entropy);
+  }
+  return LaunchOf<WideTiling, false>(entropy);
+}
+
+}  // namespace
+
+cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
   cudaFuncAttributes attrs;
-  // The combine first: both must have code for the device.
+  // The combines first: all must have code for the device.
   if (cudaError_t e = cudaFuncGetAttributes(&attrs, combine::CombineKernel);
       e != cudaSuccess) {
     return e;
   }
   if (cudaError_t e =
-          cudaFuncGetAttributes(&attrs, LinearLogpPortableSplitKernel);
+          cudaFuncGetAttributes(&attrs, combine::CombineTopKKernel);
+      e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e = cudaFuncGetAttributes(
+          &attrs, LinearLogpPortableSplitKernel<WideTiling, false, false>);
       e != cudaSuccess) {
     return e;
   }
   split_code->binary_version = attrs.binaryVersion;
   split_code->ptx_version = attrs.ptxVersion;
-  if (cudaError_t e = cudaFuncSetAttribute(
-          LinearLogpPortableSplitKernel,
-          cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (cudaError_t e = ConfigureTiling<WideTiling, false>(); e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e = ConfigureTiling<TopKTiling, true>(); e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e = ConfigureTiling<NarrowShallowTiling, false>();
       e != cudaSuccess) {
     return e;
   }
-  // As much shared memory as the SM has, so kMinBlocksPerSm CTAs fit where
-  // they can (a hint: GPUs with less run one).
-  return cudaFuncSetAttribute(LinearLogpPortableSplitKernel,
-                              cudaFuncAttributePreferredSharedMemoryCarveout,
-                              cudaSharedmemCarveoutMaxShared);
+  if (smem_optin_bytes >= NarrowTiling::kSmemBytes) {
+    return ConfigureTiling<NarrowTiling, false>();
+  }
+  return cudaSuccess;
 }
 
-cudaError_t EnqueueSplitKernel(const KernelParams& params, unsigned grid,
+cudaError_t EnqueueSplitKernel(KernelParams params, int smem_optin_bytes,
                                cudaStream_t stream) {
-  LinearLogpPortableSplitKernel<<<grid, kThreads, kSmemBytes, stream>>>(
-      params);
+  const Launch launch = PickLaunch(params, smem_optin_bytes);
+  params.num_row_blocks = (params.rows + launch.block_rows - 1) /
+                          launch.block_rows;
+  const unsigned grid =
+      static_cast<unsigned>(params.num_row_blocks * params.num_splits);
+  launch.kernel<<<grid, launch.threads, launch.smem_bytes, stream>>>(params);
   return cudaGetLastError();
 }
 
 cudaError_t EnqueueCombineKernel(const combine::CombineParams& params,
-                                 int grid, int threads, cudaStream_t stream) {
-  combine::CombineKernel<<<grid, threads, 0, stream>>>(params);
-  return cudaGetLastError();
+                                 cudaStream_t stream) {
+  return combine::EnqueueCombineKernels(params, stream);
 }
 
 }  // namespace detlogp::kernels::cuda::portable_v1

@@ -25,18 +25,23 @@ struct LoadedCode {
 };
 
 // On the current device: loads the split and combine kernels (the first call
-// may JIT-compile the PTX), raises the split kernel's dynamic shared memory
-// to kSmemBytes and reports the split kernel's code. An error when this
-// build has no code the device can run.
-cudaError_t PrepareKernels(LoadedCode* split_code);
+// may JIT-compile the PTX), raises each split kernel variant's dynamic
+// shared memory (those that fit in smem_optin_bytes, the device's
+// cudaDevAttrMaxSharedMemoryPerBlockOptin) and reports the split kernel's
+// code. An error when this build has no code the device can run.
+cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code);
 
-// Enqueues the split pass over `grid` items (row blocks x splits).
-cudaError_t EnqueueSplitKernel(const KernelParams& params, unsigned grid,
+// Enqueues the split pass: picks the tiling for the batch's rows, extras and
+// the device's shared memory (the same smem_optin_bytes as PrepareKernels),
+// and launches one CTA per (row block, split). params.num_row_blocks is
+// the tiling's.
+cudaError_t EnqueueSplitKernel(KernelParams params, int smem_optin_bytes,
                                cudaStream_t stream);
 
-// Enqueues this translation unit's copy of the combine kernel.
+// Enqueues this translation unit's copy of the combine (its top-k variant
+// when params.top_ids is set).
 cudaError_t EnqueueCombineKernel(const combine::CombineParams& params,
-                                 int grid, int threads, cudaStream_t stream);
+                                 cudaStream_t stream);
 
 }  // namespace detlogp::kernels::cuda::portable_v1
 

@@ -10,7 +10,7 @@
 // tests/cuda/linear_logp_portable_test.cu.
 //
 // Contract (the same as v3, linear_logp_kernel.cuh):
-//   * A work item is (row block of kBlockM = 128 rows, vocabulary split s),
+//   * A work item is (row block of kBlockM rows, vocabulary split s),
 //     one CTA per item (grid = row blocks x splits). Splits come from the
 //     host's table (split_begin), in the batch-invariant mode
 //     kernels/split_policy.h's VocabSplitRange(V, s), a function of V alone.
@@ -22,13 +22,17 @@
 //   * Each logit is one mma.sync accumulation chain over k = 0, 16, ...,
 //     H - 16 (a fixed K order; mma.sync computes every output element from
 //     its own row and column only).
-//   * 8 warps; warp w owns rows 16w..16w+15 of the block across the whole
-//     128-column tile (16 n8 fragments, 64 fp32 accumulators per thread). A
-//     thread holds two rows (lane / 4 and lane / 4 + 8), like a v3 consumer,
-//     and the epilogue is v3's with W = 128: per-thread fold in fixed column
-//     order, then a fixed xor-shuffle over the 4 lanes of the row's quad, then
-//     the per-row online state (max, sum exp(z - max)) in ascending tile order.
-//     No shared-memory or cross-warp reduction, no atomics.
+//   * A warp owns 16 * kWarpMFrags rows of the block (one or two m16
+//     fragments) across the whole 128-column tile (16 n8 fragments, 64 fp32
+//     accumulators per m16 fragment and thread). A thread holds two rows per
+//     fragment (lane / 4 and lane / 4 + 8), like a v3 consumer, and each
+//     fragment's rows go through v3's epilogue with W = 128
+//     (linear_logp_epilogue.cuh, shared with the Hopper kernel): per-thread
+//     fold in fixed column order, then a fixed xor-shuffle over the 4 lanes
+//     of the row's quad, then the per-row online state (max, sum exp(z - max))
+//     in ascending tile order. No shared-memory or cross-warp reduction, no
+//     atomics. A row's arithmetic is the same whichever tiling, warp or
+//     fragment holds it.
 //   * The split's state is written once per (row, split) as its logsumexp to
 //     split_lse[row][split] (v3's partial format), folded by the shared
 //     combine kernel (linear_logp_combine_kernel.cuh, compiled in the same
@@ -36,23 +40,31 @@
 //   * z = y * inv_t with y = acc + bias and inv_t = __frcp_rn(T), as in v3;
 //     the thread that holds z[target] writes it to logprobs[row].
 //   * Rows >= N and weight rows >= the padded vocabulary are zero-filled by
-//     cp.async (never read out of bounds); warps whose 16 rows are all >= N
+//     cp.async (never read out of bounds); warps whose rows are all >= N
 //     skip their mma and never write.
-//   * Pipeline: kStages-deep cp.async ring of (A: 128 x kBlockK, B: 128 x
-//     kBlockK) bf16 tiles, one __syncthreads per K step; the (tile, k-block)
-//     steps of an item form one stream, so the ring runs across tiles.
-//     Shared rows of 128 bytes (kBlockK = 64), 16-byte chunks XOR-swizzled
-//     by row % 8 so that ldmatrix and cp.async hit distinct banks; 3 stages
-//     (96 KiB, under sm_86/sm_89's 99 KiB) and registers capped so two CTAs
-//     share an SM where it has the shared memory (sm_80, sm_90). The K depth
-//     per step, the ring and the occupancy are schedule only: every logit is
-//     the same mma chain and every fold the same order, so they keep the
-//     version's bits (checked on the H200: tools/device/logp_portable_bench.py
-//     digests equal for BK = 32 / 4 stages / one CTA per SM and this).
-// Entropy and top-k are not implemented for this kernel (the host rejects
-// them with UNIMPLEMENTED).
+//   * Pipeline: a kStages-deep cp.async ring of (A: kBlockM x kBlockK, B:
+//     128 x kBlockK) bf16 tiles, one __syncthreads per K step; the (tile,
+//     k-block) steps of an item form one stream, so the ring runs across
+//     tiles. Shared rows of 128 bytes, 16-byte chunks XOR-swizzled by
+//     row % 8 so that ldmatrix and cp.async hit distinct banks.
+//   * Tilings (Tiling below; EnqueueSplitKernel picks one by N and by the
+//     GPU's shared memory): wide, 128 rows as 4 warps x 32 rows, 3 stages
+//     (96 KiB), two CTAs per SM where the shared memory allows; narrow, for
+//     N <= 64, 64 rows as 4 warps x 16 rows with a deep ring (8 stages, 192
+//     KiB, where the GPU has it; 4 otherwise) so that the 132 CTAs of a small
+//     batch keep enough weight bytes in flight; top-k, 128 rows, 2 stages
+//     and the lists (96 KiB). Tilings, rings and occupancy are schedule only:
+//     every logit is the same mma chain and every fold the same order, so
+//     they keep the version's bits (a row alone, in the narrow tiling, equals
+//     the row in a large batch: tests/cuda/linear_logp_portable_test.cu).
+//   * Entropy and top-k are v3's (linear_logp_kernel.cuh; the same epilogue
+//     code): a mean-z partial per (row, split), and per (row, split) a
+//     sorted list of the k best (z, id) in shared memory, screened and
+//     inserted warp-wide, written to the workspace for the combine. Asking
+//     for them never changes logprob or lse bits.
 // Build flags matter for bits: -O3, no --use_fast_math / -ftz / -prec-div
-// changes. Any change to the arithmetic or the tiling must bump kVersion.
+// changes. Any change to the arithmetic or the vocabulary tiling must bump
+// kVersion.
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_PORTABLE_KERNEL_CUH_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_PORTABLE_KERNEL_CUH_
 
@@ -60,9 +72,47 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/linear_logp_epilogue.cuh"
 #include "kernels/cuda/linear_logp_portable_params.cuh"
 
 namespace detlogp::kernels::cuda::portable_v1 {
+
+using epilogue::RowState;
+using epilogue::TopKLists;
+
+// A CTA's shape and schedule. None of it enters a row's arithmetic.
+template <int kBlockM_, int kWarpMFrags_, int kStages_, int kMinBlocksPerSm_,
+          bool kListsInSmem_>
+struct Tiling {
+  static constexpr int kBlockM = kBlockM_;          // rows per item
+  static constexpr int kWarpMFrags = kWarpMFrags_;  // m16 fragments per warp
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr int kWarpRows = 16 * kWarpMFrags;
+  static constexpr int kWarps = kBlockM / kWarpRows;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kATileBytes = kBlockM * kRowBytes;
+  static constexpr int kStageBytes = kATileBytes + kBTileBytes;
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  // Top-k lists after the ring: kBlockM rows x kMaxTopK (z, id).
+  static constexpr int kSmemBytes =
+      kRingBytes + (kListsInSmem_ ? kBlockM * kMaxTopK * 8 : 0);
+  static_assert(kBlockM % kWarpRows == 0, "whole warps");
+  static_assert((kBlockM * kChunksPerRow) % kThreads == 0, "A copy split");
+  static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "B copy split");
+};
+
+// N > 64: 4 warps of 32 rows; two CTAs per SM where shared memory allows.
+using WideTiling = Tiling<128, 2, 3, 2, false>;
+// N <= 64: the weight stream is the cost; a deep ring keeps it in flight.
+using NarrowTiling = Tiling<64, 1, 8, 1, false>;
+// N <= 64 on GPUs without NarrowTiling's 192 KiB (sm_86, sm_89).
+using NarrowShallowTiling = Tiling<64, 1, 4, 1, false>;
+// Any N with top-k: the lists take the third stage's room.
+using TopKTiling = Tiling<128, 2, 2, 2, true>;
+static_assert(WideTiling::kSmemBytes <= kMinSmemBytes, "fits every sm_80+");
+static_assert(NarrowShallowTiling::kSmemBytes <= kMinSmemBytes, "fits too");
+static_assert(TopKTiling::kSmemBytes <= kMinSmemBytes, "fits too");
 
 // ------------------------------------------------------------------ PTX
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
@@ -107,19 +157,12 @@ __device__ __forceinline__ void MmaM16N8K16(float* d, const uint32_t* a,
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float Ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Byte offset of 16-byte chunk `chunk` of shared row `row` in a tile: the
-// chunk XOR-ed with the row's position among the rows sharing one 128-byte
-// bank line, so the 8 rows an ldmatrix phase reads hit 8 distinct 16-byte
-// bank groups.
+// chunk XOR-ed with the row's position among the 8 rows sharing one set of
+// banks, so the 8 rows an ldmatrix phase reads hit 8 distinct 16-byte bank
+// groups.
 __device__ __forceinline__ uint32_t Swizzle(int row, int chunk) {
-  const int phase = kChunksPerRow == 8 ? (row & 7) : ((row >> 1) & 3);
-  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ phase) << 4));
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
 // ------------------------------------------------------------------ helpers
@@ -135,59 +178,92 @@ __device__ __forceinline__ float RowTemperature(const KernelParams& p, int r) {
   return p.temperatures != nullptr ? p.temperatures[r] : p.temperature;
 }
 
+// A thread's share of every K step's copies, fixed for an item: chunk
+// tid % 8 of rows tid / 8 + kRowStride * i of the A and B tiles. Every row a
+// thread copies has the same row % 8, so one swizzled offset serves them all
+// (row i's is smem_offset + kRowStride * 128 * i), and the global addresses
+// are a base plus multiples of one stride: the per-step address arithmetic
+// stays a few adds.
+template <class T>
+struct CopyPlan {
+  static constexpr int kRowStride = T::kThreads / kChunksPerRow;
+  static constexpr int kACopies = T::kBlockM / kRowStride;
+  static constexpr int kBCopies = kBlockN / kRowStride;
+
+  __device__ __forceinline__ CopyPlan(const KernelParams& p, int row0,
+                                      int begin) {
+    const int row = threadIdx.x / kChunksPerRow;
+    const int chunk = threadIdx.x % kChunksPerRow;
+    smem_offset = Swizzle(row, chunk);
+    stride = static_cast<int64_t>(kRowStride) * p.hidden_size;
+    a_src = p.hidden + (row0 + row) * p.hidden_size + chunk * 8;
+    b_src = p.weight + (begin + row) * p.hidden_size + chunk * 8;
+    a_rows_left = p.rows - (row0 + row);
+    b_rows_left = p.padded_vocab - (begin + row);
+  }
+
+  const __nv_bfloat16* a_src;  // row0 + tid / 8's chunk at k = 0
+  const __nv_bfloat16* b_src;  // weight row begin + tid / 8's chunk at k = 0
+  int64_t stride;              // kRowStride rows, in elements
+  int64_t b_rows_left;         // weight rows from begin + tid / 8 on
+  int a_rows_left;             // batch rows from row0 + tid / 8 on
+  uint32_t smem_offset;
+};
+
 // Issues the cp.async copies of K step `step` of an item (tile step /
-// k_blocks, k-block step % k_blocks) into ring slot `slot`.
-__device__ __forceinline__ void LoadStep(const KernelParams& p, uint8_t* smem,
-                                         int slot, int step, int row0,
-                                         int begin) {
+// k_blocks, k-block step % k_blocks) into ring slot `slot`; rows >= N and
+// weight rows >= the padded vocabulary are zero-filled.
+template <class T>
+__device__ __forceinline__ void LoadStep(const KernelParams& p,
+                                         const CopyPlan<T>& plan, uint8_t* smem,
+                                         int slot, int step) {
   const int tile = step / p.k_blocks;
   const int kb = step - tile * p.k_blocks;
   const int64_t k0 = static_cast<int64_t>(kb) * kBlockK;
-  const int64_t v0 = begin + static_cast<int64_t>(tile) * kBlockN;
-  uint8_t* a_tile = smem + slot * kStageBytes;
-  uint8_t* b_tile = a_tile + kATileBytes;
-  const uint32_t a_base = SmemAddr(a_tile);
-  const uint32_t b_base = SmemAddr(b_tile);
+  const uint32_t a_dst =
+      SmemAddr(smem + slot * T::kStageBytes) + plan.smem_offset;
+  const uint32_t b_dst = a_dst + T::kATileBytes;
+  const __nv_bfloat16* a_src = plan.a_src + k0;
 #pragma unroll
-  for (int i = 0; i < kBlockM * kChunksPerRow / kThreads; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    const int row = c / kChunksPerRow;
-    const int chunk = c % kChunksPerRow;
-    const int64_t r = row0 + row;
-    const bool ok = r < p.rows;
-    const __nv_bfloat16* src =
-        ok ? p.hidden + r * p.hidden_size + k0 + chunk * 8 : p.hidden;
-    CpAsync16(a_base + Swizzle(row, chunk), src, ok);
+  for (int i = 0; i < CopyPlan<T>::kACopies; ++i) {
+    const bool ok = i * CopyPlan<T>::kRowStride < plan.a_rows_left;
+    CpAsync16(a_dst + i * CopyPlan<T>::kRowStride * kRowBytes,
+              ok ? a_src + i * plan.stride : p.hidden, ok);
   }
+  const int64_t tile_row = static_cast<int64_t>(tile) * kBlockN;
+  const __nv_bfloat16* b_src = plan.b_src + tile_row * p.hidden_size + k0;
+  const int64_t b_rows_left = plan.b_rows_left - tile_row;
 #pragma unroll
-  for (int i = 0; i < kBlockN * kChunksPerRow / kThreads; ++i) {
-    const int c = threadIdx.x + i * kThreads;
-    const int row = c / kChunksPerRow;
-    const int chunk = c % kChunksPerRow;
-    const int64_t v = v0 + row;
-    const bool ok = v < p.padded_vocab;
-    const __nv_bfloat16* src =
-        ok ? p.weight + v * p.hidden_size + k0 + chunk * 8 : p.weight;
-    CpAsync16(b_base + Swizzle(row, chunk), src, ok);
+  for (int i = 0; i < CopyPlan<T>::kBCopies; ++i) {
+    const bool ok = i * CopyPlan<T>::kRowStride < b_rows_left;
+    CpAsync16(b_dst + i * CopyPlan<T>::kRowStride * kRowBytes,
+              ok ? b_src + i * plan.stride : p.weight, ok);
   }
 }
 
-// The mma of one K step for a warp's 16 rows x 128 columns.
-__device__ __forceinline__ void ComputeStep(const uint8_t* smem, int slot,
+// The mma of k16 steps [kFirst, kLast) of a K step for a warp's kWarpRows
+// rows x 128 columns: each B fragment pair feeds every m16 fragment of the
+// warp (the reuse that makes two fragments per warp cheaper in shared-memory
+// reads per mma).
+template <class T, int kFirst, int kLast>
+__device__ __forceinline__ void ComputeK16s(const uint8_t* smem, int slot,
                                             int warp, int lane, float* acc) {
-  const uint8_t* a_tile = smem + slot * kStageBytes;
-  const uint8_t* b_tile = a_tile + kATileBytes;
+  constexpr int kNFrags = kBlockN / 8;
+  const uint8_t* a_tile = smem + slot * T::kStageBytes;
+  const uint8_t* b_tile = a_tile + T::kATileBytes;
   const uint32_t a_base = SmemAddr(a_tile);
   const uint32_t b_base = SmemAddr(b_tile);
 #pragma unroll
-  for (int ks = 0; ks < kBlockK / 16; ++ks) {
-    // A fragment: lanes 0-15 address rows 0-15 at k 0-7, lanes 16-31 the
+  for (int ks = kFirst; ks < kLast; ++ks) {
+    // A fragments: lanes 0-15 address rows 0-15 at k 0-7, lanes 16-31 the
     // same rows at k 8-15 (ldmatrix matrices a0..a3 of m16n8k16).
-    uint32_t a[4];
-    {
-      const int row = warp * kWarpRows + (lane & 15);
+    uint32_t a[T::kWarpMFrags][4];
+#pragma unroll
+    for (int m = 0; m < T::kWarpMFrags; ++m) {
+      const int row = warp * T::kWarpRows + 16 * m + (lane & 15);
       const int chunk = ks * 2 + (lane >> 4);
-      LdMatrixX4(a_base + Swizzle(row, chunk), a[0], a[1], a[2], a[3]);
+      LdMatrixX4(a_base + Swizzle(row, chunk), a[m][0], a[m][1], a[m][2],
+                 a[m][3]);
     }
     // B fragments, two n8 fragments per ldmatrix.x4: matrices (n 0-7, k 0-7),
     // (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15). The weight is
@@ -198,119 +274,23 @@ __device__ __forceinline__ void ComputeStep(const uint8_t* smem, int slot,
       const int chunk = ks * 2 + ((lane >> 3) & 1);
       uint32_t b0, b1, b2, b3;
       LdMatrixX4(b_base + Swizzle(n, chunk), b0, b1, b2, b3);
-      MmaM16N8K16(acc + 4 * (2 * np), a, b0, b1);
-      MmaM16N8K16(acc + 4 * (2 * np + 1), a, b2, b3);
+#pragma unroll
+      for (int m = 0; m < T::kWarpMFrags; ++m) {
+        float* frag = acc + 4 * kNFrags * m;
+        MmaM16N8K16(frag + 4 * (2 * np), a[m], b0, b1);
+        MmaM16N8K16(frag + 4 * (2 * np + 1), a[m], b2, b3);
+      }
     }
   }
-}
-
-struct RowState {
-  float max;
-  float sum;
-};
-
-// acc[4 * j + k] for a run-time j < kNFrags and k < 4, through a switch so
-// that the accumulators stay in registers (an unrolled select chain was
-// turned into a 256-byte local-memory array by ptxas), as v3 does.
-__device__ __forceinline__ float SelectFragment(const float* acc, int j,
-                                                int k) {
-  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  switch (j) {
-#define DETLOGP_PORTABLE_CASE(J) \
-  case J:                        \
-    v[0] = acc[4 * J + 0];       \
-    v[1] = acc[4 * J + 1];       \
-    v[2] = acc[4 * J + 2];       \
-    v[3] = acc[4 * J + 3];       \
-    break;
-    DETLOGP_PORTABLE_CASE(0) DETLOGP_PORTABLE_CASE(1)
-    DETLOGP_PORTABLE_CASE(2) DETLOGP_PORTABLE_CASE(3)
-    DETLOGP_PORTABLE_CASE(4) DETLOGP_PORTABLE_CASE(5)
-    DETLOGP_PORTABLE_CASE(6) DETLOGP_PORTABLE_CASE(7)
-    DETLOGP_PORTABLE_CASE(8) DETLOGP_PORTABLE_CASE(9)
-    DETLOGP_PORTABLE_CASE(10) DETLOGP_PORTABLE_CASE(11)
-    DETLOGP_PORTABLE_CASE(12) DETLOGP_PORTABLE_CASE(13)
-    DETLOGP_PORTABLE_CASE(14) DETLOGP_PORTABLE_CASE(15)
-#undef DETLOGP_PORTABLE_CASE
-    default:
-      break;
-  }
-  return k == 0 ? v[0] : (k == 1 ? v[1] : (k == 2 ? v[2] : v[3]));
-}
-static_assert(kNFrags == 16, "SelectFragment has 16 cases");
-
-// Folds a finished 128-column tile starting at v0 (valid columns: `valid`,
-// may exceed 128) into the thread's two rows' states; writes z[target].
-// v3's epilogue with W = 128: y = acc + bias, tile max of z is
-// fl(max(y) * inv_t), exp(z - m) = ex2(y * (inv_t * log2e) - m * log2e).
-__device__ __forceinline__ void FoldTile(const KernelParams& p, float* acc,
-                                         int lane, int v0, int valid,
-                                         const int* row, const float* inv_t,
-                                         const int* target, RowState* state) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  const int quad = lane & 3;
-  const int limit = valid < kBlockN ? valid : kBlockN;
-  float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < kNFrags; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * j + 2 * quad + e;
-      const bool ok = col < limit;
-      float b = 0.0f;
-      if (p.bias != nullptr && ok) b = __ldg(p.bias + v0 + col);
-      const float y0 = acc[4 * j + e] + b;
-      const float y1 = acc[4 * j + 2 + e] + b;
-      acc[4 * j + e] = ok ? y0 : -INFINITY;
-      acc[4 * j + 2 + e] = ok ? y1 : -INFINITY;
-      mx0 = fmaxf(mx0, acc[4 * j + e]);
-      mx1 = fmaxf(mx1, acc[4 * j + 2 + e]);
-    }
-  }
-  // The target logit: the one thread holding it writes z = y * inv_t.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int tcol = target[h] - v0;
-    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
-      const float y = SelectFragment(acc, tcol >> 3, 2 * h + (tcol & 1));
-      p.logprobs[row[h]] = y * inv_t[h];
-    }
-  }
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float m0 = fmaxf(state[0].max, mx0 * inv_t[0]);
-  const float m1 = fmaxf(state[1].max, mx1 * inv_t[1]);
-  const float c0 = -m0 * kLog2e;
-  const float c1 = -m1 * kLog2e;
-  const float k0 = inv_t[0] * kLog2e;
-  const float k1 = inv_t[1] * kLog2e;
-  float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kNFrags; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      s0 += Ex2(fmaf(acc[4 * j + e], k0, c0));
-      s1 += Ex2(fmaf(acc[4 * j + 2 + e], k1, c1));
-    }
-  }
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-  const float r0 = Ex2((state[0].max - m0) * kLog2e);
-  const float r1 = Ex2((state[1].max - m1) * kLog2e);
-  state[0].sum = state[0].sum * r0 + s0;
-  state[1].sum = state[1].sum * r1 + s1;
-  state[0].max = m0;
-  state[1].max = m1;
 }
 
 // One CTA per item: blockIdx.x = split * num_row_blocks + row_block (the
 // row blocks of a split run together and share its weight rows in L2).
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+template <class T, bool kEntropy, bool kTopK>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
     LinearLogpPortableSplitKernel(const __grid_constant__ KernelParams p) {
+  constexpr int kFragAcc = 4 * (kBlockN / 8);  // accumulators per m16 frag
+  constexpr int kRows = 2 * T::kWarpMFrags;    // rows a thread holds
   extern __shared__ __align__(128) uint8_t smem[];
   const int item = blockIdx.x;
   const int split = item / p.num_row_blocks;
@@ -319,65 +299,96 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const int end = p.split_begin[split + 1];
   const int tiles = (end - begin + kBlockN - 1) / kBlockN;
   const int steps = tiles * p.k_blocks;
-  const int row0 = row_block * kBlockM;
+  const int row0 = row_block * T::kBlockM;
 
   // Broadcast so that the compiler sees warp-uniform values.
   const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
   const int lane = threadIdx.x & 31;
-  const bool active = row0 + warp * kWarpRows < p.rows;
+  const bool active = row0 + warp * T::kWarpRows < p.rows;
 
-  int row[2], target[2];
-  float inv_t[2];
-  RowState state[2];
+  float* top_z = reinterpret_cast<float*>(smem + T::kRingBytes);
+  int32_t* top_id = reinterpret_cast<int32_t*>(top_z + T::kBlockM * kMaxTopK);
+  TopKLists lists[T::kWarpMFrags];
+  int row[kRows], target[kRows];
+  float inv_t[kRows];
+  RowState state[kRows];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = row0 + warp * kWarpRows + (lane >> 2) + 8 * h;
-    row[h] = r;
-    const bool in = r < p.rows;
-    inv_t[h] = in ? __frcp_rn(RowTemperature(p, r)) : 1.0f;
-    target[h] = in ? RowTarget(p, r) : -(1 << 30);
-    state[h] = RowState{-INFINITY, 0.0f};
+  for (int m = 0; m < T::kWarpMFrags; ++m) {
+    lists[m] = TopKLists{top_z, top_id, warp * T::kWarpRows + 16 * m,
+                         T::kBlockM};
+    if constexpr (kTopK) epilogue::TopKReset(lists[m], p.top_k, lane);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + lists[m].row0 + (lane >> 2) + 8 * h;
+      const int i = 2 * m + h;
+      row[i] = r;
+      const bool in = r < p.rows;
+      inv_t[i] = in ? __frcp_rn(RowTemperature(p, r)) : 1.0f;
+      target[i] = in ? RowTarget(p, r) : -(1 << 30);
+      state[i] = RowState{-INFINITY, 0.0f, 0.0f};
+    }
   }
+  const epilogue::EpilogueParams ep{p.bias, p.logprobs, p.top_k, p.id_offset};
 
-  float acc[4 * kNFrags];
+  float acc[kFragAcc * T::kWarpMFrags];
 #pragma unroll
-  for (int i = 0; i < 4 * kNFrags; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < kFragAcc * T::kWarpMFrags; ++i) acc[i] = 0.0f;
 
   // Prologue: steps 0 .. kStages-2 in flight (empty groups past the end keep
   // the group count uniform).
+  const CopyPlan<T> plan(p, row0, begin);
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < steps) LoadStep(p, smem, s, s, row0, begin);
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    if (s < steps) LoadStep<T>(p, plan, smem, s, s);
     CpAsyncCommit();
   }
+  constexpr int kK16s = kBlockK / 16;
   for (int step = 0; step < steps; ++step) {
-    CpAsyncWait<kStages - 2>();  // step's group has landed (this thread's)
-    __syncthreads();             // ... every thread's; slot step-1 is free
-    const int next = step + kStages - 1;
-    if (next < steps) LoadStep(p, smem, next % kStages, next, row0, begin);
+    CpAsyncWait<T::kStages - 2>();  // step's group has landed (this thread's)
+    __syncthreads();                // ... every thread's; slot step-1 is free
+    const int slot = step % T::kStages;
+    // The first k16 step's mma go ahead of the next copies, so the tensor
+    // cores have work while the copies are issued.
+    if (active) ComputeK16s<T, 0, 1>(smem, slot, warp, lane, acc);
+    const int next = step + T::kStages - 1;
+    if (next < steps) LoadStep<T>(p, plan, smem, next % T::kStages, next);
     CpAsyncCommit();
-    if (active) ComputeStep(smem, step % kStages, warp, lane, acc);
+    if (active) ComputeK16s<T, 1, kK16s>(smem, slot, warp, lane, acc);
     const int tile = step / p.k_blocks;
     if (step - tile * p.k_blocks == p.k_blocks - 1) {
       if (active) {
         const int v0 = begin + tile * kBlockN;
-        FoldTile(p, acc, lane, v0, end - v0, row, inv_t, target, state);
+#pragma unroll
+        for (int m = 0; m < T::kWarpMFrags; ++m) {
+          epilogue::FoldTile<kBlockN, kEntropy, kTopK>(
+              ep, acc + kFragAcc * m, lane, v0, end - v0, row + 2 * m,
+              inv_t + 2 * m, target + 2 * m, state + 2 * m, lists[m]);
+        }
       }
 #pragma unroll
-      for (int i = 0; i < 4 * kNFrags; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < kFragAcc * T::kWarpMFrags; ++i) acc[i] = 0.0f;
     }
   }
   CpAsyncWait<0>();
 
-  if (active && (lane & 3) == 0) {
+  if (!active) return;
+  if ((lane & 3) == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (row[h] < p.rows) {
-        // The split's partial {max, sum} as its logsumexp (v3's format).
-        const int64_t cell =
-            static_cast<int64_t>(row[h]) * p.num_splits + split;
-        p.split_lse[cell] = state[h].max + logf(state[h].sum);
+    for (int i = 0; i < kRows; ++i) {
+      if (row[i] < p.rows) {
+        epilogue::StoreSplitPartials(
+            p.split_lse, kEntropy ? p.split_mean_z : nullptr,
+            static_cast<int64_t>(row[i]) * p.num_splits + split, state[i],
+            inv_t[i]);
       }
+    }
+  }
+  if constexpr (kTopK) {
+#pragma unroll
+    for (int m = 0; m < T::kWarpMFrags; ++m) {
+      epilogue::StoreTopKLists(lists[m], p.top_k, lane, row0, p.rows,
+                               p.num_splits, split, p.split_top_z,
+                               p.split_top_id);
     }
   }
 }

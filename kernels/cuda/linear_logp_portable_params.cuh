@@ -15,33 +15,20 @@ namespace detlogp::kernels::cuda::portable_v1 {
 
 inline constexpr char kVersion[] = "portable-mma-sync-v1";
 
-inline constexpr int kBlockM = 128;  // rows per item
 inline constexpr int kBlockN = 128;  // vocabulary columns per tile
 inline constexpr int kBlockK = 64;   // bf16 per shared row: 128 bytes
-inline constexpr int kStages = 3;
-// Two CTAs per SM where shared memory allows (sm_80, sm_90: 16 warps to
-// hide the mma and copy latencies); registers are capped for it.
-inline constexpr int kMinBlocksPerSm = 2;
-inline constexpr int kWarps = 8;
-inline constexpr int kThreads = 32 * kWarps;
-inline constexpr int kWarpRows = kBlockM / kWarps;  // 16: one m16 fragment
-inline constexpr int kNFrags = kBlockN / 8;         // 16 n8 fragments
-inline constexpr int kRowBytes = kBlockK * 2;       // 128
+inline constexpr int kRowBytes = kBlockK * 2;         // 128
 inline constexpr int kChunksPerRow = kRowBytes / 16;  // 8
-inline constexpr int kATileBytes = kBlockM * kRowBytes;  // 8 KiB
-inline constexpr int kBTileBytes = kBlockN * kRowBytes;  // 8 KiB
-inline constexpr int kStageBytes = kATileBytes + kBTileBytes;
-inline constexpr int kSmemBytes = kStages * kStageBytes;  // 96 KiB
+inline constexpr int kBTileBytes = kBlockN * kRowBytes;  // 16 KiB
 inline constexpr int kMaxSplits = 256;  // as v3: 4 B per split, <= 1 KiB/row
+inline constexpr int kMaxTopK = 32;     // as v3 (kernels/lm_head.h)
+// Shared memory per block the kernel needs on any GPU: every tiling has a
+// variant within it (99 KiB is the opt-in maximum of sm_86/sm_89, the
+// smallest of sm_80+).
+inline constexpr int kMinSmemBytes = 96 * 1024;
 
-static_assert(kWarpRows == 16, "one m16 fragment per warp");
 static_assert(kBlockK % 16 == 0, "k16 steps");
-static_assert(kChunksPerRow == 4 || kChunksPerRow == 8,
-              "the swizzle handles 64- and 128-byte rows");
-static_assert((kBlockM * kChunksPerRow) % kThreads == 0, "A copy split");
-static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "B copy split");
-// 99 KiB is the opt-in maximum on sm_86/sm_89, the smallest of sm_80+.
-static_assert(kSmemBytes <= 99 * 1024, "fits every sm_80+ GPU");
+static_assert(kChunksPerRow == 8, "the swizzle handles 128-byte rows");
 
 struct KernelParams {
   const __nv_bfloat16* hidden;   // [rows][hidden]
@@ -53,12 +40,17 @@ struct KernelParams {
   float temperature;             // every row's, when temperatures is null
   float* logprobs;               // [rows]: z[target] here
   float* split_lse;              // [rows][num_splits]: logsumexp of split
+  float* split_mean_z;           // [rows][num_splits] or null: no entropy
+  float* split_top_z;            // [rows][num_splits][top_k] or null
+  int32_t* split_top_id;         // [rows][num_splits][top_k] (top_k > 0)
+  int32_t top_k;                 // 0 (none) or 1..kMaxTopK
+  int32_t id_offset;             // added to top-k ids (a shard's first row)
   int64_t hidden_size;           // H, a multiple of 64
   int64_t padded_vocab;          // weight rows that may be read
   int32_t rows;
   int32_t k_blocks;              // H / kBlockK
   int32_t num_splits;
-  int32_t num_row_blocks;
+  int32_t num_row_blocks;        // set by EnqueueSplitKernel (its tiling)
   int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
 };
 

@@ -26,9 +26,9 @@ struct BackendDescription {
   std::string device;           // human readable, e.g. "cuda:0 NVIDIA H200"
   std::string instruction_set;  // part of the determinism key, e.g. "sm_90a"
   std::string kernel_version;   // changes whenever bits may change
-  // Empty when the backend computes entropy and top-k; otherwise why not
-  // (e.g. the portable CUDA kernel): requests asking for them are refused
-  // with FAILED_PRECONDITION naming the field.
+  // Empty when the backend computes entropy and top-k (every backend today);
+  // otherwise why not: requests asking for them are refused with
+  // FAILED_PRECONDITION naming the field, never answered without them.
   std::string extras_unavailable;
   // Batches a backend wants in flight at once (copies overlap compute).
   int preferred_inflight_batches = 1;

@@ -238,12 +238,6 @@ class CudaBackend final : public LogpBackend {
     backend->description_.instruction_set = instruction_set;
     backend->description_.kernel_version =
         LinearLogpCuda::KernelVersion(selection->kernel);
-    if (selection->kernel == kernels::cuda::KernelKind::kPortable) {
-      backend->description_.extras_unavailable = absl::StrCat(
-          "kernel ", backend->description_.kernel_version,
-          " computes no entropy or top-k (issue #13); the Hopper kernel does "
-          "(compute capability 9.0, --logp_kernel=auto or hopper)");
-    }
     backend->description_.preferred_inflight_batches =
         options.vocab_parallel ? 4 : 4 * static_cast<int>(used.size());
     // A batch of small calls takes ~0.35 ms; a sleeping batch thread took

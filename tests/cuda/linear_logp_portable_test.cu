@@ -26,6 +26,7 @@
 #include "kernels/bfloat16.h"
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "kernels/split_policy.h"
+#include "tests/cuda/linear_logp_extras_checks.cuh"
 #include "tests/cuda/linear_logp_test_support.cuh"
 
 namespace detlogp::kernels::cuda {
@@ -307,26 +308,31 @@ TEST(LinearLogpPortableInputs, Int64TargetsAndScalarTemperatureKeepTheBits) {
   ExpectInt64TargetsAndScalarTemperatureKeepBits(KernelKind::kPortable);
 }
 
-TEST(LinearLogpPortableInputs, EntropyAndTopKAreUnimplemented) {
+// ------------------------------------------------------------ entropy, top-k
+// The Hopper kernel's checks (tests/cuda/linear_logp_extras_checks.cuh).
+TEST_F(PortableFullVocabTest, ExtrasNeverChangeLogprobBits) {
   REQUIRE_SM90();
-  auto w = MakeWeights(64, 100, 128, /*bias=*/false);
-  auto batch = MakeBatch(4, 64, 100);
-  auto k = MakeKernel(*w);
-  ASSERT_NE(k, nullptr);
-  DevBuf<float> lp(4), lse(4), ent(4), top_lp(4 * 2);
-  DevBuf<int32_t> top_ids(4 * 2);
-  DevBuf<uint8_t> ws(k->WorkspaceBytes(4, true, 2));
-  LinearLogpBatchView view{batch->hidden.ptr, batch->targets.ptr,
-                           batch->temps.ptr, lp.ptr, lse.ptr, 4};
-  view.entropy = ent.ptr;
-  EXPECT_EQ(k->Launch(view, ws.ptr, nullptr).code(),
-            absl::StatusCode::kUnimplemented);
-  view.entropy = nullptr;
-  view.top_k = 2;
-  view.top_ids = top_ids.ptr;
-  view.top_logprobs = top_lp.ptr;
-  EXPECT_EQ(k->Launch(view, ws.ptr, nullptr).code(),
-            absl::StatusCode::kUnimplemented);
+  ExpectExtrasNeverChangeLogprobBits(*weights_, KernelKind::kPortable);
+}
+
+TEST_F(PortableFullVocabTest, ExtrasOfARowAloneEqualTheRowAnywhere) {
+  REQUIRE_SM90();
+  ExpectExtrasOfARowAloneEqualTheRowAnywhere(*weights_, KernelKind::kPortable);
+}
+
+TEST(LinearLogpPortableExtras, SmallVocabulariesAndPadding) {
+  REQUIRE_SM90();
+  ExpectExtrasOfSmallVocabulariesAndPadding(KernelKind::kPortable);
+}
+
+TEST(LinearLogpPortableExtras, FlatAndPeakedRows) {
+  REQUIRE_SM90();
+  ExpectExtrasOfFlatAndPeakedRows(KernelKind::kPortable);
+}
+
+TEST(LinearLogpPortableExtras, RejectsBadTopK) {
+  REQUIRE_SM90();
+  ExpectBadTopKRejected(KernelKind::kPortable);
 }
 
 }  // namespace

@@ -8,6 +8,8 @@ leave logprob/lse bits alone and measures accuracy against float64 on a few
 rows. FLOPs are counted as 2*N*H*V for every variant.
 
   python3 tools/device/logp_extras_bench.py --lib .device/logp/liblogp_bench.so
+
+--kernel=portable measures the portable mma.sync kernel (issue #13), forced.
 """
 import ctypes
 import json
@@ -53,16 +55,19 @@ def reference(hidden, W, bias, temps, rows):
 
 
 def main():
-    args = bench_arguments().parse_args()
+    ap = bench_arguments()
+    ap.add_argument("--kernel", choices=("hopper", "portable"), default="hopper")
+    args = ap.parse_args()
 
     lib = load(args.lib)
-    version = lib.logp_version().decode()
+    version = lib.logp_version().decode() if args.kernel == "hopper" else "portable"
     H, V, Vp = args.hidden, args.vocab, args.padded_vocab
     dev = torch.device("cuda")
     torch.manual_seed(torch.seed())
     W = (torch.randn(Vp, H, device=dev) * 0.02).to(torch.bfloat16)
     bias = torch.randn(Vp, device=dev) * 0.1
-    handle = lib.logp_create(W.data_ptr(), bias.data_ptr(), H, V, Vp, 0, 0)
+    mode = 0 if args.kernel == "hopper" else 2
+    handle = lib.logp_create(W.data_ptr(), bias.data_ptr(), H, V, Vp, mode, 0)
     if not handle:
         sys.exit("logp_create failed")
     stream = torch.cuda.current_stream().cuda_stream

@@ -9,10 +9,10 @@ floor from a device copy of the weight measured in the same run.
 
   python3 tools/device/logp_portable_bench.py --lib .device/logp/liblogp_bench.so
 
-Inputs come from a fixed seed, and each line ends with a digest of the
-portable kernel's logprobs and lse: two builds that print the same digests
-give the same bits (how a build that only retunes the kernel's schedule
-shows it kept the kernel version's bits).
+Inputs come from a fixed seed, and each line ends with digests of the
+portable and the Hopper kernels' logprobs and lse: two builds that print the
+same digests give the same bits (how a build that only retunes a kernel's
+schedule, or moves its code, shows it kept the kernel version's bits).
 """
 import ctypes
 import hashlib
@@ -83,8 +83,9 @@ def main():
             outs.append((lp, lse))
         torch.cuda.synchronize()
         err = (outs[0][0] - outs[1][0]).abs().max().item()
-        digest = hashlib.sha256(outs[0][0].cpu().numpy().tobytes() +
-                                outs[0][1].cpu().numpy().tobytes()).hexdigest()[:12]
+        digests = [hashlib.sha256(lp.cpu().numpy().tobytes() +
+                                  lse.cpu().numpy().tobytes()).hexdigest()[:12]
+                   for lp, lse in outs]
         (p_ms, _, _), (h_ms, _, _) = median_ms_interleaved(fns, args.reps)
 
         def eager():
@@ -99,7 +100,8 @@ def main():
         tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
         print(f"{n:>5} {p_ms:>11.4f} {tf(p_ms):>8.1f} {p_ms / floor_ms:>7.2f} {h_ms:>9.4f}"
               f" {tf(h_ms):>8.1f} {p_ms / h_ms:>8.2f} {e_ms:>9.4f} {tf(e_ms):>8.1f}"
-              f" {e_ms / p_ms:>10.2f}   |portable - hopper| {err:.1e}  bits {digest}",
+              f" {e_ms / p_ms:>10.2f}   |portable - hopper| {err:.1e}  bits {digests[0]}"
+              f" hopper bits {digests[1]}",
               flush=True)
 
 

@@ -18,7 +18,7 @@ if [ "$MODE" = sanitize ] || [ "$MODE" = all ]; then
   if command -v compute-sanitizer >/dev/null; then
     timeout 200 compute-sanitizer --tool memcheck --error-exitcode 3 \
       .device/portable/linear_logp_portable_test \
-      --gtest_filter='LinearLogpPortableVersion.*:Edges/PortableShapeTest.*/V1_*:Edges/PortableShapeTest.*/V63_*:Edges/PortableShapeTest.*/V65_*H64*:LinearLogpPortableInputs.*' \
+      --gtest_filter='LinearLogpPortableVersion.*:Edges/PortableShapeTest.*/V1_*:Edges/PortableShapeTest.*/V63_*:Edges/PortableShapeTest.*/V65_*H64*:LinearLogpPortableInputs.*:LinearLogpPortableExtras.RejectsBadTopK:LinearLogpPortableExtras.SmallVocabulariesAndPadding' \
       > "$LOG/sanitize.log" 2>&1
     src=$?
     tail -n 6 "$LOG/sanitize.log"

@@ -1,0 +1,349 @@
+// The per-tile epilogue both linear-logp kernels share (the Hopper kernel
+// sm90a-wgmma-v3, linear_logp_kernel.cuh, and the portable mma.sync kernel,
+// linear_logp_portable_kernel.cuh): the fold of a finished tile of kW
+// vocabulary columns into each row's online softmax state, the target's z,
+// the entropy sum and the top-k lists. Both kernels hold a tile the same
+// way (m16n8 fragments: a thread holds two rows, lane / 4 and lane / 4 + 8,
+// and columns 8j + 2 (lane % 4) + {0, 1}), so one copy of this arithmetic
+// serves both and a row's fold is the same instruction sequence in each.
+// Each translation unit compiles its own copy for its own architectures.
+//
+// A tile: y = acc + bias; the tile max of z = y / T is fl(max(y) * (1/T))
+// (rounding is monotone, 1/T > 0); exp(z - m) is ex2(y * (log2e / T) -
+// m * log2e); per-thread sums in fixed column order, then a fixed
+// xor-shuffle over the row's quad (1, then 2); z[target] = y * (1/T).
+// Build flags matter for bits: no --use_fast_math / -ftz / -prec-div.
+#ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_EPILOGUE_CUH_
+#define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_EPILOGUE_CUH_
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels/softmax_partial.h"
+
+namespace detlogp::kernels::cuda::epilogue {
+
+// What the epilogue reads and writes besides the accumulators.
+struct EpilogueParams {
+  const float* bias;  // [padded_vocab] or null
+  float* logprobs;    // [rows]: z[target]
+  int32_t top_k;      // 1..kMaxTopK (kTopK)
+  int32_t id_offset;  // added to top-k ids (a shard's first row)
+};
+
+__device__ __forceinline__ float Ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// acc[4 * j + k] for a run-time j < kJ and compile-time-free k in [0, 4),
+// through a switch so that the accumulators stay in registers (a select
+// chain gets turned into a local-memory array by the compiler).
+template <int kJ>
+__device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) {
+  float v[4];
+  switch (j) {
+#define DETLOGP_CASE(J)                                 \
+  case J:                                               \
+    if constexpr (J < kJ) {                             \
+      v[0] = acc[4 * J + 0];                            \
+      v[1] = acc[4 * J + 1];                            \
+      v[2] = acc[4 * J + 2];                            \
+      v[3] = acc[4 * J + 3];                            \
+    }                                                   \
+    break;
+    DETLOGP_CASE(0) DETLOGP_CASE(1) DETLOGP_CASE(2) DETLOGP_CASE(3)
+    DETLOGP_CASE(4) DETLOGP_CASE(5) DETLOGP_CASE(6) DETLOGP_CASE(7)
+    DETLOGP_CASE(8) DETLOGP_CASE(9) DETLOGP_CASE(10) DETLOGP_CASE(11)
+    DETLOGP_CASE(12) DETLOGP_CASE(13) DETLOGP_CASE(14) DETLOGP_CASE(15)
+    DETLOGP_CASE(16) DETLOGP_CASE(17) DETLOGP_CASE(18) DETLOGP_CASE(19)
+    DETLOGP_CASE(20) DETLOGP_CASE(21) DETLOGP_CASE(22) DETLOGP_CASE(23)
+    DETLOGP_CASE(24) DETLOGP_CASE(25) DETLOGP_CASE(26) DETLOGP_CASE(27)
+    DETLOGP_CASE(28) DETLOGP_CASE(29) DETLOGP_CASE(30) DETLOGP_CASE(31)
+#undef DETLOGP_CASE
+    default:
+      v[0] = v[1] = v[2] = v[3] = 0.0f;
+      break;
+  }
+  return k == 0 ? v[0] : (k == 1 ? v[1] : (k == 2 ? v[2] : v[3]));
+}
+
+struct RowState {
+  float max;
+  float sum;
+  float sum_y;  // sum of exp(z - max) * y (kEntropy only)
+};
+
+// The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
+// entry i of row r at z[i * stride + r] (lane i reads entry i: no bank
+// conflicts), sorted best first and padded with empty entries (-inf, -1),
+// which rank after every real value and never let padding columns in.
+struct TopKLists {
+  float* z;
+  int32_t* id;
+  int row0;
+  int stride;  // rows in the block's lists
+};
+
+__device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
+  for (int idx = lane; idx < 16 * k; idx += 32) {
+    const int at = (idx / 16) * l.stride + l.row0 + idx % 16;
+    l.z[at] = -INFINITY;
+    l.id[at] = -1;
+  }
+  __syncwarp();
+}
+
+// Inserts (z, id) into the list of block row `row`, the whole warp at once:
+// lane i holds entry i, the candidate's place is the number of entries that
+// rank before it (a prefix: the list is sorted), entries from there move
+// down one and the last drops. Returns the list's worst z afterwards.
+__device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
+                                                int lane, int row, float z,
+                                                int32_t id) {
+  const bool holds = lane < k;
+  const int at = lane * l.stride + row;
+  const float entry_z = holds ? l.z[at] : -INFINITY;
+  const int32_t entry_id = holds ? l.id[at] : -1;
+  const int place = __popc(__ballot_sync(
+      0xffffffffu, holds && RanksBefore(entry_z, entry_id, z, id)));
+  const float above_z = __shfl_up_sync(0xffffffffu, entry_z, 1);
+  const int32_t above_id = __shfl_up_sync(0xffffffffu, entry_id, 1);
+  float now_z = entry_z;
+  if (holds && lane >= place) {
+    now_z = lane == place ? z : above_z;
+    l.z[at] = now_z;
+    l.id[at] = lane == place ? id : above_id;
+  }
+  __syncwarp();
+  return __shfl_sync(0xffffffffu, now_z, k - 1);
+}
+
+// One fragment position whose values passed some lane's screen (pass0 for
+// the lanes' first rows, pass1 for their second; column id_col + 2 * quad
+// lane): every survivor goes into its row's list, and the row's quad
+// tightens its screen to the list's new worst entry. Not inlined: a copy
+// per position and tile width would overflow the instruction cache.
+static __device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0, float z1,
+                                        unsigned pass0, unsigned pass1,
+                                        int32_t id_col, float2 screen) {
+  const int lane = threadIdx.x & 31;
+  while (pass0 != 0) {  // warp-uniform
+    const int src = __ffs(pass0) - 1;
+    pass0 &= pass0 - 1;
+    const float z = __shfl_sync(0xffffffffu, z0, src);
+    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2), z,
+                                       id_col + 2 * (src & 3));
+    if ((lane >> 2) == (src >> 2)) screen.x = fmaxf(screen.x, worst);
+  }
+  while (pass1 != 0) {
+    const int src = __ffs(pass1) - 1;
+    pass1 &= pass1 - 1;
+    const float z = __shfl_sync(0xffffffffu, z1, src);
+    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2) + 8, z,
+                                       id_col + 2 * (src & 3));
+    if ((lane >> 2) == (src >> 2)) screen.y = fmaxf(screen.y, worst);
+  }
+  return screen;
+}
+
+// Screens a tile's values of the thread's two rows against each row's worst
+// entry and a lower bound on the tile's own k-th best, and inserts the
+// survivors. Exact: the screen only drops values that rank after the list's
+// worst entry or that k others in the tile beat.
+template <int kW>
+__device__ __forceinline__ void TopKTile(const EpilogueParams& p,
+                                         const float* acc, int lane, int v0,
+                                         const float* inv_t,
+                                         const TopKLists& lists) {
+  const int k = p.top_k;
+  float screen[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = lists.row0 + (lane >> 2) + 8 * h;
+    const float worst_z = lists.z[(k - 1) * lists.stride + row];
+    float lower = -INFINITY;
+    if (kW / 8 >= k) {
+      // Each of the quad's threads holds kW / 32 groups of 8 values per row:
+      // kW / 8 disjoint groups whose maxima are all >= their least.
+      float least = INFINITY;
+#pragma unroll
+      for (int g = 0; g < kW / 32; ++g) {
+        float gm = -INFINITY;
+#pragma unroll
+        for (int j = 4 * g; j < 4 * g + 4; ++j) {
+          gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+        }
+        least = fminf(least, gm);
+      }
+      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+      lower = least * inv_t[h];
+    }
+    screen[h] = fmaxf(lower, worst_z);
+  }
+  const int id_base = p.id_offset + v0;
+#pragma unroll
+  for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float z0 = acc[4 * j + e] * inv_t[0];
+      const float z1 = acc[4 * j + 2 + e] * inv_t[1];
+      const unsigned pass0 = __ballot_sync(0xffffffffu, z0 >= screen[0]);
+      const unsigned pass1 = __ballot_sync(0xffffffffu, z1 >= screen[1]);
+      if ((pass0 | pass1) != 0) {  // warp-uniform
+        const float2 tightened =
+            TopKSite(lists, k, z0, z1, pass0, pass1, id_base + 8 * j + e,
+                     make_float2(screen[0], screen[1]));
+        screen[0] = tightened.x;
+        screen[1] = tightened.y;
+      }
+    }
+  }
+}
+
+// Folds a finished tile of kW columns starting at v0 (valid columns:
+// `valid`, may exceed kW) into the thread's two rows' states (row, inv_t and
+// target per row), writes z[target] where the thread holds it, and with
+// kTopK screens the tile into the rows' lists.
+template <int kW, bool kEntropy, bool kTopK>
+__device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
+                                         int lane, int v0, int valid,
+                                         const int* row, const float* inv_t,
+                                         const int* target, RowState* state,
+                                         const TopKLists& lists) {
+  // ---- epilogue: online softmax of z = (acc + bias) / T over the tile.
+  // y = acc + bias; the tile max of z is fl(max(y) * (1/T)) because rounding
+  // is monotone and 1/T > 0; exp(z - m) is evaluated as
+  // ex2(y * (log2e / T) - m * log2e).
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int quad = lane & 3;
+  const int limit = valid < kW ? valid : kW;
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+  if (limit == kW) {
+#pragma unroll
+    for (int j = 0; j < kW / 8; ++j) {
+      float2 b = make_float2(0.0f, 0.0f);
+      if (p.bias != nullptr) {
+        b = __ldg(reinterpret_cast<const float2*>(p.bias + v0 + 8 * j +
+                                                  2 * quad));
+      }
+      acc[4 * j + 0] += b.x;
+      acc[4 * j + 1] += b.y;
+      acc[4 * j + 2] += b.x;
+      acc[4 * j + 3] += b.y;
+      mx0 = fmaxf(mx0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * quad + e;
+        const bool ok = col < limit;
+        float b = 0.0f;
+        if (p.bias != nullptr && ok) b = __ldg(p.bias + v0 + col);
+        const float y0 = acc[4 * j + e] + b;
+        const float y1 = acc[4 * j + 2 + e] + b;
+        acc[4 * j + e] = ok ? y0 : -INFINITY;
+        acc[4 * j + 2 + e] = ok ? y1 : -INFINITY;
+        mx0 = fmaxf(mx0, acc[4 * j + e]);
+        mx1 = fmaxf(mx1, acc[4 * j + 2 + e]);
+      }
+    }
+  }
+  // The target logit: only the one thread holding it does any work.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int tcol = target[h] - v0;
+    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
+      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
+      p.logprobs[row[h]] = y * inv_t[h];
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float m0 = fmaxf(state[0].max, mx0 * inv_t[0]);
+  const float m1 = fmaxf(state[1].max, mx1 * inv_t[1]);
+  const float c0 = -m0 * kLog2e;
+  const float c1 = -m1 * kLog2e;
+  const float k0 = inv_t[0] * kLog2e;
+  const float k1 = inv_t[1] * kLog2e;
+  // Columns past the vocabulary hold y = -inf and weigh exp = 0; their y
+  // enters the entropy sum clamped to -FLT_MAX so that 0 * y stays 0.
+  const float y_floor = limit == kW ? -INFINITY : -FLT_MAX;
+  float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float e0 = Ex2(fmaf(acc[4 * j + e], k0, c0));
+      const float e1 = Ex2(fmaf(acc[4 * j + 2 + e], k1, c1));
+      s0 += e0;
+      s1 += e1;
+      if constexpr (kEntropy) {
+        t0 = fmaf(e0, fmaxf(acc[4 * j + e], y_floor), t0);
+        t1 = fmaf(e1, fmaxf(acc[4 * j + 2 + e], y_floor), t1);
+      }
+    }
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  const float r0 = Ex2((state[0].max - m0) * kLog2e);
+  const float r1 = Ex2((state[1].max - m1) * kLog2e);
+  state[0].sum = state[0].sum * r0 + s0;
+  state[1].sum = state[1].sum * r1 + s1;
+  if constexpr (kEntropy) {
+    t0 += __shfl_xor_sync(0xffffffffu, t0, 1);
+    t1 += __shfl_xor_sync(0xffffffffu, t1, 1);
+    t0 += __shfl_xor_sync(0xffffffffu, t0, 2);
+    t1 += __shfl_xor_sync(0xffffffffu, t1, 2);
+    state[0].sum_y = state[0].sum_y * r0 + t0;
+    state[1].sum_y = state[1].sum_y * r1 + t1;
+  }
+  state[0].max = m0;
+  state[1].max = m1;
+  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, inv_t, lists);
+}
+
+// Writes a row's split partials once the split is done: its logsumexp
+// ({max, sum} as the equivalent {lse_s, 1}: 4 bytes instead of 8) and, when
+// split_mean_z is set, its mean z.
+__device__ __forceinline__ void StoreSplitPartials(float* split_lse,
+                                                   float* split_mean_z,
+                                                   int64_t cell,
+                                                   const RowState& state,
+                                                   float inv_t) {
+  split_lse[cell] = state.max + logf(state.sum);
+  if (split_mean_z != nullptr) {
+    split_mean_z[cell] = (state.sum_y / state.sum) * inv_t;
+  }
+}
+
+// Writes the warp's 16 lists (rows lists.row0 ..) for rows below `rows` of
+// the block starting at first_row: sorted, empty entries (id -1) last.
+__device__ __forceinline__ void StoreTopKLists(const TopKLists& lists, int k,
+                                               int lane, int64_t first_row,
+                                               int rows, int num_splits,
+                                               int split, float* split_top_z,
+                                               int32_t* split_top_id) {
+  for (int idx = lane; idx < 16 * k; idx += 32) {
+    const int r = lists.row0 + idx % 16;
+    const int i = idx / 16;
+    if (first_row + r >= rows) continue;
+    const int64_t out = ((first_row + r) * num_splits + split) * k + i;
+    split_top_z[out] = lists.z[i * lists.stride + r];
+    split_top_id[out] = lists.id[i * lists.stride + r];
+  }
+  __syncwarp();
+}
+
+}  // namespace detlogp::kernels::cuda::epilogue
+
+#endif  // DETLOGP_KERNELS_CUDA_LINEAR_LOGP_EPILOGUE_CUH_
