@@ -203,21 +203,18 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
   }
 }
 
-// Folds a finished tile of kW columns starting at v0 (valid columns:
-// `valid`, may exceed kW) into the thread's two rows' states (row, inv_t and
-// target per row), writes z[target] where the thread holds it, and with
-// kTopK screens the tile into the rows' lists.
-template <int kW, bool kEntropy, bool kTopK>
-__device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
-                                         int lane, int v0, int valid,
-                                         const int* row, const float* inv_t,
-                                         const int* target, RowState* state,
-                                         const TopKLists& lists) {
-  // ---- epilogue: online softmax of z = (acc + bias) / T over the tile.
-  // y = acc + bias; the tile max of z is fl(max(y) * (1/T)) because rounding
-  // is monotone and 1/T > 0; exp(z - m) is evaluated as
-  // ex2(y * (log2e / T) - m * log2e).
-  constexpr float kLog2e = 1.4426950408889634f;
+// A tile's fold in phases, so that a kernel whose warps split a tile's
+// columns between them (the portable kernel's narrow tiling) can chain them
+// and keep every row's arithmetic the same (FoldTile below is the whole).
+
+// Phase 1: y = acc + bias in place (columns at or past `valid` become
+// -inf), z[target] written by the thread holding it, and the thread's max of
+// y per row (mx[0], mx[1]) over its kW / 8 fragments.
+template <int kW>
+__device__ __forceinline__ void TileMaxes(const EpilogueParams& p, float* acc,
+                                          int lane, int v0, int valid,
+                                          const int* row, const float* inv_t,
+                                          const int* target, float* mx) {
   const int quad = lane & 3;
   const int limit = valid < kW ? valid : kW;
   float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -263,20 +260,38 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
       p.logprobs[row[h]] = y * inv_t[h];
     }
   }
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float m0 = fmaxf(state[0].max, mx0 * inv_t[0]);
-  const float m1 = fmaxf(state[1].max, mx1 * inv_t[1]);
-  const float c0 = -m0 * kLog2e;
-  const float c1 = -m1 * kLog2e;
+  mx[0] = mx0;
+  mx[1] = mx1;
+}
+
+// The max over a row's quad (lanes 4r .. 4r + 3): xor-shuffles 1, then 2.
+__device__ __forceinline__ float QuadMax(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// The sum over a row's quad, in that fixed order.
+__device__ __forceinline__ float QuadSum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Phase 2: continues the thread's per-row sums s = sum exp(z - m) and (with
+// kEntropy) t = sum exp(z - m) * y over its kW / 8 fragments, in fixed
+// column order, with m the rows' new running max. tile_full: the whole tile
+// (all of its parts) is inside the vocabulary; otherwise masked columns'
+// y = -inf enter t clamped to -FLT_MAX so that 0 * y stays 0.
+template <int kW, bool kEntropy>
+__device__ __forceinline__ void TileExpSums(const float* acc, bool tile_full,
+                                            const float* inv_t, const float* m,
+                                            float* s, float* t) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float c0 = -m[0] * kLog2e;
+  const float c1 = -m[1] * kLog2e;
   const float k0 = inv_t[0] * kLog2e;
   const float k1 = inv_t[1] * kLog2e;
-  // Columns past the vocabulary hold y = -inf and weigh exp = 0; their y
-  // enters the entropy sum clamped to -FLT_MAX so that 0 * y stays 0.
-  const float y_floor = limit == kW ? -INFINITY : -FLT_MAX;
-  float s0 = 0.0f, s1 = 0.0f, t0 = 0.0f, t1 = 0.0f;
+  const float y_floor = tile_full ? -INFINITY : -FLT_MAX;
+  float s0 = s[0], s1 = s[1], t0 = t[0], t1 = t[1];
 #pragma unroll
   for (int j = 0; j < kW / 8; ++j) {
 #pragma unroll
@@ -291,24 +306,46 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
       }
     }
   }
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
-  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-  const float r0 = Ex2((state[0].max - m0) * kLog2e);
-  const float r1 = Ex2((state[1].max - m1) * kLog2e);
-  state[0].sum = state[0].sum * r0 + s0;
-  state[1].sum = state[1].sum * r1 + s1;
-  if constexpr (kEntropy) {
-    t0 += __shfl_xor_sync(0xffffffffu, t0, 1);
-    t1 += __shfl_xor_sync(0xffffffffu, t1, 1);
-    t0 += __shfl_xor_sync(0xffffffffu, t0, 2);
-    t1 += __shfl_xor_sync(0xffffffffu, t1, 2);
-    state[0].sum_y = state[0].sum_y * r0 + t0;
-    state[1].sum_y = state[1].sum_y * r1 + t1;
+  s[0] = s0;
+  s[1] = s1;
+  t[0] = t0;
+  t[1] = t1;
+}
+
+// Phase 3: the quads' sums rescale into the rows' online states.
+template <bool kEntropy>
+__device__ __forceinline__ void UpdateStates(const float* m, const float* s,
+                                             const float* t, RowState* state) {
+  constexpr float kLog2e = 1.4426950408889634f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float sum = QuadSum(s[h]);
+    const float r = Ex2((state[h].max - m[h]) * kLog2e);
+    state[h].sum = state[h].sum * r + sum;
+    if constexpr (kEntropy) {
+      state[h].sum_y = state[h].sum_y * r + QuadSum(t[h]);
+    }
+    state[h].max = m[h];
   }
-  state[0].max = m0;
-  state[1].max = m1;
+}
+
+// Folds a finished tile of kW columns starting at v0 (valid columns:
+// `valid`, may exceed kW) into the thread's two rows' states (row, inv_t and
+// target per row), writes z[target] where the thread holds it, and with
+// kTopK screens the tile into the rows' lists.
+template <int kW, bool kEntropy, bool kTopK>
+__device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
+                                         int lane, int v0, int valid,
+                                         const int* row, const float* inv_t,
+                                         const int* target, RowState* state,
+                                         const TopKLists& lists) {
+  float mx[2];
+  TileMaxes<kW>(p, acc, lane, v0, valid, row, inv_t, target, mx);
+  const float m[2] = {fmaxf(state[0].max, QuadMax(mx[0]) * inv_t[0]),
+                      fmaxf(state[1].max, QuadMax(mx[1]) * inv_t[1])};
+  float s[2] = {0.0f, 0.0f}, t[2] = {0.0f, 0.0f};
+  TileExpSums<kW, kEntropy>(acc, valid >= kW, inv_t, m, s, t);
+  UpdateStates<kEntropy>(m, s, t, state);
   if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, inv_t, lists);
 }
 

@@ -61,15 +61,41 @@ Launch LaunchOf(bool entropy) {
                 T::kBlockM};
 }
 
+// A narrow tiling with its deep ring where the GPU has the shared memory.
+template <class Deep, class Shallow>
+Launch NarrowLaunch(bool entropy, int smem_optin_bytes) {
+  return smem_optin_bytes >= Deep::kSmemBytes
+             ? LaunchOf<Deep, false>(entropy)
+             : LaunchOf<Shallow, false>(entropy);
+}
+
+// The narrow tilings of one N range: the shallow one always, the deep one
+// where it fits.
+template <class Deep, class Shallow>
+cudaError_t ConfigureNarrow(int smem_optin_bytes) {
+  if (cudaError_t e = ConfigureTiling<Shallow, false>(); e != cudaSuccess) {
+    return e;
+  }
+  if (smem_optin_bytes < Deep::kSmemBytes) return cudaSuccess;
+  return ConfigureTiling<Deep, false>();
+}
+
 // The tiling for a batch: top-k has its own; N <= 64 streams the weight
-// through the deep ring where the GPU has its shared memory.
+// through a deep ring where the GPU has its shared memory.
 Launch PickLaunch(const KernelParams& p, int smem_optin_bytes) {
   const bool entropy = p.split_mean_z != nullptr;
   if (p.top_k > 0) return LaunchOf<TopKTiling, true>(entropy);
-  if (p.rows <= NarrowTiling::kBlockM) {
-    return smem_optin_bytes >= NarrowTiling::kSmemBytes
-               ? LaunchOf<NarrowTiling, false>(entropy)
-               : LaunchOf<NarrowShallowTiling, false>(entropy);
+  if (p.rows <= Narrow16Tiling::kBlockM) {
+    return NarrowLaunch<Narrow16Tiling, Narrow16ShallowTiling>(
+        entropy, smem_optin_bytes);
+  }
+  if (p.rows <= Narrow32Tiling::kBlockM) {
+    return NarrowLaunch<Narrow32Tiling, Narrow32ShallowTiling>(
+        entropy, smem_optin_bytes);
+  }
+  if (p.rows <= Narrow64Tiling::kBlockM) {
+    return NarrowLaunch<Narrow64Tiling, Narrow64ShallowTiling>(
+        entropy, smem_optin_bytes);
   }
   return LaunchOf<WideTiling, false>(entropy);
 }
@@ -101,14 +127,20 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
   if (cudaError_t e = ConfigureTiling<TopKTiling, true>(); e != cudaSuccess) {
     return e;
   }
-  if (cudaError_t e = ConfigureTiling<NarrowShallowTiling, false>();
+  if (cudaError_t e =
+          ConfigureNarrow<Narrow16Tiling, Narrow16ShallowTiling>(
+              smem_optin_bytes);
       e != cudaSuccess) {
     return e;
   }
-  if (smem_optin_bytes >= NarrowTiling::kSmemBytes) {
-    return ConfigureTiling<NarrowTiling, false>();
+  if (cudaError_t e =
+          ConfigureNarrow<Narrow32Tiling, Narrow32ShallowTiling>(
+              smem_optin_bytes);
+      e != cudaSuccess) {
+    return e;
   }
-  return cudaSuccess;
+  return ConfigureNarrow<Narrow64Tiling, Narrow64ShallowTiling>(
+      smem_optin_bytes);
 }
 
 cudaError_t EnqueueSplitKernel(KernelParams params, int smem_optin_bytes,

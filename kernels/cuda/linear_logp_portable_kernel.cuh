@@ -30,9 +30,12 @@
 //     (linear_logp_epilogue.cuh, shared with the Hopper kernel): per-thread
 //     fold in fixed column order, then a fixed xor-shuffle over the 4 lanes
 //     of the row's quad, then the per-row online state (max, sum exp(z - max))
-//     in ascending tile order. No shared-memory or cross-warp reduction, no
-//     atomics. A row's arithmetic is the same whichever tiling, warp or
-//     fragment holds it.
+//     in ascending tile order. No atomics. A row's arithmetic is the same
+//     whichever tiling, warp or fragment holds it. In the narrow tilings four
+//     warps share a tile's columns (32 each): the row maxima meet in shared
+//     memory (max is exact in any order) and each thread's running sums pass
+//     from part to part in column order, so the additions are the same, in
+//     the same order, as one warp holding the whole tile (FoldTileChained).
 //   * The split's state is written once per (row, split) as its logsumexp to
 //     split_lse[row][split] (v3's partial format), folded by the shared
 //     combine kernel (linear_logp_combine_kernel.cuh, compiled in the same
@@ -50,10 +53,12 @@
 //   * Tilings (Tiling below; EnqueueSplitKernel picks one by N and by the
 //     GPU's shared memory): wide, 128 rows as 4 warps x 32 rows, 3 stages
 //     (96 KiB), two CTAs per SM where the shared memory allows; narrow, for
-//     N <= 64, 64 rows as 4 warps x 16 rows with a deep ring (8 stages, 192
-//     KiB, where the GPU has it; 4 otherwise) so that the 132 CTAs of a small
-//     batch keep enough weight bytes in flight; top-k, 128 rows, 2 stages
-//     and the lists (96 KiB). Tilings, rings and occupancy are schedule only:
+//     N <= 16 and N <= 64, 16 rows (4 warps) and 64 rows (2 row groups of
+//     32 x 4 column parts of 32: 8 warps), because a small batch's 132 CTAs
+//     are one per SM and one warp per 128 columns could not hide the mma and
+//     ldmatrix latencies, with a deep ring (8 stages where the GPU has the
+//     shared memory, 3 otherwise); top-k, 128 rows, 2 stages and the lists
+//     (96 KiB). Tilings, rings and occupancy are schedule only:
 //     every logit is the same mma chain and every fold the same order, so
 //     they keep the version's bits (a row alone, in the narrow tiling, equals
 //     the row in a large batch: tests/cuda/linear_logp_portable_test.cu).
@@ -81,37 +86,71 @@ using epilogue::RowState;
 using epilogue::TopKLists;
 
 // A CTA's shape and schedule. None of it enters a row's arithmetic.
-template <int kBlockM_, int kWarpMFrags_, int kStages_, int kMinBlocksPerSm_,
-          bool kListsInSmem_>
+template <int kBlockM_, int kWarpMFrags_, int kColumnParts_, int kTilesPerStep_,
+          int kStages_, int kMinBlocksPerSm_, bool kListsInSmem_>
 struct Tiling {
   static constexpr int kBlockM = kBlockM_;          // rows per item
   static constexpr int kWarpMFrags = kWarpMFrags_;  // m16 fragments per warp
+  // Warps sharing a row group's 128 columns, kPartCols each; their folds
+  // chain through shared memory (FoldTileChained).
+  static constexpr int kColumnParts = kColumnParts_;
+  // 128-column tiles a K step carries (their mma interleave; they are folded
+  // one after the other, in column order).
+  static constexpr int kTilesPerStep = kTilesPerStep_;
+  static constexpr int kStepCols = kBlockN * kTilesPerStep;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
   static constexpr int kWarpRows = 16 * kWarpMFrags;
-  static constexpr int kWarps = kBlockM / kWarpRows;
+  static constexpr int kRowGroups = kBlockM / kWarpRows;
+  static constexpr int kWarps = kRowGroups * kColumnParts;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kPartCols = kBlockN / kColumnParts;
   static constexpr int kATileBytes = kBlockM * kRowBytes;
-  static constexpr int kStageBytes = kATileBytes + kBTileBytes;
+  static constexpr int kStageBytes = kATileBytes + kStepCols * kRowBytes;
   static constexpr int kRingBytes = kStages * kStageBytes;
-  // Top-k lists after the ring: kBlockM rows x kMaxTopK (z, id).
-  static constexpr int kSmemBytes =
-      kRingBytes + (kListsInSmem_ ? kBlockM * kMaxTopK * 8 : 0);
+  // After the ring: top-k lists (kBlockM rows x kMaxTopK (z, id)), then the
+  // chained fold's exchange: each part's row maxima and each lane's running
+  // (s, t) for its two rows.
+  static constexpr int kListBytes = kListsInSmem_ ? kBlockM * kMaxTopK * 8 : 0;
+  static constexpr int kXchgMaxFloats = kColumnParts * kWarpRows;
+  static constexpr int kXchgSumFloats = kWarpMFrags * 4 * 32;
+  static constexpr int kXchgBytes =
+      kColumnParts > 1
+          ? kRowGroups * (kXchgMaxFloats + kXchgSumFloats) * 4
+          : 0;
+  static constexpr int kSmemBytes = kRingBytes + kListBytes + kXchgBytes;
   static_assert(kBlockM % kWarpRows == 0, "whole warps");
+  static_assert(kColumnParts == 1 || !kListsInSmem_,
+                "chained folds have no top-k");
+  static_assert(kRowGroups <= 15, "a named barrier per row group");
   static_assert((kBlockM * kChunksPerRow) % kThreads == 0, "A copy split");
-  static_assert((kBlockN * kChunksPerRow) % kThreads == 0, "B copy split");
+  static_assert((kStepCols * kChunksPerRow) % kThreads == 0, "B copy split");
 };
 
 // N > 64: 4 warps of 32 rows; two CTAs per SM where shared memory allows.
-using WideTiling = Tiling<128, 2, 3, 2, false>;
-// N <= 64: the weight stream is the cost; a deep ring keeps it in flight.
-using NarrowTiling = Tiling<64, 1, 8, 1, false>;
-// N <= 64 on GPUs without NarrowTiling's 192 KiB (sm_86, sm_89).
-using NarrowShallowTiling = Tiling<64, 1, 4, 1, false>;
+using WideTiling = Tiling<128, 2, 1, 1, 3, 2, false>;
+// N <= 64: the weight stream is the cost, and one CTA per split means one
+// per SM, so the warps of a row group split the tile's columns between them
+// (measured on the H200, docs/perf.md): N <= 16, 16 rows x 4 parts of 32
+// columns (4 warps), an 8-stage ring; N <= 32, 32 rows x 8 parts of 16
+// (8 warps), 4 stages; N <= 64, 2 row groups of 32 x 4 parts of 32 (8
+// warps; fewer shared-memory reads per mma than 16 warps), 4 stages (227
+// KiB: all of an H100/H200 SM's opt-in shared memory). Both
+// carry three tiles per K step (three times the independent mma chains per
+// warp).
+using Narrow16Tiling = Tiling<16, 1, 4, 1, 8, 1, false>;
+using Narrow32Tiling = Tiling<32, 2, 8, 3, 4, 1, false>;
+using Narrow64Tiling = Tiling<64, 2, 4, 3, 4, 1, false>;
+// The same on GPUs without their shared memory (sm_86, sm_89).
+using Narrow16ShallowTiling = Tiling<16, 1, 4, 1, 5, 1, false>;
+using Narrow32ShallowTiling = Tiling<32, 2, 8, 2, 2, 1, false>;
+using Narrow64ShallowTiling = Tiling<64, 2, 4, 1, 3, 1, false>;
 // Any N with top-k: the lists take the third stage's room.
-using TopKTiling = Tiling<128, 2, 2, 2, true>;
+using TopKTiling = Tiling<128, 2, 1, 1, 2, 2, true>;
 static_assert(WideTiling::kSmemBytes <= kMinSmemBytes, "fits every sm_80+");
-static_assert(NarrowShallowTiling::kSmemBytes <= kMinSmemBytes, "fits too");
+static_assert(Narrow16ShallowTiling::kSmemBytes <= kMinSmemBytes, "fits");
+static_assert(Narrow32ShallowTiling::kSmemBytes <= kMinSmemBytes, "fits");
+static_assert(Narrow64ShallowTiling::kSmemBytes <= kMinSmemBytes, "fits");
 static_assert(TopKTiling::kSmemBytes <= kMinSmemBytes, "fits too");
 
 // ------------------------------------------------------------------ PTX
@@ -188,7 +227,7 @@ template <class T>
 struct CopyPlan {
   static constexpr int kRowStride = T::kThreads / kChunksPerRow;
   static constexpr int kACopies = T::kBlockM / kRowStride;
-  static constexpr int kBCopies = kBlockN / kRowStride;
+  static constexpr int kBCopies = T::kStepCols / kRowStride;
 
   __device__ __forceinline__ CopyPlan(const KernelParams& p, int row0,
                                       int begin) {
@@ -210,9 +249,10 @@ struct CopyPlan {
   uint32_t smem_offset;
 };
 
-// Issues the cp.async copies of K step `step` of an item (tile step /
-// k_blocks, k-block step % k_blocks) into ring slot `slot`; rows >= N and
-// weight rows >= the padded vocabulary are zero-filled.
+// Issues the cp.async copies of K step `step` of an item (tile group step /
+// k_blocks, kTilesPerStep tiles; k-block step % k_blocks) into ring slot
+// `slot`; rows >= N and weight rows >= the padded vocabulary are
+// zero-filled.
 template <class T>
 __device__ __forceinline__ void LoadStep(const KernelParams& p,
                                          const CopyPlan<T>& plan, uint8_t* smem,
@@ -230,7 +270,7 @@ __device__ __forceinline__ void LoadStep(const KernelParams& p,
     CpAsync16(a_dst + i * CopyPlan<T>::kRowStride * kRowBytes,
               ok ? a_src + i * plan.stride : p.hidden, ok);
   }
-  const int64_t tile_row = static_cast<int64_t>(tile) * kBlockN;
+  const int64_t tile_row = static_cast<int64_t>(tile) * T::kStepCols;
   const __nv_bfloat16* b_src = plan.b_src + tile_row * p.hidden_size + k0;
   const int64_t b_rows_left = plan.b_rows_left - tile_row;
 #pragma unroll
@@ -242,13 +282,16 @@ __device__ __forceinline__ void LoadStep(const KernelParams& p,
 }
 
 // The mma of k16 steps [kFirst, kLast) of a K step for a warp's kWarpRows
-// rows x 128 columns: each B fragment pair feeds every m16 fragment of the
-// warp (the reuse that makes two fragments per warp cheaper in shared-memory
-// reads per mma).
+// rows (row group `group`) x kPartCols columns (column part `part`) of each
+// of the step's tiles (accumulators [tile][m16 fragment][n8 fragment]): each
+// B fragment pair feeds every m16 fragment of the warp (the reuse that makes
+// two fragments per warp cheaper in shared-memory reads per mma).
 template <class T, int kFirst, int kLast>
 __device__ __forceinline__ void ComputeK16s(const uint8_t* smem, int slot,
-                                            int warp, int lane, float* acc) {
-  constexpr int kNFrags = kBlockN / 8;
+                                            int group, int part, int lane,
+                                            float* acc) {
+  constexpr int kNFrags = T::kPartCols / 8;  // n8 fragments of the warp
+  constexpr int kTileAcc = 4 * kNFrags * T::kWarpMFrags;
   const uint8_t* a_tile = smem + slot * T::kStageBytes;
   const uint8_t* b_tile = a_tile + T::kATileBytes;
   const uint32_t a_base = SmemAddr(a_tile);
@@ -260,7 +303,7 @@ __device__ __forceinline__ void ComputeK16s(const uint8_t* smem, int slot,
     uint32_t a[T::kWarpMFrags][4];
 #pragma unroll
     for (int m = 0; m < T::kWarpMFrags; ++m) {
-      const int row = warp * T::kWarpRows + 16 * m + (lane & 15);
+      const int row = group * T::kWarpRows + 16 * m + (lane & 15);
       const int chunk = ks * 2 + (lane >> 4);
       LdMatrixX4(a_base + Swizzle(row, chunk), a[m][0], a[m][1], a[m][2],
                  a[m][3]);
@@ -269,17 +312,113 @@ __device__ __forceinline__ void ComputeK16s(const uint8_t* smem, int slot,
     // (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15). The weight is
     // [n][k] in shared memory, which is the "col" operand layout.
 #pragma unroll
-    for (int np = 0; np < kNFrags / 2; ++np) {
-      const int n = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-      const int chunk = ks * 2 + ((lane >> 3) & 1);
-      uint32_t b0, b1, b2, b3;
-      LdMatrixX4(b_base + Swizzle(n, chunk), b0, b1, b2, b3);
+    for (int ts = 0; ts < T::kTilesPerStep; ++ts) {
 #pragma unroll
-      for (int m = 0; m < T::kWarpMFrags; ++m) {
-        float* frag = acc + 4 * kNFrags * m;
-        MmaM16N8K16(frag + 4 * (2 * np), a[m], b0, b1);
-        MmaM16N8K16(frag + 4 * (2 * np + 1), a[m], b2, b3);
+      for (int np = 0; np < kNFrags / 2; ++np) {
+        const int n = ts * kBlockN + part * T::kPartCols + np * 16 +
+                      (lane & 7) + ((lane >> 4) << 3);
+        const int chunk = ks * 2 + ((lane >> 3) & 1);
+        uint32_t b0, b1, b2, b3;
+        LdMatrixX4(b_base + Swizzle(n, chunk), b0, b1, b2, b3);
+#pragma unroll
+        for (int m = 0; m < T::kWarpMFrags; ++m) {
+          float* frag = acc + kTileAcc * ts + 4 * kNFrags * m;
+          MmaM16N8K16(frag + 4 * (2 * np), a[m], b0, b1);
+          MmaM16N8K16(frag + 4 * (2 * np + 1), a[m], b2, b3);
+        }
       }
+    }
+  }
+}
+
+// Synchronises the kColumnParts warps of row group `group` (named barrier
+// 1 + group; barrier 0 is __syncthreads').
+template <class T>
+__device__ __forceinline__ void RowGroupBarrier(int group) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + group), "n"(32 * T::kColumnParts)
+               : "memory");
+}
+
+// A tile's fold when kColumnParts warps share its 128 columns (kPartCols
+// each): each runs phase 1 on its part, the rows' maxima meet in shared
+// memory, then the per-thread sums run through the parts in column order
+// (part q continues part q - 1's running sums: the same additions in the
+// same order as one warp holding all 128 columns, epilogue::FoldTile), and
+// the last part updates the states; the others keep the running max only.
+// xchg: this CTA's exchange area (Tiling::kXchgBytes). Per m16 fragment of
+// the warp, as FoldTile is.
+template <class T, bool kEntropy>
+__device__ __forceinline__ void FoldTileChained(
+    const epilogue::EpilogueParams& ep, float* xchg, float* acc, int lane,
+    int group, int part, int v0, int valid, const int* row, const float* inv_t,
+    const int* target, RowState* state) {
+  constexpr int kFragAcc = 4 * (T::kPartCols / 8);
+  float* maxima = xchg + group * (T::kXchgMaxFloats + T::kXchgSumFloats);
+  float* sums = maxima + T::kXchgMaxFloats;  // [fragment][s0, s1, t0, t1][lane]
+  const int quad_row = lane >> 2;
+  float m[2 * T::kWarpMFrags];
+#pragma unroll
+  for (int f = 0; f < T::kWarpMFrags; ++f) {
+    float mx[2];
+    epilogue::TileMaxes<T::kPartCols>(
+        ep, acc + kFragAcc * f, lane, v0 + part * T::kPartCols,
+        valid - part * T::kPartCols, row + 2 * f, inv_t + 2 * f,
+        target + 2 * f, mx);
+    const float quad_max0 = epilogue::QuadMax(mx[0]);
+    const float quad_max1 = epilogue::QuadMax(mx[1]);
+    if ((lane & 3) == 0) {
+      maxima[part * T::kWarpRows + 16 * f + quad_row] = quad_max0;
+      maxima[part * T::kWarpRows + 16 * f + quad_row + 8] = quad_max1;
+    }
+  }
+  RowGroupBarrier<T>(group);
+#pragma unroll
+  for (int f = 0; f < T::kWarpMFrags; ++f) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float row_max = -INFINITY;
+#pragma unroll
+      for (int q = 0; q < T::kColumnParts; ++q) {
+        row_max = fmaxf(row_max,
+                        maxima[q * T::kWarpRows + 16 * f + quad_row + 8 * h]);
+      }
+      m[2 * f + h] = fmaxf(state[2 * f + h].max, row_max * inv_t[2 * f + h]);
+    }
+  }
+  float s[2 * T::kWarpMFrags] = {}, t[2 * T::kWarpMFrags] = {};
+#pragma unroll
+  for (int q = 0; q < T::kColumnParts; ++q) {
+    if (part == q) {  // warp-uniform
+#pragma unroll
+      for (int f = 0; f < T::kWarpMFrags; ++f) {
+        float* cell = sums + f * 128 + lane;
+        if (q > 0) {
+          s[2 * f] = cell[0];
+          s[2 * f + 1] = cell[32];
+          t[2 * f] = cell[64];
+          t[2 * f + 1] = cell[96];
+        }
+        epilogue::TileExpSums<T::kPartCols, kEntropy>(
+            acc + kFragAcc * f, valid >= kBlockN, inv_t + 2 * f, m + 2 * f,
+            s + 2 * f, t + 2 * f);
+        if (q + 1 < T::kColumnParts) {
+          cell[0] = s[2 * f];
+          cell[32] = s[2 * f + 1];
+          cell[64] = t[2 * f];
+          cell[96] = t[2 * f + 1];
+        }
+      }
+    }
+    if (q + 1 < T::kColumnParts) RowGroupBarrier<T>(group);
+  }
+#pragma unroll
+  for (int f = 0; f < T::kWarpMFrags; ++f) {
+    if (part == T::kColumnParts - 1) {
+      epilogue::UpdateStates<kEntropy>(m + 2 * f, s + 2 * f, t + 2 * f,
+                                       state + 2 * f);
+    } else {
+      state[2 * f].max = m[2 * f];
+      state[2 * f + 1].max = m[2 * f + 1];
     }
   }
 }
@@ -289,8 +428,11 @@ __device__ __forceinline__ void ComputeK16s(const uint8_t* smem, int slot,
 template <class T, bool kEntropy, bool kTopK>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
     LinearLogpPortableSplitKernel(const __grid_constant__ KernelParams p) {
-  constexpr int kFragAcc = 4 * (kBlockN / 8);  // accumulators per m16 frag
-  constexpr int kRows = 2 * T::kWarpMFrags;    // rows a thread holds
+  static_assert(!kTopK || T::kColumnParts == 1, "top-k lists need whole tiles");
+  constexpr int kFragAcc = 4 * (T::kPartCols / 8);  // per m16 fragment
+  constexpr int kTileAcc = kFragAcc * T::kWarpMFrags;  // per tile
+  constexpr int kAcc = kTileAcc * T::kTilesPerStep;
+  constexpr int kRows = 2 * T::kWarpMFrags;          // rows a thread holds
   extern __shared__ __align__(128) uint8_t smem[];
   const int item = blockIdx.x;
   const int split = item / p.num_row_blocks;
@@ -298,23 +440,28 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
   const int begin = p.split_begin[split];
   const int end = p.split_begin[split + 1];
   const int tiles = (end - begin + kBlockN - 1) / kBlockN;
-  const int steps = tiles * p.k_blocks;
+  const int tile_groups = (tiles + T::kTilesPerStep - 1) / T::kTilesPerStep;
+  const int steps = tile_groups * p.k_blocks;
   const int row0 = row_block * T::kBlockM;
 
   // Broadcast so that the compiler sees warp-uniform values.
   const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const int group = warp / T::kColumnParts;  // row group
+  const int part = warp - group * T::kColumnParts;
   const int lane = threadIdx.x & 31;
-  const bool active = row0 + warp * T::kWarpRows < p.rows;
+  const bool active = row0 + group * T::kWarpRows < p.rows;
 
   float* top_z = reinterpret_cast<float*>(smem + T::kRingBytes);
   int32_t* top_id = reinterpret_cast<int32_t*>(top_z + T::kBlockM * kMaxTopK);
+  float* xchg =
+      reinterpret_cast<float*>(smem + T::kRingBytes + T::kListBytes);
   TopKLists lists[T::kWarpMFrags];
   int row[kRows], target[kRows];
   float inv_t[kRows];
   RowState state[kRows];
 #pragma unroll
   for (int m = 0; m < T::kWarpMFrags; ++m) {
-    lists[m] = TopKLists{top_z, top_id, warp * T::kWarpRows + 16 * m,
+    lists[m] = TopKLists{top_z, top_id, group * T::kWarpRows + 16 * m,
                          T::kBlockM};
     if constexpr (kTopK) epilogue::TopKReset(lists[m], p.top_k, lane);
 #pragma unroll
@@ -330,9 +477,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
   }
   const epilogue::EpilogueParams ep{p.bias, p.logprobs, p.top_k, p.id_offset};
 
-  float acc[kFragAcc * T::kWarpMFrags];
+  float acc[kAcc];
 #pragma unroll
-  for (int i = 0; i < kFragAcc * T::kWarpMFrags; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
   // Prologue: steps 0 .. kStages-2 in flight (empty groups past the end keep
   // the group count uniform).
@@ -349,29 +496,42 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
     const int slot = step % T::kStages;
     // The first k16 step's mma go ahead of the next copies, so the tensor
     // cores have work while the copies are issued.
-    if (active) ComputeK16s<T, 0, 1>(smem, slot, warp, lane, acc);
+    if (active) ComputeK16s<T, 0, 1>(smem, slot, group, part, lane, acc);
     const int next = step + T::kStages - 1;
     if (next < steps) LoadStep<T>(p, plan, smem, next % T::kStages, next);
     CpAsyncCommit();
-    if (active) ComputeK16s<T, 1, kK16s>(smem, slot, warp, lane, acc);
-    const int tile = step / p.k_blocks;
-    if (step - tile * p.k_blocks == p.k_blocks - 1) {
+    if (active) ComputeK16s<T, 1, kK16s>(smem, slot, group, part, lane, acc);
+    const int tile_group = step / p.k_blocks;
+    if (step - tile_group * p.k_blocks == p.k_blocks - 1) {
       if (active) {
-        const int v0 = begin + tile * kBlockN;
 #pragma unroll
-        for (int m = 0; m < T::kWarpMFrags; ++m) {
-          epilogue::FoldTile<kBlockN, kEntropy, kTopK>(
-              ep, acc + kFragAcc * m, lane, v0, end - v0, row + 2 * m,
-              inv_t + 2 * m, target + 2 * m, state + 2 * m, lists[m]);
+        for (int ts = 0; ts < T::kTilesPerStep; ++ts) {
+          const int tile = tile_group * T::kTilesPerStep + ts;
+          if (tile >= tiles) break;  // a split's odd last tile: not folded
+          const int v0 = begin + tile * kBlockN;
+          float* tile_acc = acc + kTileAcc * ts;
+          if constexpr (T::kColumnParts > 1) {
+            FoldTileChained<T, kEntropy>(ep, xchg, tile_acc, lane, group, part,
+                                         v0, end - v0, row, inv_t, target,
+                                         state);
+          } else {
+#pragma unroll
+            for (int m = 0; m < T::kWarpMFrags; ++m) {
+              epilogue::FoldTile<kBlockN, kEntropy, kTopK>(
+                  ep, tile_acc + kFragAcc * m, lane, v0, end - v0, row + 2 * m,
+                  inv_t + 2 * m, target + 2 * m, state + 2 * m, lists[m]);
+            }
+          }
         }
       }
 #pragma unroll
-      for (int i = 0; i < kFragAcc * T::kWarpMFrags; ++i) acc[i] = 0.0f;
+      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     }
   }
   CpAsyncWait<0>();
 
-  if (!active) return;
+  // The last column part holds the states' sums.
+  if (!active || part != T::kColumnParts - 1) return;
   if ((lane & 3) == 0) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {

@@ -19,7 +19,6 @@ inline constexpr int kBlockN = 128;  // vocabulary columns per tile
 inline constexpr int kBlockK = 64;   // bf16 per shared row: 128 bytes
 inline constexpr int kRowBytes = kBlockK * 2;         // 128
 inline constexpr int kChunksPerRow = kRowBytes / 16;  // 8
-inline constexpr int kBTileBytes = kBlockN * kRowBytes;  // 16 KiB
 inline constexpr int kMaxSplits = 256;  // as v3: 4 B per split, <= 1 KiB/row
 inline constexpr int kMaxTopK = 32;     // as v3 (kernels/lm_head.h)
 // Shared memory per block the kernel needs on any GPU: every tiling has a

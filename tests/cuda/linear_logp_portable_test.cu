@@ -94,7 +94,7 @@ TEST_F(PortableFullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
     const Result one = RunRows(*k, *batch, r, 1);
     ExpectRowBits(one, 0, full, r, "single row vs full");
   }
-  for (int64_t chunk : {7, 127, 128, 129, 256, 257, 1000}) {
+  for (int64_t chunk : {7, 16, 33, 64, 127, 128, 129, 256, 257, 1000}) {
     for (int64_t start = 0; start < N; start += chunk) {
       const int64_t count = std::min(chunk, N - start);
       const Result part = RunRows(*k, *batch, start, count);
