@@ -23,8 +23,9 @@
 //     H - 16 (a fixed K order; mma.sync computes every output element from
 //     its own row and column only).
 //   * A warp owns 16 * kWarpMFrags rows of the block (one or two m16
-//     fragments) across the whole 128-column tile (16 n8 fragments, 64 fp32
-//     accumulators per m16 fragment and thread). A thread holds two rows per
+//     fragments) across the tile's 128 columns, or a 128 / kColumnParts
+//     part of them (8 fp32 accumulators per n8 fragment, m16 fragment and
+//     thread). A thread holds two rows per
 //     fragment (lane / 4 and lane / 4 + 8), like a v3 consumer, and each
 //     fragment's rows go through v3's epilogue with W = 128
 //     (linear_logp_epilogue.cuh, shared with the Hopper kernel): per-thread
@@ -32,7 +33,7 @@
 //     of the row's quad, then the per-row online state (max, sum exp(z - max))
 //     in ascending tile order. No atomics. A row's arithmetic is the same
 //     whichever tiling, warp or fragment holds it. In the narrow tilings four
-//     warps share a tile's columns (32 each): the row maxima meet in shared
+//     or eight warps share a tile's columns: the row maxima meet in shared
 //     memory (max is exact in any order) and each thread's running sums pass
 //     from part to part in column order, so the additions are the same, in
 //     the same order, as one warp holding the whole tile (FoldTileChained).
@@ -46,22 +47,22 @@
 //     cp.async (never read out of bounds); warps whose rows are all >= N
 //     skip their mma and never write.
 //   * Pipeline: a kStages-deep cp.async ring of (A: kBlockM x kBlockK, B:
-//     128 x kBlockK) bf16 tiles, one __syncthreads per K step; the (tile,
-//     k-block) steps of an item form one stream, so the ring runs across
-//     tiles. Shared rows of 128 bytes, 16-byte chunks XOR-swizzled by
+//     128 kTilesPerStep x kBlockK) bf16 tiles, one __syncthreads per K step;
+//     the (tile group, k-block) steps of an item form one stream, so the
+//     ring runs across tiles; a step's tiles are folded one after the other
+//     in column order once their last k-block is in. Shared rows of 128 bytes, 16-byte chunks XOR-swizzled by
 //     row % 8 so that ldmatrix and cp.async hit distinct banks.
-//   * Tilings (Tiling below; EnqueueSplitKernel picks one by N and by the
-//     GPU's shared memory): wide, 128 rows as 4 warps x 32 rows, 3 stages
-//     (96 KiB), two CTAs per SM where the shared memory allows; narrow, for
-//     N <= 16 and N <= 64, 16 rows (4 warps) and 64 rows (2 row groups of
-//     32 x 4 column parts of 32: 8 warps), because a small batch's 132 CTAs
-//     are one per SM and one warp per 128 columns could not hide the mma and
-//     ldmatrix latencies, with a deep ring (8 stages where the GPU has the
-//     shared memory, 3 otherwise); top-k, 128 rows, 2 stages and the lists
-//     (96 KiB). Tilings, rings and occupancy are schedule only:
-//     every logit is the same mma chain and every fold the same order, so
-//     they keep the version's bits (a row alone, in the narrow tiling, equals
-//     the row in a large batch: tests/cuda/linear_logp_portable_test.cu).
+//   * Tilings (Tiling below; EnqueueSplitKernel picks one by N, extras and
+//     the GPU's shared memory): wide (N > 64), 128 rows as 4 warps x 32
+//     rows, 3 stages (96 KiB), two CTAs per SM where the shared memory
+//     allows; narrow (N <= 16, 32, 64), warps splitting each tile's columns
+//     and K steps of up to three tiles, because a small batch's 132 CTAs
+//     are one per SM and one warp per 128 columns cannot hide the mma and
+//     ldmatrix latencies; top-k, 128 rows, 2 stages and the lists (96 KiB).
+//     Tilings, rings and occupancy are schedule only: every logit is the
+//     same mma chain and every fold the same order, so they keep the
+//     version's bits (a row alone, in a narrow tiling, equals the row in a
+//     large batch: tests/cuda/linear_logp_portable_test.cu).
 //   * Entropy and top-k are v3's (linear_logp_kernel.cuh; the same epilogue
 //     code): a mean-z partial per (row, split), and per (row, split) a
 //     sorted list of the k best (z, id) in shared memory, screened and
@@ -135,9 +136,8 @@ using WideTiling = Tiling<128, 2, 1, 1, 3, 2, false>;
 // columns (4 warps), an 8-stage ring; N <= 32, 32 rows x 8 parts of 16
 // (8 warps), 4 stages; N <= 64, 2 row groups of 32 x 4 parts of 32 (8
 // warps; fewer shared-memory reads per mma than 16 warps), 4 stages (227
-// KiB: all of an H100/H200 SM's opt-in shared memory). Both
-// carry three tiles per K step (three times the independent mma chains per
-// warp).
+// KiB: all of an H100/H200 SM's opt-in shared memory). Both carry three
+// tiles per K step (three times the independent mma chains per warp).
 using Narrow16Tiling = Tiling<16, 1, 4, 1, 8, 1, false>;
 using Narrow32Tiling = Tiling<32, 2, 8, 3, 4, 1, false>;
 using Narrow64Tiling = Tiling<64, 2, 4, 3, 4, 1, false>;
