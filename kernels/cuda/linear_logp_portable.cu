@@ -61,7 +61,7 @@ Launch LaunchOf(bool entropy) {
                 T::kBlockM};
 }
 
-// A narrow tiling with its deep ring where the GPU has the shared memory.
+// A narrow tiling where the GPU has its shared memory, else the fallback.
 template <class Deep, class Shallow>
 Launch NarrowLaunch(bool entropy, int smem_optin_bytes) {
   return smem_optin_bytes >= Deep::kSmemBytes
@@ -69,8 +69,8 @@ Launch NarrowLaunch(bool entropy, int smem_optin_bytes) {
              : LaunchOf<Shallow, false>(entropy);
 }
 
-// The narrow tilings of one N range: the shallow one always, the deep one
-// where it fits.
+// The tilings of one N range: the fallback always, the deep one where it
+// fits.
 template <class Deep, class Shallow>
 cudaError_t ConfigureNarrow(int smem_optin_bytes) {
   if (cudaError_t e = ConfigureTiling<Shallow, false>(); e != cudaSuccess) {
@@ -97,6 +97,9 @@ Launch PickLaunch(const KernelParams& p, int smem_optin_bytes) {
     return NarrowLaunch<Narrow64Tiling, Narrow64ShallowTiling>(
         entropy, smem_optin_bytes);
   }
+  if (p.rows <= Narrow128Tiling::kBlockM) {
+    return NarrowLaunch<Narrow128Tiling, WideTiling>(entropy, smem_optin_bytes);
+  }
   return LaunchOf<WideTiling, false>(entropy);
 }
 
@@ -121,7 +124,9 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
   }
   split_code->binary_version = attrs.binaryVersion;
   split_code->ptx_version = attrs.ptxVersion;
-  if (cudaError_t e = ConfigureTiling<WideTiling, false>(); e != cudaSuccess) {
+  if (cudaError_t e =
+          ConfigureNarrow<Narrow128Tiling, WideTiling>(smem_optin_bytes);
+      e != cudaSuccess) {
     return e;
   }
   if (cudaError_t e = ConfigureTiling<TopKTiling, true>(); e != cudaSuccess) {

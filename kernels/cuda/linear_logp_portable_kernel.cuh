@@ -141,6 +141,10 @@ using WideTiling = Tiling<128, 2, 1, 1, 3, 2, false>;
 using Narrow16Tiling = Tiling<16, 1, 4, 1, 8, 1, false>;
 using Narrow32Tiling = Tiling<32, 2, 8, 3, 4, 1, false>;
 using Narrow64Tiling = Tiling<64, 2, 4, 3, 4, 1, false>;
+// N <= 128: one row block of 128 (132 CTAs, one per SM) as 4 row groups of
+// 32 x 2 parts of 64 columns (8 warps), K steps of two tiles, 3 stages (149
+// KiB); without that shared memory, the wide tiling.
+using Narrow128Tiling = Tiling<128, 2, 2, 2, 3, 1, false>;
 // The same on GPUs without their shared memory (sm_86, sm_89).
 using Narrow16ShallowTiling = Tiling<16, 1, 4, 1, 5, 1, false>;
 using Narrow32ShallowTiling = Tiling<32, 2, 8, 2, 2, 1, false>;
