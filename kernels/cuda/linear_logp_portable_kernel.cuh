@@ -53,12 +53,12 @@
 //     in column order once their last k-block is in. Shared rows of 128 bytes, 16-byte chunks XOR-swizzled by
 //     row % 8 so that ldmatrix and cp.async hit distinct banks.
 //   * Tilings (Tiling below; EnqueueSplitKernel picks one by N, extras and
-//     the GPU's shared memory): wide (N > 64), 128 rows as 4 warps x 32
+//     the GPU's shared memory): wide (N > 128), 128 rows as 4 warps x 32
 //     rows, 3 stages (96 KiB), two CTAs per SM where the shared memory
-//     allows; narrow (N <= 16, 32, 64), warps splitting each tile's columns
-//     and K steps of up to three tiles, because a small batch's 132 CTAs
-//     are one per SM and one warp per 128 columns cannot hide the mma and
-//     ldmatrix latencies; top-k, 128 rows, 2 stages and the lists (96 KiB).
+//     allows; narrow (N <= 16, 32, 64, 128), warps splitting each tile's
+//     columns and K steps of up to three tiles, because a small batch's 132
+//     CTAs are one per SM and one warp per 128 columns cannot hide the mma
+//     and ldmatrix latencies; top-k, 128 rows, 2 stages and the lists (96 KiB).
 //     Tilings, rings and occupancy are schedule only: every logit is the
 //     same mma chain and every fold the same order, so they keep the
 //     version's bits (a row alone, in a narrow tiling, equals the row in a
@@ -128,7 +128,8 @@ struct Tiling {
   static_assert((kStepCols * kChunksPerRow) % kThreads == 0, "B copy split");
 };
 
-// N > 64: 4 warps of 32 rows; two CTAs per SM where shared memory allows.
+// N > 128 (and N <= 128 without Narrow128Tiling's shared memory): 4 warps
+// of 32 rows; two CTAs per SM where shared memory allows.
 using WideTiling = Tiling<128, 2, 1, 1, 3, 2, false>;
 // N <= 64: the weight stream is the cost, and one CTA per split means one
 // per SM, so the warps of a row group split the tile's columns between them
