@@ -62,29 +62,35 @@ Launch LaunchOf(bool entropy) {
 }
 
 // A narrow tiling where the GPU has its shared memory, else the fallback.
-template <class Deep, class Shallow>
+template <class Deep, class Shallow, bool kTopK = false>
 Launch NarrowLaunch(bool entropy, int smem_optin_bytes) {
   return smem_optin_bytes >= Deep::kSmemBytes
-             ? LaunchOf<Deep, false>(entropy)
-             : LaunchOf<Shallow, false>(entropy);
+             ? LaunchOf<Deep, kTopK>(entropy)
+             : LaunchOf<Shallow, kTopK>(entropy);
 }
 
 // The tilings of one N range: the fallback always, the deep one where it
 // fits.
-template <class Deep, class Shallow>
+template <class Deep, class Shallow, bool kTopK = false>
 cudaError_t ConfigureNarrow(int smem_optin_bytes) {
-  if (cudaError_t e = ConfigureTiling<Shallow, false>(); e != cudaSuccess) {
+  if (cudaError_t e = ConfigureTiling<Shallow, kTopK>(); e != cudaSuccess) {
     return e;
   }
   if (smem_optin_bytes < Deep::kSmemBytes) return cudaSuccess;
-  return ConfigureTiling<Deep, false>();
+  return ConfigureTiling<Deep, kTopK>();
 }
 
 // The tiling for a batch: top-k has its own; N <= 64 streams the weight
 // through a deep ring where the GPU has its shared memory.
 Launch PickLaunch(const KernelParams& p, int smem_optin_bytes) {
   const bool entropy = p.split_mean_z != nullptr;
-  if (p.top_k > 0) return LaunchOf<TopKTiling, true>(entropy);
+  if (p.top_k > 0) {
+    if (p.rows <= TopKNarrowTiling::kBlockM) {
+      return NarrowLaunch<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
+          entropy, smem_optin_bytes);
+    }
+    return LaunchOf<TopKTiling, true>(entropy);
+  }
   if (p.rows <= Narrow16Tiling::kBlockM) {
     return NarrowLaunch<Narrow16Tiling, Narrow16ShallowTiling>(
         entropy, smem_optin_bytes);
@@ -130,6 +136,12 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
     return e;
   }
   if (cudaError_t e = ConfigureTiling<TopKTiling, true>(); e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e =
+          ConfigureNarrow<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
+              smem_optin_bytes);
+      e != cudaSuccess) {
     return e;
   }
   if (cudaError_t e =

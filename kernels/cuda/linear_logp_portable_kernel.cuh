@@ -58,7 +58,8 @@
 //     allows; narrow (N <= 16, 32, 64, 128), warps splitting each tile's
 //     columns and K steps of up to three tiles, because a small batch's 132
 //     CTAs are one per SM and one warp per 128 columns cannot hide the mma
-//     and ldmatrix latencies; top-k, 128 rows, 2 stages and the lists (96 KiB).
+//     and ldmatrix latencies; top-k, 128 rows, 2 stages and the lists (96
+//     KiB), or for N <= 64 64 rows as 4 warps with 4 stages.
 //     Tilings, rings and occupancy are schedule only: every logit is the
 //     same mma chain and every fold the same order, so they keep the
 //     version's bits (a row alone, in a narrow tiling, equals the row in a
@@ -150,13 +151,18 @@ using Narrow128Tiling = Tiling<128, 2, 2, 2, 3, 1, false>;
 using Narrow16ShallowTiling = Tiling<16, 1, 4, 1, 5, 1, false>;
 using Narrow32ShallowTiling = Tiling<32, 2, 8, 2, 2, 1, false>;
 using Narrow64ShallowTiling = Tiling<64, 2, 4, 1, 3, 1, false>;
-// Any N with top-k: the lists take the third stage's room.
+// N > 64 with top-k: the lists take the third stage's room.
 using TopKTiling = Tiling<128, 2, 1, 1, 2, 2, true>;
+// N <= 64 with top-k: 64 rows as 4 warps x 16 rows (top-k lists need a
+// row's whole tile in one warp), 4 stages (112 KiB); 3 without them.
+using TopKNarrowTiling = Tiling<64, 1, 1, 1, 4, 1, true>;
+using TopKNarrowShallowTiling = Tiling<64, 1, 1, 1, 3, 1, true>;
 static_assert(WideTiling::kSmemBytes <= kMinSmemBytes, "fits every sm_80+");
 static_assert(Narrow16ShallowTiling::kSmemBytes <= kMinSmemBytes, "fits");
 static_assert(Narrow32ShallowTiling::kSmemBytes <= kMinSmemBytes, "fits");
 static_assert(Narrow64ShallowTiling::kSmemBytes <= kMinSmemBytes, "fits");
 static_assert(TopKTiling::kSmemBytes <= kMinSmemBytes, "fits too");
+static_assert(TopKNarrowShallowTiling::kSmemBytes <= kMinSmemBytes, "fits");
 
 // ------------------------------------------------------------------ PTX
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
