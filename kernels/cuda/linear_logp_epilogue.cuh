@@ -5,7 +5,7 @@
 // the entropy sum and the top-k lists. Both kernels hold a tile the same
 // way (m16n8 fragments: a thread holds two rows, lane / 4 and lane / 4 + 8,
 // and columns 8j + 2 (lane % 4) + {0, 1}), so one copy of this arithmetic
-// serves both and a row's fold is the same instruction sequence in each.
+// serves both (their bits still differ: different mma, different keys).
 // Each translation unit compiles its own copy for its own architectures.
 //
 // A tile: y = acc + bias; the tile max of z = y / T is fl(max(y) * (1/T))

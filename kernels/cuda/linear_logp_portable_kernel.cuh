@@ -268,8 +268,8 @@ template <class T>
 __device__ __forceinline__ void LoadStep(const KernelParams& p,
                                          const CopyPlan<T>& plan, uint8_t* smem,
                                          int slot, int step) {
-  const int tile = step / p.k_blocks;
-  const int kb = step - tile * p.k_blocks;
+  const int tile_group = step / p.k_blocks;
+  const int kb = step - tile_group * p.k_blocks;
   const int64_t k0 = static_cast<int64_t>(kb) * kBlockK;
   const uint32_t a_dst =
       SmemAddr(smem + slot * T::kStageBytes) + plan.smem_offset;
@@ -281,7 +281,7 @@ __device__ __forceinline__ void LoadStep(const KernelParams& p,
     CpAsync16(a_dst + i * CopyPlan<T>::kRowStride * kRowBytes,
               ok ? a_src + i * plan.stride : p.hidden, ok);
   }
-  const int64_t tile_row = static_cast<int64_t>(tile) * T::kStepCols;
+  const int64_t tile_row = static_cast<int64_t>(tile_group) * T::kStepCols;
   const __nv_bfloat16* b_src = plan.b_src + tile_row * p.hidden_size + k0;
   const int64_t b_rows_left = plan.b_rows_left - tile_row;
 #pragma unroll
