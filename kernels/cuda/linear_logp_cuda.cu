@@ -356,7 +356,8 @@ size_t LinearLogpCuda::WorkspaceBytes(int64_t rows, bool entropy,
   const size_t per_cell = sizeof(float) * (entropy ? 2 : 1) +
                           static_cast<size_t>(std::max(top_k, 0)) *
                               (sizeof(float) + sizeof(int32_t));
-  return cells * per_cell;
+  const size_t per_row = top_k > 0 ? sizeof(uint32_t) : 0;  // top_screen
+  return cells * per_cell + static_cast<size_t>(rows) * per_row;
 }
 
 SplitPartials LinearLogpCuda::PartitionWorkspace(void* workspace, int64_t rows,
@@ -376,6 +377,8 @@ SplitPartials LinearLogpCuda::PartitionWorkspace(void* workspace, int64_t rows,
     partials.top_z = next;
     next += cells * top_k;
     partials.top_ids = reinterpret_cast<int32_t*>(next);
+    partials.top_screen =
+        reinterpret_cast<uint32_t*>(partials.top_ids + cells * top_k);
   }
   return partials;
 }
@@ -425,6 +428,18 @@ absl::Status ValidateExtras(const LinearLogpBatchView& batch,
     return absl::InvalidArgumentError(
         "linear_logp_cuda: top_k asked for without top-k partials");
   }
+  return absl::OkStatus();
+}
+
+// Zeroes the rows' shared top-k screens (no bound yet) before a split pass.
+absl::Status ClearTopKScreen(const LinearLogpBatchView& batch,
+                             const SplitPartials& partials,
+                             cudaStream_t stream) {
+  if (batch.top_k <= 0 || partials.top_screen == nullptr) {
+    return absl::OkStatus();
+  }
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      partials.top_screen, 0, sizeof(uint32_t) * batch.rows, stream));
   return absl::OkStatus();
 }
 
@@ -500,6 +515,7 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   p.split_mean_z = entropy ? partials.mean_z : nullptr;
   p.split_top_z = top_k ? partials.top_z : nullptr;
   p.split_top_id = top_k ? partials.top_ids : nullptr;
+  p.top_screen = top_k ? partials.top_screen : nullptr;
   p.top_k = batch.top_k;
   p.id_offset = static_cast<int32_t>(impl_->shard_begin);
   p.rows = static_cast<int32_t>(batch.rows);
@@ -512,6 +528,9 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   const int grid = std::min(impl_->num_sms, p.num_items);
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
+  if (absl::Status s = ClearTopKScreen(batch, partials, stream); !s.ok()) {
+    return s;
+  }
   VariantFor(entropy, top_k)<<<grid, kv::kThreads, SmemBytesFor(top_k),
                                stream>>>(hidden_map, impl_->weight_map, p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -540,6 +559,7 @@ absl::Status LinearLogpCuda::LaunchPortableSplits(
   p.split_mean_z = partials.mean_z;
   p.split_top_z = batch.top_k > 0 ? partials.top_z : nullptr;
   p.split_top_id = batch.top_k > 0 ? partials.top_ids : nullptr;
+  p.top_screen = batch.top_k > 0 ? partials.top_screen : nullptr;
   p.top_k = batch.top_k;
   p.id_offset = static_cast<int32_t>(impl_->shard_begin);
   p.hidden_size = w.hidden_size;
@@ -549,6 +569,9 @@ absl::Status LinearLogpCuda::LaunchPortableSplits(
   p.num_splits = SplitTable(batch.rows, p.split_begin);
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
+  if (absl::Status s = ClearTopKScreen(batch, partials, stream); !s.ok()) {
+    return s;
+  }
   DETLOGP_CUDA_RETURN_IF_ERROR(
       kp::EnqueueSplitKernel(p, impl_->smem_optin_bytes, stream));
   return absl::OkStatus();

@@ -25,10 +25,12 @@ namespace detlogp::kernels::cuda::epilogue {
 
 // What the epilogue reads and writes besides the accumulators.
 struct EpilogueParams {
-  const float* bias;  // [padded_vocab] or null
-  float* logprobs;    // [rows]: z[target]
-  int32_t top_k;      // 1..kMaxTopK (kTopK)
-  int32_t id_offset;  // added to top-k ids (a shard's first row)
+  const float* bias;     // [padded_vocab] or null
+  float* logprobs;       // [rows]: z[target]
+  uint32_t* top_screen;  // [rows]: ScreenKey of the row (kTopK), or null
+  int32_t top_k;         // 1..kMaxTopK (kTopK)
+  int32_t id_offset;     // added to top-k ids (a shard's first row)
+  int32_t rows;
 };
 
 __device__ __forceinline__ float Ex2(float x) {
@@ -37,21 +39,21 @@ __device__ __forceinline__ float Ex2(float x) {
   return y;
 }
 
-// acc[4 * j + k] for a run-time j < kJ and compile-time-free k in [0, 4),
-// through a switch so that the accumulators stay in registers (a select
-// chain gets turned into a local-memory array by the compiler).
+// acc[4 * j + k] for a run-time j < kJ and k in [0, 4), through a switch
+// and scalars so that the accumulators stay in registers (an indexed array,
+// even of four, gets turned into local memory by the compiler).
 template <int kJ>
 __device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) {
-  float v[4];
+  float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
   switch (j) {
-#define DETLOGP_CASE(J)                                 \
-  case J:                                               \
-    if constexpr (J < kJ) {                             \
-      v[0] = acc[4 * J + 0];                            \
-      v[1] = acc[4 * J + 1];                            \
-      v[2] = acc[4 * J + 2];                            \
-      v[3] = acc[4 * J + 3];                            \
-    }                                                   \
+#define DETLOGP_CASE(J)        \
+  case J:                      \
+    if constexpr (J < kJ) {    \
+      v0 = acc[4 * J + 0];     \
+      v1 = acc[4 * J + 1];     \
+      v2 = acc[4 * J + 2];     \
+      v3 = acc[4 * J + 3];     \
+    }                          \
     break;
     DETLOGP_CASE(0) DETLOGP_CASE(1) DETLOGP_CASE(2) DETLOGP_CASE(3)
     DETLOGP_CASE(4) DETLOGP_CASE(5) DETLOGP_CASE(6) DETLOGP_CASE(7)
@@ -63,10 +65,9 @@ __device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) 
     DETLOGP_CASE(28) DETLOGP_CASE(29) DETLOGP_CASE(30) DETLOGP_CASE(31)
 #undef DETLOGP_CASE
     default:
-      v[0] = v[1] = v[2] = v[3] = 0.0f;
       break;
   }
-  return k == 0 ? v[0] : (k == 1 ? v[1] : (k == 2 ? v[2] : v[3]));
+  return k == 0 ? v0 : (k == 1 ? v1 : (k == 2 ? v2 : v3));
 }
 
 struct RowState {
@@ -76,19 +77,58 @@ struct RowState {
 };
 
 // The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
-// entry i of row r at z[i * stride + r] (lane i reads entry i: no bank
-// conflicts), sorted best first and padded with empty entries (-inf, -1),
-// which rank after every real value and never let padding columns in.
+// sorted best first and padded with empty entries (-inf, -1), which rank
+// after every real value and never let padding columns in. Entry i of row r
+// is at TopKSlot(i, r): rows are xor-swizzled by the entry's low five bits,
+// so both ways the lists are read hit 32 different banks: one row's entries
+// (the warp-wide insert, lane i reading entry i; unswizzled, all of them
+// shared a bank) and one entry of 32 consecutive rows.
 struct TopKLists {
   float* z;
   int32_t* id;
   int row0;
-  int stride;  // rows in the block's lists
+  int stride;  // rows in the block's lists, a multiple of 32
+
+  __device__ __forceinline__ int TopKSlot(int i, int r) const {
+    return i * stride + (r ^ (i & 31));
+  }
 };
+
+// Shared memory for a block's lists of up to max_k (z, id) entries per row.
+__host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
+  return block_rows * max_k * 8;
+}
+
+// A row's screen shared by all of its splits (kTopK, when top_screen is
+// set): a float as an order-preserving uint32 key, raised with atomicMax to
+// any value a split has proven to be at most the row's k-th best (its full
+// list's worst entry, or a tile's lower bound). Values below it cannot be in
+// the row's top-k, so a split may drop them. Which values a split drops then
+// depends on timing, but not the result: every value of the row's top-k is
+// at least every bound ever published, so it reaches its split's list, and
+// the combine takes the k best of all lists. The keys start at 0 (below
+// every float; the launch clears them).
+__device__ __forceinline__ uint32_t ScreenKey(float z) {
+  const uint32_t b = __float_as_uint(z);
+  return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float ScreenValue(uint32_t key) {
+  if (key <= 0x007fffffu) return -INFINITY;  // 0 (none yet) or -inf itself
+  const uint32_t b = (key & 0x80000000u) != 0 ? (key & 0x7fffffffu) : ~key;
+  return __uint_as_float(b);
+}
+
+// The shared screen of a thread's row (read through L2, where the atomics
+// land), or -inf.
+__device__ __forceinline__ float LoadRowScreen(const EpilogueParams& p,
+                                               int row) {
+  if (p.top_screen == nullptr || row >= p.rows) return -INFINITY;
+  return ScreenValue(__ldcg(p.top_screen + row));
+}
 
 __device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
   for (int idx = lane; idx < 16 * k; idx += 32) {
-    const int at = (idx / 16) * l.stride + l.row0 + idx % 16;
+    const int at = l.TopKSlot(idx / 16, l.row0 + idx % 16);
     l.z[at] = -INFINITY;
     l.id[at] = -1;
   }
@@ -103,7 +143,7 @@ __device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
                                                 int lane, int row, float z,
                                                 int32_t id) {
   const bool holds = lane < k;
-  const int at = lane * l.stride + row;
+  const int at = l.TopKSlot(lane, row);
   const float entry_z = holds ? l.z[at] : -INFINITY;
   const int32_t entry_id = holds ? l.id[at] : -1;
   const int place = __popc(__ballot_sync(
@@ -148,40 +188,65 @@ static __device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0, flo
   return screen;
 }
 
+// A lower bound on the k-th best of a tile's values in the thread's row h
+// (y, before 1 / T), or -inf: each of the row's quad threads holds kW / 32
+// disjoint groups of 8 values, sorts their maxima and takes its r-th best,
+// r = ceil(k / 4); the least of the quad's four is then at most 4r >= k
+// distinct values of the tile.
+template <int kW>
+__device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
+                                                   int k) {
+  constexpr int kGroups = kW / 32;
+  const int r = (k + 3) / 4;
+  if (kGroups == 0 || r > kGroups) return -INFINITY;  // uniform: k is
+  float g[kGroups > 0 ? kGroups : 1];
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i) {
+    float gm = -INFINITY;
+#pragma unroll
+    for (int j = 4 * i; j < 4 * i + 4; ++j) {
+      gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+    }
+    g[i] = gm;
+  }
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i) {  // a bubble network, best first
+#pragma unroll
+    for (int j = 0; j + 1 < kGroups - i; ++j) {
+      const float hi = fmaxf(g[j], g[j + 1]);
+      g[j + 1] = fminf(g[j], g[j + 1]);
+      g[j] = hi;
+    }
+  }
+  // g[r - 1] as the least of the r best (an index would be local memory).
+  float least = g[0];
+#pragma unroll
+  for (int i = 1; i < kGroups; ++i) {
+    if (i < r) least = fminf(least, g[i]);
+  }
+  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+}
+
 // Screens a tile's values of the thread's two rows against each row's worst
-// entry and a lower bound on the tile's own k-th best, and inserts the
-// survivors. Exact: the screen only drops values that rank after the list's
-// worst entry or that k others in the tile beat.
+// entry, the tile's own k-th-best lower bound and the row's shared screen
+// (`shared`, from LoadRowScreen), inserts the survivors, and raises the
+// shared screen to what the row's list or tile now proves. Exact: the
+// screen only drops values that k others of the row beat.
 template <int kW>
 __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
                                          const float* acc, int lane, int v0,
-                                         const float* inv_t,
+                                         const int* row, const float* inv_t,
+                                         const float* shared,
                                          const TopKLists& lists) {
   const int k = p.top_k;
   float screen[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = lists.row0 + (lane >> 2) + 8 * h;
-    const float worst_z = lists.z[(k - 1) * lists.stride + row];
-    float lower = -INFINITY;
-    if (kW / 8 >= k) {
-      // Each of the quad's threads holds kW / 32 groups of 8 values per row:
-      // kW / 8 disjoint groups whose maxima are all >= their least.
-      float least = INFINITY;
-#pragma unroll
-      for (int g = 0; g < kW / 32; ++g) {
-        float gm = -INFINITY;
-#pragma unroll
-        for (int j = 4 * g; j < 4 * g + 4; ++j) {
-          gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
-        }
-        least = fminf(least, gm);
-      }
-      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
-      least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
-      lower = least * inv_t[h];
-    }
-    screen[h] = fmaxf(lower, worst_z);
+    const int list_row = lists.row0 + (lane >> 2) + 8 * h;
+    const float worst_z = lists.z[lists.TopKSlot(k - 1, list_row)];
+    const float lower = TileKthLowerBound<kW>(acc, h, k) * inv_t[h];
+    screen[h] = fmaxf(fmaxf(lower, worst_z), shared[h]);
   }
   const int id_base = p.id_offset + v0;
 #pragma unroll
@@ -198,6 +263,14 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
                      make_float2(screen[0], screen[1]));
         screen[0] = tightened.x;
         screen[1] = tightened.y;
+      }
+    }
+  }
+  if (p.top_screen != nullptr && (lane & 3) == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row[h] < p.rows && screen[h] > shared[h]) {
+        atomicMax(p.top_screen + row[h], ScreenKey(screen[h]));
       }
     }
   }
@@ -339,6 +412,11 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
                                          const int* row, const float* inv_t,
                                          const int* target, RowState* state,
                                          const TopKLists& lists) {
+  float shared[2];  // loaded first: its latency hides behind the fold
+  if constexpr (kTopK) {
+    shared[0] = LoadRowScreen(p, row[0]);
+    shared[1] = LoadRowScreen(p, row[1]);
+  }
   float mx[2];
   TileMaxes<kW>(p, acc, lane, v0, valid, row, inv_t, target, mx);
   const float m[2] = {fmaxf(state[0].max, QuadMax(mx[0]) * inv_t[0]),
@@ -346,7 +424,9 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
   float s[2] = {0.0f, 0.0f}, t[2] = {0.0f, 0.0f};
   TileExpSums<kW, kEntropy>(acc, valid >= kW, inv_t, m, s, t);
   UpdateStates<kEntropy>(m, s, t, state);
-  if constexpr (kTopK) TopKTile<kW>(p, acc, lane, v0, inv_t, lists);
+  if constexpr (kTopK) {
+    TopKTile<kW>(p, acc, lane, v0, row, inv_t, shared, lists);
+  }
 }
 
 // Writes a row's split partials once the split is done: its logsumexp
@@ -375,8 +455,8 @@ __device__ __forceinline__ void StoreTopKLists(const TopKLists& lists, int k,
     const int i = idx / 16;
     if (first_row + r >= rows) continue;
     const int64_t out = ((first_row + r) * num_splits + split) * k + i;
-    split_top_z[out] = lists.z[i * lists.stride + r];
-    split_top_id[out] = lists.id[i * lists.stride + r];
+    split_top_z[out] = lists.z[lists.TopKSlot(i, r)];
+    split_top_id[out] = lists.id[lists.TopKSlot(i, r)];
   }
   __syncwarp();
 }

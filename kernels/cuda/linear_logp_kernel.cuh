@@ -104,7 +104,8 @@ inline constexpr int kSmemBytes =
     1024 + kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8;
 // Top-k lists: kBlockM rows x kMaxTopK (z, id) pairs after the barriers.
 inline constexpr int kMaxTopK = 32;
-inline constexpr int kTopKSmemBytes = kBlockM * kMaxTopK * 8;
+inline constexpr int kTopKSmemBytes =
+    epilogue::TopKListBytes(kBlockM, kMaxTopK);
 inline constexpr int kSmemBytesTopK = kSmemBytes + kTopKSmemBytes;
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
@@ -120,6 +121,7 @@ struct KernelParams {
   float* split_mean_z;           // [rows][num_splits] (kEntropy)
   float* split_top_z;            // [rows][num_splits][top_k] (kTopK)
   int32_t* split_top_id;         // [rows][num_splits][top_k] (kTopK)
+  uint32_t* top_screen;          // [rows], zeroed, or null (kTopK; epilogue)
   int32_t top_k;                 // 1..kMaxTopK (kTopK)
   int32_t id_offset;             // added to top-k ids (a shard's first row)
   int32_t rows;
@@ -240,7 +242,8 @@ __device__ __forceinline__ void ConsumeTile(
   if (!active) return;
   if (lane_arrives) ptx::MbarArrive(&empty[prev_stage]);
 
-  const epilogue::EpilogueParams ep{p.bias, p.logprobs, p.top_k, p.id_offset};
+  const epilogue::EpilogueParams ep{p.bias,  p.logprobs,  p.top_screen,
+                                    p.top_k, p.id_offset, p.rows};
   epilogue::FoldTile<kW, kEntropy, kTopK>(ep, acc, lane, v0, valid, rows.row,
                                           rows.inv_t, rows.target, state,
                                           lists);
@@ -260,7 +263,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       smem_b + kStages * kBTileBytes);
   uint64_t* empty = full + kStages;
   float* top_z = reinterpret_cast<float*>(empty + kStages);
-  int32_t* top_id = reinterpret_cast<int32_t*>(top_z + kBlockM * kMaxTopK);
+  int32_t* top_id = reinterpret_cast<int32_t*>(
+      top_z + kBlockM * kMaxTopK);
 
   // Broadcast so that the compiler sees a warp-uniform value (keeps the wgmma
   // paths free of divergence, which would serialize them).
@@ -326,7 +330,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     ConsumerRows rows;
     RowState state[2];
     // The warp's rows' top-k lists, emptied for this item.
-    const TopKLists lists{top_z, top_id, consumer * 64 + warp * 16, kBlockM};
+    const TopKLists lists{top_z, top_id, consumer * 64 + warp * 16,
+                          kBlockM};
     if constexpr (kTopK) epilogue::TopKReset(lists, p.top_k, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -113,7 +113,8 @@ struct Tiling {
   // After the ring: top-k lists (kBlockM rows x kMaxTopK (z, id)), then the
   // chained fold's exchange: each part's row maxima and each lane's running
   // (s, t) for its two rows.
-  static constexpr int kListBytes = kListsInSmem_ ? kBlockM * kMaxTopK * 8 : 0;
+  static constexpr int kListBytes =
+      kListsInSmem_ ? epilogue::TopKListBytes(kBlockM, kMaxTopK) : 0;
   static constexpr int kXchgMaxFloats = kColumnParts * kWarpRows;
   static constexpr int kXchgSumFloats = kWarpMFrags * 4 * 32;
   static constexpr int kXchgBytes =
@@ -124,6 +125,7 @@ struct Tiling {
   static_assert(kBlockM % kWarpRows == 0, "whole warps");
   static_assert(kColumnParts == 1 || !kListsInSmem_,
                 "chained folds have no top-k");
+  static_assert(kBlockM % 32 == 0 || !kListsInSmem_, "TopKSlot's swizzle");
   static_assert(kRowGroups <= 15, "a named barrier per row group");
   static_assert((kBlockM * kChunksPerRow) % kThreads == 0, "A copy split");
   static_assert((kStepCols * kChunksPerRow) % kThreads == 0, "B copy split");
@@ -463,7 +465,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
   const bool active = row0 + group * T::kWarpRows < p.rows;
 
   float* top_z = reinterpret_cast<float*>(smem + T::kRingBytes);
-  int32_t* top_id = reinterpret_cast<int32_t*>(top_z + T::kBlockM * kMaxTopK);
+  int32_t* top_id = reinterpret_cast<int32_t*>(
+      top_z + T::kBlockM * kMaxTopK);
   float* xchg =
       reinterpret_cast<float*>(smem + T::kRingBytes + T::kListBytes);
   TopKLists lists[T::kWarpMFrags];
@@ -486,7 +489,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
       state[i] = RowState{-INFINITY, 0.0f, 0.0f};
     }
   }
-  const epilogue::EpilogueParams ep{p.bias, p.logprobs, p.top_k, p.id_offset};
+  const epilogue::EpilogueParams ep{p.bias,  p.logprobs,  p.top_screen,
+                                    p.top_k, p.id_offset, p.rows};
 
   float acc[kAcc];
 #pragma unroll

@@ -12,6 +12,7 @@ rows. FLOPs are counted as 2*N*H*V for every variant.
 --kernel=portable measures the portable mma.sync kernel (issue #13), forced.
 """
 import ctypes
+import hashlib
 import json
 import os
 import sys
@@ -57,13 +58,15 @@ def reference(hidden, W, bias, temps, rows):
 def main():
     ap = bench_arguments()
     ap.add_argument("--kernel", choices=("hopper", "portable"), default="hopper")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="fixed inputs, so that two builds' digests compare")
     args = ap.parse_args()
 
     lib = load(args.lib)
     version = lib.logp_version().decode() if args.kernel == "hopper" else "portable"
     H, V, Vp = args.hidden, args.vocab, args.padded_vocab
     dev = torch.device("cuda")
-    torch.manual_seed(torch.seed())
+    torch.manual_seed(torch.seed() if args.seed is None else args.seed)
     W = (torch.randn(Vp, H, device=dev) * 0.02).to(torch.bfloat16)
     bias = torch.randn(Vp, device=dev) * 0.1
     mode = 0 if args.kernel == "hopper" else 2
@@ -114,6 +117,11 @@ def main():
             if not same:
                 failures += 1
                 print(f"FAIL N={n}: {name} changed logprob/lse bits", flush=True)
+        # The extras' bits, to compare builds run with the same --seed.
+        digest = hashlib.sha256()
+        for t in outs["both"]:
+            digest.update(t.cpu().numpy().tobytes())
+        rec["both_digest"] = digest.hexdigest()[:16]
         # Accuracy vs float64 on a few rows.
         sel = sorted(set([0, n // 2, n - 1]))
         ref_ent, ref_logp = reference(hidden, W[:V], bias[:V], temps, sel)
@@ -159,7 +167,8 @@ def main():
               f"+top20 {100 * (rec['top20_ms'] / b - 1):+.1f}%, "
               f"both {100 * (rec['both_ms'] / b - 1):+.1f}%, "
               f"torch eager {rec.get('torch_ms', float('nan')):.4f} ms; "
-              f"entropy err {rec['entropy_err']:.1e}, top err {top_err:.1e}", flush=True)
+              f"entropy err {rec['entropy_err']:.1e}, top err {top_err:.1e}; "
+              f"outputs digest {rec['both_digest']}", flush=True)
         del hidden
 
     print()
