@@ -41,6 +41,10 @@ constexpr int64_t kMaxHidden = 65536;
 constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1024;
 
 constexpr char kCudaComponent[] = "linear_logp_cuda";
+// The rows' shared top-k screens (linear_logp_epilogue.cuh).
+constexpr size_t kScreenAlign = 16;
+constexpr size_t kScreenRowBytes =
+    sizeof(uint32_t) * epilogue::kScreenWords;
 
 // Throughput-tuned split (benchmarks only): splits of whole 256-wide tiles,
 // their count chosen to balance (row blocks x splits) items over the SMs.
@@ -356,8 +360,11 @@ size_t LinearLogpCuda::WorkspaceBytes(int64_t rows, bool entropy,
   const size_t per_cell = sizeof(float) * (entropy ? 2 : 1) +
                           static_cast<size_t>(std::max(top_k, 0)) *
                               (sizeof(float) + sizeof(int32_t));
-  const size_t per_row = top_k > 0 ? sizeof(uint32_t) : 0;  // top_screen
-  return cells * per_cell + static_cast<size_t>(rows) * per_row;
+  // top_screen: 16-byte aligned rows of kScreenWords keys after the lists.
+  const size_t screen = top_k > 0 ? kScreenAlign + static_cast<size_t>(rows) *
+                                                       kScreenRowBytes
+                                  : 0;
+  return cells * per_cell + screen;
 }
 
 SplitPartials LinearLogpCuda::PartitionWorkspace(void* workspace, int64_t rows,
@@ -377,8 +384,10 @@ SplitPartials LinearLogpCuda::PartitionWorkspace(void* workspace, int64_t rows,
     partials.top_z = next;
     next += cells * top_k;
     partials.top_ids = reinterpret_cast<int32_t*>(next);
-    partials.top_screen =
-        reinterpret_cast<uint32_t*>(partials.top_ids + cells * top_k);
+    const uintptr_t end =
+        reinterpret_cast<uintptr_t>(partials.top_ids + cells * top_k);
+    partials.top_screen = reinterpret_cast<uint32_t*>(
+        (end + kScreenAlign - 1) / kScreenAlign * kScreenAlign);
   }
   return partials;
 }
@@ -438,8 +447,12 @@ absl::Status ClearTopKScreen(const LinearLogpBatchView& batch,
   if (batch.top_k <= 0 || partials.top_screen == nullptr) {
     return absl::OkStatus();
   }
+  if (!Aligned(partials.top_screen, kScreenAlign)) {
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: top_screen must be 16-byte aligned");
+  }
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-      partials.top_screen, 0, sizeof(uint32_t) * batch.rows, stream));
+      partials.top_screen, 0, kScreenRowBytes * batch.rows, stream));
   return absl::OkStatus();
 }
 

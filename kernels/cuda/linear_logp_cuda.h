@@ -86,9 +86,10 @@ struct SplitPartials {
                                 // (entropy only)
   float* top_z = nullptr;       // [rows][splits][top_k] (top-k only)
   int32_t* top_ids = nullptr;   // [rows][splits][top_k], global token ids
-  // [rows] (top-k only, optional): the row's screen its splits share, which
-  // lets a split skip values another split has already ruled out; cleared by
-  // LaunchSplits. Null: every split screens alone (same results, slower).
+  // [rows][epilogue::kScreenWords] keys, 16-byte aligned (top-k only,
+  // optional): what a row's splits share to skip values another split has
+  // already ruled out; cleared by LaunchSplits. Null: every split screens
+  // alone (same results, slower).
   uint32_t* top_screen = nullptr;
 };
 

@@ -27,7 +27,7 @@ namespace detlogp::kernels::cuda::epilogue {
 struct EpilogueParams {
   const float* bias;     // [padded_vocab] or null
   float* logprobs;       // [rows]: z[target]
-  uint32_t* top_screen;  // [rows]: ScreenKey of the row (kTopK), or null
+  uint32_t* top_screen;  // [rows][kScreenWords] (kTopK), zeroed, or null
   int32_t top_k;         // 1..kMaxTopK (kTopK)
   int32_t id_offset;     // added to top-k ids (a shard's first row)
   int32_t rows;
@@ -73,7 +73,8 @@ __device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) 
 struct RowState {
   float max;
   float sum;
-  float sum_y;  // sum of exp(z - max) * y (kEntropy only)
+  float sum_y;      // sum of exp(z - max) * y (kEntropy only)
+  float top_bound;  // SlotBound at the split's first tile (kTopK only)
 };
 
 // The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
@@ -99,15 +100,25 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
   return block_rows * max_k * 8;
 }
 
-// A row's screen shared by all of its splits (kTopK, when top_screen is
-// set): a float as an order-preserving uint32 key, raised with atomicMax to
-// any value a split has proven to be at most the row's k-th best (its full
-// list's worst entry, or a tile's lower bound). Values below it cannot be in
-// the row's top-k, so a split may drop them. Which values a split drops then
-// depends on timing, but not the result: every value of the row's top-k is
-// at least every bound ever published, so it reaches its split's list, and
-// the combine takes the k best of all lists. The keys start at 0 (below
-// every float; the launch clears them).
+// What a row's splits share to screen top-k candidates (kTopK, when
+// top_screen is set): values proven to be at most the row's k-th best, as
+// order-preserving uint32 keys raised with atomicMax. Values below them
+// cannot be in the row's top-k, so a split may drop them. Which values a
+// split drops then depends on timing, but not the result: every value of
+// the row's top-k is at least every bound ever published, so it reaches its
+// split's list, and the combine takes the k best of all lists. Per row,
+// kScreenWords keys (zeroed by the launch: 0 is below every float):
+//   * kScreenSlots slots, each the largest z seen in a fixed set of
+//     columns (slot ScreenSlot(v0, quad) gathers one thread's columns of
+//     one tile; different slots, disjoint columns). The k-th largest slot
+//     is then at most the row's k-th best value: k distinct columns reach
+//     it. Read once per split, at its first tile (SlotBound).
+//   * the screen word: raised to a split's full list's worst entry, or a
+//     tile's k-th-best lower bound; read at every tile.
+inline constexpr int kScreenSlots = 64;
+inline constexpr int kScreenWord = kScreenSlots;
+inline constexpr int kScreenWords = kScreenSlots + 4;  // 16-byte rows
+
 __device__ __forceinline__ uint32_t ScreenKey(float z) {
   const uint32_t b = __float_as_uint(z);
   return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
@@ -118,12 +129,59 @@ __device__ __forceinline__ float ScreenValue(uint32_t key) {
   return __uint_as_float(b);
 }
 
-// The shared screen of a thread's row (read through L2, where the atomics
-// land), or -inf.
+__device__ __forceinline__ uint32_t* RowScreenWords(const EpilogueParams& p,
+                                                    int row) {
+  return p.top_screen + static_cast<int64_t>(row) * kScreenWords;
+}
+
+__device__ __forceinline__ int ScreenSlot(int v0, int quad) {
+  return ((v0 >> 5) * 4 + quad) & (kScreenSlots - 1);
+}
+
+// The row's screen word (read through L2, where the atomics land), or -inf.
 __device__ __forceinline__ float LoadRowScreen(const EpilogueParams& p,
                                                int row) {
   if (p.top_screen == nullptr || row >= p.rows) return -INFINITY;
-  return ScreenValue(__ldcg(p.top_screen + row));
+  return ScreenValue(__ldcg(RowScreenWords(p, row) + kScreenWord));
+}
+
+// A lower bound on the row's k-th best from its slots, or -inf; quad
+// collective (the row's four threads). Each thread reads 16 slots and takes
+// their r-th largest, r = ceil(k / 4); the least of the four has 4r >= k
+// slots at or above it.
+__device__ __forceinline__ float SlotBound(const EpilogueParams& p, int row,
+                                           int lane) {
+  constexpr int kMaxRank = 8;  // ceil(kMaxTopK / 4)
+  const int r = (p.top_k + 3) / 4;
+  float best[kMaxRank];
+#pragma unroll
+  for (int i = 0; i < kMaxRank; ++i) best[i] = -INFINITY;
+  if (p.top_screen != nullptr && row < p.rows) {
+    const uint4* slots = reinterpret_cast<const uint4*>(
+        RowScreenWords(p, row) + (lane & 3) * (kScreenSlots / 4));
+#pragma unroll
+    for (int q = 0; q < kScreenSlots / 16; ++q) {
+      const uint4 keys = __ldcg(slots + q);
+      const uint32_t key[4] = {keys.x, keys.y, keys.z, keys.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float v = ScreenValue(key[c]);
+#pragma unroll
+        for (int i = 0; i < kMaxRank; ++i) {  // keep the best kMaxRank
+          const float hi = fmaxf(best[i], v);
+          v = fminf(best[i], v);
+          best[i] = hi;
+        }
+      }
+    }
+  }
+  float least = best[0];
+#pragma unroll
+  for (int i = 1; i < kMaxRank; ++i) {
+    if (i < r) least = fminf(least, best[i]);
+  }
+  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
 }
 
 __device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
@@ -228,26 +286,60 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
   return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
 }
 
-// Screens a tile's values of the thread's two rows against each row's worst
-// entry, the tile's own k-th-best lower bound and the row's shared screen
-// (`shared`, from LoadRowScreen), inserts the survivors, and raises the
-// shared screen to what the row's list or tile now proves. Exact: the
-// screen only drops values that k others of the row beat.
+// Screens a tile's values of the thread's two rows and inserts the
+// survivors into the rows' lists. Exact: a value is dropped only when k
+// others of its row beat it. The screen of a row, tightest first available:
+//   * its list's worst entry and the row's shared screen (`shared`, loaded
+//     when the tile's fold began): a thread whose tile maximum (`mx`, y
+//     before 1 / T) is below both has nothing to offer, and a warp with no
+//     such thread is done (most tiles once the row's splits have shared);
+//   * the tile's own k-th-best lower bound, published at once with an
+//     atomicMax whose answer brings back what the row's other splits have
+//     published meanwhile (splits running side by side, which all start
+//     with empty lists, cut each other's insertions that way);
+//   * each insertion's new worst entry, published when the tile is done.
 template <int kW>
 __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
                                          const float* acc, int lane, int v0,
                                          const int* row, const float* inv_t,
-                                         const float* shared,
+                                         const float* mx, const float* shared,
                                          const TopKLists& lists) {
+  constexpr unsigned kAll = 0xffffffffu;
   const int k = p.top_k;
-  float screen[2];
+  float screen[2], top[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int list_row = lists.row0 + (lane >> 2) + 8 * h;
-    const float worst_z = lists.z[lists.TopKSlot(k - 1, list_row)];
-    const float lower = TileKthLowerBound<kW>(acc, h, k) * inv_t[h];
-    screen[h] = fmaxf(fmaxf(lower, worst_z), shared[h]);
+    screen[h] = fmaxf(lists.z[lists.TopKSlot(k - 1, list_row)], shared[h]);
+    top[h] = mx[h] * inv_t[h];  // the thread's best z of the row's tile
   }
+  const bool sharing = p.top_screen != nullptr;
+  if (sharing) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row[h] < p.rows && top[h] > shared[h]) {  // below: no use
+        atomicMax(RowScreenWords(p, row[h]) + ScreenSlot(v0, lane & 3),
+                  ScreenKey(top[h]));
+      }
+    }
+  }
+  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) return;
+
+  float published[2] = {shared[0], shared[1]};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float bound = TileKthLowerBound<kW>(acc, h, k) * inv_t[h];
+    float row_screen = shared[h];
+    if (sharing && (lane & 3) == 0 && row[h] < p.rows && bound > shared[h]) {
+      const uint32_t before =
+          atomicMax(RowScreenWords(p, row[h]) + kScreenWord, ScreenKey(bound));
+      row_screen = fmaxf(ScreenValue(before), bound);
+    }
+    published[h] = __shfl_sync(kAll, row_screen, lane & ~3);
+    screen[h] = fmaxf(fmaxf(screen[h], bound), published[h]);
+  }
+  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) return;
+
   const int id_base = p.id_offset + v0;
 #pragma unroll
   for (int j = 0; j < kW / 8; ++j) {
@@ -255,8 +347,8 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
     for (int e = 0; e < 2; ++e) {
       const float z0 = acc[4 * j + e] * inv_t[0];
       const float z1 = acc[4 * j + 2 + e] * inv_t[1];
-      const unsigned pass0 = __ballot_sync(0xffffffffu, z0 >= screen[0]);
-      const unsigned pass1 = __ballot_sync(0xffffffffu, z1 >= screen[1]);
+      const unsigned pass0 = __ballot_sync(kAll, z0 >= screen[0]);
+      const unsigned pass1 = __ballot_sync(kAll, z1 >= screen[1]);
       if ((pass0 | pass1) != 0) {  // warp-uniform
         const float2 tightened =
             TopKSite(lists, k, z0, z1, pass0, pass1, id_base + 8 * j + e,
@@ -266,11 +358,12 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
       }
     }
   }
-  if (p.top_screen != nullptr && (lane & 3) == 0) {
+  if (sharing && (lane & 3) == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (row[h] < p.rows && screen[h] > shared[h]) {
-        atomicMax(p.top_screen + row[h], ScreenKey(screen[h]));
+      if (row[h] < p.rows && screen[h] > published[h]) {
+        atomicMax(RowScreenWords(p, row[h]) + kScreenWord,
+                  ScreenKey(screen[h]));
       }
     }
   }
@@ -414,8 +507,14 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
                                          const TopKLists& lists) {
   float shared[2];  // loaded first: its latency hides behind the fold
   if constexpr (kTopK) {
-    shared[0] = LoadRowScreen(p, row[0]);
-    shared[1] = LoadRowScreen(p, row[1]);
+    // A split's first tile (no row folded yet) reads the slots once.
+    if (__all_sync(0xffffffffu, state[0].max == -INFINITY &&
+                                    state[1].max == -INFINITY)) {
+      state[0].top_bound = SlotBound(p, row[0], lane);
+      state[1].top_bound = SlotBound(p, row[1], lane);
+    }
+    shared[0] = fmaxf(LoadRowScreen(p, row[0]), state[0].top_bound);
+    shared[1] = fmaxf(LoadRowScreen(p, row[1]), state[1].top_bound);
   }
   float mx[2];
   TileMaxes<kW>(p, acc, lane, v0, valid, row, inv_t, target, mx);
@@ -425,7 +524,7 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
   TileExpSums<kW, kEntropy>(acc, valid >= kW, inv_t, m, s, t);
   UpdateStates<kEntropy>(m, s, t, state);
   if constexpr (kTopK) {
-    TopKTile<kW>(p, acc, lane, v0, row, inv_t, shared, lists);
+    TopKTile<kW>(p, acc, lane, v0, row, inv_t, mx, shared, lists);
   }
 }
 
