@@ -74,30 +74,45 @@ static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p
   float best_z = -INFINITY;  // empty entries rank after every real one
   int32_t best_id = -1;
   const int64_t first = static_cast<int64_t>(r) * p.num_splits * k;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const int64_t at = first + static_cast<int64_t>(s) * k + lane;
-    const float z = holds ? p.split_top_z[at] : -INFINITY;
-    const int32_t id = holds ? p.split_top_id[at] : -1;
-    const float worst_z = __shfl_sync(0xffffffffu, best_z, k - 1);
-    const int32_t worst_id = __shfl_sync(0xffffffffu, best_id, k - 1);
-    unsigned pass = __ballot_sync(
-        0xffffffffu, id >= 0 && RanksBefore(z, id, worst_z, worst_id));
-    while (pass != 0) {  // warp-uniform
-      const int src = __ffs(pass) - 1;
-      pass &= pass - 1;
-      const float cz = __shfl_sync(0xffffffffu, z, src);
-      const int32_t cid = __shfl_sync(0xffffffffu, id, src);
-      const int place = __popc(__ballot_sync(
-          0xffffffffu, holds && RanksBefore(best_z, best_id, cz, cid)));
-      const float above_z = __shfl_up_sync(0xffffffffu, best_z, 1);
-      const int32_t above_id = __shfl_up_sync(0xffffffffu, best_id, 1);
-      if (place < k) {  // warp-uniform: the candidate makes the list
-        if (lane == place) {
-          best_z = cz;
-          best_id = cid;
-        } else if (lane > place) {
-          best_z = above_z;
-          best_id = above_id;
+  // kAhead splits' entries are loaded before any is merged: the merge is
+  // short (most lists hold nothing the screen lets through), the loads are
+  // not.
+  constexpr int kAhead = 8;
+  for (int s0 = 0; s0 < p.num_splits; s0 += kAhead) {
+    float zs[kAhead];
+    int32_t ids[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t at = first + static_cast<int64_t>(s0 + u) * k + lane;
+      const bool load = holds && s0 + u < p.num_splits;
+      zs[u] = load ? p.split_top_z[at] : -INFINITY;
+      ids[u] = load ? p.split_top_id[at] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const float z = zs[u];
+      const int32_t id = ids[u];
+      const float worst_z = __shfl_sync(0xffffffffu, best_z, k - 1);
+      const int32_t worst_id = __shfl_sync(0xffffffffu, best_id, k - 1);
+      unsigned pass = __ballot_sync(
+          0xffffffffu, id >= 0 && RanksBefore(z, id, worst_z, worst_id));
+      while (pass != 0) {  // warp-uniform
+        const int src = __ffs(pass) - 1;
+        pass &= pass - 1;
+        const float cz = __shfl_sync(0xffffffffu, z, src);
+        const int32_t cid = __shfl_sync(0xffffffffu, id, src);
+        const int place = __popc(__ballot_sync(
+            0xffffffffu, holds && RanksBefore(best_z, best_id, cz, cid)));
+        const float above_z = __shfl_up_sync(0xffffffffu, best_z, 1);
+        const int32_t above_id = __shfl_up_sync(0xffffffffu, best_id, 1);
+        if (place < k) {  // warp-uniform: the candidate makes the list
+          if (lane == place) {
+            best_z = cz;
+            best_id = cid;
+          } else if (lane > place) {
+            best_z = above_z;
+            best_id = above_id;
+          }
         }
       }
     }

@@ -73,8 +73,7 @@ __device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) 
 struct RowState {
   float max;
   float sum;
-  float sum_y;      // sum of exp(z - max) * y (kEntropy only)
-  float top_bound;  // SlotBound at the split's first tile (kTopK only)
+  float sum_y;  // sum of exp(z - max) * y (kEntropy only)
 };
 
 // The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
@@ -112,7 +111,7 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
 //     columns (slot ScreenSlot(v0, quad) gathers one thread's columns of
 //     one tile; different slots, disjoint columns). The k-th largest slot
 //     is then at most the row's k-th best value: k distinct columns reach
-//     it. Read once per split, at its first tile (SlotBound).
+//     it. Read (SlotBound) by a tile that has candidates left.
 //   * the screen word: raised to a split's full list's worst entry, or a
 //     tile's k-th-best lower bound; read at every tile.
 inline constexpr int kScreenSlots = 64;
@@ -288,15 +287,17 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
 
 // Screens a tile's values of the thread's two rows and inserts the
 // survivors into the rows' lists. Exact: a value is dropped only when k
-// others of its row beat it. The screen of a row, tightest first available:
-//   * its list's worst entry and the row's shared screen (`shared`, loaded
-//     when the tile's fold began): a thread whose tile maximum (`mx`, y
-//     before 1 / T) is below both has nothing to offer, and a warp with no
-//     such thread is done (most tiles once the row's splits have shared);
-//   * the tile's own k-th-best lower bound, published at once with an
-//     atomicMax whose answer brings back what the row's other splits have
-//     published meanwhile (splits running side by side, which all start
-//     with empty lists, cut each other's insertions that way);
+// others of its row beat it. The thread first publishes its tile maximum
+// (`mx`, y before 1 / T) into its slot; then a row's screen, cheapest first:
+//   * its list's worst entry and the row's screen word (`shared`, loaded
+//     when the tile's fold began): a thread whose tile maximum is below
+//     both has nothing to offer, and a warp with no such thread is done;
+//   * the tile's own k-th-best lower bound, published with an atomicMax
+//     whose answer brings back the word as the row's other splits left it,
+//     and the slots' bound (SlotBound), which by then holds the maxima of
+//     this tile and, likely, of the row's splits running beside this one
+//     (they all start with empty lists: this is where they cut each
+//     other's insertions);
 //   * each insertion's new worst entry, published when the tile is done.
 template <int kW>
 __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
@@ -335,8 +336,11 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
           atomicMax(RowScreenWords(p, row[h]) + kScreenWord, ScreenKey(bound));
       row_screen = fmaxf(ScreenValue(before), bound);
     }
+    // The slots now hold this tile's maxima and, likely, those of the
+    // row's other splits running beside this one.
+    const float slots = SlotBound(p, row[h], lane);
     published[h] = __shfl_sync(kAll, row_screen, lane & ~3);
-    screen[h] = fmaxf(fmaxf(screen[h], bound), published[h]);
+    screen[h] = fmaxf(fmaxf(screen[h], bound), fmaxf(published[h], slots));
   }
   if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) return;
 
@@ -507,14 +511,8 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
                                          const TopKLists& lists) {
   float shared[2];  // loaded first: its latency hides behind the fold
   if constexpr (kTopK) {
-    // A split's first tile (no row folded yet) reads the slots once.
-    if (__all_sync(0xffffffffu, state[0].max == -INFINITY &&
-                                    state[1].max == -INFINITY)) {
-      state[0].top_bound = SlotBound(p, row[0], lane);
-      state[1].top_bound = SlotBound(p, row[1], lane);
-    }
-    shared[0] = fmaxf(LoadRowScreen(p, row[0]), state[0].top_bound);
-    shared[1] = fmaxf(LoadRowScreen(p, row[1]), state[1].top_bound);
+    shared[0] = LoadRowScreen(p, row[0]);
+    shared[1] = LoadRowScreen(p, row[1]);
   }
   float mx[2];
   TileMaxes<kW>(p, acc, lane, v0, valid, row, inv_t, target, mx);

@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool in = r < p.rows;
       rows.inv_t[h] = in ? __frcp_rn(RowTemperature(p, r)) : 1.0f;
       rows.target[h] = in ? RowTarget(p, r) : -(1 << 30);
-      state[h] = RowState{-INFINITY, 0.0f, 0.0f, -INFINITY};
+      state[h] = RowState{-INFINITY, 0.0f, 0.0f};
     }
     const int tiles = TileCount(end - begin);
     for (int t = 0, v0 = begin; t < tiles; ++t) {

@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
       const bool in = r < p.rows;
       inv_t[i] = in ? __frcp_rn(RowTemperature(p, r)) : 1.0f;
       target[i] = in ? RowTarget(p, r) : -(1 << 30);
-      state[i] = RowState{-INFINITY, 0.0f, 0.0f, -INFINITY};
+      state[i] = RowState{-INFINITY, 0.0f, 0.0f};
     }
   }
   const epilogue::EpilogueParams ep{p.bias,  p.logprobs,  p.top_screen,
