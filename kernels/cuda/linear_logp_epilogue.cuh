@@ -73,7 +73,8 @@ __device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) 
 struct RowState {
   float max;
   float sum;
-  float sum_y;  // sum of exp(z - max) * y (kEntropy only)
+  float sum_y;   // sum of exp(z - max) * y (kEntropy only)
+  float screen;  // the split's tightest top-k screen so far (kTopK only)
 };
 
 // The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
@@ -84,15 +85,43 @@ struct RowState {
 // (the warp-wide insert, lane i reading entry i; unswizzled, all of them
 // shared a bank) and one entry of 32 consecutive rows.
 struct TopKLists {
-  float* z;
-  int32_t* id;
+  // Shared-window addresses: the insert runs in a function that is not
+  // inlined, where generic pointers became generic loads and stores.
+  uint32_t z;
+  uint32_t id;
   int row0;
   int stride;  // rows in the block's lists, a multiple of 32
 
   __device__ __forceinline__ int TopKSlot(int i, int r) const {
     return i * stride + (r ^ (i & 31));
   }
+  __device__ __forceinline__ float Z(int slot) const {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(z + 4 * slot)
+                 : "memory");
+    return v;
+  }
+  __device__ __forceinline__ int32_t Id(int slot) const {
+    int32_t v;
+    asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(id + 4 * slot)
+                 : "memory");
+    return v;
+  }
+  __device__ __forceinline__ void Set(int slot, float zv, int32_t idv) const {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(z + 4 * slot), "f"(zv)
+                 : "memory");
+    asm volatile("st.shared.s32 [%0], %1;" ::"r"(id + 4 * slot), "r"(idv)
+                 : "memory");
+  }
 };
+
+// The lists of a block's rows at shared memory z and id (stride: rows).
+__device__ __forceinline__ TopKLists MakeTopKLists(float* z, int32_t* id,
+                                                   int row0, int stride) {
+  return TopKLists{static_cast<uint32_t>(__cvta_generic_to_shared(z)),
+                   static_cast<uint32_t>(__cvta_generic_to_shared(id)), row0,
+                   stride};
+}
 
 // Shared memory for a block's lists of up to max_k (z, id) entries per row.
 __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
@@ -186,8 +215,7 @@ __device__ __forceinline__ float SlotBound(const EpilogueParams& p, int row,
 __device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
   for (int idx = lane; idx < 16 * k; idx += 32) {
     const int at = l.TopKSlot(idx / 16, l.row0 + idx % 16);
-    l.z[at] = -INFINITY;
-    l.id[at] = -1;
+    l.Set(at, -INFINITY, -1);
   }
   __syncwarp();
 }
@@ -201,8 +229,8 @@ __device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
                                                 int32_t id) {
   const bool holds = lane < k;
   const int at = l.TopKSlot(lane, row);
-  const float entry_z = holds ? l.z[at] : -INFINITY;
-  const int32_t entry_id = holds ? l.id[at] : -1;
+  const float entry_z = holds ? l.Z(at) : -INFINITY;
+  const int32_t entry_id = holds ? l.Id(at) : -1;
   const int place = __popc(__ballot_sync(
       0xffffffffu, holds && RanksBefore(entry_z, entry_id, z, id)));
   const float above_z = __shfl_up_sync(0xffffffffu, entry_z, 1);
@@ -210,8 +238,7 @@ __device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
   float now_z = entry_z;
   if (holds && lane >= place) {
     now_z = lane == place ? z : above_z;
-    l.z[at] = now_z;
-    l.id[at] = lane == place ? id : above_id;
+    l.Set(at, now_z, lane == place ? id : above_id);
   }
   __syncwarp();
   return __shfl_sync(0xffffffffu, now_z, k - 1);
@@ -289,9 +316,10 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
 // survivors into the rows' lists. Exact: a value is dropped only when k
 // others of its row beat it. The thread first publishes its tile maximum
 // (`mx`, y before 1 / T) into its slot; then a row's screen, cheapest first:
-//   * its list's worst entry and the row's screen word (`shared`, loaded
-//     when the tile's fold began): a thread whose tile maximum is below
-//     both has nothing to offer, and a warp with no such thread is done;
+//   * its list's worst entry, the row's screen word (`shared`, loaded when
+//     the tile's fold began) and the split's screen after its last tile
+//     (`carried`, updated here): a thread whose tile maximum is below them
+//     has nothing to offer, and a warp with no such thread is done;
 //   * the tile's own k-th-best lower bound, published with an atomicMax
 //     whose answer brings back the word as the row's other splits left it,
 //     and the slots' bound (SlotBound), which by then holds the maxima of
@@ -304,6 +332,7 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
                                          const float* acc, int lane, int v0,
                                          const int* row, const float* inv_t,
                                          const float* mx, const float* shared,
+                                         float* carried,
                                          const TopKLists& lists) {
   constexpr unsigned kAll = 0xffffffffu;
   const int k = p.top_k;
@@ -311,7 +340,8 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int list_row = lists.row0 + (lane >> 2) + 8 * h;
-    screen[h] = fmaxf(lists.z[lists.TopKSlot(k - 1, list_row)], shared[h]);
+    screen[h] = fmaxf(fmaxf(lists.Z(lists.TopKSlot(k - 1, list_row)), shared[h]),
+                      carried[h]);
     top[h] = mx[h] * inv_t[h];  // the thread's best z of the row's tile
   }
   const bool sharing = p.top_screen != nullptr;
@@ -324,7 +354,11 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
       }
     }
   }
-  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) return;
+  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) {
+    carried[0] = screen[0];
+    carried[1] = screen[1];
+    return;
+  }
 
   float published[2] = {shared[0], shared[1]};
 #pragma unroll
@@ -342,7 +376,11 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
     published[h] = __shfl_sync(kAll, row_screen, lane & ~3);
     screen[h] = fmaxf(fmaxf(screen[h], bound), fmaxf(published[h], slots));
   }
-  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) return;
+  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) {
+    carried[0] = screen[0];
+    carried[1] = screen[1];
+    return;
+  }
 
   const int id_base = p.id_offset + v0;
 #pragma unroll
@@ -362,6 +400,8 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
       }
     }
   }
+  carried[0] = screen[0];
+  carried[1] = screen[1];
   if (sharing && (lane & 3) == 0) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -522,7 +562,10 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
   TileExpSums<kW, kEntropy>(acc, valid >= kW, inv_t, m, s, t);
   UpdateStates<kEntropy>(m, s, t, state);
   if constexpr (kTopK) {
-    TopKTile<kW>(p, acc, lane, v0, row, inv_t, mx, shared, lists);
+    float carried[2] = {state[0].screen, state[1].screen};
+    TopKTile<kW>(p, acc, lane, v0, row, inv_t, mx, shared, carried, lists);
+    state[0].screen = carried[0];
+    state[1].screen = carried[1];
   }
 }
 
@@ -552,8 +595,8 @@ __device__ __forceinline__ void StoreTopKLists(const TopKLists& lists, int k,
     const int i = idx / 16;
     if (first_row + r >= rows) continue;
     const int64_t out = ((first_row + r) * num_splits + split) * k + i;
-    split_top_z[out] = lists.z[lists.TopKSlot(i, r)];
-    split_top_id[out] = lists.id[lists.TopKSlot(i, r)];
+    split_top_z[out] = lists.Z(lists.TopKSlot(i, r));
+    split_top_id[out] = lists.Id(lists.TopKSlot(i, r));
   }
   __syncwarp();
 }

@@ -330,8 +330,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     ConsumerRows rows;
     RowState state[2];
     // The warp's rows' top-k lists, emptied for this item.
-    const TopKLists lists{top_z, top_id, consumer * 64 + warp * 16,
-                          kBlockM};
+    const TopKLists lists = epilogue::MakeTopKLists(
+        top_z, top_id, consumer * 64 + warp * 16, kBlockM);
     if constexpr (kTopK) epilogue::TopKReset(lists, p.top_k, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool in = r < p.rows;
       rows.inv_t[h] = in ? __frcp_rn(RowTemperature(p, r)) : 1.0f;
       rows.target[h] = in ? RowTarget(p, r) : -(1 << 30);
-      state[h] = RowState{-INFINITY, 0.0f, 0.0f};
+      state[h] = RowState{-INFINITY, 0.0f, 0.0f, -INFINITY};
     }
     const int tiles = TileCount(end - begin);
     for (int t = 0, v0 = begin; t < tiles; ++t) {

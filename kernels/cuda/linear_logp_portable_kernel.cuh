@@ -475,8 +475,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
   RowState state[kRows];
 #pragma unroll
   for (int m = 0; m < T::kWarpMFrags; ++m) {
-    lists[m] = TopKLists{top_z, top_id, group * T::kWarpRows + 16 * m,
-                         T::kBlockM};
+    lists[m] = epilogue::MakeTopKLists(
+        top_z, top_id, group * T::kWarpRows + 16 * m, T::kBlockM);
     if constexpr (kTopK) epilogue::TopKReset(lists[m], p.top_k, lane);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -486,7 +486,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
       const bool in = r < p.rows;
       inv_t[i] = in ? __frcp_rn(RowTemperature(p, r)) : 1.0f;
       target[i] = in ? RowTarget(p, r) : -(1 << 30);
-      state[i] = RowState{-INFINITY, 0.0f, 0.0f};
+      state[i] = RowState{-INFINITY, 0.0f, 0.0f, -INFINITY};
     }
   }
   const epilogue::EpilogueParams ep{p.bias,  p.logprobs,  p.top_screen,
