@@ -320,7 +320,8 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
 //     the tile's fold began) and the split's screen after its last tile
 //     (`carried`, updated here): a thread whose tile maximum is below them
 //     has nothing to offer, and a warp with no such thread is done;
-//   * the tile's own k-th-best lower bound, published with an atomicMax
+//   * when many thread-rows of the warp still have candidates: the tile's
+//     own k-th-best lower bound, published with an atomicMax
 //     whose answer brings back the word as the row's other splits left it,
 //     and the slots' bound (SlotBound), which by then holds the maxima of
 //     this tile and, likely, of the row's splits running beside this one
@@ -360,9 +361,15 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
     return;
   }
 
+  // Bounds cost a round trip to L2 and a few hundred instructions: worth it
+  // only when many of the warp's thread-rows still have candidates (early
+  // in a row's splits), not for the odd one.
+  constexpr int kFewCandidates = 8;
+  const int busy = __popc(__ballot_sync(kAll, top[0] >= screen[0])) +
+                   __popc(__ballot_sync(kAll, top[1] >= screen[1]));
   float published[2] = {shared[0], shared[1]};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < 2 && busy > kFewCandidates; ++h) {
     const float bound = TileKthLowerBound<kW>(acc, h, k) * inv_t[h];
     float row_screen = shared[h];
     if (sharing && (lane & 3) == 0 && row[h] < p.rows && bound > shared[h]) {
@@ -382,21 +389,36 @@ __device__ __forceinline__ void TopKTile(const EpilogueParams& p,
     return;
   }
 
+  // Position by position, in groups of 8 values per thread-row that a
+  // group whose maximum is below the screen skips with one vote.
   const int id_base = p.id_offset + v0;
 #pragma unroll
-  for (int j = 0; j < kW / 8; ++j) {
+  for (int g = 0; g < kW / 32; ++g) {
+    float gm0 = -INFINITY, gm1 = -INFINITY;
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float z0 = acc[4 * j + e] * inv_t[0];
-      const float z1 = acc[4 * j + 2 + e] * inv_t[1];
-      const unsigned pass0 = __ballot_sync(kAll, z0 >= screen[0]);
-      const unsigned pass1 = __ballot_sync(kAll, z1 >= screen[1]);
-      if ((pass0 | pass1) != 0) {  // warp-uniform
-        const float2 tightened =
-            TopKSite(lists, k, z0, z1, pass0, pass1, id_base + 8 * j + e,
-                     make_float2(screen[0], screen[1]));
-        screen[0] = tightened.x;
-        screen[1] = tightened.y;
+    for (int j = 4 * g; j < 4 * g + 4; ++j) {
+      gm0 = fmaxf(gm0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
+      gm1 = fmaxf(gm1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
+    }
+    if (!__any_sync(kAll, gm0 * inv_t[0] >= screen[0] ||
+                              gm1 * inv_t[1] >= screen[1])) {
+      continue;  // warp-uniform
+    }
+#pragma unroll
+    for (int j = 4 * g; j < 4 * g + 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float z0 = acc[4 * j + e] * inv_t[0];
+        const float z1 = acc[4 * j + 2 + e] * inv_t[1];
+        const unsigned pass0 = __ballot_sync(kAll, z0 >= screen[0]);
+        const unsigned pass1 = __ballot_sync(kAll, z1 >= screen[1]);
+        if ((pass0 | pass1) != 0) {  // warp-uniform
+          const float2 tightened =
+              TopKSite(lists, k, z0, z1, pass0, pass1, id_base + 8 * j + e,
+                       make_float2(screen[0], screen[1]));
+          screen[0] = tightened.x;
+          screen[1] = tightened.y;
+        }
       }
     }
   }
