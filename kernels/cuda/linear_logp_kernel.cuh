@@ -242,8 +242,8 @@ __device__ __forceinline__ void ConsumeTile(
   if (!active) return;
   if (lane_arrives) ptx::MbarArrive(&empty[prev_stage]);
 
-  const epilogue::EpilogueParams ep{p.bias,  p.logprobs,  p.top_screen,
-                                    p.top_k, p.id_offset, p.rows};
+  const epilogue::EpilogueParams ep{
+      p.bias, p.logprobs, {p.top_screen, p.top_k, p.id_offset, p.rows}};
   epilogue::FoldTile<kW, kEntropy, kTopK>(ep, acc, lane, v0, valid, rows.row,
                                           rows.inv_t, rows.target, state,
                                           lists);

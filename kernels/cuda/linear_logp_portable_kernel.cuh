@@ -489,8 +489,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
       state[i] = RowState{-INFINITY, 0.0f, 0.0f, -INFINITY};
     }
   }
-  const epilogue::EpilogueParams ep{p.bias,  p.logprobs,  p.top_screen,
-                                    p.top_k, p.id_offset, p.rows};
+  const epilogue::EpilogueParams ep{
+      p.bias, p.logprobs, {p.top_screen, p.top_k, p.id_offset, p.rows}};
 
   float acc[kAcc];
 #pragma unroll

@@ -1,0 +1,406 @@
+// Top-k selection for the linear-logp split kernels (both: the Hopper
+// kernel and the portable one, through linear_logp_epilogue.cuh): each
+// (row, split) keeps the k best (z, id) of its columns in a shared-memory
+// list, candidates screened by bounds that the row's splits share through
+// the workspace, survivors inserted by the whole warp; the combine merges
+// the lists (linear_logp_combine_kernel.cuh). Every list holds the same
+// set whatever order its candidates arrive in (RanksBefore is a total
+// order), and no screen drops a value of the row's top-k, so the combined
+// top-k depends on the row alone.
+#ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_TOPK_CUH_
+#define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_TOPK_CUH_
+
+#include <cfloat>
+#include <cstdint>
+
+#include "kernels/softmax_partial.h"
+
+namespace detlogp::kernels::cuda::epilogue {
+
+// What the top-k code reads besides the tile and the lists.
+struct TopKParams {
+  uint32_t* top_screen;  // [rows][kScreenWords], zeroed, or null: no sharing
+  int32_t top_k;         // 1..kMaxTopK
+  int32_t id_offset;     // added to top-k ids (a shard's first row)
+  int32_t rows;
+};
+
+// The warp's top-k lists (kTopK only): rows [row0, row0 + 16) of the block,
+// sorted best first and padded with empty entries (-inf, -1), which rank
+// after every real value and never let padding columns in. Entry i of row r
+// is at TopKSlot(i, r): rows are xor-swizzled by the entry's low five bits,
+// so both ways the lists are read hit 32 different banks: one row's entries
+// (the warp-wide insert, lane i reading entry i; unswizzled, all of them
+// shared a bank) and one entry of 32 consecutive rows.
+struct TopKLists {
+  // Shared-window addresses: the insert runs in a function that is not
+  // inlined, where generic pointers became generic loads and stores.
+  uint32_t z;
+  uint32_t id;
+  int row0;
+  int stride;  // rows in the block's lists, a multiple of 32
+
+  __device__ __forceinline__ int TopKSlot(int i, int r) const {
+    return i * stride + (r ^ (i & 31));
+  }
+  __device__ __forceinline__ float Z(int slot) const {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(z + 4 * slot)
+                 : "memory");
+    return v;
+  }
+  __device__ __forceinline__ int32_t Id(int slot) const {
+    int32_t v;
+    asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(id + 4 * slot)
+                 : "memory");
+    return v;
+  }
+  __device__ __forceinline__ void Set(int slot, float zv, int32_t idv) const {
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(z + 4 * slot), "f"(zv)
+                 : "memory");
+    asm volatile("st.shared.s32 [%0], %1;" ::"r"(id + 4 * slot), "r"(idv)
+                 : "memory");
+  }
+};
+
+// The lists of a block's rows at shared memory z and id (stride: rows).
+__device__ __forceinline__ TopKLists MakeTopKLists(float* z, int32_t* id,
+                                                   int row0, int stride) {
+  return TopKLists{static_cast<uint32_t>(__cvta_generic_to_shared(z)),
+                   static_cast<uint32_t>(__cvta_generic_to_shared(id)), row0,
+                   stride};
+}
+
+// Shared memory for a block's lists of up to max_k (z, id) entries per row.
+__host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
+  return block_rows * max_k * 8;
+}
+
+// What a row's splits share to screen top-k candidates (kTopK, when
+// top_screen is set): values proven to be at most the row's k-th best, as
+// order-preserving uint32 keys raised with atomicMax. Values below them
+// cannot be in the row's top-k, so a split may drop them. Which values a
+// split drops then depends on timing, but not the result: every value of
+// the row's top-k is at least every bound ever published, so it reaches its
+// split's list, and the combine takes the k best of all lists. Per row,
+// kScreenWords keys (zeroed by the launch: 0 is below every float):
+//   * kScreenSlots slots, each the largest z seen in a fixed set of
+//     columns (slot ScreenSlot(v0, quad) gathers one thread's columns of
+//     one tile; different slots, disjoint columns). The k-th largest slot
+//     is then at most the row's k-th best value: k distinct columns reach
+//     it. Read (SlotBound) by a tile that has candidates left.
+//   * the screen word: raised to a split's full list's worst entry, or a
+//     tile's k-th-best lower bound; read at every tile.
+inline constexpr int kScreenSlots = 64;
+inline constexpr int kScreenWord = kScreenSlots;
+inline constexpr int kScreenWords = kScreenSlots + 4;  // 16-byte rows
+
+__device__ __forceinline__ uint32_t ScreenKey(float z) {
+  const uint32_t b = __float_as_uint(z);
+  return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float ScreenValue(uint32_t key) {
+  if (key <= 0x007fffffu) return -INFINITY;  // 0 (none yet) or -inf itself
+  const uint32_t b = (key & 0x80000000u) != 0 ? (key & 0x7fffffffu) : ~key;
+  return __uint_as_float(b);
+}
+
+__device__ __forceinline__ uint32_t* RowScreenWords(const TopKParams& p,
+                                                    int row) {
+  return p.top_screen + static_cast<int64_t>(row) * kScreenWords;
+}
+
+__device__ __forceinline__ int ScreenSlot(int v0, int quad) {
+  return ((v0 >> 5) * 4 + quad) & (kScreenSlots - 1);
+}
+
+// The row's screen word (read through L2, where the atomics land), or -inf.
+__device__ __forceinline__ float LoadRowScreen(const TopKParams& p,
+                                               int row) {
+  if (p.top_screen == nullptr || row >= p.rows) return -INFINITY;
+  return ScreenValue(__ldcg(RowScreenWords(p, row) + kScreenWord));
+}
+
+// A lower bound on the row's k-th best from its slots, or -inf; quad
+// collective (the row's four threads). Each thread reads 16 slots and takes
+// their r-th largest, r = ceil(k / 4); the least of the four has 4r >= k
+// slots at or above it.
+__device__ __forceinline__ float SlotBound(const TopKParams& p, int row,
+                                           int lane) {
+  constexpr int kMaxRank = 8;  // ceil(kMaxTopK / 4)
+  const int r = (p.top_k + 3) / 4;
+  float best[kMaxRank];
+#pragma unroll
+  for (int i = 0; i < kMaxRank; ++i) best[i] = -INFINITY;
+  if (p.top_screen != nullptr && row < p.rows) {
+    const uint4* slots = reinterpret_cast<const uint4*>(
+        RowScreenWords(p, row) + (lane & 3) * (kScreenSlots / 4));
+#pragma unroll
+    for (int q = 0; q < kScreenSlots / 16; ++q) {
+      const uint4 keys = __ldcg(slots + q);
+      const uint32_t key[4] = {keys.x, keys.y, keys.z, keys.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float v = ScreenValue(key[c]);
+#pragma unroll
+        for (int i = 0; i < kMaxRank; ++i) {  // keep the best kMaxRank
+          const float hi = fmaxf(best[i], v);
+          v = fminf(best[i], v);
+          best[i] = hi;
+        }
+      }
+    }
+  }
+  float least = best[0];
+#pragma unroll
+  for (int i = 1; i < kMaxRank; ++i) {
+    if (i < r) least = fminf(least, best[i]);
+  }
+  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+}
+
+__device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
+  for (int idx = lane; idx < 16 * k; idx += 32) {
+    const int at = l.TopKSlot(idx / 16, l.row0 + idx % 16);
+    l.Set(at, -INFINITY, -1);
+  }
+  __syncwarp();
+}
+
+// Inserts (z, id) into the list of block row `row`, the whole warp at once:
+// lane i holds entry i, the candidate's place is the number of entries that
+// rank before it (a prefix: the list is sorted), entries from there move
+// down one and the last drops. Returns the list's worst z afterwards.
+__device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
+                                                int lane, int row, float z,
+                                                int32_t id) {
+  const bool holds = lane < k;
+  const int at = l.TopKSlot(lane, row);
+  const float entry_z = holds ? l.Z(at) : -INFINITY;
+  const int32_t entry_id = holds ? l.Id(at) : -1;
+  const int place = __popc(__ballot_sync(
+      0xffffffffu, holds && RanksBefore(entry_z, entry_id, z, id)));
+  const float above_z = __shfl_up_sync(0xffffffffu, entry_z, 1);
+  const int32_t above_id = __shfl_up_sync(0xffffffffu, entry_id, 1);
+  float now_z = entry_z;
+  if (holds && lane >= place) {
+    now_z = lane == place ? z : above_z;
+    l.Set(at, now_z, lane == place ? id : above_id);
+  }
+  __syncwarp();
+  return __shfl_sync(0xffffffffu, now_z, k - 1);
+}
+
+// One fragment position whose values passed some lane's screen (pass0 for
+// the lanes' first rows, pass1 for their second; column id_col + 2 * quad
+// lane): every survivor goes into its row's list, and the row's quad
+// tightens its screen to the list's new worst entry. Not inlined: a copy
+// per position and tile width would overflow the instruction cache.
+static __device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0, float z1,
+                                        unsigned pass0, unsigned pass1,
+                                        int32_t id_col, float2 screen) {
+  const int lane = threadIdx.x & 31;
+  while (pass0 != 0) {  // warp-uniform
+    const int src = __ffs(pass0) - 1;
+    pass0 &= pass0 - 1;
+    const float z = __shfl_sync(0xffffffffu, z0, src);
+    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2), z,
+                                       id_col + 2 * (src & 3));
+    if ((lane >> 2) == (src >> 2)) screen.x = fmaxf(screen.x, worst);
+  }
+  while (pass1 != 0) {
+    const int src = __ffs(pass1) - 1;
+    pass1 &= pass1 - 1;
+    const float z = __shfl_sync(0xffffffffu, z1, src);
+    const float worst = TopKWarpInsert(l, k, lane, l.row0 + (src >> 2) + 8, z,
+                                       id_col + 2 * (src & 3));
+    if ((lane >> 2) == (src >> 2)) screen.y = fmaxf(screen.y, worst);
+  }
+  return screen;
+}
+
+// A lower bound on the k-th best of a tile's values in the thread's row h
+// (y, before 1 / T), or -inf: each of the row's quad threads holds kW / 32
+// disjoint groups of 8 values, sorts their maxima and takes its r-th best,
+// r = ceil(k / 4); the least of the quad's four is then at most 4r >= k
+// distinct values of the tile.
+template <int kW>
+__device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
+                                                   int k) {
+  constexpr int kGroups = kW / 32;
+  const int r = (k + 3) / 4;
+  if (kGroups == 0 || r > kGroups) return -INFINITY;  // uniform: k is
+  float g[kGroups > 0 ? kGroups : 1];
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i) {
+    float gm = -INFINITY;
+#pragma unroll
+    for (int j = 4 * i; j < 4 * i + 4; ++j) {
+      gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+    }
+    g[i] = gm;
+  }
+#pragma unroll
+  for (int i = 0; i < kGroups; ++i) {  // a bubble network, best first
+#pragma unroll
+    for (int j = 0; j + 1 < kGroups - i; ++j) {
+      const float hi = fmaxf(g[j], g[j + 1]);
+      g[j + 1] = fminf(g[j], g[j + 1]);
+      g[j] = hi;
+    }
+  }
+  // g[r - 1] as the least of the r best (an index would be local memory).
+  float least = g[0];
+#pragma unroll
+  for (int i = 1; i < kGroups; ++i) {
+    if (i < r) least = fminf(least, g[i]);
+  }
+  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+}
+
+// Screens a tile's values of the thread's two rows and inserts the
+// survivors into the rows' lists. Exact: a value is dropped only when k
+// others of its row beat it. The thread first publishes its tile maximum
+// (`mx`, y before 1 / T) into its slot; then a row's screen, cheapest first:
+//   * its list's worst entry, the row's screen word (`shared`, loaded when
+//     the tile's fold began) and the split's screen after its last tile
+//     (`carried`, updated here): a thread whose tile maximum is below them
+//     has nothing to offer, and a warp with no such thread is done;
+//   * when many thread-rows of the warp still have candidates: the tile's
+//     own k-th-best lower bound, published with an atomicMax
+//     whose answer brings back the word as the row's other splits left it,
+//     and the slots' bound (SlotBound), which by then holds the maxima of
+//     this tile and, likely, of the row's splits running beside this one
+//     (they all start with empty lists: this is where they cut each
+//     other's insertions);
+//   * each insertion's new worst entry, published when the tile is done.
+template <int kW>
+__device__ __forceinline__ void TopKTile(const TopKParams& p,
+                                         const float* acc, int lane, int v0,
+                                         const int* row, const float* inv_t,
+                                         const float* mx, const float* shared,
+                                         float* carried,
+                                         const TopKLists& lists) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int k = p.top_k;
+  float screen[2], top[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int list_row = lists.row0 + (lane >> 2) + 8 * h;
+    screen[h] = fmaxf(fmaxf(lists.Z(lists.TopKSlot(k - 1, list_row)), shared[h]),
+                      carried[h]);
+    top[h] = mx[h] * inv_t[h];  // the thread's best z of the row's tile
+  }
+  const bool sharing = p.top_screen != nullptr;
+  if (sharing) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row[h] < p.rows && top[h] > shared[h]) {  // below: no use
+        atomicMax(RowScreenWords(p, row[h]) + ScreenSlot(v0, lane & 3),
+                  ScreenKey(top[h]));
+      }
+    }
+  }
+  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) {
+    carried[0] = screen[0];
+    carried[1] = screen[1];
+    return;
+  }
+
+  // Bounds cost a round trip to L2 and a few hundred instructions: worth it
+  // only when many of the warp's thread-rows still have candidates (early
+  // in a row's splits), not for the odd one.
+  constexpr int kFewCandidates = 8;
+  const int busy = __popc(__ballot_sync(kAll, top[0] >= screen[0])) +
+                   __popc(__ballot_sync(kAll, top[1] >= screen[1]));
+  float published[2] = {shared[0], shared[1]};
+#pragma unroll
+  for (int h = 0; h < 2 && busy > kFewCandidates; ++h) {
+    const float bound = TileKthLowerBound<kW>(acc, h, k) * inv_t[h];
+    float row_screen = shared[h];
+    if (sharing && (lane & 3) == 0 && row[h] < p.rows && bound > shared[h]) {
+      const uint32_t before =
+          atomicMax(RowScreenWords(p, row[h]) + kScreenWord, ScreenKey(bound));
+      row_screen = fmaxf(ScreenValue(before), bound);
+    }
+    // The slots now hold this tile's maxima and, likely, those of the
+    // row's other splits running beside this one.
+    const float slots = SlotBound(p, row[h], lane);
+    published[h] = __shfl_sync(kAll, row_screen, lane & ~3);
+    screen[h] = fmaxf(fmaxf(screen[h], bound), fmaxf(published[h], slots));
+  }
+  if (!__any_sync(kAll, top[0] >= screen[0] || top[1] >= screen[1])) {
+    carried[0] = screen[0];
+    carried[1] = screen[1];
+    return;
+  }
+
+  // Position by position, in groups of 8 values per thread-row that a
+  // group whose maximum is below the screen skips with one vote.
+  const int id_base = p.id_offset + v0;
+#pragma unroll
+  for (int g = 0; g < kW / 32; ++g) {
+    float gm0 = -INFINITY, gm1 = -INFINITY;
+#pragma unroll
+    for (int j = 4 * g; j < 4 * g + 4; ++j) {
+      gm0 = fmaxf(gm0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
+      gm1 = fmaxf(gm1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
+    }
+    if (!__any_sync(kAll, gm0 * inv_t[0] >= screen[0] ||
+                              gm1 * inv_t[1] >= screen[1])) {
+      continue;  // warp-uniform
+    }
+#pragma unroll
+    for (int j = 4 * g; j < 4 * g + 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float z0 = acc[4 * j + e] * inv_t[0];
+        const float z1 = acc[4 * j + 2 + e] * inv_t[1];
+        const unsigned pass0 = __ballot_sync(kAll, z0 >= screen[0]);
+        const unsigned pass1 = __ballot_sync(kAll, z1 >= screen[1]);
+        if ((pass0 | pass1) != 0) {  // warp-uniform
+          const float2 tightened =
+              TopKSite(lists, k, z0, z1, pass0, pass1, id_base + 8 * j + e,
+                       make_float2(screen[0], screen[1]));
+          screen[0] = tightened.x;
+          screen[1] = tightened.y;
+        }
+      }
+    }
+  }
+  carried[0] = screen[0];
+  carried[1] = screen[1];
+  if (sharing && (lane & 3) == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row[h] < p.rows && screen[h] > published[h]) {
+        atomicMax(RowScreenWords(p, row[h]) + kScreenWord,
+                  ScreenKey(screen[h]));
+      }
+    }
+  }
+}
+
+// Writes the warp's 16 lists (rows lists.row0 ..) for rows below `rows` of
+// the block starting at first_row: sorted, empty entries (id -1) last.
+__device__ __forceinline__ void StoreTopKLists(const TopKLists& lists, int k,
+                                               int lane, int64_t first_row,
+                                               int rows, int num_splits,
+                                               int split, float* split_top_z,
+                                               int32_t* split_top_id) {
+  for (int idx = lane; idx < 16 * k; idx += 32) {
+    const int r = lists.row0 + idx % 16;
+    const int i = idx / 16;
+    if (first_row + r >= rows) continue;
+    const int64_t out = ((first_row + r) * num_splits + split) * k + i;
+    split_top_z[out] = lists.Z(lists.TopKSlot(i, r));
+    split_top_id[out] = lists.Id(lists.TopKSlot(i, r));
+  }
+  __syncwarp();
+}
+
+}  // namespace detlogp::kernels::cuda::epilogue
+
+#endif  // DETLOGP_KERNELS_CUDA_LINEAR_LOGP_TOPK_CUH_
