@@ -47,17 +47,17 @@
 //     folds {lse_s, 1, mean_s} in ascending split order with the lse fold's
 //     rescaling (softmax_partial.h): entropy = lse - Z / S, Z and S the
 //     folded sums of the splits' mean z and of their exp weights.
-//   * top-k: each (row, split) keeps a sorted list of the k best (z, id) in
-//     shared memory under RanksBefore (a total order, so the list is one set
+//   * top-k (linear_logp_topk.cuh, shared with the portable kernel): each
+//     (row, split) keeps a sorted list of the k best (z, id) in shared
+//     memory under RanksBefore (a total order, so the list is one set
 //     whatever order candidates arrive in). A tile's values are screened
-//     against the list's worst entry and a lower bound on the tile's own
-//     k-th best (the least of kW / 8 disjoint 8-value group maxima); each
-//     survivor is inserted by the whole warp at once (lane i holds entry i:
-//     a ballot finds its place, a shuffle moves the tail), and the row's
-//     screen tightens to the new worst entry. Every fragment index is a
-//     compile-time constant (a run-time index into the accumulators is a
-//     divergent indirect branch). Lists go to the workspace per (row,
-//     split); the combine merges them.
+//     against bounds on the row's k-th best (the list's worst entry, the
+//     tile's own, and what the row's other splits published in the
+//     workspace), each survivor inserted by the whole warp at once. Every
+//     fragment index is a compile-time constant (a run-time index into the
+//     accumulators is a divergent indirect branch). Lists go to the
+//     workspace per (row, split); the combine merges them. The output
+//     depends on the row alone (the screens never drop a top-k value).
 // The version string covers the extras too: any change to their arithmetic
 // must bump it.
 //
@@ -121,7 +121,7 @@ struct KernelParams {
   float* split_mean_z;           // [rows][num_splits] (kEntropy)
   float* split_top_z;            // [rows][num_splits][top_k] (kTopK)
   int32_t* split_top_id;         // [rows][num_splits][top_k] (kTopK)
-  uint32_t* top_screen;          // [rows], zeroed, or null (kTopK; epilogue)
+  uint32_t* top_screen;          // [rows][kScreenWords], zeroed, or null
   int32_t top_k;                 // 1..kMaxTopK (kTopK)
   int32_t id_offset;             // added to top-k ids (a shard's first row)
   int32_t rows;

@@ -42,7 +42,7 @@ struct KernelParams {
   float* split_mean_z;           // [rows][num_splits] or null: no entropy
   float* split_top_z;            // [rows][num_splits][top_k] or null
   int32_t* split_top_id;         // [rows][num_splits][top_k] (top_k > 0)
-  uint32_t* top_screen;          // [rows], zeroed, or null (epilogue.cuh)
+  uint32_t* top_screen;          // [rows][kScreenWords], zeroed, or null
   int32_t top_k;                 // 0 (none) or 1..kMaxTopK
   int32_t id_offset;             // added to top-k ids (a shard's first row)
   int64_t hidden_size;           // H, a multiple of 64
