@@ -121,6 +121,20 @@ __device__ __forceinline__ float LoadRowScreen(const TopKParams& p,
   return ScreenValue(__ldcg(RowScreenWords(p, row) + kScreenWord));
 }
 
+// The least, over a row's quad, of each thread's r-th best value (`best`:
+// kN values sorted best first, 1 <= r <= kN). best[r - 1] as the least of
+// the r best: an index would put the array in local memory.
+template <int kN>
+__device__ __forceinline__ float QuadLeastOfRthBest(const float* best, int r) {
+  float least = best[0];
+#pragma unroll
+  for (int i = 1; i < kN; ++i) {
+    if (i < r) least = fminf(least, best[i]);
+  }
+  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+}
+
 // A lower bound on the row's k-th best from its slots, or -inf; quad
 // collective (the row's four threads). Each thread reads 16 slots and takes
 // their r-th largest, r = ceil(k / 4); the least of the four has 4r >= k
@@ -151,13 +165,7 @@ __device__ __forceinline__ float SlotBound(const TopKParams& p, int row,
       }
     }
   }
-  float least = best[0];
-#pragma unroll
-  for (int i = 1; i < kMaxRank; ++i) {
-    if (i < r) least = fminf(least, best[i]);
-  }
-  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
-  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+  return QuadLeastOfRthBest<kMaxRank>(best, r);
 }
 
 __device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
@@ -250,14 +258,7 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
       g[j] = hi;
     }
   }
-  // g[r - 1] as the least of the r best (an index would be local memory).
-  float least = g[0];
-#pragma unroll
-  for (int i = 1; i < kGroups; ++i) {
-    if (i < r) least = fminf(least, g[i]);
-  }
-  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
-  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+  return QuadLeastOfRthBest<kGroups>(g, r);
 }
 
 // Screens a tile's values of the thread's two rows and inserts the
