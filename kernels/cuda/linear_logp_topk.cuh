@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kernels/softmax_partial.h"
+#include "kernels/top_k_screen_key.h"
 
 namespace detlogp::kernels::cuda::epilogue {
 
@@ -78,8 +79,9 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
 
 // What a row's splits share to screen top-k candidates (kTopK, when
 // top_screen is set): values proven to be at most the row's k-th best, as
-// order-preserving uint32 keys raised with atomicMax. Values below them
-// cannot be in the row's top-k, so a split may drop them. Which values a
+// order-preserving uint32 keys (kernels/top_k_screen_key.h) raised with
+// atomicMax. Values below them cannot be in the row's top-k, so a split may
+// drop them. Which values a
 // split drops then depends on timing, but not the result: every value of
 // the row's top-k is at least every bound ever published, so it reaches its
 // split's list, and the combine takes the k best of all lists. Per row,
@@ -94,16 +96,6 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
 inline constexpr int kScreenSlots = 64;
 inline constexpr int kScreenWord = kScreenSlots;
 inline constexpr int kScreenWords = kScreenSlots + 4;  // 16-byte rows
-
-__device__ __forceinline__ uint32_t ScreenKey(float z) {
-  const uint32_t b = __float_as_uint(z);
-  return (b & 0x80000000u) != 0 ? ~b : (b | 0x80000000u);
-}
-__device__ __forceinline__ float ScreenValue(uint32_t key) {
-  if (key <= 0x007fffffu) return -INFINITY;  // 0 (none yet) or -inf itself
-  const uint32_t b = (key & 0x80000000u) != 0 ? (key & 0x7fffffffu) : ~key;
-  return __uint_as_float(b);
-}
 
 __device__ __forceinline__ uint32_t* RowScreenWords(const TopKParams& p,
                                                     int row) {

@@ -1,0 +1,91 @@
+#include "kernels/top_k_screen_key.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+namespace detlogp::kernels {
+namespace {
+
+uint32_t Bits(float z) {
+  uint32_t b;
+  std::memcpy(&b, &z, sizeof(b));
+  return b;
+}
+
+// Every float a screen can hold, in ascending order, with the edges.
+std::vector<float> AscendingFloats() {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float denorm = std::numeric_limits<float>::denorm_min();
+  std::vector<float> v = {-inf, -FLT_MAX, -1e30f, -2.0f, -1.0f, -FLT_MIN,
+                          -denorm, 0.0f, denorm, FLT_MIN, 1.0f, 2.0f,
+                          1e30f, FLT_MAX, inf};
+  std::mt19937 rng(20261201);
+  std::uniform_int_distribution<uint32_t> bits;
+  while (v.size() < 100000) {
+    const uint32_t b = bits(rng);
+    float z;
+    std::memcpy(&z, &b, sizeof(z));
+    if (!std::isnan(z)) v.push_back(z);
+  }
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+TEST(TopKScreenKey, KeysFollowTheFloatOrder) {
+  const std::vector<float> v = AscendingFloats();
+  for (size_t i = 1; i < v.size(); ++i) {
+    if (v[i - 1] < v[i]) {
+      EXPECT_LT(ScreenKey(v[i - 1]), ScreenKey(v[i]))
+          << v[i - 1] << " vs " << v[i];
+    } else {  // equal floats: only -0 == +0 may differ, and -0 goes first
+      EXPECT_LE(ScreenKey(v[i - 1]), ScreenKey(v[i]));
+    }
+  }
+  EXPECT_LT(ScreenKey(-0.0f), ScreenKey(0.0f));
+}
+
+TEST(TopKScreenKey, ValuesComeBackBitForBit) {
+  for (float z : AscendingFloats()) {
+    EXPECT_EQ(Bits(ScreenValue(ScreenKey(z))), Bits(z)) << z;
+  }
+  EXPECT_EQ(Bits(ScreenValue(ScreenKey(-0.0f))), Bits(-0.0f));
+}
+
+// A cleared screen (key 0) is below every float and reads as -inf; so does
+// any key below -inf's (the negative NaN patterns).
+TEST(TopKScreenKey, ClearedScreenIsMinusInfinity) {
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(ScreenValue(0u), -inf);
+  EXPECT_EQ(ScreenValue(1u), -inf);
+  EXPECT_EQ(ScreenValue(ScreenKey(-inf) - 1), -inf);
+  EXPECT_EQ(ScreenKey(-inf), 0x007fffffu);
+  EXPECT_LT(0u, ScreenKey(-inf));
+  EXPECT_GT(ScreenValue(ScreenKey(-FLT_MAX)), -inf);
+}
+
+// The largest key of a set is the key of its largest float: what an
+// atomicMax over keys leaves is the max of the values written.
+TEST(TopKScreenKey, MaxOfKeysIsKeyOfMax) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int trial = 0; trial < 1000; ++trial) {
+    uint32_t key = 0;  // cleared
+    float best = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < 1 + trial % 17; ++i) {
+      const float z = normal(rng);
+      key = std::max(key, ScreenKey(z));
+      best = std::max(best, z);
+    }
+    EXPECT_EQ(Bits(ScreenValue(key)), Bits(best));
+  }
+}
+
+}  // namespace
+}  // namespace detlogp::kernels
