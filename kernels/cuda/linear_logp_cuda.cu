@@ -43,8 +43,9 @@ constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1024;
 constexpr char kCudaComponent[] = "linear_logp_cuda";
 // The rows' shared top-k screens (linear_logp_epilogue.cuh).
 constexpr size_t kScreenAlign = 16;
-constexpr size_t kScreenRowBytes =
-    sizeof(uint32_t) * epilogue::kScreenWords;
+constexpr size_t kScreenRowBytes = LinearLogpCuda::kTopKScreenRowBytes;
+static_assert(kScreenRowBytes == sizeof(uint32_t) * epilogue::kScreenWords,
+              "the header's screen size is the kernels'");
 
 // Throughput-tuned split (benchmarks only): splits of whole 256-wide tiles,
 // their count chosen to balance (row blocks x splits) items over the SMs.
@@ -353,10 +354,14 @@ int32_t LinearLogpCuda::NumSplits(int64_t rows) const {
 
 size_t LinearLogpCuda::WorkspaceBytes(int64_t rows, bool entropy,
                                       int32_t top_k) const {
-  if (rows <= 0) return 0;
   // Throughput splits never exceed the invariant count, so size for that.
-  const size_t cells = static_cast<size_t>(rows) *
-                       static_cast<size_t>(impl_->invariant_splits);
+  return PartialsBytes(rows, impl_->invariant_splits, entropy, top_k);
+}
+
+size_t LinearLogpCuda::PartialsBytes(int64_t rows, int32_t splits,
+                                     bool entropy, int32_t top_k) {
+  if (rows <= 0 || splits <= 0) return 0;
+  const size_t cells = static_cast<size_t>(rows) * static_cast<size_t>(splits);
   const size_t per_cell = sizeof(float) * (entropy ? 2 : 1) +
                           static_cast<size_t>(std::max(top_k, 0)) *
                               (sizeof(float) + sizeof(int32_t));

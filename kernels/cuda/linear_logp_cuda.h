@@ -137,13 +137,21 @@ class LinearLogpCuda {
 
   // Device workspace a batch of `rows` needs: 4 bytes per row and split
   // (528 bytes per row at V = 151936; at most 1 KiB per row), 4 more with
-  // entropy and 8 * top_k more with top-k. Needs 4-byte alignment.
+  // entropy and 8 * top_k more with top-k, plus the rows' shared top-k
+  // screens (272 bytes per row). Needs 4-byte alignment.
   size_t WorkspaceBytes(int64_t rows, bool entropy = false,
                         int32_t top_k = 0) const;
 
-  // Cuts a workspace of WorkspaceBytes(rows, entropy, top_k) bytes into the
-  // partials of `splits` splits (NumSplits(rows) here; the whole policy's
-  // count for a vocabulary-parallel gather).
+  // Bytes PartitionWorkspace lays out for `rows` rows and `splits` splits.
+  static size_t PartialsBytes(int64_t rows, int32_t splits, bool entropy,
+                              int32_t top_k);
+  // A row's top_screen bytes (SplitPartials), 16-byte aligned.
+  static constexpr size_t kTopKScreenRowBytes = 272;
+
+  // Cuts a workspace of PartialsBytes(rows, splits, entropy, top_k) bytes
+  // (WorkspaceBytes(rows, entropy, top_k) holds it) into the partials of
+  // `splits` splits (NumSplits(rows) here; the whole policy's count for a
+  // vocabulary-parallel gather).
   static SplitPartials PartitionWorkspace(void* workspace, int64_t rows,
                                           int32_t splits, bool entropy,
                                           int32_t top_k);

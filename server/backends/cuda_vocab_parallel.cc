@@ -17,11 +17,10 @@ using kernels::cuda::LinearLogpCuda;
 using kernels::cuda::SplitPartials;
 
 // Bytes of `splits` splits' partials for `rows` rows with these extras
-// (LinearLogpCuda::PartitionWorkspace's layout).
+// (LinearLogpCuda::PartitionWorkspace's layout, top-k screens included).
 size_t PartialsBytes(int64_t rows, int32_t splits, const LogpExtras& extras) {
-  const size_t per_cell = sizeof(float) * (extras.entropy ? 2 : 1) +
-                          extras.top_k * (sizeof(float) + sizeof(int32_t));
-  return static_cast<size_t>(rows) * splits * per_cell;
+  return LinearLogpCuda::PartialsBytes(rows, splits, extras.entropy,
+                                       extras.top_k);
 }
 
 SplitPartials Partition(void* block, int64_t rows, int32_t splits,

@@ -302,6 +302,50 @@ TEST(LinearLogpCudaShards, RejectsBadShardRanges) {
   }
 }
 
+// Every partial PartitionWorkspace hands out lies inside the bytes
+// PartialsBytes counts, the top-k screens 16-byte aligned, for any 4-byte
+// aligned workspace (host arithmetic only: runs without a GPU too).
+TEST(LinearLogpCudaWorkspace, PartitionFitsPartialsBytes) {
+  for (int64_t rows : {1, 7, 64, 1000, 4097}) {
+    for (int32_t splits : {1, 17, 132, 256}) {
+      for (bool entropy : {false, true}) {
+        for (int32_t top_k : {0, 1, 20, 32}) {
+          const size_t bytes =
+              LinearLogpCuda::PartialsBytes(rows, splits, entropy, top_k);
+          std::vector<uint32_t> block(bytes / 4 + 8);
+          for (size_t skew : {0, 4, 8, 12}) {
+            char* base = reinterpret_cast<char*>(block.data()) + skew;
+            const SplitPartials p = LinearLogpCuda::PartitionWorkspace(
+                base, rows, splits, entropy, top_k);
+            const size_t cells = static_cast<size_t>(rows) * splits;
+            auto inside = [&](const void* at, size_t extent) {
+              const char* c = static_cast<const char*>(at);
+              return c >= base && c + extent <= base + bytes;
+            };
+            SCOPED_TRACE(testing::Message() << "rows " << rows << " splits "
+                                            << splits << " entropy " << entropy
+                                            << " top_k " << top_k << " skew "
+                                            << skew);
+            EXPECT_TRUE(inside(p.lse, cells * 4));
+            EXPECT_EQ(p.mean_z != nullptr, entropy);
+            if (entropy) EXPECT_TRUE(inside(p.mean_z, cells * 4));
+            EXPECT_EQ(p.top_screen != nullptr, top_k > 0);
+            if (top_k > 0) {
+              EXPECT_TRUE(inside(p.top_z, cells * top_k * 4));
+              EXPECT_TRUE(inside(p.top_ids, cells * top_k * 4));
+              EXPECT_TRUE(inside(p.top_screen,
+                                 rows * LinearLogpCuda::kTopKScreenRowBytes));
+              EXPECT_EQ(reinterpret_cast<uintptr_t>(p.top_screen) % 16, 0u);
+              EXPECT_GE(reinterpret_cast<const char*>(p.top_screen),
+                        reinterpret_cast<const char*>(p.top_ids + cells * top_k));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(LinearLogpCudaValidation, RejectsInvalidSizes) {
   REQUIRE_SM90();
   DevBuf<__nv_bfloat16> w(256 * 128);
