@@ -41,7 +41,7 @@ constexpr int64_t kMaxHidden = 65536;
 constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1024;
 
 constexpr char kCudaComponent[] = "linear_logp_cuda";
-// The rows' shared top-k screens (linear_logp_epilogue.cuh).
+// The rows' shared top-k screens (linear_logp_topk.cuh).
 constexpr size_t kScreenAlign = 16;
 constexpr size_t kScreenRowBytes = LinearLogpCuda::kTopKScreenRowBytes;
 static_assert(kScreenRowBytes == sizeof(uint32_t) * epilogue::kScreenWords,

@@ -81,10 +81,10 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
 // top_screen is set): values proven to be at most the row's k-th best, as
 // order-preserving uint32 keys (kernels/top_k_screen_key.h) raised with
 // atomicMax. Values below them cannot be in the row's top-k, so a split may
-// drop them. Which values a
-// split drops then depends on timing, but not the result: every value of
-// the row's top-k is at least every bound ever published, so it reaches its
-// split's list, and the combine takes the k best of all lists. Per row,
+// drop them. Which values a split drops then depends on timing, but not the
+// result: every value of the row's top-k is at least every bound ever
+// published, so it reaches its split's list, and the combine takes the k
+// best of all lists. Per row,
 // kScreenWords keys (zeroed by the launch: 0 is below every float):
 //   * kScreenSlots slots, each the largest z seen in a fixed set of
 //     columns (slot ScreenSlot(v0, quad) gathers one thread's columns of
@@ -197,9 +197,10 @@ __device__ __forceinline__ float TopKWarpInsert(const TopKLists& l, int k,
 // lane): every survivor goes into its row's list, and the row's quad
 // tightens its screen to the list's new worst entry. Not inlined: a copy
 // per position and tile width would overflow the instruction cache.
-static __device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0, float z1,
-                                        unsigned pass0, unsigned pass1,
-                                        int32_t id_col, float2 screen) {
+static __device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0,
+                                               float z1, unsigned pass0,
+                                               unsigned pass1, int32_t id_col,
+                                               float2 screen) {
   const int lane = threadIdx.x & 31;
   while (pass0 != 0) {  // warp-uniform
     const int src = __ffs(pass0) - 1;
@@ -262,12 +263,12 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
 //     (`carried`, updated here): a thread whose tile maximum is below them
 //     has nothing to offer, and a warp with no such thread is done;
 //   * when many thread-rows of the warp still have candidates: the tile's
-//     own k-th-best lower bound, published with an atomicMax
-//     whose answer brings back the word as the row's other splits left it,
-//     and the slots' bound (SlotBound), which by then holds the maxima of
-//     this tile and, likely, of the row's splits running beside this one
-//     (they all start with empty lists: this is where they cut each
-//     other's insertions);
+//     own k-th-best lower bound, published with an atomicMax whose answer
+//     brings back the word as the row's other splits left it, and the
+//     slots' bound (SlotBound), which by then holds the maxima of this tile
+//     and, likely, of the row's splits running beside this one (they all
+//     start with empty lists: this is where they cut each other's
+//     insertions);
 //   * each insertion's new worst entry, published when the tile is done.
 template <int kW>
 __device__ __forceinline__ void TopKTile(const TopKParams& p,
@@ -282,8 +283,8 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p,
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int list_row = lists.row0 + (lane >> 2) + 8 * h;
-    screen[h] = fmaxf(fmaxf(lists.Z(lists.TopKSlot(k - 1, list_row)), shared[h]),
-                      carried[h]);
+    const float worst = lists.Z(lists.TopKSlot(k - 1, list_row));
+    screen[h] = fmaxf(fmaxf(worst, shared[h]), carried[h]);
     top[h] = mx[h] * inv_t[h];  // the thread's best z of the row's tile
   }
   const bool sharing = p.top_screen != nullptr;
@@ -314,8 +315,8 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p,
     const float bound = TileKthLowerBound<kW>(acc, h, k) * inv_t[h];
     float row_screen = shared[h];
     if (sharing && (lane & 3) == 0 && row[h] < p.rows && bound > shared[h]) {
-      const uint32_t before =
-          atomicMax(RowScreenWords(p, row[h]) + kScreenWord, ScreenKey(bound));
+      const uint32_t before = atomicMax(
+          RowScreenWords(p, row[h]) + kScreenWord, ScreenKey(bound));
       row_screen = fmaxf(ScreenValue(before), bound);
     }
     // The slots now hold this tile's maxima and, likely, those of the
