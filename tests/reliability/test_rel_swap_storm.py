@@ -98,18 +98,22 @@ def upload_messages(version, rng, digest=None, in_header=True, stall=None):
     """The UploadModel stream: header, chunks of random size (some straddle
     the weight/bias boundary), the digest as the last message when not in
     the header. With `stall` = (after_chunks, sent_event, release_event), it
-    stops after that many chunks and waits (the caller cancels it)."""
+    stops after that many chunks, or before the chunk that would complete
+    the weights, and waits (the caller cancels it)."""
     digest = digest or version.sha256
     yield pb.UploadModelRequest(header=pb.UploadModelHeader(
         model="policy", dtype=pb.DTYPE_BFLOAT16, shape=[V_PAD, H], vocab_size=V,
         has_bias=True, weights_sha256=digest if in_header else ""))
     offset, chunks = 0, 0
     while offset < len(version.payload):
-        if stall is not None and chunks == stall[0]:
+        size = rng.choice([1024, 4096, 50_000, 65_536, 100_003])
+        # Three large chunks can carry all the weights: a stalled upload
+        # must never complete, whatever sizes it drew.
+        if stall is not None and (chunks == stall[0] or
+                                  offset + size >= len(version.payload)):
             stall[1].set()
             stall[2].wait(30)
             return
-        size = rng.choice([1024, 4096, 50_000, 65_536, 100_003])
         yield pb.UploadModelRequest(chunk=version.payload[offset:offset + size])
         offset += size
         chunks += 1
