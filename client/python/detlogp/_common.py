@@ -256,6 +256,10 @@ class ClientState:
     channels made by the subclass's `_make_channel` (sync or asyncio), stubs
     per target, the round-robin cursor and retry counters."""
 
+    # Whether the channel adds the scoring token to each call (else the
+    # subclass sends `_scoring_metadata` with each call itself).
+    _channel_sends_token = True
+
     def __init__(self, targets, *, timeout=30.0, retry=RetryPolicy(),
                  max_message_mb=256, channel_args=(), token=None,
                  root_certificates=None, client_certificate=None,
@@ -267,13 +271,14 @@ class ClientState:
         # Admin calls carry the admin token as their only bearer token (the
         # channel's scoring token is then left off).
         self._admin_metadata = bearer(admin_token) if admin_token else None
+        self._scoring_metadata = bearer(token) if token else None
         options = channel_options(max_message_mb) + list(channel_args)
-        self._channels = [
-            self._make_channel(t, options, token=token,
-                         root_certificates=root_certificates,
-                         client_certificate=client_certificate,
-                         client_key=client_key)
-            for t in self.targets]
+        security = dict(root_certificates=root_certificates,
+                        client_certificate=client_certificate, client_key=client_key)
+        if self._channel_sends_token:
+            security["token"] = token
+        self._channels = [self._make_channel(t, options, **security)
+                          for t in self.targets]
         self._logp = [pb_grpc.LogProbServiceStub(c) for c in self._channels]
         self._proj = [pb_grpc.ProjectionServiceStub(c) for c in self._channels]
         self._repo = [pb_grpc.ModelRepositoryServiceStub(c) for c in self._channels]

@@ -12,6 +12,7 @@ import asyncio
 import grpc
 
 from detlogp import requests
+from detlogp.aio_status import ServerStatus
 from detlogp.credentials import make_aio_channel
 from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
                               combine_versions, first_failure,
@@ -28,6 +29,8 @@ class AsyncClient(ClientState):
     on for pinned versions). Create it inside the event loop that uses it."""
 
     _make_channel = staticmethod(make_aio_channel)
+    # Each call carries the token as metadata: see make_aio_channel.
+    _channel_sends_token = False
 
     async def close(self):
         for channel in self._channels:
@@ -43,6 +46,10 @@ class AsyncClient(ClientState):
         for channel in self._channels:
             await asyncio.wait_for(channel.channel_ready(), timeout)
 
+    @property
+    def _admin_call_metadata(self):
+        return self._admin_metadata or self._scoring_metadata
+
     async def _unary(self, stubs, method, request, timeout, *,
                      retry_not_found=False, metadata=None):
         plan = CallPlan(self, timeout, retry_not_found)
@@ -50,10 +57,8 @@ class AsyncClient(ClientState):
             call = method(stubs[plan.index])
             self.attempts += 1
             try:
-                if metadata is None:
-                    return await call(request, timeout=plan.deadline.remaining())
                 return await call(request, timeout=plan.deadline.remaining(),
-                                  metadata=metadata)
+                                  metadata=metadata or self._scoring_metadata)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
             pause = plan.after(error)
@@ -94,14 +99,16 @@ class AsyncClient(ClientState):
         sent = SentRequests()
         call = stub.StreamLogProbs(
             sent.feed_async(items, model, version),
-            timeout=self.timeout if timeout is None else timeout)
+            timeout=self.timeout if timeout is None else timeout,
+            metadata=self._scoring_metadata)
+        status = ServerStatus(call)
         try:
             async for response in call:
                 yield logprob_result(response, sent.answered())
         except grpc.RpcError as rpc_error:
             if sent.failure is not None:  # an item, not the call, failed
                 raise sent.failure from None
-            raise from_rpc_error(rpc_error) from None
+            raise from_rpc_error(status.error or rpc_error) from None
         except asyncio.CancelledError:
             if sent.failure is not None:
                 raise sent.failure from None
@@ -114,9 +121,10 @@ class AsyncClient(ClientState):
         rows = int(request.x.shape[0]) if request.x.shape else 0
 
         def run(stub):
-            async def call(req, timeout):
+            async def call(req, timeout, metadata):
                 assembler = requests.ProjectAssembler(rows)
-                async for response in stub.Project(req, timeout=timeout):
+                async for response in stub.Project(req, timeout=timeout,
+                                                   metadata=metadata):
                     assembler.add(response)
                 return assembler.result()
             return call
@@ -127,7 +135,7 @@ class AsyncClient(ClientState):
     async def list_models(self, timeout=None):
         return await self._unary(self._repo, lambda s: s.ListModels,
                                  pb.ListModelsRequest(), timeout,
-                                 metadata=self._admin_metadata)
+                                 metadata=self._admin_call_metadata)
 
     async def load_model(self, name, path, lm_head_tensor=None, bias_tensor=None,
                          vocab_size=None, expected_sha256=None, *, version=None,
@@ -140,7 +148,7 @@ class AsyncClient(ClientState):
         outcomes = await self._on_every_target(
             name, "LoadModel",
             lambda i, left: self._repo[i].LoadModel(
-                request, timeout=left, metadata=self._admin_metadata),
+                request, timeout=left, metadata=self._admin_call_metadata),
             timeout)
         return combine_versions(name, outcomes)
 
@@ -150,15 +158,17 @@ class AsyncClient(ClientState):
         """Client.upload_model as a coroutine (every target at once)."""
         head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
 
-        async def messages():
-            for message in head.messages(name, chunk_bytes, weights_sha256, version):
-                yield message
+        async def upload(index, left):
+            call = self._repo[index].UploadModel(
+                head.messages(name, chunk_bytes, weights_sha256, version),
+                timeout=left, metadata=self._admin_call_metadata)
+            status = ServerStatus(call)
+            try:
+                return await call
+            except grpc.RpcError as rpc_error:
+                raise status.error or rpc_error from None
 
-        outcomes = await self._on_every_target(
-            name, "UploadModel",
-            lambda i, left: self._repo[i].UploadModel(
-                messages(), timeout=left, metadata=self._admin_metadata),
-            timeout)
+        outcomes = await self._on_every_target(name, "UploadModel", upload, timeout)
         return combine_versions(name, outcomes)
 
     async def unload_model(self, name, version, *, timeout=None):
@@ -166,7 +176,7 @@ class AsyncClient(ClientState):
         await self._on_every_target(
             name, "UnloadModel",
             lambda i, left: self._repo[i].UnloadModel(
-                request, timeout=left, metadata=self._admin_metadata),
+                request, timeout=left, metadata=self._admin_call_metadata),
             timeout)
 
     async def _on_every_target(self, model, action, call, timeout):

@@ -56,34 +56,6 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor,
         return continuation(_with_token(details, self._token), requests)
 
 
-def _aio_token_interceptors(token):
-    def add(details):
-        if has_authorization(details.metadata):
-            return details
-        metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        metadata.add("authorization", f"Bearer {token}")
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
-                                          details.credentials, details.wait_for_ready)
-
-    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-        async def intercept_unary_unary(self, continuation, details, request):
-            return await continuation(add(details), request)
-
-    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-        async def intercept_unary_stream(self, continuation, details, request):
-            return await continuation(add(details), request)
-
-    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation, details, requests):
-            return await continuation(add(details), requests)
-
-    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
-        async def intercept_stream_stream(self, continuation, details, requests):
-            return await continuation(add(details), requests)
-
-    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
-
-
 def _ssl(root_certificates, client_certificate, client_key):
     return grpc.ssl_channel_credentials(
         root_certificates=root_certificates, private_key=client_key,
@@ -103,12 +75,13 @@ def make_channel(target, options, *, token=None, root_certificates=None,
     return channel
 
 
-def make_aio_channel(target, options, *, token=None, root_certificates=None,
+def make_aio_channel(target, options, *, root_certificates=None,
                      client_certificate=None, client_key=None):
-    """An asyncio channel with the same options as make_channel."""
-    interceptors = _aio_token_interceptors(token) if token else None
+    """An asyncio channel with make_channel's TLS options. It adds no token:
+    asyncio calls carry theirs as call metadata, because an intercepted
+    asyncio call hides the status that aio_status.ServerStatus watches."""
     if root_certificates is not None:
         return grpc.aio.secure_channel(
             target, _ssl(root_certificates, client_certificate, client_key),
-            options, interceptors=interceptors)
-    return grpc.aio.insecure_channel(target, options, interceptors=interceptors)
+            options)
+    return grpc.aio.insecure_channel(target, options)

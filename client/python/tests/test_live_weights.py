@@ -457,6 +457,46 @@ def test_admin_token_is_sent_on_admin_calls_only(guarded, trained, model):
     assert (answer.model, answer.model_version) == ("guarded-aio", published.version)
 
 
+def test_async_refused_uploads_report_the_servers_status(guarded, folder):
+    """The server ends a refused upload before the client has written every
+    chunk; the asyncio client must still report the server's status (grpcio's
+    asyncio calls turn it into INTERNAL when a write loses that race). 2 MiB
+    of weights in 1 KiB chunks: most writes come after the refusal."""
+    trained = TestModel(folder, hidden=256, vocab=4000, padded_vocab=4096, seed=13)
+
+    async def run():
+        refusals = []
+        async with AsyncClient(guarded.target, token="score-token",
+                               admin_token="wrong", timeout=10.0,
+                               retry=detlogp.NO_RETRY) as aclient:
+            for _ in range(12):
+                try:
+                    await aclient.upload_model("refused-aio", trained.weight_bits,
+                                               trained.bias, trained.vocab,
+                                               chunk_bytes=1024)
+                except detlogp.DetlogpError as error:
+                    refusals.append(error)
+        async with AsyncClient(guarded.target, token="score-token",
+                               admin_token="admin-token", timeout=10.0,
+                               retry=detlogp.NO_RETRY) as aclient:
+            first = await aclient.upload_model("taken-aio", trained.weight_bits,
+                                               trained.bias, trained.vocab, version=5)
+            for _ in range(12):
+                try:
+                    await aclient.upload_model("taken-aio", trained.weight_bits,
+                                               trained.bias, trained.vocab,
+                                               chunk_bytes=1024, version=5)
+                except detlogp.DetlogpError as error:
+                    refusals.append(error)
+        return first, refusals
+
+    first, refusals = asyncio.run(run())
+    assert first.version == 5
+    assert [type(e) for e in refusals] == \
+        [detlogp.Unauthenticated] * 12 + [detlogp.FailedPrecondition] * 12
+    assert all(e.field == "header.model_version" for e in refusals[12:])
+
+
 # ---------------------------------------------------------------- model root
 def test_load_model_stays_inside_the_model_root(client, server, root, folder, trained, fresh):
     (root / "incoming").mkdir(exist_ok=True)

@@ -69,3 +69,26 @@ def test_async_retries_and_deadlines(model):
 
 def test_health_reports_serving(client):
     assert client.health() == "SERVING"
+
+
+def test_async_stream_reports_the_servers_status_for_an_invalid_item(server, model):
+    """The server ends the stream at the invalid item while the client is
+    still writing the items behind it; the error must name the field, not be
+    grpcio's INTERNAL for the write that lost that race."""
+    hidden, targets = model.random_rows(4, seed=61)
+    beyond_vocabulary = np.full(4, model.vocab)
+    items = [(hidden, targets)] * 3 + [(hidden, beyond_vocabulary)] + \
+        [(hidden, targets)] * 200
+
+    async def main():
+        errors = []
+        async with AsyncClient(server.target, timeout=20.0) as aclient:
+            for _ in range(20):
+                answered = 0
+                with pytest.raises(detlogp.DetlogpError) as error:
+                    async for _ in aclient.stream(items):
+                        answered += 1
+                errors.append((type(error.value), error.value.field, answered))
+        return errors
+
+    assert asyncio.run(main()) == [(detlogp.InvalidArgument, "target_ids[0]", 3)] * 20
