@@ -72,6 +72,11 @@ ABSL_FLAG(int64_t, top_k, 0,
           "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
+ABSL_FLAG(int, project_streams, 4,
+          "project: Project calls side by side, each on a connection of its "
+          "own, the rows going round them in blocks of --rows_per_chunk (512 "
+          "when 0); one gRPC stream is read on one thread. Chunks are still "
+          "hashed in row order; Y's bits are the same for every value.");
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
           "project: MiB of Y at most waiting for SHA-256 (hashed on its own "
           "thread); past it the stream waits, and the wait is reported.");
@@ -356,6 +361,7 @@ int Project() {
   const absl::Time start = absl::Now();
   LogpClient::ProjectOptions options;
   options.rows_per_chunk = absl::GetFlag(FLAGS_rows_per_chunk);
+  options.streams = absl::GetFlag(FLAGS_project_streams);
   // Read raw: only each chunk's header is parsed; y.data stays in gRPC's
   // receive slices and is hashed from there.
   auto result = (*client)->ProjectChunks(
@@ -376,10 +382,10 @@ int Project() {
               static_cast<long long>(rows), static_cast<long long>(result->chunks),
               seconds, output_bytes / seconds / 1e9);
   std::printf("transfer seconds %.3f output_GB/s %.2f first_chunk_seconds %.3f "
-              "waited_for_hashing_seconds %.3f\n",
+              "waited_for_hashing_seconds %.3f streams %d\n",
               transfer, output_bytes / transfer / 1e9,
               result->chunks > 0 ? absl::ToDoubleSeconds(first_chunk) : 0.0,
-              absl::ToDoubleSeconds(hasher.waited()));
+              absl::ToDoubleSeconds(hasher.waited()), result->streams);
   std::printf("sha256 seconds %.3f GB/s %.2f after_transfer_seconds %.3f\n", hashing,
               hashing > 0 ? hasher.bytes() / hashing / 1e9 : 0.0, seconds - transfer);
   std::printf("client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f\n",

@@ -147,12 +147,6 @@ std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
   return grpc::CreateCustomChannel(options.target, credentials, args);
 }
 
-namespace {
-// ProjectionService/Project's path (the generated stub's, which lives in a
-// file-scope array of detlogp.grpc.pb.cc).
-constexpr char kRawProjectMethod[] = "/detlogp.v1.ProjectionService/Project";
-}  // namespace
-
 LogpClient::LogpClient(const Options& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
@@ -165,9 +159,6 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
-  client->raw_project_method_ = std::make_unique<grpc::internal::RpcMethod>(
-      kRawProjectMethod,
-      grpc::internal::RpcMethod::SERVER_STREAMING, client->channel_);
   return client;
 }
 
@@ -243,127 +234,6 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
                                             " requests"));
   }
   return results;
-}
-
-absl::StatusOr<LogpClient::ProjectResult> LogpClient::Project(
-    const std::vector<float>& x, int64_t rows, int64_t rows_per_chunk,
-    bool keep_output,
-    const std::function<void(detlogp::v1::ProjectResponse&)>& on_chunk) {
-  constexpr int64_t kOut = 5376;
-  ProjectOptions options;
-  options.rows_per_chunk = rows_per_chunk;
-  std::vector<float> y;
-  if (keep_output && rows > 0 && static_cast<int64_t>(x.size()) == rows * 96) {
-    y.resize(rows * kOut);
-    options.y = y.data();
-  }
-  std::function<void(ProjectChunk&)> as_proto;
-  if (on_chunk) {
-    as_proto = [&](ProjectChunk& chunk) {
-      detlogp::v1::ProjectResponse response = chunk.ToProto();
-      on_chunk(response);
-    };
-  }
-  absl::StatusOr<ProjectResult> result = ProjectChunks(x, rows, options, as_proto);
-  if (result.ok()) result->y = std::move(y);
-  return result;
-}
-
-namespace {
-
-// OK when `chunk` is the next one of a FLOAT32 [rows, kOut] projection
-// whose rows up to `next_row` have arrived; its row count in `chunk_rows`.
-absl::Status CheckChunk(const ProjectChunk& chunk, int64_t next_row, int64_t rows,
-                        int64_t out_dim, int64_t* chunk_rows) {
-  if (chunk.row_offset != next_row) {
-    return absl::DataLossError(absl::StrCat("ProjectResponse.row_offset: ",
-                                            chunk.row_offset,
-                                            ", expected the next row ", next_row));
-  }
-  if (chunk.y_dtype != detlogp::v1::DTYPE_FLOAT32) {
-    return absl::DataLossError(absl::StrCat(
-        "ProjectResponse.y.dtype: ", detlogp::v1::DType_Name(chunk.y_dtype),
-        " at row ", next_row, ", expected DTYPE_FLOAT32"));
-  }
-  if (chunk.y_shape.size() != 2 || chunk.y_shape[0] <= 0 ||
-      chunk.y_shape[1] != out_dim || chunk.y_shape[0] > rows - next_row) {
-    std::string shape;
-    for (int64_t d : chunk.y_shape) absl::StrAppend(&shape, shape.empty() ? "" : ", ", d);
-    return absl::DataLossError(absl::StrCat(
-        "ProjectResponse.y.shape: [", shape, "] at row ", next_row, ", expected [r, ",
-        out_dim, "] with 0 < r <= ", rows - next_row, " (rows left)"));
-  }
-  *chunk_rows = chunk.y_shape[0];
-  const int64_t want_bytes = *chunk_rows * out_dim * static_cast<int64_t>(sizeof(float));
-  if (chunk.y_data_bytes != want_bytes) {
-    return absl::DataLossError(absl::StrCat("ProjectResponse.y.data: ", chunk.y_data_bytes,
-                                            " bytes at row ", next_row, ", expected ",
-                                            want_bytes, " for ", *chunk_rows, " rows"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
-    const std::vector<float>& x, int64_t rows, const ProjectOptions& options,
-    const std::function<void(ProjectChunk&)>& on_chunk) {
-  constexpr int64_t kIn = 96, kOut = 5376;
-  if (rows < 0 || static_cast<int64_t>(x.size()) != rows * kIn) {
-    return absl::InvalidArgumentError("x must hold rows * 96 floats");
-  }
-  detlogp::v1::ProjectRequest request;
-  request.set_request_id(options.request_id);
-  request.set_rows_per_chunk(options.rows_per_chunk);
-  detlogp::v1::Tensor* tensor = request.mutable_x();
-  tensor->set_dtype(detlogp::v1::DTYPE_FLOAT32);
-  tensor->add_shape(rows);
-  tensor->add_shape(kIn);
-  tensor->set_data(reinterpret_cast<const char*>(x.data()), x.size() * sizeof(float));
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  // The generated stub's reader, with gRPC's bytes as the message type: a
-  // read swaps the received buffer in, nothing is parsed or copied.
-  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
-          channel_.get(), *raw_project_method_, &context, request));
-  ProjectResult result;
-  int64_t next_row = 0;
-  grpc::ByteBuffer message;
-  absl::Status problem;
-  while (reader->Read(&message)) {
-    absl::StatusOr<ProjectChunk> chunk = ParseProjectChunk(message);
-    message.Clear();
-    int64_t chunk_rows = 0;
-    if (chunk.ok()) {
-      problem = CheckChunk(*chunk, next_row, rows, kOut, &chunk_rows);
-    } else {
-      problem = absl::Status(chunk.status().code(),
-                             absl::StrCat(chunk.status().message(), " (chunk at row ",
-                                          next_row, ")"));
-    }
-    if (!problem.ok()) {
-      context.TryCancel();
-      break;
-    }
-    if (result.determinism_key.empty()) result.determinism_key = chunk->determinism_key;
-    if (options.y != nullptr) chunk->CopyYTo(options.y + next_row * kOut);
-    if (on_chunk) on_chunk(*chunk);
-    next_row += chunk_rows;
-    ++result.chunks;
-  }
-  if (!problem.ok()) {
-    while (reader->Read(&message)) {
-    }
-  }
-  const grpc::Status status = reader->Finish();
-  if (!problem.ok()) return problem;
-  if (!status.ok()) return FromGrpcStatus(status);
-  if (next_row != rows) {
-    return absl::DataLossError(absl::StrCat("projection stream ended at row ",
-                                            next_row, " of ", rows));
-  }
-  return result;
 }
 
 }  // namespace detlogp::client

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/logp_client.h"
@@ -104,11 +105,14 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
 
   // The default backlog, and none (every chunk waits for the one before to
   // be hashed): the same digest either way.
-  for (const char* backlog : {"", " --hash_backlog_mb=0"}) {
-    SCOPED_TRACE(backlog);
+  // One stream or several (the default, 4): the same digest, hashed in row
+  // order.
+  for (const char* flags : {"", " --hash_backlog_mb=0", " --project_streams=1",
+                            " --project_streams=3 --hash_backlog_mb=0"}) {
+    SCOPED_TRACE(flags);
     auto [code, out] = RunCli(absl::StrCat(
         "project --target=", (*server)->target(), " --project_rows=", rows,
-        " --rows_per_chunk=200 --seed=", seed, backlog));
+        " --rows_per_chunk=200 --seed=", seed, flags));
     ASSERT_EQ(code, 0) << out;
     const std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
     ASSERT_EQ(lines.size(), 6u) << out;
@@ -126,11 +130,15 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_EQ(total[3], "8");
     EXPECT_EQ(total[4], "seconds");
     const std::vector<std::string> transfer = Words(lines[3]);
-    ASSERT_EQ(transfer.size(), 9u) << lines[3];
+    ASSERT_EQ(transfer.size(), 11u) << lines[3];
     EXPECT_EQ(transfer[0], "transfer");
     EXPECT_EQ(transfer[1], "seconds");
     EXPECT_EQ(transfer[3], "output_GB/s");
     EXPECT_EQ(transfer[7], "waited_for_hashing_seconds");
+    EXPECT_EQ(transfer[9], "streams");
+    EXPECT_EQ(transfer[10], absl::StrContains(flags, "streams=1")   ? "1"
+                            : absl::StrContains(flags, "streams=3") ? "3"
+                                                                    : "4");
     const std::vector<std::string> sha = Words(lines[4]);
     ASSERT_EQ(sha.size(), 7u) << lines[4];
     EXPECT_EQ(sha[0], "sha256");
@@ -158,6 +166,96 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
   EXPECT_EQ(lines[0], want_key);
   EXPECT_EQ(lines[1], "y_sha256 -");
   EXPECT_EQ(Words(lines[3])[0], "transfer");
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
+}
+
+// ProjectOptions::streams: the rows go round several calls in blocks; Y,
+// the key and the chunks (handed over in row order) are those of one stream,
+// whatever the number of calls and the block size, a short last block
+// included. No more calls run than there are blocks.
+TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
+  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2",
+                                      "--synthetic_hidden_size=64",
+                                      "--synthetic_vocab_size=1000"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int64_t rows = 1000;
+  kernels::RandomNormal random(11);
+  std::vector<float> x(rows * 96);
+  for (float& v : x) v = random.Next(1.0f);
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = LogpClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto whole = (*client)->Project(x, rows);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  digests::Sha256 whole_digest;
+  whole_digest.Update(whole->y.data(), whole->y.size() * sizeof(float));
+  const std::string y_hex = whole_digest.HexDigest();
+
+  struct Case {
+    int streams;
+    int64_t rows_per_chunk;
+    int64_t block;
+    int calls;
+  };
+  for (const Case& c : {Case{2, 128, 128, 2}, Case{3, 200, 200, 3},
+                        Case{4, 0, LogpClient::kInterleavedBlockRows, 2},
+                        Case{8, 300, 300, 4}, Case{3, 1, 1, 3}}) {
+    SCOPED_TRACE(::testing::Message() << c.streams << " streams, rows_per_chunk "
+                                    << c.rows_per_chunk);
+    std::vector<float> y(rows * 5376);
+    LogpClient::ProjectOptions project;
+    project.streams = c.streams;
+    project.rows_per_chunk = c.rows_per_chunk;
+    project.y = y.data();
+    std::vector<int64_t> offsets;
+    digests::Sha256 digest;
+    auto result = (*client)->ProjectChunks(x, rows, project,
+                                           [&](client::ProjectChunk& chunk) {
+      offsets.push_back(chunk.row_offset);
+      for (absl::string_view piece : chunk.y_data) digest.Update(piece.data(), piece.size());
+    });
+    ASSERT_TRUE(result.ok()) << result.status();
+    const int64_t blocks = (rows + c.block - 1) / c.block;
+    EXPECT_EQ(result->chunks, blocks);
+    EXPECT_EQ(result->streams, c.calls);
+    EXPECT_EQ(result->determinism_key, whole->determinism_key);
+    EXPECT_TRUE(y == whole->y);
+    ASSERT_EQ(static_cast<int64_t>(offsets.size()), blocks);
+    for (int64_t b = 0; b < blocks; ++b) ASSERT_EQ(offsets[b], b * c.block);
+    EXPECT_EQ(digest.HexDigest(), y_hex);
+  }
+
+  // Without a consumer: Y only, copied by the reading threads.
+  std::vector<float> y(rows * 5376);
+  LogpClient::ProjectOptions project;
+  project.streams = 4;
+  project.rows_per_chunk = 100;
+  project.y = y.data();
+  auto result = (*client)->ProjectChunks(x, rows, project);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_TRUE(y == whole->y);
+
+  // A failure ends every call and comes back as it is: three blocks of
+  // 2049 rows, above the server's --projection_max_launch_rows (2048).
+  const std::vector<float> long_x(3 * 2049 * 96, 0.5f);
+  project.rows_per_chunk = 2049;
+  project.y = nullptr;
+  auto refused = (*client)->ProjectChunks(long_x, 3 * 2049, project);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "rows_per_chunk"))
+      << refused.status();
+  project.streams = 0;
+  EXPECT_TRUE(absl::StrContains((*client)->ProjectChunks(x, rows, project).status().message(),
+                                "streams"));
+  LogpClient::Options hurried = options;
+  hurried.timeout = absl::Microseconds(1);
+  auto hurried_client = LogpClient::Create(hurried);
+  ASSERT_TRUE(hurried_client.ok());
+  project.streams = 4;
+  project.rows_per_chunk = 100;
+  EXPECT_EQ((*hurried_client)->ProjectChunks(x, rows, project).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 

@@ -21,7 +21,8 @@
 // (header walked from the wire bytes, every chunk checked, y.data left in
 // gRPC's slices), with --client_copy_y copying each chunk once into a
 // caller's buffer as Project does (a reused 64 MiB one here, so that a 7.8 GB
-// Y need not fit in memory).
+// Y need not fit in memory). --client_streams=N spreads each projection over
+// N Project calls on N connections (ProjectOptions::streams).
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/sync_stream.h>
 
@@ -64,6 +65,9 @@ ABSL_FLAG(int64_t, heap_retain_mb, 256,
           "(0: glibc's default: freed receive buffers go back to the OS).");
 ABSL_FLAG(std::string, reader, "proto",
           "proto, raw or client (see the file comment).");
+ABSL_FLAG(int, client_streams, 1,
+          "--reader=client: ProjectOptions::streams, the Project calls (each on "
+          "its own connection) one projection is spread over.");
 ABSL_FLAG(bool, client_copy_y, false,
           "--reader=client: copy each chunk's y once into a caller's buffer.");
 ABSL_FLAG(int64_t, max_stream_buffer_mb, -1,
@@ -135,6 +139,7 @@ StreamResult RunClientStream(const std::string& target, const std::vector<float>
   }
   client::LogpClient::ProjectOptions project;
   project.rows_per_chunk = rows_per_chunk;
+  project.streams = absl::GetFlag(FLAGS_client_streams);
   std::vector<float> y;
   const int64_t row_floats = kProjectionOutDim;
   if (absl::GetFlag(FLAGS_client_copy_y)) y.resize((64 << 20) / sizeof(float));
@@ -387,12 +392,16 @@ int Main() {
   request.mutable_x()->set_data(x.data(), x.size() * sizeof(float));
   const double output_gb = rows * kProjectionOutDim * 4.0 / 1e9;
 
-  std::printf("rows %lld (%.2f GB of Y per stream), reader %s%s, heap_retain_mb %lld, "
+  std::printf("rows %lld (%.2f GB of Y per stream), reader %s%s%s, heap_retain_mb %lld, "
               "median of %d runs\n",
               static_cast<long long>(rows), output_gb,
               absl::GetFlag(FLAGS_reader).c_str(),
               reader == Reader::kClient && absl::GetFlag(FLAGS_client_copy_y)
                   ? " (one copy of y)"
+                  : "",
+              reader == Reader::kClient
+                  ? absl::StrCat(" (", absl::GetFlag(FLAGS_client_streams),
+                                 " calls per projection)").c_str()
                   : "",
               static_cast<long long>(absl::GetFlag(FLAGS_heap_retain_mb)), repeats);
   // `streams` streams at once, each a connection of its own; GB/s in total.

@@ -12,15 +12,14 @@
 # four-stream run (bounded: the request's X plus <= 64 MiB of chunks per
 # stream).
 #
-# Session 5 (docs/perf.md): the CLI keeps freed receive memory
-# (--heap_retain_mb, default 256) instead of page-faulting every message's
-# bytes in again; each speed line is followed by the CLI's CPU seconds and
-# page faults per GB, and the 256- and 2048-row streams run once more with
-# --heap_retain_mb=0 (the old behaviour) for the before/after. Then, when the
-# bundle has it (build_serve.sh), the transport-only bench
+# Session 9: one projection can go over several Project calls, each on a
+# connection of its own (detlogp_cli --project_streams, default 4;
+# LogpClient::ProjectOptions::streams): each chunk size runs with 1 and 4.
+# Then, when the bundle has it (build_serve.sh), the transport-only bench
 # (tools/bench:projection_stream, instant backend, no GPU) on this host's
-# cores, each setting in a fresh process (glibc's thresholds move with a
-# process's history).
+# cores with 1, 2 and 4 calls per projection, each setting in a fresh
+# process (glibc's thresholds move with a process's history). Sessions 5-6
+# measured --heap_retain_mb=0 against the default; not repeated.
 #   CHUNKS="256 512 1024 2048"  ROWS=364608  FOUR_CHUNK=512  SERVER_ARGS=...
 set -uo pipefail
 dir=${STREAM_DIR:-.device/serve}
@@ -36,20 +35,19 @@ target=127.0.0.1:$(head -1 /tmp/p.port)
 nproc; grep -m1 "model name" /proc/cpuinfo
 cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 for chunk in ${CHUNKS:-256 512 1024 2048}; do
-  echo "-- one stream, rows_per_chunk=$chunk, no hashing"
-  cli --rows_per_chunk="$chunk" --seed=7 --nohash_y | grep -E "^transfer|^client"
+  for streams in 1 4; do
+    echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing"
+    cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
+      grep -E "^transfer|^client"
+  done
 done
-for chunk in 256 2048; do
-  echo "-- one stream, rows_per_chunk=$chunk, no hashing, --heap_retain_mb=0 (before session 5)"
-  cli --rows_per_chunk="$chunk" --seed=7 --nohash_y --heap_retain_mb=0 | grep -E "^transfer|^client"
-done
-echo "-- one stream, rows_per_chunk=$four_chunk, SHA-256 on its own thread (1 GiB backlog)"
+echo "-- one projection, rows_per_chunk=$four_chunk, 4 calls, SHA-256 on its own thread (1 GiB backlog)"
 cli --rows_per_chunk="$four_chunk" --seed=7 | grep -E "y_sha256|transfer|sha256 seconds"
 for hash in --nohash_y --hash_y; do
   echo "-- four streams at once, rows_per_chunk=$four_chunk, $hash"
   pids=()
   for i in 1 2 3 4; do
-    cli --rows_per_chunk="$four_chunk" --seed=$i $hash > /tmp/four_$i.txt &
+    cli --rows_per_chunk="$four_chunk" --project_streams=1 --seed=$i $hash > /tmp/four_$i.txt &
     pids+=($!)
   done
   peak=0
@@ -67,14 +65,14 @@ for hash in --nohash_y --hash_y; do
 done
 kill -TERM $server; wait $server
 if [[ -x "$dir/projection_stream" ]]; then
-  for heap in 0 256; do
-    for chunk in ${CHUNKS:-256 512 1024 2048}; do
-      echo "-- transport-only bench, one stream, rows_per_chunk=$chunk, heap_retain_mb=$heap"
+  for chunk in ${CHUNKS:-256 512 1024 2048}; do
+    for calls in 1 2 4; do
+      echo "-- transport-only bench, one projection, rows_per_chunk=$chunk, $calls call(s)"
       "$dir/projection_stream" --reader=client --rows="$rows" --chunks="$chunk" --streams=0 \
-        --repeats=3 --heap_retain_mb="$heap" | grep -A1 "stream(s)"
+        --repeats=3 --client_streams="$calls" | grep -A1 "stream(s)"
     done
-    echo "-- transport-only bench, four streams, rows_per_chunk=2048, heap_retain_mb=$heap"
-    "$dir/projection_stream" --reader=client --rows="$rows" --chunks= --streams=4 \
-      --concurrent_chunks=2048 --repeats=3 --heap_retain_mb="$heap" | grep -A1 "stream(s)"
   done
+  echo "-- transport-only bench, four projections of one call, rows_per_chunk=2048"
+  "$dir/projection_stream" --reader=client --rows="$rows" --chunks= --streams=4 \
+    --concurrent_chunks=2048 --repeats=3 | grep -A1 "stream(s)"
 fi
