@@ -8,7 +8,14 @@ to back: "alone"), PyTorch eager's logprob (bf16 matmul, fp32 log-softmax,
 gather) after them; FLOPs counted 2*N*H*V; the weight-read
 floor from a device copy of the weight measured in the same run.
 
-  python3 tools/device/logp_portable_bench.py --lib .device/logp/liblogp_bench.so
+  python3 tools/device/logp_portable_bench.py --lib .device/logp/liblogp_bench.so \
+      [--rlkernel .device/logp/rlkernel]
+
+--rlkernel adds RL-Kernel's mma.sync kernel (tools/device/stage_rlkernel.sh
+stages it; built here with PyTorch's extension builder, about a minute),
+timed back to back after ours at temperature 1 with the same weights and
+bias, its logprobs checked against PyTorch eager's; "port/rlk" is the
+portable kernel's speed over it (issue #13: >= 1.8 at N >= 2048).
 
 Inputs come from a fixed seed, and each line ends with digests of the
 portable and the Hopper kernels' logprobs and lse: two builds that print the
@@ -32,7 +39,13 @@ KERNELS = (("portable", 2), ("hopper", 0))
 
 def main():
     ap = bench_arguments()
+    ap.add_argument("--rlkernel", default=None,
+                    help="staged RL-Kernel sources (tools/device/stage_rlkernel.sh)")
     args = ap.parse_args()
+    rlkernel = None
+    if args.rlkernel:
+        from rlkernel_baseline import load as load_rlkernel
+        rlkernel = load_rlkernel(args.rlkernel)
     lib = ctypes.CDLL(args.lib)
     lib.logp_create.restype = ctypes.c_void_p
     lib.logp_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
@@ -104,11 +117,27 @@ def main():
         e_ms = median_ms(eager, args.reps)[0] if n <= 4096 else float("nan")
         flops = 2.0 * n * H * V
         tf = lambda ms: flops / (ms * 1e-3) / 1e12  # noqa: E731
+        rlk_line = ""
+        if rlkernel is not None:
+            W_real, bias_real = W[:V], bias[:V]
+
+            def rlk():
+                return rlkernel(hidden, W_real, targets, bias_real)
+
+            rlk_lp = rlk()[0]
+            at_t1 = F.linear(hidden, W_real).float() + bias_real
+            ref = at_t1.gather(1, targets[:, None].long()).squeeze(1) - \
+                torch.logsumexp(at_t1, dim=-1)
+            rlk_err = (rlk_lp - ref).abs().max().item()
+            del at_t1
+            rlk_ms = median_ms(rlk, args.reps)[0]
+            rlk_line = (f"   rlk ms {rlk_ms:.4f} TFLOP/s {tf(rlk_ms):.1f} port/rlk "
+                        f"{rlk_ms / alone_ms:.2f} |rlk - eager(T=1)| {rlk_err:.1e}")
         print(f"{n:>5} {p_ms:>11.4f} {tf(p_ms):>8.1f} {p_ms / floor_ms:>7.2f} {h_ms:>9.4f}"
               f" {tf(h_ms):>8.1f} {p_ms / h_ms:>8.2f} {e_ms:>9.4f} {tf(e_ms):>8.1f}"
               f" {e_ms / p_ms:>10.2f} {alone_ms:>8.4f} {tf(alone_ms):>8.1f}"
               f"   |portable - hopper| {err:.1e}  bits {digests[0]}"
-              f" hopper bits {digests[1]}",
+              f" hopper bits {digests[1]}{rlk_line}",
               flush=True)
 
 
