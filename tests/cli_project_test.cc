@@ -4,6 +4,7 @@
 // keeps up with the stream or the stream waits for it; transfer and hashing
 // are reported on lines of their own, each holding the word "seconds".
 #include <grpcpp/client_context.h>
+#include <signal.h>
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -166,6 +167,7 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
   EXPECT_EQ(lines[0], want_key);
   EXPECT_EQ(lines[1], "y_sha256 -");
   EXPECT_EQ(Words(lines[3])[0], "transfer");
+  client->reset();  // an idle connection holds the server's drain
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 
@@ -174,9 +176,12 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
 // whatever the number of calls and the block size, a short last block
 // included. No more calls run than there are blocks.
 TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
+  // A short grace: a connection a reset client leaves behind can hold
+  // SIGTERM's drain (gRPC waits for it up to the grace).
   auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2",
                                       "--synthetic_hidden_size=64",
-                                      "--synthetic_vocab_size=1000"});
+                                      "--synthetic_vocab_size=1000",
+                                      "--shutdown_grace_s=3"});
   ASSERT_TRUE(server.ok()) << server.status();
   const int64_t rows = 1000;
   kernels::RandomNormal random(11);
@@ -200,7 +205,7 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   };
   for (const Case& c : {Case{2, 128, 128, 2}, Case{3, 200, 200, 3},
                         Case{4, 0, LogpClient::kInterleavedBlockRows, 2},
-                        Case{8, 300, 300, 4}, Case{3, 1, 1, 3}}) {
+                        Case{8, 300, 300, 4}, Case{3, 7, 7, 3}}) {
     SCOPED_TRACE(::testing::Message() << c.streams << " streams, rows_per_chunk "
                                     << c.rows_per_chunk);
     std::vector<float> y(rows * 5376);
@@ -248,15 +253,52 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   project.streams = 0;
   EXPECT_TRUE(absl::StrContains((*client)->ProjectChunks(x, rows, project).status().message(),
                                 "streams"));
+  // A deadline that passes mid-stream (40,000 rows take seconds here).
   LogpClient::Options hurried = options;
-  hurried.timeout = absl::Microseconds(1);
+  hurried.timeout = absl::Milliseconds(300);
   auto hurried_client = LogpClient::Create(hurried);
   ASSERT_TRUE(hurried_client.ok());
   project.streams = 4;
   project.rows_per_chunk = 100;
-  EXPECT_EQ((*hurried_client)->ProjectChunks(x, rows, project).status().code(),
+  const std::vector<float> video_x(40000 * 96, 0.5f);
+  int64_t chunks_before_deadline = 0;
+  EXPECT_EQ((*hurried_client)
+                ->ProjectChunks(video_x, 40000, project,
+                                [&](client::ProjectChunk&) { ++chunks_before_deadline; })
+                .status()
+                .code(),
             absl::StatusCode::kDeadlineExceeded);
+  EXPECT_LT(chunks_before_deadline, 400);
+  // Idle connections hold a server's SIGTERM drain (gRPC waits for them,
+  // up to --shutdown_grace_s): close them first.
+  client->reset();
+  hurried_client->reset();
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
+}
+
+// A server that dies while interleaved calls stream ends every call: the
+// caller gets an error, no thread is left waiting for a chunk that will
+// never come.
+TEST(CliProjectTest, InterleavedCallsEndWhenTheServerDies) {
+  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=1",
+                                      "--synthetic_hidden_size=64",
+                                      "--synthetic_vocab_size=1000"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int64_t rows = 40000;  // ~0.9 GB of Y: seconds on one CPU thread
+  const std::vector<float> x(rows * 96, 0.25f);
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = LogpClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  LogpClient::ProjectOptions project;
+  project.streams = 4;
+  project.rows_per_chunk = 64;
+  int64_t chunks = 0;
+  auto result = (*client)->ProjectChunks(x, rows, project, [&](client::ProjectChunk&) {
+    if (++chunks == 3) kill((*server)->pid(), SIGKILL);
+  });
+  EXPECT_FALSE(result.ok());
+  EXPECT_LT(chunks, rows / 64);
 }
 
 }  // namespace
