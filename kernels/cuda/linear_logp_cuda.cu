@@ -121,6 +121,16 @@ struct LinearLogpCuda::Impl {
   std::string instruction_set;  // for the determinism key
 };
 
+namespace {
+
+// The launch's row-block group (kernels/item_order.h).
+int32_t RowGroup(const LinearLogpCuda::Options& options, bool top_k) {
+  if (top_k && options.top_k_row_group > 0) return options.top_k_row_group;
+  return options.row_group > 0 ? options.row_group : kDefaultRowGroup;
+}
+
+}  // namespace
+
 LinearLogpCuda::LinearLogpCuda(const Options& options,
                                std::unique_ptr<Impl> impl)
     : options_(options), impl_(std::move(impl)) {}
@@ -251,6 +261,12 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   if (w.vocab_size < 1 || w.vocab_size > kMaxVocab) {
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_logp_cuda: vocab_size out of range: ", w.vocab_size));
+  }
+  if (options.row_group < 0 || options.top_k_row_group < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear_logp_cuda: ", options.row_group < 0 ? "row_group" : "top_k_row_group",
+        " must be 0 (the default) or more, got ",
+        std::min(options.row_group, options.top_k_row_group)));
   }
   const bool shard = options.end_split > 0;
   const int32_t all_splits = NumVocabSplits(w.vocab_size);
@@ -542,6 +558,7 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   p.num_row_blocks =
       static_cast<int32_t>((batch.rows + kv::kBlockM - 1) / kv::kBlockM);
   p.num_items = p.num_row_blocks * p.num_splits;
+  p.row_group = RowGroup(options_, top_k);
   p.a_box_rows = a_box_rows;
   const int grid = std::min(impl_->num_sms, p.num_items);
 

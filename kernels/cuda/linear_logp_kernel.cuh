@@ -79,10 +79,12 @@
 
 #include "kernels/cuda/hopper_ptx.cuh"
 #include "kernels/cuda/linear_logp_epilogue.cuh"
+#include "kernels/item_order.h"
 #include "kernels/softmax_partial.h"
 
 namespace detlogp::kernels::cuda::v3 {
 
+using detlogp::kernels::RowBlockAndSplit;
 using epilogue::RowState;
 using epilogue::TopKLists;
 
@@ -99,7 +101,6 @@ inline constexpr int kATileBytes = kBlockM * kBlockK * 2;     // 16 KiB
 inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;     // 32 KiB
 inline constexpr int kBChunkBytes = kChunkRows * kBlockK * 2;  // 4 KiB
 inline constexpr int kMaxSplits = 256;  // 4 B per split: <= 1 KiB per row
-inline constexpr int kRowGroup = 8;  // row blocks that share weight tiles in L2
 inline constexpr int kSmemBytes =
     1024 + kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8;
 // Top-k lists: kBlockM rows x kMaxTopK (z, id) pairs after the barriers.
@@ -129,6 +130,7 @@ struct KernelParams {
   int32_t num_splits;
   int32_t num_row_blocks;
   int32_t num_items;
+  int32_t row_group;              // DecodeItem's group (kernels/item_order.h)
   int32_t a_box_rows;             // hidden rows per TMA box (<= kBlockM)
   int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
 };
@@ -145,16 +147,13 @@ __device__ __forceinline__ float RowTemperature(const KernelParams& p, int r) {
   return p.temperatures != nullptr ? p.temperatures[r] : p.temperature;
 }
 
-// Item -> (row block, split). Row blocks are taken kRowGroup at a time, with
-// the row block fastest inside a group, so concurrent blocks share weights.
+// Item -> (row block, split), in kernels/item_order.h's order.
 __device__ __forceinline__ void DecodeItem(const KernelParams& p, int item,
                                            int& row_block, int& split) {
-  const int group_items = kRowGroup * p.num_splits;
-  const int g = item / group_items;
-  const int r = item - g * group_items;
-  const int in_group = min(kRowGroup, p.num_row_blocks - g * kRowGroup);
-  split = r / in_group;
-  row_block = g * kRowGroup + (r - split * in_group);
+  const RowBlockAndSplit rs =
+      detlogp::kernels::DecodeItem(item, p.num_row_blocks, p.num_splits, p.row_group);
+  row_block = rs.row_block;
+  split = rs.split;
 }
 
 // Tiling of a split of `size` columns: ceil(size / 256) tiles whose widths are

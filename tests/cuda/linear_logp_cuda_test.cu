@@ -429,5 +429,41 @@ TEST(LinearLogpCudaExtras, RejectsBadTopK) {
   ExpectBadTopKRejected(KernelKind::kHopper);
 }
 
+// The item order (kernels/item_order.h) is a tuning knob: other row-block
+// groups give every output the same bits, with and without top-k, and a
+// negative group is refused naming the field.
+TEST_F(FullVocabTest, RowGroupsNeverChangeBits) {
+  REQUIRE_SM90();
+  auto batch = MakeBatch(4096 + 77, weights_->H, weights_->V);  // 33 row blocks
+  const auto reference = MakeKernel(*weights_);
+  ASSERT_NE(reference, nullptr);
+  const Extras want = RunExtras(*reference, *batch, 0, batch->N, true, 20);
+  for (const auto& [row_group, top_k_row_group] :
+       {std::pair<int, int>{1, 0}, {16, 32}, {33, 5}, {64, 64}}) {
+    LinearLogpCuda::Options o;
+    o.weights = weights_->View();
+    o.row_group = row_group;
+    o.top_k_row_group = top_k_row_group;
+    auto k = LinearLogpCuda::Create(o);
+    ASSERT_TRUE(k.ok()) << k.status();
+    const std::string what = "row_group " + std::to_string(row_group) +
+                             ", top_k_row_group " + std::to_string(top_k_row_group);
+    const Extras logp_only = RunExtras(**k, *batch, 0, batch->N, false, 0);
+    const Extras with_top_k = RunExtras(**k, *batch, 0, batch->N, true, 20);
+    for (int64_t r = 0; r < batch->N; ++r) {
+      ExpectSameExtras(want, r, logp_only, r, what);
+      ExpectSameExtras(want, r, with_top_k, r, what);
+      if (::testing::Test::HasFailure()) return;
+    }
+  }
+  LinearLogpCuda::Options bad;
+  bad.weights = weights_->View();
+  bad.top_k_row_group = -1;
+  const auto refused = LinearLogpCuda::Create(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("top_k_row_group"), std::string::npos)
+      << refused.status();
+}
+
 }  // namespace
 }  // namespace detlogp::kernels::cuda

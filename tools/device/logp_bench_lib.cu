@@ -14,10 +14,25 @@ extern "C" {
 // mode: 0 = batch-invariant, 1 = throughput split, 2 = batch-invariant on the
 // portable mma.sync kernel (issue #13). Returns null on error (printed to
 // stderr).
+// logp_create with the Hopper kernel's item order set (LinearLogpCuda::
+// Options::row_group and top_k_row_group; 0: the default).
+void* logp_create_tuned(const void* weight, const float* bias, long long hidden,
+                        long long vocab, long long padded_vocab, int mode,
+                        int device, int row_group, int top_k_row_group);
+
 void* logp_create(const void* weight, const float* bias, long long hidden,
                   long long vocab, long long padded_vocab, int mode,
                   int device) {
+  return logp_create_tuned(weight, bias, hidden, vocab, padded_vocab, mode, device,
+                           0, 0);
+}
+
+void* logp_create_tuned(const void* weight, const float* bias, long long hidden,
+                        long long vocab, long long padded_vocab, int mode,
+                        int device, int row_group, int top_k_row_group) {
   LinearLogpCuda::Options o;
+  o.row_group = row_group;
+  o.top_k_row_group = top_k_row_group;
   o.weights.weight = static_cast<const __nv_bfloat16*>(weight);
   o.weights.bias = bias;
   o.weights.hidden_size = hidden;

@@ -1,0 +1,41 @@
+// The order in which the Hopper kernel's persistent CTAs take their items,
+// an item being one (row block, split): row blocks `group` at a time, the
+// row block fastest inside a group. CTAs running at once then read the same
+// splits' weights (shared in L2), and a row has about
+// ctas / min(group, row blocks) of its splits side by side; the top-k
+// variant's splits cut each other's insertions through shared screens, so
+// fewer of a row's splits at once means tighter screens sooner. Item order
+// never changes bits: each item's arithmetic and where it writes are its
+// own, and the combine folds splits in ascending order whatever ran first.
+#ifndef DETLOGP_KERNELS_ITEM_ORDER_H_
+#define DETLOGP_KERNELS_ITEM_ORDER_H_
+
+#include "kernels/host_device.h"
+
+namespace detlogp::kernels {
+
+// The row-block group of the logp-only and entropy variants (and of top-k
+// unless a launch names another): 8 row blocks of 128 rows.
+inline constexpr int kDefaultRowGroup = 8;
+
+struct RowBlockAndSplit {
+  int row_block;
+  int split;
+};
+
+// Item `item` of num_row_blocks * num_splits, row blocks taken `group` at a
+// time (group >= 1; the last group may hold fewer).
+DETLOGP_HOST_DEVICE inline RowBlockAndSplit DecodeItem(int item, int num_row_blocks,
+                                                       int num_splits, int group) {
+  const int group_items = group * num_splits;
+  const int g = item / group_items;
+  const int r = item - g * group_items;
+  const int left = num_row_blocks - g * group;
+  const int in_group = left < group ? left : group;
+  const int split = r / in_group;
+  return {g * group + (r - split * in_group), split};
+}
+
+}  // namespace detlogp::kernels
+
+#endif  // DETLOGP_KERNELS_ITEM_ORDER_H_
