@@ -159,6 +159,7 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
+  client->projection_ = std::make_unique<ProjectionConnection>(client->channel_);
   return client;
 }
 

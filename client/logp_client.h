@@ -33,9 +33,7 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/impl/rpc_method.h>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/interleaved_rows.h"
 #include "client/project_chunk.h"
@@ -205,9 +203,6 @@ class LogpClient {
     std::shared_ptr<grpc::Channel> channel;
     grpc::internal::RpcMethod method;
   };
-  // Connection `call` of interleaved projections: channel_ for the first,
-  // a connection of its own for each other; made on first use, then kept.
-  ProjectionConnection* ProjectionConnectionFor(int call);
   absl::StatusOr<ProjectResult> ProjectInterleaved(
       const std::vector<float>& x, const InterleavedRows& plan,
       const ProjectOptions& options, const std::function<void(ProjectChunk&)>& on_chunk);
@@ -216,9 +211,10 @@ class LogpClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
-  absl::Mutex projection_connections_mu_;
-  std::vector<std::unique_ptr<ProjectionConnection>> projection_connections_
-      ABSL_GUARDED_BY(projection_connections_mu_);
+  // channel_'s: one-stream projections and the first interleaved call. The
+  // other interleaved calls get connections of their own for the length of
+  // the projection (an idle connection holds a server's SIGTERM drain).
+  std::unique_ptr<ProjectionConnection> projection_;
 };
 
 // A channel as LogpClient makes it (message limits, TLS, load balancing);

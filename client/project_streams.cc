@@ -251,13 +251,12 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
 
   const detlogp::v1::ProjectRequest request =
       MakeProjectRequest(x.data(), rows, options.rows_per_chunk, options.request_id);
-  ProjectionConnection* connection = ProjectionConnectionFor(0);
   grpc::ClientContext context;
   PrepareContext(&context);
   ProjectResult result;
   int64_t next_row = 0;
   const absl::Status status = ReadProjectStream(
-      connection->channel.get(), connection->method, &context, request, rows,
+      projection_->channel.get(), projection_->method, &context, request, rows,
       [&](ProjectChunk& chunk, int64_t chunk_rows) {
         if (result.determinism_key.empty()) result.determinism_key = chunk.determinism_key;
         if (options.y != nullptr) chunk.CopyYTo(options.y + next_row * kOut);
@@ -273,8 +272,16 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
 absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
     const std::vector<float>& x, const InterleavedRows& plan,
     const ProjectOptions& options, const std::function<void(ProjectChunk&)>& on_chunk) {
-  std::vector<ProjectionConnection*> connections;
-  for (int c = 0; c < plan.calls(); ++c) connections.push_back(ProjectionConnectionFor(c));
+  // A connection of its own for every call but the first: one TCP
+  // connection's bytes are read on one thread, whatever the streams on it.
+  std::vector<std::unique_ptr<ProjectionConnection>> own;
+  std::vector<ProjectionConnection*> connections = {projection_.get()};
+  Options own_options = options_;
+  own_options.own_connection = true;
+  for (int c = 1; c < plan.calls(); ++c) {
+    own.push_back(std::make_unique<ProjectionConnection>(MakeChannel(own_options)));
+    connections.push_back(own.back().get());
+  }
   InterleavedCalls calls(plan.calls());
   std::vector<std::thread> readers;
   for (int c = 0; c < plan.calls(); ++c) {
@@ -324,23 +331,6 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
   result.chunks = plan.blocks();
   result.streams = plan.calls();
   return result;
-}
-
-LogpClient::ProjectionConnection* LogpClient::ProjectionConnectionFor(int call) {
-  absl::MutexLock lock(&projection_connections_mu_);
-  while (static_cast<int>(projection_connections_.size()) <= call) {
-    std::shared_ptr<grpc::Channel> channel = channel_;
-    if (!projection_connections_.empty()) {
-      // A connection of its own: one TCP connection's bytes are read on one
-      // thread, whatever the number of streams on it.
-      Options own = options_;
-      own.own_connection = true;
-      channel = MakeChannel(own);
-    }
-    projection_connections_.push_back(
-        std::make_unique<ProjectionConnection>(std::move(channel)));
-  }
-  return projection_connections_[call].get();
 }
 
 LogpClient::ProjectionConnection::ProjectionConnection(
