@@ -43,11 +43,14 @@ for chunk in ${CHUNKS:-256 512 1024 2048}; do
 done
 echo "-- one projection, rows_per_chunk=$four_chunk, 4 calls, SHA-256 on its own thread (1 GiB backlog)"
 cli --rows_per_chunk="$four_chunk" --seed=7 | grep -E "y_sha256|transfer|sha256 seconds"
-for hash in --nohash_y --hash_y; do
-  echo "-- four streams at once, rows_per_chunk=$four_chunk, $hash"
+# Four videos at once: one call each (issue #12's four streams), and four
+# calls each (16 connections).
+for mode in "--nohash_y 1" "--hash_y 1" "--nohash_y 4"; do
+  read -r hash calls <<< "$mode"
+  echo "-- four videos at once, rows_per_chunk=$four_chunk, $calls call(s) each, $hash"
   pids=()
   for i in 1 2 3 4; do
-    cli --rows_per_chunk="$four_chunk" --project_streams=1 --seed=$i $hash > /tmp/four_$i.txt &
+    cli --rows_per_chunk="$four_chunk" --project_streams="$calls" --seed=$i $hash > /tmp/four_$i.txt &
     pids+=($!)
   done
   peak=0
