@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -262,11 +263,16 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "linear_logp_cuda: vocab_size out of range: ", w.vocab_size));
   }
-  if (options.row_group < 0 || options.top_k_row_group < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "linear_logp_cuda: ", options.row_group < 0 ? "row_group" : "top_k_row_group",
-        " must be 0 (the default) or more, got ",
-        std::min(options.row_group, options.top_k_row_group)));
+  // Bounded so that DecodeItem's group * num_splits stays far from overflow.
+  constexpr int32_t kMaxRowGroup = 1 << 16;
+  for (const auto& [name, group] : {std::pair<const char*, int32_t>{
+                                        "row_group", options.row_group},
+                                    {"top_k_row_group", options.top_k_row_group}}) {
+    if (group < 0 || group > kMaxRowGroup) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "linear_logp_cuda: ", name, " must be in [0, ", kMaxRowGroup,
+          "] (0: the default), got ", group));
+    }
   }
   const bool shard = options.end_split > 0;
   const int32_t all_splits = NumVocabSplits(w.vocab_size);

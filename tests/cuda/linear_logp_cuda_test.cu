@@ -431,7 +431,7 @@ TEST(LinearLogpCudaExtras, RejectsBadTopK) {
 
 // The item order (kernels/item_order.h) is a tuning knob: other row-block
 // groups give every output the same bits, with and without top-k, and a
-// negative group is refused naming the field.
+// group out of range is refused naming the field.
 TEST_F(FullVocabTest, RowGroupsNeverChangeBits) {
   REQUIRE_SM90();
   auto batch = MakeBatch(4096 + 77, weights_->H, weights_->V);  // 33 row blocks
@@ -463,6 +463,12 @@ TEST_F(FullVocabTest, RowGroupsNeverChangeBits) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("top_k_row_group"), std::string::npos)
       << refused.status();
+  bad.top_k_row_group = 0;
+  bad.row_group = 1 << 20;
+  const auto too_large = LinearLogpCuda::Create(bad);
+  EXPECT_EQ(too_large.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(too_large.status().message().find("row_group"), std::string::npos)
+      << too_large.status();
 }
 
 }  // namespace
