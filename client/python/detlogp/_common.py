@@ -272,12 +272,13 @@ class ClientState:
         # channel's scoring token is then left off).
         self._admin_metadata = bearer(admin_token) if admin_token else None
         self._scoring_metadata = bearer(token) if token else None
-        options = channel_options(max_message_mb) + list(channel_args)
-        security = dict(root_certificates=root_certificates,
-                        client_certificate=client_certificate, client_key=client_key)
+        self._channel_options = channel_options(max_message_mb) + list(channel_args)
+        self._channel_security = dict(
+            root_certificates=root_certificates,
+            client_certificate=client_certificate, client_key=client_key)
         if self._channel_sends_token:
-            security["token"] = token
-        self._channels = [self._make_channel(t, options, **security)
+            self._channel_security["token"] = token
+        self._channels = [self._own_channel(t, own_connection=False)
                           for t in self.targets]
         self._logp = [pb_grpc.LogProbServiceStub(c) for c in self._channels]
         self._proj = [pb_grpc.ProjectionServiceStub(c) for c in self._channels]
@@ -288,6 +289,14 @@ class ClientState:
         self._rr = RoundRobin(len(self.targets))
         self.attempts = 0  # calls sent, retries included
         self.retries = 0
+
+    def _own_channel(self, target, own_connection=True):
+        """A channel to `target` as the client's are made; with
+        own_connection, on a TCP connection of its own."""
+        options = list(self._channel_options)
+        if own_connection:
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        return self._make_channel(target, options, **self._channel_security)
 
     def _admin_timeout(self, timeout):
         return self.admin_timeout if timeout is None else timeout

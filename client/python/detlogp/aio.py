@@ -10,6 +10,7 @@ Example:
 import asyncio
 
 import grpc
+import numpy as np
 
 from detlogp import requests
 from detlogp.aio_status import ServerStatus
@@ -20,6 +21,7 @@ from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
+from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
 
 
@@ -116,7 +118,19 @@ class AsyncClient(ClientState):
         finally:
             call.cancel()
 
-    async def project(self, x, *, rows_per_chunk=0, timeout=None, request_id=""):
+    async def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="",
+                      streams=1):
+        """Client.project as a coroutine (streams > 1 alike: the calls are
+        read side by side on this loop)."""
+        rows = int(np.shape(x)[0]) if np.ndim(x) else 0
+        if requests.InterleavedProjection.count_calls(rows, rows_per_chunk, streams) > 1:
+            def on_target(index):
+                async def call(_, timeout, metadata):
+                    return await self._project_interleaved(
+                        index, x, rows_per_chunk, streams, request_id, timeout, metadata)
+                return call
+            return await self._unary(list(range(len(self.targets))), on_target, None,
+                                     timeout)
         request = requests.project_request(x, rows_per_chunk, request_id)
         rows = int(request.x.shape[0]) if request.x.shape else 0
 
@@ -130,6 +144,35 @@ class AsyncClient(ClientState):
             return call
 
         return await self._unary(self._proj, run, request, timeout)
+
+    async def _project_interleaved(self, index, x, rows_per_chunk, streams, request_id,
+                                   timeout, metadata):
+        """Client._project_interleaved on this loop: the first failure
+        cancels every call and is raised."""
+        plan = requests.InterleavedProjection(x, rows_per_chunk, streams, request_id)
+        extra = [self._own_channel(self.targets[index]) for _ in range(plan.calls - 1)]
+        stubs = [self._proj[index]] + [pb_grpc.ProjectionServiceStub(c) for c in extra]
+        answers = [stub.Project(req, timeout=timeout, metadata=metadata)
+                   for stub, req in zip(stubs, plan.requests)]
+
+        async def read(call):
+            async for response in answers[call]:
+                plan.add(call, response)
+
+        tasks = [asyncio.ensure_future(read(call)) for call in range(plan.calls)]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in tasks if t in done and t.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            return plan.result()
+        finally:
+            for task, answer in zip(tasks, answers):
+                task.cancel()
+                answer.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for channel in extra:
+                await channel.close()
 
     # ------------------------------------------------------------ models
     async def list_models(self, timeout=None):

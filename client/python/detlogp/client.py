@@ -13,9 +13,11 @@ Example:
                                  version=published.version)
 """
 import concurrent.futures
+import threading
 import time
 
 import grpc
+import numpy as np
 
 from detlogp import requests
 from detlogp.credentials import make_channel
@@ -25,6 +27,7 @@ from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
+from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
 
 
@@ -157,9 +160,21 @@ class Client(ClientState):
         finally:
             call.cancel()  # no-op once finished; frees the call if abandoned
 
-    def project(self, x, *, rows_per_chunk=0, timeout=None, request_id=""):
+    def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="",
+                streams=1):
         """ProjectionService.Project: Y [R, 5376] fp32 from x [R, 96]
-        (a ProjectResult). Retried whole on UNAVAILABLE / queue-full."""
+        (a ProjectResult). Retried whole on UNAVAILABLE / queue-full.
+
+        streams > 1 spreads the rows over that many calls side by side, each
+        on a connection of its own for the projection, in blocks of
+        rows_per_chunk rows (512 when 0): one gRPC stream is read on one
+        thread (requests.InterleavedProjection). Y's bits are the same."""
+        rows = int(np.shape(x)[0]) if np.ndim(x) else 0
+        if requests.InterleavedProjection.count_calls(rows, rows_per_chunk, streams) > 1:
+            def on_target(index):
+                return lambda _, timeout: self._project_interleaved(
+                    index, x, rows_per_chunk, streams, request_id, timeout)
+            return self._unary(list(range(len(self.targets))), on_target, None, timeout)
         request = requests.project_request(x, rows_per_chunk, request_id)
         rows = int(request.x.shape[0]) if request.x.shape else 0
 
@@ -172,6 +187,39 @@ class Client(ClientState):
             return call
 
         return self._unary(self._proj, run, request, timeout)
+
+    def _project_interleaved(self, index, x, rows_per_chunk, streams, request_id,
+                             timeout):
+        """One attempt of an interleaved projection on target `index`: the
+        first call on the client's channel, the others on connections opened
+        for it; the first failure cancels every call and is raised."""
+        plan = requests.InterleavedProjection(x, rows_per_chunk, streams, request_id)
+        extra = [self._own_channel(self.targets[index]) for _ in range(plan.calls - 1)]
+        stubs = [self._proj[index]] + [pb_grpc.ProjectionServiceStub(c) for c in extra]
+        answers = [stub.Project(req, timeout=timeout)
+                   for stub, req in zip(stubs, plan.requests)]
+        failures = []
+        lock = threading.Lock()
+
+        def read(call):
+            try:
+                for response in answers[call]:
+                    plan.add(call, response)
+            except Exception as error:  # noqa: BLE001 - kept, re-raised below
+                with lock:
+                    failures.append(error)
+                for answer in answers:
+                    answer.cancel()
+
+        try:
+            with concurrent.futures.ThreadPoolExecutor(plan.calls) as pool:
+                list(pool.map(read, range(plan.calls)))
+        finally:
+            for channel in extra:
+                channel.close()
+        if failures:
+            raise failures[0]
+        return plan.result()
 
     # ------------------------------------------------------------ models
     def list_models(self, timeout=None):

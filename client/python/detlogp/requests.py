@@ -5,7 +5,7 @@ import operator
 import numpy as np
 
 from detlogp import tensors
-from detlogp.errors import DetlogpError
+from detlogp.errors import DataLoss, DetlogpError
 from detlogp.results import ProjectResult
 from detlogp.v1 import detlogp_pb2 as pb
 
@@ -97,3 +97,87 @@ class ProjectAssembler:
             raise DetlogpError(f"Project stream ended with {missing} rows missing")
         y = self.y if self.y is not None else np.empty((0, 0), np.float32)
         return ProjectResult(y=y, determinism_key=self.key, chunks=self.chunks)
+
+
+# Rows per block of an interleaved projection when rows_per_chunk is 0 (the
+# server's default chunk; LogpClient::kInterleavedBlockRows in C++).
+INTERLEAVED_BLOCK_ROWS = 512
+PROJECTION_OUT = 5376
+
+
+class InterleavedProjection:
+    """One projection spread over several Project calls, as the C++ client's
+    ProjectOptions::streams: block b (rows [b * block, (b + 1) * block)) goes
+    on call b % calls, each call's x holding its blocks in order, so each of
+    its chunks (rows_per_chunk = block) is one whole block, put back at its
+    rows. One gRPC stream is read on one thread; several run side by side.
+    Each row's projection depends on that row alone: Y's bits are one
+    call's. `add` for a call is called from one thread at a time; calls
+    write disjoint rows of Y."""
+
+    @staticmethod
+    def count_calls(rows, rows_per_chunk, streams):
+        """The calls a projection of `rows` rows takes (fewer than `streams`
+        when there are fewer blocks); ValueError naming a bad argument."""
+        if int(streams) < 1:
+            raise ValueError(f"streams must be >= 1, got {streams}")
+        if int(rows_per_chunk) < 0:
+            raise ValueError(f"rows_per_chunk must be >= 0, got {rows_per_chunk}")
+        blocks = -(-int(rows) // (int(rows_per_chunk) or INTERLEAVED_BLOCK_ROWS))
+        return max(1, min(int(streams), blocks))
+
+    def __init__(self, x, rows_per_chunk, streams, request_id=""):
+        x = np.asarray(x, dtype=np.float32)
+        self.rows = int(x.shape[0]) if x.ndim else 0
+        self.calls = self.count_calls(self.rows, rows_per_chunk, streams)
+        self.block = int(rows_per_chunk) or INTERLEAVED_BLOCK_ROWS
+        self.blocks = -(-self.rows // self.block)
+        self.requests = []
+        for call in range(self.calls):
+            starts = range(call * self.block, self.rows, self.calls * self.block)
+            rows = np.concatenate([x[s:s + self.block] for s in starts]) if starts else x[:0]
+            self.requests.append(project_request(
+                rows, self.block, f"{request_id}/{call + 1}of{self.calls}"))
+        self.y = np.empty((self.rows, PROJECTION_OUT), dtype=np.float32)
+        self._answered = [0] * self.calls  # blocks each call has delivered
+        self._keys = [None] * self.calls
+
+    def add(self, call, response):
+        """Places the next chunk of call `call`; DataLoss naming the field
+        when it is not that call's next block."""
+        nth = self._answered[call]
+        block = call + nth * self.calls
+        if block >= self.blocks:
+            raise DataLoss(f"ProjectResponse.row_offset: call {call} answered more "
+                           f"than its {nth} blocks")
+        if int(response.row_offset) != nth * self.block:
+            raise DataLoss(f"ProjectResponse.row_offset: {response.row_offset}, expected "
+                           f"{nth * self.block} (call {call}'s block {nth})")
+        if response.y.dtype != pb.DTYPE_FLOAT32:
+            raise DataLoss(f"ProjectResponse.y.dtype: {response.y.dtype}, expected FLOAT32")
+        start = block * self.block
+        want = min(self.block, self.rows - start)
+        chunk = tensors.from_tensor(response.y)
+        if chunk.shape != (want, PROJECTION_OUT):
+            raise DataLoss(f"ProjectResponse.y.shape: {list(chunk.shape)} at row {start}, "
+                           f"expected [{want}, {PROJECTION_OUT}] (one block)")
+        self.y[start:start + want] = chunk
+        if self._keys[call] is None:
+            self._keys[call] = response.determinism_key
+        elif response.determinism_key != self._keys[call]:
+            raise DataLoss("ProjectResponse.determinism_key changed within call "
+                           f"{call}: {self._keys[call]} then {response.determinism_key}")
+        self._answered[call] = nth + 1
+
+    def result(self):
+        for call in range(self.calls):
+            want = len(range(call, self.blocks, self.calls))
+            if self._answered[call] != want:
+                raise DataLoss(f"Project call {call} ended after {self._answered[call]} "
+                               f"of its {want} blocks")
+        keys = {k for k in self._keys if k is not None}
+        if len(keys) > 1:
+            raise DataLoss(f"ProjectResponse.determinism_key: the calls disagree: "
+                           f"{sorted(keys)}")
+        return ProjectResult(y=self.y, determinism_key=keys.pop() if keys else "",
+                             chunks=self.blocks)

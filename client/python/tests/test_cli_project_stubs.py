@@ -1,5 +1,7 @@
 """The `detlogp` console command, ProjectionService.Project (when the server
-has it), and the checked-in stubs being current with proto/."""
+has it; over several calls too), and the checked-in stubs being current with
+proto/."""
+import asyncio
 import json
 import pathlib
 import shutil
@@ -62,6 +64,37 @@ def test_project_reassembles_chunks_when_the_server_has_it(client):
     assert chunked.y.tobytes() == whole.y.tobytes()
     alone = client.project(x[4:5], timeout=30)
     assert alone.y.tobytes() == whole.y[4:5].tobytes()
+
+
+def test_project_over_several_calls_gives_one_calls_bits(server, client):
+    """streams > 1: the rows go round several calls (each on its own
+    connection) in blocks; Y, its key and the chunk count are one call's,
+    from the sync and the asyncio client, and a refusal names the field."""
+    rng = np.random.default_rng(62)
+    x = rng.standard_normal((1000, 96)).astype(np.float32)
+    whole = client.project(x, timeout=30)
+    for streams, rows_per_chunk, chunks in [(2, 0, 2), (3, 7, 143), (8, 300, 4)]:
+        spread = client.project(x, streams=streams, rows_per_chunk=rows_per_chunk,
+                                timeout=30)
+        assert spread.y.tobytes() == whole.y.tobytes()
+        assert (spread.determinism_key, spread.chunks) == (whole.determinism_key, chunks)
+
+    async def run():
+        async with detlogp.aio.AsyncClient(server.target, timeout=30) as aclient:
+            spread = await aclient.project(x, streams=4, rows_per_chunk=64)
+            with pytest.raises(detlogp.InvalidArgument) as refused:
+                await aclient.project(np.zeros((3 * 2049, 96), np.float32), streams=3,
+                                      rows_per_chunk=2049)  # above the server's 2048
+            return spread, refused.value.field
+
+    spread, field = asyncio.run(run())
+    assert spread.y.tobytes() == whole.y.tobytes() and spread.chunks == 16
+    assert field == "rows_per_chunk"
+    with pytest.raises(detlogp.InvalidArgument) as refused:
+        client.project(np.zeros((3 * 2049, 96), np.float32), streams=3, rows_per_chunk=2049)
+    assert refused.value.field == "rows_per_chunk"
+    with pytest.raises(ValueError, match="streams"):
+        client.project(x, streams=0)
 
 
 def test_checked_in_stubs_match_the_proto(tmp_path, repo_root):

@@ -99,3 +99,40 @@ def test_project_assembler_reorders_chunks_and_detects_gaps():
         gap.result()
     with pytest.raises(errors.DetlogpError, match="overlaps"):
         gap.add(pb.ProjectResponse(row_offset=2, y=tensors.to_tensor(y[2:4])))
+
+
+def test_interleaved_projection_puts_blocks_back_and_checks_each():
+    x = np.arange(10 * 96, dtype=np.float32).reshape(10, 96)
+    plan = requests.InterleavedProjection(x, 3, 2, "v")  # blocks 3, 3, 3, 1
+    assert (plan.calls, plan.blocks) == (2, 4)
+    assert [int(r.x.shape[0]) for r in plan.requests] == [6, 4]
+    assert [r.request_id for r in plan.requests] == ["v/1of2", "v/2of2"]
+    assert np.array_equal(np.frombuffer(plan.requests[1].x.data, np.float32).reshape(4, 96),
+                          np.concatenate([x[3:6], x[9:10]]))
+    y = np.arange(10 * 5376, dtype=np.float32).reshape(10, 5376)
+
+    def chunk(offset, rows, key="k"):
+        return pb.ProjectResponse(row_offset=offset, y=tensors.to_tensor(rows),
+                                  determinism_key=key)
+
+    plan.add(1, chunk(0, y[3:6]))
+    plan.add(0, chunk(0, y[0:3]))
+    plan.add(1, chunk(3, y[9:10]))
+    with pytest.raises(errors.DataLoss, match="row_offset"):
+        plan.add(0, chunk(0, y[6:9]))  # call 0's second block is at its row 3
+    with pytest.raises(errors.DataLoss, match="Project call 0 ended after 1"):
+        plan.result()
+    with pytest.raises(errors.DataLoss, match="y.shape"):
+        plan.add(0, chunk(3, y[6:8]))  # not the whole block
+    plan.add(0, chunk(3, y[6:9]))
+    result = plan.result()
+    assert np.array_equal(result.y, y) and result.chunks == 4
+    assert result.determinism_key == "k"
+    other = requests.InterleavedProjection(x, 5, 2)
+    other.add(0, chunk(0, y[0:5], key="a"))
+    other.add(1, chunk(0, y[5:10], key="b"))
+    with pytest.raises(errors.DataLoss, match="determinism_key"):
+        other.result()
+    assert requests.InterleavedProjection.count_calls(10, 0, 4) == 1  # one block of 512
+    with pytest.raises(ValueError, match="streams"):
+        requests.InterleavedProjection.count_calls(10, 3, 0)
