@@ -33,21 +33,15 @@ TEST(ItemOrder, EveryRowBlockAndSplitOnce) {
 // Inside a group the row block runs fastest; groups follow each other.
 TEST(ItemOrder, RowBlocksFastestInsideAGroup) {
   // 20 row blocks, 3 splits, groups of 8, 8 and 4 row blocks.
-  const RowBlockAndSplit first = DecodeItem(0, 20, 3, 8);
-  EXPECT_EQ(first.row_block, 0);
-  EXPECT_EQ(first.split, 0);
-  const RowBlockAndSplit eighth = DecodeItem(7, 20, 3, 8);
-  EXPECT_EQ(eighth.row_block, 7);
-  EXPECT_EQ(eighth.split, 0);
-  const RowBlockAndSplit ninth = DecodeItem(8, 20, 3, 8);
-  EXPECT_EQ(ninth.row_block, 0);
-  EXPECT_EQ(ninth.split, 1);
-  const RowBlockAndSplit second_group = DecodeItem(24, 20, 3, 8);
-  EXPECT_EQ(second_group.row_block, 8);
-  EXPECT_EQ(second_group.split, 0);
-  const RowBlockAndSplit last_group = DecodeItem(48 + 5, 20, 3, 8);
-  EXPECT_EQ(last_group.row_block, 17);  // 4 row blocks: 16 + 5 % 4
-  EXPECT_EQ(last_group.split, 1);
+  struct Case {
+    int item, row_block, split;
+  };
+  for (const Case& c : {Case{0, 0, 0}, Case{7, 7, 0}, Case{8, 0, 1}, Case{24, 8, 0},
+                        Case{48 + 5, 17, 1}}) {  // last group: 16 + 5 % 4
+    const RowBlockAndSplit rs = DecodeItem(c.item, 20, 3, 8);
+    EXPECT_EQ(rs.row_block, c.row_block) << "item " << c.item;
+    EXPECT_EQ(rs.split, c.split) << "item " << c.item;
+  }
 }
 
 }  // namespace
