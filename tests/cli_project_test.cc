@@ -104,10 +104,9 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
   const std::string want_key = "determinism_key " + whole->determinism_key;
   const std::string want_sha = "y_sha256 " + y_hex;
 
-  // The default backlog, and none (every chunk waits for the one before to
-  // be hashed): the same digest either way.
-  // One stream or several (the default, 4): the same digest, hashed in row
-  // order.
+  // The default backlog and none (every chunk waits for the one before to
+  // be hashed), one call and several (the default, 4; hashed in row order):
+  // the same digest every way.
   for (const char* flags : {"", " --hash_backlog_mb=0", " --project_streams=1",
                             " --project_streams=3 --hash_backlog_mb=0"}) {
     SCOPED_TRACE(flags);
