@@ -18,34 +18,7 @@ rc=0
 if [ "$MODE" = test ] || [ "$MODE" = all ]; then
   timeout 240 .device/logp/linear_logp_cuda_test 2>&1 | tee "$LOG/test.log" | grep -vE '^\[       OK|^\[ RUN' ; rc=${PIPESTATUS[0]}
   echo "test exit code: $rc"
-  if [ $rc -eq 124 ]; then echo "tests timed out (hang?): stopping"; # The knobs and baselines sessions 9-10 left to measure: the item order
-# (row groups; every group's bits checked) and the portable kernel beside
-# RL-Kernel's when tools/device/stage_rlkernel.sh staged it.
-if [ "$MODE" = tuning ]; then
-  PYTHONUNBUFFERED=1 timeout 240 python3 tools/device/logp_row_group_bench.py \
-    --lib .device/logp/liblogp_bench.so --groups 8,16,32,64 \
-    --ns 1024,2048,4096,8192 --reps 15 2>&1 | tee "$LOG/row_groups.log"
-  grc=${PIPESTATUS[0]}
-  echo "row-group bench exit code: $grc"
-  [ $rc -eq 0 ] && rc=$grc
-  rlkernel=()
-  [ -f .device/logp/rlkernel/csrc/cuda/fused_linear_logp_sm90.cu ] &&
-    rlkernel=(--rlkernel .device/logp/rlkernel)
-  PYTHONUNBUFFERED=1 timeout 300 python3 tools/device/logp_portable_bench.py \
-    --lib .device/logp/liblogp_bench.so --ns 64,1024,2048,4096,8192 --reps 15 \
-    "${rlkernel[@]}" 2>&1 | tee "$LOG/portable.log"
-  prc=${PIPESTATUS[0]}
-  echo "portable bench exit code: $prc"
-  [ $rc -eq 0 ] && rc=$prc
-fi
-if [ "$MODE" = extras ] || [ "$MODE" = all ]; then
-  PYTHONUNBUFFERED=1 timeout 240 python3 tools/device/logp_extras_bench.py \
-    --lib .device/logp/liblogp_bench.so --json "$LOG/extras.json" 2>&1 | tee "$LOG/extras.log"
-  erc=${PIPESTATUS[0]}
-  echo "extras bench exit code: $erc"
-  [ $rc -eq 0 ] && rc=$erc
-fi
-exit $rc; fi
+  if [ $rc -eq 124 ]; then echo "tests timed out (hang?): stopping"; exit $rc; fi
   # On the device machine nothing may be skipped (skips mean no sm_90 GPU).
   if grep -q '^\[  SKIPPED \]' "$LOG/test.log"; then
     echo "tests were SKIPPED on the device machine"; [ $rc -eq 0 ] && rc=5
