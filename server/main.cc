@@ -94,6 +94,9 @@ ABSL_FLAG(std::string, projection_bias_tensor, "proj.bias",
           "Name of the optional [5376] F32 bias in --projection_weights.");
 ABSL_FLAG(int64_t, projection_max_launch_rows, 2048,
           "Projection rows per launch (also the largest rows_per_chunk).");
+ABSL_FLAG(int, projection_threads, 0,
+          "Projection launches in flight at once (each copies its output "
+          "out on its own thread); 0: the backend's preference.");
 ABSL_FLAG(int64_t, projection_stream_buffer_mb, 64,
           "Output MiB one projection stream may hold in chunk buffers "
           "(computed, waiting or being written; two chunks at least).");
@@ -281,6 +284,7 @@ int main(int argc, char** argv) {
       absl::GetFlag(FLAGS_max_concurrent_streams);
   options.projection_max_launch_rows =
       absl::GetFlag(FLAGS_projection_max_launch_rows);
+  options.projection_threads = absl::GetFlag(FLAGS_projection_threads);
   options.projection_stream_buffer_bytes =
       absl::GetFlag(FLAGS_projection_stream_buffer_mb) << 20;
 

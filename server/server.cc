@@ -83,7 +83,9 @@ absl::Status StartProjection(const Server::Options& options,
   *backend = *std::move(created);
   ProjectionScheduler::Options scheduler_options;
   scheduler_options.max_launch_rows = options.projection_max_launch_rows;
-  scheduler_options.num_threads = (*backend)->description().preferred_inflight_batches;
+  scheduler_options.num_threads =
+      options.projection_threads > 0 ? options.projection_threads
+                                     : (*backend)->description().preferred_inflight_batches;
   auto made = ProjectionScheduler::Create(scheduler_options, backend->get());
   if (!made.ok()) return made.status();
   *scheduler = *std::move(made);
@@ -140,6 +142,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     return absl::InvalidArgumentError(absl::StrCat(
         "--projection_stream_buffer_mb must be positive, got ",
         options.projection_stream_buffer_bytes >> 20));
+  }
+  if (options.projection_threads < 0 || options.projection_threads > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--projection_threads=", options.projection_threads, " is outside [0, 64]"));
   }
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;

@@ -98,6 +98,9 @@ class Server {
     int max_concurrent_streams_per_connection = 256;
     // Projection rows per launch; also the largest rows_per_chunk.
     int64_t projection_max_launch_rows = 2048;
+    // Projection launches in flight (each its own staging and GPU stream);
+    // 0: the projection backend's preference.
+    int projection_threads = 0;
     int64_t projection_default_rows_per_chunk = 512;
     int64_t projection_stream_buffer_bytes = int64_t{64} << 20;
   };

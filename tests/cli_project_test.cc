@@ -173,14 +173,17 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
 // ProjectOptions::streams: the rows go round several calls in blocks; Y,
 // the key and the chunks (handed over in row order) are those of one stream,
 // whatever the number of calls and the block size, a short last block
-// included. No more calls run than there are blocks.
+// included. No more calls run than there are blocks. Three projection
+// launches in flight (--projection_threads) complete out of order; the
+// chunks still arrive in order.
 TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   // A short grace: a connection a reset client leaves behind can hold
   // SIGTERM's drain (gRPC waits for it up to the grace).
   auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2",
                                       "--synthetic_hidden_size=64",
                                       "--synthetic_vocab_size=1000",
-                                      "--shutdown_grace_s=3"});
+                                      "--shutdown_grace_s=3",
+                                      "--projection_threads=3"});
   ASSERT_TRUE(server.ok()) << server.status();
   const int64_t rows = 1000;
   kernels::RandomNormal random(11);
@@ -273,6 +276,15 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   client->reset();
   hurried_client->reset();
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
+}
+
+TEST(CliProjectTest, ProjectionThreadsFlagIsCheckedAtStartUp) {
+  for (const char* bad : {"--projection_threads=-1", "--projection_threads=65"}) {
+    auto server = ServerProcess::Start({"--device=cpu", bad});
+    ASSERT_FALSE(server.ok()) << bad;
+    EXPECT_NE(server.status().message().find(bad), std::string::npos)
+        << server.status();
+  }
 }
 
 // A server that dies while interleaved calls stream ends every call: the

@@ -152,7 +152,11 @@ class CudaProjectionBackend final : public ProjectionBackend {
         kernels::cuda::kPortablePtxArch, driver_version,
         kernels::cuda::kPortableSassArchs);
     backend->description_.kernel_version = kernels::ProjectionCuda::KernelVersion();
-    backend->description_.preferred_inflight_batches = 2;
+    // Each launch copies its output out of pinned staging on its own
+    // thread (~45 MB per 2048 rows); on the H200 host four videos at once
+    // went from 4.9 GB/s with two launches in flight to 9.1 with four
+    // (docs/perf.md, "H3 projection streaming, session 10").
+    backend->description_.preferred_inflight_batches = 4;
     return std::unique_ptr<ProjectionBackend>(std::move(backend));
   }
 

@@ -21,6 +21,9 @@
 # process (glibc's thresholds move with a process's history). Sessions 5-6
 # measured --heap_retain_mb=0 against the default; not repeated.
 #   CHUNKS="256 512 1024 2048"  ROWS=364608  FOUR_CHUNK=512  SERVER_ARGS=...
+#   REPEATS=1 (runs of each one-projection setting)
+#   TRANSPORT_BENCH=0 (skip the transport-only bench)
+#   FOUR_VIDEOS=0 (skip the hashed projection and the four videos at once)
 set -uo pipefail
 dir=${STREAM_DIR:-.device/serve}
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
@@ -37,37 +40,41 @@ cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 for chunk in ${CHUNKS:-256 512 1024 2048}; do
   for streams in 1 4; do
     echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing"
-    cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
-      grep -E "^transfer|^client"
+    for _ in $(seq 1 "${REPEATS:-1}"); do
+      cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
+        grep -E "^transfer|^client"
+    done
   done
 done
-echo "-- one projection, rows_per_chunk=$four_chunk, 4 calls, SHA-256 on its own thread (1 GiB backlog)"
-cli --rows_per_chunk="$four_chunk" --seed=7 | grep -E "y_sha256|transfer|sha256 seconds"
-# Four videos at once: one call each (issue #12's four streams), and four
-# calls each (16 connections).
-for mode in "--nohash_y 1" "--hash_y 1" "--nohash_y 4"; do
-  read -r hash calls <<< "$mode"
-  echo "-- four videos at once, rows_per_chunk=$four_chunk, $calls call(s) each, $hash"
-  pids=()
-  for i in 1 2 3 4; do
-    cli --rows_per_chunk="$four_chunk" --project_streams="$calls" --seed=$i $hash > /tmp/four_$i.txt &
-    pids+=($!)
+if [[ ${FOUR_VIDEOS:-1} != 0 ]]; then
+  echo "-- one projection, rows_per_chunk=$four_chunk, 4 calls, SHA-256 on its own thread (1 GiB backlog)"
+  cli --rows_per_chunk="$four_chunk" --seed=7 | grep -E "y_sha256|transfer|sha256 seconds"
+  # Four videos at once: one call each (issue #12's four streams), and four
+  # calls each (16 connections).
+  for mode in "--nohash_y 1" "--hash_y 1" "--nohash_y 4"; do
+    read -r hash calls <<< "$mode"
+    echo "-- four videos at once, rows_per_chunk=$four_chunk, $calls call(s) each, $hash"
+    pids=()
+    for i in 1 2 3 4; do
+      cli --rows_per_chunk="$four_chunk" --project_streams="$calls" --seed=$i $hash > /tmp/four_$i.txt &
+      pids+=($!)
+    done
+    peak=0
+    while kill -0 "${pids[@]}" 2>/dev/null; do
+      rss=$(awk '/VmRSS/ {print $2}' /proc/$server/status)
+      (( rss > peak )) && peak=$rss
+      sleep 0.1
+    done
+    wait "${pids[@]}"
+    grep -h transfer /tmp/four_*.txt
+    # Total: four videos over the slowest stream's time (they start together).
+    grep -h "^transfer" /tmp/four_*.txt | awk -v r="$rows" \
+      '{ if ($3 > m) m = $3 } END { printf "four streams: slowest %.3f s, %.2f GB/s in total\n", m, 4 * r * 5376 * 4 / m / 1e9 }'
+    echo "server peak RSS during the four streams: $((peak / 1024)) MiB"
   done
-  peak=0
-  while kill -0 "${pids[@]}" 2>/dev/null; do
-    rss=$(awk '/VmRSS/ {print $2}' /proc/$server/status)
-    (( rss > peak )) && peak=$rss
-    sleep 0.1
-  done
-  wait "${pids[@]}"
-  grep -h transfer /tmp/four_*.txt
-  # Total: four videos over the slowest stream's time (they start together).
-  grep -h "^transfer" /tmp/four_*.txt | awk -v r="$rows" \
-    '{ if ($3 > m) m = $3 } END { printf "four streams: slowest %.3f s, %.2f GB/s in total\n", m, 4 * r * 5376 * 4 / m / 1e9 }'
-  echo "server peak RSS during the four streams: $((peak / 1024)) MiB"
-done
+fi
 kill -TERM $server; wait $server
-if [[ -x "$dir/projection_stream" ]]; then
+if [[ -x "$dir/projection_stream" && ${TRANSPORT_BENCH:-1} != 0 ]]; then
   for chunk in ${CHUNKS:-256 512 1024 2048}; do
     for calls in 1 2 4; do
       echo "-- transport-only bench, one projection, rows_per_chunk=$chunk, $calls call(s)"
