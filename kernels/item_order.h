@@ -14,9 +14,14 @@
 
 namespace detlogp::kernels {
 
-// The row-block group of the logp-only and entropy variants (and of top-k
-// unless a launch names another): 8 row blocks of 128 rows.
+// The row-block group of the logp-only and entropy variants: 8 row blocks
+// of 128 rows.
 inline constexpr int kDefaultRowGroup = 8;
+// The top-k variants': 32 row blocks, so that from N = 2048 on 4-8 of a
+// row's splits run side by side instead of 16.5. Measured on the H200
+// (docs/perf.md, session 10): top-20 over logp-only 24.3 -> 22.1 % at
+// N = 2048, 24.2 -> 19.9 % at 4096, 25.9 -> 23.2 % at 8192, equal at 1024.
+inline constexpr int kDefaultTopKRowGroup = 32;
 
 struct RowBlockAndSplit {
   int row_block;

@@ -126,7 +126,10 @@ namespace {
 
 // The launch's row-block group (kernels/item_order.h).
 int32_t RowGroup(const LinearLogpCuda::Options& options, bool top_k) {
-  if (top_k && options.top_k_row_group > 0) return options.top_k_row_group;
+  if (top_k) {
+    return options.top_k_row_group > 0 ? options.top_k_row_group
+                                       : kDefaultTopKRowGroup;
+  }
   return options.row_group > 0 ? options.row_group : kDefaultRowGroup;
 }
 

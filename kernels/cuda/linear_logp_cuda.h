@@ -125,7 +125,8 @@ class LinearLogpCuda {
     int32_t end_split = 0;
     // The Hopper kernel's item order (kernels/item_order.h): row blocks
     // whose items run together, for launches without top-k and with it;
-    // 0: kDefaultRowGroup. A tuning knob: it never changes bits.
+    // 0: kDefaultRowGroup / kDefaultTopKRowGroup. A tuning knob: it never
+    // changes bits.
     int32_t row_group = 0;
     int32_t top_k_row_group = 0;
   };

@@ -61,18 +61,18 @@ Launch LaunchOf(bool entropy) {
                 T::kBlockM};
 }
 
-// A narrow tiling where the GPU has its shared memory, else the fallback.
+// The deep tiling where the GPU has its shared memory, else the shallow one.
 template <class Deep, class Shallow, bool kTopK = false>
-Launch NarrowLaunch(bool entropy, int smem_optin_bytes) {
+Launch DeepOrShallowLaunch(bool entropy, int smem_optin_bytes) {
   return smem_optin_bytes >= Deep::kSmemBytes
              ? LaunchOf<Deep, kTopK>(entropy)
              : LaunchOf<Shallow, kTopK>(entropy);
 }
 
-// The tilings of one N range: the fallback always, the deep one where it
+// The tilings of one N range: the shallow one always, the deep one where it
 // fits.
 template <class Deep, class Shallow, bool kTopK = false>
-cudaError_t ConfigureNarrow(int smem_optin_bytes) {
+cudaError_t ConfigureDeepOrShallow(int smem_optin_bytes) {
   if (cudaError_t e = ConfigureTiling<Shallow, kTopK>(); e != cudaSuccess) {
     return e;
   }
@@ -80,33 +80,35 @@ cudaError_t ConfigureNarrow(int smem_optin_bytes) {
   return ConfigureTiling<Deep, kTopK>();
 }
 
-// The tiling for a batch: top-k has its own; N <= 64 streams the weight
-// through a deep ring where the GPU has its shared memory.
+// The tiling for a batch: top-k has its own; N <= 128 streams the weight
+// through a deep ring and N > 256 takes 256-row blocks where the GPU has
+// the shared memory.
 Launch PickLaunch(const KernelParams& p, int smem_optin_bytes) {
   const bool entropy = p.split_mean_z != nullptr;
   if (p.top_k > 0) {
     if (p.rows <= TopKNarrowTiling::kBlockM) {
-      return NarrowLaunch<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
+      return DeepOrShallowLaunch<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
           entropy, smem_optin_bytes);
     }
     return LaunchOf<TopKTiling, true>(entropy);
   }
   if (p.rows <= Narrow16Tiling::kBlockM) {
-    return NarrowLaunch<Narrow16Tiling, Narrow16ShallowTiling>(
+    return DeepOrShallowLaunch<Narrow16Tiling, Narrow16ShallowTiling>(
         entropy, smem_optin_bytes);
   }
   if (p.rows <= Narrow32Tiling::kBlockM) {
-    return NarrowLaunch<Narrow32Tiling, Narrow32ShallowTiling>(
+    return DeepOrShallowLaunch<Narrow32Tiling, Narrow32ShallowTiling>(
         entropy, smem_optin_bytes);
   }
   if (p.rows <= Narrow64Tiling::kBlockM) {
-    return NarrowLaunch<Narrow64Tiling, Narrow64ShallowTiling>(
+    return DeepOrShallowLaunch<Narrow64Tiling, Narrow64ShallowTiling>(
         entropy, smem_optin_bytes);
   }
   if (p.rows <= Narrow128Tiling::kBlockM) {
-    return NarrowLaunch<Narrow128Tiling, WideTiling>(entropy, smem_optin_bytes);
+    return DeepOrShallowLaunch<Narrow128Tiling, WideTiling>(entropy, smem_optin_bytes);
   }
-  return LaunchOf<WideTiling, false>(entropy);
+  if (p.rows <= 2 * WideTiling::kBlockM) return LaunchOf<WideTiling, false>(entropy);
+  return DeepOrShallowLaunch<Wide256Tiling, WideTiling>(entropy, smem_optin_bytes);
 }
 
 }  // namespace
@@ -131,7 +133,12 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
   split_code->binary_version = attrs.binaryVersion;
   split_code->ptx_version = attrs.ptxVersion;
   if (cudaError_t e =
-          ConfigureNarrow<Narrow128Tiling, WideTiling>(smem_optin_bytes);
+          ConfigureDeepOrShallow<Narrow128Tiling, WideTiling>(smem_optin_bytes);
+      e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e =
+          ConfigureDeepOrShallow<Wide256Tiling, WideTiling>(smem_optin_bytes);
       e != cudaSuccess) {
     return e;
   }
@@ -139,24 +146,24 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
     return e;
   }
   if (cudaError_t e =
-          ConfigureNarrow<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
+          ConfigureDeepOrShallow<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
               smem_optin_bytes);
       e != cudaSuccess) {
     return e;
   }
   if (cudaError_t e =
-          ConfigureNarrow<Narrow16Tiling, Narrow16ShallowTiling>(
+          ConfigureDeepOrShallow<Narrow16Tiling, Narrow16ShallowTiling>(
               smem_optin_bytes);
       e != cudaSuccess) {
     return e;
   }
   if (cudaError_t e =
-          ConfigureNarrow<Narrow32Tiling, Narrow32ShallowTiling>(
+          ConfigureDeepOrShallow<Narrow32Tiling, Narrow32ShallowTiling>(
               smem_optin_bytes);
       e != cudaSuccess) {
     return e;
   }
-  return ConfigureNarrow<Narrow64Tiling, Narrow64ShallowTiling>(
+  return ConfigureDeepOrShallow<Narrow64Tiling, Narrow64ShallowTiling>(
       smem_optin_bytes);
 }
 

@@ -50,12 +50,15 @@
 //     128 kTilesPerStep x kBlockK) bf16 tiles, one __syncthreads per K step;
 //     the (tile group, k-block) steps of an item form one stream, so the
 //     ring runs across tiles; a step's tiles are folded one after the other
-//     in column order once their last k-block is in. Shared rows of 128 bytes, 16-byte chunks XOR-swizzled by
-//     row % 8 so that ldmatrix and cp.async hit distinct banks.
+//     in column order once their last k-block is in. Shared rows of 128
+//     bytes, 16-byte chunks XOR-swizzled by row % 8 so that ldmatrix and
+//     cp.async hit distinct banks.
 //   * Tilings (Tiling below; EnqueueSplitKernel picks one by N, extras and
 //     the GPU's shared memory): wide (N > 128), 128 rows as 4 warps x 32
 //     rows, 3 stages (96 KiB), two CTAs per SM where the shared memory
-//     allows; narrow (N <= 16, 32, 64, 128), warps splitting each tile's
+//     allows; from N > 256 where a block may have 208 KiB, 256 rows as 8
+//     warps of 64 rows x 64 columns (two warps chain a tile's fold), 4
+//     stages, the rows' states in shared memory; narrow (N <= 16, 32, 64, 128), warps splitting each tile's
 //     columns and K steps of up to three tiles, because a small batch's 132
 //     CTAs are one per SM and one warp per 128 columns cannot hide the mma
 //     and ldmatrix latencies; top-k, 128 rows, 2 stages and the lists (96
@@ -89,7 +92,8 @@ using epilogue::TopKLists;
 
 // A CTA's shape and schedule. None of it enters a row's arithmetic.
 template <int kBlockM_, int kWarpMFrags_, int kColumnParts_, int kTilesPerStep_,
-          int kStages_, int kMinBlocksPerSm_, bool kListsInSmem_>
+          int kStages_, int kMinBlocksPerSm_, bool kListsInSmem_,
+          bool kRowsInSmem_ = false>
 struct Tiling {
   static constexpr int kBlockM = kBlockM_;          // rows per item
   static constexpr int kWarpMFrags = kWarpMFrags_;  // m16 fragments per warp
@@ -121,7 +125,15 @@ struct Tiling {
       kColumnParts > 1
           ? kRowGroups * (kXchgMaxFloats + kXchgSumFloats) * 4
           : 0;
-  static constexpr int kSmemBytes = kRingBytes + kListBytes + kXchgBytes;
+  // kRowsInSmem: each row's fold inputs (1 / T, target) and online state
+  // wait in shared memory between folds, so that the main loop's registers
+  // hold the accumulators (a warp of 64 x 64 holds 8 rows per thread).
+  static constexpr bool kRowsInSmem = kRowsInSmem_;
+  static constexpr int kRowsOffset = kRingBytes + kListBytes + kXchgBytes;
+  static constexpr int kRowsBytes =
+      kRowsInSmem ? kBlockM * static_cast<int>(sizeof(RowState) + 8) : 0;
+  static constexpr int kSmemBytes = kRowsOffset + kRowsBytes;
+  static_assert(kRowsOffset % 16 == 0, "RowState alignment");
   static_assert(kBlockM % kWarpRows == 0, "whole warps");
   static_assert(kColumnParts == 1 || !kListsInSmem_,
                 "chained folds have no top-k");
@@ -131,9 +143,17 @@ struct Tiling {
   static_assert((kStepCols * kChunksPerRow) % kThreads == 0, "B copy split");
 };
 
-// N > 128 (and N <= 128 without Narrow128Tiling's shared memory): 4 warps
-// of 32 rows; two CTAs per SM where shared memory allows.
+// N = 129-256, N > 256 without Wide256Tiling's shared memory, and N <= 128
+// without Narrow128Tiling's: 4 warps of 32 rows; two CTAs per SM where
+// shared memory allows.
 using WideTiling = Tiling<128, 2, 1, 1, 3, 2, false>;
+// N > 256 where the GPU has the shared memory (208 KiB: H100/H200): 256
+// rows as 4 row groups of 64 x 2 column parts of 64 (8 warps of 64 x 64:
+// a fifth fewer ldmatrix per mma than 32 x 128, and half the weight copies
+// per row of WideTiling's 128-row blocks), 4 stages, one CTA per SM, the
+// rows' state in shared memory (8 rows per thread would spill). 3-8 % over
+// WideTiling at N = 2048-8192 on the H200 (docs/perf.md).
+using Wide256Tiling = Tiling<256, 4, 2, 1, 4, 1, false, true>;
 // N <= 64: the weight stream is the cost, and one CTA per split means one
 // per SM, so the warps of a row group split the tile's columns between them
 // (measured on the H200, docs/perf.md): N <= 16, 16 rows x 4 parts of 32
@@ -489,6 +509,42 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
       state[i] = RowState{-INFINITY, 0.0f, 0.0f, -INFINITY};
     }
   }
+  // kRowsInSmem: the rows' values live in shared memory between folds; each
+  // fold reloads them whole, so the registers above are dead in the main
+  // loop. Only the part that owns the sums writes states back (the others
+  // hold the same maxima).
+  RowState* smem_state = reinterpret_cast<RowState*>(smem + T::kRowsOffset);
+  float* smem_inv_t = reinterpret_cast<float*>(smem_state + T::kBlockM);
+  int* smem_target = reinterpret_cast<int*>(smem_inv_t + T::kBlockM);
+  const auto block_row = [&](int i) {
+    return group * T::kWarpRows + 16 * (i / 2) + (lane >> 2) + 8 * (i % 2);
+  };
+  const auto store_rows = [&](bool inputs_too) {
+    if constexpr (T::kRowsInSmem) {
+      if ((lane & 3) != 0 || part != T::kColumnParts - 1) return;
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        smem_state[block_row(i)] = state[i];
+        if (inputs_too) {
+          smem_inv_t[block_row(i)] = inv_t[i];
+          smem_target[block_row(i)] = target[i];
+        }
+      }
+    }
+  };
+  const auto load_rows = [&] {
+    if constexpr (T::kRowsInSmem) {
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        row[i] = row0 + block_row(i);
+        state[i] = smem_state[block_row(i)];
+        inv_t[i] = smem_inv_t[block_row(i)];
+        target[i] = smem_target[block_row(i)];
+      }
+    }
+  };
+  store_rows(true);
+  if constexpr (T::kRowsInSmem) __syncthreads();  // other parts read them
   const epilogue::EpilogueParams ep{
       p.bias, p.logprobs, {p.top_screen, p.top_k, p.id_offset, p.rows}};
 
@@ -519,6 +575,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
     const int tile_group = step / p.k_blocks;
     if (step - tile_group * p.k_blocks == p.k_blocks - 1) {
       if (active) {
+        load_rows();
 #pragma unroll
         for (int ts = 0; ts < T::kTilesPerStep; ++ts) {
           const int tile = tile_group * T::kTilesPerStep + ts;
@@ -538,6 +595,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
             }
           }
         }
+        store_rows(false);
       }
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
@@ -547,6 +605,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
 
   // The last column part holds the states' sums.
   if (!active || part != T::kColumnParts - 1) return;
+  load_rows();
   if ((lane & 3) == 0) {
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
