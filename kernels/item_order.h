@@ -1,6 +1,7 @@
-// The order in which the Hopper kernel's persistent CTAs take their items,
-// an item being one (row block, split): row blocks `group` at a time, the
-// row block fastest inside a group. CTAs running at once then read the same
+// The order in which the Hopper kernel's persistent CTAs take their items
+// (and the portable kernel's CTAs run them, one per item), an item being
+// one (row block, split): row blocks `group` at a time, the row block
+// fastest inside a group. CTAs running at once then read the same
 // splits' weights (shared in L2), and a row has about
 // ctas / min(group, row blocks) of its splits side by side; the top-k
 // variant's splits cut each other's insertions through shared screens, so
@@ -15,7 +16,10 @@
 namespace detlogp::kernels {
 
 // The row-block group of the logp-only and entropy variants: 8 row blocks
-// of 128 rows.
+// (of 128 rows in the Hopper kernel, 256 in the portable one's large
+// tiling, where a group's hidden rows, 16 MiB at H = 4096, stay in L2 while
+// its splits go by: N = 8192 276 -> 293 TFLOP/s on the H200 against taking
+// every row block of a split together, docs/perf.md).
 inline constexpr int kDefaultRowGroup = 8;
 // The top-k variants': 32 row blocks, so that from N = 2048 on 4-8 of a
 // row's splits run side by side instead of 16.5. Measured on the H200

@@ -611,6 +611,7 @@ absl::Status LinearLogpCuda::LaunchPortableSplits(
   p.rows = static_cast<int32_t>(batch.rows);
   p.k_blocks = static_cast<int32_t>(w.hidden_size / kp::kBlockK);
   p.num_splits = SplitTable(batch.rows, p.split_begin);
+  p.row_group = RowGroup(options_, batch.top_k > 0);
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
   if (absl::Status s = ClearTopKScreen(batch, partials, stream); !s.ok()) {

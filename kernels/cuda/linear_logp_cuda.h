@@ -123,7 +123,7 @@ class LinearLogpCuda {
     // ascending split order (LaunchCombine) gives the unsharded bits.
     int32_t first_split = 0;
     int32_t end_split = 0;
-    // The Hopper kernel's item order (kernels/item_order.h): row blocks
+    // The item order of both kernels (kernels/item_order.h): row blocks
     // whose items run together, for launches without top-k and with it;
     // 0: kDefaultRowGroup / kDefaultTopKRowGroup. A tuning knob: it never
     // changes bits.

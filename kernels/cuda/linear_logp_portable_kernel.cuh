@@ -84,10 +84,13 @@
 
 #include "kernels/cuda/linear_logp_epilogue.cuh"
 #include "kernels/cuda/linear_logp_portable_params.cuh"
+#include "kernels/item_order.h"
 
 namespace detlogp::kernels::cuda::portable_v1 {
 
 using epilogue::RowState;
+using kernels::DecodeItem;
+using kernels::RowBlockAndSplit;
 using epilogue::TopKLists;
 
 // A CTA's shape and schedule. None of it enters a row's arithmetic.
@@ -456,8 +459,10 @@ __device__ __forceinline__ void FoldTileChained(
   }
 }
 
-// One CTA per item: blockIdx.x = split * num_row_blocks + row_block (the
-// row blocks of a split run together and share its weight rows in L2).
+// One CTA per item, in the item order of kernels/item_order.h: row blocks
+// row_group at a time, the row block fastest (the row blocks of a group run
+// together and share a split's weight rows in L2; a group's hidden rows
+// stay in L2 while its splits go by).
 template <class T, bool kEntropy, bool kTopK>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
     LinearLogpPortableSplitKernel(const __grid_constant__ KernelParams p) {
@@ -467,9 +472,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
   constexpr int kAcc = kTileAcc * T::kTilesPerStep;
   constexpr int kRows = 2 * T::kWarpMFrags;          // rows a thread holds
   extern __shared__ __align__(128) uint8_t smem[];
-  const int item = blockIdx.x;
-  const int split = item / p.num_row_blocks;
-  const int row_block = item - split * p.num_row_blocks;
+  const RowBlockAndSplit item = DecodeItem(
+      static_cast<int>(blockIdx.x), p.num_row_blocks, p.num_splits, p.row_group);
+  const int split = item.split;
+  const int row_block = item.row_block;
   const int begin = p.split_begin[split];
   const int end = p.split_begin[split + 1];
   const int tiles = (end - begin + kBlockN - 1) / kBlockN;

@@ -51,6 +51,7 @@ struct KernelParams {
   int32_t k_blocks;              // H / kBlockK
   int32_t num_splits;
   int32_t num_row_blocks;        // set by EnqueueSplitKernel (its tiling)
+  int32_t row_group;             // row blocks taken together (item_order.h)
   int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
 };
 

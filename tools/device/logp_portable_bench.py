@@ -41,16 +41,19 @@ def main():
     ap = bench_arguments()
     ap.add_argument("--rlkernel", default=None,
                     help="staged RL-Kernel sources (tools/device/stage_rlkernel.sh)")
+    ap.add_argument("--portable-row-group", type=int, default=0,
+                    help="the portable kernel's item order (LinearLogpCuda::"
+                         "Options::row_group; 0: the default; never changes bits)")
     args = ap.parse_args()
     rlkernel = None
     if args.rlkernel:
         from rlkernel_baseline import load as load_rlkernel
         rlkernel = load_rlkernel(args.rlkernel)
     lib = ctypes.CDLL(args.lib)
-    lib.logp_create.restype = ctypes.c_void_p
-    lib.logp_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
-                                ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
-                                ctypes.c_int]
+    lib.logp_create_tuned.restype = ctypes.c_void_p
+    lib.logp_create_tuned.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                                      ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.logp_workspace_bytes.restype = ctypes.c_ulonglong
     lib.logp_workspace_bytes.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
     lib.logp_launch.restype = ctypes.c_int
@@ -63,7 +66,9 @@ def main():
     bias = torch.randn(Vp, device=dev) * 0.1
     handles = {}
     for name, mode in KERNELS:
-        handles[name] = lib.logp_create(W.data_ptr(), bias.data_ptr(), H, V, Vp, mode, 0)
+        group = args.portable_row_group if name == "portable" else 0
+        handles[name] = lib.logp_create_tuned(W.data_ptr(), bias.data_ptr(), H, V, Vp,
+                                              mode, 0, group, group)
         if not handles[name]:
             sys.exit(f"logp_create failed for the {name} kernel")
     dst = torch.empty(V, H, device=dev, dtype=torch.bfloat16)
