@@ -70,6 +70,7 @@ std::string ProjectionDeterminismKey(const ProjectionWeights& weights) {
 // its scheduler.
 absl::Status StartProjection(const Server::Options& options,
                              const ProjectionWeights* weights,
+                             ServerMetrics* metrics,
                              std::unique_ptr<ProjectionBackend>* backend,
                              std::unique_ptr<ProjectionScheduler>* scheduler) {
   ProjectionBackendRegistry registry;
@@ -86,6 +87,10 @@ absl::Status StartProjection(const Server::Options& options,
   scheduler_options.num_threads =
       options.projection_threads > 0 ? options.projection_threads
                                      : (*backend)->description().preferred_inflight_batches;
+  scheduler_options.on_launch = [metrics](const ProjectionScheduler::LaunchTimings& t) {
+    metrics->ObserveProjectionLaunch(t.rows, t.queue_delay_seconds, t.run_seconds,
+                                     t.copy_out_seconds);
+  };
   auto made = ProjectionScheduler::Create(scheduler_options, backend->get());
   if (!made.ok()) return made.status();
   *scheduler = *std::move(made);
@@ -299,7 +304,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   server->projection_weights_ =
       std::make_unique<ProjectionWeights>(std::move(projection_weights));
   if (absl::Status s = StartProjection(options,
-                                       server->projection_weights_.get(),
+                                       server->projection_weights_.get(), metrics,
                                        &server->projection_backend_,
                                        &server->projection_scheduler_);
       !s.ok()) {
@@ -314,6 +319,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       ProjectionDeterminismKey(*server->projection_weights_);
   projection_options.on_call_done = service_options.on_call_done;
   projection_options.authenticator = server->authenticator_.get();
+  projection_options.on_stream_timings =
+      [metrics](const ProjectionServiceImpl::StreamTimings& t) {
+        metrics->ObserveProjectionStream(t.chunks, t.write_seconds,
+                                         t.waited_for_compute_seconds);
+      };
   server->projection_service_ = std::make_unique<ProjectionServiceImpl>(
       projection_options, server->projection_scheduler_.get());
   spdlog::info("projection: {} on {} (kernel {}, key {})",

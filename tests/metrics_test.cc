@@ -22,6 +22,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/logp_client.h"
 #include "client/random_rows.h"
 #include "server/observability/metrics.h"
@@ -54,6 +56,14 @@ const std::map<std::string, std::string>& ExpectedTypes() {
       {"detlogp_model_latest_version", "gauge"},
       {"detlogp_model_ready_versions", "gauge"},
       {"detlogp_model_memory_bytes", "gauge"},
+      {"detlogp_projection_streams_total", "counter"},
+      {"detlogp_projection_chunks_total", "counter"},
+      {"detlogp_projection_write_seconds_total", "counter"},
+      {"detlogp_projection_compute_wait_seconds_total", "counter"},
+      {"detlogp_projection_launch_rows", "histogram"},
+      {"detlogp_projection_queue_delay_seconds", "histogram"},
+      {"detlogp_projection_run_seconds", "histogram"},
+      {"detlogp_projection_copy_out_seconds", "histogram"},
   };
   return *types;
 }
@@ -133,6 +143,10 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
   metrics.ObserveBatch(2, 1, 0.0003, 0.00001, 0.002);
   metrics.ObserveBatch(64, 8, 0.00008, 0.0000001, 0.7);
   metrics.ObserveBatch(100000, 5000, 3, 1, 10);
+  metrics.ObserveProjectionStream(713, 2.5, 0.25);
+  metrics.ObserveProjectionStream(1, 0.5, 0);
+  metrics.ObserveProjectionLaunch(2048, 0.001, 0.004, 0.006);
+  metrics.ObserveProjectionLaunch(17, 0.00002, 0.0001, 0.00003);
   MetricsSnapshot snapshot;
   snapshot.rows_computed = 123456789;
   snapshot.rows_failed = 1;
@@ -179,6 +193,15 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
       {"detlogp_model_ready_versions{model=\"policy\"}", 2},
       {"detlogp_model_ready_versions{model=\"reference\"}", 1},
       {"detlogp_model_memory_bytes", 1240000000},
+      {"detlogp_projection_streams_total", 2},
+      {"detlogp_projection_chunks_total", 714},
+      {"detlogp_projection_write_seconds_total", 3},
+      {"detlogp_projection_compute_wait_seconds_total", 0.25},
+      {"detlogp_projection_launch_rows_count", 2},
+      {"detlogp_projection_launch_rows_sum", 2065},
+      {"detlogp_projection_queue_delay_seconds_count", 2},
+      {"detlogp_projection_run_seconds_count", 2},
+      {"detlogp_projection_copy_out_seconds_count", 2},
   };
   for (const auto& [series, value] : expected) {
     auto it = parsed.samples.find(series);
@@ -220,7 +243,13 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
         Histogram{"detlogp_batch_requests", ExpectedBounds(1, 12), {1, 8, 5000}},
         Histogram{"detlogp_queue_delay_seconds", ExpectedBounds(1e-5, 18), {0.0003, 0.00008, 3}},
         Histogram{"detlogp_gather_seconds", ExpectedBounds(1e-6, 18), {0.00001, 0.0000001, 1}},
-        Histogram{"detlogp_compute_seconds", ExpectedBounds(1e-5, 18), {0.002, 0.7, 10}}}) {
+        Histogram{"detlogp_compute_seconds", ExpectedBounds(1e-5, 18), {0.002, 0.7, 10}},
+        Histogram{"detlogp_projection_launch_rows", ExpectedBounds(1, 13), {2048, 17}},
+        Histogram{"detlogp_projection_queue_delay_seconds", ExpectedBounds(1e-5, 18),
+                  {0.001, 0.00002}},
+        Histogram{"detlogp_projection_run_seconds", ExpectedBounds(1e-5, 18), {0.004, 0.0001}},
+        Histogram{"detlogp_projection_copy_out_seconds", ExpectedBounds(1e-5, 18),
+                  {0.006, 0.00003}}}) {
     const auto buckets = Buckets(text, histogram.name);
     ASSERT_EQ(buckets.size(), histogram.bounds.size()) << histogram.name;
     for (size_t i = 0; i < buckets.size(); ++i) {
@@ -275,11 +304,55 @@ TEST(MetricsEndpointTest, ServedOnIpv6LoopbackHost) {
   EXPECT_EQ(parsed.samples.at("detlogp_queue_rows"), 0);
   EXPECT_GT(parsed.samples.at("detlogp_model_memory_bytes"), 0);
 
+  // No projection yet: the projection families are listed, with zeros.
+  EXPECT_EQ(parsed.samples.at("detlogp_projection_streams_total"), 0);
+  EXPECT_EQ(parsed.samples.at("detlogp_projection_launch_rows_count"), 0);
+
   auto missing = (*server)->HttpGet("/nope", "::1");
   ASSERT_TRUE(missing.ok());
   EXPECT_TRUE(absl::StartsWith(*missing, "HTTP/1.1 404")) << *missing;
   // Bound to --host only.
   EXPECT_FALSE((*server)->HttpGet("/metrics", "127.0.0.1").ok());
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
+}
+
+// Where projection streams wait, as an operator reads it: one projection of
+// 300 rows in chunks of 64 is one stream, 5 chunks, launches covering the
+// 300 rows, and the stream's time split into writing and waiting.
+TEST(MetricsEndpointTest, ProjectionStreamsAndLaunchesAreCounted) {
+  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2", "--metrics_port=0",
+                                      "--synthetic_hidden_size=64",
+                                      "--synthetic_vocab_size=1000"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  client::LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = client::LogpClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const int64_t rows = 300;
+  const std::vector<float> x(rows * 96, 0.5f);
+  client::LogpClient::ProjectOptions project;
+  project.rows_per_chunk = 64;
+  auto result = (*client)->ProjectChunks(x, rows, project);
+  ASSERT_TRUE(result.ok()) << result.status();
+
+  // The stream's timings are reported when its reactor is done, just after
+  // the client has read the status: poll briefly.
+  Exposition parsed;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    auto text = (*server)->HttpGet("/metrics", "127.0.0.1");
+    ASSERT_TRUE(text.ok()) << text.status();
+    parsed = Parse(text->substr(text->find("\r\n\r\n") + 4));
+    if (parsed.samples["detlogp_projection_streams_total"] == 1) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(parsed.samples["detlogp_projection_streams_total"], 1);
+  EXPECT_EQ(parsed.samples["detlogp_projection_chunks_total"], 5);
+  EXPECT_EQ(parsed.samples["detlogp_projection_launch_rows_sum"], rows);
+  EXPECT_GE(parsed.samples["detlogp_projection_launch_rows_count"], 1);
+  EXPECT_LE(parsed.samples["detlogp_projection_launch_rows_count"], 5);
+  EXPECT_GT(parsed.samples["detlogp_projection_run_seconds_sum"], 0);
+  EXPECT_GT(parsed.samples["detlogp_projection_write_seconds_total"], 0);
+  EXPECT_GE(parsed.samples["detlogp_projection_compute_wait_seconds_total"], 0);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 

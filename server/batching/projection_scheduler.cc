@@ -45,7 +45,7 @@ absl::Status ProjectionScheduler::Schedule(Chunk chunk) {
   }
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("server is shutting down");
-  queue_.push_back(std::move(chunk));
+  queue_.push_back({std::move(chunk), absl::Now()});
   return absl::OkStatus();
 }
 
@@ -63,17 +63,20 @@ void ProjectionScheduler::Loop(ProjectionExecutor* executor) {
   while (true) {
     std::vector<Chunk> launch;
     int64_t rows = 0;
+    absl::Time oldest;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(this, &ProjectionScheduler::HasWorkOrStopping));
       if (queue_.empty()) return;  // stopping
+      oldest = queue_.front().scheduled;
       while (!queue_.empty() &&
-             rows + queue_.front().rows <= options_.max_launch_rows) {
-        rows += queue_.front().rows;
-        launch.push_back(std::move(queue_.front()));
+             rows + queue_.front().chunk.rows <= options_.max_launch_rows) {
+        rows += queue_.front().chunk.rows;
+        launch.push_back(std::move(queue_.front().chunk));
         queue_.pop_front();
       }
     }
+    const absl::Time taken = absl::Now();
     int64_t offset = 0;
     for (const Chunk& chunk : launch) {
       std::memcpy(staging.x + offset * kProjectionInDim, chunk.x,
@@ -81,14 +84,23 @@ void ProjectionScheduler::Loop(ProjectionExecutor* executor) {
       offset += chunk.rows;
     }
     const absl::Status status = executor->Run(rows);
+    const absl::Time ran = absl::Now();
+    absl::Duration copy_out;
     offset = 0;
     for (Chunk& chunk : launch) {
       if (status.ok()) {
+        const absl::Time start = absl::Now();
         std::memcpy(chunk.y, staging.y + offset * kProjectionOutDim,
                     chunk.rows * kProjectionOutDim * sizeof(float));
+        copy_out += absl::Now() - start;
       }
       offset += chunk.rows;
       chunk.done(status);
+    }
+    if (options_.on_launch) {
+      options_.on_launch({rows, absl::ToDoubleSeconds(taken - oldest),
+                          absl::ToDoubleSeconds(ran - taken),
+                          absl::ToDoubleSeconds(copy_out)});
     }
   }
 }

@@ -6,6 +6,7 @@
 #define DETLOGP_SERVER_BATCHING_PROJECTION_SCHEDULER_H_
 
 #include <deque>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -14,15 +15,26 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/backends/projection_backend.h"
 
 namespace detlogp::server {
 
 class ProjectionScheduler {
  public:
+  // Where one launch's time went (on_launch; the server's metrics).
+  struct LaunchTimings {
+    int64_t rows = 0;
+    double queue_delay_seconds = 0;  // its oldest chunk, scheduled to taken
+    double run_seconds = 0;          // copying X in and the backend's Run
+    double copy_out_seconds = 0;     // Y from staging into the chunks
+  };
+
   struct Options {
     int64_t max_launch_rows = 2048;  // rows per backend launch
     int num_threads = 1;             // launches in flight
+    // Called on the launching thread after each launch's chunks are done.
+    std::function<void(const LaunchTimings&)> on_launch;
   };
 
   // Rows [0, rows) of x ([rows, 96]) projected into y ([rows, 5376]); both
@@ -57,11 +69,16 @@ class ProjectionScheduler {
     return stopping_ || !queue_.empty();
   }
 
+  struct Queued {
+    Chunk chunk;
+    absl::Time scheduled;
+  };
+
   const Options options_;
   std::vector<std::unique_ptr<ProjectionExecutor>> executors_;
   std::vector<std::thread> threads_;
   absl::Mutex mu_;
-  std::deque<Chunk> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 

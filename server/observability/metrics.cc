@@ -20,6 +20,13 @@ constexpr char kRequestsHelp[] = "Calls finished, by method and gRPC code.";
 constexpr char kRowsHelp[] =
     "Rows by outcome; expired and cancelled rows were never computed.";
 constexpr char kModelRowsHelp[] = "Rows answered, by model.";
+constexpr char kProjectionStreamsHelp[] = "Projection streams finished.";
+constexpr char kProjectionChunksHelp[] = "Projection chunks written.";
+constexpr char kProjectionWriteHelp[] =
+    "Projection stream time with a write in flight, summed over streams.";
+constexpr char kProjectionComputeWaitHelp[] =
+    "Projection stream time with nothing to write because the next chunk was "
+    "not computed yet, summed over streams.";
 
 MetricFamily EmptyFamily(std::string name, std::string help, MetricType type) {
   MetricFamily family;
@@ -129,7 +136,54 @@ ServerMetrics::ServerMetrics()
       queue_delay_seconds_histogram_(
           queue_delay_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
       gather_seconds_histogram_(gather_seconds_.Add({}, PowersOfTwoBounds(1e-6, 18))),
-      compute_seconds_histogram_(compute_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))) {}
+      compute_seconds_histogram_(compute_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
+      projection_streams_(prometheus::BuildCounter()
+                              .Name("detlogp_projection_streams_total")
+                              .Help(kProjectionStreamsHelp)
+                              .Register(*registry_)),
+      projection_chunks_(prometheus::BuildCounter()
+                             .Name("detlogp_projection_chunks_total")
+                             .Help(kProjectionChunksHelp)
+                             .Register(*registry_)),
+      projection_write_seconds_(prometheus::BuildCounter()
+                                    .Name("detlogp_projection_write_seconds_total")
+                                    .Help(kProjectionWriteHelp)
+                                    .Register(*registry_)),
+      projection_compute_wait_seconds_(
+          prometheus::BuildCounter()
+              .Name("detlogp_projection_compute_wait_seconds_total")
+              .Help(kProjectionComputeWaitHelp)
+              .Register(*registry_)),
+      projection_launch_rows_(prometheus::BuildHistogram()
+                                  .Name("detlogp_projection_launch_rows")
+                                  .Help("Rows per projection launch.")
+                                  .Register(*registry_)),
+      projection_queue_delay_seconds_(
+          prometheus::BuildHistogram()
+              .Name("detlogp_projection_queue_delay_seconds")
+              .Help("Time the oldest chunk of a projection launch waited in the queue.")
+              .Register(*registry_)),
+      projection_run_seconds_(prometheus::BuildHistogram()
+                                  .Name("detlogp_projection_run_seconds")
+                                  .Help("Backend time per projection launch.")
+                                  .Register(*registry_)),
+      projection_copy_out_seconds_(
+          prometheus::BuildHistogram()
+              .Name("detlogp_projection_copy_out_seconds")
+              .Help("Time copying a projection launch's output into its chunks.")
+              .Register(*registry_)),
+      projection_streams_counter_(projection_streams_.Add({})),
+      projection_chunks_counter_(projection_chunks_.Add({})),
+      projection_write_seconds_counter_(projection_write_seconds_.Add({})),
+      projection_compute_wait_seconds_counter_(projection_compute_wait_seconds_.Add({})),
+      projection_launch_rows_histogram_(
+          projection_launch_rows_.Add({}, PowersOfTwoBounds(1, 13))),
+      projection_queue_delay_seconds_histogram_(
+          projection_queue_delay_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
+      projection_run_seconds_histogram_(
+          projection_run_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
+      projection_copy_out_seconds_histogram_(
+          projection_copy_out_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))) {}
 
 void ServerMetrics::CountRequest(absl::string_view method, int grpc_code) {
   requests_.Add({{"method", std::string(method)}, {"code", GrpcCodeName(grpc_code)}})
@@ -149,6 +203,23 @@ void ServerMetrics::ObserveBatch(int64_t rows, int64_t requests,
   queue_delay_seconds_histogram_.Observe(queue_delay_seconds);
   gather_seconds_histogram_.Observe(gather_seconds);
   compute_seconds_histogram_.Observe(compute_seconds);
+}
+
+void ServerMetrics::ObserveProjectionStream(int64_t chunks, double write_seconds,
+                                            double compute_wait_seconds) {
+  projection_streams_counter_.Increment();
+  projection_chunks_counter_.Increment(static_cast<double>(chunks));
+  projection_write_seconds_counter_.Increment(write_seconds);
+  projection_compute_wait_seconds_counter_.Increment(compute_wait_seconds);
+}
+
+void ServerMetrics::ObserveProjectionLaunch(int64_t rows, double queue_delay_seconds,
+                                            double run_seconds,
+                                            double copy_out_seconds) {
+  projection_launch_rows_histogram_.Observe(static_cast<double>(rows));
+  projection_queue_delay_seconds_histogram_.Observe(queue_delay_seconds);
+  projection_run_seconds_histogram_.Observe(run_seconds);
+  projection_copy_out_seconds_histogram_.Observe(copy_out_seconds);
 }
 
 std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot) const {
@@ -212,6 +283,19 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
   families.push_back(OneSampleFamily(
       "detlogp_model_memory_bytes", "Bytes held by model versions.", MetricType::Gauge,
       static_cast<double>(snapshot.model_memory_bytes)));
+
+  for (const auto& [family, help] :
+       {std::pair{&projection_streams_, kProjectionStreamsHelp},
+        {&projection_chunks_, kProjectionChunksHelp},
+        {&projection_write_seconds_, kProjectionWriteHelp},
+        {&projection_compute_wait_seconds_, kProjectionComputeWaitHelp}}) {
+    families.push_back(CollectFamily(*family, help, MetricType::Counter));
+  }
+  for (const prometheus::Family<prometheus::Histogram>* histogram :
+       {&projection_launch_rows_, &projection_queue_delay_seconds_,
+        &projection_run_seconds_, &projection_copy_out_seconds_}) {
+    families.push_back(CollectFamily(*histogram, "", MetricType::Histogram));
+  }
   return families;
 }
 

@@ -18,6 +18,17 @@
 //   detlogp_model_latest_version{model}      gauge: newest ready version
 //   detlogp_model_ready_versions{model}      gauge: versions answering requests
 //   detlogp_model_memory_bytes               gauge: bytes held by model versions
+//   detlogp_projection_streams_total         projection streams finished
+//   detlogp_projection_chunks_total          projection chunks written
+//   detlogp_projection_write_seconds_total   stream time with a write in flight
+//   detlogp_projection_compute_wait_seconds_total
+//                                            stream time with nothing to write:
+//                                            the next chunk not computed yet
+//   detlogp_projection_launch_rows           histogram of rows per launch
+//   detlogp_projection_queue_delay_seconds   histogram: oldest chunk's wait
+//   detlogp_projection_run_seconds           histogram: backend time per launch
+//   detlogp_projection_copy_out_seconds      histogram: copying a launch's Y
+//                                            into its chunks
 //
 // Names, types, label names and values and bucket bounds are those of the
 // hand-written registry this replaced; dashboards depend on them. Requests,
@@ -72,6 +83,13 @@ class ServerMetrics {
   void CountModelRows(absl::string_view model, int64_t rows);
   void ObserveBatch(int64_t rows, int64_t requests, double queue_delay_seconds,
                     double gather_seconds, double compute_seconds);
+  // Where a projection stream's time went, once per stream that got past
+  // validation; and one projection launch. Together they say whether a slow
+  // stream waited on the transport or on the GPU.
+  void ObserveProjectionStream(int64_t chunks, double write_seconds,
+                               double compute_wait_seconds);
+  void ObserveProjectionLaunch(int64_t rows, double queue_delay_seconds,
+                               double run_seconds, double copy_out_seconds);
 
   // Every family, in the order of the list above, with the counted values
   // and those of `snapshot`. A family without samples yet (no call
@@ -95,6 +113,22 @@ class ServerMetrics {
   prometheus::Histogram& queue_delay_seconds_histogram_;
   prometheus::Histogram& gather_seconds_histogram_;
   prometheus::Histogram& compute_seconds_histogram_;
+  prometheus::Family<prometheus::Counter>& projection_streams_;
+  prometheus::Family<prometheus::Counter>& projection_chunks_;
+  prometheus::Family<prometheus::Counter>& projection_write_seconds_;
+  prometheus::Family<prometheus::Counter>& projection_compute_wait_seconds_;
+  prometheus::Family<prometheus::Histogram>& projection_launch_rows_;
+  prometheus::Family<prometheus::Histogram>& projection_queue_delay_seconds_;
+  prometheus::Family<prometheus::Histogram>& projection_run_seconds_;
+  prometheus::Family<prometheus::Histogram>& projection_copy_out_seconds_;
+  prometheus::Counter& projection_streams_counter_;
+  prometheus::Counter& projection_chunks_counter_;
+  prometheus::Counter& projection_write_seconds_counter_;
+  prometheus::Counter& projection_compute_wait_seconds_counter_;
+  prometheus::Histogram& projection_launch_rows_histogram_;
+  prometheus::Histogram& projection_queue_delay_seconds_histogram_;
+  prometheus::Histogram& projection_run_seconds_histogram_;
+  prometheus::Histogram& projection_copy_out_seconds_histogram_;
 };
 
 // Canonical upper-case name of a gRPC status code ("OK", "INVALID_ARGUMENT").

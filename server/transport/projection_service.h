@@ -53,8 +53,8 @@ class ProjectionServiceImpl final
     // When set, every call must carry a known bearer token.
     const TokenAuthenticator* authenticator = nullptr;
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
-    // Test and benchmark hook: called once per stream that got past
-    // validation, when it is done.
+    // Called once per stream that got past validation, when it is done
+    // (the server's metrics; tests and the benchmark).
     std::function<void(const StreamTimings&)> on_stream_timings;
   };
 

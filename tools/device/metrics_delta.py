@@ -8,6 +8,11 @@ requests per batch, the mean queue delay, gather and compute (backend Run)
 per batch, and the batch cycle (SECONDS / batches). With one batch in flight,
 cycle - gather - compute is the time the device slot sat between batches
 (thread hand-over, answering calls).
+
+For projection streams: streams and chunks, the streams' time with a write
+in flight and with nothing to write (next chunk not computed), and per
+launch the rows, the oldest chunk's queue delay, the backend's run (copy in,
+H2D, kernel, D2H) and the copy of Y into the chunks.
 """
 import re
 import sys
@@ -17,7 +22,7 @@ def read(path):
     values = {}
     with open(path) as f:
         for line in f:
-            m = re.match(r"^(detlogp_\w+_(?:sum|count)) (\S+)$", line)
+            m = re.match(r"^(detlogp_\w+_(?:sum|count|total)) (\S+)$", line)
             if m:
                 values[m.group(1)] = float(m.group(2))
     return values
@@ -26,6 +31,7 @@ def read(path):
 def main():
     before, after, seconds = read(sys.argv[1]), read(sys.argv[2]), float(sys.argv[3])
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    projection(delta, seconds)
     batches = delta.get("detlogp_batch_rows_count", 0.0)
     if batches <= 0:
         print("no batches between the scrapes")
@@ -39,6 +45,29 @@ def main():
         f"  requests/batch {delta['detlogp_batch_requests_sum'] / batches:.2f}"
         f"  queue delay {mean_us('queue_delay'):.0f} us  gather {mean_us('gather'):.0f} us"
         f"  compute {mean_us('compute'):.0f} us  cycle {1e6 * seconds / batches:.0f} us"
+    )
+
+
+def projection(delta, seconds):
+    launches = delta.get("detlogp_projection_launch_rows_count", 0.0)
+    streams = delta.get("detlogp_projection_streams_total", 0.0)
+    if launches <= 0 and streams <= 0:
+        return
+
+    def mean_ms(name):
+        return 1e3 * delta.get(f"detlogp_projection_{name}_seconds_sum", 0.0) / max(launches, 1)
+
+    print(
+        f"projection: streams {streams:.0f}  chunks "
+        f"{delta.get('detlogp_projection_chunks_total', 0.0):.0f}  stream seconds writing "
+        f"{delta.get('detlogp_projection_write_seconds_total', 0.0):.3f}  waiting for a chunk "
+        f"{delta.get('detlogp_projection_compute_wait_seconds_total', 0.0):.3f}"
+    )
+    print(
+        f"projection: launches {launches:.0f}  rows/launch "
+        f"{delta.get('detlogp_projection_launch_rows_sum', 0.0) / max(launches, 1):.0f}"
+        f"  queue delay {mean_ms('queue_delay'):.2f} ms  run {mean_ms('run'):.2f} ms"
+        f"  copy out {mean_ms('copy_out'):.2f} ms  over {seconds:.2f} s"
     )
 
 

@@ -30,8 +30,21 @@ export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
 rows=${ROWS:-364608}
 four_chunk=${FOUR_CHUNK:-512}
 cli() { "$dir/detlogp_cli" project --target="$target" --project_rows="$rows" "$@"; }
+# Where the server's time went during one command (metrics_delta.py): the
+# streams' writing and waiting, and per launch queue, run and copy-out.
+scrape() { python3 -c "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$(sed -n 2p /tmp/p.port)/metrics').read().decode())"; }
+timed() {
+  scrape > /tmp/m_before.txt
+  local start=$EPOCHREALTIME
+  "$@"
+  local end=$EPOCHREALTIME
+  scrape > /tmp/m_after.txt
+  python3 tools/device/metrics_delta.py /tmp/m_before.txt /tmp/m_after.txt \
+    "$(python3 -c "print($end - $start)")" | grep "^projection"
+}
 rm -f /tmp/p.port
-"$dir/detlogp_server" --port=0 --port_file=/tmp/p.port --device=cuda:0 ${SERVER_ARGS:-} > /tmp/p.log 2>&1 &
+"$dir/detlogp_server" --port=0 --port_file=/tmp/p.port --metrics_port=0 --device=cuda:0 \
+  ${SERVER_ARGS:-} > /tmp/p.log 2>&1 &
 server=$!
 for _ in $(seq 1 900); do [[ -s /tmp/p.port ]] && break; sleep 0.2; done
 target=127.0.0.1:$(head -1 /tmp/p.port)
@@ -41,8 +54,8 @@ for chunk in ${CHUNKS:-256 512 1024 2048}; do
   for streams in 1 4; do
     echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing"
     for _ in $(seq 1 "${REPEATS:-1}"); do
-      cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
-        grep -E "^transfer|^client"
+      timed cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
+        grep -E "^transfer|^client|^projection"
     done
   done
 done
