@@ -58,11 +58,13 @@
 //     rows, 3 stages (96 KiB), two CTAs per SM where the shared memory
 //     allows; from N > 256 where a block may have 208 KiB, 256 rows as 8
 //     warps of 64 rows x 64 columns (two warps chain a tile's fold), 4
-//     stages, the rows' states in shared memory; narrow (N <= 16, 32, 64, 128), warps splitting each tile's
-//     columns and K steps of up to three tiles, because a small batch's 132
-//     CTAs are one per SM and one warp per 128 columns cannot hide the mma
-//     and ldmatrix latencies; top-k, 128 rows, 2 stages and the lists (96
-//     KiB), or for N <= 64 64 rows as 4 warps with 4 stages.
+//     stages, the rows' states in shared memory; narrow (N <= 16, 32, 64,
+//     128), warps splitting each tile's columns and K steps of up to three
+//     tiles, because a small batch's 132 CTAs are one per SM and one warp
+//     per 128 columns cannot hide the mma and ldmatrix latencies; top-k,
+//     128 rows, 2 stages and the lists (96 KiB), or for N <= 64 64 rows as
+//     4 warps with 4 stages. CTAs run their items in kernels/item_order.h's
+//     order (KernelParams::row_group).
 //     Tilings, rings and occupancy are schedule only: every logit is the
 //     same mma chain and every fold the same order, so they keep the
 //     version's bits (a row alone, in a narrow tiling, equals the row in a
@@ -89,9 +91,9 @@
 namespace detlogp::kernels::cuda::portable_v1 {
 
 using epilogue::RowState;
+using epilogue::TopKLists;
 using kernels::DecodeItem;
 using kernels::RowBlockAndSplit;
-using epilogue::TopKLists;
 
 // A CTA's shape and schedule. None of it enters a row's arithmetic.
 template <int kBlockM_, int kWarpMFrags_, int kColumnParts_, int kTilesPerStep_,
