@@ -106,5 +106,44 @@ TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// on_launch reports each launch once its chunks are done: its rows, how long
+// its oldest chunk waited, the backend's run and the copy out.
+TEST(ProjectionSchedulerTest, LaunchTimingsSayWhereTheTimeWent) {
+  FakeProjectionBackend backend;
+  absl::Mutex mu;
+  std::vector<ProjectionScheduler::LaunchTimings> timings;
+  ProjectionScheduler::Options options;
+  options.max_launch_rows = 64;
+  options.num_threads = 1;
+  options.on_launch = [&](const ProjectionScheduler::LaunchTimings& t) {
+    absl::MutexLock lock(&mu);
+    timings.push_back(t);
+  };
+  auto scheduler = *ProjectionScheduler::Create(options, &backend);
+  std::vector<float> x(8 * kProjectionInDim, 1.0f), y(8 * kProjectionOutDim);
+  for (int i = 0; i < 2; ++i) {
+    ProjectionScheduler::Chunk chunk;
+    chunk.x = x.data() + i * 4 * kProjectionInDim;
+    chunk.y = y.data() + i * 4 * kProjectionOutDim;
+    chunk.rows = 4;
+    chunk.done = [](absl::Status s) { EXPECT_TRUE(s.ok()); };
+    ASSERT_TRUE(scheduler->Schedule(std::move(chunk)).ok());
+    // The first launch runs (held) while the second chunk waits.
+    if (i == 0) absl::SleepFor(absl::Milliseconds(20));
+  }
+  absl::SleepFor(absl::Milliseconds(60));
+  backend.release_first.Notify();
+  scheduler->Stop();
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(timings.size(), 2u);
+  EXPECT_EQ(timings[0].rows, 4);
+  EXPECT_EQ(timings[1].rows, 4);
+  EXPECT_GE(timings[0].run_seconds, 0.07);           // held 20 + 60 ms
+  EXPECT_GE(timings[1].queue_delay_seconds, 0.05);   // behind the held launch
+  EXPECT_LT(timings[0].queue_delay_seconds, timings[1].queue_delay_seconds);
+  EXPECT_LT(timings[1].run_seconds, timings[0].run_seconds);
+  EXPECT_GE(timings[1].copy_out_seconds, 0.0);
+}
+
 }  // namespace
 }  // namespace detlogp::server

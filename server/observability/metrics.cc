@@ -83,6 +83,16 @@ void OrderLabels(const std::vector<std::string>& names, MetricFamily* family) {
             [](const ClientMetric& a, const ClientMetric& b) { return a.label < b.label; });
 }
 
+prometheus::Family<prometheus::Counter>& AddCounter(prometheus::Registry& registry,
+                                                    const char* name, const char* help) {
+  return prometheus::BuildCounter().Name(name).Help(help).Register(registry);
+}
+
+prometheus::Family<prometheus::Histogram>& AddHistogram(prometheus::Registry& registry,
+                                                        const char* name, const char* help) {
+  return prometheus::BuildHistogram().Name(name).Help(help).Register(registry);
+}
+
 }  // namespace
 
 const char* GrpcCodeName(int code) {
@@ -103,75 +113,42 @@ std::vector<double> PowersOfTwoBounds(double first, int count) {
 
 ServerMetrics::ServerMetrics()
     : registry_(std::make_shared<prometheus::Registry>()),
-      requests_(prometheus::BuildCounter()
-                    .Name("detlogp_requests_total")
-                    .Help(kRequestsHelp)
-                    .Register(*registry_)),
-      model_rows_(prometheus::BuildCounter()
-                      .Name("detlogp_model_rows_total")
-                      .Help(kModelRowsHelp)
-                      .Register(*registry_)),
-      batch_rows_(prometheus::BuildHistogram()
-                      .Name("detlogp_batch_rows")
-                      .Help("Rows per batch.")
-                      .Register(*registry_)),
-      batch_requests_(prometheus::BuildHistogram()
-                          .Name("detlogp_batch_requests")
-                          .Help("Request slices per batch.")
-                          .Register(*registry_)),
-      queue_delay_seconds_(prometheus::BuildHistogram()
-                               .Name("detlogp_queue_delay_seconds")
-                               .Help("Time the oldest slice of a batch waited in the queue.")
-                               .Register(*registry_)),
-      gather_seconds_(prometheus::BuildHistogram()
-                          .Name("detlogp_gather_seconds")
-                          .Help("Time staging a batch's rows.")
-                          .Register(*registry_)),
-      compute_seconds_(prometheus::BuildHistogram()
-                           .Name("detlogp_compute_seconds")
-                           .Help("Backend time per batch.")
-                           .Register(*registry_)),
+      requests_(AddCounter(*registry_, "detlogp_requests_total", kRequestsHelp)),
+      model_rows_(AddCounter(*registry_, "detlogp_model_rows_total", kModelRowsHelp)),
+      batch_rows_(AddHistogram(*registry_, "detlogp_batch_rows", "Rows per batch.")),
+      batch_requests_(AddHistogram(*registry_, "detlogp_batch_requests",
+                                   "Request slices per batch.")),
+      queue_delay_seconds_(AddHistogram(*registry_, "detlogp_queue_delay_seconds",
+                                        "Time the oldest slice of a batch waited in the queue.")),
+      gather_seconds_(AddHistogram(*registry_, "detlogp_gather_seconds",
+                                   "Time staging a batch's rows.")),
+      compute_seconds_(AddHistogram(*registry_, "detlogp_compute_seconds",
+                                    "Backend time per batch.")),
       batch_rows_histogram_(batch_rows_.Add({}, PowersOfTwoBounds(1, 15))),
       batch_requests_histogram_(batch_requests_.Add({}, PowersOfTwoBounds(1, 12))),
       queue_delay_seconds_histogram_(
           queue_delay_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
       gather_seconds_histogram_(gather_seconds_.Add({}, PowersOfTwoBounds(1e-6, 18))),
       compute_seconds_histogram_(compute_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
-      projection_streams_(prometheus::BuildCounter()
-                              .Name("detlogp_projection_streams_total")
-                              .Help(kProjectionStreamsHelp)
-                              .Register(*registry_)),
-      projection_chunks_(prometheus::BuildCounter()
-                             .Name("detlogp_projection_chunks_total")
-                             .Help(kProjectionChunksHelp)
-                             .Register(*registry_)),
-      projection_write_seconds_(prometheus::BuildCounter()
-                                    .Name("detlogp_projection_write_seconds_total")
-                                    .Help(kProjectionWriteHelp)
-                                    .Register(*registry_)),
+      projection_streams_(AddCounter(*registry_, "detlogp_projection_streams_total",
+                                     kProjectionStreamsHelp)),
+      projection_chunks_(AddCounter(*registry_, "detlogp_projection_chunks_total",
+                                    kProjectionChunksHelp)),
+      projection_write_seconds_(AddCounter(
+          *registry_, "detlogp_projection_write_seconds_total", kProjectionWriteHelp)),
       projection_compute_wait_seconds_(
-          prometheus::BuildCounter()
-              .Name("detlogp_projection_compute_wait_seconds_total")
-              .Help(kProjectionComputeWaitHelp)
-              .Register(*registry_)),
-      projection_launch_rows_(prometheus::BuildHistogram()
-                                  .Name("detlogp_projection_launch_rows")
-                                  .Help("Rows per projection launch.")
-                                  .Register(*registry_)),
-      projection_queue_delay_seconds_(
-          prometheus::BuildHistogram()
-              .Name("detlogp_projection_queue_delay_seconds")
-              .Help("Time the oldest chunk of a projection launch waited in the queue.")
-              .Register(*registry_)),
-      projection_run_seconds_(prometheus::BuildHistogram()
-                                  .Name("detlogp_projection_run_seconds")
-                                  .Help("Backend time per projection launch.")
-                                  .Register(*registry_)),
-      projection_copy_out_seconds_(
-          prometheus::BuildHistogram()
-              .Name("detlogp_projection_copy_out_seconds")
-              .Help("Time copying a projection launch's output into its chunks.")
-              .Register(*registry_)),
+          AddCounter(*registry_, "detlogp_projection_compute_wait_seconds_total",
+                     kProjectionComputeWaitHelp)),
+      projection_launch_rows_(AddHistogram(*registry_, "detlogp_projection_launch_rows",
+                                           "Rows per projection launch.")),
+      projection_queue_delay_seconds_(AddHistogram(
+          *registry_, "detlogp_projection_queue_delay_seconds",
+          "Time the oldest chunk of a projection launch waited in the queue.")),
+      projection_run_seconds_(AddHistogram(*registry_, "detlogp_projection_run_seconds",
+                                           "Backend time per projection launch.")),
+      projection_copy_out_seconds_(AddHistogram(
+          *registry_, "detlogp_projection_copy_out_seconds",
+          "Time copying a projection launch's output into its chunks.")),
       projection_streams_counter_(projection_streams_.Add({})),
       projection_chunks_counter_(projection_chunks_.Add({})),
       projection_write_seconds_counter_(projection_write_seconds_.Add({})),
