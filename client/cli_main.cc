@@ -72,11 +72,12 @@ ABSL_FLAG(int64_t, top_k, 0,
           "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
-ABSL_FLAG(int, project_streams, 4,
+ABSL_FLAG(int, project_streams, 0,
           "project: Project calls side by side, each on a connection of its "
           "own, the rows going round them in blocks of --rows_per_chunk (512 "
-          "when 0); one gRPC stream is read on one thread. Chunks are still "
-          "hashed in row order; Y's bits are the same for every value.");
+          "when 0); one gRPC stream is read on one thread. 0: 4 calls from "
+          "8192 rows on, else 1. Chunks are still hashed in row order; Y's "
+          "bits are the same for every value.");
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
           "project: MiB of Y at most waiting for SHA-256 (hashed on its own "
           "thread); past it the stream waits, and the wait is reported.");

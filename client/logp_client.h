@@ -165,7 +165,10 @@ class LogpClient {
   // the reading threads, side by side) and handed to `on_chunk` one at a
   // time in row order, each call holding at most two chunks beyond it. The
   // bits are the same: each row's projection depends on that row alone.
-  // Fewer calls run when there are fewer blocks.
+  // Fewer calls run when there are fewer blocks. By default (kAutoStreams)
+  // a projection of at least kAutoStreamsMinRows rows takes
+  // kAutoStreamsCalls calls and a smaller one a single call, whose extra
+  // connections would cost more than they save.
   struct ProjectOptions {
     // Rows per response message; 0 lets the server choose (one stream) or
     // kInterleavedBlockRows (several).
@@ -173,9 +176,21 @@ class LogpClient {
     // Where Y goes: rows * 5376 floats, row order. Null: not kept.
     float* y = nullptr;
     std::string request_id = "project";
-    // Project calls side by side, each on its own connection.
-    int streams = 1;
+    // Project calls side by side, each on its own connection; kAutoStreams
+    // (0): chosen by the projection's size.
+    int streams = 0;
   };
+  static constexpr int kAutoStreams = 0;
+  // 8192 rows are 176 MB of Y: ~70 ms on one stream of an H200 host,
+  // ~25 ms over four calls, against a few ms to open three connections.
+  static constexpr int64_t kAutoStreamsMinRows = 8192;
+  static constexpr int kAutoStreamsCalls = 4;
+  // The calls a projection of `rows` rows asks for (before InterleavedRows
+  // caps them at its number of blocks).
+  static int StreamsFor(int streams, int64_t rows) {
+    if (streams != kAutoStreams) return streams;
+    return rows >= kAutoStreamsMinRows ? kAutoStreamsCalls : 1;
+  }
   // Rows per block of interleaved calls when rows_per_chunk is 0 (the
   // server's default chunk).
   static constexpr int64_t kInterleavedBlockRows = 512;

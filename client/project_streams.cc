@@ -235,9 +235,9 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
   if (rows < 0 || static_cast<int64_t>(x.size()) != rows * kIn) {
     return absl::InvalidArgumentError("x must hold rows * 96 floats");
   }
-  if (options.streams < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("streams: ", options.streams, ", expected at least 1"));
+  if (options.streams < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "streams: ", options.streams, ", expected 0 (by the projection's size) or more"));
   }
   if (options.rows_per_chunk < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -246,7 +246,7 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
   const InterleavedRows plan(rows,
                              options.rows_per_chunk > 0 ? options.rows_per_chunk
                                                         : kInterleavedBlockRows,
-                             options.streams);
+                             StreamsFor(options.streams, rows));
   if (plan.calls() > 1) return ProjectInterleaved(x, plan, options, on_chunk);
 
   const detlogp::v1::ProjectRequest request =

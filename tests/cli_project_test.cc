@@ -105,8 +105,8 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
   const std::string want_sha = "y_sha256 " + y_hex;
 
   // The default backlog and none (every chunk waits for the one before to
-  // be hashed), one call and several (the default, 4; hashed in row order):
-  // the same digest every way.
+  // be hashed), one call (the default for a projection this small) and
+  // several (hashed in row order): the same digest every way.
   for (const char* flags : {"", " --hash_backlog_mb=0", " --project_streams=1",
                             " --project_streams=3 --hash_backlog_mb=0"}) {
     SCOPED_TRACE(flags);
@@ -136,9 +136,7 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_EQ(transfer[3], "output_GB/s");
     EXPECT_EQ(transfer[7], "waited_for_hashing_seconds");
     EXPECT_EQ(transfer[9], "streams");
-    EXPECT_EQ(transfer[10], absl::StrContains(flags, "streams=1")   ? "1"
-                            : absl::StrContains(flags, "streams=3") ? "3"
-                                                                    : "4");
+    EXPECT_EQ(transfer[10], absl::StrContains(flags, "streams=3") ? "3" : "1");
     const std::vector<std::string> sha = Words(lines[4]);
     ASSERT_EQ(sha.size(), 7u) << lines[4];
     EXPECT_EQ(sha[0], "sha256");
@@ -252,7 +250,7 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "rows_per_chunk"))
       << refused.status();
-  project.streams = 0;
+  project.streams = -1;
   EXPECT_TRUE(absl::StrContains((*client)->ProjectChunks(x, rows, project).status().message(),
                                 "streams"));
   // A deadline that passes mid-stream (40,000 rows take seconds here).
@@ -275,6 +273,42 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   // up to --shutdown_grace_s): close them first.
   client->reset();
   hurried_client->reset();
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
+}
+
+// By default the client picks the calls by the projection's size: one below
+// kAutoStreamsMinRows, kAutoStreamsCalls from there on, with the same Y.
+TEST(CliProjectTest, DefaultStreamsFollowTheProjectionsSize) {
+  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2",
+                                      "--synthetic_hidden_size=64",
+                                      "--synthetic_vocab_size=1000",
+                                      "--shutdown_grace_s=3"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = LogpClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  kernels::RandomNormal random(29);
+  const int64_t big = LogpClient::kAutoStreamsMinRows;
+  std::vector<float> x(big * 96);
+  for (float& v : x) v = random.Next(1.0f);
+  for (const int64_t rows : {big - 1, big}) {
+    const std::vector<float> rows_x(x.begin(), x.begin() + rows * 96);
+    LogpClient::ProjectOptions project;  // streams: kAutoStreams
+    std::vector<float> y(rows * 5376);
+    project.y = y.data();
+    auto automatic = (*client)->ProjectChunks(rows_x, rows, project);
+    ASSERT_TRUE(automatic.ok()) << automatic.status();
+    EXPECT_EQ(automatic->streams, rows >= big ? LogpClient::kAutoStreamsCalls : 1) << rows;
+    project.streams = 1;
+    std::vector<float> one_y(rows * 5376);
+    project.y = one_y.data();
+    auto one = (*client)->ProjectChunks(rows_x, rows, project);
+    ASSERT_TRUE(one.ok()) << one.status();
+    EXPECT_EQ(one->streams, 1);
+    EXPECT_EQ(automatic->determinism_key, one->determinism_key);
+    EXPECT_TRUE(y == one_y) << rows;
+  }
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 

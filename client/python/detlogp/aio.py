@@ -119,8 +119,8 @@ class AsyncClient(ClientState):
             call.cancel()
 
     async def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="",
-                      streams=1):
-        """Client.project as a coroutine (streams > 1 alike: the calls are
+                      streams=0):
+        """Client.project as a coroutine (streams alike: several calls are
         read side by side on this loop)."""
         rows = int(np.shape(x)[0]) if np.ndim(x) else 0
         if requests.InterleavedProjection.count_calls(rows, rows_per_chunk, streams) > 1:

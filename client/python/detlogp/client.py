@@ -161,14 +161,15 @@ class Client(ClientState):
             call.cancel()  # no-op once finished; frees the call if abandoned
 
     def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="",
-                streams=1):
+                streams=0):
         """ProjectionService.Project: Y [R, 5376] fp32 from x [R, 96]
         (a ProjectResult). Retried whole on UNAVAILABLE / queue-full.
 
         streams > 1 spreads the rows over that many calls side by side, each
         on a connection of its own for the projection, in blocks of
         rows_per_chunk rows (512 when 0): one gRPC stream is read on one
-        thread (requests.InterleavedProjection). Y's bits are the same."""
+        thread (requests.InterleavedProjection). 0 (the default): 4 calls
+        from 8192 rows on, else 1. Y's bits are the same."""
         rows = int(np.shape(x)[0]) if np.ndim(x) else 0
         if requests.InterleavedProjection.count_calls(rows, rows_per_chunk, streams) > 1:
             def on_target(index):

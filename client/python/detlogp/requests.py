@@ -103,6 +103,11 @@ class ProjectAssembler:
 # server's default chunk; LogpClient::kInterleavedBlockRows in C++).
 INTERLEAVED_BLOCK_ROWS = 512
 PROJECTION_OUT = 5376
+# streams=0 (the default): AUTO_STREAMS_CALLS calls from AUTO_STREAMS_MIN_ROWS
+# rows on, one below (LogpClient::kAutoStreams* in C++): 8192 rows are 176 MB
+# of Y, where the extra connections cost far less than they save.
+AUTO_STREAMS_MIN_ROWS = 8192
+AUTO_STREAMS_CALLS = 4
 
 
 class InterleavedProjection:
@@ -119,8 +124,11 @@ class InterleavedProjection:
     def count_calls(rows, rows_per_chunk, streams):
         """The calls a projection of `rows` rows takes (fewer than `streams`
         when there are fewer blocks); ValueError naming a bad argument."""
-        if int(streams) < 1:
-            raise ValueError(f"streams must be >= 1, got {streams}")
+        if int(streams) < 0:
+            raise ValueError(f"streams must be >= 0 (0: by the projection's size), "
+                             f"got {streams}")
+        if int(streams) == 0:
+            streams = AUTO_STREAMS_CALLS if int(rows) >= AUTO_STREAMS_MIN_ROWS else 1
         if int(rows_per_chunk) < 0:
             raise ValueError(f"rows_per_chunk must be >= 0, got {rows_per_chunk}")
         blocks = -(-int(rows) // (int(rows_per_chunk) or INTERLEAVED_BLOCK_ROWS))

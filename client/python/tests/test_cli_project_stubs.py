@@ -94,7 +94,7 @@ def test_project_over_several_calls_gives_one_calls_bits(server, client):
         client.project(np.zeros((3 * 2049, 96), np.float32), streams=3, rows_per_chunk=2049)
     assert refused.value.field == "rows_per_chunk"
     with pytest.raises(ValueError, match="streams"):
-        client.project(x, streams=0)
+        client.project(x, streams=-1)
 
 
 def test_checked_in_stubs_match_the_proto(tmp_path, repo_root):

@@ -135,4 +135,8 @@ def test_interleaved_projection_puts_blocks_back_and_checks_each():
         other.result()
     assert requests.InterleavedProjection.count_calls(10, 0, 4) == 1  # one block of 512
     with pytest.raises(ValueError, match="streams"):
-        requests.InterleavedProjection.count_calls(10, 3, 0)
+        requests.InterleavedProjection.count_calls(10, 3, -1)
+    # streams=0: by the projection's size.
+    assert requests.InterleavedProjection.count_calls(8191, 0, 0) == 1
+    assert requests.InterleavedProjection.count_calls(8192, 0, 0) == 4
+    assert requests.InterleavedProjection.count_calls(8192, 4096, 0) == 2  # two blocks
