@@ -18,6 +18,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +38,11 @@ def gpu_state():
         return f"n/a ({e})"
 
 
-def median_ms_interleaved(fns, reps, warmup=3):
+def median_ms_interleaved(fns, reps, warmup=3, gap_ms=0.0):
     """Times several functions alternately (A B A B ...; the order flips every
-    rep) so that clock and power drift hit them alike. Returns a list of
+    rep) so that clock and power drift hit them alike. gap_ms > 0 leaves the
+    GPU idle that long before each launch, so that one function's power draw
+    does not set the clocks the next one starts at. Returns a list of
     (median, min, max) per function."""
     for _ in range(warmup):
         for fn in fns:
@@ -51,6 +54,8 @@ def median_ms_interleaved(fns, reps, warmup=3):
         if r % 2:
             order.reverse()
         for i in order:
+            if gap_ms > 0:
+                time.sleep(gap_ms / 1e3)
             a = torch.cuda.Event(enable_timing=True)
             b = torch.cuda.Event(enable_timing=True)
             a.record()
@@ -71,7 +76,45 @@ def bench_arguments():
     ap.add_argument("--padded-vocab", type=int, default=152064)
     ap.add_argument("--ns", default="1,16,64,256,1024,2048,4096,8192")
     ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="idle time before each interleaved launch (0: none)")
     return ap
+
+
+class ClockSampler:
+    """nvidia-smi sampling SM clock and power every `period_ms` while the
+    block runs; summary() gives min / median / max of each."""
+
+    def __init__(self, period_ms=10):
+        self.period_ms = period_ms
+        self.lines = []
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                 "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return False
+        self.proc.terminate()
+        out, _ = self.proc.communicate()
+        self.lines = [line.split(",") for line in out.splitlines() if "," in line]
+        return False
+
+    def summary(self):
+        if not self.lines:
+            return "no clock samples"
+        clocks = sorted(float(c) for c, _ in self.lines)
+        power = sorted(float(p) for _, p in self.lines)
+        return (f"SM MHz {clocks[0]:.0f}/{statistics.median(clocks):.0f}/{clocks[-1]:.0f}, "
+                f"W {power[0]:.0f}/{statistics.median(power):.0f}/{power[-1]:.0f} "
+                f"(min/median/max of {len(clocks)} samples)")
 
 
 def main():

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from logp_bench import bench_arguments, median_ms_interleaved  # noqa: E402
+from logp_bench import ClockSampler, bench_arguments, median_ms_interleaved  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 KERNELS = (("portable", 2), ("hopper", 0))
@@ -106,11 +106,14 @@ def main():
         digests = [hashlib.sha256(lp.cpu().numpy().tobytes() +
                                   lse.cpu().numpy().tobytes()).hexdigest()[:12]
                    for lp, lse in outs]
-        (p_ms, _, _), (h_ms, _, _) = median_ms_interleaved(fns, args.reps)
+        with ClockSampler() as interleaved_clocks:
+            (p_ms, _, _), (h_ms, _, _) = median_ms_interleaved(fns, args.reps,
+                                                                gap_ms=args.gap_ms)
         # The portable kernel timed back to back, as a user of it runs it: the
         # interleaved Hopper kernel draws more power and may leave the clocks
         # lower for the next launch.
-        alone_ms = median_ms(fns[0], args.reps)[0]
+        with ClockSampler() as alone_clocks:
+            alone_ms = median_ms(fns[0], args.reps)[0]
 
         def eager():
             logits = F.linear(hidden, W[:V]).float()
@@ -143,6 +146,9 @@ def main():
               f" {e_ms / p_ms:>10.2f} {alone_ms:>8.4f} {tf(alone_ms):>8.1f}"
               f"   |portable - hopper| {err:.1e}  bits {digests[0]}"
               f" hopper bits {digests[1]}{rlk_line}",
+              flush=True)
+        print(f"      clocks interleaved (gap {args.gap_ms:g} ms): "
+              f"{interleaved_clocks.summary()}; back to back: {alone_clocks.summary()}",
               flush=True)
 
 
