@@ -172,6 +172,15 @@ TEST_F(ProjectionServiceTest, CancelledStreamLeavesTheServerServing) {
   EXPECT_TRUE(client->Project(RandomX(3, 12), 3).ok());
 }
 
+// One stream's server memory: the client is held to a single call (by
+// default a projection this large goes over several, each with its ring).
+LogpClient::ProjectOptions OneStream(int64_t rows_per_chunk) {
+  LogpClient::ProjectOptions options;
+  options.rows_per_chunk = rows_per_chunk;
+  options.streams = 1;
+  return options;
+}
+
 TEST_F(ProjectionServiceTest, SlowReaderDoesNotMakeTheServerBufferTheVideo) {
   auto client = Connect();
   // 24,000 rows: 516 MB of output in 47 chunks of 512 rows.
@@ -179,11 +188,10 @@ TEST_F(ProjectionServiceTest, SlowReaderDoesNotMakeTheServerBufferTheVideo) {
   const std::vector<float> x = RandomX(rows, 13);
   const int64_t rss_before = ResidentKiB(server_->pid());
   int64_t rss_peak = rss_before;
-  auto result = client->Project(
-      x, rows, 512, /*keep_output=*/false, [&](const v1::ProjectResponse&) {
-        absl::SleepFor(absl::Milliseconds(30));
-        rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
-      });
+  auto result = client->ProjectChunks(x, rows, OneStream(512), [&](client::ProjectChunk&) {
+    absl::SleepFor(absl::Milliseconds(30));
+    rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
+  });
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->chunks, (rows + 511) / 512);
   const int64_t growth_mib = (rss_peak - rss_before) / 1024;
@@ -203,12 +211,11 @@ TEST_F(ProjectionServiceTest, AFullSizeVideoStreamsInBoundedServerMemory) {
   const int64_t rss_before = ResidentKiB(server_->pid());
   int64_t rss_peak = rss_before;
   int64_t chunks_seen = 0;
-  auto result = client->Project(
-      x, rows, 512, /*keep_output=*/false, [&](const v1::ProjectResponse&) {
-        if (++chunks_seen % 50 == 0) {
-          rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
-        }
-      });
+  auto result = client->ProjectChunks(x, rows, OneStream(512), [&](client::ProjectChunk&) {
+    if (++chunks_seen % 50 == 0) {
+      rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
+    }
+  });
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->chunks, (rows + 511) / 512);
   const int64_t growth_mib = (rss_peak - rss_before) / 1024;
