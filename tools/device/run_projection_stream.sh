@@ -21,7 +21,7 @@
 # process (glibc's thresholds move with a process's history). Sessions 5-6
 # measured --heap_retain_mb=0 against the default; not repeated.
 #   CHUNKS="256 512 1024 2048"  ROWS=364608  FOUR_CHUNK=512  SERVER_ARGS=...
-#   REPEATS=1 (runs of each one-projection setting)
+#   REPEATS=1 (runs of each one-projection setting)  CALLS="1 4"
 #   TRANSPORT_BENCH=0 (skip the transport-only bench)
 #   FOUR_VIDEOS=0 (skip the hashed projection and the four videos at once)
 set -uo pipefail
@@ -50,13 +50,26 @@ for _ in $(seq 1 900); do [[ -s /tmp/p.port ]] && break; sleep 0.2; done
 target=127.0.0.1:$(head -1 /tmp/p.port)
 nproc; grep -m1 "model name" /proc/cpuinfo
 cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
-for chunk in ${CHUNKS:-256 512 1024 2048}; do
-  for streams in 1 4; do
-    echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing"
-    for _ in $(seq 1 "${REPEATS:-1}"); do
+# Repeats go round all settings in turn (not one setting's runs back to
+# back), so that a slow spell of the host hits every setting alike; the
+# medians per setting follow.
+rm -f /tmp/speed_*.txt
+for rep in $(seq 1 "${REPEATS:-1}"); do
+  for chunk in ${CHUNKS:-256 512 1024 2048}; do
+    for streams in ${CALLS:-1 4}; do
+      echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep)"
       timed cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
-        grep -E "^transfer|^client|^projection"
+        grep -E "^transfer|^client|^projection" | tee /tmp/run.txt
+      awk '/^transfer/ { print $5 }' /tmp/run.txt >> "/tmp/speed_${chunk}_${streams}.txt"
     done
+  done
+done
+echo "-- one projection: output GB/s, median (min-max) of ${REPEATS:-1} interleaved runs"
+for streams in ${CALLS:-1 4}; do
+  for chunk in ${CHUNKS:-256 512 1024 2048}; do
+    sort -g "/tmp/speed_${chunk}_${streams}.txt" | awk -v c="$chunk" -v s="$streams" \
+      '{ v[NR] = $1 } END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
+         printf "rows_per_chunk %5d  calls %d  median %.2f  (%.2f-%.2f)\n", c, s, m, v[1], v[NR] }'
   done
 done
 if [[ ${FOUR_VIDEOS:-1} != 0 ]]; then
