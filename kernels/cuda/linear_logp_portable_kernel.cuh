@@ -50,9 +50,11 @@
 //     128 kTilesPerStep x kBlockK) bf16 tiles, one __syncthreads per K step;
 //     the (tile group, k-block) steps of an item form one stream, so the
 //     ring runs across tiles; a step's tiles are folded one after the other
-//     in column order once their last k-block is in. Shared rows of 128
-//     bytes, 16-byte chunks XOR-swizzled by row % 8 so that ldmatrix and
-//     cp.async hit distinct banks.
+//     in column order once their last k-block is in. The next step's copies
+//     go out in pieces between the k16 mma, their addresses walked by
+//     additions (CopyCursor). Shared rows of 128 bytes, 16-byte chunks
+//     XOR-swizzled by row % 8 so that ldmatrix and cp.async hit distinct
+//     banks.
 //   * Tilings (Tiling below; EnqueueSplitKernel picks one by N, extras and
 //     the GPU's shared memory): wide (N > 128), 128 rows as 4 warps x 32
 //     rows, 3 stages (96 KiB), two CTAs per SM where the shared memory
@@ -290,7 +292,7 @@ struct CopyPlan {
 // Issues the cp.async copies of K step `step` of an item (tile group step /
 // k_blocks, kTilesPerStep tiles; k-block step % k_blocks) into ring slot
 // `slot`; rows >= N and weight rows >= the padded vocabulary are
-// zero-filled.
+// zero-filled. The prologue's: the main loop walks the steps by CopyCursor.
 template <class T>
 __device__ __forceinline__ void LoadStep(const KernelParams& p,
                                          const CopyPlan<T>& plan, uint8_t* smem,
@@ -316,6 +318,66 @@ __device__ __forceinline__ void LoadStep(const KernelParams& p,
     const bool ok = i * CopyPlan<T>::kRowStride < b_rows_left;
     CpAsync16(b_dst + i * CopyPlan<T>::kRowStride * kRowBytes,
               ok ? b_src + i * plan.stride : p.weight, ok);
+  }
+}
+
+// The main loop's copy addresses, carried from step to step by additions:
+// LoadStep's per-step division and 64-bit products there spilled (this way
+// nothing spills between the mma). Schedule only: the same bytes land in
+// the same slots.
+template <class T>
+struct CopyCursor {
+  __device__ __forceinline__ CopyCursor(const KernelParams& p,
+                                        const CopyPlan<T>& plan, int step) {
+    const int tile_group = step / p.k_blocks;
+    kb = step - tile_group * p.k_blocks;
+    a = plan.a_src + kb * kBlockK;
+    b = plan.b_src +
+        (static_cast<int64_t>(tile_group) * T::kStepCols * p.hidden_size +
+         kb * kBlockK);
+    b_rows_left = static_cast<int>(plan.b_rows_left) -
+                  tile_group * T::kStepCols;
+  }
+  // To the next step: the next k-block, or the next tile group's first
+  // (k_blocks * kBlockK = H; relative, so the plan's bases need not stay
+  // live in registers).
+  __device__ __forceinline__ void Advance(const KernelParams& p) {
+    a += kBlockK;
+    b += kBlockK;
+    if (++kb == p.k_blocks) {
+      kb = 0;
+      a -= p.hidden_size;
+      b += static_cast<int64_t>(T::kStepCols - 1) * p.hidden_size;
+      b_rows_left -= T::kStepCols;
+    }
+  }
+  const __nv_bfloat16* a;  // this thread's A chunk of the step's k-block
+  const __nv_bfloat16* b;  // its B chunk
+  int kb;
+  int b_rows_left;
+};
+
+// Copies [kFirst, kLast) of the cursor's step (A's kACopies, then B's) into
+// the slot at a_dst; live: the step exists (past the end they zero-fill a
+// free slot, rather than branch: the copies stay in the mma's basic block).
+template <class T, int kFirst, int kLast>
+__device__ __forceinline__ void IssueCopies(const KernelParams& p,
+                                            const CopyPlan<T>& plan,
+                                            const CopyCursor<T>& cur,
+                                            uint32_t a_dst, bool live) {
+  using Plan = CopyPlan<T>;
+#pragma unroll
+  for (int c = kFirst; c < kLast; ++c) {
+    if (c < Plan::kACopies) {
+      const bool ok = live && c * Plan::kRowStride < plan.a_rows_left;
+      CpAsync16(a_dst + c * Plan::kRowStride * kRowBytes,
+                ok ? cur.a + c * plan.stride : p.hidden, ok);
+    } else {
+      const int i = c - Plan::kACopies;
+      const bool ok = live && i * Plan::kRowStride < cur.b_rows_left;
+      CpAsync16(a_dst + T::kATileBytes + i * Plan::kRowStride * kRowBytes,
+                ok ? cur.b + i * plan.stride : p.weight, ok);
+    }
   }
 }
 
@@ -569,19 +631,39 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
     CpAsyncCommit();
   }
   constexpr int kK16s = kBlockK / 16;
+  // The next step's copies go out in three pieces between the four k16
+  // steps' mma, in one basic block, so that ptxas interleaves them (and
+  // their address arithmetic) with the mma rather than stall the tensor
+  // cores on a run of copies.
+  static_assert(kK16s == 4, "the copies go out in three pieces");
+  constexpr int kCopies = CopyPlan<T>::kACopies + CopyPlan<T>::kBCopies;
+  constexpr int kCopies1 = kCopies / 3, kCopies2 = 2 * kCopies / 3;
+  CopyCursor<T> cur(p, plan, T::kStages - 1);
+  int slot = 0, next_slot = T::kStages - 1;
+  int kb = 0, tile_group = 0;  // the step's position, counted
   for (int step = 0; step < steps; ++step) {
     CpAsyncWait<T::kStages - 2>();  // step's group has landed (this thread's)
     __syncthreads();                // ... every thread's; slot step-1 is free
-    const int slot = step % T::kStages;
-    // The first k16 step's mma go ahead of the next copies, so the tensor
-    // cores have work while the copies are issued.
-    if (active) ComputeK16s<T, 0, 1>(smem, slot, group, part, lane, acc);
-    const int next = step + T::kStages - 1;
-    if (next < steps) LoadStep<T>(p, plan, smem, next % T::kStages, next);
+    const bool live = step + T::kStages - 1 < steps;
+    const uint32_t a_dst =
+        SmemAddr(smem + next_slot * T::kStageBytes) + plan.smem_offset;
+    if (active) {
+      ComputeK16s<T, 0, 1>(smem, slot, group, part, lane, acc);
+      IssueCopies<T, 0, kCopies1>(p, plan, cur, a_dst, live);
+      ComputeK16s<T, 1, 2>(smem, slot, group, part, lane, acc);
+      IssueCopies<T, kCopies1, kCopies2>(p, plan, cur, a_dst, live);
+      ComputeK16s<T, 2, 3>(smem, slot, group, part, lane, acc);
+      IssueCopies<T, kCopies2, kCopies>(p, plan, cur, a_dst, live);
+      ComputeK16s<T, 3, 4>(smem, slot, group, part, lane, acc);
+    } else {
+      IssueCopies<T, 0, kCopies>(p, plan, cur, a_dst, live);
+    }
     CpAsyncCommit();
-    if (active) ComputeK16s<T, 1, kK16s>(smem, slot, group, part, lane, acc);
-    const int tile_group = step / p.k_blocks;
-    if (step - tile_group * p.k_blocks == p.k_blocks - 1) {
+    cur.Advance(p);
+    slot = slot + 1 == T::kStages ? 0 : slot + 1;
+    next_slot = next_slot + 1 == T::kStages ? 0 : next_slot + 1;
+    if (++kb == p.k_blocks) {  // the tile group's last k-block
+      kb = 0;
       if (active) {
         load_rows();
 #pragma unroll
@@ -607,6 +689,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
       }
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+      ++tile_group;
     }
   }
   CpAsyncWait<0>();
