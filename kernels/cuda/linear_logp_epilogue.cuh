@@ -205,17 +205,25 @@ __device__ __forceinline__ void UpdateStates(const float* m, const float* s,
 // Folds a finished tile of kW columns starting at v0 (valid columns:
 // `valid`, may exceed kW) into the thread's two rows' states (row, inv_t and
 // target per row), writes z[target] where the thread holds it, and with
-// kTopK screens the tile into the rows' lists.
+// kTopK screens the tile into the rows' lists. loaded_screen: the rows'
+// shared screen words if the kernel loaded them ahead (LoadRowScreen), else
+// they are loaded here.
 template <int kW, bool kEntropy, bool kTopK>
 __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
                                          int lane, int v0, int valid,
                                          const int* row, const float* inv_t,
                                          const int* target, RowState* state,
-                                         const TopKLists& lists) {
+                                         const TopKLists& lists,
+                                         const float* loaded_screen = nullptr) {
   float shared[2];  // loaded first: its latency hides behind the fold
   if constexpr (kTopK) {
-    shared[0] = LoadRowScreen(p.top, row[0]);
-    shared[1] = LoadRowScreen(p.top, row[1]);
+    if (loaded_screen != nullptr) {
+      shared[0] = loaded_screen[0];
+      shared[1] = loaded_screen[1];
+    } else {
+      shared[0] = LoadRowScreen(p.top, row[0]);
+      shared[1] = LoadRowScreen(p.top, row[1]);
+    }
   }
   float mx[2];
   TileMaxes<kW>(p, acc, lane, v0, valid, row, inv_t, target, mx);
