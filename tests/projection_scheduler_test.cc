@@ -1,5 +1,6 @@
 // ProjectionScheduler pools chunks of different streams into one launch and
-// scatters each chunk's rows back, with a fake backend that records launches.
+// hands the executor each chunk's own destination, with a fake backend that
+// records launches and the destinations it was given.
 #include "server/batching/projection_scheduler.h"
 
 #include <gtest/gtest.h>
@@ -18,7 +19,9 @@ namespace {
 using kernels::kProjectionInDim;
 using kernels::kProjectionOutDim;
 
-// y[r][o] = x[r][0] + o; launches recorded; the first launch can be held.
+// y[r][o] = x[r][0] + o, written straight into each destination; launches
+// and their destinations recorded; the first launch can be held; each Run
+// reports copy_out_seconds of `copy_out_seconds`.
 class FakeProjectionBackend final : public ProjectionBackend {
  public:
   FakeProjectionBackend() { description_.name = "fake"; }
@@ -31,37 +34,55 @@ class FakeProjectionBackend final : public ProjectionBackend {
     absl::MutexLock lock(&mu_);
     return launches_;
   }
+  std::vector<std::vector<YDestination>> destinations() {
+    absl::MutexLock lock(&mu_);
+    return destinations_;
+  }
   absl::Notification release_first;
+  double copy_out_seconds = 0;
 
  private:
   class Executor final : public ProjectionExecutor {
    public:
     Executor(FakeProjectionBackend* backend, int64_t rows)
-        : backend_(backend), x_(rows * kProjectionInDim), y_(rows * kProjectionOutDim) {}
+        : backend_(backend), x_(rows * kProjectionInDim) {}
     ProjectionStaging staging() override {
-      return {static_cast<int64_t>(x_.size() / kProjectionInDim), x_.data(), y_.data()};
+      return {static_cast<int64_t>(x_.size() / kProjectionInDim), x_.data()};
     }
-    absl::Status Run(int64_t rows) override {
+    absl::Status Run(int64_t rows, absl::Span<const YDestination> outputs,
+                     ProjectionRunStats* stats) override {
       if (backend_->first_.exchange(false)) backend_->release_first.WaitForNotification();
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t o = 0; o < kProjectionOutDim; ++o) {
-          y_[r * kProjectionOutDim + o] = x_[r * kProjectionInDim] + static_cast<float>(o);
+      if (absl::Status s = CheckLaunch(rows, x_.size() / kProjectionInDim, outputs);
+          !s.ok()) {
+        return s;
+      }
+      const float* x = x_.data();
+      for (const YDestination& output : outputs) {
+        for (int64_t r = 0; r < output.rows; ++r, x += kProjectionInDim) {
+          for (int64_t o = 0; o < kProjectionOutDim; ++o) {
+            output.y[r * kProjectionOutDim + o] = x[0] + static_cast<float>(o);
+          }
         }
       }
+      // As if copying out: the time passes, and is reported.
+      absl::SleepFor(absl::Seconds(backend_->copy_out_seconds));
+      stats->copy_out_seconds = backend_->copy_out_seconds;
       absl::MutexLock lock(&backend_->mu_);
       backend_->launches_.push_back(rows);
+      backend_->destinations_.emplace_back(outputs.begin(), outputs.end());
       return absl::OkStatus();
     }
 
    private:
     FakeProjectionBackend* backend_;
-    std::vector<float> x_, y_;
+    std::vector<float> x_;
   };
 
   BackendDescription description_;
   std::atomic<bool> first_{true};
   absl::Mutex mu_;
   std::vector<int64_t> launches_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::vector<YDestination>> destinations_ ABSL_GUARDED_BY(mu_);
 };
 
 TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
@@ -94,6 +115,14 @@ TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
   scheduler->Stop();
   EXPECT_EQ(done.load(), 4);
   EXPECT_EQ(backend.launches(), (std::vector<int64_t>{3, 21}));
+  // The shared launch named each chunk's own buffer, in queue order.
+  const auto destinations = backend.destinations();
+  ASSERT_EQ(destinations.size(), 2u);
+  ASSERT_EQ(destinations[1].size(), 3u);
+  for (size_t i = 1; i < sizes.size(); ++i) {
+    EXPECT_EQ(destinations[1][i - 1].y, ys[i].data()) << i;
+    EXPECT_EQ(destinations[1][i - 1].rows, sizes[i]) << i;
+  }
   for (size_t i = 0; i < sizes.size(); ++i) {
     for (int64_t r = 0; r < sizes[i]; ++r) {
       EXPECT_EQ(ys[i][r * kProjectionOutDim + 5], 100.0f * i + r + 5) << i << "," << r;
@@ -110,6 +139,7 @@ TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
 // its oldest chunk waited, the backend's run and the copy out.
 TEST(ProjectionSchedulerTest, LaunchTimingsSayWhereTheTimeWent) {
   FakeProjectionBackend backend;
+  backend.copy_out_seconds = 0.01;  // as the executor reports it
   absl::Mutex mu;
   std::vector<ProjectionScheduler::LaunchTimings> timings;
   ProjectionScheduler::Options options;
@@ -142,7 +172,61 @@ TEST(ProjectionSchedulerTest, LaunchTimingsSayWhereTheTimeWent) {
   EXPECT_GE(timings[1].queue_delay_seconds, 0.05);   // behind the held launch
   EXPECT_LT(timings[0].queue_delay_seconds, timings[1].queue_delay_seconds);
   EXPECT_LT(timings[1].run_seconds, timings[0].run_seconds);
-  EXPECT_GE(timings[1].copy_out_seconds, 0.0);
+  EXPECT_GE(timings[1].run_seconds, 0.0);
+  // The executor's copy-out, reported apart from its run.
+  EXPECT_EQ(timings[0].copy_out_seconds, 0.01);
+  EXPECT_EQ(timings[1].copy_out_seconds, 0.01);
+}
+
+// Many small chunks in one launch, each gets its own rows back: no piece
+// shifted into a neighbour's buffer, nothing written past a chunk's rows.
+TEST(ProjectionSchedulerTest, EveryChunkOfALaunchGetsItsOwnRows) {
+  FakeProjectionBackend backend;
+  ProjectionScheduler::Options options;
+  options.max_launch_rows = 256;
+  options.num_threads = 1;
+  auto scheduler = *ProjectionScheduler::Create(options, &backend);
+  // The first chunk holds the executor while the others queue behind it.
+  const std::vector<int64_t> sizes = {1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89};
+  constexpr float kGuard = -7.0f;
+  std::vector<std::vector<float>> xs, ys;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    xs.emplace_back(sizes[i] * kProjectionInDim);
+    // One guard row past each chunk's rows.
+    ys.emplace_back((sizes[i] + 1) * kProjectionOutDim, kGuard);
+    for (int64_t r = 0; r < sizes[i]; ++r) xs[i][r * kProjectionInDim] = 1000.0f * i + r;
+  }
+  std::atomic<int> done{0};
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ProjectionScheduler::Chunk chunk;
+    chunk.x = xs[i].data();
+    chunk.y = ys[i].data();
+    chunk.rows = sizes[i];
+    chunk.done = [&](absl::Status s) {
+      EXPECT_TRUE(s.ok()) << s;
+      ++done;
+    };
+    ASSERT_TRUE(scheduler->Schedule(std::move(chunk)).ok());
+    if (i == 0) absl::SleepFor(absl::Milliseconds(30));
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  backend.release_first.Notify();
+  scheduler->Stop();
+  EXPECT_EQ(done.load(), static_cast<int>(sizes.size()));
+  const std::vector<int64_t> launches = backend.launches();
+  ASSERT_EQ(launches.size(), 2u);
+  EXPECT_EQ(launches[1], 231);  // 1 + 2 + ... + 89 - the first chunk
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    for (int64_t r = 0; r < sizes[i]; ++r) {
+      for (int64_t o : {int64_t{0}, int64_t{1}, kProjectionOutDim - 1}) {
+        ASSERT_EQ(ys[i][r * kProjectionOutDim + o], 1000.0f * i + r + o)
+            << "chunk " << i << " row " << r << " column " << o;
+      }
+    }
+    for (int64_t o = 0; o < kProjectionOutDim; ++o) {
+      ASSERT_EQ(ys[i][sizes[i] * kProjectionOutDim + o], kGuard) << "chunk " << i;
+    }
+  }
 }
 
 }  // namespace

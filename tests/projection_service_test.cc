@@ -241,24 +241,26 @@ class RowTagBackend final : public server::ProjectionBackend {
  private:
   class Executor final : public server::ProjectionExecutor {
    public:
-    explicit Executor(int64_t rows)
-        : x_(rows * kernels::kProjectionInDim), y_(rows * kernels::kProjectionOutDim) {}
+    explicit Executor(int64_t rows) : x_(rows * kernels::kProjectionInDim) {}
     server::ProjectionStaging staging() override {
-      return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim), x_.data(),
-              y_.data()};
+      return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim), x_.data()};
     }
-    absl::Status Run(int64_t rows) override {
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t o = 0; o < kernels::kProjectionOutDim; ++o) {
-          y_[r * kernels::kProjectionOutDim + o] =
-              x_[r * kernels::kProjectionInDim] + static_cast<float>(o);
+    // Straight into the destinations, as the CUDA executor does.
+    absl::Status Run(int64_t rows, absl::Span<const server::YDestination> outputs,
+                     server::ProjectionRunStats*) override {
+      const float* x = x_.data();
+      for (const server::YDestination& output : outputs) {
+        for (int64_t r = 0; r < output.rows; ++r, x += kernels::kProjectionInDim) {
+          for (int64_t o = 0; o < kernels::kProjectionOutDim; ++o) {
+            output.y[r * kernels::kProjectionOutDim + o] = x[0] + static_cast<float>(o);
+          }
         }
       }
       return absl::OkStatus();
     }
 
    private:
-    std::vector<float> x_, y_;
+    std::vector<float> x_;
   };
   server::BackendDescription description_;
 };

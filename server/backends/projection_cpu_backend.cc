@@ -14,14 +14,24 @@ class CpuProjectionExecutor final : public ProjectionExecutor {
         y_(capacity * kernels::kProjectionOutDim) {}
 
   ProjectionStaging staging() override {
-    return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim),
-            x_.data(), y_.data()};
+    return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim), x_.data()};
   }
 
-  absl::Status Run(int64_t rows) override {
-    return kernel_->Forward(
+  // One Forward over the whole launch into staging, then a copy per piece:
+  // the CPU backend serves tests and small hosts, where one parallel pass
+  // beats a pass per (maybe tiny) chunk.
+  absl::Status Run(int64_t rows, absl::Span<const YDestination> outputs,
+                   ProjectionRunStats* stats) override {
+    const int64_t capacity = static_cast<int64_t>(x_.size() / kernels::kProjectionInDim);
+    if (absl::Status s = CheckLaunch(rows, capacity, outputs); !s.ok()) return s;
+    if (rows == 0) return absl::OkStatus();
+    absl::Status status = kernel_->Forward(
         absl::MakeConstSpan(x_.data(), rows * kernels::kProjectionInDim), rows,
         absl::MakeSpan(y_.data(), rows * kernels::kProjectionOutDim));
+    if (!status.ok()) return status;
+    const double copy_out = CopyOutOfStaging(y_.data(), outputs);
+    if (stats != nullptr) stats->copy_out_seconds = copy_out;
+    return absl::OkStatus();
   }
 
  private:

@@ -1,11 +1,18 @@
 // The projection on the GPU: kernels/cuda/projection_cuda with pinned
-// staging and a stream per executor. Same bits as the CPU backend.
+// staging for X, a stream per executor, and Y copied from the device
+// straight into the chunk buffers, which are pinned memory from the
+// backend's pool. Same bits as the CPU backend.
 #include <cuda_runtime_api.h>
 
+#include <cstring>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "kernels/cuda/kernel_kind.h"
 #include "kernels/cuda/projection_cuda.h"
 #include "kernels/projection.h"
+#include "server/backends/caching_host_buffer_pool.h"
 #include "server/backends/cuda_buffers.h"
 #include "server/backends/projection_backend.h"
 
@@ -14,6 +21,44 @@ namespace {
 
 using kernels::kProjectionInDim;
 using kernels::kProjectionOutDim;
+
+constexpr size_t kRowBytes = kProjectionOutDim * sizeof(float);
+
+// Memory the device can copy into asynchronously (cudaHostAlloc'd or
+// registered), as opposed to pageable memory.
+bool IsPinned(const void* ptr) {
+  cudaPointerAttributes attributes;
+  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeHost;
+}
+
+// The backend's chunk buffers: pinned on `device`, recycled by the pool.
+absl::StatusOr<std::shared_ptr<HostBufferPool>> NewPinnedPool(
+    int device, int64_t max_cached_bytes) {
+  CachingHostBufferPool::Options options;
+  options.max_cached_bytes = max_cached_bytes;
+  options.memory_name = "pinned";
+  options.allocate = [device](size_t bytes) -> void* {
+    void* data = nullptr;
+    if (cudaSetDevice(device) != cudaSuccess ||
+        cudaHostAlloc(&data, bytes, cudaHostAllocDefault) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return data;
+  };
+  // The releasing thread may be any of gRPC's, with no device set.
+  options.free = [device](void* data) {
+    cudaSetDevice(device);
+    cudaFreeHost(data);
+  };
+  auto pool = CachingHostBufferPool::Create(options);
+  if (!pool.ok()) return pool.status();
+  return std::shared_ptr<HostBufferPool>(*std::move(pool));
+}
 
 class CudaProjectionExecutor final : public ProjectionExecutor {
  public:
@@ -26,10 +71,9 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
         cudaStreamCreateWithFlags(&executor->stream_, cudaStreamNonBlocking),
         "cudaStreamCreate");
     const size_t x_bytes = capacity * kProjectionInDim * sizeof(float);
-    const size_t y_bytes = capacity * kProjectionOutDim * sizeof(float);
-    for (auto [buffer, bytes] : {std::pair{&executor->host_x_, x_bytes},
-                                 {&executor->host_y_, y_bytes}}) {
-      if (absl::Status s = buffer->Allocate(bytes, "cudaHostAlloc"); !s.ok()) return s;
+    const size_t y_bytes = capacity * kRowBytes;
+    if (absl::Status s = executor->host_x_.Allocate(x_bytes, "cudaHostAlloc"); !s.ok()) {
+      return s;
     }
     for (auto [buffer, bytes] : {std::pair{&executor->x_, x_bytes},
                                  {&executor->y_, y_bytes}}) {
@@ -42,12 +86,17 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
-  ProjectionStaging staging() override {
-    return {capacity_, host_x_.as<float>(), host_y_.as<float>()};
-  }
+  ProjectionStaging staging() override { return {capacity_, host_x_.as<float>()}; }
 
-  absl::Status Run(int64_t rows) override {
-    if (rows > capacity_) return absl::InternalError("batch exceeds staging");
+  // Each piece of Y goes from the device straight into its destination when
+  // that is pinned (the backend's chunk buffers), so no pass over Y runs on
+  // the host. A pageable destination (a chunk buffer that fell back to the
+  // heap) goes through pinned staging and a host copy, today's speed for
+  // it; a device copy into pageable memory would block this thread and run
+  // slower.
+  absl::Status Run(int64_t rows, absl::Span<const YDestination> outputs,
+                   ProjectionRunStats* stats) override {
+    if (absl::Status s = CheckLaunch(rows, capacity_, outputs); !s.ok()) return s;
     if (rows == 0) return absl::OkStatus();
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     DETLOGP_RETURN_IF_CUDA_ERROR(
@@ -61,12 +110,41 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
       cudaStreamSynchronize(stream_);
       return s;
     }
-    DETLOGP_RETURN_IF_CUDA_ERROR(
-        cudaMemcpyAsync(host_y_.as<void>(), y_.as<void>(),
-                        rows * kProjectionOutDim * sizeof(float),
-                        cudaMemcpyDeviceToHost, stream_),
-        "copy y to host");
-    return CudaStatus(cudaStreamSynchronize(stream_), "projection on the GPU");
+    struct Staged {
+      float* to;
+      const float* from;
+      size_t bytes;
+    };
+    std::vector<Staged> staged;
+    int64_t offset = 0;
+    for (const YDestination& output : outputs) {
+      const size_t bytes = output.rows * kRowBytes;
+      const char* from = y_.as<const char>() + offset * kRowBytes;
+      void* to = output.y;
+      if (!IsPinned(output.y) &&
+          host_y_.Reserve(capacity_ * kRowBytes, "cudaHostAlloc").ok()) {
+        to = host_y_.as<char>() + offset * kRowBytes;
+        staged.push_back({output.y, reinterpret_cast<const float*>(to), bytes});
+      }
+      if (absl::Status s = CudaStatus(
+              cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToHost, stream_),
+              "copy y to host");
+          !s.ok()) {
+        cudaStreamSynchronize(stream_);
+        return s;
+      }
+      offset += output.rows;
+    }
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(stream_),
+                                 "projection on the GPU");
+    if (!staged.empty()) {
+      const absl::Time start = absl::Now();
+      for (const Staged& piece : staged) std::memcpy(piece.to, piece.from, piece.bytes);
+      if (stats != nullptr) {
+        stats->copy_out_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+      }
+    }
+    return absl::OkStatus();
   }
 
  private:
@@ -78,7 +156,8 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
   const int device_;
   const int64_t capacity_;
   cudaStream_t stream_ = nullptr;
-  PinnedBuffer host_x_, host_y_;
+  PinnedBuffer host_x_;
+  PinnedBuffer host_y_;  // only once a destination is pageable
   DeviceBuffer x_, y_;
 };
 
@@ -152,11 +231,15 @@ class CudaProjectionBackend final : public ProjectionBackend {
         kernels::cuda::kPortablePtxArch, driver_version,
         kernels::cuda::kPortableSassArchs);
     backend->description_.kernel_version = kernels::ProjectionCuda::KernelVersion();
-    // Each launch copies its output out of pinned staging on its own
-    // thread (~45 MB per 2048 rows); on the H200 host four videos at once
-    // went from 4.9 GB/s with two launches in flight to 9.1 with four
-    // (docs/perf.md, "H3 projection streaming, session 10").
+    // Measured when each launch still copied its output out of pinned
+    // staging on its own thread (~45 MB per 2048 rows): on the H200 host
+    // four videos at once went from 4.9 GB/s with two launches in flight to
+    // 9.1 with four (docs/perf.md, "H3 projection streaming, session 10").
+    // Now Y goes straight into the pinned chunks; still 4 until measured.
     backend->description_.preferred_inflight_batches = 4;
+    auto pool = NewPinnedPool(device, options.max_cached_host_buffer_bytes);
+    if (!pool.ok()) return pool.status();
+    backend->host_buffers_ = *std::move(pool);
     return std::unique_ptr<ProjectionBackend>(std::move(backend));
   }
 
@@ -169,9 +252,13 @@ class CudaProjectionBackend final : public ProjectionBackend {
     return std::unique_ptr<ProjectionExecutor>(*std::move(executor));
   }
 
+  std::shared_ptr<HostBufferPool> host_buffer_pool() override { return host_buffers_; }
+
  private:
   CudaProjectionBackend() = default;
   int device_ = 0;
+  // Shared with the service and every buffer out, which may outlive this.
+  std::shared_ptr<HostBufferPool> host_buffers_;
   std::unique_ptr<kernels::ProjectionCuda> kernel_;
   BackendDescription description_;
 };

@@ -1,5 +1,6 @@
 #include "server/batching/projection_scheduler.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/memory/memory.h"
@@ -9,7 +10,6 @@
 namespace detlogp::server {
 
 using kernels::kProjectionInDim;
-using kernels::kProjectionOutDim;
 
 absl::StatusOr<std::unique_ptr<ProjectionScheduler>> ProjectionScheduler::Create(
     const Options& options, ProjectionBackend* backend) {
@@ -77,30 +77,26 @@ void ProjectionScheduler::Loop(ProjectionExecutor* executor) {
       }
     }
     const absl::Time taken = absl::Now();
+    std::vector<YDestination> outputs;
+    outputs.reserve(launch.size());
     int64_t offset = 0;
     for (const Chunk& chunk : launch) {
       std::memcpy(staging.x + offset * kProjectionInDim, chunk.x,
                   chunk.rows * kProjectionInDim * sizeof(float));
+      outputs.push_back({chunk.y, chunk.rows});
       offset += chunk.rows;
     }
-    const absl::Status status = executor->Run(rows);
+    ProjectionRunStats stats;
+    const absl::Status status = executor->Run(rows, outputs, &stats);
     const absl::Time ran = absl::Now();
-    absl::Duration copy_out;
-    offset = 0;
-    for (Chunk& chunk : launch) {
-      if (status.ok()) {
-        const absl::Time start = absl::Now();
-        std::memcpy(chunk.y, staging.y + offset * kProjectionOutDim,
-                    chunk.rows * kProjectionOutDim * sizeof(float));
-        copy_out += absl::Now() - start;
-      }
-      offset += chunk.rows;
-      chunk.done(status);
-    }
+    for (Chunk& chunk : launch) chunk.done(status);
     if (options_.on_launch) {
+      // Run's time less its host copy-out, so run_seconds means what it
+      // did when the scheduler did the copy.
+      const double run = absl::ToDoubleSeconds(ran - taken);
       options_.on_launch({rows, absl::ToDoubleSeconds(taken - oldest),
-                          absl::ToDoubleSeconds(ran - taken),
-                          absl::ToDoubleSeconds(copy_out)});
+                          std::max(0.0, run - stats.copy_out_seconds),
+                          stats.copy_out_seconds});
     }
   }
 }

@@ -1,7 +1,11 @@
 // Runs projection chunks from every stream on the projection backend's
 // executors. Chunks queued together share one launch (up to
 // max_launch_rows rows): each row's bits are independent of its neighbours,
-// so pooling changes speed only.
+// so pooling changes speed only. A launch copies its chunks' X into the
+// executor's staging and hands the executor each chunk's y as that piece's
+// destination: the CUDA executor copies Y from the device straight into it
+// (the chunk buffers are its backend's pinned memory), so no pass over Y
+// runs on the host; the CPU executor computes into staging and copies.
 #ifndef DETLOGP_SERVER_BATCHING_PROJECTION_SCHEDULER_H_
 #define DETLOGP_SERVER_BATCHING_PROJECTION_SCHEDULER_H_
 
@@ -26,8 +30,11 @@ class ProjectionScheduler {
   struct LaunchTimings {
     int64_t rows = 0;
     double queue_delay_seconds = 0;  // its oldest chunk, scheduled to taken
-    double run_seconds = 0;          // copying X in and the backend's Run
-    double copy_out_seconds = 0;     // Y from staging into the chunks
+    double run_seconds = 0;          // copying X in and the backend's Run,
+                                     // less copy_out_seconds
+    double copy_out_seconds = 0;     // Y copied on the host from the
+                                     // executor's staging into the chunks
+                                     // (~0 when the device wrote them)
   };
 
   struct Options {
@@ -38,7 +45,8 @@ class ProjectionScheduler {
   };
 
   // Rows [0, rows) of x ([rows, 96]) projected into y ([rows, 5376]); both
-  // stay valid until `done` runs.
+  // stay valid until `done` runs. y from the backend's host_buffer_pool()
+  // takes the backend's fastest path.
   struct Chunk {
     const float* x = nullptr;
     float* y = nullptr;

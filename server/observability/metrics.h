@@ -28,7 +28,8 @@
 //   detlogp_projection_queue_delay_seconds   histogram: oldest chunk's wait
 //   detlogp_projection_run_seconds           histogram: backend time per launch
 //   detlogp_projection_copy_out_seconds      histogram: copying a launch's Y
-//                                            into its chunks
+//                                            into its chunks on the host (~0
+//                                            when the GPU wrote them)
 //
 // Names, types, label names and values and bucket bounds are those of the
 // hand-written registry this replaced; dashboards depend on them. Requests,

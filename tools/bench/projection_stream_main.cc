@@ -85,7 +85,9 @@ namespace {
 using kernels::kProjectionInDim;
 using kernels::kProjectionOutDim;
 
-// Run returns at once; y holds a fixed pattern written once.
+// Run returns once it has copied a fixed pattern (written once) into the
+// chunks: the host copy-out of the CPU backend and of the CUDA backend
+// before its chunks were pinned.
 class InstantProjectionBackend final : public server::ProjectionBackend {
  public:
   InstantProjectionBackend() { description_.name = "instant"; }
@@ -104,8 +106,13 @@ class InstantProjectionBackend final : public server::ProjectionBackend {
         : rows_(rows), x_(rows * kProjectionInDim), y_(rows * kProjectionOutDim) {
       for (size_t i = 0; i < y_.size(); ++i) y_[i] = static_cast<float>(i % 977);
     }
-    server::ProjectionStaging staging() override { return {rows_, x_.data(), y_.data()}; }
-    absl::Status Run(int64_t) override { return absl::OkStatus(); }
+    server::ProjectionStaging staging() override { return {rows_, x_.data()}; }
+    absl::Status Run(int64_t, absl::Span<const server::YDestination> outputs,
+                     server::ProjectionRunStats* stats) override {
+      const double copy_out = server::CopyOutOfStaging(y_.data(), outputs);
+      if (stats != nullptr) stats->copy_out_seconds = copy_out;
+      return absl::OkStatus();
+    }
 
    private:
     int64_t rows_;
