@@ -95,11 +95,15 @@ ABSL_FLAG(std::string, projection_bias_tensor, "proj.bias",
 ABSL_FLAG(int64_t, projection_max_launch_rows, 2048,
           "Projection rows per launch (also the largest rows_per_chunk).");
 ABSL_FLAG(int, projection_threads, 0,
-          "Projection launches in flight at once (each copies its output "
-          "out on its own thread); 0: the backend's preference.");
+          "Projection launches in flight at once (each with its own staging "
+          "and GPU stream); 0: the backend's preference.");
 ABSL_FLAG(int64_t, projection_stream_buffer_mb, 64,
           "Output MiB one projection stream may hold in chunk buffers "
           "(computed, waiting or being written; two chunks at least).");
+ABSL_FLAG(int64_t, projection_chunk_cache_mb, 1024,
+          "MiB of released projection chunk buffers kept for reuse when the "
+          "backend allocates its own (CUDA: pinned memory, costly to pin "
+          "again); buffers beyond it are freed.");
 ABSL_FLAG(int, batch_threads, 0,
           "Batches in flight at once; 0: the backend's preference.");
 ABSL_FLAG(int64_t, batch_overlap_rows, -1,
@@ -287,6 +291,8 @@ int main(int argc, char** argv) {
   options.projection_threads = absl::GetFlag(FLAGS_projection_threads);
   options.projection_stream_buffer_bytes =
       absl::GetFlag(FLAGS_projection_stream_buffer_mb) << 20;
+  options.projection_chunk_cache_bytes =
+      absl::GetFlag(FLAGS_projection_chunk_cache_mb) << 20;
 
   auto server =
       detlogp::server::Server::BuildAndStart(options, *std::move(models),

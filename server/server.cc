@@ -78,6 +78,7 @@ absl::Status StartProjection(const Server::Options& options,
   ProjectionBackendOptions backend_options;
   backend_options.weights = weights;
   backend_options.cpu_threads = options.cpu_threads;
+  backend_options.max_cached_host_buffer_bytes = options.projection_chunk_cache_bytes;
   std::vector<std::string> notes;
   auto created = registry.Create(options.device, backend_options, &notes);
   if (!created.ok()) return created.status();
@@ -147,6 +148,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     return absl::InvalidArgumentError(absl::StrCat(
         "--projection_stream_buffer_mb must be positive, got ",
         options.projection_stream_buffer_bytes >> 20));
+  }
+  if (options.projection_chunk_cache_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--projection_chunk_cache_mb must be >= 0, got ",
+        options.projection_chunk_cache_bytes >> 20));
   }
   if (options.projection_threads < 0 || options.projection_threads > 64) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -319,6 +325,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       ProjectionDeterminismKey(*server->projection_weights_);
   projection_options.on_call_done = service_options.on_call_done;
   projection_options.authenticator = server->authenticator_.get();
+  projection_options.chunk_buffers = server->projection_backend_->host_buffer_pool();
   projection_options.on_stream_timings =
       [metrics](const ProjectionServiceImpl::StreamTimings& t) {
         metrics->ObserveProjectionStream(t.chunks, t.write_seconds,

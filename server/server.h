@@ -103,6 +103,9 @@ class Server {
     int projection_threads = 0;
     int64_t projection_default_rows_per_chunk = 512;
     int64_t projection_stream_buffer_bytes = int64_t{64} << 20;
+    // Bytes of released projection chunk buffers kept for reuse by a
+    // backend that allocates its own (CUDA: pinned memory).
+    int64_t projection_chunk_cache_bytes = int64_t{1} << 30;
   };
 
   static absl::StatusOr<std::unique_ptr<Server>> BuildAndStart(

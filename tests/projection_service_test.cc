@@ -6,6 +6,8 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -17,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "client/logp_client.h"
 #include "kernels/projection.h"
+#include "server/backends/caching_host_buffer_pool.h"
 #include "server/backends/projection_backend.h"
 #include "server/batching/projection_scheduler.h"
 #include "server/models/projection_weights.h"
@@ -276,9 +279,24 @@ TEST(ProjectionServiceInProcessTest, ASlowReadersStreamHoldsAtMostItsBufferBudge
   absl::Mutex mu;
   std::vector<server::ProjectionServiceImpl::StreamTimings> streams;
   absl::Notification stream_done;
+  // Chunk buffers from a recycling pool (the CUDA backend's, with malloc
+  // in place of cudaHostAlloc), counted.
+  std::atomic<int> allocations{0}, frees{0};
+  server::CachingHostBufferPool::Options pool_options;
+  pool_options.allocate = [&](size_t bytes) {
+    ++allocations;
+    return std::malloc(bytes);
+  };
+  pool_options.free = [&](void* data) {
+    ++frees;
+    std::free(data);
+  };
+  std::shared_ptr<server::CachingHostBufferPool> pool =
+      *server::CachingHostBufferPool::Create(pool_options);
   server::ProjectionServiceImpl::Options options;
   options.determinism_key = "key";
   options.max_stream_buffer_bytes = 3 * kChunkBytes;
+  options.chunk_buffers = pool;
   options.on_stream_timings = [&](const server::ProjectionServiceImpl::StreamTimings& t) {
     absl::MutexLock lock(&mu);
     streams.push_back(t);
@@ -338,6 +356,19 @@ TEST(ProjectionServiceInProcessTest, ASlowReadersStreamHoldsAtMostItsBufferBudge
   EXPECT_LE(streams[0].buffers_allocated, 6);
   grpc_server->Shutdown();
   (*scheduler)->Stop();
+  // Every chunk buffer came from the pool, and is back in it once gRPC let
+  // go; the pool frees them when its last reference goes.
+  EXPECT_EQ(allocations.load(), streams[0].buffers_allocated);
+  // (The call frees its slots just after reporting its timings.)
+  for (int i = 0; i < 500 && pool->stats().cached_bytes <
+                                 allocations.load() * kChunkBytes; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(pool->stats().cached_bytes, allocations.load() * kChunkBytes);
+  EXPECT_EQ(frees.load(), 0);
+  pool.reset();
+  options.chunk_buffers.reset();
+  EXPECT_EQ(frees.load(), 0);  // the service still holds it
 }
 
 }  // namespace

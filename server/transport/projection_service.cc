@@ -104,15 +104,16 @@ std::string ResponseTail(const std::string& determinism_key) {
 // One chunk's output, lent to gRPC as the y.data slice of a response: the
 // slice holds a reference, and `lent` stays true until gRPC drops it (after
 // the bytes went to the socket), so a buffer is refilled only once gRPC is
-// done reading it.
+// done reading it. Its memory goes back to its pool when the last reference
+// goes (the pool stays alive for it, even after the service).
 class ChunkBuffer {
  public:
-  explicit ChunkBuffer(int64_t bytes) : data_(new char[bytes]), bytes_(bytes) {}
+  explicit ChunkBuffer(HostBuffer memory) : memory_(std::move(memory)) {}
   ChunkBuffer(const ChunkBuffer&) = delete;
   ChunkBuffer& operator=(const ChunkBuffer&) = delete;
 
-  char* data() { return data_.get(); }
-  int64_t bytes() const { return bytes_; }
+  char* data() { return memory_.data(); }
+  int64_t bytes() const { return static_cast<int64_t>(memory_.bytes()); }
   bool lent() const { return lent_.load(std::memory_order_acquire); }
 
   // A slice over the first `bytes` of `buffer`.
@@ -132,8 +133,7 @@ class ChunkBuffer {
     delete buffer;
   }
 
-  std::unique_ptr<char[]> data_;  // left uninitialised: Y overwrites it
-  const int64_t bytes_;
+  const HostBuffer memory_;  // left uninitialised: Y overwrites it
   std::atomic<bool> lent_{false};
 };
 
@@ -245,7 +245,8 @@ class ProjectionServiceImpl::ProjectCall final
     // A buffer gRPC still reads from (its write is done, the socket has not
     // taken every byte yet) is left to gRPC, which frees it; rare.
     if (slot->buffer == nullptr || slot->buffer->lent()) {
-      slot->buffer = std::make_shared<ChunkBuffer>(chunk_rows_ * kRowBytes);
+      slot->buffer = std::make_shared<ChunkBuffer>(service_->chunk_buffers_->Acquire(
+          static_cast<size_t>(chunk_rows_ * kRowBytes)));
       ++timings_.buffers_allocated;
     }
     slot->chunk = chunk;
@@ -351,7 +352,10 @@ class ProjectionServiceImpl::ProjectCall final
 
 ProjectionServiceImpl::ProjectionServiceImpl(const Options& options,
                                              ProjectionScheduler* scheduler)
-    : options_(options), scheduler_(scheduler) {}
+    : options_(options),
+      scheduler_(scheduler),
+      chunk_buffers_(options.chunk_buffers != nullptr ? options.chunk_buffers
+                                                      : NewHeapHostBufferPool()) {}
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ProjectionServiceImpl::Project(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {

@@ -8,19 +8,23 @@
 //
 // Responses go out as ready-made wire bytes (the method is registered raw):
 // a small protobuf header, then the chunk's buffer itself as the `y.data`
-// bytes, then the determinism key. The scheduler writes Y straight into that
+// bytes, then the determinism key. The executor writes Y straight into that
 // buffer and gRPC sends it from there, so a chunk is never serialised or
 // copied into a message; clients parse the same ProjectResponse as before.
+// The buffers come from the projection backend's HostBufferPool (pinned
+// memory on CUDA, which the device copies Y into directly).
 #ifndef DETLOGP_SERVER_TRANSPORT_PROJECTION_SERVICE_H_
 #define DETLOGP_SERVER_TRANSPORT_PROJECTION_SERVICE_H_
 
 #include <grpcpp/support/byte_buffer.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
+#include "server/backends/host_buffer_pool.h"
 #include "server/batching/projection_scheduler.h"
 #include "server/transport/auth.h"
 
@@ -56,6 +60,9 @@ class ProjectionServiceImpl final
     // Called once per stream that got past validation, when it is done
     // (the server's metrics; tests and the benchmark).
     std::function<void(const StreamTimings&)> on_stream_timings;
+    // Where chunk buffers come from: the projection backend's
+    // host_buffer_pool(); null is plain heap memory.
+    std::shared_ptr<HostBufferPool> chunk_buffers;
   };
 
   // `scheduler` outlives the service.
@@ -69,6 +76,7 @@ class ProjectionServiceImpl final
 
   const Options options_;
   ProjectionScheduler* const scheduler_;
+  const std::shared_ptr<HostBufferPool> chunk_buffers_;  // never null
 };
 
 }  // namespace detlogp::server
