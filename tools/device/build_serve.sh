@@ -8,14 +8,14 @@ source tools/device/common.sh
 bazel build //server:detlogp_server //client:detlogp_cli //tools/bench:serve_throughput \
   //tools/bench:swap_under_load //tools/bench:projection_stream //tests:live_weights_test \
   //tests/cuda:linear_logp_cuda_test //tests/cuda:linear_logp_portable_test \
-  //tests/cuda:projection_cuda_test >&2
+  //tests/cuda:projection_cuda_test //tests/cuda:projection_backend_cuda_test >&2
 out=.device/serve
 rm -rf "$out" && mkdir -p "$out/lib"
 binaries=()
 for binary in server/detlogp_server client/detlogp_cli tools/bench/serve_throughput \
     tools/bench/swap_under_load tools/bench/projection_stream tests/live_weights_test \
     tests/cuda/linear_logp_cuda_test tests/cuda/linear_logp_portable_test \
-    tests/cuda/projection_cuda_test; do
+    tests/cuda/projection_cuda_test tests/cuda/projection_backend_cuda_test; do
   cp -f "bazel-bin/$binary" "$out/"
   binaries+=("bazel-bin/$binary")
 done

@@ -43,7 +43,7 @@ load_phase() {
 # SWEEP_ONLY=1 runs the sweep alone (server configurations, no tests).
 if [[ "${SWEEP_ONLY:-0}" != 1 ]]; then
 echo "== GPU tests"
-for test in linear_logp_cuda_test projection_cuda_test; do
+for test in linear_logp_cuda_test projection_cuda_test projection_backend_cuda_test; do
   "$dir/$test" > "$OUT/$test.log" 2>&1 || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|tests? from .* ran" "$OUT/$test.log"
   # On a GPU machine every case must run: none skipped, and more than zero.
