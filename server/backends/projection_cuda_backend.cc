@@ -121,8 +121,7 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
       const size_t bytes = output.rows * kRowBytes;
       const char* from = y_.as<const char>() + offset * kRowBytes;
       void* to = output.y;
-      if (!IsPinned(output.y) &&
-          host_y_.Reserve(capacity_ * kRowBytes, "cudaHostAlloc").ok()) {
+      if (!IsPinned(output.y) && HasYStaging()) {
         to = host_y_.as<char>() + offset * kRowBytes;
         staged.push_back({output.y, reinterpret_cast<const float*>(to), bytes});
       }
@@ -152,12 +151,24 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
                          int64_t capacity)
       : kernel_(kernel), device_(device), capacity_(capacity) {}
 
+  // Pinned staging for pageable destinations, allocated on first need; if
+  // pinning fails, such pieces are copied into pageable memory directly
+  // (slower, blocking) without trying again every launch.
+  bool HasYStaging() {
+    if (host_y_.bytes() == 0 && !y_staging_failed_) {
+      y_staging_failed_ = !host_y_.Reserve(capacity_ * kRowBytes, "cudaHostAlloc").ok();
+      if (y_staging_failed_) cudaGetLastError();
+    }
+    return !y_staging_failed_;
+  }
+
   const kernels::ProjectionCuda* kernel_;
   const int device_;
   const int64_t capacity_;
   cudaStream_t stream_ = nullptr;
   PinnedBuffer host_x_;
   PinnedBuffer host_y_;  // only once a destination is pageable
+  bool y_staging_failed_ = false;
   DeviceBuffer x_, y_;
 };
 
