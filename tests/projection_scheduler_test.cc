@@ -85,6 +85,33 @@ class FakeProjectionBackend final : public ProjectionBackend {
   std::vector<std::vector<YDestination>> destinations_ ABSL_GUARDED_BY(mu_);
 };
 
+// Schedules chunk i (rows sizes[i], X xs[i], Y ys[i]) for every i: the
+// first holds the backend's only executor until the rest have queued behind
+// it, then runs out. Returns how many chunks finished OK.
+int ScheduleBehindFirst(FakeProjectionBackend* backend,
+                        ProjectionScheduler* scheduler,
+                        const std::vector<int64_t>& sizes,
+                        const std::vector<std::vector<float>>& xs,
+                        std::vector<std::vector<float>>& ys) {
+  std::atomic<int> done{0};
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    ProjectionScheduler::Chunk chunk;
+    chunk.x = xs[i].data();
+    chunk.y = ys[i].data();
+    chunk.rows = sizes[i];
+    chunk.done = [&](absl::Status s) {
+      EXPECT_TRUE(s.ok()) << s;
+      if (s.ok()) ++done;
+    };
+    EXPECT_TRUE(scheduler->Schedule(std::move(chunk)).ok());
+    if (i == 0) absl::SleepFor(absl::Milliseconds(50));  // the first runs
+  }
+  absl::SleepFor(absl::Milliseconds(20));
+  backend->release_first.Notify();
+  scheduler->Stop();
+  return done.load();
+}
+
 TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
   FakeProjectionBackend backend;
   auto scheduler = *ProjectionScheduler::Create({64, 1}, &backend);
@@ -97,23 +124,7 @@ TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
     ys.emplace_back(sizes[i] * kProjectionOutDim, -1.0f);
     for (int64_t r = 0; r < sizes[i]; ++r) xs[i][r * kProjectionInDim] = 100.0f * i + r;
   }
-  std::atomic<int> done{0};
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    ProjectionScheduler::Chunk chunk;
-    chunk.x = xs[i].data();
-    chunk.y = ys[i].data();
-    chunk.rows = sizes[i];
-    chunk.done = [&](absl::Status s) {
-      EXPECT_TRUE(s.ok());
-      ++done;
-    };
-    ASSERT_TRUE(scheduler->Schedule(std::move(chunk)).ok());
-    if (i == 0) absl::SleepFor(absl::Milliseconds(50));  // A is running
-  }
-  absl::SleepFor(absl::Milliseconds(20));
-  backend.release_first.Notify();
-  scheduler->Stop();
-  EXPECT_EQ(done.load(), 4);
+  EXPECT_EQ(ScheduleBehindFirst(&backend, scheduler.get(), sizes, xs, ys), 4);
   EXPECT_EQ(backend.launches(), (std::vector<int64_t>{3, 21}));
   // The shared launch named each chunk's own buffer, in queue order.
   const auto destinations = backend.destinations();
@@ -196,23 +207,8 @@ TEST(ProjectionSchedulerTest, EveryChunkOfALaunchGetsItsOwnRows) {
     ys.emplace_back((sizes[i] + 1) * kProjectionOutDim, kGuard);
     for (int64_t r = 0; r < sizes[i]; ++r) xs[i][r * kProjectionInDim] = 1000.0f * i + r;
   }
-  std::atomic<int> done{0};
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    ProjectionScheduler::Chunk chunk;
-    chunk.x = xs[i].data();
-    chunk.y = ys[i].data();
-    chunk.rows = sizes[i];
-    chunk.done = [&](absl::Status s) {
-      EXPECT_TRUE(s.ok()) << s;
-      ++done;
-    };
-    ASSERT_TRUE(scheduler->Schedule(std::move(chunk)).ok());
-    if (i == 0) absl::SleepFor(absl::Milliseconds(30));
-  }
-  absl::SleepFor(absl::Milliseconds(20));
-  backend.release_first.Notify();
-  scheduler->Stop();
-  EXPECT_EQ(done.load(), static_cast<int>(sizes.size()));
+  EXPECT_EQ(ScheduleBehindFirst(&backend, scheduler.get(), sizes, xs, ys),
+            static_cast<int>(sizes.size()));
   const std::vector<int64_t> launches = backend.launches();
   ASSERT_EQ(launches.size(), 2u);
   EXPECT_EQ(launches[1], 231);  // 1 + 2 + ... + 89 - the first chunk
