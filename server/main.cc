@@ -10,7 +10,9 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/str_join.h"
 #include "server/models/lm_head_weights.h"
 #include "server/server.h"
@@ -218,6 +220,18 @@ absl::StatusOr<detlogp::server::ProjectionWeights> LoadProjection() {
   return detlogp::server::LoadProjectionWeights(source);
 }
 
+// A MiB-valued flag as bytes: INVALID_ARGUMENT naming the flag outside
+// [min_mib, max_mib] (a shift of a huge or negative value would overflow
+// or be undefined).
+absl::StatusOr<int64_t> FlagMebibytes(absl::string_view flag, int64_t mib,
+                                      int64_t min_mib, int64_t max_mib) {
+  if (mib < min_mib || mib > max_mib) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, "=", mib, " is outside [", min_mib, ", ", max_mib, "] MiB"));
+  }
+  return mib * (int64_t{1} << 20);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -263,7 +277,23 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
   options.logp_kernel = absl::GetFlag(FLAGS_logp_kernel);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
+  // gRPC's message limits are ints: at most 2047 MiB.
+  auto max_message_bytes =
+      FlagMebibytes("max_message_mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047);
+  auto stream_buffer_bytes = FlagMebibytes(
+      "projection_stream_buffer_mb",
+      absl::GetFlag(FLAGS_projection_stream_buffer_mb), 1, int64_t{1} << 30);
+  auto chunk_cache_bytes = FlagMebibytes(
+      "projection_chunk_cache_mb",
+      absl::GetFlag(FLAGS_projection_chunk_cache_mb), 0, int64_t{1} << 30);
+  for (const auto* bytes :
+       {&max_message_bytes, &stream_buffer_bytes, &chunk_cache_bytes}) {
+    if (!bytes->ok()) {
+      spdlog::error("{}", bytes->status().ToString());
+      return 2;
+    }
+  }
+  options.max_message_bytes = static_cast<int>(*max_message_bytes);
   options.max_request_rows = absl::GetFlag(FLAGS_max_request_rows);
   options.max_top_k = absl::GetFlag(FLAGS_max_top_k);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
@@ -289,10 +319,8 @@ int main(int argc, char** argv) {
   options.projection_max_launch_rows =
       absl::GetFlag(FLAGS_projection_max_launch_rows);
   options.projection_threads = absl::GetFlag(FLAGS_projection_threads);
-  options.projection_stream_buffer_bytes =
-      absl::GetFlag(FLAGS_projection_stream_buffer_mb) << 20;
-  options.projection_chunk_cache_bytes =
-      absl::GetFlag(FLAGS_projection_chunk_cache_mb) << 20;
+  options.projection_stream_buffer_bytes = *stream_buffer_bytes;
+  options.projection_chunk_cache_bytes = *chunk_cache_bytes;
 
   auto server =
       detlogp::server::Server::BuildAndStart(options, *std::move(models),

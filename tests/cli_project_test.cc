@@ -321,6 +321,20 @@ TEST(CliProjectTest, ProjectionThreadsFlagIsCheckedAtStartUp) {
   }
 }
 
+TEST(CliProjectTest, MebibyteFlagsAreCheckedAtStartUp) {
+  for (const char* bad :
+       {"--max_message_mb=0", "--max_message_mb=2048",
+        "--projection_stream_buffer_mb=0",
+        "--projection_stream_buffer_mb=1099511627776",
+        "--projection_chunk_cache_mb=-1",
+        "--projection_chunk_cache_mb=9223372036854775807"}) {
+    auto server = ServerProcess::Start({"--device=cpu", bad});
+    ASSERT_FALSE(server.ok()) << bad;
+    EXPECT_NE(server.status().message().find(bad), std::string::npos)
+        << server.status();
+  }
+}
+
 // A server that dies while interleaved calls stream ends every call: the
 // caller gets an error, no thread is left waiting for a chunk that will
 // never come.
