@@ -149,15 +149,23 @@ absl::StatusOr<std::unique_ptr<LogpClient>> Connect() {
   return LogpClient::Create(ConnectionOptions());
 }
 
-ModelRepositoryClient::Options AdminOptions() {
+absl::StatusOr<ModelRepositoryClient::Options> AdminOptions() {
+  // Checked before it becomes bytes: a huge value would overflow.
+  const int64_t chunk_mb = absl::GetFlag(FLAGS_chunk_mb);
+  if (chunk_mb < 1 || chunk_mb > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--chunk_mb=", chunk_mb, " is outside [1, 1024]"));
+  }
   ModelRepositoryClient::Options options;
   options.admin_token = FirstLine(absl::GetFlag(FLAGS_admin_token_file));
-  options.chunk_bytes = absl::GetFlag(FLAGS_chunk_mb) << 20;
+  options.chunk_bytes = chunk_mb << 20;
   return options;
 }
 
 absl::StatusOr<std::unique_ptr<ModelRepositoryClient>> ConnectAdmin() {
-  return ModelRepositoryClient::Create(ConnectionOptions(), AdminOptions());
+  auto options = AdminOptions();
+  if (!options.ok()) return options.status();
+  return ModelRepositoryClient::Create(ConnectionOptions(), *options);
 }
 
 int Fail(const absl::Status& status) {
@@ -488,8 +496,10 @@ int Upload() {
   std::vector<std::string> targets =
       absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipWhitespace());
   if (targets.empty()) targets.push_back(absl::GetFlag(FLAGS_target));
+  auto admin = AdminOptions();
+  if (!admin.ok()) return Fail(admin.status());
   const detlogp::client::PushReport report = detlogp::client::PushToTargets(
-      targets, ConnectionOptions(), AdminOptions(), *upload);
+      targets, ConnectionOptions(), *admin, *upload);
   for (const detlogp::client::PushedVersion& pushed : report.targets) {
     if (pushed.version.ok()) {
       std::printf("target %s model %s version %lld weights_sha256 %s "

@@ -1304,6 +1304,13 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
                                "/v2.safetensors --bias_tensor=lm_head.bias" + on_a);
   EXPECT_NE(code, 0) << "no admin token";
   EXPECT_TRUE(absl::StrContains(out, "UNAUTHENTICATED")) << out;
+  for (const char* bad : {"--chunk_mb=0", "--chunk_mb=4096"}) {
+    std::tie(code, out) = RunCliAll("upload --model=policy --weights_file=" + dir +
+                                 "/v2.safetensors --bias_tensor=lm_head.bias " + bad +
+                                 admin + on_a);
+    EXPECT_NE(code, 0) << bad;
+    EXPECT_TRUE(absl::StrContains(out, bad)) << out;
+  }
 
   std::tie(code, out) = RunCliAll("load --model=policy --path=files/v3.safetensors "
                                "--bias_tensor=lm_head.bias" + admin + on_a);
