@@ -243,7 +243,8 @@ class ProjectionServiceImpl::ProjectCall final
     const int64_t first = chunk * chunk_rows_;
     const int64_t rows = std::min(chunk_rows_, rows_ - first);
     // A buffer gRPC still reads from (its write is done, the socket has not
-    // taken every byte yet) is left to gRPC, which frees it; rare.
+    // taken every byte yet) is left to gRPC, which returns it to the pool
+    // when done; rare.
     if (slot->buffer == nullptr || slot->buffer->lent()) {
       slot->buffer = std::make_shared<ChunkBuffer>(service_->chunk_buffers_->Acquire(
           static_cast<size_t>(chunk_rows_ * kRowBytes)));
