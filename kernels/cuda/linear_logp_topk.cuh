@@ -102,8 +102,17 @@ __device__ __forceinline__ uint32_t* RowScreenWords(const TopKParams& p,
   return p.top_screen + static_cast<int64_t>(row) * kScreenWords;
 }
 
+// The slot of one thread's columns of the tile starting at v0: 16 groups of
+// four (one per quad thread), the group a multiplicative hash of the tile's
+// start. Split and tile starts step by multiples of 32 columns that share
+// factors with 16 (a split of V = 151936 is ~36 units of 32), so the plain
+// (v0 / 32) mod 16 put the first tiles of a row's splits, which fold at the
+// same time, into 4 of the 16 groups, and their slots could not bound
+// anything (docs/perf.md, "Top-k, session 12").
 __device__ __forceinline__ int ScreenSlot(int v0, int quad) {
-  return ((v0 >> 5) * 4 + quad) & (kScreenSlots - 1);
+  static_assert(kScreenSlots == 64, "16 groups of 4");
+  const uint32_t tile = static_cast<uint32_t>(v0) >> 5;
+  return static_cast<int>((tile * 0x9E3779B1u) >> 28) * 4 + quad;
 }
 
 // The row's screen word (read through L2, where the atomics land), or -inf.
