@@ -207,8 +207,10 @@ __device__ __forceinline__ void UpdateStates(const float* m, const float* s,
 // target per row), writes z[target] where the thread holds it, and with
 // kTopK screens the tile into the rows' lists. loaded_screen: the rows'
 // shared screen words if the kernel loaded them ahead (LoadRowScreen), else
-// they are loaded here.
-template <int kW, bool kEntropy, bool kTopK>
+// they are loaded here. kSlotBound: how the top-k screens read the slots
+// (linear_logp_topk.cuh).
+template <int kW, bool kEntropy, bool kTopK,
+          SlotBoundKind kSlotBound = SlotBoundKind::kQuadLeast>
 __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
                                          int lane, int v0, int valid,
                                          const int* row, const float* inv_t,
@@ -234,8 +236,8 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
   UpdateStates<kEntropy>(m, s, t, state);
   if constexpr (kTopK) {
     float carried[2] = {state[0].screen, state[1].screen};
-    TopKTile<kW>(p.top, acc, lane, v0, row, inv_t, mx, shared, carried,
-                 lists);
+    TopKTile<kW, kSlotBound>(p.top, acc, lane, v0, row, inv_t, mx, shared,
+                             carried, lists);
     state[0].screen = carried[0];
     state[1].screen = carried[1];
   }

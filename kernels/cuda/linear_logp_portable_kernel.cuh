@@ -679,7 +679,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
           } else {
 #pragma unroll
             for (int m = 0; m < T::kWarpMFrags; ++m) {
-              epilogue::FoldTile<kBlockN, kEntropy, kTopK>(
+              epilogue::FoldTile<kBlockN, kEntropy, kTopK,
+                                 epilogue::SlotBoundKind::kMerged>(
                   ep, tile_acc + kFragAcc * m, lane, v0, end - v0, row + 2 * m,
                   inv_t + 2 * m, target + 2 * m, state + 2 * m, lists[m]);
             }

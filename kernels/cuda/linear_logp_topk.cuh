@@ -136,17 +136,53 @@ __device__ __forceinline__ float QuadLeastOfRthBest(const float* best, int r) {
   return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
 }
 
+// The k-th largest of the quad's values (`best`: kN per thread, sorted best
+// first; consumed), or -inf when they hold fewer than k real ones, k <= 4 kN:
+// a merge that pops the quad's largest head k times, the lowest lane on a
+// tie, so that k pops take k distinct values.
+template <int kN>
+__device__ __forceinline__ float QuadKthOfSorted(float* best, int k,
+                                                 int lane) {
+  constexpr unsigned kAll = 0xffffffffu;
+  float kth = -INFINITY;
+  for (int i = 0; i < k; ++i) {  // warp-uniform
+    float m = fmaxf(best[0], __shfl_xor_sync(kAll, best[0], 1));
+    m = fmaxf(m, __shfl_xor_sync(kAll, m, 2));
+    const unsigned holders =
+        (__ballot_sync(kAll, best[0] == m) >> (lane & ~3)) & 0xfu;
+    if ((lane & 3) == __ffs(holders) - 1) {
+#pragma unroll
+      for (int j = 0; j + 1 < kN; ++j) best[j] = best[j + 1];
+      best[kN - 1] = -INFINITY;
+    }
+    kth = m;
+  }
+  return kth;
+}
+
+// How SlotBound turns the quad's slots into a bound. Each thread reads 16
+// slots and keeps their 8 largest; then
+//   * kQuadLeast: the least of the four threads' r-th largest, r =
+//     ceil(k / 4) (the four have 4r >= k slots at or above it). Cheap, but
+//     -inf until every thread's 16 slots hold r values, as in a row's first
+//     tiles, when few slots are set.
+//   * kMerged: the k-th largest of the quad's 32 (QuadKthOfSorted): exact
+//     over the slots unless one thread holds more than 8 of their k best,
+//     and a bound either way (k distinct slots reach it); ~k merge steps.
+// Chosen per kernel by measurement (docs/perf.md, "Top-k, session 12"): the
+// merge pays in the portable kernel; in the Hopper kernel, whose epilogue
+// holds up the tensor cores, the cheap one is as fast or faster.
+enum class SlotBoundKind { kQuadLeast, kMerged };
+
 // A lower bound on the row's k-th best from its slots, or -inf; quad
-// collective (the row's four threads). Each thread reads 16 slots and takes
-// their r-th largest, r = ceil(k / 4); the least of the four has 4r >= k
-// slots at or above it.
+// collective (the row's four threads, all lanes of the warp present).
+template <SlotBoundKind kKind>
 __device__ __forceinline__ float SlotBound(const TopKParams& p, int row,
                                            int lane) {
-  constexpr int kMaxRank = 8;  // ceil(kMaxTopK / 4)
-  const int r = (p.top_k + 3) / 4;
-  float best[kMaxRank];
+  constexpr int kKept = 8;  // x 4 threads: 32, the largest k
+  float best[kKept];
 #pragma unroll
-  for (int i = 0; i < kMaxRank; ++i) best[i] = -INFINITY;
+  for (int i = 0; i < kKept; ++i) best[i] = -INFINITY;
   if (p.top_screen != nullptr && row < p.rows) {
     const uint4* slots = reinterpret_cast<const uint4*>(
         RowScreenWords(p, row) + (lane & 3) * (kScreenSlots / 4));
@@ -158,7 +194,7 @@ __device__ __forceinline__ float SlotBound(const TopKParams& p, int row,
       for (int c = 0; c < 4; ++c) {
         float v = ScreenValue(key[c]);
 #pragma unroll
-        for (int i = 0; i < kMaxRank; ++i) {  // keep the best kMaxRank
+        for (int i = 0; i < kKept; ++i) {  // keep the best kKept
           const float hi = fmaxf(best[i], v);
           v = fminf(best[i], v);
           best[i] = hi;
@@ -166,7 +202,11 @@ __device__ __forceinline__ float SlotBound(const TopKParams& p, int row,
       }
     }
   }
-  return QuadLeastOfRthBest<kMaxRank>(best, r);
+  if constexpr (kKind == SlotBoundKind::kMerged) {
+    return QuadKthOfSorted<kKept>(best, p.top_k, lane);
+  } else {
+    return QuadLeastOfRthBest<kKept>(best, (p.top_k + 3) / 4);
+  }
 }
 
 __device__ __forceinline__ void TopKReset(const TopKLists& l, int k, int lane) {
@@ -279,7 +319,7 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
 //     start with empty lists: this is where they cut each other's
 //     insertions);
 //   * each insertion's new worst entry, published when the tile is done.
-template <int kW>
+template <int kW, SlotBoundKind kSlotBound>
 __device__ __forceinline__ void TopKTile(const TopKParams& p,
                                          const float* acc, int lane, int v0,
                                          const int* row, const float* inv_t,
@@ -330,7 +370,7 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p,
     }
     // The slots now hold this tile's maxima and, likely, those of the
     // row's other splits running beside this one.
-    const float slots = SlotBound(p, row[h], lane);
+    const float slots = SlotBound<kSlotBound>(p, row[h], lane);
     published[h] = __shfl_sync(kAll, row_screen, lane & ~3);
     screen[h] = fmaxf(fmaxf(screen[h], bound), fmaxf(published[h], slots));
   }
