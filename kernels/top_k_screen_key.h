@@ -32,6 +32,30 @@ DETLOGP_HOST_DEVICE inline float ScreenValue(uint32_t key) {
   return z;
 }
 
+// Slots a row's top-k screens gather maxima in (linear_logp_topk.cuh): the
+// slot of one thread's columns (quad: the thread's place among a row's four)
+// of the tile starting at column v0, in 16 groups of four, the group the top
+// four bits of a mixed (murmur3 finalizer) tile index. Split starts step by
+// a near-constant number of 32-column units (~36 at V = 151936), which the
+// plain (v0 / 32) mod 16 put into 4 of the 16 groups, so the first tiles of
+// a row's splits, which fold at the same time, could not fill enough slots
+// to bound anything; a Fibonacci hash did no better on that progression
+// (docs/perf.md, "Top-k, session 12"). Any map works for correctness as
+// long as one thread's columns of one tile go to one slot: slots then
+// gather disjoint column sets.
+inline constexpr int kScreenSlots = 64;
+
+DETLOGP_HOST_DEVICE inline int ScreenSlot(int v0, int quad) {
+  static_assert(kScreenSlots == 64, "16 groups of 4");
+  uint32_t x = static_cast<uint32_t>(v0) >> 5;
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return static_cast<int>(x >> 28) * 4 + quad;
+}
+
 }  // namespace detlogp::kernels
 
 #endif  // DETLOGP_KERNELS_TOP_K_SCREEN_KEY_H_

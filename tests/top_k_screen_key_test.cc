@@ -8,7 +8,10 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <set>
 #include <vector>
+
+#include "kernels/split_policy.h"
 
 namespace detlogp::kernels {
 namespace {
@@ -84,6 +87,41 @@ TEST(TopKScreenKey, MaxOfKeysIsKeyOfMax) {
       best = std::max(best, z);
     }
     EXPECT_EQ(Bits(ScreenValue(key)), Bits(best));
+  }
+}
+
+// A thread's slot is in range and keeps its place in the quad, so a row's
+// four threads never share a slot within a tile.
+TEST(TopKScreenSlot, InRangeAndOnePerQuadThread) {
+  for (int v0 = 0; v0 < (1 << 22); v0 += 32) {
+    for (int quad = 0; quad < 4; ++quad) {
+      const int slot = ScreenSlot(v0, quad);
+      ASSERT_GE(slot, 0);
+      ASSERT_LT(slot, kScreenSlots);
+      ASSERT_EQ(slot % 4, quad) << "v0 " << v0;
+    }
+  }
+}
+
+// The first tiles of neighbouring splits fold side by side (16.5 splits of
+// a row per wave at N = 1024 on 132 SMs), so they must spread over the 16
+// slot groups, or too few slots are set to bound the row's k-th best. The
+// old map, (v0 / 32) mod 16, gave 4 groups for every 16 neighbouring
+// splits at V = 151936 and 152064.
+TEST(TopKScreenSlot, FirstTilesOfNeighbouringSplitsSpreadOverGroups) {
+  for (const int64_t vocab : {151936, 152064, 128256, 50257, 32000, 256000}) {
+    const int splits = NumVocabSplits(vocab);
+    double total = 0.0;
+    int windows = 0;
+    for (int first = 0; first + 16 <= splits; ++first, ++windows) {
+      std::set<int> groups;
+      for (int s = first; s < first + 16; ++s) {
+        groups.insert(ScreenSlot(static_cast<int>(VocabSplitRange(vocab, s).begin), 0) / 4);
+      }
+      EXPECT_GE(groups.size(), 6u) << "V " << vocab << " splits " << first << "..";
+      total += groups.size();
+    }
+    EXPECT_GE(total / windows, 9.5) << "V " << vocab;
   }
 }
 

@@ -87,32 +87,19 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
 // best of all lists. Per row,
 // kScreenWords keys (zeroed by the launch: 0 is below every float):
 //   * kScreenSlots slots, each the largest z seen in a fixed set of
-//     columns (slot ScreenSlot(v0, quad) gathers one thread's columns of
-//     one tile; different slots, disjoint columns). The k-th largest slot
-//     is then at most the row's k-th best value: k distinct columns reach
-//     it. Read (SlotBound) by a tile that has candidates left.
+//     columns (slot ScreenSlot(v0, quad), kernels/top_k_screen_key.h,
+//     gathers one thread's columns of one tile; different slots, disjoint
+//     columns). The k-th largest slot is then at most the row's k-th best
+//     value: k distinct columns reach it. Read (SlotBound) by a tile that
+//     has candidates left.
 //   * the screen word: raised to a split's full list's worst entry, or a
 //     tile's k-th-best lower bound; read at every tile.
-inline constexpr int kScreenSlots = 64;
-inline constexpr int kScreenWord = kScreenSlots;
+inline constexpr int kScreenWord = kScreenSlots;  // after the slots
 inline constexpr int kScreenWords = kScreenSlots + 4;  // 16-byte rows
 
 __device__ __forceinline__ uint32_t* RowScreenWords(const TopKParams& p,
                                                     int row) {
   return p.top_screen + static_cast<int64_t>(row) * kScreenWords;
-}
-
-// The slot of one thread's columns of the tile starting at v0: 16 groups of
-// four (one per quad thread), the group a multiplicative hash of the tile's
-// start. Split and tile starts step by multiples of 32 columns that share
-// factors with 16 (a split of V = 151936 is ~36 units of 32), so the plain
-// (v0 / 32) mod 16 put the first tiles of a row's splits, which fold at the
-// same time, into 4 of the 16 groups, and their slots could not bound
-// anything (docs/perf.md, "Top-k, session 12").
-__device__ __forceinline__ int ScreenSlot(int v0, int quad) {
-  static_assert(kScreenSlots == 64, "16 groups of 4");
-  const uint32_t tile = static_cast<uint32_t>(v0) >> 5;
-  return static_cast<int>((tile * 0x9E3779B1u) >> 28) * 4 + quad;
 }
 
 // The row's screen word (read through L2, where the atomics land), or -inf.
