@@ -116,7 +116,8 @@ TEST(TopKScreenSlot, FirstTilesOfNeighbouringSplitsSpreadOverGroups) {
     for (int first = 0; first + 16 <= splits; ++first, ++windows) {
       std::set<int> groups;
       for (int s = first; s < first + 16; ++s) {
-        groups.insert(ScreenSlot(static_cast<int>(VocabSplitRange(vocab, s).begin), 0) / 4);
+        const int start = static_cast<int>(VocabSplitRange(vocab, s).begin);
+        groups.insert(ScreenSlot(start, 0) / 4);
       }
       EXPECT_GE(groups.size(), 6u) << "V " << vocab << " splits " << first << "..";
       total += groups.size();
