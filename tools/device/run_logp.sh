@@ -23,6 +23,10 @@ if [ "$MODE" = test ] || [ "$MODE" = all ]; then
   if grep -q '^\[  SKIPPED \]' "$LOG/test.log"; then
     echo "tests were SKIPPED on the device machine"; [ $rc -eq 0 ] && rc=5
   fi
+  # The top-k screens' device pieces against host references.
+  timeout 60 .device/logp/top_k_screens_test 2>&1 | tail -n 3; src=${PIPESTATUS[0]}
+  echo "top_k_screens_test exit code: $src"
+  [ $rc -eq 0 ] && rc=$src
 fi
 if [ "$MODE" = sanitize ] || [ "$MODE" = all ]; then
   # memcheck on the small shapes (the full-vocabulary cases are too slow

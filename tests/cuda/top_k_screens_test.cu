@@ -1,0 +1,179 @@
+// The top-k screens' device pieces on their own (kernels/cuda/
+// linear_logp_topk.cuh), against host references: QuadKthOfSorted (the
+// merge of a quad's four sorted lists), and SlotBound's two kinds over a
+// row's slots: a bound on the slots' k-th largest always, and exact where
+// the kind promises it. A bound above the k-th largest would let a split
+// drop a value of the row's top-k; the end-to-end tests would see that only
+// on the rows and timings they happen to run.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "kernels/cuda/linear_logp_topk.cuh"
+#include "kernels/top_k_screen_key.h"
+
+namespace detlogp::kernels::cuda::epilogue {
+namespace {
+
+constexpr int kKept = 8;      // values a thread keeps (SlotBound's)
+constexpr int kQuads = 8;     // quads in a warp
+constexpr float kInf = INFINITY;
+
+// Block b: one warp; thread t's sorted list is lists[b][t][0..8), and the
+// k-th largest of quad q's 32 values (k = ks[b], the same for the warp, as
+// in the kernels) goes to out[b][q].
+__global__ void QuadKthKernel(const float* lists, const int* ks, float* out) {
+  const int lane = threadIdx.x;
+  float best[kKept];
+#pragma unroll
+  for (int i = 0; i < kKept; ++i) {
+    best[i] = lists[(blockIdx.x * 32 + lane) * kKept + i];
+  }
+  const float kth = QuadKthOfSorted<kKept>(best, ks[blockIdx.x], lane);
+  if ((lane & 3) == 0) out[blockIdx.x * kQuads + lane / 4] = kth;
+}
+
+// Block b: rows 8b .. 8b + 7, quad q reading row 8b + q.
+template <SlotBoundKind kKind>
+__global__ void SlotBoundKernel(TopKParams p, float* out) {
+  const int lane = threadIdx.x;
+  const int row = blockIdx.x * kQuads + lane / 4;
+  const float bound = SlotBound<kKind>(p, row, lane);
+  if ((lane & 3) == 0 && row < p.rows) out[row] = bound;
+}
+
+// This binary holds sm_90a code (the CPU machines that build it skip it).
+class TopKScreens : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9) {
+      (void)cudaGetLastError();
+      GTEST_SKIP() << "needs an sm_90 GPU";
+    }
+  }
+};
+
+template <typename T>
+T* ToDevice(const std::vector<T>& host) {
+  T* device = nullptr;
+  EXPECT_EQ(cudaMalloc(&device, host.size() * sizeof(T)), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  return device;
+}
+
+template <typename T>
+std::vector<T> ToHost(const T* device, size_t n) {
+  std::vector<T> host(n);
+  EXPECT_EQ(cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  return host;
+}
+
+// The k-th largest of `values` (counted with repeats), -inf past the end.
+float KthLargest(std::vector<float> values, int k) {
+  std::sort(values.begin(), values.end(), std::greater<float>());
+  return k <= static_cast<int>(values.size()) ? values[k - 1] : -kInf;
+}
+
+// Values with many ties and unset (-inf) entries: the cases a merge can
+// get wrong.
+float DrawValue(std::mt19937& rng) {
+  static const float kPool[] = {-kInf, -kInf, -1.0f, 0.0f, 0.5f, 1.0f, 2.0f, 3.0f};
+  std::uniform_int_distribution<int> pick(0, 15);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int i = pick(rng);
+  return i < 8 ? kPool[i] : normal(rng);
+}
+
+TEST_F(TopKScreens, QuadKthOfSortedIsTheKthLargestOfTheQuad) {
+  constexpr int kBlocks = 96;  // k = 1 .. 32, three times
+  std::mt19937 rng(20261201);
+  std::vector<float> lists(kBlocks * 32 * kKept);
+  std::vector<int> ks(kBlocks);
+  for (int b = 0; b < kBlocks; ++b) {
+    ks[b] = 1 + b % 32;
+    for (int t = 0; t < 32; ++t) {
+      float* list = &lists[(b * 32 + t) * kKept];
+      for (int i = 0; i < kKept; ++i) list[i] = DrawValue(rng);
+      std::sort(list, list + kKept, std::greater<float>());
+    }
+  }
+  float* d_lists = ToDevice(lists);
+  int* d_ks = ToDevice(ks);
+  float* d_out = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_out, kBlocks * kQuads * sizeof(float)), cudaSuccess);
+  QuadKthKernel<<<kBlocks, 32>>>(d_lists, d_ks, d_out);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> out = ToHost(d_out, kBlocks * kQuads);
+  for (int b = 0; b < kBlocks; ++b) {
+    for (int q = 0; q < kQuads; ++q) {
+      const auto first = lists.begin() + (b * 32 + 4 * q) * kKept;
+      const std::vector<float> quad(first, first + 4 * kKept);
+      EXPECT_EQ(out[b * kQuads + q], KthLargest(quad, ks[b]))
+          << "block " << b << " quad " << q << " k " << ks[b];
+    }
+  }
+  cudaFree(d_lists);
+  cudaFree(d_ks);
+  cudaFree(d_out);
+}
+
+// Rows of slots (unset: key 0) for both kinds, every k from 1 to 32.
+TEST_F(TopKScreens, SlotBoundNeverExceedsTheSlotsKthLargest) {
+  constexpr int kRows = 256;
+  std::mt19937 rng(7);
+  std::bernoulli_distribution unset(0.3);
+  std::vector<uint32_t> screen(kRows * kScreenWords, 0u);
+  std::vector<std::vector<float>> slots(kRows, std::vector<float>(kScreenSlots));
+  for (int r = 0; r < kRows; ++r) {
+    for (int s = 0; s < kScreenSlots; ++s) {
+      const float v = unset(rng) ? -kInf : DrawValue(rng);
+      slots[r][s] = v;
+      screen[r * kScreenWords + s] = v == -kInf ? 0u : ScreenKey(v);
+    }
+  }
+  uint32_t* d_screen = ToDevice(screen);
+  float* d_out = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_out, kRows * sizeof(float)), cudaSuccess);
+  for (int k = 1; k <= 32; ++k) {
+    const TopKParams p{d_screen, k, 0, kRows};
+    SlotBoundKernel<SlotBoundKind::kMerged><<<kRows / kQuads, 32>>>(p, d_out);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> merged = ToHost(d_out, kRows);
+    SlotBoundKernel<SlotBoundKind::kQuadLeast><<<kRows / kQuads, 32>>>(p, d_out);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> least = ToHost(d_out, kRows);
+    for (int r = 0; r < kRows; ++r) {
+      const float kth = KthLargest(slots[r], k);
+      // The merge keeps each thread's 8 best of its 16 slots: exact unless
+      // one thread holds more than 8 of the k best.
+      std::vector<float> kept;
+      float least_of_rth = kInf;
+      const int rank = (k + 3) / 4;
+      for (int q = 0; q < 4; ++q) {
+        std::vector<float> own(slots[r].begin() + 16 * q, slots[r].begin() + 16 * q + 16);
+        std::sort(own.begin(), own.end(), std::greater<float>());
+        kept.insert(kept.end(), own.begin(), own.begin() + kKept);
+        least_of_rth = std::min(least_of_rth, own[rank - 1]);
+      }
+      EXPECT_LE(merged[r], kth) << "row " << r << " k " << k;
+      EXPECT_LE(least[r], kth) << "row " << r << " k " << k;
+      EXPECT_EQ(merged[r], KthLargest(kept, k)) << "row " << r << " k " << k;
+      EXPECT_EQ(least[r], least_of_rth) << "row " << r << " k " << k;
+    }
+  }
+  cudaFree(d_screen);
+  cudaFree(d_out);
+}
+
+}  // namespace
+}  // namespace detlogp::kernels::cuda::epilogue
