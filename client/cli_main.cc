@@ -72,6 +72,9 @@ ABSL_FLAG(int64_t, top_k, 0,
           "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
+ABSL_FLAG(int, project_repeats, 1,
+          "project: runs of the same projection in this process, each "
+          "reported; runs after the first see a warm heap.");
 ABSL_FLAG(int, project_streams, 0,
           "project: Project calls side by side, each on a connection of its "
           "own, the rows going round them in blocks of --rows_per_chunk (512 "
@@ -86,6 +89,10 @@ ABSL_FLAG(int64_t, heap_retain_mb, 256,
           "instead of returning it to the OS (0: glibc's default, 128 KiB). "
           "Received messages are freed whole; returned memory comes back as "
           "page faults on the next message (docs/perf.md, session 5).");
+ABSL_FLAG(int, malloc_arenas, 1,
+          "glibc malloc arenas (0: glibc's default, 8 per core). One keeps "
+          "the stream readers' receive buffers in the main heap, reused "
+          "(docs/perf.md, H3 projection streaming, session 13).");
 ABSL_FLAG(bool, hash_y, true,
           "project: SHA-256 Y's bits. --nohash_y measures the stream alone "
           "(y_sha256 prints as -; each chunk goes back to gRPC at once).");
@@ -355,13 +362,7 @@ class ChunkHasher {
 // it) and SHA-256's, and last the CLI's own CPU time and minor page faults
 // per GB of Y (received bytes landing on fresh pages show up there; see
 // --heap_retain_mb). Every timing line holds the word "seconds".
-int Project() {
-  auto client = Connect();
-  if (!client.ok()) return Fail(client.status());
-  const int64_t rows = absl::GetFlag(FLAGS_project_rows);
-  detlogp::kernels::RandomNormal random(absl::GetFlag(FLAGS_seed));
-  std::vector<float> x(rows * 96);
-  for (float& v : x) v = random.Next(1.0f);
+int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
   const int64_t backlog_mb = std::max<int64_t>(0, absl::GetFlag(FLAGS_hash_backlog_mb));
   ChunkHasher hasher(static_cast<size_t>(backlog_mb) << 20);
   const bool hash_y = absl::GetFlag(FLAGS_hash_y);
@@ -373,7 +374,7 @@ int Project() {
   options.streams = absl::GetFlag(FLAGS_project_streams);
   // Read raw: only each chunk's header is parsed; y.data stays in gRPC's
   // receive slices and is hashed from there.
-  auto result = (*client)->ProjectChunks(
+  auto result = client.ProjectChunks(
       x, rows, options, [&](detlogp::client::ProjectChunk& chunk) {
         if (first_chunk == absl::InfiniteDuration()) first_chunk = absl::Now() - start;
         if (hash_y) hasher.Add(std::move(chunk));
@@ -400,6 +401,28 @@ int Project() {
   std::printf("client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f\n",
               usage.cpu_seconds, static_cast<long long>(usage.minor_page_faults),
               output_bytes > 0 ? usage.minor_page_faults / (output_bytes / 1e9) : 0.0);
+  return 0;
+}
+
+// --project_repeats runs the same projection again in this process, each
+// run's lines printed as one run's are: the first run also pays for the
+// process's heap growing to a stream's working set (page faults that grow
+// with rows_per_chunk); later runs are what a long-lived client sees.
+int Project() {
+  auto client = Connect();
+  if (!client.ok()) return Fail(client.status());
+  const int64_t rows = absl::GetFlag(FLAGS_project_rows);
+  detlogp::kernels::RandomNormal random(absl::GetFlag(FLAGS_seed));
+  std::vector<float> x(rows * 96);
+  for (float& v : x) v = random.Next(1.0f);
+  const int repeats = absl::GetFlag(FLAGS_project_repeats);
+  if (repeats < 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("project_repeats: ", repeats, ", expected 1 or more")));
+  }
+  for (int run = 0; run < repeats; ++run) {
+    if (const int rc = ProjectOnce(**client, x, rows); rc != 0) return rc;
+  }
   return 0;
 }
 
@@ -553,6 +576,12 @@ int main(int argc, char** argv) {
           absl::GetFlag(FLAGS_heap_retain_mb) * (int64_t{1} << 20));
       !s.ok()) {
     std::cerr << "--heap_retain_mb: " << s << "\n";
+    return 2;
+  }
+  if (absl::Status s =
+          detlogp::client::LimitMallocArenas(absl::GetFlag(FLAGS_malloc_arenas));
+      !s.ok()) {
+    std::cerr << "--malloc_arenas: " << s << "\n";
     return 2;
   }
   if (args.size() != 2) {

@@ -26,4 +26,17 @@ absl::Status RetainFreedHeapMemory(int64_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status LimitMallocArenas(int arenas) {
+  if (arenas < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malloc arenas: ", arenas, " is negative"));
+  }
+  if (arenas == 0) return absl::OkStatus();
+  if (mallopt(M_ARENA_MAX, arenas) != 1) {
+    return absl::InternalError(
+        absl::StrCat("malloc arenas: mallopt(M_ARENA_MAX, ", arenas, ") failed"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace detlogp::client

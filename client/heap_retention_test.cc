@@ -1,9 +1,11 @@
 #include "client/heap_retention.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -55,6 +57,27 @@ TEST(RetainFreedHeapMemoryTest, ASecondMessageReusesTheFirstOnesPages) {
   ASSERT_TRUE(RetainFreedHeapMemory(int64_t{256} << 20).ok());
   FaultsOfOneMessage();
   EXPECT_LT(FaultsOfOneMessage(), kPages / 16);
+}
+
+TEST(LimitMallocArenasTest, RejectsNegativeCounts) {
+  EXPECT_EQ(LimitMallocArenas(-1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(LimitMallocArenas(0).ok());
+}
+
+// With one arena a new thread allocates from the main heap, below the
+// program break, not from a mapped heap of its own (which lies above it).
+// First in this binary to start a thread: glibc fixes its arena limit at
+// the first thread that needs an arena.
+TEST(LimitMallocArenasTest, ANewThreadAllocatesFromTheMainHeap) {
+  ASSERT_TRUE(LimitMallocArenas(1).ok());
+  void* block = nullptr;
+  std::thread reader([&block] {
+    block = std::malloc(kBlockBytes);
+    std::memset(block, 1, kBlockBytes);
+  });
+  reader.join();
+  EXPECT_LT(reinterpret_cast<uintptr_t>(block), reinterpret_cast<uintptr_t>(sbrk(0)));
+  std::free(block);
 }
 
 }  // namespace

@@ -63,6 +63,9 @@ ABSL_FLAG(int, repeats, 3, "Runs per setting; the median is reported.");
 ABSL_FLAG(int64_t, heap_retain_mb, 256,
           "client::RetainFreedHeapMemory in MiB, as detlogp_cli's flag "
           "(0: glibc's default: freed receive buffers go back to the OS).");
+ABSL_FLAG(int, malloc_arenas, 1,
+          "client::LimitMallocArenas, as detlogp_cli's flag (0: glibc's "
+          "default).");
 ABSL_FLAG(std::string, reader, "proto",
           "proto, raw or client (see the file comment).");
 ABSL_FLAG(int, client_streams, 1,
@@ -359,6 +362,11 @@ int Main() {
           absl::GetFlag(FLAGS_heap_retain_mb) * (int64_t{1} << 20));
       !s.ok()) {
     std::fprintf(stderr, "--heap_retain_mb: %s\n", s.ToString().c_str());
+    return 2;
+  }
+  if (absl::Status s = client::LimitMallocArenas(absl::GetFlag(FLAGS_malloc_arenas));
+      !s.ok()) {
+    std::fprintf(stderr, "--malloc_arenas: %s\n", s.ToString().c_str());
     return 2;
   }
 
