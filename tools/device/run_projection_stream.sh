@@ -51,11 +51,15 @@ target=127.0.0.1:$(head -1 /tmp/p.port)
 nproc; grep -m1 "model name" /proc/cpuinfo
 cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 # Repeats go round all settings in turn (not one setting's runs back to
-# back), so that a slow spell of the host hits every setting alike; the
-# medians per setting follow.
+# back), so that a slow spell of the host hits every setting alike, in
+# ascending order in odd rounds and descending in even ones: with the order
+# fixed, the last size of a round read ~4 % slow (sessions 11-12; session 13
+# counterbalanced, docs/perf.md). The medians per setting follow.
 rm -f /tmp/speed_*.txt
 for rep in $(seq 1 "${REPEATS:-1}"); do
-  for chunk in ${CHUNKS:-256 512 1024 2048}; do
+  order=${CHUNKS:-256 512 1024 2048}
+  (( rep % 2 )) || order=$(tr ' ' '\n' <<< "$order" | tac | tr '\n' ' ')
+  for chunk in $order; do
     for streams in ${CALLS:-1 4}; do
       echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep)"
       timed cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
@@ -71,6 +75,10 @@ for streams in ${CALLS:-1 4}; do
       '{ v[NR] = $1 } END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
          printf "rows_per_chunk %5d  calls %d  median %.2f  (%.2f-%.2f)\n", c, s, m, v[1], v[NR] }'
   done
+done
+for streams in ${CALLS:-1 4}; do
+  echo "-- GB/s per round, calls $streams, rows_per_chunk ${CHUNKS:-256 512 1024 2048}"
+  paste $(for chunk in ${CHUNKS:-256 512 1024 2048}; do echo "/tmp/speed_${chunk}_${streams}.txt"; done)
 done
 if [[ ${FOUR_VIDEOS:-1} != 0 ]]; then
   echo "-- one projection, rows_per_chunk=$four_chunk, 4 calls, SHA-256 on its own thread (1 GiB backlog)"
