@@ -4,7 +4,9 @@
 
 #include <limits>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace detlogp::client {
 
@@ -37,6 +39,17 @@ absl::Status LimitMallocArenas(int arenas) {
         absl::StrCat("malloc arenas: mallopt(M_ARENA_MAX, ", arenas, ") failed"));
   }
   return absl::OkStatus();
+}
+
+std::optional<std::string> TunablesWithMallocHugePages(const char* current) {
+  constexpr char kName[] = "glibc.malloc.hugetlb";
+  const absl::string_view tunables = current == nullptr ? "" : current;
+  // name=value pairs separated by colons.
+  for (absl::string_view pair : absl::StrSplit(tunables, ':', absl::SkipEmpty())) {
+    if (absl::StartsWith(pair, absl::StrCat(kName, "="))) return std::nullopt;
+  }
+  if (tunables.empty()) return absl::StrCat(kName, "=1");
+  return absl::StrCat(tunables, ":", kName, "=1");
 }
 
 }  // namespace detlogp::client

@@ -80,5 +80,20 @@ TEST(LimitMallocArenasTest, ANewThreadAllocatesFromTheMainHeap) {
   std::free(block);
 }
 
+TEST(TunablesWithMallocHugePagesTest, AppendsToWhatIsSet) {
+  EXPECT_EQ(TunablesWithMallocHugePages(nullptr), "glibc.malloc.hugetlb=1");
+  EXPECT_EQ(TunablesWithMallocHugePages(""), "glibc.malloc.hugetlb=1");
+  EXPECT_EQ(TunablesWithMallocHugePages("glibc.malloc.arena_max=2"),
+            "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1");
+  EXPECT_EQ(TunablesWithMallocHugePages("glibc.malloc.hugetlbx=1"),
+            "glibc.malloc.hugetlbx=1:glibc.malloc.hugetlb=1");
+}
+
+TEST(TunablesWithMallocHugePagesTest, LeavesAnExplicitChoice) {
+  EXPECT_EQ(TunablesWithMallocHugePages("glibc.malloc.hugetlb=0"), std::nullopt);
+  EXPECT_EQ(TunablesWithMallocHugePages("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+            std::nullopt);
+}
+
 }  // namespace
 }  // namespace detlogp::client

@@ -153,9 +153,11 @@ class LogpClient {
   // `options.y` when set, then handed to `on_chunk`, which may keep it by
   // moving it out (no copy; the slices are reference-counted).
   // A program streaming many large chunks should call
-  // RetainFreedHeapMemory (client/heap_retention.h) once in main: with
-  // glibc's defaults each chunk's freed receive buffers go back to the OS
-  // and the next chunk is received into freshly faulted pages.
+  // RetainFreedHeapMemory and LimitMallocArenas (client/heap_retention.h)
+  // once in main and run with GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+  // (TunablesWithMallocHugePages): with glibc's defaults each chunk's freed
+  // receive buffers go back to the OS and the next chunk is received into
+  // freshly faulted 4 KiB pages.
   //
   // `streams` > 1 spreads the rows over that many Project calls, each on a
   // connection of its own (client/interleaved_rows.h): one gRPC stream is
