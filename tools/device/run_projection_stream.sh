@@ -52,9 +52,9 @@ nproc; grep -m1 "model name" /proc/cpuinfo
 cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 # Repeats go round all settings in turn (not one setting's runs back to
 # back), so that a slow spell of the host hits every setting alike, in
-# ascending order in odd rounds and descending in even ones: with the order
-# fixed, the last size of a round read ~4 % slow (sessions 11-12; session 13
-# counterbalanced, docs/perf.md). The medians per setting follow.
+# ascending order in odd rounds and descending in even ones, so that no size
+# always runs last (sessions 11-12 always ran 2048 last; docs/perf.md,
+# session 13). The medians per setting follow, then every round's figures.
 rm -f /tmp/speed_*.txt
 for rep in $(seq 1 "${REPEATS:-1}"); do
   order=${CHUNKS:-256 512 1024 2048}
