@@ -373,7 +373,8 @@ class ChunkHasher {
 // stream's (request sent until the last chunk arrived; hashing runs beside
 // it) and SHA-256's, and last the CLI's own CPU time and minor page faults
 // per GB of Y (received bytes landing on fresh pages show up there; see
-// --heap_retain_mb). Every timing line holds the word "seconds".
+// --heap_retain_mb) with the glibc.malloc.hugetlb it ran with (-: unset;
+// --malloc_hugepages). Every timing line holds the word "seconds".
 int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
   const int64_t backlog_mb = std::max<int64_t>(0, absl::GetFlag(FLAGS_hash_backlog_mb));
   ChunkHasher hasher(static_cast<size_t>(backlog_mb) << 20);
@@ -410,9 +411,13 @@ int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
               absl::ToDoubleSeconds(hasher.waited()), result->streams);
   std::printf("sha256 seconds %.3f GB/s %.2f after_transfer_seconds %.3f\n", hashing,
               hashing > 0 ? hasher.bytes() / hashing / 1e9 : 0.0, seconds - transfer);
-  std::printf("client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f\n",
+  const std::optional<std::string> hugetlb =
+      detlogp::client::MallocHugePagesTunable(std::getenv("GLIBC_TUNABLES"));
+  std::printf("client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f "
+              "malloc_hugetlb %s\n",
               usage.cpu_seconds, static_cast<long long>(usage.minor_page_faults),
-              output_bytes > 0 ? usage.minor_page_faults / (output_bytes / 1e9) : 0.0);
+              output_bytes > 0 ? usage.minor_page_faults / (output_bytes / 1e9) : 0.0,
+              hugetlb.value_or("-").c_str());
   return 0;
 }
 

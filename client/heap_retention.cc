@@ -41,15 +41,24 @@ absl::Status LimitMallocArenas(int arenas) {
   return absl::OkStatus();
 }
 
-std::optional<std::string> TunablesWithMallocHugePages(const char* current) {
-  constexpr char kName[] = "glibc.malloc.hugetlb";
-  const absl::string_view tunables = current == nullptr ? "" : current;
-  // name=value pairs separated by colons.
+namespace {
+constexpr char kHugePagesTunable[] = "glibc.malloc.hugetlb";
+}  // namespace
+
+std::optional<std::string> MallocHugePagesTunable(const char* tunables) {
+  if (tunables == nullptr) return std::nullopt;
+  const std::string prefix = absl::StrCat(kHugePagesTunable, "=");
   for (absl::string_view pair : absl::StrSplit(tunables, ':', absl::SkipEmpty())) {
-    if (absl::StartsWith(pair, absl::StrCat(kName, "="))) return std::nullopt;
+    if (absl::StartsWith(pair, prefix)) return std::string(pair.substr(prefix.size()));
   }
-  if (tunables.empty()) return absl::StrCat(kName, "=1");
-  return absl::StrCat(tunables, ":", kName, "=1");
+  return std::nullopt;
+}
+
+std::optional<std::string> TunablesWithMallocHugePages(const char* current) {
+  if (MallocHugePagesTunable(current).has_value()) return std::nullopt;
+  const absl::string_view tunables = current == nullptr ? "" : current;
+  if (tunables.empty()) return absl::StrCat(kHugePagesTunable, "=1");
+  return absl::StrCat(tunables, ":", kHugePagesTunable, "=1");
 }
 
 }  // namespace detlogp::client

@@ -59,6 +59,10 @@ absl::Status LimitMallocArenas(int arenas);
 // and a re-executed program does not do it again.
 std::optional<std::string> TunablesWithMallocHugePages(const char* current);
 
+// The value `tunables` (GLIBC_TUNABLES' form, name=value pairs separated by
+// colons; null: unset) gives glibc.malloc.hugetlb, or nullopt.
+std::optional<std::string> MallocHugePagesTunable(const char* tunables);
+
 }  // namespace detlogp::client
 
 #endif  // DETLOGP_CLIENT_HEAP_RETENTION_H_

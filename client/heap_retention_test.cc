@@ -95,5 +95,13 @@ TEST(TunablesWithMallocHugePagesTest, LeavesAnExplicitChoice) {
             std::nullopt);
 }
 
+TEST(MallocHugePagesTunableTest, ReadsTheValue) {
+  EXPECT_EQ(MallocHugePagesTunable(nullptr), std::nullopt);
+  EXPECT_EQ(MallocHugePagesTunable(""), std::nullopt);
+  EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.hugetlbx=1"), std::nullopt);
+  EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.hugetlb=1"), "1");
+  EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"), "0");
+}
+
 }  // namespace
 }  // namespace detlogp::client

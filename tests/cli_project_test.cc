@@ -144,26 +144,39 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_GT(std::stod(sha[2]), 0.0);
     EXPECT_EQ(sha[3], "GB/s");
     const std::vector<std::string> usage = Words(lines[5]);
-    ASSERT_EQ(usage.size(), 7u) << lines[5];
+    ASSERT_EQ(usage.size(), 9u) << lines[5];
     EXPECT_EQ(usage[0], "client");
     EXPECT_EQ(usage[1], "cpu_seconds");
     EXPECT_GT(std::stod(usage[2]), 0.0);
     EXPECT_EQ(usage[3], "minor_page_faults");
+    // --malloc_hugepages (default) re-executed the CLI with the tunable.
+    EXPECT_EQ(usage[7], "malloc_hugetlb");
+    EXPECT_EQ(usage[8], "1");
     // The whole call outlasts the stream, which outlasts its first chunk.
     EXPECT_GE(std::stod(total[5]), std::stod(transfer[2]));
     EXPECT_GE(std::stod(transfer[2]), std::stod(transfer[6]));
   }
 
-  // --nohash_y: the stream alone; the same lines, no digest.
-  auto [code, out] = RunCli(absl::StrCat("project --target=", (*server)->target(),
-                                         " --project_rows=", rows,
-                                         " --rows_per_chunk=200 --nohash_y --seed=", seed));
+  // --nohash_y: the stream alone; the same lines, no digest. Two runs in
+  // one process (--project_repeats), 4 KiB pages (--nomalloc_hugepages:
+  // no re-execution, the tunable unset).
+  auto [code, out] = RunCli(absl::StrCat(
+      "project --target=", (*server)->target(), " --project_rows=", rows,
+      " --rows_per_chunk=200 --nohash_y --project_repeats=2 --nomalloc_hugepages --seed=",
+      seed));
   ASSERT_EQ(code, 0) << out;
   const std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
-  ASSERT_EQ(lines.size(), 6u) << out;
-  EXPECT_EQ(lines[0], want_key);
-  EXPECT_EQ(lines[1], "y_sha256 -");
-  EXPECT_EQ(Words(lines[3])[0], "transfer");
+  ASSERT_EQ(lines.size(), 12u) << out;
+  for (int run : {0, 6}) {
+    EXPECT_EQ(lines[run], want_key);
+    EXPECT_EQ(lines[run + 1], "y_sha256 -");
+    EXPECT_EQ(Words(lines[run + 3])[0], "transfer");
+    EXPECT_EQ(Words(lines[run + 5]).back(), "-") << lines[run + 5];
+  }
+  EXPECT_NE(RunCli(absl::StrCat("project --target=", (*server)->target(),
+                                " --project_repeats=0"))
+                .first,
+            0);
   client->reset();  // an idle connection holds the server's drain
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
