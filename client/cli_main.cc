@@ -96,7 +96,7 @@ ABSL_FLAG(int64_t, heap_retain_mb, 256,
           "Received messages are freed whole; returned memory comes back as "
           "page faults on the next message (docs/perf.md, session 5).");
 ABSL_FLAG(bool, malloc_hugepages, true,
-          "Run with glibc's transparent huge pages for the heap (sets "
+          "project: run with glibc's transparent huge pages for the heap (sets "
           "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 and re-executes itself, "
           "unless GLIBC_TUNABLES already names that tunable): a stream's "
           "receive buffers fault in 2 MiB at a time, not 4 KiB "
@@ -426,17 +426,17 @@ int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
 // process's heap growing to a stream's working set (page faults that grow
 // with rows_per_chunk); later runs are what a long-lived client sees.
 int Project() {
+  const int repeats = absl::GetFlag(FLAGS_project_repeats);
+  if (repeats < 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("project_repeats: ", repeats, ", expected 1 or more")));
+  }
   auto client = Connect();
   if (!client.ok()) return Fail(client.status());
   const int64_t rows = absl::GetFlag(FLAGS_project_rows);
   detlogp::kernels::RandomNormal random(absl::GetFlag(FLAGS_seed));
   std::vector<float> x(rows * 96);
   for (float& v : x) v = random.Next(1.0f);
-  const int repeats = absl::GetFlag(FLAGS_project_repeats);
-  if (repeats < 1) {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("project_repeats: ", repeats, ", expected 1 or more")));
-  }
   for (int run = 0; run < repeats; ++run) {
     if (const int rc = ProjectOnce(**client, x, rows); rc != 0) return rc;
   }
@@ -589,8 +589,10 @@ int main(int argc, char** argv) {
   usage_config.contains_helppackage_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (absl::GetFlag(FLAGS_malloc_hugepages)) {
-    // glibc reads its tunables only when a process starts.
+  // Only `project` receives large messages; glibc reads its tunables only
+  // when a process starts.
+  if (args.size() == 2 && absl::string_view(args[1]) == "project" &&
+      absl::GetFlag(FLAGS_malloc_hugepages)) {
     if (const std::optional<std::string> tunables =
             detlogp::client::TunablesWithMallocHugePages(std::getenv("GLIBC_TUNABLES"))) {
       setenv("GLIBC_TUNABLES", tunables->c_str(), 1);
