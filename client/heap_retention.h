@@ -36,10 +36,9 @@ absl::Status RetainFreedHeapMemory(int64_t bytes);
 // Caps glibc's malloc arenas at `arenas` (M_ARENA_MAX); 0 leaves glibc's
 // default (8 per core). A thread that reads a stream allocates its receive
 // slices in an arena of its own, and every arena but the main one grows in
-// mapped heaps of at most 64 MiB that are dropped again when they empty: with
-// 22-44 MB messages arriving on four reader threads their pages kept coming
-// back fresh. One arena (the main heap, which the trim threshold above
-// governs) measured 3-4 % faster with a fifth fewer page faults per GB on a
+// mapped heaps of at most 64 MiB, smaller than two 44 MB messages (our
+// reading of why their pages came back fresh; not traced). One arena (the
+// main heap, which the trim threshold above governs) measured 3-4 % faster with a fifth fewer page faults per GB on a
 // four-call projection (docs/perf.md, "H3 projection streaming, session
 // 13"). Process-wide, in main, before threads start. INVALID_ARGUMENT when
 // negative; INTERNAL if malloc refuses.
@@ -52,7 +51,7 @@ absl::Status LimitMallocArenas(int arenas);
 // fresh process and 8-10k -> 0.5-0.7k in later runs, 4-14 % faster, and the
 // fresh process's penalty for larger chunks gone (2048 / 1024 rows per chunk
 // 0.95 -> 1.02 paired). glibc reads tunables only when a process starts, so
-// a program sets GLIBC_TUNABLES and re-executes itself (detlogp_cli does;
+// a program sets GLIBC_TUNABLES and re-executes itself (detlogp_cli project does;
 // client libraries leave it to the program). Returns GLIBC_TUNABLES' value
 // with the tunable appended to `current` (null: unset), or nullopt when
 // `current` already sets glibc.malloc.hugetlb: the caller's choice stands,
