@@ -105,7 +105,7 @@ ABSL_FLAG(int64_t, projection_stream_buffer_mb, 64,
 ABSL_FLAG(int64_t, projection_chunk_cache_mb, 1024,
           "MiB of released projection chunk buffers kept for reuse when the "
           "backend allocates its own (CUDA: pinned memory, costly to pin "
-          "again); buffers beyond it are freed.");
+          "again); beyond it the buffers released longest ago are freed.");
 ABSL_FLAG(int, batch_threads, 0,
           "Batches in flight at once; 0: the backend's preference.");
 ABSL_FLAG(int64_t, batch_overlap_rows, -1,

@@ -488,6 +488,11 @@ std::string Server::RenderMetrics() const {
     snapshot.models.push_back(std::move(model));
   }
   snapshot.model_memory_bytes = models_->reserved_bytes();
+  if (projection_service_ != nullptr) {
+    const HostBufferPool::Stats pool = projection_service_->chunk_buffer_stats();
+    snapshot.chunk_buffers = {pool.reused, pool.allocated, pool.heap_fallbacks, pool.freed,
+                              pool.cached_bytes};
+  }
   return metrics_->Render(snapshot);
 }
 

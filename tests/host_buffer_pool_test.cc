@@ -46,6 +46,16 @@ TEST(HostBufferTest, ReleasesExactlyOnceAcrossMoves) {
   EXPECT_EQ(released, 1);
 }
 
+TEST(HeapHostBufferPoolTest, CountsEveryBufferAsNew) {
+  std::shared_ptr<HostBufferPool> pool = NewHeapHostBufferPool();
+  { HostBuffer a = pool->Acquire(10); }
+  { HostBuffer b = pool->Acquire(10); }
+  const HostBufferPool::Stats stats = pool->stats();
+  EXPECT_EQ(stats.allocated, 2);
+  EXPECT_EQ(stats.reused, 0);
+  EXPECT_EQ(stats.cached_bytes, 0);
+}
+
 // malloc/free that count, and can be told to fail.
 struct CountedMemory {
   std::atomic<int> allocations{0};
@@ -109,8 +119,9 @@ TEST(CachingHostBufferPoolTest, BuffersBeyondTheBoundAreFreedOnRelease) {
     std::vector<HostBuffer> buffers;
     for (int i = 0; i < 4; ++i) buffers.push_back(pool->Acquire(1000));
   }
-  // Two fit under 2500 bytes; the other two were freed as they came back.
+  // Two fit under 2500 bytes: each release past the bound freed the oldest.
   EXPECT_EQ(pool->stats().cached_bytes, 2000);
+  EXPECT_EQ(pool->stats().freed, 2);
   EXPECT_EQ(memory.frees.load(), 2);
   pool.reset();
   EXPECT_EQ(memory.frees.load(), 4);
@@ -121,6 +132,48 @@ TEST(CachingHostBufferPoolTest, BuffersBeyondTheBoundAreFreedOnRelease) {
   { HostBuffer a = uncached->Acquire(10); }
   EXPECT_EQ(none.frees.load(), 1);
   EXPECT_EQ(uncached->stats().cached_bytes, 0);
+}
+
+// Streams that change chunk size: the new size's buffers push the old
+// size's out of a full cache, so the next projection at the new size
+// allocates nothing (the first version kept the old size and freed every
+// newcomer).
+TEST(CachingHostBufferPoolTest, ANewSizeEvictsTheBuffersReleasedLongestAgo) {
+  CountedMemory memory;
+  auto pool = *CachingHostBufferPool::Create(memory.Options(4000));
+  {
+    std::vector<HostBuffer> small;
+    for (int i = 0; i < 4; ++i) small.push_back(pool->Acquire(1000));
+  }
+  EXPECT_EQ(pool->stats().cached_bytes, 4000);
+  char* newest = nullptr;
+  {
+    HostBuffer a = pool->Acquire(2000);
+    HostBuffer b = pool->Acquire(2000);
+    EXPECT_EQ(memory.allocations.load(), 6);
+    a = HostBuffer();
+    EXPECT_EQ(pool->stats().freed, 2);  // the two oldest 1000-byte buffers
+    newest = b.data();
+  }
+  EXPECT_EQ(pool->stats().freed, 4);
+  EXPECT_EQ(memory.frees.load(), 4);
+  EXPECT_EQ(pool->stats().cached_bytes, 4000);
+  {
+    HostBuffer a = pool->Acquire(2000);
+    EXPECT_EQ(a.data(), newest);  // newest release first
+    HostBuffer b = pool->Acquire(2000);
+    EXPECT_EQ(memory.allocations.load(), 6);
+    // The old size is gone: served by new memory.
+    HostBuffer c = pool->Acquire(1000);
+    EXPECT_EQ(memory.allocations.load(), 7);
+  }
+  const CachingHostBufferPool::Stats stats = pool->stats();
+  EXPECT_EQ(stats.reused, 2);
+  EXPECT_EQ(stats.allocated, 7);
+  // Released c, b, a (reverse declaration order): a's release went over
+  // the bound and freed c, the oldest.
+  EXPECT_EQ(stats.cached_bytes, 4000);
+  EXPECT_EQ(stats.freed, 5);
 }
 
 TEST(CachingHostBufferPoolTest, FailedAllocationFallsBackToTheHeap) {

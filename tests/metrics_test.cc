@@ -64,6 +64,9 @@ const std::map<std::string, std::string>& ExpectedTypes() {
       {"detlogp_projection_queue_delay_seconds", "histogram"},
       {"detlogp_projection_run_seconds", "histogram"},
       {"detlogp_projection_copy_out_seconds", "histogram"},
+      {"detlogp_projection_chunk_buffers_total", "counter"},
+      {"detlogp_projection_chunk_buffers_freed_total", "counter"},
+      {"detlogp_projection_chunk_buffer_cache_bytes", "gauge"},
   };
   return *types;
 }
@@ -158,6 +161,7 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
   snapshot.model_memory_bytes = 1240000000;
   snapshot.models.push_back({"policy", 7, 2});
   snapshot.models.push_back({"reference", 1, 1});
+  snapshot.chunk_buffers = {690, 24, 1, 8, 264241152};
   const std::string text = metrics.Render(snapshot);
   const Exposition parsed = Parse(text);
   EXPECT_EQ(parsed.types, ExpectedTypes()) << text;
@@ -202,6 +206,11 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
       {"detlogp_projection_queue_delay_seconds_count", 2},
       {"detlogp_projection_run_seconds_count", 2},
       {"detlogp_projection_copy_out_seconds_count", 2},
+      {"detlogp_projection_chunk_buffers_total{source=\"cache\"}", 690},
+      {"detlogp_projection_chunk_buffers_total{source=\"new\"}", 24},
+      {"detlogp_projection_chunk_buffers_total{source=\"heap\"}", 1},
+      {"detlogp_projection_chunk_buffers_freed_total", 8},
+      {"detlogp_projection_chunk_buffer_cache_bytes", 264241152},
   };
   for (const auto& [series, value] : expected) {
     auto it = parsed.samples.find(series);
@@ -353,6 +362,11 @@ TEST(MetricsEndpointTest, ProjectionStreamsAndLaunchesAreCounted) {
   EXPECT_GT(parsed.samples["detlogp_projection_run_seconds_sum"], 0);
   EXPECT_GT(parsed.samples["detlogp_projection_write_seconds_total"], 0);
   EXPECT_GE(parsed.samples["detlogp_projection_compute_wait_seconds_total"], 0);
+  // The CPU backend's chunks are plain heap buffers, one per chunk here (5
+  // chunks fit in the stream's buffer), none cached.
+  EXPECT_EQ(parsed.samples["detlogp_projection_chunk_buffers_total{source=\"new\"}"], 5);
+  EXPECT_EQ(parsed.samples["detlogp_projection_chunk_buffers_total{source=\"cache\"}"], 0);
+  EXPECT_EQ(parsed.samples["detlogp_projection_chunk_buffer_cache_bytes"], 0);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <iterator>
 #include <utility>
 
 namespace detlogp::server {
@@ -19,21 +20,20 @@ absl::StatusOr<std::shared_ptr<CachingHostBufferPool>> CachingHostBufferPool::Cr
 
 CachingHostBufferPool::~CachingHostBufferPool() {
   absl::MutexLock lock(&mu_);
-  for (auto& [bytes, buffers] : free_) {
-    for (char* data : buffers) options_.free(data);
-  }
+  for (const Cached& buffer : cached_) options_.free(buffer.data);
 }
 
 HostBuffer CachingHostBufferPool::Acquire(size_t bytes) {
   char* data = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    auto it = free_.find(bytes);
-    if (it != free_.end() && !it->second.empty()) {
-      data = it->second.back();
-      it->second.pop_back();
+    for (auto it = cached_.rbegin(); it != cached_.rend(); ++it) {
+      if (it->bytes != bytes) continue;
+      data = it->data;
+      cached_.erase(std::next(it).base());
       stats_.cached_bytes -= static_cast<int64_t>(bytes);
       ++stats_.reused;
+      break;
     }
   }
   if (data == nullptr) {
@@ -61,16 +61,20 @@ HostBuffer CachingHostBufferPool::Acquire(size_t bytes) {
 }
 
 void CachingHostBufferPool::Release(char* data, size_t bytes) {
+  std::vector<char*> evicted;
   {
     absl::MutexLock lock(&mu_);
-    const int64_t size = static_cast<int64_t>(bytes);
-    if (stats_.cached_bytes + size <= options_.max_cached_bytes) {
-      free_[bytes].push_back(data);
-      stats_.cached_bytes += size;
-      return;
+    cached_.push_back({bytes, data});
+    stats_.cached_bytes += static_cast<int64_t>(bytes);
+    while (stats_.cached_bytes > options_.max_cached_bytes) {
+      const Cached& oldest = cached_.front();
+      evicted.push_back(oldest.data);
+      stats_.cached_bytes -= static_cast<int64_t>(oldest.bytes);
+      cached_.pop_front();
     }
+    stats_.freed += static_cast<int64_t>(evicted.size());
   }
-  options_.free(data);
+  for (char* buffer : evicted) options_.free(buffer);
 }
 
 CachingHostBufferPool::Stats CachingHostBufferPool::stats() const {

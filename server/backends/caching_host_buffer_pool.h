@@ -1,25 +1,32 @@
-// A HostBufferPool that recycles its buffers: released buffers are kept,
-// by size, for the next Acquire of that size, up to a bound on the bytes
-// kept; buffers beyond it are freed at once. The memory comes from
-// Options::allocate (the CUDA projection backend: cudaHostAlloc, whose cost
-// is paid once per buffer instead of once per chunk); when allocate fails,
-// Acquire falls back to the heap for that buffer and warns once.
+// A HostBufferPool that recycles its buffers: released buffers are kept for
+// the next Acquire of their size, up to a bound on the bytes kept. When a
+// release goes over the bound, the buffers released longest ago are freed,
+// whatever their size: a server whose streams change chunk size keeps the
+// buffers of the sizes in use. (Freeing the newcomer instead, as the first
+// version did, left a cache full of an earlier size: on the H200 a sweep
+// over 256-2048 rows per chunk then pinned and freed 44 MB buffers during
+// every 2048-row projection, and those ran ~9 % slower; docs/perf.md,
+// session 14.) The memory comes from Options::allocate (the CUDA projection
+// backend: cudaHostAlloc, whose cost is paid once per buffer instead of once
+// per chunk); when allocate fails, Acquire falls back to the heap for that
+// buffer and warns once.
 //
 // Thread-safe. Every buffer it hands out holds a reference to the pool, so
 // the pool (and its free function) lives until the last buffer is back,
 // whoever dropped it last: gRPC may hold a chunk after its stream ended.
+// Options::free runs outside the pool's lock (cudaFreeHost may wait).
 #ifndef DETLOGP_SERVER_BACKENDS_CACHING_HOST_BUFFER_POOL_H_
 #define DETLOGP_SERVER_BACKENDS_CACHING_HOST_BUFFER_POOL_H_
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/backends/host_buffer_pool.h"
@@ -44,14 +51,6 @@ class CachingHostBufferPool final
     std::string memory_name = "host";
   };
 
-  // What the pool has done so far (tests, logs).
-  struct Stats {
-    int64_t allocated = 0;      // buffers from allocate
-    int64_t reused = 0;         // Acquires served from the cache
-    int64_t heap_fallbacks = 0; // Acquires served from the heap
-    int64_t cached_bytes = 0;   // bytes held for reuse now
-  };
-
   // INVALID_ARGUMENT naming the field for a negative max_cached_bytes or a
   // missing allocate/free.
   static absl::StatusOr<std::shared_ptr<CachingHostBufferPool>> Create(
@@ -62,7 +61,7 @@ class CachingHostBufferPool final
   CachingHostBufferPool& operator=(const CachingHostBufferPool&) = delete;
 
   HostBuffer Acquire(size_t bytes) override;
-  Stats stats() const;
+  Stats stats() const override;
 
  private:
   explicit CachingHostBufferPool(const Options& options) : options_(options) {}
@@ -71,9 +70,16 @@ class CachingHostBufferPool final
   const Options options_;
   std::atomic<bool> warned_{false};
   mutable absl::Mutex mu_;
-  // Released buffers by exact size: a stream's ring asks for one size, and
-  // a larger buffer reused for a smaller chunk would hold memory idle.
-  absl::flat_hash_map<size_t, std::vector<char*>> free_ ABSL_GUARDED_BY(mu_);
+  struct Cached {
+    size_t bytes;
+    char* data;
+  };
+  // Released buffers, oldest release first. Reuse is by exact size (a
+  // stream's ring asks for one size, and a larger buffer reused for a
+  // smaller chunk would hold memory idle), newest first. A list scanned
+  // linearly: it holds at most a few hundred chunk buffers (1 GiB of the
+  // smallest, 5.5 MB), each worth milliseconds of transfer.
+  std::list<Cached> cached_ ABSL_GUARDED_BY(mu_);
   Stats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -11,6 +11,7 @@
 #define DETLOGP_SERVER_BACKENDS_HOST_BUFFER_POOL_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -57,11 +58,21 @@ class HostBuffer {
 
 class HostBufferPool {
  public:
+  // What a pool has done since it was made (metrics, tests).
+  struct Stats {
+    int64_t allocated = 0;       // Acquires served by new memory of the pool's kind
+    int64_t reused = 0;          // Acquires served by a cached buffer
+    int64_t heap_fallbacks = 0;  // Acquires served by the heap: the pool's kind failed
+    int64_t freed = 0;           // buffers a caching pool gave back instead of keeping
+    int64_t cached_bytes = 0;    // bytes held for reuse now
+  };
+
   virtual ~HostBufferPool() = default;
   // `bytes` of uninitialised host memory. Never fails for want of the
   // pool's kind of memory: a pool falls back to the heap (new[] may still
   // throw, as any allocation).
   virtual HostBuffer Acquire(size_t bytes) = 0;
+  virtual Stats stats() const = 0;
 };
 
 // Plain heap memory, allocated and freed per buffer: what a backend that does

@@ -273,6 +273,29 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
         &projection_run_seconds_, &projection_copy_out_seconds_}) {
     families.push_back(CollectFamily(*histogram, "", MetricType::Histogram));
   }
+
+  const MetricsSnapshot::ChunkBuffers& buffers = snapshot.chunk_buffers;
+  MetricFamily taken = EmptyFamily(
+      "detlogp_projection_chunk_buffers_total",
+      "Chunk buffers projection streams took: from the cache, new memory of the "
+      "backend's kind (pinned on CUDA), or the heap when that could not be had.",
+      MetricType::Counter);
+  for (const auto& [source, value] : {std::pair{"cache", buffers.cached},
+                                      {"new", buffers.allocated},
+                                      {"heap", buffers.heap}}) {
+    taken.metric.push_back(
+        Sample(MetricType::Counter, static_cast<double>(value), {{"source", source}}));
+  }
+  families.push_back(std::move(taken));
+  families.push_back(OneSampleFamily(
+      "detlogp_projection_chunk_buffers_freed_total",
+      "Cached chunk buffers given back to the system to stay under "
+      "--projection_chunk_cache_mb (oldest first).",
+      MetricType::Counter, static_cast<double>(buffers.freed)));
+  families.push_back(OneSampleFamily(
+      "detlogp_projection_chunk_buffer_cache_bytes",
+      "Bytes of chunk buffers kept for reuse now.", MetricType::Gauge,
+      static_cast<double>(buffers.cache_bytes)));
   return families;
 }
 

@@ -30,6 +30,14 @@
 //   detlogp_projection_copy_out_seconds      histogram: copying a launch's Y
 //                                            into its chunks on the host (~0
 //                                            when the GPU wrote them)
+//   detlogp_projection_chunk_buffers_total{source}
+//                                            chunk buffers streams took: from
+//                                            the cache, new (pinned on CUDA),
+//                                            or the heap when that failed
+//   detlogp_projection_chunk_buffers_freed_total
+//                                            cached buffers given back
+//   detlogp_projection_chunk_buffer_cache_bytes
+//                                            gauge: bytes kept for reuse
 //
 // Names, types, label names and values and bucket bounds are those of the
 // hand-written registry this replaced; dashboards depend on them. Requests,
@@ -71,6 +79,15 @@ struct MetricsSnapshot {
   };
   std::vector<Model> models;
   int64_t model_memory_bytes = 0;
+  // The projection's chunk buffers (HostBufferPool::Stats).
+  struct ChunkBuffers {
+    int64_t cached = 0;
+    int64_t allocated = 0;
+    int64_t heap = 0;
+    int64_t freed = 0;
+    int64_t cache_bytes = 0;
+  };
+  ChunkBuffers chunk_buffers;
 };
 
 // Thread-safe: calls, batches and scrapes may come from any thread.

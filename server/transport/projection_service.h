@@ -71,6 +71,9 @@ class ProjectionServiceImpl final
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Project(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
 
+  // What the chunk buffers' pool has done (the server's metrics).
+  HostBufferPool::Stats chunk_buffer_stats() const { return chunk_buffers_->stats(); }
+
  private:
   class ProjectCall;
 

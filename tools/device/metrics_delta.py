@@ -12,7 +12,9 @@ cycle - gather - compute is the time the device slot sat between batches
 For projection streams: streams and chunks, the streams' time with a write
 in flight and with nothing to write (next chunk not computed), and per
 launch the rows, the oldest chunk's queue delay, the backend's run (copy in,
-H2D, kernel, D2H) and the copy of Y into the chunks.
+H2D, kernel, D2H) and the copy of Y into the chunks; and where the streams'
+chunk buffers came from (the pool's cache, new pinned memory, the heap), how
+many cached ones were freed, and the cache's size after the phase.
 """
 import re
 import sys
@@ -22,7 +24,7 @@ def read(path):
     values = {}
     with open(path) as f:
         for line in f:
-            m = re.match(r"^(detlogp_\w+_(?:sum|count|total)) (\S+)$", line)
+            m = re.match(r"^(detlogp_\w+_(?:sum|count|total|bytes)(?:\{[^}]*\})?) (\S+)$", line)
             if m:
                 values[m.group(1)] = float(m.group(2))
     return values
@@ -31,7 +33,7 @@ def read(path):
 def main():
     before, after, seconds = read(sys.argv[1]), read(sys.argv[2]), float(sys.argv[3])
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    projection(delta, seconds)
+    projection(delta, after, seconds)
     batches = delta.get("detlogp_batch_rows_count", 0.0)
     if batches <= 0:
         print("no batches between the scrapes")
@@ -48,7 +50,7 @@ def main():
     )
 
 
-def projection(delta, seconds):
+def projection(delta, after, seconds):
     launches = delta.get("detlogp_projection_launch_rows_count", 0.0)
     streams = delta.get("detlogp_projection_streams_total", 0.0)
     if launches <= 0 and streams <= 0:
@@ -68,6 +70,16 @@ def projection(delta, seconds):
         f"{delta.get('detlogp_projection_launch_rows_sum', 0.0) / max(launches, 1):.0f}"
         f"  queue delay {mean_ms('queue_delay'):.2f} ms  run {mean_ms('run'):.2f} ms"
         f"  copy out {mean_ms('copy_out'):.2f} ms  over {seconds:.2f} s"
+    )
+    taken = {
+        source: delta.get(f'detlogp_projection_chunk_buffers_total{{source="{source}"}}', 0.0)
+        for source in ("cache", "new", "heap")
+    }
+    print(
+        f"projection: chunk buffers from cache {taken['cache']:.0f}  new {taken['new']:.0f}"
+        f"  heap {taken['heap']:.0f}"
+        f"  freed {delta.get('detlogp_projection_chunk_buffers_freed_total', 0.0):.0f}"
+        f"  cached after {after.get('detlogp_projection_chunk_buffer_cache_bytes', 0.0) / 2**20:.0f} MiB"
     )
 
 
