@@ -5,7 +5,7 @@
 // buffers of the sizes in use. (Freeing the newcomer instead, as the first
 // version did, left a cache full of an earlier size: on the H200 a sweep
 // over 256-2048 rows per chunk then pinned and freed 44 MB buffers during
-// every 2048-row projection, and those ran ~9 % slower; docs/perf.md,
+// every 2048-row projection, and those ran 10-14 % slower; docs/perf.md,
 // session 14.) The memory comes from Options::allocate (the CUDA projection
 // backend: cudaHostAlloc, whose cost is paid once per buffer instead of once
 // per chunk); when allocate fails, Acquire falls back to the heap for that
