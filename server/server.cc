@@ -490,8 +490,12 @@ std::string Server::RenderMetrics() const {
   snapshot.model_memory_bytes = models_->reserved_bytes();
   if (projection_service_ != nullptr) {
     const HostBufferPool::Stats pool = projection_service_->chunk_buffer_stats();
-    snapshot.chunk_buffers = {pool.reused, pool.allocated, pool.heap_fallbacks, pool.freed,
-                              pool.cached_bytes};
+    MetricsSnapshot::ChunkBuffers& buffers = snapshot.chunk_buffers;
+    buffers.cached = pool.reused;
+    buffers.allocated = pool.allocated;
+    buffers.heap = pool.heap_fallbacks;
+    buffers.freed = pool.freed;
+    buffers.cache_bytes = pool.cached_bytes;
   }
   return metrics_->Render(snapshot);
 }
