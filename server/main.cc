@@ -103,9 +103,10 @@ ABSL_FLAG(int64_t, projection_stream_buffer_mb, 64,
           "Output MiB one projection stream may hold in chunk buffers "
           "(computed, waiting or being written; two chunks at least).");
 ABSL_FLAG(int64_t, projection_chunk_cache_mb, 1024,
-          "MiB of released projection chunk buffers kept for reuse when the "
-          "backend allocates its own (CUDA: pinned memory, costly to pin "
-          "again); beyond it the buffers released longest ago are freed.");
+          "MiB of idle chunk-buffer memory kept for reuse when the backend "
+          "allocates its own (CUDA: pinned, in 128 MiB blocks that buffers of "
+          "any size are carved from; costly to pin again); beyond it the "
+          "blocks with nothing in use are freed, idle longest first.");
 ABSL_FLAG(int, batch_threads, 0,
           "Batches in flight at once; 0: the backend's preference.");
 ABSL_FLAG(int64_t, batch_overlap_rows, -1,

@@ -277,8 +277,9 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
   const MetricsSnapshot::ChunkBuffers& buffers = snapshot.chunk_buffers;
   MetricFamily taken = EmptyFamily(
       "detlogp_projection_chunk_buffers_total",
-      "Chunk buffers projection streams took: from the cache, new memory of the "
-      "backend's kind (pinned on CUDA), or the heap when that could not be had.",
+      "Chunk buffers projection streams took: carved from memory the pool "
+      "already held (cache), from a block it had to allocate (new; pinned on "
+      "CUDA), or the heap when that could not be had.",
       MetricType::Counter);
   for (const auto& [source, value] : {std::pair{"cache", buffers.cached},
                                       {"new", buffers.allocated},
@@ -289,12 +290,12 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
   families.push_back(std::move(taken));
   families.push_back(OneSampleFamily(
       "detlogp_projection_chunk_buffers_freed_total",
-      "Cached chunk buffers given back to the system to stay under "
-      "--projection_chunk_cache_mb (oldest first).",
+      "Blocks of chunk-buffer memory given back to the system to keep idle "
+      "bytes under --projection_chunk_cache_mb (idle longest first).",
       MetricType::Counter, static_cast<double>(buffers.freed)));
   families.push_back(OneSampleFamily(
       "detlogp_projection_chunk_buffer_cache_bytes",
-      "Bytes of chunk buffers kept for reuse now.", MetricType::Gauge,
+      "Bytes of chunk-buffer memory held idle for reuse now.", MetricType::Gauge,
       static_cast<double>(buffers.cache_bytes)));
   return families;
 }

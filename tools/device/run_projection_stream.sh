@@ -22,6 +22,7 @@
 # measured --heap_retain_mb=0 against the default; not repeated.
 #   CHUNKS="256 512 1024 2048"  ROWS=364608  FOUR_CHUNK=512  SERVER_ARGS=...
 #   REPEATS=1 (runs of each one-projection setting)  CALLS="1 4"
+#   WARMUP_ROUNDS=1 (untimed rounds first)
 #   TRANSPORT_BENCH=0 (skip the transport-only bench)
 #   FOUR_VIDEOS=0 (skip the hashed projection and the four videos at once)
 set -uo pipefail
@@ -54,31 +55,38 @@ cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 # back), so that a slow spell of the host hits every setting alike, in
 # ascending order in odd rounds and descending in even ones, so that no size
 # always runs last (sessions 11-12 always ran 2048 last; docs/perf.md,
-# session 13). The medians per setting follow, then every round's figures.
+# session 13). WARMUP_ROUNDS (default 1) go round every setting first,
+# untimed: the first run of a size pins its chunk buffers and grows the
+# VM's and the processes' memory (session 15 measured round 1 slower at
+# every size). A size may be listed twice (CHUNKS="... 2048 2048"): the
+# two positions' paired ratio is the noise floor of the others. The
+# summary (projection_stream_summary.py) gives medians per setting and
+# each neighbouring pair's per-round ratios.
 rm -f /tmp/speed_*.txt
-for rep in $(seq 1 "${REPEATS:-1}"); do
-  order=${CHUNKS:-256 512 1024 2048}
-  (( rep % 2 )) || order=$(tr ' ' '\n' <<< "$order" | tac | tr '\n' ' ')
-  for chunk in $order; do
+chunks=(${CHUNKS:-256 512 1024 2048})
+warmup=${WARMUP_ROUNDS:-1}
+for rep in $(seq $((1 - warmup)) "${REPEATS:-1}"); do
+  positions=$(seq 0 $((${#chunks[@]} - 1)))
+  (( rep % 2 )) || positions=$(tac <<< "$positions")
+  for pos in $positions; do
+    chunk=${chunks[$pos]}
     for streams in ${CALLS:-1 4}; do
+      if (( rep < 1 )); then
+        echo "-- warm-up, rows_per_chunk=$chunk, $streams call(s)"
+        cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
+          grep -E "^transfer"
+        continue
+      fi
       echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep)"
       timed cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
         grep -E "^transfer|^client|^projection" | tee /tmp/run.txt
-      awk '/^transfer/ { print $5 }' /tmp/run.txt >> "/tmp/speed_${chunk}_${streams}.txt"
+      awk '/^transfer/ { print $5 }' /tmp/run.txt >> "/tmp/speed_${pos}_${streams}.txt"
     done
   done
 done
-echo "-- one projection: output GB/s, median (min-max) of ${REPEATS:-1} interleaved runs"
 for streams in ${CALLS:-1 4}; do
-  for chunk in ${CHUNKS:-256 512 1024 2048}; do
-    sort -g "/tmp/speed_${chunk}_${streams}.txt" | awk -v c="$chunk" -v s="$streams" \
-      '{ v[NR] = $1 } END { m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
-         printf "rows_per_chunk %5d  calls %d  median %.2f  (%.2f-%.2f)\n", c, s, m, v[1], v[NR] }'
-  done
-done
-for streams in ${CALLS:-1 4}; do
-  echo "-- GB/s per round, calls $streams, rows_per_chunk ${CHUNKS:-256 512 1024 2048}"
-  paste $(for chunk in ${CHUNKS:-256 512 1024 2048}; do echo "/tmp/speed_${chunk}_${streams}.txt"; done)
+  python3 tools/device/projection_stream_summary.py --calls="$streams" \
+    --chunks="${chunks[*]}" /tmp/speed_%d_"$streams".txt
 done
 if [[ ${FOUR_VIDEOS:-1} != 0 ]]; then
   echo "-- one projection, rows_per_chunk=$four_chunk, 4 calls, SHA-256 on its own thread (1 GiB backlog)"
@@ -109,7 +117,7 @@ if [[ ${FOUR_VIDEOS:-1} != 0 ]]; then
 fi
 kill -TERM $server; wait $server
 if [[ -x "$dir/projection_stream" && ${TRANSPORT_BENCH:-1} != 0 ]]; then
-  for chunk in ${CHUNKS:-256 512 1024 2048}; do
+  for chunk in $(tr ' ' '\n' <<< "${chunks[*]}" | sort -nu); do
     for calls in 1 2 4; do
       echo "-- transport-only bench, one projection, rows_per_chunk=$chunk, $calls call(s)"
       "$dir/projection_stream" --reader=client --rows="$rows" --chunks="$chunk" --streams=0 \

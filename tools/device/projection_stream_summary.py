@@ -1,0 +1,54 @@
+"""Summarises run_projection_stream.sh's timed rounds for one call count.
+
+Reads one file of GB/s figures per position of CHUNKS (one line per round,
+rounds in the same order in every file) and prints each position's median,
+then every pair's paired ratios: per round, the later position's GB/s
+over the earlier's (CHUNKS ascending: below 1 means the larger
+chunk was slower), their median, how many rounds were above 1, and the sign test's
+one-sided p-value for "the later position is slower" (the chance of that
+few rounds above 1 if neither were). A size listed twice gives the noise
+floor: its pair should read 1 within the spread.
+
+  projection_stream_summary.py --calls=4 --chunks="256 512 1024 2048" \
+      /tmp/speed_%d_4.txt
+"""
+import argparse
+import itertools
+import math
+import statistics
+
+
+def sign_test_p(above, n):
+    """P(X <= above) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(above + 1)) / 2 ** n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", required=True)
+    ap.add_argument("--chunks", required=True, help="rows_per_chunk per position")
+    ap.add_argument("pattern", help="file of position %%d's GB/s, one per round")
+    args = ap.parse_args()
+    chunks = args.chunks.split()
+    speeds = []
+    for pos in range(len(chunks)):
+        with open(args.pattern % pos) as f:
+            speeds.append([float(line) for line in f if line.strip()])
+    rounds = min(len(s) for s in speeds)
+    print(f"-- {args.calls} call(s): output GB/s over {rounds} timed rounds")
+    for chunk, s in zip(chunks, speeds):
+        print(f"rows_per_chunk {int(chunk):5d}  median {statistics.median(s):.2f}"
+              f"  ({min(s):.2f}-{max(s):.2f})")
+    for a, b in itertools.combinations(range(len(chunks)), 2):
+        ratios = [speeds[b][r] / speeds[a][r] for r in range(rounds)]
+        above = sum(x > 1 for x in ratios)
+        print(f"{chunks[b]:>5} / {chunks[a]:<5} paired median {statistics.median(ratios):.3f}"
+              f"  ({min(ratios):.3f}-{max(ratios):.3f})  above 1 in {above}/{rounds}"
+              f"  sign-test p(slower) {sign_test_p(above, rounds):.3f}")
+    print("per round: " + "  ".join(chunks))
+    for r in range(rounds):
+        print("           " + "  ".join(f"{s[r]:.2f}" for s in speeds))
+
+
+if __name__ == "__main__":
+    main()
