@@ -11,7 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
+#include <cstring>
 #include <vector>
 
 namespace detlogp::client {
@@ -51,12 +51,16 @@ class InterleavedRows {
     return (call + nth_block * calls_) * block_rows_ + call_row % block_rows_;
   }
 
-  // Call `call`'s blocks, in the order its x holds them: (first request
-  // row, rows) each.
-  std::vector<std::pair<int64_t, int64_t>> CallBlocks(int call) const {
-    std::vector<std::pair<int64_t, int64_t>> out;
+  // Call `call`'s x: its blocks' rows of `x` ([rows, row_floats]), in order.
+  std::vector<float> GatherCallRows(const float* x, int64_t row_floats,
+                                    int call) const {
+    std::vector<float> out(static_cast<size_t>(CallRows(call) * row_floats));
+    float* next = out.data();
     for (int64_t b = call; b < blocks_; b += calls_) {
-      out.emplace_back(b * block_rows_, BlockRows(b));
+      const int64_t floats = BlockRows(b) * row_floats;
+      std::memcpy(next, x + b * block_rows_ * row_floats,
+                  static_cast<size_t>(floats) * sizeof(float));
+      next += floats;
     }
     return out;
   }

@@ -15,22 +15,23 @@ void ExpectCoversEveryRowOnce(int64_t rows, int64_t block_rows, int max_calls) {
   SCOPED_TRACE(testing::Message() << rows << " rows, blocks of " << block_rows
                                   << ", " << max_calls << " calls at most");
   const InterleavedRows plan(rows, block_rows, max_calls);
+  constexpr int64_t kRowFloats = 3;
+  std::vector<float> x(static_cast<size_t>(rows * kRowFloats));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i);
   std::set<int64_t> seen;
   int64_t total = 0;
   for (int c = 0; c < plan.calls(); ++c) {
-    // The call's x, row by row, as its blocks list it.
-    std::vector<int64_t> call_rows;
-    for (const auto& [first, count] : plan.CallBlocks(c)) {
-      for (int64_t r = first; r < first + count; ++r) call_rows.push_back(r);
-    }
-    ASSERT_EQ(static_cast<int64_t>(call_rows.size()), plan.CallRows(c));
+    const std::vector<float> call_x = plan.GatherCallRows(x.data(), kRowFloats, c);
+    ASSERT_EQ(static_cast<int64_t>(call_x.size()), plan.CallRows(c) * kRowFloats);
     for (int64_t r = 0; r < plan.CallRows(c); ++r) {
       const int64_t row = plan.RequestRow(c, r);
       ASSERT_GE(row, 0);
       ASSERT_LT(row, rows);
       EXPECT_TRUE(seen.insert(row).second) << "row " << row << " twice";
       EXPECT_EQ(plan.CallOfBlock(row / block_rows), c);
-      EXPECT_EQ(call_rows[r], row);
+      for (int64_t f = 0; f < kRowFloats; ++f) {
+        ASSERT_EQ(call_x[r * kRowFloats + f], x[row * kRowFloats + f]);
+      }
     }
     total += plan.CallRows(c);
   }

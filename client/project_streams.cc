@@ -15,7 +15,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/interleaved_rows.h"
-#include "client/project_request.h"
 #include "client/logp_client.h"
 
 namespace detlogp::client {
@@ -61,6 +60,21 @@ absl::Status CheckChunk(const ProjectChunk& chunk, int64_t next_row, int64_t row
   return absl::OkStatus();
 }
 
+detlogp::v1::ProjectRequest MakeProjectRequest(const float* x, int64_t rows,
+                                               int64_t rows_per_chunk,
+                                               const std::string& request_id) {
+  detlogp::v1::ProjectRequest request;
+  request.set_request_id(request_id);
+  request.set_rows_per_chunk(rows_per_chunk);
+  detlogp::v1::Tensor* tensor = request.mutable_x();
+  tensor->set_dtype(detlogp::v1::DTYPE_FLOAT32);
+  tensor->add_shape(rows);
+  tensor->add_shape(kIn);
+  tensor->set_data(reinterpret_cast<const char*>(x),
+                   static_cast<size_t>(rows * kIn) * sizeof(float));
+  return request;
+}
+
 // Gets each checked chunk of one stream with its row count; a non-OK status
 // ends the stream with that status.
 using ChunkSink = std::function<absl::Status(ProjectChunk&, int64_t chunk_rows)>;
@@ -70,7 +84,7 @@ using ChunkSink = std::function<absl::Status(ProjectChunk&, int64_t chunk_rows)>
 absl::Status ReadProjectStream(grpc::ChannelInterface* channel,
                                const grpc::internal::RpcMethod& method,
                                grpc::ClientContext* context,
-                               const grpc::ByteBuffer& request, int64_t rows,
+                               const detlogp::v1::ProjectRequest& request, int64_t rows,
                                const ChunkSink& sink) {
   // The generated stub's reader, with gRPC's bytes as the message type: a
   // read swaps the received buffer in, nothing is parsed or copied.
@@ -235,8 +249,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
                              StreamsFor(options.streams, rows));
   if (plan.calls() > 1) return ProjectInterleaved(x, plan, options, on_chunk);
 
-  const grpc::ByteBuffer request = ProjectRequestBytes(
-      {RowSpan{x.data(), rows}}, options.rows_per_chunk, options.request_id);
+  const detlogp::v1::ProjectRequest request =
+      MakeProjectRequest(x.data(), rows, options.rows_per_chunk, options.request_id);
   grpc::ClientContext context;
   PrepareContext(&context);
   ProjectResult result;
@@ -272,13 +286,13 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
   std::vector<std::thread> readers;
   for (int c = 0; c < plan.calls(); ++c) {
     readers.emplace_back([&, c] {
-      std::vector<RowSpan> spans;
-      for (const auto& [first, count] : plan.CallBlocks(c)) {
-        spans.push_back(RowSpan{x.data() + first * kIn, count});
+      detlogp::v1::ProjectRequest request;
+      {
+        const std::vector<float> call_x = plan.GatherCallRows(x.data(), kIn, c);
+        request = MakeProjectRequest(
+            call_x.data(), plan.CallRows(c), plan.block_rows(),
+            absl::StrCat(options.request_id, "/", c + 1, "of", plan.calls()));
       }
-      const grpc::ByteBuffer request = ProjectRequestBytes(
-          spans, plan.block_rows(),
-          absl::StrCat(options.request_id, "/", c + 1, "of", plan.calls()));
       grpc::ClientContext* context = calls.context(c);
       PrepareContext(context);
       int64_t block = c;

@@ -16,7 +16,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "kernels/projection.h"
-#include "proto/wire_bytes.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/reactor_update.h"
 #include "server/transport/rejected_call.h"
@@ -57,8 +56,18 @@ absl::Status ValidateProjectRequest(const ProjectRequest& request,
   return absl::OkStatus();
 }
 
-using wire::AppendBytesFieldKey;
-using wire::AppendVarint;
+void AppendVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+// Key of a length-delimited field (wire type 2).
+void AppendBytesFieldKey(int field_number, std::string* out) {
+  AppendVarint((static_cast<uint64_t>(field_number) << 3) | 2, out);
+}
 
 // The wire bytes of a ProjectResponse up to (not including) y.data's
 // contents: request_id, row_offset, y's key and length, y.dtype, y.shape and
