@@ -61,7 +61,7 @@ cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 # every size). A size may be listed twice (CHUNKS="... 2048 2048"): the
 # two positions' paired ratio is the noise floor of the others. The
 # summary (projection_stream_summary.py) gives medians per setting and
-# each neighbouring pair's per-round ratios.
+# every pair's per-round ratios.
 rm -f /tmp/speed_*.txt
 chunks=(${CHUNKS:-256 512 1024 2048})
 warmup=${WARMUP_ROUNDS:-1}
