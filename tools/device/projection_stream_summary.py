@@ -26,7 +26,8 @@ def sign_test_p(above, n):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", required=True)
-    ap.add_argument("--chunks", required=True, help="rows_per_chunk per position")
+    ap.add_argument("--chunks", required=True,
+                    help="rows_per_chunk per position (512:b: another CLI's)")
     ap.add_argument("pattern", help="file of position %%d's GB/s, one per round")
     args = ap.parse_args()
     chunks = args.chunks.split()
@@ -37,12 +38,12 @@ def main():
     rounds = min(len(s) for s in speeds)
     print(f"-- {args.calls} call(s): output GB/s over {rounds} timed rounds")
     for chunk, s in zip(chunks, speeds):
-        print(f"rows_per_chunk {int(chunk):5d}  median {statistics.median(s):.2f}"
+        print(f"rows_per_chunk {chunk:>7}  median {statistics.median(s):.2f}"
               f"  ({min(s):.2f}-{max(s):.2f})")
     for a, b in itertools.combinations(range(len(chunks)), 2):
         ratios = [speeds[b][r] / speeds[a][r] for r in range(rounds)]
         above = sum(x > 1 for x in ratios)
-        print(f"{chunks[b]:>5} / {chunks[a]:<5} paired median {statistics.median(ratios):.3f}"
+        print(f"{chunks[b]:>7} / {chunks[a]:<7} paired median {statistics.median(ratios):.3f}"
               f"  ({min(ratios):.3f}-{max(ratios):.3f})  above 1 in {above}/{rounds}"
               f"  sign-test p(slower) {sign_test_p(above, rounds):.3f}")
     print("per round: " + "  ".join(chunks))

@@ -30,7 +30,8 @@ dir=${STREAM_DIR:-.device/serve}
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
 rows=${ROWS:-364608}
 four_chunk=${FOUR_CHUNK:-512}
-cli() { "$dir/detlogp_cli" project --target="$target" --project_rows="$rows" "$@"; }
+cli_bin=detlogp_cli
+cli() { "$dir/$cli_bin" project --target="$target" --project_rows="$rows" "$@"; }
 # Where the server's time went during one command (metrics_delta.py): the
 # streams' writing and waiting, and per launch queue, run and copy-out.
 scrape() { python3 -c "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$(sed -n 2p /tmp/p.port)/metrics').read().decode())"; }
@@ -61,7 +62,9 @@ cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 # every size). A size may be listed twice (CHUNKS="... 2048 2048"): the
 # two positions' paired ratio is the noise floor of the others. The
 # summary (projection_stream_summary.py) gives medians per setting and
-# every pair's per-round ratios.
+# every pair's per-round ratios. A size may name another CLI of the bundle
+# (CHUNKS="512 512:b" runs $dir/detlogp_cli_b for the second): an A/B of
+# two client builds against one server, paired round by round.
 rm -f /tmp/speed_*.txt
 chunks=(${CHUNKS:-256 512 1024 2048})
 warmup=${WARMUP_ROUNDS:-1}
@@ -69,21 +72,24 @@ for rep in $(seq $((1 - warmup)) "${REPEATS:-1}"); do
   positions=$(seq 0 $((${#chunks[@]} - 1)))
   (( rep % 2 )) || positions=$(tac <<< "$positions")
   for pos in $positions; do
-    chunk=${chunks[$pos]}
+    chunk=${chunks[$pos]%%:*}
+    cli_bin=detlogp_cli
+    [[ ${chunks[$pos]} == *:* ]] && cli_bin=detlogp_cli_${chunks[$pos]#*:}
     for streams in ${CALLS:-1 4}; do
       if (( rep < 1 )); then
-        echo "-- warm-up, rows_per_chunk=$chunk, $streams call(s)"
+        echo "-- warm-up, rows_per_chunk=$chunk, $streams call(s), $cli_bin"
         cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
           grep -E "^transfer"
         continue
       fi
-      echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep)"
+      echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep, $cli_bin)"
       timed cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
         grep -E "^transfer|^client|^projection" | tee /tmp/run.txt
       awk '/^transfer/ { print $5 }' /tmp/run.txt >> "/tmp/speed_${pos}_${streams}.txt"
     done
   done
 done
+cli_bin=detlogp_cli
 for streams in ${CALLS:-1 4}; do
   python3 tools/device/projection_stream_summary.py --calls="$streams" \
     --chunks="${chunks[*]}" /tmp/speed_%d_"$streams".txt
@@ -117,7 +123,7 @@ if [[ ${FOUR_VIDEOS:-1} != 0 ]]; then
 fi
 kill -TERM $server; wait $server
 if [[ -x "$dir/projection_stream" && ${TRANSPORT_BENCH:-1} != 0 ]]; then
-  for chunk in $(tr ' ' '\n' <<< "${chunks[*]}" | sort -nu); do
+  for chunk in $(tr ' ' '\n' <<< "${chunks[*]%%:*}" | sort -nu); do
     for calls in 1 2 4; do
       echo "-- transport-only bench, one projection, rows_per_chunk=$chunk, $calls call(s)"
       "$dir/projection_stream" --reader=client --rows="$rows" --chunks="$chunk" --streams=0 \
