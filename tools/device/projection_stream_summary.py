@@ -7,7 +7,8 @@ over the earlier's (CHUNKS ascending: below 1 means the larger
 chunk was slower), their median, how many rounds were above 1, and the sign test's
 one-sided p-value for "the later position is slower" (the chance of that
 few rounds above 1 if neither were). A size listed twice gives the noise
-floor: its pair should read 1 within the spread.
+floor: its pair should read 1 within the spread. A failed run is "nan":
+its round is left out of that setting's median and of its pairs.
 
   projection_stream_summary.py --calls=4 --chunks="256 512 1024 2048" \
       /tmp/speed_%d_4.txt
@@ -38,14 +39,17 @@ def main():
     rounds = min(len(s) for s in speeds)
     print(f"-- {args.calls} call(s): output GB/s over {rounds} timed rounds")
     for chunk, s in zip(chunks, speeds):
-        print(f"rows_per_chunk {chunk:>7}  median {statistics.median(s):.2f}"
-              f"  ({min(s):.2f}-{max(s):.2f})")
+        ok = [v for v in s if not math.isnan(v)]
+        failed = len(s) - len(ok)
+        print(f"rows_per_chunk {chunk:>7}  median {statistics.median(ok):.2f}"
+              f"  ({min(ok):.2f}-{max(ok):.2f})" + (f"  {failed} failed" if failed else ""))
     for a, b in itertools.combinations(range(len(chunks)), 2):
-        ratios = [speeds[b][r] / speeds[a][r] for r in range(rounds)]
+        ratios = [speeds[b][r] / speeds[a][r] for r in range(rounds)
+                  if not math.isnan(speeds[a][r]) and not math.isnan(speeds[b][r])]
         above = sum(x > 1 for x in ratios)
         print(f"{chunks[b]:>7} / {chunks[a]:<7} paired median {statistics.median(ratios):.3f}"
-              f"  ({min(ratios):.3f}-{max(ratios):.3f})  above 1 in {above}/{rounds}"
-              f"  sign-test p(slower) {sign_test_p(above, rounds):.3f}")
+              f"  ({min(ratios):.3f}-{max(ratios):.3f})  above 1 in {above}/{len(ratios)}"
+              f"  sign-test p(slower) {sign_test_p(above, len(ratios)):.3f}")
     print("per round: " + "  ".join(chunks))
     for r in range(rounds):
         print("           " + "  ".join(f"{s[r]:.2f}" for s in speeds))

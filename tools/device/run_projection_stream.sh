@@ -85,7 +85,9 @@ for rep in $(seq $((1 - warmup)) "${REPEATS:-1}"); do
       echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep, $cli_bin)"
       timed cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
         grep -E "^transfer|^client|^projection" | tee /tmp/run.txt
-      awk '/^transfer/ { print $5 }' /tmp/run.txt >> "/tmp/speed_${pos}_${streams}.txt"
+      # A failed run leaves "nan", so that the files stay aligned by round.
+      speed=$(awk '/^transfer/ { print $5 }' /tmp/run.txt)
+      echo "${speed:-nan}" >> "/tmp/speed_${pos}_${streams}.txt"
     done
   done
 done
