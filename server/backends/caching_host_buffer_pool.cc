@@ -51,16 +51,19 @@ HostBuffer CachingHostBufferPool::Acquire(size_t bytes) {
       need, Rounded(static_cast<size_t>(
                 std::min(options_.block_bytes, options_.max_cached_bytes))));
   char* base = static_cast<char*>(options_.allocate(block_bytes));
-  absl::MutexLock lock(&mu_);
   if (base == nullptr) {
-    ++stats_.heap_fallbacks;
+    {
+      absl::MutexLock lock(&mu_);
+      ++stats_.heap_fallbacks;
+    }
     if (!warned_.exchange(true)) {
       spdlog::warn("cannot allocate {} bytes of {} memory; chunk buffers that "
                    "cannot be had fall back to the heap (slower copies)",
                    block_bytes, options_.memory_name);
     }
-    return HeapHostBuffer(bytes);
+    return HeapHostBuffer(bytes);  // outside the lock: tens of MB
   }
+  absl::MutexLock lock(&mu_);
   Block& block = blocks_.emplace_back();
   block.base = base;
   block.bytes = block_bytes;
