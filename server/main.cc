@@ -20,6 +20,11 @@
 
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
 ABSL_FLAG(int, port, 50051, "Port to listen on; 0 picks a free one.");
+ABSL_FLAG(std::string, unix_socket, "",
+          "Also listen on this Unix-domain socket path (clients on the same host: "
+          "target unix:PATH; faster than loopback TCP for large streams). Access "
+          "follows the socket file's mode (the umask). A stale socket is replaced; "
+          "a live one or another file is refused.");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written here once serving (for tests).");
 ABSL_FLAG(std::string, weights, "",
@@ -275,6 +280,7 @@ int main(int argc, char** argv) {
   detlogp::server::Server::Options options;
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
+  options.unix_socket_path = absl::GetFlag(FLAGS_unix_socket);
   options.device = absl::GetFlag(FLAGS_device);
   options.vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
   options.logp_kernel = absl::GetFlag(FLAGS_logp_kernel);

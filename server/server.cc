@@ -15,6 +15,7 @@
 #include "kernels/lm_head.h"
 #include "kernels/split_policy.h"
 #include "digests/determinism_key.h"
+#include "server/transport/unix_socket.h"
 #include "spdlog/spdlog.h"
 
 namespace detlogp::server {
@@ -347,6 +348,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
                                                   : options.host,
       ":", options.port);
   builder.AddListeningPort(address, *credentials, &server->port_);
+  if (!options.unix_socket_path.empty()) {
+    if (absl::Status s = PrepareUnixSocketPath(options.unix_socket_path, "--unix_socket");
+        !s.ok()) {
+      return s;
+    }
+    builder.AddListeningPort(UnixSocketAddress(options.unix_socket_path), *credentials);
+  }
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                              options.max_concurrent_streams_per_connection);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
@@ -356,8 +364,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   builder.RegisterService(server->projection_service_.get());
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", address));
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", address,
+        options.unix_socket_path.empty()
+            ? ""
+            : absl::StrCat(" and ", UnixSocketAddress(options.unix_socket_path))));
   }
   grpc::HealthCheckServiceInterface* health =
       server->grpc_server_->GetHealthCheckService();
@@ -382,10 +393,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   health->SetServingStatus(kProjectionServiceName, true);
   health->SetServingStatus(kRepositoryServiceName, true);
   const detlogp::v1::ModelInfo info = server->model_info();
-  spdlog::info("serving model {} v{} (default) and {} other(s) on {}:{} "
+  spdlog::info("serving model {} v{} (default) and {} other(s) on {}:{}{} "
                "(determinism key {}; {}, {})",
                info.model(), info.model_version(),
                server->models_->DescribeAll().size() - 1, options.host, server->port_,
+               options.unix_socket_path.empty()
+                   ? ""
+                   : " and " + UnixSocketAddress(options.unix_socket_path),
                info.determinism_key(),
                options.tls_cert_path.empty() ? "plaintext"
                : options.tls_client_ca_path.empty() ? "TLS" : "mutual TLS",

@@ -186,6 +186,19 @@ def test_systemd_unit_drains_on_sigterm():
     assert "--host=127.0.0.1" in service["ExecStart"]
 
 
+def test_systemd_unit_serves_a_unix_socket_in_its_runtime_directory():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read_string((DEPLOY / "systemd" / "detlogp.service").read_text())
+    service = unit["Service"]
+    args = service["ExecStart"].replace("\\\n", " ").split()
+    (socket,) = flag_values(args, "unix_socket")
+    # In the directory systemd creates for the service (/run/<RuntimeDirectory>),
+    # group members may connect (write permission), others may not.
+    assert socket.startswith("/run/" + service["RuntimeDirectory"] + "/")
+    assert service["RuntimeDirectoryMode"] == "0750"
+    assert service["UMask"] == "0007"
+
+
 def test_systemd_unit_keeps_uploads_under_var_lib_detlogp():
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.read_string((DEPLOY / "systemd" / "detlogp.service").read_text())

@@ -80,6 +80,8 @@ ABSL_FLAG(std::string, client_args, "",
           "Integer channel arguments for the client, name=value,...");
 ABSL_FLAG(std::string, server_args, "",
           "Integer channel arguments for the server, name=value,...");
+ABSL_FLAG(std::string, unix_socket, "",
+          "Listen and connect on this Unix-domain socket path instead of loopback TCP.");
 ABSL_FLAG(int, scheduler_threads, 2, "ProjectionScheduler::Options::num_threads.");
 
 namespace detlogp {
@@ -388,7 +390,12 @@ int Main() {
   server::ProjectionServiceImpl service(service_options, scheduler.get());
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  const std::string unix_socket = absl::GetFlag(FLAGS_unix_socket);
+  if (unix_socket.empty()) {
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  } else {
+    builder.AddListeningPort(absl::StrCat("unix:", unix_socket), grpc::InsecureServerCredentials());
+  }
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   for (const auto& [name, value] : IntArgs(absl::GetFlag(FLAGS_server_args))) {
@@ -396,7 +403,8 @@ int Main() {
   }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  const std::string target = absl::StrCat("127.0.0.1:", port);
+  const std::string target = unix_socket.empty() ? absl::StrCat("127.0.0.1:", port)
+                                                 : absl::StrCat("unix:", unix_socket);
 
   std::vector<float> x(rows * kProjectionInDim, 0.5f);
   v1::ProjectRequest request;

@@ -25,13 +25,18 @@
 #   WARMUP_ROUNDS=1 (untimed rounds first)
 #   TRANSPORT_BENCH=0 (skip the transport-only bench)
 #   FOUR_VIDEOS=0 (skip the hashed projection and the four videos at once)
+#   FOUR_TARGET=unix (the four videos over the server's Unix socket)
+#   TRANSPORT_UNIX=1 (the transport-only bench also over a Unix socket)
+# Session 16: the server also listens on a Unix-domain socket
+# (--unix_socket); a size with "u" after its colon (CHUNKS="512 512:u",
+# "2048:bu") connects there instead of loopback TCP.
 set -uo pipefail
 dir=${STREAM_DIR:-.device/serve}
 export LD_LIBRARY_PATH="$PWD/$dir/lib:${LD_LIBRARY_PATH:-}"
 rows=${ROWS:-364608}
 four_chunk=${FOUR_CHUNK:-512}
 cli_bin=detlogp_cli
-cli() { "$dir/$cli_bin" project --target="$target" --project_rows="$rows" "$@"; }
+cli() { "$dir/$cli_bin" project --target="$cli_target" --project_rows="$rows" "$@"; }
 # Where the server's time went during one command (metrics_delta.py): the
 # streams' writing and waiting, and per launch queue, run and copy-out.
 scrape() { python3 -c "import urllib.request, sys; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$(sed -n 2p /tmp/p.port)/metrics').read().decode())"; }
@@ -45,11 +50,14 @@ timed() {
     "$(python3 -c "print($end - $start)")" | grep "^projection"
 }
 rm -f /tmp/p.port
+unix_target=unix:/tmp/detlogp_p.sock
 "$dir/detlogp_server" --port=0 --port_file=/tmp/p.port --metrics_port=0 --device=cuda:0 \
+  --unix_socket=/tmp/detlogp_p.sock \
   ${SERVER_ARGS:-} > /tmp/p.log 2>&1 &
 server=$!
 for _ in $(seq 1 900); do [[ -s /tmp/p.port ]] && break; sleep 0.2; done
 target=127.0.0.1:$(head -1 /tmp/p.port)
+cli_target=$target
 nproc; grep -m1 "model name" /proc/cpuinfo
 cli --rows_per_chunk=512 --nohash_y --seed=1 > /dev/null  # warm-up
 # Repeats go round all settings in turn (not one setting's runs back to
@@ -74,7 +82,11 @@ for rep in $(seq $((1 - warmup)) "${REPEATS:-1}"); do
   for pos in $positions; do
     chunk=${chunks[$pos]%%:*}
     cli_bin=detlogp_cli
-    [[ ${chunks[$pos]} == *:* ]] && cli_bin=detlogp_cli_${chunks[$pos]#*:}
+    cli_target=$target
+    suffix=
+    [[ ${chunks[$pos]} == *:* ]] && suffix=${chunks[$pos]#*:}
+    [[ $suffix == *b* ]] && cli_bin=detlogp_cli_b
+    [[ $suffix == *u* ]] && cli_target=$unix_target
     for streams in ${CALLS:-1 4}; do
       if (( rep < 1 )); then
         echo "-- warm-up, rows_per_chunk=$chunk, $streams call(s), $cli_bin"
@@ -82,7 +94,7 @@ for rep in $(seq $((1 - warmup)) "${REPEATS:-1}"); do
           grep -E "^transfer"
         continue
       fi
-      echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep, $cli_bin)"
+      echo "-- one projection, rows_per_chunk=$chunk, $streams call(s), no hashing (run $rep, $cli_bin, $cli_target)"
       timed cli --rows_per_chunk="$chunk" --project_streams="$streams" --seed=7 --nohash_y |
         grep -E "^transfer|^client|^projection" | tee /tmp/run.txt
       # A failed run leaves "nan", so that the files stay aligned by round.
@@ -92,6 +104,8 @@ for rep in $(seq $((1 - warmup)) "${REPEATS:-1}"); do
   done
 done
 cli_bin=detlogp_cli
+cli_target=$target
+[[ ${FOUR_TARGET:-tcp} == unix ]] && cli_target=$unix_target
 for streams in ${CALLS:-1 4}; do
   python3 tools/device/projection_stream_summary.py --calls="$streams" \
     --chunks="${chunks[*]}" /tmp/speed_%d_"$streams".txt
@@ -126,10 +140,14 @@ fi
 kill -TERM $server; wait $server
 if [[ -x "$dir/projection_stream" && ${TRANSPORT_BENCH:-1} != 0 ]]; then
   for chunk in $(tr ' ' '\n' <<< "${chunks[*]%%:*}" | sort -nu); do
-    for calls in 1 2 4; do
-      echo "-- transport-only bench, one projection, rows_per_chunk=$chunk, $calls call(s)"
-      "$dir/projection_stream" --reader=client --rows="$rows" --chunks="$chunk" --streams=0 \
-        --repeats=3 --client_streams="$calls" | grep -A1 "stream(s)"
+    for calls in ${BENCH_CALLS:-1 2 4}; do
+      sockets=("")
+      [[ ${TRANSPORT_UNIX:-0} != 0 ]] && sockets+=(/tmp/detlogp_bench.sock)
+      for socket in "${sockets[@]}"; do
+        echo "-- transport-only bench, one projection, rows_per_chunk=$chunk, $calls call(s), ${socket:-loopback TCP}"
+        "$dir/projection_stream" --reader=client --rows="$rows" --chunks="$chunk" --streams=0 \
+          --repeats=3 --client_streams="$calls" --unix_socket="$socket" | grep -A1 "stream(s)"
+      done
     done
   done
   echo "-- transport-only bench, four projections of one call, rows_per_chunk=2048"

@@ -130,3 +130,43 @@ def test_checked_in_stubs_match_the_proto(tmp_path, repo_root):
             fresh_text = (out / "detlogp/v1" / name).read_text()
             assert (PACKAGE_ROOT / "detlogp/v1" / name).read_text() == fresh_text, (
                 f"{name} is stale: run client/python/tools/regen_stubs.sh")
+
+
+def test_clients_over_the_servers_unix_socket_get_the_tcp_ports_bits(
+        server_binary, model, tmp_path_factory):
+    """--unix_socket: target "unix:PATH" from the sync and asyncio clients,
+    log-probs with extras and a projection over several calls, bit for bit
+    the TCP port's answers."""
+    import tempfile
+
+    from detlogp.testing import LocalServer
+
+    # A short directory: a socket path holds at most 107 bytes.
+    socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="detlogp-py-"))
+    socket = socket_dir / "s.sock"
+    with LocalServer(server_binary, model.flags + ["--cpu_threads=1",
+                                                   f"--unix_socket={socket}"]) as srv:
+        hidden, targets = model.random_rows(9, seed=71)
+        x = np.random.default_rng(72).standard_normal((300, 96)).astype(np.float32)
+        results = {}
+        for target in (srv.target, f"unix:{socket}"):
+            with detlogp.Client(target, timeout=30) as c:
+                rows = c.logprobs(hidden, targets, return_lse=True, return_entropy=True,
+                                  top_k=3)
+                y = c.project(x, streams=2, rows_per_chunk=64)
+            results[target] = (rows, y)
+
+        async def over_unix():
+            async with detlogp.aio.AsyncClient(f"unix:{socket}", timeout=30) as aclient:
+                return await aclient.logprobs(hidden, targets, top_k=3)
+
+        via_async = asyncio.run(over_unix())
+    (tcp_rows, tcp_y), (unix_rows, unix_y) = results.values()
+    for got in (unix_rows, via_async):
+        assert got.logprobs.tobytes() == tcp_rows.logprobs.tobytes()
+        assert got.top_ids.tobytes() == tcp_rows.top_ids.tobytes()
+        assert got.determinism_key == tcp_rows.determinism_key
+    assert unix_rows.entropy.tobytes() == tcp_rows.entropy.tobytes()
+    assert unix_y.y.tobytes() == tcp_y.y.tobytes() and unix_y.chunks == tcp_y.chunks
+    assert not socket.exists()  # the server removes it when it stops
+    socket_dir.rmdir()
