@@ -16,11 +16,12 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from logp_bench import bench_arguments, median_ms_interleaved  # noqa: E402
+from logp_bench import ClockSampler, bench_arguments, median_ms_interleaved  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 TOP_K = 20
@@ -55,6 +56,22 @@ def reference(hidden, W, bias, temps, rows):
     return entropy, logp
 
 
+def time_in_blocks(fns, reps, warmup_ms):
+    """Each function alone: launched back to back for warmup_ms, then `reps`
+    timed launches (median, min, max ms) with the SM clock and power sampled
+    meanwhile. Returns the timings and the clock summaries, in fns' order."""
+    timed, clocks = [], []
+    for fn in fns:
+        end = time.monotonic() + warmup_ms / 1e3
+        while time.monotonic() < end:
+            fn()
+            torch.cuda.synchronize()
+        with ClockSampler() as sampler:
+            timed.append(median_ms(fn, reps, warmup=0))
+        clocks.append(sampler.summary())
+    return timed, clocks
+
+
 def main():
     ap = bench_arguments()
     ap.add_argument("--kernel", choices=("hopper", "portable"), default="hopper")
@@ -62,6 +79,15 @@ def main():
                     help="skip the PyTorch eager baseline (build against build)")
     ap.add_argument("--seed", type=int, default=None,
                     help="fixed inputs, so that two builds' digests compare")
+    ap.add_argument("--timing", choices=("interleaved", "blocks"), default="interleaved",
+                    help="interleaved: the variants alternate launch by launch (each "
+                         "starts at the clock the one before left; --gap-ms idles "
+                         "first); blocks: each variant runs alone, back to back, for "
+                         "--block-warmup-ms before its timed launches, so that each is "
+                         "timed at the clock its own power draw settles at (the H200 "
+                         "runs at its power cap at N >= 1024), with the SM clock and "
+                         "power sampled per variant")
+    ap.add_argument("--block-warmup-ms", type=float, default=500.0)
     args = ap.parse_args()
 
     lib = load(args.lib)
@@ -145,10 +171,17 @@ def main():
             failures += 1
             print(f"FAIL N={n}: accuracy {rec}", flush=True)
 
-        timed = median_ms_interleaved(fns, args.reps)
-        for (name, _, _), (ms, lo, hi) in zip(VARIANTS, timed):
+        if args.timing == "interleaved":
+            timed = median_ms_interleaved(fns, args.reps, gap_ms=args.gap_ms)
+            clocks = [""] * len(fns)
+        else:
+            timed, clocks = time_in_blocks(fns, args.reps, args.block_warmup_ms)
+        for (name, _, _), (ms, lo, hi), clock in zip(VARIANTS, timed, clocks):
             rec[f"{name}_ms"] = ms
             rec[f"{name}_spread"] = (lo, hi)
+            if clock:
+                rec[f"{name}_clocks"] = clock
+                print(f"  N={n} {name}: {ms:.4f} ms, {clock}", flush=True)
         del outs, fns
 
         def torch_fn():
