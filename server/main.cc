@@ -22,7 +22,8 @@ ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
 ABSL_FLAG(int, port, 50051, "Port to listen on; 0 picks a free one.");
 ABSL_FLAG(std::string, unix_socket, "",
           "Also listen on this Unix-domain socket path (clients on the same host: "
-          "target unix:PATH; faster than loopback TCP for large streams). Access "
+          "target unix:PATH; faster than loopback TCP for large streams). "
+          "Plaintext even with --tls_cert (bearer tokens still apply); access "
           "follows the socket file's mode (the umask). A stale socket is replaced; "
           "a live one or another file is refused.");
 ABSL_FLAG(std::string, port_file, "",

@@ -353,7 +353,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
         !s.ok()) {
       return s;
     }
-    builder.AddListeningPort(UnixSocketAddress(options.unix_socket_path), *credentials);
+    // Plaintext, as local sockets of system services are: who may connect is
+    // the socket file's mode; bearer tokens still apply to every call.
+    builder.AddListeningPort(UnixSocketAddress(options.unix_socket_path),
+                             grpc::InsecureServerCredentials());
   }
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
                              options.max_concurrent_streams_per_connection);
@@ -399,7 +402,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
                server->models_->DescribeAll().size() - 1, options.host, server->port_,
                options.unix_socket_path.empty()
                    ? ""
-                   : " and " + UnixSocketAddress(options.unix_socket_path),
+                   : " and " + UnixSocketAddress(options.unix_socket_path) +
+                         " (plaintext)",
                info.determinism_key(),
                options.tls_cert_path.empty() ? "plaintext"
                : options.tls_client_ca_path.empty() ? "TLS" : "mutual TLS",

@@ -52,9 +52,10 @@ class Server {
   struct Options {
     std::string host = "127.0.0.1";
     int port = 50051;  // 0 picks a free port; see port()
-    // Also listen on this Unix-domain socket (same services, credentials and
-    // tokens); empty: TCP only. Who may connect is the socket file's mode,
-    // set by the process's umask (connecting needs write permission).
+    // Also listen on this Unix-domain socket (same services and bearer
+    // tokens, plaintext even when the TCP port has TLS); empty: TCP only.
+    // Who may connect is the socket file's mode, set by the process's umask
+    // (connecting needs write permission).
     std::string unix_socket_path;
     // Largest message either way; the default fits 8192 x 4096 bf16 rows
     // and a 364,608-row H3 video input (140 MB).

@@ -154,6 +154,34 @@ TEST(SecurityTest, BearerTokensGateEveryRpcButHealth) {
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
+TEST(SecurityTest, UnixSocketIsPlaintextAndKeepsTheTokens) {
+  const Certificates& certs = Certificates::Get();
+  ASSERT_TRUE(certs.ok());
+  char dir_template[] = "/tmp/detlogp-sec-XXXXXX";  // TEST_TMPDIR is too long
+  const std::string socket = std::string(::mkdtemp(dir_template)) + "/s.sock";
+  auto server = ServerProcess::Start({"--device=cpu",
+                                      "--tls_cert=" + certs.path("server.pem"),
+                                      "--tls_key=" + certs.path("server.key"),
+                                      "--auth_tokens_file=" + certs.path("tokens.txt"),
+                                      "--unix_socket=" + socket});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options local;
+  local.target = "unix:" + socket;
+  local.timeout = absl::Seconds(10);
+  local.bearer_token = "alpha-token";
+  EXPECT_TRUE((*LogpClient::Create(local))->Score(SmallRequest()).ok());
+  local.bearer_token = "";
+  EXPECT_EQ((*LogpClient::Create(local))->Score(SmallRequest()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  // The TCP port keeps TLS.
+  LogpClient::Options plaintext;
+  plaintext.bearer_token = "alpha-token";
+  EXPECT_EQ(Client(**server, plaintext)->Score(SmallRequest()).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_NE((*server)->Log().find("unix:" + socket + " (plaintext)"), std::string::npos);
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
 TEST(SecurityTest, DefaultsBindLoopbackAndRefuseBadTlsFlags) {
   auto server = ServerProcess::Start({"--device=cpu"});
   ASSERT_TRUE(server.ok());
