@@ -13,17 +13,20 @@
 namespace detlogp::server {
 namespace {
 
-// Whether some process accepts connections on the socket at `path`.
-bool SomeoneAccepts(const std::string& path) {
+// Connects to the socket at `path` and returns 0 if some process accepts
+// there, else connect's errno (ECONNREFUSED: nobody listens, a stale file).
+int TryConnect(const std::string& path) {
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
+  if (fd < 0) return errno;
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, path.data(), path.size());
-  const bool connected =
-      ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0;
+  const int result =
+      ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0
+          ? 0
+          : errno;
   ::close(fd);
-  return connected;
+  return result;
 }
 
 }  // namespace
@@ -46,9 +49,14 @@ absl::Status PrepareUnixSocketPath(const std::string& path, const char* flag) {
     return absl::FailedPreconditionError(
         absl::StrCat(flag, ": ", path, " exists and is not a socket"));
   }
-  if (SomeoneAccepts(path)) {
+  const int connect_error = TryConnect(path);
+  if (connect_error == 0) {
     return absl::AlreadyExistsError(
         absl::StrCat(flag, ": another process accepts connections on ", path));
+  }
+  if (connect_error != ECONNREFUSED) {  // e.g. no permission: maybe in use
+    return absl::FailedPreconditionError(absl::StrCat(
+        flag, ": cannot tell whether ", path, " is in use: ", std::strerror(connect_error)));
   }
   if (::unlink(path.c_str()) != 0) {
     return absl::FailedPreconditionError(absl::StrCat(
