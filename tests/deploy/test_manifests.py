@@ -186,6 +186,22 @@ def test_systemd_unit_drains_on_sigterm():
     assert "--host=127.0.0.1" in service["ExecStart"]
 
 
+def test_pod_serves_a_unix_socket_on_a_volume_its_containers_can_share(manifests):
+    pod = manifests["Deployment"]["spec"]["template"]["spec"]
+    server = container(manifests)
+    (socket,) = flag_values(server["args"], "unix_socket")
+    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    folder = socket.rsplit("/", 1)[0]
+    # Writable (the root filesystem is read-only) and not a secret or the weights.
+    assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    volume = {v["name"]: v for v in pod["volumes"]}[mounts[folder]]
+    assert "emptyDir" in volume
+    assert not any(m.get("readOnly") for m in server["volumeMounts"]
+                   if m["mountPath"] == folder)
+    # One pod UID: every container runs as the socket's owner.
+    assert pod["securityContext"]["runAsUser"]
+
+
 def test_systemd_unit_serves_a_unix_socket_in_its_runtime_directory():
     unit = configparser.ConfigParser(strict=False, interpolation=None)
     unit.read_string((DEPLOY / "systemd" / "detlogp.service").read_text())
