@@ -1,6 +1,7 @@
 // TLS, mutual TLS and bearer tokens against the real server. Certificates are
 // made at test time with openssl.
 #include <grpcpp/create_channel.h>
+#include <unistd.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -158,7 +159,8 @@ TEST(SecurityTest, UnixSocketIsPlaintextAndKeepsTheTokens) {
   const Certificates& certs = Certificates::Get();
   ASSERT_TRUE(certs.ok());
   char dir_template[] = "/tmp/detlogp-sec-XXXXXX";  // TEST_TMPDIR is too long
-  const std::string socket = std::string(::mkdtemp(dir_template)) + "/s.sock";
+  const std::string socket_dir = ::mkdtemp(dir_template);
+  const std::string socket = socket_dir + "/s.sock";
   auto server = ServerProcess::Start({"--device=cpu",
                                       "--tls_cert=" + certs.path("server.pem"),
                                       "--tls_key=" + certs.path("server.key"),
@@ -180,6 +182,7 @@ TEST(SecurityTest, UnixSocketIsPlaintextAndKeepsTheTokens) {
             absl::StatusCode::kUnavailable);
   EXPECT_NE((*server)->Log().find("unix:" + socket + " (plaintext)"), std::string::npos);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+  ::rmdir(socket_dir.c_str());  // the server removed its socket
 }
 
 TEST(SecurityTest, DefaultsBindLoopbackAndRefuseBadTlsFlags) {

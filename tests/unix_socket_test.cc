@@ -91,6 +91,7 @@ TEST(UnixSocketPathTest, AnotherFileIsRefusedAndKept) {
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(status.message(), "not a socket")) << status;
   EXPECT_TRUE(Exists(path));
+  ::unlink(path.c_str());
 }
 
 TEST(UnixSocketPathTest, APathTooLongForSockaddrIsRefused) {
