@@ -56,6 +56,42 @@ DETLOGP_HOST_DEVICE inline int ScreenSlot(int v0, int quad) {
   return static_cast<int>(x >> 28) * 4 + quad;
 }
 
+// Batcher's odd-even merge sort of kN keys, descending, as a fixed network:
+// 63 compare-exchanges for 16 keys, each one max and one min. Sorting keys
+// sorts their floats (ScreenValue is monotone). The network is unrolled at
+// compile time by recursion over the loops (p, k, j, i) of the iterative
+// form, so that device code sorts registers: nested loops that double or
+// halve their counters are not unrolled by the CUDA compiler, and the keys
+// went to local memory.
+template <int kN, int P, int K, int J, int I>
+DETLOGP_HOST_DEVICE inline void BatcherSteps(uint32_t* keys) {
+  if constexpr (P < kN) {
+    if constexpr (K == 0) {  // next p; k starts at p, j at k % p = 0
+      BatcherSteps<kN, 2 * P, 2 * P, 0, 0>(keys);
+    } else if constexpr (J + K >= kN) {  // next k
+      BatcherSteps<kN, P, K / 2, (K / 2) % P, 0>(keys);
+    } else if constexpr (I == K) {  // next j
+      BatcherSteps<kN, P, K, J + 2 * K, 0>(keys);
+    } else {
+      constexpr int kA = I + J;
+      constexpr int kB = I + J + K;
+      if constexpr (kB < kN && kA / (2 * P) == kB / (2 * P)) {
+        const uint32_t a = keys[kA];
+        const uint32_t b = keys[kB];
+        keys[kA] = a > b ? a : b;
+        keys[kB] = a > b ? b : a;
+      }
+      BatcherSteps<kN, P, K, J, I + 1>(keys);
+    }
+  }
+}
+
+template <int kN>
+DETLOGP_HOST_DEVICE inline void SortKeysDescending(uint32_t* keys) {
+  static_assert(kN > 0 && (kN & (kN - 1)) == 0, "a power of two");
+  BatcherSteps<kN, 1, 1, 0, 0>(keys);
+}
+
 }  // namespace detlogp::kernels
 
 #endif  // DETLOGP_KERNELS_TOP_K_SCREEN_KEY_H_

@@ -6,6 +6,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <set>
@@ -123,6 +124,41 @@ TEST(TopKScreenSlot, FirstTilesOfNeighbouringSplitsSpreadOverGroups) {
       total += groups.size();
     }
     EXPECT_GE(total / windows, 9.5) << "V " << vocab;
+  }
+}
+
+
+// The 0-1 principle: a comparator network sorts every input iff it sorts
+// every input of zeros and ones, so the 2^16 of those prove the network.
+TEST(TopKScreenKey, SortNetworkSortsEveryInputOfZerosAndOnes) {
+  for (uint32_t bits = 0; bits < (1u << 16); ++bits) {
+    uint32_t keys[16];
+    for (int i = 0; i < 16; ++i) keys[i] = (bits >> i) & 1u;
+    SortKeysDescending<16>(keys);
+    const int ones = __builtin_popcount(bits);
+    for (int i = 0; i < 16; ++i) {
+      ASSERT_EQ(keys[i], i < ones ? 1u : 0u) << "input " << bits;
+    }
+  }
+}
+
+TEST(TopKScreenKey, SortNetworkSortsKeysOfFloatsLikeTheFloats) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int round = 0; round < 1000; ++round) {
+    float z[16];
+    uint32_t keys[16];
+    for (int i = 0; i < 16; ++i) {
+      z[i] = round % 7 == 0 && i > 0 && i % 3 == 0 ? z[0] : normal(rng);  // ties
+      keys[i] = round % 5 == 0 && i % 4 == 0 ? 0u : ScreenKey(z[i]);
+    }
+    std::vector<float> want;
+    for (int i = 0; i < 16; ++i) want.push_back(ScreenValue(keys[i]));
+    std::sort(want.begin(), want.end(), std::greater<float>());
+    SortKeysDescending<16>(keys);
+    for (int i = 0; i < 16; ++i) {
+      EXPECT_EQ(Bits(ScreenValue(keys[i])), Bits(want[i])) << round << " " << i;
+    }
   }
 }
 

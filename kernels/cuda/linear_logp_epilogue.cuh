@@ -137,6 +137,83 @@ __device__ __forceinline__ void TileMaxes(const EpilogueParams& p, float* acc,
   mx[1] = mx1;
 }
 
+// z[target] of the thread's rows, written by the one thread holding it (a
+// tile's y = acc + bias in place): TileMaxes' last step, which keeps its
+// own copy inline (as a call, its logp-only SASS changed).
+template <int kW>
+__device__ __forceinline__ void WriteTargetLogits(const EpilogueParams& p,
+                                                  const float* acc, int lane,
+                                                  int v0, int valid,
+                                                  const int* row,
+                                                  const float* inv_t,
+                                                  const int* target) {
+  const int quad = lane & 3;
+  const int limit = valid < kW ? valid : kW;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int tcol = target[h] - v0;
+    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
+      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
+      p.logprobs[row[h]] = y * inv_t[h];
+    }
+  }
+}
+
+// TileMaxes for top-k: the same y, z[target] and mx, and also the thread's
+// group maxima (GroupMax), taken on the way. mx is then the max of the
+// group maxima: the same value (max is exact; only a zero's sign could
+// differ, and m = 0 gives the same exps, sums and logsumexp either way).
+template <int kW>
+__device__ __forceinline__ void TileMaxesAndGroupMaxima(
+    const EpilogueParams& p, float* acc, int lane, int v0, int valid,
+    const int* row, const float* inv_t, const int* target, float* mx,
+    GroupMaxima<kW>& groups) {
+  const int quad = lane & 3;
+  const int limit = valid < kW ? valid : kW;
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+  // Group g's maxima, then mx, after its last fragment j.
+  const auto close_group = [&](int g) {
+    groups.v[0][g] = GroupMax(acc, 0, g);
+    groups.v[1][g] = GroupMax(acc, 1, g);
+    mx0 = fmaxf(mx0, groups.v[0][g]);
+    mx1 = fmaxf(mx1, groups.v[1][g]);
+  };
+  if (limit == kW) {
+#pragma unroll
+    for (int j = 0; j < kW / 8; ++j) {
+      float2 b = make_float2(0.0f, 0.0f);
+      if (p.bias != nullptr) {
+        b = __ldg(reinterpret_cast<const float2*>(p.bias + v0 + 8 * j +
+                                                  2 * quad));
+      }
+      acc[4 * j + 0] += b.x;
+      acc[4 * j + 1] += b.y;
+      acc[4 * j + 2] += b.x;
+      acc[4 * j + 3] += b.y;
+      if (j % 4 == 3) close_group(j / 4);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kW / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * j + 2 * quad + e;
+        const bool ok = col < limit;
+        float b = 0.0f;
+        if (p.bias != nullptr && ok) b = __ldg(p.bias + v0 + col);
+        const float y0 = acc[4 * j + e] + b;
+        const float y1 = acc[4 * j + 2 + e] + b;
+        acc[4 * j + e] = ok ? y0 : -INFINITY;
+        acc[4 * j + 2 + e] = ok ? y1 : -INFINITY;
+      }
+      if (j % 4 == 3) close_group(j / 4);
+    }
+  }
+  WriteTargetLogits<kW>(p, acc, lane, v0, valid, row, inv_t, target);
+  mx[0] = mx0;
+  mx[1] = mx1;
+}
+
 // The max over a row's quad (lanes 4r .. 4r + 3): xor-shuffles 1, then 2.
 __device__ __forceinline__ float QuadMax(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -205,27 +282,22 @@ __device__ __forceinline__ void UpdateStates(const float* m, const float* s,
 // Folds a finished tile of kW columns starting at v0 (valid columns:
 // `valid`, may exceed kW) into the thread's two rows' states (row, inv_t and
 // target per row), writes z[target] where the thread holds it, and with
-// kTopK screens the tile into the rows' lists. loaded_screen: the rows'
-// shared screen words if the kernel loaded them ahead (LoadRowScreen), else
-// they are loaded here. kSlotBound: how the top-k screens read the slots
-// (linear_logp_topk.cuh).
+// kTopK screens the tile into the rows' lists, after the exp sums, with the
+// rows' screen words loaded as the fold starts (their latency hides behind
+// the exp sums). kSlotBound: how the top-k screens read the slots
+// (linear_logp_topk.cuh). A kernel that can load the words ahead uses
+// FoldTileScreenedFirst.
 template <int kW, bool kEntropy, bool kTopK,
           SlotBoundKind kSlotBound = SlotBoundKind::kQuadLeast>
 __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
                                          int lane, int v0, int valid,
                                          const int* row, const float* inv_t,
                                          const int* target, RowState* state,
-                                         const TopKLists& lists,
-                                         const float* loaded_screen = nullptr) {
-  float shared[2];  // loaded first: its latency hides behind the fold
+                                         const TopKLists& lists) {
+  float shared[2];
   if constexpr (kTopK) {
-    if (loaded_screen != nullptr) {
-      shared[0] = loaded_screen[0];
-      shared[1] = loaded_screen[1];
-    } else {
-      shared[0] = LoadRowScreen(p.top, row[0]);
-      shared[1] = LoadRowScreen(p.top, row[1]);
-    }
+    shared[0] = LoadRowScreen(p.top, row[0]);
+    shared[1] = LoadRowScreen(p.top, row[1]);
   }
   float mx[2];
   TileMaxes<kW>(p, acc, lane, v0, valid, row, inv_t, target, mx);
@@ -236,11 +308,40 @@ __device__ __forceinline__ void FoldTile(const EpilogueParams& p, float* acc,
   UpdateStates<kEntropy>(m, s, t, state);
   if constexpr (kTopK) {
     float carried[2] = {state[0].screen, state[1].screen};
-    TopKTile<kW, kSlotBound>(p.top, acc, lane, v0, row, inv_t, mx, shared,
-                             carried, lists);
+    TopKTile<kW, kSlotBound, false>(p.top, acc, GroupMaxima<kW>{}, lane, v0,
+                                    row, inv_t, mx, shared, carried, lists);
     state[0].screen = carried[0];
     state[1].screen = carried[1];
   }
+}
+
+// FoldTile for a kernel that loaded the rows' screen words ahead (their
+// keys, LoadRowScreenKey), with top-k: the tile is screened right after its
+// maxima pass, which hands over the group maxima, and before the exp sums
+// (acc is not changed by them, so every output is as FoldTile's). The group
+// maxima are dead before the exp sums, so they cost no registers there.
+template <int kW, bool kEntropy,
+          SlotBoundKind kSlotBound = SlotBoundKind::kQuadLeast>
+__device__ __forceinline__ void FoldTileScreenedFirst(
+    const EpilogueParams& p, float* acc, int lane, int v0, int valid,
+    const int* row, const float* inv_t, const int* target, RowState* state,
+    const TopKLists& lists, const uint32_t* screen_keys) {
+  float mx[2];
+  GroupMaxima<kW> groups;
+  TileMaxesAndGroupMaxima<kW>(p, acc, lane, v0, valid, row, inv_t, target,
+                              mx, groups);
+  const float m[2] = {fmaxf(state[0].max, QuadMax(mx[0]) * inv_t[0]),
+                      fmaxf(state[1].max, QuadMax(mx[1]) * inv_t[1])};
+  const float shared[2] = {ScreenValue(screen_keys[0]),
+                           ScreenValue(screen_keys[1])};
+  float carried[2] = {state[0].screen, state[1].screen};
+  TopKTile<kW, kSlotBound, true>(p.top, acc, groups, lane, v0, row, inv_t,
+                                 mx, shared, carried, lists);
+  float s[2] = {0.0f, 0.0f}, t[2] = {0.0f, 0.0f};
+  TileExpSums<kW, kEntropy>(acc, valid >= kW, inv_t, m, s, t);
+  UpdateStates<kEntropy>(m, s, t, state);
+  state[0].screen = carried[0];
+  state[1].screen = carried[1];
 }
 
 // Writes a row's split partials once the split is done: its logsumexp

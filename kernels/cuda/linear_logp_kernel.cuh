@@ -53,7 +53,9 @@
 //     whatever order candidates arrive in). A tile's values are screened
 //     against bounds on the row's k-th best (the list's worst entry, the
 //     tile's own, and what the row's other splits published in the
-//     workspace), each survivor inserted by the whole warp at once. Every
+//     workspace), each survivor inserted by the whole warp at once; the
+//     tile is screened right after its maxima pass, which hands over its
+//     group maxima, and before its exp sums (FoldTileScreenedFirst). Every
 //     fragment index is a compile-time constant (a run-time index into the
 //     accumulators is a divergent indirect branch). Lists go to the
 //     workspace per (row, split); the combine merges them. The output
@@ -217,12 +219,14 @@ __device__ __forceinline__ void ConsumeTile(
   // The rows' shared top-k screens, loaded before the tile's K loop: loaded
   // at the fold, their L2 round trip stalled every tile (ncu: long
   // scoreboard stalls 1.9 -> 3.2 cycles per issue with top-k). Read a K
-  // loop earlier, a screen can only be looser, never wrong.
-  float screen[2] = {-INFINITY, -INFINITY};
+  // loop earlier, a screen can only be looser, never wrong. Kept as keys
+  // until the fold: converted here, they made the warp wait out the round
+  // trip before its K loop (ncu, session 17: ~1 % of the kernel's samples).
+  uint32_t screen_keys[2] = {0, 0};
   if constexpr (kTopK) {
     const epilogue::TopKParams top{p.top_screen, p.top_k, p.id_offset, p.rows};
-    screen[0] = epilogue::LoadRowScreen(top, rows.row[0]);
-    screen[1] = epilogue::LoadRowScreen(top, rows.row[1]);
+    screen_keys[0] = epilogue::LoadRowScreenKey(top, rows.row[0]);
+    screen_keys[1] = epilogue::LoadRowScreenKey(top, rows.row[1]);
   }
   for (int kb = 0; kb < p.k_blocks; ++kb) {
     ptx::MbarWait(&full[ring.stage], ring.phase);
@@ -253,9 +257,15 @@ __device__ __forceinline__ void ConsumeTile(
 
   const epilogue::EpilogueParams ep{
       p.bias, p.logprobs, {p.top_screen, p.top_k, p.id_offset, p.rows}};
-  epilogue::FoldTile<kW, kEntropy, kTopK>(ep, acc, lane, v0, valid, rows.row,
-                                          rows.inv_t, rows.target, state,
-                                          lists, screen);
+  if constexpr (kTopK) {
+    epilogue::FoldTileScreenedFirst<kW, kEntropy>(
+        ep, acc, lane, v0, valid, rows.row, rows.inv_t, rows.target, state,
+        lists, screen_keys);
+  } else {
+    epilogue::FoldTile<kW, kEntropy, false>(ep, acc, lane, v0, valid,
+                                            rows.row, rows.inv_t, rows.target,
+                                            state, lists);
+  }
 }
 
 template <bool kEntropy, bool kTopK>

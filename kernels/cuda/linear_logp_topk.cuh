@@ -102,25 +102,36 @@ __device__ __forceinline__ uint32_t* RowScreenWords(const TopKParams& p,
   return p.top_screen + static_cast<int64_t>(row) * kScreenWords;
 }
 
-// The row's screen word (read through L2, where the atomics land), or -inf.
-__device__ __forceinline__ float LoadRowScreen(const TopKParams& p,
-                                               int row) {
-  if (p.top_screen == nullptr || row >= p.rows) return -INFINITY;
-  return ScreenValue(__ldcg(RowScreenWords(p, row) + kScreenWord));
+// The row's screen word as its key (read through L2, where the atomics
+// land), or 0 (-inf). A kernel that loads it ahead of the fold keeps the key
+// and converts it there: converted at the load, the L2 round trip stalled
+// the warp before its K loop.
+__device__ __forceinline__ uint32_t LoadRowScreenKey(const TopKParams& p,
+                                                     int row) {
+  if (p.top_screen == nullptr || row >= p.rows) return 0;
+  return __ldcg(RowScreenWords(p, row) + kScreenWord);
 }
 
-// The least, over a row's quad, of each thread's r-th best value (`best`:
-// kN values sorted best first, 1 <= r <= kN). best[r - 1] as the least of
-// the r best: an index would put the array in local memory.
+// The row's screen word, or -inf.
+__device__ __forceinline__ float LoadRowScreen(const TopKParams& p,
+                                               int row) {
+  return ScreenValue(LoadRowScreenKey(p, row));
+}
+
+// The least, over a row's quad, of each thread's r-th best value, from its
+// kN keys sorted best first (SortKeysDescending), 1 <= r <= kN. keys[r - 1]
+// as a chain of selects: an index would put the array in local memory.
 template <int kN>
-__device__ __forceinline__ float QuadLeastOfRthBest(const float* best, int r) {
-  float least = best[0];
+__device__ __forceinline__ float QuadLeastOfRthKey(const uint32_t* keys,
+                                                   int r) {
+  uint32_t rth = keys[0];
 #pragma unroll
   for (int i = 1; i < kN; ++i) {
-    if (i < r) least = fminf(least, best[i]);
+    if (i < r) rth = keys[i];
   }
-  least = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
-  return fminf(least, __shfl_xor_sync(0xffffffffu, least, 2));
+  const float least = ScreenValue(rth);
+  const float pair = fminf(least, __shfl_xor_sync(0xffffffffu, least, 1));
+  return fminf(pair, __shfl_xor_sync(0xffffffffu, pair, 2));
 }
 
 // The k-th largest of the quad's values (`best`: kN per thread, sorted best
@@ -148,14 +159,15 @@ __device__ __forceinline__ float QuadKthOfSorted(float* best, int k,
 }
 
 // How SlotBound turns the quad's slots into a bound. Each thread reads 16
-// slots and keeps their 8 largest; then
+// slots and sorts them (SortKeysDescending, on the keys); then
 //   * kQuadLeast: the least of the four threads' r-th largest, r =
 //     ceil(k / 4) (the four have 4r >= k slots at or above it). Cheap, but
 //     -inf until every thread's 16 slots hold r values, as in a row's first
 //     tiles, when few slots are set.
-//   * kMerged: the k-th largest of the quad's 32 (QuadKthOfSorted): exact
-//     over the slots unless one thread holds more than 8 of their k best,
-//     and a bound either way (k distinct slots reach it); ~k merge steps.
+//   * kMerged: the k-th largest of the quad's 32 best, 8 per thread
+//     (QuadKthOfSorted): exact over the slots unless one thread holds more
+//     than 8 of their k best, and a bound either way (k distinct slots
+//     reach it); ~k merge steps.
 // Chosen per kernel by measurement (docs/perf.md, "Top-k, session 12"): the
 // merge pays in the portable kernel; in the Hopper kernel, whose epilogue
 // holds up the tensor cores, the cheap one is as fast or faster.
@@ -166,33 +178,31 @@ enum class SlotBoundKind { kQuadLeast, kMerged };
 template <SlotBoundKind kKind>
 __device__ __forceinline__ float SlotBound(const TopKParams& p, int row,
                                            int lane) {
+  constexpr int kPerThread = kScreenSlots / 4;
   constexpr int kKept = 8;  // x 4 threads: 32, the largest k
-  float best[kKept];
+  uint32_t keys[kPerThread];  // 0: -inf
 #pragma unroll
-  for (int i = 0; i < kKept; ++i) best[i] = -INFINITY;
+  for (int i = 0; i < kPerThread; ++i) keys[i] = 0;
   if (p.top_screen != nullptr && row < p.rows) {
     const uint4* slots = reinterpret_cast<const uint4*>(
-        RowScreenWords(p, row) + (lane & 3) * (kScreenSlots / 4));
+        RowScreenWords(p, row) + (lane & 3) * kPerThread);
 #pragma unroll
-    for (int q = 0; q < kScreenSlots / 16; ++q) {
-      const uint4 keys = __ldcg(slots + q);
-      const uint32_t key[4] = {keys.x, keys.y, keys.z, keys.w};
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float v = ScreenValue(key[c]);
-#pragma unroll
-        for (int i = 0; i < kKept; ++i) {  // keep the best kKept
-          const float hi = fmaxf(best[i], v);
-          v = fminf(best[i], v);
-          best[i] = hi;
-        }
-      }
+    for (int q = 0; q < kPerThread / 4; ++q) {
+      const uint4 four = __ldcg(slots + q);
+      keys[4 * q + 0] = four.x;
+      keys[4 * q + 1] = four.y;
+      keys[4 * q + 2] = four.z;
+      keys[4 * q + 3] = four.w;
     }
   }
+  SortKeysDescending<kPerThread>(keys);
   if constexpr (kKind == SlotBoundKind::kMerged) {
+    float best[kKept];
+#pragma unroll
+    for (int i = 0; i < kKept; ++i) best[i] = ScreenValue(keys[i]);
     return QuadKthOfSorted<kKept>(best, p.top_k, lane);
   } else {
-    return QuadLeastOfRthBest<kKept>(best, (p.top_k + 3) / 4);
+    return QuadLeastOfRthKey<kKept>(keys, (p.top_k + 3) / 4);  // r <= 8
   }
 }
 
@@ -257,37 +267,77 @@ static __device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0,
   return screen;
 }
 
+// A tile's values in groups: group g of a thread's row h is its 8 values in
+// columns [32 g, 32 g + 32) of the tile (fragments 4 g .. 4 g + 3), so a
+// tile of kW columns has kW / 32 groups per thread-row.
+template <int kW>
+inline constexpr int kTileGroups = kW / 32;
+
+// The thread's largest y in group g of row h.
+__device__ __forceinline__ float GroupMax(const float* acc, int h, int g) {
+  float gm = -INFINITY;
+#pragma unroll
+  for (int j = 4 * g; j < 4 * g + 4; ++j) {
+    gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+  }
+  return gm;
+}
+
+// The thread's group maxima of a tile (TopKTile's screens). A fold that
+// takes them in its maxima pass (TileMaxesAndGroupMaxima) passes them in;
+// otherwise TopKTile works them out from the accumulators where it needs
+// them, which costs the pass again for every warp that has candidates.
+template <int kW>
+struct GroupMaxima {
+  float v[2][kTileGroups<kW> > 0 ? kTileGroups<kW> : 1];  // [row h][group]
+};
+
+template <int kW, bool kGiven>
+__device__ __forceinline__ float GroupMaxOf(const GroupMaxima<kW>& given,
+                                            const float* acc, int h, int g) {
+  if constexpr (kGiven) {
+    return given.v[h][g];
+  } else {
+    return GroupMax(acc, h, g);
+  }
+}
+
 // A lower bound on the k-th best of a tile's values in the thread's row h
-// (y, before 1 / T), or -inf: each of the row's quad threads holds kW / 32
-// disjoint groups of 8 values, sorts their maxima and takes its r-th best,
-// r = ceil(k / 4); the least of the quad's four is then at most 4r >= k
-// distinct values of the tile.
+// (y, before 1 / T), or -inf: each of the row's quad threads takes its r-th
+// best, r = ceil(k / 4), of the two largest values of each of its groups
+// (a subset's r-th best is at most the thread's r-th best value); the least
+// of the quad's four is then at most 4r >= k distinct values of the tile.
+// ~350 instructions per row, on the busy path only, where the rows have
+// little else to screen with (a split's first tiles: with the r-th best of
+// the group maxima alone, the bound sat near the tile's median and each
+// fresh list took ~k insertions more per row).
 template <int kW>
 __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
                                                    int k) {
-  constexpr int kGroups = kW / 32;
+  constexpr int kGroups = kTileGroups<kW>;
+  static_assert(kGroups <= 8, "16 keys");
   const int r = (k + 3) / 4;
-  if (kGroups == 0 || r > kGroups) return -INFINITY;  // uniform: k is
-  float g[kGroups > 0 ? kGroups : 1];
+  if (kGroups == 0 || r > 2 * kGroups) return -INFINITY;
+  uint32_t keys[16];
 #pragma unroll
-  for (int i = 0; i < kGroups; ++i) {
-    float gm = -INFINITY;
+  for (int g = 0; g < 8; ++g) {
+    float m1 = -INFINITY, m2 = -INFINITY;
+    if (g < kGroups) {
 #pragma unroll
-    for (int j = 4 * i; j < 4 * i + 4; ++j) {
-      gm = fmaxf(gm, fmaxf(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+      for (int j = 4 * g; j < 4 * g + 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = acc[4 * j + 2 * h + e];
+          m2 = fmaxf(m2, fminf(m1, v));
+          m1 = fmaxf(m1, v);
+        }
+      }
     }
-    g[i] = gm;
+    keys[2 * g] = g < kGroups ? ScreenKey(m1) : 0u;
+    keys[2 * g + 1] = g < kGroups ? ScreenKey(m2) : 0u;
   }
-#pragma unroll
-  for (int i = 0; i < kGroups; ++i) {  // a bubble network, best first
-#pragma unroll
-    for (int j = 0; j + 1 < kGroups - i; ++j) {
-      const float hi = fmaxf(g[j], g[j + 1]);
-      g[j + 1] = fminf(g[j], g[j + 1]);
-      g[j] = hi;
-    }
-  }
-  return QuadLeastOfRthBest<kGroups>(g, r);
+  SortKeysDescending<16>(keys);
+  return QuadLeastOfRthKey<8>(keys, r);  // r <= 8 as k <= 32
 }
 
 // Screens a tile's values of the thread's two rows and inserts the
@@ -306,12 +356,16 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
 //     start with empty lists: this is where they cut each other's
 //     insertions);
 //   * each insertion's new worst entry, published when the tile is done.
-template <int kW, SlotBoundKind kSlotBound>
+//
+// kGiven: `given` holds the tile's group maxima (else they are worked out
+// from acc where needed).
+template <int kW, SlotBoundKind kSlotBound, bool kGiven>
 __device__ __forceinline__ void TopKTile(const TopKParams& p,
-                                         const float* acc, int lane, int v0,
-                                         const int* row, const float* inv_t,
-                                         const float* mx, const float* shared,
-                                         float* carried,
+                                         const float* acc,
+                                         const GroupMaxima<kW>& given,
+                                         int lane, int v0, const int* row,
+                                         const float* inv_t, const float* mx,
+                                         const float* shared, float* carried,
                                          const TopKLists& lists) {
   constexpr unsigned kAll = 0xffffffffu;
   const int k = p.top_k;
@@ -371,13 +425,9 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p,
   // group whose maximum is below the screen skips with one vote.
   const int id_base = p.id_offset + v0;
 #pragma unroll
-  for (int g = 0; g < kW / 32; ++g) {
-    float gm0 = -INFINITY, gm1 = -INFINITY;
-#pragma unroll
-    for (int j = 4 * g; j < 4 * g + 4; ++j) {
-      gm0 = fmaxf(gm0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
-      gm1 = fmaxf(gm1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
-    }
+  for (int g = 0; g < kTileGroups<kW>; ++g) {
+    const float gm0 = GroupMaxOf<kW, kGiven>(given, acc, 0, g);
+    const float gm1 = GroupMaxOf<kW, kGiven>(given, acc, 1, g);
     if (!__any_sync(kAll, gm0 * inv_t[0] >= screen[0] ||
                               gm1 * inv_t[1] >= screen[1])) {
       continue;  // warp-uniform
@@ -414,19 +464,26 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p,
 }
 
 // Writes the warp's 16 lists (rows lists.row0 ..) for rows below `rows` of
-// the block starting at first_row: sorted, empty entries (id -1) last.
+// the block starting at first_row: sorted, empty entries (id -1) last. A row
+// at a time, lane i its entry i: a row's k entries are consecutive in the
+// workspace, so each store is one coalesced run (by entry across rows, each
+// lane's store hit a different row's cell, and the 64-bit index math was
+// most of the cost).
 __device__ __forceinline__ void StoreTopKLists(const TopKLists& lists, int k,
                                                int lane, int64_t first_row,
                                                int rows, int num_splits,
                                                int split, float* split_top_z,
                                                int32_t* split_top_id) {
-  for (int idx = lane; idx < 16 * k; idx += 32) {
-    const int r = lists.row0 + idx % 16;
-    const int i = idx / 16;
-    if (first_row + r >= rows) continue;
-    const int64_t out = ((first_row + r) * num_splits + split) * k + i;
-    split_top_z[out] = lists.Z(lists.TopKSlot(i, r));
-    split_top_id[out] = lists.Id(lists.TopKSlot(i, r));
+  const int64_t row_stride = static_cast<int64_t>(num_splits) * k;
+  int64_t out = ((first_row + lists.row0) * num_splits + split) * k + lane;
+#pragma unroll
+  for (int r = 0; r < 16; ++r, out += row_stride) {
+    const int list_row = lists.row0 + r;
+    if (lane < k && first_row + list_row < rows) {
+      const int at = lists.TopKSlot(lane, list_row);
+      split_top_z[out] = lists.Z(at);
+      split_top_id[out] = lists.Id(at);
+    }
   }
   __syncwarp();
 }
