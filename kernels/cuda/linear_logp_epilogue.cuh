@@ -82,101 +82,30 @@ struct RowState {
 
 // Phase 1: y = acc + bias in place (columns at or past `valid` become
 // -inf), z[target] written by the thread holding it, and the thread's max of
-// y per row (mx[0], mx[1]) over its kW / 8 fragments.
-template <int kW>
-__device__ __forceinline__ void TileMaxes(const EpilogueParams& p, float* acc,
-                                          int lane, int v0, int valid,
-                                          const int* row, const float* inv_t,
-                                          const int* target, float* mx) {
-  const int quad = lane & 3;
-  const int limit = valid < kW ? valid : kW;
-  float mx0 = -INFINITY, mx1 = -INFINITY;
-  if (limit == kW) {
-#pragma unroll
-    for (int j = 0; j < kW / 8; ++j) {
-      float2 b = make_float2(0.0f, 0.0f);
-      if (p.bias != nullptr) {
-        b = __ldg(reinterpret_cast<const float2*>(p.bias + v0 + 8 * j +
-                                                  2 * quad));
-      }
-      acc[4 * j + 0] += b.x;
-      acc[4 * j + 1] += b.y;
-      acc[4 * j + 2] += b.x;
-      acc[4 * j + 3] += b.y;
-      mx0 = fmaxf(mx0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < kW / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * j + 2 * quad + e;
-        const bool ok = col < limit;
-        float b = 0.0f;
-        if (p.bias != nullptr && ok) b = __ldg(p.bias + v0 + col);
-        const float y0 = acc[4 * j + e] + b;
-        const float y1 = acc[4 * j + 2 + e] + b;
-        acc[4 * j + e] = ok ? y0 : -INFINITY;
-        acc[4 * j + 2 + e] = ok ? y1 : -INFINITY;
-        mx0 = fmaxf(mx0, acc[4 * j + e]);
-        mx1 = fmaxf(mx1, acc[4 * j + 2 + e]);
-      }
-    }
-  }
-  // The target logit: only the one thread holding it does any work.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int tcol = target[h] - v0;
-    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
-      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
-      p.logprobs[row[h]] = y * inv_t[h];
-    }
-  }
-  mx[0] = mx0;
-  mx[1] = mx1;
-}
-
-// z[target] of the thread's rows, written by the one thread holding it (a
-// tile's y = acc + bias in place): TileMaxes' last step, which keeps its
-// own copy inline (as a call, its logp-only SASS changed).
-template <int kW>
-__device__ __forceinline__ void WriteTargetLogits(const EpilogueParams& p,
-                                                  const float* acc, int lane,
-                                                  int v0, int valid,
-                                                  const int* row,
-                                                  const float* inv_t,
-                                                  const int* target) {
-  const int quad = lane & 3;
-  const int limit = valid < kW ? valid : kW;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int tcol = target[h] - v0;
-    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
-      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
-      p.logprobs[row[h]] = y * inv_t[h];
-    }
-  }
-}
-
-// TileMaxes for top-k: the same y, z[target] and mx, and also the thread's
-// group maxima (GroupMax), taken on the way. mx is then the max of the
-// group maxima: the same value (max is exact; only a zero's sign could
-// differ, and m = 0 gives the same exps, sums and logsumexp either way).
-template <int kW>
-__device__ __forceinline__ void TileMaxesAndGroupMaxima(
+// y per row (mx[0], mx[1]) over its kW / 8 fragments. With kGroups (top-k),
+// also the maxima of its 8-value groups (GroupMax) into `groups`, taken on
+// the way: mx is then the max of the group maxima, the same value (max is
+// exact; only a zero's sign could differ, and m = 0 gives the same exps,
+// sums and logsumexp either way).
+template <int kW, bool kGroups = false>
+__device__ __forceinline__ void TileMaxes(
     const EpilogueParams& p, float* acc, int lane, int v0, int valid,
     const int* row, const float* inv_t, const int* target, float* mx,
-    GroupMaxima<kW>& groups) {
+    GroupMaxima<kW>* groups = nullptr) {
   const int quad = lane & 3;
   const int limit = valid < kW ? valid : kW;
   float mx0 = -INFINITY, mx1 = -INFINITY;
-  // Group g's maxima, then mx, after its last fragment j.
-  const auto close_group = [&](int g) {
-    groups.v[0][g] = GroupMax(acc, 0, g);
-    groups.v[1][g] = GroupMax(acc, 1, g);
-    mx0 = fmaxf(mx0, groups.v[0][g]);
-    mx1 = fmaxf(mx1, groups.v[1][g]);
+  // With kGroups, mx is taken group by group, after each group's last
+  // fragment j.
+  const auto end_of_fragment = [&](int j) {
+    if constexpr (kGroups) {
+      if (j % 4 == 3) {
+        groups->v[0][j / 4] = GroupMax(acc, 0, j / 4);
+        groups->v[1][j / 4] = GroupMax(acc, 1, j / 4);
+        mx0 = fmaxf(mx0, groups->v[0][j / 4]);
+        mx1 = fmaxf(mx1, groups->v[1][j / 4]);
+      }
+    }
   };
   if (limit == kW) {
 #pragma unroll
@@ -190,7 +119,12 @@ __device__ __forceinline__ void TileMaxesAndGroupMaxima(
       acc[4 * j + 1] += b.y;
       acc[4 * j + 2] += b.x;
       acc[4 * j + 3] += b.y;
-      if (j % 4 == 3) close_group(j / 4);
+      if constexpr (kGroups) {
+        end_of_fragment(j);
+      } else {
+        mx0 = fmaxf(mx0, fmaxf(acc[4 * j + 0], acc[4 * j + 1]));
+        mx1 = fmaxf(mx1, fmaxf(acc[4 * j + 2], acc[4 * j + 3]));
+      }
     }
   } else {
 #pragma unroll
@@ -205,11 +139,23 @@ __device__ __forceinline__ void TileMaxesAndGroupMaxima(
         const float y1 = acc[4 * j + 2 + e] + b;
         acc[4 * j + e] = ok ? y0 : -INFINITY;
         acc[4 * j + 2 + e] = ok ? y1 : -INFINITY;
+        if constexpr (!kGroups) {
+          mx0 = fmaxf(mx0, acc[4 * j + e]);
+          mx1 = fmaxf(mx1, acc[4 * j + 2 + e]);
+        }
       }
-      if (j % 4 == 3) close_group(j / 4);
+      end_of_fragment(j);
     }
   }
-  WriteTargetLogits<kW>(p, acc, lane, v0, valid, row, inv_t, target);
+  // The target logit: only the one thread holding it does any work.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int tcol = target[h] - v0;
+    if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
+      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
+      p.logprobs[row[h]] = y * inv_t[h];
+    }
+  }
   mx[0] = mx0;
   mx[1] = mx1;
 }
@@ -328,8 +274,8 @@ __device__ __forceinline__ void FoldTileScreenedFirst(
     const TopKLists& lists, const uint32_t* screen_keys) {
   float mx[2];
   GroupMaxima<kW> groups;
-  TileMaxesAndGroupMaxima<kW>(p, acc, lane, v0, valid, row, inv_t, target,
-                              mx, groups);
+  TileMaxes<kW, true>(p, acc, lane, v0, valid, row, inv_t, target, mx,
+                      &groups);
   const float m[2] = {fmaxf(state[0].max, QuadMax(mx[0]) * inv_t[0]),
                       fmaxf(state[1].max, QuadMax(mx[1]) * inv_t[1])};
   const float shared[2] = {ScreenValue(screen_keys[0]),

@@ -284,7 +284,7 @@ __device__ __forceinline__ float GroupMax(const float* acc, int h, int g) {
 }
 
 // The thread's group maxima of a tile (TopKTile's screens). A fold that
-// takes them in its maxima pass (TileMaxesAndGroupMaxima) passes them in;
+// takes them in its maxima pass (TileMaxes<kW, true>) passes them in;
 // otherwise TopKTile works them out from the accumulators where it needs
 // them, which costs the pass again for every warp that has candidates.
 template <int kW>
