@@ -1,8 +1,10 @@
 // The top-k screens' device pieces on their own (kernels/cuda/
 // linear_logp_topk.cuh), against host references: QuadKthOfSorted (the
-// merge of a quad's four sorted lists), and SlotBound's two kinds over a
-// row's slots: a bound on the slots' k-th largest always, and exact where
-// the kind promises it. A bound above the k-th largest would let a split
+// merge of a quad's four sorted lists), SlotBound's two kinds over a row's
+// slots (a bound on the slots' k-th largest always, and exact where the
+// kind promises it), and TileKthLowerBound over a tile's accumulators (a
+// bound on the row's k-th largest value of the tile, and exactly the quad's
+// least r-th best of its groups' two largest). A bound above the k-th largest would let a split
 // drop a value of the row's top-k; the end-to-end tests would see that only
 // on the rows and timings they happen to run.
 #include <cuda_runtime.h>
@@ -46,6 +48,25 @@ __global__ void SlotBoundKernel(TopKParams p, float* out) {
   const int row = blockIdx.x * kQuads + lane / 4;
   const float bound = SlotBound<kKind>(p, row, lane);
   if ((lane & 3) == 0 && row < p.rows) out[row] = bound;
+}
+
+// Block b: one warp holding a tile of kW columns as the kernels do (thread
+// t: kW / 2 accumulators, row h's at acc[4 j + 2 h + e]); the bound of quad
+// q's row h goes to out[(b * kQuads + q) * 2 + h].
+template <int kW>
+__global__ void TileBoundKernel(const float* values, const int* ks,
+                                float* out) {
+  const int lane = threadIdx.x;
+  float acc[kW / 2];
+#pragma unroll
+  for (int i = 0; i < kW / 2; ++i) {
+    acc[i] = values[(blockIdx.x * 32 + lane) * (kW / 2) + i];
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float bound = TileKthLowerBound<kW>(acc, h, ks[blockIdx.x]);
+    if ((lane & 3) == 0) out[(blockIdx.x * kQuads + lane / 4) * 2 + h] = bound;
+  }
 }
 
 // This binary holds sm_90a code (the CPU machines that build it skip it).
@@ -173,6 +194,62 @@ TEST_F(TopKScreens, SlotBoundNeverExceedsTheSlotsKthLargest) {
   }
   cudaFree(d_screen);
   cudaFree(d_out);
+}
+
+// Tiles of 32, 224 and 256 columns (1, 7 and 8 groups), every k from 1 to
+// 32, values with ties and -inf (masked columns).
+template <int kW>
+void CheckTileBound() {
+  constexpr int kBlocks = 64;  // k = 1 .. 32, twice
+  constexpr int kGroups = kW / 32;
+  std::mt19937 rng(kW);
+  std::vector<float> values(kBlocks * 32 * (kW / 2));
+  for (float& v : values) v = DrawValue(rng);
+  std::vector<int> ks(kBlocks);
+  for (int b = 0; b < kBlocks; ++b) ks[b] = 1 + b % 32;
+  float* d_values = ToDevice(values);
+  int* d_ks = ToDevice(ks);
+  float* d_out = nullptr;
+  ASSERT_EQ(cudaMalloc(&d_out, kBlocks * kQuads * 2 * sizeof(float)), cudaSuccess);
+  TileBoundKernel<kW><<<kBlocks, 32>>>(d_values, d_ks, d_out);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> out = ToHost(d_out, kBlocks * kQuads * 2);
+  for (int b = 0; b < kBlocks; ++b) {
+    const int k = ks[b];
+    const int rank = (k + 3) / 4;
+    for (int q = 0; q < kQuads; ++q) {
+      for (int h = 0; h < 2; ++h) {
+        std::vector<float> row;  // the row's kW values in the tile
+        float least = kInf;      // the quad's least r-th best of top-2s
+        for (int t = 4 * q; t < 4 * q + 4; ++t) {
+          const float* acc = &values[(b * 32 + t) * (kW / 2)];
+          std::vector<float> top_two;
+          for (int g = 0; g < kGroups; ++g) {
+            std::vector<float> group;
+            for (int j = 4 * g; j < 4 * g + 4; ++j) {
+              for (int e = 0; e < 2; ++e) group.push_back(acc[4 * j + 2 * h + e]);
+            }
+            row.insert(row.end(), group.begin(), group.end());
+            std::sort(group.begin(), group.end(), std::greater<float>());
+            top_two.insert(top_two.end(), group.begin(), group.begin() + 2);
+          }
+          least = std::min(least, KthLargest(top_two, rank));
+        }
+        const float bound = out[(b * kQuads + q) * 2 + h];
+        EXPECT_LE(bound, KthLargest(row, k)) << "block " << b << " k " << k;
+        EXPECT_EQ(bound, least) << "block " << b << " quad " << q << " k " << k;
+      }
+    }
+  }
+  cudaFree(d_values);
+  cudaFree(d_ks);
+  cudaFree(d_out);
+}
+
+TEST_F(TopKScreens, TileBoundNeverExceedsTheTilesKthLargest) {
+  CheckTileBound<32>();
+  CheckTileBound<224>();
+  CheckTileBound<256>();
 }
 
 }  // namespace
