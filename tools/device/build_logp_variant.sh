@@ -9,27 +9,38 @@
 #   for v in "" _a _b; do python3 tools/device/logp_portable_bench.py \
 #     --lib .device/logp/liblogp_bench$v.so --ns 2048,4096,8192 --reps 15; done
 # (session 10 timed four tilings at three N in ~40 s this way).
-#   tools/device/build_logp_variant.sh NAME [--hopper] [NVCC FLAGS...]
+# --at COMMIT builds the kernels as they are at COMMIT (a temporary git
+# worktree) instead of the working tree's, e.g. a session's baseline:
+#   tools/device/build_logp_variant.sh base --at c39a9d6 --hopper
+# (the bench library's C API, logp_bench_lib.o, comes from the working tree).
+#   tools/device/build_logp_variant.sh NAME [--at COMMIT] [--hopper] [NVCC FLAGS...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source tools/device/common.sh
-name=${1:?usage: build_logp_variant.sh NAME [--hopper] [NVCC FLAGS...]}
+name=${1:?usage: build_logp_variant.sh NAME [--at COMMIT] [--hopper] [NVCC FLAGS...]}
 shift
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+src=.
+if [[ ${1:-} == --at ]]; then
+  src=$dir/src
+  git worktree add --detach "$src" "${2:?--at needs a commit}" >/dev/null
+  trap 'git worktree remove --force "$src"; rm -rf "$dir"' EXIT
+  shift 2
+fi
 hopper=0
 if [[ ${1:-} == --hopper ]]; then hopper=1; shift; fi
 out=.device/logp
 for object in logp_bench_lib.o linear_logp_cuda.o kernel_kind.o; do
   [[ -f $out/$object ]] || { echo "$out/$object missing: run tools/device/build_logp.sh first" >&2; exit 1; }
 done
-dir=$(mktemp -d)
-trap 'rm -rf "$dir"' EXIT
-flags=(-std=c++17 -O3 -I. -Xcompiler -fPIC -Xcompiler -ffp-contract=off -Xptxas -v "$@")
+flags=(-std=c++17 -O3 "-I$src" -Xcompiler -fPIC -Xcompiler -ffp-contract=off -Xptxas -v "$@")
 "$NVCC" "${flags[@]}" -gencode=arch=compute_90,code=sm_90 \
-  -c kernels/cuda/linear_logp_portable.cu -o "$dir/portable.o" 2> "$dir/ptxas.log" ||
+  -c "$src/kernels/cuda/linear_logp_portable.cu" -o "$dir/portable.o" 2> "$dir/ptxas.log" ||
   { cat "$dir/ptxas.log" >&2; exit 1; }
 hopper_object=$out/linear_logp_cuda.o
 if (( hopper )); then
-  "$NVCC" "${flags[@]}" $ARCH -c kernels/cuda/linear_logp_cuda.cu -o "$dir/hopper.o" \
+  "$NVCC" "${flags[@]}" $ARCH -c "$src/kernels/cuda/linear_logp_cuda.cu" -o "$dir/hopper.o" \
     2>> "$dir/ptxas.log" || { cat "$dir/ptxas.log" >&2; exit 1; }
   hopper_object=$dir/hopper.o
 fi
