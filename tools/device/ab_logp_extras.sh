@@ -9,12 +9,14 @@
 #   LIBS="a.so b.so" ROUNDS=2 NS=1024,2048,4096 KERNEL=hopper \
 #     bash tools/device/ab_logp_extras.sh
 # LIBDIR: the folder with the libraries they load (default: the first
-# library's folder's lib).
+# library's folder's lib). Ends with tools/device/ab_summary.py's medians
+# (each library against the first); LOG keeps the rounds' lines.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 read -r -a libs <<< "${LIBS:?set LIBS to bench libraries}"
 LIBDIR=${LIBDIR:-$(dirname "${libs[0]}")/lib}
 export LD_LIBRARY_PATH="$PWD/$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+log=${LOG:-$(mktemp)}
 for round in $(seq 1 "${ROUNDS:-2}"); do
   order=("${libs[@]}")
   if (( round % 2 == 0 )); then
@@ -28,4 +30,5 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       --reps "${REPS:-21}" --no-torch ${EXTRA:-} 2>&1 |
       grep -E "^N=|FAIL|PASS|^ +[0-9]+ "
   done
-done
+done | tee "$log"
+python3 tools/device/ab_summary.py "$log"
