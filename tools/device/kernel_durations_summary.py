@@ -4,8 +4,9 @@ gpu__time_duration.sum (tools/device/kernel_durations.sh).
 
   kernel_durations_summary.py DURATIONS.csv
 
-The grid tells the launches of one kernel apart by N (the combine kernels'
-grids grow with the rows; the persistent split kernel's is the SM count).
+Give it one N's run (kernel_durations.sh profiles each N on its own): the
+persistent split kernel's grid is the SM count at every N, so a file with
+several N would pool their launches.
 """
 import collections
 import csv
