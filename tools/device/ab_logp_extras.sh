@@ -16,7 +16,8 @@ cd "$(dirname "$0")/../.."
 read -r -a libs <<< "${LIBS:?set LIBS to bench libraries}"
 LIBDIR=${LIBDIR:-$(dirname "${libs[0]}")/lib}
 export LD_LIBRARY_PATH="$PWD/$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-log=${LOG:-$(mktemp)}
+log=${LOG:-}
+if [[ -z $log ]]; then log=$(mktemp); trap 'rm -f "$log"' EXIT; fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
   order=("${libs[@]}")
   if (( round % 2 == 0 )); then
