@@ -22,12 +22,28 @@
 
 namespace detlogp::kernels::cuda::combine {
 
+// Programmatic dependent launch (sm_90 on; no-ops before, and in a grid
+// launched without the attribute): the primary lets its dependent start
+// early, and the dependent waits for the primary to finish and its writes
+// to be visible before it reads them.
+__device__ __forceinline__ void LetDependentGridStart() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrimaryGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Folds row r's split partials ({lse_s, 1}) in ascending split order with
 // CombinePartials, starting from split 0, and finishes
 // logprob = z[target] - lse; the entropy sums fold alongside with the same
 // rescaling. One thread per row: the fold order is fixed and independent of
 // the launch shape.
 static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
+  LetDependentGridStart();  // the top-k merge needs the lse only at its end
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= p.rows) return;
   const int64_t first = static_cast<int64_t>(r) * p.num_splits;
@@ -62,13 +78,15 @@ static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
 // entry and the survivors inserted one at a time by the whole warp (a ballot
 // finds the place, a shuffle moves the tail). The k best under RanksBefore
 // (a total order) are one set whatever order candidates arrive in, so this
-// equals a sequential merge bit for bit.
+// equals a sequential merge bit for bit. Launched as CombineKernel's
+// programmatic dependent, it merges beside the lse fold and waits for it
+// (WaitForPrimaryGrid) only to finish the log-probs: one after the other
+// they took ~29 + ~21 us at N = 1024 (docs/perf.md, "Top-k, session 19").
 static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p) {
   const int r = static_cast<int>(
       (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32);
   const int lane = threadIdx.x & 31;
   if (r >= p.rows) return;  // warp-uniform
-  const float l = p.lse[r];
   const int k = p.top_k;
   const bool holds = lane < k;
   float best_z = -INFINITY;  // empty entries rank after every real one
@@ -117,7 +135,9 @@ static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p
       }
     }
   }
+  WaitForPrimaryGrid();
   if (holds) {
+    const float l = p.lse[r];
     const int64_t out = static_cast<int64_t>(r) * k + lane;
     p.top_ids[out] = best_id;
     p.top_logprobs[out] = best_id >= 0 ? best_z - l : -INFINITY;
@@ -125,20 +145,32 @@ static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p
 }
 
 // Enqueues this translation unit's combine for p.rows rows (and its top-k
-// merge when p.top_ids is set).
+// merge when p.top_ids is set). dependent_launch: the merge is launched as
+// CombineKernel's programmatic dependent (cudaLaunchKernelEx; the device
+// must support it, sm_90 on), so that the two run side by side; otherwise
+// after it.
 static inline cudaError_t EnqueueCombineKernels(const CombineParams& p,
-                                                cudaStream_t stream) {
+                                                cudaStream_t stream,
+                                                bool dependent_launch) {
   constexpr int kThreads = 128;
   CombineKernel<<<static_cast<unsigned>((p.rows + kThreads - 1) / kThreads),
                   kThreads, 0, stream>>>(p);
-  if (p.top_ids != nullptr) {
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    const int64_t threads = static_cast<int64_t>(p.rows) * 32;
-    CombineTopKKernel<<<static_cast<unsigned>((threads + kThreads - 1) /
-                                              kThreads),
-                        kThreads, 0, stream>>>(p);
+  if (p.top_ids == nullptr) return cudaGetLastError();
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  cudaLaunchConfig_t config = {};
+  const int64_t threads = static_cast<int64_t>(p.rows) * 32;
+  config.gridDim =
+      dim3(static_cast<unsigned>((threads + kThreads - 1) / kThreads));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute overlap[1];
+  overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap[0].val.programmaticStreamSerializationAllowed = 1;
+  if (dependent_launch) {
+    config.attrs = overlap;
+    config.numAttrs = 1;
   }
-  return cudaGetLastError();
+  return cudaLaunchKernelEx(&config, CombineTopKKernel, p);
 }
 
 }  // namespace detlogp::kernels::cuda::combine

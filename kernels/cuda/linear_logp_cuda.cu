@@ -668,7 +668,8 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
   if (kernel == KernelKind::kPortable) {
     DETLOGP_CUDA_RETURN_IF_ERROR(kp::EnqueueCombineKernel(p, stream));
   } else {
-    DETLOGP_CUDA_RETURN_IF_ERROR(combine::EnqueueCombineKernels(p, stream));
+    DETLOGP_CUDA_RETURN_IF_ERROR(
+        combine::EnqueueCombineKernels(p, stream, /*dependent_launch=*/true));
   }
   return absl::OkStatus();
 }

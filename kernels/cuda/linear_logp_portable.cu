@@ -180,7 +180,9 @@ cudaError_t EnqueueSplitKernel(KernelParams params, int smem_optin_bytes,
 
 cudaError_t EnqueueCombineKernel(const combine::CombineParams& params,
                                  cudaStream_t stream) {
-  return combine::EnqueueCombineKernels(params, stream);
+  // Built for sm_80 on, where a programmatic dependent launch is not there.
+  return combine::EnqueueCombineKernels(params, stream,
+                                        /*dependent_launch=*/false);
 }
 
 }  // namespace detlogp::kernels::cuda::portable_v1
