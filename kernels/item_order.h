@@ -23,11 +23,11 @@ namespace detlogp::kernels {
 inline constexpr int kDefaultRowGroup = 8;
 // The top-k variants': the same 8. Session 10 chose 32 (fewer of a row's
 // splits side by side, so the shared screens tightened sooner: top-20
-// 24.3 -> 22.1 % over logp-only at N = 2048); with session 12's screens,
-// 8 is as good or better: top-20 over logp-only, medians of 5-7 runs on the
-// H200 with groups 8 / 32 / 64, +12.8 / 13.8 / 13.8 % at N = 2048, 13.6 /
-// 14.9 / 14.7 at 3072, 13.8 / 13.8 / 12.7 at 4096, 14.3 / 15.0 / 14.6 at
-// 8192 (docs/perf.md, "Top-k, session 19").
+// 24.3 -> 22.1 % over logp-only at N = 2048); with the screens as they are
+// now, 8 is as good or better: top-20 over logp-only, medians of 5-7 runs
+// on the H200 with groups 8 / 32 / 64, +12.8 / 13.8 / 13.8 % at N = 2048,
+// 13.6 / 14.9 / 14.7 at 3072, 13.8 / 13.8 / 12.7 at 4096, 14.3 / 15.0 /
+// 14.6 at 8192 (docs/perf.md, "Top-k, session 19").
 inline constexpr int kDefaultTopKRowGroup = kDefaultRowGroup;
 
 struct RowBlockAndSplit {
