@@ -11,6 +11,7 @@
 # LIBDIR: the folder with the libraries they load (default: the first
 # library's folder's lib). Ends with tools/device/ab_summary.py's medians
 # (each library against the first); LOG keeps the rounds' lines.
+# BENCH_TIMEOUT (seconds, default 300) ends a library's run that hangs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 read -r -a libs <<< "${LIBS:?set LIBS to bench libraries}"
@@ -26,7 +27,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   fi
   for lib in "${order[@]}"; do
     echo "== round $round $lib"
-    python3 tools/device/logp_extras_bench.py --lib "$lib" \
+    timeout "${BENCH_TIMEOUT:-300}" python3 tools/device/logp_extras_bench.py --lib "$lib" \
       --kernel "${KERNEL:-hopper}" --seed 8 --ns "${NS:-1024,2048,4096}" \
       --reps "${REPS:-21}" --no-torch ${EXTRA:-} 2>&1 |
       grep -E "^N=|FAIL|PASS|^ +[0-9]+ "
