@@ -13,20 +13,31 @@
 # worktree) instead of the working tree's, e.g. a session's baseline:
 #   tools/device/build_logp_variant.sh base --at c39a9d6 --hopper
 # (the bench library's C API, logp_bench_lib.o, comes from the working tree).
-#   tools/device/build_logp_variant.sh NAME [--at COMMIT] [--hopper] [NVCC FLAGS...]
+# --patch FILE applies FILE (tools/device/experiments/) to that worktree
+# first, at HEAD unless --at names a commit; the working tree is untouched:
+#   tools/device/build_logp_variant.sh ppm --patch \
+#     tools/device/experiments/pingpong_multicast.patch --hopper -DDETLOGP_PINGPONG=1
+#   tools/device/build_logp_variant.sh NAME [--at COMMIT] [--patch FILE] [--hopper] [NVCC FLAGS...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source tools/device/common.sh
-name=${1:?usage: build_logp_variant.sh NAME [--at COMMIT] [--hopper] [NVCC FLAGS...]}
+usage="usage: build_logp_variant.sh NAME [--at COMMIT] [--patch FILE] [--hopper] [NVCC FLAGS...]"
+name=${1:?$usage}
 shift
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 src=.
-if [[ ${1:-} == --at ]]; then
-  src=$dir/src
-  git worktree add --detach "$src" "${2:?--at needs a commit}" >/dev/null
-  trap 'git worktree remove --force "$src"; rm -rf "$dir"' EXIT
+at=""
+patch=""
+while [[ ${1:-} == --at || ${1:-} == --patch ]]; do
+  if [[ $1 == --at ]]; then at=${2:?--at needs a commit}; else patch=$(realpath "${2:?--patch needs a file}"); fi
   shift 2
+done
+if [[ -n $at || -n $patch ]]; then
+  src=$dir/src
+  git worktree add --detach "$src" "${at:-HEAD}" >/dev/null
+  trap 'git worktree remove --force "$src"; rm -rf "$dir"' EXIT
+  if [[ -n $patch ]]; then git -C "$src" apply "$patch"; fi
 fi
 hopper=0
 if [[ ${1:-} == --hopper ]]; then hopper=1; shift; fi
