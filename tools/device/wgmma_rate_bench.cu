@@ -30,10 +30,17 @@ constexpr int kSmemBytes = 1024 + 2 * kATileBytes + kBTileBytes;
 enum Mode : int {
   kTwoWarpgroups = 0,  // both multiply at once (the cooperative kernel)
   kOneWarpgroup = 1,   // warpgroup 1 alone (ping-pong, one turn)
+  // Warpgroup 1 alone, each k step as two m64n128k16 into the two halves
+  // of the accumulators: two independent chains (the same columns and
+  // sums; whether their bits equal m64n256's is untested).
+  kOneWarpgroupTwoChains = 2,
 };
 
+// The mode is a template parameter: a run-time branch between the two
+// loops made ptxas serialise every wgmma (C7511).
+template <int kMode>
 __global__ void __launch_bounds__(kThreads, 1)
-    WgmmaChains(int mode, int k_blocks, float* sink) {
+    WgmmaChains(int k_blocks, float* sink) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -47,7 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
   if (warpgroup == 0) return;
-  if (mode == kOneWarpgroup && warpgroup == 2) return;
+  if (kMode != kTwoWarpgroups && warpgroup == 2) return;
   const int consumer = warpgroup - 1;
   const uint64_t da = ptx::MakeSmemDescSw128(
       ptx::SmemAddr(smem + consumer * kATileBytes));
@@ -56,11 +63,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  // Columns 128..255 of B start 128 rows (16 KiB) further on.
+  const uint64_t db_high = db + (16384 >> 4);
   for (int kb = 0; kb < k_blocks; ++kb) {
     ptx::WgmmaFence();
+    if constexpr (kMode == kOneWarpgroupTwoChains) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      ptx::WgmmaM64N256K16(acc, da + 2 * k, db + 2 * k, 1);
+      for (int k = 0; k < 4; ++k) {
+        ptx::WgmmaM64N128K16(acc, da + 2 * k, db + 2 * k, 1);
+        ptx::WgmmaM64N128K16(acc + 64, da + 2 * k, db_high + 2 * k, 1);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        ptx::WgmmaM64N256K16(acc, da + 2 * k, db + 2 * k, 1);
+      }
     }
     ptx::WgmmaCommit();
     ptx::WgmmaWait<1>();
@@ -78,21 +95,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 int main() {
   cudaDeviceProp prop;
   cudaGetDeviceProperties(&prop, 0);
-  cudaFuncSetAttribute(WgmmaChains, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       kSmemBytes);
+  void (*kernels[])(int, float*) = {WgmmaChains<kTwoWarpgroups>,
+                                    WgmmaChains<kOneWarpgroup>,
+                                    WgmmaChains<kOneWarpgroupTwoChains>};
+  for (auto* kernel : kernels) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         kSmemBytes);
+  }
   float* sink = nullptr;
   cudaMalloc(&sink, kThreads * sizeof(float));
   const int k_blocks = 16384;
-  const char* names[] = {"two warpgroups at once", "one warpgroup alone"};
+  const char* names[] = {"two warpgroups at once", "one warpgroup alone",
+                         "one, as two n128 chains"};
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  for (int mode : {kTwoWarpgroups, kOneWarpgroup, kTwoWarpgroups, kOneWarpgroup}) {
+  for (int mode : {kTwoWarpgroups, kOneWarpgroup, kOneWarpgroupTwoChains,
+                   kTwoWarpgroups, kOneWarpgroup, kOneWarpgroupTwoChains}) {
     std::vector<float> ms;
     for (int rep = 0; rep < 10; ++rep) {
       cudaEventRecord(start);
-      WgmmaChains<<<prop.multiProcessorCount, kThreads, kSmemBytes>>>(
-          mode, k_blocks, sink);
+      kernels[mode]<<<prop.multiProcessorCount, kThreads, kSmemBytes>>>(
+          k_blocks, sink);
       cudaEventRecord(stop);
       cudaEventSynchronize(stop);
       float t = 0.0f;
