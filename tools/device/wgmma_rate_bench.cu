@@ -5,8 +5,10 @@
 // multiplies alone while the other folds. Every wgmma of a chain adds into
 // the same 128 accumulators, as in the kernel's K loop (four per 64-wide k
 // block, commit, wait for all but the newest group).
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I. \
-//     tools/device/wgmma_rate_bench.cu -o wgmma_rate_bench && ./wgmma_rate_bench
+// Here (tools/device/common.sh's $NVCC and $ARCH), then on the device:
+//   $NVCC -std=c++17 -O3 $ARCH -I. tools/device/wgmma_rate_bench.cu \
+//     -o .device/logp/wgmma_rate_bench
+//   .device/logp/wgmma_rate_bench
 // Prints TFLOP/s per mode, medians of 9 launches over every SM.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
