@@ -146,8 +146,8 @@ TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
             absl::StatusCode::kInvalidArgument);
 }
 
-// on_launch reports each launch once its chunks are done: its rows, how long
-// its oldest chunk waited, the backend's run and the copy out.
+// on_launch reports each launch once it has run: its rows, how long its
+// oldest chunk waited, the backend's run and the copy out.
 TEST(ProjectionSchedulerTest, LaunchTimingsSayWhereTheTimeWent) {
   FakeProjectionBackend backend;
   backend.copy_out_seconds = 0.01;  // as the executor reports it
@@ -187,6 +187,42 @@ TEST(ProjectionSchedulerTest, LaunchTimingsSayWhereTheTimeWent) {
   // The executor's copy-out, reported apart from its run.
   EXPECT_EQ(timings[0].copy_out_seconds, 0.01);
   EXPECT_EQ(timings[1].copy_out_seconds, 0.01);
+}
+
+// A launch is reported before its chunks complete, so that whatever a
+// chunk's completion finishes (a projection stream, counted in the server's
+// metrics when its reactor is done) is never scraped without its launches.
+TEST(ProjectionSchedulerTest, LaunchIsReportedBeforeItsChunksComplete) {
+  FakeProjectionBackend backend;
+  backend.release_first.Notify();  // nothing held
+  absl::Mutex mu;
+  int reported = 0;
+  std::vector<int> reported_at_done;
+  absl::Notification done;
+  ProjectionScheduler::Options options;
+  options.max_launch_rows = 64;
+  options.num_threads = 1;
+  options.on_launch = [&](const ProjectionScheduler::LaunchTimings&) {
+    absl::MutexLock lock(&mu);
+    ++reported;
+  };
+  auto scheduler = *ProjectionScheduler::Create(options, &backend);
+  std::vector<float> x(4 * kProjectionInDim, 1.0f), y(4 * kProjectionOutDim);
+  ProjectionScheduler::Chunk chunk;
+  chunk.x = x.data();
+  chunk.y = y.data();
+  chunk.rows = 4;
+  chunk.done = [&](absl::Status s) {
+    EXPECT_TRUE(s.ok());
+    absl::MutexLock lock(&mu);
+    reported_at_done.push_back(reported);
+    done.Notify();
+  };
+  ASSERT_TRUE(scheduler->Schedule(std::move(chunk)).ok());
+  done.WaitForNotification();
+  scheduler->Stop();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(reported_at_done, std::vector<int>{1});
 }
 
 // Many small chunks in one launch, each gets its own rows back: no piece

@@ -89,7 +89,9 @@ void ProjectionScheduler::Loop(ProjectionExecutor* executor) {
     ProjectionRunStats stats;
     const absl::Status status = executor->Run(rows, outputs, &stats);
     const absl::Time ran = absl::Now();
-    for (Chunk& chunk : launch) chunk.done(status);
+    // The launch is counted before its chunks complete: a stream that
+    // finishes on them may be counted (and scraped) at once, and its
+    // launches must already be there.
     if (options_.on_launch) {
       // Run's time less its host copy-out, so run_seconds means what it
       // did when the scheduler did the copy.
@@ -98,6 +100,7 @@ void ProjectionScheduler::Loop(ProjectionExecutor* executor) {
                           std::max(0.0, run - stats.copy_out_seconds),
                           stats.copy_out_seconds});
     }
+    for (Chunk& chunk : launch) chunk.done(status);
   }
 }
 

@@ -40,7 +40,8 @@ class ProjectionScheduler {
   struct Options {
     int64_t max_launch_rows = 2048;  // rows per backend launch
     int num_threads = 1;             // launches in flight
-    // Called on the launching thread after each launch's chunks are done.
+    // Called on the launching thread after each launch's run and before its
+    // chunks' `done`: a stream that finishes on them finds them counted.
     std::function<void(const LaunchTimings&)> on_launch;
   };
 
