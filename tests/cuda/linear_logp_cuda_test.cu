@@ -412,6 +412,26 @@ TEST_F(FullVocabTest, ExtrasOfARowAloneEqualTheRowAnywhere) {
   ExpectExtrasOfARowAloneEqualTheRowAnywhere(*weights_, KernelKind::kHopper);
 }
 
+// Every k gives the same ranking: a row's top-k for k = 31, 30, 24, 20, 2
+// are prefixes of its top-32, bit for bit, though each k screens its
+// candidates against different bounds and its lists fill in a different
+// order (and kernel experiments that change how survivors reach the lists,
+// e.g. session 21's queues, change it again).
+TEST_F(FullVocabTest, TopKOfEveryKIsAPrefixOfTheLargest) {
+  REQUIRE_SM90();
+  auto k = MakeKernel(*weights_);
+  ASSERT_NE(k, nullptr);
+  auto batch = MakeBatch(1100, weights_->H, weights_->V);
+  const Extras largest = RunExtras(*k, *batch, 0, batch->N, false, 32);
+  for (int32_t top_k : {31, 30, 24, 20, 2}) {
+    const Extras smaller = RunExtras(*k, *batch, 0, batch->N, false, top_k);
+    for (int64_t i = 0; i < batch->N; ++i) {
+      ExpectSameExtras(largest, i, smaller, i, "k " + std::to_string(top_k));
+    }
+  }
+  ExpectExtrasAccurate(*weights_, *batch, largest, 0, {0, 640, 1099});
+}
+
 // Small vocabularies: splits narrower than k, one split, padding rows with
 // huge logits that must never be chosen, bias and temperature.
 TEST(LinearLogpCudaExtras, SmallVocabulariesAndPadding) {
