@@ -415,8 +415,7 @@ TEST_F(FullVocabTest, ExtrasOfARowAloneEqualTheRowAnywhere) {
 // Every k gives the same ranking: a row's top-k for k = 31, 30, 24, 20, 2
 // are prefixes of its top-32, bit for bit, though each k screens its
 // candidates against different bounds and its lists fill in a different
-// order (and kernel experiments that change how survivors reach the lists,
-// e.g. session 21's queues, change it again).
+// order (a change to how survivors reach the lists must keep this).
 TEST_F(FullVocabTest, TopKOfEveryKIsAPrefixOfTheLargest) {
   REQUIRE_SM90();
   auto k = MakeKernel(*weights_);
