@@ -4,7 +4,8 @@ Needs a bench library built with fold_probe.patch (README.md here):
 clock64 stamps per (block, tile, consumer warp) for the K loop and the fold,
 and in top-k folds the end of the prologue, the start of the busy path, the
 end of the group loop, the TopKGroup calls and the survivors they met (the
-counting itself costs a little). Runs on the device machine:
+counting itself costs a little), the cycles spent inside TopKGroup calls and,
+of those, inside its TopKSite calls. Runs on the device machine:
 
   python3 tools/device/experiments/fold_probe.py LIB --ns 1024,4096
 
@@ -26,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from logp_extras_bench import load  # noqa: E402
 
 BLOCKS, TILES, FIELDS = 132, 256, 12  # fold_probe.patch's g_probe layout
-KLOOP, FOLD, PROLOGUE, LOOP_END, CALLS, BUSY, SURVIVORS = 0, 1, 2, 3, 4, 8, 9
+KLOOP, FOLD, PROLOGUE, LOOP_END, CALLS, BUSY, SURVIVORS, IN_GROUP, IN_SITE = (
+    0, 1, 2, 3, 4, 8, 9, 10, 11)
 TILES_PER_ITEM = 5  # V = 151936 at 132 splits
 
 
@@ -83,7 +85,8 @@ def main():
         tile = np.broadcast_to(np.arange(TILES)[None, None, :, None], a.shape[:4])
         used = a[..., FOLD] > 0
         print(f"N={n} top_k=20, per warp-tile: fold | maxima + prologue | busy path | "
-              f"group loop | TopKGroup calls | survivors | busy warps")
+              f"group loop | in TopKGroup | of which TopKSite | TopKGroup calls | survivors | "
+              f"busy warps")
         waves = (("wave 0", 0, 1), ("waves 1-3", 1, 4), ("waves 4-7", 4, 8))
         for name, first, last in waves:
             for t in range(TILES_PER_ITEM):
@@ -97,6 +100,7 @@ def main():
                 before = np.where(busy_start > 0, busy_start, x[:, PROLOGUE])
                 print(f"  {name} tile {t}: {x[:, FOLD].mean():7.0f} | {before.mean():6.0f} | "
                       f"{busy.mean():6.0f} | {(x[:, LOOP_END] - x[:, PROLOGUE]).mean():6.0f} | "
+                      f"{x[:, IN_GROUP].mean():6.0f} | {x[:, IN_SITE].mean():6.0f} | "
                       f"{x[:, CALLS].mean():5.2f} | {x[:, SURVIVORS].mean():5.1f} | "
                       f"{100 * np.mean(busy > 300):3.0f} %", flush=True)
 
