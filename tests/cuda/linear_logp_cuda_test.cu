@@ -302,6 +302,27 @@ TEST(LinearLogpCudaShards, RejectsBadShardRanges) {
   }
 }
 
+// Issue #11's memory target: the extras need at most 1 KiB per row plus
+// k * 8 bytes per row and split for the top-k lists, at every split count
+// the batch-invariant policy gives (at most 132: kernels/split_policy.h).
+TEST(LinearLogpCudaWorkspace, ExtrasFitTheMemoryTarget) {
+  for (int64_t rows : {1, 64, 4097}) {
+    for (int32_t splits : {1, 17, 132}) {
+      for (bool entropy : {false, true}) {
+        for (int32_t top_k : {0, 1, 20, 32}) {
+          const size_t extra =
+              LinearLogpCuda::PartialsBytes(rows, splits, entropy, top_k) -
+              LinearLogpCuda::PartialsBytes(rows, splits, false, 0);
+          const size_t lists = static_cast<size_t>(rows) * splits * top_k * 8;
+          EXPECT_LE(extra, lists + static_cast<size_t>(rows) * 1024)
+              << "rows " << rows << " splits " << splits << " entropy "
+              << entropy << " top_k " << top_k;
+        }
+      }
+    }
+  }
+}
+
 // Every partial PartitionWorkspace hands out lies inside the bytes
 // PartialsBytes counts, the top-k screens 16-byte aligned, for any 4-byte
 // aligned workspace (host arithmetic only: runs without a GPU too).

@@ -145,6 +145,14 @@ def main():
             if not same:
                 failures += 1
                 print(f"FAIL N={n}: {name} changed logprob/lse bits", flush=True)
+        # A row's top-k is the same with or without entropy beside it.
+        same_top = (torch.equal(outs["top20"][3], outs["both"][3]) and
+                    torch.equal(outs["top20"][4].view(torch.int32),
+                                outs["both"][4].view(torch.int32)))
+        rec["top20_same_top_k_bits_as_both"] = same_top
+        if not same_top:
+            failures += 1
+            print(f"FAIL N={n}: top20's top-k differs from both's", flush=True)
         # The extras' bits, to compare builds run with the same --seed.
         digest = hashlib.sha256()
         for t in outs["both"]:
