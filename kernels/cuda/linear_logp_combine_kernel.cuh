@@ -17,6 +17,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/linear_logp_combine_params.h"
+#include "kernels/cuda/linear_logp_topk.cuh"
 #include "kernels/lm_head.h"
 #include "kernels/softmax_partial.h"
 
@@ -37,6 +38,12 @@ __device__ __forceinline__ void WaitForPrimaryGrid() {
 #endif
 }
 
+// A rerun pass (p.only_blocks) computes only the rows of marked blocks:
+// the others' outputs are final (their logprobs no longer hold z).
+__device__ __forceinline__ bool LeavesRowAlone(const CombineParams& p, int r) {
+  return p.only_blocks != nullptr && p.only_blocks[r / p.block_rows] == 0;
+}
+
 // Folds row r's split partials ({lse_s, 1}) in ascending split order with
 // CombinePartials, starting from split 0, and finishes
 // logprob = z[target] - lse; the entropy sums fold alongside with the same
@@ -45,7 +52,7 @@ __device__ __forceinline__ void WaitForPrimaryGrid() {
 static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
   LetDependentGridStart();  // the top-k merge needs the lse only at its end
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= p.rows) return;
+  if (r >= p.rows || LeavesRowAlone(p, r)) return;
   const int64_t first = static_cast<int64_t>(r) * p.num_splits;
   const float* row = p.split_lse + first;
   SoftmaxPartial acc{row[0], 1.0f};
@@ -86,7 +93,7 @@ static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p
   const int r = static_cast<int>(
       (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32);
   const int lane = threadIdx.x & 31;
-  if (r >= p.rows) return;  // warp-uniform
+  if (r >= p.rows || LeavesRowAlone(p, r)) return;  // warp-uniform
   const int k = p.top_k;
   const bool holds = lane < k;
   float best_z = -INFINITY;  // empty entries rank after every real one
@@ -133,6 +140,18 @@ static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p
           }
         }
       }
+    }
+  }
+  // Only a floor above the row's k-th best leaves an entry empty (k <= V):
+  // the row's block runs again, the row with a cleared screen.
+  if (p.mark_blocks != nullptr &&
+      __shfl_sync(0xffffffffu, best_id, k - 1) < 0) {  // warp-uniform
+    if (lane == 0) {
+      p.mark_blocks[r / p.block_rows] = 1;
+      p.mark_blocks[p.row_blocks] = 1;
+    }
+    for (int w = lane; w < epilogue::kScreenWords; w += 32) {
+      p.top_screen[static_cast<int64_t>(r) * epilogue::kScreenWords + w] = 0u;
     }
   }
   WaitForPrimaryGrid();

@@ -25,6 +25,16 @@ struct CombineParams {
   float* entropy;    // or null
   int32_t* top_ids;  // [rows][top_k] or null
   float* top_logprobs;
+  // The speculative floors' reruns (linear_logp_floor_kernel.cuh), top-k
+  // only. mark_blocks set: a row whose merged list comes out short marks
+  // its row block (mark_blocks[r / block_rows]) and the count
+  // (mark_blocks[row_blocks]), and clears its screen in top_screen.
+  // only_blocks set: a rerun pass, rows of unmarked blocks are left alone.
+  int32_t* mark_blocks;
+  uint32_t* top_screen;
+  const int32_t* only_blocks;
+  int32_t block_rows;
+  int32_t row_blocks;
 };
 
 }  // namespace detlogp::kernels::cuda::combine

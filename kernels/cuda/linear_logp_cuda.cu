@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_host.h"
 #include "kernels/cuda/linear_logp_combine_kernel.cuh"
+#include "kernels/cuda/linear_logp_floor_kernel.cuh"
 #include "kernels/cuda/linear_logp_kernel.cuh"
 #include "kernels/cuda/linear_logp_portable.h"
 #include "kernels/lm_head.h"
@@ -86,10 +87,35 @@ absl::Status EncodeTiled(PFN_cuTensorMapEncodeTiled_v12000 encode,
                              inner, kv::kBlockK, box_outer);
 }
 
+// What a combine does about the floors' reruns (CombineParams): mark the
+// short rows' blocks, or finish only the marked blocks' rows.
+struct RerunMarks {
+  int32_t* mark = nullptr;
+  uint32_t* top_screen = nullptr;
+  const int32_t* only = nullptr;
+};
+
 absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
                             const LinearLogpBatchView& outputs,
                             int64_t nan_vocab_size, int device,
-                            cudaStream_t stream, KernelKind kernel);
+                            cudaStream_t stream, KernelKind kernel,
+                            const RerunMarks& marks = {});
+
+// Rerun marks of a batch of `rows`: one per row block, then their count.
+int64_t RerunMarkCount(int64_t rows) {
+  return (rows + kv::kBlockM - 1) / kv::kBlockM + 1;
+}
+
+// The z a standard normal exceeds with probability `tail` (0 < tail < 0.5),
+// by bisection: called once per launch, so plain and exact enough.
+double NormalTailQuantile(double tail) {
+  double lo = 0.0, hi = 40.0;
+  for (int i = 0; i < 64; ++i) {
+    const double mid = 0.5 * (lo + hi);
+    (0.5 * std::erfc(mid / std::sqrt(2.0)) > tail ? lo : hi) = mid;
+  }
+  return 0.5 * (lo + hi);
+}
 
 using SplitKernel = void (*)(const CUtensorMap, const CUtensorMap,
                             const kv::KernelParams);
@@ -120,6 +146,9 @@ struct LinearLogpCuda::Impl {
   int64_t shard_begin = 0;
   int smem_optin_bytes = 0;  // shared memory per block (the portable tilings)
   std::string instruction_set;  // for the determinism key
+  // The top-k floors' column sample (GatherFloorSample), or null: no floors.
+  __nv_bfloat16* floor_weight = nullptr;  // [kSampleColumns][H], then
+  float* floor_bias = nullptr;            // [kSampleColumns] or null
 };
 
 namespace {
@@ -139,7 +168,12 @@ LinearLogpCuda::LinearLogpCuda(const Options& options,
                                std::unique_ptr<Impl> impl)
     : options_(options), impl_(std::move(impl)) {}
 
-LinearLogpCuda::~LinearLogpCuda() = default;
+LinearLogpCuda::~LinearLogpCuda() {
+  if (impl_ != nullptr && impl_->floor_weight != nullptr) {
+    DeviceGuard guard;
+    if (guard.Enter(options_.device).ok()) cudaFree(impl_->floor_weight);
+  }
+}
 
 const char* LinearLogpCuda::KernelVersion() { return kv::kVersion; }
 
@@ -241,6 +275,35 @@ absl::StatusOr<std::string> LinearLogpCuda::InstructionSetOn(KernelKind kernel,
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   return PreparePortable(prop);
 }
+
+namespace {
+
+// Copies the top-k floors' sample columns (vocabulary rows j * (V / n), j <
+// n = floors::kSampleColumns) and their bias into one allocation of their
+// own (linear_logp_floor_kernel.cuh says why); *weight owns it.
+absl::Status GatherFloorSample(const LinearLogpWeightsView& w,
+                               __nv_bfloat16** weight, float** bias) {
+  constexpr int kColumns = floors::kSampleColumns;
+  const size_t row_bytes = static_cast<size_t>(w.hidden_size) * 2;
+  const int64_t stride = w.vocab_size / kColumns;
+  void* buffer = nullptr;
+  DETLOGP_CUDA_RETURN_IF_ERROR(
+      cudaMalloc(&buffer, kColumns * row_bytes + kColumns * sizeof(float)));
+  *weight = static_cast<__nv_bfloat16*>(buffer);
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(
+      *weight, row_bytes, w.weight, stride * row_bytes, row_bytes, kColumns,
+      cudaMemcpyDeviceToDevice));
+  if (w.bias != nullptr) {
+    *bias = reinterpret_cast<float*>(static_cast<char*>(buffer) +
+                                     kColumns * row_bytes);
+    DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(
+        *bias, sizeof(float), w.bias, stride * sizeof(float), sizeof(float),
+        kColumns, cudaMemcpyDeviceToDevice));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     const Options& options) {
@@ -358,8 +421,18 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   impl->shard_begin = held_begin;
   FillSplitTable(options, all_splits, shard, held_begin,
                  &impl->invariant_splits, impl->invariant_begin);
-  return std::unique_ptr<LinearLogpCuda>(
+  auto linear = std::unique_ptr<LinearLogpCuda>(
       new LinearLogpCuda(options, std::move(impl)));
+  if (!shard && options.top_k_floors &&
+      w.vocab_size >= floors::kSampleColumns) {
+    // The object frees the sample, whatever part of it was made.
+    if (absl::Status s = GatherFloorSample(w, &linear->impl_->floor_weight,
+                                           &linear->impl_->floor_bias);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return linear;
 }
 
 int32_t LinearLogpCuda::SplitTable(int64_t rows, int32_t* begin) const {
@@ -390,10 +463,12 @@ size_t LinearLogpCuda::PartialsBytes(int64_t rows, int32_t splits,
   const size_t per_cell = sizeof(float) * (entropy ? 2 : 1) +
                           static_cast<size_t>(std::max(top_k, 0)) *
                               (sizeof(float) + sizeof(int32_t));
-  // top_screen: 16-byte aligned rows of kScreenWords keys after the lists.
-  const size_t screen = top_k > 0 ? kScreenAlign + static_cast<size_t>(rows) *
-                                                       kScreenRowBytes
-                                  : 0;
+  // top_screen: 16-byte aligned rows of kScreenWords keys after the lists,
+  // then the rerun marks.
+  const size_t screen =
+      top_k > 0 ? kScreenAlign + static_cast<size_t>(rows) * kScreenRowBytes +
+                      sizeof(int32_t) * RerunMarkCount(rows)
+                : 0;
   return cells * per_cell + screen;
 }
 
@@ -418,6 +493,8 @@ SplitPartials LinearLogpCuda::PartitionWorkspace(void* workspace, int64_t rows,
         reinterpret_cast<uintptr_t>(partials.top_ids + cells * top_k);
     partials.top_screen = reinterpret_cast<uint32_t*>(
         (end + kScreenAlign - 1) / kScreenAlign * kScreenAlign);
+    partials.rerun_blocks = reinterpret_cast<int32_t*>(
+        partials.top_screen + static_cast<size_t>(rows) * epilogue::kScreenWords);
   }
   return partials;
 }
@@ -441,11 +518,65 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
   const int32_t splits = NumSplits(batch.rows);
   const SplitPartials partials = PartitionWorkspace(
       workspace, batch.rows, splits, batch.entropy != nullptr, batch.top_k);
-  if (absl::Status s = LaunchSplits(batch, partials, stream); !s.ok()) {
+  const int64_t vocab = options_.weights.vocab_size;
+  const float sigmas = FloorSigmas(batch, partials);
+  if (sigmas <= 0.0f) {
+    if (absl::Status s = LaunchSplits(batch, partials, stream); !s.ok()) {
+      return s;
+    }
+    return EnqueueCombine(partials, splits, batch, vocab, options_.device,
+                          stream, options_.kernel);
+  }
+  // Floors: the rows a floor left short come out of the first combine
+  // marked, and their row blocks run again (both passes are no-ops when
+  // none is marked; the host never waits to find out).
+  if (absl::Status s = LaunchSplitPass(batch, partials, stream, sigmas,
+                                       /*rerun_blocks=*/nullptr);
+      !s.ok()) {
     return s;
   }
-  return EnqueueCombine(partials, splits, batch, options_.weights.vocab_size,
-                        options_.device, stream, options_.kernel);
+  RerunMarks mark;
+  mark.mark = partials.rerun_blocks;
+  mark.top_screen = partials.top_screen;
+  if (absl::Status s = EnqueueCombine(partials, splits, batch, vocab,
+                                      options_.device, stream, options_.kernel,
+                                      mark);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = LaunchSplitPass(batch, partials, stream, 0.0f,
+                                       partials.rerun_blocks);
+      !s.ok()) {
+    return s;
+  }
+  RerunMarks only;
+  only.only = partials.rerun_blocks;
+  return EnqueueCombine(partials, splits, batch, vocab, options_.device, stream,
+                        options_.kernel, only);
+}
+
+float LinearLogpCuda::FloorSigmas(const LinearLogpBatchView& batch,
+                                  const SplitPartials& partials) const {
+  if (options_.kernel != KernelKind::kHopper || is_shard() ||
+      impl_->floor_weight == nullptr || batch.top_k <= 0 ||
+      partials.top_screen == nullptr || partials.rerun_blocks == nullptr) {
+    return 0.0f;
+  }
+  if (options_.top_k_floor_sigmas > 0.0f) return options_.top_k_floor_sigmas;
+  // ~10 k values of the row above the floor if z were normal over the
+  // vocabulary, and never fewer than 200: the sample's mean and deviation
+  // err by ~6 % and ~4 % of a deviation, so the k-th best lies ~5 of the
+  // guess's errors above it at k = 20, V = 151936 (real rows' heavier upper
+  // tails put it further). Small vocabularies, where the floor would sit in
+  // the bulk, get none.
+  constexpr double kMaxTail = 0.05;
+  const double above = std::max(200.0, 10.0 * batch.top_k);
+  const double tail = above / static_cast<double>(options_.weights.vocab_size);
+  if (tail > kMaxTail ||
+      options_.weights.vocab_size < floors::kSampleColumns) {
+    return 0.0f;
+  }
+  return static_cast<float>(NormalTailQuantile(tail));
 }
 
 namespace {
@@ -491,6 +622,14 @@ absl::Status ClearTopKScreen(const LinearLogpBatchView& batch,
 absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
                                           const SplitPartials& partials,
                                           cudaStream_t stream) const {
+  return LaunchSplitPass(batch, partials, stream, 0.0f, nullptr);
+}
+
+absl::Status LinearLogpCuda::LaunchSplitPass(const LinearLogpBatchView& batch,
+                                             const SplitPartials& partials,
+                                             cudaStream_t stream,
+                                             float floor_sigmas,
+                                             const int32_t* rerun_blocks) const {
   float* split_lse = partials.lse;
   const LinearLogpWeightsView& w = options_.weights;
   if (batch.rows < 0 || batch.rows > kMaxRows) {
@@ -569,10 +708,30 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   p.num_items = p.num_row_blocks * p.num_splits;
   p.row_group = RowGroup(options_, top_k);
   p.a_box_rows = a_box_rows;
+  p.rerun_blocks = top_k ? rerun_blocks : nullptr;
   const int grid = std::min(impl_->num_sms, p.num_items);
 
   (void)cudaGetLastError();  // clear a stale, non-sticky error of this thread
-  if (absl::Status s = ClearTopKScreen(batch, partials, stream); !s.ok()) {
+  if (rerun_blocks != nullptr) {
+    // The screens as the first pass and the combine left them.
+  } else if (floor_sigmas > 0.0f) {
+    floors::FloorParams f;
+    f.hidden = batch.hidden;
+    f.sample_weight = impl_->floor_weight;
+    f.sample_bias = impl_->floor_bias;
+    f.temperatures = batch.temperatures;
+    f.temperature = batch.temperature;
+    f.hidden_size = w.hidden_size;
+    f.rows = p.rows;
+    f.sigmas = floor_sigmas;
+    f.top_screen = partials.top_screen;
+    f.rerun_blocks = partials.rerun_blocks;
+    f.row_blocks = p.num_row_blocks;
+    f.block_rows = kv::kBlockM;
+    DETLOGP_CUDA_RETURN_IF_ERROR(
+        floors::EnqueueFloorKernel(f, impl_->num_sms, stream));
+  } else if (absl::Status s = ClearTopKScreen(batch, partials, stream);
+             !s.ok()) {
     return s;
   }
   VariantFor(entropy, top_k)<<<grid, kv::kThreads, SmemBytesFor(top_k),
@@ -630,7 +789,8 @@ namespace {
 absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
                             const LinearLogpBatchView& outputs,
                             int64_t nan_vocab_size, int device,
-                            cudaStream_t stream, KernelKind kernel) {
+                            cudaStream_t stream, KernelKind kernel,
+                            const RerunMarks& marks) {
   const int64_t rows = outputs.rows;
   if (rows <= 0) return absl::OkStatus();
   if (partials.lse == nullptr || outputs.logprobs == nullptr ||
@@ -647,7 +807,7 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
   }
   DeviceGuard guard;
   if (absl::Status s = guard.Enter(device); !s.ok()) return s;
-  combine::CombineParams p;
+  combine::CombineParams p = {};
   p.split_lse = partials.lse;
   p.split_mean_z = outputs.entropy != nullptr ? partials.mean_z : nullptr;
   p.split_top_z = outputs.top_k > 0 ? partials.top_z : nullptr;
@@ -665,6 +825,11 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
                     ? outputs.targets64
                     : nullptr;
   p.vocab_size = static_cast<int32_t>(nan_vocab_size);
+  p.mark_blocks = outputs.top_k > 0 ? marks.mark : nullptr;
+  p.top_screen = marks.top_screen;
+  p.only_blocks = marks.only;
+  p.block_rows = kv::kBlockM;
+  p.row_blocks = static_cast<int32_t>(RerunMarkCount(rows) - 1);
   if (kernel == KernelKind::kPortable) {
     DETLOGP_CUDA_RETURN_IF_ERROR(kp::EnqueueCombineKernel(p, stream));
   } else {

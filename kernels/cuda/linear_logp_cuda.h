@@ -91,6 +91,10 @@ struct SplitPartials {
   // already ruled out; cleared by LaunchSplits. Null: every split screens
   // alone (same results, slower).
   uint32_t* top_screen = nullptr;
+  // [row blocks of 128 + 1] (top-k, Launch on the Hopper kernel): which row
+  // blocks a speculative floor left short, so that they run again
+  // (linear_logp_floor_kernel.cuh). Null: no floors.
+  int32_t* rerun_blocks = nullptr;
 };
 
 // Which split-pass kernel a LinearLogpCuda runs: KernelKind (kernel_kind.h).
@@ -129,6 +133,14 @@ class LinearLogpCuda {
     // changes bits.
     int32_t row_group = 0;
     int32_t top_k_row_group = 0;
+    // Launch with top-k on the Hopper kernel seeds each row's screen with a
+    // speculative floor, mean + sigmas * deviation of a column sample's z,
+    // and runs the row blocks a floor left short again
+    // (linear_logp_floor_kernel.cuh). A speed knob: never changes bits.
+    // top_k_floor_sigmas > 0 replaces the sigmas chosen from k and V (tests
+    // force reruns with it).
+    bool top_k_floors = true;
+    float top_k_floor_sigmas = 0.0f;
   };
 
   // Validates the weights view and the device (kHopper: compute capability
@@ -144,7 +156,8 @@ class LinearLogpCuda {
   // Device workspace a batch of `rows` needs: 4 bytes per row and split
   // (528 bytes per row at V = 151936; at most 1 KiB per row), 4 more with
   // entropy and 8 * top_k more with top-k, plus the rows' shared top-k
-  // screens (272 bytes per row). Needs 4-byte alignment.
+  // screens (272 bytes per row) and the floors' rerun marks (4 bytes per
+  // 128 rows). Needs 4-byte alignment.
   size_t WorkspaceBytes(int64_t rows, bool entropy = false,
                         int32_t top_k = 0) const;
 
@@ -234,6 +247,16 @@ class LinearLogpCuda {
   absl::Status LaunchPortableSplits(const LinearLogpBatchView& batch,
                                     const SplitPartials& partials,
                                     cudaStream_t stream) const;
+  // LaunchSplits' body. floor_sigmas > 0: the screens start at speculative
+  // floors instead of cleared; rerun_blocks set: a rerun pass over the
+  // marked row blocks, the screens as the combine left them.
+  absl::Status LaunchSplitPass(const LinearLogpBatchView& batch,
+                               const SplitPartials& partials,
+                               cudaStream_t stream, float floor_sigmas,
+                               const int32_t* rerun_blocks) const;
+  // The sigmas of Launch's floors, or 0: no floors for this batch.
+  float FloorSigmas(const LinearLogpBatchView& batch,
+                    const SplitPartials& partials) const;
 
   Options options_;
   std::unique_ptr<Impl> impl_;

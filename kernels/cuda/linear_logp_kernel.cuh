@@ -134,6 +134,10 @@ struct KernelParams {
   int32_t num_items;
   int32_t row_group;              // DecodeItem's group (kernels/item_order.h)
   int32_t a_box_rows;             // hidden rows per TMA box (<= kBlockM)
+  // kTopK: null, or a rerun pass (linear_logp_floor_kernel.cuh): only the
+  // row blocks b with rerun_blocks[b] != 0 are computed, none when
+  // rerun_blocks[num_row_blocks] (set with any) is 0.
+  const int32_t* rerun_blocks;
   int32_t split_begin[kMaxSplits + 1];  // split s is [begin[s], begin[s+1])
 };
 
@@ -268,6 +272,16 @@ __device__ __forceinline__ void ConsumeTile(
   }
 }
 
+// A rerun pass leaves the row blocks that were not marked alone.
+template <bool kTopK>
+__device__ __forceinline__ bool SkipsItem(const KernelParams& p, int row_block) {
+  if constexpr (kTopK) {
+    return p.rerun_blocks != nullptr && p.rerun_blocks[row_block] == 0;
+  } else {
+    return false;
+  }
+}
+
 template <bool kEntropy, bool kTopK>
 __global__ void __launch_bounds__(kThreads, 1)
     LinearLogpSplitKernel(const __grid_constant__ CUtensorMap hidden_map,
@@ -285,6 +299,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* top_id = reinterpret_cast<int32_t*>(
       top_z + kBlockM * kMaxTopK);
 
+  if constexpr (kTopK) {
+    if (p.rerun_blocks != nullptr && p.rerun_blocks[p.num_row_blocks] == 0) {
+      return;  // a rerun pass with nothing to rerun: every thread leaves
+    }
+  }
   // Broadcast so that the compiler sees a warp-uniform value (keeps the wgmma
   // paths free of divergence, which would serialize them).
   const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
@@ -306,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
       int row_block, split;
       DecodeItem(p, item, row_block, split);
+      if (SkipsItem<kTopK>(p, row_block)) continue;
       const int begin = p.split_begin[split];
       const int end = p.split_begin[split + 1];
       const int tiles = TileCount(end - begin);
@@ -342,6 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int item = blockIdx.x; item < p.num_items; item += gridDim.x) {
     int row_block, split;
     DecodeItem(p, item, row_block, split);
+    if (SkipsItem<kTopK>(p, row_block)) continue;  // as the producer does
     const int begin = p.split_begin[split];
     const int end = p.split_begin[split + 1];
     const int slab = row_block * kBlockM + consumer * 64;

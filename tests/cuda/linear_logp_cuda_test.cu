@@ -469,6 +469,86 @@ TEST(LinearLogpCudaExtras, RejectsBadTopK) {
   ExpectBadTopKRejected(KernelKind::kHopper);
 }
 
+// Top-k floors (linear_logp_floor_kernel.cuh) are a speed knob. With them
+// off, at their default, and so high that every row comes out short and its
+// row block runs again, every output has the same bits.
+TEST_F(FullVocabTest, TopKFloorsNeverChangeBits) {
+  REQUIRE_SM90();
+  auto batch = MakeBatch(3 * 128 + 5, weights_->H, weights_->V);
+  auto make = [&](bool floors, float sigmas) {
+    LinearLogpCuda::Options o;
+    o.weights = weights_->View();
+    o.top_k_floors = floors;
+    o.top_k_floor_sigmas = sigmas;
+    auto k = LinearLogpCuda::Create(o);
+    EXPECT_TRUE(k.ok()) << k.status();
+    return k.ok() ? std::move(*k) : nullptr;
+  };
+  const auto off = make(false, 0.0f);
+  const auto on = make(true, 0.0f);
+  const auto all_short = make(true, 60.0f);
+  ASSERT_TRUE(off && on && all_short);
+  for (const int32_t top_k : {1, 20, 32}) {
+    const Extras want = RunExtras(*off, *batch, 0, batch->N, true, top_k);
+    const Extras got = RunExtras(*on, *batch, 0, batch->N, true, top_k);
+    const Extras rerun = RunExtras(*all_short, *batch, 0, batch->N, true, top_k);
+    const Extras alone = RunExtras(*all_short, *batch, 200, 1, true, top_k);
+    const std::string what = "k " + std::to_string(top_k);
+    for (int64_t r = 0; r < batch->N; ++r) {
+      ExpectSameExtras(want, r, got, r, "floors on, " + what);
+      ExpectSameExtras(want, r, rerun, r, "every row rerun, " + what);
+      if (::testing::Test::HasFailure()) return;
+    }
+    ExpectSameExtras(want, 200, alone, 0, "a rerun row alone, " + what);
+  }
+}
+
+// Rows whose z have a light upper tail (uniform over [-1, 1]: a normal
+// guess puts the floor above every value) come out short and run again,
+// exactly, beside rows whose z are normal; the float64 ranking holds.
+TEST(LinearLogpCudaExtras, RowsAFloorOvershootsRunAgainExactly) {
+  REQUIRE_SM90();
+  const int64_t H = 64, V = 20000;
+  auto w = MakeWeights(H, V, V, /*bias=*/false);
+  // Weight row v: (u_v, n_v, 0, ...), u uniform over [-1, 1], n normal.
+  std::mt19937_64 rng(FreshSeed());
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::normal_distribution<float> normal(0.0f, 0.5f);
+  std::fill(w->host_w.begin(), w->host_w.end(), uint16_t{0});
+  for (int64_t v = 0; v < V; ++v) {
+    w->host_w[v * H] = FloatToBf16(uniform(rng));
+    w->host_w[v * H + 1] = FloatToBf16(normal(rng));
+  }
+  CUDA_CHECK_THROW(cudaMemcpy(w->w.ptr, w->host_w.data(), V * H * 2,
+                              cudaMemcpyHostToDevice));
+  // Hidden row r: e_0 (uniform z) in blocks 0 and 2 and every 7th row of
+  // block 1, e_1 (normal z) elsewhere; block 3 is short (a partial block).
+  auto batch = MakeBatch(3 * 128 + 40, H, V);
+  std::fill(batch->host_hidden.begin(), batch->host_hidden.end(), uint16_t{0});
+  for (int64_t r = 0; r < batch->N; ++r) {
+    const int64_t block = r / 128;
+    const bool uniform_row = block == 0 || block == 2 || (block == 1 && r % 7 == 0);
+    batch->host_hidden[r * H + (uniform_row ? 0 : 1)] = FloatToBf16(1.0f);
+  }
+  batch->Upload();
+  LinearLogpCuda::Options o;
+  o.weights = w->View();
+  o.top_k_floors = false;
+  auto off = LinearLogpCuda::Create(o);
+  ASSERT_TRUE(off.ok()) << off.status();
+  auto on = MakeKernelOf(KernelKind::kHopper, *w);
+  ASSERT_NE(on, nullptr);
+  for (const int32_t top_k : {20, 32}) {
+    const Extras want = RunExtras(**off, *batch, 0, batch->N, true, top_k);
+    const Extras got = RunExtras(*on, *batch, 0, batch->N, true, top_k);
+    for (int64_t r = 0; r < batch->N; ++r) {
+      ExpectSameExtras(want, r, got, r, "k " + std::to_string(top_k));
+      if (::testing::Test::HasFailure()) return;
+    }
+    ExpectExtrasAccurate(*w, *batch, got, 0, {0, 7, 130, 140, 300, 400});
+  }
+}
+
 // The item order (kernels/item_order.h) is a tuning knob: other row-block
 // groups give every output the same bits, with and without top-k, and a
 // group out of range is refused naming the field.

@@ -1,6 +1,8 @@
 // C ABI over LinearLogpCuda for tools/device/logp_bench.py (ctypes). Benchmark
 // use only: no timing here, the caller times with CUDA events.
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 
 #include "kernels/cuda/linear_logp_cuda.h"
@@ -33,6 +35,14 @@ void* logp_create_tuned(const void* weight, const float* bias, long long hidden,
   LinearLogpCuda::Options o;
   o.row_group = row_group;
   o.top_k_row_group = top_k_row_group;
+  // Top-k floors (Options::top_k_floors) off with DETLOGP_TOP_K_FLOORS=0;
+  // DETLOGP_TOP_K_FLOOR_SIGMAS sets their sigmas (benches only).
+  if (const char* f = std::getenv("DETLOGP_TOP_K_FLOORS")) {
+    o.top_k_floors = std::strcmp(f, "0") != 0;
+  }
+  if (const char* f = std::getenv("DETLOGP_TOP_K_FLOOR_SIGMAS")) {
+    o.top_k_floor_sigmas = std::strtof(f, nullptr);
+  }
   o.weights.weight = static_cast<const __nv_bfloat16*>(weight);
   o.weights.bias = bias;
   o.weights.hidden_size = hidden;
