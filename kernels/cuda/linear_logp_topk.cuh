@@ -93,7 +93,11 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
 //     value: k distinct columns reach it. Read (SlotBound) by a tile that
 //     has candidates left.
 //   * the screen word: raised to a split's full list's worst entry, or a
-//     tile's k-th-best lower bound; read at every tile.
+//     tile's k-th-best lower bound; read at every tile. Launch on the
+//     Hopper kernel starts it at a speculative floor instead of -inf
+//     (linear_logp_floor_kernel.cuh): a guess, not a proof. A row it
+//     overshoots comes out short in the combine and is computed again
+//     with a cleared screen, so the result above still holds.
 inline constexpr int kScreenWord = kScreenSlots;  // after the slots
 inline constexpr int kScreenWords = kScreenSlots + 4;  // 16-byte rows
 
