@@ -279,25 +279,20 @@ absl::StatusOr<std::string> LinearLogpCuda::InstructionSetOn(KernelKind kernel,
 namespace {
 
 // Copies the top-k floors' sample columns (vocabulary rows j * (V / n), j <
-// n = floors::kSampleColumns) in the floor kernel's chunk-major order, and
-// their bias, into one allocation of their own
-// (linear_logp_floor_kernel.cuh says why); *weight owns it.
+// n = floors::kSampleColumns) and their bias into one allocation of their
+// own (linear_logp_floor_kernel.cuh says why); *weight owns it.
 absl::Status GatherFloorSample(const LinearLogpWeightsView& w,
                                __nv_bfloat16** weight, float** bias) {
   constexpr int kColumns = floors::kSampleColumns;
-  constexpr size_t kChunkBytes = floors::kChunkK * 2;
   const size_t row_bytes = static_cast<size_t>(w.hidden_size) * 2;
   const int64_t stride = w.vocab_size / kColumns;
   void* buffer = nullptr;
   DETLOGP_CUDA_RETURN_IF_ERROR(
       cudaMalloc(&buffer, kColumns * row_bytes + kColumns * sizeof(float)));
   *weight = static_cast<__nv_bfloat16*>(buffer);
-  for (int64_t c = 0; c < w.hidden_size / floors::kChunkK; ++c) {
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(
-        static_cast<char*>(buffer) + c * kColumns * kChunkBytes, kChunkBytes,
-        reinterpret_cast<const char*>(w.weight) + c * kChunkBytes,
-        stride * row_bytes, kChunkBytes, kColumns, cudaMemcpyDeviceToDevice));
-  }
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(
+      *weight, row_bytes, w.weight, stride * row_bytes, row_bytes, kColumns,
+      cudaMemcpyDeviceToDevice));
   if (w.bias != nullptr) {
     *bias = reinterpret_cast<float*>(static_cast<char*>(buffer) +
                                      kColumns * row_bytes);
@@ -402,7 +397,6 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
           SmemBytesFor(top_k)));
     }
   }
-  DETLOGP_CUDA_RETURN_IF_ERROR(floors::PrepareFloorKernels());
 
   auto impl = std::make_unique<Impl>();
   impl->num_sms = prop.multiProcessorCount;
@@ -735,7 +729,7 @@ absl::Status LinearLogpCuda::LaunchSplitPass(const LinearLogpBatchView& batch,
     f.row_blocks = p.num_row_blocks;
     f.block_rows = kv::kBlockM;
     DETLOGP_CUDA_RETURN_IF_ERROR(
-        floors::EnqueueFloorKernel(f, impl_->num_sms, stream));
+        floors::EnqueueFloorKernel(f, stream));
   } else if (absl::Status s = ClearTopKScreen(batch, partials, stream);
              !s.ok()) {
     return s;
