@@ -137,6 +137,8 @@ class LinearLogpCuda {
     // speculative floor, mean + sigmas * deviation of a column sample's z,
     // and runs the row blocks a floor left short again
     // (linear_logp_floor_kernel.cuh). A speed knob: never changes bits.
+    // The sample's weight rows live in the object: 512 x H bytes (2 MiB at
+    // H = 4096), plus 1 KiB of bias.
     // top_k_floor_sigmas > 0 replaces the sigmas chosen from k and V (tests
     // force reruns with it).
     bool top_k_floors = true;

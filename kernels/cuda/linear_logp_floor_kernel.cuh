@@ -107,6 +107,24 @@ __device__ __forceinline__ void MultiplyFragments(const Fragments<kMTiles>& f,
   }
 }
 
+// Calls f(value, slot, column) for each of a thread's accumulators: slot
+// 2 m + e / 2 is its row's (16 m + g, or + 8 when odd), column its sample
+// column 32 group + 8 j + 2 t + e % 2.
+template <int kMTiles, typename F>
+__device__ __forceinline__ void ForEachValue(float (*acc)[4][4], int group,
+                                             int t, F f) {
+#pragma unroll
+  for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        f(acc[m][j][e], 2 * m + e / 2, 32 * group + 8 * j + 2 * t + (e & 1));
+      }
+    }
+  }
+}
+
 // Sums over the block's warps of per-thread values for block rows
 // (row[i], i < 2 kMTiles), each first summed over the row's quad; lands in
 // out[r], visible after the closing barrier.
@@ -209,19 +227,11 @@ __global__ void __launch_bounds__(kThreads)
     inv_t[2 * m] = 1.0f / (p.temperatures != nullptr ? p.temperatures[ra[m]] : p.temperature);
     inv_t[2 * m + 1] = 1.0f / (p.temperatures != nullptr ? p.temperatures[rb[m]] : p.temperature);
   }
-#pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = 32 * group + 8 * j + 2 * t + (e & 1);
-        const float bias = p.sample_bias != nullptr ? p.sample_bias[v] : 0.0f;
-        acc[m][j][e] = (acc[m][j][e] + bias) * inv_t[2 * m + e / 2];
-        if (k_part == 0) sum[2 * m + e / 2] += acc[m][j][e];
-      }
-    }
-  }
+  ForEachValue<kMTiles>(acc, group, t, [&](float& z, int slot, int column) {
+    const float bias = p.sample_bias != nullptr ? p.sample_bias[column] : 0.0f;
+    z = (z + bias) * inv_t[slot];
+    if (k_part == 0) sum[slot] += z;
+  });
   BlockRowSums<kMTiles>(sum, part, sums);
   float mean[2 * kMTiles], sq[2 * kMTiles] = {};
 #pragma unroll
@@ -229,17 +239,10 @@ __global__ void __launch_bounds__(kThreads)
     mean[i] = sums[16 * (i / 2) + 8 * (i % 2) + g] / kSampleColumns;
   }
   __syncthreads();  // sums is reused
-#pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float d = acc[m][j][e] - mean[2 * m + e / 2];
-        if (k_part == 0) sq[2 * m + e / 2] += d * d;
-      }
-    }
-  }
+  ForEachValue<kMTiles>(acc, group, t, [&](float& z, int slot, int) {
+    const float d = z - mean[slot];
+    if (k_part == 0) sq[slot] += d * d;
+  });
   BlockRowSums<kMTiles>(sq, part, sums);
   if (warp == 0 && t == 0) {
 #pragma unroll
