@@ -42,6 +42,7 @@ inline constexpr int kKParts = 2;        // ... times two halves of k
 inline constexpr int kWarps = kColumnGroups * kKParts;
 inline constexpr int kThreads = 32 * kWarps;
 static_assert(kColumnGroups * 32 == kSampleColumns, "a warp per 32 columns");
+
 struct FloorParams {
   const __nv_bfloat16* hidden;  // [rows][hidden_size]
   // The sample's weight rows and bias, gathered when the weights were
@@ -126,8 +127,8 @@ __device__ __forceinline__ void ForEachValue(float (*acc)[4][4], int group,
 }
 
 // Sums over the block's warps of per-thread values for block rows
-// (row[i], i < 2 kMTiles), each first summed over the row's quad; lands in
-// out[r], visible after the closing barrier.
+// 16 (i / 2) + 8 (i % 2) + g (v[i], i < 2 kMTiles), each first summed over
+// the row's quad; lands in out[r], visible after the closing barrier.
 template <int kMTiles>
 __device__ __forceinline__ void BlockRowSums(const float* v, float (*part)[32],
                                              float* out) {
