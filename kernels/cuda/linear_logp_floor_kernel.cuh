@@ -32,6 +32,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/linear_logp_topk.cuh"
+#include "kernels/cuda/mma_sync.cuh"
 #include "kernels/top_k_screen_key.h"
 
 namespace detlogp::kernels::cuda::floors {
@@ -60,15 +61,6 @@ struct FloorParams {
   int32_t row_blocks;
   int32_t block_rows;           // rows per row block of the split kernel
 };
-
-__device__ __forceinline__ void MmaBf16(float* d, uint32_t a0, uint32_t a1,
-                                        uint32_t a2, uint32_t a3, uint32_t b0,
-                                        uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // One 32-k block of a thread's operands: for each m16 tile its rows g and
 // g + 8, and its four n8 tiles' column g, 8 consecutive k each.
@@ -102,8 +94,10 @@ __device__ __forceinline__ void MultiplyFragments(const Fragments<kMTiles>& f,
   for (int m = 0; m < kMTiles; ++m) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      MmaBf16(acc[m][j], f.a[m].x, f.b[m].x, f.a[m].y, f.b[m].y, f.w[j].x, f.w[j].y);
-      MmaBf16(acc[m][j], f.a[m].z, f.b[m].z, f.a[m].w, f.b[m].w, f.w[j].z, f.w[j].w);
+      const uint32_t low[4] = {f.a[m].x, f.b[m].x, f.a[m].y, f.b[m].y};
+      const uint32_t high[4] = {f.a[m].z, f.b[m].z, f.a[m].w, f.b[m].w};
+      MmaM16N8K16(acc[m][j], low, f.w[j].x, f.w[j].y);
+      MmaM16N8K16(acc[m][j], high, f.w[j].z, f.w[j].w);
     }
   }
 }

@@ -88,6 +88,7 @@
 
 #include "kernels/cuda/linear_logp_epilogue.cuh"
 #include "kernels/cuda/linear_logp_portable_params.cuh"
+#include "kernels/cuda/mma_sync.cuh"
 #include "kernels/item_order.h"
 
 namespace detlogp::kernels::cuda::portable_v1 {
@@ -223,17 +224,6 @@ __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t& r0,
       : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
       : "r"(addr)
       : "memory");  // never hoisted above the __syncthreads of its K step
-}
-
-// d += a * b for one m16n8k16 fragment (bf16 in, fp32 accumulate).
-__device__ __forceinline__ void MmaM16N8K16(float* d, const uint32_t* a,
-                                            uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Byte offset of 16-byte chunk `chunk` of shared row `row` in a tile: the

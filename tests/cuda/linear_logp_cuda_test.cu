@@ -476,13 +476,10 @@ TEST_F(FullVocabTest, TopKFloorsNeverChangeBits) {
   REQUIRE_SM90();
   auto batch = MakeBatch(3 * 128 + 5, weights_->H, weights_->V);
   auto make = [&](bool floors, float sigmas) {
-    LinearLogpCuda::Options o;
-    o.weights = weights_->View();
-    o.top_k_floors = floors;
-    o.top_k_floor_sigmas = sigmas;
-    auto k = LinearLogpCuda::Create(o);
-    EXPECT_TRUE(k.ok()) << k.status();
-    return k.ok() ? std::move(*k) : nullptr;
+    return MakeKernelWith(*weights_, [&](LinearLogpCuda::Options& o) {
+      o.top_k_floors = floors;
+      o.top_k_floor_sigmas = sigmas;
+    });
   };
   const auto off = make(false, 0.0f);
   const auto on = make(true, 0.0f);
@@ -531,15 +528,14 @@ TEST(LinearLogpCudaExtras, RowsAFloorOvershootsRunAgainExactly) {
     batch->host_hidden[r * H + (uniform_row ? 0 : 1)] = FloatToBf16(1.0f);
   }
   batch->Upload();
-  LinearLogpCuda::Options o;
-  o.weights = w->View();
-  o.top_k_floors = false;
-  auto off = LinearLogpCuda::Create(o);
-  ASSERT_TRUE(off.ok()) << off.status();
-  auto on = MakeKernelOf(KernelKind::kHopper, *w);
+  const auto off = MakeKernelWith(*w, [](LinearLogpCuda::Options& o) {
+    o.top_k_floors = false;
+  });
+  ASSERT_NE(off, nullptr);
+  const auto on = MakeKernelOf(KernelKind::kHopper, *w);
   ASSERT_NE(on, nullptr);
   for (const int32_t top_k : {20, 32}) {
-    const Extras want = RunExtras(**off, *batch, 0, batch->N, true, top_k);
+    const Extras want = RunExtras(*off, *batch, 0, batch->N, true, top_k);
     const Extras got = RunExtras(*on, *batch, 0, batch->N, true, top_k);
     for (int64_t r = 0; r < batch->N; ++r) {
       ExpectSameExtras(want, r, got, r, "k " + std::to_string(top_k));

@@ -347,6 +347,17 @@ inline std::unique_ptr<LinearLogpCuda> MakeKernelOf(
   return k.ok() ? std::move(*k) : nullptr;
 }
 
+// A Hopper kernel on `w` with the options `adjust` sets (floors, ...).
+template <typename Adjust>
+std::unique_ptr<LinearLogpCuda> MakeKernelWith(const Weights& w, Adjust adjust) {
+  LinearLogpCuda::Options o;
+  o.weights = w.View();
+  adjust(o);
+  auto k = LinearLogpCuda::Create(o);
+  EXPECT_TRUE(k.ok()) << k.status();
+  return k.ok() ? std::move(*k) : nullptr;
+}
+
 // The same batch launched concurrently on two streams, three times, equals
 // itself and a plain run, bit for bit.
 inline void ExpectTwoStreamsAndRepeatsAgree(const LinearLogpCuda& k,
