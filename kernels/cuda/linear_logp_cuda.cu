@@ -147,8 +147,8 @@ struct LinearLogpCuda::Impl {
   int smem_optin_bytes = 0;  // shared memory per block (the portable tilings)
   std::string instruction_set;  // for the determinism key
   // The top-k floors' column sample (GatherFloorSample), or null: no floors.
-  __nv_bfloat16* floor_weight = nullptr;  // [kSampleColumns][H], then
-  float* floor_bias = nullptr;            // [kSampleColumns] or null
+  uint4* floor_sample = nullptr;  // floors::SampleIndex order, then
+  float* floor_bias = nullptr;    // [kSampleColumns] or null
 };
 
 namespace {
@@ -169,9 +169,9 @@ LinearLogpCuda::LinearLogpCuda(const Options& options,
     : options_(options), impl_(std::move(impl)) {}
 
 LinearLogpCuda::~LinearLogpCuda() {
-  if (impl_ != nullptr && impl_->floor_weight != nullptr) {
+  if (impl_ != nullptr && impl_->floor_sample != nullptr) {
     DeviceGuard guard;
-    if (guard.Enter(options_.device).ok()) cudaFree(impl_->floor_weight);
+    if (guard.Enter(options_.device).ok()) cudaFree(impl_->floor_sample);
   }
 }
 
@@ -279,27 +279,23 @@ absl::StatusOr<std::string> LinearLogpCuda::InstructionSetOn(KernelKind kernel,
 namespace {
 
 // Copies the top-k floors' sample columns (vocabulary rows j * (V / n), j <
-// n = floors::kSampleColumns) and their bias into one allocation of their
-// own (linear_logp_floor_kernel.cuh says why); *weight owns it.
-absl::Status GatherFloorSample(const LinearLogpWeightsView& w,
-                               __nv_bfloat16** weight, float** bias) {
+// n = floors::kSampleColumns), in the order the floor kernel reads them, and
+// their bias into one allocation of their own; *sample owns it. Synchronous:
+// the launches that read it may run on any stream.
+absl::Status GatherFloorSample(const LinearLogpWeightsView& w, uint4** sample,
+                               float** bias) {
   constexpr int kColumns = floors::kSampleColumns;
-  const size_t row_bytes = static_cast<size_t>(w.hidden_size) * 2;
-  const int64_t stride = w.vocab_size / kColumns;
+  const size_t sample_bytes = static_cast<size_t>(w.hidden_size) * 2 * kColumns;
   void* buffer = nullptr;
   DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaMalloc(&buffer, kColumns * row_bytes + kColumns * sizeof(float)));
-  *weight = static_cast<__nv_bfloat16*>(buffer);
-  DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(
-      *weight, row_bytes, w.weight, stride * row_bytes, row_bytes, kColumns,
-      cudaMemcpyDeviceToDevice));
+      cudaMalloc(&buffer, sample_bytes + kColumns * sizeof(float)));
+  *sample = static_cast<uint4*>(buffer);
   if (w.bias != nullptr) {
-    *bias = reinterpret_cast<float*>(static_cast<char*>(buffer) +
-                                     kColumns * row_bytes);
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemcpy2D(
-        *bias, sizeof(float), w.bias, stride * sizeof(float), sizeof(float),
-        kColumns, cudaMemcpyDeviceToDevice));
+    *bias = reinterpret_cast<float*>(static_cast<char*>(buffer) + sample_bytes);
   }
+  DETLOGP_CUDA_RETURN_IF_ERROR(floors::EnqueueGatherSample(
+      w.weight, w.bias, w.hidden_size, w.vocab_size, *sample, *bias, nullptr));
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
   return absl::OkStatus();
 }
 
@@ -426,7 +422,7 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   if (!shard && options.top_k_floors &&
       w.vocab_size >= floors::kSampleColumns) {
     // The object frees the sample, whatever part of it was made.
-    if (absl::Status s = GatherFloorSample(w, &linear->impl_->floor_weight,
+    if (absl::Status s = GatherFloorSample(w, &linear->impl_->floor_sample,
                                            &linear->impl_->floor_bias);
         !s.ok()) {
       return s;
@@ -558,7 +554,7 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
 float LinearLogpCuda::FloorSigmas(const LinearLogpBatchView& batch,
                                   const SplitPartials& partials) const {
   if (options_.kernel != KernelKind::kHopper || is_shard() ||
-      impl_->floor_weight == nullptr || batch.top_k <= 0 ||
+      impl_->floor_sample == nullptr || batch.top_k <= 0 ||
       partials.top_screen == nullptr || partials.rerun_blocks == nullptr) {
     return 0.0f;
   }
@@ -717,12 +713,13 @@ absl::Status LinearLogpCuda::LaunchSplitPass(const LinearLogpBatchView& batch,
   } else if (floor_sigmas > 0.0f) {
     floors::FloorParams f;
     f.hidden = batch.hidden;
-    f.sample_weight = impl_->floor_weight;
+    f.sample = impl_->floor_sample;
     f.sample_bias = impl_->floor_bias;
     f.temperatures = batch.temperatures;
     f.temperature = batch.temperature;
     f.hidden_size = w.hidden_size;
     f.rows = p.rows;
+    f.k_splits = floors::FloorKSplits(batch.rows, impl_->num_sms);
     f.sigmas = floor_sigmas;
     f.top_screen = partials.top_screen;
     f.rerun_blocks = partials.rerun_blocks;

@@ -21,11 +21,17 @@
 //
 // The sample's arithmetic is its own (mma.sync, the hidden and weight
 // elements paired in a permuted k order): nothing but the guess depends on
-// it. It costs ~2 % of logp-only's time at N = 1024 (docs/perf.md, "Top-k,
-// session 24", with the designs that were slower).
+// it. Every block reads the whole sample for its 16 rows, so a block's time
+// is what one SM can bring in (~128 bytes a cycle through L1): the sample is
+// stored in the order the warps read it (every load 512 contiguous bytes),
+// and when the batch has few row tiles a cluster of blocks splits the
+// hidden dimension and adds its partial sums through distributed shared
+// memory (docs/perf.md, "Top-k, session 25", with the designs that were
+// slower).
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_FLOOR_KERNEL_CUH_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_FLOOR_KERNEL_CUH_
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -38,23 +44,52 @@
 namespace detlogp::kernels::cuda::floors {
 
 inline constexpr int kSampleColumns = 256;
-inline constexpr int kColumnGroups = 8;  // warps of 32 sample columns
-inline constexpr int kKParts = 2;        // ... times two halves of k
+inline constexpr int kTileRows = 16;      // one m16 tile of rows per cluster
+inline constexpr int kBlockK = 32;        // k per step: two m16n8k16 each
+inline constexpr int kSampleTiles = kSampleColumns / 8;  // n8 tiles
+inline constexpr int kColumnGroups = 4;   // warps of 8 n8 tiles
+inline constexpr int kGroupTiles = kSampleTiles / kColumnGroups;
+inline constexpr int kKParts = 2;         // ... times two halves of k
 inline constexpr int kWarps = kColumnGroups * kKParts;
 inline constexpr int kThreads = 32 * kWarps;
-static_assert(kColumnGroups * 32 == kSampleColumns, "a warp per 32 columns");
+inline constexpr int kMaxKSplits = 4;     // blocks in a cluster
+static_assert(kTileRows % kMaxKSplits == 0, "ranks share the tile's rows");
+
+// Where the sample keeps uint4 `lane` of n8 tile `tile` for k step `kb`:
+// sample column 8 tile + lane / 4's weights for k = 32 kb + 8 (lane % 4)
+// + [0, 8), the 8 k a thread pairs with its hidden rows' in the kernel. A
+// warp's kGroupTiles tiles of one step are 4 KiB in a row.
+__host__ __device__ inline int64_t SampleIndex(int64_t kb, int tile,
+                                               int lane) {
+  return (kb * kSampleTiles + tile) * 32 + lane;
+}
+
+// Gathers the sample (vocabulary rows j * stride, j < kSampleColumns) into
+// SampleIndex order, one thread per uint4, and their bias into bias_out.
+__global__ void GatherSampleKernel(const __nv_bfloat16* weight,
+                                   const float* bias, int64_t hidden_size,
+                                   int64_t stride, uint4* sample,
+                                   float* bias_out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (bias != nullptr && i < kSampleColumns) bias_out[i] = bias[i * stride];
+  if (i >= hidden_size / 8 * kSampleColumns) return;
+  const int lane = static_cast<int>(i % 32);
+  const int tile = static_cast<int>(i / 32 % kSampleTiles);
+  const int64_t kb = i / 32 / kSampleTiles;
+  const int64_t column = 8 * tile + lane / 4;
+  const int64_t k = kBlockK * kb + 8 * (lane % 4);
+  sample[i] = *reinterpret_cast<const uint4*>(weight + column * stride * hidden_size + k);
+}
 
 struct FloorParams {
   const __nv_bfloat16* hidden;  // [rows][hidden_size]
-  // The sample's weight rows and bias, gathered when the weights were
-  // bound (vocabulary rows j * (V / kSampleColumns)): read in place, the
-  // strided rows of the full matrix took ~2x as long.
-  const __nv_bfloat16* sample_weight;  // [kSampleColumns][hidden_size]
-  const float* sample_bias;            // [kSampleColumns] or null
+  const uint4* sample;          // GatherSampleKernel's
+  const float* sample_bias;     // [kSampleColumns] or null
   const float* temperatures;    // [rows], or null: temperature
   float temperature;
   int64_t hidden_size;          // a multiple of 64
   int32_t rows;
+  int32_t k_splits;             // 1, 2 or 4: the cluster's size
   float sigmas;
   uint32_t* top_screen;         // [rows][epilogue::kScreenWords] out
   int32_t* rerun_blocks;        // [row_blocks + 1], zeroed here
@@ -62,215 +97,206 @@ struct FloorParams {
   int32_t block_rows;           // rows per row block of the split kernel
 };
 
-// One 32-k block of a thread's operands: for each m16 tile its rows g and
-// g + 8, and its four n8 tiles' column g, 8 consecutive k each.
-template <int kMTiles>
-struct Fragments {
-  uint4 a[kMTiles], b[kMTiles], w[4];
+// A thread's operands of one k step: its rows g and g + 8, and its group's
+// n8 tiles' column g, 8 consecutive k each.
+struct Operands {
+  uint4 a, b, w[kGroupTiles];
 };
 
-template <int kMTiles>
-__device__ __forceinline__ Fragments<kMTiles> LoadFragments(
-    const uint4* const* ha, const uint4* const* hb, const uint4* const* wc,
-    int kb) {
-  Fragments<kMTiles> f;
+__device__ __forceinline__ Operands LoadOperands(const uint4* ha,
+                                                 const uint4* hb,
+                                                 const uint4* w, int kb) {
+  Operands o;
+  o.a = __ldg(ha + 4 * kb);
+  o.b = __ldg(hb + 4 * kb);
 #pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-    f.a[m] = __ldg(ha[m] + 4 * kb);
-    f.b[m] = __ldg(hb[m] + 4 * kb);
+  for (int j = 0; j < kGroupTiles; ++j) {
+    o.w[j] = __ldg(w + SampleIndex(kb, j, 0));
   }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) f.w[j] = __ldg(wc[j] + 4 * kb);
-  return f;
+  return o;
 }
 
 // Each thread's 8 consecutive k go to two m16n8k16 steps as the k the
 // fragment layout gives it: products pair the same k of hidden and weight,
 // so the sums are dot products in another order.
-template <int kMTiles>
-__device__ __forceinline__ void MultiplyFragments(const Fragments<kMTiles>& f,
-                                                  float (*acc)[4][4]) {
+__device__ __forceinline__ void Multiply(const Operands& o,
+                                         float (*acc)[4]) {
+  const uint32_t low[4] = {o.a.x, o.b.x, o.a.y, o.b.y};
+  const uint32_t high[4] = {o.a.z, o.b.z, o.a.w, o.b.w};
 #pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t low[4] = {f.a[m].x, f.b[m].x, f.a[m].y, f.b[m].y};
-      const uint32_t high[4] = {f.a[m].z, f.b[m].z, f.a[m].w, f.b[m].w};
-      MmaM16N8K16(acc[m][j], low, f.w[j].x, f.w[j].y);
-      MmaM16N8K16(acc[m][j], high, f.w[j].z, f.w[j].w);
-    }
+  for (int j = 0; j < kGroupTiles; ++j) {
+    MmaM16N8K16(acc[j], low, o.w[j].x, o.w[j].y);
+    MmaM16N8K16(acc[j], high, o.w[j].z, o.w[j].w);
   }
 }
 
-// Calls f(value, slot, column) for each of a thread's accumulators: slot
-// 2 m + e / 2 is its row's (16 m + g, or + 8 when odd), column its sample
-// column 32 group + 8 j + 2 t + e % 2.
-template <int kMTiles, typename F>
-__device__ __forceinline__ void ForEachValue(float (*acc)[4][4], int group,
-                                             int t, F f) {
+__device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        f(acc[m][j][e], 2 * m + e / 2, 32 * group + 8 * j + 2 * t + (e & 1));
-      }
-    }
-  }
+  for (int m = 16; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
 }
 
-// Sums over the block's warps of per-thread values for block rows
-// 16 (i / 2) + 8 (i % 2) + g (v[i], i < 2 kMTiles), each first summed over
-// the row's quad; lands in out[r], visible after the closing barrier.
-template <int kMTiles>
-__device__ __forceinline__ void BlockRowSums(const float* v, float (*part)[32],
-                                             float* out) {
-  const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int i = 0; i < 2 * kMTiles; ++i) {
-    float x = v[i];
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    // v[i] is row 16 (i / 2) + 8 (i % 2) + g.
-    if ((lane & 3) == 0) part[warp][16 * (i / 2) + 8 * (i % 2) + (lane >> 2)] = x;
-  }
-  __syncthreads();
-  if (threadIdx.x < 16 * kMTiles) {
-    float s = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) s += part[w][threadIdx.x];
-    out[threadIdx.x] = s;
-  }
-  __syncthreads();
-}
-
-// One block per 16 kMTiles rows: z of the rows' kSampleColumns sample
-// columns (warp w: columns [32 (w % 8), + 32), k half w / 8), their mean
-// and deviation, and the rows' screens written whole: the floor's key in
-// the word, zeros elsewhere (what the split kernel expects of a cleared
-// screen).
-template <int kMTiles>
-__global__ void __launch_bounds__(kThreads)
+// One cluster of k_splits blocks per kTileRows rows. Block rank q's warp
+// (group c, half h) sums the products of sample columns [64 c, + 64) over
+// its share (2 q + h of 2 k_splits) of the k steps; the halves' sums meet in
+// the block's shared memory, the ranks' through the cluster's, added in
+// rank order. Rank q then finishes rows [q, q + 1) * kTileRows / k_splits:
+// z, their mean and deviation, and the rows' screens written whole (the
+// floor's key in the word, zeros elsewhere: what the split kernel expects
+// of a cleared screen).
+// Two blocks an SM (128 registers) when the batch has more row tiles than
+// SMs.
+__global__ void __launch_bounds__(kThreads, 2)
     TopKFloorKernel(const __grid_constant__ FloorParams p) {
-  constexpr int kRows = 16 * kMTiles;
-  __shared__ float part[kWarps][32];
-  __shared__ float sums[32];
-  __shared__ uint32_t keys[32];
-  __shared__ float half_acc[kColumnGroups][kMTiles * 16][32];  // k half 1's
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  // Padded so that the quads' writes of one accumulator spread over banks.
+  __shared__ float partial[kTileRows][kSampleColumns + 8];
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int group = warp % kColumnGroups;
   const int k_part = warp / kColumnGroups;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int row0 = blockIdx.x * kRows;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int row0 = static_cast<int>(blockIdx.x) / p.k_splits * kTileRows;
+
   // Rows past the batch read its last row; nothing of theirs is written.
-  int ra[kMTiles], rb[kMTiles];
-  const uint4* ha[kMTiles];
-  const uint4* hb[kMTiles];
-#pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-    ra[m] = min(row0 + 16 * m + g, p.rows - 1);
-    rb[m] = min(row0 + 16 * m + g + 8, p.rows - 1);
-    ha[m] = reinterpret_cast<const uint4*>(p.hidden + ra[m] * p.hidden_size) + t;
-    hb[m] = reinterpret_cast<const uint4*>(p.hidden + rb[m] * p.hidden_size) + t;
-  }
-  const uint4* wc[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int64_t v = 32 * group + 8 * j + g;
-    wc[j] = reinterpret_cast<const uint4*>(p.sample_weight + v * p.hidden_size) + t;
-  }
-  float acc[kMTiles][4][4] = {};
-  const int k_blocks = static_cast<int>(p.hidden_size / 32) / kKParts;
-  const int kb0 = k_part * k_blocks;
-  // Two blocks of operands in flight: the next one loads while this one
+  const int ra = min(row0 + g, p.rows - 1);
+  const int rb = min(row0 + g + 8, p.rows - 1);
+  const uint4* ha = reinterpret_cast<const uint4*>(p.hidden + ra * p.hidden_size) + t;
+  const uint4* hb = reinterpret_cast<const uint4*>(p.hidden + rb * p.hidden_size) + t;
+  const uint4* w = p.sample + SampleIndex(0, kGroupTiles * group, lane);
+  const int k_steps = static_cast<int>(p.hidden_size / kBlockK);
+  const int part = rank * kKParts + k_part;
+  const int parts = p.k_splits * kKParts;
+  const int kb_begin = k_steps * part / parts;
+  const int kb_end = k_steps * (part + 1) / parts;
+
+  float acc[kGroupTiles][4] = {};
+  // Two steps of operands in flight: the next one loads while this one
   // multiplies.
-  Fragments<kMTiles> cur = LoadFragments<kMTiles>(ha, hb, wc, kb0);
-  for (int kb = kb0; kb < kb0 + k_blocks; ++kb) {
-    Fragments<kMTiles> next = cur;
-    if (kb + 1 < kb0 + k_blocks) next = LoadFragments<kMTiles>(ha, hb, wc, kb + 1);
-    MultiplyFragments<kMTiles>(cur, acc);
+  Operands cur = LoadOperands(ha, hb, w, kb_begin);
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
+    Operands next = cur;
+    if (kb + 1 < kb_end) next = LoadOperands(ha, hb, w, kb + 1);
+    Multiply(cur, acc);
     cur = next;
   }
-  // The second k half hands its sums to the first.
+
+  // acc[j][e] is row g + 8 (e / 2), column 64 group + 8 j + 2 t + e % 2.
+  auto at = [&](int j, int e) -> float& {
+    return partial[g + 8 * (e / 2)][kGroupTiles * 8 * group + 8 * j + 2 * t + (e & 1)];
+  };
   if (k_part == 1) {
 #pragma unroll
-    for (int m = 0; m < kMTiles; ++m) {
+    for (int j = 0; j < kGroupTiles; ++j) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) half_acc[group][16 * m + i][lane] = acc[m][i / 4][i % 4];
+      for (int e = 0; e < 4; ++e) at(j, e) = acc[j][e];
     }
   }
   __syncthreads();
   if (k_part == 0) {
 #pragma unroll
-    for (int m = 0; m < kMTiles; ++m) {
+    for (int j = 0; j < kGroupTiles; ++j) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) acc[m][i / 4][i % 4] += half_acc[group][16 * m + i][lane];
+      for (int e = 0; e < 4; ++e) at(j, e) = acc[j][e] + at(j, e);
     }
   }
+  cluster.sync();  // every rank's partial sums are in place
 
-  // acc[m][j][e] is row 16 m + g (e < 2) or + 8, column
-  // 32 group + 8 j + 2 t + e % 2; it becomes z in place. Warps of the
-  // second half add zeros.
-  float sum[2 * kMTiles] = {};
-  float inv_t[2 * kMTiles];
+  const float* ranks[kMaxKSplits];  // unrolled: kept in registers
 #pragma unroll
-  for (int m = 0; m < kMTiles; ++m) {
-    inv_t[2 * m] = 1.0f / (p.temperatures != nullptr ? p.temperatures[ra[m]] : p.temperature);
-    inv_t[2 * m + 1] = 1.0f / (p.temperatures != nullptr ? p.temperatures[rb[m]] : p.temperature);
+  for (int q = 0; q < kMaxKSplits; ++q) {
+    ranks[q] = cluster.map_shared_rank(&partial[0][0], min(q, p.k_splits - 1));
   }
-  ForEachValue<kMTiles>(acc, group, t, [&](float& z, int slot, int column) {
-    const float bias = p.sample_bias != nullptr ? p.sample_bias[column] : 0.0f;
-    z = (z + bias) * inv_t[slot];
-    if (k_part == 0) sum[slot] += z;
-  });
-  BlockRowSums<kMTiles>(sum, part, sums);
-  float mean[2 * kMTiles], sq[2 * kMTiles] = {};
+  constexpr int kPerLane = kSampleColumns / 32;
+  const int rank_rows = kTileRows / p.k_splits;
+  for (int r = rank * rank_rows + warp; r < (rank + 1) * rank_rows;
+       r += kWarps) {
+    const int row = min(row0 + r, p.rows - 1);
+    const float inv_t =
+        1.0f / (p.temperatures != nullptr ? p.temperatures[row] : p.temperature);
+    float z[kPerLane];
+    float sum = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 2 * kMTiles; ++i) {
-    mean[i] = sums[16 * (i / 2) + 8 * (i % 2) + g] / kSampleColumns;
-  }
-  __syncthreads();  // sums is reused
-  ForEachValue<kMTiles>(acc, group, t, [&](float& z, int slot, int) {
-    const float d = z - mean[slot];
-    if (k_part == 0) sq[slot] += d * d;
-  });
-  BlockRowSums<kMTiles>(sq, part, sums);
-  if (warp == 0 && t == 0) {
+    for (int i = 0; i < kPerLane; ++i) {
+      const int column = lane + 32 * i;
+      const int offset = r * (kSampleColumns + 8) + column;
+      float x = ranks[0][offset];
 #pragma unroll
-    for (int i = 0; i < 2 * kMTiles; ++i) {
-      const int r = 16 * (i / 2) + 8 * (i % 2) + g;
-      const float floor = mean[i] + p.sigmas * sqrtf(sums[r] / (kSampleColumns - 1));
-      keys[r] = isfinite(floor) ? ScreenKey(floor) : 0u;
+      for (int q = 1; q < kMaxKSplits; ++q) {
+        if (q < p.k_splits) x += ranks[q][offset];
+      }
+      const float bias = p.sample_bias != nullptr ? p.sample_bias[column] : 0.0f;
+      z[i] = (x + bias) * inv_t;
+      sum += z[i];
     }
-  }
-  __syncthreads();
-
-  constexpr int kWords = epilogue::kScreenWords;
-  for (int i = threadIdx.x; i < kRows * kWords; i += kThreads) {
-    const int r = i / kWords;
-    const int word = i - r * kWords;
+    const float mean = WarpSum(sum) / kSampleColumns;
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) sq += (z[i] - mean) * (z[i] - mean);
+    const float floor =
+        mean + p.sigmas * sqrtf(WarpSum(sq) / (kSampleColumns - 1));
+    const uint32_t key = isfinite(floor) ? ScreenKey(floor) : 0u;
     if (row0 + r < p.rows) {
-      p.top_screen[static_cast<int64_t>(row0 + r) * kWords + word] =
-          word == epilogue::kScreenWord ? keys[r] : 0u;
+      constexpr int kWords = epilogue::kScreenWords;
+      uint32_t* screen = p.top_screen + static_cast<int64_t>(row0 + r) * kWords;
+      for (int word = lane; word < kWords; word += 32) {
+        screen[word] = word == epilogue::kScreenWord ? key : 0u;
+      }
     }
   }
-  if (threadIdx.x == 0) {
+  if (rank == 0 && threadIdx.x == 0) {
     if (row0 % p.block_rows == 0) p.rerun_blocks[row0 / p.block_rows] = 0;
     if (blockIdx.x == 0) p.rerun_blocks[p.row_blocks] = 0;  // the count
   }
+  cluster.sync();  // no rank leaves while another reads its partial sums
 }
 
-// Blocks of 16 rows (kMTiles = 1), the form measured on the H200.
-// kMTiles = 2 (32 rows sharing each weight fragment; 28 bytes of spills)
-// has never run there: measure it before launching it for large N.
+// Blocks per cluster: enough to fill the SMs when the batch has few row
+// tiles (each block then reads 1 / k_splits of the sample).
+inline int FloorKSplits(int64_t rows, int num_sms) {
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  for (int s = kMaxKSplits; s > 1; s /= 2) {
+    if (tiles * s <= num_sms) return s;
+  }
+  return 1;
+}
+
 static inline cudaError_t EnqueueFloorKernel(const FloorParams& p,
                                              cudaStream_t stream) {
-  TopKFloorKernel<1><<<static_cast<unsigned>((p.rows + 15) / 16), kThreads, 0,
-                       stream>>>(p);
+  if (p.k_splits < 1 || p.k_splits > kMaxKSplits ||
+      kMaxKSplits % p.k_splits != 0) {
+    return cudaErrorInvalidValue;
+  }
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(p.k_splits);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(
+      (p.rows + kTileRows - 1) / kTileRows * p.k_splits));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, TopKFloorKernel, p);
+}
+
+static inline cudaError_t EnqueueGatherSample(const __nv_bfloat16* weight,
+                                              const float* bias,
+                                              int64_t hidden_size,
+                                              int64_t vocab_size, uint4* sample,
+                                              float* bias_out,
+                                              cudaStream_t stream) {
+  const int64_t count = hidden_size / 8 * kSampleColumns;
+  constexpr int kBlock = 256;
+  GatherSampleKernel<<<static_cast<unsigned>((count + kBlock - 1) / kBlock),
+                       kBlock, 0, stream>>>(weight, bias, hidden_size,
+                                            vocab_size / kSampleColumns,
+                                            sample, bias_out);
   return cudaGetLastError();
 }
 

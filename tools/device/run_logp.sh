@@ -27,6 +27,9 @@ if [ "$MODE" = test ] || [ "$MODE" = all ]; then
   timeout 60 .device/logp/top_k_screens_test 2>&1 | tail -n 3; src=${PIPESTATUS[0]}
   echo "top_k_screens_test exit code: $src"
   [ $rc -eq 0 ] && rc=$src
+  timeout 60 .device/logp/top_k_floor_test 2>&1 | tail -n 3; src=${PIPESTATUS[0]}
+  echo "top_k_floor_test exit code: $src"
+  [ $rc -eq 0 ] && rc=$src
 fi
 if [ "$MODE" = sanitize ] || [ "$MODE" = all ]; then
   # memcheck on the small shapes (the full-vocabulary cases are too slow
