@@ -555,6 +555,7 @@ float LinearLogpCuda::FloorSigmas(const LinearLogpBatchView& batch,
                                   const SplitPartials& partials) const {
   if (options_.kernel != KernelKind::kHopper || is_shard() ||
       impl_->floor_sample == nullptr || batch.top_k <= 0 ||
+      batch.rows < options_.top_k_floor_min_rows ||
       partials.top_screen == nullptr || partials.rerun_blocks == nullptr) {
     return 0.0f;
   }

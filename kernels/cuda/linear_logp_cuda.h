@@ -140,9 +140,12 @@ class LinearLogpCuda {
     // The sample's weight rows live in the object: 512 x H bytes (2 MiB at
     // H = 4096), plus 1 KiB of bias.
     // top_k_floor_sigmas > 0 replaces the sigmas chosen from k and V (tests
-    // force reruns with it).
+    // force reruns with it). Batches of fewer than top_k_floor_min_rows rows
+    // get none: at N <= 256 the floor kernel and the rerun pass cost more
+    // than the floors save (docs/perf.md, "Top-k, session 25").
     bool top_k_floors = true;
     float top_k_floor_sigmas = 0.0f;
+    int64_t top_k_floor_min_rows = 512;
   };
 
   // Validates the weights view and the device (kHopper: compute capability

@@ -21,13 +21,13 @@
 //
 // The sample's arithmetic is its own (mma.sync, the hidden and weight
 // elements paired in a permuted k order): nothing but the guess depends on
-// it. Every block reads the whole sample for its 16 rows, so a block's time
-// is what one SM can bring in (~128 bytes a cycle through L1): the sample is
+// it. Each 16-row tile reads the whole sample (2 MiB at H = 4096), and what
+// bounds a block is the loads its warps keep in flight: the sample is
 // stored in the order the warps read it (every load 512 contiguous bytes),
-// and when the batch has few row tiles a cluster of blocks splits the
-// hidden dimension and adds its partial sums through distributed shared
-// memory (docs/perf.md, "Top-k, session 25", with the designs that were
-// slower).
+// a block has 16 warps, and when the batch has few row tiles a cluster of
+// blocks splits the hidden dimension and adds its partial sums through
+// distributed shared memory (docs/perf.md, "Top-k, session 25", with the
+// designs that were slower).
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_FLOOR_KERNEL_CUH_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_FLOOR_KERNEL_CUH_
 
@@ -49,7 +49,10 @@ inline constexpr int kBlockK = 32;        // k per step: two m16n8k16 each
 inline constexpr int kSampleTiles = kSampleColumns / 8;  // n8 tiles
 inline constexpr int kColumnGroups = 4;   // warps of 8 n8 tiles
 inline constexpr int kGroupTiles = kSampleTiles / kColumnGroups;
-inline constexpr int kKParts = 2;         // ... times two halves of k
+// ... times four parts of k. The warps' loads in flight bound the kernel:
+// 8 warps an SM brought ~50 GB/s, 16 ~85 (docs/perf.md, "Top-k, session
+// 25"); 16 warps leave 128 registers a thread.
+inline constexpr int kKParts = 4;
 inline constexpr int kWarps = kColumnGroups * kKParts;
 inline constexpr int kThreads = 32 * kWarps;
 inline constexpr int kMaxKSplits = 4;     // blocks in a cluster
@@ -137,16 +140,14 @@ __device__ __forceinline__ float WarpSum(float x) {
 }
 
 // One cluster of k_splits blocks per kTileRows rows. Block rank q's warp
-// (group c, half h) sums the products of sample columns [64 c, + 64) over
-// its share (2 q + h of 2 k_splits) of the k steps; the halves' sums meet in
+// (group c, part h) sums the products of sample columns [64 c, + 64) over
+// its share (4 q + h of 4 k_splits) of the k steps; the parts' sums meet in
 // the block's shared memory, the ranks' through the cluster's, added in
 // rank order. Rank q then finishes rows [q, q + 1) * kTileRows / k_splits:
 // z, their mean and deviation, and the rows' screens written whole (the
 // floor's key in the word, zeros elsewhere: what the split kernel expects
 // of a cleared screen).
-// Two blocks an SM (128 registers) when the batch has more row tiles than
-// SMs.
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 1)
     TopKFloorKernel(const __grid_constant__ FloorParams p) {
   namespace cg = cooperative_groups;
   const cg::cluster_group cluster = cg::this_cluster();
@@ -188,20 +189,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   auto at = [&](int j, int e) -> float& {
     return partial[g + 8 * (e / 2)][kGroupTiles * 8 * group + 8 * j + 2 * t + (e & 1)];
   };
-  if (k_part == 1) {
+  // The parts' sums in a fixed order, the last part's first.
+  for (int q = kKParts - 1; q >= 0; --q) {
+    if (k_part == q) {
 #pragma unroll
-    for (int j = 0; j < kGroupTiles; ++j) {
+      for (int j = 0; j < kGroupTiles; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) at(j, e) = acc[j][e];
+        for (int e = 0; e < 4; ++e) {
+          at(j, e) = q == kKParts - 1 ? acc[j][e] : acc[j][e] + at(j, e);
+        }
+      }
     }
-  }
-  __syncthreads();
-  if (k_part == 0) {
-#pragma unroll
-    for (int j = 0; j < kGroupTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) at(j, e) = acc[j][e] + at(j, e);
-    }
+    if (q > 0) __syncthreads();
   }
   cluster.sync();  // every rank's partial sums are in place
 

@@ -471,7 +471,8 @@ TEST(LinearLogpCudaExtras, RejectsBadTopK) {
 
 // Top-k floors (linear_logp_floor_kernel.cuh) are a speed knob. With them
 // off, at their default, and so high that every row comes out short and its
-// row block runs again, every output has the same bits.
+// row block runs again, every output has the same bits (floors forced on
+// for batches of any size).
 TEST_F(FullVocabTest, TopKFloorsNeverChangeBits) {
   REQUIRE_SM90();
   auto batch = MakeBatch(3 * 128 + 5, weights_->H, weights_->V);
@@ -479,6 +480,7 @@ TEST_F(FullVocabTest, TopKFloorsNeverChangeBits) {
     return MakeKernelWith(*weights_, [&](LinearLogpCuda::Options& o) {
       o.top_k_floors = floors;
       o.top_k_floor_sigmas = sigmas;
+      o.top_k_floor_min_rows = 1;
     });
   };
   const auto off = make(false, 0.0f);
@@ -532,7 +534,9 @@ TEST(LinearLogpCudaExtras, RowsAFloorOvershootsRunAgainExactly) {
     o.top_k_floors = false;
   });
   ASSERT_NE(off, nullptr);
-  const auto on = MakeKernelOf(KernelKind::kHopper, *w);
+  const auto on = MakeKernelWith(*w, [](LinearLogpCuda::Options& o) {
+    o.top_k_floor_min_rows = 1;
+  });
   ASSERT_NE(on, nullptr);
   for (const int32_t top_k : {20, 32}) {
     const Extras want = RunExtras(*off, *batch, 0, batch->N, true, top_k);

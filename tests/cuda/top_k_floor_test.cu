@@ -194,8 +194,8 @@ void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
 }
 
 TEST_F(TopKFloors, MatchFloat64ForEveryClusterSize) {
-  // 37 rows: three tiles, the last one partial. H = 256 gives each of the
-  // eight k parts of a 4-block cluster one k step.
+  // 37 rows: three tiles, the last one partial. At H = 256 half of a
+  // 4-block cluster's 16 k parts have no k step; at 1088 they differ.
   for (int64_t hidden : {256, 1088}) {
     const Problem p = MakeProblem(hidden, 3001, 37, 11 + hidden);
     for (bool with_bias : {false, true}) {
