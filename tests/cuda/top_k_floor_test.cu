@@ -17,6 +17,7 @@
 #include "kernels/bfloat16.h"
 #include "kernels/cuda/linear_logp_floor_kernel.cuh"
 #include "kernels/top_k_screen_key.h"
+#include "tests/cuda/device_piece_test.cuh"
 
 namespace detlogp::kernels::cuda::floors {
 namespace {
@@ -24,35 +25,9 @@ namespace {
 using epilogue::kScreenWord;
 using epilogue::kScreenWords;
 
-// This binary holds sm_90a code (the CPU machines that build it skip it).
-class TopKFloors : public ::testing::Test {
- protected:
-  void SetUp() override {
-    cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9) {
-      (void)cudaGetLastError();
-      GTEST_SKIP() << "needs an sm_90 GPU";
-    }
-  }
-};
-
-template <typename T>
-T* ToDevice(const std::vector<T>& host) {
-  T* device = nullptr;
-  EXPECT_EQ(cudaMalloc(&device, host.size() * sizeof(T)), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(device, host.data(), host.size() * sizeof(T),
-                       cudaMemcpyHostToDevice),
-            cudaSuccess);
-  return device;
-}
-
-template <typename T>
-std::vector<T> ToHost(const T* device, size_t n) {
-  std::vector<T> host(n);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  return host;
-}
+using TopKFloors = ::detlogp::cuda_test::Sm90Test;
+using ::detlogp::cuda_test::ToDevice;
+using ::detlogp::cuda_test::ToHost;
 
 struct Problem {
   int64_t hidden_size;
