@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CUDA fused linear-logp library, its gtest binaries (the kernels;
-# the top-k screens' device pieces and floor kernel) and the ctypes benchmark library into
-# .device/logp/ (git-ignored), and copies the non-system shared libraries
-# they load into .device/logp/lib, so that tools/device/run_logp.sh can run
-# them on the device machine.
+# the top-k screens' device pieces; the top-k floor kernel) and the ctypes
+# benchmark library into .device/logp/ (git-ignored), and copies the
+# non-system shared libraries they load into .device/logp/lib, so that
+# tools/device/run_logp.sh can run them on the device machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source tools/device/common.sh
