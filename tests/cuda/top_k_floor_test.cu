@@ -107,14 +107,18 @@ struct DeviceProblem {
 constexpr int kPadRows = 16;           // screen rows past the batch
 constexpr uint32_t kUntouched = 0xabababab;
 constexpr int kBlockRows = 32;         // the split kernel's, as the test sets it
+constexpr float kSigmas = 3.0f;
 
-// Runs the gather and the floor kernel with k_splits blocks per cluster and
-// checks every screen word and rerun mark it owns.
-void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
-  SCOPED_TRACE(testing::Message() << "H " << p.hidden_size << " V "
-                                  << p.vocab_size << " rows " << p.rows
-                                  << " bias " << with_bias << " k_splits "
-                                  << k_splits);
+// What a floor launch wrote: the screens (kPadRows rows past the batch
+// included) and the rerun marks, both filled with garbage beforehand.
+struct FloorRun {
+  std::vector<uint32_t> screen;
+  std::vector<int32_t> rerun;
+};
+
+// Runs the gather and the floor kernel with k_splits blocks per cluster
+// (sigmas 3, per-row temperatures, the bias if with_bias).
+void RunFloors(const Problem& p, bool with_bias, int k_splits, FloorRun* out) {
   DeviceProblem d;
   d.hidden = reinterpret_cast<__nv_bfloat16*>(ToDevice(p.hidden));
   d.weight = reinterpret_cast<__nv_bfloat16*>(ToDevice(p.weight));
@@ -127,8 +131,8 @@ void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
                                 d.sample_bias, nullptr),
             cudaSuccess);
   const int32_t row_blocks = (p.rows + kBlockRows - 1) / kBlockRows;
-  d.screen = ToDevice(std::vector<uint32_t>(
-      static_cast<size_t>(p.rows + kPadRows) * kScreenWords, kUntouched));
+  const size_t screen_words = static_cast<size_t>(p.rows + kPadRows) * kScreenWords;
+  d.screen = ToDevice(std::vector<uint32_t>(screen_words, kUntouched));
   d.rerun = ToDevice(std::vector<int32_t>(row_blocks + 1, -7));
 
   FloorParams f{};
@@ -140,18 +144,28 @@ void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
   f.hidden_size = p.hidden_size;
   f.rows = p.rows;
   f.k_splits = k_splits;
-  f.sigmas = 3.0f;
+  f.sigmas = kSigmas;
   f.top_screen = d.screen;
   f.rerun_blocks = d.rerun;
   f.row_blocks = row_blocks;
   f.block_rows = kBlockRows;
   ASSERT_EQ(EnqueueFloorKernel(f, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  out->screen = ToHost(d.screen, screen_words);
+  out->rerun = ToHost(d.rerun, row_blocks + 1);
+}
 
-  const std::vector<uint32_t> screen =
-      ToHost(d.screen, static_cast<size_t>(p.rows + kPadRows) * kScreenWords);
+// Checks every screen word and rerun mark a floor launch owns.
+void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
+  SCOPED_TRACE(testing::Message() << "H " << p.hidden_size << " V "
+                                  << p.vocab_size << " rows " << p.rows
+                                  << " bias " << with_bias << " k_splits "
+                                  << k_splits);
+  FloorRun run;
+  ASSERT_NO_FATAL_FAILURE(RunFloors(p, with_bias, k_splits, &run));
+  const std::vector<uint32_t>& screen = run.screen;
   for (int32_t r = 0; r < p.rows; ++r) {
-    const double want = ReferenceFloor(p, r, f.sigmas, with_bias);
+    const double want = ReferenceFloor(p, r, kSigmas, with_bias);
     const float got = ScreenValue(screen[r * kScreenWords + kScreenWord]);
     // fp32 sums of bf16 products against float64: a few ulps of the
     // row's scale.
@@ -165,7 +179,7 @@ void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
   for (size_t i = static_cast<size_t>(p.rows) * kScreenWords; i < screen.size(); ++i) {
     ASSERT_EQ(screen[i], kUntouched) << "word " << i << " past the batch";
   }
-  for (int32_t v : ToHost(d.rerun, row_blocks + 1)) EXPECT_EQ(v, 0);
+  for (int32_t v : run.rerun) EXPECT_EQ(v, 0);
 }
 
 TEST_F(TopKFloors, MatchFloat64ForEveryClusterSize) {
@@ -188,33 +202,11 @@ TEST_F(TopKFloors, NonFiniteRowsGetNoFloor) {
   Problem p = MakeProblem(256, 1000, 20, 9);
   const uint16_t nan = 0x7fc0;
   for (int64_t k = 0; k < p.hidden_size; ++k) p.hidden[3 * p.hidden_size + k] = nan;
-  DeviceProblem d;
-  d.hidden = reinterpret_cast<__nv_bfloat16*>(ToDevice(p.hidden));
-  d.weight = reinterpret_cast<__nv_bfloat16*>(ToDevice(p.weight));
-  ASSERT_EQ(cudaMalloc(&d.sample, p.hidden_size * 2 * kSampleColumns), cudaSuccess);
-  ASSERT_EQ(EnqueueGatherSample(d.weight, nullptr, p.hidden_size, p.vocab_size,
-                                d.sample, nullptr, nullptr),
-            cudaSuccess);
-  d.screen = ToDevice(std::vector<uint32_t>(p.rows * kScreenWords, kUntouched));
-  d.rerun = ToDevice(std::vector<int32_t>(2, -7));
-  FloorParams f{};
-  f.hidden = d.hidden;
-  f.sample = d.sample;
-  f.temperature = 1.0f;
-  f.hidden_size = p.hidden_size;
-  f.rows = p.rows;
-  f.k_splits = 2;
-  f.sigmas = 3.0f;
-  f.top_screen = d.screen;
-  f.rerun_blocks = d.rerun;
-  f.row_blocks = 1;
-  f.block_rows = 128;
-  ASSERT_EQ(EnqueueFloorKernel(f, nullptr), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<uint32_t> screen = ToHost(d.screen, p.rows * kScreenWords);
+  FloorRun run;
+  ASSERT_NO_FATAL_FAILURE(RunFloors(p, /*with_bias=*/false, /*k_splits=*/2, &run));
   // 0 is below every float's key: the row screens nothing.
-  EXPECT_EQ(screen[3 * kScreenWords + kScreenWord], 0u);
-  EXPECT_GT(screen[4 * kScreenWords + kScreenWord], 0u);
+  EXPECT_EQ(run.screen[3 * kScreenWords + kScreenWord], 0u);
+  EXPECT_GT(run.screen[4 * kScreenWords + kScreenWord], 0u);
 }
 
 TEST_F(TopKFloors, RejectsClusterSizesItCannotSplitRowsFor) {
