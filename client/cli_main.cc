@@ -1,10 +1,11 @@
 // detlogp_cli: scores, checks and manages model versions on a server.
 //
-//   detlogp_cli info --target=127.0.0.1:50051 [--model=policy --model_version=3]
-//   detlogp_cli score --random_rows=4 [--model=policy --model_version=3]
-//   detlogp_cli score --hidden=rows.npy --targets=targets.npy --return_lse
-//   detlogp_cli score --random_rows=4 --entropy --top_k=5
-//   detlogp_cli check-invariance --probes=16 --concurrency=32 [--model=policy]
+//   detlogp_cli info --target=127.0.0.1:50051 [--model=policy
+//   --model_version=3] detlogp_cli score --random_rows=4 [--model=policy
+//   --model_version=3] detlogp_cli score --hidden=rows.npy
+//   --targets=targets.npy --return_lse detlogp_cli score --random_rows=4
+//   --entropy --top_k=5 detlogp_cli check-invariance --probes=16
+//   --concurrency=32 [--model=policy]
 //       [--entropy --top_k=20]
 //   detlogp_cli project --project_rows=4096
 //
@@ -71,11 +72,12 @@ ABSL_FLAG(bool, return_lse, false, "score: print logsumexp too.");
 ABSL_FLAG(bool, entropy, false,
           "score: print each row's entropy (nats) too (\"entropy E\"). "
           "check-invariance: half the mixed calls ask for it, checked too.");
-ABSL_FLAG(int64_t, top_k, 0,
-          "score: print each row's top_k most likely tokens too, in descending "
-          "log-prob order (\"top_ids i,j,... top_logprobs a,b,...\"); 0: none, at "
-          "most the server's --max_top_k. check-invariance: half the mixed calls "
-          "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
+ABSL_FLAG(
+    int64_t, top_k, 0,
+    "score: print each row's top_k most likely tokens too, in descending "
+    "log-prob order (\"top_ids i,j,... top_logprobs a,b,...\"); 0: none, at "
+    "most the server's --max_top_k. check-invariance: half the mixed calls "
+    "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int, project_repeats, 1,
@@ -115,14 +117,16 @@ ABSL_FLAG(int, channels, 4, "check-invariance: distinct connections.");
 ABSL_FLAG(std::string, model, "",
           "The model (info, score, check-invariance: empty means the server's "
           "default; load, upload, unload: required).");
-ABSL_FLAG(int64_t, model_version, 0,
-          "info, score, check-invariance: a version of --model (0: the latest); "
-          "unload: the version to unload; upload, load: the number to publish "
-          "the new version as (0: the model's next; name it when pushing to "
-          "several replicas so they number it alike).");
-ABSL_FLAG(std::string, admin_token_file, "",
-          "models, load, upload, unload: file whose first line is the admin "
-          "token (the server's --admin_tokens_file); sent only on these calls.");
+ABSL_FLAG(
+    int64_t, model_version, 0,
+    "info, score, check-invariance: a version of --model (0: the latest); "
+    "unload: the version to unload; upload, load: the number to publish "
+    "the new version as (0: the model's next; name it when pushing to "
+    "several replicas so they number it alike).");
+ABSL_FLAG(
+    std::string, admin_token_file, "",
+    "models, load, upload, unload: file whose first line is the admin "
+    "token (the server's --admin_tokens_file); sent only on these calls.");
 ABSL_FLAG(std::string, path, "",
           "load: a .safetensors file relative to the server's --model_root.");
 ABSL_FLAG(std::string, weights_file, "",
@@ -225,13 +229,15 @@ int Score() {
         absl::GetFlag(FLAGS_hidden), absl::GetFlag(FLAGS_hidden_tensor));
     if (!hidden.ok()) return Fail(hidden.status());
     if (hidden->shape.size() != 2 || hidden->data.empty()) {
-      return Fail(absl::InvalidArgumentError("--hidden: expected a float [N, H] tensor"));
+      return Fail(absl::InvalidArgumentError(
+          "--hidden: expected a float [N, H] tensor"));
     }
     dtype = hidden->dtype;
     rows = hidden->shape[0];
     data = std::move(hidden->data);
     if (absl::GetFlag(FLAGS_targets).empty()) {
-      return Fail(absl::InvalidArgumentError("--targets is required with --hidden"));
+      return Fail(
+          absl::InvalidArgumentError("--targets is required with --hidden"));
     }
     auto target_file = detlogp::client::ReadTensorFile(
         absl::GetFlag(FLAGS_targets), absl::GetFlag(FLAGS_targets_tensor));
@@ -248,7 +254,8 @@ int Score() {
   // The client checks the answer's sizes against the request (N rows, N * k
   // top-k entries); the server checks top_k.
   auto result = (*client)->Score(detlogp::client::MakeLogProbRequest(
-      "cli", dtype, rows, info->hidden_size(), std::move(data), targets, options));
+      "cli", dtype, rows, info->hidden_size(), std::move(data), targets,
+      options));
   if (!result.ok()) return Fail(result.status());
   std::cout << "model " << result->model << " version " << result->model_version
             << "\ndeterminism_key " << result->determinism_key << "\n";
@@ -259,7 +266,8 @@ int Score() {
     std::printf("row %lld target %lld logprob %.9g", static_cast<long long>(r),
                 static_cast<long long>(targets[r]), result->logprobs[r]);
     if (!result->lse.empty()) std::printf(" lse %.9g", result->lse[r]);
-    if (!result->entropy.empty()) std::printf(" entropy %.9g", result->entropy[r]);
+    if (!result->entropy.empty())
+      std::printf(" entropy %.9g", result->entropy[r]);
     if (k > 0) {
       std::printf(" top_ids ");
       for (int64_t j = 0; j < k; ++j) {
@@ -376,7 +384,8 @@ class ChunkHasher {
 // --heap_retain_mb) with the glibc.malloc.hugetlb it ran with (-: unset;
 // --malloc_hugepages). Every timing line holds the word "seconds".
 int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
-  const int64_t backlog_mb = std::max<int64_t>(0, absl::GetFlag(FLAGS_hash_backlog_mb));
+  const int64_t backlog_mb =
+      std::max<int64_t>(0, absl::GetFlag(FLAGS_hash_backlog_mb));
   ChunkHasher hasher(static_cast<size_t>(backlog_mb) << 20);
   const bool hash_y = absl::GetFlag(FLAGS_hash_y);
   absl::Duration first_chunk = absl::InfiniteDuration();
@@ -389,7 +398,8 @@ int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
   // receive slices and is hashed from there.
   auto result = client.ProjectChunks(
       x, rows, options, [&](detlogp::client::ProjectChunk& chunk) {
-        if (first_chunk == absl::InfiniteDuration()) first_chunk = absl::Now() - start;
+        if (first_chunk == absl::InfiniteDuration())
+          first_chunk = absl::Now() - start;
         if (hash_y) hasher.Add(std::move(chunk));
       });
   const double transfer = absl::ToDoubleSeconds(absl::Now() - start);
@@ -399,25 +409,29 @@ int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
   if (!result.ok()) return Fail(result.status());
   const double output_bytes = rows * 5376.0 * 4;
   const double hashing = absl::ToDoubleSeconds(hasher.hashing());
-  std::printf("determinism_key %s\ny_sha256 %s\nrows %lld chunks %lld "
-              "seconds %.3f output_GB/s %.2f\n",
-              result->determinism_key.c_str(), y_sha256.c_str(),
-              static_cast<long long>(rows), static_cast<long long>(result->chunks),
-              seconds, output_bytes / seconds / 1e9);
-  std::printf("transfer seconds %.3f output_GB/s %.2f first_chunk_seconds %.3f "
-              "waited_for_hashing_seconds %.3f streams %d\n",
-              transfer, output_bytes / transfer / 1e9,
-              result->chunks > 0 ? absl::ToDoubleSeconds(first_chunk) : 0.0,
-              absl::ToDoubleSeconds(hasher.waited()), result->streams);
-  std::printf("sha256 seconds %.3f GB/s %.2f after_transfer_seconds %.3f\n", hashing,
-              hashing > 0 ? hasher.bytes() / hashing / 1e9 : 0.0, seconds - transfer);
+  std::printf(
+      "determinism_key %s\ny_sha256 %s\nrows %lld chunks %lld "
+      "seconds %.3f output_GB/s %.2f\n",
+      result->determinism_key.c_str(), y_sha256.c_str(),
+      static_cast<long long>(rows), static_cast<long long>(result->chunks),
+      seconds, output_bytes / seconds / 1e9);
+  std::printf(
+      "transfer seconds %.3f output_GB/s %.2f first_chunk_seconds %.3f "
+      "waited_for_hashing_seconds %.3f streams %d\n",
+      transfer, output_bytes / transfer / 1e9,
+      result->chunks > 0 ? absl::ToDoubleSeconds(first_chunk) : 0.0,
+      absl::ToDoubleSeconds(hasher.waited()), result->streams);
+  std::printf("sha256 seconds %.3f GB/s %.2f after_transfer_seconds %.3f\n",
+              hashing, hashing > 0 ? hasher.bytes() / hashing / 1e9 : 0.0,
+              seconds - transfer);
   const std::optional<std::string> hugetlb =
       detlogp::client::MallocHugePagesTunable(std::getenv("GLIBC_TUNABLES"));
-  std::printf("client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f "
-              "malloc_hugetlb %s\n",
-              usage.cpu_seconds, static_cast<long long>(usage.minor_page_faults),
-              output_bytes > 0 ? usage.minor_page_faults / (output_bytes / 1e9) : 0.0,
-              hugetlb.value_or("-").c_str());
+  std::printf(
+      "client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f "
+      "malloc_hugetlb %s\n",
+      usage.cpu_seconds, static_cast<long long>(usage.minor_page_faults),
+      output_bytes > 0 ? usage.minor_page_faults / (output_bytes / 1e9) : 0.0,
+      hugetlb.value_or("-").c_str());
   return 0;
 }
 
@@ -463,18 +477,19 @@ int CheckInvariance() {
 }
 
 void PrintVersion(const detlogp::v1::ModelVersionStatus& v) {
-  std::printf("  version %lld %s H=%lld V=%lld V_pad=%lld bias=%d memory=%lld "
-              "in_flight=%lld persisted=%d source=%s\n    weights_sha256 %s\n"
-              "    determinism_key %s\n",
-              static_cast<long long>(v.version()),
-              detlogp::v1::ModelVersionStatus::State_Name(v.state()).c_str(),
-              static_cast<long long>(v.hidden_size()),
-              static_cast<long long>(v.vocab_size()),
-              static_cast<long long>(v.padded_vocab_size()), v.has_bias() ? 1 : 0,
-              static_cast<long long>(v.memory_bytes()),
-              static_cast<long long>(v.requests_in_flight()), v.persisted() ? 1 : 0,
-              v.source().c_str(), v.weights_sha256().c_str(),
-              v.determinism_key().c_str());
+  std::printf(
+      "  version %lld %s H=%lld V=%lld V_pad=%lld bias=%d memory=%lld "
+      "in_flight=%lld persisted=%d source=%s\n    weights_sha256 %s\n"
+      "    determinism_key %s\n",
+      static_cast<long long>(v.version()),
+      detlogp::v1::ModelVersionStatus::State_Name(v.state()).c_str(),
+      static_cast<long long>(v.hidden_size()),
+      static_cast<long long>(v.vocab_size()),
+      static_cast<long long>(v.padded_vocab_size()), v.has_bias() ? 1 : 0,
+      static_cast<long long>(v.memory_bytes()),
+      static_cast<long long>(v.requests_in_flight()), v.persisted() ? 1 : 0,
+      v.source().c_str(), v.weights_sha256().c_str(),
+      v.determinism_key().c_str());
 }
 
 int Models() {
@@ -542,12 +557,13 @@ int Upload() {
       targets, ConnectionOptions(), *admin, *upload);
   for (const detlogp::client::PushedVersion& pushed : report.targets) {
     if (pushed.version.ok()) {
-      std::printf("target %s model %s version %lld weights_sha256 %s "
-                  "determinism_key %s\n",
-                  pushed.target.c_str(), upload->model.c_str(),
-                  static_cast<long long>(pushed.version->version()),
-                  pushed.version->weights_sha256().c_str(),
-                  pushed.version->determinism_key().c_str());
+      std::printf(
+          "target %s model %s version %lld weights_sha256 %s "
+          "determinism_key %s\n",
+          pushed.target.c_str(), upload->model.c_str(),
+          static_cast<long long>(pushed.version->version()),
+          pushed.version->weights_sha256().c_str(),
+          pushed.version->determinism_key().c_str());
     } else {
       std::printf("target %s error %s\n", pushed.target.c_str(),
                   pushed.version.status().ToString().c_str());
@@ -560,14 +576,16 @@ int Upload() {
 int Unload() {
   if (absl::Status s = RequireModel(); !s.ok()) return Fail(s);
   if (absl::GetFlag(FLAGS_model_version) <= 0) {
-    return Fail(absl::InvalidArgumentError("--model_version is required (> 0)"));
+    return Fail(
+        absl::InvalidArgumentError("--model_version is required (> 0)"));
   }
   auto client = ConnectAdmin();
   if (!client.ok()) return Fail(client.status());
   const absl::Status status = (*client)->UnloadModel(
       absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_model_version));
   if (!status.ok()) return Fail(status);
-  std::printf("model %s version %lld unloaded\n", absl::GetFlag(FLAGS_model).c_str(),
+  std::printf("model %s version %lld unloaded\n",
+              absl::GetFlag(FLAGS_model).c_str(),
               static_cast<long long>(absl::GetFlag(FLAGS_model_version)));
   return 0;
 }
@@ -594,11 +612,12 @@ int main(int argc, char** argv) {
   if (args.size() == 2 && absl::string_view(args[1]) == "project" &&
       absl::GetFlag(FLAGS_malloc_hugepages)) {
     if (const std::optional<std::string> tunables =
-            detlogp::client::TunablesWithMallocHugePages(std::getenv("GLIBC_TUNABLES"))) {
+            detlogp::client::TunablesWithMallocHugePages(
+                std::getenv("GLIBC_TUNABLES"))) {
       setenv("GLIBC_TUNABLES", tunables->c_str(), 1);
       execv("/proc/self/exe", argv);
-      std::cerr << "--malloc_hugepages: could not re-execute (" << std::strerror(errno)
-                << "); going on with 4 KiB pages\n";
+      std::cerr << "--malloc_hugepages: could not re-execute ("
+                << std::strerror(errno) << "); going on with 4 KiB pages\n";
     }
   }
   if (absl::Status s = detlogp::client::RetainFreedHeapMemory(
@@ -607,8 +626,8 @@ int main(int argc, char** argv) {
     std::cerr << "--heap_retain_mb: " << s << "\n";
     return 2;
   }
-  if (absl::Status s =
-          detlogp::client::LimitMallocArenas(absl::GetFlag(FLAGS_malloc_arenas));
+  if (absl::Status s = detlogp::client::LimitMallocArenas(
+          absl::GetFlag(FLAGS_malloc_arenas));
       !s.ok()) {
     std::cerr << "--malloc_arenas: " << s << "\n";
     return 2;

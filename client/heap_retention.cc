@@ -12,9 +12,9 @@ namespace detlogp::client {
 
 absl::Status RetainFreedHeapMemory(int64_t bytes) {
   if (bytes < 0 || bytes > std::numeric_limits<int>::max()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "heap retention: ", bytes, " bytes is outside [0, ",
-        std::numeric_limits<int>::max(), "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("heap retention: ", bytes, " bytes is outside [0, ",
+                     std::numeric_limits<int>::max(), "]"));
   }
   if (bytes == 0) return absl::OkStatus();
   // mallopt returns 1 on success. Setting the trim threshold also freezes
@@ -22,8 +22,8 @@ absl::Status RetainFreedHeapMemory(int64_t bytes) {
   // still mapped and unmapped one by one, which is fine here (gRPC's receive
   // slices are 64 KiB; the large buffers of a stream are reused).
   if (mallopt(M_TRIM_THRESHOLD, static_cast<int>(bytes)) != 1) {
-    return absl::InternalError(
-        absl::StrCat("heap retention: mallopt(M_TRIM_THRESHOLD, ", bytes, ") failed"));
+    return absl::InternalError(absl::StrCat(
+        "heap retention: mallopt(M_TRIM_THRESHOLD, ", bytes, ") failed"));
   }
   return absl::OkStatus();
 }
@@ -35,8 +35,8 @@ absl::Status LimitMallocArenas(int arenas) {
   }
   if (arenas == 0) return absl::OkStatus();
   if (mallopt(M_ARENA_MAX, arenas) != 1) {
-    return absl::InternalError(
-        absl::StrCat("malloc arenas: mallopt(M_ARENA_MAX, ", arenas, ") failed"));
+    return absl::InternalError(absl::StrCat(
+        "malloc arenas: mallopt(M_ARENA_MAX, ", arenas, ") failed"));
   }
   return absl::OkStatus();
 }
@@ -48,8 +48,10 @@ constexpr char kHugePagesTunable[] = "glibc.malloc.hugetlb";
 std::optional<std::string> MallocHugePagesTunable(const char* tunables) {
   if (tunables == nullptr) return std::nullopt;
   const std::string prefix = absl::StrCat(kHugePagesTunable, "=");
-  for (absl::string_view pair : absl::StrSplit(tunables, ':', absl::SkipEmpty())) {
-    if (absl::StartsWith(pair, prefix)) return std::string(pair.substr(prefix.size()));
+  for (absl::string_view pair :
+       absl::StrSplit(tunables, ':', absl::SkipEmpty())) {
+    if (absl::StartsWith(pair, prefix))
+      return std::string(pair.substr(prefix.size()));
   }
   return std::nullopt;
 }

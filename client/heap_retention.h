@@ -10,7 +10,8 @@
 // of a 256-row stream's bytes and 84 % of a 2048-row one's arrived on fresh
 // pages, which cost the reading thread more than the copy itself.
 //
-//   if (absl::Status s = RetainFreedHeapMemory(int64_t{256} << 20); !s.ok()) ...
+//   if (absl::Status s = RetainFreedHeapMemory(int64_t{256} << 20); !s.ok())
+//   ...
 //
 // Process-wide (glibc's M_TRIM_THRESHOLD and M_ARENA_MAX), so only a
 // program's main calls these, once, before threads start; a library never
@@ -38,10 +39,10 @@ absl::Status RetainFreedHeapMemory(int64_t bytes);
 // slices in an arena of its own, and every arena but the main one grows in
 // mapped heaps of at most 64 MiB, smaller than two 44 MB messages (our
 // reading of why their pages came back fresh; not traced). One arena (the
-// main heap, which the trim threshold above governs) measured 3-4 % faster with a fifth fewer page faults per GB on a
-// four-call projection (docs/perf.md, "H3 projection streaming, session
-// 13"). Process-wide, in main, before threads start. INVALID_ARGUMENT when
-// negative; INTERNAL if malloc refuses.
+// main heap, which the trim threshold above governs) measured 3-4 % faster with
+// a fifth fewer page faults per GB on a four-call projection (docs/perf.md, "H3
+// projection streaming, session 13"). Process-wide, in main, before threads
+// start. INVALID_ARGUMENT when negative; INTERNAL if malloc refuses.
 absl::Status LimitMallocArenas(int arenas);
 
 // Transparent huge pages for malloc's heap (glibc >= 2.35's tunable
@@ -51,9 +52,9 @@ absl::Status LimitMallocArenas(int arenas);
 // fresh process and 8-10k -> 0.5-0.7k in later runs, 4-14 % faster, and the
 // fresh process's penalty for larger chunks gone (2048 / 1024 rows per chunk
 // 0.95 -> 1.02 paired). glibc reads tunables only when a process starts, so
-// a program sets GLIBC_TUNABLES and re-executes itself (detlogp_cli project does;
-// client libraries leave it to the program). Returns GLIBC_TUNABLES' value
-// with the tunable appended to `current` (null: unset), or nullopt when
+// a program sets GLIBC_TUNABLES and re-executes itself (detlogp_cli project
+// does; client libraries leave it to the program). Returns GLIBC_TUNABLES'
+// value with the tunable appended to `current` (null: unset), or nullopt when
 // `current` already sets glibc.malloc.hugetlb: the caller's choice stands,
 // and a re-executed program does not do it again.
 std::optional<std::string> TunablesWithMallocHugePages(const char* current);

@@ -35,13 +35,15 @@ int64_t FaultsOfOneMessage() {
   const int64_t faults = MinorPageFaults() - before;
   // Read back, so that the compiler keeps the allocations and the writes.
   volatile unsigned char sink = 0;
-  for (void* block : blocks) sink = sink + static_cast<unsigned char*>(block)[kBlockBytes - 1];
+  for (void* block : blocks)
+    sink = sink + static_cast<unsigned char*>(block)[kBlockBytes - 1];
   for (void* block : blocks) std::free(block);
   return faults;
 }
 
 TEST(RetainFreedHeapMemoryTest, RejectsWhatMallocCannotTake) {
-  EXPECT_EQ(RetainFreedHeapMemory(-1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RetainFreedHeapMemory(-1).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RetainFreedHeapMemory(int64_t{1} << 31).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(RetainFreedHeapMemory(0).ok());
@@ -52,7 +54,8 @@ TEST(RetainFreedHeapMemoryTest, RejectsWhatMallocCannotTake) {
 TEST(RetainFreedHeapMemoryTest, ASecondMessageReusesTheFirstOnesPages) {
   ASSERT_TRUE(RetainFreedHeapMemory(128 << 10).ok());
   FaultsOfOneMessage();
-  EXPECT_GT(FaultsOfOneMessage(), kPages / 2) << "glibc's default no longer trims?";
+  EXPECT_GT(FaultsOfOneMessage(), kPages / 2)
+      << "glibc's default no longer trims?";
 
   ASSERT_TRUE(RetainFreedHeapMemory(int64_t{256} << 20).ok());
   FaultsOfOneMessage();
@@ -76,7 +79,8 @@ TEST(LimitMallocArenasTest, ANewThreadAllocatesFromTheMainHeap) {
     std::memset(block, 1, kBlockBytes);
   });
   reader.join();
-  EXPECT_LT(reinterpret_cast<uintptr_t>(block), reinterpret_cast<uintptr_t>(sbrk(0)));
+  EXPECT_LT(reinterpret_cast<uintptr_t>(block),
+            reinterpret_cast<uintptr_t>(sbrk(0)));
   std::free(block);
 }
 
@@ -90,8 +94,10 @@ TEST(TunablesWithMallocHugePagesTest, AppendsToWhatIsSet) {
 }
 
 TEST(TunablesWithMallocHugePagesTest, LeavesAnExplicitChoice) {
-  EXPECT_EQ(TunablesWithMallocHugePages("glibc.malloc.hugetlb=0"), std::nullopt);
-  EXPECT_EQ(TunablesWithMallocHugePages("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+  EXPECT_EQ(TunablesWithMallocHugePages("glibc.malloc.hugetlb=0"),
+            std::nullopt);
+  EXPECT_EQ(TunablesWithMallocHugePages(
+                "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
             std::nullopt);
 }
 
@@ -100,7 +106,9 @@ TEST(MallocHugePagesTunableTest, ReadsTheValue) {
   EXPECT_EQ(MallocHugePagesTunable(""), std::nullopt);
   EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.hugetlbx=1"), std::nullopt);
   EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.hugetlb=1"), "1");
-  EXPECT_EQ(MallocHugePagesTunable("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"), "0");
+  EXPECT_EQ(
+      MallocHugePagesTunable("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0"),
+      "0");
 }
 
 }  // namespace

@@ -31,7 +31,9 @@ class InterleavedRows {
   int64_t block_rows() const { return block_rows_; }
   int64_t blocks() const { return blocks_; }
   int calls() const { return calls_; }
-  int CallOfBlock(int64_t block) const { return static_cast<int>(block % calls_); }
+  int CallOfBlock(int64_t block) const {
+    return static_cast<int>(block % calls_);
+  }
 
   // Rows of block `block` (block_rows but for a short last block).
   int64_t BlockRows(int64_t block) const {

@@ -21,8 +21,10 @@ void ExpectCoversEveryRowOnce(int64_t rows, int64_t block_rows, int max_calls) {
   std::set<int64_t> seen;
   int64_t total = 0;
   for (int c = 0; c < plan.calls(); ++c) {
-    const std::vector<float> call_x = plan.GatherCallRows(x.data(), kRowFloats, c);
-    ASSERT_EQ(static_cast<int64_t>(call_x.size()), plan.CallRows(c) * kRowFloats);
+    const std::vector<float> call_x =
+        plan.GatherCallRows(x.data(), kRowFloats, c);
+    ASSERT_EQ(static_cast<int64_t>(call_x.size()),
+              plan.CallRows(c) * kRowFloats);
     for (int64_t r = 0; r < plan.CallRows(c); ++r) {
       const int64_t row = plan.RequestRow(c, r);
       ASSERT_GE(row, 0);
@@ -40,11 +42,11 @@ void ExpectCoversEveryRowOnce(int64_t rows, int64_t block_rows, int max_calls) {
 }
 
 TEST(InterleavedRows, EveryRowOnceOnTheCallOfItsBlock) {
-  ExpectCoversEveryRowOnce(10, 3, 2);    // short last block on call 1
-  ExpectCoversEveryRowOnce(12, 3, 4);    // whole blocks, one per call
-  ExpectCoversEveryRowOnce(13, 3, 4);    // a fifth, short block on call 0
+  ExpectCoversEveryRowOnce(10, 3, 2);  // short last block on call 1
+  ExpectCoversEveryRowOnce(12, 3, 4);  // whole blocks, one per call
+  ExpectCoversEveryRowOnce(13, 3, 4);  // a fifth, short block on call 0
   ExpectCoversEveryRowOnce(1000, 7, 3);
-  ExpectCoversEveryRowOnce(5, 8, 4);     // one block: one call
+  ExpectCoversEveryRowOnce(5, 8, 4);  // one block: one call
   ExpectCoversEveryRowOnce(0, 8, 4);
 }
 

@@ -17,8 +17,8 @@ namespace {
 struct ProbeAnswer {
   float logprob = 0;
   float lse = 0;
-  float entropy = 0;                // when options.entropy
-  std::vector<int64_t> top_ids;     // options.top_k of them
+  float entropy = 0;             // when options.entropy
+  std::vector<int64_t> top_ids;  // options.top_k of them
   std::vector<float> top_logprobs;
 };
 
@@ -36,9 +36,11 @@ MixedCall MakeMixedCall(const std::string& probe_data,
                         const InvarianceOptions& options, std::mt19937_64& rng,
                         const std::string& id, const std::string& model,
                         int64_t model_version) {
-  const int rows = std::uniform_int_distribution<int>(1, options.max_rows_per_call)(rng);
+  const int rows =
+      std::uniform_int_distribution<int>(1, options.max_rows_per_call)(rng);
   const std::string filler = RandomBf16Rows(rows, hidden_size, rng());
-  const std::vector<int64_t> filler_targets = RandomTargets(rows, vocab_size, rng());
+  const std::vector<int64_t> filler_targets =
+      RandomTargets(rows, vocab_size, rng());
   MixedCall call;
   std::string data;
   std::vector<int64_t> targets;
@@ -68,9 +70,9 @@ MixedCall MakeMixedCall(const std::string& probe_data,
   }
   request_options.model = model;
   request_options.model_version = model_version;
-  call.request = MakeLogProbRequest(id, detlogp::v1::DTYPE_BFLOAT16, rows,
-                                    hidden_size, std::move(data), targets,
-                                    request_options);
+  call.request =
+      MakeLogProbRequest(id, detlogp::v1::DTYPE_BFLOAT16, rows, hidden_size,
+                         std::move(data), targets, request_options);
   return call;
 }
 
@@ -81,9 +83,9 @@ std::string InvarianceReport::Summary() const {
       ok() ? "INVARIANT" : "NOT INVARIANT", ": ", probe_rows_checked,
       " probe rows checked in ", calls, " mixed calls (", stream_calls,
       " streamed; entropy checked on ", entropy_rows_checked, ", top-k on ",
-      top_k_rows_checked, "), ", probe_rows_mismatched, " with different bits, ",
-      failed_calls, " failed calls, key ", determinism_key,
-      keys_consistent ? " (consistent)" : " (CHANGED)",
+      top_k_rows_checked, "), ", probe_rows_mismatched,
+      " with different bits, ", failed_calls, " failed calls, key ",
+      determinism_key, keys_consistent ? " (consistent)" : " (CHANGED)",
       first_error.empty() ? "" : absl::StrCat("; first error: ", first_error));
 }
 
@@ -151,10 +153,9 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
       LogpClient& client = *clients[t % clients.size()];
       std::vector<MixedCall> calls;
       for (int i = 0; i < options.calls_per_thread; ++i) {
-        calls.push_back(MakeMixedCall(probe_data, probe_targets, hidden_size,
-                                      vocab_size, options, rng,
-                                      absl::StrCat("mixed-", t, "-", i), model,
-                                      model_version));
+        calls.push_back(MakeMixedCall(
+            probe_data, probe_targets, hidden_size, vocab_size, options, rng,
+            absl::StrCat("mixed-", t, "-", i), model, model_version));
       }
       // Odd threads send their calls on one stream, even ones one by one.
       const bool streamed = t % 2 == 1;
@@ -171,7 +172,8 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
           }
         }
       } else {
-        for (const MixedCall& call : calls) answers.push_back(client.Score(call.request));
+        for (const MixedCall& call : calls)
+          answers.push_back(client.Score(call.request));
       }
       absl::MutexLock lock(&mu);
       for (size_t i = 0; i < calls.size(); ++i) {
@@ -206,7 +208,8 @@ absl::StatusOr<InvarianceReport> CheckInvariance(
             ++report.top_k_rows_checked;
             for (int64_t j = 0; j < k; ++j) {
               same = same && result.top_ids[r * k + j] == solo[p].top_ids[j] &&
-                     SameBits(result.top_logprobs[r * k + j], solo[p].top_logprobs[j]);
+                     SameBits(result.top_logprobs[r * k + j],
+                              solo[p].top_logprobs[j]);
             }
           }
           if (!same) ++report.probe_rows_mismatched;

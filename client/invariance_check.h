@@ -17,11 +17,11 @@ namespace detlogp::client {
 
 struct InvarianceOptions {
   std::string target = "127.0.0.1:50051";
-  int probes = 16;              // distinct probe rows
-  int concurrency = 32;         // client threads sending mixed calls
-  int calls_per_thread = 4;     // mixed calls each thread makes
-  int max_rows_per_call = 64;   // mixed call size is uniform in [1, this]
-  int channels = 4;             // distinct connections
+  int probes = 16;             // distinct probe rows
+  int concurrency = 32;        // client threads sending mixed calls
+  int calls_per_thread = 4;    // mixed calls each thread makes
+  int max_rows_per_call = 64;  // mixed call size is uniform in [1, this]
+  int channels = 4;            // distinct connections
   float temperature = 1.0f;
   uint64_t seed = 1;
   // The model (empty: the server's default) and version (0: the latest when
@@ -37,9 +37,9 @@ struct InvarianceOptions {
 
 struct InvarianceReport {
   std::string determinism_key;
-  bool keys_consistent = true;    // every answer carried the same key
-  int64_t calls = 0;              // mixed calls answered
-  int64_t stream_calls = 0;       // of which inside streams
+  bool keys_consistent = true;  // every answer carried the same key
+  int64_t calls = 0;            // mixed calls answered
+  int64_t stream_calls = 0;     // of which inside streams
   int64_t failed_calls = 0;
   int64_t probe_rows_checked = 0;
   int64_t probe_rows_mismatched = 0;

@@ -70,24 +70,26 @@ absl::Status CheckSize(absl::string_view field, int64_t got, int64_t want,
 
 }  // namespace
 
-absl::Status CheckLogProbResponse(const detlogp::v1::LogProbRequest& request,
-                                  const detlogp::v1::LogProbResponse& response) {
+absl::Status CheckLogProbResponse(
+    const detlogp::v1::LogProbRequest& request,
+    const detlogp::v1::LogProbResponse& response) {
   const int64_t rows = request.target_ids_size();
   const std::string per_row = absl::StrCat(rows, " rows");
   absl::Status status =
       CheckSize("logprobs", response.logprobs_size(), rows, per_row);
   if (status.ok()) {
-    status = CheckSize("lse", response.lse_size(), request.return_lse() ? rows : 0,
-                       request.return_lse() ? per_row : "return_lse not set");
+    status =
+        CheckSize("lse", response.lse_size(), request.return_lse() ? rows : 0,
+                  request.return_lse() ? per_row : "return_lse not set");
   }
   if (status.ok()) {
-    status = CheckSize("entropy", response.entropy_size(),
-                       request.return_entropy() ? rows : 0,
-                       request.return_entropy() ? per_row : "return_entropy not set");
+    status = CheckSize(
+        "entropy", response.entropy_size(), request.return_entropy() ? rows : 0,
+        request.return_entropy() ? per_row : "return_entropy not set");
   }
   const int64_t k = std::max<int64_t>(request.top_k(), 0);
-  const std::string per_top =
-      k > 0 ? absl::StrCat(rows, " rows x top_k ", k) : std::string("top_k not set");
+  const std::string per_top = k > 0 ? absl::StrCat(rows, " rows x top_k ", k)
+                                    : std::string("top_k not set");
   if (status.ok()) {
     status = CheckSize("top_ids", response.top_ids_size(), rows * k, per_top);
   }
@@ -101,14 +103,16 @@ absl::Status CheckLogProbResponse(const detlogp::v1::LogProbRequest& request,
 ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response) {
   ScoreResult result;
   result.request_id = response.request_id();
-  result.logprobs.assign(response.logprobs().begin(), response.logprobs().end());
+  result.logprobs.assign(response.logprobs().begin(),
+                         response.logprobs().end());
   result.lse.assign(response.lse().begin(), response.lse().end());
   result.entropy.assign(response.entropy().begin(), response.entropy().end());
   result.top_ids.assign(response.top_ids().begin(), response.top_ids().end());
   result.top_logprobs.assign(response.top_logprobs().begin(),
                              response.top_logprobs().end());
   if (!result.logprobs.empty()) {
-    result.top_k = static_cast<int64_t>(result.top_ids.size() / result.logprobs.size());
+    result.top_k =
+        static_cast<int64_t>(result.top_ids.size() / result.logprobs.size());
   }
   result.determinism_key = response.determinism_key();
   result.model = response.model();
@@ -119,7 +123,8 @@ ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response) {
 absl::StatusOr<ScoreResult> ToScoreResult(
     const detlogp::v1::LogProbRequest& request,
     const detlogp::v1::LogProbResponse& response) {
-  if (absl::Status status = CheckLogProbResponse(request, response); !status.ok()) {
+  if (absl::Status status = CheckLogProbResponse(request, response);
+      !status.ok()) {
     return status;
   }
   ScoreResult result = ToScoreResult(response);
@@ -131,7 +136,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  if (options.own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  if (options.own_connection)
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   if (!options.load_balancing_policy.empty()) {
     args.SetLoadBalancingPolicyName(options.load_balancing_policy);
   }
@@ -159,7 +165,8 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
-  client->projection_ = std::make_unique<ProjectionConnection>(client->channel_);
+  client->projection_ =
+      std::make_unique<ProjectionConnection>(client->channel_);
   return client;
 }
 
@@ -218,9 +225,10 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
     absl::StatusOr<ScoreResult> result =
         ToScoreResult(requests[results.size()], response);
     if (!result.ok()) {
-      problem = absl::Status(result.status().code(),
-                             absl::StrCat(result.status().message(),
-                                          " [stream answer ", results.size(), "]"));
+      problem =
+          absl::Status(result.status().code(),
+                       absl::StrCat(result.status().message(),
+                                    " [stream answer ", results.size(), "]"));
       continue;
     }
     results.push_back(*std::move(result));

@@ -11,7 +11,8 @@
 //   extras.top_k = 5;
 //   auto more = (*client)->Score(MakeLogProbRequest(id, dtype, rows, H, data,
 //                                                   targets, extras));
-//   // more->entropy[r], more->top_ids[r * 5 + j], more->top_logprobs[r * 5 + j]
+//   // more->entropy[r], more->top_ids[r * 5 + j], more->top_logprobs[r * 5 +
+//   j]
 //
 // Every answer is checked against its request: one logprob per row, lse and
 // entropy per row exactly when asked for, N * top_k top-k ids and log-probs;
@@ -222,7 +223,8 @@ class LogpClient {
   };
   absl::StatusOr<ProjectResult> ProjectInterleaved(
       const std::vector<float>& x, const InterleavedRows& plan,
-      const ProjectOptions& options, const std::function<void(ProjectChunk&)>& on_chunk);
+      const ProjectOptions& options,
+      const std::function<void(ProjectChunk&)>& on_chunk);
 
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -48,8 +48,9 @@ TEST(MakeLogProbRequestTest, CarriesEntropyAndTopK) {
   options.top_k = 7;
   options.model = "policy";
   options.model_version = 3;
-  const LogProbRequest request = MakeLogProbRequest(
-      "id", detlogp::v1::DTYPE_FLOAT32, 2, 3, std::string(24, '\0'), {4, 5}, options);
+  const LogProbRequest request =
+      MakeLogProbRequest("id", detlogp::v1::DTYPE_FLOAT32, 2, 3,
+                         std::string(24, '\0'), {4, 5}, options);
   EXPECT_TRUE(request.return_entropy());
   EXPECT_EQ(request.top_k(), 7);
   EXPECT_FALSE(request.return_lse());
@@ -61,9 +62,9 @@ TEST(MakeLogProbRequestTest, CarriesEntropyAndTopK) {
 }
 
 TEST(MakeLogProbRequestTest, FormerSignatureAsksForNeither) {
-  const LogProbRequest request = MakeLogProbRequest(
-      "id", detlogp::v1::DTYPE_FLOAT32, 1, 3, std::string(12, '\0'), {4}, 1.0f,
-      true, "m", 2);
+  const LogProbRequest request =
+      MakeLogProbRequest("id", detlogp::v1::DTYPE_FLOAT32, 1, 3,
+                         std::string(12, '\0'), {4}, 1.0f, true, "m", 2);
   EXPECT_TRUE(request.return_lse());
   EXPECT_FALSE(request.return_entropy());
   EXPECT_EQ(request.top_k(), 0);
@@ -111,13 +112,16 @@ TEST(CheckLogProbResponseTest, NamesTheFieldOfTheWrongSize) {
     void (*damage)(LogProbResponse*);
   };
   const Case cases[] = {
-      {"logprobs", [](LogProbResponse* r) { r->mutable_logprobs()->RemoveLast(); }},
+      {"logprobs",
+       [](LogProbResponse* r) { r->mutable_logprobs()->RemoveLast(); }},
       {"lse", [](LogProbResponse* r) { r->add_lse(1.0f); }},
-      {"entropy", [](LogProbResponse* r) { r->mutable_entropy()->RemoveLast(); }},
+      {"entropy",
+       [](LogProbResponse* r) { r->mutable_entropy()->RemoveLast(); }},
       {"entropy", [](LogProbResponse* r) { r->clear_entropy(); }},
       {"top_ids", [](LogProbResponse* r) { r->add_top_ids(9); }},
       {"top_ids", [](LogProbResponse* r) { r->clear_top_ids(); }},
-      {"top_logprobs", [](LogProbResponse* r) { r->mutable_top_logprobs()->RemoveLast(); }},
+      {"top_logprobs",
+       [](LogProbResponse* r) { r->mutable_top_logprobs()->RemoveLast(); }},
   };
   for (const Case& c : cases) {
     LogProbResponse response = Answer(request);
@@ -135,13 +139,13 @@ TEST(CheckLogProbResponseTest, ExtrasNotAskedForAreRefused) {
   LogProbResponse response = Answer(request);
   response.add_entropy(1.0f);
   response.add_entropy(1.0f);
-  EXPECT_TRUE(absl::StartsWith(CheckLogProbResponse(request, response).message(),
-                               "entropy:"));
+  EXPECT_TRUE(absl::StartsWith(
+      CheckLogProbResponse(request, response).message(), "entropy:"));
   response.clear_entropy();
   response.add_top_ids(1);
   response.add_top_ids(2);
-  EXPECT_TRUE(absl::StartsWith(CheckLogProbResponse(request, response).message(),
-                               "top_ids:"));
+  EXPECT_TRUE(absl::StartsWith(
+      CheckLogProbResponse(request, response).message(), "top_ids:"));
 }
 
 TEST(ToScoreResultTest, UncheckedInfersTopK) {

@@ -30,8 +30,9 @@ std::vector<float> ToFloats(const LoadedTensor& tensor) {
   for (size_t i = 0; i < out.size(); ++i) {
     uint16_t bits;
     std::memcpy(&bits, data.data() + 2 * i, 2);
-    out[i] = tensor.dtype == detlogp::v1::DTYPE_BFLOAT16 ? kernels::Bf16ToFloat(bits)
-                                                         : kernels::Fp16ToFloat(bits);
+    out[i] = tensor.dtype == detlogp::v1::DTYPE_BFLOAT16
+                 ? kernels::Bf16ToFloat(bits)
+                 : kernels::Fp16ToFloat(bits);
   }
   return out;
 }
@@ -46,8 +47,9 @@ bool IsFloatTensor(const LoadedTensor& tensor) {
 
 absl::Status ValidateLmHeadUpload(const LmHeadUpload& upload) {
   if (upload.hidden_size <= 0 || upload.hidden_size % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lm_head: hidden size ", upload.hidden_size, " must be > 0 and a multiple of 8"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head: hidden size ", upload.hidden_size,
+                     " must be > 0 and a multiple of 8"));
   }
   if (upload.padded_vocab_size <= 0 ||
       static_cast<int64_t>(upload.weight.size()) !=
@@ -58,18 +60,19 @@ absl::Status ValidateLmHeadUpload(const LmHeadUpload& upload) {
   }
   if (!upload.bias.empty() &&
       static_cast<int64_t>(upload.bias.size()) != upload.padded_vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lm_head: bias holds ", upload.bias.size(), " values, not ",
-        upload.padded_vocab_size));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head: bias holds ", upload.bias.size(),
+                     " values, not ", upload.padded_vocab_size));
   }
   if (upload.version < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lm_head: version ", upload.version, " is negative (0 means the next)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head: version ", upload.version,
+                     " is negative (0 means the next)"));
   }
   if (upload.vocab_size < 0 || upload.vocab_size > upload.padded_vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lm_head: vocab_size ", upload.vocab_size, " is not in [0, ",
-        upload.padded_vocab_size, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lm_head: vocab_size ", upload.vocab_size,
+                     " is not in [0, ", upload.padded_vocab_size, "]"));
   }
   return absl::OkStatus();
 }
@@ -82,8 +85,9 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
   auto weight = ReadSafetensor(path, weight_tensor);
   if (!weight.ok()) return weight.status();
   if (!IsFloatTensor(*weight) || weight->shape.size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": ", weight_tensor, " must be a [V, H] F32, F16 or BF16 matrix"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", weight_tensor,
+                     " must be a [V, H] F32, F16 or BF16 matrix"));
   }
   LmHeadUpload upload;
   upload.model = model;
@@ -92,7 +96,8 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
   upload.vocab_size = vocab_size;
   if (weight->dtype == detlogp::v1::DTYPE_BFLOAT16) {
     upload.weight.resize(weight->data.size() / 2);
-    std::memcpy(upload.weight.data(), weight->data.data(), upload.weight.size() * 2);
+    std::memcpy(upload.weight.data(), weight->data.data(),
+                upload.weight.size() * 2);
   } else {
     const std::vector<float> values = ToFloats(*weight);
     upload.weight.resize(values.size());
@@ -104,8 +109,8 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
     auto bias = ReadSafetensor(path, bias_tensor);
     if (!bias.ok()) return bias.status();
     if (!IsFloatTensor(*bias) || bias->shape.size() != 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          path, ": ", bias_tensor, " must be a float vector"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": ", bias_tensor, " must be a float vector"));
     }
     upload.bias = ToFloats(*bias);
   }
@@ -117,28 +122,30 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
 
 std::string LmHeadUploadDigest(const LmHeadUpload& upload) {
   return digests::ComputeLmHeadDigest(
-      {upload.hidden_size, upload.effective_vocab_size(), upload.padded_vocab_size,
-       !upload.bias.empty()},
+      {upload.hidden_size, upload.effective_vocab_size(),
+       upload.padded_vocab_size, !upload.bias.empty()},
       upload.weight.data(), upload.bias.data());
 }
 
 // ------------------------------------------------------------------ client
 
-ModelRepositoryClient::ModelRepositoryClient(std::shared_ptr<grpc::Channel> channel,
-                                             const Options& options)
+ModelRepositoryClient::ModelRepositoryClient(
+    std::shared_ptr<grpc::Channel> channel, const Options& options)
     : options_(options),
       channel_(std::move(channel)),
       stub_(detlogp::v1::ModelRepositoryService::NewStub(channel_)) {}
 
-absl::StatusOr<std::unique_ptr<ModelRepositoryClient>> ModelRepositoryClient::Create(
-    const LogpClient::Options& connection, const Options& options) {
+absl::StatusOr<std::unique_ptr<ModelRepositoryClient>>
+ModelRepositoryClient::Create(const LogpClient::Options& connection,
+                              const Options& options) {
   if (connection.target.empty()) {
     return absl::InvalidArgumentError("client: empty target");
   }
   if (options.chunk_bytes <= 0) {
     return absl::InvalidArgumentError("client: chunk_bytes must be > 0");
   }
-  return std::make_unique<ModelRepositoryClient>(MakeChannel(connection), options);
+  return std::make_unique<ModelRepositoryClient>(MakeChannel(connection),
+                                                 options);
 }
 
 void ModelRepositoryClient::PrepareContext(grpc::ClientContext* context) const {
@@ -148,7 +155,8 @@ void ModelRepositoryClient::PrepareContext(grpc::ClientContext* context) const {
   }
 }
 
-absl::StatusOr<detlogp::v1::ListModelsResponse> ModelRepositoryClient::ListModels() {
+absl::StatusOr<detlogp::v1::ListModelsResponse>
+ModelRepositoryClient::ListModels() {
   grpc::ClientContext context;
   PrepareContext(&context);
   detlogp::v1::ListModelsResponse response;
@@ -229,7 +237,8 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
     chunk->reserve(size);
     for (int part = 0, begin = 0; part < 2; begin += part_sizes[part], ++part) {
       const int64_t from = std::max<int64_t>(sent, begin);
-      const int64_t to = std::min<int64_t>(sent + size, begin + part_sizes[part]);
+      const int64_t to =
+          std::min<int64_t>(sent + size, begin + part_sizes[part]);
       if (to > from) chunk->append(parts[part] + (from - begin), to - from);
     }
     open = writer->Write(message);
@@ -292,16 +301,18 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
   bool keys_differ = false;
   for (const PushedVersion& pushed : report.targets) {
     if (!pushed.version.ok()) {
-      failed.push_back(absl::StrCat(pushed.target, ": ", pushed.version.status().ToString()));
+      failed.push_back(absl::StrCat(pushed.target, ": ",
+                                    pushed.version.status().ToString()));
       continue;
     }
     if (first == nullptr) first = &*pushed.version;
-    keys_differ = keys_differ ||
-                  pushed.version->determinism_key() != first->determinism_key() ||
-                  pushed.version->weights_sha256() != first->weights_sha256();
-    keys.push_back(absl::StrCat(pushed.target, ": v", pushed.version->version(), " key ",
-                                pushed.version->determinism_key(), " weights ",
-                                pushed.version->weights_sha256()));
+    keys_differ =
+        keys_differ ||
+        pushed.version->determinism_key() != first->determinism_key() ||
+        pushed.version->weights_sha256() != first->weights_sha256();
+    keys.push_back(absl::StrCat(pushed.target, ": v", pushed.version->version(),
+                                " key ", pushed.version->determinism_key(),
+                                " weights ", pushed.version->weights_sha256()));
   }
   if (!failed.empty()) {
     report.status = absl::Status(
@@ -309,11 +320,13 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
                                    : absl::StatusCode::kAborted,
         absl::StrCat("push: ", failed.size(), " of ", targets.size(),
                      " targets failed (", absl::StrJoin(failed, "; "), ")",
-                     keys.empty() ? "" : "; uploaded to ", absl::StrJoin(keys, "; ")));
+                     keys.empty() ? "" : "; uploaded to ",
+                     absl::StrJoin(keys, "; ")));
   } else if (keys_differ) {
     report.status = absl::FailedPreconditionError(absl::StrCat(
         "push: the targets report different determinism keys for the same "
-        "weights (", absl::StrJoin(keys, "; "), ")"));
+        "weights (",
+        absl::StrJoin(keys, "; "), ")"));
   }
   return report;
 }

@@ -4,12 +4,13 @@
 //
 //   ModelRepositoryClient::Options admin;
 //   admin.admin_token = "...";  // from --admin_tokens_file on the server
-//   auto repo = ModelRepositoryClient::Create({.target = "10.0.0.1:50051"}, admin);
-//   auto upload = ReadLmHeadUpload("policy", "step_42.safetensors");
+//   auto repo = ModelRepositoryClient::Create({.target = "10.0.0.1:50051"},
+//   admin); auto upload = ReadLmHeadUpload("policy", "step_42.safetensors");
 //   auto version = (*repo)->UploadModel(*upload);  // version, sha, key
 //
 //   // The same weights to every replica; their keys must agree.
-//   PushReport report = PushToTargets({"a:50051", "b:50051"}, {}, admin, *upload);
+//   PushReport report = PushToTargets({"a:50051", "b:50051"}, {}, admin,
+//   *upload);
 //
 // The admin token goes only on these calls: scoring calls (LogpClient) carry
 // LogpClient::Options::bearer_token instead.

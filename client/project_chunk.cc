@@ -10,22 +10,30 @@ namespace detlogp::client {
 namespace {
 
 // Protobuf wire types (https://protobuf.dev/programming-guides/encoding/).
-enum WireType : uint32_t { kVarint = 0, kFixed64 = 1, kLength = 2, kFixed32 = 5 };
+enum WireType : uint32_t {
+  kVarint = 0,
+  kFixed64 = 1,
+  kLength = 2,
+  kFixed32 = 5
+};
 
 // Reads the protobuf wire format across a message's slices. Every read is
 // bounded by `limit` (the end of the message, or of the nested message being
 // read); running past it is a DATA_LOSS naming the field.
 class WireReader {
  public:
-  explicit WireReader(const std::vector<grpc::Slice>& slices) : slices_(slices) {
-    for (const grpc::Slice& s : slices_) size_ += static_cast<int64_t>(s.size());
+  explicit WireReader(const std::vector<grpc::Slice>& slices)
+      : slices_(slices) {
+    for (const grpc::Slice& s : slices_)
+      size_ += static_cast<int64_t>(s.size());
     Settle();
   }
 
   int64_t position() const { return position_; }
   int64_t size() const { return size_; }
 
-  absl::Status ReadVarint(absl::string_view field, int64_t limit, uint64_t* value) {
+  absl::Status ReadVarint(absl::string_view field, int64_t limit,
+                          uint64_t* value) {
     *value = 0;
     for (int shift = 0; shift < 64; shift += 7) {
       if (position_ >= limit) {
@@ -40,14 +48,16 @@ class WireReader {
   }
 
   // A length prefix, checked to fit before `limit`.
-  absl::Status ReadLength(absl::string_view field, int64_t limit, int64_t* length) {
+  absl::Status ReadLength(absl::string_view field, int64_t limit,
+                          int64_t* length) {
     uint64_t value = 0;
     if (absl::Status s = ReadVarint(field, limit, &value); !s.ok()) return s;
     const int64_t left = limit - position_;
     if (value > static_cast<uint64_t>(left)) {
-      return Malformed(field, absl::StrCat("length ", value,
-                                           " runs past the end of its message (",
-                                           left, " bytes left)"));
+      return Malformed(
+          field,
+          absl::StrCat("length ", value, " runs past the end of its message (",
+                       left, " bytes left)"));
     }
     *length = static_cast<int64_t>(value);
     return absl::OkStatus();
@@ -57,15 +67,17 @@ class WireReader {
   void Copy(int64_t length, std::string* out) {
     out->clear();
     out->reserve(static_cast<size_t>(length));
-    ForEachPiece(length,
-                 [&](absl::string_view piece) { out->append(piece.data(), piece.size()); });
+    ForEachPiece(length, [&](absl::string_view piece) {
+      out->append(piece.data(), piece.size());
+    });
   }
 
   // The next `length` bytes (already checked to fit), as views into the
   // slices.
   void View(int64_t length, std::vector<absl::string_view>* out) {
     out->clear();
-    ForEachPiece(length, [&](absl::string_view piece) { out->push_back(piece); });
+    ForEachPiece(length,
+                 [&](absl::string_view piece) { out->push_back(piece); });
   }
 
   void Skip(int64_t length) {
@@ -73,7 +85,8 @@ class WireReader {
   }
 
   // Skips a field of an unknown number.
-  absl::Status SkipField(absl::string_view field, uint32_t wire_type, int64_t limit) {
+  absl::Status SkipField(absl::string_view field, uint32_t wire_type,
+                         int64_t limit) {
     int64_t length = 0;
     switch (wire_type) {
       case kVarint: {
@@ -87,10 +100,12 @@ class WireReader {
         length = 4;
         break;
       case kLength:
-        if (absl::Status s = ReadLength(field, limit, &length); !s.ok()) return s;
+        if (absl::Status s = ReadLength(field, limit, &length); !s.ok())
+          return s;
         break;
       default:
-        return Malformed(field, absl::StrCat("unsupported wire type ", wire_type));
+        return Malformed(field,
+                         absl::StrCat("unsupported wire type ", wire_type));
     }
     if (length > limit - position_) {
       return Malformed(field, "runs past the end of its message");
@@ -99,7 +114,8 @@ class WireReader {
     return absl::OkStatus();
   }
 
-  static absl::Status Malformed(absl::string_view field, absl::string_view why) {
+  static absl::Status Malformed(absl::string_view field,
+                                absl::string_view why) {
     return absl::DataLossError(absl::StrCat(field, ": ", why));
   }
 
@@ -150,12 +166,14 @@ absl::Status ReadTag(WireReader& in, absl::string_view message, int64_t limit,
   *number = static_cast<uint32_t>(tag >> 3);
   *wire_type = static_cast<uint32_t>(tag & 7);
   if (*number == 0 || (tag >> 3) > 0x1fffffff) {
-    return WireReader::Malformed(message, absl::StrCat("field number ", tag >> 3));
+    return WireReader::Malformed(message,
+                                 absl::StrCat("field number ", tag >> 3));
   }
   return absl::OkStatus();
 }
 
-absl::Status ExpectWireType(absl::string_view field, uint32_t got, uint32_t want) {
+absl::Status ExpectWireType(absl::string_view field, uint32_t got,
+                            uint32_t want) {
   if (got == want) return absl::OkStatus();
   return WireReader::Malformed(
       field, absl::StrCat("wire type ", got, " where ", want, " belongs"));
@@ -167,54 +185,67 @@ absl::Status ExpectWireType(absl::string_view field, uint32_t got, uint32_t want
 absl::Status ParseY(WireReader& in, int64_t limit, ProjectChunk* chunk) {
   while (in.position() < limit) {
     uint32_t number = 0, wire_type = 0;
-    if (absl::Status s = ReadTag(in, "ProjectResponse.y", limit, &number, &wire_type);
+    if (absl::Status s =
+            ReadTag(in, "ProjectResponse.y", limit, &number, &wire_type);
         !s.ok()) {
       return s;
     }
     switch (number) {
       case 1: {  // dtype
-        if (absl::Status s = ExpectWireType("ProjectResponse.y.dtype", wire_type, kVarint);
+        if (absl::Status s =
+                ExpectWireType("ProjectResponse.y.dtype", wire_type, kVarint);
             !s.ok()) {
           return s;
         }
         uint64_t value = 0;
-        if (absl::Status s = in.ReadVarint("ProjectResponse.y.dtype", limit, &value);
+        if (absl::Status s =
+                in.ReadVarint("ProjectResponse.y.dtype", limit, &value);
             !s.ok()) {
           return s;
         }
-        chunk->y_dtype = static_cast<detlogp::v1::DType>(static_cast<int32_t>(value));
+        chunk->y_dtype =
+            static_cast<detlogp::v1::DType>(static_cast<int32_t>(value));
         break;
       }
       case 2: {  // shape: packed, or one element
         constexpr absl::string_view kField = "ProjectResponse.y.shape";
         uint64_t value = 0;
         if (wire_type == kVarint) {
-          if (absl::Status s = in.ReadVarint(kField, limit, &value); !s.ok()) return s;
+          if (absl::Status s = in.ReadVarint(kField, limit, &value); !s.ok())
+            return s;
           chunk->y_shape.push_back(static_cast<int64_t>(value));
           break;
         }
-        if (absl::Status s = ExpectWireType(kField, wire_type, kLength); !s.ok()) return s;
+        if (absl::Status s = ExpectWireType(kField, wire_type, kLength);
+            !s.ok())
+          return s;
         int64_t length = 0;
-        if (absl::Status s = in.ReadLength(kField, limit, &length); !s.ok()) return s;
+        if (absl::Status s = in.ReadLength(kField, limit, &length); !s.ok())
+          return s;
         const int64_t end = in.position() + length;
         while (in.position() < end) {
-          if (absl::Status s = in.ReadVarint(kField, end, &value); !s.ok()) return s;
+          if (absl::Status s = in.ReadVarint(kField, end, &value); !s.ok())
+            return s;
           chunk->y_shape.push_back(static_cast<int64_t>(value));
         }
         break;
       }
       case 3: {  // data
         constexpr absl::string_view kField = "ProjectResponse.y.data";
-        if (absl::Status s = ExpectWireType(kField, wire_type, kLength); !s.ok()) return s;
+        if (absl::Status s = ExpectWireType(kField, wire_type, kLength);
+            !s.ok())
+          return s;
         int64_t length = 0;
-        if (absl::Status s = in.ReadLength(kField, limit, &length); !s.ok()) return s;
+        if (absl::Status s = in.ReadLength(kField, limit, &length); !s.ok())
+          return s;
         in.View(length, &chunk->y_data);
         chunk->y_data_bytes = length;
         break;
       }
       default:
-        if (absl::Status s = in.SkipField(
-                absl::StrCat("ProjectResponse.y field ", number), wire_type, limit);
+        if (absl::Status s =
+                in.SkipField(absl::StrCat("ProjectResponse.y field ", number),
+                             wire_type, limit);
             !s.ok()) {
           return s;
         }
@@ -247,16 +278,18 @@ detlogp::v1::ProjectResponse ProjectChunk::ToProto() const {
   return response;
 }
 
-absl::StatusOr<ProjectChunk> ParseProjectChunk(const grpc::ByteBuffer& message) {
+absl::StatusOr<ProjectChunk> ParseProjectChunk(
+    const grpc::ByteBuffer& message) {
   std::vector<grpc::Slice> slices;
   if (grpc::Status status = message.Dump(&slices); !status.ok()) {
-    return absl::DataLossError(
-        absl::StrCat("ProjectResponse: unreadable message: ", status.error_message()));
+    return absl::DataLossError(absl::StrCat(
+        "ProjectResponse: unreadable message: ", status.error_message()));
   }
   return ParseProjectChunk(std::move(slices));
 }
 
-absl::StatusOr<ProjectChunk> ParseProjectChunk(std::vector<grpc::Slice> slices) {
+absl::StatusOr<ProjectChunk> ParseProjectChunk(
+    std::vector<grpc::Slice> slices) {
   ProjectChunk chunk;
   // The views point into the vector's elements (inlined slices keep their
   // bytes inside grpc_slice): move the vector in first, then read it there.
@@ -265,40 +298,53 @@ absl::StatusOr<ProjectChunk> ParseProjectChunk(std::vector<grpc::Slice> slices) 
   const int64_t end = in.size();
   while (in.position() < end) {
     uint32_t number = 0, wire_type = 0;
-    if (absl::Status s = ReadTag(in, "ProjectResponse", end, &number, &wire_type);
+    if (absl::Status s =
+            ReadTag(in, "ProjectResponse", end, &number, &wire_type);
         !s.ok()) {
       return s;
     }
     switch (number) {
       case 1:
       case 4: {  // request_id, determinism_key
-        const absl::string_view field =
-            number == 1 ? "ProjectResponse.request_id" : "ProjectResponse.determinism_key";
-        if (absl::Status s = ExpectWireType(field, wire_type, kLength); !s.ok()) return s;
+        const absl::string_view field = number == 1
+                                            ? "ProjectResponse.request_id"
+                                            : "ProjectResponse.determinism_key";
+        if (absl::Status s = ExpectWireType(field, wire_type, kLength); !s.ok())
+          return s;
         int64_t length = 0;
-        if (absl::Status s = in.ReadLength(field, end, &length); !s.ok()) return s;
-        in.Copy(length, number == 1 ? &chunk.request_id : &chunk.determinism_key);
+        if (absl::Status s = in.ReadLength(field, end, &length); !s.ok())
+          return s;
+        in.Copy(length,
+                number == 1 ? &chunk.request_id : &chunk.determinism_key);
         break;
       }
       case 2: {  // row_offset
         constexpr absl::string_view kField = "ProjectResponse.row_offset";
-        if (absl::Status s = ExpectWireType(kField, wire_type, kVarint); !s.ok()) return s;
+        if (absl::Status s = ExpectWireType(kField, wire_type, kVarint);
+            !s.ok())
+          return s;
         uint64_t value = 0;
-        if (absl::Status s = in.ReadVarint(kField, end, &value); !s.ok()) return s;
+        if (absl::Status s = in.ReadVarint(kField, end, &value); !s.ok())
+          return s;
         chunk.row_offset = static_cast<int64_t>(value);
         break;
       }
       case 3: {  // y
         constexpr absl::string_view kField = "ProjectResponse.y";
-        if (absl::Status s = ExpectWireType(kField, wire_type, kLength); !s.ok()) return s;
+        if (absl::Status s = ExpectWireType(kField, wire_type, kLength);
+            !s.ok())
+          return s;
         int64_t length = 0;
-        if (absl::Status s = in.ReadLength(kField, end, &length); !s.ok()) return s;
-        if (absl::Status s = ParseY(in, in.position() + length, &chunk); !s.ok()) return s;
+        if (absl::Status s = in.ReadLength(kField, end, &length); !s.ok())
+          return s;
+        if (absl::Status s = ParseY(in, in.position() + length, &chunk);
+            !s.ok())
+          return s;
         break;
       }
       default:
-        if (absl::Status s = in.SkipField(absl::StrCat("ProjectResponse field ", number),
-                                          wire_type, end);
+        if (absl::Status s = in.SkipField(
+                absl::StrCat("ProjectResponse field ", number), wire_type, end);
             !s.ok()) {
           return s;
         }

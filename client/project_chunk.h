@@ -14,7 +14,8 @@
 //   grpc::ByteBuffer message;                 // from a raw reader
 //   absl::StatusOr<ProjectChunk> chunk = ParseProjectChunk(std::move(message));
 //   for (absl::string_view piece : chunk->y_data) digest.Update(piece);
-//   chunk->CopyYTo(destination);              // one copy, into the caller's rows
+//   chunk->CopyYTo(destination);              // one copy, into the caller's
+//   rows
 //
 // Any valid encoding of ProjectResponse parses (fields in any order, unknown
 // fields skipped, shape packed or not, a repeated y merged as protobuf

@@ -26,14 +26,16 @@ ProjectResponse Response(int64_t rows, int64_t out_dim) {
   response.mutable_y()->add_shape(rows);
   response.mutable_y()->add_shape(out_dim);
   std::string data(rows * out_dim * 4, '\0');
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 1);
+  for (size_t i = 0; i < data.size(); ++i)
+    data[i] = static_cast<char>(i * 7 + 1);
   response.mutable_y()->set_data(data);
   response.set_determinism_key("key-abc");
   return response;
 }
 
 // `bytes` as a ByteBuffer of slices cut at `cuts` (ascending offsets).
-grpc::ByteBuffer Cut(const std::string& bytes, const std::vector<size_t>& cuts) {
+grpc::ByteBuffer Cut(const std::string& bytes,
+                     const std::vector<size_t>& cuts) {
   std::vector<grpc::Slice> slices;
   size_t from = 0;
   for (size_t cut : cuts) {
@@ -66,7 +68,8 @@ TEST(ProjectChunkTest, ParsesEveryTwoWayAndThreeWayCut) {
   const std::string bytes = response.SerializeAsString();
   for (size_t a = 0; a <= bytes.size(); ++a) {
     for (size_t b = a; b <= bytes.size(); b += 3) {
-      absl::StatusOr<ProjectChunk> chunk = ParseProjectChunk(Cut(bytes, {a, b}));
+      absl::StatusOr<ProjectChunk> chunk =
+          ParseProjectChunk(Cut(bytes, {a, b}));
       ASSERT_TRUE(chunk.ok()) << a << " " << b << ": " << chunk.status();
       ExpectSame(*chunk, response);
     }
@@ -87,7 +90,8 @@ TEST(ProjectChunkTest, YDataIsViewedNotCopiedAndSurvivesMoves) {
     bool inside = false;
     for (const grpc::Slice& s : chunk.slices) {
       const char* begin = reinterpret_cast<const char*>(s.begin());
-      inside |= piece.data() >= begin && piece.data() + piece.size() <= begin + s.size();
+      inside |= piece.data() >= begin &&
+                piece.data() + piece.size() <= begin + s.size();
     }
     EXPECT_TRUE(inside);
   }
@@ -118,17 +122,17 @@ TEST(ProjectChunkTest, AnyValidEncodingParses) {
   y_second += '\x01';
   y_second += "\x2d\x01\x02\x03\x04";  // unknown field 5, fixed32
   std::string bytes;
-  bytes += "\x22\x07key-abc";  // determinism_key
+  bytes += "\x22\x07key-abc";                       // determinism_key
   bytes += "\x39\x01\x02\x03\x04\x05\x06\x07\x08";  // unknown field 7, fixed64
   bytes += '\x1a';
   bytes += static_cast<char>(y_first.size());
   bytes += y_first;
-  bytes += "\x40\x96\x01";      // unknown field 8, varint
-  bytes += "\x4a\x03xyz";       // unknown field 9, LEN
+  bytes += "\x40\x96\x01";  // unknown field 8, varint
+  bytes += "\x4a\x03xyz";   // unknown field 9, LEN
   bytes += '\x1a';
   bytes += static_cast<char>(y_second.size());
   bytes += y_second;
-  bytes += "\x10\x80\x20";      // row_offset 4096
+  bytes += "\x10\x80\x20";     // row_offset 4096
   bytes += "\x0a\x07video-7";  // request_id
   ProjectResponse reference;
   ASSERT_TRUE(reference.ParseFromString(bytes));
@@ -150,10 +154,12 @@ TEST(ProjectChunkTest, AnEmptyMessageIsAllDefaults) {
 // The status of parsing `bytes`, expected DATA_LOSS starting with `field`.
 void ExpectMalformed(const std::string& bytes, absl::string_view field) {
   SCOPED_TRACE(field);
-  absl::StatusOr<ProjectChunk> chunk = ParseProjectChunk(Cut(bytes, {bytes.size() / 2}));
+  absl::StatusOr<ProjectChunk> chunk =
+      ParseProjectChunk(Cut(bytes, {bytes.size() / 2}));
   ASSERT_FALSE(chunk.ok());
   EXPECT_EQ(chunk.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_TRUE(absl::StartsWith(chunk.status().message(), field)) << chunk.status();
+  EXPECT_TRUE(absl::StartsWith(chunk.status().message(), field))
+      << chunk.status();
 }
 
 TEST(ProjectChunkTest, MalformedMessagesNameTheField) {
@@ -167,19 +173,25 @@ TEST(ProjectChunkTest, MalformedMessagesNameTheField) {
     ExpectMalformed("\x1a" + std::string(1, static_cast<char>(y.size())) + y,
                     "ProjectResponse.y.data: length 16 runs past");
   }
-  ExpectMalformed(std::string("\x15\x00\x00\x00\x00", 5),  // row_offset as fixed32
-                  "ProjectResponse.row_offset: wire type 5");
-  ExpectMalformed("\x10\x80\x80", "ProjectResponse.row_offset: a varint runs past");
+  ExpectMalformed(
+      std::string("\x15\x00\x00\x00\x00", 5),  // row_offset as fixed32
+      "ProjectResponse.row_offset: wire type 5");
+  ExpectMalformed("\x10\x80\x80",
+                  "ProjectResponse.row_offset: a varint runs past");
   ExpectMalformed("\x10" + std::string(10, '\xff') + "\x01",
                   "ProjectResponse.row_offset: a varint longer than 10 bytes");
   ExpectMalformed("\x0a\x09short", "ProjectResponse.request_id: length 9");
   ExpectMalformed("\x22\x09short", "ProjectResponse.determinism_key: length 9");
   ExpectMalformed("\x1a\x03\x12\x05\x01", "ProjectResponse.y.shape: length 5");
-  ExpectMalformed("\x1a\x02\x08\x80", "ProjectResponse.y.dtype: a varint runs past");
-  ExpectMalformed(std::string("\x1a\x02\x1d\x00", 4), "ProjectResponse.y.data: wire type 5");
-  ExpectMalformed("\x3b\x01", "ProjectResponse field 7: unsupported wire type 3");
+  ExpectMalformed("\x1a\x02\x08\x80",
+                  "ProjectResponse.y.dtype: a varint runs past");
+  ExpectMalformed(std::string("\x1a\x02\x1d\x00", 4),
+                  "ProjectResponse.y.data: wire type 5");
+  ExpectMalformed("\x3b\x01",
+                  "ProjectResponse field 7: unsupported wire type 3");
   ExpectMalformed("\x3d\x01", "ProjectResponse field 7: runs past");
-  ExpectMalformed(std::string("\x00\x01", 2), "ProjectResponse: field number 0");
+  ExpectMalformed(std::string("\x00\x01", 2),
+                  "ProjectResponse: field number 0");
 }
 
 }  // namespace

@@ -30,12 +30,12 @@ constexpr size_t kChunksAheadPerCall = 2;
 
 // OK when `chunk` is the next one of a FLOAT32 [rows, kOut] projection
 // whose rows up to `next_row` have arrived; its row count in `chunk_rows`.
-absl::Status CheckChunk(const ProjectChunk& chunk, int64_t next_row, int64_t rows,
-                        int64_t* chunk_rows) {
+absl::Status CheckChunk(const ProjectChunk& chunk, int64_t next_row,
+                        int64_t rows, int64_t* chunk_rows) {
   if (chunk.row_offset != next_row) {
-    return absl::DataLossError(absl::StrCat("ProjectResponse.row_offset: ",
-                                            chunk.row_offset,
-                                            ", expected the next row ", next_row));
+    return absl::DataLossError(
+        absl::StrCat("ProjectResponse.row_offset: ", chunk.row_offset,
+                     ", expected the next row ", next_row));
   }
   if (chunk.y_dtype != detlogp::v1::DTYPE_FLOAT32) {
     return absl::DataLossError(absl::StrCat(
@@ -45,17 +45,20 @@ absl::Status CheckChunk(const ProjectChunk& chunk, int64_t next_row, int64_t row
   if (chunk.y_shape.size() != 2 || chunk.y_shape[0] <= 0 ||
       chunk.y_shape[1] != kOut || chunk.y_shape[0] > rows - next_row) {
     std::string shape;
-    for (int64_t d : chunk.y_shape) absl::StrAppend(&shape, shape.empty() ? "" : ", ", d);
-    return absl::DataLossError(absl::StrCat(
-        "ProjectResponse.y.shape: [", shape, "] at row ", next_row, ", expected [r, ",
-        kOut, "] with 0 < r <= ", rows - next_row, " (rows left)"));
+    for (int64_t d : chunk.y_shape)
+      absl::StrAppend(&shape, shape.empty() ? "" : ", ", d);
+    return absl::DataLossError(
+        absl::StrCat("ProjectResponse.y.shape: [", shape, "] at row ", next_row,
+                     ", expected [r, ", kOut,
+                     "] with 0 < r <= ", rows - next_row, " (rows left)"));
   }
   *chunk_rows = chunk.y_shape[0];
-  const int64_t want_bytes = *chunk_rows * kOut * static_cast<int64_t>(sizeof(float));
+  const int64_t want_bytes =
+      *chunk_rows * kOut * static_cast<int64_t>(sizeof(float));
   if (chunk.y_data_bytes != want_bytes) {
-    return absl::DataLossError(absl::StrCat("ProjectResponse.y.data: ", chunk.y_data_bytes,
-                                            " bytes at row ", next_row, ", expected ",
-                                            want_bytes, " for ", *chunk_rows, " rows"));
+    return absl::DataLossError(absl::StrCat(
+        "ProjectResponse.y.data: ", chunk.y_data_bytes, " bytes at row ",
+        next_row, ", expected ", want_bytes, " for ", *chunk_rows, " rows"));
   }
   return absl::OkStatus();
 }
@@ -77,15 +80,16 @@ detlogp::v1::ProjectRequest MakeProjectRequest(const float* x, int64_t rows,
 
 // Gets each checked chunk of one stream with its row count; a non-OK status
 // ends the stream with that status.
-using ChunkSink = std::function<absl::Status(ProjectChunk&, int64_t chunk_rows)>;
+using ChunkSink =
+    std::function<absl::Status(ProjectChunk&, int64_t chunk_rows)>;
 
 // Reads one Project stream of `rows` rows raw: each chunk's header parsed
 // (client/project_chunk.h) and checked, y.data left in gRPC's slices.
 absl::Status ReadProjectStream(grpc::ChannelInterface* channel,
                                const grpc::internal::RpcMethod& method,
                                grpc::ClientContext* context,
-                               const detlogp::v1::ProjectRequest& request, int64_t rows,
-                               const ChunkSink& sink) {
+                               const detlogp::v1::ProjectRequest& request,
+                               int64_t rows, const ChunkSink& sink) {
   // The generated stub's reader, with gRPC's bytes as the message type: a
   // read swaps the received buffer in, nothing is parsed or copied.
   std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
@@ -102,8 +106,8 @@ absl::Status ReadProjectStream(grpc::ChannelInterface* channel,
       problem = CheckChunk(*chunk, next_row, rows, &chunk_rows);
     } else {
       problem = absl::Status(chunk.status().code(),
-                             absl::StrCat(chunk.status().message(), " (chunk at row ",
-                                          next_row, ")"));
+                             absl::StrCat(chunk.status().message(),
+                                          " (chunk at row ", next_row, ")"));
     }
     if (problem.ok()) problem = sink(*chunk, chunk_rows);
     if (!problem.ok()) {
@@ -146,8 +150,8 @@ class InterleavedCalls {
       key_ = key;
     } else if (key != key_) {
       return absl::DataLossError(absl::StrCat(
-          "ProjectResponse.determinism_key: call ", call, " of the projection answered ",
-          key, ", another ", key_));
+          "ProjectResponse.determinism_key: call ", call,
+          " of the projection answered ", key, ", another ", key_));
     }
     return absl::OkStatus();
   }
@@ -159,7 +163,8 @@ class InterleavedCalls {
     changed_.wait(lock, [&] {
       return !failure_.ok() || ready_[call].size() < kChunksAheadPerCall;
     });
-    if (!failure_.ok()) return absl::CancelledError("another call of the projection failed");
+    if (!failure_.ok())
+      return absl::CancelledError("another call of the projection failed");
     ready_[call].push_back(std::move(chunk));
     changed_.notify_all();
     return absl::OkStatus();
@@ -224,7 +229,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::Project(
       on_chunk(response);
     };
   }
-  absl::StatusOr<ProjectResult> result = ProjectChunks(x, rows, options, as_proto);
+  absl::StatusOr<ProjectResult> result =
+      ProjectChunks(x, rows, options, as_proto);
   if (result.ok()) result->y = std::move(y);
   return result;
 }
@@ -236,12 +242,14 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
     return absl::InvalidArgumentError("x must hold rows * 96 floats");
   }
   if (options.streams < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "streams: ", options.streams, ", expected 0 (by the projection's size) or more"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("streams: ", options.streams,
+                     ", expected 0 (by the projection's size) or more"));
   }
   if (options.rows_per_chunk < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rows_per_chunk: ", options.rows_per_chunk, ", expected 0 (the server's) or more"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows_per_chunk: ", options.rows_per_chunk,
+                     ", expected 0 (the server's) or more"));
   }
   const InterleavedRows plan(rows,
                              options.rows_per_chunk > 0 ? options.rows_per_chunk
@@ -249,8 +257,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
                              StreamsFor(options.streams, rows));
   if (plan.calls() > 1) return ProjectInterleaved(x, plan, options, on_chunk);
 
-  const detlogp::v1::ProjectRequest request =
-      MakeProjectRequest(x.data(), rows, options.rows_per_chunk, options.request_id);
+  const detlogp::v1::ProjectRequest request = MakeProjectRequest(
+      x.data(), rows, options.rows_per_chunk, options.request_id);
   grpc::ClientContext context;
   PrepareContext(&context);
   ProjectResult result;
@@ -258,7 +266,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
   const absl::Status status = ReadProjectStream(
       projection_->channel.get(), projection_->method, &context, request, rows,
       [&](ProjectChunk& chunk, int64_t chunk_rows) {
-        if (result.determinism_key.empty()) result.determinism_key = chunk.determinism_key;
+        if (result.determinism_key.empty())
+          result.determinism_key = chunk.determinism_key;
         if (options.y != nullptr) chunk.CopyYTo(options.y + next_row * kOut);
         if (on_chunk) on_chunk(chunk);
         next_row += chunk_rows;
@@ -271,7 +280,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
 
 absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
     const std::vector<float>& x, const InterleavedRows& plan,
-    const ProjectOptions& options, const std::function<void(ProjectChunk&)>& on_chunk) {
+    const ProjectOptions& options,
+    const std::function<void(ProjectChunk&)>& on_chunk) {
   // A connection of its own for every call but the first: one TCP
   // connection's bytes are read on one thread, whatever the streams on it.
   std::vector<std::unique_ptr<ProjectionConnection>> own;
@@ -279,7 +289,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
   Options own_options = options_;
   own_options.own_connection = true;
   for (int c = 1; c < plan.calls(); ++c) {
-    own.push_back(std::make_unique<ProjectionConnection>(MakeChannel(own_options)));
+    own.push_back(
+        std::make_unique<ProjectionConnection>(MakeChannel(own_options)));
     connections.push_back(own.back().get());
   }
   InterleavedCalls calls(plan.calls());
@@ -297,8 +308,9 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
       PrepareContext(context);
       int64_t block = c;
       const absl::Status status = ReadProjectStream(
-          connections[c]->channel.get(), connections[c]->method, context, request,
-          plan.CallRows(c), [&](ProjectChunk& chunk, int64_t chunk_rows) {
+          connections[c]->channel.get(), connections[c]->method, context,
+          request, plan.CallRows(c),
+          [&](ProjectChunk& chunk, int64_t chunk_rows) {
             const int64_t row = block * plan.block_rows();
             if (chunk_rows != plan.BlockRows(block)) {
               return absl::DataLossError(absl::StrCat(
@@ -311,7 +323,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
             if (options.y != nullptr) chunk.CopyYTo(options.y + row * kOut);
             chunk.row_offset = row;
             block += plan.calls();
-            return on_chunk ? calls.Push(c, std::move(chunk)) : absl::OkStatus();
+            return on_chunk ? calls.Push(c, std::move(chunk))
+                            : absl::OkStatus();
           });
       calls.End(c, status);
     });
@@ -336,6 +349,7 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
 LogpClient::ProjectionConnection::ProjectionConnection(
     std::shared_ptr<grpc::Channel> channel_in)
     : channel(std::move(channel_in)),
-      method(kRawProjectMethod, grpc::internal::RpcMethod::SERVER_STREAMING, channel) {}
+      method(kRawProjectMethod, grpc::internal::RpcMethod::SERVER_STREAMING,
+             channel) {}
 
 }  // namespace detlogp::client

@@ -75,7 +75,8 @@ absl::StatusOr<LoadedTensor> ReadNpy(const std::string& path) {
     if (file.size() < 12) return absl::InvalidArgumentError("truncated .npy");
     header_length = 0;
     for (int i = 3; i >= 0; --i) {
-      header_length = (header_length << 8) | static_cast<unsigned char>(file[8 + i]);
+      header_length =
+          (header_length << 8) | static_cast<unsigned char>(file[8 + i]);
     }
     header_start = 12;
   }

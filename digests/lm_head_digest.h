@@ -5,8 +5,8 @@
 //   leaf_i  = SHA-256(block i)   blocks of 16 MiB: the weight's bytes (bf16,
 //                                row-major) cut from its start, then the
 //                                bias's bytes (fp32) cut from its start
-//   digest  = SHA-256(preamble || leaf_0 || leaf_1 || ...)   (raw 32-byte leaves)
-//   preamble = "detlogp-lm-head-v2 H=<H> V=<V> V_pad=<V_pad> bias=<0|1>
+//   digest  = SHA-256(preamble || leaf_0 || leaf_1 || ...)   (raw 32-byte
+//   leaves) preamble = "detlogp-lm-head-v2 H=<H> V=<V> V_pad=<V_pad> bias=<0|1>
 //               block=16777216\n"
 //
 // A single SHA-256 pass over 1.2 GB takes ~0.7 s on one core; the leaves of

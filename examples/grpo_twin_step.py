@@ -13,14 +13,14 @@ detlogp.ops.determinism_key). With a CUDA server run this on a GPU (the CUDA
 ops); with a CPU server on the CPU (--device cpu). Without --target it
 starts nothing and compares against detlogp.ops on the same device instead.
 """
+
 import argparse
 
+import detlogp
+import detlogp.torch as dtorch
 import numpy as np
 import torch
-
-import detlogp
 from detlogp import ops, safetensors_io
-import detlogp.torch as dtorch
 
 
 def main():
@@ -59,13 +59,16 @@ def main():
             key = served.determinism_key
         want_key = ops.determinism_key(weight_bits, bias, vocab, device=device.type)
         if key != want_key:
-            raise SystemExit(f"the server's determinism key {key} is not this device's "
-                             f"key for these weights ({want_key}): serve the same "
-                             f"weights on a {device.type} server")
+            raise SystemExit(
+                f"the server's determinism key {key} is not this device's "
+                f"key for these weights ({want_key}): serve the same "
+                f"weights on a {device.type} server"
+            )
         rollout = torch.from_numpy(served.logprobs).to(device)
     else:
-        rollout = torch.as_tensor(ops.linear_logp(
-            hidden, weight, tokens, bias_t, vocab_size=vocab)).to(device)
+        rollout = torch.as_tensor(
+            ops.linear_logp(hidden, weight, tokens, bias_t, vocab_size=vocab)
+        ).to(device)
 
     # Group-relative advantages from a stand-in reward.
     reward = torch.from_numpy(rng.standard_normal(args.group).astype(np.float32)).to(device)
@@ -76,13 +79,14 @@ def main():
         loss = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)).mean()
         loss.backward()
         r = ratio.detach().double()
-        print(f"{name:>16}: ratio == 1.0 for {int((r == 1.0).sum())}/{n} tokens, "
-              f"max |ratio - 1| = {float((r - 1).abs().max()):.3e}, "
-              f"|grad W| = {float(weight_param.grad.float().norm()):.4e}")
+        print(
+            f"{name:>16}: ratio == 1.0 for {int((r == 1.0).sum())}/{n} tokens, "
+            f"max |ratio - 1| = {float((r - 1).abs().max()):.3e}, "
+            f"|grad W| = {float(weight_param.grad.float().norm()):.4e}"
+        )
 
     w1 = weight.clone().requires_grad_()
-    step("detlogp.torch", dtorch.linear_logp(hidden, w1, tokens, bias_t, vocab_size=vocab),
-         w1)
+    step("detlogp.torch", dtorch.linear_logp(hidden, w1, tokens, bias_t, vocab_size=vocab), w1)
     w2 = weight.clone().requires_grad_()
     logits = (hidden @ w2[:vocab].T).float()
     if bias_t is not None:

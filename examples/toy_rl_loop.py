@@ -18,6 +18,7 @@ mismatch.
 With --target, the server must keep every version the run makes
 (--max_versions_per_model >= steps + 1); a server started here gets that.
 """
+
 import argparse
 import collections
 import pathlib
@@ -26,26 +27,31 @@ import tempfile
 import threading
 import time
 
-import numpy as np
-
 import detlogp
 import detlogp._common
+import numpy as np
 from detlogp import safetensors_io
 from detlogp.testing import LocalServer, find_server_binary
 
-Record = collections.namedtuple(
-    "Record", "worker model hidden targets version key logprobs")
+Record = collections.namedtuple("Record", "worker model hidden targets version key logprobs")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", help="a running server (host:port, or several "
-                   "comma-separated replicas); default: start one")
-    p.add_argument("--server", help="server binary to start (default: "
-                   "$DETLOGP_SERVER or bazel-bin/server/detlogp_server)")
-    p.add_argument("--device", default="cpu", help="--device of a server started "
-                   "here: cpu, cuda:0, ...")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--target",
+        help="a running server (host:port, or several "
+        "comma-separated replicas); default: start one",
+    )
+    p.add_argument(
+        "--server",
+        help="server binary to start (default: $DETLOGP_SERVER or bazel-bin/server/detlogp_server)",
+    )
+    p.add_argument(
+        "--device", default="cpu", help="--device of a server started here: cpu, cuda:0, ..."
+    )
     p.add_argument("--token", help="scoring bearer token")
     p.add_argument("--admin-token", help="admin bearer token (uploads)")
     p.add_argument("--steps", type=int, default=8, help="policy updates")
@@ -54,8 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=4, help="rollout threads")
     p.add_argument("--rows", type=int, default=16, help="rows per rollout call, at most")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--step-interval", type=float, default=0.05,
-                   help="seconds the trainer waits between steps")
+    p.add_argument(
+        "--step-interval", type=float, default=0.05, help="seconds the trainer waits between steps"
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -66,8 +73,9 @@ class Trainer:
 
     def __init__(self, hidden, vocab, lr, seed):
         self.rng = np.random.default_rng(seed)
-        self.weight = (self.rng.standard_normal((vocab, hidden)) / np.sqrt(hidden)
-                       ).astype(np.float32)
+        self.weight = (self.rng.standard_normal((vocab, hidden)) / np.sqrt(hidden)).astype(
+            np.float32
+        )
         self.bias = np.zeros(vocab, np.float32)
         self.lr = lr
 
@@ -95,8 +103,17 @@ def rollout(worker, client, args, stop, records, errors):
             targets = rng.integers(0, args.vocab, size=n)
             for model in ("policy", "reference"):
                 answer = client.logprobs(hidden, targets, model=model)
-                records.append(Record(worker, model, hidden, targets, answer.model_version,
-                                      answer.determinism_key, answer.logprobs))
+                records.append(
+                    Record(
+                        worker,
+                        model,
+                        hidden,
+                        targets,
+                        answer.model_version,
+                        answer.determinism_key,
+                        answer.logprobs,
+                    )
+                )
     except Exception as error:  # reported by the main thread
         errors.append(error)
 
@@ -113,8 +130,7 @@ def highest_version(args, target, model):
 
 
 def run(args, target, started_here):
-    client = detlogp.Client(target, timeout=120.0, token=args.token,
-                            admin_token=args.admin_token)
+    client = detlogp.Client(target, timeout=120.0, token=args.token, admin_token=args.admin_token)
     trainer = Trainer(args.hidden, args.vocab, args.lr, args.seed)
     published = {}  # policy version -> determinism key
 
@@ -128,14 +144,20 @@ def run(args, target, started_here):
     else:
         if not highest_version(args, target, "reference"):
             client.upload_model("reference", trainer.weight, trainer.bias, version=1)
-        first = client.upload_model("policy", trainer.weight, trainer.bias,
-                                    version=highest_version(args, target, "policy") + 1)
+        first = client.upload_model(
+            "policy",
+            trainer.weight,
+            trainer.bias,
+            version=highest_version(args, target, "policy") + 1,
+        )
         published[first.version] = first.determinism_key
 
     stop = threading.Event()
     records, errors = [], []
-    workers = [threading.Thread(target=rollout, args=(w, client, args, stop, records, errors))
-               for w in range(args.workers)]
+    workers = [
+        threading.Thread(target=rollout, args=(w, client, args, stop, records, errors))
+        for w in range(args.workers)
+    ]
     for thread in workers:
         thread.start()
     began = time.monotonic()
@@ -145,12 +167,16 @@ def run(args, target, started_here):
             time.sleep(args.step_interval)
             trainer.step()
             t0 = time.monotonic()
-            result = client.upload_model("policy", trainer.weight, trainer.bias,
-                                         version=max(published) + 1)
+            result = client.upload_model(
+                "policy", trainer.weight, trainer.bias, version=max(published) + 1
+            )
             upload_seconds.append(time.monotonic() - t0)
             published[result.version] = result.determinism_key
-            print(f"step {step + 1}/{args.steps}: policy version {result.version} "
-                  f"({result.determinism_key}), {len(records)} answers so far", flush=True)
+            print(
+                f"step {step + 1}/{args.steps}: policy version {result.version} "
+                f"({result.determinism_key}), {len(records)} answers so far",
+                flush=True,
+            )
         time.sleep(args.step_interval)
     finally:
         stop.set()
@@ -169,33 +195,49 @@ def run(args, target, started_here):
         if record.model == "policy" and published.get(record.version, record.key) != record.key:
             key_mismatches += 1
         try:
-            again = client.logprobs(record.hidden, record.targets, model=record.model,
-                                    version=record.version)
+            again = client.logprobs(
+                record.hidden, record.targets, model=record.model, version=record.version
+            )
         except detlogp.NotFound:
             retired += 1  # the server no longer holds that version
             continue
-        if (again.model_version != record.version or again.determinism_key != record.key
-                or again.logprobs.tobytes() != record.logprobs.tobytes()):
+        if (
+            again.model_version != record.version
+            or again.determinism_key != record.key
+            or again.logprobs.tobytes() != record.logprobs.tobytes()
+        ):
             mismatches += 1
             if mismatches <= 5:
-                print(f"MISMATCH worker {record.worker} {record.model} v{record.version}: "
-                      f"{record.logprobs[:4]} then {again.logprobs[:4]}", file=sys.stderr)
+                print(
+                    f"MISMATCH worker {record.worker} {record.model} v{record.version}: "
+                    f"{record.logprobs[:4]} then {again.logprobs[:4]}",
+                    file=sys.stderr,
+                )
     client.close()
 
     policy_versions = sorted(v for (m, v) in per_version if m == "policy")
-    print(f"\n{args.steps} policy updates of a [{args.vocab}, {args.hidden}] lm_head, "
-          f"{args.workers} rollout workers, {train_seconds:.2f}s "
-          f"(uploads: mean {1e3 * np.mean(upload_seconds):.1f} ms)")
-    print(f"answers recorded: {len(records)} "
-          f"({sum(len(r.targets) for r in records)} rows); policy versions answered: "
-          f"{policy_versions}")
+    print(
+        f"\n{args.steps} policy updates of a [{args.vocab}, {args.hidden}] lm_head, "
+        f"{args.workers} rollout workers, {train_seconds:.2f}s "
+        f"(uploads: mean {1e3 * np.mean(upload_seconds):.1f} ms)"
+    )
+    print(
+        f"answers recorded: {len(records)} "
+        f"({sum(len(r.targets) for r in records)} rows); policy versions answered: "
+        f"{policy_versions}"
+    )
     for (model, version), count in sorted(per_version.items()):
         print(f"  {model:9} v{version:<3d} {count:5d} answers")
-    print(f"re-scored pinned to the answered version: {len(records) - retired}; "
-          f"{mismatches} mismatches, {key_mismatches} keys differing from the upload's")
+    print(
+        f"re-scored pinned to the answered version: {len(records) - retired}; "
+        f"{mismatches} mismatches, {key_mismatches} keys differing from the upload's"
+    )
     if retired:
-        print(f"FAILED: {retired} answers named versions the server no longer holds; "
-              "give it --max_versions_per_model >= steps + 1", file=sys.stderr)
+        print(
+            f"FAILED: {retired} answers named versions the server no longer holds; "
+            "give it --max_versions_per_model >= steps + 1",
+            file=sys.stderr,
+        )
     if mismatches or key_mismatches:
         print("FAILED: an answer's version did not name its bits", file=sys.stderr)
     if retired or mismatches or key_mismatches:
@@ -208,20 +250,30 @@ def main(argv=None):
     args = parse_args(argv)
     if args.target:
         return run(args, args.target, started_here=False)
-    binary = pathlib.Path(args.server) if args.server else find_server_binary(
-        pathlib.Path(__file__).resolve().parent)
+    binary = (
+        pathlib.Path(args.server)
+        if args.server
+        else find_server_binary(pathlib.Path(__file__).resolve().parent)
+    )
     if binary is None or not binary.exists():
-        print("no server binary: run `bazel build //server:detlogp_server`, or pass "
-              "--server or --target", file=sys.stderr)
+        print(
+            "no server binary: run `bazel build //server:detlogp_server`, or pass "
+            "--server or --target",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="toy-rl-") as folder:
         # The first policy and the reference: the same initial weights.
         start = Trainer(args.hidden, args.vocab, args.lr, args.seed)
         path = pathlib.Path(folder) / "initial.safetensors"
         safetensors_io.write(path, {"lm_head.weight": start.weight, "lm_head.bias": start.bias})
-        flags = [f"--model=policy={path}", f"--model=reference={path}",
-                 "--bias_tensor=lm_head.bias", f"--device={args.device}",
-                 f"--max_versions_per_model={args.steps + 2}"]
+        flags = [
+            f"--model=policy={path}",
+            f"--model=reference={path}",
+            "--bias_tensor=lm_head.bias",
+            f"--device={args.device}",
+            f"--max_versions_per_model={args.steps + 2}",
+        ]
         with LocalServer(binary, flags, start_timeout=300.0) as server:
             print(f"started {binary} on {server.target} ({args.device})", flush=True)
             return run(args, server.target, started_here=True)

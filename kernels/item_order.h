@@ -37,8 +37,10 @@ struct RowBlockAndSplit {
 
 // Item `item` of num_row_blocks * num_splits, row blocks taken `group` at a
 // time (group >= 1; the last group may hold fewer).
-DETLOGP_HOST_DEVICE inline RowBlockAndSplit DecodeItem(int item, int num_row_blocks,
-                                                       int num_splits, int group) {
+DETLOGP_HOST_DEVICE inline RowBlockAndSplit DecodeItem(int item,
+                                                       int num_row_blocks,
+                                                       int num_splits,
+                                                       int group) {
   const int group_items = group * num_splits;
   const int g = item / group_items;
   const int r = item - g * group_items;

@@ -151,10 +151,10 @@ void ComputePass(const LmHeadView& head, const LogpRowsView& rows,
                  int64_t pass_end, ThreadPool* pool) {
   const bool entropy = rows.entropy != nullptr;
   const int32_t k = rows.top_k;
-  const CellFn cell_fn = entropy ? (k > 0 ? &ComputeCell<true, true>
-                                          : &ComputeCell<true, false>)
-                                 : (k > 0 ? &ComputeCell<false, true>
-                                          : &ComputeCell<false, false>);
+  const CellFn cell_fn =
+      entropy
+          ? (k > 0 ? &ComputeCell<true, true> : &ComputeCell<true, false>)
+          : (k > 0 ? &ComputeCell<false, true> : &ComputeCell<false, false>);
   const int64_t pass_rows = pass_end - pass_begin;
   const int32_t splits = NumVocabSplits(head.vocab_size);
   const int64_t row_blocks = (pass_rows + kRowBlock - 1) / kRowBlock;
@@ -185,7 +185,8 @@ void ComputePass(const LmHeadView& head, const LogpRowsView& rows,
     EntropyPartial acc{results[i].partial, results[i].sum_exp_z};
     for (int32_t s = 1; s < splits; ++s) {
       const SplitResult& next = results[s * pass_rows + i];
-      const SoftmaxPartial combined = CombinePartials(acc.softmax, next.partial);
+      const SoftmaxPartial combined =
+          CombinePartials(acc.softmax, next.partial);
       if (entropy) {
         acc.sum_exp_z = CombineEntropySums(
             acc, EntropyPartial{next.partial, next.sum_exp_z}, combined.max);
@@ -242,17 +243,15 @@ absl::Status ValidateLinearLogpViews(const LmHeadView& head,
   if (rows.rows < 0) {
     return absl::InvalidArgumentError("rows: negative row count");
   }
-  if (rows.rows > 0 &&
-      (rows.hidden == nullptr || rows.targets == nullptr ||
-       rows.temperatures == nullptr || rows.logprobs == nullptr ||
-       rows.lse == nullptr)) {
+  if (rows.rows > 0 && (rows.hidden == nullptr || rows.targets == nullptr ||
+                        rows.temperatures == nullptr ||
+                        rows.logprobs == nullptr || rows.lse == nullptr)) {
     return absl::InvalidArgumentError("rows: null buffer");
   }
-  if (rows.top_k < 0 || rows.top_k > kMaxTopK ||
-      rows.top_k > head.vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "top_k: ", rows.top_k, " is outside [0, min(", kMaxTopK,
-        ", vocab_size=", head.vocab_size, ")]"));
+  if (rows.top_k < 0 || rows.top_k > kMaxTopK || rows.top_k > head.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k: ", rows.top_k, " is outside [0, min(", kMaxTopK,
+                     ", vocab_size=", head.vocab_size, ")]"));
   }
   if (rows.rows > 0 && rows.top_k > 0 &&
       (rows.top_ids == nullptr || rows.top_logprobs == nullptr)) {

@@ -25,11 +25,17 @@ void BM_LinearLogpCpu(benchmark::State& state) {
   std::vector<uint16_t> hidden(rows * hidden_size);
   for (uint16_t& h : hidden) h = FloatToBf16(random.Next(1.0f));
   std::vector<int32_t> targets(rows);
-  for (int64_t r = 0; r < rows; ++r) targets[r] = static_cast<int32_t>((r * 7717) % vocab_size);
+  for (int64_t r = 0; r < rows; ++r)
+    targets[r] = static_cast<int32_t>((r * 7717) % vocab_size);
   std::vector<float> temperatures(rows, 1.0f), logprobs(rows), lse(rows);
-  const LmHeadView head{hidden_size, vocab_size, vocab_size, weight.data(), bias.data()};
-  LogpRowsView view{rows, hidden.data(), targets.data(), temperatures.data(),
-                    logprobs.data(), lse.data()};
+  const LmHeadView head{hidden_size, vocab_size, vocab_size, weight.data(),
+                        bias.data()};
+  LogpRowsView view{rows,
+                    hidden.data(),
+                    targets.data(),
+                    temperatures.data(),
+                    logprobs.data(),
+                    lse.data()};
   const int64_t extras = state.range(3);
   constexpr int32_t kTopK = 20;
   std::vector<float> entropy(rows), top_logprobs(rows * kTopK);
@@ -48,8 +54,9 @@ void BM_LinearLogpCpu(benchmark::State& state) {
   const double flops = 2.0 * rows * hidden_size * vocab_size;
   state.counters["GFLOP/s"] = benchmark::Counter(
       flops * state.iterations() / 1e9, benchmark::Counter::kIsRate);
-  state.counters["rows/s"] = benchmark::Counter(
-      static_cast<double>(rows) * state.iterations(), benchmark::Counter::kIsRate);
+  state.counters["rows/s"] =
+      benchmark::Counter(static_cast<double>(rows) * state.iterations(),
+                         benchmark::Counter::kIsRate);
 }
 
 BENCHMARK(BM_LinearLogpCpu)

@@ -30,10 +30,10 @@ struct LogpRowsView {
   float* logprobs = nullptr;            // [rows] out
   float* lse = nullptr;                 // [rows] out
   // Optional outputs. Asking for them never changes logprobs or lse bits.
-  float* entropy = nullptr;             // [rows] out, or null: not computed
-  int32_t top_k = 0;                    // the same k for every row; 0: none
-  int32_t* top_ids = nullptr;           // [rows, top_k] out, descending
-  float* top_logprobs = nullptr;        // [rows, top_k] out: z - lse
+  float* entropy = nullptr;       // [rows] out, or null: not computed
+  int32_t top_k = 0;              // the same k for every row; 0: none
+  int32_t* top_ids = nullptr;     // [rows, top_k] out, descending
+  float* top_logprobs = nullptr;  // [rows, top_k] out: z - lse
 };
 
 }  // namespace detlogp::kernels

@@ -13,10 +13,10 @@ absl::StatusOr<std::unique_ptr<ProjectionCpu>> ProjectionCpu::Create(
     const Options& options) {
   constexpr int64_t kWeightSize = kProjectionOutDim * kProjectionInDim;
   if (static_cast<int64_t>(options.weight.size()) != kWeightSize) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "projection weight must have ", kProjectionOutDim, "x",
-        kProjectionInDim, "=", kWeightSize, " floats, got ",
-        options.weight.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("projection weight must have ", kProjectionOutDim, "x",
+                     kProjectionInDim, "=", kWeightSize, " floats, got ",
+                     options.weight.size()));
   }
   if (!options.bias.empty() &&
       static_cast<int64_t>(options.bias.size()) != kProjectionOutDim) {

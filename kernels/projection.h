@@ -31,7 +31,8 @@ inline constexpr int64_t kProjectionOutDim = 5376;  // N: outputs per row.
 inline constexpr int64_t kProjectionMaxRows = int64_t{1} << 40;
 
 // CPU forward. Holds its own copy of the weight, transposed to [96][5376] so
-// the inner loop walks contiguous outputs (the per-output k order is unchanged).
+// the inner loop walks contiguous outputs (the per-output k order is
+// unchanged).
 class ProjectionCpu {
  public:
   struct Options {

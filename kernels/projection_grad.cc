@@ -16,8 +16,8 @@ constexpr int64_t kWeightSize = kN * kK;
 
 // Totals and scratch for the keyed dW/dbias order (see the header).
 struct WeightGradState {
-  std::vector<float> dweight, dbias;              // running totals
-  std::vector<float> super_dweight, super_dbias;  // current superchunk
+  std::vector<float> dweight, dbias;                  // running totals
+  std::vector<float> super_dweight, super_dbias;      // current superchunk
   std::vector<float> partial_dweight, partial_dbias;  // one chunk's partial
   int64_t current_super = -1;  // superchunk held in super_*; -1: none
   WeightGradState()
@@ -29,7 +29,8 @@ struct WeightGradState {
         partial_dbias(kN) {}
 };
 
-// total += superchunk total; superchunk total = 0, for outputs [o_begin, o_end).
+// total += superchunk total; superchunk total = 0, for outputs [o_begin,
+// o_end).
 void FlushSuperRange(WeightGradState& s, int64_t o_begin, int64_t o_end) {
   for (int64_t i = o_begin * kK; i < o_end * kK; ++i) {
     s.dweight[i] = s.dweight[i] + s.super_dweight[i];
@@ -44,9 +45,8 @@ void FlushSuperRange(WeightGradState& s, int64_t o_begin, int64_t o_end) {
 // Folds the superchunk in progress into the totals (at the end).
 void FlushSuper(WeightGradState& s, int num_threads) {
   if (s.current_super < 0) return;
-  ParallelForRanges(kN, num_threads, [&](int64_t b, int64_t e) {
-    FlushSuperRange(s, b, e);
-  });
+  ParallelForRanges(kN, num_threads,
+                    [&](int64_t b, int64_t e) { FlushSuperRange(s, b, e); });
   s.current_super = -1;
 }
 
@@ -105,9 +105,9 @@ absl::StatusOr<std::vector<int64_t>> SortedRowOrder(
   std::iota(order.begin(), order.end(), 0);
   for (int64_t key : keys) {
     if (key < 0 || (key_count > 0 && key >= key_count)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "row key ", key, " outside [0, ",
-          key_count > 0 ? absl::StrCat(key_count) : "inf", ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("row key ", key, " outside [0, ",
+                       key_count > 0 ? absl::StrCat(key_count) : "inf", ")"));
     }
   }
   std::sort(order.begin(), order.end(),
@@ -218,7 +218,8 @@ void ProjectionGradAccumulator::FoldReadyPrefix() {
          static_cast<int64_t>(pending_.begin()->second.keys.size()) ==
              ChunkSize(folded_below_)) {
     FoldChunk(pending_.begin()->first, pending_.begin()->second);
-    buffered_rows_ -= static_cast<int64_t>(pending_.begin()->second.keys.size());
+    buffered_rows_ -=
+        static_cast<int64_t>(pending_.begin()->second.keys.size());
     pending_.erase(pending_.begin());
     ++folded_below_;
   }
@@ -243,8 +244,8 @@ absl::Status ProjectionGradAccumulator::Add(absl::Span<const float> dy,
     const int64_t bit = key - c * kRowKeyChunk;
     auto it = pending_.find(c);
     const bool seen =
-        c < folded_below_ ||
-        (it != pending_.end() && ((it->second.seen[bit / 64] >> (bit % 64)) & 1));
+        c < folded_below_ || (it != pending_.end() &&
+                              ((it->second.seen[bit / 64] >> (bit % 64)) & 1));
     if (seen) {
       return absl::InvalidArgumentError(
           absl::StrCat("duplicate row key ", key, " (already accumulated)"));

@@ -4,7 +4,8 @@
 // order: the 5376 terms are cut into 42 chunks of kInputGradChunk=128 outputs;
 // each chunk is one sequential fma chain from +0 in o order, and the chunk
 // partials are added to a running total (from +0) in ascending chunk order:
-//   total = 0; for c: { p = 0; for j < 128: p = fma(dy[128c+j], w[128c+j][k], p);
+//   total = 0; for c: { p = 0; for j < 128: p = fma(dy[128c+j], w[128c+j][k],
+//   p);
 //                       total = total + p; }
 // The CUDA dX kernel uses the same order (tested bit-equal).
 //
@@ -16,7 +17,8 @@
 //                  chain over its rows in ascending key order (fma for dW,
 //                  add for dbias), from +0;
 //   superchunk s = chunks [32s, 32s + 32) (4096 keys): its total adds the
-//                  partials of its non-empty chunks in ascending order, from +0;
+//                  partials of its non-empty chunks in ascending order, from
+//                  +0;
 //   result       = the totals of the non-empty superchunks added in ascending
 //                  order, from +0.
 // The middle level lets a GPU compute superchunks in parallel and fold only
@@ -42,8 +44,8 @@
 
 namespace detlogp::kernels {
 
-inline constexpr int64_t kInputGradChunk = 128;  // dX: outputs per chunk.
-inline constexpr int64_t kRowKeyChunk = 128;     // dW/dbias: keys per chunk.
+inline constexpr int64_t kInputGradChunk = 128;   // dX: outputs per chunk.
+inline constexpr int64_t kRowKeyChunk = 128;      // dW/dbias: keys per chunk.
 inline constexpr int64_t kRowKeySuperChunk = 32;  // chunks per superchunk.
 
 // dx[rows][96] from dy[rows][5376] and weight[5376][96], in the order above.

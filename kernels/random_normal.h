@@ -1,5 +1,6 @@
-// A portable, seeded normal generator for synthetic weights and test data: the same seed gives the same floats on
-// every platform and standard library (std::normal_distribution does not).
+// A portable, seeded normal generator for synthetic weights and test data: the
+// same seed gives the same floats on every platform and standard library
+// (std::normal_distribution does not).
 #ifndef DETLOGP_KERNELS_RANDOM_NORMAL_H_
 #define DETLOGP_KERNELS_RANDOM_NORMAL_H_
 

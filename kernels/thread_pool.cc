@@ -6,7 +6,8 @@ namespace detlogp::kernels {
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) {
-    num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    num_threads =
+        static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   }
   workers_.reserve(num_threads - 1);
   for (int i = 1; i < num_threads; ++i) {

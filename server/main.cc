@@ -20,12 +20,13 @@
 
 ABSL_FLAG(std::string, host, "127.0.0.1", "Address to listen on.");
 ABSL_FLAG(int, port, 50051, "Port to listen on; 0 picks a free one.");
-ABSL_FLAG(std::string, unix_socket, "",
-          "Also listen on this Unix-domain socket path (clients on the same host: "
-          "target unix:PATH; faster than loopback TCP for large streams). "
-          "Plaintext even with --tls_cert (bearer tokens still apply); access "
-          "follows the socket file's mode (the umask). A stale socket is replaced; "
-          "a live one or another file is refused.");
+ABSL_FLAG(
+    std::string, unix_socket, "",
+    "Also listen on this Unix-domain socket path (clients on the same host: "
+    "target unix:PATH; faster than loopback TCP for large streams). "
+    "Plaintext even with --tls_cert (bearer tokens still apply); access "
+    "follows the socket file's mode (the umask). A stale socket is replaced; "
+    "a live one or another file is refused.");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written here once serving (for tests).");
 ABSL_FLAG(std::string, weights, "",
@@ -64,12 +65,14 @@ ABSL_FLAG(std::string, lm_head_tensor, "lm_head.weight",
           "Name of the [V, H] weight tensor in --weights.");
 ABSL_FLAG(std::string, bias_tensor, "",
           "Name of the optional [V] bias tensor in --weights.");
-ABSL_FLAG(int64_t, vocab_size, 0,
-          "Real vocabulary (<= weight rows; the rest is padding). 0: all rows.");
-ABSL_FLAG(std::string, device, "auto",
-          "auto (first GPU of compute capability >= 8.0, else CPU), cpu, cuda:N, "
-          "or cuda:all (every GPU of the first one's kind, batches to the "
-          "least-loaded).");
+ABSL_FLAG(
+    int64_t, vocab_size, 0,
+    "Real vocabulary (<= weight rows; the rest is padding). 0: all rows.");
+ABSL_FLAG(
+    std::string, device, "auto",
+    "auto (first GPU of compute capability >= 8.0, else CPU), cpu, cuda:N, "
+    "or cuda:all (every GPU of the first one's kind, batches to the "
+    "least-loaded).");
 ABSL_FLAG(std::string, logp_kernel, "auto",
           "CUDA linear-logp kernel: auto (hopper on compute capability 9.0, "
           "portable on other GPUs >= 8.0), hopper (9.0 only; fails at start "
@@ -169,9 +172,10 @@ absl::StatusOr<std::vector<detlogp::server::StartupModel>> StartupModels() {
           absl::StrCat("--model=", spec, ": expected name=path.safetensors"));
     }
     const std::string path = spec.substr(eq + 1);
-    models.push_back({spec.substr(0, eq), path, [source = SourceFromFlags(path)] {
-                        return detlogp::server::LoadLmHead(source);
-                      }});
+    models.push_back(
+        {spec.substr(0, eq), path, [source = SourceFromFlags(path)] {
+           return detlogp::server::LoadLmHead(source);
+         }});
   }
   if (models.empty()) {
     detlogp::server::SyntheticLmHeadOptions synthetic;
@@ -180,8 +184,9 @@ absl::StatusOr<std::vector<detlogp::server::StartupModel>> StartupModels() {
     if (synthetic.hidden_size <= 0 || synthetic.vocab_size <= 0) {
       return absl::InvalidArgumentError("synthetic model sizes must be > 0");
     }
-    spdlog::info("no --weights or --model given: serving the EMBEDDED SYNTHETIC "
-                 "model (fixed seed) as \"default\", not a real lm_head");
+    spdlog::info(
+        "no --weights or --model given: serving the EMBEDDED SYNTHETIC "
+        "model (fixed seed) as \"default\", not a real lm_head");
     models.push_back({"default", "synthetic",
                       [synthetic]() -> absl::StatusOr<LmHeadWeights> {
                         return detlogp::server::SyntheticLmHead(synthetic);
@@ -216,8 +221,9 @@ std::vector<char*> FoldRepeatedModelFlags(int argc, char** argv,
 absl::StatusOr<detlogp::server::ProjectionWeights> LoadProjection() {
   const std::string path = absl::GetFlag(FLAGS_projection_weights);
   if (path.empty()) {
-    spdlog::info("no --projection_weights given: the H3 projection serves "
-                 "seeded SYNTHETIC weights");
+    spdlog::info(
+        "no --projection_weights given: the H3 projection serves "
+        "seeded SYNTHETIC weights");
     return detlogp::server::SyntheticProjectionWeights();
   }
   detlogp::server::ProjectionSource source;
@@ -233,8 +239,9 @@ absl::StatusOr<detlogp::server::ProjectionWeights> LoadProjection() {
 absl::StatusOr<int64_t> FlagMebibytes(absl::string_view flag, int64_t mib,
                                       int64_t min_mib, int64_t max_mib) {
   if (mib < min_mib || mib > max_mib) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--", flag, "=", mib, " is outside [", min_mib, ", ", max_mib, "] MiB"));
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, "=", mib,
+                                                   " is outside [", min_mib,
+                                                   ", ", max_mib, "] MiB"));
   }
   return mib * (int64_t{1} << 20);
 }
@@ -286,8 +293,8 @@ int main(int argc, char** argv) {
   options.vocab_parallel = absl::GetFlag(FLAGS_vocab_parallel);
   options.logp_kernel = absl::GetFlag(FLAGS_logp_kernel);
   // gRPC's message limits are ints: at most 2047 MiB.
-  auto max_message_bytes =
-      FlagMebibytes("max_message_mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047);
+  auto max_message_bytes = FlagMebibytes(
+      "max_message_mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047);
   auto stream_buffer_bytes = FlagMebibytes(
       "projection_stream_buffer_mb",
       absl::GetFlag(FLAGS_projection_stream_buffer_mb), 1, int64_t{1} << 30);
@@ -306,7 +313,8 @@ int main(int argc, char** argv) {
   options.max_top_k = absl::GetFlag(FLAGS_max_top_k);
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   options.batcher.max_batch_rows = absl::GetFlag(FLAGS_max_batch_rows);
-  options.batcher.max_queue_delay_micros = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.batcher.max_queue_delay_micros =
+      absl::GetFlag(FLAGS_max_queue_delay_us);
   options.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.batcher.min_rows_to_overlap = absl::GetFlag(FLAGS_batch_overlap_rows);
@@ -330,17 +338,16 @@ int main(int argc, char** argv) {
   options.projection_stream_buffer_bytes = *stream_buffer_bytes;
   options.projection_chunk_cache_bytes = *chunk_cache_bytes;
 
-  auto server =
-      detlogp::server::Server::BuildAndStart(options, *std::move(models),
-                                             *std::move(projection));
+  auto server = detlogp::server::Server::BuildAndStart(
+      options, *std::move(models), *std::move(projection));
   if (!server.ok()) {
     spdlog::error("cannot start: {}", server.status().ToString());
     return 1;
   }
   const std::string port_file = absl::GetFlag(FLAGS_port_file);
   if (!port_file.empty()) {
-    std::ofstream(port_file + ".tmp")
-        << (*server)->port() << "\n" << (*server)->metrics_port() << "\n";
+    std::ofstream(port_file + ".tmp") << (*server)->port() << "\n"
+                                      << (*server)->metrics_port() << "\n";
     std::rename((port_file + ".tmp").c_str(), port_file.c_str());
   }
 

@@ -32,7 +32,8 @@ constexpr char kRepositoryServiceName[] = "detlogp.v1.ModelRepositoryService";
 absl::Status WarmUp(DynamicBatcher* batcher, const ServedVersion& version) {
   const int64_t rows = 2;
   std::vector<uint16_t> hidden(rows * version.hidden_size, 0x3f80);  // 1.0
-  std::vector<int32_t> targets = {0, static_cast<int32_t>(version.vocab_size - 1)};
+  std::vector<int32_t> targets = {0,
+                                  static_cast<int32_t>(version.vocab_size - 1)};
   absl::Notification done;
   absl::Status result;
   auto job = std::make_shared<LogpJob>(
@@ -40,10 +41,11 @@ absl::Status WarmUp(DynamicBatcher* batcher, const ServedVersion& version) {
       absl::InfiniteFuture(), [&](absl::Status status, LogpJob& job) {
         result = status;
         for (int64_t r = 0; result.ok() && r < rows; ++r) {
-          if (!std::isfinite(job.logprobs()[r]) || !std::isfinite(job.lse()[r])) {
-            result = absl::InternalError(absl::StrCat(
-                "warm-up row ", r, " gave logprob ", job.logprobs()[r], ", lse ",
-                job.lse()[r]));
+          if (!std::isfinite(job.logprobs()[r]) ||
+              !std::isfinite(job.lse()[r])) {
+            result = absl::InternalError(
+                absl::StrCat("warm-up row ", r, " gave logprob ",
+                             job.logprobs()[r], ", lse ", job.lse()[r]));
           }
         }
         done.Notify();
@@ -63,8 +65,9 @@ bool IsLoopbackHost(const std::string& host) {
 // compute the same fixed fma chain and give identical bits (tested on the
 // GPU), so they share a key.
 std::string ProjectionDeterminismKey(const ProjectionWeights& weights) {
-  return digests::DeterminismKey({weights.sha256, "h3-projection", "ieee-fp32-fma",
-                         "fma-chain-k-ascending-then-bias/v1", "rows-independent"});
+  return digests::DeterminismKey(
+      {weights.sha256, "h3-projection", "ieee-fp32-fma",
+       "fma-chain-k-ascending-then-bias/v1", "rows-independent"});
 }
 
 // Creates the projection backend (same --device as the log-prob backend) and
@@ -79,7 +82,8 @@ absl::Status StartProjection(const Server::Options& options,
   ProjectionBackendOptions backend_options;
   backend_options.weights = weights;
   backend_options.cpu_threads = options.cpu_threads;
-  backend_options.max_cached_host_buffer_bytes = options.projection_chunk_cache_bytes;
+  backend_options.max_cached_host_buffer_bytes =
+      options.projection_chunk_cache_bytes;
   std::vector<std::string> notes;
   auto created = registry.Create(options.device, backend_options, &notes);
   if (!created.ok()) return created.status();
@@ -87,12 +91,14 @@ absl::Status StartProjection(const Server::Options& options,
   ProjectionScheduler::Options scheduler_options;
   scheduler_options.max_launch_rows = options.projection_max_launch_rows;
   scheduler_options.num_threads =
-      options.projection_threads > 0 ? options.projection_threads
-                                     : (*backend)->description().preferred_inflight_batches;
-  scheduler_options.on_launch = [metrics](const ProjectionScheduler::LaunchTimings& t) {
-    metrics->ObserveProjectionLaunch(t.rows, t.queue_delay_seconds, t.run_seconds,
-                                     t.copy_out_seconds);
-  };
+      options.projection_threads > 0
+          ? options.projection_threads
+          : (*backend)->description().preferred_inflight_batches;
+  scheduler_options.on_launch =
+      [metrics](const ProjectionScheduler::LaunchTimings& t) {
+        metrics->ObserveProjectionLaunch(t.rows, t.queue_delay_seconds,
+                                         t.run_seconds, t.copy_out_seconds);
+      };
   auto made = ProjectionScheduler::Create(scheduler_options, backend->get());
   if (!made.ok()) return made.status();
   *scheduler = *std::move(made);
@@ -101,7 +107,8 @@ absl::Status StartProjection(const Server::Options& options,
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
@@ -114,7 +121,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   }
   if (options.tls_cert_path.empty()) {
     if (!options.tls_client_ca_path.empty()) {
-      return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+      return absl::InvalidArgumentError(
+          "--tls_client_ca needs --tls_cert and --tls_key");
     }
     return grpc::InsecureServerCredentials();
   }
@@ -146,18 +154,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
                      kernels::kMaxTopK, "]"));
   }
   if (options.projection_stream_buffer_bytes <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--projection_stream_buffer_mb must be positive, got ",
-        options.projection_stream_buffer_bytes >> 20));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--projection_stream_buffer_mb must be positive, got ",
+                     options.projection_stream_buffer_bytes >> 20));
   }
   if (options.projection_chunk_cache_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--projection_chunk_cache_mb must be >= 0, got ",
-        options.projection_chunk_cache_bytes >> 20));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--projection_chunk_cache_mb must be >= 0, got ",
+                     options.projection_chunk_cache_bytes >> 20));
   }
   if (options.projection_threads < 0 || options.projection_threads > 64) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--projection_threads=", options.projection_threads, " is outside [0, 64]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--projection_threads=", options.projection_threads,
+                     " is outside [0, 64]"));
   }
   std::unique_ptr<Server> server(new Server());
   server->options_ = options;
@@ -199,7 +208,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     batcher_options.max_batch_rows = description.preferred_max_batch_rows;
   }
   if (batcher_options.max_queue_delay_micros < 0) {
-    batcher_options.max_queue_delay_micros = description.preferred_max_queue_delay_micros;
+    batcher_options.max_queue_delay_micros =
+        description.preferred_max_queue_delay_micros;
   }
   if (batcher_options.num_batch_threads <= 0) {
     batcher_options.num_batch_threads = description.preferred_inflight_batches;
@@ -208,19 +218,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     batcher_options.idle_spin_micros = description.preferred_idle_spin_micros;
   }
   batcher_options.on_batch = [metrics](const DynamicBatcher::BatchRecord& r) {
-    metrics->ObserveBatch(r.rows, r.requests,
-                          absl::ToDoubleSeconds(r.queue_delay),
-                          absl::ToDoubleSeconds(r.gather),
-                          absl::ToDoubleSeconds(r.compute));
+    metrics->ObserveBatch(
+        r.rows, r.requests, absl::ToDoubleSeconds(r.queue_delay),
+        absl::ToDoubleSeconds(r.gather), absl::ToDoubleSeconds(r.compute));
   };
   auto batcher =
       DynamicBatcher::Create(batcher_options, server->backend_.get());
   if (!batcher.ok()) return batcher.status();
-  spdlog::info("batching: max_batch_rows={} max_queue_delay_us={} batch_threads={} "
-               "batch_spin_us={} (flags or the {} backend's defaults)",
-               batcher_options.max_batch_rows, batcher_options.max_queue_delay_micros,
-               batcher_options.num_batch_threads, batcher_options.idle_spin_micros,
-               description.name);
+  spdlog::info(
+      "batching: max_batch_rows={} max_queue_delay_us={} batch_threads={} "
+      "batch_spin_us={} (flags or the {} backend's defaults)",
+      batcher_options.max_batch_rows, batcher_options.max_queue_delay_micros,
+      batcher_options.num_batch_threads, batcher_options.idle_spin_micros,
+      description.name);
 
   server->batcher_ = *std::move(batcher);
 
@@ -229,14 +239,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     if (!store.ok()) return store.status();
     server->model_store_ = *std::move(store);
     if (!server->model_store_->writable()) {
-      spdlog::warn("--model_root={} is read-only: LoadModel works, uploads serve "
-                   "but are not kept for a restart",
-                   options.model_root);
+      spdlog::warn(
+          "--model_root={} is read-only: LoadModel works, uploads serve "
+          "but are not kept for a restart",
+          options.model_root);
     }
   }
   ModelManager::Options manager_options;
-  manager_options.default_model =
-      options.default_model.empty() ? models.front().name : options.default_model;
+  manager_options.default_model = options.default_model.empty()
+                                      ? models.front().name
+                                      : options.default_model;
   manager_options.max_versions_per_model = options.max_versions_per_model;
   manager_options.max_model_memory_bytes = options.max_model_memory_bytes;
   manager_options.store = server->model_store_.get();
@@ -246,23 +258,26 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   manager_options.key_inputs.split_policy = kernels::kSplitPolicyName;
   // ModelInfo.backend: where and on what code the bits are computed (the
   // kernel version has its own field), and what this server cannot compute.
-  manager_options.backend_description = absl::StrCat(
-      description.name, " (", description.device, "; isa ",
-      description.instruction_set, ")",
-      description.extras_unavailable.empty()
-          ? ""
-          : absl::StrCat("; no entropy or top_k: ",
-                         description.extras_unavailable));
+  manager_options.backend_description =
+      absl::StrCat(description.name, " (", description.device, "; isa ",
+                   description.instruction_set, ")",
+                   description.extras_unavailable.empty()
+                       ? ""
+                       : absl::StrCat("; no entropy or top_k: ",
+                                      description.extras_unavailable));
   manager_options.batching.set_max_batch_rows(batcher_options.max_batch_rows);
-  manager_options.batching.set_max_queue_delay_us(batcher_options.max_queue_delay_micros);
+  manager_options.batching.set_max_queue_delay_us(
+      batcher_options.max_queue_delay_micros);
   manager_options.batching.set_batch_threads(batcher_options.num_batch_threads);
   manager_options.batching.set_batch_spin_us(batcher_options.idle_spin_micros);
   LogpBackend* raw_backend = server->backend_.get();
   DynamicBatcher* raw_batcher = server->batcher_.get();
-  manager_options.place = [raw_backend](std::shared_ptr<const LmHeadWeights> w) {
-    return raw_backend->Load(std::move(w));
-  };
-  manager_options.estimate_bytes = [raw_backend](int64_t h, int64_t v, bool bias) {
+  manager_options.place =
+      [raw_backend](std::shared_ptr<const LmHeadWeights> w) {
+        return raw_backend->Load(std::move(w));
+      };
+  manager_options.estimate_bytes = [raw_backend](int64_t h, int64_t v,
+                                                 bool bias) {
     return raw_backend->EstimateBytes(h, v, bias);
   };
   manager_options.warm_up = [raw_batcher](const ServedVersion& version) {
@@ -273,23 +288,26 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   server->models_ = *std::move(manager);
   if (absl::Status s = server->LoadModels(std::move(models)); !s.ok()) return s;
   if (!server->models_->Resolve("", 0).ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--default_model=", server->models_->default_model(), " is not loaded"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--default_model=", server->models_->default_model(),
+                     " is not loaded"));
   }
 
   LogProbServiceImpl::Options service_options;
   service_options.max_request_rows = options.max_request_rows;
   service_options.max_top_k = options.max_top_k;
   service_options.extras_unavailable = description.extras_unavailable;
-  spdlog::info("requests: up to {} rows (--max_request_rows), entropy on "
-               "request, top_k up to {} (--max_top_k; kernels allow {})",
-               options.max_request_rows, options.max_top_k, kernels::kMaxTopK);
+  spdlog::info(
+      "requests: up to {} rows (--max_request_rows), entropy on "
+      "request, top_k up to {} (--max_top_k; kernels allow {})",
+      options.max_request_rows, options.max_top_k, kernels::kMaxTopK);
   service_options.max_stream_inflight_requests =
       options.max_stream_inflight_requests;
   service_options.on_call_done = [metrics](absl::string_view method, int code) {
     metrics->CountRequest(method, code);
   };
-  service_options.on_rows_answered = [metrics](absl::string_view model, int64_t rows) {
+  service_options.on_rows_answered = [metrics](absl::string_view model,
+                                               int64_t rows) {
     metrics->CountModelRows(model, rows);
   };
   service_options.authenticator = server->authenticator_.get();
@@ -303,17 +321,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   repository_options.on_call_done = service_options.on_call_done;
   server->repository_service_ = std::make_unique<ModelRepositoryServiceImpl>(
       repository_options, server->models_.get());
-  if (server->admin_authenticator_ == nullptr && !IsLoopbackHost(options.host)) {
-    spdlog::warn("no --admin_tokens_file: ModelRepositoryService refuses every "
-                 "call (the server listens on {}, beyond loopback)", options.host);
+  if (server->admin_authenticator_ == nullptr &&
+      !IsLoopbackHost(options.host)) {
+    spdlog::warn(
+        "no --admin_tokens_file: ModelRepositoryService refuses every "
+        "call (the server listens on {}, beyond loopback)",
+        options.host);
   }
 
   server->projection_weights_ =
       std::make_unique<ProjectionWeights>(std::move(projection_weights));
-  if (absl::Status s = StartProjection(options,
-                                       server->projection_weights_.get(), metrics,
-                                       &server->projection_backend_,
-                                       &server->projection_scheduler_);
+  if (absl::Status s = StartProjection(
+          options, server->projection_weights_.get(), metrics,
+          &server->projection_backend_, &server->projection_scheduler_);
       !s.ok()) {
     return s;
   }
@@ -326,7 +346,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       ProjectionDeterminismKey(*server->projection_weights_);
   projection_options.on_call_done = service_options.on_call_done;
   projection_options.authenticator = server->authenticator_.get();
-  projection_options.chunk_buffers = server->projection_backend_->host_buffer_pool();
+  projection_options.chunk_buffers =
+      server->projection_backend_->host_buffer_pool();
   projection_options.on_stream_timings =
       [metrics](const ProjectionServiceImpl::StreamTimings& t) {
         metrics->ObserveProjectionStream(t.chunks, t.write_seconds,
@@ -349,7 +370,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       ":", options.port);
   builder.AddListeningPort(address, *credentials, &server->port_);
   if (!options.unix_socket_path.empty()) {
-    if (absl::Status s = PrepareUnixSocketPath(options.unix_socket_path, "--unix_socket");
+    if (absl::Status s =
+            PrepareUnixSocketPath(options.unix_socket_path, "--unix_socket");
         !s.ok()) {
       return s;
     }
@@ -371,7 +393,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
         "cannot listen on ", address,
         options.unix_socket_path.empty()
             ? ""
-            : absl::StrCat(" and ", UnixSocketAddress(options.unix_socket_path))));
+            : absl::StrCat(" and ",
+                           UnixSocketAddress(options.unix_socket_path))));
   }
   grpc::HealthCheckServiceInterface* health =
       server->grpc_server_->GetHealthCheckService();
@@ -387,8 +410,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     if (!http.ok()) return http.status();
     server->metrics_http_ = *std::move(http);
     spdlog::info("metrics on http://{}:{}/metrics",
-                 options.host.find(':') != std::string::npos ? "[" + options.host + "]"
-                                                             : options.host,
+                 options.host.find(':') != std::string::npos
+                     ? "[" + options.host + "]"
+                     : options.host,
                  server->metrics_http_->port());
   }
   health->SetServingStatus(true);
@@ -396,19 +420,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   health->SetServingStatus(kProjectionServiceName, true);
   health->SetServingStatus(kRepositoryServiceName, true);
   const detlogp::v1::ModelInfo info = server->model_info();
-  spdlog::info("serving model {} v{} (default) and {} other(s) on {}:{}{} "
-               "(determinism key {}; {}, {})",
-               info.model(), info.model_version(),
-               server->models_->DescribeAll().size() - 1, options.host, server->port_,
-               options.unix_socket_path.empty()
-                   ? ""
-                   : " and " + UnixSocketAddress(options.unix_socket_path) +
-                         " (plaintext)",
-               info.determinism_key(),
-               options.tls_cert_path.empty() ? "plaintext"
-               : options.tls_client_ca_path.empty() ? "TLS" : "mutual TLS",
-               server->authenticator_ ? "bearer tokens required"
-                                      : "no authentication");
+  spdlog::info(
+      "serving model {} v{} (default) and {} other(s) on {}:{}{} "
+      "(determinism key {}; {}, {})",
+      info.model(), info.model_version(),
+      server->models_->DescribeAll().size() - 1, options.host, server->port_,
+      options.unix_socket_path.empty()
+          ? ""
+          : " and " + UnixSocketAddress(options.unix_socket_path) +
+                " (plaintext)",
+      info.determinism_key(),
+      options.tls_cert_path.empty()        ? "plaintext"
+      : options.tls_client_ca_path.empty() ? "TLS"
+                                           : "mutual TLS",
+      server->authenticator_ ? "bearer tokens required" : "no authentication");
   return server;
 }
 
@@ -423,9 +448,11 @@ absl::Status Server::LoadModels(std::vector<StartupModel> models) {
   for (auto& [name, versions] : stored) {
     std::vector<std::pair<const StoredVersion*, LmHeadWeights>> restored;
     for (auto it = versions.rbegin(); it != versions.rend(); ++it) {
-      if (static_cast<int>(restored.size()) == options_.max_versions_per_model) {
-        spdlog::info("model {} version {}: older than the {} restored; removing it",
-                     name, it->version, restored.size());
+      if (static_cast<int>(restored.size()) ==
+          options_.max_versions_per_model) {
+        spdlog::info(
+            "model {} version {}: older than the {} restored; removing it",
+            name, it->version, restored.size());
         if (absl::Status s = model_store_->Remove(name, it->version); !s.ok()) {
           spdlog::warn("{}", s.ToString());
         }
@@ -433,13 +460,13 @@ absl::Status Server::LoadModels(std::vector<StartupModel> models) {
       }
       auto weights = LoadLmHead(it->source);
       if (weights.ok() && weights->sha256 != it->weights_sha256) {
-        weights = absl::DataLossError(absl::StrCat("weights hash to ", weights->sha256,
-                                                   ", the manifest says ",
-                                                   it->weights_sha256));
+        weights = absl::DataLossError(
+            absl::StrCat("weights hash to ", weights->sha256,
+                         ", the manifest says ", it->weights_sha256));
       }
       if (!weights.ok()) {
-        spdlog::warn("model {} version {} not restored (left on disk): {}", name,
-                     it->version, weights.status().ToString());
+        spdlog::warn("model {} version {} not restored (left on disk): {}",
+                     name, it->version, weights.status().ToString());
         continue;
       }
       restored.emplace_back(&*it, *std::move(weights));
@@ -457,20 +484,24 @@ absl::Status Server::LoadModels(std::vector<StartupModel> models) {
     models_->NumberAbove(name, versions.back().version);
   }
   for (StartupModel& model : models) {
-    if (absl::Status s = ValidateModelName(model.name, "--model"); !s.ok()) return s;
+    if (absl::Status s = ValidateModelName(model.name, "--model"); !s.ok())
+      return s;
     if (models_->Resolve(model.name, 0).ok()) {
-      spdlog::info("model {}: serving the version restored from --model_root, not {}",
-                   model.name, model.source);
+      spdlog::info(
+          "model {}: serving the version restored from --model_root, not {}",
+          model.name, model.source);
       continue;
     }
     auto weights = model.load();
     if (!weights.ok()) {
-      return absl::Status(weights.status().code(),
-                          absl::StrCat("model ", model.name, ": ", weights.status().message()));
+      return absl::Status(
+          weights.status().code(),
+          absl::StrCat("model ", model.name, ": ", weights.status().message()));
     }
-    spdlog::info("model {}: H={} V={} V_pad={} bias={} sha256={} ({})", model.name,
-                 weights->hidden_size, weights->vocab_size, weights->padded_vocab_size,
-                 !weights->bias.empty(), weights->sha256, model.source);
+    spdlog::info("model {}: H={} V={} V_pad={} bias={} sha256={} ({})",
+                 model.name, weights->hidden_size, weights->vocab_size,
+                 weights->padded_vocab_size, !weights->bias.empty(),
+                 weights->sha256, model.source);
     VersionOrigin origin;
     origin.description = absl::StrCat("startup:", model.source);
     auto added = models_->AddVersion(
@@ -501,13 +532,15 @@ std::string Server::RenderMetrics() const {
     model.name = info.model();
     model.latest_version = info.model_version();
     for (const auto& version : info.versions()) {
-      model.ready_versions += version.state() == detlogp::v1::ModelVersionStatus::READY;
+      model.ready_versions +=
+          version.state() == detlogp::v1::ModelVersionStatus::READY;
     }
     snapshot.models.push_back(std::move(model));
   }
   snapshot.model_memory_bytes = models_->reserved_bytes();
   if (projection_service_ != nullptr) {
-    const HostBufferPool::Stats pool = projection_service_->chunk_buffer_stats();
+    const HostBufferPool::Stats pool =
+        projection_service_->chunk_buffer_stats();
     MetricsSnapshot::ChunkBuffers& buffers = snapshot.chunk_buffers;
     buffers.cached = pool.reused;
     buffers.allocated = pool.allocated;
@@ -527,16 +560,19 @@ void Server::Shutdown() {
     health->SetServingStatus(false);
     // Refuses new calls; waits for accepted ones, which the batcher keeps
     // running, until the grace period ends.
-    grpc_server_->Shutdown(absl::ToChronoTime(absl::Now() + options_.shutdown_grace));
+    grpc_server_->Shutdown(
+        absl::ToChronoTime(absl::Now() + options_.shutdown_grace));
   }
   if (projection_scheduler_ != nullptr) projection_scheduler_->Stop();
   if (batcher_ == nullptr) return;
   batcher_->Stop();
   metrics_http_.reset();
   const DynamicBatcher::Stats stats = batcher_->stats();
-  spdlog::info("stopped: {} batches, {} rows computed, {} expired, {} cancelled, {} rejected",
-               stats.batches_run, stats.rows_computed, stats.rows_expired,
-               stats.rows_cancelled, stats.rows_rejected);
+  spdlog::info(
+      "stopped: {} batches, {} rows computed, {} expired, {} cancelled, {} "
+      "rejected",
+      stats.batches_run, stats.rows_computed, stats.rows_expired,
+      stats.rows_cancelled, stats.rows_rejected);
 }
 
 Server::~Server() { Shutdown(); }

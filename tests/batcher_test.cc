@@ -16,7 +16,8 @@ constexpr int64_t kH = 4;
 // A job whose row r has hidden[0] = r and target r; completion is recorded.
 struct TrackedJob {
   std::shared_ptr<LogpJob> job;
-  std::shared_ptr<absl::Notification> done = std::make_shared<absl::Notification>();
+  std::shared_ptr<absl::Notification> done =
+      std::make_shared<absl::Notification>();
   std::shared_ptr<absl::Status> status = std::make_shared<absl::Status>();
 };
 
@@ -37,7 +38,8 @@ TrackedJob MakeJob(int64_t rows, absl::Time deadline = absl::InfiniteFuture(),
     targets[r] = static_cast<int32_t>(2 * r);
   }
   tracked.job = std::make_shared<LogpJob>(
-      std::move(model), rows, std::move(hidden), std::move(targets), temperature, deadline,
+      std::move(model), rows, std::move(hidden), std::move(targets),
+      temperature, deadline,
       [done = tracked.done, status = tracked.status](absl::Status s, LogpJob&) {
         *status = s;
         done->Notify();
@@ -81,7 +83,8 @@ TEST(DynamicBatcherTest, PoolsRowsOfManyRequestsIntoOneBatch) {
   // A long delay: the batch runs when full, not when the timer fires.
   auto batcher = MakeBatcher(&backend, {12, 5'000'000, 1000, 1});
   std::vector<TrackedJob> jobs;
-  for (int i = 0; i < 4; ++i) jobs.push_back(MakeJob(3, absl::InfiniteFuture(), 1.0f + i));
+  for (int i = 0; i < 4; ++i)
+    jobs.push_back(MakeJob(3, absl::InfiniteFuture(), 1.0f + i));
   for (auto& job : jobs) ASSERT_TRUE(batcher->Schedule(job.job).ok());
   for (auto& job : jobs) {
     ASSERT_TRUE(job.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
@@ -99,7 +102,8 @@ TEST(DynamicBatcherTest, PoolsRowsOfManyRequestsIntoOneBatch) {
 TEST(DynamicBatcherTest, BatchesComputeTheUnionOfExtrasAndRowsGetTheirOwn) {
   FakeBackend backend(kH);
   auto batcher = MakeBatcher(&backend, {8, 5'000'000, 1000, 1});
-  const std::vector<LogpExtras> asked = {{true, 0}, {false, 3}, {true, 5}, {false, 0}};
+  const std::vector<LogpExtras> asked = {
+      {true, 0}, {false, 3}, {true, 5}, {false, 0}};
   std::vector<TrackedJob> jobs;
   for (const LogpExtras& extras : asked) {
     jobs.push_back(MakeJob(5));
@@ -118,10 +122,12 @@ TEST(DynamicBatcherTest, BatchesComputeTheUnionOfExtrasAndRowsGetTheirOwn) {
     for (int64_t r = 0; r < 5; ++r) {
       // Fake rows: hidden[0] = r, target 2r.
       if (asked[j].entropy) {
-        EXPECT_EQ(job.entropy()[r], r + 0.001f * (2 * r)) << "job " << j << " row " << r;
+        EXPECT_EQ(job.entropy()[r], r + 0.001f * (2 * r))
+            << "job " << j << " row " << r;
       }
       for (int32_t i = 0; i < k; ++i) {
-        EXPECT_EQ(job.top_ids()[r * k + i], 2 * r + i) << "job " << j << " row " << r;
+        EXPECT_EQ(job.top_ids()[r * k + i], 2 * r + i)
+            << "job " << j << " row " << r;
         EXPECT_EQ(job.top_logprobs()[r * k + i], -static_cast<float>(r) - i);
       }
     }
@@ -181,7 +187,8 @@ TEST(DynamicBatcherTest, InternalJobsPassAFullQueue) {
   absl::SleepFor(absl::Milliseconds(50));
   TrackedJob queued = MakeJob(8);
   ASSERT_TRUE(batcher->Schedule(queued.job).ok());
-  EXPECT_EQ(batcher->Schedule(MakeJob(2).job).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(batcher->Schedule(MakeJob(2).job).code(),
+            absl::StatusCode::kResourceExhausted);
   // A warm-up is not refused and runs; the bound still holds for callers.
   TrackedJob warm_up = MakeJob(2);
   ASSERT_TRUE(batcher->ScheduleInternal(warm_up.job).ok());
@@ -204,7 +211,8 @@ TEST(DynamicBatcherTest, ExpiredAndCancelledRowsAreNeverComputed) {
   ASSERT_TRUE(batcher->Schedule(cancelled.job).ok());
   cancelled.job->Cancel();
   ASSERT_TRUE(expired.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
-  ASSERT_TRUE(cancelled.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(
+      cancelled.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_EQ(expired.status->code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(cancelled.status->code(), absl::StatusCode::kCancelled);
   ASSERT_TRUE(blocker.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
@@ -343,14 +351,16 @@ TEST(DynamicBatcherTest, BatchesHoldRowsOfOneModelAndJobsStayOnTheirModel) {
     std::vector<uint16_t> hidden(rows * (b ? 2 * kH : kH));
     std::vector<int32_t> targets(rows);
     for (int64_t r = 0; r < rows; ++r) {
-      hidden[r * (b ? 2 * kH : kH)] = kernels::FloatToBf16(static_cast<float>(r));
+      hidden[r * (b ? 2 * kH : kH)] =
+          kernels::FloatToBf16(static_cast<float>(r));
       targets[r] = static_cast<int32_t>(r);
     }
     TrackedJob tracked;
     tracked.job = std::make_shared<LogpJob>(
-        b ? model_b : model_a, rows, std::move(hidden), std::move(targets), 1.0f,
-        absl::InfiniteFuture(),
-        [done = tracked.done, status = tracked.status](absl::Status s, LogpJob&) {
+        b ? model_b : model_a, rows, std::move(hidden), std::move(targets),
+        1.0f, absl::InfiniteFuture(),
+        [done = tracked.done, status = tracked.status](absl::Status s,
+                                                       LogpJob&) {
           *status = s;
           done->Notify();
         });

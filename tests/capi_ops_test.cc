@@ -45,21 +45,24 @@ TEST(CapiOpsTest, LinearLogpBitsEqualTheKernel) {
 
     std::vector<float> want_logp(rows, NAN), want_lse(rows, NAN);
     kernels::ThreadPool pool(3);
-    kernels::LogpRowsView view{rows, hidden.data(), targets.data(),
-                               temperatures.data(), want_logp.data(),
+    kernels::LogpRowsView view{rows,
+                               hidden.data(),
+                               targets.data(),
+                               temperatures.data(),
+                               want_logp.data(),
                                want_lse.data()};
     ASSERT_TRUE(kernels::ComputeLinearLogpCpu(head.view(), view, &pool).ok());
 
     for (int threads : {1, 4, 0}) {
       std::vector<float> logp(rows, NAN), lse(rows, NAN);
       char error[256];
-      ASSERT_EQ(detlogp_cpu_linear_logp(
-                    head.weight.data(), head.padded_vocab_size,
-                    head.hidden_size, with_bias ? head.bias.data() : nullptr,
-                    head.vocab_size, hidden.data(), rows, targets.data(),
-                    temperatures.data(), threads, logp.data(), lse.data(), nullptr,
-                    error, sizeof(error)),
-                0)
+      ASSERT_EQ(
+          detlogp_cpu_linear_logp(
+              head.weight.data(), head.padded_vocab_size, head.hidden_size,
+              with_bias ? head.bias.data() : nullptr, head.vocab_size,
+              hidden.data(), rows, targets.data(), temperatures.data(), threads,
+              logp.data(), lse.data(), nullptr, error, sizeof(error)),
+          0)
           << error;
       EXPECT_STREQ(error, "");
       EXPECT_TRUE(SameBits(logp, want_logp)) << "threads " << threads;
@@ -182,10 +185,10 @@ TEST(CapiOpsTest, DeterminismKeyIsTheCpuServers) {
   }
   char key[8];
   char error[256];
-  EXPECT_NE(detlogp_cpu_determinism_key(head.weight.data(), 128, 64, nullptr,
-                                        100, key, sizeof(key), error,
-                                        sizeof(error)),
-            0);
+  EXPECT_NE(
+      detlogp_cpu_determinism_key(head.weight.data(), 128, 64, nullptr, 100,
+                                  key, sizeof(key), error, sizeof(error)),
+      0);
   EXPECT_NE(std::string(error).find("key_len"), std::string::npos) << error;
 }
 
@@ -243,13 +246,13 @@ TEST(CapiOpsTest, ProjectionGradsEqualTheKernels) {
   char error[256];
 
   std::vector<float> want_dx(rows * in, NAN), dx(rows * in, NAN);
-  ASSERT_TRUE(kernels::ProjectionInputGrad(weight, dy, rows,
-                                           absl::MakeSpan(want_dx), 1)
-                  .ok());
-  ASSERT_EQ(detlogp_cpu_h3_projection_input_grad(weight.data(), dy.data(),
-                                                 rows, 0, dx.data(), error,
-                                                 sizeof(error)),
-            0)
+  ASSERT_TRUE(
+      kernels::ProjectionInputGrad(weight, dy, rows, absl::MakeSpan(want_dx), 1)
+          .ok());
+  ASSERT_EQ(
+      detlogp_cpu_h3_projection_input_grad(weight.data(), dy.data(), rows, 0,
+                                           dx.data(), error, sizeof(error)),
+      0)
       << error;
   EXPECT_TRUE(SameBits(dx, want_dx));
 
@@ -267,14 +270,13 @@ TEST(CapiOpsTest, ProjectionGradsEqualTheKernels) {
   EXPECT_TRUE(SameBits(dweight, want->dweight));
   EXPECT_TRUE(SameBits(dbias, want->dbias));
 
-  EXPECT_NE(detlogp_cpu_h3_projection_weight_grad(
-                dy.data(), x.data(), rows, -1, 0, dweight.data(), nullptr,
-                error, sizeof(error)),
+  EXPECT_NE(detlogp_cpu_h3_projection_weight_grad(dy.data(), x.data(), rows, -1,
+                                                  0, dweight.data(), nullptr,
+                                                  error, sizeof(error)),
             0);
   EXPECT_NE(std::string(error).find("first_key"), std::string::npos) << error;
-  EXPECT_NE(detlogp_cpu_h3_projection_input_grad(nullptr, dy.data(), rows, 0,
-                                                 dx.data(), error,
-                                                 sizeof(error)),
+  EXPECT_NE(detlogp_cpu_h3_projection_input_grad(
+                nullptr, dy.data(), rows, 0, dx.data(), error, sizeof(error)),
             0);
   EXPECT_NE(std::string(error).find("weight"), std::string::npos) << error;
 }

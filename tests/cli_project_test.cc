@@ -115,7 +115,8 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
         "project --target=", (*server)->target(), " --project_rows=", rows,
         " --rows_per_chunk=200 --seed=", seed, flags));
     ASSERT_EQ(code, 0) << out;
-    const std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+    const std::vector<std::string> lines =
+        absl::StrSplit(out, '\n', absl::SkipEmpty());
     ASSERT_EQ(lines.size(), 6u) << out;
     EXPECT_EQ(lines[0], want_key);
     EXPECT_EQ(lines[1], want_sha);
@@ -153,8 +154,9 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     // --malloc_hugepages (default) re-executed the CLI with the tunable,
     // unless this environment already chose a value.
     EXPECT_EQ(usage[7], "malloc_hugetlb");
-    EXPECT_EQ(usage[8], client::MallocHugePagesTunable(std::getenv("GLIBC_TUNABLES"))
-                            .value_or("1"));
+    EXPECT_EQ(usage[8],
+              client::MallocHugePagesTunable(std::getenv("GLIBC_TUNABLES"))
+                  .value_or("1"));
     // The whole call outlasts the stream, which outlasts its first chunk.
     EXPECT_GE(std::stod(total[5]), std::stod(transfer[2]));
     EXPECT_GE(std::stod(transfer[2]), std::stod(transfer[6]));
@@ -165,10 +167,12 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
   // no re-execution, the tunable unset).
   auto [code, out] = RunCli(absl::StrCat(
       "project --target=", (*server)->target(), " --project_rows=", rows,
-      " --rows_per_chunk=200 --nohash_y --project_repeats=2 --nomalloc_hugepages --seed=",
+      " --rows_per_chunk=200 --nohash_y --project_repeats=2 "
+      "--nomalloc_hugepages --seed=",
       seed));
   ASSERT_EQ(code, 0) << out;
-  const std::vector<std::string> lines = absl::StrSplit(out, '\n', absl::SkipEmpty());
+  const std::vector<std::string> lines =
+      absl::StrSplit(out, '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 12u) << out;
   for (int run : {0, 6}) {
     EXPECT_EQ(lines[run], want_key);
@@ -193,11 +197,10 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
 TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   // A short grace: a connection a reset client leaves behind can hold
   // SIGTERM's drain (gRPC waits for it up to the grace).
-  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2",
-                                      "--synthetic_hidden_size=64",
-                                      "--synthetic_vocab_size=1000",
-                                      "--shutdown_grace_s=3",
-                                      "--projection_threads=3"});
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--cpu_threads=2", "--synthetic_hidden_size=64",
+       "--synthetic_vocab_size=1000", "--shutdown_grace_s=3",
+       "--projection_threads=3"});
   ASSERT_TRUE(server.ok()) << server.status();
   const int64_t rows = 1000;
   kernels::RandomNormal random(11);
@@ -222,8 +225,9 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   for (const Case& c : {Case{2, 128, 128, 2}, Case{3, 200, 200, 3},
                         Case{4, 0, LogpClient::kInterleavedBlockRows, 2},
                         Case{8, 300, 300, 4}, Case{3, 7, 7, 3}}) {
-    SCOPED_TRACE(::testing::Message() << c.streams << " streams, rows_per_chunk "
-                                    << c.rows_per_chunk);
+    SCOPED_TRACE(::testing::Message()
+                 << c.streams << " streams, rows_per_chunk "
+                 << c.rows_per_chunk);
     std::vector<float> y(rows * 5376);
     LogpClient::ProjectOptions project;
     project.streams = c.streams;
@@ -231,11 +235,12 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
     project.y = y.data();
     std::vector<int64_t> offsets;
     digests::Sha256 digest;
-    auto result = (*client)->ProjectChunks(x, rows, project,
-                                           [&](client::ProjectChunk& chunk) {
-      offsets.push_back(chunk.row_offset);
-      for (absl::string_view piece : chunk.y_data) digest.Update(piece.data(), piece.size());
-    });
+    auto result = (*client)->ProjectChunks(
+        x, rows, project, [&](client::ProjectChunk& chunk) {
+          offsets.push_back(chunk.row_offset);
+          for (absl::string_view piece : chunk.y_data)
+            digest.Update(piece.data(), piece.size());
+        });
     ASSERT_TRUE(result.ok()) << result.status();
     const int64_t blocks = (rows + c.block - 1) / c.block;
     EXPECT_EQ(result->chunks, blocks);
@@ -267,8 +272,9 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "rows_per_chunk"))
       << refused.status();
   project.streams = -1;
-  EXPECT_TRUE(absl::StrContains((*client)->ProjectChunks(x, rows, project).status().message(),
-                                "streams"));
+  EXPECT_TRUE(absl::StrContains(
+      (*client)->ProjectChunks(x, rows, project).status().message(),
+      "streams"));
   // A deadline that passes mid-stream (40,000 rows take seconds here).
   LogpClient::Options hurried = options;
   hurried.timeout = absl::Milliseconds(300);
@@ -279,8 +285,9 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
   const std::vector<float> video_x(40000 * 96, 0.5f);
   int64_t chunks_before_deadline = 0;
   EXPECT_EQ((*hurried_client)
-                ->ProjectChunks(video_x, 40000, project,
-                                [&](client::ProjectChunk&) { ++chunks_before_deadline; })
+                ->ProjectChunks(
+                    video_x, 40000, project,
+                    [&](client::ProjectChunk&) { ++chunks_before_deadline; })
                 .status()
                 .code(),
             absl::StatusCode::kDeadlineExceeded);
@@ -295,10 +302,9 @@ TEST(CliProjectTest, InterleavedCallsGiveOneStreamsRowsInRowOrder) {
 // By default the client picks the calls by the projection's size: one below
 // kAutoStreamsMinRows, kAutoStreamsCalls from there on, with the same Y.
 TEST(CliProjectTest, DefaultStreamsFollowTheProjectionsSize) {
-  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2",
-                                      "--synthetic_hidden_size=64",
-                                      "--synthetic_vocab_size=1000",
-                                      "--shutdown_grace_s=3"});
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--cpu_threads=2", "--synthetic_hidden_size=64",
+       "--synthetic_vocab_size=1000", "--shutdown_grace_s=3"});
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options options;
   options.target = (*server)->target();
@@ -315,7 +321,9 @@ TEST(CliProjectTest, DefaultStreamsFollowTheProjectionsSize) {
     project.y = y.data();
     auto automatic = (*client)->ProjectChunks(rows_x, rows, project);
     ASSERT_TRUE(automatic.ok()) << automatic.status();
-    EXPECT_EQ(automatic->streams, rows >= big ? LogpClient::kAutoStreamsCalls : 1) << rows;
+    EXPECT_EQ(automatic->streams,
+              rows >= big ? LogpClient::kAutoStreamsCalls : 1)
+        << rows;
     project.streams = 1;
     std::vector<float> one_y(rows * 5376);
     project.y = one_y.data();
@@ -329,7 +337,8 @@ TEST(CliProjectTest, DefaultStreamsFollowTheProjectionsSize) {
 }
 
 TEST(CliProjectTest, ProjectionThreadsFlagIsCheckedAtStartUp) {
-  for (const char* bad : {"--projection_threads=-1", "--projection_threads=65"}) {
+  for (const char* bad :
+       {"--projection_threads=-1", "--projection_threads=65"}) {
     auto server = ServerProcess::Start({"--device=cpu", bad});
     ASSERT_FALSE(server.ok()) << bad;
     EXPECT_NE(server.status().message().find(bad), std::string::npos)
@@ -338,12 +347,11 @@ TEST(CliProjectTest, ProjectionThreadsFlagIsCheckedAtStartUp) {
 }
 
 TEST(CliProjectTest, MebibyteFlagsAreCheckedAtStartUp) {
-  for (const char* bad :
-       {"--max_message_mb=0", "--max_message_mb=2048",
-        "--projection_stream_buffer_mb=0",
-        "--projection_stream_buffer_mb=1099511627776",
-        "--projection_chunk_cache_mb=-1",
-        "--projection_chunk_cache_mb=9223372036854775807"}) {
+  for (const char* bad : {"--max_message_mb=0", "--max_message_mb=2048",
+                          "--projection_stream_buffer_mb=0",
+                          "--projection_stream_buffer_mb=1099511627776",
+                          "--projection_chunk_cache_mb=-1",
+                          "--projection_chunk_cache_mb=9223372036854775807"}) {
     auto server = ServerProcess::Start({"--device=cpu", bad});
     ASSERT_FALSE(server.ok()) << bad;
     EXPECT_NE(server.status().message().find(bad), std::string::npos)
@@ -369,9 +377,10 @@ TEST(CliProjectTest, InterleavedCallsEndWhenTheServerDies) {
   project.streams = 4;
   project.rows_per_chunk = 64;
   int64_t chunks = 0;
-  auto result = (*client)->ProjectChunks(x, rows, project, [&](client::ProjectChunk&) {
-    if (++chunks == 3) kill((*server)->pid(), SIGKILL);
-  });
+  auto result =
+      (*client)->ProjectChunks(x, rows, project, [&](client::ProjectChunk&) {
+        if (++chunks == 3) kill((*server)->pid(), SIGKILL);
+      });
   EXPECT_FALSE(result.ok());
   EXPECT_LT(chunks, rows / 64);
 }

@@ -39,16 +39,20 @@ std::vector<Fields> RowLines(const std::string& out) {
   std::vector<Fields> rows;
   for (absl::string_view line : absl::StrSplit(out, '\n', absl::SkipEmpty())) {
     if (!absl::StartsWith(line, "row ")) continue;
-    const std::vector<std::string> words = absl::StrSplit(line, ' ', absl::SkipEmpty());
+    const std::vector<std::string> words =
+        absl::StrSplit(line, ' ', absl::SkipEmpty());
     Fields fields;
-    for (size_t i = 0; i + 1 < words.size(); i += 2) fields[words[i]] = words[i + 1];
+    for (size_t i = 0; i + 1 < words.size(); i += 2)
+      fields[words[i]] = words[i + 1];
     EXPECT_EQ(words.size() % 2, 0u) << line;
     rows.push_back(std::move(fields));
   }
   return rows;
 }
 
-float ParseFloat(const std::string& text) { return std::strtof(text.c_str(), nullptr); }
+float ParseFloat(const std::string& text) {
+  return std::strtof(text.c_str(), nullptr);
+}
 
 std::vector<float> Floats(const std::string& list) {
   std::vector<float> values;
@@ -71,9 +75,10 @@ std::vector<int64_t> Ints(const std::string& list) {
 class CliScoreTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto server = ServerProcess::Start(
-        {"--device=cpu", "--cpu_threads=1", absl::StrCat("--synthetic_hidden_size=", kHidden),
-         absl::StrCat("--synthetic_vocab_size=", kVocab)});
+    auto server =
+        ServerProcess::Start({"--device=cpu", "--cpu_threads=1",
+                              absl::StrCat("--synthetic_hidden_size=", kHidden),
+                              absl::StrCat("--synthetic_vocab_size=", kVocab)});
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
   }
@@ -119,7 +124,8 @@ ServerProcess* CliScoreTest::server_ = nullptr;
 TEST_F(CliScoreTest, PrintsEntropyAndTopKWithTheLibrarysBits) {
   constexpr int64_t k = 5;
   int code = 0;
-  const std::string out = Score(absl::StrCat("--return_lse --entropy --top_k=", k), &code);
+  const std::string out =
+      Score(absl::StrCat("--return_lse --entropy --top_k=", k), &code);
   ASSERT_EQ(code, 0) << out;
   const std::vector<Fields> rows = RowLines(out);
   ASSERT_EQ(rows.size(), static_cast<size_t>(kRows)) << out;
@@ -128,9 +134,10 @@ TEST_F(CliScoreTest, PrintsEntropyAndTopKWithTheLibrarysBits) {
   for (int64_t r = 0; r < kRows; ++r) {
     SCOPED_TRACE(r);
     const Fields& row = rows[r];
-    for (const char* name : {"row", "target", "logprob", "lse", "entropy", "top_ids",
-                             "top_logprobs"}) {
-      ASSERT_EQ(row.count(name), 1u) << name << " missing in row " << r << ":\n" << out;
+    for (const char* name : {"row", "target", "logprob", "lse", "entropy",
+                             "top_ids", "top_logprobs"}) {
+      ASSERT_EQ(row.count(name), 1u) << name << " missing in row " << r << ":\n"
+                                     << out;
     }
     EXPECT_EQ(ParseFloat(row.at("logprob")), want.logprobs[r]);
     EXPECT_EQ(ParseFloat(row.at("lse")), want.lse[r]);
@@ -162,14 +169,17 @@ TEST_F(CliScoreTest, SmallerTopKPrintsAPrefix) {
   const std::vector<Fields> small_rows = RowLines(small);
   ASSERT_EQ(big_rows.size(), small_rows.size());
   for (size_t r = 0; r < big_rows.size(); ++r) {
-    const std::vector<std::string> big_ids = absl::StrSplit(big_rows[r].at("top_ids"), ',');
+    const std::vector<std::string> big_ids =
+        absl::StrSplit(big_rows[r].at("top_ids"), ',');
     const std::vector<std::string> big_values =
         absl::StrSplit(big_rows[r].at("top_logprobs"), ',');
     ASSERT_EQ(big_ids.size(), 8u);
     std::vector<std::string> prefix_ids(big_ids.begin(), big_ids.begin() + 3);
-    std::vector<std::string> prefix_values(big_values.begin(), big_values.begin() + 3);
+    std::vector<std::string> prefix_values(big_values.begin(),
+                                           big_values.begin() + 3);
     EXPECT_EQ(small_rows[r].at("top_ids"), absl::StrJoin(prefix_ids, ","));
-    EXPECT_EQ(small_rows[r].at("top_logprobs"), absl::StrJoin(prefix_values, ","));
+    EXPECT_EQ(small_rows[r].at("top_logprobs"),
+              absl::StrJoin(prefix_values, ","));
     EXPECT_EQ(small_rows[r].at("logprob"), big_rows[r].at("logprob"));
     EXPECT_EQ(small_rows[r].count("entropy"), 0u);
   }

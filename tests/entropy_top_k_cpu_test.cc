@@ -47,8 +47,12 @@ Outputs RunKernel(const TestLmHead& head, const std::vector<uint16_t>& hidden,
   out.entropy.assign(rows, NAN);
   out.top_ids.assign(rows * extras.top_k, -1);
   out.top_logprobs.assign(rows * extras.top_k, NAN);
-  LogpRowsView view{rows, hidden.data(), targets.data(), temperatures.data(),
-                    out.logprobs.data(), out.lse.data()};
+  LogpRowsView view{rows,
+                    hidden.data(),
+                    targets.data(),
+                    temperatures.data(),
+                    out.logprobs.data(),
+                    out.lse.data()};
   if (extras.entropy) view.entropy = out.entropy.data();
   view.top_k = extras.top_k;
   view.top_ids = out.top_ids.data();
@@ -111,8 +115,8 @@ TEST(EntropyTopKCpuTest, MatchesFloat64ReferenceWithBiasAndTemperature) {
       const Outputs out =
           RunKernel(head, hidden, targets, temperatures, extras, &pool);
       for (int64_t r = 0; r < rows; ++r) {
-        SCOPED_TRACE(::testing::Message() << "bias " << with_bias << " T "
-                                          << temperature);
+        SCOPED_TRACE(::testing::Message()
+                     << "bias " << with_bias << " T " << temperature);
         ExpectRowMatchesReference(head, hidden, temperature, out, r, extras);
       }
     }
@@ -125,7 +129,8 @@ TEST(EntropyTopKCpuTest, MatchesReferenceAtVocabularyEdgesAndLargestK) {
     const TestLmHead head = MakeTestLmHead(64, v, v, true, v);
     const auto hidden = RandomHidden(3, 64, v + 1);
     const auto targets = RandomTargets(3, v, v + 2);
-    const Extras extras{true, static_cast<int32_t>(std::min<int64_t>(kMaxTopK, v))};
+    const Extras extras{true,
+                        static_cast<int32_t>(std::min<int64_t>(kMaxTopK, v))};
     const Outputs out = RunKernel(head, hidden, targets,
                                   std::vector<float>(3, 1.0f), extras, nullptr);
     for (int64_t r = 0; r < 3; ++r) {
@@ -164,8 +169,9 @@ TEST(EntropyTopKCpuTest, FlatRowHasEntropyLogVAndTheLowestIds) {
     for (int64_t i = 0; i < v; ++i) head.bias[i] = 0.375f;
     const std::vector<uint16_t> hidden(2 * 64, FloatToBf16(0.0f));
     const Extras extras{true, 20};
-    const Outputs out = RunKernel(head, hidden, {0, static_cast<int32_t>(v - 1)},
-                                  {1.0f, 0.6f}, extras, nullptr);
+    const Outputs out =
+        RunKernel(head, hidden, {0, static_cast<int32_t>(v - 1)}, {1.0f, 0.6f},
+                  extras, nullptr);
     for (int64_t r = 0; r < 2; ++r) {
       SCOPED_TRACE(::testing::Message() << "V=" << v << " row " << r);
       EXPECT_NEAR(out.entropy[r], std::log(static_cast<double>(v)), 2e-3);
@@ -188,8 +194,10 @@ TEST(EntropyTopKCpuTest, PaddingRowsAreNeverChosenAndNeverCount) {
   const auto targets = RandomTargets(5, 1000, 5);
   const std::vector<float> temperatures(5, 1.0f);
   const Extras extras{true, kMaxTopK};
-  const Outputs a = RunKernel(padded, hidden, targets, temperatures, extras, nullptr);
-  const Outputs b = RunKernel(unpadded, hidden, targets, temperatures, extras, nullptr);
+  const Outputs a =
+      RunKernel(padded, hidden, targets, temperatures, extras, nullptr);
+  const Outputs b =
+      RunKernel(unpadded, hidden, targets, temperatures, extras, nullptr);
   for (int32_t id : a.top_ids) EXPECT_LT(id, 1000);
   EXPECT_TRUE(SameBits(a.entropy.data(), b.entropy.data(), 5 * sizeof(float)));
   EXPECT_EQ(a.top_ids, b.top_ids);
@@ -206,15 +214,17 @@ TEST(EntropyTopKCpuTest, ExtrasNeverChangeEachOtherOrLogprobBits) {
   const auto targets = RandomTargets(rows, head.vocab_size, 73);
   const std::vector<float> temperatures(rows, 0.9f);
   ThreadPool pool(3);
-  const Outputs plain = RunKernel(head, hidden, targets, temperatures, {}, &pool);
+  const Outputs plain =
+      RunKernel(head, hidden, targets, temperatures, {}, &pool);
   const Outputs full =
       RunKernel(head, hidden, targets, temperatures, {true, kMaxTopK}, &pool);
   const size_t bytes = rows * sizeof(float);
   for (Extras extras : {Extras{true, 0}, Extras{false, 1}, Extras{false, 3},
                         Extras{true, 20}, Extras{true, kMaxTopK}}) {
-    SCOPED_TRACE(::testing::Message() << "entropy " << extras.entropy << " k "
-                                      << extras.top_k);
-    const Outputs out = RunKernel(head, hidden, targets, temperatures, extras, &pool);
+    SCOPED_TRACE(::testing::Message()
+                 << "entropy " << extras.entropy << " k " << extras.top_k);
+    const Outputs out =
+        RunKernel(head, hidden, targets, temperatures, extras, &pool);
     EXPECT_TRUE(SameBits(out.logprobs.data(), plain.logprobs.data(), bytes));
     EXPECT_TRUE(SameBits(out.lse.data(), plain.lse.data(), bytes));
     if (extras.entropy) {
@@ -242,7 +252,8 @@ TEST(EntropyTopKCpuTest, RowBitsIndependentOfBatchPositionChunkingAndThreads) {
   const std::vector<float> temperatures(rows, 1.3f);
   const Extras extras{true, 20};
   ThreadPool pool(3);
-  const Outputs full = RunKernel(head, hidden, targets, temperatures, extras, &pool);
+  const Outputs full =
+      RunKernel(head, hidden, targets, temperatures, extras, &pool);
 
   auto expect_rows_equal = [&](const Outputs& out, int64_t out_row, int64_t r) {
     ASSERT_TRUE(SameBits(out.entropy[out_row], full.entropy[r])) << "row " << r;
@@ -255,22 +266,25 @@ TEST(EntropyTopKCpuTest, RowBitsIndependentOfBatchPositionChunkingAndThreads) {
     ASSERT_TRUE(SameBits(out.lse[out_row], full.lse[r])) << "row " << r;
   };
   for (int64_t r : {0, 1, 3, 4, 255, 511, 512, 513, 699}) {
-    const std::vector<uint16_t> one(hidden.begin() + r * head.hidden_size,
-                                    hidden.begin() + (r + 1) * head.hidden_size);
-    const Outputs alone = RunKernel(head, one, {targets[r]}, {1.3f}, extras, nullptr);
+    const std::vector<uint16_t> one(
+        hidden.begin() + r * head.hidden_size,
+        hidden.begin() + (r + 1) * head.hidden_size);
+    const Outputs alone =
+        RunKernel(head, one, {targets[r]}, {1.3f}, extras, nullptr);
     expect_rows_equal(alone, 0, r);
   }
   for (int64_t chunk : {1, 7, 256, 513}) {
     for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
       for (int64_t begin = 0; begin < rows; begin += chunk) {
         const int64_t end = std::min(rows, begin + chunk);
-        const std::vector<uint16_t> part(hidden.begin() + begin * head.hidden_size,
-                                         hidden.begin() + end * head.hidden_size);
+        const std::vector<uint16_t> part(
+            hidden.begin() + begin * head.hidden_size,
+            hidden.begin() + end * head.hidden_size);
         const std::vector<int32_t> part_targets(targets.begin() + begin,
                                                 targets.begin() + end);
-        const Outputs out = RunKernel(head, part, part_targets,
-                                      std::vector<float>(end - begin, 1.3f),
-                                      extras, p);
+        const Outputs out =
+            RunKernel(head, part, part_targets,
+                      std::vector<float>(end - begin, 1.3f), extras, p);
         for (int64_t r = begin; r < end; ++r) {
           SCOPED_TRACE(::testing::Message() << "chunk " << chunk);
           expect_rows_equal(out, r - begin, r);
@@ -293,7 +307,8 @@ TEST(EntropyTopKCpuTest, ProbeAtEveryPositionAmongDifferentNeighbours) {
     // Neighbours at other temperatures: only the probe's own must matter.
     std::vector<float> temperatures(66, 1.7f);
     temperatures[position] = 0.8f;
-    const Outputs out = RunKernel(head, batch, targets, temperatures, extras, nullptr);
+    const Outputs out =
+        RunKernel(head, batch, targets, temperatures, extras, nullptr);
     EXPECT_TRUE(SameBits(out.entropy[position], alone.entropy[0]));
     EXPECT_TRUE(SameBits(&out.top_ids[position * 8], alone.top_ids.data(),
                          8 * sizeof(int32_t)));
@@ -310,18 +325,28 @@ TEST(EntropyTopKCpuTest, RejectsBadTopKAndMissingBuffers) {
   std::vector<float> logprobs(2, NAN), lse(2, NAN), top_logprobs(2 * 64);
   std::vector<int32_t> top_ids(2 * 64);
   for (int32_t bad : {-1, 21, kMaxTopK + 1}) {  // V = 20
-    LogpRowsView view{2, hidden.data(), targets.data(), temperatures.data(),
-                      logprobs.data(), lse.data()};
+    LogpRowsView view{2,
+                      hidden.data(),
+                      targets.data(),
+                      temperatures.data(),
+                      logprobs.data(),
+                      lse.data()};
     view.top_k = bad;
     view.top_ids = top_ids.data();
     view.top_logprobs = top_logprobs.data();
-    const absl::Status status = ComputeLinearLogpCpu(head.view(), view, nullptr);
+    const absl::Status status =
+        ComputeLinearLogpCpu(head.view(), view, nullptr);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
-    EXPECT_NE(status.message().find("top_k"), absl::string_view::npos) << status;
+    EXPECT_NE(status.message().find("top_k"), absl::string_view::npos)
+        << status;
     EXPECT_TRUE(std::isnan(logprobs[0])) << "computed despite top_k " << bad;
   }
-  LogpRowsView view{2, hidden.data(), targets.data(), temperatures.data(),
-                    logprobs.data(), lse.data()};
+  LogpRowsView view{2,
+                    hidden.data(),
+                    targets.data(),
+                    temperatures.data(),
+                    logprobs.data(),
+                    lse.data()};
   view.top_k = 3;
   view.top_logprobs = top_logprobs.data();
   EXPECT_EQ(ComputeLinearLogpCpu(head.view(), view, nullptr).code(),

@@ -45,7 +45,8 @@ struct Rows {
 };
 
 Rows RandomRows(int64_t n, uint64_t seed) {
-  return {client::RandomBf16Rows(n, kH, seed), client::RandomTargets(n, kV, seed)};
+  return {client::RandomBf16Rows(n, kH, seed),
+          client::RandomTargets(n, kV, seed)};
 }
 
 LogProbRequest MakeRequest(const Rows& rows, bool entropy, int64_t top_k,
@@ -117,8 +118,8 @@ class EntropyTopKServerTest : public ::testing::Test {
 
   static std::unique_ptr<v1::LogProbService::Stub> Stub(
       const ServerProcess& server = *server_) {
-    return v1::LogProbService::NewStub(
-        grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+    return v1::LogProbService::NewStub(grpc::CreateChannel(
+        server.target(), grpc::InsecureChannelCredentials()));
   }
 
   static grpc::Status Score(v1::LogProbService::Stub* stub,
@@ -138,7 +139,8 @@ TEST_F(EntropyTopKServerTest, FieldsAppearOnlyWhenAskedWithTheirShapes) {
   for (bool entropy : {false, true}) {
     for (int64_t k : {0, 1, 7, 20}) {
       LogProbResponse response;
-      const grpc::Status status = Score(stub.get(), MakeRequest(rows, entropy, k), &response);
+      const grpc::Status status =
+          Score(stub.get(), MakeRequest(rows, entropy, k), &response);
       ASSERT_TRUE(status.ok()) << status.error_message();
       EXPECT_EQ(response.logprobs_size(), 3);
       EXPECT_EQ(response.entropy_size(), entropy ? 3 : 0) << "k " << k;
@@ -154,11 +156,12 @@ TEST_F(EntropyTopKServerTest, AnswersMatchFloat64Reference) {
   const Rows rows = RandomRows(3, 2);
   const int64_t k = 20;
   LogProbResponse response;
-  ASSERT_TRUE(Score(stub.get(), MakeRequest(rows, true, k, 0.8f), &response).ok());
+  ASSERT_TRUE(
+      Score(stub.get(), MakeRequest(rows, true, k, 0.8f), &response).ok());
   for (int64_t r = 0; r < 3; ++r) {
     const auto ref = testing::ReferenceEntropyAndRanking(
-        weights.view(), reinterpret_cast<const uint16_t*>(rows.hidden.data()) + r * kH,
-        0.8);
+        weights.view(),
+        reinterpret_cast<const uint16_t*>(rows.hidden.data()) + r * kH, 0.8);
     EXPECT_NEAR(response.entropy(r), ref.entropy, 2e-3) << "row " << r;
     for (int64_t i = 0; i < k; ++i) {
       const double z_i = ref.z[ref.ranked[i]];
@@ -167,7 +170,8 @@ TEST_F(EntropyTopKServerTest, AnswersMatchFloat64Reference) {
       if (gaps) {
         EXPECT_EQ(response.top_ids(r * k + i), ref.ranked[i]) << r << "/" << i;
       }
-      EXPECT_NEAR(response.top_logprobs(r * k + i), z_i - ref.lse, 1e-3) << r << "/" << i;
+      EXPECT_NEAR(response.top_logprobs(r * k + i), z_i - ref.lse, 1e-3)
+          << r << "/" << i;
     }
   }
 }
@@ -195,7 +199,9 @@ TEST_F(EntropyTopKServerTest, RowBitsSurviveMixedConcurrentRequests) {
     auto stub = Stub();
     for (int64_t p = 0; p < probes.size(); ++p) {
       LogProbResponse response;
-      ASSERT_TRUE(Score(stub.get(), MakeRequest(probes.Row(p), true, 20), &response).ok());
+      ASSERT_TRUE(
+          Score(stub.get(), MakeRequest(probes.Row(p), true, 20), &response)
+              .ok());
       alone.push_back(RowOf(response, 0, 20));
     }
   }
@@ -203,8 +209,8 @@ TEST_F(EntropyTopKServerTest, RowBitsSurviveMixedConcurrentRequests) {
     bool entropy;
     int64_t k;
   };
-  const std::vector<Mix> mixes = {{true, 0}, {false, 3}, {true, 20}, {false, 0},
-                                  {false, 1}, {true, 5}};
+  const std::vector<Mix> mixes = {{true, 0},  {false, 3}, {true, 20},
+                                  {false, 0}, {false, 1}, {true, 5}};
   constexpr int kThreads = 6;
   constexpr int kCallsPerThread = 4;
   absl::Mutex mu;
@@ -224,7 +230,8 @@ TEST_F(EntropyTopKServerTest, RowBitsSurviveMixedConcurrentRequests) {
     }
     const RowAnswer got = RowOf(response, position, mix.k);
     const RowAnswer& want = alone[p];
-    bool same = SameBits(got.logprob, want.logprob) && SameBits(got.lse, want.lse) &&
+    bool same = SameBits(got.logprob, want.logprob) &&
+                SameBits(got.lse, want.lse) &&
                 (!mix.entropy || SameBits(got.entropy, want.entropy));
     for (int64_t i = 0; i < mix.k; ++i) {
       same = same && got.top_ids[i] == want.top_ids[i] &&
@@ -246,7 +253,8 @@ TEST_F(EntropyTopKServerTest, RowBitsSurviveMixedConcurrentRequests) {
         Rows rows = RandomRows(0, 0);
         for (int64_t r = 0; r < position; ++r) rows.Append(others.Row(r));
         rows.Append(probes.Row(p));
-        for (int64_t r = position; r < neighbours; ++r) rows.Append(others.Row(r));
+        for (int64_t r = position; r < neighbours; ++r)
+          rows.Append(others.Row(r));
         const std::string where = absl::StrCat("thread ", t, " call ", c);
         const LogProbRequest request = MakeRequest(rows, mix.entropy, mix.k);
         LogProbResponse response;
@@ -260,7 +268,8 @@ TEST_F(EntropyTopKServerTest, RowBitsSurviveMixedConcurrentRequests) {
         grpc::ClientContext context;
         auto stream = stub->StreamLogProbs(&context);
         const Mix other = mixes[(t + c + 1) % mixes.size()];
-        const LogProbRequest filler = MakeRequest(others, other.entropy, other.k);
+        const LogProbRequest filler =
+            MakeRequest(others, other.entropy, other.k);
         stream->Write(filler);
         stream->Write(request);
         stream->Write(filler);
@@ -280,16 +289,19 @@ TEST_F(EntropyTopKServerTest, RowBitsSurviveMixedConcurrentRequests) {
     });
   }
   for (std::thread& thread : threads) thread.join();
-  EXPECT_TRUE(failures.empty()) << failures.size() << " failures, first: "
-                                << (failures.empty() ? "" : failures.front());
+  EXPECT_TRUE(failures.empty())
+      << failures.size()
+      << " failures, first: " << (failures.empty() ? "" : failures.front());
 }
 
 TEST_F(EntropyTopKServerTest, BadTopKIsInvalidArgumentNamingTheField) {
   auto stub = Stub();
   const Rows rows = RandomRows(2, 5);
-  for (int64_t bad : {int64_t{-1}, int64_t{21}, int64_t{33}, int64_t{1} << 40}) {
+  for (int64_t bad :
+       {int64_t{-1}, int64_t{21}, int64_t{33}, int64_t{1} << 40}) {
     LogProbResponse response;
-    const grpc::Status status = Score(stub.get(), MakeRequest(rows, true, bad), &response);
+    const grpc::Status status =
+        Score(stub.get(), MakeRequest(rows, true, bad), &response);
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << bad;
     EXPECT_NE(status.error_message().find("top_k"), std::string::npos)
         << status.error_message();
@@ -332,7 +344,8 @@ TEST_F(EntropyTopKServerTest, MaxTopKFlagSetsTheLimitAndIsCheckedAtStartUp) {
   const Rows rows = RandomRows(2, 6);
   LogProbResponse response;
   EXPECT_TRUE(Score(stub.get(), MakeRequest(rows, false, 5), &response).ok());
-  const grpc::Status status = Score(stub.get(), MakeRequest(rows, false, 6), &response);
+  const grpc::Status status =
+      Score(stub.get(), MakeRequest(rows, false, 6), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("top_k"), std::string::npos);
   EXPECT_NE(status.error_message().find("5 (--max_top_k)"), std::string::npos)

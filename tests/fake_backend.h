@@ -44,7 +44,9 @@ class FakeBackend final : public server::LogpBackend {
   }
 
   // The model of offset 0 that tests use unless they need several.
-  const std::shared_ptr<const server::LogpModel>& model() const { return default_model_; }
+  const std::shared_ptr<const server::LogpModel>& model() const {
+    return default_model_;
+  }
   static std::shared_ptr<const server::LogpModel> MakeModel(int64_t hidden_size,
                                                             float offset) {
     return std::make_shared<FakeModel>(hidden_size, offset);
@@ -65,7 +67,9 @@ class FakeBackend final : public server::LogpBackend {
         new Executor(this, max_batch_rows));
   }
 
-  void set_delay(absl::Duration delay) { delay_ns_ = absl::ToInt64Nanoseconds(delay); }
+  void set_delay(absl::Duration delay) {
+    delay_ns_ = absl::ToInt64Nanoseconds(delay);
+  }
   void set_fail(bool fail) { fail_ = fail; }
   int64_t rows_computed() const { return rows_computed_; }
   int64_t batches_started() const { return batches_started_; }
@@ -99,12 +103,18 @@ class FakeBackend final : public server::LogpBackend {
           entropy_(capacity),
           top_ids_(capacity * kernels::kMaxTopK),
           top_logprobs_(capacity * kernels::kMaxTopK) {}
-    absl::StatusOr<server::LogpStaging> Stage(const server::LogpModel& model) override {
+    absl::StatusOr<server::LogpStaging> Stage(
+        const server::LogpModel& model) override {
       hidden_.resize(targets_.size() * model.hidden_size());
-      return server::LogpStaging{static_cast<int64_t>(targets_.size()), hidden_.data(),
-                                 targets_.data(), temperatures_.data(),
-                                 logprobs_.data(), lse_.data(), entropy_.data(),
-                                 top_ids_.data(), top_logprobs_.data()};
+      return server::LogpStaging{static_cast<int64_t>(targets_.size()),
+                                 hidden_.data(),
+                                 targets_.data(),
+                                 temperatures_.data(),
+                                 logprobs_.data(),
+                                 lse_.data(),
+                                 entropy_.data(),
+                                 top_ids_.data(),
+                                 top_logprobs_.data()};
     }
     void RowsStaged(int64_t rows) override {
       if (rows <= staged_rows_) staging_in_order_ = false;
@@ -114,7 +124,8 @@ class FakeBackend final : public server::LogpBackend {
                      const server::LogpExtras& extras) override {
       const auto& fake = static_cast<const FakeModel&>(model);
       ++backend_->batches_started_;
-      if (!staging_in_order_ || staged_rows_ != rows) ++backend_->bad_staging_batches_;
+      if (!staging_in_order_ || staged_rows_ != rows)
+        ++backend_->bad_staging_batches_;
       staged_rows_ = 0;
       staging_in_order_ = true;
       absl::SleepFor(absl::Nanoseconds(backend_->delay_ns_.load()));
@@ -129,8 +140,10 @@ class FakeBackend final : public server::LogpBackend {
         logprobs_[r] = kernels::Bf16ToFloat(hidden_[r * model.hidden_size()]) +
                        static_cast<float>(targets_[r]) + fake.offset();
         lse_[r] = temperatures_[r];
-        const float h0 = std::fabs(kernels::Bf16ToFloat(hidden_[r * model.hidden_size()]));
-        if (extras.entropy) entropy_[r] = h0 + 0.001f * static_cast<float>(targets_[r]);
+        const float h0 =
+            std::fabs(kernels::Bf16ToFloat(hidden_[r * model.hidden_size()]));
+        if (extras.entropy)
+          entropy_[r] = h0 + 0.001f * static_cast<float>(targets_[r]);
         for (int32_t i = 0; i < extras.top_k; ++i) {
           top_ids_[r * extras.top_k + i] =
               static_cast<int32_t>((targets_[r] + i) % model.vocab_size());

@@ -30,14 +30,16 @@ std::string Runfile(const std::string& path) {
 
 // Runs `binary arguments`; returns whether it exited normally and its output
 // (stdout and stderr).
-std::pair<bool, std::string> Run(const std::string& binary, const std::string& arguments) {
+std::pair<bool, std::string> Run(const std::string& binary,
+                                 const std::string& arguments) {
   const std::string command = Runfile(binary) + " " + arguments + " 2>&1";
   FILE* pipe = popen(command.c_str(), "r");
   if (pipe == nullptr) return {false, "popen failed"};
   std::string output;
   char buffer[4096];
   size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0)
+    output.append(buffer, n);
   const int status = pclose(pipe);
   return {WIFEXITED(status), output};
 }
@@ -74,12 +76,14 @@ std::map<std::string, std::string> ListedFlags(const std::string& help) {
     }
   }
   std::map<std::string, std::string> flags;
-  for (absl::string_view entry : absl::StrSplit(joined, '\n', absl::SkipEmpty())) {
+  for (absl::string_view entry :
+       absl::StrSplit(joined, '\n', absl::SkipEmpty())) {
     if (!absl::ConsumePrefix(&entry, "--")) continue;
     const size_t space = entry.find(' ');
     const std::string name(entry.substr(0, space));
     const size_t at = entry.rfind("; default: ");
-    if (space == absl::string_view::npos || at == absl::string_view::npos) continue;
+    if (space == absl::string_view::npos || at == absl::string_view::npos)
+      continue;
     absl::string_view value = entry.substr(at + 11);
     absl::ConsumeSuffix(&value, ";");
     flags[name] = std::string(value);
@@ -98,7 +102,8 @@ void ExpectListsEveryFlag(const std::string& binary, const std::string& source,
   ASSERT_GT(defined.size(), 10u) << "no ABSL_FLAG found in " << source;
   for (const std::string& name : defined) {
     EXPECT_EQ(listed.count(name), 1u)
-        << binary << " " << help_flag << " does not list --" << name << ":\n" << help;
+        << binary << " " << help_flag << " does not list --" << name << ":\n"
+        << help;
   }
   for (const auto& [name, value] : defaults) {
     auto it = listed.find(name);
@@ -109,17 +114,15 @@ void ExpectListsEveryFlag(const std::string& binary, const std::string& source,
 
 TEST(HelpFlagsTest, ServerHelpListsEveryFlagWithDefaults) {
   const std::map<std::string, std::string> defaults = {
-      {"host", "\"127.0.0.1\""},
-      {"port", "50051"},
-      {"device", "\"auto\""},
-      {"lm_head_tensor", "\"lm_head.weight\""},
-      {"max_versions_per_model", "2"},
-      {"max_message_mb", "160"},
+      {"host", "\"127.0.0.1\""},       {"port", "50051"},
+      {"device", "\"auto\""},          {"lm_head_tensor", "\"lm_head.weight\""},
+      {"max_versions_per_model", "2"}, {"max_message_mb", "160"},
       {"max_request_rows", "65536"},
   };
   for (const char* help_flag : {"--help", "--helpshort"}) {
     SCOPED_TRACE(help_flag);
-    ExpectListsEveryFlag("server/detlogp_server", "server/main.cc", help_flag, defaults);
+    ExpectListsEveryFlag("server/detlogp_server", "server/main.cc", help_flag,
+                         defaults);
   }
 }
 
@@ -135,7 +138,8 @@ TEST(HelpFlagsTest, CliHelpListsEveryFlagWithDefaults) {
   };
   for (const char* help_flag : {"--help", "--helpshort"}) {
     SCOPED_TRACE(help_flag);
-    ExpectListsEveryFlag("client/detlogp_cli", "client/cli_main.cc", help_flag, defaults);
+    ExpectListsEveryFlag("client/detlogp_cli", "client/cli_main.cc", help_flag,
+                         defaults);
   }
 }
 

@@ -85,7 +85,8 @@ constexpr int64_t kPage = CachingHostBufferPool::kAlignment;
 
 TEST(CachingHostBufferPoolTest, CarvesBuffersOfAnySizeFromOneBlock) {
   CountedMemory memory;
-  auto pool = *CachingHostBufferPool::Create(memory.Options(1 << 20, 16 * kPage));
+  auto pool =
+      *CachingHostBufferPool::Create(memory.Options(1 << 20, 16 * kPage));
   {
     std::vector<HostBuffer> buffers;
     for (size_t bytes : {size_t{1000}, size_t{5000}, size_t{3 * kPage}}) {
@@ -96,11 +97,13 @@ TEST(CachingHostBufferPoolTest, CarvesBuffersOfAnySizeFromOneBlock) {
     EXPECT_EQ(pool->held_bytes(), 16 * kPage);
     // Disjoint: each buffer keeps what was written into it.
     for (size_t i = 0; i < buffers.size(); ++i) {
-      std::memset(buffers[i].data(), static_cast<int>('a' + i), buffers[i].bytes());
+      std::memset(buffers[i].data(), static_cast<int>('a' + i),
+                  buffers[i].bytes());
     }
     for (size_t i = 0; i < buffers.size(); ++i) {
       for (size_t b = 0; b < buffers[i].bytes(); ++b) {
-        ASSERT_EQ(buffers[i].data()[b], static_cast<char>('a' + i)) << i << " " << b;
+        ASSERT_EQ(buffers[i].data()[b], static_cast<char>('a' + i))
+            << i << " " << b;
       }
     }
     EXPECT_EQ(pool->stats().cached_bytes, (16 - 1 - 2 - 3) * kPage);
@@ -122,7 +125,8 @@ TEST(CachingHostBufferPoolTest, CarvesBuffersOfAnySizeFromOneBlock) {
 
 TEST(CachingHostBufferPoolTest, FreedNeighboursCoalesce) {
   CountedMemory memory;
-  auto pool = *CachingHostBufferPool::Create(memory.Options(1 << 20, 4 * kPage));
+  auto pool =
+      *CachingHostBufferPool::Create(memory.Options(1 << 20, 4 * kPage));
   HostBuffer a = pool->Acquire(kPage);
   HostBuffer b = pool->Acquire(kPage);
   HostBuffer c = pool->Acquire(kPage - 1);
@@ -145,9 +149,11 @@ TEST(CachingHostBufferPoolTest, FreedNeighboursCoalesce) {
   EXPECT_EQ(memory.allocations.load(), 1);
 }
 
-TEST(CachingHostBufferPoolTest, IdleBlocksBeyondTheBoundAreFreedIdleLongestFirst) {
+TEST(CachingHostBufferPoolTest,
+     IdleBlocksBeyondTheBoundAreFreedIdleLongestFirst) {
   CountedMemory memory;
-  auto pool = *CachingHostBufferPool::Create(memory.Options(2 * kPage, 2 * kPage));
+  auto pool =
+      *CachingHostBufferPool::Create(memory.Options(2 * kPage, 2 * kPage));
   HostBuffer x = pool->Acquire(2 * kPage);
   HostBuffer y = pool->Acquire(2 * kPage);
   HostBuffer z = pool->Acquire(2 * kPage);
@@ -177,7 +183,8 @@ TEST(CachingHostBufferPoolTest, IdleBlocksBeyondTheBoundAreFreedIdleLongestFirst
 
 TEST(CachingHostBufferPoolTest, BlocksWithABufferOutAreNeverFreed) {
   CountedMemory memory;
-  auto pool = *CachingHostBufferPool::Create(memory.Options(2 * kPage, 2 * kPage));
+  auto pool =
+      *CachingHostBufferPool::Create(memory.Options(2 * kPage, 2 * kPage));
   HostBuffer a = pool->Acquire(kPage);
   HostBuffer b = pool->Acquire(kPage);  // a's block, second page
   HostBuffer c = pool->Acquire(2 * kPage);
@@ -200,11 +207,13 @@ TEST(CachingHostBufferPoolTest, BlocksWithABufferOutAreNeverFreed) {
 // round: docs/perf.md, session 15).
 TEST(CachingHostBufferPoolTest, ChangingSizesReuseTheSameMemory) {
   CountedMemory memory;
-  auto pool = *CachingHostBufferPool::Create(memory.Options(16 * kPage, 16 * kPage));
+  auto pool =
+      *CachingHostBufferPool::Create(memory.Options(16 * kPage, 16 * kPage));
   for (int round = 0; round < 3; ++round) {
     for (int64_t pages : {1, 2, 4, 4, 2, 1}) {
       std::vector<HostBuffer> in_use;
-      for (int i = 0; i < 4; ++i) in_use.push_back(pool->Acquire(pages * kPage - 100));
+      for (int i = 0; i < 4; ++i)
+        in_use.push_back(pool->Acquire(pages * kPage - 100));
     }
   }
   EXPECT_EQ(memory.allocations.load(), 1);
@@ -239,7 +248,8 @@ TEST(CachingHostBufferPoolTest, FailedAllocationFallsBackToTheHeap) {
 // reference frees everything.
 TEST(CachingHostBufferPoolTest, BuffersKeepThePoolAlive) {
   CountedMemory memory;
-  auto pool = *CachingHostBufferPool::Create(memory.Options(1 << 20, 2 * kPage));
+  auto pool =
+      *CachingHostBufferPool::Create(memory.Options(1 << 20, 2 * kPage));
   std::weak_ptr<CachingHostBufferPool> watch = pool;
   HostBuffer cached = pool->Acquire(100);
   HostBuffer late = pool->Acquire(200);
@@ -257,7 +267,8 @@ TEST(CachingHostBufferPoolTest, BuffersKeepThePoolAlive) {
 
 TEST(CachingHostBufferPoolTest, ManyThreadsAcquireAndRelease) {
   CountedMemory memory;
-  auto pool = *CachingHostBufferPool::Create(memory.Options(64 << 10, 16 << 10));
+  auto pool =
+      *CachingHostBufferPool::Create(memory.Options(64 << 10, 16 << 10));
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&, t] {
@@ -288,18 +299,22 @@ TEST(CachingHostBufferPoolTest, BadOptionsNameTheField) {
   CachingHostBufferPool::Options options = memory.Options(-1);
   auto negative = CachingHostBufferPool::Create(options);
   EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(negative.status().message().find("max_cached_bytes"), std::string::npos);
+  EXPECT_NE(negative.status().message().find("max_cached_bytes"),
+            std::string::npos);
   options = memory.Options(0, 0);
-  EXPECT_NE(CachingHostBufferPool::Create(options).status().message().find("block_bytes"),
+  EXPECT_NE(CachingHostBufferPool::Create(options).status().message().find(
+                "block_bytes"),
             std::string::npos);
   options = memory.Options(0);
   options.allocate = nullptr;
-  EXPECT_NE(CachingHostBufferPool::Create(options).status().message().find("allocate"),
+  EXPECT_NE(CachingHostBufferPool::Create(options).status().message().find(
+                "allocate"),
             std::string::npos);
   options = memory.Options(0);
   options.free = nullptr;
-  EXPECT_NE(CachingHostBufferPool::Create(options).status().message().find("free"),
-            std::string::npos);
+  EXPECT_NE(
+      CachingHostBufferPool::Create(options).status().message().find("free"),
+      std::string::npos);
 }
 
 }  // namespace

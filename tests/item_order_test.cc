@@ -14,7 +14,8 @@ TEST(ItemOrder, EveryRowBlockAndSplitOnce) {
       for (int group : {1, 3, 8, 16, 32, 64}) {
         std::vector<int> seen(row_blocks * splits, 0);
         for (int item = 0; item < row_blocks * splits; ++item) {
-          const RowBlockAndSplit rs = DecodeItem(item, row_blocks, splits, group);
+          const RowBlockAndSplit rs =
+              DecodeItem(item, row_blocks, splits, group);
           ASSERT_GE(rs.row_block, 0);
           ASSERT_LT(rs.row_block, row_blocks);
           ASSERT_GE(rs.split, 0);
@@ -36,8 +37,9 @@ TEST(ItemOrder, RowBlocksFastestInsideAGroup) {
   struct Case {
     int item, row_block, split;
   };
-  for (const Case& c : {Case{0, 0, 0}, Case{7, 7, 0}, Case{8, 0, 1}, Case{24, 8, 0},
-                        Case{48 + 5, 17, 1}}) {  // last group: 16 + 5 % 4
+  for (const Case& c :
+       {Case{0, 0, 0}, Case{7, 7, 0}, Case{8, 0, 1}, Case{24, 8, 0},
+        Case{48 + 5, 17, 1}}) {  // last group: 16 + 5 % 4
     const RowBlockAndSplit rs = DecodeItem(c.item, 20, 3, 8);
     EXPECT_EQ(rs.row_block, c.row_block) << "item " << c.item;
     EXPECT_EQ(rs.split, c.split) << "item " << c.item;

@@ -68,7 +68,8 @@ TEST(BestShippedSass, SameMajorNotNewer) {
 TEST(ParseLogpKernelChoice, ValuesAndError) {
   EXPECT_EQ(*server::ParseLogpKernelChoice(""), LogpKernelChoice::kAuto);
   EXPECT_EQ(*server::ParseLogpKernelChoice("auto"), LogpKernelChoice::kAuto);
-  EXPECT_EQ(*server::ParseLogpKernelChoice("hopper"), LogpKernelChoice::kHopper);
+  EXPECT_EQ(*server::ParseLogpKernelChoice("hopper"),
+            LogpKernelChoice::kHopper);
   EXPECT_EQ(*server::ParseLogpKernelChoice("portable"),
             LogpKernelChoice::kPortable);
   auto bad = server::ParseLogpKernelChoice("wgmma");
@@ -110,8 +111,8 @@ TEST(SelectGpus, AutoPicksTheKernelByComputeCapability) {
 }
 
 TEST(SelectGpus, FlagForcesTheKernel) {
-  auto portable = SelectGpus(Gpus({kH200a}), 0, false,
-                             LogpKernelChoice::kPortable);
+  auto portable =
+      SelectGpus(Gpus({kH200a}), 0, false, LogpKernelChoice::kPortable);
   ASSERT_TRUE(portable.ok()) << portable.status();
   EXPECT_EQ(portable->kernel, KernelKind::kPortable);
   auto hopper_on_a100 =
@@ -127,8 +128,8 @@ TEST(SelectGpus, FlagForcesTheKernel) {
   EXPECT_EQ(hopper_auto.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_NE(hopper_auto.status().message().find("--logp_kernel=hopper"),
             std::string::npos);
-  auto out_of_range = SelectGpus(Gpus({kA100}), 3, false,
-                                 LogpKernelChoice::kAuto);
+  auto out_of_range =
+      SelectGpus(Gpus({kA100}), 3, false, LogpKernelChoice::kAuto);
   EXPECT_EQ(out_of_range.status().code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -23,13 +23,17 @@ struct Outputs {
 };
 
 Outputs RunKernel(const TestLmHead& head, const std::vector<uint16_t>& hidden,
-            const std::vector<int32_t>& targets,
-            const std::vector<float>& temperatures, ThreadPool* pool) {
+                  const std::vector<int32_t>& targets,
+                  const std::vector<float>& temperatures, ThreadPool* pool) {
   const int64_t rows = static_cast<int64_t>(targets.size());
   // Poisoned so that an unwritten output cannot pass.
   Outputs out{std::vector<float>(rows, NAN), std::vector<float>(rows, NAN)};
-  LogpRowsView view{rows, hidden.data(), targets.data(), temperatures.data(),
-                    out.logprobs.data(), out.lse.data()};
+  LogpRowsView view{rows,
+                    hidden.data(),
+                    targets.data(),
+                    temperatures.data(),
+                    out.logprobs.data(),
+                    out.lse.data()};
   const absl::Status status = ComputeLinearLogpCpu(head.view(), view, pool);
   EXPECT_TRUE(status.ok()) << status;
   return out;
@@ -83,8 +87,9 @@ TEST(LinearLogpCpuTest, RowBitsIndependentOfBatchPositionChunkingAndThreads) {
 
   // Each row alone.
   for (int64_t r : {0, 1, 3, 4, 63, 64, 127, 128, 255, 299}) {
-    const std::vector<uint16_t> one(hidden.begin() + r * head.hidden_size,
-                                    hidden.begin() + (r + 1) * head.hidden_size);
+    const std::vector<uint16_t> one(
+        hidden.begin() + r * head.hidden_size,
+        hidden.begin() + (r + 1) * head.hidden_size);
     const Outputs alone = RunKernel(head, one, {targets[r]}, {1.3f}, nullptr);
     EXPECT_TRUE(SameBits(alone.logprobs[0], full.logprobs[r])) << "row " << r;
     EXPECT_TRUE(SameBits(alone.lse[0], full.lse[r])) << "row " << r;
@@ -94,12 +99,13 @@ TEST(LinearLogpCpuTest, RowBitsIndependentOfBatchPositionChunkingAndThreads) {
     for (ThreadPool* p : {static_cast<ThreadPool*>(nullptr), &pool}) {
       for (int64_t begin = 0; begin < rows; begin += chunk) {
         const int64_t end = std::min(rows, begin + chunk);
-        const std::vector<uint16_t> part(hidden.begin() + begin * head.hidden_size,
-                                         hidden.begin() + end * head.hidden_size);
+        const std::vector<uint16_t> part(
+            hidden.begin() + begin * head.hidden_size,
+            hidden.begin() + end * head.hidden_size);
         const std::vector<int32_t> part_targets(targets.begin() + begin,
                                                 targets.begin() + end);
         const Outputs out = RunKernel(head, part, part_targets,
-                                std::vector<float>(end - begin, 1.3f), p);
+                                      std::vector<float>(end - begin, 1.3f), p);
         for (int64_t r = begin; r < end; ++r) {
           ASSERT_TRUE(SameBits(out.logprobs[r - begin], full.logprobs[r]))
               << "chunk " << chunk << " row " << r;
@@ -136,8 +142,10 @@ TEST(LinearLogpCpuTest, RepeatedRunsGiveIdenticalBits) {
   for (int i = 0; i < 5; ++i) {
     const Outputs again = RunKernel(head, hidden, targets, temperatures, &pool);
     EXPECT_EQ(std::memcmp(first.logprobs.data(), again.logprobs.data(),
-                          17 * sizeof(float)), 0);
-    EXPECT_EQ(std::memcmp(first.lse.data(), again.lse.data(), 17 * sizeof(float)), 0);
+                          17 * sizeof(float)),
+              0);
+    EXPECT_EQ(
+        std::memcmp(first.lse.data(), again.lse.data(), 17 * sizeof(float)), 0);
   }
 }
 
@@ -165,9 +173,14 @@ TEST(LinearLogpCpuTest, RejectsTargetsOutsideVocabularyBeforeComputing) {
   const std::vector<float> temperatures(2, 1.0f);
   for (int32_t bad : {-1, 100, 127}) {  // 100..127 are padding rows
     const std::vector<int32_t> targets = {3, bad};
-    LogpRowsView view{2, hidden.data(), targets.data(), temperatures.data(),
-                      logprobs.data(), lse.data()};
-    const absl::Status status = ComputeLinearLogpCpu(head.view(), view, nullptr);
+    LogpRowsView view{2,
+                      hidden.data(),
+                      targets.data(),
+                      temperatures.data(),
+                      logprobs.data(),
+                      lse.data()};
+    const absl::Status status =
+        ComputeLinearLogpCpu(head.view(), view, nullptr);
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(std::isnan(logprobs[0])) << "computed despite a bad target";
   }

@@ -64,8 +64,8 @@ constexpr int64_t kV = 2000;
 std::string MakeTempDir(const std::string& name) {
   static std::atomic<int> counter{0};
   const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name, "_",
-                                       getpid(), "_", counter++);
+  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name,
+                                       "_", getpid(), "_", counter++);
   mkdir(dir.c_str(), 0755);
   return dir;
 }
@@ -102,15 +102,17 @@ void WriteText(const std::string& path, const std::string& text) {
 }
 
 // W ~ N(0, 0.05^2) in bf16, bias ~ N(0, 0.1^2): every seed a distinct model.
-LmHeadUpload RandomLmHead(const std::string& model, uint64_t seed, int64_t hidden = kH,
-                          int64_t vocab = kV, bool with_bias = true) {
+LmHeadUpload RandomLmHead(const std::string& model, uint64_t seed,
+                          int64_t hidden = kH, int64_t vocab = kV,
+                          bool with_bias = true) {
   LmHeadUpload upload;
   upload.model = model;
   upload.hidden_size = hidden;
   upload.padded_vocab_size = vocab;
   kernels::RandomNormal random(seed * 7919 + 11);
   upload.weight.resize(vocab * hidden);
-  for (uint16_t& w : upload.weight) w = kernels::FloatToBf16(random.Next(0.05f));
+  for (uint16_t& w : upload.weight)
+    w = kernels::FloatToBf16(random.Next(0.05f));
   if (with_bias) {
     upload.bias.resize(vocab);
     for (float& b : upload.bias) b = random.Next(0.1f);
@@ -119,7 +121,8 @@ LmHeadUpload RandomLmHead(const std::string& model, uint64_t seed, int64_t hidde
 }
 
 // As a .safetensors file: lm_head.weight BF16 [V_pad, H], lm_head.bias F32.
-absl::Status WriteLmHeadFile(const std::string& path, const LmHeadUpload& upload) {
+absl::Status WriteLmHeadFile(const std::string& path,
+                             const LmHeadUpload& upload) {
   std::vector<server::SafetensorToWrite> tensors(1);
   tensors[0].name = "lm_head.weight";
   tensors[0].dtype = "BF16";
@@ -145,18 +148,19 @@ struct Rows {
   std::vector<int64_t> targets;
 
   int64_t size() const { return static_cast<int64_t>(targets.size()); }
-  v1::LogProbRequest Request(const std::vector<int>& picks, const std::string& model,
-                             int64_t version, const std::string& id = "r") const {
+  v1::LogProbRequest Request(const std::vector<int>& picks,
+                             const std::string& model, int64_t version,
+                             const std::string& id = "r") const {
     std::string bytes;
     std::vector<int64_t> picked_targets;
     for (int p : picks) {
       bytes.append(data, p * hidden * 2, hidden * 2);
       picked_targets.push_back(targets[p]);
     }
-    return client::MakeLogProbRequest(id, v1::DTYPE_BFLOAT16,
-                                      static_cast<int64_t>(picks.size()), hidden,
-                                      std::move(bytes), picked_targets, 1.0f,
-                                      /*return_lse=*/true, model, version);
+    return client::MakeLogProbRequest(
+        id, v1::DTYPE_BFLOAT16, static_cast<int64_t>(picks.size()), hidden,
+        std::move(bytes), picked_targets, 1.0f,
+        /*return_lse=*/true, model, version);
   }
   v1::LogProbRequest All(const std::string& model, int64_t version) const {
     std::vector<int> picks(size());
@@ -197,7 +201,8 @@ std::string TestDevice() {
 }
 
 std::unique_ptr<ServerProcess> StartServer(std::vector<std::string> args) {
-  args.insert(args.begin(), {"--device=" + TestDevice(), "--bias_tensor=lm_head.bias"});
+  args.insert(args.begin(),
+              {"--device=" + TestDevice(), "--bias_tensor=lm_head.bias"});
   auto server = ServerProcess::Start(args, 60);
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? *std::move(server) : nullptr;
@@ -225,7 +230,8 @@ std::unique_ptr<ModelRepositoryClient> Repo(const ServerProcess& server,
 }
 
 // Each row scored alone, pinned to `version`.
-absl::StatusOr<std::vector<RowBits>> SoloBits(LogpClient& client, const Rows& rows,
+absl::StatusOr<std::vector<RowBits>> SoloBits(LogpClient& client,
+                                              const Rows& rows,
                                               const std::string& model,
                                               int64_t version) {
   std::vector<RowBits> out;
@@ -233,9 +239,9 @@ absl::StatusOr<std::vector<RowBits>> SoloBits(LogpClient& client, const Rows& ro
     auto result = client.Score(rows.Request({r}, model, version, "solo"));
     if (!result.ok()) return result.status();
     if (result->model != model || result->model_version != version) {
-      return absl::InternalError(absl::StrCat("pinned to ", model, " v", version,
-                                              ", answered by ", result->model, " v",
-                                              result->model_version));
+      return absl::InternalError(
+          absl::StrCat("pinned to ", model, " v", version, ", answered by ",
+                       result->model, " v", result->model_version));
     }
     out.push_back(BitsOf(*result)[0]);
   }
@@ -249,9 +255,9 @@ std::string Summary(const v1::ListModelsResponse& models) {
     absl::StrAppend(&out, info.model(), " latest=", info.model_version(), "\n");
     for (const ModelVersionStatus& v : info.versions()) {
       absl::StrAppend(&out, "  v", v.version(), " ",
-                      ModelVersionStatus::State_Name(v.state()), " ", v.weights_sha256(),
-                      " ", v.determinism_key(), " ", v.memory_bytes(), " ", v.source(),
-                      "\n");
+                      ModelVersionStatus::State_Name(v.state()), " ",
+                      v.weights_sha256(), " ", v.determinism_key(), " ",
+                      v.memory_bytes(), " ", v.source(), "\n");
     }
   }
   return out;
@@ -259,7 +265,8 @@ std::string Summary(const v1::ListModelsResponse& models) {
 
 std::vector<int64_t> VersionNumbers(const v1::ModelInfo& info) {
   std::vector<int64_t> out;
-  for (const ModelVersionStatus& v : info.versions()) out.push_back(v.version());
+  for (const ModelVersionStatus& v : info.versions())
+    out.push_back(v.version());
   return out;
 }
 
@@ -339,7 +346,8 @@ bool WaitFor(const std::function<bool()>& condition,
   return condition();
 }
 
-const ModelVersionStatus* FindVersion(const v1::ModelInfo& info, int64_t version) {
+const ModelVersionStatus* FindVersion(const v1::ModelInfo& info,
+                                      int64_t version) {
   for (const ModelVersionStatus& v : info.versions()) {
     if (v.version() == version) return &v;
   }
@@ -376,14 +384,15 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   tensors[0].data.resize(w.size() * 4);
   std::memcpy(tensors[0].data.data(), w.data(), w.size() * 4);
   std::vector<uint16_t> bias_half(v);
-  for (int64_t i = 0; i < v; ++i) bias_half[i] = static_cast<uint16_t>(0x3c00 + i);  // fp16
+  for (int64_t i = 0; i < v; ++i)
+    bias_half[i] = static_cast<uint16_t>(0x3c00 + i);  // fp16
   tensors[1] = {"lm_head.bias", "F16", {v}, {}};
   tensors[1].data.resize(v * 2);
   std::memcpy(tensors[1].data.data(), bias_half.data(), v * 2);
   ASSERT_OK(server::WriteSafetensors(dir + "/f32.safetensors", tensors));
 
-  auto read = client::ReadLmHeadUpload("m", dir + "/f32.safetensors", "lm_head.weight",
-                                       "lm_head.bias", 200);
+  auto read = client::ReadLmHeadUpload("m", dir + "/f32.safetensors",
+                                       "lm_head.weight", "lm_head.bias", 200);
   ASSERT_TRUE(read.ok()) << read.status();
   server::LmHeadSource source;
   source.path = dir + "/f32.safetensors";
@@ -391,16 +400,19 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   source.vocab_size = 200;
   auto loaded = server::LoadLmHead(source);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  EXPECT_EQ(read->weight, std::vector<uint16_t>(loaded->weight.begin(), loaded->weight.end()));
+  EXPECT_EQ(read->weight, std::vector<uint16_t>(loaded->weight.begin(),
+                                                loaded->weight.end()));
   EXPECT_EQ(read->weight[0], 0x3f80);
   EXPECT_EQ(read->weight[1], 0x3f82);
   ASSERT_EQ(read->bias.size(), loaded->bias.size());
   EXPECT_EQ(std::memcmp(read->bias.data(), loaded->bias.data(), v * 4), 0);
   EXPECT_EQ(client::LmHeadUploadDigest(*read), loaded->sha256);
 
-  EXPECT_FALSE(client::ReadLmHeadUpload("m", dir + "/f32.safetensors", "nope").ok());
+  EXPECT_FALSE(
+      client::ReadLmHeadUpload("m", dir + "/f32.safetensors", "nope").ok());
   LmHeadUpload bad = RandomLmHead("m", 1, 60, 100);  // H not a multiple of 8
-  EXPECT_EQ(client::ValidateLmHeadUpload(bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client::ValidateLmHeadUpload(bad).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // ------------------------------------------------------------ swaps under load
@@ -410,9 +422,11 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
 // version; its bits must be that row's solo bits under that version.
 TEST(LiveWeightsTest, SwapUnderConcurrentLoadKeepsEveryAnswersBits) {
   const std::string dir = MakeTempDir("swap");
-  ASSERT_OK(WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
-  auto server = StartServer({"--model=policy=" + dir + "/v1.safetensors",
-                             "--max_versions_per_model=16", "--max_batch_rows=32"});
+  ASSERT_OK(
+      WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
+  auto server =
+      StartServer({"--model=policy=" + dir + "/v1.safetensors",
+                   "--max_versions_per_model=16", "--max_batch_rows=32"});
   ASSERT_NE(server, nullptr);
   auto repo = Repo(*server, "", 64 << 10);
   const Rows rows = MakeRows(48, kH, kV, 77);
@@ -437,8 +451,10 @@ TEST(LiveWeightsTest, SwapUnderConcurrentLoadKeepsEveryAnswersBits) {
       for (int i = 0; !stop.load(); ++i) {
         const int n = std::uniform_int_distribution<int>(1, 12)(rng);
         std::vector<int> picks(n);
-        for (int& p : picks) p = std::uniform_int_distribution<int>(0, rows.size() - 1)(rng);
-        auto result = client->Score(rows.Request(picks, "policy", 0, absl::StrCat(t, "-", i)));
+        for (int& p : picks)
+          p = std::uniform_int_distribution<int>(0, rows.size() - 1)(rng);
+        auto result = client->Score(
+            rows.Request(picks, "policy", 0, absl::StrCat(t, "-", i)));
         if (!result.ok()) {
           ++failed;
           absl::MutexLock lock(&mu);
@@ -456,7 +472,8 @@ TEST(LiveWeightsTest, SwapUnderConcurrentLoadKeepsEveryAnswersBits) {
   keys[1] = info->determinism_key();
   auto wait_answers = [&](int64_t more) {
     const int64_t target = answered.load() + more;
-    EXPECT_TRUE(WaitFor([&] { return answered.load() >= target; }, absl::Seconds(30)));
+    EXPECT_TRUE(
+        WaitFor([&] { return answered.load() >= target; }, absl::Seconds(30)));
   };
   wait_answers(30);
   for (int64_t v = 2; v <= 5; ++v) {
@@ -499,8 +516,9 @@ TEST(LiveWeightsTest, SwapUnderConcurrentLoadKeepsEveryAnswersBits) {
       }
     }
   }
-  std::cout << answered.load() << " answers, " << checked << " rows checked, versions seen "
-            << absl::StrJoin(seen, ",") << "\n";
+  std::cout << answered.load() << " answers, " << checked
+            << " rows checked, versions seen " << absl::StrJoin(seen, ",")
+            << "\n";
   EXPECT_EQ(mismatched, 0) << "of " << checked << " rows";
   EXPECT_EQ(wrong_keys, 0);
   EXPECT_EQ(seen.size(), 5u) << "every version should have answered under load";
@@ -515,14 +533,16 @@ TEST(LiveWeightsTest, MultiSliceRequestNeverMixesVersions) {
   const std::string dir = MakeTempDir("slices");
   ASSERT_OK(WriteLmHeadFile(dir + "/v1.safetensors",
                             RandomLmHead("policy", 21, kBigH, kBigV)));
-  auto server = StartServer({"--model=policy=" + dir + "/v1.safetensors",
-                             "--max_versions_per_model=8", "--max_batch_rows=16"});
+  auto server =
+      StartServer({"--model=policy=" + dir + "/v1.safetensors",
+                   "--max_versions_per_model=8", "--max_batch_rows=16"});
   ASSERT_NE(server, nullptr);
   auto repo = Repo(*server);
 
   constexpr int kThreads = 3;
   std::vector<Rows> requests;
-  for (int t = 0; t < kThreads; ++t) requests.push_back(MakeRows(kRows, kBigH, kBigV, 300 + t));
+  for (int t = 0; t < kThreads; ++t)
+    requests.push_back(MakeRows(kRows, kBigH, kBigV, 300 + t));
   struct Answer {
     int request;
     absl::Time end;
@@ -551,15 +571,18 @@ TEST(LiveWeightsTest, MultiSliceRequestNeverMixesVersions) {
     });
   }
   std::vector<std::pair<int64_t, absl::Time>> uploads;  // version, returned
-  EXPECT_TRUE(WaitFor([&] { return answered.load() >= kThreads; }, absl::Seconds(30)));
+  EXPECT_TRUE(
+      WaitFor([&] { return answered.load() >= kThreads; }, absl::Seconds(30)));
   for (int64_t v = 2; v <= 4; ++v) {
     const int64_t before = answered.load();
-    auto status = repo->UploadModel(RandomLmHead("policy", 20 + v, kBigH, kBigV));
+    auto status =
+        repo->UploadModel(RandomLmHead("policy", 20 + v, kBigH, kBigV));
     ASSERT_TRUE(status.ok()) << status.status();
     ASSERT_EQ(status->version(), v);
     uploads.push_back({v, absl::Now()});
-    EXPECT_TRUE(WaitFor([&] { return answered.load() >= before + 2 * kThreads; },
-                        absl::Seconds(30)));
+    EXPECT_TRUE(
+        WaitFor([&] { return answered.load() >= before + 2 * kThreads; },
+                absl::Seconds(30)));
   }
   stop_and_join.Now();
   EXPECT_EQ(failed.load(), 0);
@@ -580,17 +603,19 @@ TEST(LiveWeightsTest, MultiSliceRequestNeverMixesVersions) {
   int straddled = 0, mismatched = 0;
   for (const Answer& answer : answers) {
     seen.insert(answer.result.model_version);
-    if (BitsOf(answer.result) != pinned[{answer.request, answer.result.model_version}]) {
+    if (BitsOf(answer.result) !=
+        pinned[{answer.request, answer.result.model_version}]) {
       ++mismatched;
     }
     // Answered on an older version after the newer one was published (its
     // upload had returned): the publish happened while it was in flight.
     for (const auto& [version, published] : uploads) {
-      straddled += answer.result.model_version < version && answer.end > published;
+      straddled +=
+          answer.result.model_version < version && answer.end > published;
     }
   }
-  std::cout << answers.size() << " requests of " << kRows << " rows, " << straddled
-            << " in flight while a newer version was published\n";
+  std::cout << answers.size() << " requests of " << kRows << " rows, "
+            << straddled << " in flight while a newer version was published\n";
   EXPECT_EQ(mismatched, 0) << "of " << answers.size();
   EXPECT_EQ(seen.size(), 4u);
   // The test means something only if publishing happened mid-request.
@@ -608,7 +633,8 @@ class LiveWeightsStoreTest : public ::testing::Test {
     mkdir(root_.c_str(), 0755);
     v1_ = RandomLmHead("policy", 1);
     ASSERT_OK(WriteLmHeadFile(dir_ + "/v1.safetensors", v1_));
-    args_ = {"--model=policy=" + dir_ + "/v1.safetensors", "--model_root=" + root_};
+    args_ = {"--model=policy=" + dir_ + "/v1.safetensors",
+             "--model_root=" + root_};
     args_.insert(args_.end(), extra.begin(), extra.end());
     server_ = StartServer(args_);
     ASSERT_NE(server_, nullptr);
@@ -657,8 +683,10 @@ TEST_F(LiveWeightsStoreTest, CancelledUploadChangesNothing) {
     saw_temp_dir = WaitFor([&] { return !TempVersionDirs(model_dir).empty(); });
     return false;
   };
-  auto status = Repo(*server_, "", 16 << 10)->UploadModel(RandomLmHead("policy", 2), hooks);
-  EXPECT_EQ(status.status().code(), absl::StatusCode::kCancelled) << status.status();
+  auto status = Repo(*server_, "", 16 << 10)
+                    ->UploadModel(RandomLmHead("policy", 2), hooks);
+  EXPECT_EQ(status.status().code(), absl::StatusCode::kCancelled)
+      << status.status();
   EXPECT_TRUE(saw_temp_dir);
   EXPECT_TRUE(WaitFor([&] { return TempVersionDirs(model_dir).empty(); }))
       << absl::StrJoin(TempVersionDirs(model_dir), ", ");
@@ -670,7 +698,8 @@ TEST_F(LiveWeightsStoreTest, CancelledUploadChangesNothing) {
   auto info = Scorer(*server_)->GetModelInfo("policy");
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(VersionNumbers(*info), std::vector<int64_t>{1});
-  EXPECT_TRUE(ListDir(model_dir).empty()) << absl::StrJoin(ListDir(model_dir), ", ");
+  EXPECT_TRUE(ListDir(model_dir).empty())
+      << absl::StrJoin(ListDir(model_dir), ", ");
   // The reservation was released: a whole upload still goes through.
   auto next = Repo(*server_)->UploadModel(RandomLmHead("policy", 2));
   ASSERT_TRUE(next.ok()) << next.status();
@@ -686,14 +715,17 @@ TEST_F(LiveWeightsStoreTest, BadUploadsAreRefusedNamingTheField) {
   const std::string digest = client::LmHeadUploadDigest(upload);
   const std::vector<UploadModelRequest> chunks = ChunkMessages(upload);
 
-  auto expect = [&](const std::string& name, std::vector<UploadModelRequest> messages,
+  auto expect = [&](const std::string& name,
+                    std::vector<UploadModelRequest> messages,
                     grpc::StatusCode code, const std::string& field) {
     const grpc::Status status = RawUpload(*repo, messages);
-    EXPECT_EQ(status.error_code(), code) << name << ": " << status.error_message();
+    EXPECT_EQ(status.error_code(), code)
+        << name << ": " << status.error_message();
     EXPECT_TRUE(absl::StartsWith(status.error_message(), field))
         << name << ": " << status.error_message();
   };
-  auto with = [&](UploadModelRequest header, std::vector<UploadModelRequest> body,
+  auto with = [&](UploadModelRequest header,
+                  std::vector<UploadModelRequest> body,
                   std::vector<UploadModelRequest> tail) {
     std::vector<UploadModelRequest> all = {std::move(header)};
     all.insert(all.end(), body.begin(), body.end());
@@ -702,12 +734,15 @@ TEST_F(LiveWeightsStoreTest, BadUploadsAreRefusedNamingTheField) {
   };
 
   // A good stream, for reference, is accepted further below.
-  expect("wrong digest", with(HeaderMessage(upload), chunks, {DigestMessage(std::string(64, 'a'))}),
+  expect("wrong digest",
+         with(HeaderMessage(upload), chunks,
+              {DigestMessage(std::string(64, 'a'))}),
          grpc::StatusCode::DATA_LOSS, "weights_sha256");
   // One flipped byte with the right digest of the original bytes.
   std::vector<UploadModelRequest> flipped = chunks;
   (*flipped[1].mutable_chunk())[7] ^= 1;
-  expect("flipped byte", with(HeaderMessage(upload), flipped, {DigestMessage(digest)}),
+  expect("flipped byte",
+         with(HeaderMessage(upload), flipped, {DigestMessage(digest)}),
          grpc::StatusCode::DATA_LOSS, "weights_sha256");
 
   UploadModelRequest three_dims = HeaderMessage(upload);
@@ -729,13 +764,17 @@ TEST_F(LiveWeightsStoreTest, BadUploadsAreRefusedNamingTheField) {
 
   std::vector<UploadModelRequest> too_many = chunks;
   too_many.emplace_back().set_chunk("x");
-  expect("one byte too many", with(HeaderMessage(upload), too_many, {DigestMessage(digest)}),
+  expect("one byte too many",
+         with(HeaderMessage(upload), too_many, {DigestMessage(digest)}),
          grpc::StatusCode::INVALID_ARGUMENT, "chunk");
   std::vector<UploadModelRequest> too_few(chunks.begin(), chunks.end() - 1);
-  expect("one chunk short", with(HeaderMessage(upload), too_few, {DigestMessage(digest)}),
+  expect("one chunk short",
+         with(HeaderMessage(upload), too_few, {DigestMessage(digest)}),
          grpc::StatusCode::INVALID_ARGUMENT, "chunk");
 
-  expect("no header", with(chunks[0], {chunks.begin() + 1, chunks.end()}, {DigestMessage(digest)}),
+  expect("no header",
+         with(chunks[0], {chunks.begin() + 1, chunks.end()},
+              {DigestMessage(digest)}),
          grpc::StatusCode::INVALID_ARGUMENT, "header");
   expect("empty stream", {}, grpc::StatusCode::INVALID_ARGUMENT, "header");
   expect("no digest", with(HeaderMessage(upload), chunks, {}),
@@ -745,9 +784,10 @@ TEST_F(LiveWeightsStoreTest, BadUploadsAreRefusedNamingTheField) {
   // done right are accepted as version 2.
   EXPECT_EQ(Score(0), before);
   EXPECT_EQ(ListSummary(), list_before);
-  EXPECT_TRUE(WaitFor([&] { return TempVersionDirs(root_ + "/policy").empty(); }));
-  const grpc::Status good =
-      RawUpload(*repo, with(HeaderMessage(upload), chunks, {DigestMessage(digest)}));
+  EXPECT_TRUE(
+      WaitFor([&] { return TempVersionDirs(root_ + "/policy").empty(); }));
+  const grpc::Status good = RawUpload(
+      *repo, with(HeaderMessage(upload), chunks, {DigestMessage(digest)}));
   EXPECT_TRUE(good.ok()) << good.error_message();
   auto info = Scorer(*server_)->GetModelInfo("policy");
   ASSERT_TRUE(info.ok());
@@ -764,7 +804,8 @@ TEST_F(LiveWeightsStoreTest, LoadModelStaysInsideTheModelRoot) {
   mkdir(outside.c_str(), 0755);
   ASSERT_OK(WriteLmHeadFile(outside + "/secret.safetensors", v2));
   ASSERT_EQ(symlink((outside + "/secret.safetensors").c_str(),
-                    (root_ + "/files/escape.safetensors").c_str()), 0);
+                    (root_ + "/files/escape.safetensors").c_str()),
+            0);
   ASSERT_EQ(symlink(outside.c_str(), (root_ + "/files/outdir").c_str()), 0);
   const std::string list_before = ListSummary();
   auto repo = Repo(*server_);
@@ -781,19 +822,24 @@ TEST_F(LiveWeightsStoreTest, LoadModelStaysInsideTheModelRoot) {
        {outside + "/secret.safetensors", root_ + "/files/v2.safetensors",
         std::string("../outside/secret.safetensors"),
         std::string("files/../../outside/secret.safetensors"),
-        std::string("files/escape.safetensors"), std::string("files/outdir/secret.safetensors")}) {
+        std::string("files/escape.safetensors"),
+        std::string("files/outdir/secret.safetensors")}) {
     auto status = load(path);
     EXPECT_EQ(status.status().code(), absl::StatusCode::kPermissionDenied)
         << path << ": " << status.status();
-    EXPECT_TRUE(absl::StartsWith(status.status().message(), "path")) << status.status();
+    EXPECT_TRUE(absl::StartsWith(status.status().message(), "path"))
+        << status.status();
   }
-  EXPECT_EQ(load("files/missing.safetensors").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(load("files/missing.safetensors").status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_EQ(ListSummary(), list_before);
 
   const std::string digest = client::LmHeadUploadDigest(v2);
   auto mismatch = load("files/v2.safetensors", std::string(64, '0'));
-  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kInvalidArgument) << mismatch.status();
-  EXPECT_TRUE(absl::StartsWith(mismatch.status().message(), "expected_weights_sha256"))
+  EXPECT_EQ(mismatch.status().code(), absl::StatusCode::kInvalidArgument)
+      << mismatch.status();
+  EXPECT_TRUE(
+      absl::StartsWith(mismatch.status().message(), "expected_weights_sha256"))
       << mismatch.status();
   EXPECT_EQ(ListSummary(), list_before);
 
@@ -819,20 +865,28 @@ TEST(LiveWeightsTest, AdminCallsNeedAnAdminToken) {
   const std::string dir = MakeTempDir("admin");
   WriteText(dir + "/scoring.txt", "scoring-token\n");
   WriteText(dir + "/admin.txt", "# operators\nadmin-token\n");
-  ASSERT_OK(WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
+  ASSERT_OK(
+      WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
   auto server = StartServer({"--model=policy=" + dir + "/v1.safetensors",
                              "--auth_tokens_file=" + dir + "/scoring.txt",
                              "--admin_tokens_file=" + dir + "/admin.txt"});
   ASSERT_NE(server, nullptr);
   const LmHeadUpload v2 = RandomLmHead("policy", 2);
-  for (const std::string& token : {std::string(""), std::string("scoring-token"),
-                                   std::string("wrong")}) {
+  for (const std::string& token :
+       {std::string(""), std::string("scoring-token"), std::string("wrong")}) {
     auto repo = Repo(*server, token);
-    EXPECT_EQ(repo->ListModels().status().code(), absl::StatusCode::kUnauthenticated) << token;
-    EXPECT_EQ(repo->UploadModel(v2).status().code(), absl::StatusCode::kUnauthenticated) << token;
+    EXPECT_EQ(repo->ListModels().status().code(),
+              absl::StatusCode::kUnauthenticated)
+        << token;
+    EXPECT_EQ(repo->UploadModel(v2).status().code(),
+              absl::StatusCode::kUnauthenticated)
+        << token;
     EXPECT_EQ(repo->LoadModel("policy", "x.safetensors").status().code(),
-              absl::StatusCode::kUnauthenticated) << token;
-    EXPECT_EQ(repo->UnloadModel("policy", 1).code(), absl::StatusCode::kUnauthenticated) << token;
+              absl::StatusCode::kUnauthenticated)
+        << token;
+    EXPECT_EQ(repo->UnloadModel("policy", 1).code(),
+              absl::StatusCode::kUnauthenticated)
+        << token;
   }
   const Rows rows = MakeRows(2, kH, kV, 3);
   // The scoring token scores; nothing changed.
@@ -855,14 +909,18 @@ TEST(LiveWeightsTest, AdminCallsNeedAnAdminToken) {
   EXPECT_EQ(server->Stop(SIGTERM), 0);
 
   // Beyond loopback without admin tokens, every admin call is refused.
-  auto open = StartServer({"--host=0.0.0.0", "--model=policy=" + dir + "/v1.safetensors"});
+  auto open = StartServer(
+      {"--host=0.0.0.0", "--model=policy=" + dir + "/v1.safetensors"});
   ASSERT_NE(open, nullptr);
   auto open_repo = Repo(*open);
-  EXPECT_EQ(open_repo->ListModels().status().code(), absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(open_repo->UploadModel(v2).status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(open_repo->ListModels().status().code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(open_repo->UploadModel(v2).status().code(),
+            absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(open_repo->LoadModel("policy", "x.safetensors").status().code(),
             absl::StatusCode::kPermissionDenied);
-  EXPECT_EQ(open_repo->UnloadModel("policy", 1).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(open_repo->UnloadModel("policy", 1).code(),
+            absl::StatusCode::kPermissionDenied);
   auto still = Scorer(*open)->Score(rows.All("policy", 0));
   ASSERT_TRUE(still.ok()) << still.status();
   EXPECT_EQ(still->model_version, 1);
@@ -874,14 +932,16 @@ TEST(LiveWeightsTest, AdminCallsNeedAnAdminToken) {
 TEST_F(LiveWeightsStoreTest, UploadOverTheMemoryBoundIsResourceExhausted) {
   // v1 holds V * (2H + 4) = 520,000 bytes on the CPU; a second such version
   // would make 1,040,000 > 800,000.
-  StartWithRoot({"--max_model_memory_bytes=800000", "--max_versions_per_model=4"});
+  StartWithRoot(
+      {"--max_model_memory_bytes=800000", "--max_versions_per_model=4"});
   const std::vector<RowBits> before = Score(0);
   const std::string list_before = ListSummary();
   auto repo = Repo(*server_);
   const LmHeadUpload same_size = RandomLmHead("policy", 2);
 
   auto refused = repo->UploadModel(same_size);
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
+      << refused.status();
   // Refused at the header, before any byte: a stream that sends only the
   // header hears RESOURCE_EXHAUSTED, not that it is short.
   const grpc::Status header_only = RawUpload(*repo, {HeaderMessage(same_size)});
@@ -892,7 +952,8 @@ TEST_F(LiveWeightsStoreTest, UploadOverTheMemoryBoundIsResourceExhausted) {
 
   EXPECT_EQ(Score(0), before);
   EXPECT_EQ(ListSummary(), list_before);
-  EXPECT_TRUE(WaitFor([&] { return TempVersionDirs(root_ + "/policy").empty(); }));
+  EXPECT_TRUE(
+      WaitFor([&] { return TempVersionDirs(root_ + "/policy").empty(); }));
   // Refusals released what they reserved: a version that fits (H=64,
   // V=1000: 132,000 bytes) is accepted.
   auto small = repo->UploadModel(RandomLmHead("policy", 4, 64, 1000));
@@ -909,7 +970,8 @@ TEST_F(LiveWeightsStoreTest, UploadOverTheMemoryBoundIsResourceExhausted) {
 TEST(LiveWeightsTest, UnloadWaitsForTheVersionsRequests) {
   constexpr int64_t kBigH = 256, kBigV = 8192, kRows = 16384;
   const std::string dir = MakeTempDir("unload");
-  ASSERT_OK(WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1, kBigH, kBigV)));
+  ASSERT_OK(WriteLmHeadFile(dir + "/v1.safetensors",
+                            RandomLmHead("policy", 1, kBigH, kBigV)));
   auto server = StartServer({"--model=policy=" + dir + "/v1.safetensors",
                              "--max_versions_per_model=4", "--cpu_threads=1"});
   ASSERT_NE(server, nullptr);
@@ -974,14 +1036,16 @@ TEST(LiveWeightsTest, UnloadWaitsForTheVersionsRequests) {
   ASSERT_TRUE(long_result.ok()) << long_result.status();
   EXPECT_EQ(long_result->model_version, 1);
   const std::vector<RowBits> bits = BitsOf(*long_result);
-  for (size_t i = 0; i < sample.size(); ++i) EXPECT_EQ(bits[sample[i]], expected[i]) << sample[i];
+  for (size_t i = 0; i < sample.size(); ++i)
+    EXPECT_EQ(bits[sample[i]], expected[i]) << sample[i];
   EXPECT_TRUE(unloaded.ok()) << unloaded;
   // The request had time left when the unload began, and the unload
   // returned after it (50 ms for the two answers' delivery).
   EXPECT_GT(long_done - unload_start, absl::Milliseconds(300))
       << "the long request finished too soon to test the wait";
   EXPECT_GE(unload_done, long_done - absl::Milliseconds(50))
-      << "UnloadModel returned " << (long_done - unload_done) << " before the request";
+      << "UnloadModel returned " << (long_done - unload_done)
+      << " before the request";
 
   auto gone = scorer->GetModelInfo("policy", 1);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
@@ -1023,10 +1087,12 @@ TEST_F(LiveWeightsStoreTest, KillDuringUploadKeepsTheLastCompleteVersion) {
     killed = true;
     return false;
   };
-  auto interrupted = Repo(*server_, "", 16 << 10)->UploadModel(RandomLmHead("policy", 3), hooks);
+  auto interrupted = Repo(*server_, "", 16 << 10)
+                         ->UploadModel(RandomLmHead("policy", 3), hooks);
   ASSERT_TRUE(killed);
   EXPECT_FALSE(interrupted.ok());
-  EXPECT_EQ(TempVersionDirs(model_dir).size(), 1u) << "the kill should leave the write";
+  EXPECT_EQ(TempVersionDirs(model_dir).size(), 1u)
+      << "the kill should leave the write";
 
   server_ = StartServer(args_);
   ASSERT_NE(server_, nullptr);
@@ -1070,10 +1136,12 @@ TEST_F(LiveWeightsStoreTest, RestartServesTheLatestUploadedVersion) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->weights_sha256(), v3->weights_sha256());
   EXPECT_NE(info->weights_sha256(), client::LmHeadUploadDigest(v1_));
-  EXPECT_NE(server_->Log().find("serving the version restored"), std::string::npos);
+  EXPECT_NE(server_->Log().find("serving the version restored"),
+            std::string::npos);
   // Both kept versions came back (pinned re-scoring survives), on disk.
   EXPECT_EQ(VersionNumbers(*info), (std::vector<int64_t>{2, 3}));
-  for (const ModelVersionStatus& v : info->versions()) EXPECT_TRUE(v.persisted());
+  for (const ModelVersionStatus& v : info->versions())
+    EXPECT_TRUE(v.persisted());
   EXPECT_EQ(Scorer(*server_)->Score(rows_.All("policy", 1)).status().code(),
             absl::StatusCode::kNotFound);
   auto v4 = Repo(*server_)->UploadModel(RandomLmHead("policy", 4));
@@ -1103,15 +1171,19 @@ TEST(LiveWeightsTest, UnknownModelOrVersionIsNotFoundNamingIt) {
   EXPECT_TRUE(absl::StrContains(unknown_model.status().message(), "nope"));
   auto unknown_version = client->Score(rows.All("policy", 99));
   EXPECT_EQ(unknown_version.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(absl::StartsWith(unknown_version.status().message(), "model_version:"))
+  EXPECT_TRUE(
+      absl::StartsWith(unknown_version.status().message(), "model_version:"))
       << unknown_version.status();
   EXPECT_TRUE(absl::StrContains(unknown_version.status().message(), "99"));
   EXPECT_EQ(client->Score(rows.All("policy", -1)).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(client->GetModelInfo("nope").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(client->GetModelInfo("policy", 99).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client->GetModelInfo("nope").status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client->GetModelInfo("policy", 99).status().code(),
+            absl::StatusCode::kNotFound);
   EXPECT_EQ(repo->UnloadModel("nope", 1).code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(repo->UnloadModel("policy", 99).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(repo->UnloadModel("policy", 99).code(),
+            absl::StatusCode::kNotFound);
 
   // GetModelInfo: the version asked for (default: the latest), every version.
   auto latest = client->GetModelInfo("policy");
@@ -1121,10 +1193,12 @@ TEST(LiveWeightsTest, UnknownModelOrVersionIsNotFoundNamingIt) {
   EXPECT_EQ(latest->weights_sha256(), client::LmHeadUploadDigest(v2));
   EXPECT_EQ(latest->determinism_key(), uploaded->determinism_key());
   ASSERT_EQ(VersionNumbers(*latest), (std::vector<int64_t>{1, 2}));
-  EXPECT_EQ(latest->versions(0).weights_sha256(), client::LmHeadUploadDigest(v1));
+  EXPECT_EQ(latest->versions(0).weights_sha256(),
+            client::LmHeadUploadDigest(v1));
   EXPECT_EQ(latest->versions(0).state(), ModelVersionStatus::READY);
   EXPECT_EQ(latest->versions(1).source(), "upload");
-  EXPECT_NE(latest->versions(0).determinism_key(), latest->versions(1).determinism_key());
+  EXPECT_NE(latest->versions(0).determinism_key(),
+            latest->versions(1).determinism_key());
   auto first = client->GetModelInfo("policy", 1);
   ASSERT_TRUE(first.ok());
   EXPECT_EQ(first->model_version(), 1);
@@ -1142,14 +1216,18 @@ TEST(LiveWeightsTest, UnknownModelOrVersionIsNotFoundNamingIt) {
 // threads: each answer equals what a server holding only that model says.
 TEST(LiveWeightsTest, TwoModelsSideBySideGiveEachModelsOwnBits) {
   const std::string dir = MakeTempDir("two");
-  ASSERT_OK(WriteLmHeadFile(dir + "/policy.safetensors", RandomLmHead("policy", 31)));
-  ASSERT_OK(WriteLmHeadFile(dir + "/reference.safetensors", RandomLmHead("reference", 32)));
-  auto both = StartServer({"--model=policy=" + dir + "/policy.safetensors",
-                           "--model=reference=" + dir + "/reference.safetensors"});
+  ASSERT_OK(
+      WriteLmHeadFile(dir + "/policy.safetensors", RandomLmHead("policy", 31)));
+  ASSERT_OK(WriteLmHeadFile(dir + "/reference.safetensors",
+                            RandomLmHead("reference", 32)));
+  auto both =
+      StartServer({"--model=policy=" + dir + "/policy.safetensors",
+                   "--model=reference=" + dir + "/reference.safetensors"});
   ASSERT_NE(both, nullptr);
   std::map<std::string, std::unique_ptr<ServerProcess>> alone;
   for (const std::string name : {"policy", "reference"}) {
-    alone[name] = StartServer({"--weights=" + dir + "/" + name + ".safetensors"});
+    alone[name] =
+        StartServer({"--weights=" + dir + "/" + name + ".safetensors"});
     ASSERT_NE(alone[name], nullptr);
   }
   const Rows rows = MakeRows(24, kH, kV, 41);
@@ -1174,9 +1252,11 @@ TEST(LiveWeightsTest, TwoModelsSideBySideGiveEachModelsOwnBits) {
       for (int i = 0; i < kCalls; ++i) {
         const std::string name = (i + t) % 2 == 0 ? "policy" : "reference";
         std::vector<int> picks(std::uniform_int_distribution<int>(1, 10)(rng));
-        for (int& p : picks) p = std::uniform_int_distribution<int>(0, rows.size() - 1)(rng);
+        for (int& p : picks)
+          p = std::uniform_int_distribution<int>(0, rows.size() - 1)(rng);
         auto result = client->Score(rows.Request(picks, name, 0));
-        if (!result.ok() || result->model != name || result->determinism_key != keys[name]) {
+        if (!result.ok() || result->model != name ||
+            result->determinism_key != keys[name]) {
           ++failed;
           continue;
         }
@@ -1203,7 +1283,8 @@ TEST(LiveWeightsTest, TwoModelsSideBySideGiveEachModelsOwnBits) {
 
 TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   const std::string dir = MakeTempDir("push");
-  ASSERT_OK(WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
+  ASSERT_OK(
+      WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
   auto a = StartServer({"--model=policy=" + dir + "/v1.safetensors"});
   auto b = StartServer({"--model=policy=" + dir + "/v1.safetensors"});
   ASSERT_TRUE(a != nullptr && b != nullptr);
@@ -1229,7 +1310,8 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   // The trainer names the number: both replicas publish it as version 10.
   LmHeadUpload named = RandomLmHead("policy", 8);
   named.version = 10;
-  report = client::PushToTargets({a->target(), b->target()}, LogpClient::Options(), {}, named);
+  report = client::PushToTargets({a->target(), b->target()},
+                                 LogpClient::Options(), {}, named);
   ASSERT_TRUE(report.status.ok()) << report.status;
   for (const client::PushedVersion& pushed : report.targets) {
     ASSERT_TRUE(pushed.version.ok()) << pushed.target;
@@ -1240,10 +1322,12 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   ASSERT_TRUE(on_a.ok() && on_b.ok());
   EXPECT_EQ(BitsOf(*on_a), BitsOf(*on_b));
   // The same number again is refused by both; nothing changes.
-  report = client::PushToTargets({a->target(), b->target()}, LogpClient::Options(), {}, named);
+  report = client::PushToTargets({a->target(), b->target()},
+                                 LogpClient::Options(), {}, named);
   EXPECT_FALSE(report.status.ok());
   for (const client::PushedVersion& pushed : report.targets) {
-    EXPECT_EQ(pushed.version.status().code(), absl::StatusCode::kFailedPrecondition)
+    EXPECT_EQ(pushed.version.status().code(),
+              absl::StatusCode::kFailedPrecondition)
         << pushed.target << ": " << pushed.version.status();
   }
   EXPECT_EQ(Scorer(*a)->GetModelInfo("policy")->model_version(), 10);
@@ -1258,7 +1342,8 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   report = client::PushToTargets({a->target(), down}, connection, options,
                                  RandomLmHead("policy", 7));
   EXPECT_FALSE(report.status.ok());
-  EXPECT_TRUE(absl::StrContains(report.status.message(), down)) << report.status;
+  EXPECT_TRUE(absl::StrContains(report.status.message(), down))
+      << report.status;
   EXPECT_TRUE(report.targets[0].version.ok());
   EXPECT_FALSE(report.targets[1].version.ok());
 }
@@ -1273,12 +1358,15 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
   const std::string root = dir + "/root";
   mkdir(root.c_str(), 0755);
   mkdir((root + "/files").c_str(), 0755);
-  ASSERT_OK(WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
+  ASSERT_OK(
+      WriteLmHeadFile(dir + "/v1.safetensors", RandomLmHead("policy", 1)));
   const LmHeadUpload v2 = RandomLmHead("policy", 2);
   ASSERT_OK(WriteLmHeadFile(dir + "/v2.safetensors", v2));
-  ASSERT_OK(WriteLmHeadFile(root + "/files/v3.safetensors", RandomLmHead("policy", 3)));
+  ASSERT_OK(WriteLmHeadFile(root + "/files/v3.safetensors",
+                            RandomLmHead("policy", 3)));
   WriteText(dir + "/admin.txt", "admin-token\n");
-  auto a = StartServer({"--model=policy=" + dir + "/v1.safetensors", "--model_root=" + root,
+  auto a = StartServer({"--model=policy=" + dir + "/v1.safetensors",
+                        "--model_root=" + root,
                         "--admin_tokens_file=" + dir + "/admin.txt",
                         "--max_versions_per_model=4"});
   auto b = StartServer({"--model=policy=" + dir + "/v1.safetensors"});
@@ -1287,58 +1375,69 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
   const std::string on_a = " --target=" + a->target();
 
   // To both servers, numbered 5 on both.
-  auto [code, out] = RunCliAll("upload --model=policy --weights_file=" + dir +
-                            "/v2.safetensors --bias_tensor=lm_head.bias --chunk_mb=1" + admin +
-                            " --model_version=5 --targets=" + a->target() + "," + b->target());
+  auto [code, out] = RunCliAll(
+      "upload --model=policy --weights_file=" + dir +
+      "/v2.safetensors --bias_tensor=lm_head.bias --chunk_mb=1" + admin +
+      " --model_version=5 --targets=" + a->target() + "," + b->target());
   EXPECT_EQ(code, 0) << out;
   const std::string digest = client::LmHeadUploadDigest(v2);
   auto key = Scorer(*b)->GetModelInfo("policy", 5);
   ASSERT_TRUE(key.ok()) << out;
   for (const auto& server : {a.get(), b.get()}) {
     EXPECT_TRUE(absl::StrContains(
-        out, absl::StrCat("target ", server->target(), " model policy version 5 weights_sha256 ",
-                          digest, " determinism_key ", key->determinism_key())))
+        out, absl::StrCat("target ", server->target(),
+                          " model policy version 5 weights_sha256 ", digest,
+                          " determinism_key ", key->determinism_key())))
         << out;
   }
-  std::tie(code, out) = RunCliAll("upload --model=policy --weights_file=" + dir +
-                               "/v2.safetensors --bias_tensor=lm_head.bias" + on_a);
+  std::tie(code, out) =
+      RunCliAll("upload --model=policy --weights_file=" + dir +
+                "/v2.safetensors --bias_tensor=lm_head.bias" + on_a);
   EXPECT_NE(code, 0) << "no admin token";
   EXPECT_TRUE(absl::StrContains(out, "UNAUTHENTICATED")) << out;
   for (const char* bad : {"--chunk_mb=0", "--chunk_mb=4096"}) {
-    std::tie(code, out) = RunCliAll("upload --model=policy --weights_file=" + dir +
-                                 "/v2.safetensors --bias_tensor=lm_head.bias " + bad +
-                                 admin + on_a);
+    std::tie(code, out) = RunCliAll(
+        "upload --model=policy --weights_file=" + dir +
+        "/v2.safetensors --bias_tensor=lm_head.bias " + bad + admin + on_a);
     EXPECT_NE(code, 0) << bad;
     EXPECT_TRUE(absl::StrContains(out, bad)) << out;
   }
 
-  std::tie(code, out) = RunCliAll("load --model=policy --path=files/v3.safetensors "
-                               "--bias_tensor=lm_head.bias" + admin + on_a);
+  std::tie(code, out) = RunCliAll(
+      "load --model=policy --path=files/v3.safetensors "
+      "--bias_tensor=lm_head.bias" +
+      admin + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "version 6 READY")) << out;
 
   std::tie(code, out) = RunCliAll("models" + admin + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "model policy latest 6 (default)")) << out;
-  for (const char* line : {"version 1 READY", "version 5 READY", "version 6 READY",
-                           "source=load:files/v3.safetensors"}) {
+  for (const char* line :
+       {"version 1 READY", "version 5 READY", "version 6 READY",
+        "source=load:files/v3.safetensors"}) {
     EXPECT_TRUE(absl::StrContains(out, line)) << line << "\n" << out;
   }
 
-  std::tie(code, out) = RunCliAll("score --random_rows=3 --model=policy --model_version=5" + on_a);
+  std::tie(code, out) = RunCliAll(
+      "score --random_rows=3 --model=policy --model_version=5" + on_a);
   EXPECT_EQ(code, 0) << out;
-  EXPECT_TRUE(absl::StrContains(out, "model policy version 5\ndeterminism_key " +
-                                         key->determinism_key()))
+  EXPECT_TRUE(absl::StrContains(
+      out, "model policy version 5\ndeterminism_key " + key->determinism_key()))
       << out;
-  std::tie(code, out) = RunCliAll("check-invariance --probes=4 --concurrency=4 --channels=2 "
-                               "--model=policy --model_version=1" + on_a);
+  std::tie(code, out) = RunCliAll(
+      "check-invariance --probes=4 --concurrency=4 --channels=2 "
+      "--model=policy --model_version=1" +
+      on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "INVARIANT")) << out;
 
-  std::tie(code, out) = RunCliAll("unload --model=policy --model_version=5" + admin + on_a);
+  std::tie(code, out) =
+      RunCliAll("unload --model=policy --model_version=5" + admin + on_a);
   EXPECT_EQ(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "model policy version 5 unloaded")) << out;
-  std::tie(code, out) = RunCliAll("score --random_rows=1 --model=policy --model_version=5" + on_a);
+  std::tie(code, out) = RunCliAll(
+      "score --random_rows=1 --model=policy --model_version=5" + on_a);
   EXPECT_NE(code, 0);
   EXPECT_TRUE(absl::StrContains(out, "NOT_FOUND")) << out;
 }

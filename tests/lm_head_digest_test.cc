@@ -26,8 +26,10 @@ struct Head {
   std::vector<float> bias;
 };
 
-Head RandomHead(int64_t hidden, int64_t vocab, int64_t padded, bool bias, int seed) {
-  Head head{{hidden, vocab, padded, bias}, std::vector<uint16_t>(padded * hidden),
+Head RandomHead(int64_t hidden, int64_t vocab, int64_t padded, bool bias,
+                int seed) {
+  Head head{{hidden, vocab, padded, bias},
+            std::vector<uint16_t>(padded * hidden),
             std::vector<float>(bias ? padded : 0)};
   std::mt19937 random(seed);
   for (uint16_t& w : head.weight) w = static_cast<uint16_t>(random());
@@ -45,14 +47,16 @@ std::string ReferenceDigest(const Head& head) {
   for (int part = 0; part < 2; ++part) {
     for (int64_t offset = 0; offset < sizes[part]; offset += 16 << 20) {
       Sha256 leaf;
-      leaf.Update(parts[part] + offset, std::min<int64_t>(16 << 20, sizes[part] - offset));
+      leaf.Update(parts[part] + offset,
+                  std::min<int64_t>(16 << 20, sizes[part] - offset));
       leaves += leaf.Digest();
     }
   }
   Sha256 digest;
-  digest.Update(absl::StrCat("detlogp-lm-head-v2 H=", head.shape.hidden_size, " V=",
-                             head.shape.vocab_size, " V_pad=", head.shape.padded_vocab_size,
-                             " bias=", head.shape.has_bias ? 1 : 0, " block=16777216\n"));
+  digest.Update(absl::StrCat(
+      "detlogp-lm-head-v2 H=", head.shape.hidden_size,
+      " V=", head.shape.vocab_size, " V_pad=", head.shape.padded_vocab_size,
+      " bias=", head.shape.has_bias ? 1 : 0, " block=16777216\n"));
   digest.Update(leaves);
   return digest.HexDigest();
 }
@@ -64,7 +68,8 @@ TEST(LmHeadDigestTest, ParallelDigestFollowsTheDefinition) {
                            RandomHead(2048, 4100, 4100, false, 3)}) {
     const std::string expected = ReferenceDigest(head);
     for (int threads : {1, 3, 0}) {
-      EXPECT_EQ(ComputeLmHeadDigest(head.shape, head.weight.data(), head.bias.data(), threads),
+      EXPECT_EQ(ComputeLmHeadDigest(head.shape, head.weight.data(),
+                                    head.bias.data(), threads),
                 expected)
           << "threads " << threads;
     }
@@ -79,19 +84,26 @@ TEST(LmHeadDigestTest, DigestNamesShapeAndEveryByte) {
   EXPECT_NE(ReferenceDigest(other_vocab), base);
   Head flipped = head;
   flipped.bias.back() = -flipped.bias.back();
-  EXPECT_NE(ComputeLmHeadDigest(flipped.shape, flipped.weight.data(), flipped.bias.data()), base);
+  EXPECT_NE(ComputeLmHeadDigest(flipped.shape, flipped.weight.data(),
+                                flipped.bias.data()),
+            base);
 }
 
 TEST(UploadAssemblerTest, AnyChunkingGivesTheWeightsAndTheDigest) {
-  const Head head = RandomHead(4096, 5000, 5000, true, 5);  // 2 weight blocks + bias
+  const Head head =
+      RandomHead(4096, 5000, 5000, true, 5);  // 2 weight blocks + bias
   std::string stream(reinterpret_cast<const char*>(head.weight.data()),
                      head.shape.weight_bytes());
-  stream.append(reinterpret_cast<const char*>(head.bias.data()), head.shape.bias_bytes());
-  for (size_t chunk : {size_t{1} << 22, size_t{7777777}, size_t{16} << 20, stream.size()}) {
+  stream.append(reinterpret_cast<const char*>(head.bias.data()),
+                head.shape.bias_bytes());
+  for (size_t chunk :
+       {size_t{1} << 22, size_t{7777777}, size_t{16} << 20, stream.size()}) {
     UploadAssembler assembler(head.shape, nullptr, 3);
     for (size_t offset = 0; offset < stream.size(); offset += chunk) {
-      ASSERT_TRUE(assembler.Append(stream.data() + offset,
-                                   std::min(chunk, stream.size() - offset)).ok());
+      ASSERT_TRUE(assembler
+                      .Append(stream.data() + offset,
+                              std::min(chunk, stream.size() - offset))
+                      .ok());
     }
     auto digest = assembler.Finish();
     ASSERT_TRUE(digest.ok()) << digest.status();
@@ -108,7 +120,8 @@ TEST(UploadAssemblerTest, ShortAndLongStreamsAreRefused) {
   {
     UploadAssembler assembler(head.shape, nullptr);
     ASSERT_TRUE(assembler.Append(head.weight.data(), 100).ok());
-    EXPECT_EQ(assembler.Finish().status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(assembler.Finish().status().code(),
+              absl::StatusCode::kInvalidArgument);
   }  // destroying an unfinished assembler stops its threads
   UploadAssembler assembler(head.shape, nullptr);
   std::vector<char> too_many(head.shape.weight_bytes() + 1);

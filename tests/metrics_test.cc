@@ -102,7 +102,8 @@ Exposition Parse(const std::string& text) {
 }
 
 // The `le` bounds of `name`'s buckets, in order, with their counts.
-std::vector<std::pair<double, double>> Buckets(const std::string& text, const std::string& name) {
+std::vector<std::pair<double, double>> Buckets(const std::string& text,
+                                               const std::string& name) {
   std::vector<std::pair<double, double>> buckets;
   const std::string prefix = name + "_bucket{le=\"";
   for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
@@ -168,8 +169,11 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
 
   const std::map<std::string, double> expected = {
       {"detlogp_requests_total{method=\"ComputeLogProbs\",code=\"OK\"}", 2},
-      {"detlogp_requests_total{method=\"ComputeLogProbs\",code=\"INVALID_ARGUMENT\"}", 1},
-      {"detlogp_requests_total{method=\"ComputeLogProbs\",code=\"UNKNOWN\"}", 1},
+      {"detlogp_requests_total{method=\"ComputeLogProbs\",code=\"INVALID_"
+       "ARGUMENT\"}",
+       1},
+      {"detlogp_requests_total{method=\"ComputeLogProbs\",code=\"UNKNOWN\"}",
+       1},
       {"detlogp_requests_total{method=\"GetModelInfo\",code=\"OK\"}", 1},
       {"detlogp_requests_total{method=\"UploadModel\",code=\"DATA_LOSS\"}", 1},
       {"detlogp_rows_total{outcome=\"computed\"}", 123456789},
@@ -219,10 +223,14 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
   }
   // Integers are written as integers (scripts and the tests' parsers split
   // on the last space and read a number).
-  EXPECT_TRUE(absl::StrContains(text, "\ndetlogp_device_memory_used_bytes 81234567890\n"));
-  EXPECT_TRUE(absl::StrContains(text, "\ndetlogp_rows_computed_total 123456789\n"));
-  EXPECT_NEAR(parsed.samples.at("detlogp_queue_delay_seconds_sum"), 3.00038, 1e-12);
-  EXPECT_NEAR(parsed.samples.at("detlogp_gather_seconds_sum"), 1.0000101, 1e-12);
+  EXPECT_TRUE(absl::StrContains(
+      text, "\ndetlogp_device_memory_used_bytes 81234567890\n"));
+  EXPECT_TRUE(
+      absl::StrContains(text, "\ndetlogp_rows_computed_total 123456789\n"));
+  EXPECT_NEAR(parsed.samples.at("detlogp_queue_delay_seconds_sum"), 3.00038,
+              1e-12);
+  EXPECT_NEAR(parsed.samples.at("detlogp_gather_seconds_sum"), 1.0000101,
+              1e-12);
   EXPECT_NEAR(parsed.samples.at("detlogp_compute_seconds_sum"), 10.702, 1e-12);
 
   // Only these series: no other label sets, no other names.
@@ -236,7 +244,8 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
     }
     EXPECT_EQ(ExpectedTypes().count(name), 1u) << series;
     if (!absl::StrContains(series, "_bucket{")) {
-      EXPECT_TRUE(expected.count(series) || absl::EndsWith(series, "_sum")) << series;
+      EXPECT_TRUE(expected.count(series) || absl::EndsWith(series, "_sum"))
+          << series;
     }
   }
 
@@ -249,23 +258,39 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
   };
   for (const Histogram& histogram :
        {Histogram{"detlogp_batch_rows", ExpectedBounds(1, 15), {2, 64, 100000}},
-        Histogram{"detlogp_batch_requests", ExpectedBounds(1, 12), {1, 8, 5000}},
-        Histogram{"detlogp_queue_delay_seconds", ExpectedBounds(1e-5, 18), {0.0003, 0.00008, 3}},
-        Histogram{"detlogp_gather_seconds", ExpectedBounds(1e-6, 18), {0.00001, 0.0000001, 1}},
-        Histogram{"detlogp_compute_seconds", ExpectedBounds(1e-5, 18), {0.002, 0.7, 10}},
-        Histogram{"detlogp_projection_launch_rows", ExpectedBounds(1, 13), {2048, 17}},
-        Histogram{"detlogp_projection_queue_delay_seconds", ExpectedBounds(1e-5, 18),
+        Histogram{
+            "detlogp_batch_requests", ExpectedBounds(1, 12), {1, 8, 5000}},
+        Histogram{"detlogp_queue_delay_seconds",
+                  ExpectedBounds(1e-5, 18),
+                  {0.0003, 0.00008, 3}},
+        Histogram{"detlogp_gather_seconds",
+                  ExpectedBounds(1e-6, 18),
+                  {0.00001, 0.0000001, 1}},
+        Histogram{"detlogp_compute_seconds",
+                  ExpectedBounds(1e-5, 18),
+                  {0.002, 0.7, 10}},
+        Histogram{"detlogp_projection_launch_rows",
+                  ExpectedBounds(1, 13),
+                  {2048, 17}},
+        Histogram{"detlogp_projection_queue_delay_seconds",
+                  ExpectedBounds(1e-5, 18),
                   {0.001, 0.00002}},
-        Histogram{"detlogp_projection_run_seconds", ExpectedBounds(1e-5, 18), {0.004, 0.0001}},
-        Histogram{"detlogp_projection_copy_out_seconds", ExpectedBounds(1e-5, 18),
+        Histogram{"detlogp_projection_run_seconds",
+                  ExpectedBounds(1e-5, 18),
+                  {0.004, 0.0001}},
+        Histogram{"detlogp_projection_copy_out_seconds",
+                  ExpectedBounds(1e-5, 18),
                   {0.006, 0.00003}}}) {
     const auto buckets = Buckets(text, histogram.name);
     ASSERT_EQ(buckets.size(), histogram.bounds.size()) << histogram.name;
     for (size_t i = 0; i < buckets.size(); ++i) {
-      EXPECT_EQ(buckets[i].first, histogram.bounds[i]) << histogram.name << " bucket " << i;
+      EXPECT_EQ(buckets[i].first, histogram.bounds[i])
+          << histogram.name << " bucket " << i;
       double below = 0;
-      for (double value : histogram.observed) below += value <= histogram.bounds[i];
-      EXPECT_EQ(buckets[i].second, below) << histogram.name << " le " << histogram.bounds[i];
+      for (double value : histogram.observed)
+        below += value <= histogram.bounds[i];
+      EXPECT_EQ(buckets[i].second, below)
+          << histogram.name << " le " << histogram.bounds[i];
     }
   }
 }
@@ -276,14 +301,16 @@ bool HasIpv6Loopback() {
   sockaddr_in6 address{};
   address.sin6_family = AF_INET6;
   address.sin6_addr = in6addr_loopback;
-  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  const bool ok =
+      bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
   close(fd);
   return ok;
 }
 
 TEST(MetricsEndpointTest, ServedOnIpv6LoopbackHost) {
   if (!HasIpv6Loopback()) GTEST_SKIP() << "no IPv6 loopback on this machine";
-  auto server = ServerProcess::Start({"--device=cpu", "--host=::1", "--metrics_port=0"});
+  auto server =
+      ServerProcess::Start({"--device=cpu", "--host=::1", "--metrics_port=0"});
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_GT((*server)->metrics_port(), 0);
   client::LogpClient::Options options;
@@ -292,7 +319,8 @@ TEST(MetricsEndpointTest, ServedOnIpv6LoopbackHost) {
   ASSERT_TRUE(client.ok()) << client.status();
   const int64_t rows = 3;
   auto answer = (*client)->Score(client::MakeLogProbRequest(
-      "ipv6", v1::DTYPE_BFLOAT16, rows, 1024, client::RandomBf16Rows(rows, 1024, 5),
+      "ipv6", v1::DTYPE_BFLOAT16, rows, 1024,
+      client::RandomBf16Rows(rows, 1024, 5),
       client::RandomTargets(rows, 32000, 6), 1.0f, false));
   ASSERT_TRUE(answer.ok()) << answer.status();
 
@@ -303,12 +331,19 @@ TEST(MetricsEndpointTest, ServedOnIpv6LoopbackHost) {
   const Exposition parsed = Parse(body);
   EXPECT_EQ(parsed.types, ExpectedTypes()) << body;
   // The warm-up batch (2 rows) and the call.
-  EXPECT_EQ(parsed.samples.at("detlogp_requests_total{method=\"ComputeLogProbs\",code=\"OK\"}"), 1);
-  EXPECT_EQ(parsed.samples.at("detlogp_rows_total{outcome=\"computed\"}"), 2 + rows);
+  EXPECT_EQ(
+      parsed.samples.at(
+          "detlogp_requests_total{method=\"ComputeLogProbs\",code=\"OK\"}"),
+      1);
+  EXPECT_EQ(parsed.samples.at("detlogp_rows_total{outcome=\"computed\"}"),
+            2 + rows);
   EXPECT_EQ(parsed.samples.at("detlogp_rows_computed_total"), 2 + rows);
-  EXPECT_EQ(parsed.samples.at("detlogp_model_rows_total{model=\"default\"}"), rows);
-  EXPECT_EQ(parsed.samples.at("detlogp_model_latest_version{model=\"default\"}"), 1);
-  EXPECT_EQ(parsed.samples.at("detlogp_model_ready_versions{model=\"default\"}"), 1);
+  EXPECT_EQ(parsed.samples.at("detlogp_model_rows_total{model=\"default\"}"),
+            rows);
+  EXPECT_EQ(
+      parsed.samples.at("detlogp_model_latest_version{model=\"default\"}"), 1);
+  EXPECT_EQ(
+      parsed.samples.at("detlogp_model_ready_versions{model=\"default\"}"), 1);
   EXPECT_EQ(parsed.samples.at("detlogp_batch_rows_count"), 2);
   EXPECT_EQ(parsed.samples.at("detlogp_queue_rows"), 0);
   EXPECT_GT(parsed.samples.at("detlogp_model_memory_bytes"), 0);
@@ -329,9 +364,9 @@ TEST(MetricsEndpointTest, ServedOnIpv6LoopbackHost) {
 // 300 rows in chunks of 64 is one stream, 5 chunks, launches covering the
 // 300 rows, and the stream's time split into writing and waiting.
 TEST(MetricsEndpointTest, ProjectionStreamsAndLaunchesAreCounted) {
-  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2", "--metrics_port=0",
-                                      "--synthetic_hidden_size=64",
-                                      "--synthetic_vocab_size=1000"});
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--cpu_threads=2", "--metrics_port=0",
+       "--synthetic_hidden_size=64", "--synthetic_vocab_size=1000"});
   ASSERT_TRUE(server.ok()) << server.status();
   client::LogpClient::Options options;
   options.target = (*server)->target();
@@ -364,8 +399,13 @@ TEST(MetricsEndpointTest, ProjectionStreamsAndLaunchesAreCounted) {
   EXPECT_GE(parsed.samples["detlogp_projection_compute_wait_seconds_total"], 0);
   // The CPU backend's chunks are plain heap buffers, one per chunk here (5
   // chunks fit in the stream's buffer), none cached.
-  EXPECT_EQ(parsed.samples["detlogp_projection_chunk_buffers_total{source=\"new\"}"], 5);
-  EXPECT_EQ(parsed.samples["detlogp_projection_chunk_buffers_total{source=\"cache\"}"], 0);
+  EXPECT_EQ(
+      parsed.samples["detlogp_projection_chunk_buffers_total{source=\"new\"}"],
+      5);
+  EXPECT_EQ(
+      parsed
+          .samples["detlogp_projection_chunk_buffers_total{source=\"cache\"}"],
+      0);
   EXPECT_EQ(parsed.samples["detlogp_projection_chunk_buffer_cache_bytes"], 0);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }

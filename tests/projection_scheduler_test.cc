@@ -25,7 +25,9 @@ using kernels::kProjectionOutDim;
 class FakeProjectionBackend final : public ProjectionBackend {
  public:
   FakeProjectionBackend() { description_.name = "fake"; }
-  const BackendDescription& description() const override { return description_; }
+  const BackendDescription& description() const override {
+    return description_;
+  }
   absl::StatusOr<std::unique_ptr<ProjectionExecutor>> NewExecutor(
       int64_t max_rows) override {
     return std::unique_ptr<ProjectionExecutor>(new Executor(this, max_rows));
@@ -51,8 +53,10 @@ class FakeProjectionBackend final : public ProjectionBackend {
     }
     absl::Status Run(int64_t rows, absl::Span<const YDestination> outputs,
                      ProjectionRunStats* stats) override {
-      if (backend_->first_.exchange(false)) backend_->release_first.WaitForNotification();
-      if (absl::Status s = CheckLaunch(rows, x_.size() / kProjectionInDim, outputs);
+      if (backend_->first_.exchange(false))
+        backend_->release_first.WaitForNotification();
+      if (absl::Status s =
+              CheckLaunch(rows, x_.size() / kProjectionInDim, outputs);
           !s.ok()) {
         return s;
       }
@@ -122,7 +126,8 @@ TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
   for (size_t i = 0; i < sizes.size(); ++i) {
     xs.emplace_back(sizes[i] * kProjectionInDim);
     ys.emplace_back(sizes[i] * kProjectionOutDim, -1.0f);
-    for (int64_t r = 0; r < sizes[i]; ++r) xs[i][r * kProjectionInDim] = 100.0f * i + r;
+    for (int64_t r = 0; r < sizes[i]; ++r)
+      xs[i][r * kProjectionInDim] = 100.0f * i + r;
   }
   EXPECT_EQ(ScheduleBehindFirst(&backend, scheduler.get(), sizes, xs, ys), 4);
   EXPECT_EQ(backend.launches(), (std::vector<int64_t>{3, 21}));
@@ -136,7 +141,8 @@ TEST(ProjectionSchedulerTest, ChunksOfDifferentStreamsShareALaunch) {
   }
   for (size_t i = 0; i < sizes.size(); ++i) {
     for (int64_t r = 0; r < sizes[i]; ++r) {
-      EXPECT_EQ(ys[i][r * kProjectionOutDim + 5], 100.0f * i + r + 5) << i << "," << r;
+      EXPECT_EQ(ys[i][r * kProjectionOutDim + 5], 100.0f * i + r + 5)
+          << i << "," << r;
     }
   }
   // Chunks larger than a launch are refused with a status.
@@ -179,8 +185,8 @@ TEST(ProjectionSchedulerTest, LaunchTimingsSayWhereTheTimeWent) {
   ASSERT_EQ(timings.size(), 2u);
   EXPECT_EQ(timings[0].rows, 4);
   EXPECT_EQ(timings[1].rows, 4);
-  EXPECT_GE(timings[0].run_seconds, 0.07);           // held 20 + 60 ms
-  EXPECT_GE(timings[1].queue_delay_seconds, 0.05);   // behind the held launch
+  EXPECT_GE(timings[0].run_seconds, 0.07);          // held 20 + 60 ms
+  EXPECT_GE(timings[1].queue_delay_seconds, 0.05);  // behind the held launch
   EXPECT_LT(timings[0].queue_delay_seconds, timings[1].queue_delay_seconds);
   EXPECT_LT(timings[1].run_seconds, timings[0].run_seconds);
   EXPECT_GE(timings[1].run_seconds, 0.0);
@@ -241,7 +247,8 @@ TEST(ProjectionSchedulerTest, EveryChunkOfALaunchGetsItsOwnRows) {
     xs.emplace_back(sizes[i] * kProjectionInDim);
     // One guard row past each chunk's rows.
     ys.emplace_back((sizes[i] + 1) * kProjectionOutDim, kGuard);
-    for (int64_t r = 0; r < sizes[i]; ++r) xs[i][r * kProjectionInDim] = 1000.0f * i + r;
+    for (int64_t r = 0; r < sizes[i]; ++r)
+      xs[i][r * kProjectionInDim] = 1000.0f * i + r;
   }
   EXPECT_EQ(ScheduleBehindFirst(&backend, scheduler.get(), sizes, xs, ys),
             static_cast<int>(sizes.size()));
@@ -256,7 +263,8 @@ TEST(ProjectionSchedulerTest, EveryChunkOfALaunchGetsItsOwnRows) {
       }
     }
     for (int64_t o = 0; o < kProjectionOutDim; ++o) {
-      ASSERT_EQ(ys[i][sizes[i] * kProjectionOutDim + o], kGuard) << "chunk " << i;
+      ASSERT_EQ(ys[i][sizes[i] * kProjectionOutDim + o], kGuard)
+          << "chunk " << i;
     }
   }
 }

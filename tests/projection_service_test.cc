@@ -71,7 +71,8 @@ class ProjectionServiceTest : public ::testing::Test {
 ServerProcess* ProjectionServiceTest::server_ = nullptr;
 
 TEST_F(ProjectionServiceTest, StreamedChunksReassembleToTheCpuKernelsBits) {
-  const server::ProjectionWeights weights = server::SyntheticProjectionWeights();
+  const server::ProjectionWeights weights =
+      server::SyntheticProjectionWeights();
   kernels::ProjectionCpu::Options options;
   options.weight = weights.weight;
   options.bias = weights.bias;
@@ -87,7 +88,8 @@ TEST_F(ProjectionServiceTest, StreamedChunksReassembleToTheCpuKernelsBits) {
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->y.size(), expected.size());
     EXPECT_EQ(std::memcmp(result->y.data(), expected.data(),
-                          expected.size() * sizeof(float)), 0)
+                          expected.size() * sizeof(float)),
+              0)
         << "rows_per_chunk " << chunk;
     if (chunk > 0) {
       EXPECT_EQ(result->chunks, (rows + chunk - 1) / chunk);
@@ -97,12 +99,15 @@ TEST_F(ProjectionServiceTest, StreamedChunksReassembleToTheCpuKernelsBits) {
   }
   EXPECT_EQ(key.rfind("dk1-", 0), 0u);
   // A row's bits do not depend on what it was sent with.
-  auto one = client->Project(std::vector<float>(x.begin() + 500 * 96, x.begin() + 501 * 96), 1);
+  auto one = client->Project(
+      std::vector<float>(x.begin() + 500 * 96, x.begin() + 501 * 96), 1);
   ASSERT_TRUE(one.ok());
-  EXPECT_EQ(std::memcmp(one->y.data(), expected.data() + 500 * 5376, 5376 * 4), 0);
+  EXPECT_EQ(std::memcmp(one->y.data(), expected.data() + 500 * 5376, 5376 * 4),
+            0);
 }
 
-TEST_F(ProjectionServiceTest, ConcurrentStreamsShareLaunchesWithoutChangingBits) {
+TEST_F(ProjectionServiceTest,
+       ConcurrentStreamsShareLaunchesWithoutChangingBits) {
   auto client = Connect();
   const std::vector<float> x = RandomX(64, 9);
   auto alone = client->Project(x, 64, 16);
@@ -163,7 +168,8 @@ TEST_F(ProjectionServiceTest, CancelledStreamLeavesTheServerServing) {
   request.mutable_x()->set_dtype(v1::DTYPE_FLOAT32);
   request.mutable_x()->add_shape(4000);
   request.mutable_x()->add_shape(96);
-  request.mutable_x()->set_data(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+  request.mutable_x()->set_data(reinterpret_cast<const char*>(x.data()),
+                                x.size() * 4);
   grpc::ClientContext context;
   auto reader = client->projection_stub()->Project(&context, request);
   v1::ProjectResponse response;
@@ -191,10 +197,11 @@ TEST_F(ProjectionServiceTest, SlowReaderDoesNotMakeTheServerBufferTheVideo) {
   const std::vector<float> x = RandomX(rows, 13);
   const int64_t rss_before = ResidentKiB(server_->pid());
   int64_t rss_peak = rss_before;
-  auto result = client->ProjectChunks(x, rows, OneStream(512), [&](client::ProjectChunk&) {
-    absl::SleepFor(absl::Milliseconds(30));
-    rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
-  });
+  auto result = client->ProjectChunks(
+      x, rows, OneStream(512), [&](client::ProjectChunk&) {
+        absl::SleepFor(absl::Milliseconds(30));
+        rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
+      });
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->chunks, (rows + 511) / 512);
   const int64_t growth_mib = (rss_peak - rss_before) / 1024;
@@ -214,11 +221,12 @@ TEST_F(ProjectionServiceTest, AFullSizeVideoStreamsInBoundedServerMemory) {
   const int64_t rss_before = ResidentKiB(server_->pid());
   int64_t rss_peak = rss_before;
   int64_t chunks_seen = 0;
-  auto result = client->ProjectChunks(x, rows, OneStream(512), [&](client::ProjectChunk&) {
-    if (++chunks_seen % 50 == 0) {
-      rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
-    }
-  });
+  auto result = client->ProjectChunks(
+      x, rows, OneStream(512), [&](client::ProjectChunk&) {
+        if (++chunks_seen % 50 == 0) {
+          rss_peak = std::max(rss_peak, ResidentKiB(server_->pid()));
+        }
+      });
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(result->chunks, (rows + 511) / 512);
   const int64_t growth_mib = (rss_peak - rss_before) / 1024;
@@ -246,16 +254,20 @@ class RowTagBackend final : public server::ProjectionBackend {
    public:
     explicit Executor(int64_t rows) : x_(rows * kernels::kProjectionInDim) {}
     server::ProjectionStaging staging() override {
-      return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim), x_.data()};
+      return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim),
+              x_.data()};
     }
     // Straight into the destinations, as the CUDA executor does.
-    absl::Status Run(int64_t rows, absl::Span<const server::YDestination> outputs,
+    absl::Status Run(int64_t rows,
+                     absl::Span<const server::YDestination> outputs,
                      server::ProjectionRunStats*) override {
       const float* x = x_.data();
       for (const server::YDestination& output : outputs) {
-        for (int64_t r = 0; r < output.rows; ++r, x += kernels::kProjectionInDim) {
+        for (int64_t r = 0; r < output.rows;
+             ++r, x += kernels::kProjectionInDim) {
           for (int64_t o = 0; o < kernels::kProjectionOutDim; ++o) {
-            output.y[r * kernels::kProjectionOutDim + o] = x[0] + static_cast<float>(o);
+            output.y[r * kernels::kProjectionOutDim + o] =
+                x[0] + static_cast<float>(o);
           }
         }
       }
@@ -268,13 +280,15 @@ class RowTagBackend final : public server::ProjectionBackend {
   server::BackendDescription description_;
 };
 
-TEST(ProjectionServiceInProcessTest, ASlowReadersStreamHoldsAtMostItsBufferBudget) {
+TEST(ProjectionServiceInProcessTest,
+     ASlowReadersStreamHoldsAtMostItsBufferBudget) {
   constexpr int64_t kChunkRows = 64, kChunks = 40, kRows = kChunkRows * kChunks;
   constexpr int64_t kChunkBytes = kChunkRows * kernels::kProjectionOutDim * 4;
   RowTagBackend backend;
   server::ProjectionScheduler::Options scheduler_options;
   scheduler_options.max_launch_rows = 256;
-  auto scheduler = server::ProjectionScheduler::Create(scheduler_options, &backend);
+  auto scheduler =
+      server::ProjectionScheduler::Create(scheduler_options, &backend);
   ASSERT_TRUE(scheduler.ok()) << scheduler.status();
   absl::Mutex mu;
   std::vector<server::ProjectionServiceImpl::StreamTimings> streams;
@@ -297,15 +311,17 @@ TEST(ProjectionServiceInProcessTest, ASlowReadersStreamHoldsAtMostItsBufferBudge
   options.determinism_key = "key";
   options.max_stream_buffer_bytes = 3 * kChunkBytes;
   options.chunk_buffers = pool;
-  options.on_stream_timings = [&](const server::ProjectionServiceImpl::StreamTimings& t) {
-    absl::MutexLock lock(&mu);
-    streams.push_back(t);
-    stream_done.Notify();
-  };
+  options.on_stream_timings =
+      [&](const server::ProjectionServiceImpl::StreamTimings& t) {
+        absl::MutexLock lock(&mu);
+        streams.push_back(t);
+        stream_done.Notify();
+      };
   server::ProjectionServiceImpl service(options, scheduler->get());
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> grpc_server = builder.BuildAndStart();
   ASSERT_NE(grpc_server, nullptr);
@@ -363,7 +379,8 @@ TEST(ProjectionServiceInProcessTest, ASlowReadersStreamHoldsAtMostItsBufferBudge
   EXPECT_EQ(taken.allocated, allocations.load());
   EXPECT_EQ(taken.heap_fallbacks, 0);
   // (The call frees its slots just after reporting its timings.)
-  for (int i = 0; i < 500 && pool->stats().cached_bytes < pool->held_bytes(); ++i) {
+  for (int i = 0; i < 500 && pool->stats().cached_bytes < pool->held_bytes();
+       ++i) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   EXPECT_EQ(pool->stats().cached_bytes, pool->held_bytes());

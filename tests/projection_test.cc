@@ -32,14 +32,15 @@ bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // |got - ref| <= 1e-4 + 1e-4 |ref| everywhere, NaN fails.
-void ExpectClose(const std::vector<float>& got, const std::vector<double>& ref) {
+void ExpectClose(const std::vector<float>& got,
+                 const std::vector<double>& ref) {
   ASSERT_EQ(got.size(), ref.size());
   int64_t bad = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
     if (!(err <= 1e-4 + 1e-4 * std::fabs(ref[i]))) {
-      if (bad++ < 5) ADD_FAILURE() << "i=" << i << " got=" << got[i]
-                                   << " ref=" << ref[i];
+      if (bad++ < 5)
+        ADD_FAILURE() << "i=" << i << " got=" << got[i] << " ref=" << ref[i];
     }
   }
   EXPECT_EQ(bad, 0);
@@ -63,7 +64,8 @@ std::unique_ptr<ProjectionCpu> MakeCpu(const Problem& p, bool with_bias,
   return std::move(*cpu);
 }
 
-std::vector<float> Forward(const ProjectionCpu& cpu, const std::vector<float>& x) {
+std::vector<float> Forward(const ProjectionCpu& cpu,
+                           const std::vector<float>& x) {
   const int64_t rows = static_cast<int64_t>(x.size()) / kK;
   std::vector<float> y(rows * kN, std::nanf(""));
   EXPECT_TRUE(cpu.Forward(x, rows, absl::MakeSpan(y)).ok());
@@ -158,8 +160,9 @@ TEST(ProjectionCpuTest, BadShapesAreErrors) {
   EXPECT_FALSE(cpu->Forward(x, 3, absl::MakeSpan(y)).ok());
   EXPECT_FALSE(cpu->Forward(x, -1, absl::MakeSpan(y)).ok());
   EXPECT_FALSE(cpu->Forward(x, 2, absl::MakeSpan(y).subspan(1)).ok());
-  EXPECT_FALSE(cpu->Forward(absl::MakeConstSpan(x).subspan(1), 2,
-                            absl::MakeSpan(y)).ok());
+  EXPECT_FALSE(
+      cpu->Forward(absl::MakeConstSpan(x).subspan(1), 2, absl::MakeSpan(y))
+          .ok());
   EXPECT_TRUE(cpu->Forward({}, 0, {}).ok());
 }
 
@@ -193,14 +196,15 @@ TEST(ProjectionGradTest, InputGradMatchesFloat64AndTheWrittenOrder) {
   // Rows are independent: the last 4 rows alone give the same bits.
   std::vector<float> dx_tail(4 * kK);
   ASSERT_TRUE(ProjectionInputGrad(
-                  p.weight, absl::MakeConstSpan(dy).subspan((rows - 4) * kN),
-                  4, absl::MakeSpan(dx_tail), 3)
+                  p.weight, absl::MakeConstSpan(dy).subspan((rows - 4) * kN), 4,
+                  absl::MakeSpan(dx_tail), 3)
                   .ok());
   EXPECT_EQ(0, std::memcmp(dx_tail.data(), &dx[(rows - 4) * kK], 4 * kK * 4));
-  EXPECT_FALSE(ProjectionInputGrad(p.weight, dy, rows + 1,
-                                   absl::MakeSpan(dx)).ok());
+  EXPECT_FALSE(
+      ProjectionInputGrad(p.weight, dy, rows + 1, absl::MakeSpan(dx)).ok());
   EXPECT_FALSE(ProjectionInputGrad(absl::MakeConstSpan(p.weight).subspan(96),
-                                   dy, rows, absl::MakeSpan(dx)).ok());
+                                   dy, rows, absl::MakeSpan(dx))
+                   .ok());
 }
 
 // Rows of a gradient problem, addressed by key.
@@ -220,8 +224,10 @@ struct GradRows {
 };
 
 GradRows RandomGradRows(int64_t rows, std::mt19937_64& rng) {
-  GradRows g{rows, RandomVector(rows * kN, 1.f, rng),
-             RandomVector(rows * kK, 1.f, rng), {}};
+  GradRows g{rows,
+             RandomVector(rows * kN, 1.f, rng),
+             RandomVector(rows * kK, 1.f, rng),
+             {}};
   g.keys.resize(rows);
   std::iota(g.keys.begin(), g.keys.end(), 0);
   return g;
@@ -272,7 +278,8 @@ TEST(ProjectionGradTest, WeightGradBitsDependOnKeysNotOnRowOrderOrSplits) {
       o.num_threads = threads;
       auto acc = ProjectionGradAccumulator::Create(o);
       ASSERT_TRUE(acc.ok());
-      for (int64_t begin = 0, step = 13; begin < rows; begin += step, step *= 2) {
+      for (int64_t begin = 0, step = 13; begin < rows;
+           begin += step, step *= 2) {
         std::vector<int64_t> idx;
         for (int64_t i = begin; i < std::min(rows, begin + step); ++i) {
           idx.push_back(i);
@@ -303,8 +310,8 @@ TEST(ProjectionGradTest, WeightGradsFollowTheWrittenThreeLevelOrder) {
   std::vector<int64_t> keys;
   std::uniform_int_distribution<int64_t> pick(0, 5 * 4096 - 1);
   while (keys.size() < 160) {
-    const int64_t k = keys.size() < 40 ? static_cast<int64_t>(keys.size())
-                                       : pick(rng);
+    const int64_t k =
+        keys.size() < 40 ? static_cast<int64_t>(keys.size()) : pick(rng);
     if (std::find(keys.begin(), keys.end(), k) == keys.end()) keys.push_back(k);
   }
   std::shuffle(keys.begin(), keys.end(), rng);
@@ -331,8 +338,8 @@ TEST(ProjectionGradTest, WeightGradsFollowTheWrittenThreeLevelOrder) {
     const int64_t r = order[i], key = keys[r];
     for (int64_t o = 0; o < kN; ++o) {
       for (int64_t k = 0; k < kK; ++k) {
-        pw[o * kK + k] = std::fma(g.dy[r * kN + o], g.x[r * kK + k],
-                                  pw[o * kK + k]);
+        pw[o * kK + k] =
+            std::fma(g.dy[r * kN + o], g.x[r * kK + k], pw[o * kK + k]);
       }
       pb[o] = pb[o] + g.dy[r * kN + o];
     }
@@ -430,7 +437,8 @@ TEST(ProjectionGradTest, BadKeysAndLimitsAreErrorsThatLeaveStateUnchanged) {
   EXPECT_TRUE(SameBits(out->dbias, base.dbias));
 
   EXPECT_FALSE(ComputeProjectionWeightGrads(
-                   absl::MakeConstSpan(g.dy).subspan(1), g.x, g.keys).ok());
+                   absl::MakeConstSpan(g.dy).subspan(1), g.x, g.keys)
+                   .ok());
   o.max_buffered_rows = 1;
   EXPECT_FALSE(ProjectionGradAccumulator::Create(o).ok());
   o.max_buffered_rows = 128;

@@ -20,7 +20,8 @@ double RowsComputed(const ServerProcess& server) {
   if (!text.ok()) return -1;
   const std::string series = "\ndetlogp_rows_computed_total ";
   const size_t at = text->find(series);
-  return at == std::string::npos ? -1 : std::stod(text->substr(at + series.size()));
+  return at == std::string::npos ? -1
+                                 : std::stod(text->substr(at + series.size()));
 }
 
 TEST(ReplicasTest, RoundRobinOverTwoReplicasGivesOneKeyAndIdenticalBits) {
@@ -32,13 +33,15 @@ TEST(ReplicasTest, RoundRobinOverTwoReplicasGivesOneKeyAndIdenticalBits) {
   alone_options.target = (*first)->target();
   auto alone = *LogpClient::Create(alone_options);
   LogpClient::Options balanced_options;
-  balanced_options.target = "ipv4:" + (*first)->target() + "," + (*second)->target();
+  balanced_options.target =
+      "ipv4:" + (*first)->target() + "," + (*second)->target();
   balanced_options.load_balancing_policy = "round_robin";
   auto balanced = *LogpClient::Create(balanced_options);
 
   const int64_t rows = 6;
   const v1::LogProbRequest request = client::MakeLogProbRequest(
-      "probe", v1::DTYPE_BFLOAT16, rows, 1024, client::RandomBf16Rows(rows, 1024, 77),
+      "probe", v1::DTYPE_BFLOAT16, rows, 1024,
+      client::RandomBf16Rows(rows, 1024, 77),
       client::RandomTargets(rows, 32000, 78), 0.9f, true);
   auto reference = alone->Score(request);
   ASSERT_TRUE(reference.ok()) << reference.status();
@@ -49,7 +52,8 @@ TEST(ReplicasTest, RoundRobinOverTwoReplicasGivesOneKeyAndIdenticalBits) {
     auto answer = balanced->Score(request);
     ASSERT_TRUE(answer.ok()) << answer.status();
     EXPECT_EQ(answer->determinism_key, reference->determinism_key);
-    if (std::memcmp(answer->logprobs.data(), reference->logprobs.data(), rows * 4) == 0 &&
+    if (std::memcmp(answer->logprobs.data(), reference->logprobs.data(),
+                    rows * 4) == 0 &&
         std::memcmp(answer->lse.data(), reference->lse.data(), rows * 4) == 0) {
       ++identical;
     }

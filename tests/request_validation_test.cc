@@ -136,7 +136,8 @@ TEST(RequestValidationTest, TopKWithinTheServerAndVocabularyLimits) {
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.status().message().find("top_k"), std::string::npos);
-  EXPECT_NE(refused.status().message().find("vocab_size=10"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("vocab_size=10"),
+            std::string::npos);
   for (int64_t r = 0; r < 2; ++r) request.set_target_ids(r, 0);
   request.set_top_k(10);
   EXPECT_TRUE(ValidateLogProbRequest(request, small_vocab).ok());
@@ -153,7 +154,8 @@ TEST(RequestValidationTest, ExtrasRefusedWhenTheBackendLacksThem) {
   auto entropy = ValidateLogProbRequest(request, no_extras);
   ASSERT_FALSE(entropy.ok());
   EXPECT_EQ(entropy.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(entropy.status().message().find("return_entropy"), std::string::npos);
+  EXPECT_NE(entropy.status().message().find("return_entropy"),
+            std::string::npos);
   EXPECT_NE(entropy.status().message().find("portable-mma-sync-v1"),
             std::string::npos);
   request.set_return_entropy(false);

@@ -27,9 +27,10 @@ std::vector<uint8_t> FloatBytes(const std::vector<float>& values) {
 
 TEST(SafetensorsTest, RoundTripsTensors) {
   const std::string path = TempPath("round_trip.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"a", "F32", {2, 2}, FloatBytes({1, 2, 3, 4})},
-                                      {"b", "F32", {3}, FloatBytes({5, 6, 7})}})
-                  .ok());
+  ASSERT_TRUE(
+      WriteSafetensors(path, {{"a", "F32", {2, 2}, FloatBytes({1, 2, 3, 4})},
+                              {"b", "F32", {3}, FloatBytes({5, 6, 7})}})
+          .ok());
   auto file = SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ(file->tensors().size(), 2u);
@@ -42,22 +43,26 @@ TEST(SafetensorsTest, RoundTripsTensors) {
 }
 
 TEST(SafetensorsTest, ParsesMetadataAndRejectsMalformedHeaders) {
-  EXPECT_TRUE(ParseSafetensorsHeader(
-                  R"({"__metadata__":{"format":"pt"},"w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]}})")
-                  .ok());
-  for (const char* bad :
-       {"", "{", "[]", R"({"w":{"dtype":"F32","shape":[2]}})",
-        R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})",
-        R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})",
-        R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}} trailing)",
-        R"({"w":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,8]}})"}) {
+  EXPECT_TRUE(
+      ParseSafetensorsHeader(
+          R"({"__metadata__":{"format":"pt"},"w":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]}})")
+          .ok());
+  for (
+      const char* bad :
+      {"", "{", "[]", R"({"w":{"dtype":"F32","shape":[2]}})",
+       R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})",
+       R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})",
+       R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}} trailing)",
+       R"({"w":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,8]}})"}) {
     EXPECT_FALSE(ParseSafetensorsHeader(bad).ok()) << bad;
   }
 }
 
 TEST(SafetensorsTest, RejectsTruncatedFiles) {
   const std::string path = TempPath("truncated.safetensors");
-  ASSERT_TRUE(WriteSafetensors(path, {{"a", "F32", {4}, FloatBytes({1, 2, 3, 4})}}).ok());
+  ASSERT_TRUE(
+      WriteSafetensors(path, {{"a", "F32", {4}, FloatBytes({1, 2, 3, 4})}})
+          .ok());
   std::ifstream in(path, std::ios::binary);
   std::string bytes((std::istreambuf_iterator<char>(in)), {});
   std::ofstream(path, std::ios::binary | std::ios::trunc)
@@ -69,9 +74,11 @@ TEST(LmHeadWeightsTest, LoadsFloatWeightsAsBf16WithPaddingAndBias) {
   const std::string path = TempPath("lm_head.safetensors");
   std::vector<float> weight(4 * 2);
   for (size_t i = 0; i < weight.size(); ++i) weight[i] = 0.1f * (i + 1);
-  ASSERT_TRUE(WriteSafetensors(path, {{"lm_head.weight", "F32", {4, 2}, FloatBytes(weight)},
-                                      {"lm_head.bias", "F32", {4}, FloatBytes({1, 2, 3, 4})}})
-                  .ok());
+  ASSERT_TRUE(
+      WriteSafetensors(path,
+                       {{"lm_head.weight", "F32", {4, 2}, FloatBytes(weight)},
+                        {"lm_head.bias", "F32", {4}, FloatBytes({1, 2, 3, 4})}})
+          .ok());
   LmHeadSource source;
   source.path = path;
   source.bias_tensor = "lm_head.bias";
@@ -86,7 +93,8 @@ TEST(LmHeadWeightsTest, LoadsFloatWeightsAsBf16WithPaddingAndBias) {
   EXPECT_EQ(head->sha256.size(), 64u);
 
   source.vocab_size = 5;
-  EXPECT_EQ(LoadLmHead(source).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadLmHead(source).status().code(),
+            absl::StatusCode::kInvalidArgument);
   source.vocab_size = 0;
   source.weight_tensor = "nope";
   EXPECT_EQ(LoadLmHead(source).status().code(), absl::StatusCode::kNotFound);
@@ -109,9 +117,10 @@ TEST(ProjectionWeightsTest, LoadsNamedTensorsAndRejectsBadShapes) {
   std::vector<float> weight(5376 * 96), bias(5376);
   for (size_t i = 0; i < weight.size(); ++i) weight[i] = 0.001f * (i % 997);
   for (size_t i = 0; i < bias.size(); ++i) bias[i] = 0.5f - 0.0001f * i;
-  ASSERT_TRUE(WriteSafetensors(path, {{"video.w", "F32", {5376, 96}, FloatBytes(weight)},
-                                      {"video.b", "F32", {5376}, FloatBytes(bias)},
-                                      {"wrong", "F32", {96, 5376}, FloatBytes(weight)}})
+  ASSERT_TRUE(WriteSafetensors(
+                  path, {{"video.w", "F32", {5376, 96}, FloatBytes(weight)},
+                         {"video.b", "F32", {5376}, FloatBytes(bias)},
+                         {"wrong", "F32", {96, 5376}, FloatBytes(weight)}})
                   .ok());
   ProjectionSource source;
   source.path = path;
@@ -119,8 +128,8 @@ TEST(ProjectionWeightsTest, LoadsNamedTensorsAndRejectsBadShapes) {
   source.bias_tensor = "video.b";
   auto loaded = LoadProjectionWeights(source);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
-  EXPECT_TRUE(std::equal(loaded->weight.begin(), loaded->weight.end(), weight.begin(),
-                         weight.end()));
+  EXPECT_TRUE(std::equal(loaded->weight.begin(), loaded->weight.end(),
+                         weight.begin(), weight.end()));
   EXPECT_EQ(loaded->bias, bias);
   EXPECT_EQ(loaded->sha256.size(), 64u);
 
@@ -136,7 +145,8 @@ TEST(ProjectionWeightsTest, LoadsNamedTensorsAndRejectsBadShapes) {
   source.weight_tensor = "proj.weight";
   EXPECT_EQ(LoadProjectionWeights(source).status().code(),
             absl::StatusCode::kNotFound);
-  EXPECT_EQ(SyntheticProjectionWeights().sha256, SyntheticProjectionWeights().sha256);
+  EXPECT_EQ(SyntheticProjectionWeights().sha256,
+            SyntheticProjectionWeights().sha256);
 }
 
 }  // namespace

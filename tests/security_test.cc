@@ -41,7 +41,9 @@ class Certificates {
     return *certs;
   }
   std::string path(const std::string& name) const { return dir_ + "/" + name; }
-  std::string pem(const std::string& name) const { return ReadFile(path(name)); }
+  std::string pem(const std::string& name) const {
+    return ReadFile(path(name));
+  }
   bool ok() const { return ok_; }
 
  private:
@@ -49,18 +51,24 @@ class Certificates {
     const std::string d = dir_;
     const std::string script = absl::StrCat(
         "set -e; mkdir -p ", d, "; cd ", d, ";",
-        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 "
+        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem "
+        "-days 1 "
         "-subj /CN=detlogp-test-ca 2>/dev/null;",
-        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr "
+        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out "
+        "server.csr "
         "-subj /CN=localhost 2>/dev/null;",
         "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext;",
-        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key "
+        "-CAcreateserial "
         "-out server.pem -days 1 -extfile san.ext 2>/dev/null;",
-        "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr "
+        "openssl req -newkey rsa:2048 -nodes -keyout client.key -out "
+        "client.csr "
         "-subj /CN=client 2>/dev/null;",
-        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial "
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key "
+        "-CAcreateserial "
         "-out client.pem -days 1 2>/dev/null;",
-        "printf '# tokens for tests\\nalpha-token\\n\\nbeta-token\\n' > tokens.txt");
+        "printf '# tokens for tests\\nalpha-token\\n\\nbeta-token\\n' > "
+        "tokens.txt");
     ok_ = std::system(script.c_str()) == 0;
   }
   std::string dir_;
@@ -102,10 +110,10 @@ TEST(SecurityTest, TlsServesVerifiedClientsAndRefusesPlaintext) {
 TEST(SecurityTest, MutualTlsRequiresAClientCertificate) {
   const Certificates& certs = Certificates::Get();
   ASSERT_TRUE(certs.ok());
-  auto server = ServerProcess::Start({"--device=cpu",
-                                      "--tls_cert=" + certs.path("server.pem"),
-                                      "--tls_key=" + certs.path("server.key"),
-                                      "--tls_client_ca=" + certs.path("ca.pem")});
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--tls_cert=" + certs.path("server.pem"),
+       "--tls_key=" + certs.path("server.key"),
+       "--tls_client_ca=" + certs.path("ca.pem")});
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options anonymous;
   anonymous.tls_root_certs = certs.pem("ca.pem");
@@ -123,12 +131,14 @@ TEST(SecurityTest, BearerTokensGateEveryRpcButHealth) {
   auto server = ServerProcess::Start(
       {"--device=cpu", "--auth_tokens_file=" + certs.path("tokens.txt")});
   ASSERT_TRUE(server.ok()) << server.status();
-  for (const std::string token : {"", "wrong-token", "alpha-toke", "alpha-token-x"}) {
+  for (const std::string token :
+       {"", "wrong-token", "alpha-toke", "alpha-token-x"}) {
     LogpClient::Options options;
     options.bearer_token = token;
     auto client = Client(**server, options);
     EXPECT_EQ(client->Score(SmallRequest()).status().code(),
-              absl::StatusCode::kUnauthenticated) << "'" << token << "'";
+              absl::StatusCode::kUnauthenticated)
+        << "'" << token << "'";
     EXPECT_EQ(client->GetModelInfo().status().code(),
               absl::StatusCode::kUnauthenticated);
     EXPECT_EQ(client->ScoreStream({SmallRequest()}).status().code(),
@@ -145,7 +155,8 @@ TEST(SecurityTest, BearerTokensGateEveryRpcButHealth) {
     EXPECT_TRUE(client->Project(std::vector<float>(96, 1.0f), 1).ok());
   }
   // Health stays open for probes.
-  auto channel = grpc::CreateChannel((*server)->target(), grpc::InsecureChannelCredentials());
+  auto channel = grpc::CreateChannel((*server)->target(),
+                                     grpc::InsecureChannelCredentials());
   auto health = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext context;
   grpc::health::v1::HealthCheckResponse response;
@@ -161,11 +172,11 @@ TEST(SecurityTest, UnixSocketIsPlaintextAndKeepsTheTokens) {
   char dir_template[] = "/tmp/detlogp-sec-XXXXXX";  // TEST_TMPDIR is too long
   const std::string socket_dir = ::mkdtemp(dir_template);
   const std::string socket = socket_dir + "/s.sock";
-  auto server = ServerProcess::Start({"--device=cpu",
-                                      "--tls_cert=" + certs.path("server.pem"),
-                                      "--tls_key=" + certs.path("server.key"),
-                                      "--auth_tokens_file=" + certs.path("tokens.txt"),
-                                      "--unix_socket=" + socket});
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--tls_cert=" + certs.path("server.pem"),
+       "--tls_key=" + certs.path("server.key"),
+       "--auth_tokens_file=" + certs.path("tokens.txt"),
+       "--unix_socket=" + socket});
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options local;
   local.target = "unix:" + socket;
@@ -180,7 +191,8 @@ TEST(SecurityTest, UnixSocketIsPlaintextAndKeepsTheTokens) {
   plaintext.bearer_token = "alpha-token";
   EXPECT_EQ(Client(**server, plaintext)->Score(SmallRequest()).status().code(),
             absl::StatusCode::kUnavailable);
-  EXPECT_NE((*server)->Log().find("unix:" + socket + " (plaintext)"), std::string::npos);
+  EXPECT_NE((*server)->Log().find("unix:" + socket + " (plaintext)"),
+            std::string::npos);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
   ::rmdir(socket_dir.c_str());  // the server removed its socket
 }
@@ -189,9 +201,11 @@ TEST(SecurityTest, DefaultsBindLoopbackAndRefuseBadTlsFlags) {
   auto server = ServerProcess::Start({"--device=cpu"});
   ASSERT_TRUE(server.ok());
   EXPECT_NE((*server)->Log().find("on 127.0.0.1:"), std::string::npos);
-  EXPECT_NE((*server)->Log().find("plaintext, no authentication"), std::string::npos);
+  EXPECT_NE((*server)->Log().find("plaintext, no authentication"),
+            std::string::npos);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
-  auto bad = ServerProcess::Start({"--device=cpu", "--tls_cert=/nonexistent.pem"}, 30);
+  auto bad =
+      ServerProcess::Start({"--device=cpu", "--tls_cert=/nonexistent.pem"}, 30);
   EXPECT_FALSE(bad.ok());
   auto missing_tokens = ServerProcess::Start(
       {"--device=cpu", "--auth_tokens_file=/nonexistent-tokens"}, 30);

@@ -50,10 +50,12 @@ class ServerIntegrationTest : public ::testing::Test {
     return *LogpClient::Create(options);
   }
 
-  LogProbRequest Bf16Request(int64_t rows, uint64_t seed, int64_t hidden = 1024) {
-    return MakeLogProbRequest(absl::StrCat("r", seed), v1::DTYPE_BFLOAT16, rows,
-                              hidden, client::RandomBf16Rows(rows, hidden, seed),
-                              client::RandomTargets(rows, 32000, seed), 1.0f, true);
+  LogProbRequest Bf16Request(int64_t rows, uint64_t seed,
+                             int64_t hidden = 1024) {
+    return MakeLogProbRequest(
+        absl::StrCat("r", seed), v1::DTYPE_BFLOAT16, rows, hidden,
+        client::RandomBf16Rows(rows, hidden, seed),
+        client::RandomTargets(rows, 32000, seed), 1.0f, true);
   }
 
   static ServerProcess* server_;
@@ -92,12 +94,13 @@ TEST_F(ServerIntegrationTest, LogprobsMatchFloat64ReferenceForEveryDtype) {
   }
   for (auto [dtype, data] : {std::pair{v1::DTYPE_BFLOAT16, bf16},
                              std::pair{v1::DTYPE_FLOAT32, fp32}}) {
-    auto result = client->Score(MakeLogProbRequest("ref", dtype, rows, 1024, data,
-                                                   targets, 0.8f, true));
+    auto result = client->Score(MakeLogProbRequest("ref", dtype, rows, 1024,
+                                                   data, targets, 0.8f, true));
     ASSERT_TRUE(result.ok()) << result.status();
     for (int64_t r = 0; r < rows; ++r) {
       const auto ref = testing::ReferenceLinearLogp(
-          weights.view(), reinterpret_cast<const uint16_t*>(bf16.data()) + r * 1024,
+          weights.view(),
+          reinterpret_cast<const uint16_t*>(bf16.data()) + r * 1024,
           static_cast<int32_t>(targets[r]), 0.8);
       EXPECT_NEAR(result->logprobs[r], ref.logprob, 1e-3);
       EXPECT_NEAR(result->lse[r], ref.lse, 1e-3);
@@ -115,8 +118,10 @@ TEST_F(ServerIntegrationTest, Fp16RowsAreRoundedToBf16) {
     bf16[2 * i] = static_cast<char>(0x80);
     bf16[2 * i + 1] = 0x3f;
   }
-  auto a = client->Score(MakeLogProbRequest("h", v1::DTYPE_FLOAT16, 1, 1024, fp16, {5}, 1.0f, true));
-  auto b = client->Score(MakeLogProbRequest("b", v1::DTYPE_BFLOAT16, 1, 1024, bf16, {5}, 1.0f, true));
+  auto a = client->Score(MakeLogProbRequest("h", v1::DTYPE_FLOAT16, 1, 1024,
+                                            fp16, {5}, 1.0f, true));
+  auto b = client->Score(MakeLogProbRequest("b", v1::DTYPE_BFLOAT16, 1, 1024,
+                                            bf16, {5}, 1.0f, true));
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(std::memcmp(&a->logprobs[0], &b->logprobs[0], 4), 0);
 }
@@ -146,7 +151,8 @@ TEST_F(ServerIntegrationTest, BitsUnchangedUnder32ConcurrentMixedCalls) {
 TEST_F(ServerIntegrationTest, StreamAnswersInOrderWithIdsEchoed) {
   auto client = Connect();
   std::vector<LogProbRequest> requests;
-  for (int i = 0; i < 20; ++i) requests.push_back(Bf16Request(1 + (i * 7) % 13, 500 + i));
+  for (int i = 0; i < 20; ++i)
+    requests.push_back(Bf16Request(1 + (i * 7) % 13, 500 + i));
   auto results = client->ScoreStream(requests);
   ASSERT_TRUE(results.ok()) << results.status();
   ASSERT_EQ(results->size(), requests.size());
@@ -158,7 +164,8 @@ TEST_F(ServerIntegrationTest, StreamAnswersInOrderWithIdsEchoed) {
     auto alone = client->Score(requests[i]);
     ASSERT_TRUE(alone.ok());
     EXPECT_EQ(std::memcmp(alone->logprobs.data(), (*results)[i].logprobs.data(),
-                          alone->logprobs.size() * 4), 0);
+                          alone->logprobs.size() * 4),
+              0);
   }
 }
 
@@ -169,10 +176,18 @@ TEST_F(ServerIntegrationTest, EveryBadInputIsInvalidArgumentNamingTheField) {
     std::function<void(LogProbRequest*)> corrupt;
   };
   const std::vector<Case> cases = {
-      {"hidden.shape", [](LogProbRequest* r) { r->mutable_hidden()->add_shape(1); }},
-      {"hidden.shape[1]", [](LogProbRequest* r) { r->mutable_hidden()->set_shape(1, 512); }},
-      {"hidden.data", [](LogProbRequest* r) { r->mutable_hidden()->mutable_data()->pop_back(); }},
-      {"hidden.dtype", [](LogProbRequest* r) { r->mutable_hidden()->set_dtype(v1::DTYPE_UNSPECIFIED); }},
+      {"hidden.shape",
+       [](LogProbRequest* r) { r->mutable_hidden()->add_shape(1); }},
+      {"hidden.shape[1]",
+       [](LogProbRequest* r) { r->mutable_hidden()->set_shape(1, 512); }},
+      {"hidden.data",
+       [](LogProbRequest* r) {
+         r->mutable_hidden()->mutable_data()->pop_back();
+       }},
+      {"hidden.dtype",
+       [](LogProbRequest* r) {
+         r->mutable_hidden()->set_dtype(v1::DTYPE_UNSPECIFIED);
+       }},
       {"target_ids", [](LogProbRequest* r) { r->add_target_ids(1); }},
       {"target_ids[1]", [](LogProbRequest* r) { r->set_target_ids(1, 32000); }},
       {"target_ids[0]", [](LogProbRequest* r) { r->set_target_ids(0, -5); }},
@@ -185,7 +200,8 @@ TEST_F(ServerIntegrationTest, EveryBadInputIsInvalidArgumentNamingTheField) {
     c.corrupt(&request);
     auto result = client->Score(request);
     ASSERT_FALSE(result.ok()) << c.field;
-    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument)
+        << c.field;
     EXPECT_NE(result.status().message().find(c.field), std::string::npos)
         << result.status().message();
   }
@@ -214,9 +230,10 @@ TEST_F(ServerIntegrationTest, BadRequestInStreamEndsItAfterEarlierAnswers) {
 TEST_F(ServerIntegrationTest, OversizedMessageIsRefused) {
   auto client = Connect();
   // 90k rows x 1024 x 2 bytes = 180 MiB > the 160 MiB default limit.
-  LogProbRequest request = MakeLogProbRequest(
-      "big", v1::DTYPE_BFLOAT16, 90 * 1024, 1024, std::string(180u << 20, '\x01'),
-      std::vector<int64_t>(90 * 1024, 1), 1.0f, false);
+  LogProbRequest request =
+      MakeLogProbRequest("big", v1::DTYPE_BFLOAT16, 90 * 1024, 1024,
+                         std::string(180u << 20, '\x01'),
+                         std::vector<int64_t>(90 * 1024, 1), 1.0f, false);
   LogpClient::Options options;
   options.target = server_->target();
   options.max_message_bytes = 256 << 20;
@@ -228,7 +245,8 @@ TEST_F(ServerIntegrationTest, OversizedMessageIsRefused) {
 }
 
 TEST_F(ServerIntegrationTest, HealthIsServing) {
-  auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+  auto channel = grpc::CreateChannel(server_->target(),
+                                     grpc::InsecureChannelCredentials());
   auto stub = grpc::health::v1::Health::NewStub(channel);
   for (const std::string service : {"", "detlogp.v1.LogProbService"}) {
     grpc::ClientContext context;
@@ -236,12 +254,14 @@ TEST_F(ServerIntegrationTest, HealthIsServing) {
     request.set_service(service);
     grpc::health::v1::HealthCheckResponse response;
     ASSERT_TRUE(stub->Check(&context, request, &response).ok()) << service;
-    EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+    EXPECT_EQ(response.status(),
+              grpc::health::v1::HealthCheckResponse::SERVING);
   }
 }
 
 TEST_F(ServerIntegrationTest, ReflectionListsTheServices) {
-  auto channel = grpc::CreateChannel(server_->target(), grpc::InsecureChannelCredentials());
+  auto channel = grpc::CreateChannel(server_->target(),
+                                     grpc::InsecureChannelCredentials());
   auto stub = grpc::reflection::v1alpha::ServerReflection::NewStub(channel);
   grpc::ClientContext context;
   auto stream = stub->ServerReflectionInfo(&context);
@@ -255,8 +275,10 @@ TEST_F(ServerIntegrationTest, ReflectionListsTheServices) {
   for (const auto& service : response.list_services_response().service()) {
     names.push_back(service.name());
   }
-  EXPECT_NE(std::find(names.begin(), names.end(), "detlogp.v1.LogProbService"), names.end());
-  EXPECT_NE(std::find(names.begin(), names.end(), "grpc.health.v1.Health"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "detlogp.v1.LogProbService"),
+            names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "grpc.health.v1.Health"),
+            names.end());
   while (stream->Read(&response)) {
   }
   EXPECT_TRUE(stream->Finish().ok());
@@ -266,9 +288,10 @@ TEST_F(ServerIntegrationTest, ReflectionListsTheServices) {
 
 // A request big enough to keep the 2-core CPU backend busy for a while.
 LogProbRequest SlowRequest(int64_t rows, uint64_t seed) {
-  return MakeLogProbRequest(absl::StrCat("slow", seed), v1::DTYPE_BFLOAT16, rows,
-                            1024, client::RandomBf16Rows(rows, 1024, seed),
-                            client::RandomTargets(rows, 32000, seed), 1.0f, false);
+  return MakeLogProbRequest(
+      absl::StrCat("slow", seed), v1::DTYPE_BFLOAT16, rows, 1024,
+      client::RandomBf16Rows(rows, 1024, seed),
+      client::RandomTargets(rows, 32000, seed), 1.0f, false);
 }
 
 // The value of the first exposition line starting with `series`.
@@ -287,8 +310,9 @@ TEST(ServerLifecycleTest, ForcedKernelNeverFallsBackToTheCpu) {
       continue;  // a GPU machine: --device=auto may really run the kernel
     }
     ASSERT_FALSE(forced.ok()) << device;
-    EXPECT_TRUE(absl::StrContains(forced.status().message(),
-                                  "--logp_kernel=portable chooses a CUDA kernel"))
+    EXPECT_TRUE(
+        absl::StrContains(forced.status().message(),
+                          "--logp_kernel=portable chooses a CUDA kernel"))
         << forced.status();
   }
 }
@@ -301,16 +325,19 @@ TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
   options.target = (*server)->target();
   auto client = *LogpClient::Create(options);
   // Occupy the batcher: 8 batches of 64 rows, well over half a second.
-  std::thread busy([&] { EXPECT_TRUE(client->Score(SlowRequest(512, 1)).ok()); });
+  std::thread busy(
+      [&] { EXPECT_TRUE(client->Score(SlowRequest(512, 1)).ok()); });
   absl::SleepFor(absl::Milliseconds(100));
   int deadline_exceeded = 0;
   for (int i = 0; i < 5; ++i) {
     grpc::ClientContext context;
-    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Milliseconds(30)));
+    context.set_deadline(
+        absl::ToChronoTime(absl::Now() + absl::Milliseconds(30)));
     v1::LogProbResponse response;
-    const grpc::Status status =
-        client->stub()->ComputeLogProbs(&context, SlowRequest(8, 10 + i), &response);
-    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) ++deadline_exceeded;
+    const grpc::Status status = client->stub()->ComputeLogProbs(
+        &context, SlowRequest(8, 10 + i), &response);
+    if (status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)
+      ++deadline_exceeded;
   }
   EXPECT_EQ(deadline_exceeded, 5);
   // Cancelled while queued.
@@ -336,7 +363,8 @@ TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
   // A call whose deadline passed is also cancelled by gRPC; whichever the
   // server notices first names it, but none of the 48 rows was computed.
   const double expired = MetricValue(*metrics, "detlogp_rows_expired_total");
-  const double cancelled = MetricValue(*metrics, "detlogp_rows_cancelled_total");
+  const double cancelled =
+      MetricValue(*metrics, "detlogp_rows_cancelled_total");
   EXPECT_EQ(expired + cancelled, 48);
   EXPECT_GE(cancelled, 8);
   EXPECT_GE(expired, 8);
@@ -365,7 +393,8 @@ TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
   LogpClient::Options options;
   options.target = (*server)->target();
   auto client = *LogpClient::Create(options);
-  for (int i = 0; i < 3; ++i) ASSERT_TRUE(client->Score(SlowRequest(5, 700 + i)).ok());
+  for (int i = 0; i < 3; ++i)
+    ASSERT_TRUE(client->Score(SlowRequest(5, 700 + i)).ok());
   LogProbRequest bad = SlowRequest(2, 710);
   bad.set_temperature(-1);
   EXPECT_FALSE(client->Score(bad).ok());
@@ -373,9 +402,19 @@ TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
   auto text = (*server)->HttpGet("/metrics");
   ASSERT_TRUE(text.ok()) << text.status();
   EXPECT_NE(text->find("HTTP/1.1 200 OK"), std::string::npos);
-  EXPECT_EQ(MetricValue(*text, "detlogp_requests_total{method=\"ComputeLogProbs\",code=\"OK\"}"), 3);
-  EXPECT_EQ(MetricValue(*text, "detlogp_requests_total{method=\"ComputeLogProbs\",code=\"INVALID_ARGUMENT\"}"), 1);
-  EXPECT_EQ(MetricValue(*text, "detlogp_requests_total{method=\"GetModelInfo\",code=\"OK\"}"), 1);
+  EXPECT_EQ(
+      MetricValue(
+          *text,
+          "detlogp_requests_total{method=\"ComputeLogProbs\",code=\"OK\"}"),
+      3);
+  EXPECT_EQ(MetricValue(*text,
+                        "detlogp_requests_total{method=\"ComputeLogProbs\","
+                        "code=\"INVALID_ARGUMENT\"}"),
+            1);
+  EXPECT_EQ(
+      MetricValue(
+          *text, "detlogp_requests_total{method=\"GetModelInfo\",code=\"OK\"}"),
+      1);
   // The warm-up batch counts too: 2 + 3 x 5 rows.
   EXPECT_EQ(MetricValue(*text, "detlogp_rows_total{outcome=\"computed\"}"), 17);
   EXPECT_EQ(MetricValue(*text, "detlogp_rows_total{outcome=\"expired\"}"), 0);
@@ -405,8 +444,10 @@ TEST(ServerLifecycleTest, FullQueueIsResourceExhaustedThenRecovers) {
       auto result = client->Score(SlowRequest(32, 100 + i));
       if (result.ok()) {
         ++ok;
-      } else if (result.status().code() == absl::StatusCode::kResourceExhausted &&
-                 result.status().message().find("queue full") != std::string::npos) {
+      } else if (result.status().code() ==
+                     absl::StatusCode::kResourceExhausted &&
+                 result.status().message().find("queue full") !=
+                     std::string::npos) {
         ++exhausted;
       } else {
         ++other;
@@ -418,7 +459,8 @@ TEST(ServerLifecycleTest, FullQueueIsResourceExhaustedThenRecovers) {
   EXPECT_GT(ok.load(), 0);
   EXPECT_EQ(other.load(), 0);
   // Load gone: everything is served again.
-  for (int i = 0; i < 3; ++i) EXPECT_TRUE(client->Score(SlowRequest(32, 200 + i)).ok());
+  for (int i = 0; i < 3; ++i)
+    EXPECT_TRUE(client->Score(SlowRequest(32, 200 + i)).ok());
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 

@@ -25,7 +25,8 @@ std::string ServerBinaryPath() {
 
 std::string CliBinaryPath() {
   const char* srcdir = std::getenv("TEST_SRCDIR");
-  return absl::StrCat(srcdir != nullptr ? srcdir : ".", "/detlogp/client/detlogp_cli");
+  return absl::StrCat(srcdir != nullptr ? srcdir : ".",
+                      "/detlogp/client/detlogp_cli");
 }
 
 std::pair<int, std::string> RunCli(const std::string& arguments) {
@@ -35,7 +36,8 @@ std::pair<int, std::string> RunCli(const std::string& arguments) {
   std::string output;
   char buffer[4096];
   size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) output.append(buffer, n);
+  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0)
+    output.append(buffer, n);
   const int status = pclose(pipe);
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, output};
 }
@@ -44,8 +46,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
     const std::vector<std::string>& args, int timeout_s) {
   static int counter = 0;
   const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string base = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/server_",
-                                        getpid(), "_", counter++);
+  const std::string base = absl::StrCat(tmp != nullptr ? tmp : "/tmp",
+                                        "/server_", getpid(), "_", counter++);
   const std::string port_file = base + ".port";
   std::unique_ptr<ServerProcess> server(new ServerProcess());
   server->log_path_ = base + ".log";
@@ -59,7 +61,8 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   const pid_t pid = fork();
   if (pid < 0) return absl::InternalError("fork failed");
   if (pid == 0) {
-    const int fd = open(server->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int fd =
+        open(server->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, STDOUT_FILENO);
     dup2(fd, STDERR_FILENO);
     execv(argv[0], argv.data());
@@ -83,25 +86,31 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   return absl::DeadlineExceededError("server did not start in time");
 }
 
-absl::StatusOr<std::string> ServerProcess::HttpGet(const std::string& path,
-                                                   const std::string& host) const {
-  if (metrics_port_ <= 0) return absl::FailedPreconditionError("no metrics port");
+absl::StatusOr<std::string> ServerProcess::HttpGet(
+    const std::string& path, const std::string& host) const {
+  if (metrics_port_ <= 0)
+    return absl::FailedPreconditionError("no metrics port");
   addrinfo hints{};
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
   addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), std::to_string(metrics_port_).c_str(), &hints, &found) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(host, " is not an IP address"));
+  if (getaddrinfo(host.c_str(), std::to_string(metrics_port_).c_str(), &hints,
+                  &found) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(host, " is not an IP address"));
   }
   const int fd = socket(found->ai_family, SOCK_STREAM, 0);
-  const bool connected = fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0;
+  const bool connected =
+      fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0;
   freeaddrinfo(found);
   if (!connected) {
     if (fd >= 0) close(fd);
     return absl::UnavailableError("cannot connect to the metrics port");
   }
-  const std::string request = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
-  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+  const std::string request =
+      "GET " + path + " HTTP/1.1\r\nHost: localhost\r\n\r\n";
+  if (write(fd, request.data(), request.size()) !=
+      static_cast<ssize_t>(request.size())) {
     close(fd);
     return absl::UnavailableError("short write");
   }

@@ -27,8 +27,8 @@ class ServerProcess {
   int metrics_port() const { return metrics_port_; }
   // GET http://<host>:<metrics_port>/<path> (host an IPv4 or IPv6 address);
   // the whole response (status line, headers, body), or an error.
-  absl::StatusOr<std::string> HttpGet(const std::string& path,
-                                      const std::string& host = "127.0.0.1") const;
+  absl::StatusOr<std::string> HttpGet(
+      const std::string& path, const std::string& host = "127.0.0.1") const;
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
 

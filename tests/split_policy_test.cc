@@ -46,7 +46,8 @@ TEST(SplitPolicyTest, LargeVocabulariesUseMaxSplitsEvenly) {
   // multiprocessor streams more than 1/132 of the weight (rounded up).
   for (int32_t s = 0; s < kMaxVocabSplits; ++s) {
     const VocabRange r = VocabSplitRange(151936, s);
-    const int64_t granules = (r.end - r.begin + kSplitGranule - 1) / kSplitGranule;
+    const int64_t granules =
+        (r.end - r.begin + kSplitGranule - 1) / kSplitGranule;
     EXPECT_GE(granules, 17);
     EXPECT_LE(granules, 18);
   }

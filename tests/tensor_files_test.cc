@@ -33,8 +33,9 @@ std::string WriteNpy(const std::string& name, const std::string& descr,
 
 TEST(TensorFilesTest, ReadsNpyFloatAndIntegerArrays) {
   const float values[6] = {1, 2, 3, 4, 5, 6};
-  const std::string floats = WriteNpy(
-      "f.npy", "<f4", "(2, 3)", std::string(reinterpret_cast<const char*>(values), 24));
+  const std::string floats =
+      WriteNpy("f.npy", "<f4", "(2, 3)",
+               std::string(reinterpret_cast<const char*>(values), 24));
   auto tensor = ReadNpy(floats);
   ASSERT_TRUE(tensor.ok()) << tensor.status();
   EXPECT_EQ(tensor->dtype, v1::DTYPE_FLOAT32);
@@ -42,8 +43,9 @@ TEST(TensorFilesTest, ReadsNpyFloatAndIntegerArrays) {
   EXPECT_EQ(tensor->data.size(), 24u);
 
   const int64_t ids[3] = {7, 0, 31999};
-  const std::string ints = WriteNpy(
-      "i.npy", "<i8", "(3,)", std::string(reinterpret_cast<const char*>(ids), 24));
+  const std::string ints =
+      WriteNpy("i.npy", "<i8", "(3,)",
+               std::string(reinterpret_cast<const char*>(ids), 24));
   auto targets = ReadNpy(ints);
   ASSERT_TRUE(targets.ok());
   EXPECT_EQ(targets->integers, (std::vector<int64_t>{7, 0, 31999}));
@@ -51,7 +53,8 @@ TEST(TensorFilesTest, ReadsNpyFloatAndIntegerArrays) {
 
 TEST(TensorFilesTest, RejectsBadNpyFiles) {
   EXPECT_FALSE(ReadNpy(WriteNpy("short.npy", "<f4", "(2, 3)", "abc")).ok());
-  EXPECT_FALSE(ReadNpy(WriteNpy("type.npy", "<c8", "(1,)", std::string(8, 'x'))).ok());
+  EXPECT_FALSE(
+      ReadNpy(WriteNpy("type.npy", "<c8", "(1,)", std::string(8, 'x'))).ok());
   EXPECT_FALSE(ReadNpy(TempPath("missing.npy")).ok());
   const std::string text = TempPath("text.npy");
   std::ofstream(text) << "not numpy";
@@ -61,7 +64,8 @@ TEST(TensorFilesTest, RejectsBadNpyFiles) {
 TEST(TensorFilesTest, ReadsSafetensorsByName) {
   const std::string path = TempPath("rows.safetensors");
   std::vector<uint8_t> bf16(2 * 4 * 2, 0x3f);
-  ASSERT_TRUE(server::WriteSafetensors(path, {{"hidden", "BF16", {2, 4}, bf16}}).ok());
+  ASSERT_TRUE(
+      server::WriteSafetensors(path, {{"hidden", "BF16", {2, 4}, bf16}}).ok());
   auto tensor = ReadTensorFile(path, "hidden");
   ASSERT_TRUE(tensor.ok()) << tensor.status();
   EXPECT_EQ(tensor->dtype, v1::DTYPE_BFLOAT16);

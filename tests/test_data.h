@@ -38,8 +38,8 @@ inline TestLmHead MakeTestLmHead(int64_t hidden_size, int64_t vocab_size,
   head.weight.resize(padded_vocab_size * hidden_size);
   for (int64_t v = 0; v < padded_vocab_size; ++v) {
     for (int64_t k = 0; k < hidden_size; ++k) {
-      head.weight[v * hidden_size + k] = kernels::FloatToBf16(
-          v < vocab_size ? random.Next(0.02f) : 8.0f);
+      head.weight[v * hidden_size + k] =
+          kernels::FloatToBf16(v < vocab_size ? random.Next(0.02f) : 8.0f);
     }
   }
   if (with_bias) {

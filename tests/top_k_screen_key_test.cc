@@ -27,9 +27,9 @@ uint32_t Bits(float z) {
 std::vector<float> AscendingFloats() {
   const float inf = std::numeric_limits<float>::infinity();
   const float denorm = std::numeric_limits<float>::denorm_min();
-  std::vector<float> v = {-inf, -FLT_MAX, -1e30f, -2.0f, -1.0f, -FLT_MIN,
-                          -denorm, 0.0f, denorm, FLT_MIN, 1.0f, 2.0f,
-                          1e30f, FLT_MAX, inf};
+  std::vector<float> v = {-inf,     -FLT_MAX, -1e30f, -2.0f,   -1.0f,
+                          -FLT_MIN, -denorm,  0.0f,   denorm,  FLT_MIN,
+                          1.0f,     2.0f,     1e30f,  FLT_MAX, inf};
   std::mt19937 rng(20261201);
   std::uniform_int_distribution<uint32_t> bits;
   while (v.size() < 100000) {
@@ -120,13 +120,13 @@ TEST(TopKScreenSlot, FirstTilesOfNeighbouringSplitsSpreadOverGroups) {
         const int start = static_cast<int>(VocabSplitRange(vocab, s).begin);
         groups.insert(ScreenSlot(start, 0) / 4);
       }
-      EXPECT_GE(groups.size(), 6u) << "V " << vocab << " splits " << first << "..";
+      EXPECT_GE(groups.size(), 6u)
+          << "V " << vocab << " splits " << first << "..";
       total += groups.size();
     }
     EXPECT_GE(total / windows, 9.5) << "V " << vocab;
   }
 }
-
 
 // The 0-1 principle: a comparator network sorts every input iff it sorts
 // every input of zeros and ones, so the 2^16 of those prove the network.
@@ -149,7 +149,8 @@ TEST(TopKScreenKey, SortNetworkSortsKeysOfFloatsLikeTheFloats) {
     float z[16];
     uint32_t keys[16];
     for (int i = 0; i < 16; ++i) {
-      z[i] = round % 7 == 0 && i > 0 && i % 3 == 0 ? z[0] : normal(rng);  // ties
+      z[i] =
+          round % 7 == 0 && i > 0 && i % 3 == 0 ? z[0] : normal(rng);  // ties
       keys[i] = round % 5 == 0 && i % 4 == 0 ? 0u : ScreenKey(z[i]);
     }
     std::vector<float> want;

@@ -49,7 +49,8 @@ int BindSocket(const std::string& path, bool listen) {
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   std::strncpy(address.sun_path, path.c_str(), sizeof(address.sun_path) - 1);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0)
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)),
+            0)
       << std::strerror(errno);
   if (listen) {
     EXPECT_EQ(::listen(fd, 4), 0);
@@ -112,13 +113,13 @@ std::unique_ptr<client::LogpClient> Connect(const std::string& target) {
   return client.ok() ? *std::move(client) : nullptr;
 }
 
-TEST(UnixSocketServerTest, AnswersWithTheTcpPortsBitsAndRemovesItsSocketOnExit) {
+TEST(UnixSocketServerTest,
+     AnswersWithTheTcpPortsBitsAndRemovesItsSocketOnExit) {
   const std::string path = TempPath("server.sock");
   ::unlink(path.c_str());
-  auto server = ServerProcess::Start({"--device=cpu", "--cpu_threads=2",
-                                      "--synthetic_hidden_size=64",
-                                      "--synthetic_vocab_size=1000",
-                                      "--unix_socket=" + path});
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--cpu_threads=2", "--synthetic_hidden_size=64",
+       "--synthetic_vocab_size=1000", "--unix_socket=" + path});
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE(Exists(path));
   auto over_tcp = Connect((*server)->target());
@@ -148,7 +149,8 @@ TEST(UnixSocketServerTest, AnswersWithTheTcpPortsBitsAndRemovesItsSocketOnExit) 
   EXPECT_EQ(tcp->determinism_key, via_unix->determinism_key);
 
   std::vector<float> x(700 * 96);
-  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 97) / 97.0f - 0.5f;
+  for (size_t i = 0; i < x.size(); ++i)
+    x[i] = static_cast<float>(i % 97) / 97.0f - 0.5f;
   auto y_tcp = over_tcp->Project(x, 700, 128);
   auto y_unix = over_unix->Project(x, 700, 128);
   ASSERT_TRUE(y_tcp.ok()) << y_tcp.status();
@@ -159,10 +161,10 @@ TEST(UnixSocketServerTest, AnswersWithTheTcpPortsBitsAndRemovesItsSocketOnExit) 
 
   // A second server on the same path is refused and leaves the first's
   // socket alone.
-  auto second = ServerProcess::Start({"--device=cpu", "--synthetic_hidden_size=64",
-                                      "--synthetic_vocab_size=1000",
-                                      "--unix_socket=" + path},
-                                     /*timeout_s=*/20);
+  auto second = ServerProcess::Start(
+      {"--device=cpu", "--synthetic_hidden_size=64",
+       "--synthetic_vocab_size=1000", "--unix_socket=" + path},
+      /*timeout_s=*/20);
   EXPECT_FALSE(second.ok());
   EXPECT_TRUE(over_unix->Score(request).ok());
 

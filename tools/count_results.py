@@ -5,6 +5,7 @@ Bazel writes one test.xml per test target (gtest's own cases inside); pytest
 writes one file. A target that failed without a readable XML counts as one
 failed case, so a crash is never silent.
 """
+
 import argparse
 import pathlib
 import sys

@@ -14,6 +14,9 @@ bazel test ${config} --test_tag_filters=-gpu --build_tests_only=false \
 bazel_rc=${PIPESTATUS[0]}
 cp -r bazel-testlogs/ "$results_dir/bazel" 2>/dev/null || true
 
+echo "== style (clang-format, ruff)" >&2
+tools/check_style.sh "$results_dir/style.xml" >&2
+
 python_rc=0
 if [[ -x tools/test_python.sh ]]; then
   echo "== python tests" >&2

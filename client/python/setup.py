@@ -13,6 +13,7 @@ The libraries link the system's Abseil and the CUDA runtime of the build
 machine: install where you build (or put those on the loader's path).
 Everything else is in pyproject.toml.
 """
+
 import os
 import pathlib
 import shutil
@@ -38,8 +39,10 @@ class BuildPyWithOps(build_py):
         if cuda:
             targets.append("//kernels/capi:libdetlogp_ops_cuda.so")
         if not (REPO / "WORKSPACE").exists():
-            raise RuntimeError(f"DETLOGP_BUILD_OPS: {REPO} is not the detlogp repository "
-                               "(install from a checkout: pip install ./client/python)")
+            raise RuntimeError(
+                f"DETLOGP_BUILD_OPS: {REPO} is not the detlogp repository "
+                "(install from a checkout: pip install ./client/python)"
+            )
         config = [] if cuda else ["--config=nocuda"]
         subprocess.run(["bazel", "build", *config, *targets], cwd=REPO, check=True)
         lib_dir = pathlib.Path(self.build_lib) / "detlogp" / "_lib"

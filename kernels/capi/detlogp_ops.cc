@@ -47,7 +47,8 @@ int detlogp_cpu_linear_logp(const uint16_t* weight, int64_t padded_vocab_size,
                   error_len);
     }
     if (rows == 0) return 0;
-    if (hidden == nullptr) return Fail("hidden: null pointer", error, error_len);
+    if (hidden == nullptr)
+      return Fail("hidden: null pointer", error, error_len);
     if (targets == nullptr) {
       return Fail("targets: null pointer", error, error_len);
     }
@@ -119,24 +120,28 @@ int detlogp_cpu_h3_projection(const float* x, int64_t rows, const float* weight,
   using detlogp::kernels::kProjectionOutDim;
   try {
     ClearError(error, error_len);
-    if (weight == nullptr) return Fail("weight: null pointer", error, error_len);
+    if (weight == nullptr)
+      return Fail("weight: null pointer", error, error_len);
     if (rows < 0 || rows > kProjectionMaxRows) {
       return Fail(absl::StrCat("rows: must be in [0, ", kProjectionMaxRows,
                                "], got ", rows),
                   error, error_len);
     }
-    if (rows > 0 && x == nullptr) return Fail("x: null pointer", error, error_len);
-    if (rows > 0 && y == nullptr) return Fail("y: null pointer", error, error_len);
+    if (rows > 0 && x == nullptr)
+      return Fail("x: null pointer", error, error_len);
+    if (rows > 0 && y == nullptr)
+      return Fail("y: null pointer", error, error_len);
     detlogp::kernels::ProjectionCpu::Options options;
     options.weight =
         absl::MakeConstSpan(weight, kProjectionOutDim * kProjectionInDim);
-    if (bias != nullptr) options.bias = absl::MakeConstSpan(bias, kProjectionOutDim);
+    if (bias != nullptr)
+      options.bias = absl::MakeConstSpan(bias, kProjectionOutDim);
     options.num_threads = num_threads;
     auto kernel = detlogp::kernels::ProjectionCpu::Create(options);
     if (!kernel.ok()) return Fail(kernel.status().ToString(), error, error_len);
-    absl::Status status = (*kernel)->Forward(
-        absl::MakeConstSpan(x, rows * kProjectionInDim), rows,
-        absl::MakeSpan(y, rows * kProjectionOutDim));
+    absl::Status status =
+        (*kernel)->Forward(absl::MakeConstSpan(x, rows * kProjectionInDim),
+                           rows, absl::MakeSpan(y, rows * kProjectionOutDim));
     if (!status.ok()) return Fail(status.ToString(), error, error_len);
     return 0;
   } catch (const std::exception& e) {
@@ -153,7 +158,8 @@ int detlogp_cpu_h3_projection_input_grad(const float* weight, const float* dy,
   using detlogp::kernels::kProjectionOutDim;
   try {
     ClearError(error, error_len);
-    if (weight == nullptr) return Fail("weight: null pointer", error, error_len);
+    if (weight == nullptr)
+      return Fail("weight: null pointer", error, error_len);
     if (rows < 0 || rows > kProjectionMaxRows) {
       return Fail(absl::StrCat("rows: must be in [0, ", kProjectionMaxRows,
                                "], got ", rows),
@@ -197,8 +203,10 @@ int detlogp_cpu_h3_projection_weight_grad(const float* dy, const float* x,
     if (dweight == nullptr) {
       return Fail("dweight: null pointer", error, error_len);
     }
-    if (rows > 0 && dy == nullptr) return Fail("dy: null pointer", error, error_len);
-    if (rows > 0 && x == nullptr) return Fail("x: null pointer", error, error_len);
+    if (rows > 0 && dy == nullptr)
+      return Fail("dy: null pointer", error, error_len);
+    if (rows > 0 && x == nullptr)
+      return Fail("x: null pointer", error, error_len);
     std::vector<int64_t> keys(rows);
     for (int64_t i = 0; i < rows; ++i) keys[i] = first_key + i;
     auto grads = detlogp::kernels::ComputeProjectionWeightGrads(
@@ -208,7 +216,8 @@ int detlogp_cpu_h3_projection_weight_grad(const float* dy, const float* x,
     std::memcpy(dweight, grads->dweight.data(),
                 sizeof(float) * kProjectionOutDim * kProjectionInDim);
     if (dbias != nullptr) {
-      std::memcpy(dbias, grads->dbias.data(), sizeof(float) * kProjectionOutDim);
+      std::memcpy(dbias, grads->dbias.data(),
+                  sizeof(float) * kProjectionOutDim);
     }
     return 0;
   } catch (const std::exception& e) {

@@ -64,8 +64,8 @@ int detlogp_cpu_h3_projection_weight_grad(const float* dy, const float* x,
                                           size_t error_len);
 
 /* The CPU server's determinism key ("dk1-" + 32 hex digits) for this lm_head
- * (weight/bias/vocab_size as in detlogp_cpu_linear_logp), written NUL-terminated
- * to key[0, key_len); key_len must be at least 37. */
+ * (weight/bias/vocab_size as in detlogp_cpu_linear_logp), written
+ * NUL-terminated to key[0, key_len); key_len must be at least 37. */
 int detlogp_cpu_determinism_key(const uint16_t* weight,
                                 int64_t padded_vocab_size, int64_t hidden_size,
                                 const float* bias, int64_t vocab_size,
@@ -73,7 +73,7 @@ int detlogp_cpu_determinism_key(const uint16_t* weight,
                                 size_t error_len);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* DETLOGP_KERNELS_CAPI_DETLOGP_OPS_H_ */
+#endif /* DETLOGP_KERNELS_CAPI_DETLOGP_OPS_H_ */

@@ -66,9 +66,9 @@ absl::StatusOr<detlogp::kernels::cuda::KernelKind> KernelForDevice(int device) {
   }
   auto kernel = detlogp::kernels::cuda::DefaultKernelFor(major, minor);
   if (!kernel.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "device: cuda:", device, " is sm_", major, minor, ": ",
-        kernel.status().message()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("device: cuda:", device, " is sm_", major, minor, ": ",
+                     kernel.status().message()));
   }
   return kernel;
 }
@@ -94,8 +94,7 @@ std::string DeviceProblem(int device) {
 
 // A ProjectionCuda over the caller's buffers (no copy, no allocation).
 absl::StatusOr<std::unique_ptr<ProjectionCuda>> WrapProjection(
-    const float* weight, const float* weight_t, const float* bias,
-    int device) {
+    const float* weight, const float* weight_t, const float* bias, int device) {
   ProjectionCuda::Options options;
   options.weight = weight;
   options.weight_t = weight_t;
@@ -237,7 +236,8 @@ int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
     if (*kernel_kind == KernelKind::kHopper) {
       auto backward =
           LinearLogpBackwardCuda::Create({options.weights, options.device});
-      if (!backward.ok()) return FailStatus(backward.status(), error, error_len);
+      if (!backward.ok())
+        return FailStatus(backward.status(), error, error_len);
       result->backward = std::move(*backward);
     }
     *head = result.release();
@@ -280,8 +280,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
     }
     if (bad.empty() && logprobs == nullptr) bad = "logprobs: null pointer";
     if (bad.empty() && lse == nullptr) bad = "lse: null pointer";
-    const size_t need =
-        head->kernel->WorkspaceBytes(rows, entropy != nullptr);
+    const size_t need = head->kernel->WorkspaceBytes(rows, entropy != nullptr);
     if (bad.empty() && workspace_bytes < need) {
       bad = absl::StrCat("workspace_bytes: need ", need, " for ", rows,
                          " rows, got ", workspace_bytes);
@@ -324,8 +323,7 @@ int detlogp_cuda_h3_projection_forward(const float* x, int64_t rows,
     if (bad.empty()) bad = CheckDevicePointer(weight, "weight", false);
     if (bad.empty()) bad = CheckDevicePointer(bias, "bias", true);
     if (bad.empty()) bad = CheckDevicePointer(workspace, "workspace", false);
-    if (bad.empty() &&
-        workspace_bytes < static_cast<size_t>(kTransposeBytes)) {
+    if (bad.empty() && workspace_bytes < static_cast<size_t>(kTransposeBytes)) {
       bad = absl::StrCat("workspace_bytes: need ", kTransposeBytes, ", got ",
                          workspace_bytes);
     }
@@ -368,8 +366,7 @@ int detlogp_cuda_h3_projection_input_grad(const float* dy, int64_t rows,
     if (bad.empty()) bad = CheckDevicePointer(workspace, "workspace", true);
     const int64_t need = ProjectionCuda::InputGradWorkspaceBytes(rows);
     if (bad.empty() && need > 0 &&
-        (workspace == nullptr ||
-         workspace_bytes < static_cast<size_t>(need))) {
+        (workspace == nullptr || workspace_bytes < static_cast<size_t>(need))) {
       bad = absl::StrCat("workspace_bytes: need ", need, " for ", rows,
                          " rows, got ", workspace_bytes);
     }
@@ -381,9 +378,10 @@ int detlogp_cuda_h3_projection_input_grad(const float* dy, int64_t rows,
     if (!projection.ok()) {
       return FailStatus(projection.status(), error, error_len);
     }
-    const absl::Status status = (*projection)->InputGrad(
-        dy, rows, dx, need > 0 ? workspace : nullptr, need,
-        static_cast<cudaStream_t>(stream));
+    const absl::Status status =
+        (*projection)
+            ->InputGrad(dy, rows, dx, need > 0 ? workspace : nullptr, need,
+                        static_cast<cudaStream_t>(stream));
     if (!status.ok()) return FailStatus(status, error, error_len);
     return 0;
   } catch (const std::exception& e) {
@@ -397,13 +395,10 @@ int64_t detlogp_cuda_h3_projection_weight_grad_workspace_bytes(
   return ProjectionCuda::WeightGradWorkspaceBytes(rows, first_key);
 }
 
-int detlogp_cuda_h3_projection_weight_grad(const float* dy, const float* x,
-                                           int64_t rows, int64_t first_key,
-                                           float* dweight, float* dbias,
-                                           void* workspace,
-                                           size_t workspace_bytes, int device,
-                                           void* stream, char* error,
-                                           size_t error_len) {
+int detlogp_cuda_h3_projection_weight_grad(
+    const float* dy, const float* x, int64_t rows, int64_t first_key,
+    float* dweight, float* dbias, void* workspace, size_t workspace_bytes,
+    int device, void* stream, char* error, size_t error_len) {
   try {
     ClearError(error, error_len);
     std::string bad = CheckProjectionRows(rows);
@@ -415,16 +410,14 @@ int detlogp_cuda_h3_projection_weight_grad(const float* dy, const float* x,
     if (bad.empty()) bad = CheckDevicePointer(workspace, "workspace", true);
     if (bad.empty() && rows > 0) bad = CheckDevicePointer(dy, "dy", false);
     if (bad.empty() && rows > 0) bad = CheckDevicePointer(x, "x", false);
-    const int64_t need = bad.empty()
-                             ? ProjectionCuda::WeightGradWorkspaceBytes(
-                                   rows, first_key)
-                             : 0;
+    const int64_t need =
+        bad.empty() ? ProjectionCuda::WeightGradWorkspaceBytes(rows, first_key)
+                    : 0;
     if (bad.empty() && need > 0 &&
-        (workspace == nullptr ||
-         workspace_bytes < static_cast<size_t>(need))) {
-      bad = absl::StrCat("workspace_bytes: need ", need, " for ", rows,
-                         " rows from key ", first_key, ", got ",
-                         workspace_bytes);
+        (workspace == nullptr || workspace_bytes < static_cast<size_t>(need))) {
+      bad =
+          absl::StrCat("workspace_bytes: need ", need, " for ", rows,
+                       " rows from key ", first_key, ", got ", workspace_bytes);
     }
     if (!bad.empty()) return Fail(bad, error, error_len);
     // dW/dbias read no weight; any non-null pointer satisfies Create.
@@ -432,10 +425,11 @@ int detlogp_cuda_h3_projection_weight_grad(const float* dy, const float* x,
     if (!projection.ok()) {
       return FailStatus(projection.status(), error, error_len);
     }
-    const absl::Status status = (*projection)->WeightGrad(
-        dy, x, rows, first_key, dweight, dbias, workspace,
-        static_cast<int64_t>(workspace_bytes),
-        static_cast<cudaStream_t>(stream));
+    const absl::Status status =
+        (*projection)
+            ->WeightGrad(dy, x, rows, first_key, dweight, dbias, workspace,
+                         static_cast<int64_t>(workspace_bytes),
+                         static_cast<cudaStream_t>(stream));
     if (!status.ok()) return FailStatus(status, error, error_len);
     return 0;
   } catch (const std::exception& e) {
@@ -444,10 +438,9 @@ int detlogp_cuda_h3_projection_weight_grad(const float* dy, const float* x,
 }
 
 int detlogp_cuda_determinism_key(const uint16_t* weight,
-                                 int64_t padded_vocab_size,
-                                 int64_t hidden_size, const float* bias,
-                                 int64_t vocab_size, char* key,
-                                 size_t key_len, char* error,
+                                 int64_t padded_vocab_size, int64_t hidden_size,
+                                 const float* bias, int64_t vocab_size,
+                                 char* key, size_t key_len, char* error,
                                  size_t error_len) {
   try {
     ClearError(error, error_len);
@@ -495,7 +488,6 @@ int detlogp_cuda_device_determinism_key(int device, const uint16_t* weight,
   }
 }
 
-
 int64_t detlogp_cuda_linear_logp_backward_workspace_bytes(
     const detlogp_cuda_lm_head* head, int64_t rows, int bf16_grad_hidden,
     int grad_bias) {
@@ -510,9 +502,8 @@ int detlogp_cuda_linear_logp_backward(
     float temperature, const float* lse, const float* entropy,
     const float* grad_logprobs, const float* grad_lse,
     const float* grad_entropy, void* grad_hidden, int grad_hidden_bf16,
-    void* grad_weight, int grad_weight_bf16, float* grad_bias,
-    void* workspace, size_t workspace_bytes, void* stream, char* error,
-    size_t error_len) {
+    void* grad_weight, int grad_weight_bf16, float* grad_bias, void* workspace,
+    size_t workspace_bytes, void* stream, char* error, size_t error_len) {
   try {
     ClearError(error, error_len);
     std::string bad = NoBackward(head);

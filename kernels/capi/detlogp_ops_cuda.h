@@ -3,8 +3,9 @@
  * bits. The linear-logp kernel is chosen as the server's --logp_kernel=auto
  * chooses it (kernels/cuda/kernel_kind.h): the Hopper kernel (sm_90a) on
  * compute capability 9.0, the portable mma.sync kernel on any other GPU of
- * compute capability >= 8.0 (no entropy there yet: refused with an error). Built as its own library, libdetlogp_ops_cuda.so, so the CPU
- * one (detlogp_ops.h) builds and loads without CUDA.
+ * compute capability >= 8.0 (no entropy there yet: refused with an error).
+ * Built as its own library, libdetlogp_ops_cuda.so, so the CPU one
+ * (detlogp_ops.h) builds and loads without CUDA.
  *
  * Every pointer named "device" is a CUDA device pointer on `device`; the
  * library never allocates device memory or copies a weight: the caller (e.g.
@@ -108,9 +109,8 @@ int detlogp_cuda_linear_logp_backward(
     float temperature, const float* lse, const float* entropy,
     const float* grad_logprobs, const float* grad_lse,
     const float* grad_entropy, void* grad_hidden, int grad_hidden_bf16,
-    void* grad_weight, int grad_weight_bf16, float* grad_bias,
-    void* workspace, size_t workspace_bytes, void* stream, char* error,
-    size_t error_len);
+    void* grad_weight, int grad_weight_bf16, float* grad_bias, void* workspace,
+    size_t workspace_bytes, void* stream, char* error, size_t error_len);
 
 /* The H3 video input projection on the GPU (kernels/cuda/projection_cuda.h):
  * the same bits as the CPU ops and the server's Project, forward and
@@ -146,23 +146,20 @@ int detlogp_cuda_h3_projection_input_grad(const float* dy, int64_t rows,
  * bytes (may be 0 and null). -1 from the size query on a bad argument. */
 int64_t detlogp_cuda_h3_projection_weight_grad_workspace_bytes(
     int64_t rows, int64_t first_key);
-int detlogp_cuda_h3_projection_weight_grad(const float* dy, const float* x,
-                                           int64_t rows, int64_t first_key,
-                                           float* dweight, float* dbias,
-                                           void* workspace,
-                                           size_t workspace_bytes, int device,
-                                           void* stream, char* error,
-                                           size_t error_len);
+int detlogp_cuda_h3_projection_weight_grad(
+    const float* dy, const float* x, int64_t rows, int64_t first_key,
+    float* dweight, float* dbias, void* workspace, size_t workspace_bytes,
+    int device, void* stream, char* error, size_t error_len);
 
 /* The determinism key ("dk1-" + 32 hex digits) a CUDA server running the
- * Hopper kernel (compute capability 9.0) reports for this lm_head, from HOST copies of its bytes (weight: bf16 bits
- * [padded_vocab_size, hidden_size]; bias: fp32 [padded_vocab_size] or null),
- * as detlogp_cpu_determinism_key. Needs no GPU. key_len >= 37. */
+ * Hopper kernel (compute capability 9.0) reports for this lm_head, from HOST
+ * copies of its bytes (weight: bf16 bits [padded_vocab_size, hidden_size];
+ * bias: fp32 [padded_vocab_size] or null), as detlogp_cpu_determinism_key.
+ * Needs no GPU. key_len >= 37. */
 int detlogp_cuda_determinism_key(const uint16_t* weight,
-                                 int64_t padded_vocab_size,
-                                 int64_t hidden_size, const float* bias,
-                                 int64_t vocab_size, char* key,
-                                 size_t key_len, char* error,
+                                 int64_t padded_vocab_size, int64_t hidden_size,
+                                 const float* bias, int64_t vocab_size,
+                                 char* key, size_t key_len, char* error,
                                  size_t error_len);
 /* As detlogp_cuda_determinism_key, for the kernel `device` runs: on compute
  * capability 9.0 the same key (the Hopper kernel); on another GPU the
@@ -177,7 +174,7 @@ int detlogp_cuda_device_determinism_key(int device, const uint16_t* weight,
                                         size_t error_len);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* DETLOGP_KERNELS_CAPI_DETLOGP_OPS_CUDA_H_ */
+#endif /* DETLOGP_KERNELS_CAPI_DETLOGP_OPS_CUDA_H_ */

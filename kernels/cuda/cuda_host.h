@@ -28,13 +28,13 @@ inline absl::Status CudaErrorStatus(const char* component, cudaError_t err,
 // Returns the error of a CUDA runtime call as a status naming the call and
 // kCudaComponent, a string constant each launcher defines in its unnamed
 // namespace (e.g. "linear_logp_cuda").
-#define DETLOGP_CUDA_RETURN_IF_ERROR(expr)                         \
-  do {                                                             \
-    const cudaError_t detlogp_err_ = (expr);                       \
-    if (detlogp_err_ != cudaSuccess) {                             \
-      return ::detlogp::kernels::cuda::CudaErrorStatus(            \
-          kCudaComponent, detlogp_err_, #expr);                    \
-    }                                                              \
+#define DETLOGP_CUDA_RETURN_IF_ERROR(expr)                                   \
+  do {                                                                       \
+    const cudaError_t detlogp_err_ = (expr);                                 \
+    if (detlogp_err_ != cudaSuccess) {                                       \
+      return ::detlogp::kernels::cuda::CudaErrorStatus(kCudaComponent,       \
+                                                       detlogp_err_, #expr); \
+    }                                                                        \
   } while (0)
 
 inline bool Aligned(const void* p, uintptr_t bytes) {
@@ -85,21 +85,20 @@ inline absl::StatusOr<PFN_cuTensorMapEncodeTiled_v12000> TensorMapEncoder(
 // A 2-D bf16 tensor map with the 128-byte swizzle: `inner` contiguous
 // elements per row, rows `row_stride` elements apart, `outer` rows; boxes of
 // {box_inner, box_outer} (box_inner * 2 <= 128 bytes).
-inline absl::Status EncodeBf16TensorMap(PFN_cuTensorMapEncodeTiled_v12000 encode,
-                                        const char* component, CUtensorMap* map,
-                                        const void* base, int64_t inner,
-                                        int64_t outer, int64_t row_stride,
-                                        uint32_t box_inner, uint32_t box_outer) {
+inline absl::Status EncodeBf16TensorMap(
+    PFN_cuTensorMapEncodeTiled_v12000 encode, const char* component,
+    CUtensorMap* map, const void* base, int64_t inner, int64_t outer,
+    int64_t row_stride, uint32_t box_inner, uint32_t box_outer) {
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner),
                               static_cast<cuuint64_t>(outer)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};
   const cuuint32_t box[2] = {box_inner, box_outer};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(
-      map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
-      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base),
+             dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return absl::InternalError(absl::StrCat(
         component, ": cuTensorMapEncodeTiled failed: ", static_cast<int>(r)));

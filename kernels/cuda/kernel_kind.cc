@@ -33,9 +33,8 @@ std::string PortableInstructionSet(int cc_major, int cc_minor,
                                    int driver_version,
                                    absl::Span<const int> shipped_sass) {
   const std::string device = absl::StrCat("sm_", cc_major, cc_minor);
-  const bool shipped =
-      std::find(shipped_sass.begin(), shipped_sass.end(), binary_version) !=
-      shipped_sass.end();
+  const bool shipped = std::find(shipped_sass.begin(), shipped_sass.end(),
+                                 binary_version) != shipped_sass.end();
   if (shipped) {
     return absl::StrCat(device, "/sass_sm_", binary_version);
   }

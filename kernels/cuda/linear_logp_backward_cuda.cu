@@ -76,9 +76,9 @@ absl::Status EnqueueGemm(void (*kernel)(const CUtensorMap, const CUtensorMap,
 
 // Byte offsets of the workspace's parts for passes of `pass_rows` rows.
 struct WorkspaceLayout {
-  size_t grad = 0;         // G: [pass_rows][kChunkCols] bf16
-  size_t hidden_acc = 0;   // fp32 dhidden when grad_hidden is bf16
-  size_t bias_partial = 0; // [slices][kChunkCols] fp32
+  size_t grad = 0;          // G: [pass_rows][kChunkCols] bf16
+  size_t hidden_acc = 0;    // fp32 dhidden when grad_hidden is bf16
+  size_t bias_partial = 0;  // [slices][kChunkCols] fp32
   size_t total = 0;
 };
 
@@ -96,18 +96,19 @@ WorkspaceLayout LayoutFor(int64_t rows, int64_t hidden_size,
   }
   l.bias_partial = at;
   if (grad_bias) {
-    at += RoundUp256(static_cast<size_t>(CeilDiv(pass_rows, kb::kBiasSliceRows)) *
-                     kb::kChunkCols * 4);
+    at +=
+        RoundUp256(static_cast<size_t>(CeilDiv(pass_rows, kb::kBiasSliceRows)) *
+                   kb::kChunkCols * 4);
   }
   l.total = at;
   return l;
 }
 
 WorkspaceLayout LayoutFor(const LinearLogpGradView& g, int64_t hidden_size) {
-  return LayoutFor(g.rows, hidden_size,
-                   g.grad_hidden != nullptr &&
-                       g.grad_hidden_dtype == GradDtype::kBfloat16,
-                   g.grad_bias != nullptr);
+  return LayoutFor(
+      g.rows, hidden_size,
+      g.grad_hidden != nullptr && g.grad_hidden_dtype == GradDtype::kBfloat16,
+      g.grad_bias != nullptr);
 }
 
 template <class T>
@@ -120,7 +121,7 @@ const T* Offset(const T* p, int64_t n) {
 struct LinearLogpBackwardCuda::Impl {
   OperandMaps weight;  // CUtensorMap is 64-byte aligned by its type
   PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  int sm_count = 0;    // the persistent GEMMs' grid
+  int sm_count = 0;  // the persistent GEMMs' grid
 };
 
 LinearLogpBackwardCuda::LinearLogpBackwardCuda(const Options& options,
@@ -141,7 +142,8 @@ LinearLogpBackwardCuda::Create(const Options& options) {
     return Invalid("weights.bias", "must be 8-byte aligned");
   }
   if (w.hidden_size < 64 || w.hidden_size > 65536 || w.hidden_size % 64 != 0) {
-    return Invalid("weights.hidden_size", "must be a multiple of 64 in [64, 65536]");
+    return Invalid("weights.hidden_size",
+                   "must be a multiple of 64 in [64, 65536]");
   }
   if (w.vocab_size < 1 || w.padded_vocab_size < w.vocab_size ||
       w.padded_vocab_size > (int64_t{1} << 31) - kb::kChunkCols) {
@@ -151,13 +153,12 @@ LinearLogpBackwardCuda::Create(const Options& options) {
   DeviceGuard guard;
   if (absl::Status s = guard.Enter(options.device); !s.ok()) return s;
   cudaDeviceProp prop;
-  DETLOGP_CUDA_RETURN_IF_ERROR(
-      cudaGetDeviceProperties(&prop, options.device));
+  DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, options.device));
   if (prop.major != 9 || prop.minor != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "linear_logp_backward_cuda: kernel ", kb::kVersion,
-        " needs compute capability 9.0 (sm_90a), device has ", prop.major, ".",
-        prop.minor));
+    return absl::FailedPreconditionError(
+        absl::StrCat("linear_logp_backward_cuda: kernel ", kb::kVersion,
+                     " needs compute capability 9.0 (sm_90a), device has ",
+                     prop.major, ".", prop.minor));
   }
   if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kb::kSmemBytes)) {
     return absl::FailedPreconditionError(
@@ -178,9 +179,9 @@ LinearLogpBackwardCuda::Create(const Options& options) {
   if (!encode.ok()) return encode.status();
   impl->encode = *encode;
   impl->sm_count = prop.multiProcessorCount;
-  if (absl::Status s = EncodeOperand(impl->encode, &impl->weight, w.weight,
-                                     w.hidden_size, w.padded_vocab_size,
-                                     w.hidden_size, kb::kBlockN);
+  if (absl::Status s =
+          EncodeOperand(impl->encode, &impl->weight, w.weight, w.hidden_size,
+                        w.padded_vocab_size, w.hidden_size, kb::kBlockN);
       !s.ok()) {
     return s;
   }
@@ -229,18 +230,20 @@ absl::Status LinearLogpBackwardCuda::Validate(const LinearLogpGradView& g,
   const void* outputs[] = {g.grad_hidden, g.grad_weight, g.grad_bias};
   for (const void* out : outputs) {
     if (!Aligned(out, 16)) {
-      return Invalid("grad_hidden/grad_weight/grad_bias", "must be 16-byte aligned");
+      return Invalid("grad_hidden/grad_weight/grad_bias",
+                     "must be 16-byte aligned");
     }
   }
-  if (g.grad_weight != nullptr &&
-      g.grad_weight_dtype == GradDtype::kBfloat16 && g.rows > kMaxRowsPerPass) {
+  if (g.grad_weight != nullptr && g.grad_weight_dtype == GradDtype::kBfloat16 &&
+      g.rows > kMaxRowsPerPass) {
     return Invalid("grad_weight_dtype",
                    "bf16 needs rows <= 16384 (larger batches accumulate "
                    "dweight across passes in fp32)");
   }
   if (workspace_bytes < WorkspaceBytes(g) || !Aligned(workspace, 256)) {
-    return Invalid("workspace", "is smaller than WorkspaceBytes() or not "
-                                "256-byte aligned");
+    return Invalid("workspace",
+                   "is smaller than WorkspaceBytes() or not "
+                   "256-byte aligned");
   }
   return absl::OkStatus();
 }
@@ -262,7 +265,8 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
   const bool hidden_bf16 = g.grad_hidden_dtype == GradDtype::kBfloat16;
   const bool weight_bf16 = g.grad_weight_dtype == GradDtype::kBfloat16;
   const int64_t chunks = CeilDiv(w.padded_vocab_size, kb::kChunkCols);
-  const int32_t hidden_tiles = static_cast<int32_t>(CeilDiv(hidden, kb::kBlockN));
+  const int32_t hidden_tiles =
+      static_cast<int32_t>(CeilDiv(hidden, kb::kBlockN));
 
   // Every tensor map is built before the first launch, so that an error
   // leaves the outputs untouched: the hidden rows of each pass, and G's for
@@ -273,17 +277,17 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t r0 = pass * kMaxRowsPerPass;
     const int64_t rows = std::min(kMaxRowsPerPass, g.rows - r0);
-    if (absl::Status s =
-            EncodeOperand(impl_->encode, &hidden_maps[pass],
-                          g.hidden + r0 * hidden, hidden, rows, hidden,
-                          kb::kBlockM);
+    if (absl::Status s = EncodeOperand(impl_->encode, &hidden_maps[pass],
+                                       g.hidden + r0 * hidden, hidden, rows,
+                                       hidden, kb::kBlockM);
         !s.ok()) {
       return s;
     }
     for (int64_t c : {int64_t{0}, chunks - 1}) {
       const int64_t width = std::min<int64_t>(
           kb::kChunkCols, w.padded_vocab_size - c * kb::kChunkCols);
-      OperandMaps& maps = grad_maps[2 * (pass + 1 == passes) + (c + 1 == chunks)];
+      OperandMaps& maps =
+          grad_maps[2 * (pass + 1 == passes) + (c + 1 == chunks)];
       if (absl::Status s = EncodeOperand(impl_->encode, &maps, grad, width,
                                          rows, kb::kChunkCols, kb::kBlockM);
           !s.ok()) {
@@ -325,10 +329,10 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
       const kb::GemmShape logits_shape{
           rows, width, static_cast<int32_t>(hidden / kb::kBlockK),
           static_cast<int32_t>(CeilDiv(width, kb::kBlockN)), begin};
-      if (absl::Status s = EnqueueGemm(
-              kGradLogitsGemm, hidden_pass.k_major, impl_->weight.k_major,
-              logits_shape, kb::GradLogitsEpilogue{logits}, impl_->sm_count,
-              stream);
+      if (absl::Status s = EnqueueGemm(kGradLogitsGemm, hidden_pass.k_major,
+                                       impl_->weight.k_major, logits_shape,
+                                       kb::GradLogitsEpilogue{logits},
+                                       impl_->sm_count, stream);
           !s.ok()) {
         return s;
       }
@@ -336,8 +340,8 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
       if (g.grad_hidden != nullptr) {
         const int64_t at = r0 * hidden;
         kb::RowsOutParams out{};
-        out.f32 = hidden_bf16 ? hidden_acc
-                              : static_cast<float*>(g.grad_hidden) + at;
+        out.f32 =
+            hidden_bf16 ? hidden_acc : static_cast<float*>(g.grad_hidden) + at;
         out.bf16 = hidden_bf16 && c + 1 == chunks
                        ? static_cast<__nv_bfloat16*>(g.grad_hidden) + at
                        : nullptr;
@@ -347,10 +351,9 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
             rows, static_cast<int32_t>(hidden),
             static_cast<int32_t>(CeilDiv(width, kb::kBlockK)), hidden_tiles,
             begin};
-        if (absl::Status s =
-                EnqueueGemm(kHiddenGradGemm, grad_chunk.k_major,
-                            impl_->weight.mn_major, shape,
-                            kb::RowsOutEpilogue{out}, impl_->sm_count, stream);
+        if (absl::Status s = EnqueueGemm(
+                kHiddenGradGemm, grad_chunk.k_major, impl_->weight.mn_major,
+                shape, kb::RowsOutEpilogue{out}, impl_->sm_count, stream);
             !s.ok()) {
           return s;
         }
@@ -360,7 +363,8 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
       if (g.grad_weight != nullptr) {
         const int64_t at = static_cast<int64_t>(begin) * hidden;
         kb::RowsOutParams out{};
-        out.f32 = weight_bf16 ? nullptr : static_cast<float*>(g.grad_weight) + at;
+        out.f32 =
+            weight_bf16 ? nullptr : static_cast<float*>(g.grad_weight) + at;
         out.bf16 = weight_bf16 ? static_cast<__nv_bfloat16*>(g.grad_weight) + at
                                : nullptr;
         out.ld = hidden;
@@ -368,10 +372,9 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
         const kb::GemmShape shape{
             width, static_cast<int32_t>(hidden),
             static_cast<int32_t>(CeilDiv(rows, kb::kBlockK)), hidden_tiles, 0};
-        if (absl::Status s =
-                EnqueueGemm(kWeightGradGemm, grad_chunk.mn_major,
-                            hidden_pass.mn_major, shape,
-                            kb::RowsOutEpilogue{out}, impl_->sm_count, stream);
+        if (absl::Status s = EnqueueGemm(
+                kWeightGradGemm, grad_chunk.mn_major, hidden_pass.mn_major,
+                shape, kb::RowsOutEpilogue{out}, impl_->sm_count, stream);
             !s.ok()) {
           return s;
         }
@@ -383,8 +386,7 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
         kb::BiasPartialKernel<<<dim3(col_blocks, slices), 256, 0, stream>>>(
             grad, rows, width, bias_partial);
         kb::BiasFoldKernel<<<col_blocks, 256, 0, stream>>>(
-            bias_partial, slices, width, pass > 0 ? 1 : 0,
-            g.grad_bias + begin);
+            bias_partial, slices, width, pass > 0 ? 1 : 0, g.grad_bias + begin);
         DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
       }
     }

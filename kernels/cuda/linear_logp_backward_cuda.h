@@ -31,12 +31,12 @@ enum class GradDtype { kFloat32, kBfloat16 };
 struct LinearLogpGradView {
   const __nv_bfloat16* hidden = nullptr;  // [rows, hidden_size], 16-B aligned
   int64_t rows = 0;
-  const int32_t* targets = nullptr;       // or targets64 (needed with
-  const int64_t* targets64 = nullptr;     // grad_logprobs)
-  const float* temperatures = nullptr;    // or null: temperature
+  const int32_t* targets = nullptr;     // or targets64 (needed with
+  const int64_t* targets64 = nullptr;   // grad_logprobs)
+  const float* temperatures = nullptr;  // or null: temperature
   float temperature = 1.0f;
-  const float* lse = nullptr;             // the forward's, required
-  const float* entropy = nullptr;         // the forward's (with grad_entropy)
+  const float* lse = nullptr;      // the forward's, required
+  const float* entropy = nullptr;  // the forward's (with grad_entropy)
   const float* grad_logprobs = nullptr;
   const float* grad_lse = nullptr;
   const float* grad_entropy = nullptr;

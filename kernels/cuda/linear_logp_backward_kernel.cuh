@@ -42,9 +42,9 @@ inline constexpr int kMnBlock = 64;  // MN width of one MN-major TMA box
 inline constexpr int kStages = 4;
 inline constexpr int kConsumers = 2;
 inline constexpr int kThreads = 128 * (1 + kConsumers);
-inline constexpr int kATileBytes = kBlockM * kBlockK * 2;    // 16 KiB
-inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;    // 32 KiB
-inline constexpr int kMnBoxBytes = kMnBlock * kBlockK * 2;   // 8 KiB
+inline constexpr int kATileBytes = kBlockM * kBlockK * 2;   // 16 KiB
+inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;   // 32 KiB
+inline constexpr int kMnBoxBytes = kMnBlock * kBlockK * 2;  // 8 KiB
 inline constexpr int kSmemBytes =
     kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + 1024;
 inline constexpr int kProducerRegs = 40;
@@ -68,26 +68,26 @@ struct GemmShape {
 // K1's epilogue inputs: the forward's inputs and saved state, the upstream
 // gradients ([rows] or null: zero) and the chunk.
 struct GradLogitsParams {
-  const float* bias;          // [padded_vocab] or null
-  const int32_t* targets;     // [rows], or null: targets64
+  const float* bias;       // [padded_vocab] or null
+  const int32_t* targets;  // [rows], or null: targets64
   const int64_t* targets64;
   const float* temperatures;  // [rows], or null: temperature
   float temperature;
-  const float* lse;           // [rows] (the forward's)
-  const float* entropy;       // [rows] or null (needed with grad_entropy)
+  const float* lse;      // [rows] (the forward's)
+  const float* entropy;  // [rows] or null (needed with grad_entropy)
   const float* grad_logprobs;
   const float* grad_lse;
   const float* grad_entropy;
-  int32_t vocab_size;         // real V: columns >= V get G = 0
-  int32_t chunk_begin;        // the chunk's first vocabulary id
-  __nv_bfloat16* grad;        // [rows][kChunkCols]
+  int32_t vocab_size;   // real V: columns >= V get G = 0
+  int32_t chunk_begin;  // the chunk's first vocabulary id
+  __nv_bfloat16* grad;  // [rows][kChunkCols]
 };
 
 // K2's and K3's epilogue: out = acc (+ f32[.] when accumulate), written as
 // fp32 to f32 or, when bf16 is set, rounded to bf16 there.
 struct RowsOutParams {
-  float* f32;            // [m][ld]: written, or read when accumulate
-  __nv_bfloat16* bf16;   // [m][ld] or null
+  float* f32;           // [m][ld]: written, or read when accumulate
+  __nv_bfloat16* bf16;  // [m][ld] or null
   int64_t ld;
   int32_t accumulate;
 };
@@ -117,7 +117,8 @@ __device__ __forceinline__ float LoadOr0(const float* p, int r) {
 }
 
 // G = dL/dz / T for z = (acc + bias) / T, with p = exp(z - lse):
-// dL/dz_v = p_v (g_lse - g_logp - g_ent (z_v - lse + entropy)) + g_logp [v = t].
+// dL/dz_v = p_v (g_lse - g_logp - g_ent (z_v - lse + entropy)) + g_logp [v =
+// t].
 struct GradLogitsEpilogue {
   GradLogitsParams p;
 
@@ -151,7 +152,8 @@ struct GradLogitsEpilogue {
 
   __device__ __forceinline__ void Apply(float* acc, const State& st, int m0,
                                         int n0, const GemmShape& shape,
-                                        int consumer, int warp, int lane) const {
+                                        int consumer, int warp,
+                                        int lane) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
@@ -188,8 +190,8 @@ struct RowsOutEpilogue {
 
   struct State {};
 
-  __device__ __forceinline__ State Begin(float* /*acc*/, int /*m0*/,
-                                         int /*n0*/, const GemmShape& /*shape*/,
+  __device__ __forceinline__ State Begin(float* /*acc*/, int /*m0*/, int /*n0*/,
+                                         const GemmShape& /*shape*/,
                                          int /*consumer*/, int /*warp*/,
                                          int /*lane*/) const {
     return State{};
@@ -200,9 +202,10 @@ struct RowsOutEpilogue {
   // round trips per thread (measured: K2 at 450 TFLOP/s, 590 without).
   // (Loading them into the accumulators before the main loop instead makes
   // ptxas serialise the wgmma chain, C7515: measured slower.)
-  __device__ __forceinline__ void Apply(float* acc, const State& /*st*/,
-                                        int m0, int n0, const GemmShape& shape,
-                                        int consumer, int warp, int lane) const {
+  __device__ __forceinline__ void Apply(float* acc, const State& /*st*/, int m0,
+                                        int n0, const GemmShape& shape,
+                                        int consumer, int warp,
+                                        int lane) const {
     if (p.accumulate) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -228,7 +231,8 @@ struct RowsOutEpilogue {
       for (int j = 0; j < kBlockN / 8; ++j) {
         const int col = n0 + FragmentCol(lane, j);
         if (col >= shape.n) continue;
-        const float2 v = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        const float2 v =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         if (p.bf16 != nullptr) {
           *reinterpret_cast<__nv_bfloat162*>(p.bf16 + base + col) =
               __floats2bfloat162_rn(v.x, v.y);
@@ -258,8 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + kStages * kATileBytes;
-  uint64_t* full =
-      reinterpret_cast<uint64_t*>(smem_b + kStages * kBTileBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + kStages * kBTileBytes);
   uint64_t* empty = full + kStages;
 
   const int tiles = ((shape.m + kBlockM - 1) / kBlockM) * shape.tiles_n;
@@ -338,16 +341,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int k = 0; k < kBlockK / 16; ++k) {
         // K-major: +32 bytes per 16 k inside the swizzled row; MN-major: +16
         // rows of 128 bytes.
-        const uint64_t da =
-            kTransA ? ptx::MakeSmemDescSw128MnMajor(a_addr + k * 2048,
-                                                    kMnBoxBytes)
-                    : ptx::MakeSmemDescSw128(a_addr + k * 32);
-        const uint64_t db =
-            kTransB ? ptx::MakeSmemDescSw128MnMajor(b_addr + k * 2048,
-                                                    kMnBoxBytes)
-                    : ptx::MakeSmemDescSw128(b_addr + k * 32);
-        ptx::WgmmaM64N256K16T<kTransA ? 1 : 0, kTransB ? 1 : 0>(
-            acc, da, db, (kb | k) != 0);
+        const uint64_t da = kTransA ? ptx::MakeSmemDescSw128MnMajor(
+                                          a_addr + k * 2048, kMnBoxBytes)
+                                    : ptx::MakeSmemDescSw128(a_addr + k * 32);
+        const uint64_t db = kTransB ? ptx::MakeSmemDescSw128MnMajor(
+                                          b_addr + k * 2048, kMnBoxBytes)
+                                    : ptx::MakeSmemDescSw128(b_addr + k * 32);
+        ptx::WgmmaM64N256K16T<kTransA ? 1 : 0, kTransB ? 1 : 0>(acc, da, db,
+                                                                (kb | k) != 0);
       }
       ptx::WgmmaCommit();
       ptx::WgmmaWait<1>();

@@ -60,10 +60,10 @@ static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
   for (int s = 1; s < p.num_splits; ++s) {
     const SoftmaxPartial next{row[s], 1.0f};
     if (p.split_mean_z != nullptr) {
-      sum_exp_z = CombineEntropySums(
-          EntropyPartial{acc, sum_exp_z},
-          EntropyPartial{next, p.split_mean_z[first + s]},
-          fmaxf(acc.max, next.max));
+      sum_exp_z =
+          CombineEntropySums(EntropyPartial{acc, sum_exp_z},
+                             EntropyPartial{next, p.split_mean_z[first + s]},
+                             fmaxf(acc.max, next.max));
     }
     acc = CombinePartials(acc, next);
   }
@@ -89,7 +89,8 @@ static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
 // programmatic dependent, it merges beside the lse fold and waits for it
 // (WaitForPrimaryGrid) only to finish the log-probs: one after the other
 // they took ~29 + ~21 us at N = 1024 (docs/perf.md, "Top-k, session 19").
-static __global__ void CombineTopKKernel(const __grid_constant__ CombineParams p) {
+static __global__ void CombineTopKKernel(
+    const __grid_constant__ CombineParams p) {
   const int r = static_cast<int>(
       (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32);
   const int lane = threadIdx.x & 31;

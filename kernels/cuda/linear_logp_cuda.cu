@@ -55,9 +55,8 @@ int32_t ThroughputSplits(int64_t rows, int64_t vocab, int num_sms,
                          int32_t* begin) {
   const int64_t row_blocks = (rows + kv::kBlockM - 1) / kv::kBlockM;
   const int64_t tiles = (vocab + kv::kBlockN - 1) / kv::kBlockN;
-  const int64_t max_splits =
-      std::min<int64_t>(tiles, std::min<int64_t>(kv::kMaxSplits,
-                                                 NumVocabSplits(vocab)));
+  const int64_t max_splits = std::min<int64_t>(
+      tiles, std::min<int64_t>(kv::kMaxSplits, NumVocabSplits(vocab)));
   int64_t best = 1;
   double best_cost = std::numeric_limits<double>::infinity();
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -118,7 +117,7 @@ double NormalTailQuantile(double tail) {
 }
 
 using SplitKernel = void (*)(const CUtensorMap, const CUtensorMap,
-                            const kv::KernelParams);
+                             const kv::KernelParams);
 
 // The kernel variant for a batch's extras, and its shared memory.
 SplitKernel VariantFor(bool entropy, bool top_k) {
@@ -196,10 +195,10 @@ namespace {
 // driver that compiled it.
 absl::StatusOr<std::string> PreparePortable(const cudaDeviceProp& prop) {
   if (!KernelRunsOn(KernelKind::kPortable, prop.major, prop.minor)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "linear_logp_cuda: kernel ", kp::kVersion,
-        " needs compute capability >= 8.0, device has ", prop.major, ".",
-        prop.minor));
+    return absl::FailedPreconditionError(
+        absl::StrCat("linear_logp_cuda: kernel ", kp::kVersion,
+                     " needs compute capability >= 8.0, device has ",
+                     prop.major, ".", prop.minor));
   }
   kp::LoadedCode code;
   if (cudaError_t e = kp::PrepareKernels(
@@ -327,13 +326,13 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
   }
   // Bounded so that DecodeItem's group * num_splits stays far from overflow.
   constexpr int32_t kMaxRowGroup = 1 << 16;
-  for (const auto& [name, group] : {std::pair<const char*, int32_t>{
-                                        "row_group", options.row_group},
-                                    {"top_k_row_group", options.top_k_row_group}}) {
+  for (const auto& [name, group] :
+       {std::pair<const char*, int32_t>{"row_group", options.row_group},
+        {"top_k_row_group", options.top_k_row_group}}) {
     if (group < 0 || group > kMaxRowGroup) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "linear_logp_cuda: ", name, " must be in [0, ", kMaxRowGroup,
-          "] (0: the default), got ", group));
+      return absl::InvalidArgumentError(
+          absl::StrCat("linear_logp_cuda: ", name, " must be in [0, ",
+                       kMaxRowGroup, "] (0: the default), got ", group));
     }
   }
   const bool shard = options.end_split > 0;
@@ -343,10 +342,10 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     if (options.first_split < 0 || options.first_split >= options.end_split ||
         options.end_split > all_splits ||
         options.split != SplitMode::kBatchInvariant) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "linear_logp_cuda: shard splits [", options.first_split, ", ",
-          options.end_split, ") must lie in [0, ", all_splits,
-          ") in batch-invariant mode"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("linear_logp_cuda: shard splits [", options.first_split,
+                       ", ", options.end_split, ") must lie in [0, ",
+                       all_splits, ") in batch-invariant mode"));
     }
     held_begin = VocabSplitRange(w.vocab_size, options.first_split).begin;
     held_end = VocabSplitRange(w.vocab_size, options.end_split - 1).end;
@@ -374,10 +373,10 @@ absl::StatusOr<std::unique_ptr<LinearLogpCuda>> LinearLogpCuda::Create(
     return absl::InvalidArgumentError("linear_logp_cuda: bad kernel kind");
   }
   if (prop.major != 9 || prop.minor != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "linear_logp_cuda: kernel ", kv::kVersion,
-        " needs compute capability 9.0 (sm_90a), device has ", prop.major, ".",
-        prop.minor));
+    return absl::FailedPreconditionError(
+        absl::StrCat("linear_logp_cuda: kernel ", kv::kVersion,
+                     " needs compute capability 9.0 (sm_90a), device has ",
+                     prop.major, ".", prop.minor));
   }
   if (prop.sharedMemPerBlockOptin < static_cast<size_t>(kv::kSmemBytesTopK)) {
     return absl::FailedPreconditionError(
@@ -452,8 +451,8 @@ size_t LinearLogpCuda::WorkspaceBytes(int64_t rows, bool entropy,
   return PartialsBytes(rows, impl_->invariant_splits, entropy, top_k);
 }
 
-size_t LinearLogpCuda::PartialsBytes(int64_t rows, int32_t splits,
-                                     bool entropy, int32_t top_k) {
+size_t LinearLogpCuda::PartialsBytes(int64_t rows, int32_t splits, bool entropy,
+                                     int32_t top_k) {
   if (rows <= 0 || splits <= 0) return 0;
   const size_t cells = static_cast<size_t>(rows) * static_cast<size_t>(splits);
   const size_t per_cell = sizeof(float) * (entropy ? 2 : 1) +
@@ -490,7 +489,8 @@ SplitPartials LinearLogpCuda::PartitionWorkspace(void* workspace, int64_t rows,
     partials.top_screen = reinterpret_cast<uint32_t*>(
         (end + kScreenAlign - 1) / kScreenAlign * kScreenAlign);
     partials.rerun_blocks = reinterpret_cast<int32_t*>(
-        partials.top_screen + static_cast<size_t>(rows) * epilogue::kScreenWords);
+        partials.top_screen +
+        static_cast<size_t>(rows) * epilogue::kScreenWords);
   }
   return partials;
 }
@@ -534,14 +534,14 @@ absl::Status LinearLogpCuda::Launch(const LinearLogpBatchView& batch,
   RerunMarks mark;
   mark.mark = partials.rerun_blocks;
   mark.top_screen = partials.top_screen;
-  if (absl::Status s = EnqueueCombine(partials, splits, batch, vocab,
-                                      options_.device, stream, options_.kernel,
-                                      mark);
+  if (absl::Status s =
+          EnqueueCombine(partials, splits, batch, vocab, options_.device,
+                         stream, options_.kernel, mark);
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = LaunchSplitPass(batch, partials, stream, 0.0f,
-                                       partials.rerun_blocks);
+  if (absl::Status s =
+          LaunchSplitPass(batch, partials, stream, 0.0f, partials.rerun_blocks);
       !s.ok()) {
     return s;
   }
@@ -569,8 +569,7 @@ float LinearLogpCuda::FloorSigmas(const LinearLogpBatchView& batch,
   constexpr double kMaxTail = 0.05;
   const double above = std::max(200.0, 10.0 * batch.top_k);
   const double tail = above / static_cast<double>(options_.weights.vocab_size);
-  if (tail > kMaxTail ||
-      options_.weights.vocab_size < floors::kSampleColumns) {
+  if (tail > kMaxTail || options_.weights.vocab_size < floors::kSampleColumns) {
     return 0.0f;
   }
   return static_cast<float>(NormalTailQuantile(tail));
@@ -582,9 +581,9 @@ namespace {
 absl::Status ValidateExtras(const LinearLogpBatchView& batch,
                             const SplitPartials& partials, int64_t vocab_size) {
   if (batch.top_k < 0 || batch.top_k > kMaxTopK || batch.top_k > vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "linear_logp_cuda: top_k must be in [0, min(", kMaxTopK, ", V = ",
-        vocab_size, ")], got ", batch.top_k));
+    return absl::InvalidArgumentError(
+        absl::StrCat("linear_logp_cuda: top_k must be in [0, min(", kMaxTopK,
+                     ", V = ", vocab_size, ")], got ", batch.top_k));
   }
   if (batch.entropy != nullptr && partials.mean_z == nullptr) {
     return absl::InvalidArgumentError(
@@ -622,17 +621,16 @@ absl::Status LinearLogpCuda::LaunchSplits(const LinearLogpBatchView& batch,
   return LaunchSplitPass(batch, partials, stream, 0.0f, nullptr);
 }
 
-absl::Status LinearLogpCuda::LaunchSplitPass(const LinearLogpBatchView& batch,
-                                             const SplitPartials& partials,
-                                             cudaStream_t stream,
-                                             float floor_sigmas,
-                                             const int32_t* rerun_blocks) const {
+absl::Status LinearLogpCuda::LaunchSplitPass(
+    const LinearLogpBatchView& batch, const SplitPartials& partials,
+    cudaStream_t stream, float floor_sigmas,
+    const int32_t* rerun_blocks) const {
   float* split_lse = partials.lse;
   const LinearLogpWeightsView& w = options_.weights;
   if (batch.rows < 0 || batch.rows > kMaxRows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "linear_logp_cuda: rows must be in [0, ", kMaxRows, "], got ",
-        batch.rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("linear_logp_cuda: rows must be in [0, ", kMaxRows,
+                     "], got ", batch.rows));
   }
   if (batch.rows == 0) return absl::OkStatus();
   if (batch.hidden == nullptr ||
@@ -726,14 +724,14 @@ absl::Status LinearLogpCuda::LaunchSplitPass(const LinearLogpBatchView& batch,
     f.rerun_blocks = partials.rerun_blocks;
     f.row_blocks = p.num_row_blocks;
     f.block_rows = kv::kBlockM;
-    DETLOGP_CUDA_RETURN_IF_ERROR(
-        floors::EnqueueFloorKernel(f, stream));
+    DETLOGP_CUDA_RETURN_IF_ERROR(floors::EnqueueFloorKernel(f, stream));
   } else if (absl::Status s = ClearTopKScreen(batch, partials, stream);
              !s.ok()) {
     return s;
   }
-  VariantFor(entropy, top_k)<<<grid, kv::kThreads, SmemBytesFor(top_k),
-                               stream>>>(hidden_map, impl_->weight_map, p);
+  VariantFor(entropy,
+             top_k)<<<grid, kv::kThreads, SmemBytesFor(top_k), stream>>>(
+      hidden_map, impl_->weight_map, p);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
@@ -793,7 +791,8 @@ absl::Status EnqueueCombine(const SplitPartials& partials, int32_t num_splits,
   if (rows <= 0) return absl::OkStatus();
   if (partials.lse == nullptr || outputs.logprobs == nullptr ||
       outputs.lse == nullptr || num_splits < 1 || rows > kMaxRows) {
-    return absl::InvalidArgumentError("linear_logp_cuda: bad combine arguments");
+    return absl::InvalidArgumentError(
+        "linear_logp_cuda: bad combine arguments");
   }
   if (absl::Status s = ValidateExtras(outputs, partials, kMaxTopK); !s.ok()) {
     return s;

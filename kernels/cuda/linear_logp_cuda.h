@@ -81,11 +81,11 @@ struct LinearLogpBatchView {
 // Per-(row, split) partial states in device memory: a view of a workspace
 // (LinearLogpCuda::PartitionWorkspace) or of a vocabulary-parallel gather.
 struct SplitPartials {
-  float* lse = nullptr;         // [rows][splits]: each split's logsumexp
-  float* mean_z = nullptr;      // [rows][splits]: sum p z over the split
-                                // (entropy only)
-  float* top_z = nullptr;       // [rows][splits][top_k] (top-k only)
-  int32_t* top_ids = nullptr;   // [rows][splits][top_k], global token ids
+  float* lse = nullptr;        // [rows][splits]: each split's logsumexp
+  float* mean_z = nullptr;     // [rows][splits]: sum p z over the split
+                               // (entropy only)
+  float* top_z = nullptr;      // [rows][splits][top_k] (top-k only)
+  int32_t* top_ids = nullptr;  // [rows][splits][top_k], global token ids
   // [rows][epilogue::kScreenWords] keys, 16-byte aligned (top-k only,
   // optional): what a row's splits share to skip values another split has
   // already ruled out; cleared by LaunchSplits. Null: every split screens

@@ -42,8 +42,10 @@ __device__ __forceinline__ float Ex2(float x) {
 // and scalars so that the accumulators stay in registers (an indexed array,
 // even of four, gets turned into local memory by the compiler).
 template <int kJ>
-__device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) {
+__device__ __forceinline__ float SelectFragment(const float* acc, int j,
+                                                int k) {
   float v0 = 0.0f, v1 = 0.0f, v2 = 0.0f, v3 = 0.0f;
+  // clang-format off
   switch (j) {
 #define DETLOGP_CASE(J)        \
   case J:                      \
@@ -66,6 +68,7 @@ __device__ __forceinline__ float SelectFragment(const float* acc, int j, int k) 
     default:
       break;
   }
+  // clang-format on
   return k == 0 ? v0 : (k == 1 ? v1 : (k == 2 ? v2 : v3));
 }
 
@@ -88,10 +91,11 @@ struct RowState {
 // exact; only a zero's sign could differ, and m = 0 gives the same exps,
 // sums and logsumexp either way).
 template <int kW, bool kGroups = false>
-__device__ __forceinline__ void TileMaxes(
-    const EpilogueParams& p, float* acc, int lane, int v0, int valid,
-    const int* row, const float* inv_t, const int* target, float* mx,
-    GroupMaxima<kW>* groups = nullptr) {
+__device__ __forceinline__ void TileMaxes(const EpilogueParams& p, float* acc,
+                                          int lane, int v0, int valid,
+                                          const int* row, const float* inv_t,
+                                          const int* target, float* mx,
+                                          GroupMaxima<kW>* groups = nullptr) {
   const int quad = lane & 3;
   const int limit = valid < kW ? valid : kW;
   float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -112,8 +116,8 @@ __device__ __forceinline__ void TileMaxes(
     for (int j = 0; j < kW / 8; ++j) {
       float2 b = make_float2(0.0f, 0.0f);
       if (p.bias != nullptr) {
-        b = __ldg(reinterpret_cast<const float2*>(p.bias + v0 + 8 * j +
-                                                  2 * quad));
+        b = __ldg(
+            reinterpret_cast<const float2*>(p.bias + v0 + 8 * j + 2 * quad));
       }
       acc[4 * j + 0] += b.x;
       acc[4 * j + 1] += b.y;
@@ -152,7 +156,8 @@ __device__ __forceinline__ void TileMaxes(
   for (int h = 0; h < 2; ++h) {
     const int tcol = target[h] - v0;
     if (tcol >= 0 && tcol < limit && ((tcol >> 1) & 3) == quad) {
-      const float y = SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
+      const float y =
+          SelectFragment<kW / 8>(acc, tcol >> 3, 2 * h + (tcol & 1));
       p.logprobs[row[h]] = y * inv_t[h];
     }
   }
@@ -274,15 +279,14 @@ __device__ __forceinline__ void FoldTileScreenedFirst(
     const TopKLists& lists, const uint32_t* screen_keys) {
   float mx[2];
   GroupMaxima<kW> groups;
-  TileMaxes<kW, true>(p, acc, lane, v0, valid, row, inv_t, target, mx,
-                      &groups);
+  TileMaxes<kW, true>(p, acc, lane, v0, valid, row, inv_t, target, mx, &groups);
   const float m[2] = {fmaxf(state[0].max, QuadMax(mx[0]) * inv_t[0]),
                       fmaxf(state[1].max, QuadMax(mx[1]) * inv_t[1])};
   const float shared[2] = {ScreenValue(screen_keys[0]),
                            ScreenValue(screen_keys[1])};
   float carried[2] = {state[0].screen, state[1].screen};
-  TopKTile<kW, kSlotBound, true>(p.top, acc, groups, lane, v0, row, inv_t,
-                                 mx, shared, carried, lists);
+  TopKTile<kW, kSlotBound, true>(p.top, acc, groups, lane, v0, row, inv_t, mx,
+                                 shared, carried, lists);
   float s[2] = {0.0f, 0.0f}, t[2] = {0.0f, 0.0f};
   TileExpSums<kW, kEntropy>(acc, valid >= kW, inv_t, m, s, t);
   UpdateStates<kEntropy>(m, s, t, state);

@@ -44,10 +44,10 @@
 namespace detlogp::kernels::cuda::floors {
 
 inline constexpr int kSampleColumns = 256;
-inline constexpr int kTileRows = 16;      // one m16 tile of rows per cluster
-inline constexpr int kBlockK = 32;        // k per step: two m16n8k16 each
+inline constexpr int kTileRows = 16;  // one m16 tile of rows per cluster
+inline constexpr int kBlockK = 32;    // k per step: two m16n8k16 each
 inline constexpr int kSampleTiles = kSampleColumns / 8;  // n8 tiles
-inline constexpr int kColumnGroups = 4;   // warps of 8 n8 tiles
+inline constexpr int kColumnGroups = 4;                  // warps of 8 n8 tiles
 inline constexpr int kGroupTiles = kSampleTiles / kColumnGroups;
 // ... times four parts of k. The warps' loads in flight bound the kernel:
 // 8 warps an SM brought ~50 GB/s, 16 ~85 (docs/perf.md, "Top-k, session
@@ -55,15 +55,14 @@ inline constexpr int kGroupTiles = kSampleTiles / kColumnGroups;
 inline constexpr int kKParts = 4;
 inline constexpr int kWarps = kColumnGroups * kKParts;
 inline constexpr int kThreads = 32 * kWarps;
-inline constexpr int kMaxKSplits = 4;     // blocks in a cluster
+inline constexpr int kMaxKSplits = 4;  // blocks in a cluster
 static_assert(kTileRows % kMaxKSplits == 0, "ranks share the tile's rows");
 
 // Where the sample keeps uint4 `lane` of n8 tile `tile` for k step `kb`:
 // sample column 8 tile + lane / 4's weights for k = 32 kb + 8 (lane % 4)
 // + [0, 8), the 8 k a thread pairs with its hidden rows' in the kernel. A
 // warp's kGroupTiles tiles of one step are 4 KiB in a row.
-__host__ __device__ inline int64_t SampleIndex(int64_t kb, int tile,
-                                               int lane) {
+__host__ __device__ inline int64_t SampleIndex(int64_t kb, int tile, int lane) {
   return (kb * kSampleTiles + tile) * 32 + lane;
 }
 
@@ -81,7 +80,8 @@ __global__ void GatherSampleKernel(const __nv_bfloat16* weight,
   const int64_t kb = i / 32 / kSampleTiles;
   const int64_t column = 8 * tile + lane / 4;
   const int64_t k = kBlockK * kb + 8 * (lane % 4);
-  sample[i] = *reinterpret_cast<const uint4*>(weight + column * stride * hidden_size + k);
+  sample[i] = *reinterpret_cast<const uint4*>(
+      weight + column * stride * hidden_size + k);
 }
 
 struct FloorParams {
@@ -90,14 +90,14 @@ struct FloorParams {
   const float* sample_bias;     // [kSampleColumns] or null
   const float* temperatures;    // [rows], or null: temperature
   float temperature;
-  int64_t hidden_size;          // a multiple of 64
+  int64_t hidden_size;  // a multiple of 64
   int32_t rows;
-  int32_t k_splits;             // 1, 2 or 4: the cluster's size
+  int32_t k_splits;  // 1, 2 or 4: the cluster's size
   float sigmas;
-  uint32_t* top_screen;         // [rows][epilogue::kScreenWords] out
-  int32_t* rerun_blocks;        // [row_blocks + 1], zeroed here
+  uint32_t* top_screen;   // [rows][epilogue::kScreenWords] out
+  int32_t* rerun_blocks;  // [row_blocks + 1], zeroed here
   int32_t row_blocks;
-  int32_t block_rows;           // rows per row block of the split kernel
+  int32_t block_rows;  // rows per row block of the split kernel
 };
 
 // A thread's operands of one k step: its rows g and g + 8, and its group's
@@ -122,8 +122,7 @@ __device__ __forceinline__ Operands LoadOperands(const uint4* ha,
 // Each thread's 8 consecutive k go to two m16n8k16 steps as the k the
 // fragment layout gives it: products pair the same k of hidden and weight,
 // so the sums are dot products in another order.
-__device__ __forceinline__ void Multiply(const Operands& o,
-                                         float (*acc)[4]) {
+__device__ __forceinline__ void Multiply(const Operands& o, float (*acc)[4]) {
   const uint32_t low[4] = {o.a.x, o.b.x, o.a.y, o.b.y};
   const uint32_t high[4] = {o.a.z, o.b.z, o.a.w, o.b.w};
 #pragma unroll
@@ -165,8 +164,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Rows past the batch read its last row; nothing of theirs is written.
   const int ra = min(row0 + g, p.rows - 1);
   const int rb = min(row0 + g + 8, p.rows - 1);
-  const uint4* ha = reinterpret_cast<const uint4*>(p.hidden + ra * p.hidden_size) + t;
-  const uint4* hb = reinterpret_cast<const uint4*>(p.hidden + rb * p.hidden_size) + t;
+  const uint4* ha =
+      reinterpret_cast<const uint4*>(p.hidden + ra * p.hidden_size) + t;
+  const uint4* hb =
+      reinterpret_cast<const uint4*>(p.hidden + rb * p.hidden_size) + t;
   const uint4* w = p.sample + SampleIndex(0, kGroupTiles * group, lane);
   const int k_steps = static_cast<int>(p.hidden_size / kBlockK);
   const int part = rank * kKParts + k_part;
@@ -187,7 +188,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // acc[j][e] is row g + 8 (e / 2), column 64 group + 8 j + 2 t + e % 2.
   auto at = [&](int j, int e) -> float& {
-    return partial[g + 8 * (e / 2)][kGroupTiles * 8 * group + 8 * j + 2 * t + (e & 1)];
+    return partial[g + 8 * (e / 2)]
+                  [kGroupTiles * 8 * group + 8 * j + 2 * t + (e & 1)];
   };
   // The parts' sums in a fixed order, the last part's first.
   for (int q = kKParts - 1; q >= 0; --q) {
@@ -214,8 +216,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int r = rank * rank_rows + warp; r < (rank + 1) * rank_rows;
        r += kWarps) {
     const int row = min(row0 + r, p.rows - 1);
-    const float inv_t =
-        1.0f / (p.temperatures != nullptr ? p.temperatures[row] : p.temperature);
+    const float inv_t = 1.0f / (p.temperatures != nullptr ? p.temperatures[row]
+                                                          : p.temperature);
     float z[kPerLane];
     float sum = 0.0f;
 #pragma unroll
@@ -227,7 +229,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int q = 1; q < kMaxKSplits; ++q) {
         if (q < p.k_splits) x += ranks[q][offset];
       }
-      const float bias = p.sample_bias != nullptr ? p.sample_bias[column] : 0.0f;
+      const float bias =
+          p.sample_bias != nullptr ? p.sample_bias[column] : 0.0f;
       z[i] = (x + bias) * inv_t;
       sum += z[i];
     }
@@ -275,8 +278,8 @@ static inline cudaError_t EnqueueFloorKernel(const FloorParams& p,
   cluster.val.clusterDim.y = 1;
   cluster.val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(
-      (p.rows + kTileRows - 1) / kTileRows * p.k_splits));
+  config.gridDim = dim3(
+      static_cast<unsigned>((p.rows + kTileRows - 1) / kTileRows * p.k_splits));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   config.attrs = &cluster;
@@ -284,18 +287,14 @@ static inline cudaError_t EnqueueFloorKernel(const FloorParams& p,
   return cudaLaunchKernelEx(&config, TopKFloorKernel, p);
 }
 
-static inline cudaError_t EnqueueGatherSample(const __nv_bfloat16* weight,
-                                              const float* bias,
-                                              int64_t hidden_size,
-                                              int64_t vocab_size, uint4* sample,
-                                              float* bias_out,
-                                              cudaStream_t stream) {
+static inline cudaError_t EnqueueGatherSample(
+    const __nv_bfloat16* weight, const float* bias, int64_t hidden_size,
+    int64_t vocab_size, uint4* sample, float* bias_out, cudaStream_t stream) {
   const int64_t count = hidden_size / 8 * kSampleColumns;
   constexpr int kBlock = 256;
   GatherSampleKernel<<<static_cast<unsigned>((count + kBlock - 1) / kBlock),
-                       kBlock, 0, stream>>>(weight, bias, hidden_size,
-                                            vocab_size / kSampleColumns,
-                                            sample, bias_out);
+                       kBlock, 0, stream>>>(
+      weight, bias, hidden_size, vocab_size / kSampleColumns, sample, bias_out);
   return cudaGetLastError();
 }
 

@@ -92,15 +92,15 @@ using epilogue::TopKLists;
 
 inline constexpr char kVersion[] = "sm90a-wgmma-v3";
 
-inline constexpr int kBlockM = 128;         // rows per item (2 x 64)
-inline constexpr int kBlockN = 256;         // widest vocabulary tile
-inline constexpr int kBlockK = 64;          // 128 bytes of bf16: one swizzle row
-inline constexpr int kChunkRows = 32;       // weight rows per TMA box
+inline constexpr int kBlockM = 128;    // rows per item (2 x 64)
+inline constexpr int kBlockN = 256;    // widest vocabulary tile
+inline constexpr int kBlockK = 64;     // 128 bytes of bf16: one swizzle row
+inline constexpr int kChunkRows = 32;  // weight rows per TMA box
 inline constexpr int kStages = 4;
 inline constexpr int kConsumers = 2;
 inline constexpr int kThreads = 128 * (1 + kConsumers);
-inline constexpr int kATileBytes = kBlockM * kBlockK * 2;     // 16 KiB
-inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;     // 32 KiB
+inline constexpr int kATileBytes = kBlockM * kBlockK * 2;      // 16 KiB
+inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;      // 32 KiB
 inline constexpr int kBChunkBytes = kChunkRows * kBlockK * 2;  // 4 KiB
 inline constexpr int kMaxSplits = 256;  // 4 B per split: <= 1 KiB per row
 inline constexpr int kSmemBytes =
@@ -114,26 +114,26 @@ inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
 
 struct KernelParams {
-  const float* bias;             // [padded_vocab] or null
-  const int32_t* targets;        // [rows], or null: targets64
-  const int64_t* targets64;      // [rows] when targets is null
-  const float* temperatures;     // [rows], or null: temperature
-  float temperature;             // every row's, when temperatures is null
-  float* logprobs;               // [rows]: z[target] here, then logprob
-  float* split_lse;              // [rows][num_splits]: logsumexp of split
-  float* split_mean_z;           // [rows][num_splits] (kEntropy)
-  float* split_top_z;            // [rows][num_splits][top_k] (kTopK)
-  int32_t* split_top_id;         // [rows][num_splits][top_k] (kTopK)
-  uint32_t* top_screen;          // [rows][kScreenWords], zeroed, or null
-  int32_t top_k;                 // 1..kMaxTopK (kTopK)
-  int32_t id_offset;             // added to top-k ids (a shard's first row)
+  const float* bias;          // [padded_vocab] or null
+  const int32_t* targets;     // [rows], or null: targets64
+  const int64_t* targets64;   // [rows] when targets is null
+  const float* temperatures;  // [rows], or null: temperature
+  float temperature;          // every row's, when temperatures is null
+  float* logprobs;            // [rows]: z[target] here, then logprob
+  float* split_lse;           // [rows][num_splits]: logsumexp of split
+  float* split_mean_z;        // [rows][num_splits] (kEntropy)
+  float* split_top_z;         // [rows][num_splits][top_k] (kTopK)
+  int32_t* split_top_id;      // [rows][num_splits][top_k] (kTopK)
+  uint32_t* top_screen;       // [rows][kScreenWords], zeroed, or null
+  int32_t top_k;              // 1..kMaxTopK (kTopK)
+  int32_t id_offset;          // added to top-k ids (a shard's first row)
   int32_t rows;
-  int32_t k_blocks;              // hidden / 64
+  int32_t k_blocks;  // hidden / 64
   int32_t num_splits;
   int32_t num_row_blocks;
   int32_t num_items;
-  int32_t row_group;              // DecodeItem's group (kernels/item_order.h)
-  int32_t a_box_rows;             // hidden rows per TMA box (<= kBlockM)
+  int32_t row_group;   // DecodeItem's group (kernels/item_order.h)
+  int32_t a_box_rows;  // hidden rows per TMA box (<= kBlockM)
   // kTopK: null, or a rerun pass (linear_logp_floor_kernel.cuh): only the
   // row blocks b with rerun_blocks[b] != 0 are computed, none when
   // rerun_blocks[num_row_blocks] (set with any) is 0.
@@ -156,8 +156,8 @@ __device__ __forceinline__ float RowTemperature(const KernelParams& p, int r) {
 // Item -> (row block, split), in kernels/item_order.h's order.
 __device__ __forceinline__ void DecodeItem(const KernelParams& p, int item,
                                            int& row_block, int& split) {
-  const RowBlockAndSplit rs =
-      detlogp::kernels::DecodeItem(item, p.num_row_blocks, p.num_splits, p.row_group);
+  const RowBlockAndSplit rs = detlogp::kernels::DecodeItem(
+      item, p.num_row_blocks, p.num_splits, p.row_group);
   row_block = rs.row_block;
   split = rs.split;
 }
@@ -266,15 +266,16 @@ __device__ __forceinline__ void ConsumeTile(
         ep, acc, lane, v0, valid, rows.row, rows.inv_t, rows.target, state,
         lists, screen_keys);
   } else {
-    epilogue::FoldTile<kW, kEntropy, false>(ep, acc, lane, v0, valid,
-                                            rows.row, rows.inv_t, rows.target,
-                                            state, lists);
+    epilogue::FoldTile<kW, kEntropy, false>(ep, acc, lane, v0, valid, rows.row,
+                                            rows.inv_t, rows.target, state,
+                                            lists);
   }
 }
 
 // A rerun pass leaves the row blocks that were not marked alone.
 template <bool kTopK>
-__device__ __forceinline__ bool SkipsItem(const KernelParams& p, int row_block) {
+__device__ __forceinline__ bool SkipsItem(const KernelParams& p,
+                                          int row_block) {
   if constexpr (kTopK) {
     return p.rerun_blocks != nullptr && p.rerun_blocks[row_block] == 0;
   } else {
@@ -292,12 +293,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + kStages * kATileBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(
-      smem_b + kStages * kBTileBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + kStages * kBTileBytes);
   uint64_t* empty = full + kStages;
   float* top_z = reinterpret_cast<float*>(empty + kStages);
-  int32_t* top_id = reinterpret_cast<int32_t*>(
-      top_z + kBlockM * kMaxTopK);
+  int32_t* top_id = reinterpret_cast<int32_t*>(top_z + kBlockM * kMaxTopK);
 
   if constexpr (kTopK) {
     if (p.rerun_blocks != nullptr && p.rerun_blocks[p.num_row_blocks] == 0) {
@@ -388,44 +387,44 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int valid = end - v0;
       switch (width / kChunkRows) {
         case 8:
-          ConsumeTile<256, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<256, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                            ring, active, consumer, lane, v0,
+                                            valid, rows, state, lists);
           break;
         case 7:
-          ConsumeTile<224, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<224, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                            ring, active, consumer, lane, v0,
+                                            valid, rows, state, lists);
           break;
         case 6:
-          ConsumeTile<192, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<192, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                            ring, active, consumer, lane, v0,
+                                            valid, rows, state, lists);
           break;
         case 5:
-          ConsumeTile<160, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<160, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                            ring, active, consumer, lane, v0,
+                                            valid, rows, state, lists);
           break;
         case 4:
-          ConsumeTile<128, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<128, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                            ring, active, consumer, lane, v0,
+                                            valid, rows, state, lists);
           break;
         case 3:
-          ConsumeTile<96, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<96, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                           ring, active, consumer, lane, v0,
+                                           valid, rows, state, lists);
           break;
         case 2:
-          ConsumeTile<64, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<64, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                           ring, active, consumer, lane, v0,
+                                           valid, rows, state, lists);
           break;
         case 1:
-          ConsumeTile<32, kEntropy, kTopK>(
-              p, acc, smem_a, smem_b, full, empty, ring, active, consumer,
-              lane, v0, valid, rows, state, lists);
+          ConsumeTile<32, kEntropy, kTopK>(p, acc, smem_a, smem_b, full, empty,
+                                           ring, active, consumer, lane, v0,
+                                           valid, rows, state, lists);
           break;
         default:
           __trap();  // unreachable: widths are 32..256

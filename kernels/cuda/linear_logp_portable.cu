@@ -87,8 +87,8 @@ Launch PickLaunch(const KernelParams& p, int smem_optin_bytes) {
   const bool entropy = p.split_mean_z != nullptr;
   if (p.top_k > 0) {
     if (p.rows <= TopKNarrowTiling::kBlockM) {
-      return DeepOrShallowLaunch<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
-          entropy, smem_optin_bytes);
+      return DeepOrShallowLaunch<TopKNarrowTiling, TopKNarrowShallowTiling,
+                                 true>(entropy, smem_optin_bytes);
     }
     return LaunchOf<TopKTiling, true>(entropy);
   }
@@ -105,10 +105,13 @@ Launch PickLaunch(const KernelParams& p, int smem_optin_bytes) {
         entropy, smem_optin_bytes);
   }
   if (p.rows <= Narrow128Tiling::kBlockM) {
-    return DeepOrShallowLaunch<Narrow128Tiling, WideTiling>(entropy, smem_optin_bytes);
+    return DeepOrShallowLaunch<Narrow128Tiling, WideTiling>(entropy,
+                                                            smem_optin_bytes);
   }
-  if (p.rows <= 2 * WideTiling::kBlockM) return LaunchOf<WideTiling, false>(entropy);
-  return DeepOrShallowLaunch<Wide256Tiling, WideTiling>(entropy, smem_optin_bytes);
+  if (p.rows <= 2 * WideTiling::kBlockM)
+    return LaunchOf<WideTiling, false>(entropy);
+  return DeepOrShallowLaunch<Wide256Tiling, WideTiling>(entropy,
+                                                        smem_optin_bytes);
 }
 
 }  // namespace
@@ -120,8 +123,7 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
       e != cudaSuccess) {
     return e;
   }
-  if (cudaError_t e =
-          cudaFuncGetAttributes(&attrs, combine::CombineTopKKernel);
+  if (cudaError_t e = cudaFuncGetAttributes(&attrs, combine::CombineTopKKernel);
       e != cudaSuccess) {
     return e;
   }
@@ -146,8 +148,8 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
     return e;
   }
   if (cudaError_t e =
-          ConfigureDeepOrShallow<TopKNarrowTiling, TopKNarrowShallowTiling, true>(
-              smem_optin_bytes);
+          ConfigureDeepOrShallow<TopKNarrowTiling, TopKNarrowShallowTiling,
+                                 true>(smem_optin_bytes);
       e != cudaSuccess) {
     return e;
   }
@@ -170,8 +172,8 @@ cudaError_t PrepareKernels(int smem_optin_bytes, LoadedCode* split_code) {
 cudaError_t EnqueueSplitKernel(KernelParams params, int smem_optin_bytes,
                                cudaStream_t stream) {
   const Launch launch = PickLaunch(params, smem_optin_bytes);
-  params.num_row_blocks = (params.rows + launch.block_rows - 1) /
-                          launch.block_rows;
+  params.num_row_blocks =
+      (params.rows + launch.block_rows - 1) / launch.block_rows;
   const unsigned grid =
       static_cast<unsigned>(params.num_row_blocks * params.num_splits);
   launch.kernel<<<grid, launch.threads, launch.smem_bytes, stream>>>(params);

@@ -130,9 +130,7 @@ struct Tiling {
   static constexpr int kXchgMaxFloats = kColumnParts * kWarpRows;
   static constexpr int kXchgSumFloats = kWarpMFrags * 4 * 32;
   static constexpr int kXchgBytes =
-      kColumnParts > 1
-          ? kRowGroups * (kXchgMaxFloats + kXchgSumFloats) * 4
-          : 0;
+      kColumnParts > 1 ? kRowGroups*(kXchgMaxFloats + kXchgSumFloats) * 4 : 0;
   // kRowsInSmem: each row's fold inputs (1 / T, target) and online state
   // wait in shared memory between folds, so that the main loop's registers
   // hold the accumulators (a warp of 64 x 64 holds 8 rows per thread).
@@ -325,8 +323,8 @@ struct CopyCursor {
     b = plan.b_src +
         (static_cast<int64_t>(tile_group) * T::kStepCols * p.hidden_size +
          kb * kBlockK);
-    b_rows_left = static_cast<int>(plan.b_rows_left) -
-                  tile_group * T::kStepCols;
+    b_rows_left =
+        static_cast<int>(plan.b_rows_left) - tile_group * T::kStepCols;
   }
   // To the next step: the next k-block, or the next tile group's first
   // (k_blocks * kBlockK = H; relative, so the plan's bases need not stay
@@ -450,10 +448,10 @@ __device__ __forceinline__ void FoldTileChained(
 #pragma unroll
   for (int f = 0; f < T::kWarpMFrags; ++f) {
     float mx[2];
-    epilogue::TileMaxes<T::kPartCols>(
-        ep, acc + kFragAcc * f, lane, v0 + part * T::kPartCols,
-        valid - part * T::kPartCols, row + 2 * f, inv_t + 2 * f,
-        target + 2 * f, mx);
+    epilogue::TileMaxes<T::kPartCols>(ep, acc + kFragAcc * f, lane,
+                                      v0 + part * T::kPartCols,
+                                      valid - part * T::kPartCols, row + 2 * f,
+                                      inv_t + 2 * f, target + 2 * f, mx);
     const float quad_max0 = epilogue::QuadMax(mx[0]);
     const float quad_max1 = epilogue::QuadMax(mx[1]);
     if ((lane & 3) == 0) {
@@ -521,13 +519,14 @@ template <class T, bool kEntropy, bool kTopK>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
     LinearLogpPortableSplitKernel(const __grid_constant__ KernelParams p) {
   static_assert(!kTopK || T::kColumnParts == 1, "top-k lists need whole tiles");
-  constexpr int kFragAcc = 4 * (T::kPartCols / 8);  // per m16 fragment
+  constexpr int kFragAcc = 4 * (T::kPartCols / 8);     // per m16 fragment
   constexpr int kTileAcc = kFragAcc * T::kWarpMFrags;  // per tile
   constexpr int kAcc = kTileAcc * T::kTilesPerStep;
-  constexpr int kRows = 2 * T::kWarpMFrags;          // rows a thread holds
+  constexpr int kRows = 2 * T::kWarpMFrags;  // rows a thread holds
   extern __shared__ __align__(128) uint8_t smem[];
-  const RowBlockAndSplit item = DecodeItem(
-      static_cast<int>(blockIdx.x), p.num_row_blocks, p.num_splits, p.row_group);
+  const RowBlockAndSplit item =
+      DecodeItem(static_cast<int>(blockIdx.x), p.num_row_blocks, p.num_splits,
+                 p.row_group);
   const int split = item.split;
   const int row_block = item.row_block;
   const int begin = p.split_begin[split];
@@ -545,10 +544,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocksPerSm)
   const bool active = row0 + group * T::kWarpRows < p.rows;
 
   float* top_z = reinterpret_cast<float*>(smem + T::kRingBytes);
-  int32_t* top_id = reinterpret_cast<int32_t*>(
-      top_z + T::kBlockM * kMaxTopK);
-  float* xchg =
-      reinterpret_cast<float*>(smem + T::kRingBytes + T::kListBytes);
+  int32_t* top_id = reinterpret_cast<int32_t*>(top_z + T::kBlockM * kMaxTopK);
+  float* xchg = reinterpret_cast<float*>(smem + T::kRingBytes + T::kListBytes);
   TopKLists lists[T::kWarpMFrags];
   int row[kRows], target[kRows];
   float inv_t[kRows];

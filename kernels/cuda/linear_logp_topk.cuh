@@ -46,13 +46,17 @@ struct TopKLists {
   }
   __device__ __forceinline__ float Z(int slot) const {
     float v;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(z + 4 * slot)
+    asm volatile("ld.shared.f32 %0, [%1];"
+                 : "=f"(v)
+                 : "r"(z + 4 * slot)
                  : "memory");
     return v;
   }
   __device__ __forceinline__ int32_t Id(int slot) const {
     int32_t v;
-    asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(id + 4 * slot)
+    asm volatile("ld.shared.s32 %0, [%1];"
+                 : "=r"(v)
+                 : "r"(id + 4 * slot)
                  : "memory");
     return v;
   }
@@ -98,7 +102,7 @@ __host__ __device__ constexpr int TopKListBytes(int block_rows, int max_k) {
 //     (linear_logp_floor_kernel.cuh): a guess, not a proof. A row it
 //     overshoots comes out short in the combine and is computed again
 //     with a cleared screen, so the result above still holds.
-inline constexpr int kScreenWord = kScreenSlots;  // after the slots
+inline constexpr int kScreenWord = kScreenSlots;       // after the slots
 inline constexpr int kScreenWords = kScreenSlots + 4;  // 16-byte rows
 
 __device__ __forceinline__ uint32_t* RowScreenWords(const TopKParams& p,
@@ -117,8 +121,7 @@ __device__ __forceinline__ uint32_t LoadRowScreenKey(const TopKParams& p,
 }
 
 // The row's screen word, or -inf.
-__device__ __forceinline__ float LoadRowScreen(const TopKParams& p,
-                                               int row) {
+__device__ __forceinline__ float LoadRowScreen(const TopKParams& p, int row) {
   return ScreenValue(LoadRowScreenKey(p, row));
 }
 
@@ -143,8 +146,7 @@ __device__ __forceinline__ float QuadLeastOfRthKey(const uint32_t* keys,
 // a merge that pops the quad's largest head k times, the lowest lane on a
 // tie, so that k pops take k distinct values.
 template <int kN>
-__device__ __forceinline__ float QuadKthOfSorted(float* best, int k,
-                                                 int lane) {
+__device__ __forceinline__ float QuadKthOfSorted(float* best, int k, int lane) {
   constexpr unsigned kAll = 0xffffffffu;
   float kth = -INFINITY;
   for (int i = 0; i < k; ++i) {  // warp-uniform
@@ -183,7 +185,7 @@ template <SlotBoundKind kKind>
 __device__ __forceinline__ float SlotBound(const TopKParams& p, int row,
                                            int lane) {
   constexpr int kPerThread = kScreenSlots / 4;
-  constexpr int kKept = 8;  // x 4 threads: 32, the largest k
+  constexpr int kKept = 8;    // x 4 threads: 32, the largest k
   uint32_t keys[kPerThread];  // 0: -inf
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) keys[i] = 0;
@@ -279,8 +281,7 @@ static __device__ __noinline__ float2 TopKSite(TopKLists l, int k, float z0,
 static __device__ __noinline__ float2 TopKGroup(TopKLists l, int k, float4 r0a,
                                                 float4 r0b, float4 r1a,
                                                 float4 r1b, float2 inv_t,
-                                                int32_t id_col,
-                                                float2 screen) {
+                                                int32_t id_col, float2 screen) {
   constexpr unsigned kAll = 0xffffffffu;
   const float y0[8] = {r0a.x, r0a.y, r0a.z, r0a.w, r0b.x, r0b.y, r0b.z, r0b.w};
   const float y1[8] = {r1a.x, r1a.y, r1a.z, r1a.w, r1b.x, r1b.y, r1b.z, r1b.w};
@@ -391,10 +392,9 @@ __device__ __forceinline__ float TileKthLowerBound(const float* acc, int h,
 // kGiven: `given` holds the tile's group maxima (else they are worked out
 // from acc where needed).
 template <int kW, SlotBoundKind kSlotBound, bool kGiven>
-__device__ __forceinline__ void TopKTile(const TopKParams& p,
-                                         const float* acc,
-                                         const GroupMaxima<kW>& given,
-                                         int lane, int v0, const int* row,
+__device__ __forceinline__ void TopKTile(const TopKParams& p, const float* acc,
+                                         const GroupMaxima<kW>& given, int lane,
+                                         int v0, const int* row,
                                          const float* inv_t, const float* mx,
                                          const float* shared, float* carried,
                                          const TopKLists& lists) {
@@ -436,8 +436,8 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p,
     const float bound = TileKthLowerBound<kW>(acc, h, k) * inv_t[h];
     float row_screen = shared[h];
     if (sharing && (lane & 3) == 0 && row[h] < p.rows && bound > shared[h]) {
-      const uint32_t before = atomicMax(
-          RowScreenWords(p, row[h]) + kScreenWord, ScreenKey(bound));
+      const uint32_t before =
+          atomicMax(RowScreenWords(p, row[h]) + kScreenWord, ScreenKey(bound));
       row_screen = fmaxf(ScreenValue(before), bound);
     }
     // The slots now hold this tile's maxima and, likely, those of the
@@ -462,18 +462,18 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p,
   for (int g = 0; g < kTileGroups<kW>; ++g) {
     const float gm0 = GroupMaxOf<kW, kGiven>(given, acc, 0, g);
     const float gm1 = GroupMaxOf<kW, kGiven>(given, acc, 1, g);
-    if (!__any_sync(kAll, gm0 * inv_t[0] >= screen[0] ||
-                              gm1 * inv_t[1] >= screen[1])) {
+    if (!__any_sync(
+            kAll, gm0 * inv_t[0] >= screen[0] || gm1 * inv_t[1] >= screen[1])) {
       continue;  // warp-uniform
     }
     const float* y = acc + 16 * g;
-    const float2 tightened = TopKGroup(
-        lists, k, make_float4(y[0], y[1], y[4], y[5]),
-        make_float4(y[8], y[9], y[12], y[13]),
-        make_float4(y[2], y[3], y[6], y[7]),
-        make_float4(y[10], y[11], y[14], y[15]),
-        make_float2(inv_t[0], inv_t[1]), id_base + 32 * g,
-        make_float2(screen[0], screen[1]));
+    const float2 tightened =
+        TopKGroup(lists, k, make_float4(y[0], y[1], y[4], y[5]),
+                  make_float4(y[8], y[9], y[12], y[13]),
+                  make_float4(y[2], y[3], y[6], y[7]),
+                  make_float4(y[10], y[11], y[14], y[15]),
+                  make_float2(inv_t[0], inv_t[1]), id_base + 32 * g,
+                  make_float2(screen[0], screen[1]));
     screen[0] = tightened.x;
     screen[1] = tightened.y;
   }

@@ -76,10 +76,14 @@ int ModeOf(ProjectionCuda::ForwardVariant v, int64_t rows) {
   switch (v) {
     case ProjectionCuda::ForwardVariant::kDefault:
       return rows >= kWideMinRows ? 4 : 1;
-    case ProjectionCuda::ForwardVariant::kSingleStage: return 1;
-    case ProjectionCuda::ForwardVariant::kDoubleBuffered: return 2;
-    case ProjectionCuda::ForwardVariant::kWide: return 4;
-    case ProjectionCuda::ForwardVariant::kSplitLoad: return 3;
+    case ProjectionCuda::ForwardVariant::kSingleStage:
+      return 1;
+    case ProjectionCuda::ForwardVariant::kDoubleBuffered:
+      return 2;
+    case ProjectionCuda::ForwardVariant::kWide:
+      return 4;
+    case ProjectionCuda::ForwardVariant::kSplitLoad:
+      return 3;
   }
   return 1;
 }
@@ -89,11 +93,15 @@ using ForwardFn = void (*)(const float*, const float*, const float*, float*,
 
 ForwardFn ForwardKernelFor(int mode, bool has_bias) {
   switch (mode) {
-    case 1: return has_bias ? ForwardKernel<1, true>() : ForwardKernel<1, false>();
-    case 2: return has_bias ? ForwardKernel<2, true>() : ForwardKernel<2, false>();
-    case 4: return has_bias ? &cuda_detail::ProjectionForwardWideKernel<true>
-                            : &cuda_detail::ProjectionForwardWideKernel<false>;
-    default: return has_bias ? ForwardKernel<3, true>() : ForwardKernel<3, false>();
+    case 1:
+      return has_bias ? ForwardKernel<1, true>() : ForwardKernel<1, false>();
+    case 2:
+      return has_bias ? ForwardKernel<2, true>() : ForwardKernel<2, false>();
+    case 4:
+      return has_bias ? &cuda_detail::ProjectionForwardWideKernel<true>
+                      : &cuda_detail::ProjectionForwardWideKernel<false>;
+    default:
+      return has_bias ? ForwardKernel<3, true>() : ForwardKernel<3, false>();
   }
 }
 
@@ -124,9 +132,9 @@ absl::StatusOr<std::unique_ptr<ProjectionCuda>> ProjectionCuda::Create(
   int device_count = 0;
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&device_count));
   if (options.device < 0 || options.device >= device_count) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ProjectionCuda: device ", options.device, " not in [0, ",
-        device_count, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ProjectionCuda: device ", options.device, " not in [0, ",
+                     device_count, ")"));
   }
   DeviceScope scope(options.device);
   if (!scope.ok()) return absl::InternalError("cudaSetDevice failed");
@@ -139,8 +147,8 @@ absl::StatusOr<std::unique_ptr<ProjectionCuda>> ProjectionCuda::Create(
   int smem_optin = 0;
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
       &smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, options.device));
-  const int fwd_smem_max = std::max(2 * kFwdStageBytes,
-                                    cuda_detail::kWideSmemBytes);
+  const int fwd_smem_max =
+      std::max(2 * kFwdStageBytes, cuda_detail::kWideSmemBytes);
   const int dx_smem = 2 * cuda_detail::kDxStageBytes;
   const int dw_smem = 2 * cuda_detail::kDwStageBytes;
   if (smem_optin < std::max(fwd_smem_max, dx_smem)) {
@@ -164,10 +172,10 @@ absl::StatusOr<std::unique_ptr<ProjectionCuda>> ProjectionCuda::Create(
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       cuda_detail::ProjectionWeightGradKernel<1>,
       cudaFuncAttributeMaxDynamicSharedMemorySize, dw_smem));
-  DETLOGP_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      cuda_detail::ProjectionWeightGradKernel<kDwKParts>,
-      cudaFuncAttributeMaxDynamicSharedMemorySize,
-      2 * 4 * cuda_detail::kDwStageFloatsFor<kDwKParts>));
+  DETLOGP_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(cuda_detail::ProjectionWeightGradKernel<kDwKParts>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           2 * 4 * cuda_detail::kDwStageFloatsFor<kDwKParts>));
   for (int mode = 1; mode <= 4; ++mode) {
     DETLOGP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         &p->forward_ctas_per_sm_[mode], ForwardKernelFor(mode, true),
@@ -195,14 +203,14 @@ absl::StatusOr<std::unique_ptr<ProjectionCuda>> ProjectionCuda::Create(
   if (options.bias != nullptr) {
     DETLOGP_CUDA_RETURN_IF_ERROR(
         cudaMalloc(&p->bias_, sizeof(float) * kProjectionOutDim));
-    DETLOGP_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(p->bias_, options.bias, sizeof(float) * kProjectionOutDim,
-                   cudaMemcpyDeviceToDevice));
+    DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemcpy(p->bias_, options.bias,
+                                            sizeof(float) * kProjectionOutDim,
+                                            cudaMemcpyDeviceToDevice));
   }
   constexpr int kBlock = 256;
-  TransposeWeight<<<(kProjectionOutDim * kProjectionInDim + kBlock - 1) /
-                        kBlock,
-                    kBlock>>>(p->weight_, p->weight_t_);
+  TransposeWeight<<<
+      (kProjectionOutDim * kProjectionInDim + kBlock - 1) / kBlock, kBlock>>>(
+      p->weight_, p->weight_t_);
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return p;
@@ -255,9 +263,8 @@ absl::Status ProjectionCuda::Forward(const float* x, int64_t rows, float* y,
       (rows + cuda_detail::kFwdBM - 1) / cuda_detail::kFwdBM;
   const int mode = ModeOf(variant_, rows);
   // The grid only spreads whole tiles over CTAs: it never changes bits.
-  const int64_t num_tiles =
-      row_tiles * (mode == 4 ? cuda_detail::kWideNTiles
-                             : cuda_detail::kFwdNTiles);
+  const int64_t num_tiles = row_tiles * (mode == 4 ? cuda_detail::kWideNTiles
+                                                   : cuda_detail::kFwdNTiles);
   const int64_t grid = std::min<int64_t>(
       num_tiles, static_cast<int64_t>(num_sms_) * forward_ctas_per_sm_[mode]);
   ForwardFn kernel = ForwardKernelFor(mode, bias_ != nullptr);
@@ -268,8 +275,8 @@ absl::Status ProjectionCuda::Forward(const float* x, int64_t rows, float* y,
   return absl::OkStatus();
 }
 
-absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows,
-                                       float* dx, cudaStream_t stream) const {
+absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows, float* dx,
+                                       cudaStream_t stream) const {
   return InputGrad(dy, rows, dx, nullptr, 0, stream);
 }
 
@@ -282,9 +289,8 @@ int64_t ProjectionCuda::InputGradWorkspaceBytes(int64_t rows) {
          static_cast<int64_t>(sizeof(float));
 }
 
-absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows,
-                                       float* dx, void* workspace,
-                                       int64_t workspace_bytes,
+absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows, float* dx,
+                                       void* workspace, int64_t workspace_bytes,
                                        cudaStream_t stream) const {
   // One CTA per 128 rows: the grid's x dimension bounds the rows.
   constexpr int64_t kMaxRows = int64_t{0x7fffffff} * cuda_detail::kDxBM;
@@ -314,22 +320,22 @@ absl::Status ProjectionCuda::InputGrad(const float* dy, int64_t rows,
     if (!Aligned16(workspace) || workspace_bytes < ws_needed) {
       return absl::InvalidArgumentError(absl::StrCat(
           "ProjectionCuda::InputGrad: workspace must be 16-byte aligned and "
-          "hold InputGradWorkspaceBytes=", ws_needed, " bytes, got ",
-          workspace_bytes));
+          "hold InputGradWorkspaceBytes=",
+          ws_needed, " bytes, got ", workspace_bytes));
     }
     // Chunk partials in parallel, then the in-order fold (same bits).
     float* ws = static_cast<float*>(workspace);
     const dim3 grid_split(static_cast<unsigned>(grid),
                           static_cast<unsigned>(kDxChunks));
     cuda_detail::ProjectionInputGradKernel<true>
-        <<<grid_split, cuda_detail::kDxThreads,
-           2 * cuda_detail::kDxStageBytes, stream>>>(dy, weight_, ws, rows);
+        <<<grid_split, cuda_detail::kDxThreads, 2 * cuda_detail::kDxStageBytes,
+           stream>>>(dy, weight_, ws, rows);
     DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     const int64_t n = rows * kProjectionInDim;
     constexpr int kBlock = 256;
-    cuda_detail::DxFoldChunks<<<static_cast<unsigned>(
-                                    (n / 4 + kBlock - 1) / kBlock),
-                                kBlock, 0, stream>>>(ws, n, dx);
+    cuda_detail::
+        DxFoldChunks<<<static_cast<unsigned>((n / 4 + kBlock - 1) / kBlock),
+                       kBlock, 0, stream>>>(ws, n, dx);
     DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     return absl::OkStatus();
   }
@@ -360,7 +366,8 @@ absl::Status ProjectionCuda::WeightGrad(const float* dy, const float* x,
       rows > kProjectionMaxRows) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ProjectionCuda::WeightGrad: need rows >= 0 and first_key >= 0 (keys "
-        "first_key + i), got rows=", rows, " first_key=", first_key));
+        "first_key + i), got rows=",
+        rows, " first_key=", first_key));
   }
   const int64_t supers = SuperchunksTouched(rows, first_key);
   if (supers > kMaxSuperchunks) {
@@ -378,11 +385,11 @@ absl::Status ProjectionCuda::WeightGrad(const float* dy, const float* x,
   if (!scope.ok()) return absl::InternalError("cudaSetDevice failed");
   constexpr int64_t kWeightSize = kProjectionOutDim * kProjectionInDim;
   if (rows == 0) {  // no terms: +0 everywhere, like the CPU path
-    DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-        dweight, 0, kWeightSize * sizeof(float), stream));
+    DETLOGP_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(dweight, 0, kWeightSize * sizeof(float), stream));
     if (dbias != nullptr) {
-      DETLOGP_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
-          dbias, 0, kProjectionOutDim * sizeof(float), stream));
+      DETLOGP_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(dbias, 0, kProjectionOutDim * sizeof(float), stream));
     }
     return absl::OkStatus();
   }
@@ -410,14 +417,13 @@ absl::Status ProjectionCuda::WeightGrad(const float* dy, const float* x,
     cuda_detail::ProjectionWeightGradKernel<kDwKParts>
         <<<grid_w, cuda_detail::kDwThreads,
            2 * 4 * cuda_detail::kDwStageFloatsFor<kDwKParts>, stream>>>(
-            dy, x, rows, first_key, ws_w, direct ? dweight : nullptr,
-            bias_out);
+            dy, x, rows, first_key, ws_w, direct ? dweight : nullptr, bias_out);
   } else {
     const dim3 grid_w(kOTiles, static_cast<unsigned>(supers), 1);
     cuda_detail::ProjectionWeightGradKernel<1>
         <<<grid_w, cuda_detail::kDwThreads, 2 * cuda_detail::kDwStageBytes,
-           stream>>>(dy, x, rows, first_key, ws_w,
-                     direct ? dweight : nullptr, nullptr);
+           stream>>>(dy, x, rows, first_key, ws_w, direct ? dweight : nullptr,
+                     nullptr);
     DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (dbias != nullptr) {  // not fused here: see the kernel's header
       constexpr int kBlock = 256;
@@ -430,9 +436,9 @@ absl::Status ProjectionCuda::WeightGrad(const float* dy, const float* x,
   DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   constexpr int kBlock = 256;
   if (!direct) {
-    cuda_detail::FoldSuperchunks<<<(kWeightSize + kBlock - 1) / kBlock,
-                                   kBlock, 0, stream>>>(ws_w, supers,
-                                                        kWeightSize, dweight);
+    cuda_detail::FoldSuperchunks<<<(kWeightSize + kBlock - 1) / kBlock, kBlock,
+                                   0, stream>>>(ws_w, supers, kWeightSize,
+                                                dweight);
     DETLOGP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
   if (dbias != nullptr) {
@@ -451,17 +457,23 @@ const char* ProjectionCuda::KernelVersion() {
 }
 
 const char* ProjectionCuda::GradKernelVersion() {
-  return "h3proj-bwd/dx:row-serial<=256rows,chunk-split42+fold<=8192rows(workspace),else-one-pass;"
+  return "h3proj-bwd/"
+         "dx:row-serial<=256rows,chunk-split42+fold<=8192rows(workspace),else-"
+         "one-pass;"
          "dw:k-split3+fused-dbias-when-few-superchunks,else-v1/v2";
 }
 
 const char* ProjectionCuda::VariantName() const {
   if (variant_ == ForwardVariant::kDefault) return KernelVersion();
   switch (ModeOf(variant_, 0)) {
-    case 1: return "sgemm128x128-8x8/single-stage-2cta/v1";
-    case 2: return "sgemm128x128-8x8/double-buffered-persistent/v1";
-    case 4: return "sgemm128x256-8x16/w-resident-x-double-buffered/v1";
-    default: return "sgemm128x128-8x8/split-load-2cta/v1";
+    case 1:
+      return "sgemm128x128-8x8/single-stage-2cta/v1";
+    case 2:
+      return "sgemm128x128-8x8/double-buffered-persistent/v1";
+    case 4:
+      return "sgemm128x256-8x16/w-resident-x-double-buffered/v1";
+    default:
+      return "sgemm128x128-8x8/split-load-2cta/v1";
   }
 }
 

@@ -104,7 +104,7 @@ class ProjectionCuda {
   ForwardVariant variant_ = ForwardVariant::kDefault;
   int num_sms_ = 0;
   int forward_ctas_per_sm_[5] = {1, 1, 1, 1, 1};  // by kernel mode
-  bool owns_buffers_ = true;   // false with Options::wrap
+  bool owns_buffers_ = true;                      // false with Options::wrap
   float* weight_ = nullptr;    // [5376][96], owned unless wrapped
   float* weight_t_ = nullptr;  // [96][5376], owned unless wrapped
   float* bias_ = nullptr;      // [5376], owned unless wrapped, or null

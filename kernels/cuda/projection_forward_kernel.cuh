@@ -91,8 +91,10 @@ __device__ __forceinline__ void FwdAccumulate(const float* stage,
       const float bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float av = s == 0 ? a[i].x : s == 1 ? a[i].y
-                       : s == 2 ? a[i].z : a[i].w;
+        const float av = s == 0   ? a[i].x
+                         : s == 1 ? a[i].y
+                         : s == 2 ? a[i].z
+                                  : a[i].w;
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(av, bv[j], acc[i][j]);
       }
@@ -121,8 +123,14 @@ __device__ __forceinline__ void FwdStore(const float (&acc)[8][8],
     float4 o0 = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
     float4 o1 = make_float4(acc[i][4], acc[i][5], acc[i][6], acc[i][7]);
     if constexpr (kHasBias) {
-      o0.x += bias0.x; o0.y += bias0.y; o0.z += bias0.z; o0.w += bias0.w;
-      o1.x += bias1.x; o1.y += bias1.y; o1.z += bias1.z; o1.w += bias1.w;
+      o0.x += bias0.x;
+      o0.y += bias0.y;
+      o0.z += bias0.z;
+      o0.w += bias0.w;
+      o1.x += bias1.x;
+      o1.y += bias1.y;
+      o1.z += bias1.z;
+      o1.w += bias1.w;
     }
     float* yr = y + row * kFwdN + n0 + tx * 4;
     __stcs(reinterpret_cast<float4*>(yr), o0);  // streamed: keep L2 for X, W

@@ -73,13 +73,17 @@ __device__ __forceinline__ void WideTile(const float* xs, const float* ws,
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float4 b = *reinterpret_cast<const float4*>(brow + 64 * q);
-        bv[4 * q] = b.x; bv[4 * q + 1] = b.y;
-        bv[4 * q + 2] = b.z; bv[4 * q + 3] = b.w;
+        bv[4 * q] = b.x;
+        bv[4 * q + 1] = b.y;
+        bv[4 * q + 2] = b.z;
+        bv[4 * q + 3] = b.w;
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float av = s == 0 ? a[i].x : s == 1 ? a[i].y
-                       : s == 2 ? a[i].z : a[i].w;
+        const float av = s == 0   ? a[i].x
+                         : s == 1 ? a[i].y
+                         : s == 2 ? a[i].z
+                                  : a[i].w;
 #pragma unroll
         for (int j = 0; j < 16; ++j) acc[i][j] = fmaf(av, bv[j], acc[i][j]);
       }
@@ -101,7 +105,10 @@ __device__ __forceinline__ void WideTile(const float* xs, const float* ws,
       float4 o = make_float4(acc[i][4 * q], acc[i][4 * q + 1],
                              acc[i][4 * q + 2], acc[i][4 * q + 3]);
       if constexpr (kHasBias) {  // y = acc + b; no bias: y = acc exactly
-        o.x += bq.x; o.y += bq.y; o.z += bq.z; o.w += bq.w;
+        o.x += bq.x;
+        o.y += bq.y;
+        o.z += bq.z;
+        o.w += bq.w;
       }
       __stcs(reinterpret_cast<float4*>(y + row * kFwdN + n0 + 64 * q + tx * 4),
              o);
@@ -142,7 +149,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1)
     __syncthreads();
     WideTile<kHasBias>(xs + stage * kWideXFloats, ws, bias, y, rows,
                        t % m_tiles, n_cur);  // ends with a barrier
-    if (next < t_end && !same_n) {  // column tile changes: new W and X
+    if (next < t_end && !same_n) {           // column tile changes: new W and X
       n_cur = static_cast<int>(next / m_tiles);
       WideLoadW(ws, wt, n_cur);
       WideLoadX(xs + (stage ^ 1) * kWideXFloats, x, rows, next % m_tiles);

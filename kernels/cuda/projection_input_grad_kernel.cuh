@@ -48,8 +48,7 @@ __device__ __forceinline__ void DxLoadTile(float* stage, const float* dy,
     const int r = idx / (kDxBK / 4);
     const int c4 = idx % (kDxBK / 4);
     const bool valid = m0 + r < rows;
-    const float* src =
-        valid ? dy + (m0 + r) * kDxK + kt * kDxBK + c4 * 4 : dy;
+    const float* src = valid ? dy + (m0 + r) * kDxK + kt * kDxBK + c4 * 4 : dy;
     CpAsync16(as + r * kDxAStride + c4 * 4, src, valid);
   }
 #pragma unroll
@@ -62,8 +61,9 @@ __device__ __forceinline__ void DxLoadTile(float* stage, const float* dy,
   }
 }
 
-// Thread (tx, ty): rows {ty*4+i, 64+ty*4+i}, columns {tx*2, tx*2+1} + {0,32,64}.
-// kSplit: out = ws ([42][rows][96]) and blockIdx.y = chunk; else out = dx.
+// Thread (tx, ty): rows {ty*4+i, 64+ty*4+i}, columns {tx*2, tx*2+1} +
+// {0,32,64}. kSplit: out = ws ([42][rows][96]) and blockIdx.y = chunk; else out
+// = dx.
 template <bool kSplit>
 __global__ void __launch_bounds__(kDxThreads, 1)
     ProjectionInputGradKernel(const float* __restrict__ dy,
@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kDxThreads, 1)
   const int ty = threadIdx.x >> 4;
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kDxBM;
   constexpr int kTilesPerChunk = kDxChunk / kDxBK;  // 2
-  const int kt_begin = kSplit ? static_cast<int>(blockIdx.y) * kTilesPerChunk
-                              : 0;
+  const int kt_begin =
+      kSplit ? static_cast<int>(blockIdx.y) * kTilesPerChunk : 0;
   const int kt_end = kSplit ? kt_begin + kTilesPerChunk : kDxKTiles;
   float total[8][6], part[8][6];
 #pragma unroll
@@ -83,8 +83,7 @@ __global__ void __launch_bounds__(kDxThreads, 1)
 #pragma unroll
     for (int j = 0; j < 6; ++j) total[i][j] = part[i][j] = 0.f;
   }
-  DxLoadTile(smem + (kt_begin & 1) * kDxStageFloats, dy, w, rows, m0,
-             kt_begin);
+  DxLoadTile(smem + (kt_begin & 1) * kDxStageFloats, dy, w, rows, m0, kt_begin);
   CpAsyncCommit();
   for (int kt = kt_begin; kt < kt_end; ++kt) {
     if (kt + 1 < kt_end) {
@@ -113,8 +112,10 @@ __global__ void __launch_bounds__(kDxThreads, 1)
         const float bv[6] = {b0.x, b0.y, b1.x, b1.y, b2.x, b2.y};
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          const float av = s == 0 ? a[i].x : s == 1 ? a[i].y
-                         : s == 2 ? a[i].z : a[i].w;
+          const float av = s == 0   ? a[i].x
+                           : s == 1 ? a[i].y
+                           : s == 2 ? a[i].z
+                                    : a[i].w;
 #pragma unroll
           for (int j = 0; j < 6; ++j) part[i][j] = fmaf(av, bv[j], part[i][j]);
         }
@@ -134,8 +135,8 @@ __global__ void __launch_bounds__(kDxThreads, 1)
   }
   // kSplit: the chunk's partial goes to its workspace slot, unrounded by
   // any total (the fold adds it in chunk order).
-  float* base = kSplit ? out + static_cast<int64_t>(blockIdx.y) * rows * kDxN
-                       : out;
+  float* base =
+      kSplit ? out + static_cast<int64_t>(blockIdx.y) * rows * kDxN : out;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int64_t row = m0 + (i < 4 ? 0 : 64) + ty * 4 + (i & 3);

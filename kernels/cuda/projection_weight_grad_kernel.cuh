@@ -27,16 +27,16 @@
 
 namespace detlogp::kernels::cuda_detail {
 
-inline constexpr int kDwK = 96;     // columns of dW (x features)
-inline constexpr int kDwO = 5376;   // rows of dW (outputs)
-inline constexpr int kDwBO = 128;   // outputs per CTA
-inline constexpr int kDwBR = 64;    // rows per tile: half a key chunk
+inline constexpr int kDwK = 96;    // columns of dW (x features)
+inline constexpr int kDwO = 5376;  // rows of dW (outputs)
+inline constexpr int kDwBO = 128;  // outputs per CTA
+inline constexpr int kDwBR = 64;   // rows per tile: half a key chunk
 inline constexpr int kDwThreads = 256;
-inline constexpr int64_t kDwChunk = 128;        // == kRowKeyChunk
-inline constexpr int64_t kDwSuperKeys = 4096;   // 32 chunks: kRowKeySuperChunk
+inline constexpr int64_t kDwChunk = 128;       // == kRowKeyChunk
+inline constexpr int64_t kDwSuperKeys = 4096;  // 32 chunks: kRowKeySuperChunk
 // Shared memory of one stage for a CTA with kKC = 96 / kKParts columns.
 template <int kKParts>
-inline constexpr int kDwStageFloatsFor = kDwBR * kDwBO + kDwBR * (kDwK / kKParts);
+inline constexpr int kDwStageFloatsFor = kDwBR* kDwBO + kDwBR*(kDwK / kKParts);
 inline constexpr int kDwStageFloats = kDwStageFloatsFor<1>;
 inline constexpr int kDwStageBytes = kDwStageFloats * 4;  // 57,344
 
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kDwThreads, 2)
   const int k0 = blockIdx.z * kKC;
   // dbias lanes: k-part 0, even threads, output o0 + ob.
   constexpr bool kFuseBias = kKParts > 1;
-  const bool bias_lane = kFuseBias && bias_out != nullptr &&
-                         blockIdx.z == 0 && (threadIdx.x & 1) == 0;
+  const bool bias_lane = kFuseBias && bias_out != nullptr && blockIdx.z == 0 &&
+                         (threadIdx.x & 1) == 0;
   const int ob = threadIdx.x >> 1;
   const int64_t s = first_key / kDwSuperKeys + blockIdx.y;
   constexpr int kHalves = static_cast<int>(kDwSuperKeys / kDwBR);  // 64

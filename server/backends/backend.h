@@ -72,7 +72,7 @@ struct LogpStaging {
   // Written by Run when the batch asks for them (LogpExtras). The top lists
   // hold capacity * kernels::kMaxTopK elements; Run writes [rows, top_k]
   // row-major with the batch's top_k.
-  float* entropy = nullptr;       // [capacity]
+  float* entropy = nullptr;  // [capacity]
   int32_t* top_ids = nullptr;
   float* top_logprobs = nullptr;
 };

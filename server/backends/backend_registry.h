@@ -48,11 +48,11 @@ class BackendRegistry {
         options.device_index = -2;
         auto backend = factory(options);
         if (backend.ok()) return backend;
-        notes->push_back(absl::StrCat(name, " unavailable: ",
-                                      backend.status().message()));
+        notes->push_back(
+            absl::StrCat(name, " unavailable: ", backend.status().message()));
       }
-      return absl::UnavailableError(absl::StrCat(
-          "no backend could start: ", absl::StrJoin(*notes, "; ")));
+      return absl::UnavailableError(absl::StrCat("no backend could start: ",
+                                                 absl::StrJoin(*notes, "; ")));
     }
     std::vector<std::string> parts = absl::StrSplit(device, ':');
     options.device_index = 0;
@@ -62,8 +62,8 @@ class BackendRegistry {
                (parts.size() == 2 &&
                 (!absl::SimpleAtoi(parts[1], &options.device_index) ||
                  options.device_index < 0))) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--device=", device, ": expected auto, cpu, cuda:N or cuda:all"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--device=", device, ": expected auto, cpu, cuda:N or cuda:all"));
     }
     for (const auto& [name, factory] : factories_) {
       if (name == parts[0]) return factory(options);

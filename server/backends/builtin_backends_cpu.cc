@@ -9,7 +9,6 @@ void RegisterBuiltinBackends(LogpBackendRegistry* registry) {
   registry->Register("cpu", CreateCpuBackend);
 }
 
-
 void RegisterBuiltinBackends(ProjectionBackendRegistry* registry) {
   registry->Register("cpu", CreateCpuProjectionBackend);
 }

@@ -12,7 +12,6 @@ void RegisterBuiltinBackends(LogpBackendRegistry* registry) {
   registry->Register("cpu", CreateCpuBackend);
 }
 
-
 void RegisterBuiltinBackends(ProjectionBackendRegistry* registry) {
   registry->Register("cuda", CreateCudaProjectionBackend);
   registry->Register("cpu", CreateCpuProjectionBackend);

@@ -8,8 +8,8 @@
 
 namespace detlogp::server {
 
-absl::StatusOr<std::shared_ptr<CachingHostBufferPool>> CachingHostBufferPool::Create(
-    const Options& options) {
+absl::StatusOr<std::shared_ptr<CachingHostBufferPool>>
+CachingHostBufferPool::Create(const Options& options) {
   if (options.max_cached_bytes < 0) {
     return absl::InvalidArgumentError(
         "max_cached_bytes: must be >= 0 (0 caches nothing)");
@@ -19,7 +19,8 @@ absl::StatusOr<std::shared_ptr<CachingHostBufferPool>> CachingHostBufferPool::Cr
   }
   if (!options.allocate) return absl::InvalidArgumentError("allocate: not set");
   if (!options.free) return absl::InvalidArgumentError("free: not set");
-  return std::shared_ptr<CachingHostBufferPool>(new CachingHostBufferPool(options));
+  return std::shared_ptr<CachingHostBufferPool>(
+      new CachingHostBufferPool(options));
 }
 
 CachingHostBufferPool::~CachingHostBufferPool() {
@@ -28,7 +29,8 @@ CachingHostBufferPool::~CachingHostBufferPool() {
 }
 
 size_t CachingHostBufferPool::Rounded(size_t bytes) {
-  return (std::max<size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
+  return (std::max<size_t>(bytes, 1) + kAlignment - 1) / kAlignment *
+         kAlignment;
 }
 
 HostBuffer CachingHostBufferPool::Acquire(size_t bytes) {
@@ -47,9 +49,9 @@ HostBuffer CachingHostBufferPool::Acquire(size_t bytes) {
     }
   }
   // A new block, pinned outside the lock.
-  const size_t block_bytes = std::max(
-      need, Rounded(static_cast<size_t>(
-                std::min(options_.block_bytes, options_.max_cached_bytes))));
+  const size_t block_bytes =
+      std::max(need, Rounded(static_cast<size_t>(std::min(
+                         options_.block_bytes, options_.max_cached_bytes))));
   char* base = static_cast<char*>(options_.allocate(block_bytes));
   if (base == nullptr) {
     {
@@ -57,9 +59,10 @@ HostBuffer CachingHostBufferPool::Acquire(size_t bytes) {
       ++stats_.heap_fallbacks;
     }
     if (!warned_.exchange(true)) {
-      spdlog::warn("cannot allocate {} bytes of {} memory; chunk buffers that "
-                   "cannot be had fall back to the heap (slower copies)",
-                   block_bytes, options_.memory_name);
+      spdlog::warn(
+          "cannot allocate {} bytes of {} memory; chunk buffers that "
+          "cannot be had fall back to the heap (slower copies)",
+          block_bytes, options_.memory_name);
     }
     return HeapHostBuffer(bytes);  // outside the lock: tens of MB
   }
@@ -73,12 +76,14 @@ HostBuffer CachingHostBufferPool::Acquire(size_t bytes) {
   return Lend(&block, 0, bytes);
 }
 
-HostBuffer CachingHostBufferPool::Lend(Block* block, size_t offset, size_t bytes) {
+HostBuffer CachingHostBufferPool::Lend(Block* block, size_t offset,
+                                       size_t bytes) {
   // The block outlives the buffer: a block is freed only with nothing in use.
-  return HostBuffer(block->base + offset, bytes,
-                    [pool = shared_from_this(), block](char* data, size_t size) {
-                      pool->Release(block, data, size);
-                    });
+  return HostBuffer(
+      block->base + offset, bytes,
+      [pool = shared_from_this(), block](char* data, size_t size) {
+        pool->Release(block, data, size);
+      });
 }
 
 void CachingHostBufferPool::Release(Block* block, char* data, size_t bytes) {
@@ -106,7 +111,8 @@ void CachingHostBufferPool::Release(Block* block, char* data, size_t bytes) {
     while (stats_.cached_bytes > options_.max_cached_bytes) {
       auto idle_longest = blocks_.end();
       for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
-        const bool unused = it->idle.size() == 1 && it->idle.begin()->second == it->bytes;
+        const bool unused =
+            it->idle.size() == 1 && it->idle.begin()->second == it->bytes;
         if (unused && (idle_longest == blocks_.end() ||
                        it->last_release < idle_longest->last_release)) {
           idle_longest = it;
@@ -123,18 +129,20 @@ void CachingHostBufferPool::Release(Block* block, char* data, size_t bytes) {
   for (char* base : evicted) options_.free(base);
 }
 
-void CachingHostBufferPool::AddIdleLocked(Block* block, size_t offset, size_t length) {
+void CachingHostBufferPool::AddIdleLocked(Block* block, size_t offset,
+                                          size_t length) {
   block->idle.emplace(offset, length);
   idle_by_size_.insert(
-      IdleRange{length, reinterpret_cast<uintptr_t>(block->base + offset), block, offset});
+      IdleRange{length, reinterpret_cast<uintptr_t>(block->base + offset),
+                block, offset});
   stats_.cached_bytes += static_cast<int64_t>(length);
 }
 
-void CachingHostBufferPool::RemoveIdleLocked(Block* block,
-                                             std::map<size_t, size_t>::iterator range) {
+void CachingHostBufferPool::RemoveIdleLocked(
+    Block* block, std::map<size_t, size_t>::iterator range) {
   idle_by_size_.erase(IdleRange{
-      range->second, reinterpret_cast<uintptr_t>(block->base + range->first), block,
-      range->first});
+      range->second, reinterpret_cast<uintptr_t>(block->base + range->first),
+      block, range->first});
   stats_.cached_bytes -= static_cast<int64_t>(range->second);
   block->idle.erase(range);
 }

@@ -105,7 +105,8 @@ class CachingHostBufferPool final
     Block* block;
     size_t offset;
     bool operator<(const IdleRange& other) const {
-      return length != other.length ? length < other.length : start < other.start;
+      return length != other.length ? length < other.length
+                                    : start < other.start;
     }
   };
 

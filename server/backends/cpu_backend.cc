@@ -81,8 +81,8 @@ class CpuExecutor final : public LogpExecutor {
   std::vector<float> logprobs_;
   std::vector<float> lse_;
   std::vector<float> entropy_;
-  std::vector<int32_t> top_ids_;       // [capacity, kMaxTopK]
-  std::vector<float> top_logprobs_;    // [capacity, kMaxTopK]
+  std::vector<int32_t> top_ids_;     // [capacity, kMaxTopK]
+  std::vector<float> top_logprobs_;  // [capacity, kMaxTopK]
 };
 
 class CpuBackend final : public LogpBackend {
@@ -101,7 +101,8 @@ class CpuBackend final : public LogpBackend {
 
   absl::StatusOr<std::shared_ptr<const LogpModel>> Load(
       std::shared_ptr<const LmHeadWeights> weights) override {
-    if (weights == nullptr) return absl::InvalidArgumentError("cpu backend: no weights");
+    if (weights == nullptr)
+      return absl::InvalidArgumentError("cpu backend: no weights");
     return std::make_shared<const CpuModel>(std::move(weights));
   }
 

@@ -28,8 +28,8 @@ using kernels::cuda::LinearLogpCuda;
 // (targets, temperatures, the last rows) in one go.
 class CudaExecutor final : public LogpExecutor {
  public:
-  static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(size_t slot, int device,
-                                                              int64_t capacity) {
+  static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
+      size_t slot, int device, int64_t capacity) {
     // An even capacity keeps the hidden block 16-byte aligned.
     capacity += capacity % 2;
     auto executor =
@@ -39,11 +39,14 @@ class CudaExecutor final : public LogpExecutor {
         cudaStreamCreateWithFlags(&executor->stream_, cudaStreamNonBlocking),
         "cudaStreamCreate");
     const size_t output_bytes = executor->layout_.output_bytes();
-    if (absl::Status s = executor->host_outputs_.Allocate(output_bytes, "cudaHostAlloc");
+    if (absl::Status s =
+            executor->host_outputs_.Allocate(output_bytes, "cudaHostAlloc");
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = executor->outputs_.Allocate(output_bytes, "cudaMalloc"); !s.ok()) {
+    if (absl::Status s =
+            executor->outputs_.Allocate(output_bytes, "cudaMalloc");
+        !s.ok()) {
       return s;
     }
     return executor;
@@ -57,10 +60,10 @@ class CudaExecutor final : public LogpExecutor {
     const LinearLogpCuda& kernel = KernelOf(model);
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     const size_t input_bytes = layout_.input_bytes(model.hidden_size());
-    for (absl::Status s : {host_inputs_.Reserve(input_bytes, "cudaHostAlloc"),
-                           inputs_.Reserve(input_bytes, "cudaMalloc"),
-                           workspace_.Reserve(kernel.WorkspaceBytes(capacity_),
-                                              "cudaMalloc")}) {
+    for (absl::Status s :
+         {host_inputs_.Reserve(input_bytes, "cudaHostAlloc"),
+          inputs_.Reserve(input_bytes, "cudaMalloc"),
+          workspace_.Reserve(kernel.WorkspaceBytes(capacity_), "cudaMalloc")}) {
       if (!s.ok()) return s;
     }
     hidden_size_ = model.hidden_size();
@@ -133,7 +136,8 @@ class CudaExecutor final : public LogpExecutor {
                                      "copy rows to device");
       }
     }
-    const LogpStaging device = layout_.View(inputs_.as<void>(), outputs_.as<void>());
+    const LogpStaging device =
+        layout_.View(inputs_.as<void>(), outputs_.as<void>());
     kernels::cuda::LinearLogpBatchView batch;
     batch.targets = device.targets;
     batch.temperatures = device.temperatures;
@@ -157,10 +161,9 @@ class CudaExecutor final : public LogpExecutor {
 
   cudaError_t CopyHiddenRows(int64_t begin, int64_t end) {
     const size_t offset = layout_.hidden_offset() + begin * row_bytes();
-    return cudaMemcpyAsync(inputs_.as<char>() + offset,
-                           host_inputs_.as<char>() + offset,
-                           (end - begin) * row_bytes(), cudaMemcpyHostToDevice,
-                           stream_);
+    return cudaMemcpyAsync(
+        inputs_.as<char>() + offset, host_inputs_.as<char>() + offset,
+        (end - begin) * row_bytes(), cudaMemcpyHostToDevice, stream_);
   }
 
   CudaExecutor(size_t slot, int device, int64_t capacity)
@@ -217,8 +220,8 @@ class CudaBackend final : public LogpBackend {
       if (!isa.ok()) return isa.status();
       if (!instruction_set.empty() && *isa != instruction_set) {
         return absl::InternalError(absl::StrCat(
-            "GPUs of one kind report different code: ", instruction_set,
-            " vs ", *isa, " on cuda:", device));
+            "GPUs of one kind report different code: ", instruction_set, " vs ",
+            *isa, " on cuda:", device));
       }
       instruction_set = *std::move(isa);
     }
@@ -257,7 +260,8 @@ class CudaBackend final : public LogpBackend {
 
   absl::StatusOr<std::shared_ptr<const LogpModel>> Load(
       std::shared_ptr<const LmHeadWeights> weights) override {
-    if (weights == nullptr) return absl::InvalidArgumentError("cuda backend: no weights");
+    if (weights == nullptr)
+      return absl::InvalidArgumentError("cuda backend: no weights");
     std::vector<std::unique_ptr<CudaLmHead>> heads;
     if (vocab_parallel_) {
       auto shards = UploadVocabShards(*weights, devices_, kernel_);
@@ -271,14 +275,16 @@ class CudaBackend final : public LogpBackend {
       }
     }
     // The host copy is not kept: the caller's reference is the last one.
-    return std::make_shared<const CudaModel>(weights->hidden_size,
-                                             weights->vocab_size, std::move(heads));
+    return std::make_shared<const CudaModel>(
+        weights->hidden_size, weights->vocab_size, std::move(heads));
   }
 
   int64_t EstimateBytes(int64_t hidden_size, int64_t padded_vocab_size,
                         bool has_bias) const override {
-    const int64_t bytes = padded_vocab_size * (hidden_size * 2 + (has_bias ? 4 : 0));
-    return vocab_parallel_ ? bytes : bytes * static_cast<int64_t>(devices_.size());
+    const int64_t bytes =
+        padded_vocab_size * (hidden_size * 2 + (has_bias ? 4 : 0));
+    return vocab_parallel_ ? bytes
+                           : bytes * static_cast<int64_t>(devices_.size());
   }
 
   int64_t DeviceMemoryUsedBytes() const override {
@@ -295,7 +301,8 @@ class CudaBackend final : public LogpBackend {
 
   absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(
       int64_t max_batch_rows) override {
-    if (vocab_parallel_) return NewVocabParallelExecutor(devices_, max_batch_rows);
+    if (vocab_parallel_)
+      return NewVocabParallelExecutor(devices_, max_batch_rows);
     const size_t slot = next_slot_++ % devices_.size();
     auto executor = CudaExecutor::Create(slot, devices_[slot], max_batch_rows);
     if (!executor.ok()) return executor.status();

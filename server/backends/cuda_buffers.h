@@ -18,7 +18,8 @@ inline absl::Status CudaStatus(cudaError_t error, const char* what) {
   const absl::StatusCode code = error == cudaErrorMemoryAllocation
                                     ? absl::StatusCode::kResourceExhausted
                                     : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat(what, ": ", cudaGetErrorString(error)));
+  return absl::Status(code,
+                      absl::StrCat(what, ": ", cudaGetErrorString(error)));
 }
 
 #define DETLOGP_RETURN_IF_CUDA_ERROR(expr, what)                  \
@@ -51,7 +52,8 @@ class CudaBuffer {
   }
   // Allocates when it holds fewer than `bytes`.
   absl::Status Reserve(size_t bytes, const char* what) {
-    return bytes <= bytes_ && ptr_ != nullptr ? absl::OkStatus() : Allocate(bytes, what);
+    return bytes <= bytes_ && ptr_ != nullptr ? absl::OkStatus()
+                                              : Allocate(bytes, what);
   }
   size_t bytes() const { return bytes_; }
   template <typename T>
@@ -64,7 +66,9 @@ class CudaBuffer {
   size_t bytes_ = 0;
 };
 
-inline cudaError_t AllocateDevice(void** ptr, size_t bytes) { return cudaMalloc(ptr, bytes); }
+inline cudaError_t AllocateDevice(void** ptr, size_t bytes) {
+  return cudaMalloc(ptr, bytes);
+}
 inline cudaError_t AllocatePinned(void** ptr, size_t bytes) {
   return cudaHostAlloc(ptr, bytes, cudaHostAllocDefault);
 }
@@ -102,8 +106,8 @@ struct BatchLayout {
       view.lse = out + capacity;
       view.entropy = out + 2 * capacity;
       view.top_logprobs = out + 3 * capacity;
-      view.top_ids = reinterpret_cast<int32_t*>(out + (3 + kernels::kMaxTopK) *
-                                                          capacity);
+      view.top_ids =
+          reinterpret_cast<int32_t*>(out + (3 + kernels::kMaxTopK) * capacity);
     }
     return view;
   }
@@ -130,7 +134,8 @@ inline absl::Status CopyOutputsToHost(const BatchLayout& layout,
     return s;
   }
   if (extras.entropy) {
-    if (absl::Status s = copy(host.entropy, device.entropy, rows * sizeof(float));
+    if (absl::Status s =
+            copy(host.entropy, device.entropy, rows * sizeof(float));
         !s.ok()) {
       return s;
     }

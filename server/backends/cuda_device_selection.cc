@@ -11,8 +11,9 @@ namespace {
 using kernels::cuda::KernelKind;
 
 std::string Describe(const GpuInfo& gpu) {
-  return absl::StrCat("cuda:", gpu.index, " ", gpu.name, " (compute capability ",
-                      gpu.cc_major, ".", gpu.cc_minor, ")");
+  return absl::StrCat("cuda:", gpu.index, " ", gpu.name,
+                      " (compute capability ", gpu.cc_major, ".", gpu.cc_minor,
+                      ")");
 }
 
 // The kernel `gpu` runs under `choice`, or why it cannot run one.
@@ -31,9 +32,9 @@ absl::StatusOr<KernelKind> KernelFor(const GpuInfo& gpu,
     case LogpKernelChoice::kPortable:
       if (!kernels::cuda::KernelRunsOn(KernelKind::kPortable, gpu.cc_major,
                                        gpu.cc_minor)) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "--logp_kernel=portable: ", Describe(gpu),
-            " is below compute capability 8.0"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("--logp_kernel=portable: ", Describe(gpu),
+                         " is below compute capability 8.0"));
       }
       return KernelKind::kPortable;
     case LogpKernelChoice::kAuto:
@@ -54,7 +55,8 @@ bool SameKind(const GpuInfo& a, const GpuInfo& b) {
 
 }  // namespace
 
-absl::StatusOr<LogpKernelChoice> ParseLogpKernelChoice(absl::string_view value) {
+absl::StatusOr<LogpKernelChoice> ParseLogpKernelChoice(
+    absl::string_view value) {
   if (value.empty() || value == "auto") return LogpKernelChoice::kAuto;
   if (value == "hopper") return LogpKernelChoice::kHopper;
   if (value == "portable") return LogpKernelChoice::kPortable;
@@ -111,7 +113,8 @@ absl::StatusOr<GpuSelection> SelectGpus(const std::vector<GpuInfo>& visible,
   if (vocab_parallel && !selection.left_out.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--vocab_parallel needs GPUs of one kind (one kernel build, one "
-        "determinism key), but ", Describe(*first), " differs from ",
+        "determinism key), but ",
+        Describe(*first), " differs from ",
         absl::StrJoin(selection.left_out, ", "),
         "; use CUDA_VISIBLE_DEVICES to pick GPUs of one kind"));
   }

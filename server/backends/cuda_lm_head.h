@@ -40,7 +40,9 @@ class CudaModel final : public LogpModel {
   CudaModel(int64_t hidden_size, int64_t vocab_size,
             std::vector<std::unique_ptr<CudaLmHead>> heads)
       : LogpModel(hidden_size, vocab_size), heads_(std::move(heads)) {}
-  const std::vector<std::unique_ptr<CudaLmHead>>& heads() const { return heads_; }
+  const std::vector<std::unique_ptr<CudaLmHead>>& heads() const {
+    return heads_;
+  }
 
  private:
   std::vector<std::unique_ptr<CudaLmHead>> heads_;

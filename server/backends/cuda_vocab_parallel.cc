@@ -33,10 +33,10 @@ SplitPartials Partition(void* block, int64_t rows, int32_t splits,
 struct ShardLane {
   int device = 0;
   cudaStream_t stream = nullptr;
-  DeviceBuffer inputs;     // [local targets | temperatures | hidden]
-  DeviceBuffer partials;   // the shard's splits' partials for a batch
-  DeviceBuffer z;          // [capacity]: z[target] for targets it holds
-  PinnedBuffer host_z;     // [capacity]
+  DeviceBuffer inputs;    // [local targets | temperatures | hidden]
+  DeviceBuffer partials;  // the shard's splits' partials for a batch
+  DeviceBuffer z;         // [capacity]: z[target] for targets it holds
+  PinnedBuffer host_z;    // [capacity]
   PinnedBuffer host_local_targets;  // [capacity]
 };
 
@@ -54,7 +54,8 @@ class VocabParallelExecutor final : public LogpExecutor {
   }
 
   absl::Status Init(const std::vector<int>& devices) {
-    if (absl::Status s = host_outputs_.Allocate(layout_.output_bytes(), "cudaHostAlloc");
+    if (absl::Status s =
+            host_outputs_.Allocate(layout_.output_bytes(), "cudaHostAlloc");
         !s.ok()) {
       return s;
     }
@@ -66,16 +67,21 @@ class VocabParallelExecutor final : public LogpExecutor {
       DETLOGP_RETURN_IF_CUDA_ERROR(
           cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking),
           "cudaStreamCreate");
-      if (absl::Status s = lane.z.Allocate(capacity_ * sizeof(float), "cudaMalloc"); !s.ok()) {
+      if (absl::Status s =
+              lane.z.Allocate(capacity_ * sizeof(float), "cudaMalloc");
+          !s.ok()) {
         return s;
       }
-      for (auto [buffer, bytes] : {std::pair{&lane.host_z, capacity_ * sizeof(float)},
-                                   {&lane.host_local_targets, capacity_ * sizeof(int32_t)}}) {
-        if (absl::Status s = buffer->Allocate(bytes, "cudaHostAlloc"); !s.ok()) return s;
+      for (auto [buffer, bytes] :
+           {std::pair{&lane.host_z, capacity_ * sizeof(float)},
+            {&lane.host_local_targets, capacity_ * sizeof(int32_t)}}) {
+        if (absl::Status s = buffer->Allocate(bytes, "cudaHostAlloc"); !s.ok())
+          return s;
       }
     }
     // The combine runs on the first GPU.
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device), "cudaSetDevice");
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device),
+                                 "cudaSetDevice");
     return combine_outputs_.Allocate(layout_.output_bytes(), "cudaMalloc");
   }
 
@@ -87,12 +93,18 @@ class VocabParallelExecutor final : public LogpExecutor {
     hidden_size_ = model.hidden_size();
     total_splits_ = kernels::NumVocabSplits(model.vocab_size());
     const size_t input_bytes = layout_.input_bytes(hidden_size_);
-    if (absl::Status s = host_inputs_.Reserve(input_bytes, "cudaHostAlloc"); !s.ok()) return s;
+    if (absl::Status s = host_inputs_.Reserve(input_bytes, "cudaHostAlloc");
+        !s.ok())
+      return s;
     for (auto& lane : lanes_) {
-      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lane->device), "cudaSetDevice");
-      if (absl::Status s = lane->inputs.Reserve(input_bytes, "cudaMalloc"); !s.ok()) return s;
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lane->device),
+                                   "cudaSetDevice");
+      if (absl::Status s = lane->inputs.Reserve(input_bytes, "cudaMalloc");
+          !s.ok())
+        return s;
     }
-    if (absl::Status s = ReservePartials(shards, LogpExtras{}); !s.ok()) return s;
+    if (absl::Status s = ReservePartials(shards, LogpExtras{}); !s.ok())
+      return s;
     return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
@@ -105,10 +117,12 @@ class VocabParallelExecutor final : public LogpExecutor {
     const auto& shards = static_cast<const CudaModel&>(model).heads();
     // The extras' partials are larger; buffers grow on first use.
     if (absl::Status s = ReservePartials(shards, extras); !s.ok()) return s;
-    const LogpStaging host = layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
+    const LogpStaging host =
+        layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
     // 1. Every shard computes its splits; they run concurrently.
     for (size_t g = 0; g < lanes_.size(); ++g) {
-      if (absl::Status s = LaunchShard(*lanes_[g], *shards[g], host, rows, extras);
+      if (absl::Status s =
+              LaunchShard(*lanes_[g], *shards[g], host, rows, extras);
           !s.ok()) {
         SyncAll().IgnoreError();  // reporting the launch failure, not the sync
         return s;
@@ -130,7 +144,8 @@ class VocabParallelExecutor final : public LogpExecutor {
     // 3. The single-GPU fold, on the first shard's GPU.
     const ShardLane& first = *lanes_[0];
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(first.device), "cudaSetDevice");
-    const LogpStaging device = layout_.View(nullptr, combine_outputs_.as<void>());
+    const LogpStaging device =
+        layout_.View(nullptr, combine_outputs_.as<void>());
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(combine_partials_.as<void>(), host_partials_.as<void>(),
                         PartialsBytes(rows, total_splits_, extras),
@@ -164,10 +179,12 @@ class VocabParallelExecutor final : public LogpExecutor {
  private:
   // Grows the shards' partials, the host gather and the combining GPU's copy
   // to `extras`' size for a full batch.
-  absl::Status ReservePartials(const std::vector<std::unique_ptr<CudaLmHead>>& shards,
-                               const LogpExtras& extras) {
+  absl::Status ReservePartials(
+      const std::vector<std::unique_ptr<CudaLmHead>>& shards,
+      const LogpExtras& extras) {
     for (size_t g = 0; g < lanes_.size(); ++g) {
-      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[g]->device), "cudaSetDevice");
+      DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[g]->device),
+                                   "cudaSetDevice");
       const int32_t splits = shards[g]->end_split - shards[g]->first_split;
       if (absl::Status s = lanes_[g]->partials.Reserve(
               PartialsBytes(capacity_, splits, extras), "cudaMalloc");
@@ -176,8 +193,11 @@ class VocabParallelExecutor final : public LogpExecutor {
       }
     }
     const size_t bytes = PartialsBytes(capacity_, total_splits_, extras);
-    if (absl::Status s = host_partials_.Reserve(bytes, "cudaHostAlloc"); !s.ok()) return s;
-    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device), "cudaSetDevice");
+    if (absl::Status s = host_partials_.Reserve(bytes, "cudaHostAlloc");
+        !s.ok())
+      return s;
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(lanes_[0]->device),
+                                 "cudaSetDevice");
     return combine_partials_.Reserve(bytes, "cudaMalloc");
   }
 
@@ -186,7 +206,8 @@ class VocabParallelExecutor final : public LogpExecutor {
                            const LogpExtras& extras) {
     int32_t* local_targets = lane.host_local_targets.as<int32_t>();
     for (int64_t r = 0; r < rows; ++r) {
-      local_targets[r] = static_cast<int32_t>(host.targets[r] - shard.first_row);
+      local_targets[r] =
+          static_cast<int32_t>(host.targets[r] - shard.first_row);
     }
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(shard.device), "cudaSetDevice");
     // Only the inputs block's layout is used on a shard (no outputs block).
@@ -197,7 +218,8 @@ class VocabParallelExecutor final : public LogpExecutor {
         "copy targets to a shard");
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(device.temperatures, host.temperatures,
-                        rows * sizeof(float), cudaMemcpyHostToDevice, lane.stream),
+                        rows * sizeof(float), cudaMemcpyHostToDevice,
+                        lane.stream),
         "copy temperatures to a shard");
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(device.hidden, host.hidden, rows * hidden_size_ * 2,
@@ -211,25 +233,29 @@ class VocabParallelExecutor final : public LogpExecutor {
     batch.rows = rows;
     batch.top_k = extras.top_k;
     const int32_t splits = shard.end_split - shard.first_split;
-    const SplitPartials local = Partition(lane.partials.as<void>(), rows, splits, extras);
-    if (absl::Status s = shard.kernel->LaunchSplits(batch, local, lane.stream); !s.ok()) {
+    const SplitPartials local =
+        Partition(lane.partials.as<void>(), rows, splits, extras);
+    if (absl::Status s = shard.kernel->LaunchSplits(batch, local, lane.stream);
+        !s.ok()) {
       return s;
     }
     // The shard's [rows][splits] blocks land in columns [first, end) of the
     // host's [rows][total_splits] tables (the top lists top_k wide per
     // split): ascending split order, global token ids.
-    const SplitPartials all = Partition(host_partials_.as<void>(), rows, total_splits_, extras);
+    const SplitPartials all =
+        Partition(host_partials_.as<void>(), rows, total_splits_, extras);
     auto gather = [&](void* to, const void* from, size_t cell_bytes) {
       return CudaStatus(
-          cudaMemcpy2DAsync(static_cast<char*>(to) + shard.first_split * cell_bytes,
-                            total_splits_ * cell_bytes, from, splits * cell_bytes,
-                            splits * cell_bytes, rows, cudaMemcpyDeviceToHost,
-                            lane.stream),
+          cudaMemcpy2DAsync(
+              static_cast<char*>(to) + shard.first_split * cell_bytes,
+              total_splits_ * cell_bytes, from, splits * cell_bytes,
+              splits * cell_bytes, rows, cudaMemcpyDeviceToHost, lane.stream),
           "copy partials from a shard");
     };
     const size_t top_bytes = extras.top_k * sizeof(float);
     for (auto [to, from, cell_bytes] :
-         {std::tuple<void*, const void*, size_t>{all.lse, local.lse, sizeof(float)},
+         {std::tuple<void*, const void*, size_t>{all.lse, local.lse,
+                                                 sizeof(float)},
           {all.mean_z, local.mean_z, sizeof(float)},
           {all.top_z, local.top_z, top_bytes},
           {all.top_ids, local.top_ids, top_bytes}}) {
@@ -238,7 +264,8 @@ class VocabParallelExecutor final : public LogpExecutor {
     }
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaMemcpyAsync(lane.host_z.as<void>(), lane.z.as<void>(),
-                        rows * sizeof(float), cudaMemcpyDeviceToHost, lane.stream),
+                        rows * sizeof(float), cudaMemcpyDeviceToHost,
+                        lane.stream),
         "copy z from a shard");
     return absl::OkStatus();
   }
@@ -247,14 +274,15 @@ class VocabParallelExecutor final : public LogpExecutor {
     absl::Status first_error;
     for (auto& lane : lanes_) {
       cudaSetDevice(lane->device);
-      absl::Status s = CudaStatus(cudaStreamSynchronize(lane->stream), "shard on the GPU");
+      absl::Status s =
+          CudaStatus(cudaStreamSynchronize(lane->stream), "shard on the GPU");
       if (first_error.ok()) first_error = s;
     }
     return first_error;
   }
 
   const int64_t capacity_;
-  int64_t hidden_size_ = 0;    // of the model last staged
+  int64_t hidden_size_ = 0;  // of the model last staged
   int32_t total_splits_ = 0;
   const BatchLayout layout_;
   PinnedBuffer host_inputs_, host_outputs_, host_partials_;
@@ -270,9 +298,9 @@ absl::StatusOr<std::vector<std::unique_ptr<CudaLmHead>>> UploadVocabShards(
   const int32_t splits = kernels::NumVocabSplits(weights.vocab_size);
   const int shards = static_cast<int>(devices.size());
   if (shards < 1 || shards > splits) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "vocabulary parallelism over ", shards, " GPUs needs 1..", splits,
-        " of them"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocabulary parallelism over ", shards, " GPUs needs 1..",
+                     splits, " of them"));
   }
   std::vector<std::unique_ptr<CudaLmHead>> out;
   for (int g = 0; g < shards; ++g) {

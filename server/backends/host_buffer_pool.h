@@ -60,11 +60,13 @@ class HostBufferPool {
  public:
   // What a pool has done since it was made (metrics, tests).
   struct Stats {
-    int64_t allocated = 0;       // Acquires that needed new memory of the pool's kind
-    int64_t reused = 0;          // Acquires served by memory the pool already held
-    int64_t heap_fallbacks = 0;  // Acquires served by the heap: the pool's kind failed
-    int64_t freed = 0;           // allocations a caching pool gave back (blocks)
-    int64_t cached_bytes = 0;    // bytes held idle for reuse now
+    int64_t allocated =
+        0;               // Acquires that needed new memory of the pool's kind
+    int64_t reused = 0;  // Acquires served by memory the pool already held
+    int64_t heap_fallbacks =
+        0;              // Acquires served by the heap: the pool's kind failed
+    int64_t freed = 0;  // allocations a caching pool gave back (blocks)
+    int64_t cached_bytes = 0;  // bytes held idle for reuse now
   };
 
   virtual ~HostBufferPool() = default;

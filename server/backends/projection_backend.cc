@@ -10,8 +10,8 @@ namespace detlogp::server {
 absl::Status CheckLaunch(int64_t rows, int64_t capacity,
                          absl::Span<const YDestination> outputs) {
   if (rows < 0 || rows > capacity) {
-    return absl::InternalError(absl::StrCat("rows: ", rows, " outside staging's [0, ",
-                                            capacity, "]"));
+    return absl::InternalError(
+        absl::StrCat("rows: ", rows, " outside staging's [0, ", capacity, "]"));
   }
   int64_t total = 0;
   for (const YDestination& output : outputs) {
@@ -27,7 +27,8 @@ absl::Status CheckLaunch(int64_t rows, int64_t capacity,
   return absl::OkStatus();
 }
 
-double CopyOutOfStaging(const float* y, absl::Span<const YDestination> outputs) {
+double CopyOutOfStaging(const float* y,
+                        absl::Span<const YDestination> outputs) {
   const absl::Time start = absl::Now();
   for (const YDestination& output : outputs) {
     const size_t count = output.rows * kernels::kProjectionOutDim;

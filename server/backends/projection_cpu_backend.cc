@@ -14,7 +14,8 @@ class CpuProjectionExecutor final : public ProjectionExecutor {
         y_(capacity * kernels::kProjectionOutDim) {}
 
   ProjectionStaging staging() override {
-    return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim), x_.data()};
+    return {static_cast<int64_t>(x_.size() / kernels::kProjectionInDim),
+            x_.data()};
   }
 
   // One Forward over the whole launch into staging, then a copy per piece:
@@ -22,8 +23,10 @@ class CpuProjectionExecutor final : public ProjectionExecutor {
   // beats a pass per (maybe tiny) chunk.
   absl::Status Run(int64_t rows, absl::Span<const YDestination> outputs,
                    ProjectionRunStats* stats) override {
-    const int64_t capacity = static_cast<int64_t>(x_.size() / kernels::kProjectionInDim);
-    if (absl::Status s = CheckLaunch(rows, capacity, outputs); !s.ok()) return s;
+    const int64_t capacity =
+        static_cast<int64_t>(x_.size() / kernels::kProjectionInDim);
+    if (absl::Status s = CheckLaunch(rows, capacity, outputs); !s.ok())
+      return s;
     if (rows == 0) return absl::OkStatus();
     absl::Status status = kernel_->Forward(
         absl::MakeConstSpan(x_.data(), rows * kernels::kProjectionInDim), rows,
@@ -50,7 +53,9 @@ class CpuProjectionBackend final : public ProjectionBackend {
     description_.kernel_version = "cpu-fma96-v1";
     description_.preferred_inflight_batches = 1;
   }
-  const BackendDescription& description() const override { return description_; }
+  const BackendDescription& description() const override {
+    return description_;
+  }
   absl::StatusOr<std::unique_ptr<ProjectionExecutor>> NewExecutor(
       int64_t max_rows) override {
     return std::unique_ptr<ProjectionExecutor>(

@@ -72,12 +72,14 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
         "cudaStreamCreate");
     const size_t x_bytes = capacity * kProjectionInDim * sizeof(float);
     const size_t y_bytes = capacity * kRowBytes;
-    if (absl::Status s = executor->host_x_.Allocate(x_bytes, "cudaHostAlloc"); !s.ok()) {
+    if (absl::Status s = executor->host_x_.Allocate(x_bytes, "cudaHostAlloc");
+        !s.ok()) {
       return s;
     }
-    for (auto [buffer, bytes] : {std::pair{&executor->x_, x_bytes},
-                                 {&executor->y_, y_bytes}}) {
-      if (absl::Status s = buffer->Allocate(bytes, "cudaMalloc"); !s.ok()) return s;
+    for (auto [buffer, bytes] :
+         {std::pair{&executor->x_, x_bytes}, {&executor->y_, y_bytes}}) {
+      if (absl::Status s = buffer->Allocate(bytes, "cudaMalloc"); !s.ok())
+        return s;
     }
     return executor;
   }
@@ -86,7 +88,9 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
-  ProjectionStaging staging() override { return {capacity_, host_x_.as<float>()}; }
+  ProjectionStaging staging() override {
+    return {capacity_, host_x_.as<float>()};
+  }
 
   // Each piece of Y goes from the device straight into its destination when
   // that is pinned (the backend's chunk buffers), so no pass over Y runs on
@@ -96,7 +100,8 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
   // slower.
   absl::Status Run(int64_t rows, absl::Span<const YDestination> outputs,
                    ProjectionRunStats* stats) override {
-    if (absl::Status s = CheckLaunch(rows, capacity_, outputs); !s.ok()) return s;
+    if (absl::Status s = CheckLaunch(rows, capacity_, outputs); !s.ok())
+      return s;
     if (rows == 0) return absl::OkStatus();
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
     DETLOGP_RETURN_IF_CUDA_ERROR(
@@ -138,7 +143,8 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
                                  "projection on the GPU");
     if (!staged.empty()) {
       const absl::Time start = absl::Now();
-      for (const Staged& piece : staged) std::memcpy(piece.to, piece.from, piece.bytes);
+      for (const Staged& piece : staged)
+        std::memcpy(piece.to, piece.from, piece.bytes);
       if (stats != nullptr) {
         stats->copy_out_seconds = absl::ToDoubleSeconds(absl::Now() - start);
       }
@@ -156,7 +162,8 @@ class CudaProjectionExecutor final : public ProjectionExecutor {
   // (slower, blocking) without trying again every launch.
   bool HasYStaging() {
     if (host_y_.bytes() == 0 && !y_staging_failed_) {
-      y_staging_failed_ = !host_y_.Reserve(capacity_ * kRowBytes, "cudaHostAlloc").ok();
+      y_staging_failed_ =
+          !host_y_.Reserve(capacity_ * kRowBytes, "cudaHostAlloc").ok();
       if (y_staging_failed_) cudaGetLastError();
     }
     return !y_staging_failed_;
@@ -205,43 +212,51 @@ class CudaProjectionBackend final : public ProjectionBackend {
     const ProjectionWeights& weights = *options.weights;
     // The kernel copies the weights at Create; these uploads are temporary.
     DeviceBuffer weight, bias;
-    if (absl::Status s = weight.Allocate(weights.weight.size() * sizeof(float), "weights");
+    if (absl::Status s =
+            weight.Allocate(weights.weight.size() * sizeof(float), "weights");
         !s.ok()) {
       return s;
     }
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaMemcpy(weight.as<void>(), weights.weight.data(),
-                   weights.weight.size() * sizeof(float), cudaMemcpyHostToDevice),
+                   weights.weight.size() * sizeof(float),
+                   cudaMemcpyHostToDevice),
         "upload projection weights");
     if (!weights.bias.empty()) {
-      if (absl::Status s = bias.Allocate(weights.bias.size() * sizeof(float), "bias");
+      if (absl::Status s =
+              bias.Allocate(weights.bias.size() * sizeof(float), "bias");
           !s.ok()) {
         return s;
       }
       DETLOGP_RETURN_IF_CUDA_ERROR(
           cudaMemcpy(bias.as<void>(), weights.bias.data(),
-                     weights.bias.size() * sizeof(float), cudaMemcpyHostToDevice),
+                     weights.bias.size() * sizeof(float),
+                     cudaMemcpyHostToDevice),
           "upload projection bias");
     }
     kernels::ProjectionCuda::Options kernel_options;
     kernel_options.weight = weight.as<const float>();
-    kernel_options.bias = weights.bias.empty() ? nullptr : bias.as<const float>();
+    kernel_options.bias =
+        weights.bias.empty() ? nullptr : bias.as<const float>();
     kernel_options.device = device;
     auto kernel = kernels::ProjectionCuda::Create(kernel_options);
     if (!kernel.ok()) return kernel.status();
     backend->kernel_ = *std::move(kernel);
     backend->description_.name = "cuda";
-    backend->description_.device = absl::StrCat("cuda:", device, " ", props.name);
+    backend->description_.device =
+        absl::StrCat("cuda:", device, " ", props.name);
     // The cubin the driver loads, or JIT-compiled PTX and the driver's
     // version (kernels/cuda/kernel_kind.h).
     const int cubin = kernels::cuda::BestShippedSass(
         props.major, props.minor, kernels::cuda::kPortableSassArchs);
-    backend->description_.instruction_set = kernels::cuda::PortableInstructionSet(
-        props.major, props.minor,
-        cubin != 0 ? cubin : props.major * 10 + props.minor,
-        kernels::cuda::kPortablePtxArch, driver_version,
-        kernels::cuda::kPortableSassArchs);
-    backend->description_.kernel_version = kernels::ProjectionCuda::KernelVersion();
+    backend->description_.instruction_set =
+        kernels::cuda::PortableInstructionSet(
+            props.major, props.minor,
+            cubin != 0 ? cubin : props.major * 10 + props.minor,
+            kernels::cuda::kPortablePtxArch, driver_version,
+            kernels::cuda::kPortableSassArchs);
+    backend->description_.kernel_version =
+        kernels::ProjectionCuda::KernelVersion();
     // Measured when each launch still copied its output out of pinned
     // staging on its own thread (~45 MB per 2048 rows): on the H200 host
     // four videos at once went from 4.9 GB/s with two launches in flight to
@@ -254,16 +269,21 @@ class CudaProjectionBackend final : public ProjectionBackend {
     return std::unique_ptr<ProjectionBackend>(std::move(backend));
   }
 
-  const BackendDescription& description() const override { return description_; }
+  const BackendDescription& description() const override {
+    return description_;
+  }
 
   absl::StatusOr<std::unique_ptr<ProjectionExecutor>> NewExecutor(
       int64_t max_rows) override {
-    auto executor = CudaProjectionExecutor::Create(kernel_.get(), device_, max_rows);
+    auto executor =
+        CudaProjectionExecutor::Create(kernel_.get(), device_, max_rows);
     if (!executor.ok()) return executor.status();
     return std::unique_ptr<ProjectionExecutor>(*std::move(executor));
   }
 
-  std::shared_ptr<HostBufferPool> host_buffer_pool() override { return host_buffers_; }
+  std::shared_ptr<HostBufferPool> host_buffer_pool() override {
+    return host_buffers_;
+  }
 
  private:
   CudaProjectionBackend() = default;

@@ -53,7 +53,8 @@ absl::Status DynamicBatcher::ScheduleInternal(std::shared_ptr<LogpJob> job) {
   return Enqueue(std::move(job), /*bounded=*/false);
 }
 
-absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job, bool bounded) {
+absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
+                                     bool bounded) {
   const int64_t rows = job->rows();
   {
     absl::MutexLock lock(&mu_);
@@ -68,9 +69,9 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job, bool bounded)
           "; retry with backoff"));
     }
     if (rows > 0) {
-      auto it = std::find_if(queues_.begin(), queues_.end(), [&](const ModelQueue& q) {
-        return q.model == job->model().get();
-      });
+      auto it = std::find_if(
+          queues_.begin(), queues_.end(),
+          [&](const ModelQueue& q) { return q.model == job->model().get(); });
       if (it == queues_.end()) {
         it = queues_.insert(queues_.end(), ModelQueue{job->model().get(), {}});
       }
@@ -194,9 +195,10 @@ void DynamicBatcher::DropDeadJobsLocked(
 }
 
 void DynamicBatcher::RemoveEmptyQueuesLocked() {
-  queues_.erase(std::remove_if(queues_.begin(), queues_.end(),
-                               [](const ModelQueue& q) { return q.jobs.empty(); }),
-                queues_.end());
+  queues_.erase(
+      std::remove_if(queues_.begin(), queues_.end(),
+                     [](const ModelQueue& q) { return q.jobs.empty(); }),
+      queues_.end());
 }
 
 std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
@@ -206,7 +208,8 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
     absl::MutexLock lock(&mu_);
     while (batch.empty()) {
       SpinUntilBatchCanStartLocked();
-      mu_.Await(absl::Condition(this, &DynamicBatcher::ShouldWakeSleepingThread));
+      mu_.Await(
+          absl::Condition(this, &DynamicBatcher::ShouldWakeSleepingThread));
       if (queues_.empty()) break;  // stopping, nothing left
       const absl::Time flush_at =
           OldestQueueLocked().jobs.front().queued +
@@ -223,7 +226,8 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
         int64_t room = options_.max_batch_rows;
         while (room > 0 && !jobs.empty()) {
           QueuedJob& front = jobs.front();
-          const int64_t take = std::min(room, front.job->rows() - front.next_row);
+          const int64_t take =
+              std::min(room, front.job->rows() - front.next_row);
           batch.push_back(Slice{front.job, front.next_row, take, front.queued});
           front.next_row += take;
           queued_rows_ -= take;
@@ -268,11 +272,13 @@ void DynamicBatcher::ScatterExtras(const LogpStaging& staging,
     const int64_t from = (offset + i) * batch_top_k;
     const int64_t to = (slice.row_begin + i) * k;
     std::copy_n(staging.top_ids + from, k, job.top_ids().begin() + to);
-    std::copy_n(staging.top_logprobs + from, k, job.top_logprobs().begin() + to);
+    std::copy_n(staging.top_logprobs + from, k,
+                job.top_logprobs().begin() + to);
   }
 }
 
-void DynamicBatcher::FailBatch(std::vector<Slice>& batch, const absl::Status& status) {
+void DynamicBatcher::FailBatch(std::vector<Slice>& batch,
+                               const absl::Status& status) {
   {
     absl::MutexLock lock(&mu_);
     --batches_in_flight_;
@@ -318,7 +324,8 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
                 slice.row_count * row_bytes);
     std::memcpy(staging.targets + rows, job.targets().data() + slice.row_begin,
                 slice.row_count * sizeof(int32_t));
-    std::fill_n(staging.temperatures + rows, slice.row_count, job.temperature());
+    std::fill_n(staging.temperatures + rows, slice.row_count,
+                job.temperature());
     rows += slice.row_count;
     executor->RowsStaged(rows);
   }

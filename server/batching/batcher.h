@@ -52,10 +52,10 @@ class DynamicBatcher {
   // What one batch did, for metrics.
   struct BatchRecord {
     int64_t rows = 0;
-    int64_t requests = 0;         // request slices in the batch
-    absl::Duration queue_delay;   // how long its oldest slice waited
-    absl::Duration gather;        // copying its rows into the staging
-    absl::Duration compute;       // the backend's Run, copies included
+    int64_t requests = 0;        // request slices in the batch
+    absl::Duration queue_delay;  // how long its oldest slice waited
+    absl::Duration gather;       // copying its rows into the staging
+    absl::Duration compute;      // the backend's Run, copies included
     bool ok = true;
   };
 
@@ -82,11 +82,11 @@ class DynamicBatcher {
   struct Stats {
     int64_t batches_run = 0;
     int64_t rows_computed = 0;
-    int64_t rows_failed = 0;    // computed in a batch the backend failed
-    int64_t rows_expired = 0;   // dropped before compute: deadline passed
-    int64_t rows_cancelled = 0; // dropped before compute: call cancelled
-    int64_t rows_rejected = 0;  // refused by Schedule: queue full
-    int64_t rows_queued = 0;    // waiting now
+    int64_t rows_failed = 0;     // computed in a batch the backend failed
+    int64_t rows_expired = 0;    // dropped before compute: deadline passed
+    int64_t rows_cancelled = 0;  // dropped before compute: call cancelled
+    int64_t rows_rejected = 0;   // refused by Schedule: queue full
+    int64_t rows_queued = 0;     // waiting now
   };
 
   // Validates options and creates one executor per batch thread.

@@ -49,7 +49,8 @@ class LogpJob {
           float temperature, absl::Time deadline, DoneCallback done)
       : LogpJob(std::move(model), rows, nullptr, nullptr, std::move(targets),
                 temperature, deadline, std::move(done)) {
-    auto owned = std::make_shared<const std::vector<uint16_t>>(std::move(hidden_bf16));
+    auto owned =
+        std::make_shared<const std::vector<uint16_t>>(std::move(hidden_bf16));
     hidden_bf16_ = reinterpret_cast<const char*>(owned->data());
     keep_alive_ = std::move(owned);
   }
@@ -94,7 +95,8 @@ class LogpJob {
       absl::MutexLock lock(&mu_);
       if (status_.ok()) status_ = status;
     }
-    if (rows_outstanding_.fetch_sub(count, std::memory_order_acq_rel) == count) {
+    if (rows_outstanding_.fetch_sub(count, std::memory_order_acq_rel) ==
+        count) {
       absl::Status final_status;
       {
         absl::MutexLock lock(&mu_);

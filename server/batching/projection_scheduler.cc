@@ -11,9 +11,11 @@ namespace detlogp::server {
 
 using kernels::kProjectionInDim;
 
-absl::StatusOr<std::unique_ptr<ProjectionScheduler>> ProjectionScheduler::Create(
-    const Options& options, ProjectionBackend* backend) {
-  if (options.max_launch_rows <= 0 || options.num_threads <= 0 || backend == nullptr) {
+absl::StatusOr<std::unique_ptr<ProjectionScheduler>>
+ProjectionScheduler::Create(const Options& options,
+                            ProjectionBackend* backend) {
+  if (options.max_launch_rows <= 0 || options.num_threads <= 0 ||
+      backend == nullptr) {
     return absl::InvalidArgumentError(
         "projection scheduler: max_launch_rows and num_threads must be > 0");
   }
@@ -23,7 +25,8 @@ absl::StatusOr<std::unique_ptr<ProjectionScheduler>> ProjectionScheduler::Create
     if (!executor.ok()) return executor.status();
     executors.push_back(*std::move(executor));
   }
-  return absl::WrapUnique(new ProjectionScheduler(options, std::move(executors)));
+  return absl::WrapUnique(
+      new ProjectionScheduler(options, std::move(executors)));
 }
 
 ProjectionScheduler::ProjectionScheduler(
@@ -39,9 +42,9 @@ ProjectionScheduler::~ProjectionScheduler() { Stop(); }
 
 absl::Status ProjectionScheduler::Schedule(Chunk chunk) {
   if (chunk.rows <= 0 || chunk.rows > options_.max_launch_rows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "projection chunk of ", chunk.rows, " rows; expected 1..",
-        options_.max_launch_rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat("projection chunk of ", chunk.rows, " rows; expected 1..",
+                     options_.max_launch_rows));
   }
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("server is shutting down");

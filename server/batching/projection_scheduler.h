@@ -71,8 +71,9 @@ class ProjectionScheduler {
   const Options& options() const { return options_; }
 
  private:
-  ProjectionScheduler(const Options& options,
-                      std::vector<std::unique_ptr<ProjectionExecutor>> executors);
+  ProjectionScheduler(
+      const Options& options,
+      std::vector<std::unique_ptr<ProjectionExecutor>> executors);
   void Loop(ProjectionExecutor* executor);
   bool HasWorkOrStopping() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stopping_ || !queue_.empty();

@@ -48,8 +48,8 @@ kernels::LmHeadView LmHeadWeights::view() const {
 }
 
 void ComputeLmHeadDigest(LmHeadWeights* weights) {
-  weights->sha256 = digests::ComputeLmHeadDigest(weights->shape(), weights->weight.data(),
-                                        weights->bias.data());
+  weights->sha256 = digests::ComputeLmHeadDigest(
+      weights->shape(), weights->weight.data(), weights->bias.data());
 }
 
 absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
@@ -57,18 +57,19 @@ absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
   if (!file.ok()) return file.status();
   auto it = file->tensors().find(source.weight_tensor);
   if (it == file->tensors().end()) {
-    return absl::NotFoundError(absl::StrCat(
-        source.path, ": no tensor '", source.weight_tensor,
-        "' (set --lm_head_tensor)"));
+    return absl::NotFoundError(absl::StrCat(source.path, ": no tensor '",
+                                            source.weight_tensor,
+                                            "' (set --lm_head_tensor)"));
   }
   const SafetensorInfo& info = it->second;
   if (info.shape.size() != 2 || info.shape[0] <= 0 || info.shape[1] <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source.weight_tensor, ": expected a [V, H] matrix"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source.weight_tensor, ": expected a [V, H] matrix"));
   }
   if (!IsFloatDtype(info.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source.weight_tensor, ": dtype ", info.dtype, " is not F32, BF16 or F16"));
+    return absl::InvalidArgumentError(absl::StrCat(source.weight_tensor,
+                                                   ": dtype ", info.dtype,
+                                                   " is not F32, BF16 or F16"));
   }
   LmHeadWeights weights;
   weights.padded_vocab_size = info.shape[0];
@@ -82,8 +83,9 @@ absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
   }
   if (info.dtype == "BF16") {  // straight into place
     weights.weight.resize(weights.padded_vocab_size * weights.hidden_size);
-    if (absl::Status s = file->ReadTensorInto(source.weight_tensor, weights.weight.data(),
-                                              weights.weight.size() * 2);
+    if (absl::Status s =
+            file->ReadTensorInto(source.weight_tensor, weights.weight.data(),
+                                 weights.weight.size() * 2);
         !s.ok()) {
       return s;
     }
@@ -99,16 +101,17 @@ absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
   if (!source.bias_tensor.empty()) {
     auto bias_it = file->tensors().find(source.bias_tensor);
     if (bias_it == file->tensors().end()) {
-      return absl::NotFoundError(absl::StrCat(
-          source.path, ": no tensor '", source.bias_tensor, "' (--bias_tensor)"));
+      return absl::NotFoundError(absl::StrCat(source.path, ": no tensor '",
+                                              source.bias_tensor,
+                                              "' (--bias_tensor)"));
     }
     const SafetensorInfo& bias_info = bias_it->second;
     if (bias_info.shape.size() != 1 ||
         bias_info.shape[0] != weights.padded_vocab_size ||
         !IsFloatDtype(bias_info.dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          source.bias_tensor, ": expected a float vector of ",
-          weights.padded_vocab_size, " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(source.bias_tensor, ": expected a float vector of ",
+                       weights.padded_vocab_size, " elements"));
     }
     auto bias_bytes = file->ReadTensor(source.bias_tensor);
     if (!bias_bytes.ok()) return bias_bytes.status();
@@ -130,13 +133,15 @@ LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options) {
   // Each block of rows has its own stream (seeded from the block index), so
   // threads fill blocks in any order and the weights stay the same.
   constexpr int64_t kRowsPerBlock = 1024;
-  const int64_t blocks = (options.vocab_size + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t blocks =
+      (options.vocab_size + kRowsPerBlock - 1) / kRowsPerBlock;
   kernels::ParallelForRanges(blocks, 0, [&](int64_t first, int64_t last) {
     for (int64_t block = first; block < last; ++block) {
       kernels::RandomNormal random(options.seed * 1000003 + block);
       const int64_t begin = block * kRowsPerBlock * options.hidden_size;
-      const int64_t end = std::min<int64_t>(
-          (block + 1) * kRowsPerBlock * options.hidden_size, weights.weight.size());
+      const int64_t end =
+          std::min<int64_t>((block + 1) * kRowsPerBlock * options.hidden_size,
+                            weights.weight.size());
       for (int64_t i = begin; i < end; ++i) {
         weights.weight[i] = kernels::FloatToBf16(random.Next(0.02f));
       }
@@ -147,9 +152,9 @@ LmHeadWeights SyntheticLmHead(const SyntheticLmHeadOptions& options) {
     weights.bias.resize(options.vocab_size);
     for (float& b : weights.bias) b = random.Next(0.1f);
   }
-  weights.description =
-      absl::StrCat("embedded synthetic model (seed ", options.seed, ", H=",
-                   options.hidden_size, ", V=", options.vocab_size, ")");
+  weights.description = absl::StrCat("embedded synthetic model (seed ",
+                                     options.seed, ", H=", options.hidden_size,
+                                     ", V=", options.vocab_size, ")");
   ComputeLmHeadDigest(&weights);
   return weights;
 }

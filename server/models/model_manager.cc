@@ -54,7 +54,8 @@ ModelManager::Reservation::~Reservation() {
   if (tracker_ != nullptr) tracker_->Release(bytes_);
 }
 
-absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(Options options) {
+absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(
+    Options options) {
   if (options.max_versions_per_model < 1) {
     return absl::InvalidArgumentError("--max_versions_per_model must be >= 1");
   }
@@ -62,9 +63,12 @@ absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(Options optio
     return absl::InvalidArgumentError("--max_model_memory_bytes must be >= 0");
   }
   if (!options.place || !options.estimate_bytes || !options.warm_up) {
-    return absl::InvalidArgumentError("model manager: place, estimate_bytes and warm_up are required");
+    return absl::InvalidArgumentError(
+        "model manager: place, estimate_bytes and warm_up are required");
   }
-  if (absl::Status s = ValidateModelName(options.default_model, "--default_model"); !s.ok()) {
+  if (absl::Status s =
+          ValidateModelName(options.default_model, "--default_model");
+      !s.ok()) {
     return s;
   }
   return std::unique_ptr<ModelManager>(new ModelManager(std::move(options)));
@@ -89,16 +93,18 @@ absl::StatusOr<std::shared_ptr<const ServedVersion>> ModelManager::Resolve(
   if (version == 0) return m.ready.rbegin()->second;
   auto v = m.ready.find(version);
   if (v == m.ready.end()) {
-    return absl::NotFoundError(absl::StrCat(
-        "model_version: model '", name, "' has no ready version ", version,
-        " (ready: ", m.ready.begin()->first, "..", m.ready.rbegin()->first, ")"));
+    return absl::NotFoundError(
+        absl::StrCat("model_version: model '", name, "' has no ready version ",
+                     version, " (ready: ", m.ready.begin()->first, "..",
+                     m.ready.rbegin()->first, ")"));
   }
   return v->second;
 }
 
 absl::StatusOr<ModelManager::Reservation> ModelManager::Reserve(
     int64_t hidden_size, int64_t padded_vocab_size, bool has_bias) {
-  const int64_t bytes = options_.estimate_bytes(hidden_size, padded_vocab_size, has_bias);
+  const int64_t bytes =
+      options_.estimate_bytes(hidden_size, padded_vocab_size, has_bias);
   if (absl::Status s = tracker_->Reserve(bytes); !s.ok()) return s;
   Reservation reservation;
   reservation.tracker_ = tracker_;
@@ -109,14 +115,16 @@ absl::StatusOr<ModelManager::Reservation> ModelManager::Reserve(
 absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
     VersionOrigin origin) {
-  return AddVersion(model, std::move(weights), std::move(origin), Reservation());
+  return AddVersion(model, std::move(weights), std::move(origin),
+                    Reservation());
 }
 
 absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
     VersionOrigin origin, Reservation reservation) {
   if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
-  if (absl::Status s = CheckVersionNumber(model, origin.version); !s.ok()) return s;
+  if (absl::Status s = CheckVersionNumber(model, origin.version); !s.ok())
+    return s;
   if (reservation.tracker_ == nullptr) {
     auto reserved = Reserve(weights->hidden_size, weights->padded_vocab_size,
                             !weights->bias.empty());
@@ -127,16 +135,17 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
   auto placed = options_.place(weights);
   const absl::Duration place_time = absl::Now() - place_start;
   if (!placed.ok()) {
-    return absl::Status(placed.status().code(),
-                        absl::StrCat("placing the weights: ", placed.status().message()));
+    return absl::Status(
+        placed.status().code(),
+        absl::StrCat("placing the weights: ", placed.status().message()));
   }
   // The reservation now belongs to the placed weights: released when the
   // last request holding them is answered.
   const LogpModel* raw_placed = placed->get();
   std::shared_ptr<const LogpModel> tracked(
-      raw_placed, [held = *std::move(placed), tracker = reservation.tracker_,
-                      bytes = std::exchange(reservation.bytes_, 0)](
-                         const LogpModel*) mutable {
+      raw_placed,
+      [held = *std::move(placed), tracker = reservation.tracker_,
+       bytes = std::exchange(reservation.bytes_, 0)](const LogpModel*) mutable {
         held.reset();
         tracker->Release(bytes);
       });
@@ -182,7 +191,8 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("persisting: ", s.message()));
     }
-    version->persisted = options_.store != nullptr && options_.store->writable();
+    version->persisted =
+        options_.store != nullptr && options_.store->writable();
   }
   version->persisted = version->persisted || origin.on_disk;
   const absl::Duration persist_time = absl::Now() - persist_start;
@@ -198,11 +208,12 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
     }
   }
   RemoveFiles(model, retired);
-  spdlog::info("model {} version {} ready ({}; weights {}, key {}; placed in {:.3f} s, "
-               "warmed up in {:.3f} s, persisted in {:.3f} s)",
-               model, version->version, version->source, version->weights_sha256,
-               version->determinism_key, absl::ToDoubleSeconds(place_time),
-               absl::ToDoubleSeconds(warm_time), absl::ToDoubleSeconds(persist_time));
+  spdlog::info(
+      "model {} version {} ready ({}; weights {}, key {}; placed in {:.3f} s, "
+      "warmed up in {:.3f} s, persisted in {:.3f} s)",
+      model, version->version, version->source, version->weights_sha256,
+      version->determinism_key, absl::ToDoubleSeconds(place_time),
+      absl::ToDoubleSeconds(warm_time), absl::ToDoubleSeconds(persist_time));
   return status;
 }
 
@@ -221,18 +232,21 @@ absl::Status ModelManager::CheckVersionNumber(const std::string& model,
   }
   if (version == 0) return absl::OkStatus();
   const int64_t next = NextVersion(model);
-  return version >= next ? absl::OkStatus() : VersionTaken(model, version, next);
+  return version >= next ? absl::OkStatus()
+                         : VersionTaken(model, version, next);
 }
 
 void ModelManager::RetireLocked(const std::string& name, Model& model,
                                 int64_t version) {
   auto it = model.ready.find(version);
   if (it == model.ready.end()) return;
-  spdlog::info("model {} version {} unloading (new requests refused; {} in flight)",
-               name, version, it->second.use_count() - 1);
-  unloading_.erase(std::remove_if(unloading_.begin(), unloading_.end(),
-                                  [](const Unloading& u) { return u.handle.expired(); }),
-                   unloading_.end());
+  spdlog::info(
+      "model {} version {} unloading (new requests refused; {} in flight)",
+      name, version, it->second.use_count() - 1);
+  unloading_.erase(
+      std::remove_if(unloading_.begin(), unloading_.end(),
+                     [](const Unloading& u) { return u.handle.expired(); }),
+      unloading_.end());
   unloading_.push_back(Unloading{name, version, it->second});
   model.ready.erase(it);
 }
@@ -251,14 +265,16 @@ void ModelManager::RemoveFiles(const std::string& name,
 absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
   if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
   if (version <= 0) {
-    return absl::InvalidArgumentError("model_version: name the version to unload (> 0)");
+    return absl::InvalidArgumentError(
+        "model_version: name the version to unload (> 0)");
   }
   std::weak_ptr<const ServedVersion> watched;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model);
     if (it == models_.end()) {
-      return absl::NotFoundError(absl::StrCat("model: no model '", model, "' is loaded"));
+      return absl::NotFoundError(
+          absl::StrCat("model: no model '", model, "' is loaded"));
     }
     auto v = it->second.ready.find(version);
     if (v == it->second.ready.end()) {
@@ -267,9 +283,10 @@ absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
     }
     if (model == options_.default_model && it->second.ready.size() == 1) {
       // Requests without a model would all fail while health says SERVING.
-      return absl::FailedPreconditionError(absl::StrCat(
-          "model_version: ", version, " is the default model's only ready version; "
-          "publish another before unloading it"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("model_version: ", version,
+                       " is the default model's only ready version; "
+                       "publish another before unloading it"));
     }
     watched = v->second;
     RetireLocked(model, it->second, version);
@@ -293,8 +310,8 @@ absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
   return absl::OkStatus();
 }
 
-detlogp::v1::ModelVersionStatus ModelManager::StatusOf(const ServedVersion& version,
-                                                       bool ready) const {
+detlogp::v1::ModelVersionStatus ModelManager::StatusOf(
+    const ServedVersion& version, bool ready) const {
   detlogp::v1::ModelVersionStatus status;
   status.set_version(version.version);
   status.set_state(ready ? detlogp::v1::ModelVersionStatus::READY
@@ -311,9 +328,9 @@ detlogp::v1::ModelVersionStatus ModelManager::StatusOf(const ServedVersion& vers
   return status;
 }
 
-detlogp::v1::ModelInfo ModelManager::DescribeLocked(const std::string& name,
-                                                    const Model& model,
-                                                    const ServedVersion& at) const {
+detlogp::v1::ModelInfo ModelManager::DescribeLocked(
+    const std::string& name, const Model& model,
+    const ServedVersion& at) const {
   detlogp::v1::ModelInfo info;
   info.set_model(name);
   info.set_model_version(at.version);
@@ -341,19 +358,21 @@ detlogp::v1::ModelInfo ModelManager::DescribeLocked(const std::string& name,
     *status = StatusOf(*handle, /*ready=*/false);
     status->set_requests_in_flight(handle.use_count() - 1);  // minus `handle`
   }
-  std::sort(info.mutable_versions()->begin(), info.mutable_versions()->end(),
-            [](const auto& a, const auto& b) { return a.version() < b.version(); });
+  std::sort(
+      info.mutable_versions()->begin(), info.mutable_versions()->end(),
+      [](const auto& a, const auto& b) { return a.version() < b.version(); });
   return info;
 }
 
-absl::StatusOr<detlogp::v1::ModelInfo> ModelManager::Describe(absl::string_view model,
-                                                              int64_t version) const {
+absl::StatusOr<detlogp::v1::ModelInfo> ModelManager::Describe(
+    absl::string_view model, int64_t version) const {
   auto handle = Resolve(model, version);
   if (!handle.ok()) return handle.status();
   absl::ReaderMutexLock lock(&mu_);
   auto it = models_.find((*handle)->model);
   if (it == models_.end()) {
-    return absl::NotFoundError(absl::StrCat("model: '", (*handle)->model, "' was unloaded"));
+    return absl::NotFoundError(
+        absl::StrCat("model: '", (*handle)->model, "' was unloaded"));
   }
   return DescribeLocked((*handle)->model, it->second, **handle);
 }

@@ -173,7 +173,8 @@ class ModelManager {
   void NumberAbove(const std::string& model, int64_t version);
   // OK when `version` (0: the next) may be published for `model`: explicit
   // numbers must be above every number the model has had.
-  absl::Status CheckVersionNumber(const std::string& model, int64_t version) const;
+  absl::Status CheckVersionNumber(const std::string& model,
+                                  int64_t version) const;
   int64_t reserved_bytes() const;
 
   // ---- Implementation details; API users need not read further. ----
@@ -194,7 +195,8 @@ class ModelManager {
                                    int64_t next);
   detlogp::v1::ModelVersionStatus StatusOf(const ServedVersion& version,
                                            bool ready) const;
-  detlogp::v1::ModelInfo DescribeLocked(const std::string& name, const Model& model,
+  detlogp::v1::ModelInfo DescribeLocked(const std::string& name,
+                                        const Model& model,
                                         const ServedVersion& at) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Moves a version out of routing (its files go with RemoveFiles).
@@ -202,7 +204,8 @@ class ModelManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Outside mu_: unlinking a 1.2 GB file took 0.3-0.4 s on the H200 host,
   // and every request resolves its version under mu_.
-  void RemoveFiles(const std::string& name, const std::vector<int64_t>& versions);
+  void RemoveFiles(const std::string& name,
+                   const std::vector<int64_t>& versions);
 
   const Options options_;
   std::shared_ptr<Tracker> tracker_;

@@ -84,7 +84,8 @@ absl::Status RemoveTree(const std::string& path) {
 }
 
 absl::Status WriteFileSynced(const std::string& path, const std::string& text) {
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd =
+      open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return ErrnoStatus("create", path);
   size_t written = 0;
   while (written < text.size()) {
@@ -103,10 +104,12 @@ absl::Status WriteFileSynced(const std::string& path, const std::string& text) {
 
 std::string ManifestText(const StoredVersion& stored, const std::string& root) {
   std::string relative = stored.source.path;
-  if (absl::StartsWith(relative, root + "/")) relative = relative.substr(root.size() + 1);
-  return absl::StrCat("format=detlogp-model-version-1\n", "model=", stored.model,
-                      "\n", "version=", stored.version, "\n", "path=", relative,
-                      "\n", "lm_head_tensor=", stored.source.weight_tensor, "\n",
+  if (absl::StartsWith(relative, root + "/"))
+    relative = relative.substr(root.size() + 1);
+  return absl::StrCat("format=detlogp-model-version-1\n",
+                      "model=", stored.model, "\n", "version=", stored.version,
+                      "\n", "path=", relative, "\n",
+                      "lm_head_tensor=", stored.source.weight_tensor, "\n",
                       "bias_tensor=", stored.source.bias_tensor, "\n",
                       "vocab_size=", stored.source.vocab_size, "\n",
                       "weights_sha256=", stored.weights_sha256, "\n");
@@ -116,15 +119,22 @@ absl::StatusOr<StoredVersion> ParseManifest(const std::string& text) {
   StoredVersion stored;
   std::string format;
   for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipEmpty())) {
-    std::pair<std::string, std::string> kv = absl::StrSplit(line, absl::MaxSplits('=', 1));
+    std::pair<std::string, std::string> kv =
+        absl::StrSplit(line, absl::MaxSplits('=', 1));
     const std::string& key = kv.first;
     const std::string& value = kv.second;
-    if (key == "format") format = value;
-    else if (key == "model") stored.model = value;
-    else if (key == "path") stored.source.path = value;
-    else if (key == "lm_head_tensor") stored.source.weight_tensor = value;
-    else if (key == "bias_tensor") stored.source.bias_tensor = value;
-    else if (key == "weights_sha256") stored.weights_sha256 = value;
+    if (key == "format")
+      format = value;
+    else if (key == "model")
+      stored.model = value;
+    else if (key == "path")
+      stored.source.path = value;
+    else if (key == "lm_head_tensor")
+      stored.source.weight_tensor = value;
+    else if (key == "bias_tensor")
+      stored.source.bias_tensor = value;
+    else if (key == "weights_sha256")
+      stored.weights_sha256 = value;
     else if (key == "version" && !absl::SimpleAtoi(value, &stored.version)) {
       return absl::DataLossError("bad version");
     } else if (key == "vocab_size" &&
@@ -144,10 +154,10 @@ absl::StatusOr<StoredVersion> ParseManifest(const std::string& text) {
 std::string SafetensorsPreamble(int64_t hidden_size, int64_t padded_vocab_size,
                                 bool has_bias) {
   const uint64_t weight_bytes = padded_vocab_size * hidden_size * 2;
-  std::string json = absl::StrCat(
-      "{\"", kUploadedWeightTensor, "\":{\"dtype\":\"BF16\",\"shape\":[",
-      padded_vocab_size, ",", hidden_size, "],\"data_offsets\":[0,", weight_bytes,
-      "]}");
+  std::string json =
+      absl::StrCat("{\"", kUploadedWeightTensor,
+                   "\":{\"dtype\":\"BF16\",\"shape\":[", padded_vocab_size, ",",
+                   hidden_size, "],\"data_offsets\":[0,", weight_bytes, "]}");
   if (has_bias) {
     absl::StrAppend(&json, ",\"", kUploadedBiasTensor,
                     "\":{\"dtype\":\"F32\",\"shape\":[", padded_vocab_size,
@@ -158,17 +168,20 @@ std::string SafetensorsPreamble(int64_t hidden_size, int64_t padded_vocab_size,
   while (json.size() % 8 != 0) json += ' ';  // aligns the data section
   std::string preamble(8, '\0');
   uint64_t length = json.size();
-  for (int i = 0; i < 8; ++i) preamble[i] = static_cast<char>(length >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    preamble[i] = static_cast<char>(length >> (8 * i));
   return preamble + json;
 }
 
 }  // namespace
 
-absl::Status ValidateModelName(absl::string_view name, absl::string_view field) {
+absl::Status ValidateModelName(absl::string_view name,
+                               absl::string_view field) {
   const bool ok_length = !name.empty() && name.size() <= 64;
   bool ok_chars = ok_length && absl::ascii_isalnum(name[0]);
   for (char c : name) {
-    ok_chars = ok_chars && (absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-');
+    ok_chars = ok_chars &&
+               (absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-');
   }
   if (!ok_chars) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -182,7 +195,8 @@ VersionWriter::~VersionWriter() {
   if (fd_ >= 0) close(fd_);
   if (!committed_ && !temp_dir_.empty()) {
     if (absl::Status s = RemoveTree(temp_dir_); !s.ok()) {
-      spdlog::warn("could not remove {}: {}", temp_dir_, std::string(s.message()));
+      spdlog::warn("could not remove {}: {}", temp_dir_,
+                   std::string(s.message()));
     }
   }
 }
@@ -223,12 +237,14 @@ absl::Status VersionWriter::Commit(int64_t version,
   stored.source.bias_tensor = has_bias_ ? kUploadedBiasTensor : "";
   stored.source.vocab_size = vocab_size_;
   stored.weights_sha256 = weights_sha256;
-  if (absl::Status s = WriteFileSynced(absl::StrCat(temp_dir_, "/", kManifestName),
-                                       ManifestText(stored, root_));
+  if (absl::Status s =
+          WriteFileSynced(absl::StrCat(temp_dir_, "/", kManifestName),
+                          ManifestText(stored, root_));
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = FsyncPath(temp_dir_, O_RDONLY | O_DIRECTORY); !s.ok()) return s;
+  if (absl::Status s = FsyncPath(temp_dir_, O_RDONLY | O_DIRECTORY); !s.ok())
+    return s;
   if (rename(temp_dir_.c_str(), final_dir.c_str()) != 0) {
     return ErrnoStatus("rename", temp_dir_);
   }
@@ -236,14 +252,16 @@ absl::Status VersionWriter::Commit(int64_t version,
   return FsyncPath(model_dir, O_RDONLY | O_DIRECTORY);
 }
 
-absl::StatusOr<std::unique_ptr<ModelStore>> ModelStore::Open(const std::string& root) {
+absl::StatusOr<std::unique_ptr<ModelStore>> ModelStore::Open(
+    const std::string& root) {
   auto canonical = RealPath(root);
   if (!canonical.ok() || !IsDirectory(*canonical)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--model_root=", root, ": not an existing directory"));
   }
   const bool writable = access(canonical->c_str(), W_OK) == 0;
-  auto store = std::unique_ptr<ModelStore>(new ModelStore(*canonical, writable));
+  auto store =
+      std::unique_ptr<ModelStore>(new ModelStore(*canonical, writable));
   if (writable) {
     for (const std::string& model : ListDirectory(*canonical)) {
       const std::string model_dir = absl::StrCat(*canonical, "/", model);
@@ -253,7 +271,8 @@ absl::StatusOr<std::unique_ptr<ModelStore>> ModelStore::Open(const std::string& 
         const std::string path = absl::StrCat(model_dir, "/", entry);
         spdlog::info("model root: removing an interrupted write {}", path);
         if (absl::Status s = RemoveTree(path); !s.ok()) {
-          spdlog::warn("could not remove {}: {}", path, std::string(s.message()));
+          spdlog::warn("could not remove {}: {}", path,
+                       std::string(s.message()));
         }
       }
     }
@@ -261,14 +280,15 @@ absl::StatusOr<std::unique_ptr<ModelStore>> ModelStore::Open(const std::string& 
   return store;
 }
 
-absl::StatusOr<std::string> ModelStore::ResolveInside(absl::string_view relative,
-                                                      absl::string_view field) const {
+absl::StatusOr<std::string> ModelStore::ResolveInside(
+    absl::string_view relative, absl::string_view field) const {
   if (relative.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": empty path"));
   }
   const auto denied = [&](absl::string_view why) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        field, ": '", relative, "' ", why, "; paths are relative to --model_root"));
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, ": '", relative, "' ", why,
+                     "; paths are relative to --model_root"));
   };
   if (relative[0] == '/') return denied("is absolute");
   for (absl::string_view part : absl::StrSplit(relative, '/')) {
@@ -277,8 +297,8 @@ absl::StatusOr<std::string> ModelStore::ResolveInside(absl::string_view relative
   const std::string joined = absl::StrCat(root_, "/", relative);
   auto resolved = RealPath(joined);
   if (!resolved.ok()) {
-    return absl::NotFoundError(absl::StrCat(field, ": '", relative,
-                                            "' does not exist under --model_root"));
+    return absl::NotFoundError(absl::StrCat(
+        field, ": '", relative, "' does not exist under --model_root"));
   }
   // Symlinks are followed by realpath; the target must still be inside.
   if (!absl::StartsWith(*resolved, root_ + "/")) {
@@ -292,11 +312,13 @@ absl::StatusOr<std::string> ModelStore::ResolveInside(absl::string_view relative
   return *resolved;
 }
 
-std::map<std::string, std::vector<StoredVersion>> ModelStore::ListVersions() const {
+std::map<std::string, std::vector<StoredVersion>> ModelStore::ListVersions()
+    const {
   std::map<std::string, std::vector<StoredVersion>> out;
   for (const std::string& model : ListDirectory(root_)) {
     const std::string model_dir = absl::StrCat(root_, "/", model);
-    if (!ValidateModelName(model, "dir").ok() || !IsDirectory(model_dir)) continue;
+    if (!ValidateModelName(model, "dir").ok() || !IsDirectory(model_dir))
+      continue;
     std::map<int64_t, StoredVersion> versions;
     for (const std::string& entry : ListDirectory(model_dir)) {
       int64_t version = 0;
@@ -307,20 +329,24 @@ std::map<std::string, std::vector<StoredVersion>> ModelStore::ListVersions() con
       std::stringstream text;
       text << in.rdbuf();
       auto stored = ParseManifest(text.str());
-      if (!in || !stored.ok() || stored->model != model || stored->version != version) {
-        spdlog::warn("model root: skipping {}: unreadable manifest", manifest_path);
+      if (!in || !stored.ok() || stored->model != model ||
+          stored->version != version) {
+        spdlog::warn("model root: skipping {}: unreadable manifest",
+                     manifest_path);
         continue;
       }
       // Paths in manifests are relative to the root and must stay inside.
       auto path = ResolveInside(stored->source.path, "MANIFEST path");
       if (!path.ok()) {
-        spdlog::warn("model root: skipping {}: {}", manifest_path, std::string(path.status().message()));
+        spdlog::warn("model root: skipping {}: {}", manifest_path,
+                     std::string(path.status().message()));
         continue;
       }
       stored->source.path = *path;
       versions.emplace(version, *std::move(stored));
     }
-    for (auto& [version, stored] : versions) out[model].push_back(std::move(stored));
+    for (auto& [version, stored] : versions)
+      out[model].push_back(std::move(stored));
   }
   return out;
 }
@@ -340,12 +366,15 @@ absl::StatusOr<std::unique_ptr<VersionWriter>> ModelStore::BeginUpload(
   auto temp_dir = MakeTempVersionDir(model);
   if (!temp_dir.ok()) return temp_dir.status();
   writer->temp_dir_ = *std::move(temp_dir);
-  const std::string file = absl::StrCat(writer->temp_dir_, "/", kWeightsFileName);
-  writer->fd_ = open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const std::string file =
+      absl::StrCat(writer->temp_dir_, "/", kWeightsFileName);
+  writer->fd_ =
+      open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (writer->fd_ < 0) return ErrnoStatus("create", file);
   const std::string preamble =
       SafetensorsPreamble(hidden_size, padded_vocab_size, has_bias);
-  if (absl::Status s = writer->Append(preamble.data(), preamble.size()); !s.ok()) {
+  if (absl::Status s = writer->Append(preamble.data(), preamble.size());
+      !s.ok()) {
     return s;
   }
   return writer;
@@ -358,8 +387,8 @@ absl::StatusOr<std::string> ModelStore::MakeTempVersionDir(
     return ErrnoStatus("mkdir", model_dir);
   }
   std::random_device random;
-  const std::string temp_dir = absl::StrCat(model_dir, "/", kTempPrefix,
-                                            absl::Hex(random()), absl::Hex(random()));
+  const std::string temp_dir = absl::StrCat(
+      model_dir, "/", kTempPrefix, absl::Hex(random()), absl::Hex(random()));
   if (mkdir(temp_dir.c_str(), 0755) != 0) return ErrnoStatus("mkdir", temp_dir);
   return temp_dir;
 }
@@ -373,8 +402,8 @@ absl::Status ModelStore::RecordLoaded(const std::string& model, int64_t version,
   const std::string& temp_dir = *made;
   const std::string model_dir = absl::StrCat(root_, "/", model);
   StoredVersion stored{model, version, source, weights_sha256};
-  absl::Status s =
-      WriteFileSynced(absl::StrCat(temp_dir, "/", kManifestName), ManifestText(stored, root_));
+  absl::Status s = WriteFileSynced(absl::StrCat(temp_dir, "/", kManifestName),
+                                   ManifestText(stored, root_));
   if (s.ok()) s = FsyncPath(temp_dir, O_RDONLY | O_DIRECTORY);
   const std::string final_dir = absl::StrCat(model_dir, "/", version);
   if (s.ok() && rename(temp_dir.c_str(), final_dir.c_str()) != 0) {

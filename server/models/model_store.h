@@ -35,7 +35,7 @@ absl::Status ValidateModelName(absl::string_view name, absl::string_view field);
 struct StoredVersion {
   std::string model;
   int64_t version = 0;
-  LmHeadSource source;       // path absolute (resolved inside the root)
+  LmHeadSource source;  // path absolute (resolved inside the root)
   std::string weights_sha256;
 };
 
@@ -75,7 +75,8 @@ class ModelStore {
  public:
   // `root` must be an existing directory. Removes temporary directories a
   // crash left behind.
-  static absl::StatusOr<std::unique_ptr<ModelStore>> Open(const std::string& root);
+  static absl::StatusOr<std::unique_ptr<ModelStore>> Open(
+      const std::string& root);
 
   const std::string& root() const { return root_; }
   bool writable() const { return writable_; }
@@ -92,8 +93,8 @@ class ModelStore {
   // Starts writing an uploaded version of shape [padded_vocab, hidden] bf16
   // (+ fp32 bias); its number is given at Commit.
   absl::StatusOr<std::unique_ptr<VersionWriter>> BeginUpload(
-      const std::string& model, int64_t hidden_size,
-      int64_t vocab_size, int64_t padded_vocab_size, bool has_bias);
+      const std::string& model, int64_t hidden_size, int64_t vocab_size,
+      int64_t padded_vocab_size, bool has_bias);
 
   // Records a version loaded from a file already under the root: only a
   // MANIFEST naming it (no copy of the weights).
@@ -106,7 +107,8 @@ class ModelStore {
 
  private:
   // Creates <root>/<model>/.tmp-<nonce>/.
-  absl::StatusOr<std::string> MakeTempVersionDir(const std::string& model) const;
+  absl::StatusOr<std::string> MakeTempVersionDir(
+      const std::string& model) const;
 
   explicit ModelStore(std::string root, bool writable)
       : root_(std::move(root)), writable_(writable) {}

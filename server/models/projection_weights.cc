@@ -14,8 +14,8 @@ namespace {
 
 void ComputeDigest(ProjectionWeights* weights) {
   digests::Sha256 hash;
-  hash.Update(absl::StrCat("detlogp-h3-projection-v1 bias=",
-                           weights->bias.empty() ? 0 : 1, "\n"));
+  hash.Update(absl::StrCat(
+      "detlogp-h3-projection-v1 bias=", weights->bias.empty() ? 0 : 1, "\n"));
   hash.Update(weights->weight.data(), weights->weight.size() * sizeof(float));
   hash.Update(weights->bias.data(), weights->bias.size() * sizeof(float));
   weights->sha256 = hash.HexDigest();
@@ -48,18 +48,21 @@ absl::StatusOr<ProjectionWeights> LoadProjectionWeights(
                                             "' (--projection_weight_tensor)"));
   }
   ProjectionWeights weights;
-  auto weight = ReadF32(*file, source.weight_tensor,
-                        {kernels::kProjectionOutDim, kernels::kProjectionInDim});
+  auto weight =
+      ReadF32(*file, source.weight_tensor,
+              {kernels::kProjectionOutDim, kernels::kProjectionInDim});
   if (!weight.ok()) return weight.status();
   weights.weight = *std::move(weight);
-  if (!source.bias_tensor.empty() && file->tensors().count(source.bias_tensor)) {
-    auto bias = ReadF32(*file, source.bias_tensor, {kernels::kProjectionOutDim});
+  if (!source.bias_tensor.empty() &&
+      file->tensors().count(source.bias_tensor)) {
+    auto bias =
+        ReadF32(*file, source.bias_tensor, {kernels::kProjectionOutDim});
     if (!bias.ok()) return bias.status();
     weights.bias = *std::move(bias);
   }
-  weights.description = absl::StrCat(source.path, " (", source.weight_tensor,
-                                     weights.bias.empty() ? ", no bias" : ", bias",
-                                     ")");
+  weights.description =
+      absl::StrCat(source.path, " (", source.weight_tensor,
+                   weights.bias.empty() ? ", no bias" : ", bias", ")");
   ComputeDigest(&weights);
   return weights;
 }

@@ -107,11 +107,13 @@ class HeaderReader {
       negative = true;
       ++pos_;
     }
-    if (pos_ >= text_.size() || !isdigit(static_cast<unsigned char>(text_[pos_]))) {
+    if (pos_ >= text_.size() ||
+        !isdigit(static_cast<unsigned char>(text_[pos_]))) {
       return false;
     }
     uint64_t magnitude = 0;
-    while (pos_ < text_.size() && isdigit(static_cast<unsigned char>(text_[pos_]))) {
+    while (pos_ < text_.size() &&
+           isdigit(static_cast<unsigned char>(text_[pos_]))) {
       const uint64_t digit = text_[pos_++] - '0';
       if (magnitude > (std::numeric_limits<int64_t>::max() - digit) / 10) {
         return false;
@@ -137,7 +139,9 @@ class HeaderReader {
           pos_ += 4;  // names here are ASCII; keep a placeholder
           out->push_back('?');
         } else {
-          out->push_back(escaped == 'n' ? '\n' : escaped == 't' ? '\t' : escaped);
+          out->push_back(escaped == 'n'   ? '\n'
+                         : escaped == 't' ? '\t'
+                                          : escaped);
         }
       } else {
         out->push_back(c);
@@ -180,7 +184,8 @@ class HeaderReader {
   }
 
   void SkipSpace() {
-    while (pos_ < text_.size() && isspace(static_cast<unsigned char>(text_[pos_]))) {
+    while (pos_ < text_.size() &&
+           isspace(static_cast<unsigned char>(text_[pos_]))) {
       ++pos_;
     }
   }
@@ -225,11 +230,13 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   file.file_size_ = static_cast<uint64_t>(in.tellg());
   in.seekg(0);
   uint8_t length_bytes[8];
-  if (file.file_size_ < 8 || !in.read(reinterpret_cast<char*>(length_bytes), 8)) {
+  if (file.file_size_ < 8 ||
+      !in.read(reinterpret_cast<char*>(length_bytes), 8)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": too short"));
   }
   uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | length_bytes[i];
+  for (int i = 7; i >= 0; --i)
+    header_size = (header_size << 8) | length_bytes[i];
   if (header_size > kMaxHeaderBytes || header_size > file.file_size_ - 8) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": header length ", header_size, " is invalid"));
@@ -281,7 +288,8 @@ absl::Status SafetensorsFile::ReadTensorInto(const std::string& name, void* dst,
   auto info = CheckedTensor(name);
   if (!info.ok()) return info.status();
   if ((*info)->data_end - (*info)->data_begin != bytes) {
-    return absl::InternalError(absl::StrCat(path_, ": '", name, "' is not ", bytes, " bytes"));
+    return absl::InternalError(
+        absl::StrCat(path_, ": '", name, "' is not ", bytes, " bytes"));
   }
   const int fd = open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat(path_, ": cannot open"));
@@ -289,7 +297,8 @@ absl::Status SafetensorsFile::ReadTensorInto(const std::string& name, void* dst,
   // few GB/s, a 1.2 GB lm_head takes several times less on eight.
   constexpr uint64_t kRangeBytes = 64 << 20;
   const uint64_t base = data_offset_ + (*info)->data_begin;
-  const int64_t ranges = static_cast<int64_t>((bytes + kRangeBytes - 1) / kRangeBytes);
+  const int64_t ranges =
+      static_cast<int64_t>((bytes + kRangeBytes - 1) / kRangeBytes);
   std::atomic<bool> failed{false};
   kernels::ParallelForRanges(ranges, 8, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last && !failed; ++r) {
@@ -308,7 +317,9 @@ absl::Status SafetensorsFile::ReadTensorInto(const std::string& name, void* dst,
     }
   });
   close(fd);
-  if (failed) return absl::DataLossError(absl::StrCat(path_, ": cannot read '", name, "'"));
+  if (failed)
+    return absl::DataLossError(
+        absl::StrCat(path_, ": cannot read '", name, "'"));
   return absl::OkStatus();
 }
 
@@ -317,7 +328,8 @@ absl::StatusOr<std::vector<uint8_t>> SafetensorsFile::ReadTensor(
   auto info = CheckedTensor(name);
   if (!info.ok()) return info.status();
   std::vector<uint8_t> data((*info)->data_end - (*info)->data_begin);
-  if (absl::Status s = ReadTensorInto(name, data.data(), data.size()); !s.ok()) return s;
+  if (absl::Status s = ReadTensorInto(name, data.data(), data.size()); !s.ok())
+    return s;
   return data;
 }
 
@@ -327,8 +339,8 @@ absl::Status WriteSafetensors(const std::string& path,
   uint64_t offset = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const SafetensorToWrite& t = tensors[i];
-    absl::StrAppend(&header, i == 0 ? "" : ",", "\"", t.name, "\":{\"dtype\":\"",
-                    t.dtype, "\",\"shape\":[");
+    absl::StrAppend(&header, i == 0 ? "" : ",", "\"", t.name,
+                    "\":{\"dtype\":\"", t.dtype, "\",\"shape\":[");
     for (size_t d = 0; d < t.shape.size(); ++d) {
       absl::StrAppend(&header, d == 0 ? "" : ",", t.shape[d]);
     }
@@ -339,9 +351,11 @@ absl::Status WriteSafetensors(const std::string& path,
   header += "}";
   while (header.size() % 8 != 0) header += ' ';
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
+  if (!out)
+    return absl::PermissionDeniedError(absl::StrCat("cannot write ", path));
   uint8_t length_bytes[8];
-  for (int i = 0; i < 8; ++i) length_bytes[i] = (header.size() >> (8 * i)) & 0xff;
+  for (int i = 0; i < 8; ++i)
+    length_bytes[i] = (header.size() >> (8 * i)) & 0xff;
   out.write(reinterpret_cast<const char*>(length_bytes), 8);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   for (const SafetensorToWrite& t : tensors) {

@@ -14,9 +14,9 @@
 namespace detlogp::server {
 
 struct SafetensorInfo {
-  std::string dtype;           // "F32", "BF16", "F16", ...
+  std::string dtype;  // "F32", "BF16", "F16", ...
   std::vector<int64_t> shape;
-  uint64_t data_begin = 0;     // byte offsets into the data section
+  uint64_t data_begin = 0;  // byte offsets into the data section
   uint64_t data_end = 0;
 };
 
@@ -29,12 +29,15 @@ class SafetensorsFile {
     return tensors_;
   }
   // Reads one tensor's bytes, checking that its size matches dtype and shape.
-  absl::StatusOr<std::vector<uint8_t>> ReadTensor(const std::string& name) const;
+  absl::StatusOr<std::vector<uint8_t>> ReadTensor(
+      const std::string& name) const;
   // Reads one tensor's `bytes` bytes (checked as ReadTensor does) into dst.
-  absl::Status ReadTensorInto(const std::string& name, void* dst, size_t bytes) const;
+  absl::Status ReadTensorInto(const std::string& name, void* dst,
+                              size_t bytes) const;
 
  private:
-  absl::StatusOr<const SafetensorInfo*> CheckedTensor(const std::string& name) const;
+  absl::StatusOr<const SafetensorInfo*> CheckedTensor(
+      const std::string& name) const;
 
   std::string path_;
   uint64_t data_offset_ = 0;  // where the data section starts in the file

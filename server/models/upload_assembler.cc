@@ -7,8 +7,8 @@
 
 namespace detlogp::server {
 
-UploadAssembler::UploadAssembler(const digests::LmHeadShape& shape, VersionWriter* writer,
-                                 int hash_threads)
+UploadAssembler::UploadAssembler(const digests::LmHeadShape& shape,
+                                 VersionWriter* writer, int hash_threads)
     : total_bytes_(shape.weight_bytes() + shape.bias_bytes()),
       weights_(std::make_shared<LmHeadWeights>()),
       digest_(shape),
@@ -37,9 +37,10 @@ UploadAssembler::~UploadAssembler() {
 
 const char* UploadAssembler::BlockData(int64_t index) const {
   const digests::LmHeadDigest::Block& block = digest_.block(index);
-  const char* base = block.segment == 0
-                         ? reinterpret_cast<const char*>(weights_->weight.data())
-                         : reinterpret_cast<const char*>(weights_->bias.data());
+  const char* base =
+      block.segment == 0
+          ? reinterpret_cast<const char*>(weights_->weight.data())
+          : reinterpret_cast<const char*>(weights_->bias.data());
   return base + block.offset;
 }
 
@@ -49,7 +50,8 @@ absl::Status UploadAssembler::Append(const void* data, size_t size) {
         "chunk: more bytes than the header announced (", total_bytes_, ")"));
   }
   const char* bytes = static_cast<const char*>(data);
-  const int64_t weight_bytes = static_cast<int64_t>(weights_->weight.size()) * 2;
+  const int64_t weight_bytes =
+      static_cast<int64_t>(weights_->weight.size()) * 2;
   char* weight = reinterpret_cast<char*>(weights_->weight.data());
   char* bias = reinterpret_cast<char*>(weights_->bias.data());
   int64_t left = static_cast<int64_t>(size);
@@ -105,7 +107,8 @@ void UploadAssembler::WriteLoop() {
       absl::MutexLock lock(&mu_);
       if (!AwaitBlock(index)) return;  // stopping
     }
-    absl::Status status = writer_->Append(BlockData(index), digest_.block(index).size);
+    absl::Status status =
+        writer_->Append(BlockData(index), digest_.block(index).size);
     if (!status.ok()) {
       absl::MutexLock lock(&mu_);
       write_status_ = std::move(status);
@@ -116,9 +119,9 @@ void UploadAssembler::WriteLoop() {
 
 absl::StatusOr<std::string> UploadAssembler::Finish() {
   if (received_ != total_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk: the upload ended after ", received_, " of the ", total_bytes_,
-        " bytes the header announced"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk: the upload ended after ", received_, " of the ",
+                     total_bytes_, " bytes the header announced"));
   }
   for (std::thread& thread : threads_) thread.join();
   absl::MutexLock lock(&mu_);

@@ -53,7 +53,8 @@ class UploadAssembler {
   void HashLoop();
   void WriteLoop();
   const char* BlockData(int64_t index) const;
-  bool BlockReadyOrStopping(int64_t index) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+  bool BlockReadyOrStopping(int64_t index) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return stopping_ || blocks_ready_ > index;
   }
 

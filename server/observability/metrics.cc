@@ -49,8 +49,8 @@ ClientMetric Sample(MetricType type, double value,
   return metric;
 }
 
-MetricFamily OneSampleFamily(std::string name, std::string help, MetricType type,
-                             double value) {
+MetricFamily OneSampleFamily(std::string name, std::string help,
+                             MetricType type, double value) {
   MetricFamily family = EmptyFamily(std::move(name), std::move(help), type);
   family.metric.push_back(Sample(type, value));
   return family;
@@ -59,8 +59,8 @@ MetricFamily OneSampleFamily(std::string name, std::string help, MetricType type
 // The family's samples, or an empty family of that name and type when it
 // has none yet (prometheus-cpp lists a family only once it has samples).
 template <typename T>
-MetricFamily CollectFamily(const prometheus::Family<T>& family, const char* help,
-                           MetricType type) {
+MetricFamily CollectFamily(const prometheus::Family<T>& family,
+                           const char* help, MetricType type) {
   std::vector<MetricFamily> collected = family.Collect();
   if (collected.empty()) return EmptyFamily(family.GetName(), help, type);
   return std::move(collected.front());
@@ -74,34 +74,48 @@ void OrderLabels(const std::vector<std::string>& names, MetricFamily* family) {
     return std::find(names.begin(), names.end(), label.name) - names.begin();
   };
   for (ClientMetric& metric : family->metric) {
-    std::stable_sort(metric.label.begin(), metric.label.end(),
-                     [&rank](const ClientMetric::Label& a, const ClientMetric::Label& b) {
-                       return rank(a) < rank(b);
-                     });
+    std::stable_sort(
+        metric.label.begin(), metric.label.end(),
+        [&rank](const ClientMetric::Label& a, const ClientMetric::Label& b) {
+          return rank(a) < rank(b);
+        });
   }
   std::sort(family->metric.begin(), family->metric.end(),
-            [](const ClientMetric& a, const ClientMetric& b) { return a.label < b.label; });
+            [](const ClientMetric& a, const ClientMetric& b) {
+              return a.label < b.label;
+            });
 }
 
-prometheus::Family<prometheus::Counter>& AddCounter(prometheus::Registry& registry,
-                                                    const char* name, const char* help) {
+prometheus::Family<prometheus::Counter>& AddCounter(
+    prometheus::Registry& registry, const char* name, const char* help) {
   return prometheus::BuildCounter().Name(name).Help(help).Register(registry);
 }
 
-prometheus::Family<prometheus::Histogram>& AddHistogram(prometheus::Registry& registry,
-                                                        const char* name, const char* help) {
+prometheus::Family<prometheus::Histogram>& AddHistogram(
+    prometheus::Registry& registry, const char* name, const char* help) {
   return prometheus::BuildHistogram().Name(name).Help(help).Register(registry);
 }
 
 }  // namespace
 
 const char* GrpcCodeName(int code) {
-  static constexpr const char* kNames[] = {
-      "OK",           "CANCELLED",        "UNKNOWN",           "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",   "ALREADY_EXISTS",    "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",  "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",        "UNAVAILABLE",       "DATA_LOSS",
-      "UNAUTHENTICATED"};
+  static constexpr const char* kNames[] = {"OK",
+                                           "CANCELLED",
+                                           "UNKNOWN",
+                                           "INVALID_ARGUMENT",
+                                           "DEADLINE_EXCEEDED",
+                                           "NOT_FOUND",
+                                           "ALREADY_EXISTS",
+                                           "PERMISSION_DENIED",
+                                           "RESOURCE_EXHAUSTED",
+                                           "FAILED_PRECONDITION",
+                                           "ABORTED",
+                                           "OUT_OF_RANGE",
+                                           "UNIMPLEMENTED",
+                                           "INTERNAL",
+                                           "UNAVAILABLE",
+                                           "DATA_LOSS",
+                                           "UNAUTHENTICATED"};
   return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
 }
 
@@ -113,46 +127,59 @@ std::vector<double> PowersOfTwoBounds(double first, int count) {
 
 ServerMetrics::ServerMetrics()
     : registry_(std::make_shared<prometheus::Registry>()),
-      requests_(AddCounter(*registry_, "detlogp_requests_total", kRequestsHelp)),
-      model_rows_(AddCounter(*registry_, "detlogp_model_rows_total", kModelRowsHelp)),
-      batch_rows_(AddHistogram(*registry_, "detlogp_batch_rows", "Rows per batch.")),
+      requests_(
+          AddCounter(*registry_, "detlogp_requests_total", kRequestsHelp)),
+      model_rows_(
+          AddCounter(*registry_, "detlogp_model_rows_total", kModelRowsHelp)),
+      batch_rows_(
+          AddHistogram(*registry_, "detlogp_batch_rows", "Rows per batch.")),
       batch_requests_(AddHistogram(*registry_, "detlogp_batch_requests",
                                    "Request slices per batch.")),
-      queue_delay_seconds_(AddHistogram(*registry_, "detlogp_queue_delay_seconds",
-                                        "Time the oldest slice of a batch waited in the queue.")),
+      queue_delay_seconds_(AddHistogram(
+          *registry_, "detlogp_queue_delay_seconds",
+          "Time the oldest slice of a batch waited in the queue.")),
       gather_seconds_(AddHistogram(*registry_, "detlogp_gather_seconds",
                                    "Time staging a batch's rows.")),
       compute_seconds_(AddHistogram(*registry_, "detlogp_compute_seconds",
                                     "Backend time per batch.")),
       batch_rows_histogram_(batch_rows_.Add({}, PowersOfTwoBounds(1, 15))),
-      batch_requests_histogram_(batch_requests_.Add({}, PowersOfTwoBounds(1, 12))),
+      batch_requests_histogram_(
+          batch_requests_.Add({}, PowersOfTwoBounds(1, 12))),
       queue_delay_seconds_histogram_(
           queue_delay_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
-      gather_seconds_histogram_(gather_seconds_.Add({}, PowersOfTwoBounds(1e-6, 18))),
-      compute_seconds_histogram_(compute_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
-      projection_streams_(AddCounter(*registry_, "detlogp_projection_streams_total",
+      gather_seconds_histogram_(
+          gather_seconds_.Add({}, PowersOfTwoBounds(1e-6, 18))),
+      compute_seconds_histogram_(
+          compute_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
+      projection_streams_(AddCounter(*registry_,
+                                     "detlogp_projection_streams_total",
                                      kProjectionStreamsHelp)),
-      projection_chunks_(AddCounter(*registry_, "detlogp_projection_chunks_total",
+      projection_chunks_(AddCounter(*registry_,
+                                    "detlogp_projection_chunks_total",
                                     kProjectionChunksHelp)),
-      projection_write_seconds_(AddCounter(
-          *registry_, "detlogp_projection_write_seconds_total", kProjectionWriteHelp)),
-      projection_compute_wait_seconds_(
-          AddCounter(*registry_, "detlogp_projection_compute_wait_seconds_total",
-                     kProjectionComputeWaitHelp)),
-      projection_launch_rows_(AddHistogram(*registry_, "detlogp_projection_launch_rows",
+      projection_write_seconds_(
+          AddCounter(*registry_, "detlogp_projection_write_seconds_total",
+                     kProjectionWriteHelp)),
+      projection_compute_wait_seconds_(AddCounter(
+          *registry_, "detlogp_projection_compute_wait_seconds_total",
+          kProjectionComputeWaitHelp)),
+      projection_launch_rows_(AddHistogram(*registry_,
+                                           "detlogp_projection_launch_rows",
                                            "Rows per projection launch.")),
       projection_queue_delay_seconds_(AddHistogram(
           *registry_, "detlogp_projection_queue_delay_seconds",
           "Time the oldest chunk of a projection launch waited in the queue.")),
-      projection_run_seconds_(AddHistogram(*registry_, "detlogp_projection_run_seconds",
-                                           "Backend time per projection launch.")),
+      projection_run_seconds_(
+          AddHistogram(*registry_, "detlogp_projection_run_seconds",
+                       "Backend time per projection launch.")),
       projection_copy_out_seconds_(AddHistogram(
           *registry_, "detlogp_projection_copy_out_seconds",
           "Time copying a projection launch's output into its chunks.")),
       projection_streams_counter_(projection_streams_.Add({})),
       projection_chunks_counter_(projection_chunks_.Add({})),
       projection_write_seconds_counter_(projection_write_seconds_.Add({})),
-      projection_compute_wait_seconds_counter_(projection_compute_wait_seconds_.Add({})),
+      projection_compute_wait_seconds_counter_(
+          projection_compute_wait_seconds_.Add({})),
       projection_launch_rows_histogram_(
           projection_launch_rows_.Add({}, PowersOfTwoBounds(1, 13))),
       projection_queue_delay_seconds_histogram_(
@@ -163,12 +190,14 @@ ServerMetrics::ServerMetrics()
           projection_copy_out_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))) {}
 
 void ServerMetrics::CountRequest(absl::string_view method, int grpc_code) {
-  requests_.Add({{"method", std::string(method)}, {"code", GrpcCodeName(grpc_code)}})
+  requests_
+      .Add({{"method", std::string(method)}, {"code", GrpcCodeName(grpc_code)}})
       .Increment();
 }
 
 void ServerMetrics::CountModelRows(absl::string_view model, int64_t rows) {
-  model_rows_.Add({{"model", std::string(model)}}).Increment(static_cast<double>(rows));
+  model_rows_.Add({{"model", std::string(model)}})
+      .Increment(static_cast<double>(rows));
 }
 
 void ServerMetrics::ObserveBatch(int64_t rows, int64_t requests,
@@ -182,7 +211,8 @@ void ServerMetrics::ObserveBatch(int64_t rows, int64_t requests,
   compute_seconds_histogram_.Observe(compute_seconds);
 }
 
-void ServerMetrics::ObserveProjectionStream(int64_t chunks, double write_seconds,
+void ServerMetrics::ObserveProjectionStream(int64_t chunks,
+                                            double write_seconds,
                                             double compute_wait_seconds) {
   projection_streams_counter_.Increment();
   projection_chunks_counter_.Increment(static_cast<double>(chunks));
@@ -190,7 +220,8 @@ void ServerMetrics::ObserveProjectionStream(int64_t chunks, double write_seconds
   projection_compute_wait_seconds_counter_.Increment(compute_wait_seconds);
 }
 
-void ServerMetrics::ObserveProjectionLaunch(int64_t rows, double queue_delay_seconds,
+void ServerMetrics::ObserveProjectionLaunch(int64_t rows,
+                                            double queue_delay_seconds,
                                             double run_seconds,
                                             double copy_out_seconds) {
   projection_launch_rows_histogram_.Observe(static_cast<double>(rows));
@@ -199,20 +230,24 @@ void ServerMetrics::ObserveProjectionLaunch(int64_t rows, double queue_delay_sec
   projection_copy_out_seconds_histogram_.Observe(copy_out_seconds);
 }
 
-std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot) const {
+std::vector<MetricFamily> ServerMetrics::Collect(
+    const MetricsSnapshot& snapshot) const {
   std::vector<MetricFamily> families;
-  families.push_back(CollectFamily(requests_, kRequestsHelp, MetricType::Counter));
+  families.push_back(
+      CollectFamily(requests_, kRequestsHelp, MetricType::Counter));
   OrderLabels({"method", "code"}, &families.back());
 
-  MetricFamily rows = EmptyFamily("detlogp_rows_total", kRowsHelp, MetricType::Counter);
+  MetricFamily rows =
+      EmptyFamily("detlogp_rows_total", kRowsHelp, MetricType::Counter);
   for (const auto& [outcome, value] :
        {std::pair{"computed", snapshot.rows_computed},
         {"failed", snapshot.rows_failed},
         {"expired", snapshot.rows_expired},
         {"cancelled", snapshot.rows_cancelled},
         {"rejected", snapshot.rows_rejected}}) {
-    rows.metric.push_back(
-        Sample(MetricType::Counter, static_cast<double>(value), {{"outcome", outcome}}));
+    rows.metric.push_back(Sample(MetricType::Counter,
+                                 static_cast<double>(value),
+                                 {{"outcome", outcome}}));
   }
   families.push_back(std::move(rows));
   // Flat aliases, handy for alerts and scripts.
@@ -223,7 +258,8 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
         {"rejected", snapshot.rows_rejected}}) {
     families.push_back(OneSampleFamily(
         absl::StrCat("detlogp_rows_", outcome, "_total"),
-        absl::StrCat("Rows ", outcome, " (detlogp_rows_total{outcome=\"", outcome, "\"})."),
+        absl::StrCat("Rows ", outcome, " (detlogp_rows_total{outcome=\"",
+                     outcome, "\"})."),
         MetricType::Counter, static_cast<double>(value)));
   }
 
@@ -233,20 +269,23 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
     families.push_back(CollectFamily(*histogram, "", MetricType::Histogram));
   }
 
-  families.push_back(OneSampleFamily("detlogp_queue_rows", "Rows waiting in the queue now.",
-                                     MetricType::Gauge,
-                                     static_cast<double>(snapshot.queue_rows)));
   families.push_back(OneSampleFamily(
-      "detlogp_device_memory_used_bytes", "GPU memory in use (0 on the CPU).",
-      MetricType::Gauge, static_cast<double>(snapshot.device_memory_used_bytes)));
+      "detlogp_queue_rows", "Rows waiting in the queue now.", MetricType::Gauge,
+      static_cast<double>(snapshot.queue_rows)));
+  families.push_back(
+      OneSampleFamily("detlogp_device_memory_used_bytes",
+                      "GPU memory in use (0 on the CPU).", MetricType::Gauge,
+                      static_cast<double>(snapshot.device_memory_used_bytes)));
 
-  families.push_back(CollectFamily(model_rows_, kModelRowsHelp, MetricType::Counter));
+  families.push_back(
+      CollectFamily(model_rows_, kModelRowsHelp, MetricType::Counter));
   OrderLabels({"model"}, &families.back());
-  MetricFamily latest = EmptyFamily("detlogp_model_latest_version",
-                                    "Newest ready version, by model.", MetricType::Gauge);
-  MetricFamily ready = EmptyFamily("detlogp_model_ready_versions",
-                                   "Versions answering requests, by model.",
-                                   MetricType::Gauge);
+  MetricFamily latest =
+      EmptyFamily("detlogp_model_latest_version",
+                  "Newest ready version, by model.", MetricType::Gauge);
+  MetricFamily ready =
+      EmptyFamily("detlogp_model_ready_versions",
+                  "Versions answering requests, by model.", MetricType::Gauge);
   for (const MetricsSnapshot::Model& model : snapshot.models) {
     latest.metric.push_back(Sample(MetricType::Gauge,
                                    static_cast<double>(model.latest_version),
@@ -258,8 +297,8 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
   families.push_back(std::move(latest));
   families.push_back(std::move(ready));
   families.push_back(OneSampleFamily(
-      "detlogp_model_memory_bytes", "Bytes held by model versions.", MetricType::Gauge,
-      static_cast<double>(snapshot.model_memory_bytes)));
+      "detlogp_model_memory_bytes", "Bytes held by model versions.",
+      MetricType::Gauge, static_cast<double>(snapshot.model_memory_bytes)));
 
   for (const auto& [family, help] :
        {std::pair{&projection_streams_, kProjectionStreamsHelp},
@@ -284,8 +323,8 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
   for (const auto& [source, value] : {std::pair{"cache", buffers.cached},
                                       {"new", buffers.allocated},
                                       {"heap", buffers.heap}}) {
-    taken.metric.push_back(
-        Sample(MetricType::Counter, static_cast<double>(value), {{"source", source}}));
+    taken.metric.push_back(Sample(
+        MetricType::Counter, static_cast<double>(value), {{"source", source}}));
   }
   families.push_back(std::move(taken));
   families.push_back(OneSampleFamily(
@@ -295,8 +334,8 @@ std::vector<MetricFamily> ServerMetrics::Collect(const MetricsSnapshot& snapshot
       MetricType::Counter, static_cast<double>(buffers.freed)));
   families.push_back(OneSampleFamily(
       "detlogp_projection_chunk_buffer_cache_bytes",
-      "Bytes of chunk-buffer memory held idle for reuse now.", MetricType::Gauge,
-      static_cast<double>(buffers.cache_bytes)));
+      "Bytes of chunk-buffer memory held idle for reuse now.",
+      MetricType::Gauge, static_cast<double>(buffers.cache_bytes)));
   return families;
 }
 

@@ -8,18 +8,18 @@
 //   detlogp_rows_{computed,expired,cancelled,rejected}_total
 //                                            the same, flat (alerts, scripts)
 //   detlogp_batch_rows                       histogram of rows per batch
-//   detlogp_batch_requests                   histogram of request slices per batch
-//   detlogp_queue_delay_seconds              histogram: oldest slice's wait
-//   detlogp_gather_seconds                   histogram: staging a batch's rows
-//   detlogp_compute_seconds                  histogram: backend time per batch
-//   detlogp_queue_rows                       gauge: rows waiting now
-//   detlogp_device_memory_used_bytes         gauge: GPU memory in use (0 on CPU)
-//   detlogp_model_rows_total{model}          rows answered, by model
+//   detlogp_batch_requests                   histogram of request slices per
+//   batch detlogp_queue_delay_seconds              histogram: oldest slice's
+//   wait detlogp_gather_seconds                   histogram: staging a batch's
+//   rows detlogp_compute_seconds                  histogram: backend time per
+//   batch detlogp_queue_rows                       gauge: rows waiting now
+//   detlogp_device_memory_used_bytes         gauge: GPU memory in use (0 on
+//   CPU) detlogp_model_rows_total{model}          rows answered, by model
 //   detlogp_model_latest_version{model}      gauge: newest ready version
 //   detlogp_model_ready_versions{model}      gauge: versions answering requests
-//   detlogp_model_memory_bytes               gauge: bytes held by model versions
-//   detlogp_projection_streams_total         projection streams finished
-//   detlogp_projection_chunks_total          projection chunks written
+//   detlogp_model_memory_bytes               gauge: bytes held by model
+//   versions detlogp_projection_streams_total         projection streams
+//   finished detlogp_projection_chunks_total          projection chunks written
 //   detlogp_projection_write_seconds_total   stream time with a write in flight
 //   detlogp_projection_compute_wait_seconds_total
 //                                            stream time with nothing to write:
@@ -112,7 +112,8 @@ class ServerMetrics {
   // Every family, in the order of the list above, with the counted values
   // and those of `snapshot`. A family without samples yet (no call
   // finished) is still listed, with its type.
-  std::vector<prometheus::MetricFamily> Collect(const MetricsSnapshot& snapshot) const;
+  std::vector<prometheus::MetricFamily> Collect(
+      const MetricsSnapshot& snapshot) const;
   // Collect(snapshot) in the Prometheus text exposition format (0.0.4).
   std::string Render(const MetricsSnapshot& snapshot) const;
 

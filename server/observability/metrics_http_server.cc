@@ -27,33 +27,37 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV | AI_PASSIVE;
   addrinfo* found = nullptr;
-  if (getaddrinfo(options.host.c_str(), std::to_string(options.port).c_str(), &hints,
-                  &found) != 0 ||
+  if (getaddrinfo(options.host.c_str(), std::to_string(options.port).c_str(),
+                  &hints, &found) != 0 ||
       found == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "metrics: ", options.host, " is not an IPv4 or IPv6 address"));
   }
   std::unique_ptr<addrinfo, void (*)(addrinfo*)> address(found, freeaddrinfo);
   const std::string where = absl::StrCat(
-      address->ai_family == AF_INET6 ? absl::StrCat("[", options.host, "]") : options.host,
+      address->ai_family == AF_INET6 ? absl::StrCat("[", options.host, "]")
+                                     : options.host,
       ":", options.port);
-  server->listen_fd_ =
-      socket(address->ai_family, SOCK_STREAM | SOCK_CLOEXEC, address->ai_protocol);
+  server->listen_fd_ = socket(address->ai_family, SOCK_STREAM | SOCK_CLOEXEC,
+                              address->ai_protocol);
   if (server->listen_fd_ < 0) {
-    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", where,
-                                               ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat(
+        "metrics: cannot listen on ", where, ": ", std::strerror(errno)));
   }
   const int one = 1;
-  if (setsockopt(server->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+  if (setsockopt(server->listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one,
+                 sizeof(one)) != 0 ||
       bind(server->listen_fd_, address->ai_addr, address->ai_addrlen) != 0 ||
       listen(server->listen_fd_, 16) != 0) {
-    return absl::UnavailableError(absl::StrCat("metrics: cannot listen on ", where,
-                                               ": ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat(
+        "metrics: cannot listen on ", where, ": ", std::strerror(errno)));
   }
   sockaddr_storage bound{};
   socklen_t length = sizeof(bound);
-  if (getsockname(server->listen_fd_, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
-    return absl::InternalError(absl::StrCat("metrics: getsockname: ", std::strerror(errno)));
+  if (getsockname(server->listen_fd_, reinterpret_cast<sockaddr*>(&bound),
+                  &length) != 0) {
+    return absl::InternalError(
+        absl::StrCat("metrics: getsockname: ", std::strerror(errno)));
   }
   server->port_ = ntohs(bound.ss_family == AF_INET6
                             ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
@@ -83,7 +87,8 @@ void MetricsHttpServer::HandleConnection(int fd) {
   // Read the request head (bounded in size and time).
   std::string request;
   char buffer[2048];
-  while (request.size() < 16384 && request.find("\r\n\r\n") == std::string::npos) {
+  while (request.size() < 16384 &&
+         request.find("\r\n\r\n") == std::string::npos) {
     pollfd ready{fd, POLLIN, 0};
     if (poll(&ready, 1, 2000) <= 0) return;
     const ssize_t n = read(fd, buffer, sizeof(buffer));

@@ -22,10 +22,11 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile(
-    const std::string& path) {
+absl::StatusOr<std::unique_ptr<TokenAuthenticator>>
+TokenAuthenticator::FromFile(const std::string& path) {
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read tokens file ", path));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat("cannot read tokens file ", path));
   std::vector<std::string> tokens;
   std::string line;
   while (std::getline(in, line)) {
@@ -50,7 +51,8 @@ absl::Status TokenAuthenticator::Check(
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {
-    return absl::UnauthenticatedError("missing 'authorization: Bearer <token>'");
+    return absl::UnauthenticatedError(
+        "missing 'authorization: Bearer <token>'");
   }
   const std::string value(it->second.data(), it->second.size());
   constexpr absl::string_view kPrefix = "Bearer ";

@@ -42,10 +42,11 @@ class BackgroundTasks {
       }
       Task& task = tasks_.emplace_back();
       task.done = std::make_shared<std::atomic<bool>>(false);
-      task.thread = std::thread([fn = std::move(fn), done = task.done]() mutable {
-        fn();
-        done->store(true);
-      });
+      task.thread =
+          std::thread([fn = std::move(fn), done = task.done]() mutable {
+            fn();
+            done->store(true);
+          });
     }
     // Their functions have returned; joining is immediate.
     for (Task& task : finished) task.thread.join();

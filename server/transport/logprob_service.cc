@@ -23,7 +23,8 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
   const auto deadline = context->deadline();
   // gRPC reports "no deadline" as the far future; keep it out of absl's
   // arithmetic range.
-  if (deadline >= std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+  if (deadline >=
+      std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
     return absl::InfiniteFuture();
   }
   return absl::FromChrono(deadline);
@@ -50,12 +51,13 @@ LogProbServiceImpl::LogProbServiceImpl(const Options& options,
 
 absl::Status LogProbServiceImpl::Submit(
     const LogProbRequest& request, std::shared_ptr<const void> request_owner,
-    absl::Time deadline,
-    LogProbResponse* response, absl::AnyInvocable<void(absl::Status)> done,
+    absl::Time deadline, LogProbResponse* response,
+    absl::AnyInvocable<void(absl::Status)> done,
     std::shared_ptr<LogpJob>* job) {
   if (request.model_version() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model_version: ", request.model_version(), " is negative (0 means the latest)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model_version: ", request.model_version(),
+                     " is negative (0 means the latest)"));
   }
   // The whole request runs on this version; the handle keeps it loaded
   // until the answer is built.
@@ -82,8 +84,8 @@ absl::Status LogProbServiceImpl::Submit(
   const char* hidden = rows->hidden_bf16;
   std::shared_ptr<const void> keep_alive = std::move(request_owner);
   if (!rows->converted.empty()) {
-    auto converted =
-        std::make_shared<const std::vector<uint16_t>>(std::move(rows->converted));
+    auto converted = std::make_shared<const std::vector<uint16_t>>(
+        std::move(rows->converted));
     hidden = reinterpret_cast<const char*>(converted->data());
     keep_alive = std::move(converted);
   }
@@ -92,7 +94,8 @@ absl::Status LogProbServiceImpl::Submit(
       std::move(placed), rows->rows, hidden, std::move(keep_alive),
       std::move(rows->targets), rows->temperature, deadline,
       [this, response, return_lse, extras, done = std::move(done),
-       version = *std::move(version)](absl::Status status, LogpJob& job) mutable {
+       version = *std::move(version)](absl::Status status,
+                                      LogpJob& job) mutable {
         if (status.ok() && options_.on_rows_answered) {
           options_.on_rows_answered(version->model, job.rows());
         }
@@ -169,7 +172,8 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::ComputeLogProbs(
 // stream finishes only when every submitted job has completed, so no job
 // callback can outlive the reactor.
 class LogProbServiceImpl::StreamCall final
-    : public LockedReactor<grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>> {
+    : public LockedReactor<
+          grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>> {
  public:
   StreamCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service), context_(context) {

@@ -62,12 +62,12 @@ class LogProbServiceImpl final
   // with the job's status and the filled response. The job may borrow the
   // request's bytes: `request_owner` (or the caller) keeps them alive until
   // `done` runs.
-  absl::Status Submit(
-      const detlogp::v1::LogProbRequest& request,
-      std::shared_ptr<const void> request_owner, absl::Time deadline,
-      detlogp::v1::LogProbResponse* response,
-      absl::AnyInvocable<void(absl::Status)> done,
-      std::shared_ptr<LogpJob>* job);
+  absl::Status Submit(const detlogp::v1::LogProbRequest& request,
+                      std::shared_ptr<const void> request_owner,
+                      absl::Time deadline,
+                      detlogp::v1::LogProbResponse* response,
+                      absl::AnyInvocable<void(absl::Status)> done,
+                      std::shared_ptr<LogpJob>* job);
 
  private:
   class UnaryCall;

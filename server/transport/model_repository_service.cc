@@ -34,8 +34,10 @@ bool IsHexDigest(const std::string& text) {
   return true;
 }
 
-absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(const UploadModelHeader& header) {
-  if (absl::Status s = ValidateModelName(header.model(), "header.model"); !s.ok()) {
+absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
+    const UploadModelHeader& header) {
+  if (absl::Status s = ValidateModelName(header.model(), "header.model");
+      !s.ok()) {
     return s;
   }
   if (header.dtype() != detlogp::v1::DTYPE_BFLOAT16) {
@@ -43,24 +45,28 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(const UploadModelHeade
         "header.dtype: uploads carry bf16 weights (DTYPE_BFLOAT16); round "
         "fp32/fp16 to bf16 (round-to-nearest-even) before sending");
   }
-  if (header.shape_size() != 2 || header.shape(0) <= 0 || header.shape(1) <= 0 ||
-      header.shape(0) > kMaxPaddedVocab || header.shape(1) > kMaxHiddenSize ||
-      header.shape(1) % 8 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.shape: expected [padded_vocab_size, hidden_size] with 0 < V <= ",
-        kMaxPaddedVocab, " and 0 < H <= ", kMaxHiddenSize, ", H a multiple of 8"));
+  if (header.shape_size() != 2 || header.shape(0) <= 0 ||
+      header.shape(1) <= 0 || header.shape(0) > kMaxPaddedVocab ||
+      header.shape(1) > kMaxHiddenSize || header.shape(1) % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("header.shape: expected [padded_vocab_size, hidden_size] "
+                     "with 0 < V <= ",
+                     kMaxPaddedVocab, " and 0 < H <= ", kMaxHiddenSize,
+                     ", H a multiple of 8"));
   }
   digests::LmHeadShape shape;
   shape.padded_vocab_size = header.shape(0);
   shape.hidden_size = header.shape(1);
-  shape.vocab_size = header.vocab_size() == 0 ? shape.padded_vocab_size : header.vocab_size();
+  shape.vocab_size =
+      header.vocab_size() == 0 ? shape.padded_vocab_size : header.vocab_size();
   if (shape.vocab_size < 0 || shape.vocab_size > shape.padded_vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat(
         "header.vocab_size: ", header.vocab_size(), " is not in [0, ",
         shape.padded_vocab_size, "] (0 means every row)"));
   }
   shape.has_bias = header.has_bias();
-  if (!header.weights_sha256().empty() && !IsHexDigest(header.weights_sha256())) {
+  if (!header.weights_sha256().empty() &&
+      !IsHexDigest(header.weights_sha256())) {
     return absl::InvalidArgumentError(
         "header.weights_sha256: expected 64 lowercase hex digits");
   }
@@ -86,9 +92,8 @@ grpc::Status ModelRepositoryServiceImpl::Authorize(
   if (options_.admin_authenticator != nullptr) {
     absl::Status s = options_.admin_authenticator->Check(context);
     if (!s.ok()) {
-      return ToGrpcStatus(absl::UnauthenticatedError(
-          absl::StrCat("admin call: ", s.message(),
-                       " (a token from --admin_tokens_file)")));
+      return ToGrpcStatus(absl::UnauthenticatedError(absl::StrCat(
+          "admin call: ", s.message(), " (a token from --admin_tokens_file)")));
     }
     return grpc::Status::OK;
   }
@@ -113,7 +118,8 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::ListModels(
   if (grpc::Status denied = Authorize(*context); !denied.ok()) {
     return FinishNow(context, "ListModels", denied);
   }
-  for (auto& info : manager_->DescribeAll()) *response->add_models() = std::move(info);
+  for (auto& info : manager_->DescribeAll())
+    *response->add_models() = std::move(info);
   response->set_default_model(manager_->default_model());
   return FinishNow(context, "ListModels", grpc::Status::OK);
 }
@@ -135,7 +141,8 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
                          "server was started without; use UploadModel")));
   }
   auto path = options_.store->ResolveInside(request->path(), "path");
-  if (!path.ok()) return FinishNow(context, "LoadModel", ToGrpcStatus(path.status()));
+  if (!path.ok())
+    return FinishNow(context, "LoadModel", ToGrpcStatus(path.status()));
   if (absl::Status s = manager_->CheckVersionNumber(request->model(),
                                                     request->model_version());
       !s.ok()) {
@@ -143,13 +150,15 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
   }
   if (!request->expected_weights_sha256().empty() &&
       !IsHexDigest(request->expected_weights_sha256())) {
-    return FinishNow(context, "LoadModel",
-                     ToGrpcStatus(absl::InvalidArgumentError(
-                         "expected_weights_sha256: expected 64 lowercase hex digits")));
+    return FinishNow(
+        context, "LoadModel",
+        ToGrpcStatus(absl::InvalidArgumentError(
+            "expected_weights_sha256: expected 64 lowercase hex digits")));
   }
   LmHeadSource source;
   source.path = *path;
-  if (!request->lm_head_tensor().empty()) source.weight_tensor = request->lm_head_tensor();
+  if (!request->lm_head_tensor().empty())
+    source.weight_tensor = request->lm_head_tensor();
   source.bias_tensor = request->bias_tensor();
   source.vocab_size = request->vocab_size();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -160,8 +169,9 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
       auto weights = LoadLmHead(source);
       if (!weights.ok()) return weights.status();
       if (!expected.empty() && weights->sha256 != expected) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "expected_weights_sha256: ", relative, " holds weights ", weights->sha256));
+        return absl::InvalidArgumentError(
+            absl::StrCat("expected_weights_sha256: ", relative,
+                         " holds weights ", weights->sha256));
       }
       VersionOrigin origin;
       origin.description = absl::StrCat("load:", relative);
@@ -178,7 +188,8 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
       return absl::OkStatus();
     }();
     if (!status.ok()) {
-      spdlog::warn("LoadModel {} from {} refused: {}", model, relative, status.ToString());
+      spdlog::warn("LoadModel {} from {} refused: {}", model, relative,
+                   status.ToString());
     }
     reactor->Finish(Record("LoadModel", ToGrpcStatus(status)));
   });
@@ -225,10 +236,12 @@ class ModelRepositoryServiceImpl::UploadCall final
       reading_ = false;
       if (finished_) return;
       if (!worker_started_) {
-        finish_now = ok ? StartFromHeaderLocked()
-                        : (cancelled_ ? absl::CancelledError("upload cancelled")
-                                      : absl::InvalidArgumentError(
-                                            "header: the stream ended before the header"));
+        finish_now =
+            ok ? StartFromHeaderLocked()
+               : (cancelled_
+                      ? absl::CancelledError("upload cancelled")
+                      : absl::InvalidArgumentError(
+                            "header: the stream ended before the header"));
         if (finish_now->ok()) {
           finish_now.reset();
           ContinueReadingLocked();
@@ -249,7 +262,8 @@ class ModelRepositoryServiceImpl::UploadCall final
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
     if (worker_started_) {
-      queue_.push_back(Item{Item::kAbort, {}, absl::CancelledError("upload cancelled")});
+      queue_.push_back(
+          Item{Item::kAbort, {}, absl::CancelledError("upload cancelled")});
     }
   }
 
@@ -262,8 +276,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     bool worker_started;
     {
       absl::MutexLock lock(&mu_);
-      result = cancelled_ && !result_.ok() ? absl::CancelledError("upload cancelled")
-                                           : result_;
+      result = cancelled_ && !result_.ok()
+                   ? absl::CancelledError("upload cancelled")
+                   : result_;
       worker_started = worker_started_;
     }
     if (worker_started && !result.ok()) {
@@ -304,15 +319,14 @@ class ModelRepositoryServiceImpl::UploadCall final
     reservation_ = *std::move(reservation);
     ModelStore* store = service_->options_.store;
     if (store != nullptr && store->writable()) {
-      auto writer = store->BeginUpload(model_, shape_.hidden_size, shape_.vocab_size,
-                                       shape_.padded_vocab_size, shape_.has_bias);
+      auto writer =
+          store->BeginUpload(model_, shape_.hidden_size, shape_.vocab_size,
+                             shape_.padded_vocab_size, shape_.has_bias);
       if (!writer.ok()) return writer.status();
       writer_ = *std::move(writer);
     }
     // Hashing and writing run beside the copy, block by block.
-    assembler_ = std::make_unique<UploadAssembler>(
-        shape_,
-        writer_.get());
+    assembler_ = std::make_unique<UploadAssembler>(shape_, writer_.get());
     worker_started_ = true;
     service_->tasks_.Start([this] { Work(); });
     return absl::OkStatus();
@@ -323,38 +337,55 @@ class ModelRepositoryServiceImpl::UploadCall final
       case UploadModelRequest::kChunk: {
         const int64_t size = static_cast<int64_t>(message_.chunk().size());
         if (trailer_seen_) {
-          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
-              "weights_sha256: the digest message must be the last one")});
+          queue_.push_back(Item{
+              Item::kAbort,
+              {},
+              absl::InvalidArgumentError(
+                  "weights_sha256: the digest message must be the last one")});
           return;
         }
         if (received_ + size > (shape_.weight_bytes() + shape_.bias_bytes())) {
-          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(absl::StrCat(
-              "chunk: more bytes than the header announced (", (shape_.weight_bytes() + shape_.bias_bytes()),
-              " = weight [", shape_.padded_vocab_size, ", ", shape_.hidden_size,
-              "] bf16", shape_.has_bias ? " + bias fp32" : "", ")"))});
+          queue_.push_back(Item{
+              Item::kAbort,
+              {},
+              absl::InvalidArgumentError(absl::StrCat(
+                  "chunk: more bytes than the header announced (",
+                  (shape_.weight_bytes() + shape_.bias_bytes()), " = weight [",
+                  shape_.padded_vocab_size, ", ", shape_.hidden_size, "] bf16",
+                  shape_.has_bias ? " + bias fp32" : "", ")"))});
           return;
         }
         received_ += size;
-        queue_.push_back(Item{Item::kChunk, std::move(*message_.mutable_chunk())});
+        queue_.push_back(
+            Item{Item::kChunk, std::move(*message_.mutable_chunk())});
         break;
       }
       case UploadModelRequest::kWeightsSha256:
         if (!expected_sha256_.empty() || trailer_seen_) {
-          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
-              "weights_sha256: sent twice (header and last message)")});
+          queue_.push_back(Item{
+              Item::kAbort,
+              {},
+              absl::InvalidArgumentError(
+                  "weights_sha256: sent twice (header and last message)")});
           return;
         }
         if (!IsHexDigest(message_.weights_sha256())) {
-          queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
-              "weights_sha256: expected 64 lowercase hex digits")});
+          queue_.push_back(
+              Item{Item::kAbort,
+                   {},
+                   absl::InvalidArgumentError(
+                       "weights_sha256: expected 64 lowercase hex digits")});
           return;
         }
         trailer_seen_ = true;
         expected_sha256_ = message_.weights_sha256();
         break;
       default:
-        queue_.push_back(Item{Item::kAbort, {}, absl::InvalidArgumentError(
-            "header: sent twice; an upload has one header, then chunks")});
+        queue_.push_back(Item{
+            Item::kAbort,
+            {},
+            absl::InvalidArgumentError(
+                "header: sent twice; an upload has one header, then chunks")});
         return;
     }
     ContinueReadingLocked();
@@ -368,7 +399,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     }
   }
 
-  bool HasItem() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty(); }
+  bool HasItem() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !queue_.empty();
+  }
 
   // The upload's thread: consumes chunks, then finalizes and finishes.
   void Work() {
@@ -402,7 +435,8 @@ class ModelRepositoryServiceImpl::UploadCall final
       }
       if (item.kind == Item::kAbort) return item.status;
       if (item.kind == Item::kEnd) break;
-      if (absl::Status s = assembler_->Append(item.bytes.data(), item.bytes.size());
+      if (absl::Status s =
+              assembler_->Append(item.bytes.data(), item.bytes.size());
           !s.ok()) {
         return s;
       }
@@ -413,25 +447,27 @@ class ModelRepositoryServiceImpl::UploadCall final
       if (expected_sha256_.empty() &&
           assembler_->received_bytes() == assembler_->total_bytes()) {
         return absl::InvalidArgumentError(
-            "weights_sha256: neither the header nor the last message carried it");
+            "weights_sha256: neither the header nor the last message carried "
+            "it");
       }
     }
     auto digest = assembler_->Finish();
     if (!digest.ok()) return digest.status();
     digest_ = *std::move(digest);
-    spdlog::info("upload of {}: {} bytes received, hashed and written in {:.3f} s "
-                 "after the header",
-                 model_, assembler_->total_bytes(),
-                 absl::ToDoubleSeconds(absl::Now() - start));
+    spdlog::info(
+        "upload of {}: {} bytes received, hashed and written in {:.3f} s "
+        "after the header",
+        model_, assembler_->total_bytes(),
+        absl::ToDoubleSeconds(absl::Now() - start));
     return absl::OkStatus();
   }
 
   absl::Status Publish() {
     const std::string& digest = digest_;
     if (digest != expected_sha256_) {
-      return absl::DataLossError(absl::StrCat(
-          "weights_sha256: the client said ", expected_sha256_,
-          " but the bytes received hash to ", digest));
+      return absl::DataLossError(
+          absl::StrCat("weights_sha256: the client said ", expected_sha256_,
+                       " but the bytes received hash to ", digest));
     }
     std::shared_ptr<LmHeadWeights> weights = assembler_->TakeWeights();
     weights->description = absl::StrCat("upload of ", model_);
@@ -443,9 +479,8 @@ class ModelRepositoryServiceImpl::UploadCall final
         return writer_->Commit(version, digest);
       };
     }
-    auto added = service_->manager_->AddVersion(model_, std::move(weights),
-                                                std::move(origin),
-                                                std::move(reservation_));
+    auto added = service_->manager_->AddVersion(
+        model_, std::move(weights), std::move(origin), std::move(reservation_));
     if (!added.ok()) return added.status();
     *response_ = *std::move(added);
     return absl::OkStatus();
@@ -476,8 +511,9 @@ class ModelRepositoryServiceImpl::UploadCall final
   std::string digest_;
 };
 
-grpc::ServerReadReactor<UploadModelRequest>* ModelRepositoryServiceImpl::UploadModel(
-    grpc::CallbackServerContext* context, ModelVersionStatus* response) {
+grpc::ServerReadReactor<UploadModelRequest>*
+ModelRepositoryServiceImpl::UploadModel(grpc::CallbackServerContext* context,
+                                        ModelVersionStatus* response) {
   if (grpc::Status denied = Authorize(*context); !denied.ok()) {
     return new RejectedCall<grpc::ServerReadReactor<UploadModelRequest>>(
         Record("UploadModel", denied));

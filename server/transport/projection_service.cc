@@ -45,10 +45,11 @@ absl::Status ValidateProjectRequest(const ProjectRequest& request,
   if (static_cast<int64_t>(x.data().size()) !=
       x.shape(0) * kProjectionInDim * static_cast<int64_t>(sizeof(float))) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "x.data: ", x.data().size(), " bytes, expected R*96*4 = ",
-        x.shape(0) * kProjectionInDim * 4));
+        "x.data: ", x.data().size(),
+        " bytes, expected R*96*4 = ", x.shape(0) * kProjectionInDim * 4));
   }
-  if (request.rows_per_chunk() < 0 || request.rows_per_chunk() > max_rows_per_chunk) {
+  if (request.rows_per_chunk() < 0 ||
+      request.rows_per_chunk() > max_rows_per_chunk) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rows_per_chunk: ", request.rows_per_chunk(), " is outside [0, ",
         max_rows_per_chunk, "] (0 lets the server choose)"));
@@ -121,9 +122,10 @@ class ChunkBuffer {
     buffer->lent_.store(true, std::memory_order_relaxed);
     char* data = buffer->data();
     auto* ref = new std::shared_ptr<ChunkBuffer>(std::move(buffer));
-    return grpc::Slice(grpc_slice_new_with_user_data(data, static_cast<size_t>(bytes),
-                                                     &ChunkBuffer::Return, ref),
-                       grpc::Slice::STEAL_REF);
+    return grpc::Slice(
+        grpc_slice_new_with_user_data(data, static_cast<size_t>(bytes),
+                                      &ChunkBuffer::Return, ref),
+        grpc::Slice::STEAL_REF);
   }
 
  private:
@@ -148,12 +150,13 @@ double Seconds(absl::Duration d) { return absl::ToDoubleSeconds(d); }
 class ProjectionServiceImpl::ProjectCall final
     : public LockedReactor<grpc::ServerWriteReactor<grpc::ByteBuffer>> {
  public:
-  ProjectCall(ProjectionServiceImpl* service, const grpc::ByteBuffer& request_bytes)
+  ProjectCall(ProjectionServiceImpl* service,
+              const grpc::ByteBuffer& request_bytes)
       : service_(service) {
     absl::Status valid = ParseRequest(request_bytes);
     if (valid.ok()) {
-      valid = ValidateProjectRequest(request_,
-                                     service->scheduler_->options().max_launch_rows);
+      valid = ValidateProjectRequest(
+          request_, service->scheduler_->options().max_launch_rows);
     }
     UpdateAndWrite([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       if (!valid.ok()) {
@@ -162,14 +165,16 @@ class ProjectionServiceImpl::ProjectCall final
       }
       validated_ = true;
       rows_ = request_.x().shape(0);
-      chunk_rows_ = request_.rows_per_chunk() > 0
-                        ? request_.rows_per_chunk()
-                        : std::min(service->options_.default_rows_per_chunk,
-                                   service->scheduler_->options().max_launch_rows);
+      chunk_rows_ =
+          request_.rows_per_chunk() > 0
+              ? request_.rows_per_chunk()
+              : std::min(service->options_.default_rows_per_chunk,
+                         service->scheduler_->options().max_launch_rows);
       const int64_t chunk_bytes = chunk_rows_ * kRowBytes;
-      const int64_t fit = service->options_.max_stream_buffer_bytes / chunk_bytes;
-      slots_.resize(static_cast<size_t>(
-          std::max<int64_t>(1, std::min(num_chunks(), std::max<int64_t>(2, fit)))));
+      const int64_t fit =
+          service->options_.max_stream_buffer_bytes / chunk_bytes;
+      slots_.resize(static_cast<size_t>(std::max<int64_t>(
+          1, std::min(num_chunks(), std::max<int64_t>(2, fit)))));
       tail_ = ResponseTail(service->options_.determinism_key);
       idle_since_ = absl::Now();
       for (Slot& slot : slots_) StartComputeLocked(&slot);
@@ -229,7 +234,8 @@ class ProjectionServiceImpl::ProjectCall final
       parsed = request_.ParseFromZeroCopyStream(&reader);
     }
     received.Clear();
-    if (!parsed) return absl::InvalidArgumentError("ProjectRequest does not parse");
+    if (!parsed)
+      return absl::InvalidArgumentError("ProjectRequest does not parse");
     return absl::OkStatus();
   }
 
@@ -246,15 +252,17 @@ class ProjectionServiceImpl::ProjectCall final
     // taken every byte yet) is left to gRPC, which returns it to the pool
     // when done; rare.
     if (slot->buffer == nullptr || slot->buffer->lent()) {
-      slot->buffer = std::make_shared<ChunkBuffer>(service_->chunk_buffers_->Acquire(
-          static_cast<size_t>(chunk_rows_ * kRowBytes)));
+      slot->buffer =
+          std::make_shared<ChunkBuffer>(service_->chunk_buffers_->Acquire(
+              static_cast<size_t>(chunk_rows_ * kRowBytes)));
       ++timings_.buffers_allocated;
     }
     slot->chunk = chunk;
     slot->computing = true;
     int64_t buffered = 0;
     for (const Slot& s : slots_) buffered += s.computing || s.ready ? 1 : 0;
-    timings_.most_chunks_buffered = std::max(timings_.most_chunks_buffered, buffered);
+    timings_.most_chunks_buffered =
+        std::max(timings_.most_chunks_buffered, buffered);
     ProjectionScheduler::Chunk work;
     work.x = reinterpret_cast<const float*>(request_.x().data().data()) +
              first * kProjectionInDim;
@@ -266,7 +274,8 @@ class ProjectionServiceImpl::ProjectCall final
       if (status.ok()) {
         grpc::Slice parts[3] = {
             grpc::Slice(ResponseHead(request_.request_id(), first, rows)),
-            ChunkBuffer::Lend(slot->buffer, rows * kRowBytes), grpc::Slice(tail_)};
+            ChunkBuffer::Lend(slot->buffer, rows * kRowBytes),
+            grpc::Slice(tail_)};
         slot->message = grpc::ByteBuffer(parts, 3);
       }
       UpdateAndWrite([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -275,7 +284,8 @@ class ProjectionServiceImpl::ProjectCall final
         if (!status.ok() && status_.ok()) status_ = status;
       });
     };
-    if (absl::Status s = service_->scheduler_->Schedule(std::move(work)); !s.ok()) {
+    if (absl::Status s = service_->scheduler_->Schedule(std::move(work));
+        !s.ok()) {
       slot->computing = false;
       status_ = s;
     }
@@ -303,7 +313,8 @@ class ProjectionServiceImpl::ProjectCall final
     if (!writing_ && next.ready && next.chunk == next_write_) {
       writing_ = true;
       write_start_ = absl::Now();
-      timings_.waited_for_compute_seconds += Seconds(write_start_ - idle_since_);
+      timings_.waited_for_compute_seconds +=
+          Seconds(write_start_ - idle_since_);
       write_to_start_ = &next.message;
     }
     return std::nullopt;
@@ -355,16 +366,20 @@ ProjectionServiceImpl::ProjectionServiceImpl(const Options& options,
                                              ProjectionScheduler* scheduler)
     : options_(options),
       scheduler_(scheduler),
-      chunk_buffers_(options.chunk_buffers != nullptr ? options.chunk_buffers
-                                                      : NewHeapHostBufferPool()) {}
+      chunk_buffers_(options.chunk_buffers != nullptr
+                         ? options.chunk_buffers
+                         : NewHeapHostBufferPool()) {}
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* ProjectionServiceImpl::Project(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) {
   if (options_.authenticator != nullptr) {
-    if (absl::Status denied = options_.authenticator->Check(*context); !denied.ok()) {
+    if (absl::Status denied = options_.authenticator->Check(*context);
+        !denied.ok()) {
       const grpc::Status status = ToGrpcStatus(denied);
-      if (options_.on_call_done) options_.on_call_done("Project", status.error_code());
-      return new RejectedCall<grpc::ServerWriteReactor<grpc::ByteBuffer>>(status);
+      if (options_.on_call_done)
+        options_.on_call_done("Project", status.error_code());
+      return new RejectedCall<grpc::ServerWriteReactor<grpc::ByteBuffer>>(
+          status);
     }
   }
   return new ProjectCall(this, *request);

@@ -36,11 +36,11 @@ class ProjectionServiceImpl final
  public:
   // Where one stream's time went, reported once per stream when it ends.
   struct StreamTimings {
-    int64_t chunks = 0;                       // chunks written
-    double write_seconds = 0;                 // StartWrite until OnWriteDone
-    double waited_for_compute_seconds = 0;    // no write: next chunk not ready
-    int64_t most_chunks_buffered = 0;         // chunks held at once
-    int64_t buffers_allocated = 0;            // chunk buffers allocated
+    int64_t chunks = 0;                     // chunks written
+    double write_seconds = 0;               // StartWrite until OnWriteDone
+    double waited_for_compute_seconds = 0;  // no write: next chunk not ready
+    int64_t most_chunks_buffered = 0;       // chunks held at once
+    int64_t buffers_allocated = 0;          // chunk buffers allocated
   };
 
   struct Options {
@@ -69,10 +69,13 @@ class ProjectionServiceImpl final
   ProjectionServiceImpl(const Options& options, ProjectionScheduler* scheduler);
 
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Project(
-      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request) override;
+      grpc::CallbackServerContext* context,
+      const grpc::ByteBuffer* request) override;
 
   // What the chunk buffers' pool has done (the server's metrics).
-  HostBufferPool::Stats chunk_buffer_stats() const { return chunk_buffers_->stats(); }
+  HostBufferPool::Stats chunk_buffer_stats() const {
+    return chunk_buffers_->stats();
+  }
 
  private:
   class ProjectCall;

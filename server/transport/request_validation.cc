@@ -50,13 +50,14 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   const detlogp::v1::Tensor& hidden = request.hidden();
   if (!detlogp::v1::DType_IsValid(hidden.dtype()) ||
       DtypeSize(hidden.dtype()) == 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden.dtype: ", hidden.dtype(),
-        " is not DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden.dtype: ", hidden.dtype(),
+                     " is not DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16"));
   }
   if (hidden.shape_size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden.shape: expected rank 2 [N, H], got rank ", hidden.shape_size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden.shape: expected rank 2 [N, H], got rank ",
+                     hidden.shape_size()));
   }
   const int64_t rows = hidden.shape(0);
   const int64_t hidden_size = hidden.shape(1);
@@ -65,10 +66,9 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
         absl::StrCat("hidden.shape[0]: N=", rows, " is negative"));
   }
   if (hidden_size != limits.hidden_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden.shape[1]: H=", hidden_size,
-                     " does not match the model's hidden_size=",
-                     limits.hidden_size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden.shape[1]: H=", hidden_size,
+        " does not match the model's hidden_size=", limits.hidden_size));
   }
   if (rows > limits.max_request_rows) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -119,8 +119,8 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   }
   if (top_k > limits.vocab_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("top_k: ", top_k, " exceeds the model's vocab_size=",
-                     limits.vocab_size));
+        absl::StrCat("top_k: ", top_k,
+                     " exceeds the model's vocab_size=", limits.vocab_size));
   }
   validated.top_k = static_cast<int32_t>(top_k);
   // A well-formed request this server cannot answer (the portable CUDA

@@ -14,9 +14,9 @@ namespace detlogp::server {
 
 struct RequestLimits {
   int64_t hidden_size = 0;
-  int64_t vocab_size = 0;       // real vocabulary: targets must be below it
-  int64_t max_request_rows = 0; // larger requests are refused
-  int64_t max_top_k = 0;        // --max_top_k: larger top_k is refused
+  int64_t vocab_size = 0;        // real vocabulary: targets must be below it
+  int64_t max_request_rows = 0;  // larger requests are refused
+  int64_t max_top_k = 0;         // --max_top_k: larger top_k is refused
   // Non-empty: the backend computes no entropy or top-k, and why
   // (BackendDescription::extras_unavailable); asking for them is refused.
   std::string extras_unavailable;

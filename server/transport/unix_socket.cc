@@ -21,10 +21,10 @@ int TryConnect(const std::string& path) {
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   std::memcpy(address.sun_path, path.data(), path.size());
-  const int result =
-      ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0
-          ? 0
-          : errno;
+  const int result = ::connect(fd, reinterpret_cast<const sockaddr*>(&address),
+                               sizeof(address)) == 0
+                         ? 0
+                         : errno;
   ::close(fd);
   return result;
 }
@@ -33,17 +33,18 @@ int TryConnect(const std::string& path) {
 
 absl::Status PrepareUnixSocketPath(const std::string& path, const char* flag) {
   constexpr size_t kMaxPath = sizeof(sockaddr_un::sun_path) - 1;
-  if (path.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": empty path"));
+  if (path.empty())
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": empty path"));
   if (path.size() > kMaxPath) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag, ": ", path, " is ", path.size(), " bytes; a Unix socket path holds at most ",
-        kMaxPath));
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": ", path, " is ", path.size(),
+                     " bytes; a Unix socket path holds at most ", kMaxPath));
   }
   struct stat info;
   if (::lstat(path.c_str(), &info) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
-    return absl::FailedPreconditionError(
-        absl::StrCat(flag, ": cannot inspect ", path, ": ", std::strerror(errno)));
+    return absl::FailedPreconditionError(absl::StrCat(
+        flag, ": cannot inspect ", path, ": ", std::strerror(errno)));
   }
   if (!S_ISSOCK(info.st_mode)) {
     return absl::FailedPreconditionError(
@@ -55,16 +56,20 @@ absl::Status PrepareUnixSocketPath(const std::string& path, const char* flag) {
         absl::StrCat(flag, ": another process accepts connections on ", path));
   }
   if (connect_error != ECONNREFUSED) {  // e.g. no permission: maybe in use
-    return absl::FailedPreconditionError(absl::StrCat(
-        flag, ": cannot tell whether ", path, " is in use: ", std::strerror(connect_error)));
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": cannot tell whether ", path,
+                     " is in use: ", std::strerror(connect_error)));
   }
   if (::unlink(path.c_str()) != 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        flag, ": cannot remove the stale socket ", path, ": ", std::strerror(errno)));
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": cannot remove the stale socket ", path, ": ",
+                     std::strerror(errno)));
   }
   return absl::OkStatus();
 }
 
-std::string UnixSocketAddress(const std::string& path) { return absl::StrCat("unix:", path); }
+std::string UnixSocketAddress(const std::string& path) {
+  return absl::StrCat("unix:", path);
+}
 
 }  // namespace detlogp::server

@@ -39,8 +39,9 @@ T* ToDevice(const std::vector<T>& host) {
 template <typename T>
 std::vector<T> ToHost(const T* device, size_t n) {
   std::vector<T> host(n);
-  EXPECT_EQ(cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  EXPECT_EQ(
+      cudaMemcpy(host.data(), device, n * sizeof(T), cudaMemcpyDeviceToHost),
+      cudaSuccess);
   return host;
 }
 

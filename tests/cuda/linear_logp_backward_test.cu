@@ -91,8 +91,8 @@ class LinearLogpBackwardTest : public ::testing::Test {
               GradDtype weight_dtype = GradDtype::kFloat32) const {
     const auto rows_of = [&](const std::vector<float>& all) {
       DevBuf<float> d(count);
-      d.FromHost(std::vector<float>(all.begin() + start,
-                                    all.begin() + start + count));
+      d.FromHost(
+          std::vector<float>(all.begin() + start, all.begin() + start + count));
       return d;
     };
     DevBuf<float> lse = rows_of(g.lse), ent = rows_of(g.entropy),
@@ -123,8 +123,10 @@ class LinearLogpBackwardTest : public ::testing::Test {
     CUDA_CHECK_THROW(cudaDeviceSynchronize());
     Outputs out{dh.ToHost(), dw.ToHost(), db.ToHost()};
     // bf16 outputs occupy the first half of each buffer's bytes.
-    if (hidden_dtype == GradDtype::kBfloat16) out.d_hidden.resize(count * kH / 2);
-    if (weight_dtype == GradDtype::kBfloat16) out.d_weight.resize(kVpad * kH / 2);
+    if (hidden_dtype == GradDtype::kBfloat16)
+      out.d_hidden.resize(count * kH / 2);
+    if (weight_dtype == GradDtype::kBfloat16)
+      out.d_weight.resize(kVpad * kH / 2);
     return out;
   }
 
@@ -154,7 +156,8 @@ TEST_F(LinearLogpBackwardTest, MatchesFloat64Reference) {
     for (int64_t v = 0; v < kV; ++v) {
       const double d = z[v] - g.lse[r];
       const double p = std::exp(d);
-      double dz = p * (g.g_lse[r] - g.g_logp[r] - g.g_ent[r] * (d + g.entropy[r]));
+      double dz =
+          p * (g.g_lse[r] - g.g_logp[r] - g.g_ent[r] * (d + g.entropy[r]));
       if (v == b->host_targets[r]) dz += g.g_logp[r];
       const double gv = dz / t;
       db[v] += gv;
@@ -168,8 +171,9 @@ TEST_F(LinearLogpBackwardTest, MatchesFloat64Reference) {
   const double e_h = RelativeFrobenius(out.d_hidden, dh);
   const double e_w = RelativeFrobenius(out.d_weight, dw);
   const double e_b = RelativeFrobenius(out.d_bias, db);
-  std::printf("relative Frobenius error: dhidden %.3g dweight %.3g dbias %.3g\n",
-              e_h, e_w, e_b);
+  std::printf(
+      "relative Frobenius error: dhidden %.3g dweight %.3g dbias %.3g\n", e_h,
+      e_w, e_b);
   // G is rounded to bf16 (relative 2^-9 per element), as PyTorch's bf16
   // logits gradient is.
   EXPECT_LT(e_h, 5e-3);
@@ -183,7 +187,8 @@ TEST_F(LinearLogpBackwardTest, PaddingRowsGetZeroGradient) {
   for (int64_t v = kV; v < kVpad; ++v) {
     EXPECT_EQ(out.d_bias[v], 0.0f) << "dbias of padding row " << v;
     for (int64_t k = 0; k < kH; ++k) {
-      ASSERT_EQ(out.d_weight[v * kH + k], 0.0f) << "dweight of padding row " << v;
+      ASSERT_EQ(out.d_weight[v * kH + k], 0.0f)
+          << "dweight of padding row " << v;
     }
   }
 }
@@ -196,8 +201,8 @@ TEST_F(LinearLogpBackwardTest, HiddenGradOfARowIsBatchInvariant) {
   for (int64_t r : {int64_t{0}, int64_t{1}, int64_t{127}, int64_t{128},
                     int64_t{200}, n - 1}) {
     const Outputs alone = Run(*b, g, r, 1);
-    EXPECT_EQ(0, std::memcmp(alone.d_hidden.data(), all.d_hidden.data() + r * kH,
-                             kH * 4))
+    EXPECT_EQ(0, std::memcmp(alone.d_hidden.data(),
+                             all.d_hidden.data() + r * kH, kH * 4))
         << "row " << r << " alone vs in a batch of " << n;
   }
   const Outputs tail = Run(*b, g, 37, n - 37);  // every row at a new position
@@ -252,8 +257,8 @@ TEST_F(LinearLogpBackwardTest, RowsPastOnePassKeepTheirBits) {
   for (int64_t r : {int64_t{0}, LinearLogpBackwardCuda::kMaxRowsPerPass - 1,
                     LinearLogpBackwardCuda::kMaxRowsPerPass, n - 1}) {
     const Outputs alone = Run(*b, g, r, 1);
-    EXPECT_EQ(0, std::memcmp(alone.d_hidden.data(), all.d_hidden.data() + r * kH,
-                             kH * 4))
+    EXPECT_EQ(0, std::memcmp(alone.d_hidden.data(),
+                             all.d_hidden.data() + r * kH, kH * 4))
         << "row " << r;
   }
   // A bf16 dweight cannot accumulate across passes.

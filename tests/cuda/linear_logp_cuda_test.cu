@@ -49,7 +49,8 @@ TEST_F(FullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
   const int64_t positions[] = {0, 63, 64, 127, 128, 255, 4095};
   const int64_t src = 4000;
   for (int64_t p : positions) {
-    std::memcpy(&batch->host_hidden[p * H], &batch->host_hidden[src * H], H * 2);
+    std::memcpy(&batch->host_hidden[p * H], &batch->host_hidden[src * H],
+                H * 2);
     batch->host_targets[p] = batch->host_targets[src];
     batch->host_temps[p] = batch->host_temps[src];
   }
@@ -58,7 +59,8 @@ TEST_F(FullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
   const Result full = RunRows(*k, *batch, 0, N);
   const Result alone = RunRows(*k, *batch, src, 1);
   ExpectRowBits(alone, 0, full, src, "alone vs in batch");
-  for (int64_t p : positions) ExpectRowBits(alone, 0, full, p, "probe position");
+  for (int64_t p : positions)
+    ExpectRowBits(alone, 0, full, p, "probe position");
 
   for (int64_t chunk : {1, 7, 255, 256, 257}) {
     for (int64_t start = 0; start < N; start += chunk) {
@@ -124,7 +126,8 @@ TEST_F(FullVocabTest, ConcurrentLaunchesFromSeveralHostThreads) {
   }
   for (auto& th : pool) th.join();
   for (int t = 0; t < kThreads; ++t) {
-    EXPECT_EQ(std::memcmp(got[t].logprobs.data(), ref.logprobs.data(), N * 4), 0);
+    EXPECT_EQ(std::memcmp(got[t].logprobs.data(), ref.logprobs.data(), N * 4),
+              0);
     EXPECT_EQ(std::memcmp(got[t].lse.data(), ref.lse.data(), N * 4), 0);
   }
 }
@@ -160,15 +163,18 @@ TEST_P(ShapeTest, AccurateAndBatchInvariant) {
     ExpectRowBits(alone, 0, full, r, "alone vs batch");
   }
   const Result tail = RunRows(*k, *batch, 200, 100);
-  for (int64_t i = 0; i < 100; ++i) ExpectRowBits(tail, i, full, 200 + i, "tail");
+  for (int64_t i = 0; i < 100; ++i)
+    ExpectRowBits(tail, i, full, 200 + i, "tail");
   // 256 rows starting at an odd offset: two full row blocks whose rows sit at
   // other positions (and in other blocks) than in the 300-row batch.
   const Result pair = RunRows(*k, *batch, 17, 256);
-  for (int64_t i = 0; i < 256; ++i) ExpectRowBits(pair, i, full, 17 + i, "pair");
+  for (int64_t i = 0; i < 256; ++i)
+    ExpectRowBits(pair, i, full, 17 + i, "pair");
   // Reference rows: all for small problems, a sample for large ones.
   std::vector<int64_t> rows;
   const int64_t work = c.V * c.H;
-  const int64_t step = work <= (int64_t{1} << 20) ? 1 : (work <= (int64_t{1} << 24) ? 13 : 97);
+  const int64_t step =
+      work <= (int64_t{1} << 20) ? 1 : (work <= (int64_t{1} << 24) ? 13 : 97);
   for (int64_t r = 0; r < N; r += step) rows.push_back(r);
   rows.push_back(N - 1);
   ExpectAccurate(*w, *batch, full, 0, rows);
@@ -212,7 +218,8 @@ Result RunSharded(const Weights& w, const Batch& batch, int shards) {
     DevBuf<__nv_bfloat16> shard_w((row1 - row0) * w.H);
     DevBuf<float> shard_b(row1 - row0);
     CUDA_CHECK_THROW(cudaMemcpy(shard_w.ptr, w.w.ptr + row0 * w.H,
-                                (row1 - row0) * w.H * 2, cudaMemcpyDeviceToDevice));
+                                (row1 - row0) * w.H * 2,
+                                cudaMemcpyDeviceToDevice));
     CUDA_CHECK_THROW(cudaMemcpy(shard_b.ptr, w.b.ptr + row0, (row1 - row0) * 4,
                                 cudaMemcpyDeviceToDevice));
     LinearLogpCuda::Options options;
@@ -233,8 +240,9 @@ Result RunSharded(const Weights& w, const Batch& batch, int shards) {
     local_targets.FromHost(local);
     DevBuf<float> part((end - first) * n), shard_z(n);
     CUDA_CHECK_THROW(cudaMemset(shard_z.ptr, 0xFF, n * 4));
-    LinearLogpBatchView view{batch.hidden.ptr, local_targets.ptr, batch.temps.ptr,
-                             shard_z.ptr, nullptr, n};
+    LinearLogpBatchView view{batch.hidden.ptr, local_targets.ptr,
+                             batch.temps.ptr,  shard_z.ptr,
+                             nullptr,          n};
     const absl::Status s =
         (*shard)->LaunchSplits(view, SplitPartials{part.ptr}, nullptr);
     EXPECT_TRUE(s.ok()) << s;
@@ -244,7 +252,8 @@ Result RunSharded(const Weights& w, const Batch& batch, int shards) {
     const std::vector<float> z_host = shard_z.ToHost();
     for (int64_t r = 0; r < n; ++r) {
       for (int32_t sp = first; sp < end; ++sp) {
-        split_lse[r * splits + sp] = part_host[r * (end - first) + (sp - first)];
+        split_lse[r * splits + sp] =
+            part_host[r * (end - first) + (sp - first)];
       }
       if (batch.host_targets[r] >= row0 && batch.host_targets[r] < row1) {
         z[r] = z_host[r];
@@ -258,8 +267,8 @@ Result RunSharded(const Weights& w, const Batch& batch, int shards) {
   outputs.logprobs = lp.ptr;
   outputs.lse = lse.ptr;
   outputs.rows = n;
-  const absl::Status s = LinearLogpCuda::LaunchCombine(SplitPartials{all.ptr},
-                                                       splits, outputs, 0, nullptr);
+  const absl::Status s = LinearLogpCuda::LaunchCombine(
+      SplitPartials{all.ptr}, splits, outputs, 0, nullptr);
   EXPECT_TRUE(s.ok()) << s;
   CUDA_CHECK_THROW(cudaDeviceSynchronize());
   return Result{lp.ToHost(), lse.ToHost()};
@@ -267,9 +276,10 @@ Result RunSharded(const Weights& w, const Batch& batch, int shards) {
 
 TEST(LinearLogpCudaShards, ShardedSplitsEqualTheUnshardedKernel) {
   REQUIRE_SM90();
-  for (auto [H, V, Vpad] : {std::tuple<int64_t, int64_t, int64_t>{256, 20000, 20032},
-                            {128, 4097, 4097},
-                            {64, 151936, 152064}}) {
+  for (auto [H, V, Vpad] :
+       {std::tuple<int64_t, int64_t, int64_t>{256, 20000, 20032},
+        {128, 4097, 4097},
+        {64, 151936, 152064}}) {
     auto w = MakeWeights(H, V, Vpad, /*bias=*/true);
     auto batch = MakeBatch(300, H, V);
     LinearLogpCuda::Options options;
@@ -280,8 +290,9 @@ TEST(LinearLogpCudaShards, ShardedSplitsEqualTheUnshardedKernel) {
     for (int shards : {2, 3, 5}) {
       const Result sharded = RunSharded(*w, *batch, shards);
       ASSERT_EQ(sharded.logprobs.size(), reference.logprobs.size());
-      EXPECT_EQ(0, std::memcmp(sharded.logprobs.data(), reference.logprobs.data(),
-                               reference.logprobs.size() * 4))
+      EXPECT_EQ(0,
+                std::memcmp(sharded.logprobs.data(), reference.logprobs.data(),
+                            reference.logprobs.size() * 4))
           << shards << " shards, V=" << V;
       EXPECT_EQ(0, std::memcmp(sharded.lse.data(), reference.lse.data(),
                                reference.lse.size() * 4))
@@ -343,10 +354,10 @@ TEST(LinearLogpCudaWorkspace, PartitionFitsPartialsBytes) {
               const char* c = static_cast<const char*>(at);
               return c >= base && c + extent <= base + bytes;
             };
-            SCOPED_TRACE(testing::Message() << "rows " << rows << " splits "
-                                            << splits << " entropy " << entropy
-                                            << " top_k " << top_k << " skew "
-                                            << skew);
+            SCOPED_TRACE(testing::Message()
+                         << "rows " << rows << " splits " << splits
+                         << " entropy " << entropy << " top_k " << top_k
+                         << " skew " << skew);
             EXPECT_TRUE(inside(p.lse, cells * 4));
             EXPECT_EQ(p.mean_z != nullptr, entropy);
             if (entropy) EXPECT_TRUE(inside(p.mean_z, cells * 4));
@@ -357,8 +368,9 @@ TEST(LinearLogpCudaWorkspace, PartitionFitsPartialsBytes) {
               EXPECT_TRUE(inside(p.top_screen,
                                  rows * LinearLogpCuda::kTopKScreenRowBytes));
               EXPECT_EQ(reinterpret_cast<uintptr_t>(p.top_screen) % 16, 0u);
-              EXPECT_GE(reinterpret_cast<const char*>(p.top_screen),
-                        reinterpret_cast<const char*>(p.top_ids + cells * top_k));
+              EXPECT_GE(
+                  reinterpret_cast<const char*>(p.top_screen),
+                  reinterpret_cast<const char*>(p.top_ids + cells * top_k));
             }
           }
         }
@@ -376,11 +388,11 @@ TEST(LinearLogpCudaValidation, RejectsInvalidSizes) {
     o.weights = LinearLogpWeightsView{wp, bias.ptr, H, V, Vp};
     return LinearLogpCuda::Create(o);
   };
-  EXPECT_FALSE(make(w.ptr, 100, 64, 64).ok());   // H not a multiple of 64
+  EXPECT_FALSE(make(w.ptr, 100, 64, 64).ok());  // H not a multiple of 64
   EXPECT_FALSE(make(w.ptr, 0, 64, 64).ok());
   EXPECT_FALSE(make(w.ptr, -64, 64, 64).ok());
-  EXPECT_FALSE(make(w.ptr, 128, 0, 0).ok());      // empty vocabulary
-  EXPECT_FALSE(make(w.ptr, 128, 128, 64).ok());   // Vpad < V
+  EXPECT_FALSE(make(w.ptr, 128, 0, 0).ok());     // empty vocabulary
+  EXPECT_FALSE(make(w.ptr, 128, 128, 64).ok());  // Vpad < V
   EXPECT_FALSE(make(nullptr, 128, 64, 64).ok());
   EXPECT_FALSE(make(w.ptr + 1, 128, 64, 64).ok());  // misaligned weight
   auto ok = make(w.ptr, 128, 200, 256);
@@ -490,7 +502,8 @@ TEST_F(FullVocabTest, TopKFloorsNeverChangeBits) {
   for (const int32_t top_k : {1, 20, 32}) {
     const Extras want = RunExtras(*off, *batch, 0, batch->N, true, top_k);
     const Extras got = RunExtras(*on, *batch, 0, batch->N, true, top_k);
-    const Extras rerun = RunExtras(*all_short, *batch, 0, batch->N, true, top_k);
+    const Extras rerun =
+        RunExtras(*all_short, *batch, 0, batch->N, true, top_k);
     const Extras alone = RunExtras(*all_short, *batch, 200, 1, true, top_k);
     const std::string what = "k " + std::to_string(top_k);
     for (int64_t r = 0; r < batch->N; ++r) {
@@ -526,17 +539,16 @@ TEST(LinearLogpCudaExtras, RowsAFloorOvershootsRunAgainExactly) {
   std::fill(batch->host_hidden.begin(), batch->host_hidden.end(), uint16_t{0});
   for (int64_t r = 0; r < batch->N; ++r) {
     const int64_t block = r / 128;
-    const bool uniform_row = block == 0 || block == 2 || (block == 1 && r % 7 == 0);
+    const bool uniform_row =
+        block == 0 || block == 2 || (block == 1 && r % 7 == 0);
     batch->host_hidden[r * H + (uniform_row ? 0 : 1)] = FloatToBf16(1.0f);
   }
   batch->Upload();
-  const auto off = MakeKernelWith(*w, [](LinearLogpCuda::Options& o) {
-    o.top_k_floors = false;
-  });
+  const auto off = MakeKernelWith(
+      *w, [](LinearLogpCuda::Options& o) { o.top_k_floors = false; });
   ASSERT_NE(off, nullptr);
-  const auto on = MakeKernelWith(*w, [](LinearLogpCuda::Options& o) {
-    o.top_k_floor_min_rows = 1;
-  });
+  const auto on = MakeKernelWith(
+      *w, [](LinearLogpCuda::Options& o) { o.top_k_floor_min_rows = 1; });
   ASSERT_NE(on, nullptr);
   for (const int32_t top_k : {20, 32}) {
     const Extras want = RunExtras(*off, *batch, 0, batch->N, true, top_k);
@@ -567,7 +579,8 @@ TEST_F(FullVocabTest, RowGroupsNeverChangeBits) {
     auto k = LinearLogpCuda::Create(o);
     ASSERT_TRUE(k.ok()) << k.status();
     const std::string what = "row_group " + std::to_string(row_group) +
-                             ", top_k_row_group " + std::to_string(top_k_row_group);
+                             ", top_k_row_group " +
+                             std::to_string(top_k_row_group);
     const Extras logp_only = RunExtras(**k, *batch, 0, batch->N, false, 0);
     const Extras with_top_k = RunExtras(**k, *batch, 0, batch->N, true, 20);
     for (int64_t r = 0; r < batch->N; ++r) {
@@ -581,7 +594,8 @@ TEST_F(FullVocabTest, RowGroupsNeverChangeBits) {
   bad.top_k_row_group = -1;
   const auto refused = LinearLogpCuda::Create(bad);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("top_k_row_group"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("top_k_row_group"),
+            std::string::npos)
       << refused.status();
   bad.top_k_row_group = 0;
   bad.row_group = 1 << 20;

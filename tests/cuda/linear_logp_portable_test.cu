@@ -58,7 +58,8 @@ TEST(LinearLogpPortableVersion, VersionAndInstructionSet) {
   auto on_device = LinearLogpCuda::InstructionSetOn(KernelKind::kPortable, 0);
   ASSERT_TRUE(on_device.ok()) << on_device.status();
   EXPECT_EQ(*on_device, portable->instruction_set());
-  EXPECT_EQ(*LinearLogpCuda::InstructionSetOn(KernelKind::kHopper, 0), "sm_90a");
+  EXPECT_EQ(*LinearLogpCuda::InstructionSetOn(KernelKind::kHopper, 0),
+            "sm_90a");
   EXPECT_EQ(portable->NumSplits(1), NumVocabSplits(65));
   EXPECT_EQ(portable->WorkspaceBytes(10), hopper->WorkspaceBytes(10));
 }
@@ -75,7 +76,8 @@ TEST_F(PortableFullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
   const int64_t positions[] = {0, 15, 16, 63, 64, 127, 128, 255, 2047};
   const int64_t src = 2000;
   for (int64_t p : positions) {
-    std::memcpy(&batch->host_hidden[p * H], &batch->host_hidden[src * H], H * 2);
+    std::memcpy(&batch->host_hidden[p * H], &batch->host_hidden[src * H],
+                H * 2);
     batch->host_targets[p] = batch->host_targets[src];
     batch->host_temps[p] = batch->host_temps[src];
   }
@@ -86,7 +88,8 @@ TEST_F(PortableFullVocabTest, ProbeRowAloneEqualsRowAtAnyPositionAndChunking) {
   if (::testing::Test::HasFailure()) return;  // wrong values: bits are moot
   const Result alone = RunRows(*k, *batch, src, 1);
   ExpectRowBits(alone, 0, full, src, "alone vs in batch");
-  for (int64_t p : positions) ExpectRowBits(alone, 0, full, p, "probe position");
+  for (int64_t p : positions)
+    ExpectRowBits(alone, 0, full, p, "probe position");
 
   // Single rows for the first 300 (every row position of the first blocks),
   // then chunkings whose block boundaries fall elsewhere.
@@ -153,7 +156,8 @@ std::vector<ShapeCase> EdgeCases() {
   int i = 0;
   for (int64_t V : {1, 63, 64, 65, 4097, 151936}) {
     for (int64_t H : {64, 128, 4096}) {
-      const int64_t Vpad = i % 3 == 0 ? V : (V + 127) / 128 * 128 + 64 * (i % 3);
+      const int64_t Vpad =
+          i % 3 == 0 ? V : (V + 127) / 128 * 128 + 64 * (i % 3);
       cases.push_back(ShapeCase{V, Vpad, H, i % 2 == 0, i % 4 == 1});
       ++i;
     }
@@ -185,19 +189,23 @@ TEST_P(PortableShapeTest, AccurateAndBatchInvariant) {
     ExpectRowBits(alone, 0, full, r, "alone vs batch");
   }
   const Result tail = RunRows(*k, *batch, 200, 100);
-  for (int64_t i = 0; i < 100; ++i) ExpectRowBits(tail, i, full, 200 + i, "tail");
+  for (int64_t i = 0; i < 100; ++i)
+    ExpectRowBits(tail, i, full, 200 + i, "tail");
   const Result pair = RunRows(*k, *batch, 17, 256);
-  for (int64_t i = 0; i < 256; ++i) ExpectRowBits(pair, i, full, 17 + i, "pair");
+  for (int64_t i = 0; i < 256; ++i)
+    ExpectRowBits(pair, i, full, 17 + i, "pair");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Edges, PortableShapeTest, ::testing::ValuesIn(EdgeCases()),
-    [](const ::testing::TestParamInfo<ShapeCase>& info) {
-      const ShapeCase& c = info.param;
-      return "V" + std::to_string(c.V) + "_Vpad" + std::to_string(c.Vpad) +
-             "_H" + std::to_string(c.H) + (c.bias ? "_bias" : "_nobias") +
-             (c.unit_temperature ? "_T1" : "_Trand");
-    });
+INSTANTIATE_TEST_SUITE_P(Edges, PortableShapeTest,
+                         ::testing::ValuesIn(EdgeCases()),
+                         [](const ::testing::TestParamInfo<ShapeCase>& info) {
+                           const ShapeCase& c = info.param;
+                           return "V" + std::to_string(c.V) + "_Vpad" +
+                                  std::to_string(c.Vpad) + "_H" +
+                                  std::to_string(c.H) +
+                                  (c.bias ? "_bias" : "_nobias") +
+                                  (c.unit_temperature ? "_T1" : "_Trand");
+                         });
 
 // LaunchSplits of the portable kernel, then its LaunchCombine (the combine
 // compiled with the portable kernel, KernelKind::kPortable), equals
@@ -221,7 +229,8 @@ TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
     ASSERT_EQ(splits, NumVocabSplits(V));
     DevBuf<float> part(n * splits), z(n), lse(n);
     LinearLogpBatchView view{batch->hidden.ptr, batch->targets.ptr,
-                             batch->temps.ptr, z.ptr, nullptr, n};
+                             batch->temps.ptr,  z.ptr,
+                             nullptr,           n};
     ASSERT_TRUE(k->LaunchSplits(view, SplitPartials{part.ptr}, nullptr).ok());
     LinearLogpBatchView outputs;
     outputs.logprobs = z.ptr;
@@ -233,7 +242,8 @@ TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
                     .ok());
     CUDA_OK(cudaDeviceSynchronize());
     const Result folded{z.ToHost(), lse.ToHost()};
-    EXPECT_EQ(0, std::memcmp(folded.logprobs.data(), want.logprobs.data(), n * 4));
+    EXPECT_EQ(0,
+              std::memcmp(folded.logprobs.data(), want.logprobs.data(), n * 4));
     EXPECT_EQ(0, std::memcmp(folded.lse.data(), want.lse.data(), n * 4));
 
     // Shards.
@@ -268,12 +278,14 @@ TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
         DevBuf<float> shard_part((end - first) * n), shard_z(n);
         CUDA_OK(cudaMemset(shard_z.ptr, 0xFF, n * 4));
         LinearLogpBatchView sv{batch->hidden.ptr, local_targets.ptr,
-                               batch->temps.ptr, shard_z.ptr, nullptr, n};
+                               batch->temps.ptr,  shard_z.ptr,
+                               nullptr,           n};
         const absl::Status s =
             (*shard)->LaunchSplits(sv, SplitPartials{shard_part.ptr}, nullptr);
         ASSERT_TRUE(s.ok()) << s;
         CUDA_OK(cudaDeviceSynchronize());
-        const std::vector<float> ph = shard_part.ToHost(), zh = shard_z.ToHost();
+        const std::vector<float> ph = shard_part.ToHost(),
+                                 zh = shard_z.ToHost();
         for (int64_t r = 0; r < n; ++r) {
           for (int32_t sp = first; sp < end; ++sp) {
             split_lse[r * splits + sp] = ph[r * (end - first) + (sp - first)];
@@ -295,7 +307,8 @@ TEST(LinearLogpPortablePartials, FoldThroughLaunchCombine) {
                                                 KernelKind::kPortable)
                       .ok());
       CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_EQ(0, std::memcmp(lp2.ToHost().data(), want.logprobs.data(), n * 4))
+      EXPECT_EQ(0,
+                std::memcmp(lp2.ToHost().data(), want.logprobs.data(), n * 4))
           << shards << " shards, V=" << V;
       EXPECT_EQ(0, std::memcmp(lse2.ToHost().data(), want.lse.data(), n * 4))
           << shards << " shards, V=" << V;

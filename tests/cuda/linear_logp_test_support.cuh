@@ -25,15 +25,14 @@
 
 namespace detlogp::kernels::cuda {
 
-
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-#define CUDA_CHECK_THROW(expr)                                            \
-  do {                                                                    \
-    cudaError_t e_ = (expr);                                              \
-    if (e_ != cudaSuccess) {                                              \
+#define CUDA_CHECK_THROW(expr)                                                \
+  do {                                                                        \
+    cudaError_t e_ = (expr);                                                  \
+    if (e_ != cudaSuccess) {                                                  \
       std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_)); \
-      std::abort();                                                       \
-    }                                                                     \
+      std::abort();                                                           \
+    }                                                                         \
   } while (0)
 
 // The kernel needs a compute-capability-9.0 device; without one (CI machines)
@@ -132,11 +131,13 @@ struct DevBuf {
   }
   std::vector<T> ToHost() const {
     std::vector<T> h(n);
-    CUDA_CHECK_THROW(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    CUDA_CHECK_THROW(
+        cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
   void FromHost(const std::vector<T>& h) {
-    CUDA_CHECK_THROW(cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+    CUDA_CHECK_THROW(
+        cudaMemcpy(ptr, h.data(), n * sizeof(T), cudaMemcpyHostToDevice));
   }
 };
 
@@ -156,7 +157,7 @@ struct Weights {
 // Real rows ~ N(0, 0.02^2), bias ~ N(0, 0.1^2). Padding rows are set to 1.0
 // and their bias to 50 so that counting them would wreck the results.
 inline std::unique_ptr<Weights> MakeWeights(int64_t H, int64_t V, int64_t Vpad,
-                                     bool bias) {
+                                            bool bias) {
   auto w = std::make_unique<Weights>();
   w->H = H;
   w->V = V;
@@ -165,7 +166,8 @@ inline std::unique_ptr<Weights> MakeWeights(int64_t H, int64_t V, int64_t Vpad,
   w->w = DevBuf<__nv_bfloat16>(Vpad * H);
   w->b = DevBuf<float>(Vpad);
   FillNormalBf16<<<1024, 256>>>(w->w.ptr, V * H, FreshSeed(), 0.02f);
-  if (Vpad > V) FillConstBf16<<<256, 256>>>(w->w.ptr + V * H, (Vpad - V) * H, 1.0f);
+  if (Vpad > V)
+    FillConstBf16<<<256, 256>>>(w->w.ptr + V * H, (Vpad - V) * H, 1.0f);
   FillNormalF32<<<256, 256>>>(w->b.ptr, Vpad, FreshSeed(), 0.1f);
   CUDA_CHECK_THROW(cudaDeviceSynchronize());
   if (Vpad > V) {
@@ -213,7 +215,7 @@ struct Batch {
 };
 
 inline std::unique_ptr<Batch> MakeBatch(int64_t N, int64_t H, int64_t V,
-                                 bool unit_temperature = false) {
+                                        bool unit_temperature = false) {
   auto b = std::make_unique<Batch>();
   b->N = N;
   b->H = H;
@@ -249,16 +251,20 @@ struct Result {
 
 // Runs rows [start, start + count) of `batch`; outputs are poisoned (all-ones
 // bytes, a NaN) first and every element is checked to be written.
-inline Result RunRows(const LinearLogpCuda& k, const Batch& batch, int64_t start,
-           int64_t count, cudaStream_t stream = nullptr) {
+inline Result RunRows(const LinearLogpCuda& k, const Batch& batch,
+                      int64_t start, int64_t count,
+                      cudaStream_t stream = nullptr) {
   DevBuf<float> lp(count), lse(count);
   DevBuf<uint8_t> ws(std::max<size_t>(k.WorkspaceBytes(count), 1));
   CUDA_CHECK_THROW(cudaMemsetAsync(lp.ptr, 0xFF, count * 4, stream));
   CUDA_CHECK_THROW(cudaMemsetAsync(lse.ptr, 0xFF, count * 4, stream));
   CUDA_CHECK_THROW(cudaMemsetAsync(ws.ptr, 0xFF, ws.n, stream));
   LinearLogpBatchView view{batch.hidden.ptr + start * batch.H,
-                           batch.targets.ptr + start, batch.temps.ptr + start,
-                           lp.ptr, lse.ptr, count};
+                           batch.targets.ptr + start,
+                           batch.temps.ptr + start,
+                           lp.ptr,
+                           lse.ptr,
+                           count};
   const absl::Status s = k.Launch(view, ws.ptr, stream);
   EXPECT_TRUE(s.ok()) << s;
   CUDA_CHECK_THROW(cudaStreamSynchronize(stream));
@@ -272,18 +278,20 @@ inline Result RunRows(const LinearLogpCuda& k, const Batch& batch, int64_t start
 
 inline bool SameBits(float a, float b) { return std::memcmp(&a, &b, 4) == 0; }
 
-inline void ExpectRowBits(const Result& a, int64_t ia, const Result& b, int64_t ib,
-                   const char* what) {
+inline void ExpectRowBits(const Result& a, int64_t ia, const Result& b,
+                          int64_t ib, const char* what) {
   EXPECT_TRUE(SameBits(a.logprobs[ia], b.logprobs[ib]) &&
               SameBits(a.lse[ia], b.lse[ib]))
-      << what << ": row " << ia << " vs " << ib << " logprob "
-      << a.logprobs[ia] << " vs " << b.logprobs[ib] << ", lse " << a.lse[ia]
-      << " vs " << b.lse[ib];
+      << what << ": row " << ia << " vs " << ib << " logprob " << a.logprobs[ia]
+      << " vs " << b.logprobs[ib] << ", lse " << a.lse[ia] << " vs "
+      << b.lse[ib];
 }
 
 // float64 reference for the given rows (threads over rows x vocab).
-inline void Reference(const Weights& w, const Batch& b, const std::vector<int64_t>& rows,
-               std::vector<double>* ref_lp, std::vector<double>* ref_lse) {
+inline void Reference(const Weights& w, const Batch& b,
+                      const std::vector<int64_t>& rows,
+                      std::vector<double>* ref_lp,
+                      std::vector<double>* ref_lse) {
   const int64_t H = w.H, V = w.V;
   std::vector<float> wf(w.host_w.size());
   for (size_t i = 0; i < wf.size(); ++i) wf[i] = Bf16ToFloat(w.host_w[i]);
@@ -293,7 +301,8 @@ inline void Reference(const Weights& w, const Batch& b, const std::vector<int64_
   for (size_t ri = 0; ri < rows.size(); ++ri) {
     const int64_t r = rows[ri];
     std::vector<double> h(H);
-    for (int64_t k = 0; k < H; ++k) h[k] = Bf16ToFloat(b.host_hidden[r * H + k]);
+    for (int64_t k = 0; k < H; ++k)
+      h[k] = Bf16ToFloat(b.host_hidden[r * H + k]);
     std::vector<double> z(V);
     const double t = b.host_temps[r];
     std::vector<std::thread> pool;
@@ -320,20 +329,20 @@ inline void Reference(const Weights& w, const Batch& b, const std::vector<int64_
 }
 
 inline void ExpectAccurate(const Weights& w, const Batch& b, const Result& res,
-                    int64_t res_offset, const std::vector<int64_t>& rows) {
+                           int64_t res_offset,
+                           const std::vector<int64_t>& rows) {
   std::vector<double> lp, lse;
   Reference(w, b, rows, &lp, &lse);
   for (size_t i = 0; i < rows.size(); ++i) {
     const int64_t r = rows[i];
     EXPECT_LE(std::fabs(res.logprobs[r - res_offset] - lp[i]), 1e-3)
-        << "row " << r << " logprob " << res.logprobs[r - res_offset]
-        << " ref " << lp[i];
+        << "row " << r << " logprob " << res.logprobs[r - res_offset] << " ref "
+        << lp[i];
     EXPECT_LE(std::fabs(res.lse[r - res_offset] - lse[i]), 1e-3)
         << "row " << r << " lse " << res.lse[r - res_offset] << " ref "
         << lse[i];
   }
 }
-
 
 inline std::unique_ptr<LinearLogpCuda> MakeKernelOf(
     KernelKind kernel, const Weights& w,
@@ -349,7 +358,8 @@ inline std::unique_ptr<LinearLogpCuda> MakeKernelOf(
 
 // A Hopper kernel on `w` with the options `adjust` sets (floors, ...).
 template <typename Adjust>
-std::unique_ptr<LinearLogpCuda> MakeKernelWith(const Weights& w, Adjust adjust) {
+std::unique_ptr<LinearLogpCuda> MakeKernelWith(const Weights& w,
+                                               Adjust adjust) {
   LinearLogpCuda::Options o;
   o.weights = w.View();
   adjust(o);
@@ -374,9 +384,11 @@ inline void ExpectTwoStreamsAndRepeatsAgree(const LinearLogpCuda& k,
     CUDA_OK(cudaMemsetAsync(lp1.ptr, 0xFF, N * 4, s1));
     CUDA_OK(cudaMemsetAsync(lp2.ptr, 0xFF, N * 4, s2));
     LinearLogpBatchView v1{batch->hidden.ptr, batch->targets.ptr,
-                           batch->temps.ptr, lp1.ptr, lse1.ptr, N};
+                           batch->temps.ptr,  lp1.ptr,
+                           lse1.ptr,          N};
     LinearLogpBatchView v2{batch->hidden.ptr, batch->targets.ptr,
-                           batch->temps.ptr, lp2.ptr, lse2.ptr, N};
+                           batch->temps.ptr,  lp2.ptr,
+                           lse2.ptr,          N};
     ASSERT_TRUE(k.Launch(v1, ws1.ptr, s1).ok());
     ASSERT_TRUE(k.Launch(v2, ws2.ptr, s2).ok());
     CUDA_OK(cudaStreamSynchronize(s1));
@@ -404,8 +416,9 @@ inline void ExpectInt64TargetsAndScalarTemperatureKeepBits(KernelKind kernel) {
   auto k = MakeKernelOf(kernel, *w);
   ASSERT_NE(k, nullptr);
   const Result want = RunRows(*k, *batch, 0, batch->N);
-  std::vector<int64_t> wide(batch->host_targets.begin(), batch->host_targets.end());
-  wide[7] = 1000;              // padding row
+  std::vector<int64_t> wide(batch->host_targets.begin(),
+                            batch->host_targets.end());
+  wide[7] = 1000;  // padding row
   wide[8] = -1;
   wide[9] = int64_t{1} << 40;  // beyond int32
   DevBuf<int64_t> targets64(batch->N);

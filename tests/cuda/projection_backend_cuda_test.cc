@@ -49,8 +49,10 @@ TEST(ProjectionBackendCudaTest, ChunksGetTheCpuBackendsBitsDirectOrStaged) {
                                 : HeapHostBuffer(rows[i] * kRowBytes));
     cpu_out.push_back(HeapHostBuffer(rows[i] * kRowBytes));
     std::memset(gpu_out[i].data(), 0xff, gpu_out[i].bytes());  // NaNs
-    gpu_pieces.push_back({reinterpret_cast<float*>(gpu_out[i].data()), rows[i]});
-    cpu_pieces.push_back({reinterpret_cast<float*>(cpu_out[i].data()), rows[i]});
+    gpu_pieces.push_back(
+        {reinterpret_cast<float*>(gpu_out[i].data()), rows[i]});
+    cpu_pieces.push_back(
+        {reinterpret_cast<float*>(cpu_out[i].data()), rows[i]});
   }
 
   std::mt19937 rng(12);
@@ -64,7 +66,9 @@ TEST(ProjectionBackendCudaTest, ChunksGetTheCpuBackendsBitsDirectOrStaged) {
   ASSERT_TRUE((*gpu_executor)->Run(total, gpu_pieces, &gpu_stats).ok());
   ASSERT_TRUE((*cpu_executor)->Run(total, cpu_pieces, &cpu_stats).ok());
   for (size_t i = 0; i < rows.size(); ++i) {
-    EXPECT_EQ(std::memcmp(gpu_out[i].data(), cpu_out[i].data(), rows[i] * kRowBytes), 0)
+    EXPECT_EQ(
+        std::memcmp(gpu_out[i].data(), cpu_out[i].data(), rows[i] * kRowBytes),
+        0)
         << "piece " << i << (pinned[i] ? " (pinned)" : " (heap)");
   }
   // Only the heap piece was copied on the host.
@@ -73,7 +77,8 @@ TEST(ProjectionBackendCudaTest, ChunksGetTheCpuBackendsBitsDirectOrStaged) {
   // All pinned: nothing copied on the host.
   std::vector<YDestination> direct = {gpu_pieces[0], gpu_pieces[2]};
   ProjectionRunStats direct_stats;
-  ASSERT_TRUE((*gpu_executor)->Run(rows[0] + rows[2], direct, &direct_stats).ok());
+  ASSERT_TRUE(
+      (*gpu_executor)->Run(rows[0] + rows[2], direct, &direct_stats).ok());
   EXPECT_EQ(direct_stats.copy_out_seconds, 0.0);
 
   // Pieces that do not add up to the launch are refused.
@@ -85,7 +90,8 @@ TEST(ProjectionBackendCudaTest, ChunksGetTheCpuBackendsBitsDirectOrStaged) {
   gpu_executor->reset();
   cuda->reset();
   pool.reset();
-  for (HostBuffer& buffer : gpu_out) std::memset(buffer.data(), 0, buffer.bytes());
+  for (HostBuffer& buffer : gpu_out)
+    std::memset(buffer.data(), 0, buffer.bytes());
   gpu_out.clear();
 }
 

@@ -44,7 +44,8 @@ struct DeviceBuffer {
   float* ptr = nullptr;
   size_t count = 0;
   explicit DeviceBuffer(size_t n) : count(n) {
-    if (cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(float)) != cudaSuccess) {
+    if (cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(float)) !=
+        cudaSuccess) {
       ptr = nullptr;
     }
   }
@@ -171,8 +172,9 @@ TEST(ProjectionCudaTest, RowBitsIgnorePermutationMicroBatchingPadding) {
   dy.Poison();
   for (int64_t begin = 0, step = 1; begin < rows; begin += step, step *= 3) {
     const int64_t n = std::min(rows - begin, step);
-    ASSERT_TRUE(gpu->Forward(dx.ptr + begin * kK, n, dy.ptr + begin * kN,
-                             nullptr).ok());
+    ASSERT_TRUE(
+        gpu->Forward(dx.ptr + begin * kK, n, dy.ptr + begin * kN, nullptr)
+            .ok());
   }
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> ym = dy.ToHost();
@@ -217,7 +219,8 @@ TEST(ProjectionCudaTest, InputGradBitsEqualCpuAndMatchFloat64) {
         << "rows=" << rows << " seed=" << f.seed;
     if (rows == 1000) {  // too-small workspace: an error, not a wrong result
       EXPECT_FALSE(gpu->InputGrad(d_dy.ptr, rows, d_dx.ptr, ws.ptr,
-                                  ws_bytes - 16, nullptr).ok());
+                                  ws_bytes - 16, nullptr)
+                       .ok());
     }
     if (rows == 3) {
       int64_t bad = 0;
@@ -240,7 +243,12 @@ TEST(ProjectionCudaTest, WeightGradBitsEqualCpuForKeyedRows) {
   auto gpu = f.Gpu(Variant::kDefault, true);
   // (rows, first_key): chunk and superchunk (4096 keys) edges both ways.
   const std::vector<std::pair<int64_t, int64_t>> cases = {
-      {1, 0}, {1, 4095}, {64, 64}, {130, 77}, {300, 4000}, {5000, 1234},
+      {1, 0},
+      {1, 4095},
+      {64, 64},
+      {130, 77},
+      {300, 4000},
+      {5000, 1234},
       {4096, 8192},
       // >= 4 superchunks: the one-k-part kernel and the separate dbias pass.
       {12300, 4000}};
@@ -259,7 +267,8 @@ TEST(ProjectionCudaTest, WeightGradBitsEqualCpuForKeyedRows) {
     d_dw.Poison();
     d_db.Poison();
     ASSERT_TRUE(gpu->WeightGrad(d_dy.ptr, d_x.ptr, rows, first_key, d_dw.ptr,
-                                d_db.ptr, ws.ptr, ws_bytes, nullptr).ok());
+                                d_db.ptr, ws.ptr, ws_bytes, nullptr)
+                    .ok());
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<float> dw = d_dw.ToHost(), db = d_db.ToHost();
     EXPECT_EQ(0, std::memcmp(dw.data(), ref->dweight.data(), dw.size() * 4))
@@ -272,15 +281,19 @@ TEST(ProjectionCudaTest, WeightGradBitsEqualCpuForKeyedRows) {
   EXPECT_GT(ProjectionCuda::WeightGradWorkspaceBytes(2, 4095), 64);
   EXPECT_EQ(ProjectionCuda::WeightGradWorkspaceBytes(4096, 0), 0);
   EXPECT_FALSE(gpu->WeightGrad(small.ptr, small.ptr, 2, 4095, dw.ptr, nullptr,
-                               small.ptr, 64, nullptr).ok());
+                               small.ptr, 64, nullptr)
+                   .ok());
   EXPECT_FALSE(gpu->WeightGrad(small.ptr, small.ptr, 1, -3, dw.ptr, nullptr,
-                               small.ptr, 64, nullptr).ok());
-  EXPECT_TRUE(gpu->WeightGrad(nullptr, nullptr, 0, 0, dw.ptr, nullptr,
-                              nullptr, 0, nullptr).ok());
+                               small.ptr, 64, nullptr)
+                   .ok());
+  EXPECT_TRUE(gpu->WeightGrad(nullptr, nullptr, 0, 0, dw.ptr, nullptr, nullptr,
+                              0, nullptr)
+                  .ok());
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> zeros = dw.ToHost();
-  EXPECT_TRUE(std::all_of(zeros.begin(), zeros.end(),
-                          [](float v) { return v == 0.f && !std::signbit(v); }));
+  EXPECT_TRUE(std::all_of(zeros.begin(), zeros.end(), [](float v) {
+    return v == 0.f && !std::signbit(v);
+  }));
 }
 
 TEST(ProjectionCudaTest, BadArgumentsAreErrors) {

@@ -1,9 +1,9 @@
-// The top-k floor kernel on its own (kernels/cuda/linear_logp_floor_kernel.cuh),
-// against a float64 reference of the floor it promises: mean + sigmas
-// deviations of z over the strided sample columns. The end-to-end tests
-// cannot see a wrong floor (a floor changes a row's cost, never its bits),
-// so a sample gathered in the wrong order, or a cluster adding the wrong
-// partial sums, would only show as a slower top-k.
+// The top-k floor kernel on its own
+// (kernels/cuda/linear_logp_floor_kernel.cuh), against a float64 reference of
+// the floor it promises: mean + sigmas deviations of z over the strided sample
+// columns. The end-to-end tests cannot see a wrong floor (a floor changes a
+// row's cost, never its bits), so a sample gathered in the wrong order, or a
+// cluster adding the wrong partial sums, would only show as a slower top-k.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -95,18 +95,19 @@ struct DeviceProblem {
   uint32_t* screen = nullptr;
   int32_t* rerun = nullptr;
   ~DeviceProblem() {
-    for (void* ptr : {static_cast<void*>(hidden), static_cast<void*>(weight),
-                      static_cast<void*>(bias), static_cast<void*>(temperatures),
-                      static_cast<void*>(sample), static_cast<void*>(sample_bias),
-                      static_cast<void*>(screen), static_cast<void*>(rerun)}) {
+    for (void* ptr :
+         {static_cast<void*>(hidden), static_cast<void*>(weight),
+          static_cast<void*>(bias), static_cast<void*>(temperatures),
+          static_cast<void*>(sample), static_cast<void*>(sample_bias),
+          static_cast<void*>(screen), static_cast<void*>(rerun)}) {
       cudaFree(ptr);
     }
   }
 };
 
-constexpr int kPadRows = 16;           // screen rows past the batch
+constexpr int kPadRows = 16;  // screen rows past the batch
 constexpr uint32_t kUntouched = 0xabababab;
-constexpr int kBlockRows = 32;         // the split kernel's, as the test sets it
+constexpr int kBlockRows = 32;  // the split kernel's, as the test sets it
 constexpr float kSigmas = 3.0f;
 
 // What a floor launch wrote: the screens (kPadRows rows past the batch
@@ -124,14 +125,17 @@ void RunFloors(const Problem& p, bool with_bias, int k_splits, FloorRun* out) {
   d.weight = reinterpret_cast<__nv_bfloat16*>(ToDevice(p.weight));
   d.bias = ToDevice(p.bias);
   d.temperatures = ToDevice(p.temperatures);
-  ASSERT_EQ(cudaMalloc(&d.sample, p.hidden_size * 2 * kSampleColumns), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&d.sample_bias, kSampleColumns * sizeof(float)), cudaSuccess);
-  ASSERT_EQ(EnqueueGatherSample(d.weight, with_bias ? d.bias : nullptr,
-                                p.hidden_size, p.vocab_size, d.sample,
-                                d.sample_bias, nullptr),
+  ASSERT_EQ(cudaMalloc(&d.sample, p.hidden_size * 2 * kSampleColumns),
             cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d.sample_bias, kSampleColumns * sizeof(float)),
+            cudaSuccess);
+  ASSERT_EQ(
+      EnqueueGatherSample(d.weight, with_bias ? d.bias : nullptr, p.hidden_size,
+                          p.vocab_size, d.sample, d.sample_bias, nullptr),
+      cudaSuccess);
   const int32_t row_blocks = (p.rows + kBlockRows - 1) / kBlockRows;
-  const size_t screen_words = static_cast<size_t>(p.rows + kPadRows) * kScreenWords;
+  const size_t screen_words =
+      static_cast<size_t>(p.rows + kPadRows) * kScreenWords;
   d.screen = ToDevice(std::vector<uint32_t>(screen_words, kUntouched));
   d.rerun = ToDevice(std::vector<int32_t>(row_blocks + 1, -7));
 
@@ -157,10 +161,9 @@ void RunFloors(const Problem& p, bool with_bias, int k_splits, FloorRun* out) {
 
 // Checks every screen word and rerun mark a floor launch owns.
 void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
-  SCOPED_TRACE(testing::Message() << "H " << p.hidden_size << " V "
-                                  << p.vocab_size << " rows " << p.rows
-                                  << " bias " << with_bias << " k_splits "
-                                  << k_splits);
+  SCOPED_TRACE(testing::Message()
+               << "H " << p.hidden_size << " V " << p.vocab_size << " rows "
+               << p.rows << " bias " << with_bias << " k_splits " << k_splits);
   FloorRun run;
   ASSERT_NO_FATAL_FAILURE(RunFloors(p, with_bias, k_splits, &run));
   const std::vector<uint32_t>& screen = run.screen;
@@ -172,11 +175,13 @@ void ExpectFloors(const Problem& p, bool with_bias, int k_splits) {
     EXPECT_NEAR(got, want, 1e-4 * (1.0 + std::fabs(want))) << "row " << r;
     for (int word = 0; word < kScreenWords; ++word) {
       if (word != kScreenWord) {
-        ASSERT_EQ(screen[r * kScreenWords + word], 0u) << "row " << r << " word " << word;
+        ASSERT_EQ(screen[r * kScreenWords + word], 0u)
+            << "row " << r << " word " << word;
       }
     }
   }
-  for (size_t i = static_cast<size_t>(p.rows) * kScreenWords; i < screen.size(); ++i) {
+  for (size_t i = static_cast<size_t>(p.rows) * kScreenWords; i < screen.size();
+       ++i) {
     ASSERT_EQ(screen[i], kUntouched) << "word " << i << " past the batch";
   }
   for (int32_t v : run.rerun) EXPECT_EQ(v, 0);
@@ -201,9 +206,11 @@ TEST_F(TopKFloors, OneRowBatch) {
 TEST_F(TopKFloors, NonFiniteRowsGetNoFloor) {
   Problem p = MakeProblem(256, 1000, 20, 9);
   const uint16_t nan = 0x7fc0;
-  for (int64_t k = 0; k < p.hidden_size; ++k) p.hidden[3 * p.hidden_size + k] = nan;
+  for (int64_t k = 0; k < p.hidden_size; ++k)
+    p.hidden[3 * p.hidden_size + k] = nan;
   FloorRun run;
-  ASSERT_NO_FATAL_FAILURE(RunFloors(p, /*with_bias=*/false, /*k_splits=*/2, &run));
+  ASSERT_NO_FATAL_FAILURE(
+      RunFloors(p, /*with_bias=*/false, /*k_splits=*/2, &run));
   // 0 is below every float's key: the row screens nothing.
   EXPECT_EQ(run.screen[3 * kScreenWords + kScreenWord], 0u);
   EXPECT_GT(run.screen[4 * kScreenWords + kScreenWord], 0u);
@@ -214,7 +221,8 @@ TEST_F(TopKFloors, RejectsClusterSizesItCannotSplitRowsFor) {
   f.rows = 16;
   for (int k_splits : {0, 3, 5, 8}) {
     f.k_splits = k_splits;
-    EXPECT_EQ(EnqueueFloorKernel(f, nullptr), cudaErrorInvalidValue) << k_splits;
+    EXPECT_EQ(EnqueueFloorKernel(f, nullptr), cudaErrorInvalidValue)
+        << k_splits;
   }
 }
 

@@ -4,9 +4,9 @@
 // slots (a bound on the slots' k-th largest always, and exact where the
 // kind promises it), and TileKthLowerBound over a tile's accumulators (a
 // bound on the row's k-th largest value of the tile, and exactly the quad's
-// least r-th best of its groups' two largest). A bound above the k-th largest would let a split
-// drop a value of the row's top-k; the end-to-end tests would see that only
-// on the rows and timings they happen to run.
+// least r-th best of its groups' two largest). A bound above the k-th largest
+// would let a split drop a value of the row's top-k; the end-to-end tests would
+// see that only on the rows and timings they happen to run.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -24,8 +24,8 @@
 namespace detlogp::kernels::cuda::epilogue {
 namespace {
 
-constexpr int kKept = 8;      // values a thread keeps (SlotBound's)
-constexpr int kQuads = 8;     // quads in a warp
+constexpr int kKept = 8;   // values a thread keeps (SlotBound's)
+constexpr int kQuads = 8;  // quads in a warp
 constexpr float kInf = INFINITY;
 
 // Block b: one warp; thread t's sorted list is lists[b][t][0..8), and the
@@ -83,7 +83,8 @@ float KthLargest(std::vector<float> values, int k) {
 // Values with many ties and unset (-inf) entries: the cases a merge can
 // get wrong.
 float DrawValue(std::mt19937& rng) {
-  static const float kPool[] = {-kInf, -kInf, -1.0f, 0.0f, 0.5f, 1.0f, 2.0f, 3.0f};
+  static const float kPool[] = {-kInf, -kInf, -1.0f, 0.0f,
+                                0.5f,  1.0f,  2.0f,  3.0f};
   std::uniform_int_distribution<int> pick(0, 15);
   std::normal_distribution<float> normal(0.0f, 2.0f);
   const int i = pick(rng);
@@ -129,7 +130,8 @@ TEST_F(TopKScreens, SlotBoundNeverExceedsTheSlotsKthLargest) {
   std::mt19937 rng(7);
   std::bernoulli_distribution unset(0.3);
   std::vector<uint32_t> screen(kRows * kScreenWords, 0u);
-  std::vector<std::vector<float>> slots(kRows, std::vector<float>(kScreenSlots));
+  std::vector<std::vector<float>> slots(kRows,
+                                        std::vector<float>(kScreenSlots));
   for (int r = 0; r < kRows; ++r) {
     for (int s = 0; s < kScreenSlots; ++s) {
       const float v = unset(rng) ? -kInf : DrawValue(rng);
@@ -145,7 +147,8 @@ TEST_F(TopKScreens, SlotBoundNeverExceedsTheSlotsKthLargest) {
     SlotBoundKernel<SlotBoundKind::kMerged><<<kRows / kQuads, 32>>>(p, d_out);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> merged = ToHost(d_out, kRows);
-    SlotBoundKernel<SlotBoundKind::kQuadLeast><<<kRows / kQuads, 32>>>(p, d_out);
+    SlotBoundKernel<SlotBoundKind::kQuadLeast>
+        <<<kRows / kQuads, 32>>>(p, d_out);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const std::vector<float> least = ToHost(d_out, kRows);
     for (int r = 0; r < kRows; ++r) {
@@ -156,7 +159,8 @@ TEST_F(TopKScreens, SlotBoundNeverExceedsTheSlotsKthLargest) {
       float least_of_rth = kInf;
       const int rank = (k + 3) / 4;
       for (int q = 0; q < 4; ++q) {
-        std::vector<float> own(slots[r].begin() + 16 * q, slots[r].begin() + 16 * q + 16);
+        std::vector<float> own(slots[r].begin() + 16 * q,
+                               slots[r].begin() + 16 * q + 16);
         std::sort(own.begin(), own.end(), std::greater<float>());
         kept.insert(kept.end(), own.begin(), own.begin() + kKept);
         least_of_rth = std::min(least_of_rth, own[rank - 1]);
@@ -185,7 +189,8 @@ void CheckTileBound() {
   float* d_values = ToDevice(values);
   int* d_ks = ToDevice(ks);
   float* d_out = nullptr;
-  ASSERT_EQ(cudaMalloc(&d_out, kBlocks * kQuads * 2 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_out, kBlocks * kQuads * 2 * sizeof(float)),
+            cudaSuccess);
   TileBoundKernel<kW><<<kBlocks, 32>>>(d_values, d_ks, d_out);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> out = ToHost(d_out, kBlocks * kQuads * 2);
@@ -202,7 +207,8 @@ void CheckTileBound() {
           for (int g = 0; g < kGroups; ++g) {
             std::vector<float> group;
             for (int j = 4 * g; j < 4 * g + 4; ++j) {
-              for (int e = 0; e < 2; ++e) group.push_back(acc[4 * j + 2 * h + e]);
+              for (int e = 0; e < 2; ++e)
+                group.push_back(acc[4 * j + 2 * h + e]);
             }
             row.insert(row.end(), group.begin(), group.end());
             std::sort(group.begin(), group.end(), std::greater<float>());

@@ -74,19 +74,19 @@ __device__ inline void WgmmaM64N128K16T(float* d, uint64_t da, uint64_t db,
       "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, "
       "%58, %59, %60, %61, %62, %63"
       "}, %64, %65, p, 1, 1, %67, %68;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]),
-        "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]),
-        "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),
-        "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]),
-        "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),
-        "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]),
+        "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+        "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]),
+        "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]),
+        "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(da), "l"(db), "r"(scale_d), "n"(kTransA), "n"(kTransB));
 }
 
@@ -128,12 +128,10 @@ __global__ void MultiplyTile(const uint16_t* a, const uint16_t* b, Layout l,
   for (int k = 0; k < kK / 16; ++k) {
     // K-major: +32 bytes per 16 k inside the swizzled row (LBO unused,
     // SBO = 8 rows x 128 B). MN-major: +16 rows of 128 B per 16 k.
-    const uint64_t da = kTransA
-        ? Desc(a_addr + k * 2048, l.mn_lbo, l.mn_sbo)
-        : Desc(a_addr + k * 32, 16, 1024);
-    const uint64_t db = kTransB
-        ? Desc(b_addr + k * 2048, l.mn_lbo, l.mn_sbo)
-        : Desc(b_addr + k * 32, 16, 1024);
+    const uint64_t da = kTransA ? Desc(a_addr + k * 2048, l.mn_lbo, l.mn_sbo)
+                                : Desc(a_addr + k * 32, 16, 1024);
+    const uint64_t db = kTransB ? Desc(b_addr + k * 2048, l.mn_lbo, l.mn_sbo)
+                                : Desc(b_addr + k * 32, 16, 1024);
     WgmmaM64N128K16T<kTransA, kTransB>(acc, da, db, 1);
   }
   ptx::WgmmaCommit();
@@ -182,7 +180,6 @@ class WgmmaMnMajorTest : public ::testing::Test {
     }
   }
 
-
  public:
   // Runs one layout; returns the largest error against the reference.
   template <int kTransA, int kTransB>
@@ -212,7 +209,6 @@ class WgmmaMnMajorTest : public ::testing::Test {
     }
     return worst;
   }
-
 
  private:
   std::vector<uint16_t> a_, b_;

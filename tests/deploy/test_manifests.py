@@ -1,4 +1,5 @@
 """Parses every deployment file and checks the fields that matter."""
+
 import configparser
 import pathlib
 
@@ -26,8 +27,9 @@ def container(manifests):
 
 
 def test_every_manifest_parses_with_kind_and_name(manifests):
-    assert {"Deployment", "Service", "PodDisruptionBudget",
-            "PersistentVolumeClaim"} <= set(manifests)
+    assert {"Deployment", "Service", "PodDisruptionBudget", "PersistentVolumeClaim"} <= set(
+        manifests
+    )
     for doc in manifests.values():
         assert doc["metadata"]["name"]
 
@@ -68,11 +70,15 @@ def test_weights_and_secrets_come_from_read_only_volumes(manifests):
     c = container(manifests)
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["weights"]["readOnly"] is True
-    assert any(a.startswith("--auth_tokens_file=" + mounts["tokens"]["mountPath"]) for a in c["args"])
+    assert any(
+        a.startswith("--auth_tokens_file=" + mounts["tokens"]["mountPath"]) for a in c["args"]
+    )
     volumes = volumes_of(manifests)
     assert volumes["tokens"]["secret"]["secretName"]
-    assert volumes["weights"]["persistentVolumeClaim"]["claimName"] == \
-        manifests["PersistentVolumeClaim"]["metadata"]["name"]
+    assert (
+        volumes["weights"]["persistentVolumeClaim"]["claimName"]
+        == manifests["PersistentVolumeClaim"]["metadata"]["name"]
+    )
     assert volumes["weights"]["persistentVolumeClaim"]["readOnly"] is True
     assert manifests["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadOnlyMany"]
 
@@ -129,15 +135,24 @@ def test_admin_token_comes_from_its_own_secret(manifests):
 
 def test_readme_explains_replicas_and_live_weights():
     text = (DEPLOY / "README.md").read_text()
-    for phrase in ("--model_root", "emptyDir", "read-only", "every replica",
-                   "determinism key", "detlogp-admin-tokens"):
+    for phrase in (
+        "--model_root",
+        "emptyDir",
+        "read-only",
+        "every replica",
+        "determinism key",
+        "detlogp-admin-tokens",
+    ):
         assert phrase in text, phrase
 
 
 def test_drain_fits_in_the_termination_grace(manifests):
     spec = manifests["Deployment"]["spec"]["template"]["spec"]
-    grace = next(int(a.split("=")[1]) for a in container(manifests)["args"]
-                 if a.startswith("--shutdown_grace_s="))
+    grace = next(
+        int(a.split("=")[1])
+        for a in container(manifests)["args"]
+        if a.startswith("--shutdown_grace_s=")
+    )
     assert spec["terminationGracePeriodSeconds"] > grace
 
 
@@ -165,8 +180,11 @@ def test_dockerfile_keeps_uploaded_versions_in_a_volume():
 
 
 def test_dockerfile_is_multi_stage_on_a_cuda_runtime_base():
-    lines = [l for l in (DEPLOY / "Dockerfile").read_text().splitlines()
-             if l.startswith("FROM ")]
+    lines = [
+        line
+        for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+        if line.startswith("FROM ")
+    ]
     assert len(lines) == 2
     assert "devel" in lines[0] and " AS build" in lines[0]
     assert "runtime" in lines[1]
@@ -196,8 +214,7 @@ def test_pod_serves_a_unix_socket_on_a_volume_its_containers_can_share(manifests
     assert server["securityContext"]["readOnlyRootFilesystem"] is True
     volume = {v["name"]: v for v in pod["volumes"]}[mounts[folder]]
     assert "emptyDir" in volume
-    assert not any(m.get("readOnly") for m in server["volumeMounts"]
-                   if m["mountPath"] == folder)
+    assert not any(m.get("readOnly") for m in server["volumeMounts"] if m["mountPath"] == folder)
     # One pod UID: every container runs as the socket's owner.
     assert pod["securityContext"]["runAsUser"]
 

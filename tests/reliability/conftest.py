@@ -5,11 +5,11 @@ Every test prints what it tried and what held; run with -s (or read the
 captured output of a failure) to see the counts. Durations are bounded and
 can be shortened for a quick local run with DETLOGP_SOAK_S=10.
 """
+
 import os
 import pathlib
 
 import pytest
-
 from detlogp.testing import TestModel, server_binary_for_tests
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -43,4 +43,5 @@ def report(request):
 
     def say(line):
         print(f"[{name}] {line}", flush=True)
+
     return say

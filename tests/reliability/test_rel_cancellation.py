@@ -2,6 +2,7 @@
 cancelled at random moments. Holds: every call not cancelled is answered with
 solo-identical bits, the server keeps serving, and its RSS after the storm is
 within 10% of the RSS after an equal warm-up without cancellations."""
+
 import asyncio
 import random
 import time
@@ -10,7 +11,6 @@ from collections import Counter
 import grpc
 import grpc.aio
 import numpy as np
-
 from detlogp import requests
 from detlogp.loadgen import RowPool
 from detlogp.testing import LocalServer
@@ -30,14 +30,16 @@ async def storm(target, pool, seconds, cancel_fraction, seed, stream_fraction=0.
 
     def make_request(rng):
         rows = rng.sample(range(len(pool.targets)), rng.randint(1, 8))
-        return rows, requests.logprob_request(pool.hidden[rows], pool.targets[rows],
-                                              return_lse=True)
+        return rows, requests.logprob_request(
+            pool.hidden[rows], pool.targets[rows], return_lse=True
+        )
 
     def check(rows, response):
         got = np.array(response.logprobs, np.float32)
         counts["rows_checked"] += len(rows)
-        counts["rows_mismatched"] += int(np.sum(got.view(np.uint32) !=
-                                                pool.solo_logp[rows].view(np.uint32)))
+        counts["rows_mismatched"] += int(
+            np.sum(got.view(np.uint32) != pool.solo_logp[rows].view(np.uint32))
+        )
 
     async def client(index):
         rng = random.Random(seed * 1000 + index)
@@ -88,8 +90,9 @@ async def storm(target, pool, seconds, cancel_fraction, seed, stream_fraction=0.
 
 
 def test_cancellation_storm_keeps_serving_and_memory_flat(server_binary, model, report):
-    with LocalServer(server_binary, model.flags + [
-            "--cpu_threads=1", "--max_queue_delay_us=5000"], metrics=True) as server:
+    with LocalServer(
+        server_binary, model.flags + ["--cpu_threads=1", "--max_queue_delay_us=5000"], metrics=True
+    ) as server:
         pool = RowPool.random(model.hidden, model.vocab, rows=64, seed=2)
         pool.score_solo(server.target)
         warm = asyncio.run(storm(server.target, pool, PHASE_S, 0.0, seed=1))
@@ -99,29 +102,37 @@ def test_cancellation_storm_keeps_serving_and_memory_flat(server_binary, model, 
         time.sleep(1.0)
         assert server.running(), (
             f"server died during the cancellation storm (exit {server.process.poll()}); "
-            f"storm outcomes {dict(hits)}; log tail:\n{server.log()[-1500:]}")
+            f"storm outcomes {dict(hits)}; log tail:\n{server.log()[-1500:]}"
+        )
         rss_after = server.rss_kib()
         after = asyncio.run(storm(server.target, pool, 2.0, 0.0, seed=3))
         metrics = server.metrics() or {}
         assert server.terminate() == 0
         stop = server.stop_counts()
-    report(f"tried: warm-up {warm['calls']} calls without cancels, then storm of "
-           f"{hits['calls']} calls from {CLIENTS} clients in {PHASE_S:.0f}s, ~50% cancelled "
-           f"at a random moment in [0, 10 ms]; then {after['calls']} calls after")
+    report(
+        f"tried: warm-up {warm['calls']} calls without cancels, then storm of "
+        f"{hits['calls']} calls from {CLIENTS} clients in {PHASE_S:.0f}s, ~50% cancelled "
+        f"at a random moment in [0, 10 ms]; then {after['calls']} calls after"
+    )
     report(f"storm outcomes: {dict(sorted(hits.items()))}")
     cancelled = hits["unary_cancelled"] + hits["stream_cancelled"]
-    report(f"held: {cancelled} cancelled, rows checked {hits['rows_checked']}, "
-           f"mismatched {hits['rows_mismatched']}; after-storm calls ok "
-           f"{after['unary_ok'] + after['stream_ok']}/{after['calls']}; RSS before "
-           f"{rss_before} KiB, after {rss_after} KiB "
-           f"({100.0 * (rss_after - rss_before) / rss_before:+.1f}%); server: {stop}; "
-           f"CANCELLED calls in metrics: "
-           f"{sum(v for k, v in metrics.items() if 'CANCELLED' in k)}")
+    report(
+        f"held: {cancelled} cancelled, rows checked {hits['rows_checked']}, "
+        f"mismatched {hits['rows_mismatched']}; after-storm calls ok "
+        f"{after['unary_ok'] + after['stream_ok']}/{after['calls']}; RSS before "
+        f"{rss_before} KiB, after {rss_after} KiB "
+        f"({100.0 * (rss_after - rss_before) / rss_before:+.1f}%); server: {stop}; "
+        f"CANCELLED calls in metrics: "
+        f"{sum(v for k, v in metrics.items() if 'CANCELLED' in k)}"
+    )
     assert hits["calls"] > 1000 and cancelled > hits["calls"] * 0.2
     # Nothing failed that was not cancelled by us.
-    unexpected = {k: v for k, v in hits.items()
-                  if k.startswith(("unary_", "stream_")) and not k.endswith(
-                      ("_ok", "_cancelled", "_CANCELLED"))}
+    unexpected = {
+        k: v
+        for k, v in hits.items()
+        if k.startswith(("unary_", "stream_"))
+        and not k.endswith(("_ok", "_cancelled", "_CANCELLED"))
+    }
     assert not unexpected, unexpected
     assert hits["rows_mismatched"] == 0 and warm["rows_mismatched"] == 0
     assert after["unary_ok"] + after["stream_ok"] == after["calls"] > 0
@@ -141,17 +152,20 @@ async def stream_cancel_storm(target, pool, seconds, seed):
     async def client(i):
         stub = stubs[i % len(stubs)]
         while time.monotonic() < end:
+
             async def trickle():
                 for _ in range(rng.randint(1, 6)):
                     rows = rng.sample(range(len(pool.targets)), rng.randint(1, 2))
                     yield requests.logprob_request(pool.hidden[rows], pool.targets[rows])
                     if rng.random() < 0.3:
                         await asyncio.sleep(rng.random() * 0.002)
+
             call = stub.StreamLogProbs(trickle())
 
             async def consume():
                 async for _ in call:
                     counts["answers"] += 1
+
             task = asyncio.ensure_future(consume())
             await asyncio.sleep(rng.random() * 0.004)
             if rng.random() < 0.6:
@@ -173,9 +187,11 @@ def test_stream_cancellations_racing_reads_never_crash(server_binary, model, rep
     with LocalServer(server_binary, model.flags + ["--cpu_threads=1"]) as server:
         pool = RowPool.random(model.hidden, model.vocab, rows=64, seed=4)
         counts = asyncio.run(stream_cancel_storm(server.target, pool, PHASE_S, seed=5))
-        report(f"tried: {counts['streams']} trickling streams from 48 clients in "
-               f"{PHASE_S:.0f}s, {counts['cancelled']} cancelled at a random moment; "
-               f"{counts['answers']} answers read")
+        report(
+            f"tried: {counts['streams']} trickling streams from 48 clients in "
+            f"{PHASE_S:.0f}s, {counts['cancelled']} cancelled at a random moment; "
+            f"{counts['answers']} answers read"
+        )
         alive = server.running()
         exit_code = server.terminate()
         report(f"held: server alive {alive}, exit code {exit_code}")

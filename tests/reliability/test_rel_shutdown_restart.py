@@ -3,6 +3,7 @@ refused with UNAVAILABLE, the server exits 0, and its row count equals the
 rows it answered.
 7) kill -9 and restart on the same port: same determinism key, identical
 bits; callers with retries ride through the restart."""
+
 import asyncio
 import random
 import signal
@@ -10,12 +11,11 @@ import threading
 import time
 from collections import Counter
 
+import detlogp
 import grpc
 import grpc.aio
 import numpy as np
 import pytest
-
-import detlogp
 from detlogp import requests
 from detlogp.loadgen import RowPool
 from detlogp.testing import LocalServer
@@ -40,9 +40,12 @@ async def load_through_sigterm(server, pool, sigterm_at_s, stop_at_s):
 
     def check(rows, response):
         counts["rows_ok"] += len(rows)
-        counts["rows_mismatched"] += int(np.sum(
-            np.array(response.logprobs, np.float32).view(np.uint32) !=
-            pool.solo_logp[rows].view(np.uint32)))
+        counts["rows_mismatched"] += int(
+            np.sum(
+                np.array(response.logprobs, np.float32).view(np.uint32)
+                != pool.solo_logp[rows].view(np.uint32)
+            )
+        )
 
     async def killer():
         await asyncio.sleep(sigterm_at_s)
@@ -79,17 +82,22 @@ async def load_through_sigterm(server, pool, sigterm_at_s, stop_at_s):
                 # 0.1 s of the signal and failing within 0.1 s of it count as
                 # such races; the row accounting below proves none of them
                 # had been accepted (every computed row reached a caller).
-                racing = (code in ("CANCELLED", "INTERNAL") and signalled
-                          and abs(time.monotonic() - signalled[0]) < 0.1
-                          and abs(sent_at - signalled[0]) < 0.1)
+                racing = (
+                    code in ("CANCELLED", "INTERNAL")
+                    and signalled
+                    and abs(time.monotonic() - signalled[0]) < 0.1
+                    and abs(sent_at - signalled[0]) < 0.1
+                )
                 counts[f"{code}_racing_sigterm" if racing else code] += 1
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     await asyncio.sleep(0.01)
                 else:
                     at = time.monotonic() - (signalled[0] if signalled else began)
-                    details.append(f"{kind} {error.code().name} '{error.details()}' "
-                                   f"sent {sent_at - began:.3f}s after start, failed "
-                                   f"{at:+.3f}s {'after' if signalled else 'before'} SIGTERM")
+                    details.append(
+                        f"{kind} {error.code().name} '{error.details()}' "
+                        f"sent {sent_at - began:.3f}s after start, failed "
+                        f"{at:+.3f}s {'after' if signalled else 'before'} SIGTERM"
+                    )
 
     await asyncio.gather(killer(), *[client(i) for i in range(CLIENTS)])
     for channel in channels:
@@ -98,28 +106,33 @@ async def load_through_sigterm(server, pool, sigterm_at_s, stop_at_s):
 
 
 def test_sigterm_under_load_answers_every_accepted_call(server_binary, model, report):
-    server = LocalServer(server_binary, model.flags + [
-        "--cpu_threads=1", "--max_queue_delay_us=20000", "--shutdown_grace_s=20"],
-        metrics=True).start()
+    server = LocalServer(
+        server_binary,
+        model.flags + ["--cpu_threads=1", "--max_queue_delay_us=20000", "--shutdown_grace_s=20"],
+        metrics=True,
+    ).start()
     try:
         warmup = (server.metrics() or {}).get("detlogp_rows_computed_total")
         pool = RowPool.random(model.hidden, model.vocab, rows=64, seed=6)
         pool.score_solo(server.target)
-        counts = asyncio.run(load_through_sigterm(server, pool, sigterm_at_s=3.0,
-                                                  stop_at_s=5.0))
+        counts = asyncio.run(load_through_sigterm(server, pool, sigterm_at_s=3.0, stop_at_s=5.0))
         exit_code = server.wait(60)
     finally:
         if server.running():
             server.kill()
     stop = server.stop_counts()
     log = server.log()
-    report(f"tried: {CLIENTS} clients, {counts['calls']} unary+streaming calls, SIGTERM "
-           f"at 3 s, new calls kept coming until 5 s")
+    report(
+        f"tried: {CLIENTS} clients, {counts['calls']} unary+streaming calls, SIGTERM "
+        f"at 3 s, new calls kept coming until 5 s"
+    )
     report(f"outcomes: {dict(sorted(counts.items()))}")
     for line in sorted(counts.details, key=lambda d: "CANCELLED" in d)[:10]:
         report(f"unexpected: {line}")
-    report(f"held: exit code {exit_code}; stop line {stop}; rows answered "
-           f"{counts['rows_ok']} + solo {len(pool.targets)} + warm-up {warmup}")
+    report(
+        f"held: exit code {exit_code}; stop line {stop}; rows answered "
+        f"{counts['rows_ok']} + solo {len(pool.targets)} + warm-up {warmup}"
+    )
     assert exit_code == 0, log[-2000:]
     assert "draining" in log
     assert counts["unary_OK"] + counts["stream_OK"] > 0 and counts["UNAVAILABLE"] > 0
@@ -174,11 +187,15 @@ def test_kill_9_and_restart_gives_same_key_and_bits(server_binary, model, weight
         client.close()
         if server.running():
             server.kill()
-    report(f"tried: {weights} weights; kill -9 (exit {killed}) with 4 callers in flight, "
-           f"restart on port {port}; callers retried {client.retries} times")
-    report(f"held: key {info.determinism_key} -> {info_again.determinism_key}; "
-           f"16 rows bit-identical: {again.logprobs.tobytes() == first.logprobs.tobytes()}; "
-           f"callers {dict(outcomes)}")
+    report(
+        f"tried: {weights} weights; kill -9 (exit {killed}) with 4 callers in flight, "
+        f"restart on port {port}; callers retried {client.retries} times"
+    )
+    report(
+        f"held: key {info.determinism_key} -> {info_again.determinism_key}; "
+        f"16 rows bit-identical: {again.logprobs.tobytes() == first.logprobs.tobytes()}; "
+        f"callers {dict(outcomes)}"
+    )
     assert killed == -signal.SIGKILL
     assert info_again.determinism_key == info.determinism_key == again.determinism_key
     assert info_again.weights_sha256 == info.weights_sha256

@@ -41,6 +41,7 @@ Holds:
 
 DETLOGP_SWAP_STORM_S shortens or lengthens the storm (default 30 s).
 """
+
 import asyncio
 import hashlib
 import os
@@ -52,7 +53,6 @@ from collections import Counter
 import grpc
 import grpc.aio
 import numpy as np
-
 from detlogp import requests
 from detlogp.loadgen import RowPool
 from detlogp.testing import LocalServer, TestModel
@@ -69,11 +69,15 @@ UPLOAD_EVERY_S = 0.5
 TOKEN = "swap-storm-admin-token"
 ADMIN = (("authorization", f"Bearer {TOKEN}"),)
 VERSION_BYTES = V_PAD * (H * 2 + 4)  # the CPU backend's estimate: bf16 W + fp32 b
-WEIGHT_FLAGS = ["--lm_head_tensor=lm_head.weight", "--bias_tensor=lm_head.bias",
-                f"--vocab_size={V}"]
+WEIGHT_FLAGS = [
+    "--lm_head_tensor=lm_head.weight",
+    "--bias_tensor=lm_head.bias",
+    f"--vocab_size={V}",
+]
 
 
 # ------------------------------------------------------------------ weights
+
 
 class Version:
     """One set of weights: its file (for the reference server), its bytes as
@@ -82,16 +86,20 @@ class Version:
     def __init__(self, folder, seed):
         self.seed = seed
         self.model = TestModel(folder, hidden=H, vocab=V, padded_vocab=V_PAD, seed=seed)
-        self.payload = (self.model.weight_bits.astype("<u2").tobytes() +
-                        self.model.bias.astype("<f4").tobytes())
+        self.payload = (
+            self.model.weight_bits.astype("<u2").tobytes() + self.model.bias.astype("<f4").tobytes()
+        )
         # One 16 MiB digest block per part at this size: the leaves are the
         # weight's and the bias's SHA-256.
         weight = self.model.weight_bits.astype("<u2").tobytes()
-        preamble = (f"detlogp-lm-head-v2 H={H} V={V} V_pad={V_PAD} bias=1 "
-                    f"block={16 << 20}\n").encode()
+        preamble = (
+            f"detlogp-lm-head-v2 H={H} V={V} V_pad={V_PAD} bias=1 block={16 << 20}\n"
+        ).encode()
         self.sha256 = hashlib.sha256(
-            preamble + hashlib.sha256(weight).digest()
-            + hashlib.sha256(self.model.bias.astype("<f4").tobytes()).digest()).hexdigest()
+            preamble
+            + hashlib.sha256(weight).digest()
+            + hashlib.sha256(self.model.bias.astype("<f4").tobytes()).digest()
+        ).hexdigest()
 
 
 def upload_messages(version, rng, digest=None, in_header=True, stall=None):
@@ -101,20 +109,26 @@ def upload_messages(version, rng, digest=None, in_header=True, stall=None):
     stops after that many chunks, or before the chunk that would complete
     the weights, and waits (the caller cancels it)."""
     digest = digest or version.sha256
-    yield pb.UploadModelRequest(header=pb.UploadModelHeader(
-        model="policy", dtype=pb.DTYPE_BFLOAT16, shape=[V_PAD, H], vocab_size=V,
-        has_bias=True, weights_sha256=digest if in_header else ""))
+    yield pb.UploadModelRequest(
+        header=pb.UploadModelHeader(
+            model="policy",
+            dtype=pb.DTYPE_BFLOAT16,
+            shape=[V_PAD, H],
+            vocab_size=V,
+            has_bias=True,
+            weights_sha256=digest if in_header else "",
+        )
+    )
     offset, chunks = 0, 0
     while offset < len(version.payload):
         size = rng.choice([1024, 4096, 50_000, 65_536, 100_003])
         # Three large chunks can carry all the weights: a stalled upload
         # must never complete, whatever sizes it drew.
-        if stall is not None and (chunks == stall[0] or
-                                  offset + size >= len(version.payload)):
+        if stall is not None and (chunks == stall[0] or offset + size >= len(version.payload)):
             stall[1].set()
             stall[2].wait(30)
             return
-        yield pb.UploadModelRequest(chunk=version.payload[offset:offset + size])
+        yield pb.UploadModelRequest(chunk=version.payload[offset : offset + size])
         offset += size
         chunks += 1
     if not in_header:
@@ -123,21 +137,22 @@ def upload_messages(version, rng, digest=None, in_header=True, stall=None):
 
 # ------------------------------------------------------------------ admin
 
+
 class Shared:
     """What the admin thread publishes to the clients and the checks."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.ready = (1,)              # policy versions believed ready, ascending
-        self.retired = ()              # recently retired ones (clients pin them too)
+        self.ready = (1,)  # policy versions believed ready, ascending
+        self.retired = ()  # recently retired ones (clients pin them too)
         self.retired_all = set()
         self.latest = 1
-        self.versions = {}             # number -> Version (1: the start-up file)
-        self.upload_status = {}        # number -> ModelVersionStatus
-        self.probe = {}                # number -> (logp bits, lse bits) right after upload
+        self.versions = {}  # number -> Version (1: the start-up file)
+        self.upload_status = {}  # number -> ModelVersionStatus
+        self.probe = {}  # number -> (logp bits, lse bits) right after upload
         self.counts = Counter()
-        self.unexpected = []           # what the admin saw that it did not provoke
-        self.ready_mismatch = []       # ListModels vs the model of the ready set
+        self.unexpected = []  # what the admin saw that it did not provoke
+        self.ready_mismatch = []  # ListModels vs the model of the ready set
 
     def publish(self, ready, retired_now):
         with self.lock:
@@ -166,7 +181,8 @@ class Admin(threading.Thread):
         """A complete upload; returns (code name, status or None)."""
         try:
             status = self.repo.UploadModel(
-                upload_messages(version, self.rng, **kwargs), metadata=ADMIN, timeout=60)
+                upload_messages(version, self.rng, **kwargs), metadata=ADMIN, timeout=60
+            )
             return "OK", status
         except grpc.RpcError as error:
             return error.code().name, error.details()
@@ -174,16 +190,17 @@ class Admin(threading.Thread):
     def accept(self, version, status):
         s = self.shared
         if status.weights_sha256 != version.sha256:
-            s.unexpected.append(f"upload v{status.version} reports digest "
-                                f"{status.weights_sha256}, sent {version.sha256}")
+            s.unexpected.append(
+                f"upload v{status.version} reports digest "
+                f"{status.weights_sha256}, sent {version.sha256}"
+            )
         s.versions[status.version] = version
         s.upload_status[status.version] = status
 
     def probe(self, number):
         """The pool scored pinned to `number` while it is held (retried on a
         full queue)."""
-        request = requests.logprob_request(self.pool.hidden, self.pool.targets,
-                                           return_lse=True)
+        request = requests.logprob_request(self.pool.hidden, self.pool.targets, return_lse=True)
         request.model, request.model_version = "policy", number
         for _ in range(200):
             try:
@@ -192,19 +209,25 @@ class Admin(threading.Thread):
             except grpc.RpcError as error:
                 if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.shared.unexpected.append(
-                        f"probe of v{number}: {error.code().name} {error.details()}")
+                        f"probe of v{number}: {error.code().name} {error.details()}"
+                    )
                     return
                 time.sleep(0.01)
         else:
             self.shared.unexpected.append(f"probe of v{number}: queue full 200 times")
             return
         self.shared.counts["probe_rows"] += len(self.pool.targets)
-        if r.model_version != number or r.determinism_key != \
-                self.shared.upload_status[number].determinism_key:
-            self.shared.unexpected.append(f"probe of v{number} answered by "
-                                          f"v{r.model_version} key {r.determinism_key}")
-        self.shared.probe[number] = (np.array(r.logprobs, np.float32).view(np.uint32),
-                                     np.array(r.lse, np.float32).view(np.uint32))
+        if (
+            r.model_version != number
+            or r.determinism_key != self.shared.upload_status[number].determinism_key
+        ):
+            self.shared.unexpected.append(
+                f"probe of v{number} answered by v{r.model_version} key {r.determinism_key}"
+            )
+        self.shared.probe[number] = (
+            np.array(r.logprobs, np.float32).view(np.uint32),
+            np.array(r.lse, np.float32).view(np.uint32),
+        )
 
     def publish(self, added=(), unloaded=()):
         ready = set(self.shared.ready) | set(added)
@@ -216,12 +239,14 @@ class Admin(threading.Thread):
         self.shared.publish(ready, retired)
         listed = self.repo.ListModels(pb.ListModelsRequest(), metadata=ADMIN, timeout=30)
         policy = [m for m in listed.models if m.model == "policy"][0]
-        on_server = tuple(v.version for v in policy.versions
-                          if v.state == pb.ModelVersionStatus.READY)
+        on_server = tuple(
+            v.version for v in policy.versions if v.state == pb.ModelVersionStatus.READY
+        )
         if on_server != self.shared.ready or policy.model_version != max(ready):
             self.shared.ready_mismatch.append(
                 f"cycle {self.cycle}: server ready {on_server} latest "
-                f"{policy.model_version}, expected {self.shared.ready}")
+                f"{policy.model_version}, expected {self.shared.ready}"
+            )
 
     def cancelled_upload(self, by_deadline):
         """Header and a few chunks, then the stream stalls; cancelled by the
@@ -230,8 +255,10 @@ class Admin(threading.Thread):
         sent, release = threading.Event(), threading.Event()
         stall = (self.rng.randint(1, 3), sent, release)
         future = self.repo.UploadModel.future(
-            upload_messages(version, self.rng, stall=stall), metadata=ADMIN,
-            timeout=1.0 if by_deadline else 60)
+            upload_messages(version, self.rng, stall=stall),
+            metadata=ADMIN,
+            timeout=1.0 if by_deadline else 60,
+        )
         sent.wait(10)
         time.sleep(0.05)  # the server has read the chunks
         if not by_deadline:
@@ -268,6 +295,7 @@ class Admin(threading.Thread):
 
         def one(i):
             results[i] = self.upload(versions[i], in_header=self.rng.random() < 0.5)
+
         threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
@@ -294,14 +322,18 @@ class Admin(threading.Thread):
             return
         number = ready[0]
         try:
-            self.repo.UnloadModel(pb.UnloadModelRequest(model="policy", model_version=number),
-                                  metadata=ADMIN, timeout=60)
+            self.repo.UnloadModel(
+                pb.UnloadModelRequest(model="policy", model_version=number),
+                metadata=ADMIN,
+                timeout=60,
+            )
             self.shared.counts["unload_OK"] += 1
             self.publish(unloaded=[number])
         except grpc.RpcError as error:
             self.shared.counts[f"unload_{error.code().name}"] += 1
-            self.shared.unexpected.append(f"unload v{number}: {error.code().name} "
-                                          f"{error.details()}")
+            self.shared.unexpected.append(
+                f"unload v{number}: {error.code().name} {error.details()}"
+            )
 
     def run(self):
         try:
@@ -327,13 +359,14 @@ class Admin(threading.Thread):
 
 # ------------------------------------------------------------------ clients
 
+
 class Record:
     """What the clients saw, for the checks after the storm."""
 
     def __init__(self):
         self.counts = Counter()
-        self.answers = []       # (model, version asked, version named, key, rows, logp, lse, latest at send)
-        self.not_found = []     # (versions pinned in the call, details)
+        self.answers = []  # (model, version asked, version named, key, rows, logp, lse, latest at send)
+        self.not_found = []  # (versions pinned in the call, details)
         self.unexpected = []
         self.client_internal = []  # debug strings of gRPC Python's own INTERNAL
 
@@ -346,8 +379,7 @@ async def storm(target, pool, shared, seconds, seed, record):
 
     def make(rng):
         rows = rng.sample(range(len(pool.targets)), rng.randint(1, 8))
-        request = requests.logprob_request(pool.hidden[rows], pool.targets[rows],
-                                           return_lse=True)
+        request = requests.logprob_request(pool.hidden[rows], pool.targets[rows], return_lse=True)
         if rng.random() < 0.15:
             request.model = "reference"
         else:
@@ -361,11 +393,19 @@ async def storm(target, pool, shared, seconds, seed, record):
 
     def take(made, response):
         rows, request, latest_at_send = made
-        record.answers.append((request.model, request.model_version, response.model_version,
-                               response.model, response.determinism_key, rows,
-                               np.array(response.logprobs, np.float32).view(np.uint32),
-                               np.array(response.lse, np.float32).view(np.uint32),
-                               latest_at_send))
+        record.answers.append(
+            (
+                request.model,
+                request.model_version,
+                response.model_version,
+                response.model,
+                response.determinism_key,
+                rows,
+                np.array(response.logprobs, np.float32).view(np.uint32),
+                np.array(response.lse, np.float32).view(np.uint32),
+                latest_at_send,
+            )
+        )
         counts["rows_ok"] += len(rows)
 
     def failed(kind, code, details, made_list):
@@ -376,8 +416,12 @@ async def storm(target, pool, shared, seconds, seed, record):
         elif code == "RESOURCE_EXHAUSTED" and "queue full" in details:
             if kind == "unary":
                 counts["rows_queue_full"] += len(made_list[0][0])
-        elif code not in ("CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL_lost_after_deadline",
-                          "INTERNAL_lost_status"):
+        elif code not in (
+            "CANCELLED",
+            "DEADLINE_EXCEEDED",
+            "INTERNAL_lost_after_deadline",
+            "INTERNAL_lost_status",
+        ):
             record.unexpected.append(f"{kind} {code}: {details}")
 
     async def client(index):
@@ -389,9 +433,13 @@ async def storm(target, pool, shared, seconds, seed, record):
             timeout = rng.uniform(0.001, 0.010) if mode < 0.15 else 30
             cancel_after = rng.uniform(0, 0.010) if 0.15 <= mode < 0.40 else None
             counts["calls"] += 1
-            counts["calls_short_deadline" if mode < 0.15 else
-                   "calls_cancelled_by_client" if cancel_after is not None else
-                   "calls_left_alone"] += 1
+            counts[
+                "calls_short_deadline"
+                if mode < 0.15
+                else "calls_cancelled_by_client"
+                if cancel_after is not None
+                else "calls_left_alone"
+            ] += 1
             if rng.random() < 0.5:
                 counts["calls_unary"] += 1
                 made = make(rng)
@@ -420,6 +468,7 @@ async def storm(target, pool, shared, seconds, seed, record):
                         counts["rows_sent"] += len(made[0])
                         yield made[1]
                         await asyncio.sleep(0)  # answers may overtake the writes
+
                 started = time.monotonic()
                 call = stub.StreamLogProbs(writes(), timeout=timeout)
                 if cancel_after is not None:
@@ -430,8 +479,9 @@ async def storm(target, pool, shared, seconds, seed, record):
                         answered += 1
                     counts["stream_OK" if answered == len(batch) else "stream_SHORT"] += 1
                     if answered != len(batch):
-                        record.unexpected.append(f"stream ended OK after {answered} of "
-                                                 f"{len(batch)} answers")
+                        record.unexpected.append(
+                            f"stream ended OK after {answered} of {len(batch)} answers"
+                        )
                 except asyncio.CancelledError:
                     counts["stream_cancelled_here"] += 1
                 except grpc.RpcError as error:
@@ -443,16 +493,22 @@ async def storm(target, pool, shared, seconds, seed, record):
                         # stream with NOT_FOUND / RESOURCE_EXHAUSTED), and the
                         # real status is lost. Checked against the server's
                         # own counts of the codes it sent, below.
-                        code = ("INTERNAL_lost_after_deadline"
-                                if time.monotonic() - started >= timeout
-                                else "INTERNAL_lost_status")
+                        code = (
+                            "INTERNAL_lost_after_deadline"
+                            if time.monotonic() - started >= timeout
+                            else "INTERNAL_lost_status"
+                        )
                         if len(record.client_internal) < 2:
                             record.client_internal.append(error.debug_error_string())
-                    failed("stream", code, (error.details() or "") +
-                           f" [{'deadline ' if mode < 0.15 else ''}{'cancel ' if cancel_after is not None else ''}"
-                           f"after {1e3 * (time.monotonic() - started):.1f} ms, answered {answered}, "
-                           f"written {written}/{len(batch)}, pinned {[m[1].model_version for m in batch]}]",
-                           batch)
+                    failed(
+                        "stream",
+                        code,
+                        (error.details() or "")
+                        + f" [{'deadline ' if mode < 0.15 else ''}{'cancel ' if cancel_after is not None else ''}"
+                        f"after {1e3 * (time.monotonic() - started):.1f} ms, answered {answered}, "
+                        f"written {written}/{len(batch)}, pinned {[m[1].model_version for m in batch]}]",
+                        batch,
+                    )
                 counts["rows_not_ok"] += sum(len(m[0]) for m in batch[answered:written])
 
     await asyncio.gather(*[client(i) for i in range(CLIENTS)])
@@ -482,8 +538,12 @@ def settle(server, timeout=30.0):
     end = time.monotonic() + timeout
     while True:
         listed = repo.ListModels(pb.ListModelsRequest(), metadata=ADMIN, timeout=30)
-        unloading = [v.version for m in listed.models for v in m.versions
-                     if v.state != pb.ModelVersionStatus.READY]
+        unloading = [
+            v.version
+            for m in listed.models
+            for v in m.versions
+            if v.state != pb.ModelVersionStatus.READY
+        ]
         if not unloading or time.monotonic() > end:
             channel.close()
             return listed, unloading
@@ -495,11 +555,15 @@ def score_pool(target, pool, model, version=0):
         request = requests.logprob_request(pool.hidden, pool.targets, return_lse=True)
         request.model, request.model_version = model, version
         r = pb_grpc.LogProbServiceStub(channel).ComputeLogProbs(request, timeout=60)
-    return (np.array(r.logprobs, np.float32).view(np.uint32),
-            np.array(r.lse, np.float32).view(np.uint32), r)
+    return (
+        np.array(r.logprobs, np.float32).view(np.uint32),
+        np.array(r.lse, np.float32).view(np.uint32),
+        r,
+    )
 
 
 # ------------------------------------------------------------------ the test
+
 
 def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, report):
     began = time.monotonic()
@@ -515,11 +579,16 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
     base_flags = WEIGHT_FLAGS + [
         f"--model=policy={shared.versions[1].model.path}",
         f"--model=reference={reference.model.path}",
-        f"--model_root={root}", f"--max_versions_per_model={MAX_VERSIONS}",
-        f"--admin_tokens_file={tokens}", "--cpu_threads=1"]
+        f"--model_root={root}",
+        f"--max_versions_per_model={MAX_VERSIONS}",
+        f"--admin_tokens_file={tokens}",
+        "--cpu_threads=1",
+    ]
     flags = base_flags + [
         f"--max_model_memory_bytes={10 * VERSION_BYTES}",
-        "--max_queue_delay_us=2000", "--max_queue_rows=256"]
+        "--max_queue_delay_us=2000",
+        "--max_queue_rows=256",
+    ]
     pool = RowPool.random(H, V, rows=64, seed=11)
     record = Record()
     server = LocalServer(server_binary, flags, metrics=True).start()
@@ -544,9 +613,12 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
 
     # ---- reference bits: a fresh server loads every version from its file.
     numbers = sorted(shared.versions)
-    ref_flags = WEIGHT_FLAGS + ["--cpu_threads=1"] + [
-        f"--model=p{n}={shared.versions[n].model.path}" for n in numbers] + [
-        f"--model=reference={reference.model.path}"]
+    ref_flags = (
+        WEIGHT_FLAGS
+        + ["--cpu_threads=1"]
+        + [f"--model=p{n}={shared.versions[n].model.path}" for n in numbers]
+        + [f"--model=reference={reference.model.path}"]
+    )
     expected = {}
     keys = {}
     with LocalServer(server_binary, ref_flags) as fresh:
@@ -565,17 +637,19 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
     leftovers = [p.name for p in (root / "policy").iterdir() if p.name.startswith(".tmp-")]
     with LocalServer(server_binary, base_flags) as again:
         logp, lse, r = score_pool(again.target, pool, "policy")
-        restart_ok = (r.model_version == latest and r.determinism_key == keys[("policy", latest)]
-                      and logp.tobytes() == expected[("policy", latest)][0].tobytes()
-                      and lse.tobytes() == expected[("policy", latest)][1].tobytes())
+        restart_ok = (
+            r.model_version == latest
+            and r.determinism_key == keys[("policy", latest)]
+            and logp.tobytes() == expected[("policy", latest)][0].tobytes()
+            and lse.tobytes() == expected[("policy", latest)][1].tobytes()
+        )
         restart_exit = again.terminate()
 
     # ---- every answer against the bits of the version it names.
     c = record.counts
     mismatched, wrong_version, stale, wrong_key = [], [], [], []
     per_version = Counter()
-    for (model, asked, named, named_model, key, rows, logp, lse, latest_at_send) \
-            in record.answers:
+    for model, asked, named, named_model, key, rows, logp, lse, latest_at_send in record.answers:
         per_version[(named_model, named)] += 1
         want = expected.get((model, named))
         if named_model != model or (asked and named != asked) or want is None:
@@ -587,14 +661,21 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
             wrong_key.append((model, named, key))
         if logp.tobytes() != want[0][rows].tobytes() or lse.tobytes() != want[1][rows].tobytes():
             mismatched.append((model, named, rows))
-    probe_bad = [n for n, (logp, lse) in shared.probe.items()
-                 if logp.tobytes() != expected[("policy", n)][0].tobytes()
-                 or lse.tobytes() != expected[("policy", n)][1].tobytes()]
-    upload_key_bad = [n for n, st in shared.upload_status.items()
-                      if st.determinism_key != keys[("policy", n)]]
-    bad_not_found = [(pinned, d) for pinned, d in record.not_found
-                     if not set(pinned) & shared.retired_all
-                     or ("model_version" not in d and "Internal error from Core" not in d)]
+    probe_bad = [
+        n
+        for n, (logp, lse) in shared.probe.items()
+        if logp.tobytes() != expected[("policy", n)][0].tobytes()
+        or lse.tobytes() != expected[("policy", n)][1].tobytes()
+    ]
+    upload_key_bad = [
+        n for n, st in shared.upload_status.items() if st.determinism_key != keys[("policy", n)]
+    ]
+    bad_not_found = [
+        (pinned, d)
+        for pinned, d in record.not_found
+        if not set(pinned) & shared.retired_all
+        or ("model_version" not in d and "Internal error from Core" not in d)
+    ]
     uploaded = sorted(shared.upload_status)
 
     # ---- what the server says it answered, by method and code.
@@ -603,10 +684,20 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
         if name.startswith("detlogp_requests_total{"):
             method = name.split('method="')[1].split('"')[0]
             codes[(method, name.split('code="')[1].split('"')[0])] += int(value)
-    server_bad = {k: v for k, v in codes.items()
-                  if k[1] not in ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "NOT_FOUND",
-                                  "RESOURCE_EXHAUSTED", "DATA_LOSS")
-                  or (k[1] == "DATA_LOSS" and k[0] != "UploadModel")}
+    server_bad = {
+        k: v
+        for k, v in codes.items()
+        if k[1]
+        not in (
+            "OK",
+            "CANCELLED",
+            "DEADLINE_EXCEEDED",
+            "NOT_FOUND",
+            "RESOURCE_EXHAUSTED",
+            "DATA_LOSS",
+        )
+        or (k[1] == "DATA_LOSS" and k[0] != "UploadModel")
+    }
     a = shared.counts
     uploads_cancelled = a["upload_cancel_CANCELLED"] + a["upload_deadline_DEADLINE_EXCEEDED"]
     upload_codes = {code: n for (method, code), n in codes.items() if method == "UploadModel"}
@@ -614,10 +705,12 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
     upload_cancelled_seen = upload_codes.pop("CANCELLED", 0)
     # Streams the server ended with NOT_FOUND or RESOURCE_EXHAUSTED: the client
     # saw those codes, or lost them to gRPC Python's INTERNAL.
-    stream_ended_by_server = (codes[("StreamLogProbs", "NOT_FOUND")] +
-                              codes[("StreamLogProbs", "RESOURCE_EXHAUSTED")])
-    stream_ended_seen = (c["stream_NOT_FOUND"] + c["stream_RESOURCE_EXHAUSTED"] +
-                         c["stream_INTERNAL_lost_status"])
+    stream_ended_by_server = (
+        codes[("StreamLogProbs", "NOT_FOUND")] + codes[("StreamLogProbs", "RESOURCE_EXHAUSTED")]
+    )
+    stream_ended_seen = (
+        c["stream_NOT_FOUND"] + c["stream_RESOURCE_EXHAUSTED"] + c["stream_INTERNAL_lost_status"]
+    )
 
     # ---- row accounting: the stop line against what clients and admin saw.
     warmup_rows = 2 * (2 + len(uploaded))  # policy v1 + reference + every upload
@@ -626,48 +719,72 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
     ready_bytes = sum(v.memory_bytes for m in listed.models for v in m.versions)
     policy = [m for m in listed.models if m.model == "policy"][0]
     cancelled_here = c["unary_cancelled_here"] + c["stream_cancelled_here"]
-    deadlines = (c["unary_DEADLINE_EXCEEDED"] + c["stream_DEADLINE_EXCEEDED"] +
-                 c["stream_INTERNAL_lost_after_deadline"])
+    deadlines = (
+        c["unary_DEADLINE_EXCEEDED"]
+        + c["stream_DEADLINE_EXCEEDED"]
+        + c["stream_INTERNAL_lost_after_deadline"]
+    )
 
-    report(f"tried: {CLIENTS} clients for {WARM_S:.0f} s (warm-up) + {STORM_S:.0f} s, "
-           f"{c['calls']} calls ({c['calls_unary']} unary, {c['calls_stream']} streams of 1-4 "
-           f"requests; 15% to 'reference', 35% pinned to a ready version, 7% to a retired one); "
-           f"{c['calls_short_deadline']} with 1-10 ms deadlines, {c['calls_cancelled_by_client']} "
-           f"cancelled at a random moment in [0, 10 ms], the rest left alone")
-    report(f"tried: admin {cycles} cycles of ~{UPLOAD_EVERY_S} s: uploads "
-           f"{ {k[7:]: v for k, v in sorted(a.items()) if k.startswith('upload_')} } "
-           f"({a['concurrent_upload_pairs']} concurrent pairs), {a['unload_OK']} unloads")
-    report(f"client outcomes: { {k: v for k, v in sorted(c.items()) if not k.startswith(('rows', 'calls'))} }")
+    report(
+        f"tried: {CLIENTS} clients for {WARM_S:.0f} s (warm-up) + {STORM_S:.0f} s, "
+        f"{c['calls']} calls ({c['calls_unary']} unary, {c['calls_stream']} streams of 1-4 "
+        f"requests; 15% to 'reference', 35% pinned to a ready version, 7% to a retired one); "
+        f"{c['calls_short_deadline']} with 1-10 ms deadlines, {c['calls_cancelled_by_client']} "
+        f"cancelled at a random moment in [0, 10 ms], the rest left alone"
+    )
+    report(
+        f"tried: admin {cycles} cycles of ~{UPLOAD_EVERY_S} s: uploads "
+        f"{ {k[7:]: v for k, v in sorted(a.items()) if k.startswith('upload_')} } "
+        f"({a['concurrent_upload_pairs']} concurrent pairs), {a['unload_OK']} unloads"
+    )
+    report(
+        f"client outcomes: { {k: v for k, v in sorted(c.items()) if not k.startswith(('rows', 'calls'))} }"
+    )
     report(f"server codes: { {f'{m}/{code}': n for (m, code), n in sorted(codes.items())} }")
-    report(f"streams ended by the server with NOT_FOUND / RESOURCE_EXHAUSTED "
-           f"{stream_ended_by_server} >= seen by clients as such {c['stream_NOT_FOUND']} + "
-           f"{c['stream_RESOURCE_EXHAUSTED']} or as gRPC Python's INTERNAL "
-           f"{c['stream_INTERNAL_lost_status']} ('Internal error from Core': "
-           f"{(record.client_internal or [''])[0][:120]})")
-    report(f"versions: uploaded 2..{max(uploaded)}, {len(per_version)} (model, version) pairs "
-           f"answered; ready at the end {[v.version for v in policy.versions]}, on disk "
-           f"{stored}, .tmp leftovers {leftovers}")
-    report(f"held: {sum(len(x[5]) for x in record.answers)} rows in {len(record.answers)} answers "
-           f"checked against a fresh server's bits for the version named: mismatches "
-           f"{len(mismatched)}, wrong version {len(wrong_version)}, stale 'latest' {len(stale)}, "
-           f"wrong key {len(wrong_key)}; post-upload probes {len(shared.probe)} (bad "
-           f"{len(probe_bad)}); NOT_FOUND on pinned versions {len(record.not_found)} (not "
-           f"retired {len(bad_not_found)}); unexpected client errors {len(record.unexpected)}, "
-           f"admin {len(shared.unexpected)}, ready-set mismatches {len(shared.ready_mismatch)}")
-    report(f"held: server alive {alive}, exit {exit_code}; stop line {stop}; delivered rows "
-           f"{c['rows_ok']} + probes {a['probe_rows']} + warm-up {warmup_rows} = {delivered}; "
-           f"sent and not answered {c['rows_not_ok']}; model rows metric {model_rows:.0f}")
-    report(f"held: model memory gauge {metrics.get('detlogp_model_memory_bytes'):.0f} = ready "
-           f"bytes {ready_bytes}; RSS after warm-up (v{versions_warm}) {rss_warm} KiB, after "
-           f"the storm (v{shared.latest}) {rss_after} KiB "
-           f"({100.0 * (rss_after - rss_warm) / rss_warm:+.1f}%; {len(uploaded)} uploads of "
-           f"{VERSION_BYTES >> 10} KiB); restart on the root serves v{latest} with the same key "
-           f"and bits: {restart_ok} (exit {restart_exit}); whole test {storm_s:.0f} s")
-    for line in (record.unexpected[:5] + shared.unexpected[:5] + shared.ready_mismatch[:5] +
-                 [f"NOT_FOUND {x}" for x in bad_not_found[:5]] +
-                 [f"mismatch {x}" for x in mismatched[:5]] +
-                 [f"wrong version {x}" for x in wrong_version[:5]] +
-                 [f"stale {x}" for x in stale[:5]] + [f"server code {server_bad}"] * bool(server_bad)):
+    report(
+        f"streams ended by the server with NOT_FOUND / RESOURCE_EXHAUSTED "
+        f"{stream_ended_by_server} >= seen by clients as such {c['stream_NOT_FOUND']} + "
+        f"{c['stream_RESOURCE_EXHAUSTED']} or as gRPC Python's INTERNAL "
+        f"{c['stream_INTERNAL_lost_status']} ('Internal error from Core': "
+        f"{(record.client_internal or [''])[0][:120]})"
+    )
+    report(
+        f"versions: uploaded 2..{max(uploaded)}, {len(per_version)} (model, version) pairs "
+        f"answered; ready at the end {[v.version for v in policy.versions]}, on disk "
+        f"{stored}, .tmp leftovers {leftovers}"
+    )
+    report(
+        f"held: {sum(len(x[5]) for x in record.answers)} rows in {len(record.answers)} answers "
+        f"checked against a fresh server's bits for the version named: mismatches "
+        f"{len(mismatched)}, wrong version {len(wrong_version)}, stale 'latest' {len(stale)}, "
+        f"wrong key {len(wrong_key)}; post-upload probes {len(shared.probe)} (bad "
+        f"{len(probe_bad)}); NOT_FOUND on pinned versions {len(record.not_found)} (not "
+        f"retired {len(bad_not_found)}); unexpected client errors {len(record.unexpected)}, "
+        f"admin {len(shared.unexpected)}, ready-set mismatches {len(shared.ready_mismatch)}"
+    )
+    report(
+        f"held: server alive {alive}, exit {exit_code}; stop line {stop}; delivered rows "
+        f"{c['rows_ok']} + probes {a['probe_rows']} + warm-up {warmup_rows} = {delivered}; "
+        f"sent and not answered {c['rows_not_ok']}; model rows metric {model_rows:.0f}"
+    )
+    report(
+        f"held: model memory gauge {metrics.get('detlogp_model_memory_bytes'):.0f} = ready "
+        f"bytes {ready_bytes}; RSS after warm-up (v{versions_warm}) {rss_warm} KiB, after "
+        f"the storm (v{shared.latest}) {rss_after} KiB "
+        f"({100.0 * (rss_after - rss_warm) / rss_warm:+.1f}%; {len(uploaded)} uploads of "
+        f"{VERSION_BYTES >> 10} KiB); restart on the root serves v{latest} with the same key "
+        f"and bits: {restart_ok} (exit {restart_exit}); whole test {storm_s:.0f} s"
+    )
+    for line in (
+        record.unexpected[:5]
+        + shared.unexpected[:5]
+        + shared.ready_mismatch[:5]
+        + [f"NOT_FOUND {x}" for x in bad_not_found[:5]]
+        + [f"mismatch {x}" for x in mismatched[:5]]
+        + [f"wrong version {x}" for x in wrong_version[:5]]
+        + [f"stale {x}" for x in stale[:5]]
+        + [f"server code {server_bad}"] * bool(server_bad)
+    ):
         report(f"unexpected: {line}")
 
     assert alive and exit_code == 0, log[-3000:]
@@ -715,9 +832,13 @@ def test_uploads_warm_up_through_a_full_queue(server_binary, tmp_path, report):
     uploaded: each version's 2-row warm-up waits for room instead of refusing
     the whole upload with RESOURCE_EXHAUSTED (before the fix about half were)."""
     first = Version(tmp_path, seed=1)
-    flags = WEIGHT_FLAGS + [f"--model=policy={first.model.path}", "--cpu_threads=1",
-                            "--max_queue_rows=64", "--max_batch_rows=32",
-                            "--max_queue_delay_us=20000"]
+    flags = WEIGHT_FLAGS + [
+        f"--model=policy={first.model.path}",
+        "--cpu_threads=1",
+        "--max_queue_rows=64",
+        "--max_batch_rows=32",
+        "--max_queue_delay_us=20000",
+    ]
     outcomes, flood = Counter(), Counter()
     with LocalServer(server_binary, flags) as server:
         stop = threading.Event()
@@ -751,8 +872,9 @@ def test_uploads_warm_up_through_a_full_queue(server_binary, tmp_path, report):
                 repo = pb_grpc.ModelRepositoryServiceStub(channel)
                 for i in range(20):
                     try:
-                        repo.UploadModel(upload_messages(Version(tmp_path, seed=10 + i), rng),
-                                         timeout=60)
+                        repo.UploadModel(
+                            upload_messages(Version(tmp_path, seed=10 + i), rng), timeout=60
+                        )
                         outcomes["OK"] += 1
                     except grpc.RpcError as error:
                         outcomes[f"{error.code().name}: {error.details()[:80]}"] += 1
@@ -762,8 +884,10 @@ def test_uploads_warm_up_through_a_full_queue(server_binary, tmp_path, report):
                 t.join(60)
         exit_code = server.terminate()
         stop_line = server.stop_counts()
-    report(f"tried: 20 uploads while 3 flooders keep ~192 calls of 8 rows in flight "
-           f"against --max_queue_rows=64; flood outcomes {dict(flood)}")
+    report(
+        f"tried: 20 uploads while 3 flooders keep ~192 calls of 8 rows in flight "
+        f"against --max_queue_rows=64; flood outcomes {dict(flood)}"
+    )
     report(f"held: uploads {dict(outcomes)}; exit {exit_code}; stop line {stop_line}")
     assert flood["RESOURCE_EXHAUSTED"] > 100  # the queue was full
     assert outcomes == {"OK": 20}

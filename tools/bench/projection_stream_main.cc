@@ -6,7 +6,8 @@
 //
 //   bazel build //tools/bench:projection_stream
 //   bazel-bin/tools/bench/projection_stream --reader=client --rows=364608
-//     --chunks=256,512,1024,2048 --streams=4 --concurrent_chunks=256,512,1024,2048
+//     --chunks=256,512,1024,2048 --streams=4
+//     --concurrent_chunks=256,512,1024,2048
 //
 // Each setting runs --repeats times (a fresh connection each); the median
 // run's GB/s is reported with the process's CPU seconds and minor page
@@ -25,7 +26,6 @@
 // N Project calls on N connections (ProjectOptions::streams).
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/impl/codegen/sync_stream.h>
-
 
 #include <algorithm>
 #include <atomic>
@@ -68,9 +68,10 @@ ABSL_FLAG(int, malloc_arenas, 1,
           "default).");
 ABSL_FLAG(std::string, reader, "proto",
           "proto, raw or client (see the file comment).");
-ABSL_FLAG(int, client_streams, 1,
-          "--reader=client: ProjectOptions::streams, the Project calls (each on "
-          "its own connection) one projection is spread over.");
+ABSL_FLAG(
+    int, client_streams, 1,
+    "--reader=client: ProjectOptions::streams, the Project calls (each on "
+    "its own connection) one projection is spread over.");
 ABSL_FLAG(bool, client_copy_y, false,
           "--reader=client: copy each chunk's y once into a caller's buffer.");
 ABSL_FLAG(int64_t, max_stream_buffer_mb, -1,
@@ -81,8 +82,10 @@ ABSL_FLAG(std::string, client_args, "",
 ABSL_FLAG(std::string, server_args, "",
           "Integer channel arguments for the server, name=value,...");
 ABSL_FLAG(std::string, unix_socket, "",
-          "Listen and connect on this Unix-domain socket path instead of loopback TCP.");
-ABSL_FLAG(int, scheduler_threads, 2, "ProjectionScheduler::Options::num_threads.");
+          "Listen and connect on this Unix-domain socket path instead of "
+          "loopback TCP.");
+ABSL_FLAG(int, scheduler_threads, 2,
+          "ProjectionScheduler::Options::num_threads.");
 
 namespace detlogp {
 namespace {
@@ -108,8 +111,11 @@ class InstantProjectionBackend final : public server::ProjectionBackend {
   class Executor final : public server::ProjectionExecutor {
    public:
     explicit Executor(int64_t rows)
-        : rows_(rows), x_(rows * kProjectionInDim), y_(rows * kProjectionOutDim) {
-      for (size_t i = 0; i < y_.size(); ++i) y_[i] = static_cast<float>(i % 977);
+        : rows_(rows),
+          x_(rows * kProjectionInDim),
+          y_(rows * kProjectionOutDim) {
+      for (size_t i = 0; i < y_.size(); ++i)
+        y_[i] = static_cast<float>(i % 977);
     }
     server::ProjectionStaging staging() override { return {rows_, x_.data()}; }
     absl::Status Run(int64_t, absl::Span<const server::YDestination> outputs,
@@ -136,8 +142,9 @@ struct StreamResult {
 enum class Reader { kProto, kRaw, kClient };
 
 // LogpClient::ProjectChunks on a connection of its own (own_connection).
-StreamResult RunClientStream(const std::string& target, const std::vector<float>& x,
-                             int64_t rows, int64_t rows_per_chunk) {
+StreamResult RunClientStream(const std::string& target,
+                             const std::vector<float>& x, int64_t rows,
+                             int64_t rows_per_chunk) {
   StreamResult result;
   client::LogpClient::Options options;
   options.target = target;
@@ -157,14 +164,16 @@ StreamResult RunClientStream(const std::string& target, const std::vector<float>
   if (absl::GetFlag(FLAGS_client_copy_y)) y.resize((64 << 20) / sizeof(float));
   const int64_t ring_rows = static_cast<int64_t>(y.size()) / row_floats;
   const absl::Time start = absl::Now();
-  auto done = (*client)->ProjectChunks(x, rows, project, [&](client::ProjectChunk& chunk) {
-    result.bytes += chunk.y_data_bytes;
-    if (!y.empty()) {
-      const int64_t chunk_rows = chunk.y_shape[0];
-      const int64_t at = chunk.row_offset % ring_rows;
-      chunk.CopyYTo(y.data() + (at + chunk_rows <= ring_rows ? at : 0) * row_floats);
-    }
-  });
+  auto done = (*client)->ProjectChunks(
+      x, rows, project, [&](client::ProjectChunk& chunk) {
+        result.bytes += chunk.y_data_bytes;
+        if (!y.empty()) {
+          const int64_t chunk_rows = chunk.y_shape[0];
+          const int64_t at = chunk.row_offset % ring_rows;
+          chunk.CopyYTo(y.data() +
+                        (at + chunk_rows <= ring_rows ? at : 0) * row_floats);
+        }
+      });
   result.seconds = absl::ToDoubleSeconds(absl::Now() - start);
   result.ok = done.ok();
   if (!done.ok()) result.error = done.status().ToString();
@@ -263,8 +272,9 @@ struct RunStats {
 // with the median run's CPU, faults and server timings.
 std::string Summary(int streams, int64_t chunk, std::vector<RunStats> runs) {
   std::string all;
-  for (const RunStats& r : runs) absl::StrAppend(&all, all.empty() ? "" : " ",
-                                                 absl::StrFormat("%.2f", r.gb_per_s));
+  for (const RunStats& r : runs)
+    absl::StrAppend(&all, all.empty() ? "" : " ",
+                    absl::StrFormat("%.2f", r.gb_per_s));
   std::sort(runs.begin(), runs.end(), [](const RunStats& a, const RunStats& b) {
     return a.gb_per_s < b.gb_per_s;
   });
@@ -283,7 +293,8 @@ std::vector<std::pair<std::string, int>> IntArgs(const std::string& text) {
     std::pair<std::string, std::string> kv = absl::StrSplit(item, '=');
     int value = 0;
     if (!absl::SimpleAtoi(kv.second, &value)) {
-      std::fprintf(stderr, "bad channel argument %s\n", std::string(item).c_str());
+      std::fprintf(stderr, "bad channel argument %s\n",
+                   std::string(item).c_str());
       std::exit(2);
     }
     args.emplace_back(kv.first, value);
@@ -291,7 +302,8 @@ std::vector<std::pair<std::string, int>> IntArgs(const std::string& text) {
   return args;
 }
 
-std::shared_ptr<grpc::Channel> NewChannel(const std::string& target, int index) {
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& target,
+                                          int index) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
@@ -300,7 +312,8 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& target, int index) 
   for (const auto& [name, value] : IntArgs(absl::GetFlag(FLAGS_client_args))) {
     args.SetInt(name, value);
   }
-  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(),
+                                   args);
 }
 
 #ifndef DETLOGP_BENCH_OLD_SERVICE
@@ -312,7 +325,8 @@ class TimingSink {
     sum_.chunks += t.chunks;
     sum_.write_seconds += t.write_seconds;
     sum_.waited_for_compute_seconds += t.waited_for_compute_seconds;
-    sum_.most_chunks_buffered = std::max(sum_.most_chunks_buffered, t.most_chunks_buffered);
+    sum_.most_chunks_buffered =
+        std::max(sum_.most_chunks_buffered, t.most_chunks_buffered);
     sum_.buffers_allocated += t.buffers_allocated;
     ++streams_;
   }
@@ -353,7 +367,8 @@ int Main() {
     return 2;
   }
   const bool raw = reader == Reader::kRaw;
-  const std::vector<int64_t> chunk_sizes = ChunkList(absl::GetFlag(FLAGS_chunks));
+  const std::vector<int64_t> chunk_sizes =
+      ChunkList(absl::GetFlag(FLAGS_chunks));
   const std::vector<int64_t> concurrent_chunks =
       ChunkList(absl::GetFlag(FLAGS_concurrent_chunks));
   int64_t max_chunk = 1;
@@ -366,7 +381,8 @@ int Main() {
     std::fprintf(stderr, "--heap_retain_mb: %s\n", s.ToString().c_str());
     return 2;
   }
-  if (absl::Status s = client::LimitMallocArenas(absl::GetFlag(FLAGS_malloc_arenas));
+  if (absl::Status s =
+          client::LimitMallocArenas(absl::GetFlag(FLAGS_malloc_arenas));
       !s.ok()) {
     std::fprintf(stderr, "--malloc_arenas: %s\n", s.ToString().c_str());
     return 2;
@@ -376,25 +392,31 @@ int Main() {
   server::ProjectionScheduler::Options scheduler_options;
   scheduler_options.max_launch_rows = max_chunk;
   scheduler_options.num_threads = absl::GetFlag(FLAGS_scheduler_threads);
-  auto scheduler = *server::ProjectionScheduler::Create(scheduler_options, &backend);
+  auto scheduler =
+      *server::ProjectionScheduler::Create(scheduler_options, &backend);
   TimingSink timings;
   server::ProjectionServiceImpl::Options service_options;
   service_options.determinism_key = "bench";
 #ifndef DETLOGP_BENCH_OLD_SERVICE
   if (absl::GetFlag(FLAGS_max_stream_buffer_mb) >= 0) {
-    service_options.max_stream_buffer_bytes = absl::GetFlag(FLAGS_max_stream_buffer_mb) << 20;
+    service_options.max_stream_buffer_bytes =
+        absl::GetFlag(FLAGS_max_stream_buffer_mb) << 20;
   }
   service_options.on_stream_timings =
-      [&](const server::ProjectionServiceImpl::StreamTimings& t) { timings.Add(t); };
+      [&](const server::ProjectionServiceImpl::StreamTimings& t) {
+        timings.Add(t);
+      };
 #endif
   server::ProjectionServiceImpl service(service_options, scheduler.get());
   grpc::ServerBuilder builder;
   int port = 0;
   const std::string unix_socket = absl::GetFlag(FLAGS_unix_socket);
   if (unix_socket.empty()) {
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                             &port);
   } else {
-    builder.AddListeningPort(absl::StrCat("unix:", unix_socket), grpc::InsecureServerCredentials());
+    builder.AddListeningPort(absl::StrCat("unix:", unix_socket),
+                             grpc::InsecureServerCredentials());
   }
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
@@ -403,8 +425,9 @@ int Main() {
   }
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  const std::string target = unix_socket.empty() ? absl::StrCat("127.0.0.1:", port)
-                                                 : absl::StrCat("unix:", unix_socket);
+  const std::string target = unix_socket.empty()
+                                 ? absl::StrCat("127.0.0.1:", port)
+                                 : absl::StrCat("unix:", unix_socket);
 
   std::vector<float> x(rows * kProjectionInDim, 0.5f);
   v1::ProjectRequest request;
@@ -415,20 +438,24 @@ int Main() {
   request.mutable_x()->set_data(x.data(), x.size() * sizeof(float));
   const double output_gb = rows * kProjectionOutDim * 4.0 / 1e9;
 
-  std::printf("rows %lld (%.2f GB of Y per stream), reader %s%s%s, heap_retain_mb %lld, "
-              "median of %d runs\n",
-              static_cast<long long>(rows), output_gb,
-              absl::GetFlag(FLAGS_reader).c_str(),
-              reader == Reader::kClient && absl::GetFlag(FLAGS_client_copy_y)
-                  ? " (one copy of y)"
-                  : "",
-              reader == Reader::kClient
-                  ? absl::StrCat(" (", absl::GetFlag(FLAGS_client_streams),
-                                 " calls per projection)").c_str()
-                  : "",
-              static_cast<long long>(absl::GetFlag(FLAGS_heap_retain_mb)), repeats);
+  std::printf(
+      "rows %lld (%.2f GB of Y per stream), reader %s%s%s, heap_retain_mb "
+      "%lld, "
+      "median of %d runs\n",
+      static_cast<long long>(rows), output_gb,
+      absl::GetFlag(FLAGS_reader).c_str(),
+      reader == Reader::kClient && absl::GetFlag(FLAGS_client_copy_y)
+          ? " (one copy of y)"
+          : "",
+      reader == Reader::kClient
+          ? absl::StrCat(" (", absl::GetFlag(FLAGS_client_streams),
+                         " calls per projection)")
+                .c_str()
+          : "",
+      static_cast<long long>(absl::GetFlag(FLAGS_heap_retain_mb)), repeats);
   // `streams` streams at once, each a connection of its own; GB/s in total.
-  auto run_streams = [&](int streams, int64_t chunk) -> absl::StatusOr<RunStats> {
+  auto run_streams = [&](int streams,
+                         int64_t chunk) -> absl::StatusOr<RunStats> {
     request.set_rows_per_chunk(chunk);
     const std::string bytes = request.SerializeAsString();
     std::vector<StreamResult> results(streams);
@@ -436,9 +463,10 @@ int Main() {
     const ProcessCounters before = ProcessCounters::Now();
     for (int i = 0; i < streams; ++i) {
       threads.emplace_back([&, i] {
-        results[i] = reader == Reader::kClient
-                         ? RunClientStream(target, x, rows, chunk)
-                         : RunStream(NewChannel(target, i), bytes, rows, chunk, raw);
+        results[i] =
+            reader == Reader::kClient
+                ? RunClientStream(target, x, rows, chunk)
+                : RunStream(NewChannel(target, i), bytes, rows, chunk, raw);
       });
     }
     for (auto& t : threads) t.join();
@@ -450,8 +478,10 @@ int Main() {
     RunStats stats;
     stats.gb_per_s = gb / used.seconds;
     stats.cpu_s_per_gb = used.usage.cpu_seconds / gb;
-    stats.page_faults_per_gb = static_cast<double>(used.usage.minor_page_faults) / gb;
-    absl::SleepFor(absl::Milliseconds(50));  // the streams' timings arrive in OnDone
+    stats.page_faults_per_gb =
+        static_cast<double>(used.usage.minor_page_faults) / gb;
+    absl::SleepFor(
+        absl::Milliseconds(50));  // the streams' timings arrive in OnDone
     stats.server = timings.Take();
     return stats;
   };
@@ -461,7 +491,8 @@ int Main() {
       absl::StatusOr<RunStats> run = run_streams(streams, chunk);
       if (!run.ok()) {
         std::printf("%d stream(s), rows_per_chunk %lld failed: %s\n", streams,
-                    static_cast<long long>(chunk), run.status().ToString().c_str());
+                    static_cast<long long>(chunk),
+                    run.status().ToString().c_str());
         std::exit(1);
       }
       runs.push_back(*std::move(run));

@@ -30,8 +30,9 @@ ABSL_FLAG(int, rows, 256, "Rows per request.");
 ABSL_FLAG(double, seconds, 10, "Measured duration.");
 ABSL_FLAG(double, warmup_seconds, 2, "Unmeasured warm-up.");
 ABSL_FLAG(int, payloads, 8, "Distinct request payloads, reused round-robin.");
-ABSL_FLAG(std::vector<std::string>, models, {},
-          "Models to score, alternating call by call (empty: the default model).");
+ABSL_FLAG(
+    std::vector<std::string>, models, {},
+    "Models to score, alternating call by call (empty: the default model).");
 
 namespace {
 
@@ -57,13 +58,17 @@ struct Shared {
 };
 
 // Counts an answer of a call started after the warm-up and answered in time.
-void Record(Shared* shared, const detlogp::bench::ClosedLoopCaller::Answer& answer) {
-  if (answer.started < shared->measure_from || answer.finished > shared->stop_at) return;
+void Record(Shared* shared,
+            const detlogp::bench::ClosedLoopCaller::Answer& answer) {
+  if (answer.started < shared->measure_from ||
+      answer.finished > shared->stop_at)
+    return;
   const LogProbRequest& request = shared->payloads[answer.payload];
   if (!answer.status.ok()) {
     ++shared->errors;
   } else if (answer.response.logprobs_size() != request.target_ids_size() ||
-             answer.response.determinism_key() != shared->expected_keys[answer.payload]) {
+             answer.response.determinism_key() !=
+                 shared->expected_keys[answer.payload]) {
     ++shared->bad_answers;
   } else {
     shared->rows_done += answer.response.logprobs_size();
@@ -99,15 +104,17 @@ int main(int argc, char** argv) {
   absl::StatusOr<detlogp::v1::ModelInfo> info;
   // Payload p scores model p % models: consecutive calls of a caller
   // alternate between the models.
-  for (int p = 0; p < absl::GetFlag(FLAGS_payloads) * static_cast<int>(models.size()); ++p) {
+  for (int p = 0;
+       p < absl::GetFlag(FLAGS_payloads) * static_cast<int>(models.size());
+       ++p) {
     const std::string& model = models[p % models.size()];
     {
       grpc::ClientContext context;
       detlogp::v1::GetModelInfoRequest info_request;
       info_request.set_model(model);
       detlogp::v1::ModelInfo reply;
-      const grpc::Status status =
-          shared.clients[0]->stub()->GetModelInfo(&context, info_request, &reply);
+      const grpc::Status status = shared.clients[0]->stub()->GetModelInfo(
+          &context, info_request, &reply);
       if (!status.ok()) {
         std::fprintf(stderr, "GetModelInfo(%s): %s\n", model.c_str(),
                      status.error_message().c_str());
@@ -119,21 +126,24 @@ int main(int argc, char** argv) {
         absl::StrCat("bench-", p), detlogp::v1::DTYPE_BFLOAT16, rows,
         info->hidden_size(),
         detlogp::client::RandomBf16Rows(rows, info->hidden_size(), 1000 + p),
-        detlogp::client::RandomTargets(rows, info->vocab_size(), 2000 + p), 1.0f,
-        false);
+        detlogp::client::RandomTargets(rows, info->vocab_size(), 2000 + p),
+        1.0f, false);
     request.set_model(model);
     shared.payloads.push_back(std::move(request));
     shared.expected_keys.push_back(info->determinism_key());
   }
   const int callers = absl::GetFlag(FLAGS_callers);
   shared.callers_left = callers;
-  shared.measure_from = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds));
-  shared.stop_at = shared.measure_from + absl::Seconds(absl::GetFlag(FLAGS_seconds));
+  shared.measure_from =
+      absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_warmup_seconds));
+  shared.stop_at =
+      shared.measure_from + absl::Seconds(absl::GetFlag(FLAGS_seconds));
   std::vector<std::unique_ptr<detlogp::bench::ClosedLoopCaller>> all;
   for (int c = 0; c < callers; ++c) {
     all.push_back(std::make_unique<detlogp::bench::ClosedLoopCaller>(
         shared.clients[c % shared.clients.size()].get(), &shared.payloads, c,
-        shared.stop_at, [&shared](const auto& answer) { Record(&shared, answer); },
+        shared.stop_at,
+        [&shared](const auto& answer) { Record(&shared, answer); },
         [&shared] {
           if (--shared.callers_left == 0) shared.all_done.Notify();
         }));
@@ -148,18 +158,22 @@ int main(int argc, char** argv) {
   const double gbytes_per_s = rows_per_s * info->hidden_size() * 2 / 1e9;
   const double p50 = Percentile(lat, 50), p90 = Percentile(lat, 90),
                p99 = Percentile(lat, 99),
-               max = lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
+               max =
+                   lat.empty() ? 0 : *std::max_element(lat.begin(), lat.end());
   std::printf(
       "{\"rows_per_request\": %d, \"callers\": %d, \"channels\": %d, "
       "\"seconds\": %.1f, \"calls\": %lld, \"rows_per_s\": %.0f, "
       "\"hidden_gb_per_s\": %.3f, \"p50_ms\": %.3f, \"p90_ms\": %.3f, "
-      "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"errors\": %lld, \"bad_answers\": %lld}\n",
+      "\"p99_ms\": %.3f, \"max_ms\": %.3f, \"errors\": %lld, \"bad_answers\": "
+      "%lld}\n",
       rows, callers, absl::GetFlag(FLAGS_channels), seconds,
-      static_cast<long long>(shared.calls_done.load()), rows_per_s, gbytes_per_s,
-      p50, p90, p99, max, static_cast<long long>(shared.errors.load()),
+      static_cast<long long>(shared.calls_done.load()), rows_per_s,
+      gbytes_per_s, p50, p90, p99, max,
+      static_cast<long long>(shared.errors.load()),
       static_cast<long long>(shared.bad_answers.load()));
-  std::printf("%-8s %-8s %-12s %-10s %-9s %-9s %-9s %-9s\n", "rows/req", "callers",
-              "rows/s", "GB/s", "p50 ms", "p90 ms", "p99 ms", "max ms");
+  std::printf("%-8s %-8s %-12s %-10s %-9s %-9s %-9s %-9s\n", "rows/req",
+              "callers", "rows/s", "GB/s", "p50 ms", "p90 ms", "p99 ms",
+              "max ms");
   std::printf("%-8d %-8d %-12.0f %-10.3f %-9.3f %-9.3f %-9.3f %-9.3f\n", rows,
               callers, rows_per_s, gbytes_per_s, p50, p90, p99, max);
   return shared.errors.load() == 0 && shared.bad_answers.load() == 0 ? 0 : 1;

@@ -63,7 +63,8 @@ using detlogp::v1::LogProbResponse;
 // so each version has its own digest at little cost.
 class VersionWeights {
  public:
-  VersionWeights(int64_t hidden, int64_t vocab) : hidden_(hidden), vocab_(vocab) {
+  VersionWeights(int64_t hidden, int64_t vocab)
+      : hidden_(hidden), vocab_(vocab) {
     base_.resize(hidden * vocab);
     const int threads = std::max(1u, std::thread::hardware_concurrency());
     std::vector<std::thread> pool;
@@ -72,7 +73,8 @@ class VersionWeights {
         for (int64_t row = t; row < vocab; row += threads) {
           detlogp::kernels::RandomNormal random(77 + row);
           for (int64_t h = 0; h < hidden; ++h) {
-            base_[row * hidden + h] = detlogp::kernels::FloatToBf16(random.Next(0.02f));
+            base_[row * hidden + h] =
+                detlogp::kernels::FloatToBf16(random.Next(0.02f));
           }
         }
       });
@@ -157,16 +159,19 @@ struct Shared {
   absl::Notification all_done;
   absl::Mutex mu;
   // First bits seen per (version, payload), one float per row.
-  std::map<std::pair<int64_t, int>, std::vector<float>> seen ABSL_GUARDED_BY(mu);
+  std::map<std::pair<int64_t, int>, std::vector<float>> seen
+      ABSL_GUARDED_BY(mu);
 };
 
 // Keeps the first bits of every (version, payload) and counts answers that
 // differ from them, and rows per phase.
-void Record(Shared* shared, const detlogp::bench::ClosedLoopCaller::Answer& answer) {
+void Record(Shared* shared,
+            const detlogp::bench::ClosedLoopCaller::Answer& answer) {
   ++shared->calls;
   if (!answer.status.ok()) {
     ++shared->errors;
-    std::fprintf(stderr, "call failed: %s\n", answer.status.error_message().c_str());
+    std::fprintf(stderr, "call failed: %s\n",
+                 answer.status.error_message().c_str());
     return;
   }
   const auto& logprobs = answer.response.logprobs();
@@ -174,8 +179,10 @@ void Record(Shared* shared, const detlogp::bench::ClosedLoopCaller::Answer& answ
   {
     absl::MutexLock lock(&shared->mu);
     auto [it, inserted] = shared->seen.try_emplace(
-        {answer.response.model_version(), static_cast<int>(answer.payload)}, got);
-    if (!inserted && std::memcmp(it->second.data(), got.data(), got.size() * 4) != 0) {
+        {answer.response.model_version(), static_cast<int>(answer.payload)},
+        got);
+    if (!inserted &&
+        std::memcmp(it->second.data(), got.data(), got.size() * 4) != 0) {
       ++shared->mismatches;
     }
   }
@@ -235,7 +242,8 @@ int main(int argc, char** argv) {
   auto channel = grpc::CreateChannel(absl::GetFlag(FLAGS_target),
                                      grpc::InsecureChannelCredentials());
   auto repository = detlogp::v1::ModelRepositoryService::NewStub(channel);
-  const size_t chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_mib)) << 20;
+  const size_t chunk_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_mib))
+                             << 20;
 
   const absl::Time generate_start = absl::Now();
   VersionWeights weights(hidden, vocab);
@@ -244,7 +252,8 @@ int main(int argc, char** argv) {
                absl::ToDoubleSeconds(absl::Now() - generate_start));
   std::vector<PushRecord> pushes;
   weights.Select(1);
-  pushes.push_back(Push(repository.get(), model, weights, hidden, vocab, chunk_bytes));
+  pushes.push_back(
+      Push(repository.get(), model, weights, hidden, vocab, chunk_bytes));
   if (!pushes.back().ok) return 1;
 
   const int rows = absl::GetFlag(FLAGS_rows);
@@ -267,7 +276,8 @@ int main(int argc, char** argv) {
   for (int c = 0; c < callers; ++c) {
     all.push_back(std::make_unique<detlogp::bench::ClosedLoopCaller>(
         shared.clients[c % shared.clients.size()].get(), &shared.payloads, c,
-        shared.stop_at, [&shared](const auto& answer) { Record(&shared, answer); },
+        shared.stop_at,
+        [&shared](const auto& answer) { Record(&shared, answer); },
         [&shared] {
           if (--shared.callers_left == 0) shared.all_done.Notify();
         }));
@@ -275,11 +285,13 @@ int main(int argc, char** argv) {
   for (auto& caller : all) caller->Start();
 
   absl::SleepFor(shared.swaps_from - absl::Now());
-  const absl::Duration every = absl::Seconds(absl::GetFlag(FLAGS_swap_every_seconds));
+  const absl::Duration every =
+      absl::Seconds(absl::GetFlag(FLAGS_swap_every_seconds));
   for (int k = 2; absl::Now() + every <= shared.stop_at; ++k) {
     const absl::Time next = absl::Now() + every;
     weights.Select(k);
-    pushes.push_back(Push(repository.get(), model, weights, hidden, vocab, chunk_bytes));
+    pushes.push_back(
+        Push(repository.get(), model, weights, hidden, vocab, chunk_bytes));
     absl::SleepFor(next - absl::Now());
   }
   shared.all_done.WaitForNotification();
@@ -294,7 +306,8 @@ int main(int argc, char** argv) {
   std::map<int64_t, int64_t> answers_per_version;
   for (const auto& [key, bits] : seen) {
     if (absl::GetFlag(FLAGS_solo_check)) {
-      solo_bad += SoloMismatches(shared, key.first, key.second, bits, model, hidden);
+      solo_bad +=
+          SoloMismatches(shared, key.first, key.second, bits, model, hidden);
       solo_rows += static_cast<int64_t>(bits.size());
     }
     ++answers_per_version[key.first];
@@ -312,20 +325,23 @@ int main(int argc, char** argv) {
   std::printf(
       "{\"model\": \"%s\", \"callers\": %d, \"rows_per_request\": %d, "
       "\"pushes\": %zu, \"failed_pushes\": %d, \"push_s_min\": %.3f, "
-      "\"push_s_median\": %.3f, \"push_s_max\": %.3f, \"versions_answering\": %zu, "
-      "\"steady_rows_per_s\": %.0f, \"swap_rows_per_s\": %.0f, \"ratio\": %.3f, "
+      "\"push_s_median\": %.3f, \"push_s_max\": %.3f, \"versions_answering\": "
+      "%zu, "
+      "\"steady_rows_per_s\": %.0f, \"swap_rows_per_s\": %.0f, \"ratio\": "
+      "%.3f, "
       "\"calls\": %lld, \"failed_calls\": %lld, \"answers_differing\": %lld, "
       "\"solo_rows_checked\": %lld, \"solo_rows_differing\": %lld}\n",
       model.c_str(), callers, rows, pushes.size(), failed_pushes,
       push_seconds.empty() ? 0 : push_seconds.front(),
       push_seconds.empty() ? 0 : push_seconds[push_seconds.size() / 2],
-      push_seconds.empty() ? 0 : push_seconds.back(), answers_per_version.size(),
-      steady_rate, swap_rate, steady_rate > 0 ? swap_rate / steady_rate : 0,
+      push_seconds.empty() ? 0 : push_seconds.back(),
+      answers_per_version.size(), steady_rate, swap_rate,
+      steady_rate > 0 ? swap_rate / steady_rate : 0,
       static_cast<long long>(shared.calls.load()),
       static_cast<long long>(shared.errors.load()),
       static_cast<long long>(shared.mismatches.load()),
       static_cast<long long>(solo_rows), static_cast<long long>(solo_bad));
-  const bool ok = failed_pushes == 0 && shared.errors == 0 && shared.mismatches == 0 &&
-                  solo_bad == 0;
+  const bool ok = failed_pushes == 0 && shared.errors == 0 &&
+                  shared.mismatches == 0 && solo_bad == 0;
   return ok ? 0 : 1;
 }

@@ -9,6 +9,7 @@ round, and whether every library's outputs digest matched the first's.
 Compare libraries within one call only (docs/perf.md, "Top-k, session 16":
 in interleaved timing a kernel starts at the clock the one before it left).
 """
+
 import collections
 import re
 import statistics
@@ -17,7 +18,8 @@ import sys
 ROUND = re.compile(r"^== round (\d+) (\S+)")
 LINE = re.compile(
     r"^N=(\d+): logp ([\d.]+) ms, \+entropy ([-+\d.]+)%, \+top20 ([-+\d.]+)%"
-    r".*outputs digest (\w+)")
+    r".*outputs digest (\w+)"
+)
 TABLE = re.compile(r"^ +(\d+) +([\d.]+) +[\d.]+ +([\d.]+) +[-\d.]+% +([\d.]+) ")
 
 
@@ -38,10 +40,15 @@ def parse(path):
             if lib not in order:
                 order.append(lib)
         elif lib and (m := LINE.match(line)):
-            runs[lib][int(m.group(1))].append({
-                "round": rnd, "logp": float(m.group(2)),
-                "entropy": float(m.group(3)), "top20": float(m.group(4)),
-                "digest": m.group(5)})
+            runs[lib][int(m.group(1))].append(
+                {
+                    "round": rnd,
+                    "logp": float(m.group(2)),
+                    "entropy": float(m.group(3)),
+                    "top20": float(m.group(4)),
+                    "digest": m.group(5),
+                }
+            )
         elif lib and (m := TABLE.match(line)):
             for rec in runs[lib][int(m.group(1))]:
                 if rec["round"] == rnd:
@@ -66,14 +73,19 @@ def main():
                 continue
             top = [r["top20"] for r in recs]
             ent = [r["entropy"] for r in recs]
-            vs = [r["top20_ms"] / base_ms[r["round"]] for r in recs
-                  if r.get("top20_ms") and base_ms.get(r["round"])]
+            vs = [
+                r["top20_ms"] / base_ms[r["round"]]
+                for r in recs
+                if r.get("top20_ms") and base_ms.get(r["round"])
+            ]
             same = {r["digest"] for r in recs} == base_digest
-            print(f"  {lib:16.16s} top20 {' '.join(f'{t:+5.1f}' for t in top)}"
-                  f" (median {statistics.median(top):+5.1f} %)  entropy median"
-                  f" {statistics.median(ent):+4.1f} %  top20 ms / {base}'s"
-                  f" {statistics.median(vs) if vs else float('nan'):.3f}"
-                  f"  digest {'same' if same else 'DIFFERS'}")
+            print(
+                f"  {lib:16.16s} top20 {' '.join(f'{t:+5.1f}' for t in top)}"
+                f" (median {statistics.median(top):+5.1f} %)  entropy median"
+                f" {statistics.median(ent):+4.1f} %  top20 ms / {base}'s"
+                f" {statistics.median(vs) if vs else float('nan'):.3f}"
+                f"  digest {'same' if same else 'DIFFERS'}"
+            )
 
 
 if __name__ == "__main__":

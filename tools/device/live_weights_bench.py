@@ -15,6 +15,7 @@
    a version gives the bits its first answer had.
 Prints one JSON line per measurement and a summary table.
 """
+
 import argparse
 import json
 import os
@@ -22,11 +23,10 @@ import statistics
 import sys
 import time
 
-import numpy as np
-import torch
-
 import detlogp
 import detlogp.weights
+import numpy as np
+import torch
 
 
 def timed(fn):
@@ -57,8 +57,13 @@ def main():
     gigabytes = weight.numel() * 2 / 1e9
     rows = np.random.default_rng(1).standard_normal((8, args.hidden), dtype=np.float32)
     targets = list(range(0, 8 * 997, 997))
-    results = {"prepare_torch_cuda_s": [], "upload_torch_cuda_s": [],
-               "prepare_numpy_s": [], "upload_numpy_s": [], "load_file_s": []}
+    results = {
+        "prepare_torch_cuda_s": [],
+        "upload_torch_cuda_s": [],
+        "prepare_numpy_s": [],
+        "upload_numpy_s": [],
+        "load_file_s": [],
+    }
     answers = []  # (version, logprobs)
 
     for repeat in range(args.repeats):
@@ -67,9 +72,18 @@ def main():
         results["prepare_torch_cuda_s"].append(seconds)
         seconds, pushed = timed(lambda: client.upload_model("policy", head))
         results["upload_torch_cuda_s"].append(seconds)
-        print(json.dumps({"what": "upload torch cuda bf16", "gb": gigabytes,
-                          "seconds": seconds, "version": pushed.version,
-                          "key": pushed.determinism_key}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "what": "upload torch cuda bf16",
+                    "gb": gigabytes,
+                    "seconds": seconds,
+                    "version": pushed.version,
+                    "key": pushed.determinism_key,
+                }
+            ),
+            flush=True,
+        )
         r = client.logprobs(rows, targets, model="policy", version=pushed.version)
         answers.append((pushed.version, r.logprobs.copy()))
 
@@ -79,24 +93,44 @@ def main():
         results["prepare_numpy_s"].append(seconds)
         seconds, pushed = timed(lambda: client.upload_model("policy", head))
         results["upload_numpy_s"].append(seconds)
-        print(json.dumps({"what": "upload numpy bf16 bits", "gb": gigabytes,
-                          "seconds": seconds, "version": pushed.version}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "what": "upload numpy bf16 bits",
+                    "gb": gigabytes,
+                    "seconds": seconds,
+                    "version": pushed.version,
+                }
+            ),
+            flush=True,
+        )
 
     # A file under the root, loaded by path.
     from safetensors.torch import save_file
+
     path = os.path.join(args.model_root, "base", "lm_head.safetensors")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file({"lm_head.weight": weight.cpu()}, path)
     os.sync()
-    for repeat in range(args.repeats):
+    for _ in range(args.repeats):
         seconds, loaded = timed(lambda: client.load_model("reference", "base/lm_head.safetensors"))
         results["load_file_s"].append(seconds)
-        print(json.dumps({"what": "load from --model_root", "gb": gigabytes,
-                          "seconds": seconds, "version": loaded.version}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "what": "load from --model_root",
+                    "gb": gigabytes,
+                    "seconds": seconds,
+                    "version": loaded.version,
+                }
+            ),
+            flush=True,
+        )
 
     # Pinned re-scoring of the versions still held gives the same bits.
-    held = {v.version for m in client.list_models().models if m.model == "policy"
-            for v in m.versions}
+    held = {
+        v.version for m in client.list_models().models if m.model == "policy" for v in m.versions
+    }
     same = 0
     for version, logprobs in answers:
         if version in held:
@@ -106,8 +140,10 @@ def main():
     print(f"re-scored {same} held versions: identical bits")
     print(f"{'what':<34} {'GB':>6} {'median s':>9} {'min s':>7} {'max s':>7}")
     for what, values in results.items():
-        print(f"{what:<34} {gigabytes:>6.2f} {statistics.median(values):>9.3f} "
-              f"{min(values):>7.3f} {max(values):>7.3f}")
+        print(
+            f"{what:<34} {gigabytes:>6.2f} {statistics.median(values):>9.3f} "
+            f"{min(values):>7.3f} {max(values):>7.3f}"
+        )
     return 0
 
 

@@ -24,11 +24,11 @@ backward's K1/K2/K3/dbias launches.
 Usage: python3 tools/device/logp_backward_bench.py [--sizes 1024,4096,8192,16384]
          [--profile 16384] [--weight_grad_dtype bf16|fp32]
 """
+
 import argparse
 import statistics
 
 import torch
-
 from detlogp import ops
 
 H, V = 4096, 151936
@@ -40,8 +40,7 @@ def time_ms(fn, repeats):
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-            enable_timing=True)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         stop.record()
@@ -66,8 +65,16 @@ def make_ours(weight_grad_dtype):
     def ours(hidden, weight, targets, a):
         logp, lse, _ = ops.cuda_linear_logp(hidden, weight, targets, 1.0)
         return ops.cuda_linear_logp_backward(
-            hidden, weight, targets, lse, grad_logprobs=a, need_hidden=True,
-            need_weight=True, weight_grad_dtype=weight_grad_dtype)
+            hidden,
+            weight,
+            targets,
+            lse,
+            grad_logprobs=a,
+            need_hidden=True,
+            need_weight=True,
+            weight_grad_dtype=weight_grad_dtype,
+        )
+
     return ours
 
 
@@ -75,8 +82,7 @@ def profile_kernels(fn, label):
     """GPU time per kernel name of one call of fn (after a warm-up call)."""
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     totals = {}
@@ -114,6 +120,7 @@ def liger_fn():
         w = weight.detach().requires_grad_()
         loss_fn(w, h, targets.long()).backward()
         return h.grad, w.grad
+
     return run
 
 
@@ -136,58 +143,68 @@ def main():
     parser.add_argument("--sizes", default="1024,4096,8192,16384")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile", type=int, default=0)
-    parser.add_argument("--weight_grad_dtype", choices=sorted(WEIGHT_GRAD_DTYPE),
-                        default="bf16")
+    parser.add_argument("--weight_grad_dtype", choices=sorted(WEIGHT_GRAD_DTYPE), default="bf16")
     args = parser.parse_args()
     ours = make_ours(WEIGHT_GRAD_DTYPE[args.weight_grad_dtype])
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(15)
     weight = (torch.randn((V, H), device="cuda", generator=gen) * 0.02).bfloat16()
     liger = liger_fn()
-    methods = [("ours", ours), ("eager", eager)] + (
-        [("liger", liger)] if liger is not None else [])
+    methods = [("ours", ours), ("eager", eager)] + ([("liger", liger)] if liger is not None else [])
     if liger is None:
         print("liger: not installed (pip install liger-kernel), skipped")
     verdicts = []
     for n in [int(s) for s in args.sizes.split(",") if s]:
         hidden = torch.randn((n, H), device="cuda", generator=gen).bfloat16()
-        targets = torch.randint(0, V, (n,), device="cuda", generator=gen,
-                                dtype=torch.int32)
+        targets = torch.randint(0, V, (n,), device="cuda", generator=gen, dtype=torch.int32)
         a = torch.rand((n,), device="cuda", generator=gen)
         for name, fn in methods:
             ms = time_ms(lambda: fn(hidden, weight, targets, a), args.repeats)
             extra = peak_extra_bytes(lambda: fn(hidden, weight, targets, a))
             tflops = 8 * n * H * V / (ms * 1e-3) / 1e12
-            print(f"{name:6s} N={n:6d}: {ms:8.2f} ms  {tflops:6.1f} TFLOP/s (8NHV)  "
-                  f"peak extra {extra / 2**20:8.0f} MiB", flush=True)
+            print(
+                f"{name:6s} N={n:6d}: {ms:8.2f} ms  {tflops:6.1f} TFLOP/s (8NHV)  "
+                f"peak extra {extra / 2**20:8.0f} MiB",
+                flush=True,
+            )
             if name == "ours":
-                verdicts.append((f"time N={n} <= {TARGET_MS.get(n)} ms",
-                                 n not in TARGET_MS or ms <= TARGET_MS[n]))
+                verdicts.append(
+                    (
+                        f"time N={n} <= {TARGET_MS.get(n)} ms",
+                        n not in TARGET_MS or ms <= TARGET_MS[n],
+                    )
+                )
                 # Extra beyond inputs, saved state and gradient outputs.
                 weight_grad_bytes = 4 if args.weight_grad_dtype == "fp32" else 2
                 outputs = n * H * 2 + V * H * weight_grad_bytes + n * 8
-                verdicts.append((f"memory N={n} <= 512 MiB",
-                                 extra - outputs <= 512 * 2**20))
+                verdicts.append((f"memory N={n} <= 512 MiB", extra - outputs <= 512 * 2**20))
         if n == 1024:
             rows = torch.arange(0, n, 8, device="cuda")
             want_h, want_w = float64_grads(hidden, weight, targets, a, rows)
             dh, dw, _ = ours(hidden, weight, targets, a)
             eh, ew = eager(hidden, weight, targets, a)
-            errors = {"ours": (rel_error(dh[rows], want_h), rel_error(dw, want_w)),
-                      "eager": (rel_error(eh[rows], want_h), rel_error(ew, want_w))}
+            errors = {
+                "ours": (rel_error(dh[rows], want_h), rel_error(dw, want_w)),
+                "eager": (rel_error(eh[rows], want_h), rel_error(ew, want_w)),
+            }
             for name, (e_h, e_w) in errors.items():
-                print(f"{name:6s} N=1024: relative Frobenius error dhidden {e_h:.3g} "
-                      f"dweight {e_w:.3g}")
-            verdicts.append(("accuracy <= 1.5x eager's",
-                             errors["ours"][0] <= 1.5 * errors["eager"][0] and
-                             errors["ours"][1] <= 1.5 * errors["eager"][1]))
+                print(
+                    f"{name:6s} N=1024: relative Frobenius error dhidden {e_h:.3g} "
+                    f"dweight {e_w:.3g}"
+                )
+            verdicts.append(
+                (
+                    "accuracy <= 1.5x eager's",
+                    errors["ours"][0] <= 1.5 * errors["eager"][0]
+                    and errors["ours"][1] <= 1.5 * errors["eager"][1],
+                )
+            )
         del hidden, targets, a
         torch.cuda.empty_cache()
     if args.profile:
         n = args.profile
         hidden = torch.randn((n, H), device="cuda", generator=gen).bfloat16()
-        targets = torch.randint(0, V, (n,), device="cuda", generator=gen,
-                                dtype=torch.int32)
+        targets = torch.randint(0, V, (n,), device="cuda", generator=gen, dtype=torch.int32)
         a = torch.rand((n,), device="cuda", generator=gen)
         profile_kernels(lambda: ours(hidden, weight, targets, a), f"ours N={n}")
     for what, ok in verdicts:

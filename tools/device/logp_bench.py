@@ -12,6 +12,7 @@ Every timing is the median of --reps timed runs (CUDA events) after warm-up,
 on fresh random data (hidden ~ N(0,1), W ~ N(0, 0.02^2), bias ~ N(0, 0.1^2)).
 Prints a table last; --json writes the numbers.
 """
+
 import argparse
 import ctypes
 import json
@@ -22,7 +23,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-
 from timing import median_ms
 
 
@@ -30,9 +30,15 @@ def gpu_state():
     """SM clock and power right after a measurement (throttling shows here)."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
-             "--format=csv,noheader"], capture_output=True, text=True,
-            timeout=10).stdout.strip()
+            [
+                "nvidia-smi",
+                "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return out
     except Exception as e:  # noqa: BLE001 - informational only
         return f"n/a ({e})"
@@ -76,8 +82,12 @@ def bench_arguments():
     ap.add_argument("--padded-vocab", type=int, default=152064)
     ap.add_argument("--ns", default="1,16,64,256,1024,2048,4096,8192")
     ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--gap-ms", type=float, default=0.0,
-                    help="idle time before each interleaved launch (0: none)")
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle time before each interleaved launch (0: none)",
+    )
     return ap
 
 
@@ -92,9 +102,16 @@ class ClockSampler:
     def __enter__(self):
         try:
             self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
-                 "--format=csv,noheader,nounits", f"-lms={self.period_ms}"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                [
+                    "nvidia-smi",
+                    "--query-gpu=clocks.sm,power.draw",
+                    "--format=csv,noheader,nounits",
+                    f"-lms={self.period_ms}",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError:
             self.proc = None
         return self
@@ -112,9 +129,11 @@ class ClockSampler:
             return "no clock samples"
         clocks = sorted(float(c) for c, _ in self.lines)
         power = sorted(float(p) for _, p in self.lines)
-        return (f"SM MHz {clocks[0]:.0f}/{statistics.median(clocks):.0f}/{clocks[-1]:.0f}, "
-                f"W {power[0]:.0f}/{statistics.median(power):.0f}/{power[-1]:.0f} "
-                f"(min/median/max of {len(clocks)} samples)")
+        return (
+            f"SM MHz {clocks[0]:.0f}/{statistics.median(clocks):.0f}/{clocks[-1]:.0f}, "
+            f"W {power[0]:.0f}/{statistics.median(power):.0f}/{power[-1]:.0f} "
+            f"(min/median/max of {len(clocks)} samples)"
+        )
 
 
 def main():
@@ -124,18 +143,26 @@ def main():
 
     lib = ctypes.CDLL(args.lib)
     lib.logp_create.restype = ctypes.c_void_p
-    lib.logp_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_longlong, ctypes.c_longlong,
-                                ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
+    lib.logp_create.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_longlong,
+        ctypes.c_longlong,
+        ctypes.c_longlong,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.logp_workspace_bytes.restype = ctypes.c_ulonglong
     lib.logp_workspace_bytes.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
     lib.logp_num_splits.restype = ctypes.c_int
     lib.logp_num_splits.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
     lib.logp_version.restype = ctypes.c_char_p
     lib.logp_launch.restype = ctypes.c_int
-    lib.logp_launch.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_longlong,
-                                                        ctypes.c_void_p,
-                                                        ctypes.c_void_p]
+    lib.logp_launch.argtypes = [ctypes.c_void_p] * 6 + [
+        ctypes.c_longlong,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
     version = lib.logp_version().decode()
 
     H, V, Vp = args.hidden, args.vocab, args.padded_vocab
@@ -144,8 +171,11 @@ def main():
     W = (torch.randn(Vp, H, device=dev) * 0.02).to(torch.bfloat16)
     bias = torch.randn(Vp, device=dev) * 0.1
     props = torch.cuda.get_device_properties(dev)
-    print(f"device: {props.name}, {props.multi_processor_count} SMs; "
-          f"kernel {version}; H={H} V={V} Vpad={Vp}", flush=True)
+    print(
+        f"device: {props.name}, {props.multi_processor_count} SMs; "
+        f"kernel {version}; H={H} V={V} Vpad={Vp}",
+        flush=True,
+    )
 
     # Ceilings measured in this run.
     wbytes = V * H * 2
@@ -157,11 +187,14 @@ def main():
     a = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
     bm = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
     mm_ms, _, _ = median_ms(lambda: a @ bm, args.reps)
-    peak_tflops = 2 * 8192 ** 3 / (mm_ms * 1e-3) / 1e12
+    peak_tflops = 2 * 8192**3 / (mm_ms * 1e-3) / 1e12
     del a, bm
-    print(f"weight copy {copy_ms:.4f} ms -> {bw:.2f} TB/s (read+write); "
-          f"weight-read floor {floor_ms:.4f} ms; cuBLAS 8192^3 bf16 "
-          f"{peak_tflops:.0f} TFLOP/s", flush=True)
+    print(
+        f"weight copy {copy_ms:.4f} ms -> {bw:.2f} TB/s (read+write); "
+        f"weight-read floor {floor_ms:.4f} ms; cuBLAS 8192^3 bf16 "
+        f"{peak_tflops:.0f} TFLOP/s",
+        flush=True,
+    )
 
     handles = {}
     for name, mode in (("invariant", 0), ("throughput", 1)):
@@ -194,8 +227,7 @@ def main():
             torch.cuda.synchronize()
             rec["torch_extra_bytes"] = torch.cuda.max_memory_allocated() - base
             rec["torch_ms"], _, _ = median_ms(torch_fn, args.reps)
-            rec["torch_matmul_ms"], _, _ = median_ms(
-                lambda: F.linear(hidden, W[:V]), args.reps)
+            rec["torch_matmul_ms"], _, _ = median_ms(lambda: F.linear(hidden, W[:V]), args.reps)
 
         stream = torch.cuda.current_stream().cuda_stream
         runs = {}
@@ -206,9 +238,17 @@ def main():
             lse = torch.full((n,), float("nan"), device=dev)
 
             def ours(h=h, ws=ws, lp=lp, lse=lse):
-                rc = lib.logp_launch(h, hidden.data_ptr(), targets.data_ptr(),
-                                     temps.data_ptr(), lp.data_ptr(),
-                                     lse.data_ptr(), n, ws.data_ptr(), stream)
+                rc = lib.logp_launch(
+                    h,
+                    hidden.data_ptr(),
+                    targets.data_ptr(),
+                    temps.data_ptr(),
+                    lp.data_ptr(),
+                    lse.data_ptr(),
+                    n,
+                    ws.data_ptr(),
+                    stream,
+                )
                 if rc != 0:
                     raise RuntimeError("logp_launch failed")
 
@@ -224,8 +264,10 @@ def main():
             z = (hd @ W[:V].double().T + bias[:V].double()) / temps[sel].double()[:, None]
             rl = torch.logsumexp(z, dim=-1)
             rp = z.gather(1, targets[sel].long()[:, None]).squeeze(1) - rl
-            rec[f"{name}_err"] = max((lp[sel].double() - rp).abs().max().item(),
-                                     (lse[sel].double() - rl).abs().max().item())
+            rec[f"{name}_err"] = max(
+                (lp[sel].double() - rp).abs().max().item(),
+                (lse[sel].double() - rl).abs().max().item(),
+            )
             if name == "invariant" and not args.no_torch:
                 rec["diff_vs_torch"] = (lp - t_lp).abs().max().item()
         names = list(runs)
@@ -245,20 +287,33 @@ def main():
     for h in handles.values():
         lib.logp_destroy(h)
 
-    result = {"version": version, "device": props.name, "H": H, "V": V,
-              "Vpad": Vp, "copy_ms": copy_ms, "floor_ms": floor_ms,
-              "copy_tbps": bw, "cublas_tflops": peak_tflops, "rows": rows_out}
+    result = {
+        "version": version,
+        "device": props.name,
+        "H": H,
+        "V": V,
+        "Vpad": Vp,
+        "copy_ms": copy_ms,
+        "floor_ms": floor_ms,
+        "copy_tbps": bw,
+        "cublas_tflops": peak_tflops,
+        "rows": rows_out,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
 
     print()
-    print(f"kernel {version} | floor (weight read) {floor_ms:.4f} ms | "
-          f"cuBLAS peak {peak_tflops:.0f} TFLOP/s | copy {bw:.2f} TB/s")
-    hdr = (f"{'N':>5} {'ours ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'torch ms':>9}"
-           f" {'torch TF':>8} {'x torch':>7} {'x floor':>7} {'thr ms':>9}"
-           f" {'inv/thr':>7} {'splits':>7} {'err':>8} {'ws MB':>7} {'torch MB':>8}"
-           f" {'mm ms':>8} {'spread ours':>17}")
+    print(
+        f"kernel {version} | floor (weight read) {floor_ms:.4f} ms | "
+        f"cuBLAS peak {peak_tflops:.0f} TFLOP/s | copy {bw:.2f} TB/s"
+    )
+    hdr = (
+        f"{'N':>5} {'ours ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'torch ms':>9}"
+        f" {'torch TF':>8} {'x torch':>7} {'x floor':>7} {'thr ms':>9}"
+        f" {'inv/thr':>7} {'splits':>7} {'err':>8} {'ws MB':>7} {'torch MB':>8}"
+        f" {'mm ms':>8} {'spread ours':>17}"
+    )
     print(hdr)
     for r in rows_out:
         n, f = r["n"], r["flops"]
@@ -266,15 +321,17 @@ def main():
         tf = f / (ms * 1e-3) / 1e12
         tms = r.get("torch_ms", float("nan"))
         ttf = f / (tms * 1e-3) / 1e12
-        print(f"{n:>5} {ms:>9.4f} {tf:>8.1f} {100 * tf / peak_tflops:>5.1f}%"
-              f" {tms:>9.4f} {ttf:>8.1f} {tms / ms:>7.2f} {ms / floor_ms:>7.3f}"
-              f" {r['throughput_ms']:>9.4f} {ms / r['throughput_ms']:>7.3f}"
-              f" {r['invariant_splits']:>3}/{r['throughput_splits']:<3}"
-              f" {max(r['invariant_err'], r['throughput_err']):>8.1e}"
-              f" {r['invariant_extra_bytes'] / 1e6:>7.2f}"
-              f" {r.get('torch_extra_bytes', 0) / 1e6:>8.1f}"
-              f" {r.get('torch_matmul_ms', float('nan')):>8.4f}"
-              f" {r['invariant_spread'][0]:>8.4f}-{r['invariant_spread'][1]:<8.4f}")
+        print(
+            f"{n:>5} {ms:>9.4f} {tf:>8.1f} {100 * tf / peak_tflops:>5.1f}%"
+            f" {tms:>9.4f} {ttf:>8.1f} {tms / ms:>7.2f} {ms / floor_ms:>7.3f}"
+            f" {r['throughput_ms']:>9.4f} {ms / r['throughput_ms']:>7.3f}"
+            f" {r['invariant_splits']:>3}/{r['throughput_splits']:<3}"
+            f" {max(r['invariant_err'], r['throughput_err']):>8.1e}"
+            f" {r['invariant_extra_bytes'] / 1e6:>7.2f}"
+            f" {r.get('torch_extra_bytes', 0) / 1e6:>8.1f}"
+            f" {r.get('torch_matmul_ms', float('nan')):>8.4f}"
+            f" {r['invariant_spread'][0]:>8.4f}-{r['invariant_spread'][1]:<8.4f}"
+        )
 
 
 if __name__ == "__main__":

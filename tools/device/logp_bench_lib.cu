@@ -25,8 +25,8 @@ void* logp_create_tuned(const void* weight, const float* bias, long long hidden,
 void* logp_create(const void* weight, const float* bias, long long hidden,
                   long long vocab, long long padded_vocab, int mode,
                   int device) {
-  return logp_create_tuned(weight, bias, hidden, vocab, padded_vocab, mode, device,
-                           0, 0);
+  return logp_create_tuned(weight, bias, hidden, vocab, padded_vocab, mode,
+                           device, 0, 0);
 }
 
 void* logp_create_tuned(const void* weight, const float* bias, long long hidden,
@@ -104,8 +104,8 @@ int logp_launch_extras(void* h, const void* hidden, const int* targets,
 
 // Returns 0 on success, 1 on error (printed).
 int logp_launch(void* h, const void* hidden, const int* targets,
-                const float* temps, float* logprobs, float* lse,
-                long long rows, void* workspace, void* stream) {
+                const float* temps, float* logprobs, float* lse, long long rows,
+                void* workspace, void* stream) {
   return logp_launch_extras(h, hidden, targets, temps, logprobs, lse, nullptr,
                             0, nullptr, nullptr, rows, workspace, stream);
 }

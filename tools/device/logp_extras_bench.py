@@ -11,6 +11,7 @@ rows. FLOPs are counted as 2*N*H*V for every variant.
 
 --kernel=portable measures the portable mma.sync kernel (issue #13), forced.
 """
+
 import ctypes
 import hashlib
 import json
@@ -25,25 +26,41 @@ from logp_bench import ClockSampler, bench_arguments, median_ms_interleaved  # n
 from timing import median_ms  # noqa: E402
 
 TOP_K = 20
-VARIANTS = (("logp", False, 0), ("entropy", True, 0), ("top20", False, TOP_K),
-            ("both", True, TOP_K))
+VARIANTS = (
+    ("logp", False, 0),
+    ("entropy", True, 0),
+    ("top20", False, TOP_K),
+    ("both", True, TOP_K),
+)
 
 
 def load(lib_path):
     lib = ctypes.CDLL(lib_path)
     lib.logp_create.restype = ctypes.c_void_p
-    lib.logp_create.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_longlong, ctypes.c_longlong,
-                                ctypes.c_longlong, ctypes.c_int, ctypes.c_int]
+    lib.logp_create.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_longlong,
+        ctypes.c_longlong,
+        ctypes.c_longlong,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.logp_workspace_bytes_extras.restype = ctypes.c_ulonglong
-    lib.logp_workspace_bytes_extras.argtypes = [ctypes.c_void_p, ctypes.c_longlong,
-                                                ctypes.c_int, ctypes.c_int]
+    lib.logp_workspace_bytes_extras.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_longlong,
+        ctypes.c_int,
+        ctypes.c_int,
+    ]
     lib.logp_version.restype = ctypes.c_char_p
     lib.logp_launch_extras.restype = ctypes.c_int
-    lib.logp_launch_extras.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int] +
-                                       [ctypes.c_void_p] * 2 +
-                                       [ctypes.c_longlong, ctypes.c_void_p,
-                                        ctypes.c_void_p])
+    lib.logp_launch_extras.argtypes = (
+        [ctypes.c_void_p] * 7
+        + [ctypes.c_int]
+        + [ctypes.c_void_p] * 2
+        + [ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p]
+    )
     return lib
 
 
@@ -75,18 +92,26 @@ def time_in_blocks(fns, reps, warmup_ms):
 def main():
     ap = bench_arguments()
     ap.add_argument("--kernel", choices=("hopper", "portable"), default="hopper")
-    ap.add_argument("--no-torch", action="store_true",
-                    help="skip the PyTorch eager baseline (build against build)")
-    ap.add_argument("--seed", type=int, default=None,
-                    help="fixed inputs, so that two builds' digests compare")
-    ap.add_argument("--timing", choices=("interleaved", "blocks"), default="interleaved",
-                    help="interleaved: the variants alternate launch by launch (each "
-                         "starts at the clock the one before left; --gap-ms idles "
-                         "first); blocks: each variant runs alone, back to back, for "
-                         "--block-warmup-ms before its timed launches, so that each is "
-                         "timed at the clock its own power draw settles at (the H200 "
-                         "runs at its power cap at N >= 1024), with the SM clock and "
-                         "power sampled per variant")
+    ap.add_argument(
+        "--no-torch",
+        action="store_true",
+        help="skip the PyTorch eager baseline (build against build)",
+    )
+    ap.add_argument(
+        "--seed", type=int, default=None, help="fixed inputs, so that two builds' digests compare"
+    )
+    ap.add_argument(
+        "--timing",
+        choices=("interleaved", "blocks"),
+        default="interleaved",
+        help="interleaved: the variants alternate launch by launch (each "
+        "starts at the clock the one before left; --gap-ms idles "
+        "first); blocks: each variant runs alone, back to back, for "
+        "--block-warmup-ms before its timed launches, so that each is "
+        "timed at the clock its own power draw settles at (the H200 "
+        "runs at its power cap at N >= 1024), with the SM clock and "
+        "power sampled per variant",
+    )
     ap.add_argument("--block-warmup-ms", type=float, default=500.0)
     args = ap.parse_args()
 
@@ -102,8 +127,11 @@ def main():
     if not handle:
         sys.exit("logp_create failed")
     stream = torch.cuda.current_stream().cuda_stream
-    print(f"device {torch.cuda.get_device_name()}; kernel {version}; "
-          f"H={H} V={V} Vpad={Vp}; top_k={TOP_K}", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name()}; kernel {version}; "
+        f"H={H} V={V} Vpad={Vp}; top_k={TOP_K}",
+        flush=True,
+    )
 
     rows_out = []
     failures = 0
@@ -122,12 +150,24 @@ def main():
             top_ids = torch.full((n, max(k, 1)), -7, device=dev, dtype=torch.int32)
             top_lp = torch.full((n, max(k, 1)), float("nan"), device=dev)
 
-            def run(entropy=entropy, k=k, ws=ws, lp=lp, lse=lse, ent=ent,
-                    top_ids=top_ids, top_lp=top_lp):
+            def run(
+                entropy=entropy, k=k, ws=ws, lp=lp, lse=lse, ent=ent, top_ids=top_ids, top_lp=top_lp
+            ):
                 rc = lib.logp_launch_extras(
-                    handle, hidden.data_ptr(), targets.data_ptr(), temps.data_ptr(),
-                    lp.data_ptr(), lse.data_ptr(), ent.data_ptr() if entropy else None,
-                    k, top_ids.data_ptr(), top_lp.data_ptr(), n, ws.data_ptr(), stream)
+                    handle,
+                    hidden.data_ptr(),
+                    targets.data_ptr(),
+                    temps.data_ptr(),
+                    lp.data_ptr(),
+                    lse.data_ptr(),
+                    ent.data_ptr() if entropy else None,
+                    k,
+                    top_ids.data_ptr(),
+                    top_lp.data_ptr(),
+                    n,
+                    ws.data_ptr(),
+                    stream,
+                )
                 if rc != 0:
                     raise RuntimeError("logp_launch_extras failed")
 
@@ -139,16 +179,17 @@ def main():
 
         base_lp, base_lse = outs["logp"][0], outs["logp"][1]
         for name in ("entropy", "top20", "both"):
-            same = (torch.equal(outs[name][0].view(torch.int32), base_lp.view(torch.int32)) and
-                    torch.equal(outs[name][1].view(torch.int32), base_lse.view(torch.int32)))
+            same = torch.equal(
+                outs[name][0].view(torch.int32), base_lp.view(torch.int32)
+            ) and torch.equal(outs[name][1].view(torch.int32), base_lse.view(torch.int32))
             rec[f"{name}_same_logp_bits"] = same
             if not same:
                 failures += 1
                 print(f"FAIL N={n}: {name} changed logprob/lse bits", flush=True)
         # A row's top-k is the same with or without entropy beside it.
-        same_top = (torch.equal(outs["top20"][3], outs["both"][3]) and
-                    torch.equal(outs["top20"][4].view(torch.int32),
-                                outs["both"][4].view(torch.int32)))
+        same_top = torch.equal(outs["top20"][3], outs["both"][3]) and torch.equal(
+            outs["top20"][4].view(torch.int32), outs["both"][4].view(torch.int32)
+        )
         rec["top20_same_top_k_bits_as_both"] = same_top
         if not same_top:
             failures += 1
@@ -169,8 +210,11 @@ def main():
             for j in range(TOP_K):
                 gap_before = ranked[i, j - 1] - ranked[i, j] if j else 1.0
                 gap_after = ranked[i, j] - ranked[i, j + 1]
-                if gap_before > 1e-4 and gap_after > 1e-4 and \
-                        int(top_ids[r, j]) != int(order[i, j]):
+                if (
+                    gap_before > 1e-4
+                    and gap_after > 1e-4
+                    and int(top_ids[r, j]) != int(order[i, j])
+                ):
                     id_mismatch += 1
                 top_err = max(top_err, abs(float(top_lp[r, j]) - float(ranked[i, j])))
         rec["top_logprob_err"] = top_err
@@ -206,28 +250,35 @@ def main():
             rec["torch_ms"], _, _ = median_ms(torch_fn, args.reps)
         rows_out.append(rec)
         b = rec["logp_ms"]
-        print(f"N={n}: logp {b:.4f} ms, +entropy {100 * (rec['entropy_ms'] / b - 1):+.1f}%, "
-              f"+top20 {100 * (rec['top20_ms'] / b - 1):+.1f}%, "
-              f"both {100 * (rec['both_ms'] / b - 1):+.1f}%, "
-              f"torch eager {rec.get('torch_ms', float('nan')):.4f} ms; "
-              f"entropy err {rec['entropy_err']:.1e}, top err {top_err:.1e}; "
-              f"outputs digest {rec['both_digest']}", flush=True)
+        print(
+            f"N={n}: logp {b:.4f} ms, +entropy {100 * (rec['entropy_ms'] / b - 1):+.1f}%, "
+            f"+top20 {100 * (rec['top20_ms'] / b - 1):+.1f}%, "
+            f"both {100 * (rec['both_ms'] / b - 1):+.1f}%, "
+            f"torch eager {rec.get('torch_ms', float('nan')):.4f} ms; "
+            f"entropy err {rec['entropy_err']:.1e}, top err {top_err:.1e}; "
+            f"outputs digest {rec['both_digest']}",
+            flush=True,
+        )
         del hidden
 
     print()
-    print(f"{'N':>5} {'logp ms':>9} {'TFLOP/s':>8} {'ent ms':>9} {'ent +%':>7}"
-          f" {'top20 ms':>9} {'top +%':>7} {'both ms':>9} {'both +%':>7}"
-          f" {'torch ms':>9} {'x torch':>7} {'ws B/row both':>13}")
+    print(
+        f"{'N':>5} {'logp ms':>9} {'TFLOP/s':>8} {'ent ms':>9} {'ent +%':>7}"
+        f" {'top20 ms':>9} {'top +%':>7} {'both ms':>9} {'both +%':>7}"
+        f" {'torch ms':>9} {'x torch':>7} {'ws B/row both':>13}"
+    )
     for r in rows_out:
         b = r["logp_ms"]
         tf = r["flops"] / (b * 1e-3) / 1e12
-        print(f"{r['n']:>5} {b:>9.4f} {tf:>8.1f} {r['entropy_ms']:>9.4f}"
-              f" {100 * (r['entropy_ms'] / b - 1):>6.1f}% {r['top20_ms']:>9.4f}"
-              f" {100 * (r['top20_ms'] / b - 1):>6.1f}% {r['both_ms']:>9.4f}"
-              f" {100 * (r['both_ms'] / b - 1):>6.1f}%"
-              f" {r.get('torch_ms', float('nan')):>9.4f}"
-              f" {r.get('torch_ms', float('nan')) / r['both_ms']:>7.2f}"
-              f" {r['both_workspace_bytes_per_row']:>13.0f}")
+        print(
+            f"{r['n']:>5} {b:>9.4f} {tf:>8.1f} {r['entropy_ms']:>9.4f}"
+            f" {100 * (r['entropy_ms'] / b - 1):>6.1f}% {r['top20_ms']:>9.4f}"
+            f" {100 * (r['top20_ms'] / b - 1):>6.1f}% {r['both_ms']:>9.4f}"
+            f" {100 * (r['both_ms'] / b - 1):>6.1f}%"
+            f" {r.get('torch_ms', float('nan')):>9.4f}"
+            f" {r.get('torch_ms', float('nan')) / r['both_ms']:>7.2f}"
+            f" {r['both_workspace_bytes_per_row']:>13.0f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"version": version, "rows": rows_out}, f, indent=1)

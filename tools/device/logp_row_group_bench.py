@@ -11,6 +11,7 @@ A larger group puts fewer of a row's splits side by side (the top-k
 variant's shared screens tighten sooner: docs/perf.md, "Top-k, session 8")
 and reads each split's weights once for more row blocks.
 """
+
 import ctypes
 import os
 import sys
@@ -31,8 +32,9 @@ def main():
     args = ap.parse_args()
     lib = load(args.lib)
     lib.logp_create_tuned.restype = ctypes.c_void_p
-    lib.logp_create_tuned.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3 +
-                                      [ctypes.c_int] * 4)
+    lib.logp_create_tuned.argtypes = (
+        [ctypes.c_void_p] * 2 + [ctypes.c_longlong] * 3 + [ctypes.c_int] * 4
+    )
     H, V, Vp = args.hidden, args.vocab, args.padded_vocab
     dev = torch.device("cuda")
     torch.manual_seed(args.seed)
@@ -55,17 +57,34 @@ def main():
         for g in groups:
             for k in (0, TOP_K):
                 h = handles[g]
-                ws = torch.empty(max(lib.logp_workspace_bytes_extras(h, n, 0, k), 1),
-                                 device=dev, dtype=torch.uint8)
-                out = (torch.empty(n, device=dev), torch.empty(n, device=dev),
-                       torch.empty(n, max(k, 1), device=dev, dtype=torch.int32),
-                       torch.empty(n, max(k, 1), device=dev))
+                ws = torch.empty(
+                    max(lib.logp_workspace_bytes_extras(h, n, 0, k), 1),
+                    device=dev,
+                    dtype=torch.uint8,
+                )
+                out = (
+                    torch.empty(n, device=dev),
+                    torch.empty(n, device=dev),
+                    torch.empty(n, max(k, 1), device=dev, dtype=torch.int32),
+                    torch.empty(n, max(k, 1), device=dev),
+                )
 
                 def run(h=h, k=k, ws=ws, out=out):
-                    if lib.logp_launch_extras(h, hidden.data_ptr(), targets.data_ptr(),
-                                              temps.data_ptr(), out[0].data_ptr(),
-                                              out[1].data_ptr(), None, k, out[2].data_ptr(),
-                                              out[3].data_ptr(), n, ws.data_ptr(), stream):
+                    if lib.logp_launch_extras(
+                        h,
+                        hidden.data_ptr(),
+                        targets.data_ptr(),
+                        temps.data_ptr(),
+                        out[0].data_ptr(),
+                        out[1].data_ptr(),
+                        None,
+                        k,
+                        out[2].data_ptr(),
+                        out[3].data_ptr(),
+                        n,
+                        ws.data_ptr(),
+                        stream,
+                    ):
                         raise RuntimeError("logp_launch_extras failed")
 
                 run()
@@ -76,8 +95,10 @@ def main():
         reference = {k: outs[labels.index((groups[0], k))] for k in (0, TOP_K)}
         for (g, k), out in zip(labels, outs):
             tensors = out if k else out[:2]
-            same = all(torch.equal(a.view(torch.int32), b.view(torch.int32))
-                       for a, b in zip(tensors, reference[k]))
+            same = all(
+                torch.equal(a.view(torch.int32), b.view(torch.int32))
+                for a, b in zip(tensors, reference[k])
+            )
             if not same:
                 failures += 1
                 print(f"FAIL N={n}: group {g}, top_k {k} changed bits", flush=True)
@@ -86,11 +107,13 @@ def main():
         for g in groups:
             logp_ms, top_ms = timed[(g, 0)][0], timed[(g, TOP_K)][0]
             tf = 2.0 * n * H * V / (logp_ms * 1e-3) / 1e12
-            print(f"N={n:>5} group {g:>3}: logp {logp_ms:.4f} ms ({tf:.1f} TFLOP/s, "
-                  f"{100 * (logp_ms / base - 1):+.1f}% vs group {groups[0]}), top20 "
-                  f"{top_ms:.4f} ms ({100 * (top_ms / base - 1):+.1f}% over group "
-                  f"{groups[0]}'s logp-only, {100 * (top_ms / logp_ms - 1):+.1f}% over its own)",
-                  flush=True)
+            print(
+                f"N={n:>5} group {g:>3}: logp {logp_ms:.4f} ms ({tf:.1f} TFLOP/s, "
+                f"{100 * (logp_ms / base - 1):+.1f}% vs group {groups[0]}), top20 "
+                f"{top_ms:.4f} ms ({100 * (top_ms / base - 1):+.1f}% over group "
+                f"{groups[0]}'s logp-only, {100 * (top_ms / logp_ms - 1):+.1f}% over its own)",
+                flush=True,
+            )
         del hidden, outs, fns
     print(f"row-group bench: {'PASS' if failures == 0 else f'FAIL ({failures})'}")
     sys.exit(1 if failures else 0)

@@ -16,6 +16,7 @@ H2D, kernel, D2H) and the copy of Y into the chunks; and where the streams'
 chunk buffers came from (the pool's cache, new pinned memory, the heap), how
 many cached ones were freed, and the cache's size after the phase.
 """
+
 import re
 import sys
 

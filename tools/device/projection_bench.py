@@ -7,12 +7,12 @@ that output for (x, W, b) (dX, dW, dbias), its extra peak memory; and dX alone
 (dy @ W). Median of --reps CUDA-event timings after warm-up, fresh random
 data per row count. Prints a markdown table last; --json writes everything.
 """
+
 import argparse
 import json
 
 import torch
 import torch.nn.functional as F
-
 from timing import median_ms
 
 K, N = 96, 5376
@@ -36,8 +36,8 @@ def torch_numbers(rows, reps):
     bg = b.clone().requires_grad_(True)
     y = F.linear(xg, wg, bg)
     out["bwd_ms"] = median_ms(
-        lambda: torch.autograd.grad(y, (xg, wg, bg), dy, retain_graph=True),
-        reps)[0]
+        lambda: torch.autograd.grad(y, (xg, wg, bg), dy, retain_graph=True), reps
+    )[0]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -52,32 +52,42 @@ def torch_numbers(rows, reps):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", required=True)
-    ap.add_argument("--rows",
-                    default="1,128,1024,4096,13104,37296,72576,102816,108576,364608")
+    ap.add_argument("--rows", default="1,128,1024,4096,13104,37296,72576,102816,108576,364608")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
     args = ap.parse_args()
     ours = json.load(open(args.ours))
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(torch.__version__, torch.cuda.get_device_name(0),
-          "allow_tf32:", torch.backends.cuda.matmul.allow_tf32)
+    print(
+        torch.__version__,
+        torch.cuda.get_device_name(0),
+        "allow_tf32:",
+        torch.backends.cuda.matmul.allow_tf32,
+    )
     fwd_ops = sorted({o["op"] for o in ours if o["op"].startswith("fwd:")})
-    lines = ["| rows | " + " | ".join(f"{op} ms (TFLOP/s)" for op in fwd_ops) +
-             " | torch fwd ms (TFLOP/s) | default/torch | our dX ms | torch dX ms"
-             " | our dW+db ms | our bwd ms | torch bwd ms | bwd ours/torch"
-             " | our bwd extra MB | torch bwd extra peak MB |",
-             "|" + "---|" * (len(fwd_ops) + 11)]
+    lines = [
+        "| rows | "
+        + " | ".join(f"{op} ms (TFLOP/s)" for op in fwd_ops)
+        + " | torch fwd ms (TFLOP/s) | default/torch | our dX ms | torch dX ms"
+        " | our dW+db ms | our bwd ms | torch bwd ms | bwd ours/torch"
+        " | our bwd extra MB | torch bwd extra peak MB |",
+        "|" + "---|" * (len(fwd_ops) + 11),
+    ]
     results = []
     for rows in rows_list:
         t = torch_numbers(rows, args.reps)
         flops = 2.0 * rows * K * N
         mine = {o["op"]: o for o in ours if o["rows"] == rows}
-        best = mine["fwd:default"]["median_ms"] if "fwd:default" in mine else min(
-            (mine[op]["median_ms"] for op in fwd_ops if op in mine),
-            default=float("nan"))
-        cells = [f"{mine[op]['median_ms']:.4f} ({mine[op]['tflops']:.1f})"
-                 if op in mine else "-" for op in fwd_ops]
+        best = (
+            mine["fwd:default"]["median_ms"]
+            if "fwd:default" in mine
+            else min((mine[op]["median_ms"] for op in fwd_ops if op in mine), default=float("nan"))
+        )
+        cells = [
+            f"{mine[op]['median_ms']:.4f} ({mine[op]['tflops']:.1f})" if op in mine else "-"
+            for op in fwd_ops
+        ]
         dx = mine.get("dx", {}).get("median_ms", float("nan"))
         dw = mine.get("dw+db", {}).get("median_ms", float("nan"))
         bwd = mine.get("bwd(dx+dw+db)", {}).get("median_ms", float("nan"))
@@ -87,12 +97,14 @@ def main():
         ws = max(ws, ws_dx)  # one buffer serves dX, then dW
         our_mb = ((rows * K + N * K + N) * 4 + ws) / 2**20
         lines.append(
-            f"| {rows} | " + " | ".join(cells) +
-            f" | {t['fwd_ms']:.4f} ({flops / t['fwd_ms'] / 1e9:.1f}) |"
+            f"| {rows} | "
+            + " | ".join(cells)
+            + f" | {t['fwd_ms']:.4f} ({flops / t['fwd_ms'] / 1e9:.1f}) |"
             f" {best / t['fwd_ms']:.2f} | {dx:.4f} | {t['dx_ms']:.4f} |"
             f" {dw:.4f} | {bwd:.4f} | {t['bwd_ms']:.4f} |"
             f" {bwd / t['bwd_ms']:.2f} | {our_mb:.1f} |"
-            f" {t['bwd_peak_extra_bytes'] / 2**20:.1f} |")
+            f" {t['bwd_peak_extra_bytes'] / 2**20:.1f} |"
+        )
         results.append({"rows": rows, "torch": t, "ours": list(mine.values())})
         print(lines[-1], flush=True)
     table = "\n".join(lines)

@@ -24,13 +24,13 @@ using detlogp::kernels::kProjectionInDim;
 using detlogp::kernels::kProjectionOutDim;
 using detlogp::kernels::ProjectionCuda;
 
-#define CHECK_CUDA(expr)                                                   \
-  do {                                                                     \
-    cudaError_t e_ = (expr);                                               \
-    if (e_ != cudaSuccess) {                                               \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_));     \
-      std::exit(1);                                                        \
-    }                                                                      \
+#define CHECK_CUDA(expr)                                               \
+  do {                                                                 \
+    cudaError_t e_ = (expr);                                           \
+    if (e_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                    \
+    }                                                                  \
   } while (0)
 
 // Uniform [-1, 1) from a hash of (seed, index): fresh data, no zeros.
@@ -97,12 +97,14 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--rows=", 0) == 0) rows_arg = a.substr(7);
-    if (a.rfind("--reps=", 0) == 0) reps = std::max(20, std::atoi(a.c_str() + 7));
+    if (a.rfind("--reps=", 0) == 0)
+      reps = std::max(20, std::atoi(a.c_str() + 7));
     if (a.rfind("--json=", 0) == 0) json_path = a.substr(7);
     if (a == "--all-variants") all_variants = true;
   }
   const std::vector<int64_t> rows_list = ParseRows(rows_arg);
-  const int64_t max_rows = *std::max_element(rows_list.begin(), rows_list.end());
+  const int64_t max_rows =
+      *std::max_element(rows_list.begin(), rows_list.end());
   const int64_t K = kProjectionInDim, N = kProjectionOutDim;
 
   float *w, *b, *x, *y, *dy, *dx, *dw, *db;
@@ -179,33 +181,44 @@ int main(int argc, char** argv) {
       json += buf;
     };
     for (auto& op : ops) {
-      emit(op.name, Time([&] {
-             auto st = op.proj->Forward(x, rows, y, nullptr);
-             if (!st.ok()) std::exit(2);
-           }, reps));
+      emit(op.name, Time(
+                        [&] {
+                          auto st = op.proj->Forward(x, rows, y, nullptr);
+                          if (!st.ok()) std::exit(2);
+                        },
+                        reps));
     }
-    const Timing t_dx = Time([&] {
-      if (!grad->InputGrad(dy, rows, dx, ws, ws_bytes, nullptr).ok()) {
-        std::exit(2);
-      }
-    }, reps);
+    const Timing t_dx = Time(
+        [&] {
+          if (!grad->InputGrad(dy, rows, dx, ws, ws_bytes, nullptr).ok()) {
+            std::exit(2);
+          }
+        },
+        reps);
     emit("dx", t_dx);
     // Keys 0..rows-1; the workspace is part of our backward's extra memory.
-    const Timing t_dw = Time([&] {
-      if (!grad->WeightGrad(dy, x, rows, 0, dw, db, ws, ws_bytes, nullptr).ok()) {
-        std::exit(2);
-      }
-    }, reps);
+    const Timing t_dw = Time(
+        [&] {
+          if (!grad->WeightGrad(dy, x, rows, 0, dw, db, ws, ws_bytes, nullptr)
+                   .ok()) {
+            std::exit(2);
+          }
+        },
+        reps);
     emit("dw+db", t_dw);
-    emit("bwd(dx+dw+db)", Time([&] {
-           if (!grad->InputGrad(dy, rows, dx, ws, ws_bytes, nullptr).ok()) {
-             std::exit(2);
-           }
-           if (!grad->WeightGrad(dy, x, rows, 0, dw, db, ws, ws_bytes,
-                                 nullptr).ok()) {
-             std::exit(2);
-           }
-         }, reps));
+    emit("bwd(dx+dw+db)",
+         Time(
+             [&] {
+               if (!grad->InputGrad(dy, rows, dx, ws, ws_bytes, nullptr).ok()) {
+                 std::exit(2);
+               }
+               if (!grad->WeightGrad(dy, x, rows, 0, dw, db, ws, ws_bytes,
+                                     nullptr)
+                        .ok()) {
+                 std::exit(2);
+               }
+             },
+             reps));
     std::printf("bwd extra memory (dx+dW+db+workspace) rows=%lld: %.1f MB\n",
                 static_cast<long long>(rows),
                 (rows * K + N * K + N) * 4.0 / (1 << 20) +

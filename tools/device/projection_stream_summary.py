@@ -13,6 +13,7 @@ its round is left out of that setting's median and of its pairs.
   projection_stream_summary.py --calls=4 --chunks="256 512 1024 2048" \
       /tmp/speed_%d_4.txt
 """
+
 import argparse
 import itertools
 import math
@@ -21,14 +22,15 @@ import statistics
 
 def sign_test_p(above, n):
     """P(X <= above) for X ~ Binomial(n, 1/2)."""
-    return sum(math.comb(n, i) for i in range(above + 1)) / 2 ** n
+    return sum(math.comb(n, i) for i in range(above + 1)) / 2**n
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", required=True)
-    ap.add_argument("--chunks", required=True,
-                    help="rows_per_chunk per position (512:b: another CLI's)")
+    ap.add_argument(
+        "--chunks", required=True, help="rows_per_chunk per position (512:b: another CLI's)"
+    )
     ap.add_argument("pattern", help="file of position %%d's GB/s, one per round")
     args = ap.parse_args()
     chunks = args.chunks.split()
@@ -41,15 +43,22 @@ def main():
     for chunk, s in zip(chunks, speeds):
         ok = [v for v in s if not math.isnan(v)]
         failed = len(s) - len(ok)
-        print(f"rows_per_chunk {chunk:>7}  median {statistics.median(ok):.2f}"
-              f"  ({min(ok):.2f}-{max(ok):.2f})" + (f"  {failed} failed" if failed else ""))
+        print(
+            f"rows_per_chunk {chunk:>7}  median {statistics.median(ok):.2f}"
+            f"  ({min(ok):.2f}-{max(ok):.2f})" + (f"  {failed} failed" if failed else "")
+        )
     for a, b in itertools.combinations(range(len(chunks)), 2):
-        ratios = [speeds[b][r] / speeds[a][r] for r in range(rounds)
-                  if not math.isnan(speeds[a][r]) and not math.isnan(speeds[b][r])]
+        ratios = [
+            speeds[b][r] / speeds[a][r]
+            for r in range(rounds)
+            if not math.isnan(speeds[a][r]) and not math.isnan(speeds[b][r])
+        ]
         above = sum(x > 1 for x in ratios)
-        print(f"{chunks[b]:>7} / {chunks[a]:<7} paired median {statistics.median(ratios):.3f}"
-              f"  ({min(ratios):.3f}-{max(ratios):.3f})  above 1 in {above}/{len(ratios)}"
-              f"  sign-test p(slower) {sign_test_p(above, len(ratios)):.3f}")
+        print(
+            f"{chunks[b]:>7} / {chunks[a]:<7} paired median {statistics.median(ratios):.3f}"
+            f"  ({min(ratios):.3f}-{max(ratios):.3f})  above 1 in {above}/{len(ratios)}"
+            f"  sign-test p(slower) {sign_test_p(above, len(ratios)):.3f}"
+        )
     print("per round: " + "  ".join(chunks))
     for r in range(rounds):
         print("           " + "  ".join(f"{s[r]:.2f}" for s in speeds))

@@ -8,6 +8,7 @@ the device machine with torch.utils.cpp_extension (nvcc, ninja), binding only
 its forward: (hidden [N, D] bf16, weight [V, D] bf16, target [N], bias [V]
 or None) -> [logp [N], lse [N]] in fp32, temperature 1.
 """
+
 import os
 import pathlib
 import tempfile
@@ -42,5 +43,6 @@ def load(src_dir):
         extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
         extra_ldflags=["-lcuda"],
         build_directory=str(build),
-        verbose=bool(os.environ.get("RLKERNEL_VERBOSE")))
+        verbose=bool(os.environ.get("RLKERNEL_VERBOSE")),
+    )
     return module.forward

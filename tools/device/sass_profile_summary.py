@@ -12,6 +12,7 @@ hottest instructions.
   python3 tools/device/sass_profile_summary.py head_logp_sass.csv \
       head_top20_sass.csv --subroutine 0x658a0
 """
+
 import argparse
 import collections
 import csv
@@ -31,14 +32,19 @@ def load(path):
     base = int(data[0][0], 16)
     out = []
     for r in data:
-        out.append({
-            "offset": int(r[0], 16) - base,
-            "text": r[1].strip(),
-            "samples": int(r[column["Warp Stall Sampling (All Samples)"]]),
-            "executed": int(r[column["Instructions Executed"]]),
-            "reasons": {h[len("stall_"):]: int(r[column[h]]) for h in reasons
-                        if r[column[h]] not in ("", "0")},
-        })
+        out.append(
+            {
+                "offset": int(r[0], 16) - base,
+                "text": r[1].strip(),
+                "samples": int(r[column["Warp Stall Sampling (All Samples)"]]),
+                "executed": int(r[column["Instructions Executed"]]),
+                "reasons": {
+                    h[len("stall_") :]: int(r[column[h]])
+                    for h in reasons
+                    if r[column[h]] not in ("", "0")
+                },
+            }
+        )
     return out
 
 
@@ -70,8 +76,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("base", help="the logp-only kernel's _sass.csv")
     parser.add_argument("other", nargs="?", help="e.g. the top-20 kernel's")
-    parser.add_argument("--subroutine", type=lambda s: int(s, 0),
-                        help="TopKSite's offset in the other profile")
+    parser.add_argument(
+        "--subroutine", type=lambda s: int(s, 0), help="TopKSite's offset in the other profile"
+    )
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
 
@@ -86,24 +93,25 @@ def main():
     other = load(args.other)
     other_total = sum(i["samples"] for i in other)
     other_places = by_place(other, args.subroutine)
-    print(f"{args.other}: {other_total} samples "
-          f"({100 * (other_total / base_total - 1):+.1f} %)")
+    print(f"{args.other}: {other_total} samples ({100 * (other_total / base_total - 1):+.1f} %)")
     print(f"  {'place':28s} {'base':>8s} {'other':>8s} {'extra, % of base':>17s}")
     for name in sorted(set(base_places) | set(other_places)):
         b, o = base_places[name], other_places[name]
         print(f"  {name:28s} {b:8d} {o:8d} {100 * (o - b) / base_total:+16.1f}")
-    fold = [i for i in other if place(i, args.subroutine) in
-            ("fold and the rest", "TopKSite")]
+    fold = [i for i in other if place(i, args.subroutine) in ("fold and the rest", "TopKSite")]
     reasons = collections.Counter()
     for instruction in fold:
         reasons.update(instruction["reasons"])
     print("  fold stall reasons:", ", ".join(f"{k} {v}" for k, v in reasons.most_common(8)))
     print(f"  hottest fold instructions of {args.other}:")
-    for i in sorted(fold, key=lambda i: -i["samples"])[:args.top]:
-        top = ", ".join(f"{k} {v}" for k, v in
-                        sorted(i["reasons"].items(), key=lambda kv: -kv[1])[:2])
-        print(f"    {i['offset']:6x} {i['samples']:6d} x{i['executed']:<9d} "
-              f"{i['text'][:56]:56s} {top}")
+    for i in sorted(fold, key=lambda i: -i["samples"])[: args.top]:
+        top = ", ".join(
+            f"{k} {v}" for k, v in sorted(i["reasons"].items(), key=lambda kv: -kv[1])[:2]
+        )
+        print(
+            f"    {i['offset']:6x} {i['samples']:6d} x{i['executed']:<9d} "
+            f"{i['text'][:56]:56s} {top}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """CUDA-event timing shared by the device benchmark scripts."""
+
 import statistics
 
 import torch

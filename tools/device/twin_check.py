@@ -24,22 +24,21 @@ non-zero when any failed:
                  repeats: <= 3% at N >= 256; and the op's GPU work per call
                  (torch.profiler) is exactly the bare launch's kernels
 """
+
 import argparse
 import collections
 import ctypes
-import math
 import os
 import statistics
 import sys
 import tempfile
 import time
 
+import detlogp
+import detlogp.torch as dtorch
 import numpy as np
 import torch
-
-import detlogp
 from detlogp import ops, safetensors_io
-import detlogp.torch as dtorch
 from detlogp.testing import LocalServer
 
 RESULTS = []
@@ -59,9 +58,14 @@ def bits_equal(a, b):
 def served_logp(client, hidden_bits, targets, chunk=4096, entropy=False):
     logp, lse, ent = [], [], []
     for r0 in range(0, hidden_bits.shape[0], chunk):
-        res = client.logprobs(hidden_bits[r0:r0 + chunk], targets[r0:r0 + chunk],
-                              temperature=1.0, return_lse=True,
-                              return_entropy=entropy, timeout=120)
+        res = client.logprobs(
+            hidden_bits[r0 : r0 + chunk],
+            targets[r0 : r0 + chunk],
+            temperature=1.0,
+            return_lse=True,
+            return_entropy=entropy,
+            timeout=120,
+        )
         logp.append(res.logprobs)
         lse.append(res.lse)
         if entropy:
@@ -78,9 +82,17 @@ def twin_batches(hidden, weight, targets, bias, vocab, split, entropy):
     step, limit = (split, n) if split > 1 else (1, 256)
     parts = []
     for r0 in range(0, limit, step):
-        parts.append(dtorch.linear_logp(hidden[r0:r0 + step], weight,
-                                        targets[r0:r0 + step], bias, vocab_size=vocab,
-                                        return_lse=True, return_entropy=entropy))
+        parts.append(
+            dtorch.linear_logp(
+                hidden[r0 : r0 + step],
+                weight,
+                targets[r0 : r0 + step],
+                bias,
+                vocab_size=vocab,
+                return_lse=True,
+                return_entropy=entropy,
+            )
+        )
     return [torch.cat(column) for column in zip(*parts)]
 
 
@@ -88,21 +100,32 @@ def check_twin(args, workdir):
     H, V, VP = args.hidden, args.vocab, args.padded_vocab
     g = torch.Generator(device="cuda").manual_seed(1)
     weight = (torch.randn(VP, H, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
-    bias = (torch.randn(VP, device="cuda", generator=g) * 0.5)
+    bias = torch.randn(VP, device="cuda", generator=g) * 0.5
     proj_w = torch.randn(ops.H3_OUT_DIM, ops.H3_IN_DIM, device="cuda", generator=g) * 0.1
     proj_b = torch.randn(ops.H3_OUT_DIM, device="cuda", generator=g) * 0.1
     path = os.path.join(workdir, "lm_head.safetensors")
     proj_path = os.path.join(workdir, "proj.safetensors")
     t0 = time.time()
-    safetensors_io.write(path, {
-        "lm_head.weight": weight.cpu().view(torch.int16).numpy().view(np.uint16),
-        "lm_head.bias": bias.cpu().numpy()})
-    safetensors_io.write(proj_path, {"proj.weight": proj_w.cpu().numpy(),
-                                     "proj.bias": proj_b.cpu().numpy()})
+    safetensors_io.write(
+        path,
+        {
+            "lm_head.weight": weight.cpu().view(torch.int16).numpy().view(np.uint16),
+            "lm_head.bias": bias.cpu().numpy(),
+        },
+    )
+    safetensors_io.write(
+        proj_path, {"proj.weight": proj_w.cpu().numpy(), "proj.bias": proj_b.cpu().numpy()}
+    )
     print(f"wrote weights in {time.time() - t0:.1f} s", flush=True)
-    flags = [f"--weights={path}", "--lm_head_tensor=lm_head.weight",
-             "--bias_tensor=lm_head.bias", f"--vocab_size={V}", "--device=cuda:0",
-             f"--projection_weights={proj_path}", "--max_request_rows=65536"]
+    flags = [
+        f"--weights={path}",
+        "--lm_head_tensor=lm_head.weight",
+        "--bias_tensor=lm_head.bias",
+        f"--vocab_size={V}",
+        "--device=cuda:0",
+        f"--projection_weights={proj_path}",
+        "--max_request_rows=65536",
+    ]
     n = args.rows
     hidden = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
     targets = torch.randint(0, V, (n,), device="cuda", generator=g)
@@ -115,8 +138,7 @@ def check_twin(args, workdir):
             print(f"served {n} rows in {time.time() - t0:.1f} s", flush=True)
             t0 = time.time()
             want_e = served_logp(client, hidden_bits, targets_np, entropy=True)
-            print(f"served {n} rows with entropy in {time.time() - t0:.1f} s",
-                  flush=True)
+            print(f"served {n} rows with entropy in {time.time() - t0:.1f} s", flush=True)
             info = client.info()
             x = torch.randn(args.proj_rows, ops.H3_IN_DIM, device="cuda", generator=g)
             want_y = client.project(x.cpu().numpy(), timeout=300).y
@@ -124,18 +146,20 @@ def check_twin(args, workdir):
         ok = True
         splits = [n, 8192, 1000, 1]
         for split in splits:
-            got_logp, got_lse = twin_batches(hidden, weight, targets, bias, V, split,
-                                             False)
+            got_logp, got_lse = twin_batches(hidden, weight, targets, bias, V, split, False)
             rows = got_logp.shape[0]
-            same = (bits_equal(got_logp, want_logp[:rows]) and
-                    bits_equal(got_lse, want_lse[:rows]))
+            same = bits_equal(got_logp, want_logp[:rows]) and bits_equal(got_lse, want_lse[:rows])
             if not same:
                 diff = (got_logp.cpu().numpy() != want_logp[:rows]).sum()
                 print(f"  batches of {split}: {diff} of {rows} logprobs differ", flush=True)
             ok &= same
-        report("twin_logp", ok, f"{n} rows, H={H} V={V} (V_pad={VP}) with bias, "
-               f"batches of {splits[:-1]} and single rows: logprobs and lse "
-               f"{'bit-equal to' if ok else 'DIFFER from'} the CUDA server")
+        report(
+            "twin_logp",
+            ok,
+            f"{n} rows, H={H} V={V} (V_pad={VP}) with bias, "
+            f"batches of {splits[:-1]} and single rows: logprobs and lse "
+            f"{'bit-equal to' if ok else 'DIFFER from'} the CUDA server",
+        )
         # return_entropy: the served entropy (asked for on the server too),
         # through detlogp.torch in the same batches and through detlogp.ops.
         ok_e, notes = True, []
@@ -146,10 +170,10 @@ def check_twin(args, workdir):
                 if not bits_equal(mine, want[:rows]):
                     ok_e = False
                     diff = int((mine.cpu().numpy() != want[:rows]).sum())
-                    notes.append(f"torch batches of {split}: {diff} of {rows} "
-                                 f"{name} differ")
-        got = ops.linear_logp(hidden, weight, targets, bias, vocab_size=V,
-                              return_lse=True, return_entropy=True)
+                    notes.append(f"torch batches of {split}: {diff} of {rows} {name} differ")
+        got = ops.linear_logp(
+            hidden, weight, targets, bias, vocab_size=V, return_lse=True, return_entropy=True
+        )
         for name, mine, want in zip(("logprobs", "lse", "entropy"), got, want_e):
             if not bits_equal(mine, want):
                 ok_e = False
@@ -158,15 +182,19 @@ def check_twin(args, workdir):
         for note in notes:
             print(f"  {note}", flush=True)
         finite = bool(np.isfinite(want_e[2]).all()) and float(want_e[2].min()) >= 0
-        report("twin_entropy", ok_e and finite,
-               f"{n} rows with return_entropy: detlogp.torch (batches of "
-               f"{splits[:-1]} and single rows) and detlogp.ops (one call): "
-               f"entropy, logprobs and lse {'bit-equal to' if ok_e else 'DIFFER from'}"
-               f" the CUDA server's (served entropy in [{want_e[2].min():.3f}, "
-               f"{want_e[2].max():.3f}] nats{'' if finite else ', NOT finite/>= 0'})")
+        report(
+            "twin_entropy",
+            ok_e and finite,
+            f"{n} rows with return_entropy: detlogp.torch (batches of "
+            f"{splits[:-1]} and single rows) and detlogp.ops (one call): "
+            f"entropy, logprobs and lse {'bit-equal to' if ok_e else 'DIFFER from'}"
+            f" the CUDA server's (served entropy in [{want_e[2].min():.3f}, "
+            f"{want_e[2].max():.3f}] nats{'' if finite else ', NOT finite/>= 0'})",
+        )
         key = ops.determinism_key(weight, bias, V, device="cuda:0")
-        report("twin_key", key == info.determinism_key,
-               f"ops {key} vs server {info.determinism_key}")
+        report(
+            "twin_key", key == info.determinism_key, f"ops {key} vs server {info.determinism_key}"
+        )
         y = dtorch.h3_projection(x, proj_w, proj_b)
         ok_y = bits_equal(y, want_y)
     # H3 gradients: CUDA kernels == CPU kernels, bit for bit.
@@ -177,14 +205,17 @@ def check_twin(args, workdir):
     dy = torch.randn(yg.shape, device="cuda", generator=g)
     yg.backward(dy)
     dx_cpu = ops.cpu_h3_projection_input_grad(dy.cpu().numpy(), proj_w.cpu().numpy())
-    dw_cpu, db_cpu = ops.cpu_h3_projection_weight_grad(dy.cpu().numpy(),
-                                                        x[:3000].cpu().numpy())
-    ok_g = (bits_equal(xg.grad, dx_cpu) and bits_equal(wg.grad, dw_cpu)
-            and bits_equal(bg.grad, db_cpu))
-    report("twin_h3", ok_y and ok_g,
-           f"{args.proj_rows} rows forward {'==' if ok_y else '!='} the server's "
-           f"Project; 3000-row dX/dW/dbias on CUDA {'==' if ok_g else '!='} the CPU "
-           "kernels")
+    dw_cpu, db_cpu = ops.cpu_h3_projection_weight_grad(dy.cpu().numpy(), x[:3000].cpu().numpy())
+    ok_g = (
+        bits_equal(xg.grad, dx_cpu) and bits_equal(wg.grad, dw_cpu) and bits_equal(bg.grad, db_cpu)
+    )
+    report(
+        "twin_h3",
+        ok_y and ok_g,
+        f"{args.proj_rows} rows forward {'==' if ok_y else '!='} the server's "
+        f"Project; 3000-row dX/dW/dbias on CUDA {'==' if ok_g else '!='} the CPU "
+        "kernels",
+    )
 
 
 def eager_logp(hidden, weight, bias, targets, vocab):
@@ -228,8 +259,11 @@ def check_gradients(args):
         ro, re = rel(o, r), rel(e, r)
         ok &= ro <= 1.5 * re
         parts.append(f"{name} {ro:.2e} vs eager {re:.2e} ({ro / re:.2f}x)")
-    report("grad_accuracy", ok, f"N={N} H={H} V={V}, relative to float64: "
-           + "; ".join(parts) + " (target <= 1.5x eager)")
+    report(
+        "grad_accuracy",
+        ok,
+        f"N={N} H={H} V={V}, relative to float64: " + "; ".join(parts) + " (target <= 1.5x eager)",
+    )
     del ref, ours, eager
 
 
@@ -259,9 +293,9 @@ def check_memory(args):
         ok &= extra <= (512 << 20)
         parts.append(f"N={n}: {extra / 2**20:.0f} MiB extra, {seconds * 1e3:.0f} ms")
         del hidden, logp, loss
-        hidden = None
-    report("grad_memory", ok, "; ".join(parts) + " (target <= 512 MiB beyond the "
-           "gradients themselves)")
+    report(
+        "grad_memory", ok, "; ".join(parts) + " (target <= 512 MiB beyond the gradients themselves)"
+    )
 
 
 def gpu_work_per_call(fn, calls=4):
@@ -270,6 +304,7 @@ def gpu_work_per_call(fn, calls=4):
     profiler cannot see the GPU here."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
     try:
         fn()
         torch.cuda.synchronize()
@@ -277,8 +312,9 @@ def gpu_work_per_call(fn, calls=4):
             for _ in range(calls):
                 fn()
             torch.cuda.synchronize()
-        names = collections.Counter(e.name for e in prof.events()
-                                    if e.device_type == DeviceType.CUDA)
+        names = collections.Counter(
+            e.name for e in prof.events() if e.device_type == DeviceType.CUDA
+        )
     except Exception as error:  # no CUPTI: the timing still stands
         print(f"  torch.profiler unavailable: {error}", flush=True)
         return None
@@ -334,9 +370,22 @@ def check_overhead(args):
 
         def bare():
             rc = lib.detlogp_cuda_linear_logp(
-                handle, hidden.data_ptr(), n, targets.data_ptr(), 1, None, 1.0,
-                logp.data_ptr(), lse.data_ptr(), None, ws.data_ptr(), ws_bytes,
-                torch.cuda.current_stream().cuda_stream, error, 1024)
+                handle,
+                hidden.data_ptr(),
+                n,
+                targets.data_ptr(),
+                1,
+                None,
+                1.0,
+                logp.data_ptr(),
+                lse.data_ptr(),
+                None,
+                ws.data_ptr(),
+                ws_bytes,
+                torch.cuda.current_stream().cuda_stream,
+                error,
+                1024,
+            )
             assert rc == 0, error.value
 
         def op():
@@ -374,20 +423,31 @@ def check_overhead(args):
         torch.cuda.synchronize()
         replays = max(1, count // 20)
         graphed = statistics.median(
-            timed_calls(graph.replay, replays)[0] / 20 for _ in range(args.repeats))
+            timed_calls(graph.replay, replays)[0] / 20 for _ in range(args.repeats)
+        )
         del graph
-        work = ("GPU work/call " + (", ".join(f"{short(k_)} x{v:g}" for k_, v in
-                                               work_op.items())
-                                    if work_op else "n/a (no profiler)")
-                + (" == bare" if same_work and work_op else ""))
-        parts.append(f"N={n}: kernel {k * 1e6:.1f} us, op {o * 1e6:.1f} us "
-                     f"({overhead * 100:+.1f}%; {count} calls x {args.repeats}, "
-                     f"min {min(kernel) * 1e6:.1f}/{min(through_op) * 1e6:.1f}); "
-                     f"host/call op {statistics.median(host_op) * 1e6:.0f} us, bare "
-                     f"{statistics.median(host_bare) * 1e6:.0f} us; graph-replayed "
-                     f"kernel {graphed * 1e6:.1f} us; {work}")
-    report("overhead", ok, "; ".join(parts) + " (target <= +3% at N >= 256, op GPU "
-           "work == the bare launch's)")
+        work = (
+            "GPU work/call "
+            + (
+                ", ".join(f"{short(k_)} x{v:g}" for k_, v in work_op.items())
+                if work_op
+                else "n/a (no profiler)"
+            )
+            + (" == bare" if same_work and work_op else "")
+        )
+        parts.append(
+            f"N={n}: kernel {k * 1e6:.1f} us, op {o * 1e6:.1f} us "
+            f"({overhead * 100:+.1f}%; {count} calls x {args.repeats}, "
+            f"min {min(kernel) * 1e6:.1f}/{min(through_op) * 1e6:.1f}); "
+            f"host/call op {statistics.median(host_op) * 1e6:.0f} us, bare "
+            f"{statistics.median(host_bare) * 1e6:.0f} us; graph-replayed "
+            f"kernel {graphed * 1e6:.1f} us; {work}"
+        )
+    report(
+        "overhead",
+        ok,
+        "; ".join(parts) + " (target <= +3% at N >= 256, op GPU work == the bare launch's)",
+    )
 
 
 def main():
@@ -398,11 +458,15 @@ def main():
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--padded_vocab", type=int, default=151_936)
-    parser.add_argument("--iters", type=int, default=200,
-                        help="fewest calls per overhead measurement (more are "
-                        "run to fill ~0.25 s)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="interleaved overhead measurements per side")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=200,
+        help="fewest calls per overhead measurement (more are run to fill ~0.25 s)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="interleaved overhead measurements per side"
+    )
     parser.add_argument("--only", default="twin,grad,memory,overhead")
     args = parser.parse_args()
     ok, why = ops.cuda_available()
@@ -410,15 +474,18 @@ def main():
         report("cuda_ops", False, why)
         return 1
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    checks = {"twin": lambda: check_twin(args, tempfile.mkdtemp(prefix="twin-")),
-              "grad": lambda: check_gradients(args),
-              "memory": lambda: check_memory(args),
-              "overhead": lambda: check_overhead(args)}
+    checks = {
+        "twin": lambda: check_twin(args, tempfile.mkdtemp(prefix="twin-")),
+        "grad": lambda: check_gradients(args),
+        "memory": lambda: check_memory(args),
+        "overhead": lambda: check_overhead(args),
+    }
     for name in args.only.split(","):
         try:
             checks[name]()
         except Exception as error:  # one failing check must not hide the others
             import traceback
+
             traceback.print_exc()
             report(name, False, f"raised {type(error).__name__}: {error}")
         torch.cuda.empty_cache()

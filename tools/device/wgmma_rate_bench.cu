@@ -24,7 +24,7 @@ namespace ptx = detlogp::kernels::cuda::ptx;
 
 namespace {
 
-constexpr int kThreads = 384;           // warpgroup 0 idle, 1 and 2 multiply
+constexpr int kThreads = 384;              // warpgroup 0 idle, 1 and 2 multiply
 constexpr int kATileBytes = 64 * 64 * 2;   // 64 rows x 64 k, bf16
 constexpr int kBTileBytes = 256 * 64 * 2;  // 256 columns x 64 k
 constexpr int kSmemBytes = 1024 + 2 * kATileBytes + kBTileBytes;
@@ -49,7 +49,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Finite, varied bf16 values (tensor-core power depends on the data).
   for (int i = threadIdx.x; i < (2 * kATileBytes + kBTileBytes) / 2;
        i += blockDim.x) {
-    const float v = static_cast<float>((i * 2654435761u) >> 20) / 4096.0f - 0.5f;
+    const float v =
+        static_cast<float>((i * 2654435761u) >> 20) / 4096.0f - 0.5f;
     reinterpret_cast<__nv_bfloat16*>(smem)[i] = __float2bfloat16(v);
   }
   ptx::FenceProxyAsyncShared();
@@ -58,10 +59,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) return;
   if (kMode != kTwoWarpgroups && warpgroup == 2) return;
   const int consumer = warpgroup - 1;
-  const uint64_t da = ptx::MakeSmemDescSw128(
-      ptx::SmemAddr(smem + consumer * kATileBytes));
-  const uint64_t db = ptx::MakeSmemDescSw128(
-      ptx::SmemAddr(smem + 2 * kATileBytes));
+  const uint64_t da =
+      ptx::MakeSmemDescSw128(ptx::SmemAddr(smem + consumer * kATileBytes));
+  const uint64_t db =
+      ptx::MakeSmemDescSw128(ptx::SmemAddr(smem + 2 * kATileBytes));
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
@@ -127,10 +128,11 @@ int main() {
     }
     std::sort(ms.begin(), ms.end());
     const double chains = mode == kTwoWarpgroups ? 2.0 : 1.0;
-    const double flops = 2.0 * 64 * 256 * 16 * 4 * static_cast<double>(k_blocks) *
-                         chains * prop.multiProcessorCount;
-    std::printf("%-24s %8.3f ms  %6.1f TFLOP/s\n", names[mode], ms[ms.size() / 2],
-                flops / (ms[ms.size() / 2] * 1e-3) / 1e12);
+    const double flops = 2.0 * 64 * 256 * 16 * 4 *
+                         static_cast<double>(k_blocks) * chains *
+                         prop.multiProcessorCount;
+    std::printf("%-24s %8.3f ms  %6.1f TFLOP/s\n", names[mode],
+                ms[ms.size() / 2], flops / (ms[ms.size() / 2] * 1e-3) / 1e12);
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {

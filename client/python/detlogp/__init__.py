@@ -1,27 +1,55 @@
 """detlogp: Python client for the deterministic log-probability service.
 
-    Client / aio.AsyncClient   sync and asyncio clients (round-robin, retries)
-    RetryPolicy                backoff with jitter for UNAVAILABLE / queue full
-    DetlogpError and subclasses  typed errors carrying the server's message
-    LogProbResult, ProjectResult, ModelVersionResult  results
-    LmHead, lm_head_sha256     upload payloads and the model digest (weights)
+Client / aio.AsyncClient   sync and asyncio clients (round-robin, retries)
+RetryPolicy                backoff with jitter for UNAVAILABLE / queue full
+DetlogpError and subclasses  typed errors carrying the server's message
+LogProbResult, ProjectResult, ModelVersionResult  results
+LmHead, lm_head_sha256     upload payloads and the model digest (weights)
 """
+
+from detlogp import aio  # noqa: E402  (detlogp.aio.AsyncClient)
 from detlogp.client import Client
-from detlogp.errors import (Cancelled, DataLoss, DeadlineExceeded, DetlogpError,
-                            FailedPrecondition, InvalidArgument, NotFound,
-                            Overloaded, PermissionDenied, ReplicaMismatch,
-                            Unavailable, Unauthenticated, Unimplemented)
+from detlogp.errors import (
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    DetlogpError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    ReplicaMismatch,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
+)
 from detlogp.results import LogProbResult, ModelVersionResult, ProjectResult
 from detlogp.retry import NO_RETRY, RetryPolicy
 from detlogp.weights import LmHead, lm_head_sha256
-from detlogp import aio  # noqa: E402  (detlogp.aio.AsyncClient)
 
 __all__ = [
-    "Client", "aio", "RetryPolicy", "NO_RETRY", "LogProbResult",
-    "ProjectResult", "ModelVersionResult", "LmHead", "lm_head_sha256",
-    "DetlogpError", "InvalidArgument", "Overloaded",
-    "DeadlineExceeded", "Unavailable", "Cancelled", "Unauthenticated",
-    "Unimplemented", "NotFound", "PermissionDenied", "DataLoss",
-    "FailedPrecondition", "ReplicaMismatch",
+    "Client",
+    "aio",
+    "RetryPolicy",
+    "NO_RETRY",
+    "LogProbResult",
+    "ProjectResult",
+    "ModelVersionResult",
+    "LmHead",
+    "lm_head_sha256",
+    "DetlogpError",
+    "InvalidArgument",
+    "Overloaded",
+    "DeadlineExceeded",
+    "Unavailable",
+    "Cancelled",
+    "Unauthenticated",
+    "Unimplemented",
+    "NotFound",
+    "PermissionDenied",
+    "DataLoss",
+    "FailedPrecondition",
+    "ReplicaMismatch",
 ]
 __version__ = "0.1.0"

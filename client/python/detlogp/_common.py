@@ -1,6 +1,7 @@
 """Pieces shared by the sync and asyncio clients: targets, channel options,
 deadline arithmetic, retry decisions, stream item conversion, the raw
 health check, and combining several replicas' answers to an admin call."""
+
 import collections
 import itertools
 import threading
@@ -132,8 +133,9 @@ def stream_item_to_request(item, index, model=None, version=None):
             kwargs["version"] = version
         return requests.logprob_request(**kwargs)
     hidden, targets = item
-    return requests.logprob_request(hidden, targets, request_id=str(index),
-                                    model=model, version=version)
+    return requests.logprob_request(
+        hidden, targets, request_id=str(index), model=model, version=version
+    )
 
 
 class SentRequests:
@@ -203,17 +205,25 @@ def combine_versions(model, per_target):
         values = {target: getattr(status, what) for target, status in per_target.items()}
         if len(set(values.values())) > 1:
             listed = ", ".join(f"{t}: {v}" for t, v in values.items())
-            hint = ("; pass version= to publish it under one number everywhere"
-                    if what == "version" else "")
+            hint = (
+                "; pass version= to publish it under one number everywhere"
+                if what == "version"
+                else ""
+            )
             raise ReplicaMismatch(
                 f"model '{model}': the targets answered with different {what}s "
                 f"({listed}); each published its version, but equal requests "
                 "will not get equal bits (or the same version number) "
-                f"everywhere{hint}", per_target)
-    return ModelVersionResult(model=model, version=int(first.version),
-                              weights_sha256=first.weights_sha256,
-                              determinism_key=first.determinism_key,
-                              per_target=dict(per_target))
+                f"everywhere{hint}",
+                per_target,
+            )
+    return ModelVersionResult(
+        model=model,
+        version=int(first.version),
+        weights_sha256=first.weights_sha256,
+        determinism_key=first.determinism_key,
+        per_target=dict(per_target),
+    )
 
 
 def first_failure(model, action, outcomes):
@@ -224,9 +234,11 @@ def first_failure(model, action, outcomes):
             outcome.per_target = dict(outcomes)
             if len(outcomes) > 1:
                 done = [t for t, o in outcomes.items() if not isinstance(o, BaseException)]
-                outcome.args = (f"{outcome.args[0] if outcome.args else outcome} "
-                                f"[{action} of '{model}' on {target}; succeeded on: "
-                                f"{', '.join(done) or 'none'}]",)
+                outcome.args = (
+                    f"{outcome.args[0] if outcome.args else outcome} "
+                    f"[{action} of '{model}' on {target}; succeeded on: "
+                    f"{', '.join(done) or 'none'}]",
+                )
             return outcome
     return None
 
@@ -260,10 +272,21 @@ class ClientState:
     # subclass sends `_scoring_metadata` with each call itself).
     _channel_sends_token = True
 
-    def __init__(self, targets, *, timeout=30.0, retry=RetryPolicy(),
-                 max_message_mb=256, channel_args=(), token=None,
-                 root_certificates=None, client_certificate=None,
-                 client_key=None, admin_token=None, admin_timeout=600.0):
+    def __init__(
+        self,
+        targets,
+        *,
+        timeout=30.0,
+        retry=RetryPolicy(),
+        max_message_mb=256,
+        channel_args=(),
+        token=None,
+        root_certificates=None,
+        client_certificate=None,
+        client_key=None,
+        admin_token=None,
+        admin_timeout=600.0,
+    ):
         self.targets = normalize_targets(targets)
         self.timeout = timeout
         self.retry = retry
@@ -275,17 +298,21 @@ class ClientState:
         self._channel_options = channel_options(max_message_mb) + list(channel_args)
         self._channel_security = dict(
             root_certificates=root_certificates,
-            client_certificate=client_certificate, client_key=client_key)
+            client_certificate=client_certificate,
+            client_key=client_key,
+        )
         if self._channel_sends_token:
             self._channel_security["token"] = token
-        self._channels = [self._own_channel(t, own_connection=False)
-                          for t in self.targets]
+        self._channels = [self._own_channel(t, own_connection=False) for t in self.targets]
         self._logp = [pb_grpc.LogProbServiceStub(c) for c in self._channels]
         self._proj = [pb_grpc.ProjectionServiceStub(c) for c in self._channels]
         self._repo = [pb_grpc.ModelRepositoryServiceStub(c) for c in self._channels]
-        self._health = [c.unary_unary(HEALTH_METHOD, request_serializer=identity,
-                                      response_deserializer=identity)
-                        for c in self._channels]
+        self._health = [
+            c.unary_unary(
+                HEALTH_METHOD, request_serializer=identity, response_deserializer=identity
+            )
+            for c in self._channels
+        ]
         self._rr = RoundRobin(len(self.targets))
         self.attempts = 0  # calls sent, retries included
         self.retries = 0

@@ -7,17 +7,25 @@ Example:
         async for r in client.stream(items):
             ...
 """
+
 import asyncio
 
 import grpc
 import numpy as np
 
 from detlogp import requests
+from detlogp._common import (
+    CallPlan,
+    ClientState,
+    Deadline,
+    SentRequests,
+    combine_versions,
+    first_failure,
+    legacy_info_args,
+    parse_health_response,
+)
 from detlogp.aio_status import ServerStatus
 from detlogp.credentials import make_aio_channel
-from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
-                              combine_versions, first_failure,
-                              legacy_info_args, parse_health_response)
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
@@ -52,15 +60,19 @@ class AsyncClient(ClientState):
     def _admin_call_metadata(self):
         return self._admin_metadata or self._scoring_metadata
 
-    async def _unary(self, stubs, method, request, timeout, *,
-                     retry_not_found=False, metadata=None):
+    async def _unary(
+        self, stubs, method, request, timeout, *, retry_not_found=False, metadata=None
+    ):
         plan = CallPlan(self, timeout, retry_not_found)
         while True:
             call = method(stubs[plan.index])
             self.attempts += 1
             try:
-                return await call(request, timeout=plan.deadline.remaining(),
-                                  metadata=metadata or self._scoring_metadata)
+                return await call(
+                    request,
+                    timeout=plan.deadline.remaining(),
+                    metadata=metadata or self._scoring_metadata,
+                )
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
             pause = plan.after(error)
@@ -71,27 +83,54 @@ class AsyncClient(ClientState):
 
     async def info(self, model=None, version=None, *, timeout=None):
         model, timeout = legacy_info_args(model, timeout)
-        return await self._unary(self._logp, lambda s: s.GetModelInfo,
-                                 requests.model_info_request(model, version),
-                                 timeout, retry_not_found=bool(version))
+        return await self._unary(
+            self._logp,
+            lambda s: s.GetModelInfo,
+            requests.model_info_request(model, version),
+            timeout,
+            retry_not_found=bool(version),
+        )
 
     async def health(self, timeout=5.0):
         data = await self._unary(self._health, lambda s: s, b"", timeout)
         return parse_health_response(data)
 
-    async def logprobs(self, hidden, targets, *, temperature=0.0,
-                       return_lse=False, timeout=None, request_id="",
-                       model=None, version=None, return_entropy=False, top_k=0):
+    async def logprobs(
+        self,
+        hidden,
+        targets,
+        *,
+        temperature=0.0,
+        return_lse=False,
+        timeout=None,
+        request_id="",
+        model=None,
+        version=None,
+        return_entropy=False,
+        top_k=0,
+    ):
         """Client.logprobs as a coroutine (return_entropy, top_k alike)."""
         request = requests.logprob_request(
-            hidden, targets, temperature, return_lse, request_id, model, version,
-            return_entropy=return_entropy, top_k=top_k)
+            hidden,
+            targets,
+            temperature,
+            return_lse,
+            request_id,
+            model,
+            version,
+            return_entropy=return_entropy,
+            top_k=top_k,
+        )
         return logprob_result(await self.compute(request, timeout=timeout), request)
 
     async def compute(self, request, timeout=None):
-        return await self._unary(self._logp, lambda s: s.ComputeLogProbs,
-                                 request, timeout,
-                                 retry_not_found=bool(request.model_version))
+        return await self._unary(
+            self._logp,
+            lambda s: s.ComputeLogProbs,
+            request,
+            timeout,
+            retry_not_found=bool(request.model_version),
+        )
 
     async def stream(self, items, *, timeout=None, model=None, version=None):
         """Async generator over StreamLogProbs; `items` may be a plain or an
@@ -102,7 +141,8 @@ class AsyncClient(ClientState):
         call = stub.StreamLogProbs(
             sent.feed_async(items, model, version),
             timeout=self.timeout if timeout is None else timeout,
-            metadata=self._scoring_metadata)
+            metadata=self._scoring_metadata,
+        )
         status = ServerStatus(call)
         try:
             async for response in call:
@@ -118,42 +158,47 @@ class AsyncClient(ClientState):
         finally:
             call.cancel()
 
-    async def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="",
-                      streams=0):
+    async def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="", streams=0):
         """Client.project as a coroutine (streams alike: several calls are
         read side by side on this loop)."""
         rows = int(np.shape(x)[0]) if np.ndim(x) else 0
         if requests.InterleavedProjection.count_calls(rows, rows_per_chunk, streams) > 1:
+
             def on_target(index):
                 async def call(_, timeout, metadata):
                     return await self._project_interleaved(
-                        index, x, rows_per_chunk, streams, request_id, timeout, metadata)
+                        index, x, rows_per_chunk, streams, request_id, timeout, metadata
+                    )
+
                 return call
-            return await self._unary(list(range(len(self.targets))), on_target, None,
-                                     timeout)
+
+            return await self._unary(list(range(len(self.targets))), on_target, None, timeout)
         request = requests.project_request(x, rows_per_chunk, request_id)
         rows = int(request.x.shape[0]) if request.x.shape else 0
 
         def run(stub):
             async def call(req, timeout, metadata):
                 assembler = requests.ProjectAssembler(rows)
-                async for response in stub.Project(req, timeout=timeout,
-                                                   metadata=metadata):
+                async for response in stub.Project(req, timeout=timeout, metadata=metadata):
                     assembler.add(response)
                 return assembler.result()
+
             return call
 
         return await self._unary(self._proj, run, request, timeout)
 
-    async def _project_interleaved(self, index, x, rows_per_chunk, streams, request_id,
-                                   timeout, metadata):
+    async def _project_interleaved(
+        self, index, x, rows_per_chunk, streams, request_id, timeout, metadata
+    ):
         """Client._project_interleaved on this loop: the first failure
         cancels every call and is raised."""
         plan = requests.InterleavedProjection(x, rows_per_chunk, streams, request_id)
         extra = [self._own_channel(self.targets[index]) for _ in range(plan.calls - 1)]
         stubs = [self._proj[index]] + [pb_grpc.ProjectionServiceStub(c) for c in extra]
-        answers = [stub.Project(req, timeout=timeout, metadata=metadata)
-                   for stub, req in zip(stubs, plan.requests)]
+        answers = [
+            stub.Project(req, timeout=timeout, metadata=metadata)
+            for stub, req in zip(stubs, plan.requests)
+        ]
 
         async def read(call):
             async for response in answers[call]:
@@ -176,35 +221,66 @@ class AsyncClient(ClientState):
 
     # ------------------------------------------------------------ models
     async def list_models(self, timeout=None):
-        return await self._unary(self._repo, lambda s: s.ListModels,
-                                 pb.ListModelsRequest(), timeout,
-                                 metadata=self._admin_call_metadata)
+        return await self._unary(
+            self._repo,
+            lambda s: s.ListModels,
+            pb.ListModelsRequest(),
+            timeout,
+            metadata=self._admin_call_metadata,
+        )
 
-    async def load_model(self, name, path, lm_head_tensor=None, bias_tensor=None,
-                         vocab_size=None, expected_sha256=None, *, version=None,
-                         timeout=None):
+    async def load_model(
+        self,
+        name,
+        path,
+        lm_head_tensor=None,
+        bias_tensor=None,
+        vocab_size=None,
+        expected_sha256=None,
+        *,
+        version=None,
+        timeout=None,
+    ):
         request = pb.LoadModelRequest(
-            model=name, path=str(path), lm_head_tensor=lm_head_tensor or "",
-            bias_tensor=bias_tensor or "", vocab_size=int(vocab_size or 0),
+            model=name,
+            path=str(path),
+            lm_head_tensor=lm_head_tensor or "",
+            bias_tensor=bias_tensor or "",
+            vocab_size=int(vocab_size or 0),
             expected_weights_sha256=expected_sha256 or "",
-            model_version=int(version or 0))
+            model_version=int(version or 0),
+        )
         outcomes = await self._on_every_target(
-            name, "LoadModel",
+            name,
+            "LoadModel",
             lambda i, left: self._repo[i].LoadModel(
-                request, timeout=left, metadata=self._admin_call_metadata),
-            timeout)
+                request, timeout=left, metadata=self._admin_call_metadata
+            ),
+            timeout,
+        )
         return combine_versions(name, outcomes)
 
-    async def upload_model(self, name, weight, bias=None, vocab_size=None,
-                           chunk_bytes=DEFAULT_CHUNK_BYTES, *, version=None,
-                           weights_sha256=None, timeout=None):
+    async def upload_model(
+        self,
+        name,
+        weight,
+        bias=None,
+        vocab_size=None,
+        chunk_bytes=DEFAULT_CHUNK_BYTES,
+        *,
+        version=None,
+        weights_sha256=None,
+        timeout=None,
+    ):
         """Client.upload_model as a coroutine (every target at once)."""
         head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
 
         async def upload(index, left):
             call = self._repo[index].UploadModel(
                 head.messages(name, chunk_bytes, weights_sha256, version),
-                timeout=left, metadata=self._admin_call_metadata)
+                timeout=left,
+                metadata=self._admin_call_metadata,
+            )
             status = ServerStatus(call)
             try:
                 return await call
@@ -217,10 +293,13 @@ class AsyncClient(ClientState):
     async def unload_model(self, name, version, *, timeout=None):
         request = pb.UnloadModelRequest(model=name, model_version=int(version))
         await self._on_every_target(
-            name, "UnloadModel",
+            name,
+            "UnloadModel",
             lambda i, left: self._repo[i].UnloadModel(
-                request, timeout=left, metadata=self._admin_call_metadata),
-            timeout)
+                request, timeout=left, metadata=self._admin_call_metadata
+            ),
+            timeout,
+        )
 
     async def _on_every_target(self, model, action, call, timeout):
         deadline = Deadline(self._admin_timeout(timeout))

@@ -7,6 +7,7 @@ server sent. Servers end such calls early by design: a refused upload (wrong
 token, bad header, a version number taken) or a stream whose item is invalid.
 The sync API and the C++ client report the server's status.
 """
+
 import grpc
 import grpc.aio
 
@@ -33,11 +34,13 @@ class ServerStatus:
             return
         code = _STATUS_CODES.get(status.code(), grpc.StatusCode.UNKNOWN)
         if code == grpc.StatusCode.OK or (
-                code == grpc.StatusCode.INTERNAL
-                and status.details() == _LOST_STATUS_DETAILS):
+            code == grpc.StatusCode.INTERNAL and status.details() == _LOST_STATUS_DETAILS
+        ):
             return
         self.error = grpc.aio.AioRpcError(
-            code, grpc.aio.Metadata(),
+            code,
+            grpc.aio.Metadata(),
             grpc.aio.Metadata.from_tuple(status.trailing_metadata() or ()),
             details=status.details(),
-            debug_error_string=status.debug_error_string())
+            debug_error_string=status.debug_error_string(),
+        )

@@ -19,6 +19,7 @@ relative to the server's --model_root; `upload` sends a local file: a
 .safetensors (tensor --lm-head-tensor, bias --bias-tensor) or a .npy
 [V_pad, H] (float32/float16, rounded to bf16, or uint16 bf16 bits).
 """
+
 import argparse
 import json
 import os
@@ -43,12 +44,17 @@ def _print(args, fields):
 def _info(client, args):
     info = client.info(model=args.model, version=args.version)
     fields = {
-        "model": info.model, "model_version": info.model_version,
-        "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
+        "model": info.model,
+        "model_version": info.model_version,
+        "hidden_size": info.hidden_size,
+        "vocab_size": info.vocab_size,
         "padded_vocab_size": info.padded_vocab_size,
-        "weight_dtype": pb.DType.Name(info.weight_dtype), "has_bias": info.has_bias,
-        "weights_sha256": info.weights_sha256, "backend": info.backend,
-        "kernel_version": info.kernel_version, "split_policy": info.split_policy,
+        "weight_dtype": pb.DType.Name(info.weight_dtype),
+        "has_bias": info.has_bias,
+        "weights_sha256": info.weights_sha256,
+        "backend": info.backend,
+        "kernel_version": info.kernel_version,
+        "split_policy": info.split_policy,
         "determinism_key": info.determinism_key,
         "versions": [v.version for v in info.versions],
     }
@@ -66,10 +72,16 @@ def _score(client, args):
         rng = np.random.default_rng(args.seed)
         hidden = rng.standard_normal((args.rows, info.hidden_size), dtype=np.float32)
         targets = rng.integers(0, info.vocab_size, size=args.rows)
-    result = client.logprobs(hidden, targets, temperature=args.temperature,
-                             return_lse=args.lse, model=args.model,
-                             version=args.version, return_entropy=args.entropy,
-                             top_k=args.top_k)
+    result = client.logprobs(
+        hidden,
+        targets,
+        temperature=args.temperature,
+        return_lse=args.lse,
+        model=args.model,
+        version=args.version,
+        return_entropy=args.entropy,
+        top_k=args.top_k,
+    )
     rows = []
     for i, target in enumerate(np.asarray(targets).reshape(-1)):
         row = {"row": i, "target": int(target), "logprob": float(result.logprobs[i])}
@@ -82,9 +94,16 @@ def _score(client, args):
             row["top_logprobs"] = [float(v) for v in result.top_logprobs[i]]
         rows.append(row)
     if args.json:
-        print(json.dumps({"determinism_key": result.determinism_key,
-                          "model": result.model,
-                          "model_version": result.model_version, "rows": rows}))
+        print(
+            json.dumps(
+                {
+                    "determinism_key": result.determinism_key,
+                    "model": result.model,
+                    "model_version": result.model_version,
+                    "rows": rows,
+                }
+            )
+        )
     else:
         print(f"determinism_key {result.determinism_key}")
         print(f"model {result.model} version {result.model_version}")
@@ -93,11 +112,16 @@ def _score(client, args):
             if "entropy" in row:
                 extra += f"  entropy {row['entropy']:.9g}"
             if "top_ids" in row:
-                extra += ("  top_ids " + ",".join(map(str, row["top_ids"]))
-                          + "  top_logprobs "
-                          + ",".join(f"{v:.9g}" for v in row["top_logprobs"]))
-            print(f"row {row['row']:4d}  target {row['target']:8d}  "
-                  f"logprob {row['logprob']:.9g}{extra}")
+                extra += (
+                    "  top_ids "
+                    + ",".join(map(str, row["top_ids"]))
+                    + "  top_logprobs "
+                    + ",".join(f"{v:.9g}" for v in row["top_logprobs"])
+                )
+            print(
+                f"row {row['row']:4d}  target {row['target']:8d}  "
+                f"logprob {row['logprob']:.9g}{extra}"
+            )
 
 
 def _status_fields(status):
@@ -106,9 +130,12 @@ def _status_fields(status):
         "state": pb.ModelVersionStatus.State.Name(status.state),
         "weights_sha256": status.weights_sha256,
         "determinism_key": status.determinism_key,
-        "hidden_size": status.hidden_size, "vocab_size": status.vocab_size,
-        "padded_vocab_size": status.padded_vocab_size, "has_bias": status.has_bias,
-        "memory_bytes": status.memory_bytes, "source": status.source,
+        "hidden_size": status.hidden_size,
+        "vocab_size": status.vocab_size,
+        "padded_vocab_size": status.padded_vocab_size,
+        "has_bias": status.has_bias,
+        "memory_bytes": status.memory_bytes,
+        "source": status.source,
         "persisted": status.persisted,
         "requests_in_flight": status.requests_in_flight,
     }
@@ -117,34 +144,53 @@ def _status_fields(status):
 def _models(client, args):
     listing = client.list_models()
     if args.json:
-        print(json.dumps({
-            "default_model": listing.default_model,
-            "models": {m.model: [_status_fields(v) for v in m.versions]
-                       for m in listing.models}}))
+        print(
+            json.dumps(
+                {
+                    "default_model": listing.default_model,
+                    "models": {
+                        m.model: [_status_fields(v) for v in m.versions] for m in listing.models
+                    },
+                }
+            )
+        )
         return
     print(f"default model: {listing.default_model}")
     for model in listing.models:
-        print(f"{model.model}  (H={model.hidden_size}, V={model.vocab_size}, "
-              f"V_pad={model.padded_vocab_size})")
+        print(
+            f"{model.model}  (H={model.hidden_size}, V={model.vocab_size}, "
+            f"V_pad={model.padded_vocab_size})"
+        )
         for v in model.versions:
             state = pb.ModelVersionStatus.State.Name(v.state)
-            print(f"  v{v.version:<5d} {state:9} {v.determinism_key}  "
-                  f"sha256 {v.weights_sha256[:16]}  {v.memory_bytes} B  "
-                  f"in flight {v.requests_in_flight}  {v.source}")
+            print(
+                f"  v{v.version:<5d} {state:9} {v.determinism_key}  "
+                f"sha256 {v.weights_sha256[:16]}  {v.memory_bytes} B  "
+                f"in flight {v.requests_in_flight}  {v.source}"
+            )
 
 
 def _published(args, result):
-    fields = {"model": result.model, "version": result.version,
-              "weights_sha256": result.weights_sha256,
-              "determinism_key": result.determinism_key,
-              "targets": list(result.per_target)}
+    fields = {
+        "model": result.model,
+        "version": result.version,
+        "weights_sha256": result.weights_sha256,
+        "determinism_key": result.determinism_key,
+        "targets": list(result.per_target),
+    }
     _print(args, fields)
 
 
 def _load(client, args):
-    result = client.load_model(args.name, args.path, args.lm_head_tensor,
-                               args.bias_tensor, args.vocab_size, args.sha256,
-                               version=args.version)
+    result = client.load_model(
+        args.name,
+        args.path,
+        args.lm_head_tensor,
+        args.bias_tensor,
+        args.vocab_size,
+        args.sha256,
+        version=args.version,
+    )
     _published(args, result)
 
 
@@ -174,9 +220,14 @@ def _read_upload(args):
 
 def _upload(client, args):
     weight, bias = _read_upload(args)
-    result = client.upload_model(args.name, weight, bias, args.vocab_size,
-                                 chunk_bytes=int(args.chunk_mb * (1 << 20)),
-                                 version=args.version)
+    result = client.upload_model(
+        args.name,
+        weight,
+        bias,
+        args.vocab_size,
+        chunk_bytes=int(args.chunk_mb * (1 << 20)),
+        version=args.version,
+    )
     _published(args, result)
 
 
@@ -186,17 +237,26 @@ def _unload(client, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="detlogp", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="127.0.0.1:50051",
-                        help="host:port, or several separated by commas")
+    parser = argparse.ArgumentParser(
+        prog="detlogp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--target", default="127.0.0.1:50051", help="host:port, or several separated by commas"
+    )
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--admin-timeout", type=float, default=600.0,
-                        help="seconds for load/upload/unload")
-    parser.add_argument("--token", default=os.environ.get("DETLOGP_TOKEN"),
-                        help="bearer token for scoring ($DETLOGP_TOKEN)")
-    parser.add_argument("--admin-token", default=os.environ.get("DETLOGP_ADMIN_TOKEN"),
-                        help="bearer token for admin commands ($DETLOGP_ADMIN_TOKEN)")
+    parser.add_argument(
+        "--admin-timeout", type=float, default=600.0, help="seconds for load/upload/unload"
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("DETLOGP_TOKEN"),
+        help="bearer token for scoring ($DETLOGP_TOKEN)",
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get("DETLOGP_ADMIN_TOKEN"),
+        help="bearer token for admin commands ($DETLOGP_ADMIN_TOKEN)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -212,10 +272,12 @@ def main(argv=None):
     score.add_argument("--targets", help=".npy [N] int target ids")
     score.add_argument("--temperature", type=float, default=0.0)
     score.add_argument("--lse", action="store_true", help="also print logsumexp")
-    score.add_argument("--entropy", action="store_true",
-                       help="also print each row's entropy (nats)")
-    score.add_argument("--top-k", type=int, default=0,
-                       help="also print each row's top-k tokens and log-probs")
+    score.add_argument(
+        "--entropy", action="store_true", help="also print each row's entropy (nats)"
+    )
+    score.add_argument(
+        "--top-k", type=int, default=0, help="also print each row's top-k tokens and log-probs"
+    )
     model_flags(score)
     sub.add_parser("models", help="every model and its versions (admin)")
     load = sub.add_parser("load", help="load a file under the server's --model_root (admin)")
@@ -225,8 +287,9 @@ def main(argv=None):
     load.add_argument("--bias-tensor", help="default: no bias")
     load.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
     load.add_argument("--sha256", help="the weights' expected digest")
-    load.add_argument("--version", type=int,
-                      help="version number to publish as (default: the next)")
+    load.add_argument(
+        "--version", type=int, help="version number to publish as (default: the next)"
+    )
     upload = sub.add_parser("upload", help="send a local lm_head as a new version (admin)")
     upload.add_argument("name")
     upload.add_argument("file", help=".safetensors or .npy [V_pad, H]")
@@ -235,18 +298,29 @@ def main(argv=None):
     upload.add_argument("--bias", help=".npy [V_pad] bias")
     upload.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
     upload.add_argument("--chunk-mb", type=float, default=4.0)
-    upload.add_argument("--version", type=int,
-                        help="version number to publish as (default: the next)")
+    upload.add_argument(
+        "--version", type=int, help="version number to publish as (default: the next)"
+    )
     unload = sub.add_parser("unload", help="unload one version (admin)")
     unload.add_argument("name")
     unload.add_argument("version", type=int)
     args = parser.parse_args(argv)
-    commands = {"info": _info, "score": _score, "models": _models, "load": _load,
-                "upload": _upload, "unload": _unload}
+    commands = {
+        "info": _info,
+        "score": _score,
+        "models": _models,
+        "load": _load,
+        "upload": _upload,
+        "unload": _unload,
+    }
     try:
-        with Client(args.target, timeout=args.timeout, token=args.token,
-                    admin_token=args.admin_token,
-                    admin_timeout=args.admin_timeout) as client:
+        with Client(
+            args.target,
+            timeout=args.timeout,
+            token=args.token,
+            admin_token=args.admin_token,
+            admin_timeout=args.admin_timeout,
+        ) as client:
             commands[args.command](client, args)
     except DetlogpError as error:
         print(f"detlogp: {error}", file=sys.stderr)

@@ -12,6 +12,7 @@ Example:
         result = client.logprobs(hidden, ids, model="policy",
                                  version=published.version)
 """
+
 import concurrent.futures
 import threading
 import time
@@ -20,10 +21,17 @@ import grpc
 import numpy as np
 
 from detlogp import requests
+from detlogp._common import (
+    CallPlan,
+    ClientState,
+    Deadline,
+    SentRequests,
+    combine_versions,
+    first_failure,
+    legacy_info_args,
+    parse_health_response,
+)
 from detlogp.credentials import make_channel
-from detlogp._common import (CallPlan, ClientState, Deadline, SentRequests,
-                              combine_versions, first_failure,
-                              legacy_info_args, parse_health_response)
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
@@ -71,8 +79,7 @@ class Client(ClientState):
             grpc.channel_ready_future(channel).result(timeout=timeout)
 
     # ------------------------------------------------------------ calls
-    def _unary(self, stubs, method, request, timeout, *, retry_not_found=False,
-               metadata=None):
+    def _unary(self, stubs, method, request, timeout, *, retry_not_found=False, metadata=None):
         """Runs stubs[i].method(request) with round-robin, deadline and
         retries (CallPlan)."""
         plan = CallPlan(self, timeout, retry_not_found)
@@ -82,8 +89,7 @@ class Client(ClientState):
             try:
                 if metadata is None:
                     return call(request, timeout=plan.deadline.remaining())
-                return call(request, timeout=plan.deadline.remaining(),
-                            metadata=metadata)
+                return call(request, timeout=plan.deadline.remaining(), metadata=metadata)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
             pause = plan.after(error)
@@ -99,18 +105,33 @@ class Client(ClientState):
         (every version the server holds of that model). A number as the
         first argument is taken as `timeout` (the former signature)."""
         model, timeout = legacy_info_args(model, timeout)
-        return self._unary(self._logp, lambda s: s.GetModelInfo,
-                           requests.model_info_request(model, version), timeout,
-                           retry_not_found=bool(version))
+        return self._unary(
+            self._logp,
+            lambda s: s.GetModelInfo,
+            requests.model_info_request(model, version),
+            timeout,
+            retry_not_found=bool(version),
+        )
 
     def health(self, timeout=5.0):
         """grpc.health.v1 status of the next target: "SERVING", ..."""
         data = self._unary(self._health, lambda s: s, b"", timeout)
         return parse_health_response(data)
 
-    def logprobs(self, hidden, targets, *, temperature=0.0, return_lse=False,
-                 timeout=None, request_id="", model=None, version=None,
-                 return_entropy=False, top_k=0):
+    def logprobs(
+        self,
+        hidden,
+        targets,
+        *,
+        temperature=0.0,
+        return_lse=False,
+        timeout=None,
+        request_id="",
+        model=None,
+        version=None,
+        return_entropy=False,
+        top_k=0,
+    ):
         """log p(target) for each row of hidden [N, H]: a LogProbResult.
 
         model: None for the server's default model. version: None for the
@@ -127,16 +148,29 @@ class Client(ClientState):
         not asked for are None. The answer's sizes are checked against the
         request (DataLoss naming the field otherwise)."""
         request = requests.logprob_request(
-            hidden, targets, temperature, return_lse, request_id, model, version,
-            return_entropy=return_entropy, top_k=top_k)
+            hidden,
+            targets,
+            temperature,
+            return_lse,
+            request_id,
+            model,
+            version,
+            return_entropy=return_entropy,
+            top_k=top_k,
+        )
         return logprob_result(self.compute(request, timeout=timeout), request)
 
     def compute(self, request, timeout=None):
         """ComputeLogProbs on a ready LogProbRequest; the raw response. A
         request pinned to a model_version is retried on the next target when
         one answers NOT_FOUND."""
-        return self._unary(self._logp, lambda s: s.ComputeLogProbs, request,
-                           timeout, retry_not_found=bool(request.model_version))
+        return self._unary(
+            self._logp,
+            lambda s: s.ComputeLogProbs,
+            request,
+            timeout,
+            retry_not_found=bool(request.model_version),
+        )
 
     def stream(self, items, *, timeout=None, model=None, version=None):
         """StreamLogProbs over `items` (LogProbRequest, (hidden, targets), or
@@ -148,8 +182,8 @@ class Client(ClientState):
         self.attempts += 1
         sent = SentRequests()
         call = stub.StreamLogProbs(
-            sent.feed(items, model, version),
-            timeout=self.timeout if timeout is None else timeout)
+            sent.feed(items, model, version), timeout=self.timeout if timeout is None else timeout
+        )
         try:
             for response in call:
                 yield logprob_result(response, sent.answered())
@@ -160,8 +194,7 @@ class Client(ClientState):
         finally:
             call.cancel()  # no-op once finished; frees the call if abandoned
 
-    def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="",
-                streams=0):
+    def project(self, x, *, rows_per_chunk=0, timeout=None, request_id="", streams=0):
         """ProjectionService.Project: Y [R, 5376] fp32 from x [R, 96]
         (a ProjectResult). Retried whole on UNAVAILABLE / queue-full.
 
@@ -172,9 +205,12 @@ class Client(ClientState):
         from 8192 rows on, else 1. Y's bits are the same."""
         rows = int(np.shape(x)[0]) if np.ndim(x) else 0
         if requests.InterleavedProjection.count_calls(rows, rows_per_chunk, streams) > 1:
+
             def on_target(index):
                 return lambda _, timeout: self._project_interleaved(
-                    index, x, rows_per_chunk, streams, request_id, timeout)
+                    index, x, rows_per_chunk, streams, request_id, timeout
+                )
+
             return self._unary(list(range(len(self.targets))), on_target, None, timeout)
         request = requests.project_request(x, rows_per_chunk, request_id)
         rows = int(request.x.shape[0]) if request.x.shape else 0
@@ -185,20 +221,19 @@ class Client(ClientState):
                 for response in stub.Project(req, timeout=timeout):
                     assembler.add(response)
                 return assembler.result()
+
             return call
 
         return self._unary(self._proj, run, request, timeout)
 
-    def _project_interleaved(self, index, x, rows_per_chunk, streams, request_id,
-                             timeout):
+    def _project_interleaved(self, index, x, rows_per_chunk, streams, request_id, timeout):
         """One attempt of an interleaved projection on target `index`: the
         first call on the client's channel, the others on connections opened
         for it; the first failure cancels every call and is raised."""
         plan = requests.InterleavedProjection(x, rows_per_chunk, streams, request_id)
         extra = [self._own_channel(self.targets[index]) for _ in range(plan.calls - 1)]
         stubs = [self._proj[index]] + [pb_grpc.ProjectionServiceStub(c) for c in extra]
-        answers = [stub.Project(req, timeout=timeout)
-                   for stub, req in zip(stubs, plan.requests)]
+        answers = [stub.Project(req, timeout=timeout) for stub, req in zip(stubs, plan.requests)]
         failures = []
         lock = threading.Lock()
 
@@ -227,13 +262,26 @@ class Client(ClientState):
         """ModelRepositoryService.ListModels on the next target: a
         ListModelsResponse with .models (a ModelInfo per model, its
         .versions listing each ModelVersionStatus) and .default_model."""
-        return self._unary(self._repo, lambda s: s.ListModels,
-                           pb.ListModelsRequest(), timeout,
-                           metadata=self._admin_metadata)
+        return self._unary(
+            self._repo,
+            lambda s: s.ListModels,
+            pb.ListModelsRequest(),
+            timeout,
+            metadata=self._admin_metadata,
+        )
 
-    def load_model(self, name, path, lm_head_tensor=None, bias_tensor=None,
-                   vocab_size=None, expected_sha256=None, *, version=None,
-                   timeout=None):
+    def load_model(
+        self,
+        name,
+        path,
+        lm_head_tensor=None,
+        bias_tensor=None,
+        vocab_size=None,
+        expected_sha256=None,
+        *,
+        version=None,
+        timeout=None,
+    ):
         """Loads the .safetensors file `path` (relative to each server's
         --model_root) as the next version of model `name` on every target;
         returns once it is ready and the latest: a ModelVersionResult.
@@ -242,20 +290,36 @@ class Client(ClientState):
         it must be above every number the model has had there
         (FailedPrecondition otherwise)."""
         request = pb.LoadModelRequest(
-            model=name, path=str(path), lm_head_tensor=lm_head_tensor or "",
-            bias_tensor=bias_tensor or "", vocab_size=int(vocab_size or 0),
+            model=name,
+            path=str(path),
+            lm_head_tensor=lm_head_tensor or "",
+            bias_tensor=bias_tensor or "",
+            vocab_size=int(vocab_size or 0),
             expected_weights_sha256=expected_sha256 or "",
-            model_version=int(version or 0))
+            model_version=int(version or 0),
+        )
         outcomes = self._on_every_target(
-            name, "LoadModel",
+            name,
+            "LoadModel",
             lambda i, left: self._repo[i].LoadModel(
-                request, timeout=left, metadata=self._admin_metadata),
-            timeout)
+                request, timeout=left, metadata=self._admin_metadata
+            ),
+            timeout,
+        )
         return combine_versions(name, outcomes)
 
-    def upload_model(self, name, weight, bias=None, vocab_size=None,
-                     chunk_bytes=DEFAULT_CHUNK_BYTES, *, version=None,
-                     weights_sha256=None, timeout=None):
+    def upload_model(
+        self,
+        name,
+        weight,
+        bias=None,
+        vocab_size=None,
+        chunk_bytes=DEFAULT_CHUNK_BYTES,
+        *,
+        version=None,
+        weights_sha256=None,
+        timeout=None,
+    ):
         """Streams an lm_head to every target as the next version of model
         `name`; returns once it is ready and the latest there: a
         ModelVersionResult (.version, .weights_sha256, .determinism_key,
@@ -277,11 +341,15 @@ class Client(ClientState):
         """
         head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
         outcomes = self._on_every_target(
-            name, "UploadModel",
+            name,
+            "UploadModel",
             lambda i, left: self._repo[i].UploadModel(
                 head.messages(name, chunk_bytes, weights_sha256, version),
-                timeout=left, metadata=self._admin_metadata),
-            timeout)
+                timeout=left,
+                metadata=self._admin_metadata,
+            ),
+            timeout,
+        )
         return combine_versions(name, outcomes)
 
     def unload_model(self, name, version, *, timeout=None):
@@ -290,10 +358,13 @@ class Client(ClientState):
         request that picked it is answered and it is freed."""
         request = pb.UnloadModelRequest(model=name, model_version=int(version))
         self._on_every_target(
-            name, "UnloadModel",
+            name,
+            "UnloadModel",
             lambda i, left: self._repo[i].UnloadModel(
-                request, timeout=left, metadata=self._admin_metadata),
-            timeout)
+                request, timeout=left, metadata=self._admin_metadata
+            ),
+            timeout,
+        )
 
     def _on_every_target(self, model, action, call, timeout):
         """call(i, seconds_left) on every target at once (no retries: these

@@ -2,6 +2,7 @@
 certificate for mutual TLS) and a bearer token sent on every call as
 "authorization: Bearer <token>", unless the call carries its own
 authorization (admin calls carry the admin token instead)."""
+
 import collections
 
 import grpc
@@ -9,11 +10,12 @@ import grpc.aio
 
 
 class _CallDetails(
-        collections.namedtuple(
-            "_CallDetails",
-            ("method", "timeout", "metadata", "credentials", "wait_for_ready",
-             "compression")),
-        grpc.ClientCallDetails):
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
     pass
 
 
@@ -31,15 +33,22 @@ def _with_token(details, token):
     if has_authorization(details.metadata):
         return details
     metadata = list(details.metadata or []) + [("authorization", f"Bearer {token}")]
-    return _CallDetails(details.method, details.timeout, metadata,
-                        details.credentials, details.wait_for_ready,
-                        getattr(details, "compression", None))
+    return _CallDetails(
+        details.method,
+        details.timeout,
+        metadata,
+        details.credentials,
+        details.wait_for_ready,
+        getattr(details, "compression", None),
+    )
 
 
-class _BearerToken(grpc.UnaryUnaryClientInterceptor,
-                   grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor,
-                   grpc.StreamStreamClientInterceptor):
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token):
         self._token = token
 
@@ -58,16 +67,20 @@ class _BearerToken(grpc.UnaryUnaryClientInterceptor,
 
 def _ssl(root_certificates, client_certificate, client_key):
     return grpc.ssl_channel_credentials(
-        root_certificates=root_certificates, private_key=client_key,
-        certificate_chain=client_certificate)
+        root_certificates=root_certificates,
+        private_key=client_key,
+        certificate_chain=client_certificate,
+    )
 
 
-def make_channel(target, options, *, token=None, root_certificates=None,
-                 client_certificate=None, client_key=None):
+def make_channel(
+    target, options, *, token=None, root_certificates=None, client_certificate=None, client_key=None
+):
     """A sync channel; TLS when root_certificates (PEM bytes) are given."""
     if root_certificates is not None:
         channel = grpc.secure_channel(
-            target, _ssl(root_certificates, client_certificate, client_key), options)
+            target, _ssl(root_certificates, client_certificate, client_key), options
+        )
     else:
         channel = grpc.insecure_channel(target, options)
     if token:
@@ -75,13 +88,14 @@ def make_channel(target, options, *, token=None, root_certificates=None,
     return channel
 
 
-def make_aio_channel(target, options, *, root_certificates=None,
-                     client_certificate=None, client_key=None):
+def make_aio_channel(
+    target, options, *, root_certificates=None, client_certificate=None, client_key=None
+):
     """An asyncio channel with make_channel's TLS options. It adds no token:
     asyncio calls carry theirs as call metadata, because an intercepted
     asyncio call hides the status that aio_status.ServerStatus watches."""
     if root_certificates is not None:
         return grpc.aio.secure_channel(
-            target, _ssl(root_certificates, client_certificate, client_key),
-            options)
+            target, _ssl(root_certificates, client_certificate, client_key), options
+        )
     return grpc.aio.insecure_channel(target, options)

@@ -18,6 +18,7 @@
 ReplicaMismatch is raised by the client itself when replicas that were
 given the same weights answer with different determinism keys or versions.
 """
+
 import re
 
 import grpc

@@ -20,6 +20,7 @@ asked for.
     report = asyncio.run(run_load(config, pool))
     print(report.table()); json.dumps(report.summary())
 """
+
 import asyncio
 import dataclasses
 import random
@@ -34,7 +35,6 @@ from detlogp.client import Client
 from detlogp.errors import DetlogpError
 from detlogp.retry import NO_RETRY
 
-
 # What a request asks for beyond log p(target) and lse: (return_entropy, top_k).
 NEITHER = (False, 0)
 
@@ -44,8 +44,7 @@ def extras_mix(max_top_k=20):
     about equal shares (max_top_k: the largest k, at most the server's
     --max_top_k)."""
     ks = sorted({k for k in (1, 5, max_top_k) if 0 < k <= max_top_k})
-    return (NEITHER, (True, 0)) + tuple((False, k) for k in ks) + \
-        tuple((True, k) for k in ks)
+    return (NEITHER, (True, 0)) + tuple((False, k) for k in ks) + tuple((True, k) for k in ks)
 
 
 @dataclasses.dataclass
@@ -66,8 +65,10 @@ class RowPool:
     @classmethod
     def random(cls, hidden_size, vocab_size, rows=64, seed=0):
         rng = np.random.default_rng(seed)
-        return cls(rng.standard_normal((rows, hidden_size)).astype(np.float32),
-                   rng.integers(0, vocab_size, size=rows))
+        return cls(
+            rng.standard_normal((rows, hidden_size)).astype(np.float32),
+            rng.integers(0, vocab_size, size=rows),
+        )
 
     @property
     def solo_top_k(self):
@@ -83,9 +84,13 @@ class RowPool:
         key = ""
         with Client(target, timeout=timeout) as client:
             for i in range(len(self.targets)):
-                r = client.logprobs(self.hidden[i:i + 1], self.targets[i:i + 1],
-                                    return_lse=True, return_entropy=entropy,
-                                    top_k=top_k)
+                r = client.logprobs(
+                    self.hidden[i : i + 1],
+                    self.targets[i : i + 1],
+                    return_lse=True,
+                    return_entropy=entropy,
+                    top_k=top_k,
+                )
                 logp.append(r.logprobs[0])
                 lse.append(r.lse[0])
                 if entropy:
@@ -95,19 +100,23 @@ class RowPool:
                     top.append(r.top_logprobs[0])
                 key = r.determinism_key
         scored = dict(
-            solo_logp=np.array(logp, np.float32), solo_lse=np.array(lse, np.float32),
+            solo_logp=np.array(logp, np.float32),
+            solo_lse=np.array(lse, np.float32),
             solo_entropy=np.array(ent, np.float32) if entropy else None,
             solo_top_ids=np.array(ids, np.int64).reshape(-1, top_k) if top_k else None,
-            solo_top_logprobs=(np.array(top, np.float32).reshape(-1, top_k)
-                               if top_k else None))
+            solo_top_logprobs=(np.array(top, np.float32).reshape(-1, top_k) if top_k else None),
+        )
         if self.solo_logp is not None:  # another target: the same bits
-            differ = [name for name, value in scored.items()
-                      if _bits(value) != _bits(getattr(self, name))]
+            differ = [
+                name for name, value in scored.items() if _bits(value) != _bits(getattr(self, name))
+            ]
             if key != self.key:
                 differ.append("determinism_key")
             if differ:
-                raise ValueError(f"{target} scores the pool's rows with other bits "
-                                 f"than the first target ({', '.join(differ)})")
+                raise ValueError(
+                    f"{target} scores the pool's rows with other bits "
+                    f"than the first target ({', '.join(differ)})"
+                )
         self.key = key
         for name, value in scored.items():
             setattr(self, name, value)
@@ -120,15 +129,17 @@ def _bits(array):
 @dataclasses.dataclass
 class LoadConfig:
     targets: List[str]
-    clients: int = 200             # concurrent callers, one channel each
-    duration_s: float = 60.0       # stop issuing after this long
+    clients: int = 200  # concurrent callers, one channel each
+    duration_s: float = 60.0  # stop issuing after this long
     max_requests: int = 1_000_000  # and after this many requests
-    rate: Optional[float] = None   # calls started/s in all (open loop; a stream is one call); None: closed loop
-    stream_fraction: float = 0.5   # share of calls that are streams
+    rate: Optional[float] = (
+        None  # calls started/s in all (open loop; a stream is one call); None: closed loop
+    )
+    stream_fraction: float = 0.5  # share of calls that are streams
     stream_requests: tuple = (1, 5)  # requests per stream, inclusive
-    rows: tuple = (1, 8)           # rows per request, inclusive
-    think_s: tuple = (0.0, 0.0)    # closed loop: pause between calls
-    timeout_s: float = 30.0        # per call
+    rows: tuple = (1, 8)  # rows per request, inclusive
+    think_s: tuple = (0.0, 0.0)  # closed loop: pause between calls
+    timeout_s: float = 30.0  # per call
     channels: Optional[int] = None  # shared channels; None: one per client
     seed: int = 0
     # (return_entropy, top_k) choices, drawn uniformly per request; the pool
@@ -144,8 +155,8 @@ class LoadReport:
     rows_checked: int = 0
     rows_mismatched: int = 0
     key_mismatches: int = 0
-    lost: int = 0          # sent, never answered, no error either
-    duplicated: int = 0    # answered more than once
+    lost: int = 0  # sent, never answered, no error either
+    duplicated: int = 0  # answered more than once
     out_of_order: int = 0  # stream answers whose id was not the next one
     # Rows checked and mismatched per output ("logprob", "lse", "entropy",
     # "top_k"); requests per (return_entropy, top_k) asked for.
@@ -164,38 +175,50 @@ class LoadReport:
         wall = max(self.wall_s, 1e-9)
         return {
             "wall_s": round(self.wall_s, 3),
-            "requests_sent": self.requests_sent, "answers": self.answers,
-            "unary_calls": self.unary_calls, "stream_calls": self.stream_calls,
+            "requests_sent": self.requests_sent,
+            "answers": self.answers,
+            "unary_calls": self.unary_calls,
+            "stream_calls": self.stream_calls,
             "requests_per_s": round(self.answers / wall, 1),
             "rows_per_s": round(self.rows_answered / wall, 1),
-            "latency_ms": {"p50": pct(50), "p90": pct(90), "p99": pct(99),
-                           "max": round(float(lat.max()), 3)},
-            "rows_checked": self.rows_checked, "rows_mismatched": self.rows_mismatched,
-            "key_mismatches": self.key_mismatches, "lost": self.lost,
-            "duplicated": self.duplicated, "out_of_order": self.out_of_order,
+            "latency_ms": {
+                "p50": pct(50),
+                "p90": pct(90),
+                "p99": pct(99),
+                "max": round(float(lat.max()), 3),
+            },
+            "rows_checked": self.rows_checked,
+            "rows_mismatched": self.rows_mismatched,
+            "key_mismatches": self.key_mismatches,
+            "lost": self.lost,
+            "duplicated": self.duplicated,
+            "out_of_order": self.out_of_order,
             "rows_checked_by_output": dict(self.checked_by_output),
             "rows_mismatched_by_output": dict(self.mismatched_by_output),
             "requests_by_extras": {
                 f"entropy={int(e)},top_k={k}": n
-                for (e, k), n in sorted(self.requests_by_extras.items())},
+                for (e, k), n in sorted(self.requests_by_extras.items())
+            },
             "errors": dict(self.errors),
         }
 
     def table(self):
         s = self.summary()
         lat = s["latency_ms"]
-        return "\n".join([
-            f"{'requests/s':>12} {'rows/s':>10} {'p50 ms':>8} {'p90 ms':>8} "
-            f"{'p99 ms':>8} {'max ms':>8}",
-            f"{s['requests_per_s']:>12} {s['rows_per_s']:>10} {lat['p50']:>8} "
-            f"{lat['p90']:>8} {lat['p99']:>8} {lat['max']:>8}",
-            f"answers {s['answers']}/{s['requests_sent']} sent "
-            f"({s['unary_calls']} unary calls, {s['stream_calls']} streams), "
-            f"rows checked {s['rows_checked']}, mismatched {s['rows_mismatched']}, "
-            f"lost {s['lost']}, duplicated {s['duplicated']}, errors {s['errors']}",
-            f"rows checked by output {s['rows_checked_by_output']}, "
-            f"mismatched {s['rows_mismatched_by_output']}",
-        ])
+        return "\n".join(
+            [
+                f"{'requests/s':>12} {'rows/s':>10} {'p50 ms':>8} {'p90 ms':>8} "
+                f"{'p99 ms':>8} {'max ms':>8}",
+                f"{s['requests_per_s']:>12} {s['rows_per_s']:>10} {lat['p50']:>8} "
+                f"{lat['p90']:>8} {lat['p99']:>8} {lat['max']:>8}",
+                f"answers {s['answers']}/{s['requests_sent']} sent "
+                f"({s['unary_calls']} unary calls, {s['stream_calls']} streams), "
+                f"rows checked {s['rows_checked']}, mismatched {s['rows_mismatched']}, "
+                f"lost {s['lost']}, duplicated {s['duplicated']}, errors {s['errors']}",
+                f"rows checked by output {s['rows_checked_by_output']}, "
+                f"mismatched {s['rows_mismatched_by_output']}",
+            ]
+        )
 
 
 class _Caller:
@@ -212,8 +235,7 @@ class _Caller:
         self.seq = 0
 
     def _new_request(self):
-        rows = self.rng.sample(range(len(self.pool.targets)),
-                               self.rng.randint(*self.config.rows))
+        rows = self.rng.sample(range(len(self.pool.targets)), self.rng.randint(*self.config.rows))
         extras = self.rng.choice(self.config.extras)
         request_id = f"c{self.index}-{self.seq}"
         self.seq += 1
@@ -242,9 +264,14 @@ class _Caller:
         answered = {}
         try:
             answer = await self.client.logprobs(
-                self.pool.hidden[rows], self.pool.targets[rows], return_lse=True,
-                return_entropy=extras[0], top_k=extras[1],
-                request_id=request_id, timeout=self.config.timeout_s)
+                self.pool.hidden[rows],
+                self.pool.targets[rows],
+                return_lse=True,
+                return_entropy=extras[0],
+                top_k=extras[1],
+                request_id=request_id,
+                timeout=self.config.timeout_s,
+            )
         except DetlogpError as error:
             self.report.errors[error.code.name if error.code else "CLIENT"] += 1
             return
@@ -263,10 +290,14 @@ class _Caller:
             for _ in range(count):
                 request_id, rows, extras = self._new_request()
                 sent.append((request_id, rows, extras, time.monotonic()))
-                yield dict(hidden=self.pool.hidden[rows],
-                           targets=self.pool.targets[rows], return_lse=True,
-                           return_entropy=extras[0], top_k=extras[1],
-                           request_id=request_id)
+                yield dict(
+                    hidden=self.pool.hidden[rows],
+                    targets=self.pool.targets[rows],
+                    return_lse=True,
+                    return_entropy=extras[0],
+                    top_k=extras[1],
+                    request_id=request_id,
+                )
 
         got = 0
         try:
@@ -315,12 +346,17 @@ def _row_mismatches(pool, rows, extras, answer, report):
         want_ids = pool.solo_top_ids[rows, :k]
         want_lp = pool.solo_top_logprobs[rows, :k]
         report.checked_by_output["top_k"] += n
-        if got_ids is None or got_lp is None or got_ids.shape != want_ids.shape \
-                or got_lp.shape != want_lp.shape:
+        if (
+            got_ids is None
+            or got_lp is None
+            or got_ids.shape != want_ids.shape
+            or got_lp.shape != want_lp.shape
+        ):
             differ = np.ones(n, bool)
         else:
             differ = np.any(got_ids != want_ids, axis=1) | np.any(
-                got_lp.view(np.uint32) != want_lp.view(np.uint32), axis=1)
+                got_lp.view(np.uint32) != want_lp.view(np.uint32), axis=1
+            )
         report.mismatched_by_output["top_k"] += int(np.sum(differ))
         bad |= differ
     elif answer.top_ids is not None or answer.top_logprobs is not None:
@@ -349,20 +385,26 @@ async def run_load(config, pool):
     if pool.solo_logp is None:
         raise ValueError("pool.score_solo(target) first")
     if any(e for e, _ in config.extras) and pool.solo_entropy is None:
-        raise ValueError("config.extras ask for entropy: "
-                         "pool.score_solo(target, entropy=True) first")
+        raise ValueError(
+            "config.extras ask for entropy: pool.score_solo(target, entropy=True) first"
+        )
     max_k = max(k for _, k in config.extras)
     if max_k > pool.solo_top_k:
-        raise ValueError(f"config.extras ask for top_k={max_k}: "
-                         f"pool.score_solo(target, top_k={max_k}) first")
+        raise ValueError(
+            f"config.extras ask for top_k={max_k}: pool.score_solo(target, top_k={max_k}) first"
+        )
     report = LoadReport()
     n_channels = config.channels or config.clients
-    clients = [AsyncClient(config.targets, timeout=config.timeout_s, retry=NO_RETRY)
-               for _ in range(n_channels)]
+    clients = [
+        AsyncClient(config.targets, timeout=config.timeout_s, retry=NO_RETRY)
+        for _ in range(n_channels)
+    ]
     began = time.monotonic()
     budget = _Budget(config.max_requests, began + config.duration_s)
-    callers = [_Caller(i, clients[i % n_channels], pool, config, report, budget)
-               for i in range(config.clients)]
+    callers = [
+        _Caller(i, clients[i % n_channels], pool, config, report, budget)
+        for i in range(config.clients)
+    ]
 
     async def one_call(caller):
         if caller.rng.random() < config.stream_fraction:
@@ -385,8 +427,7 @@ async def run_load(config, pool):
             caller = callers[i % len(callers)]
             i += 1
             if len(in_flight) >= config.clients:  # bounded concurrency
-                _, in_flight = await asyncio.wait(in_flight,
-                                                  return_when=asyncio.FIRST_COMPLETED)
+                _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             task = asyncio.ensure_future(one_call(caller))
             in_flight.add(task)
             next_at += interval

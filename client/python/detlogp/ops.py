@@ -30,6 +30,7 @@ where the CUDA library, PyTorch or a GPU of compute capability >= 8.0 is
 missing raises
 RuntimeError naming what is missing.
 """
+
 import ctypes
 import os
 import pathlib
@@ -39,16 +40,25 @@ import numpy as np
 
 from detlogp import tensors
 
-__all__ = ["linear_logp", "h3_projection", "determinism_key", "find_library",
-           "load_library", "find_cuda_library", "load_cuda_library",
-           "cuda_available", "LIBRARY_ENV", "CUDA_LIBRARY_ENV", "H3_IN_DIM",
-           "H3_OUT_DIM"]
+__all__ = [
+    "linear_logp",
+    "h3_projection",
+    "determinism_key",
+    "find_library",
+    "load_library",
+    "find_cuda_library",
+    "load_cuda_library",
+    "cuda_available",
+    "LIBRARY_ENV",
+    "CUDA_LIBRARY_ENV",
+    "H3_IN_DIM",
+    "H3_OUT_DIM",
+]
 
 LIBRARY_ENV = "DETLOGP_OPS_LIBRARY"
 CUDA_LIBRARY_ENV = "DETLOGP_OPS_CUDA_LIBRARY"
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "kernels" / "capi" / "libdetlogp_ops.so"
-_CUDA_LIBRARY_PATH = (pathlib.Path("bazel-bin") / "kernels" / "capi"
-                      / "libdetlogp_ops_cuda.so")
+_CUDA_LIBRARY_PATH = pathlib.Path("bazel-bin") / "kernels" / "capi" / "libdetlogp_ops_cuda.so"
 _PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
 _ABI_VERSION = 2
 _CUDA_ABI_VERSION = 3
@@ -109,11 +119,14 @@ def load_library():
                 f"${LIBRARY_ENV} to its path, or run `bazel build "
                 f"//kernels/capi:libdetlogp_ops.so` in the detlogp repository and "
                 f"work from inside it (looked for {_LIBRARY_PATH} in "
-                f"{pathlib.Path.cwd()} and every folder above)")
+                f"{pathlib.Path.cwd()} and every folder above)"
+            )
         if not path.exists():
-            raise RuntimeError(f"detlogp.ops: ${LIBRARY_ENV}={path} does not exist "
-                               "(build it with `bazel build "
-                               "//kernels/capi:libdetlogp_ops.so`)")
+            raise RuntimeError(
+                f"detlogp.ops: ${LIBRARY_ENV}={path} does not exist "
+                "(build it with `bazel build "
+                "//kernels/capi:libdetlogp_ops.so`)"
+            )
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as error:
@@ -124,68 +137,226 @@ def load_library():
             raise RuntimeError(
                 f"detlogp.ops: {path} has C ABI version "
                 f"{lib.detlogp_ops_abi_version()}, this package wants {_ABI_VERSION} "
-                "(rebuild the library from the same checkout as the package)")
+                "(rebuild the library from the same checkout as the package)"
+            )
         lib.detlogp_cpu_linear_logp.restype = ctypes.c_int
         lib.detlogp_cpu_linear_logp.argtypes = [
-            _u16p, _i64, _i64, _f32p, _i64, _u16p, _i64, _i32p, _f32p,
-            ctypes.c_int, _f32p, _f32p, _f32p, ctypes.c_char_p, ctypes.c_size_t]
+            _u16p,
+            _i64,
+            _i64,
+            _f32p,
+            _i64,
+            _u16p,
+            _i64,
+            _i32p,
+            _f32p,
+            ctypes.c_int,
+            _f32p,
+            _f32p,
+            _f32p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         lib.detlogp_cpu_h3_projection.restype = ctypes.c_int
         lib.detlogp_cpu_h3_projection.argtypes = [
-            _f32p, _i64, _f32p, _f32p, ctypes.c_int, _f32p, ctypes.c_char_p,
-            ctypes.c_size_t]
+            _f32p,
+            _i64,
+            _f32p,
+            _f32p,
+            ctypes.c_int,
+            _f32p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         for name in ("detlogp_cpu_h3_projection_input_grad",):
             getattr(lib, name).restype = ctypes.c_int
             getattr(lib, name).argtypes = [
-                _f32p, _f32p, _i64, ctypes.c_int, _f32p, ctypes.c_char_p,
-                ctypes.c_size_t]
+                _f32p,
+                _f32p,
+                _i64,
+                ctypes.c_int,
+                _f32p,
+                ctypes.c_char_p,
+                ctypes.c_size_t,
+            ]
         lib.detlogp_cpu_h3_projection_weight_grad.restype = ctypes.c_int
         lib.detlogp_cpu_h3_projection_weight_grad.argtypes = [
-            _f32p, _f32p, _i64, _i64, ctypes.c_int, _f32p, _f32p,
-            ctypes.c_char_p, ctypes.c_size_t]
+            _f32p,
+            _f32p,
+            _i64,
+            _i64,
+            ctypes.c_int,
+            _f32p,
+            _f32p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         lib.detlogp_cpu_determinism_key.restype = ctypes.c_int
         lib.detlogp_cpu_determinism_key.argtypes = [
-            _u16p, _i64, _i64, _f32p, _i64, ctypes.c_char_p, ctypes.c_size_t,
-            ctypes.c_char_p, ctypes.c_size_t]
+            _u16p,
+            _i64,
+            _i64,
+            _f32p,
+            _i64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
         _lib = lib
         return lib
 
 
 _vp = ctypes.c_void_p
 _CUDA_SIGNATURES = {
-    "detlogp_cuda_check_device": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p,
-                                                 ctypes.c_size_t]),
-    "detlogp_cuda_lm_head_create": (ctypes.c_int, [
-        _vp, _i64, _i64, _vp, _i64, ctypes.c_int, ctypes.POINTER(_vp),
-        ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_check_device": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_lm_head_create": (
+        ctypes.c_int,
+        [
+            _vp,
+            _i64,
+            _i64,
+            _vp,
+            _i64,
+            ctypes.c_int,
+            ctypes.POINTER(_vp),
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
     "detlogp_cuda_lm_head_destroy": (None, [_vp]),
     "detlogp_cuda_linear_logp_workspace_bytes": (_i64, [_vp, _i64, ctypes.c_int]),
-    "detlogp_cuda_linear_logp": (ctypes.c_int, [
-        _vp, _vp, _i64, _vp, ctypes.c_int, _vp, ctypes.c_float, _vp, _vp, _vp, _vp,
-        ctypes.c_size_t, _vp, ctypes.c_char_p, ctypes.c_size_t]),
-    "detlogp_cuda_linear_logp_backward_workspace_bytes": (_i64, [
-        _vp, _i64, ctypes.c_int, ctypes.c_int]),
-    "detlogp_cuda_linear_logp_backward": (ctypes.c_int, [
-        _vp, _vp, _i64, _vp, ctypes.c_int, _vp, ctypes.c_float, _vp, _vp, _vp,
-        _vp, _vp, _vp, ctypes.c_int, _vp, ctypes.c_int, _vp, _vp, ctypes.c_size_t,
-        _vp, ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_linear_logp": (
+        ctypes.c_int,
+        [
+            _vp,
+            _vp,
+            _i64,
+            _vp,
+            ctypes.c_int,
+            _vp,
+            ctypes.c_float,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            ctypes.c_size_t,
+            _vp,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
+    "detlogp_cuda_linear_logp_backward_workspace_bytes": (
+        _i64,
+        [_vp, _i64, ctypes.c_int, ctypes.c_int],
+    ),
+    "detlogp_cuda_linear_logp_backward": (
+        ctypes.c_int,
+        [
+            _vp,
+            _vp,
+            _i64,
+            _vp,
+            ctypes.c_int,
+            _vp,
+            ctypes.c_float,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            ctypes.c_int,
+            _vp,
+            ctypes.c_int,
+            _vp,
+            _vp,
+            ctypes.c_size_t,
+            _vp,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
     "detlogp_cuda_h3_projection_forward_workspace_bytes": (_i64, []),
-    "detlogp_cuda_h3_projection_forward": (ctypes.c_int, [
-        _vp, _i64, _vp, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int, _vp,
-        ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_h3_projection_forward": (
+        ctypes.c_int,
+        [
+            _vp,
+            _i64,
+            _vp,
+            _vp,
+            _vp,
+            _vp,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            _vp,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
     "detlogp_cuda_h3_projection_input_grad_workspace_bytes": (_i64, [_i64]),
-    "detlogp_cuda_h3_projection_input_grad": (ctypes.c_int, [
-        _vp, _i64, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int, _vp,
-        ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_h3_projection_input_grad": (
+        ctypes.c_int,
+        [
+            _vp,
+            _i64,
+            _vp,
+            _vp,
+            _vp,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            _vp,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
     "detlogp_cuda_h3_projection_weight_grad_workspace_bytes": (_i64, [_i64, _i64]),
-    "detlogp_cuda_h3_projection_weight_grad": (ctypes.c_int, [
-        _vp, _vp, _i64, _i64, _vp, _vp, _vp, ctypes.c_size_t, ctypes.c_int,
-        _vp, ctypes.c_char_p, ctypes.c_size_t]),
-    "detlogp_cuda_determinism_key": (ctypes.c_int, [
-        _u16p, _i64, _i64, _f32p, _i64, ctypes.c_char_p, ctypes.c_size_t,
-        ctypes.c_char_p, ctypes.c_size_t]),
-    "detlogp_cuda_device_determinism_key": (ctypes.c_int, [
-        ctypes.c_int, _u16p, _i64, _i64, _f32p, _i64, ctypes.c_char_p,
-        ctypes.c_size_t, ctypes.c_char_p, ctypes.c_size_t]),
+    "detlogp_cuda_h3_projection_weight_grad": (
+        ctypes.c_int,
+        [
+            _vp,
+            _vp,
+            _i64,
+            _i64,
+            _vp,
+            _vp,
+            _vp,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            _vp,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
+    "detlogp_cuda_determinism_key": (
+        ctypes.c_int,
+        [
+            _u16p,
+            _i64,
+            _i64,
+            _f32p,
+            _i64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
+    "detlogp_cuda_device_determinism_key": (
+        ctypes.c_int,
+        [
+            ctypes.c_int,
+            _u16p,
+            _i64,
+            _i64,
+            _f32p,
+            _i64,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ],
+    ),
 }
 
 
@@ -207,25 +378,30 @@ def load_cuda_library():
                 f"build //kernels/capi:libdetlogp_ops_cuda.so` in the detlogp "
                 f"repository and work from inside it, or set ${CUDA_LIBRARY_ENV} "
                 f"(looked in {_PACKAGE_LIB_DIR} and for {_CUDA_LIBRARY_PATH} in "
-                f"{pathlib.Path.cwd()} and every folder above)")
+                f"{pathlib.Path.cwd()} and every folder above)"
+            )
         if not path.exists():
-            raise RuntimeError(f"detlogp.ops: ${CUDA_LIBRARY_ENV}={path} does not "
-                               "exist (build it with `bazel build "
-                               "//kernels/capi:libdetlogp_ops_cuda.so`)")
+            raise RuntimeError(
+                f"detlogp.ops: ${CUDA_LIBRARY_ENV}={path} does not "
+                "exist (build it with `bazel build "
+                "//kernels/capi:libdetlogp_ops_cuda.so`)"
+            )
         try:
             lib = ctypes.CDLL(str(path))
         except OSError as error:
             raise RuntimeError(
                 f"detlogp.ops: cannot load the CUDA ops library {path}: {error} "
                 "(it needs the CUDA 13 runtime libcudart.so.13 and the libraries "
-                "it was built against on the loader's path)") from None
+                "it was built against on the loader's path)"
+            ) from None
         lib.detlogp_ops_cuda_abi_version.restype = ctypes.c_int
         lib.detlogp_ops_cuda_abi_version.argtypes = []
         if lib.detlogp_ops_cuda_abi_version() != _CUDA_ABI_VERSION:
             raise RuntimeError(
                 f"detlogp.ops: {path} has CUDA C ABI version "
                 f"{lib.detlogp_ops_cuda_abi_version()}, this package wants "
-                f"{_CUDA_ABI_VERSION} (rebuild it from the same checkout)")
+                f"{_CUDA_ABI_VERSION} (rebuild it from the same checkout)"
+            )
         for name, (restype, argtypes) in _CUDA_SIGNATURES.items():
             function = getattr(lib, name)
             function.restype = restype
@@ -271,15 +447,16 @@ def _is_cuda_array(array):
         return False
     if kind in (2, 13):  # kDLCUDA, kDLCUDAManaged
         return True
-    raise ValueError(f"detlogp.ops: a {type(array).__name__} on DLPack device "
-                     f"type {kind}: only CPU and CUDA arrays are supported")
+    raise ValueError(
+        f"detlogp.ops: a {type(array).__name__} on DLPack device "
+        f"type {kind}: only CPU and CUDA arrays are supported"
+    )
 
 
 def _wants_cuda(device, named):
     """True when the call runs on CUDA: device="cuda[:N]" or CUDA arrays. All
     array arguments must then be on CUDA (and on the CPU otherwise)."""
-    on_cuda = {name: _is_cuda_array(array) for name, array in named.items()
-               if array is not None}
+    on_cuda = {name: _is_cuda_array(array) for name, array in named.items() if array is not None}
     kind = None if device is None else str(device).split(":")[0].lower()
     if kind not in (None, "cpu", "cuda"):
         raise ValueError(f"detlogp.ops: device {device!r} is neither 'cpu' nor 'cuda'")
@@ -290,7 +467,8 @@ def _wants_cuda(device, named):
         raise ValueError(
             f"detlogp.ops: {', '.join(wrong)} not on the {kind.upper()} like the "
             f"call ({'device=' + repr(device) if device is not None else 'the other arrays'}): "
-            "pass every array on one device (no hidden copies are made)")
+            "pass every array on one device (no hidden copies are made)"
+        )
     return kind == "cuda"
 
 
@@ -300,7 +478,8 @@ def _torch():
     except ImportError as error:
         raise RuntimeError(
             "detlogp.ops on CUDA needs PyTorch (its CUDA tensors, caching allocator "
-            f"and streams): `import torch` failed: {error}") from None
+            f"and streams): `import torch` failed: {error}"
+        ) from None
     return torch
 
 
@@ -312,8 +491,9 @@ def _as_torch(array, name):
     try:
         return torch.from_dlpack(array)
     except Exception as error:
-        raise TypeError(f"{name}: cannot view a {type(array).__name__} as a CUDA "
-                        f"tensor through DLPack: {error}") from None
+        raise TypeError(
+            f"{name}: cannot view a {type(array).__name__} as a CUDA tensor through DLPack: {error}"
+        ) from None
 
 
 def _like_input(tensor, template):
@@ -341,8 +521,10 @@ def _bf16_bits(array, name):
         return np.ascontiguousarray(array.view(np.uint16))
     if array.dtype in (np.float32, np.float16, np.float64):
         return tensors.float32_to_bf16_bits(array.astype(np.float32, copy=False))
-    raise TypeError(f"{name}: dtype {array.dtype} is not float32, float16, "
-                    "bfloat16 (ml_dtypes) or uint16 bf16 bits")
+    raise TypeError(
+        f"{name}: dtype {array.dtype} is not float32, float16, "
+        "bfloat16 (ml_dtypes) or uint16 bf16 bits"
+    )
 
 
 def _float32(array, name):
@@ -365,8 +547,9 @@ def _head(weight, bias, vocab_size):
         vocab_size = padded
     vocab_size = int(vocab_size)
     if not 0 < vocab_size <= padded:
-        raise ValueError(f"vocab_size: must be in [1, {padded}] (the weight's rows), "
-                         f"got {vocab_size}")
+        raise ValueError(
+            f"vocab_size: must be in [1, {padded}] (the weight's rows), got {vocab_size}"
+        )
     bias32 = None
     if bias is not None:
         bias32 = _float32(bias, "bias")
@@ -395,8 +578,13 @@ class _LmHeadCache:
         self._lock = threading.Lock()
 
     def get(self, lib, weight, bias, vocab_size, device):
-        key = (weight.data_ptr(), tuple(weight.shape), 0 if bias is None else
-               bias.data_ptr(), int(vocab_size), int(device))
+        key = (
+            weight.data_ptr(),
+            tuple(weight.shape),
+            0 if bias is None else bias.data_ptr(),
+            int(vocab_size),
+            int(device),
+        )
         with self._lock:
             handle = self._handles.pop(key, None)
             if handle is not None:
@@ -405,9 +593,16 @@ class _LmHeadCache:
         handle = ctypes.c_void_p()
         error = ctypes.create_string_buffer(_ERROR_LEN)
         rc = lib.detlogp_cuda_lm_head_create(
-            weight.data_ptr(), weight.shape[0], weight.shape[1],
-            None if bias is None else bias.data_ptr(), int(vocab_size), int(device),
-            ctypes.byref(handle), error, _ERROR_LEN)
+            weight.data_ptr(),
+            weight.shape[0],
+            weight.shape[1],
+            None if bias is None else bias.data_ptr(),
+            int(vocab_size),
+            int(device),
+            ctypes.byref(handle),
+            error,
+            _ERROR_LEN,
+        )
         _raise(rc, error, "linear_logp")
         with self._lock:
             self._handles[key] = handle
@@ -455,8 +650,9 @@ def _temperature_args(torch, temperatures):
     return None, float(temperatures)
 
 
-def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
-                     vocab_size=None, return_entropy=False):
+def cuda_linear_logp(
+    hidden, weight, targets, temperatures, bias=None, vocab_size=None, return_entropy=False
+):
     """The CUDA server's linear-logp on torch CUDA tensors, checked by the
     caller (detlogp.torch and linear_logp below do): hidden bf16 [N, H] and
     weight bf16 [V_pad, H] contiguous, targets int32 or int64 [N] contiguous
@@ -473,24 +669,33 @@ def cuda_linear_logp(hidden, weight, targets, temperatures, bias=None,
     rows = hidden.shape[0]
     logprobs = torch.empty((rows,), dtype=torch.float32, device=device)
     lse = torch.empty((rows,), dtype=torch.float32, device=device)
-    entropy = (torch.empty((rows,), dtype=torch.float32, device=device)
-               if return_entropy else None)
+    entropy = torch.empty((rows,), dtype=torch.float32, device=device) if return_entropy else None
     if rows == 0:
         return logprobs, lse, entropy
     handle = _lm_heads.get(lib, weight, bias, vocab_size, index)
     workspace_bytes = lib.detlogp_cuda_linear_logp_workspace_bytes(
-        handle, rows, 1 if return_entropy else 0)
-    workspace = torch.empty((max(int(workspace_bytes), 16),), dtype=torch.uint8,
-                            device=device)
+        handle, rows, 1 if return_entropy else 0
+    )
+    workspace = torch.empty((max(int(workspace_bytes), 16),), dtype=torch.uint8, device=device)
     temps_ptr, temperature = _temperature_args(torch, temperatures)
     error = _error_buffer()
     rc = lib.detlogp_cuda_linear_logp(
-        handle, hidden.data_ptr(), rows, targets.data_ptr(),
-        1 if targets.dtype == torch.int64 else 0, temps_ptr, temperature,
-        logprobs.data_ptr(), lse.data_ptr(),
-        None if entropy is None else entropy.data_ptr(), workspace.data_ptr(),
-        workspace.numel(), torch.cuda.current_stream(index).cuda_stream, error,
-        _ERROR_LEN)
+        handle,
+        hidden.data_ptr(),
+        rows,
+        targets.data_ptr(),
+        1 if targets.dtype == torch.int64 else 0,
+        temps_ptr,
+        temperature,
+        logprobs.data_ptr(),
+        lse.data_ptr(),
+        None if entropy is None else entropy.data_ptr(),
+        workspace.data_ptr(),
+        workspace.numel(),
+        torch.cuda.current_stream(index).cuda_stream,
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "linear_logp")
     return logprobs, lse, entropy
 
@@ -503,11 +708,25 @@ def cuda_fused_backward_available(weight, bias=None, vocab_size=None):
     return lib.detlogp_cuda_linear_logp_backward_workspace_bytes(handle, 1, 1, 0) >= 0
 
 
-def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
-                              bias=None, vocab_size=None, entropy=None,
-                              grad_logprobs=None, grad_lse=None, grad_entropy=None,
-                              need_hidden=True, need_weight=True, need_bias=False,
-                              weight_grad_dtype=None, hidden_grad_dtype=None):
+def cuda_linear_logp_backward(
+    hidden,
+    weight,
+    targets,
+    lse,
+    *,
+    temperatures=1.0,
+    bias=None,
+    vocab_size=None,
+    entropy=None,
+    grad_logprobs=None,
+    grad_lse=None,
+    grad_entropy=None,
+    need_hidden=True,
+    need_weight=True,
+    need_bias=False,
+    weight_grad_dtype=None,
+    hidden_grad_dtype=None,
+):
     """The fused, batch-invariant linear-logp backward on torch CUDA tensors
     (sm_90a, kernel sm90a-wgmma-bwd-v1; issue #15). Inputs as
     cuda_linear_logp's (hidden bf16), plus the forward's lse (and entropy,
@@ -522,18 +741,26 @@ def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
     weight_grad_dtype = weight.dtype if weight_grad_dtype is None else weight_grad_dtype
     hidden_grad_dtype = hidden.dtype if hidden_grad_dtype is None else hidden_grad_dtype
     if hidden.dtype != torch.bfloat16:
-        raise ValueError(f"hidden: the backward reads bf16 (as the forward), got "
-                         f"{hidden.dtype}")
-    for name, dtype in (("hidden_grad_dtype", hidden_grad_dtype),
-                        ("weight_grad_dtype", weight_grad_dtype)):
+        raise ValueError(f"hidden: the backward reads bf16 (as the forward), got {hidden.dtype}")
+    for name, dtype in (
+        ("hidden_grad_dtype", hidden_grad_dtype),
+        ("weight_grad_dtype", weight_grad_dtype),
+    ):
         if dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"{name}: gradients are bf16 or float32, got {dtype}")
-    grad_hidden = (torch.empty((rows, weight.shape[1]), dtype=hidden_grad_dtype,
-                               device=device) if need_hidden else None)
-    grad_weight = (torch.empty(tuple(weight.shape), dtype=weight_grad_dtype,
-                               device=device) if need_weight else None)
-    grad_bias = (torch.empty((weight.shape[0],), dtype=torch.float32, device=device)
-                 if need_bias else None)
+    grad_hidden = (
+        torch.empty((rows, weight.shape[1]), dtype=hidden_grad_dtype, device=device)
+        if need_hidden
+        else None
+    )
+    grad_weight = (
+        torch.empty(tuple(weight.shape), dtype=weight_grad_dtype, device=device)
+        if need_weight
+        else None
+    )
+    grad_bias = (
+        torch.empty((weight.shape[0],), dtype=torch.float32, device=device) if need_bias else None
+    )
     if rows == 0 or not (need_hidden or need_weight or need_bias):
         for g in (grad_hidden, grad_weight, grad_bias):
             if g is not None:
@@ -542,12 +769,14 @@ def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
     handle = _lm_heads.get(lib, weight, bias, vocab_size, index)
     hidden_bf16 = 1 if need_hidden and hidden_grad_dtype == torch.bfloat16 else 0
     workspace_bytes = lib.detlogp_cuda_linear_logp_backward_workspace_bytes(
-        handle, rows, hidden_bf16, 1 if need_bias else 0)
+        handle, rows, hidden_bf16, 1 if need_bias else 0
+    )
     if workspace_bytes < 0:
-        raise ValueError("detlogp.ops.linear_logp_backward: this GPU has no "
-                         "backward kernel (needs compute capability 9.0)")
-    workspace = torch.empty((max(int(workspace_bytes), 256),), dtype=torch.uint8,
-                            device=device)
+        raise ValueError(
+            "detlogp.ops.linear_logp_backward: this GPU has no "
+            "backward kernel (needs compute capability 9.0)"
+        )
+    workspace = torch.empty((max(int(workspace_bytes), 256),), dtype=torch.uint8, device=device)
     temps_ptr, temperature = _temperature_args(torch, temperatures)
 
     def ptr(t):
@@ -555,13 +784,29 @@ def cuda_linear_logp_backward(hidden, weight, targets, lse, *, temperatures=1.0,
 
     error = _error_buffer()
     rc = lib.detlogp_cuda_linear_logp_backward(
-        handle, hidden.data_ptr(), rows, targets.data_ptr(),
-        1 if targets.dtype == torch.int64 else 0, temps_ptr, temperature,
-        lse.data_ptr(), ptr(entropy), ptr(grad_logprobs), ptr(grad_lse),
-        ptr(grad_entropy), ptr(grad_hidden), hidden_bf16, ptr(grad_weight),
-        1 if weight_grad_dtype == torch.bfloat16 else 0, ptr(grad_bias),
-        workspace.data_ptr(), workspace.numel(),
-        torch.cuda.current_stream(index).cuda_stream, error, _ERROR_LEN)
+        handle,
+        hidden.data_ptr(),
+        rows,
+        targets.data_ptr(),
+        1 if targets.dtype == torch.int64 else 0,
+        temps_ptr,
+        temperature,
+        lse.data_ptr(),
+        ptr(entropy),
+        ptr(grad_logprobs),
+        ptr(grad_lse),
+        ptr(grad_entropy),
+        ptr(grad_hidden),
+        hidden_bf16,
+        ptr(grad_weight),
+        1 if weight_grad_dtype == torch.bfloat16 else 0,
+        ptr(grad_bias),
+        workspace.data_ptr(),
+        workspace.numel(),
+        torch.cuda.current_stream(index).cuda_stream,
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "linear_logp_backward")
     return grad_hidden, grad_weight, grad_bias
 
@@ -577,13 +822,23 @@ def cuda_h3_projection(x, weight, bias=None):
     y = torch.empty((rows, H3_OUT_DIM), dtype=torch.float32, device=weight.device)
     workspace = torch.empty(
         (int(lib.detlogp_cuda_h3_projection_forward_workspace_bytes()),),
-        dtype=torch.uint8, device=weight.device)
+        dtype=torch.uint8,
+        device=weight.device,
+    )
     error = ctypes.create_string_buffer(_ERROR_LEN)
     rc = lib.detlogp_cuda_h3_projection_forward(
-        x.data_ptr() if rows else None, rows, weight.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr() if rows else None,
-        workspace.data_ptr(), workspace.numel(), device, _stream(torch, device),
-        error, _ERROR_LEN)
+        x.data_ptr() if rows else None,
+        rows,
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr() if rows else None,
+        workspace.data_ptr(),
+        workspace.numel(),
+        device,
+        _stream(torch, device),
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "h3_projection")
     return y
 
@@ -597,14 +852,20 @@ def cuda_h3_projection_input_grad(dy, weight):
     rows = dy.shape[0]
     dx = torch.empty((rows, H3_IN_DIM), dtype=torch.float32, device=weight.device)
     need = int(lib.detlogp_cuda_h3_projection_input_grad_workspace_bytes(rows))
-    workspace = (torch.empty((need,), dtype=torch.uint8, device=weight.device)
-                 if need > 0 else None)
+    workspace = torch.empty((need,), dtype=torch.uint8, device=weight.device) if need > 0 else None
     error = ctypes.create_string_buffer(_ERROR_LEN)
     rc = lib.detlogp_cuda_h3_projection_input_grad(
-        dy.data_ptr() if rows else None, rows, weight.data_ptr(),
+        dy.data_ptr() if rows else None,
+        rows,
+        weight.data_ptr(),
         dx.data_ptr() if rows else None,
-        None if workspace is None else workspace.data_ptr(), need, device,
-        _stream(torch, device), error, _ERROR_LEN)
+        None if workspace is None else workspace.data_ptr(),
+        need,
+        device,
+        _stream(torch, device),
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "h3_projection (dX)")
     return dx
 
@@ -617,24 +878,27 @@ def cuda_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0):
     lib = load_cuda_library()
     device = x.device.index
     rows = x.shape[0]
-    dweight = torch.empty((H3_OUT_DIM, H3_IN_DIM), dtype=torch.float32,
-                          device=x.device)
-    dbias = (torch.empty((H3_OUT_DIM,), dtype=torch.float32, device=x.device)
-             if with_bias else None)
-    need = int(lib.detlogp_cuda_h3_projection_weight_grad_workspace_bytes(
-        rows, int(first_key)))
+    dweight = torch.empty((H3_OUT_DIM, H3_IN_DIM), dtype=torch.float32, device=x.device)
+    dbias = torch.empty((H3_OUT_DIM,), dtype=torch.float32, device=x.device) if with_bias else None
+    need = int(lib.detlogp_cuda_h3_projection_weight_grad_workspace_bytes(rows, int(first_key)))
     if need < 0:
-        raise ValueError(f"detlogp.ops.h3_projection: bad rows {rows} or "
-                         f"first_key {first_key}")
-    workspace = (torch.empty((need,), dtype=torch.uint8, device=x.device)
-                 if need > 0 else None)
+        raise ValueError(f"detlogp.ops.h3_projection: bad rows {rows} or first_key {first_key}")
+    workspace = torch.empty((need,), dtype=torch.uint8, device=x.device) if need > 0 else None
     error = ctypes.create_string_buffer(_ERROR_LEN)
     rc = lib.detlogp_cuda_h3_projection_weight_grad(
-        dy.data_ptr() if rows else None, x.data_ptr() if rows else None, rows,
-        int(first_key), dweight.data_ptr(),
+        dy.data_ptr() if rows else None,
+        x.data_ptr() if rows else None,
+        rows,
+        int(first_key),
+        dweight.data_ptr(),
         None if dbias is None else dbias.data_ptr(),
-        None if workspace is None else workspace.data_ptr(), need, device,
-        _stream(torch, device), error, _ERROR_LEN)
+        None if workspace is None else workspace.data_ptr(),
+        need,
+        device,
+        _stream(torch, device),
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "h3_projection (dW)")
     return dweight, dbias
 
@@ -647,14 +911,19 @@ def cpu_h3_projection_input_grad(dy, weight, num_threads=0):
     lib = load_library()
     error = ctypes.create_string_buffer(_ERROR_LEN)
     rc = lib.detlogp_cpu_h3_projection_input_grad(
-        _ptr(w32, _f32p), _ptr(dy32, _f32p), rows, int(num_threads),
-        _ptr(dx, _f32p), error, _ERROR_LEN)
+        _ptr(w32, _f32p),
+        _ptr(dy32, _f32p),
+        rows,
+        int(num_threads),
+        _ptr(dx, _f32p),
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "h3_projection (dX)")
     return dx
 
 
-def cpu_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0,
-                                  num_threads=0):
+def cpu_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0, num_threads=0):
     """(dweight [5376, 96], dbias [5376] or None), numpy float32, of one batch
     whose row i has key first_key + i: the CPU kernels."""
     dy32, x32 = _float32(dy, "dy"), _float32(x, "x")
@@ -664,15 +933,21 @@ def cpu_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0,
     lib = load_library()
     error = ctypes.create_string_buffer(_ERROR_LEN)
     rc = lib.detlogp_cpu_h3_projection_weight_grad(
-        _ptr(dy32, _f32p), _ptr(x32, _f32p), rows, int(first_key),
-        int(num_threads), _ptr(dweight, _f32p), _ptr(dbias, _f32p), error,
-        _ERROR_LEN)
+        _ptr(dy32, _f32p),
+        _ptr(x32, _f32p),
+        rows,
+        int(first_key),
+        int(num_threads),
+        _ptr(dweight, _f32p),
+        _ptr(dbias, _f32p),
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "h3_projection (dW)")
     return dweight, dbias
 
 
-def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
-                              vocab_size):
+def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature, vocab_size):
     """Checks torch CUDA inputs and returns them as the kernel takes them.
     hidden float32 is rounded to bf16 (a copy of hidden, as the server rounds
     fp32 input); the weight must already be bf16 and contiguous (it is never
@@ -680,19 +955,24 @@ def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
     stays a Python float (no [N] tensor is filled)."""
     torch = _torch()
     if weight.dtype != torch.bfloat16:
-        raise TypeError(f"weight: dtype {weight.dtype}: the CUDA kernel reads a "
-                        "bfloat16 weight in place (convert it once, outside the "
-                        "loop; it is never copied per call)")
+        raise TypeError(
+            f"weight: dtype {weight.dtype}: the CUDA kernel reads a "
+            "bfloat16 weight in place (convert it once, outside the "
+            "loop; it is never copied per call)"
+        )
     if weight.dim() != 2 or not weight.is_contiguous():
-        raise ValueError(f"weight: expected a contiguous [V_pad, H] tensor, got "
-                         f"shape {tuple(weight.shape)} strides {weight.stride()}")
+        raise ValueError(
+            f"weight: expected a contiguous [V_pad, H] tensor, got "
+            f"shape {tuple(weight.shape)} strides {weight.stride()}"
+        )
     padded, hidden_size = weight.shape
     device = weight.device
     if hidden.device != device:
         raise ValueError(f"hidden: on {hidden.device}, weight on {device}")
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
-        raise ValueError(f"hidden: expected [N, {hidden_size}] (the weight's H), "
-                         f"got shape {tuple(hidden.shape)}")
+        raise ValueError(
+            f"hidden: expected [N, {hidden_size}] (the weight's H), got shape {tuple(hidden.shape)}"
+        )
     if hidden.dtype == torch.float32:
         hidden = hidden.to(torch.bfloat16)
     elif hidden.dtype != torch.bfloat16:
@@ -701,27 +981,37 @@ def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
     rows = hidden.shape[0]
     vocab_size = padded if vocab_size is None else int(vocab_size)
     if not 0 < vocab_size <= padded:
-        raise ValueError(f"vocab_size: must be in [1, {padded}] (the weight's "
-                         f"rows), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size: must be in [1, {padded}] (the weight's rows), got {vocab_size}"
+        )
     if targets.device != device or targets.shape != (rows,):
-        raise ValueError(f"targets: expected shape ({rows},) on {device}, got "
-                         f"{tuple(targets.shape)} on {targets.device}")
+        raise ValueError(
+            f"targets: expected shape ({rows},) on {device}, got "
+            f"{tuple(targets.shape)} on {targets.device}"
+        )
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets: dtype {targets.dtype} is not int32 or int64")
     targets = targets.contiguous()
     if bias is not None:
-        if (bias.device != device or bias.dtype != torch.float32
-                or bias.shape != (padded,) or not bias.is_contiguous()):
-            raise ValueError(f"bias: expected a contiguous float32 ({padded},) "
-                             f"tensor on {device}, got {bias.dtype} "
-                             f"{tuple(bias.shape)} on {bias.device}")
+        if (
+            bias.device != device
+            or bias.dtype != torch.float32
+            or bias.shape != (padded,)
+            or not bias.is_contiguous()
+        ):
+            raise ValueError(
+                f"bias: expected a contiguous float32 ({padded},) "
+                f"tensor on {device}, got {bias.dtype} "
+                f"{tuple(bias.shape)} on {bias.device}"
+            )
     if isinstance(temperature, torch.Tensor):
         temps = temperature.to(device=device, dtype=torch.float32)
         if temps.dim() == 0:
             temps = temps.expand(rows)
         if temps.shape != (rows,):
-            raise ValueError(f"temperature: expected a scalar or shape ({rows},), "
-                             f"got {tuple(temps.shape)}")
+            raise ValueError(
+                f"temperature: expected a scalar or shape ({rows},), got {tuple(temps.shape)}"
+            )
         temps = temps.contiguous()
     else:
         value = float(temperature)
@@ -732,9 +1022,19 @@ def _cuda_prepare_linear_logp(hidden, weight, targets, bias, temperature,
 
 
 # ------------------------------------------------------------------ ops
-def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
-                vocab_size=None, return_lse=False, return_entropy=False, *,
-                num_threads=0, device=None):
+def linear_logp(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    temperature=1.0,
+    vocab_size=None,
+    return_lse=False,
+    return_entropy=False,
+    *,
+    num_threads=0,
+    device=None,
+):
     """log p(targets[r]) under softmax((hidden[r] . W^T + bias) / temperature)
     over the first vocab_size rows of W: the served bits for the same weights
     and rows (the CPU server's for host arrays, the CUDA server's for CUDA
@@ -761,13 +1061,15 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
     if np.ndim(temperature) if not hasattr(temperature, "__dlpack_device__") else True:
         named["temperature"] = temperature  # an array, not a scalar
     if _wants_cuda(device, named):
-        return _linear_logp_cuda(hidden, weight, targets, bias, temperature,
-                                 vocab_size, return_lse, return_entropy)
+        return _linear_logp_cuda(
+            hidden, weight, targets, bias, temperature, vocab_size, return_lse, return_entropy
+        )
     weight_bits, bias32, padded, hidden_size, vocab_size = _head(weight, bias, vocab_size)
     hidden_bits = _bf16_bits(hidden, "hidden")
     if hidden_bits.ndim != 2 or hidden_bits.shape[1] != hidden_size:
-        raise ValueError(f"hidden: expected [N, {hidden_size}] (the weight's H), "
-                         f"got shape {hidden_bits.shape}")
+        raise ValueError(
+            f"hidden: expected [N, {hidden_size}] (the weight's H), got shape {hidden_bits.shape}"
+        )
     rows = hidden_bits.shape[0]
     targets_host = _host(targets)
     if targets_host.shape != (rows,):
@@ -776,15 +1078,16 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
         raise TypeError(f"targets: dtype {targets_host.dtype} is not an integer type")
     bad = np.flatnonzero((targets_host < 0) | (targets_host >= vocab_size))
     if bad.size:
-        raise ValueError(f"detlogp.ops.linear_logp: targets[{bad[0]}] = "
-                         f"{targets_host[bad[0]]} is outside [0, {vocab_size})")
+        raise ValueError(
+            f"detlogp.ops.linear_logp: targets[{bad[0]}] = "
+            f"{targets_host[bad[0]]} is outside [0, {vocab_size})"
+        )
     targets32 = np.ascontiguousarray(targets_host, dtype=np.int32)
     temps = np.asarray(_host(temperature), dtype=np.float32)
     if temps.ndim == 0:
         temps = np.full(rows, temps, dtype=np.float32)
     elif temps.shape != (rows,):
-        raise ValueError(f"temperature: expected a scalar or shape ({rows},), "
-                         f"got {temps.shape}")
+        raise ValueError(f"temperature: expected a scalar or shape ({rows},), got {temps.shape}")
     temps = np.ascontiguousarray(temps)
     logprobs = np.empty(rows, dtype=np.float32)
     lse = np.empty(rows, dtype=np.float32)
@@ -793,10 +1096,22 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
         lib = load_library()
         error = ctypes.create_string_buffer(_ERROR_LEN)
         rc = lib.detlogp_cpu_linear_logp(
-            _ptr(weight_bits, _u16p), padded, hidden_size, _ptr(bias32, _f32p),
-            vocab_size, _ptr(hidden_bits, _u16p), rows, _ptr(targets32, _i32p),
-            _ptr(temps, _f32p), int(num_threads), _ptr(logprobs, _f32p),
-            _ptr(lse, _f32p), _ptr(entropy, _f32p), error, _ERROR_LEN)
+            _ptr(weight_bits, _u16p),
+            padded,
+            hidden_size,
+            _ptr(bias32, _f32p),
+            vocab_size,
+            _ptr(hidden_bits, _u16p),
+            rows,
+            _ptr(targets32, _i32p),
+            _ptr(temps, _f32p),
+            int(num_threads),
+            _ptr(logprobs, _f32p),
+            _ptr(lse, _f32p),
+            _ptr(entropy, _f32p),
+            error,
+            _ERROR_LEN,
+        )
         _raise(rc, error, "linear_logp")
     return _pack(logprobs, lse, entropy, return_lse, return_entropy)
 
@@ -804,18 +1119,17 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
 def _pack(logprobs, lse, entropy, return_lse, return_entropy):
     if not (return_lse or return_entropy):
         return logprobs
-    return tuple([logprobs] + ([lse] if return_lse else [])
-                 + ([entropy] if return_entropy else []))
+    return tuple([logprobs] + ([lse] if return_lse else []) + ([entropy] if return_entropy else []))
 
 
-def _linear_logp_cuda(hidden, weight, targets, bias, temperature, vocab_size,
-                      return_lse, return_entropy):
+def _linear_logp_cuda(
+    hidden, weight, targets, bias, temperature, vocab_size, return_lse, return_entropy
+):
     torch = _torch()
     template = hidden
     hidden_t, weight_t = _as_torch(hidden, "hidden"), _as_torch(weight, "weight")
     targets_t, bias_t = _as_torch(targets, "targets"), _as_torch(bias, "bias")
-    if not (isinstance(temperature, (int, float)) or
-            isinstance(temperature, torch.Tensor)):
+    if not (isinstance(temperature, (int, float)) or isinstance(temperature, torch.Tensor)):
         temperature = _as_torch(temperature, "temperature")
     if weight_t.dtype == torch.int16 or weight_t.dtype == torch.uint16:
         weight_t = weight_t.view(torch.bfloat16)  # bf16 bits (e.g. cupy uint16)
@@ -825,17 +1139,22 @@ def _linear_logp_cuda(hidden, weight, targets, bias, temperature, vocab_size,
     if not ok:
         raise RuntimeError(why)
     hidden_t, weight_t, targets_t, bias_t, temps, vocab = _cuda_prepare_linear_logp(
-        hidden_t, weight_t, targets_t, bias_t, temperature, vocab_size)
+        hidden_t, weight_t, targets_t, bias_t, temperature, vocab_size
+    )
     if targets_t.numel():
         bad = torch.nonzero((targets_t < 0) | (targets_t >= vocab))
         if bad.numel():
             index = int(bad[0, 0])
-            raise ValueError(f"detlogp.ops.linear_logp: targets[{index}] = "
-                             f"{int(targets_t[index])} is outside [0, {vocab})")
+            raise ValueError(
+                f"detlogp.ops.linear_logp: targets[{index}] = "
+                f"{int(targets_t[index])} is outside [0, {vocab})"
+            )
     logprobs, lse, entropy = cuda_linear_logp(
-        hidden_t, weight_t, targets_t, temps, bias_t, vocab, return_entropy)
-    return _pack(*(_like_input(t, template) for t in (logprobs, lse, entropy)),
-                 return_lse, return_entropy)
+        hidden_t, weight_t, targets_t, temps, bias_t, vocab, return_entropy
+    )
+    return _pack(
+        *(_like_input(t, template) for t in (logprobs, lse, entropy)), return_lse, return_entropy
+    )
 
 
 def h3_projection(x, weight, bias=None, *, num_threads=0, device=None):
@@ -846,8 +1165,7 @@ def h3_projection(x, weight, bias=None, *, num_threads=0, device=None):
     float32 or None."""
     if _wants_cuda(device, {"x": x, "weight": weight, "bias": bias}):
         torch = _torch()
-        x_t, w_t, b_t = (_as_torch(a, n) for a, n in ((x, "x"), (weight, "weight"),
-                                                     (bias, "bias")))
+        x_t, w_t, b_t = (_as_torch(a, n) for a, n in ((x, "x"), (weight, "weight"), (bias, "bias")))
         ok, why = cuda_available(w_t.device.index or 0)
         if not ok:
             raise RuntimeError(why)
@@ -859,8 +1177,7 @@ def h3_projection(x, weight, bias=None, *, num_threads=0, device=None):
         raise ValueError(f"x: expected [R, {H3_IN_DIM}], got shape {x32.shape}")
     w32 = _float32(weight, "weight")
     if w32.shape != (H3_OUT_DIM, H3_IN_DIM):
-        raise ValueError(f"weight: expected shape ({H3_OUT_DIM}, {H3_IN_DIM}), "
-                         f"got {w32.shape}")
+        raise ValueError(f"weight: expected shape ({H3_OUT_DIM}, {H3_IN_DIM}), got {w32.shape}")
     b32 = None
     if bias is not None:
         b32 = _float32(bias, "bias")
@@ -871,8 +1188,15 @@ def h3_projection(x, weight, bias=None, *, num_threads=0, device=None):
     lib = load_library()
     error = ctypes.create_string_buffer(_ERROR_LEN)
     rc = lib.detlogp_cpu_h3_projection(
-        _ptr(x32, _f32p), rows, _ptr(w32, _f32p), _ptr(b32, _f32p),
-        int(num_threads), _ptr(y, _f32p), error, _ERROR_LEN)
+        _ptr(x32, _f32p),
+        rows,
+        _ptr(w32, _f32p),
+        _ptr(b32, _f32p),
+        int(num_threads),
+        _ptr(y, _f32p),
+        error,
+        _ERROR_LEN,
+    )
     _raise(rc, error, "h3_projection")
     return y
 
@@ -881,9 +1205,11 @@ def _check_projection_tensors(torch, x, weight, bias):
     """Shapes, dtypes (float32), devices and contiguity of the projection's
     CUDA tensors; the messages name the argument."""
     device = weight.device
-    for name, tensor, shape in (("x", x, None), ("weight", weight,
-                                                 (H3_OUT_DIM, H3_IN_DIM)),
-                                ("bias", bias, (H3_OUT_DIM,))):
+    for name, tensor, shape in (
+        ("x", x, None),
+        ("weight", weight, (H3_OUT_DIM, H3_IN_DIM)),
+        ("bias", bias, (H3_OUT_DIM,)),
+    ):
         if tensor is None:
             continue
         if tensor.dtype != torch.float32:
@@ -893,8 +1219,7 @@ def _check_projection_tensors(torch, x, weight, bias):
         if not tensor.is_contiguous():
             raise ValueError(f"{name}: not contiguous (no hidden copies are made)")
         if shape is not None and tuple(tensor.shape) != shape:
-            raise ValueError(f"{name}: expected shape {shape}, got "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
     if x.dim() != 2 or x.shape[1] != H3_IN_DIM:
         raise ValueError(f"x: expected [R, {H3_IN_DIM}], got shape {tuple(x.shape)}")
 
@@ -910,8 +1235,11 @@ def determinism_key(weight, bias=None, vocab_size=None, *, device=None):
     rounded to bf16, or bf16 / bf16 bits; CUDA tensors are copied to the host
     once to hash them), bias [V_pad] float32 or None, vocab_size (default all
     rows)."""
-    cuda = _wants_cuda(device, {"weight": weight, "bias": bias}) if device is None \
+    cuda = (
+        _wants_cuda(device, {"weight": weight, "bias": bias})
+        if device is None
         else str(device).split(":")[0].lower() == "cuda"
+    )
     if device is not None and str(device).split(":")[0].lower() not in ("cpu", "cuda"):
         raise ValueError(f"detlogp.ops: device {device!r} is neither 'cpu' nor 'cuda'")
     gpu = None  # the GPU whose kernel the key is for; None: the Hopper kernel
@@ -924,8 +1252,17 @@ def determinism_key(weight, bias=None, vocab_size=None, *, device=None):
     lib = load_cuda_library() if cuda else load_library()
     key = ctypes.create_string_buffer(_KEY_LEN)
     error = ctypes.create_string_buffer(_ERROR_LEN)
-    args = (_ptr(weight_bits, _u16p), padded, hidden_size, _ptr(bias32, _f32p),
-            vocab_size, key, _KEY_LEN, error, _ERROR_LEN)
+    args = (
+        _ptr(weight_bits, _u16p),
+        padded,
+        hidden_size,
+        _ptr(bias32, _f32p),
+        vocab_size,
+        key,
+        _KEY_LEN,
+        error,
+        _ERROR_LEN,
+    )
     if gpu is not None:
         rc = lib.detlogp_cuda_device_determinism_key(gpu, *args)
     elif cuda:

@@ -5,6 +5,7 @@ log p(target) = z[target] - logsumexp(z); entropy and top-k on the same z.
 Inputs are rounded to bf16 the way the server rounds them (RNE from fp32;
 fp16 widened exactly first).
 """
+
 import numpy as np
 
 from detlogp import tensors
@@ -13,8 +14,9 @@ from detlogp import tensors
 def hidden_as_float64(hidden):
     """The float64 values the server computes with for these hidden rows."""
     hidden = np.asarray(hidden)
-    if hidden.dtype == np.uint16 or (tensors.BFLOAT16 is not None
-                                     and hidden.dtype == tensors.BFLOAT16):
+    if hidden.dtype == np.uint16 or (
+        tensors.BFLOAT16 is not None and hidden.dtype == tensors.BFLOAT16
+    ):
         bits = hidden.view(np.uint16)
     else:
         bits = tensors.float32_to_bf16_bits(hidden.astype(np.float32))
@@ -38,8 +40,7 @@ def _lse(z):
     return (peak + np.log(np.exp(z - peak).sum(axis=1, keepdims=True)))[:, 0]
 
 
-def logprobs(hidden, targets, weight_bf16_bits, bias=None, temperature=1.0,
-             vocab_size=None):
+def logprobs(hidden, targets, weight_bf16_bits, bias=None, temperature=1.0, vocab_size=None):
     """(logprobs, lse) float64 arrays for hidden [N, H], weight bits [V, H]."""
     z = logits(hidden, weight_bf16_bits, bias, temperature, vocab_size)
     lse = _lse(z)
@@ -47,8 +48,7 @@ def logprobs(hidden, targets, weight_bf16_bits, bias=None, temperature=1.0,
     return z[np.arange(len(targets)), targets] - lse, lse
 
 
-def entropy_top_k(hidden, weight_bf16_bits, bias=None, temperature=1.0,
-                  vocab_size=None, k=0):
+def entropy_top_k(hidden, weight_bf16_bits, bias=None, temperature=1.0, vocab_size=None, k=0):
     """(entropy [N], top_ids [N, k], top_logprobs [N, k]) in float64:
     entropy = lse - sum_v p_v z_v with p_v = exp(z_v - lse); the k largest
     z_v, ties to the lower id, as z_v - lse."""

@@ -1,5 +1,6 @@
 """Builds request messages from numpy inputs (or torch tensors, see
 tensors.py), and reassembles Project chunks."""
+
 import operator
 
 import numpy as np
@@ -26,9 +27,18 @@ def top_k_value(top_k):
     return k
 
 
-def logprob_request(hidden, targets, temperature=0.0, return_lse=False,
-                    request_id="", model=None, version=None, *,
-                    return_entropy=False, top_k=0):
+def logprob_request(
+    hidden,
+    targets,
+    temperature=0.0,
+    return_lse=False,
+    request_id="",
+    model=None,
+    version=None,
+    *,
+    return_entropy=False,
+    top_k=0,
+):
     """A LogProbRequest for hidden [N, H] and N target ids, scored with
     `model` (None: the server's default model) at `version` (None or 0: its
     latest ready version). hidden: a numpy array or a torch tensor (CPU or
@@ -81,13 +91,14 @@ class ProjectAssembler:
         begin, count = int(response.row_offset), chunk.shape[0]
         if begin < 0 or begin + count > self.rows:
             raise DetlogpError(
-                f"Project chunk rows [{begin}, {begin + count}) outside [0, {self.rows})")
+                f"Project chunk rows [{begin}, {begin + count}) outside [0, {self.rows})"
+            )
         if self.y is None:
             self.y = np.empty((self.rows, chunk.shape[1]), dtype=np.float32)
-        if self.filled[begin:begin + count].any():
+        if self.filled[begin : begin + count].any():
             raise DetlogpError(f"Project chunk at row {begin} overlaps an earlier one")
-        self.y[begin:begin + count] = chunk
-        self.filled[begin:begin + count] = True
+        self.y[begin : begin + count] = chunk
+        self.filled[begin : begin + count] = True
         self.key = response.determinism_key or self.key
         self.chunks += 1
 
@@ -125,8 +136,7 @@ class InterleavedProjection:
         """The calls a projection of `rows` rows takes (fewer than `streams`
         when there are fewer blocks); ValueError naming a bad argument."""
         if int(streams) < 0:
-            raise ValueError(f"streams must be >= 0 (0: by the projection's size), "
-                             f"got {streams}")
+            raise ValueError(f"streams must be >= 0 (0: by the projection's size), got {streams}")
         if int(streams) == 0:
             streams = AUTO_STREAMS_CALLS if int(rows) >= AUTO_STREAMS_MIN_ROWS else 1
         if int(rows_per_chunk) < 0:
@@ -143,9 +153,10 @@ class InterleavedProjection:
         self.requests = []
         for call in range(self.calls):
             starts = range(call * self.block, self.rows, self.calls * self.block)
-            rows = np.concatenate([x[s:s + self.block] for s in starts]) if starts else x[:0]
-            self.requests.append(project_request(
-                rows, self.block, f"{request_id}/{call + 1}of{self.calls}"))
+            rows = np.concatenate([x[s : s + self.block] for s in starts]) if starts else x[:0]
+            self.requests.append(
+                project_request(rows, self.block, f"{request_id}/{call + 1}of{self.calls}")
+            )
         self.y = np.empty((self.rows, PROJECTION_OUT), dtype=np.float32)
         self._answered = [0] * self.calls  # blocks each call has delivered
         self._keys = [None] * self.calls
@@ -156,36 +167,44 @@ class InterleavedProjection:
         nth = self._answered[call]
         block = call + nth * self.calls
         if block >= self.blocks:
-            raise DataLoss(f"ProjectResponse.row_offset: call {call} answered more "
-                           f"than its {nth} blocks")
+            raise DataLoss(
+                f"ProjectResponse.row_offset: call {call} answered more than its {nth} blocks"
+            )
         if int(response.row_offset) != nth * self.block:
-            raise DataLoss(f"ProjectResponse.row_offset: {response.row_offset}, expected "
-                           f"{nth * self.block} (call {call}'s block {nth})")
+            raise DataLoss(
+                f"ProjectResponse.row_offset: {response.row_offset}, expected "
+                f"{nth * self.block} (call {call}'s block {nth})"
+            )
         if response.y.dtype != pb.DTYPE_FLOAT32:
             raise DataLoss(f"ProjectResponse.y.dtype: {response.y.dtype}, expected FLOAT32")
         start = block * self.block
         want = min(self.block, self.rows - start)
         chunk = tensors.from_tensor(response.y)
         if chunk.shape != (want, PROJECTION_OUT):
-            raise DataLoss(f"ProjectResponse.y.shape: {list(chunk.shape)} at row {start}, "
-                           f"expected [{want}, {PROJECTION_OUT}] (one block)")
-        self.y[start:start + want] = chunk
+            raise DataLoss(
+                f"ProjectResponse.y.shape: {list(chunk.shape)} at row {start}, "
+                f"expected [{want}, {PROJECTION_OUT}] (one block)"
+            )
+        self.y[start : start + want] = chunk
         if self._keys[call] is None:
             self._keys[call] = response.determinism_key
         elif response.determinism_key != self._keys[call]:
-            raise DataLoss("ProjectResponse.determinism_key changed within call "
-                           f"{call}: {self._keys[call]} then {response.determinism_key}")
+            raise DataLoss(
+                "ProjectResponse.determinism_key changed within call "
+                f"{call}: {self._keys[call]} then {response.determinism_key}"
+            )
         self._answered[call] = nth + 1
 
     def result(self):
         for call in range(self.calls):
             want = len(range(call, self.blocks, self.calls))
             if self._answered[call] != want:
-                raise DataLoss(f"Project call {call} ended after {self._answered[call]} "
-                               f"of its {want} blocks")
+                raise DataLoss(
+                    f"Project call {call} ended after {self._answered[call]} of its {want} blocks"
+                )
         keys = {k for k in self._keys if k is not None}
         if len(keys) > 1:
-            raise DataLoss(f"ProjectResponse.determinism_key: the calls disagree: "
-                           f"{sorted(keys)}")
-        return ProjectResult(y=self.y, determinism_key=keys.pop() if keys else "",
-                             chunks=self.blocks)
+            raise DataLoss(f"ProjectResponse.determinism_key: the calls disagree: {sorted(keys)}")
+        return ProjectResult(
+            y=self.y, determinism_key=keys.pop() if keys else "", chunks=self.blocks
+        )

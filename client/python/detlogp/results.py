@@ -1,4 +1,5 @@
 """Plain result types returned by the clients."""
+
 import dataclasses
 from typing import Dict, Optional
 
@@ -44,8 +45,7 @@ class ProjectResult:
 
 def _check_size(field, got, want, why):
     if got != want:
-        raise DataLoss(f"{field}: the response holds {got} values, expected "
-                       f"{want} ({why})")
+        raise DataLoss(f"{field}: the response holds {got} values, expected {want} ({why})")
 
 
 def check_response(request, response):
@@ -55,11 +55,18 @@ def check_response(request, response):
     rows = len(request.target_ids)
     per_row = f"{rows} rows"
     _check_size("logprobs", len(response.logprobs), rows, per_row)
-    _check_size("lse", len(response.lse), rows if request.return_lse else 0,
-                per_row if request.return_lse else "return_lse not set")
-    _check_size("entropy", len(response.entropy),
-                rows if request.return_entropy else 0,
-                per_row if request.return_entropy else "return_entropy not set")
+    _check_size(
+        "lse",
+        len(response.lse),
+        rows if request.return_lse else 0,
+        per_row if request.return_lse else "return_lse not set",
+    )
+    _check_size(
+        "entropy",
+        len(response.entropy),
+        rows if request.return_entropy else 0,
+        per_row if request.return_entropy else "return_entropy not set",
+    )
     k = max(int(request.top_k), 0)
     why = f"{rows} rows x top_k {k}" if k else "top_k not set"
     _check_size("top_ids", len(response.top_ids), rows * k, why)

@@ -5,6 +5,7 @@ RESOURCE_EXHAUSTED whose message says the server's queue is full. Never
 retried: INVALID_ARGUMENT, DEADLINE_EXCEEDED, oversize messages, anything
 else. Retries never outlive the call's deadline.
 """
+
 import dataclasses
 import random
 
@@ -24,8 +25,7 @@ class RetryPolicy:
 
     def backoff(self, retry_index, rng=random):
         """Seconds to sleep before retry number `retry_index` (0-based)."""
-        cap = min(self.max_backoff_s,
-                  self.initial_backoff_s * self.multiplier ** retry_index)
+        cap = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**retry_index)
         return rng.uniform(0.0, cap)
 
 

@@ -4,6 +4,7 @@ Format: 8-byte little-endian header length, a JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}}, then the data.
 Used to hand the server a known lm_head (--weights) in tests and tools.
 """
+
 import json
 import struct
 
@@ -19,8 +20,9 @@ def _dtype_name(array):
         return "F32"
     if array.dtype == np.float16:
         return "F16"
-    if array.dtype == np.uint16 or (tensors.BFLOAT16 is not None
-                                    and array.dtype == tensors.BFLOAT16):
+    if array.dtype == np.uint16 or (
+        tensors.BFLOAT16 is not None and array.dtype == tensors.BFLOAT16
+    ):
         return "BF16"  # uint16 arrays are taken as bf16 bits
     raise TypeError(f"unsupported dtype {array.dtype}")
 
@@ -31,10 +33,14 @@ def to_bytes(named_arrays):
     for name, array in named_arrays.items():
         array = np.asarray(array)
         dtype = _dtype_name(array)
-        data = np.ascontiguousarray(array.view(np.uint16) if dtype == "BF16" else array,
-                                    dtype=_DTYPES[dtype]).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(data)]}
+        data = np.ascontiguousarray(
+            array.view(np.uint16) if dtype == "BF16" else array, dtype=_DTYPES[dtype]
+        ).tobytes()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         chunks.append(data)
         offset += len(data)
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
@@ -61,21 +67,22 @@ def read(path, mmap=False):
             begin, end = meta["data_offsets"]
             dtype = _DTYPES.get(meta["dtype"])
             if dtype is None:
-                raise ValueError(f"{path}: tensor '{name}' has unsupported dtype "
-                                 f"{meta['dtype']}")
+                raise ValueError(f"{path}: tensor '{name}' has unsupported dtype {meta['dtype']}")
             count = (end - begin) // dtype.itemsize
-            out[name] = np.memmap(path, dtype=dtype, mode="r", offset=8 + length + begin,
-                                  shape=(count,)).reshape(meta["shape"])
+            out[name] = np.memmap(
+                path, dtype=dtype, mode="r", offset=8 + length + begin, shape=(count,)
+            ).reshape(meta["shape"])
         return out
     with open(path, "rb") as f:
         blob = f.read()
     (length,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + length])
+    header = json.loads(blob[8 : 8 + length])
     header.pop("__metadata__", None)
-    data = blob[8 + length:]
+    data = blob[8 + length :]
     out = {}
     for name, meta in header.items():
         begin, end = meta["data_offsets"]
-        out[name] = np.frombuffer(data[begin:end], dtype=_DTYPES[meta["dtype"]]
-                                  ).reshape(meta["shape"])
+        out[name] = np.frombuffer(data[begin:end], dtype=_DTYPES[meta["dtype"]]).reshape(
+            meta["shape"]
+        )
     return out

@@ -10,6 +10,7 @@ int16, no float32 detour), float16 and float32 as themselves; a CUDA tensor
 is copied to the host once, through pinned memory. torch is imported only
 when a torch tensor is passed (is_torch_tensor looks at the type alone).
 """
+
 import numpy as np
 
 from detlogp.v1 import detlogp_pb2 as pb
@@ -70,8 +71,7 @@ def torch_hidden_to_numpy(tensor):
     import torch  # reached only for torch tensors, so torch is installed
 
     if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        raise TypeError(f"hidden torch dtype {tensor.dtype} is not bfloat16, "
-                        "float16 or float32")
+        raise TypeError(f"hidden torch dtype {tensor.dtype} is not bfloat16, float16 or float32")
     return torch_to_numpy(tensor)
 
 
@@ -111,7 +111,8 @@ def to_tensor(array):
     else:
         raise TypeError(
             f"hidden dtype {array.dtype} is not float32, float16, bfloat16 "
-            "(ml_dtypes) or uint16 bf16 bits")
+            "(ml_dtypes) or uint16 bf16 bits"
+        )
     data = np.ascontiguousarray(array, dtype=wire).tobytes()
     return pb.Tensor(dtype=dtype, shape=list(array.shape), data=data)
 

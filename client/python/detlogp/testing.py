@@ -7,6 +7,7 @@
 
 Nothing is built here: `binary` must exist (bazel build //server:detlogp_server).
 """
+
 import functools
 import os
 import pathlib
@@ -18,8 +19,10 @@ import tempfile
 import time
 import urllib.request
 
-_STOPPED = re.compile(r"stopped: (\d+) batches, (\d+) rows computed, (\d+) expired, "
-                      r"(\d+) cancelled, (\d+) rejected")
+_STOPPED = re.compile(
+    r"stopped: (\d+) batches, (\d+) rows computed, (\d+) expired, "
+    r"(\d+) cancelled, (\d+) rejected"
+)
 
 
 def find_server_binary(start=None):
@@ -43,16 +46,18 @@ def server_binary_for_tests(repo_root):
 
     binary = find_server_binary(repo_root)
     if binary is None or not binary.exists():
-        pytest.fail("no server binary: run `bazel build //server:detlogp_server` "
-                    f"in {repo_root} (or set DETLOGP_SERVER)", pytrace=False)
+        pytest.fail(
+            "no server binary: run `bazel build //server:detlogp_server` "
+            f"in {repo_root} (or set DETLOGP_SERVER)",
+            pytrace=False,
+        )
     return binary
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def server_flags(binary):
     """Flag names the binary knows (from --helpfull)."""
-    out = subprocess.run([str(binary), "--helpfull"], capture_output=True,
-                         text=True, timeout=30)
+    out = subprocess.run([str(binary), "--helpfull"], capture_output=True, text=True, timeout=30)
     return frozenset(re.findall(r"--([a-z_0-9]+) ", out.stdout + out.stderr))
 
 
@@ -67,12 +72,12 @@ class LocalServer:
     --metrics_port=0 is passed when the binary has that flag (metrics() then
     reads its Prometheus endpoint)."""
 
-    def __init__(self, binary, args=(), *, metrics=False, start_timeout=60.0,
-                 workdir=None):
+    def __init__(self, binary, args=(), *, metrics=False, start_timeout=60.0, workdir=None):
         self.binary = pathlib.Path(binary)
         if not self.binary.exists():
             raise FileNotFoundError(
-                f"{self.binary} is missing: run `bazel build //server:detlogp_server`")
+                f"{self.binary} is missing: run `bazel build //server:detlogp_server`"
+            )
         self.args = list(args)
         self.start_timeout = start_timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="detlogp-server-", dir=workdir)
@@ -88,8 +93,13 @@ class LocalServer:
     def start(self, port=0):
         """Starts the server (port 0: a free one) and waits until it serves."""
         self.port_file.unlink(missing_ok=True)
-        cmd = [str(self.binary), f"--port={port}", f"--port_file={self.port_file}",
-               "--host=127.0.0.1", *self.args]
+        cmd = [
+            str(self.binary),
+            f"--port={port}",
+            f"--port_file={self.port_file}",
+            "--host=127.0.0.1",
+            *self.args,
+        ]
         if self.want_metrics:
             cmd.append("--metrics_port=0")  # its port: the port file's 2nd line
         self._log = open(self.log_path, "ab")
@@ -98,8 +108,9 @@ class LocalServer:
         end = time.monotonic() + self.start_timeout
         while not self.port_file.exists():
             if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n"
-                                   + self.log()[-3000:])
+                raise RuntimeError(
+                    f"server exited with {self.process.returncode}:\n" + self.log()[-3000:]
+                )
             if time.monotonic() > end:
                 self.kill()
                 raise TimeoutError("server did not start:\n" + self.log()[-3000:])
@@ -200,8 +211,9 @@ class TestModel:
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, folder, *, hidden=64, vocab=1000, padded_vocab=1024,
-                 seed=7, scale=0.5, with_bias=True):
+    def __init__(
+        self, folder, *, hidden=64, vocab=1000, padded_vocab=1024, seed=7, scale=0.5, with_bias=True
+    ):
         import numpy as np
 
         from detlogp import safetensors_io, tensors
@@ -212,15 +224,19 @@ class TestModel:
         self.padded_vocab = padded_vocab
         weight = (rng.standard_normal((padded_vocab, hidden)) * scale).astype(np.float32)
         self.weight_bits = tensors.float32_to_bf16_bits(weight)
-        self.bias = (rng.standard_normal(padded_vocab) * 0.5).astype(np.float32) \
-            if with_bias else None
+        self.bias = (
+            (rng.standard_normal(padded_vocab) * 0.5).astype(np.float32) if with_bias else None
+        )
         named = {"lm_head.weight": self.weight_bits}
         if with_bias:
             named["lm_head.bias"] = self.bias
         self.path = pathlib.Path(folder) / f"lm_head_{seed}.safetensors"
         safetensors_io.write(self.path, named)
-        self.flags = [f"--weights={self.path}", "--lm_head_tensor=lm_head.weight",
-                      f"--vocab_size={vocab}"]
+        self.flags = [
+            f"--weights={self.path}",
+            "--lm_head_tensor=lm_head.weight",
+            f"--vocab_size={vocab}",
+        ]
         if with_bias:
             self.flags.append("--bias_tensor=lm_head.bias")
 
@@ -228,20 +244,24 @@ class TestModel:
         """float64 (logprobs, lse) for these rows."""
         from detlogp import reference
 
-        return reference.logprobs(hidden, targets, self.weight_bits, self.bias,
-                                  temperature, self.vocab)
+        return reference.logprobs(
+            hidden, targets, self.weight_bits, self.bias, temperature, self.vocab
+        )
 
     def reference_entropy_top_k(self, hidden, k, temperature=1.0):
         """float64 (entropy, top_ids [N, k], top_logprobs [N, k])."""
         from detlogp import reference
 
-        return reference.entropy_top_k(hidden, self.weight_bits, self.bias,
-                                       temperature, self.vocab, k)
+        return reference.entropy_top_k(
+            hidden, self.weight_bits, self.bias, temperature, self.vocab, k
+        )
 
     def random_rows(self, n, seed):
         """n float32 rows and n valid targets, deterministic in `seed`."""
         import numpy as np
 
         rng = np.random.default_rng(seed)
-        return (rng.standard_normal((n, self.hidden)).astype(np.float32),
-                rng.integers(0, self.vocab, size=n))
+        return (
+            rng.standard_normal((n, self.hidden)).astype(np.float32),
+            rng.integers(0, self.vocab, size=n),
+        )

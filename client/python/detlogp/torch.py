@@ -45,6 +45,7 @@ h3_projection's backward is the batch-invariant dX and dW/dbias kernels
 (kernels/cuda/projection_cuda.h on CUDA, kernels/projection_grad.h on the
 CPU; equal bits), rows keyed 0..R-1 in batch order.
 """
+
 import contextlib
 import math
 from typing import Optional, Tuple
@@ -98,59 +99,77 @@ def _check_linear_logp(hidden, weight, targets, bias, temperature, vocab_size):
     """Inputs checked in one place; messages name the argument. temperature:
     a [N] tensor, or None (one value for every row, passed as a float)."""
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise TypeError("hidden and weight must be torch tensors (detlogp.ops takes "
-                        "numpy arrays)")
+        raise TypeError("hidden and weight must be torch tensors (detlogp.ops takes numpy arrays)")
     device = weight.device
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"weight: on {device}; only CPU and CUDA are supported")
-    for name, tensor in (("hidden", hidden), ("targets", targets), ("bias", bias),
-                         ("temperature", temperature)):
+    for name, tensor in (
+        ("hidden", hidden),
+        ("targets", targets),
+        ("bias", bias),
+        ("temperature", temperature),
+    ):
         if tensor is not None and tensor.device != device:
-            raise ValueError(f"{name}: on {tensor.device}, weight on {device} "
-                             "(no hidden copies are made)")
+            raise ValueError(
+                f"{name}: on {tensor.device}, weight on {device} (no hidden copies are made)"
+            )
     if weight.dim() != 2:
         raise ValueError(f"weight: expected [V_pad, H], got shape {tuple(weight.shape)}")
     if not weight.is_contiguous():
-        raise ValueError("weight: not contiguous (it is never copied; pass a "
-                         "contiguous [V_pad, H] tensor)")
+        raise ValueError(
+            "weight: not contiguous (it is never copied; pass a contiguous [V_pad, H] tensor)"
+        )
     padded, hidden_size = weight.shape
     if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
-        raise ValueError(f"hidden: expected [N, {hidden_size}] (the weight's H), got "
-                         f"shape {tuple(hidden.shape)}")
+        raise ValueError(
+            f"hidden: expected [N, {hidden_size}] (the weight's H), got shape {tuple(hidden.shape)}"
+        )
     float64 = weight.dtype == _FLOAT64
-    allowed = ((_FLOAT64,) if float64 else
-               (torch.bfloat16,) if device.type == "cuda" else
-               (torch.bfloat16, torch.float32))
+    allowed = (
+        (_FLOAT64,)
+        if float64
+        else (torch.bfloat16,)
+        if device.type == "cuda"
+        else (torch.bfloat16, torch.float32)
+    )
     if weight.dtype not in allowed:
-        raise TypeError(f"weight: dtype {weight.dtype}; expected one of {allowed} "
-                        f"on {device.type} (float64 everywhere selects the CPU "
-                        "float64 reference)")
+        raise TypeError(
+            f"weight: dtype {weight.dtype}; expected one of {allowed} "
+            f"on {device.type} (float64 everywhere selects the CPU "
+            "float64 reference)"
+        )
     hidden_allowed = (_FLOAT64,) if float64 else (torch.bfloat16, torch.float32)
     if hidden.dtype not in hidden_allowed:
-        raise TypeError(f"hidden: dtype {hidden.dtype}; expected one of {hidden_allowed}"
-                        f" with a {weight.dtype} weight")
+        raise TypeError(
+            f"hidden: dtype {hidden.dtype}; expected one of {hidden_allowed}"
+            f" with a {weight.dtype} weight"
+        )
     if float64 and device.type != "cpu":
         raise TypeError("float64 inputs select the CPU reference path: CPU tensors only")
     if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
-        raise ValueError(f"targets: expected shape ({hidden.shape[0]},), got "
-                         f"{tuple(targets.shape)}")
+        raise ValueError(
+            f"targets: expected shape ({hidden.shape[0]},), got {tuple(targets.shape)}"
+        )
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets: dtype {targets.dtype} is not int32 or int64")
     if bias is not None:
         want = _FLOAT64 if float64 else torch.float32
         if bias.dtype != want or tuple(bias.shape) != (padded,):
-            raise ValueError(f"bias: expected {want} of shape ({padded},), got "
-                             f"{bias.dtype} {tuple(bias.shape)}")
+            raise ValueError(
+                f"bias: expected {want} of shape ({padded},), got {bias.dtype} {tuple(bias.shape)}"
+            )
         if not bias.is_contiguous():
-            raise ValueError("bias: not contiguous (it is read in place, never "
-                             "copied)")
-    if temperature is not None and (temperature.dim() != 1 or
-                                    temperature.shape[0] != hidden.shape[0]):
-        raise ValueError(f"temperature: expected shape ({hidden.shape[0]},), got "
-                         f"{tuple(temperature.shape)}")
+            raise ValueError("bias: not contiguous (it is read in place, never copied)")
+    if temperature is not None and (
+        temperature.dim() != 1 or temperature.shape[0] != hidden.shape[0]
+    ):
+        raise ValueError(
+            f"temperature: expected shape ({hidden.shape[0]},), got {tuple(temperature.shape)}"
+        )
     if not 0 < vocab_size <= padded:
-        raise ValueError(f"vocab_size: must be in [1, {padded}] (the weight's rows), "
-                         f"got {vocab_size}")
+        raise ValueError(
+            f"vocab_size: must be in [1, {padded}] (the weight's rows), got {vocab_size}"
+        )
 
 
 def _out_dtype(weight):
@@ -169,10 +188,16 @@ def _temperatures(temperature, value, rows, dtype, device):
 # temperature: [N] per-row temperatures, or None: every row's is
 # temperature_value (so the common scalar case fills no [N] tensor on the GPU).
 @torch.library.custom_op("detlogp::linear_logp", mutates_args=())
-def _linear_logp_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    bias: Optional[torch.Tensor], temperature: Optional[torch.Tensor],
-                    temperature_value: float, vocab_size: int, return_entropy: bool
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_logp_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    temperature: Optional[torch.Tensor],
+    temperature_value: float,
+    vocab_size: int,
+    return_entropy: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_linear_logp(hidden, weight, targets, bias, temperature, vocab_size)
     rows = hidden.shape[0]
     if weight.device.type == "cuda":
@@ -182,28 +207,41 @@ def _linear_logp_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         # and nothing else.
         if hidden.dtype != torch.bfloat16:
             hidden = hidden.to(torch.bfloat16)  # fp32 rounded as the server does
-        temps = (temperature_value if temperature is None else
-                 temperature.to(torch.float32).contiguous())
+        temps = (
+            temperature_value if temperature is None else temperature.to(torch.float32).contiguous()
+        )
         logp, lse, entropy = ops.cuda_linear_logp(
-            hidden.contiguous(), weight, targets.contiguous(), temps, bias,
-            vocab_size, return_entropy)
+            hidden.contiguous(),
+            weight,
+            targets.contiguous(),
+            temps,
+            bias,
+            vocab_size,
+            return_entropy,
+        )
         if entropy is None:
             entropy = logp.new_empty((0,))
         return logp, lse, entropy
-    temperature = _temperatures(temperature, temperature_value, rows,
-                                _out_dtype(weight), weight.device)
+    temperature = _temperatures(
+        temperature, temperature_value, rows, _out_dtype(weight), weight.device
+    )
     if weight.dtype == _FLOAT64:
-        return _reference_linear_logp(hidden, weight, targets, bias, temperature,
-                                      vocab_size, return_entropy)
+        return _reference_linear_logp(
+            hidden, weight, targets, bias, temperature, vocab_size, return_entropy
+        )
     # CPU kernels through the CPU library; invalid targets give NaN as on CUDA.
     valid = (targets >= 0) & (targets < vocab_size)
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
     out = ops.linear_logp(
-        _bf16_bits_numpy(hidden), _bf16_bits_numpy(weight),
+        _bf16_bits_numpy(hidden),
+        _bf16_bits_numpy(weight),
         safe_targets.detach().numpy(),
         None if bias is None else bias.detach().contiguous().numpy(),
         temperature.detach().to(torch.float32).contiguous().numpy(),
-        vocab_size=vocab_size, return_lse=True, return_entropy=return_entropy)
+        vocab_size=vocab_size,
+        return_lse=True,
+        return_entropy=return_entropy,
+    )
     logp = torch.from_numpy(out[0])
     logp = torch.where(valid, logp, torch.full_like(logp, float("nan")))
     lse = torch.from_numpy(out[1])
@@ -213,12 +251,14 @@ def _linear_logp_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 @_linear_logp_op.register_fake
-def _(hidden, weight, targets, bias, temperature, temperature_value, vocab_size,
-      return_entropy):
+def _(hidden, weight, targets, bias, temperature, temperature_value, vocab_size, return_entropy):
     rows = hidden.shape[0]
     dtype = _out_dtype(weight)
-    return (hidden.new_empty((rows,), dtype=dtype), hidden.new_empty((rows,), dtype=dtype),
-            hidden.new_empty((rows if return_entropy else 0,), dtype=dtype))
+    return (
+        hidden.new_empty((rows,), dtype=dtype),
+        hidden.new_empty((rows,), dtype=dtype),
+        hidden.new_empty((rows if return_entropy else 0,), dtype=dtype),
+    )
 
 
 def _row_chunk(rows, hidden_size, vocab, budget_bytes):
@@ -226,12 +266,11 @@ def _row_chunk(rows, hidden_size, vocab, budget_bytes):
     one step fit the budget: ~ 4 bytes x (3 H C + 6 C^2) (the caller halves
     the budget for float64)."""
     budget = max(int(budget_bytes), 1 << 12)
-    c = (-3 * hidden_size + math.sqrt(9 * hidden_size ** 2 + 24 * budget / 4.0)) / 12
+    c = (-3 * hidden_size + math.sqrt(9 * hidden_size**2 + 24 * budget / 4.0)) / 12
     return max(1, min(int(c), 8192))
 
 
-def _reference_linear_logp(hidden, weight, targets, bias, temperature, vocab_size,
-                           return_entropy):
+def _reference_linear_logp(hidden, weight, targets, bias, temperature, vocab_size, return_entropy):
     """float64 forward (the gradcheck path): chunked over rows."""
     rows = hidden.shape[0]
     logp = hidden.new_empty((rows,))
@@ -250,8 +289,7 @@ def _reference_linear_logp(hidden, weight, targets, bias, temperature, vocab_siz
         t = targets[r0:r1].long()
         valid = (t >= 0) & (t < vocab_size)
         picked = z.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
-        logp[r0:r1] = torch.where(valid, picked - row_lse,
-                                  torch.full_like(row_lse, float("nan")))
+        logp[r0:r1] = torch.where(valid, picked - row_lse, torch.full_like(row_lse, float("nan")))
         if return_entropy:
             logq = z - row_lse[:, None]
             entropy[r0:r1] = -(logq.exp() * logq).sum(dim=1)
@@ -276,14 +314,29 @@ def _tile_grad(h, w, b, temps, lse, targets, g_logp, g_lse, g_ent, ent, v0):
     # (no host sync: rows outside add 0 at column 0).
     local = targets.long() - v0
     inside = (local >= 0) & (local < w.shape[0])
-    g.scatter_add_(1, torch.where(inside, local, 0)[:, None],
-                   torch.where(inside, g_logp, 0)[:, None])
+    g.scatter_add_(
+        1, torch.where(inside, local, 0)[:, None], torch.where(inside, g_logp, 0)[:, None]
+    )
     return g / temps[:, None]
 
 
-def _linear_logp_backward_impl(hidden, weight, targets, bias, temperature, vocab_size,
-                               lse, entropy, g_logp, g_lse, g_ent, need_hidden,
-                               need_weight, need_bias, budget_bytes):
+def _linear_logp_backward_impl(
+    hidden,
+    weight,
+    targets,
+    bias,
+    temperature,
+    vocab_size,
+    lse,
+    entropy,
+    g_logp,
+    g_lse,
+    g_ent,
+    need_hidden,
+    need_weight,
+    need_bias,
+    budget_bytes,
+):
     float64 = weight.dtype == _FLOAT64
     acc_dtype = _FLOAT64 if float64 else torch.float32
     rows, hidden_size = hidden.shape
@@ -291,17 +344,20 @@ def _linear_logp_backward_impl(hidden, weight, targets, bias, temperature, vocab
     device = weight.device
     # Rows whose target is invalid have NaN forward values; their
     # gradients are NaN too (as the forward), never silently zero.
-    g_logp = (torch.zeros(rows, dtype=acc_dtype, device=device) if g_logp is None
-              else g_logp.to(acc_dtype))
-    g_lse = (torch.zeros(rows, dtype=acc_dtype, device=device) if g_lse is None
-             else g_lse.to(acc_dtype))
+    g_logp = (
+        torch.zeros(rows, dtype=acc_dtype, device=device)
+        if g_logp is None
+        else g_logp.to(acc_dtype)
+    )
+    g_lse = (
+        torch.zeros(rows, dtype=acc_dtype, device=device) if g_lse is None else g_lse.to(acc_dtype)
+    )
     if g_ent is not None:
         g_ent = g_ent.to(acc_dtype)
         entropy = entropy.to(acc_dtype)
     temps = temperature.to(acc_dtype)
     lse = lse.to(acc_dtype)
-    chunk = _row_chunk(rows, hidden_size, vocab_size,
-                       budget_bytes / (2 if float64 else 1))
+    chunk = _row_chunk(rows, hidden_size, vocab_size, budget_bytes / (2 if float64 else 1))
     d_hidden = d_weight = d_bias = None
 
     def bias_tile(v0, v1):
@@ -317,10 +373,19 @@ def _linear_logp_backward_impl(hidden, weight, targets, bias, temperature, vocab
                 for v0 in range(0, vocab_size, chunk):
                     v1 = min(vocab_size, v0 + chunk)
                     w = _rounded(weight[v0:v1])
-                    g = _tile_grad(h, w, bias_tile(v0, v1), temps[r0:r1], lse[r0:r1],
-                                   targets[r0:r1], g_logp[r0:r1], g_lse[r0:r1],
-                                   None if g_ent is None else g_ent[r0:r1],
-                                   None if g_ent is None else entropy[r0:r1], v0)
+                    g = _tile_grad(
+                        h,
+                        w,
+                        bias_tile(v0, v1),
+                        temps[r0:r1],
+                        lse[r0:r1],
+                        targets[r0:r1],
+                        g_logp[r0:r1],
+                        g_lse[r0:r1],
+                        None if g_ent is None else g_ent[r0:r1],
+                        None if g_ent is None else entropy[r0:r1],
+                        v0,
+                    )
                     acc.addmm_(g, w)
                 d_hidden[r0:r1] = acc.to(hidden.dtype)
         if need_weight or need_bias:
@@ -331,17 +396,30 @@ def _linear_logp_backward_impl(hidden, weight, targets, bias, temperature, vocab
             for v0 in range(0, vocab_size, chunk):
                 v1 = min(vocab_size, v0 + chunk)
                 w = _rounded(weight[v0:v1])
-                acc_w = (torch.zeros((v1 - v0, hidden_size), dtype=acc_dtype,
-                                     device=device) if need_weight else None)
-                acc_b = (torch.zeros((v1 - v0,), dtype=acc_dtype, device=device)
-                         if need_bias else None)
+                acc_w = (
+                    torch.zeros((v1 - v0, hidden_size), dtype=acc_dtype, device=device)
+                    if need_weight
+                    else None
+                )
+                acc_b = (
+                    torch.zeros((v1 - v0,), dtype=acc_dtype, device=device) if need_bias else None
+                )
                 for r0 in range(0, rows, chunk):
                     r1 = min(rows, r0 + chunk)
                     h = _rounded(hidden[r0:r1])
-                    g = _tile_grad(h, w, bias_tile(v0, v1), temps[r0:r1], lse[r0:r1],
-                                   targets[r0:r1], g_logp[r0:r1], g_lse[r0:r1],
-                                   None if g_ent is None else g_ent[r0:r1],
-                                   None if g_ent is None else entropy[r0:r1], v0)
+                    g = _tile_grad(
+                        h,
+                        w,
+                        bias_tile(v0, v1),
+                        temps[r0:r1],
+                        lse[r0:r1],
+                        targets[r0:r1],
+                        g_logp[r0:r1],
+                        g_lse[r0:r1],
+                        None if g_ent is None else g_ent[r0:r1],
+                        None if g_ent is None else entropy[r0:r1],
+                        v0,
+                    )
                     if acc_w is not None:
                         acc_w.addmm_(g.T, h)
                     if acc_b is not None:
@@ -354,8 +432,9 @@ def _linear_logp_backward_impl(hidden, weight, targets, bias, temperature, vocab
 
 
 def _setup_linear_logp(ctx, inputs, output):
-    (hidden, weight, targets, bias, temperature, temperature_value, vocab_size,
-     return_entropy) = inputs
+    (hidden, weight, targets, bias, temperature, temperature_value, vocab_size, return_entropy) = (
+        inputs
+    )
     _, lse, entropy = output
     ctx.save_for_backward(hidden, weight, targets, bias, temperature, lse, entropy)
     ctx.temperature_value = temperature_value
@@ -363,23 +442,48 @@ def _setup_linear_logp(ctx, inputs, output):
     ctx.return_entropy = return_entropy
 
 
-def _fused_cuda_backward(hidden, weight, targets, bias, temperature, temperature_value,
-                         vocab_size, lse, entropy, g_logp, g_lse, g_ent, need_hidden,
-                         need_weight, need_bias):
+def _fused_cuda_backward(
+    hidden,
+    weight,
+    targets,
+    bias,
+    temperature,
+    temperature_value,
+    vocab_size,
+    lse,
+    entropy,
+    g_logp,
+    g_lse,
+    g_ent,
+    need_hidden,
+    need_weight,
+    need_bias,
+):
     """The fused Hopper backward (ops.cuda_linear_logp_backward) on the
     forward's inputs as saved; gradients in the inputs' dtypes."""
+
     def upstream(grad):
         return None if grad is None else grad.to(torch.float32).contiguous()
 
-    temps = (temperature_value if temperature is None else
-             temperature.to(torch.float32).contiguous())
+    temps = temperature_value if temperature is None else temperature.to(torch.float32).contiguous()
     return ops.cuda_linear_logp_backward(
-        hidden.to(torch.bfloat16).contiguous(), weight, targets.contiguous(), lse,
-        temperatures=temps, bias=bias, vocab_size=vocab_size,
-        entropy=None if g_ent is None else entropy, grad_logprobs=upstream(g_logp),
-        grad_lse=upstream(g_lse), grad_entropy=upstream(g_ent),
-        need_hidden=need_hidden, need_weight=need_weight, need_bias=need_bias,
-        hidden_grad_dtype=hidden.dtype, weight_grad_dtype=weight.dtype)
+        hidden.to(torch.bfloat16).contiguous(),
+        weight,
+        targets.contiguous(),
+        lse,
+        temperatures=temps,
+        bias=bias,
+        vocab_size=vocab_size,
+        entropy=None if g_ent is None else entropy,
+        grad_logprobs=upstream(g_logp),
+        grad_lse=upstream(g_lse),
+        grad_entropy=upstream(g_ent),
+        need_hidden=need_hidden,
+        need_weight=need_weight,
+        need_bias=need_bias,
+        hidden_grad_dtype=hidden.dtype,
+        weight_grad_dtype=weight.dtype,
+    )
 
 
 def _backward_linear_logp(ctx, g_logp, g_lse, g_ent):
@@ -389,26 +493,62 @@ def _backward_linear_logp(ctx, g_logp, g_lse, g_ent):
         g_ent = None
     need_bias = bias is not None and need[3]
     if weight.device.type == "cuda" and ops.cuda_fused_backward_available(
-            weight, bias, ctx.vocab_size):
+        weight, bias, ctx.vocab_size
+    ):
         d_hidden, d_weight, d_bias = _fused_cuda_backward(
-            hidden, weight, targets, bias, temperature, ctx.temperature_value,
-            ctx.vocab_size, lse, entropy, g_logp, g_lse, g_ent, need[0], need[1],
-            need_bias)
+            hidden,
+            weight,
+            targets,
+            bias,
+            temperature,
+            ctx.temperature_value,
+            ctx.vocab_size,
+            lse,
+            entropy,
+            g_logp,
+            g_lse,
+            g_ent,
+            need[0],
+            need[1],
+            need_bias,
+        )
     else:
-        temperature = _temperatures(temperature, ctx.temperature_value,
-                                    hidden.shape[0], lse.dtype, lse.device)
+        temperature = _temperatures(
+            temperature, ctx.temperature_value, hidden.shape[0], lse.dtype, lse.device
+        )
         d_hidden, d_weight, d_bias = _linear_logp_backward_impl(
-            hidden, weight, targets, bias, temperature, ctx.vocab_size, lse, entropy,
-            g_logp, g_lse, g_ent, need[0], need[1], need_bias, BACKWARD_BUDGET_BYTES)
+            hidden,
+            weight,
+            targets,
+            bias,
+            temperature,
+            ctx.vocab_size,
+            lse,
+            entropy,
+            g_logp,
+            g_lse,
+            g_ent,
+            need[0],
+            need[1],
+            need_bias,
+            BACKWARD_BUDGET_BYTES,
+        )
     return d_hidden, d_weight, None, d_bias, None, None, None, None
 
 
-_linear_logp_op.register_autograd(_backward_linear_logp,
-                                  setup_context=_setup_linear_logp)
+_linear_logp_op.register_autograd(_backward_linear_logp, setup_context=_setup_linear_logp)
 
 
-def linear_logp(hidden, weight, targets, bias=None, temperature=1.0, vocab_size=None,
-                return_lse=False, return_entropy=False):
+def linear_logp(
+    hidden,
+    weight,
+    targets,
+    bias=None,
+    temperature=1.0,
+    vocab_size=None,
+    return_lse=False,
+    return_entropy=False,
+):
     """log p(targets[r]) under softmax((hidden[r] . W^T + bias) / temperature)
     over the first vocab_size rows of W, with the server's bits (see the
     module docstring for devices and dtypes) and autograd for hidden, weight
@@ -430,8 +570,9 @@ def linear_logp(hidden, weight, targets, bias=None, temperature=1.0, vocab_size=
             raise ValueError(f"temperature: {value} is not finite and positive")
         temps = None
     vocab = weight.shape[0] if vocab_size is None else int(vocab_size)
-    logp, lse, entropy = _linear_logp_op(hidden, weight, targets, bias, temps, value,
-                                         vocab, bool(return_entropy))
+    logp, lse, entropy = _linear_logp_op(
+        hidden, weight, targets, bias, temps, value, vocab, bool(return_entropy)
+    )
     return ops._pack(logp, lse, entropy, return_lse, return_entropy)
 
 
@@ -442,9 +583,11 @@ def _check_projection(x, weight, bias):
     want = _FLOAT64 if float64 else torch.float32
     if float64 and device.type != "cpu":
         raise TypeError("float64 inputs select the CPU reference path: CPU tensors only")
-    for name, tensor, shape in (("x", x, None),
-                                ("weight", weight, (ops.H3_OUT_DIM, ops.H3_IN_DIM)),
-                                ("bias", bias, (ops.H3_OUT_DIM,))):
+    for name, tensor, shape in (
+        ("x", x, None),
+        ("weight", weight, (ops.H3_OUT_DIM, ops.H3_IN_DIM)),
+        ("bias", bias, (ops.H3_OUT_DIM,)),
+    ):
         if tensor is None:
             continue
         if tensor.dtype != want:
@@ -460,8 +603,9 @@ def _check_projection(x, weight, bias):
 
 
 @torch.library.custom_op("detlogp::h3_projection", mutates_args=())
-def _h3_projection_op(x: torch.Tensor, weight: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _h3_projection_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     _check_projection(x, weight, bias)
     if weight.device.type == "cuda":
         with torch.cuda.device(weight.device):
@@ -469,9 +613,13 @@ def _h3_projection_op(x: torch.Tensor, weight: torch.Tensor,
     if weight.dtype == _FLOAT64:
         y = x @ weight.T
         return y + bias if bias is not None else y
-    return torch.from_numpy(ops.h3_projection(
-        x.detach().numpy(), weight.detach().numpy(),
-        None if bias is None else bias.detach().numpy()))
+    return torch.from_numpy(
+        ops.h3_projection(
+            x.detach().numpy(),
+            weight.detach().numpy(),
+            None if bias is None else bias.detach().numpy(),
+        )
+    )
 
 
 @_h3_projection_op.register_fake
@@ -486,8 +634,9 @@ def _h3_input_grad_op(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return ops.cuda_h3_projection_input_grad(dy.contiguous(), weight)
     if weight.dtype == _FLOAT64:
         return dy @ weight
-    return torch.from_numpy(ops.cpu_h3_projection_input_grad(
-        dy.detach().contiguous().numpy(), weight.detach().numpy()))
+    return torch.from_numpy(
+        ops.cpu_h3_projection_input_grad(dy.detach().contiguous().numpy(), weight.detach().numpy())
+    )
 
 
 @_h3_input_grad_op.register_fake
@@ -496,22 +645,21 @@ def _(dy, weight):
 
 
 @torch.library.custom_op("detlogp::h3_projection_weight_grad", mutates_args=())
-def _h3_weight_grad_op(dy: torch.Tensor, x: torch.Tensor
-                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _h3_weight_grad_op(dy: torch.Tensor, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):
             return ops.cuda_h3_projection_weight_grad(dy.contiguous(), x, True)
     if x.dtype == _FLOAT64:
         return dy.T @ x, dy.sum(dim=0)
     dweight, dbias = ops.cpu_h3_projection_weight_grad(
-        dy.detach().contiguous().numpy(), x.detach().numpy(), True)
+        dy.detach().contiguous().numpy(), x.detach().numpy(), True
+    )
     return torch.from_numpy(dweight), torch.from_numpy(dbias)
 
 
 @_h3_weight_grad_op.register_fake
 def _(dy, x):
-    return (x.new_empty((ops.H3_OUT_DIM, ops.H3_IN_DIM)),
-            x.new_empty((ops.H3_OUT_DIM,)))
+    return (x.new_empty((ops.H3_OUT_DIM, ops.H3_IN_DIM)), x.new_empty((ops.H3_OUT_DIM,)))
 
 
 def _setup_projection(ctx, inputs, output):
@@ -530,8 +678,7 @@ def _backward_projection(ctx, dy):
     return dx, dweight if need_w else None, dbias if (need_b and ctx.has_bias) else None
 
 
-_h3_projection_op.register_autograd(_backward_projection,
-                                    setup_context=_setup_projection)
+_h3_projection_op.register_autograd(_backward_projection, setup_context=_setup_projection)
 
 
 def h3_projection(x, weight, bias=None):

@@ -27,6 +27,7 @@ Accepted weights:
                                       passed.
 The bias: any float array or tensor of V_pad values, sent as fp32.
 """
+
 import concurrent.futures
 import hashlib
 import os
@@ -47,8 +48,7 @@ def _torch_to_numpy(tensor, *, for_weight):
     import torch  # reached only for torch tensors, so torch is installed
 
     if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        raise TypeError(f"torch dtype {tensor.dtype} is not bfloat16, float16, "
-                        "float32 or float64")
+        raise TypeError(f"torch dtype {tensor.dtype} is not bfloat16, float16, float32 or float64")
     # The weight's bf16 bits as they are; a bf16 bias widened to fp32 exactly.
     return tensors.torch_to_numpy(tensor, bf16_bits=for_weight)
 
@@ -68,7 +68,8 @@ def weight_bits(weight):
     if kind != "f" or size not in (2, 4, 8):
         raise TypeError(
             f"weight dtype {array.dtype} is not float32, float16, float64, "
-            "bfloat16 (ml_dtypes or torch) or uint16 bf16 bits")
+            "bfloat16 (ml_dtypes or torch) or uint16 bf16 bits"
+        )
     if array.ndim == 0:
         raise ValueError("weight must be [padded_vocab_size, hidden_size]")
     out = np.empty(array.shape, dtype="<u2")
@@ -76,8 +77,8 @@ def weight_bits(weight):
     per_row = max(1, int(np.prod(array.shape[1:])))
     step = max(1, _ROUND_BLOCK_ELEMENTS // per_row)
     for begin in range(0, rows, step):
-        block = array[begin:begin + step].astype(np.float32)  # fp16: exact
-        out[begin:begin + step] = tensors.float32_to_bf16_bits(block)
+        block = array[begin : begin + step].astype(np.float32)  # fp16: exact
+        out[begin : begin + step] = tensors.float32_to_bf16_bits(block)
     return out
 
 
@@ -90,8 +91,10 @@ def bias_values(bias, padded_vocab_size):
     if array.dtype.kind != "f" and not is_bf16:
         raise TypeError(f"bias dtype {array.dtype} is not a float type")
     if array.shape != (padded_vocab_size,):
-        raise ValueError(f"bias has shape {list(array.shape)}; expected "
-                         f"[{padded_vocab_size}] (one fp32 per weight row)")
+        raise ValueError(
+            f"bias has shape {list(array.shape)}; expected "
+            f"[{padded_vocab_size}] (one fp32 per weight row)"
+        )
     return np.ascontiguousarray(array, dtype="<f4")
 
 
@@ -100,9 +103,11 @@ DIGEST_BLOCK_BYTES = 16 << 20
 
 def digest_preamble(hidden_size, vocab_size, padded_vocab_size, has_bias):
     """The ASCII line the model digest starts with."""
-    return (f"detlogp-lm-head-v2 H={hidden_size} V={vocab_size} "
-            f"V_pad={padded_vocab_size} bias={1 if has_bias else 0} "
-            f"block={DIGEST_BLOCK_BYTES}\n").encode("ascii")
+    return (
+        f"detlogp-lm-head-v2 H={hidden_size} V={vocab_size} "
+        f"V_pad={padded_vocab_size} bias={1 if has_bias else 0} "
+        f"block={DIGEST_BLOCK_BYTES}\n"
+    ).encode("ascii")
 
 
 def _leaf(view):
@@ -112,8 +117,11 @@ def _leaf(view):
 def block_digest(preamble, buffers, threads=None):
     """SHA-256 over `preamble` and the raw SHA-256 of every 16 MiB block of
     each buffer in turn (docs/live_weights.md)."""
-    blocks = [view[begin:begin + DIGEST_BLOCK_BYTES]
-              for view in buffers for begin in range(0, len(view), DIGEST_BLOCK_BYTES)]
+    blocks = [
+        view[begin : begin + DIGEST_BLOCK_BYTES]
+        for view in buffers
+        for begin in range(0, len(view), DIGEST_BLOCK_BYTES)
+    ]
     workers = threads or min(32, os.cpu_count() or 1)
     if workers > 1 and len(blocks) > 1:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -135,8 +143,10 @@ class LmHead:
     def __init__(self, weight, bias=None, vocab_size=None):
         self.weight = weight_bits(weight)
         if self.weight.ndim != 2:
-            raise ValueError(f"weight has shape {list(self.weight.shape)}; expected "
-                             "[padded_vocab_size, hidden_size]")
+            raise ValueError(
+                f"weight has shape {list(self.weight.shape)}; expected "
+                "[padded_vocab_size, hidden_size]"
+            )
         self.padded_vocab_size, self.hidden_size = (int(n) for n in self.weight.shape)
         self.bias = None if bias is None else bias_values(bias, self.padded_vocab_size)
         self.vocab_size = int(vocab_size or 0)
@@ -152,8 +162,12 @@ class LmHead:
         return self.weight.nbytes + (self.bias.nbytes if self.has_bias else 0)
 
     def preamble(self):
-        return digest_preamble(self.hidden_size, self.vocab_size or self.padded_vocab_size,
-                               self.padded_vocab_size, self.has_bias)
+        return digest_preamble(
+            self.hidden_size,
+            self.vocab_size or self.padded_vocab_size,
+            self.padded_vocab_size,
+            self.has_bias,
+        )
 
     def _buffers(self):
         """The bytes in wire order, as memoryviews (no copies)."""
@@ -171,14 +185,16 @@ class LmHead:
 
     def header(self, model, version=None, weights_sha256=None):
         return pb.UploadModelHeader(
-            model=model, dtype=pb.DTYPE_BFLOAT16,
+            model=model,
+            dtype=pb.DTYPE_BFLOAT16,
             shape=[self.padded_vocab_size, self.hidden_size],
-            vocab_size=self.vocab_size, has_bias=self.has_bias,
+            vocab_size=self.vocab_size,
+            has_bias=self.has_bias,
             model_version=int(version or 0),
-            weights_sha256=weights_sha256 or self.sha256())
+            weights_sha256=weights_sha256 or self.sha256(),
+        )
 
-    def messages(self, model, chunk_bytes=DEFAULT_CHUNK_BYTES, weights_sha256=None,
-                 version=None):
+    def messages(self, model, chunk_bytes=DEFAULT_CHUNK_BYTES, weights_sha256=None, version=None):
         """The UploadModel stream: the header (with the digest), then the
         weight's and the bias's bytes in chunks of `chunk_bytes`.
         `weights_sha256`, when given, is sent instead of the computed digest:
@@ -191,7 +207,7 @@ class LmHead:
         yield pb.UploadModelRequest(header=self.header(model, version, weights_sha256))
         for view in self._buffers():
             for begin in range(0, len(view), chunk_bytes):
-                yield pb.UploadModelRequest(chunk=bytes(view[begin:begin + chunk_bytes]))
+                yield pb.UploadModelRequest(chunk=bytes(view[begin : begin + chunk_bytes]))
 
 
 def lm_head_sha256(weight, bias=None, vocab_size=None):

@@ -4,11 +4,11 @@ that the tests wrote themselves (so a float64 numpy reference can check it).
 Nothing is built: bazel-bin/server/detlogp_server must exist
 (`bazel build //server:detlogp_server`), or $DETLOGP_SERVER must name it.
 """
+
 import pathlib
 
-import pytest
-
 import detlogp
+import pytest
 from detlogp.testing import LocalServer, TestModel, server_binary_for_tests
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -38,8 +38,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(server_binary, model):
-    with LocalServer(server_binary, model.flags + [
-            f"--max_request_rows={MAX_REQUEST_ROWS}", "--cpu_threads=1"]) as srv:
+    with LocalServer(
+        server_binary, model.flags + [f"--max_request_rows={MAX_REQUEST_ROWS}", "--cpu_threads=1"]
+    ) as srv:
         yield srv
 
 

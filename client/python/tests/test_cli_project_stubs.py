@@ -1,17 +1,16 @@
 """The `detlogp` console command, ProjectionService.Project (when the server
 has it; over several calls too), and the checked-in stubs being current with
 proto/."""
+
 import asyncio
 import json
 import pathlib
-import shutil
 import subprocess
 import sys
 
+import detlogp
 import numpy as np
 import pytest
-
-import detlogp
 from detlogp.v1 import detlogp_pb2
 
 PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[1]  # client/python
@@ -26,7 +25,10 @@ def detlogp_command():
 def test_cli_info_and_score(server, model, client, tmp_path):
     run = lambda *args: subprocess.run(
         detlogp_command() + ["--target", server.target, *args],
-        capture_output=True, text=True, timeout=60)
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     info = run("--json", "info")
     assert info.returncode == 0, info.stderr
     assert json.loads(info.stdout)["hidden_size"] == model.hidden
@@ -35,8 +37,15 @@ def test_cli_info_and_score(server, model, client, tmp_path):
     hidden, targets = model.random_rows(3, seed=51)
     np.save(tmp_path / "h.npy", hidden)
     np.save(tmp_path / "t.npy", targets)
-    score = run("--json", "score", "--hidden", str(tmp_path / "h.npy"),
-                "--targets", str(tmp_path / "t.npy"), "--lse")
+    score = run(
+        "--json",
+        "score",
+        "--hidden",
+        str(tmp_path / "h.npy"),
+        "--targets",
+        str(tmp_path / "t.npy"),
+        "--lse",
+    )
     assert score.returncode == 0, score.stderr
     rows = json.loads(score.stdout)["rows"]
     want = client.logprobs(hidden, targets)
@@ -56,8 +65,10 @@ def test_project_reassembles_chunks_when_the_server_has_it(client):
     try:
         whole = client.project(x, timeout=30)
     except detlogp.Unimplemented as error:
-        pytest.skip(f"server does not implement ProjectionService.Project yet "
-                    f"(UNIMPLEMENTED: {error.details})")
+        pytest.skip(
+            f"server does not implement ProjectionService.Project yet "
+            f"(UNIMPLEMENTED: {error.details})"
+        )
     assert whole.y.shape == (10, 5376) and whole.y.dtype == np.float32
     chunked = client.project(x, rows_per_chunk=3, timeout=30)
     assert chunked.chunks == 4
@@ -74,8 +85,7 @@ def test_project_over_several_calls_gives_one_calls_bits(server, client):
     x = rng.standard_normal((1000, 96)).astype(np.float32)
     whole = client.project(x, timeout=30)
     for streams, rows_per_chunk, chunks in [(2, 0, 2), (3, 7, 143), (8, 300, 4)]:
-        spread = client.project(x, streams=streams, rows_per_chunk=rows_per_chunk,
-                                timeout=30)
+        spread = client.project(x, streams=streams, rows_per_chunk=rows_per_chunk, timeout=30)
         assert spread.y.tobytes() == whole.y.tobytes()
         assert (spread.determinism_key, spread.chunks) == (whole.determinism_key, chunks)
 
@@ -83,8 +93,9 @@ def test_project_over_several_calls_gives_one_calls_bits(server, client):
         async with detlogp.aio.AsyncClient(server.target, timeout=30) as aclient:
             spread = await aclient.project(x, streams=4, rows_per_chunk=64)
             with pytest.raises(detlogp.InvalidArgument) as refused:
-                await aclient.project(np.zeros((3 * 2049, 96), np.float32), streams=3,
-                                      rows_per_chunk=2049)  # above the server's 2048
+                await aclient.project(
+                    np.zeros((3 * 2049, 96), np.float32), streams=3, rows_per_chunk=2049
+                )  # above the server's 2048
             return spread, refused.value.field
 
     spread, field = asyncio.run(run())
@@ -107,11 +118,17 @@ def test_checked_in_stubs_match_the_proto(tmp_path, repo_root):
     proto_root = repo_root / "proto"
     out = tmp_path / "out"
     out.mkdir()
-    rc = grpc_tools.main(["protoc", f"--proto_path={proto_root}",
-                          f"--include_imports",
-                          f"--descriptor_set_out={tmp_path / 'set.pb'}",
-                          f"--python_out={out}", f"--grpc_python_out={out}",
-                          str(proto_root / "detlogp/v1/detlogp.proto")])
+    rc = grpc_tools.main(
+        [
+            "protoc",
+            f"--proto_path={proto_root}",
+            "--include_imports",
+            f"--descriptor_set_out={tmp_path / 'set.pb'}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
+            str(proto_root / "detlogp/v1/detlogp.proto"),
+        ]
+    )
     assert rc == 0
     fresh = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / "set.pb").read_bytes())
     fresh_file = [f for f in fresh.file if f.name == "detlogp/v1/detlogp.proto"][0]
@@ -124,16 +141,19 @@ def test_checked_in_stubs_match_the_proto(tmp_path, repo_root):
     assert checked_in == fresh_file, "stubs are stale: run client/python/tools/regen_stubs.sh"
 
     from importlib import metadata
+
     pinned = "1.85.1"  # tools/regen_stubs.sh GRPCIO_TOOLS_VERSION
     if metadata.version("grpcio-tools") == pinned:
         for name in ("detlogp_pb2.py", "detlogp_pb2_grpc.py"):
             fresh_text = (out / "detlogp/v1" / name).read_text()
             assert (PACKAGE_ROOT / "detlogp/v1" / name).read_text() == fresh_text, (
-                f"{name} is stale: run client/python/tools/regen_stubs.sh")
+                f"{name} is stale: run client/python/tools/regen_stubs.sh"
+            )
 
 
 def test_clients_over_the_servers_unix_socket_get_the_tcp_ports_bits(
-        server_binary, model, tmp_path_factory):
+    server_binary, model, tmp_path_factory
+):
     """--unix_socket: target "unix:PATH" from the sync and asyncio clients,
     log-probs with extras and a projection over several calls, bit for bit
     the TCP port's answers."""
@@ -144,15 +164,15 @@ def test_clients_over_the_servers_unix_socket_get_the_tcp_ports_bits(
     # A short directory: a socket path holds at most 107 bytes.
     socket_dir = pathlib.Path(tempfile.mkdtemp(prefix="detlogp-py-"))
     socket = socket_dir / "s.sock"
-    with LocalServer(server_binary, model.flags + ["--cpu_threads=1",
-                                                   f"--unix_socket={socket}"]) as srv:
+    with LocalServer(
+        server_binary, model.flags + ["--cpu_threads=1", f"--unix_socket={socket}"]
+    ) as srv:
         hidden, targets = model.random_rows(9, seed=71)
         x = np.random.default_rng(72).standard_normal((300, 96)).astype(np.float32)
         results = {}
         for target in (srv.target, f"unix:{socket}"):
             with detlogp.Client(target, timeout=30) as c:
-                rows = c.logprobs(hidden, targets, return_lse=True, return_entropy=True,
-                                  top_k=3)
+                rows = c.logprobs(hidden, targets, return_lse=True, return_entropy=True, top_k=3)
                 y = c.project(x, streams=2, rows_per_chunk=64)
             results[target] = (rows, y)
 

@@ -6,14 +6,14 @@ match a float64 reference; top_k above the server's maximum is refused
 naming the field.
 
 The first tests need no server (request building, answer checks)."""
+
 import asyncio
 import concurrent.futures
 import random
 
+import detlogp
 import numpy as np
 import pytest
-
-import detlogp
 from detlogp import requests, results
 from detlogp._common import SentRequests
 from detlogp.testing import LocalServer, TestModel
@@ -34,10 +34,12 @@ def bits(array):
 def row_bits(result, i):
     """(logprob, entropy, top_ids, top_logprobs) bits of row i; None for
     what the result does not hold."""
-    return (bits(result.logprobs[i:i + 1]),
-            None if result.entropy is None else bits(result.entropy[i:i + 1]),
-            None if result.top_ids is None else bits(result.top_ids[i]),
-            None if result.top_logprobs is None else bits(result.top_logprobs[i]))
+    return (
+        bits(result.logprobs[i : i + 1]),
+        None if result.entropy is None else bits(result.entropy[i : i + 1]),
+        None if result.top_ids is None else bits(result.top_ids[i]),
+        None if result.top_logprobs is None else bits(result.top_logprobs[i]),
+    )
 
 
 # ---------------------------------------------------------------- no server
@@ -68,23 +70,25 @@ def test_negative_top_k_is_refused_by_the_asyncio_client():
         async with detlogp.aio.AsyncClient("127.0.0.1:1") as client:
             with pytest.raises(ValueError, match="top_k"):
                 await client.logprobs(np.zeros((1, 4), np.float32), [1], top_k=-1)
+
     asyncio.run(run())
 
 
 def _answer(request):
     rows, k = len(request.target_ids), request.top_k
     return pb.LogProbResponse(
-        logprobs=[-1.0] * rows, lse=[2.0] * rows if request.return_lse else [],
+        logprobs=[-1.0] * rows,
+        lse=[2.0] * rows if request.return_lse else [],
         entropy=[0.5 + r for r in range(rows)] if request.return_entropy else [],
         top_ids=[100 * r + j for r in range(rows) for j in range(k)],
-        top_logprobs=[-0.25 * (j + 1) for r in range(rows) for j in range(k)])
+        top_logprobs=[-0.25 * (j + 1) for r in range(rows) for j in range(k)],
+    )
 
 
 def test_result_shapes_and_dtypes_follow_the_request():
     hidden = np.zeros((3, 4), np.float32)
     for entropy, k in [(False, 0), (True, 0), (False, 4), (True, 4)]:
-        request = requests.logprob_request(hidden, [1, 2, 3], return_entropy=entropy,
-                                           top_k=k)
+        request = requests.logprob_request(hidden, [1, 2, 3], return_entropy=entropy, top_k=k)
         result = results.logprob_result(_answer(request), request)
         assert (result.entropy is not None) == entropy
         assert (result.top_ids is not None) == (k > 0)
@@ -96,24 +100,27 @@ def test_result_shapes_and_dtypes_follow_the_request():
             assert result.top_logprobs.dtype == np.float32
             assert result.top_logprobs.shape == (3, k)
             assert result.top_ids[2, 1] == 201
-    empty = requests.logprob_request(np.zeros((0, 4), np.float32), [],
-                                     return_entropy=True, top_k=3)
+    empty = requests.logprob_request(np.zeros((0, 4), np.float32), [], return_entropy=True, top_k=3)
     result = results.logprob_result(_answer(empty), empty)
     assert result.entropy.shape == (0,) and result.top_ids.shape == (0, 3)
 
 
-@pytest.mark.parametrize("field,damage", [
-    ("logprobs", lambda r: r.logprobs.pop()),
-    ("entropy", lambda r: r.entropy.pop()),
-    ("entropy", lambda r: r.ClearField("entropy")),
-    ("top_ids", lambda r: r.top_ids.append(7)),
-    ("top_ids", lambda r: r.ClearField("top_ids")),
-    ("top_logprobs", lambda r: r.top_logprobs.pop()),
-    ("lse", lambda r: r.lse.append(1.0)),
-])
+@pytest.mark.parametrize(
+    "field,damage",
+    [
+        ("logprobs", lambda r: r.logprobs.pop()),
+        ("entropy", lambda r: r.entropy.pop()),
+        ("entropy", lambda r: r.ClearField("entropy")),
+        ("top_ids", lambda r: r.top_ids.append(7)),
+        ("top_ids", lambda r: r.ClearField("top_ids")),
+        ("top_logprobs", lambda r: r.top_logprobs.pop()),
+        ("lse", lambda r: r.lse.append(1.0)),
+    ],
+)
 def test_a_malformed_answer_is_data_loss_naming_the_field(field, damage):
-    request = requests.logprob_request(np.zeros((3, 4), np.float32), [1, 2, 3],
-                                       return_entropy=True, top_k=2)
+    request = requests.logprob_request(
+        np.zeros((3, 4), np.float32), [1, 2, 3], return_entropy=True, top_k=2
+    )
     response = _answer(request)
     damage(response)
     with pytest.raises(detlogp.DataLoss) as info:
@@ -161,8 +168,7 @@ def test_fields_present_only_when_asked(client, model):
 
 def test_top_k_rows_descend_with_ties_to_the_lower_id(client, model):
     hidden, targets = model.random_rows(16, seed=102)
-    r = client.logprobs(hidden, targets, return_lse=True, return_entropy=True,
-                        top_k=MAX_TOP_K)
+    r = client.logprobs(hidden, targets, return_lse=True, return_entropy=True, top_k=MAX_TOP_K)
     ids, values = r.top_ids, r.top_logprobs
     assert np.all((ids >= 0) & (ids < model.vocab))  # padding rows never chosen
     for i in range(len(targets)):
@@ -189,8 +195,7 @@ def test_smaller_k_is_a_prefix_and_other_outputs_keep_their_bits(client, model):
     full = client.logprobs(hidden, targets, return_entropy=True, top_k=MAX_TOP_K)
     for k in (1, 2, 5, 13, MAX_TOP_K):
         for entropy in (False, True):
-            r = client.logprobs(hidden, targets, return_lse=True,
-                                return_entropy=entropy, top_k=k)
+            r = client.logprobs(hidden, targets, return_lse=True, return_entropy=entropy, top_k=k)
             assert bits(r.top_ids) == bits(full.top_ids[:, :k]), k
             assert bits(r.top_logprobs) == bits(full.top_logprobs[:, :k]), k
             # log p(target), lse and entropy never depend on what else is asked.
@@ -206,13 +211,17 @@ def test_smaller_k_is_a_prefix_and_other_outputs_keep_their_bits(client, model):
 def test_rows_match_float64_reference(client, model):
     hidden, targets = model.random_rows(24, seed=104)
     for temperature in (1.0, 0.7, 2.0):
-        r = client.logprobs(hidden, targets, temperature=temperature,
-                            return_entropy=True, top_k=MAX_TOP_K)
+        r = client.logprobs(
+            hidden, targets, temperature=temperature, return_entropy=True, top_k=MAX_TOP_K
+        )
         want_h, want_ids, want_lp = model.reference_entropy_top_k(
-            hidden, MAX_TOP_K + 1, temperature)
+            hidden, MAX_TOP_K + 1, temperature
+        )
         err = np.abs(r.entropy - want_h)
-        print(f"T={temperature}: entropy max |err| {err.max():.2e}, "
-              f"top-k max |err| {np.abs(r.top_logprobs - want_lp[:, :-1]).max():.2e}")
+        print(
+            f"T={temperature}: entropy max |err| {err.max():.2e}, "
+            f"top-k max |err| {np.abs(r.top_logprobs - want_lp[:, :-1]).max():.2e}"
+        )
         assert err.max() <= ENTROPY_ATOL
         assert np.abs(r.top_logprobs - want_lp[:, :-1]).max() <= TOP_LOGPROB_ATOL
         _check_ranking(r.top_ids, want_ids, want_lp)
@@ -261,8 +270,9 @@ def flat_server(server_binary, tmp_path_factory):
 def test_flat_row_entropy_is_log_v_and_top_k_the_lowest_ids(flat_server):
     srv, flat = flat_server
     with detlogp.Client(srv.target, timeout=20.0) as client:
-        r = client.logprobs(np.zeros((2, flat.hidden), np.float32), [0, 5],
-                            return_entropy=True, top_k=MAX_TOP_K)
+        r = client.logprobs(
+            np.zeros((2, flat.hidden), np.float32), [0, 5], return_entropy=True, top_k=MAX_TOP_K
+        )
     assert np.abs(r.entropy - np.log(flat.vocab)).max() <= ENTROPY_ATOL
     assert np.array_equal(r.top_ids, np.tile(np.arange(MAX_TOP_K), (2, 1)))
     assert np.abs(r.top_logprobs + np.log(flat.vocab)).max() <= TOP_LOGPROB_ATOL
@@ -288,8 +298,10 @@ def test_top_k_above_the_maximum_is_invalid_argument(client, model):
 
 def test_a_negative_top_k_item_ends_a_stream_with_value_error(client, server, model):
     hidden, targets = model.random_rows(2, seed=107)
-    items = [dict(hidden=hidden, targets=targets, top_k=3),
-             dict(hidden=hidden, targets=targets, top_k=-1)]
+    items = [
+        dict(hidden=hidden, targets=targets, top_k=3),
+        dict(hidden=hidden, targets=targets, top_k=-1),
+    ]
     got = []
     with pytest.raises(ValueError, match="top_k"):
         for answer in client.stream(items):
@@ -301,6 +313,7 @@ def test_a_negative_top_k_item_ends_a_stream_with_value_error(client, server, mo
             with pytest.raises(ValueError, match="top_k"):
                 async for _ in aclient.stream(items):
                     pass
+
     asyncio.run(run())
 
 
@@ -318,9 +331,12 @@ def solo(server, model):
     """Every pool row scored alone with entropy and the largest top-k."""
     hidden, targets = model.random_rows(POOL_ROWS, seed=106)
     with detlogp.Client(server.target, timeout=30.0) as client:
-        answers = [client.logprobs(hidden[i:i + 1], targets[i:i + 1],
-                                   return_entropy=True, top_k=MAX_TOP_K)
-                   for i in range(POOL_ROWS)]
+        answers = [
+            client.logprobs(
+                hidden[i : i + 1], targets[i : i + 1], return_entropy=True, top_k=MAX_TOP_K
+            )
+            for i in range(POOL_ROWS)
+        ]
     return hidden, targets, answers
 
 
@@ -330,9 +346,9 @@ def _mismatches(answer, rows, entropy, k, solo_answers):
     bad = 0
     for j, row in enumerate(rows):
         want = solo_answers[row]
-        ok = bits(answer.logprobs[j:j + 1]) == bits(want.logprobs)
+        ok = bits(answer.logprobs[j : j + 1]) == bits(want.logprobs)
         if entropy:
-            ok &= bits(answer.entropy[j:j + 1]) == bits(want.entropy)
+            ok &= bits(answer.entropy[j : j + 1]) == bits(want.entropy)
         else:
             ok &= answer.entropy is None
         if k:
@@ -349,28 +365,44 @@ def test_bits_equal_solo_under_concurrent_mixed_requests(server, solo):
 
     def caller(seed):
         rng = random.Random(seed)
-        plan = [(rng.sample(range(POOL_ROWS), rng.randint(1, 8)), rng.choice(MIXES))
-                for _ in range(CALLS_PER_CALLER)]
+        plan = [
+            (rng.sample(range(POOL_ROWS), rng.randint(1, 8)), rng.choice(MIXES))
+            for _ in range(CALLS_PER_CALLER)
+        ]
         with detlogp.Client(server.target, timeout=30.0) as client:
             if seed % 2:
-                answers = [client.logprobs(hidden[rows], targets[rows],
-                                           return_entropy=e, top_k=k)
-                           for rows, (e, k) in plan]
+                answers = [
+                    client.logprobs(hidden[rows], targets[rows], return_entropy=e, top_k=k)
+                    for rows, (e, k) in plan
+                ]
             else:
-                answers = list(client.stream(
-                    [dict(hidden=hidden[rows], targets=targets[rows],
-                          return_entropy=e, top_k=k) for rows, (e, k) in plan]))
+                answers = list(
+                    client.stream(
+                        [
+                            dict(
+                                hidden=hidden[rows],
+                                targets=targets[rows],
+                                return_entropy=e,
+                                top_k=k,
+                            )
+                            for rows, (e, k) in plan
+                        ]
+                    )
+                )
         checked = sum(len(rows) for rows, _ in plan)
-        bad = sum(_mismatches(a, rows, e, k, solo_answers)
-                  for a, (rows, (e, k)) in zip(answers, plan))
+        bad = sum(
+            _mismatches(a, rows, e, k, solo_answers) for a, (rows, (e, k)) in zip(answers, plan)
+        )
         return checked, bad
 
     with concurrent.futures.ThreadPoolExecutor(CALLERS) as pool:
         outcomes = list(pool.map(caller, range(CALLERS)))
     checked = sum(c for c, _ in outcomes)
     bad = sum(b for _, b in outcomes)
-    print(f"{CALLERS} callers x {CALLS_PER_CALLER} mixed calls: {checked} rows "
-          f"checked against solo bits, {bad} differ")
+    print(
+        f"{CALLERS} callers x {CALLS_PER_CALLER} mixed calls: {checked} rows "
+        f"checked against solo bits, {bad} differ"
+    )
     assert checked > 0 and bad == 0
 
 
@@ -379,25 +411,32 @@ def test_one_big_request_and_reversed_order_equal_solo(client, solo):
     rows = list(range(POOL_ROWS))
     for order in (rows, rows[::-1], rows[1::3] + rows[::3]):
         for entropy, k in MIXES:
-            answer = client.logprobs(hidden[order], targets[order],
-                                     return_entropy=entropy, top_k=k)
+            answer = client.logprobs(hidden[order], targets[order], return_entropy=entropy, top_k=k)
             assert _mismatches(answer, order, entropy, k, solo_answers) == 0, (entropy, k)
 
 
 def test_asyncio_client_and_streams_give_the_sync_bits(server, solo):
     hidden, targets, solo_answers = solo
     rng = random.Random(7)
-    plan = [(rng.sample(range(POOL_ROWS), rng.randint(1, 6)), rng.choice(MIXES))
-            for _ in range(12)]
+    plan = [(rng.sample(range(POOL_ROWS), rng.randint(1, 6)), rng.choice(MIXES)) for _ in range(12)]
 
     async def run():
         async with detlogp.aio.AsyncClient(server.target, timeout=30.0) as client:
-            unary = await asyncio.gather(*[
-                client.logprobs(hidden[rows], targets[rows], return_entropy=e, top_k=k)
-                for rows, (e, k) in plan])
-            streamed = [a async for a in client.stream(
-                [dict(hidden=hidden[rows], targets=targets[rows], return_entropy=e,
-                      top_k=k) for rows, (e, k) in plan])]
+            unary = await asyncio.gather(
+                *[
+                    client.logprobs(hidden[rows], targets[rows], return_entropy=e, top_k=k)
+                    for rows, (e, k) in plan
+                ]
+            )
+            streamed = [
+                a
+                async for a in client.stream(
+                    [
+                        dict(hidden=hidden[rows], targets=targets[rows], return_entropy=e, top_k=k)
+                        for rows, (e, k) in plan
+                    ]
+                )
+            ]
         return unary, streamed
 
     unary, streamed = asyncio.run(run())
@@ -409,8 +448,9 @@ def test_asyncio_client_and_streams_give_the_sync_bits(server, solo):
     with detlogp.Client(server.target, timeout=30.0) as client:
         for answer, (rows, (e, k)) in zip(unary, plan):
             again = client.logprobs(hidden[rows], targets[rows], return_entropy=e, top_k=k)
-            assert [row_bits(again, j) for j in range(len(rows))] == \
-                [row_bits(answer, j) for j in range(len(rows))]
+            assert [row_bits(again, j) for j in range(len(rows))] == [
+                row_bits(answer, j) for j in range(len(rows))
+            ]
 
 
 # ---------------------------------------------------------------- load tool
@@ -432,10 +472,13 @@ def test_loadgen_row_check_catches_each_output():
 
     def answer(k, entropy):
         return results.LogProbResult(
-            logprobs=pool.solo_logp[rows].copy(), lse=pool.solo_lse[rows].copy(),
-            determinism_key="", entropy=pool.solo_entropy[rows].copy() if entropy else None,
+            logprobs=pool.solo_logp[rows].copy(),
+            lse=pool.solo_lse[rows].copy(),
+            determinism_key="",
+            entropy=pool.solo_entropy[rows].copy() if entropy else None,
             top_ids=pool.solo_top_ids[rows, :k].copy() if k else None,
-            top_logprobs=pool.solo_top_logprobs[rows, :k].copy() if k else None)
+            top_logprobs=pool.solo_top_logprobs[rows, :k].copy() if k else None,
+        )
 
     def mismatches(extras, result):
         report = loadgen.LoadReport()
@@ -466,9 +509,12 @@ def test_loadgen_row_check_catches_each_output():
 def test_loadgen_needs_solo_extras_for_a_mixed_config():
     from detlogp import loadgen
 
-    pool = loadgen.RowPool(hidden=np.zeros((1, 2), np.float32), targets=np.arange(1),
-                           solo_logp=np.zeros(1, np.float32),
-                           solo_lse=np.zeros(1, np.float32))
+    pool = loadgen.RowPool(
+        hidden=np.zeros((1, 2), np.float32),
+        targets=np.arange(1),
+        solo_logp=np.zeros(1, np.float32),
+        solo_lse=np.zeros(1, np.float32),
+    )
     config = loadgen.LoadConfig(targets=["127.0.0.1:1"], extras=loadgen.extras_mix(5))
     with pytest.raises(ValueError, match="entropy"):
         asyncio.run(loadgen.run_load(config, pool))
@@ -485,8 +531,15 @@ def test_loadgen_mixed_extras_keep_solo_bits(server, model):
     pool.score_solo(server.target, entropy=True, top_k=MAX_TOP_K)
     pool.score_solo(server.target, entropy=True, top_k=MAX_TOP_K)  # same bits again
     config = loadgen.LoadConfig(
-        targets=[server.target], clients=8, duration_s=2.0, max_requests=400,
-        rows=(1, 6), timeout_s=30.0, seed=3, extras=loadgen.extras_mix(MAX_TOP_K))
+        targets=[server.target],
+        clients=8,
+        duration_s=2.0,
+        max_requests=400,
+        rows=(1, 6),
+        timeout_s=30.0,
+        seed=3,
+        extras=loadgen.extras_mix(MAX_TOP_K),
+    )
     report = asyncio.run(loadgen.run_load(config, pool))
     s = report.summary()
     print(report.table())
@@ -503,8 +556,9 @@ def test_console_score_prints_entropy_and_top_k(server, capsys):
 
     from detlogp import cli
 
-    assert cli.main(["--target", server.target, "--json", "score", "--rows", "3",
-                     "--entropy", "--top-k", "4"]) in (0, None)
+    assert cli.main(
+        ["--target", server.target, "--json", "score", "--rows", "3", "--entropy", "--top-k", "4"]
+    ) in (0, None)
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert len(rows) == 3
     for row in rows:

@@ -1,11 +1,11 @@
 """Each malformed request gets INVALID_ARGUMENT naming its field, raised as
 InvalidArgument at once (never retried)."""
+
 import math
 
+import detlogp
 import numpy as np
 import pytest
-
-import detlogp
 from detlogp.v1 import detlogp_pb2 as pb
 
 
@@ -13,38 +13,50 @@ def raw_request(model, rows=2, **overrides):
     """A valid fp32 request with some fields overridden."""
     hidden = np.zeros((rows, model.hidden), np.float32)
     fields = dict(
-        hidden=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[rows, model.hidden],
-                         data=hidden.tobytes()),
-        target_ids=list(range(rows)), temperature=1.0)
+        hidden=pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[rows, model.hidden], data=hidden.tobytes()),
+        target_ids=list(range(rows)),
+        temperature=1.0,
+    )
     fields.update(overrides)
     return pb.LogProbRequest(**fields)
 
 
 def cases(model, max_request_rows):
     h = model.hidden
-    fp32 = lambda shape, nbytes: pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape,
-                                           data=b"\0" * nbytes)
+    fp32 = lambda shape, nbytes: pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=shape, data=b"\0" * nbytes)
     too_many = max_request_rows + 1
     return {
-        "dtype unspecified": ("hidden.dtype", raw_request(model, hidden=pb.Tensor(
-            dtype=pb.DTYPE_UNSPECIFIED, shape=[2, h], data=b"\0" * 8 * h))),
-        "dtype out of enum": ("hidden.dtype", raw_request(model, hidden=pb.Tensor(
-            dtype=77, shape=[2, h], data=b"\0" * 8 * h))),
+        "dtype unspecified": (
+            "hidden.dtype",
+            raw_request(
+                model,
+                hidden=pb.Tensor(dtype=pb.DTYPE_UNSPECIFIED, shape=[2, h], data=b"\0" * 8 * h),
+            ),
+        ),
+        "dtype out of enum": (
+            "hidden.dtype",
+            raw_request(model, hidden=pb.Tensor(dtype=77, shape=[2, h], data=b"\0" * 8 * h)),
+        ),
         "rank 1": ("hidden.shape", raw_request(model, hidden=fp32([2 * h], 8 * h))),
         "rank 3": ("hidden.shape", raw_request(model, hidden=fp32([1, 2, h], 8 * h))),
         "wrong H": ("hidden.shape[1]", raw_request(model, hidden=fp32([2, h + 1], 8 * (h + 1)))),
         "negative N": ("hidden.shape[0]", raw_request(model, hidden=fp32([-1, h], 0))),
-        "too many rows": ("hidden.shape[0]", raw_request(
-            model, hidden=fp32([too_many, h], 4 * too_many * h),
-            target_ids=[0] * too_many)),
+        "too many rows": (
+            "hidden.shape[0]",
+            raw_request(
+                model, hidden=fp32([too_many, h], 4 * too_many * h), target_ids=[0] * too_many
+            ),
+        ),
         "short data": ("hidden.data", raw_request(model, hidden=fp32([2, h], 8 * h - 1))),
         "long data": ("hidden.data", raw_request(model, hidden=fp32([2, h], 8 * h + 4))),
         "missing target": ("target_ids", raw_request(model, target_ids=[0])),
         "extra target": ("target_ids", raw_request(model, target_ids=[0, 1, 2])),
         "negative target": ("target_ids[1]", raw_request(model, target_ids=[0, -1])),
         "target = vocab": ("target_ids[0]", raw_request(model, target_ids=[model.vocab, 0])),
-        "target in padding": ("target_ids[1]", raw_request(
-            model, target_ids=[0, model.padded_vocab - 1])),
+        "target in padding": (
+            "target_ids[1]",
+            raw_request(model, target_ids=[0, model.padded_vocab - 1]),
+        ),
         "huge target": ("target_ids[0]", raw_request(model, target_ids=[2**62, 0])),
         "nan temperature": ("temperature", raw_request(model, temperature=math.nan)),
         "inf temperature": ("temperature", raw_request(model, temperature=math.inf)),
@@ -53,10 +65,25 @@ def cases(model, max_request_rows):
 
 
 CASE_NAMES = [
-    "dtype unspecified", "dtype out of enum", "rank 1", "rank 3", "wrong H",
-    "negative N", "too many rows", "short data", "long data", "missing target",
-    "extra target", "negative target", "target = vocab", "target in padding",
-    "huge target", "nan temperature", "inf temperature", "negative temperature"]
+    "dtype unspecified",
+    "dtype out of enum",
+    "rank 1",
+    "rank 3",
+    "wrong H",
+    "negative N",
+    "too many rows",
+    "short data",
+    "long data",
+    "missing target",
+    "extra target",
+    "negative target",
+    "target = vocab",
+    "target in padding",
+    "huge target",
+    "nan temperature",
+    "inf temperature",
+    "negative temperature",
+]
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

@@ -6,6 +6,7 @@ Every model is small (H=64, V=1000 padded to 1024). Bits are compared with
 a fresh server started with the same weights through --weights: an upload
 must serve exactly what a start-up load serves.
 """
+
 import asyncio
 import concurrent.futures
 import json
@@ -16,12 +17,11 @@ import subprocess
 import sys
 import threading
 
+import detlogp
+import detlogp.requests
 import grpc
 import numpy as np
 import pytest
-
-import detlogp
-import detlogp.requests
 from detlogp import safetensors_io
 from detlogp import weights as lm_weights
 from detlogp.aio import AsyncClient
@@ -67,9 +67,16 @@ def root(folder):
 def live(server_binary, model, ref_model, root):
     """`model` (seed 7) as "default" version 1, `ref_model` as "reference",
     a model root, and room for 8 versions per model."""
-    with LocalServer(server_binary, model.flags + [
-            f"--model=reference={ref_model.path}", f"--model_root={root}",
-            "--max_versions_per_model=8", "--cpu_threads=1"]) as srv:
+    with LocalServer(
+        server_binary,
+        model.flags
+        + [
+            f"--model=reference={ref_model.path}",
+            f"--model_root={root}",
+            "--max_versions_per_model=8",
+            "--cpu_threads=1",
+        ],
+    ) as srv:
         yield srv
 
 
@@ -103,8 +110,9 @@ def _answer(target, hidden, targets, **kwargs):
 
 
 def _upload(client, name, test_model, **kwargs):
-    return client.upload_model(name, test_model.weight_bits, test_model.bias,
-                               vocab_size=test_model.vocab, **kwargs)
+    return client.upload_model(
+        name, test_model.weight_bits, test_model.bias, vocab_size=test_model.vocab, **kwargs
+    )
 
 
 def _versions(client, name):
@@ -116,8 +124,9 @@ def _raw_upload(target, messages, token=None):
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.ModelRepositoryServiceStub(channel)
         try:
-            return stub.UploadModel(iter(messages), timeout=20,
-                                    metadata=bearer(token) if token else None)
+            return stub.UploadModel(
+                iter(messages), timeout=20, metadata=bearer(token) if token else None
+            )
         except grpc.RpcError as error:
             return from_rpc_error(error)
 
@@ -131,8 +140,11 @@ def test_upload_becomes_latest_with_the_bits_of_a_fresh_server(client, fresh, tr
     published = _upload(client, "default", trained)
     fresh_info = detlogp.Client(fresh.target).info()
     assert published.version == 2
-    assert published.weights_sha256 == fresh_info.weights_sha256 == \
-        detlogp.lm_head_sha256(trained.weight_bits, trained.bias, trained.vocab)
+    assert (
+        published.weights_sha256
+        == fresh_info.weights_sha256
+        == detlogp.lm_head_sha256(trained.weight_bits, trained.bias, trained.vocab)
+    )
     assert published.determinism_key == fresh_info.determinism_key
     assert published.status.source == "upload" and published.status.persisted
 
@@ -151,8 +163,9 @@ def test_upload_becomes_latest_with_the_bits_of_a_fresh_server(client, fresh, tr
     assert pinned.logprobs.tobytes() == before.logprobs.tobytes()
 
 
-def test_pinned_version_keeps_its_bits_while_versions_swap(client, server, model, trained,
-                                                           third, fresh):
+def test_pinned_version_keeps_its_bits_while_versions_swap(
+    client, server, model, trained, third, fresh
+):
     """Readers pinned to version 1 and readers of the latest version run
     while versions 2 and 3 are uploaded; every answer's bits are the bits of
     the version it names."""
@@ -161,8 +174,10 @@ def test_pinned_version_keeps_its_bits_while_versions_swap(client, server, model
     assert v1.version == 1
     # An upload of the start-up weights serves the start-up bits.
     want_v1 = _answer(server.target, hidden, targets)
-    assert client.logprobs(hidden, targets, model="swap").logprobs.tobytes() == \
-        want_v1.logprobs.tobytes()
+    assert (
+        client.logprobs(hidden, targets, model="swap").logprobs.tobytes()
+        == want_v1.logprobs.tobytes()
+    )
 
     stop = threading.Event()
     pinned, latest = [], []
@@ -172,9 +187,11 @@ def test_pinned_version_keeps_its_bits_while_versions_swap(client, server, model
             while not stop.is_set():
                 out.append(reader.logprobs(hidden, targets, model="swap", **kwargs))
 
-    readers = [threading.Thread(target=read, args=(pinned,), kwargs={"version": 1}),
-               threading.Thread(target=read, args=(pinned,), kwargs={"version": 1}),
-               threading.Thread(target=read, args=(latest,))]
+    readers = [
+        threading.Thread(target=read, args=(pinned,), kwargs={"version": 1}),
+        threading.Thread(target=read, args=(pinned,), kwargs={"version": 1}),
+        threading.Thread(target=read, args=(latest,)),
+    ]
     for thread in readers:
         thread.start()
     try:
@@ -191,15 +208,19 @@ def test_pinned_version_keeps_its_bits_while_versions_swap(client, server, model
 
     assert pinned and all(r.model_version == 1 for r in pinned)
     assert {r.logprobs.tobytes() for r in pinned} == {want_v1.logprobs.tobytes()}
-    want = {1: want_v1.logprobs.tobytes(),
-            2: _answer(fresh.target, hidden, targets).logprobs.tobytes(),
-            3: client.logprobs(hidden, targets, model="swap", version=3).logprobs.tobytes()}
+    want = {
+        1: want_v1.logprobs.tobytes(),
+        2: _answer(fresh.target, hidden, targets).logprobs.tobytes(),
+        3: client.logprobs(hidden, targets, model="swap", version=3).logprobs.tobytes(),
+    }
     assert len(set(want.values())) == 3
     for answer in latest:
         assert answer.logprobs.tobytes() == want[answer.model_version], answer.model_version
     assert latest[-1].model_version == 3
-    print(f"{len(pinned)} pinned and {len(latest)} latest answers during two swaps; "
-          f"latest saw versions {sorted({r.model_version for r in latest})}")
+    print(
+        f"{len(pinned)} pinned and {len(latest)} latest answers during two swaps; "
+        f"latest saw versions {sorted({r.model_version for r in latest})}"
+    )
 
 
 def test_reference_and_policy_side_by_side(client, ref_model, trained, fresh):
@@ -212,8 +233,10 @@ def test_reference_and_policy_side_by_side(client, ref_model, trained, fresh):
     assert ref.logprobs.tobytes() != pol.logprobs.tobytes()
     assert ref.determinism_key != pol.determinism_key
     # The start-up reference and an upload of the same weights agree bitwise.
-    assert client.logprobs(hidden, targets, model="ref-copy").logprobs.tobytes() == \
-        ref.logprobs.tobytes()
+    assert (
+        client.logprobs(hidden, targets, model="ref-copy").logprobs.tobytes()
+        == ref.logprobs.tobytes()
+    )
     assert ref_copy.determinism_key == client.info(model="reference").determinism_key
     assert pol.logprobs.tobytes() == _answer(fresh.target, hidden, targets).logprobs.tobytes()
     want_ref, _ = ref_model.reference(hidden, targets)
@@ -232,11 +255,18 @@ def test_reference_and_policy_side_by_side(client, ref_model, trained, fresh):
 
     # Streams: a default model for the items that name none.
     raw = detlogp.requests.logprob_request(hidden, targets)
-    streamed = list(client.stream(
-        [(hidden, targets), {"hidden": hidden, "targets": targets, "model": "reference"},
-         raw], model="policy", version=policy.version))
+    streamed = list(
+        client.stream(
+            [(hidden, targets), {"hidden": hidden, "targets": targets, "model": "reference"}, raw],
+            model="policy",
+            version=policy.version,
+        )
+    )
     assert [(r.model, r.model_version) for r in streamed] == [
-        ("policy", policy.version), ("reference", 1), ("policy", policy.version)]
+        ("policy", policy.version),
+        ("reference", 1),
+        ("policy", policy.version),
+    ]
     assert streamed[1].logprobs.tobytes() == ref.logprobs.tobytes()
     assert streamed[2].logprobs.tobytes() == pol.logprobs.tobytes()
     assert raw.model == "" and raw.model_version == 0  # the caller's message is untouched
@@ -285,7 +315,8 @@ def test_unknown_model_and_version_are_not_found(client, model):
 
 @pytest.mark.parametrize("dtype,name", [(np.float32, "F32"), (np.float16, "F16")])
 def test_float_uploads_round_to_bf16_as_the_server_rounds_a_float_file(
-        client, server_binary, folder, dtype, name):
+    client, server_binary, folder, dtype, name
+):
     """Unrounded weights (with exact ties) uploaded from numpy serve the same
     digest and bits as the same weights in a file the server rounds itself."""
     rng = np.random.default_rng(14)
@@ -297,8 +328,10 @@ def test_float_uploads_round_to_bf16_as_the_server_rounds_a_float_file(
     bias = rng.standard_normal(1024).astype(np.float32)
     path = folder / f"unrounded_{name}.safetensors"
     safetensors_io.write(path, {"lm_head.weight": weight, "lm_head.bias": bias})
-    with LocalServer(server_binary, [f"--weights={path}", "--bias_tensor=lm_head.bias",
-                                     "--vocab_size=1000", "--cpu_threads=1"]) as own:
+    with LocalServer(
+        server_binary,
+        [f"--weights={path}", "--bias_tensor=lm_head.bias", "--vocab_size=1000", "--cpu_threads=1"],
+    ) as own:
         hidden = rng.standard_normal((ROWS, 64)).astype(np.float32)
         targets = rng.integers(0, 1000, size=ROWS)
         want = _answer(own.target, hidden, targets)
@@ -318,8 +351,11 @@ def test_tampered_upload_is_data_loss_and_changes_nothing(client, live, root, tr
     before = client.logprobs(hidden, targets, model="tamper")
 
     # A byte flipped in flight: the digest (of the right bytes) no longer matches.
-    messages = list(lm_weights.LmHead(trained.weight_bits, trained.bias, trained.vocab)
-                    .messages("tamper", chunk_bytes=16 << 10))
+    messages = list(
+        lm_weights.LmHead(trained.weight_bits, trained.bias, trained.vocab).messages(
+            "tamper", chunk_bytes=16 << 10
+        )
+    )
     assert len(messages) > 4
     flipped = bytearray(messages[2].chunk)
     flipped[100] ^= 0x01
@@ -330,13 +366,18 @@ def test_tampered_upload_is_data_loss_and_changes_nothing(client, live, root, tr
 
     # Other weights claiming the first weights' digest.
     with pytest.raises(detlogp.DataLoss):
-        _upload(client, "tamper", third,
-                weights_sha256=detlogp.lm_head_sha256(trained.weight_bits, trained.bias,
-                                                      trained.vocab))
+        _upload(
+            client,
+            "tamper",
+            third,
+            weights_sha256=detlogp.lm_head_sha256(trained.weight_bits, trained.bias, trained.vocab),
+        )
 
     assert _versions(client, "tamper") == [1]
-    assert client.logprobs(hidden, targets, model="tamper").logprobs.tobytes() == \
-        before.logprobs.tobytes()
+    assert (
+        client.logprobs(hidden, targets, model="tamper").logprobs.tobytes()
+        == before.logprobs.tobytes()
+    )
     assert sorted(os.listdir(root / "tamper")) == ["1"]  # no temporaries left
     # The next good upload is version 2: refused uploads took no number.
     assert _upload(client, "tamper", third).version == 2
@@ -355,8 +396,11 @@ def test_bad_upload_header_is_invalid_argument_naming_the_field(client, live, tr
     assert error.value.field == "header.model"
 
     # A header announcing more bytes than sent: the chunks are short.
-    messages = list(lm_weights.LmHead(trained.weight_bits, bias, trained.vocab)
-                    .messages("bad", chunk_bytes=64 << 10))
+    messages = list(
+        lm_weights.LmHead(trained.weight_bits, bias, trained.vocab).messages(
+            "bad", chunk_bytes=64 << 10
+        )
+    )
     error = _raw_upload(live.target, messages[:2] + messages[-1:])
     assert isinstance(error, detlogp.InvalidArgument) and error.field == "chunk", error
     # The digest as a message of its own before the chunks (it must be last).
@@ -364,8 +408,9 @@ def test_bad_upload_header_is_invalid_argument_naming_the_field(client, live, tr
     header.CopyFrom(messages[0])
     digest = header.header.weights_sha256
     header.header.weights_sha256 = ""
-    error = _raw_upload(live.target, [header, pb.UploadModelRequest(weights_sha256=digest)]
-                        + messages[1:])
+    error = _raw_upload(
+        live.target, [header, pb.UploadModelRequest(weights_sha256=digest)] + messages[1:]
+    )
     assert isinstance(error, detlogp.InvalidArgument), error
     assert error.field == "weights_sha256"
 
@@ -380,12 +425,14 @@ def test_bad_upload_header_is_invalid_argument_naming_the_field(client, live, tr
         client.info(model="bad")  # nothing was created
 
 
-def test_upload_over_the_memory_bound_is_refused_and_changes_nothing(server_binary, model,
-                                                                     folder):
+def test_upload_over_the_memory_bound_is_refused_and_changes_nothing(server_binary, model, folder):
     big = TestModel(folder, seed=41, vocab=4000, padded_vocab=4096)
-    with LocalServer(server_binary, model.flags + [
-            "--max_model_memory_bytes=300000", "--cpu_threads=1"]) as srv, \
-            detlogp.Client(srv.target, timeout=20.0) as client:
+    with (
+        LocalServer(
+            server_binary, model.flags + ["--max_model_memory_bytes=300000", "--cpu_threads=1"]
+        ) as srv,
+        detlogp.Client(srv.target, timeout=20.0) as client,
+    ):
         hidden, targets = _rows(model, seed=6)
         before = client.logprobs(hidden, targets)
         used = sum(v.memory_bytes for v in client.info().versions)
@@ -407,18 +454,26 @@ def test_upload_over_the_memory_bound_is_refused_and_changes_nothing(server_bina
 def guarded(server_binary, model, folder):
     (folder / "score_tokens").write_text("score-token\n")
     (folder / "admin_tokens").write_text("# admins\nadmin-token\n")
-    with LocalServer(server_binary, model.flags + [
+    with LocalServer(
+        server_binary,
+        model.flags
+        + [
             f"--auth_tokens_file={folder / 'score_tokens'}",
             f"--admin_tokens_file={folder / 'admin_tokens'}",
-            "--cpu_threads=1"]) as srv:
+            "--cpu_threads=1",
+        ],
+    ) as srv:
         yield srv
 
 
-@pytest.mark.parametrize("token,admin_token", [
-    (None, None), ("score-token", None), ("score-token", "wrong"), (None, "score-token")])
+@pytest.mark.parametrize(
+    "token,admin_token",
+    [(None, None), ("score-token", None), ("score-token", "wrong"), (None, "score-token")],
+)
 def test_admin_calls_need_an_admin_token(guarded, trained, token, admin_token):
-    with detlogp.Client(guarded.target, token=token, admin_token=admin_token,
-                        timeout=10.0, retry=detlogp.NO_RETRY) as client:
+    with detlogp.Client(
+        guarded.target, token=token, admin_token=admin_token, timeout=10.0, retry=detlogp.NO_RETRY
+    ) as client:
         with pytest.raises(detlogp.Unauthenticated) as error:
             client.list_models()
         assert "admin" in error.value.details
@@ -430,23 +485,27 @@ def test_admin_calls_need_an_admin_token(guarded, trained, token, admin_token):
 
 def test_admin_token_is_sent_on_admin_calls_only(guarded, trained, model):
     hidden, targets = _rows(model, seed=7, n=2)
-    with detlogp.Client(guarded.target, token="score-token", admin_token="admin-token",
-                        timeout=10.0) as client:
+    with detlogp.Client(
+        guarded.target, token="score-token", admin_token="admin-token", timeout=10.0
+    ) as client:
         assert [m.model for m in client.list_models().models] == ["default"]
         published = _upload(client, "guarded", trained)
         answer = client.logprobs(hidden, targets, model="guarded", version=published.version)
         assert answer.model_version == published.version
     # The admin token is no scoring token.
-    with detlogp.Client(guarded.target, token="admin-token", timeout=10.0,
-                        retry=detlogp.NO_RETRY) as client:
+    with detlogp.Client(
+        guarded.target, token="admin-token", timeout=10.0, retry=detlogp.NO_RETRY
+    ) as client:
         with pytest.raises(detlogp.Unauthenticated):
             client.logprobs(hidden, targets)
 
     async def run():
-        async with AsyncClient(guarded.target, token="score-token",
-                               admin_token="admin-token", timeout=10.0) as aclient:
-            published = await aclient.upload_model("guarded-aio", trained.weight_bits,
-                                                   trained.bias, trained.vocab)
+        async with AsyncClient(
+            guarded.target, token="score-token", admin_token="admin-token", timeout=10.0
+        ) as aclient:
+            published = await aclient.upload_model(
+                "guarded-aio", trained.weight_bits, trained.bias, trained.vocab
+            )
             answer = await aclient.logprobs(hidden, targets, model="guarded-aio")
         async with AsyncClient(guarded.target, token="score-token", timeout=10.0) as aclient:
             with pytest.raises(detlogp.Unauthenticated):
@@ -466,34 +525,53 @@ def test_async_refused_uploads_report_the_servers_status(guarded, folder):
 
     async def run():
         refusals = []
-        async with AsyncClient(guarded.target, token="score-token",
-                               admin_token="wrong", timeout=10.0,
-                               retry=detlogp.NO_RETRY) as aclient:
+        async with AsyncClient(
+            guarded.target,
+            token="score-token",
+            admin_token="wrong",
+            timeout=10.0,
+            retry=detlogp.NO_RETRY,
+        ) as aclient:
             for _ in range(12):
                 try:
-                    await aclient.upload_model("refused-aio", trained.weight_bits,
-                                               trained.bias, trained.vocab,
-                                               chunk_bytes=1024)
+                    await aclient.upload_model(
+                        "refused-aio",
+                        trained.weight_bits,
+                        trained.bias,
+                        trained.vocab,
+                        chunk_bytes=1024,
+                    )
                 except detlogp.DetlogpError as error:
                     refusals.append(error)
-        async with AsyncClient(guarded.target, token="score-token",
-                               admin_token="admin-token", timeout=10.0,
-                               retry=detlogp.NO_RETRY) as aclient:
-            first = await aclient.upload_model("taken-aio", trained.weight_bits,
-                                               trained.bias, trained.vocab, version=5)
+        async with AsyncClient(
+            guarded.target,
+            token="score-token",
+            admin_token="admin-token",
+            timeout=10.0,
+            retry=detlogp.NO_RETRY,
+        ) as aclient:
+            first = await aclient.upload_model(
+                "taken-aio", trained.weight_bits, trained.bias, trained.vocab, version=5
+            )
             for _ in range(12):
                 try:
-                    await aclient.upload_model("taken-aio", trained.weight_bits,
-                                               trained.bias, trained.vocab,
-                                               chunk_bytes=1024, version=5)
+                    await aclient.upload_model(
+                        "taken-aio",
+                        trained.weight_bits,
+                        trained.bias,
+                        trained.vocab,
+                        chunk_bytes=1024,
+                        version=5,
+                    )
                 except detlogp.DetlogpError as error:
                     refusals.append(error)
         return first, refusals
 
     first, refusals = asyncio.run(run())
     assert first.version == 5
-    assert [type(e) for e in refusals] == \
-        [detlogp.Unauthenticated] * 12 + [detlogp.FailedPrecondition] * 12
+    assert [type(e) for e in refusals] == [detlogp.Unauthenticated] * 12 + [
+        detlogp.FailedPrecondition
+    ] * 12
     assert all(e.field == "header.model_version" for e in refusals[12:])
 
 
@@ -502,24 +580,32 @@ def test_load_model_stays_inside_the_model_root(client, server, root, folder, tr
     (root / "incoming").mkdir(exist_ok=True)
     shutil.copy(trained.path, root / "incoming" / "lm.safetensors")
     digest = detlogp.lm_head_sha256(trained.weight_bits, trained.bias, trained.vocab)
-    loaded = client.load_model("loaded", "incoming/lm.safetensors",
-                               bias_tensor="lm_head.bias", vocab_size=trained.vocab,
-                               expected_sha256=digest)
+    loaded = client.load_model(
+        "loaded",
+        "incoming/lm.safetensors",
+        bias_tensor="lm_head.bias",
+        vocab_size=trained.vocab,
+        expected_sha256=digest,
+    )
     assert loaded.version == 1 and loaded.weights_sha256 == digest
     assert loaded.status.source == "load:incoming/lm.safetensors"
     hidden, targets = _rows(trained, seed=8)
-    assert client.logprobs(hidden, targets, model="loaded").logprobs.tobytes() == \
-        _answer(fresh.target, hidden, targets).logprobs.tobytes()
+    assert (
+        client.logprobs(hidden, targets, model="loaded").logprobs.tobytes()
+        == _answer(fresh.target, hidden, targets).logprobs.tobytes()
+    )
 
     outside = folder / "outside.safetensors"
     shutil.copy(trained.path, outside)
     os.symlink(outside, root / "incoming" / "escape.safetensors")
     os.symlink(folder, root / "incoming" / "up")
-    for path, why in [(str(outside), "absolute"),
-                      ("incoming/../incoming/lm.safetensors", ".."),
-                      ("../outside.safetensors", ".."),
-                      ("incoming/escape.safetensors", "symlink"),
-                      ("incoming/up/outside.safetensors", "symlink")]:
+    for path, why in [
+        (str(outside), "absolute"),
+        ("incoming/../incoming/lm.safetensors", ".."),
+        ("../outside.safetensors", ".."),
+        ("incoming/escape.safetensors", "symlink"),
+        ("incoming/up/outside.safetensors", "symlink"),
+    ]:
         with pytest.raises(detlogp.PermissionDenied) as error:
             client.load_model("loaded", path, bias_tensor="lm_head.bias")
         assert error.value.field == "path" and why in error.value.details, error.value
@@ -527,8 +613,13 @@ def test_load_model_stays_inside_the_model_root(client, server, root, folder, tr
         client.load_model("loaded", "incoming/missing.safetensors")
     assert error.value.field == "path"
     with pytest.raises(detlogp.InvalidArgument) as error:
-        client.load_model("loaded", "incoming/lm.safetensors", bias_tensor="lm_head.bias",
-                          vocab_size=trained.vocab, expected_sha256="0" * 64)
+        client.load_model(
+            "loaded",
+            "incoming/lm.safetensors",
+            bias_tensor="lm_head.bias",
+            vocab_size=trained.vocab,
+            expected_sha256="0" * 64,
+        )
     assert error.value.field == "expected_weights_sha256"
     assert _versions(client, "loaded") == [1]
 
@@ -566,18 +657,21 @@ def test_async_client_uploads_and_scores(live, fresh, trained):
 
     async def run():
         async with AsyncClient(live.target, timeout=20.0) as aclient:
-            published = await aclient.upload_model("aio", trained.weight_bits, trained.bias,
-                                                   trained.vocab, chunk_bytes=32 << 10)
-            answers = await asyncio.gather(*[
-                aclient.logprobs(hidden, targets, model="aio", version=published.version)
-                for _ in range(8)])
+            published = await aclient.upload_model(
+                "aio", trained.weight_bits, trained.bias, trained.vocab, chunk_bytes=32 << 10
+            )
+            answers = await asyncio.gather(
+                *[
+                    aclient.logprobs(hidden, targets, model="aio", version=published.version)
+                    for _ in range(8)
+                ]
+            )
             streamed = [r async for r in aclient.stream([(hidden, targets)] * 3, model="aio")]
             info = await aclient.info(model="aio")
             listing = await aclient.list_models()
             await aclient.unload_model("aio", published.version)
             with pytest.raises(detlogp.NotFound):
-                await aclient.logprobs(hidden, targets, model="aio",
-                                       version=published.version)
+                await aclient.logprobs(hidden, targets, model="aio", version=published.version)
             return published, answers + streamed, info, listing
 
     published, answers, info, listing = asyncio.run(run())
@@ -605,14 +699,15 @@ def test_upload_to_two_targets_gives_equal_keys(live, replica, trained, fresh):
 
 def test_pinned_version_moves_past_a_replica_without_it(live, replica, trained, third):
     hidden, targets = _rows(trained, seed=12)
-    with detlogp.Client([live.target, replica.target], timeout=20.0) as both, \
-            detlogp.Client(live.target, timeout=20.0) as only_live:
+    with (
+        detlogp.Client([live.target, replica.target], timeout=20.0) as both,
+        detlogp.Client(live.target, timeout=20.0) as only_live,
+    ):
         assert _upload(both, "lagging", trained).version == 1
         v2 = _upload(only_live, "lagging", third)  # the replica misses version 2
         assert v2.version == 2
         want = only_live.logprobs(hidden, targets, model="lagging", version=2)
-        answers = [both.logprobs(hidden, targets, model="lagging", version=2)
-                   for _ in range(6)]
+        answers = [both.logprobs(hidden, targets, model="lagging", version=2) for _ in range(6)]
         assert all(a.model_version == 2 for a in answers)
         assert {a.logprobs.tobytes() for a in answers} == {want.logprobs.tobytes()}
         assert both.retries == 3  # every call that went to the replica first
@@ -635,8 +730,7 @@ def test_pinned_version_moves_past_a_replica_without_it(live, replica, trained, 
         aligned = _upload(both, "lagging", third, version=10)
         assert {s.version for s in aligned.per_target.values()} == {10}
         retries = both.retries
-        answers = [both.logprobs(hidden, targets, model="lagging", version=10)
-                   for _ in range(4)]
+        answers = [both.logprobs(hidden, targets, model="lagging", version=10) for _ in range(4)]
         assert {a.logprobs.tobytes() for a in answers} == {want.logprobs.tobytes()}
         assert both.retries == retries  # both targets hold it
 
@@ -660,11 +754,21 @@ def test_explicit_version_numbers_must_increase(client, root, trained, third):
     (root / "numbered-files").mkdir()
     shutil.copy(trained.path, root / "numbered-files" / "lm.safetensors")
     with pytest.raises(detlogp.FailedPrecondition) as error:
-        client.load_model("numbered", "numbered-files/lm.safetensors",
-                          bias_tensor="lm_head.bias", vocab_size=trained.vocab, version=6)
+        client.load_model(
+            "numbered",
+            "numbered-files/lm.safetensors",
+            bias_tensor="lm_head.bias",
+            vocab_size=trained.vocab,
+            version=6,
+        )
     assert error.value.field == "model_version"
-    loaded = client.load_model("numbered", "numbered-files/lm.safetensors",
-                               bias_tensor="lm_head.bias", vocab_size=trained.vocab, version=9)
+    loaded = client.load_model(
+        "numbered",
+        "numbered-files/lm.safetensors",
+        bias_tensor="lm_head.bias",
+        vocab_size=trained.vocab,
+        version=9,
+    )
     assert loaded.version == 9 and _versions(client, "numbered") == [5, 6, 9]
     pinned = client.logprobs(hidden, targets, model="numbered", version=5)
     assert pinned.logprobs.tobytes() == before.logprobs.tobytes()
@@ -674,32 +778,63 @@ def test_explicit_version_numbers_must_increase(client, root, trained, third):
 def _cli(target, *args):
     script = pathlib.Path(sys.executable).with_name("detlogp")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "detlogp.cli"]
-    return subprocess.run(command + ["--target", target, *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        command + ["--target", target, *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_cli_models_upload_load_score_unload(live, root, trained, third, tmp_path):
     run = lambda *args: _cli(live.target, *args)
     np.save(tmp_path / "w.npy", third.weight_bits)  # uint16: bf16 bits
     np.save(tmp_path / "b.npy", third.bias)
-    up = run("--json", "upload", "cli", str(tmp_path / "w.npy"), "--bias",
-             str(tmp_path / "b.npy"), "--vocab-size", str(third.vocab), "--chunk-mb", "0.01")
+    up = run(
+        "--json",
+        "upload",
+        "cli",
+        str(tmp_path / "w.npy"),
+        "--bias",
+        str(tmp_path / "b.npy"),
+        "--vocab-size",
+        str(third.vocab),
+        "--chunk-mb",
+        "0.01",
+    )
     assert up.returncode == 0, up.stderr
     first = json.loads(up.stdout)
     assert first["version"] == 1
-    assert first["weights_sha256"] == detlogp.lm_head_sha256(third.weight_bits, third.bias,
-                                                             third.vocab)
-    up = run("--json", "upload", "cli", str(trained.path), "--bias-tensor", "lm_head.bias",
-             "--vocab-size", str(trained.vocab), "--version", "2")
+    assert first["weights_sha256"] == detlogp.lm_head_sha256(
+        third.weight_bits, third.bias, third.vocab
+    )
+    up = run(
+        "--json",
+        "upload",
+        "cli",
+        str(trained.path),
+        "--bias-tensor",
+        "lm_head.bias",
+        "--vocab-size",
+        str(trained.vocab),
+        "--version",
+        "2",
+    )
     assert up.returncode == 0, up.stderr
     assert json.loads(up.stdout)["version"] == 2
     assert json.loads(up.stdout)["weights_sha256"] == detlogp.lm_head_sha256(
-        trained.weight_bits, trained.bias, trained.vocab)
+        trained.weight_bits, trained.bias, trained.vocab
+    )
 
     (root / "cli-files").mkdir()
     shutil.copy(trained.path, root / "cli-files" / "lm.safetensors")
-    loaded = run("--json", "load", "cli-loaded", "cli-files/lm.safetensors",
-                 "--bias-tensor", "lm_head.bias", "--vocab-size", str(trained.vocab))
+    loaded = run(
+        "--json",
+        "load",
+        "cli-loaded",
+        "cli-files/lm.safetensors",
+        "--bias-tensor",
+        "lm_head.bias",
+        "--vocab-size",
+        str(trained.vocab),
+    )
     assert loaded.returncode == 0, loaded.stderr
     assert json.loads(loaded.stdout)["determinism_key"] == json.loads(up.stdout)["determinism_key"]
 
@@ -713,15 +848,26 @@ def test_cli_models_upload_load_score_unload(live, root, trained, third, tmp_pat
     hidden, targets = _rows(third, seed=13, n=3)
     np.save(tmp_path / "h.npy", hidden)
     np.save(tmp_path / "t.npy", targets)
-    score = run("--json", "score", "--hidden", str(tmp_path / "h.npy"), "--targets",
-                str(tmp_path / "t.npy"), "--model", "cli", "--version", "1")
+    score = run(
+        "--json",
+        "score",
+        "--hidden",
+        str(tmp_path / "h.npy"),
+        "--targets",
+        str(tmp_path / "t.npy"),
+        "--model",
+        "cli",
+        "--version",
+        "1",
+    )
     assert score.returncode == 0, score.stderr
     scored = json.loads(score.stdout)
     assert (scored["model"], scored["model_version"]) == ("cli", 1)
     with detlogp.Client(live.target) as client:
         want = client.logprobs(hidden, targets, model="cli", version=1)
-    assert np.array_equal(np.array([r["logprob"] for r in scored["rows"]], np.float32),
-                          want.logprobs)
+    assert np.array_equal(
+        np.array([r["logprob"] for r in scored["rows"]], np.float32), want.logprobs
+    )
     info = run("--json", "info", "--model", "cli")
     assert json.loads(info.stdout)["model_version"] == 2
 

@@ -5,14 +5,14 @@ Nothing is built here: bazel-bin/kernels/capi/libdetlogp_ops.so (or
 $DETLOGP_OPS_LIBRARY) and the server binary must exist; tools/test_python.sh
 builds both.
 """
+
 import os
 import subprocess
 import sys
 
+import detlogp
 import numpy as np
 import pytest
-
-import detlogp
 from detlogp import ops, safetensors_io, tensors
 from detlogp.testing import LocalServer, TestModel
 
@@ -26,8 +26,11 @@ except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
 def ops_library(repo_root):
     path = ops.find_library(repo_root)
     if path is None or not path.exists():
-        pytest.fail("no ops library: run `bazel build //kernels/capi:libdetlogp_ops.so` "
-                    f"in {repo_root} (or set {ops.LIBRARY_ENV})", pytrace=False)
+        pytest.fail(
+            "no ops library: run `bazel build //kernels/capi:libdetlogp_ops.so` "
+            f"in {repo_root} (or set {ops.LIBRARY_ENV})",
+            pytrace=False,
+        )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ops.LIBRARY_ENV, str(path))
         yield path
@@ -52,14 +55,23 @@ def projection(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_model(tmp_path_factory):
     """No bias, no padding, several vocabulary splits."""
-    return TestModel(tmp_path_factory.mktemp("plain"), hidden=96, vocab=3000,
-                     padded_vocab=3000, seed=11, scale=0.3, with_bias=False)
+    return TestModel(
+        tmp_path_factory.mktemp("plain"),
+        hidden=96,
+        vocab=3000,
+        padded_vocab=3000,
+        seed=11,
+        scale=0.3,
+        with_bias=False,
+    )
 
 
 @pytest.fixture(scope="module")
 def plain_server(server_binary, plain_model, projection):
-    with LocalServer(server_binary, plain_model.flags + [
-            f"--projection_weights={projection[0]}", "--cpu_threads=2"]) as srv:
+    with LocalServer(
+        server_binary,
+        plain_model.flags + [f"--projection_weights={projection[0]}", "--cpu_threads=2"],
+    ) as srv:
         yield srv
 
 
@@ -75,29 +87,39 @@ def served(client, hidden, targets, temperature):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.5])
-def test_linear_logp_bits_equal_the_cpu_server_bias_and_padding(
-        client, model, temperature):
+def test_linear_logp_bits_equal_the_cpu_server_bias_and_padding(client, model, temperature):
     # model: 1000 real tokens in 1024 rows, with a bias.
     hidden, targets = model.random_rows(48, seed=101)
     want_logp, want_lse = served(client, hidden, targets, temperature)
-    logp, lse = ops.linear_logp(hidden, model.weight_bits, targets, bias=model.bias,
-                                temperature=temperature, vocab_size=model.vocab,
-                                return_lse=True)
+    logp, lse = ops.linear_logp(
+        hidden,
+        model.weight_bits,
+        targets,
+        bias=model.bias,
+        temperature=temperature,
+        vocab_size=model.vocab,
+        return_lse=True,
+    )
     assert logp.dtype == np.float32 and lse.dtype == np.float32
     assert same_bits(logp, want_logp)
     assert same_bits(lse, want_lse)
     # The thread count never changes bits; lse is optional.
-    alone = ops.linear_logp(hidden, model.weight_bits, targets, bias=model.bias,
-                            temperature=temperature, vocab_size=model.vocab,
-                            num_threads=1)
+    alone = ops.linear_logp(
+        hidden,
+        model.weight_bits,
+        targets,
+        bias=model.bias,
+        temperature=temperature,
+        vocab_size=model.vocab,
+        num_threads=1,
+    )
     assert same_bits(alone, want_logp)
 
 
 def test_linear_logp_bits_equal_the_cpu_server_no_bias(plain_client, plain_model):
     hidden, targets = plain_model.random_rows(40, seed=202)
     want_logp, want_lse = served(plain_client, hidden, targets, 1.0)
-    logp, lse = ops.linear_logp(hidden, plain_model.weight_bits, targets,
-                                return_lse=True)
+    logp, lse = ops.linear_logp(hidden, plain_model.weight_bits, targets, return_lse=True)
     assert same_bits(logp, want_logp) and same_bits(lse, want_lse)
     # The weight as float32 (exactly the bf16 values) rounds to the same bits.
     weight32 = tensors.bf16_bits_to_float32(plain_model.weight_bits)
@@ -108,34 +130,49 @@ def test_linear_logp_takes_bf16_hidden_and_per_row_temperatures(client, model):
     hidden, targets = model.random_rows(8, seed=303)
     bits = tensors.float32_to_bf16_bits(hidden)
     want = client.logprobs(bits, targets, temperature=1.3).logprobs
-    got = ops.linear_logp(bits, model.weight_bits, targets, bias=model.bias,
-                          temperature=1.3, vocab_size=model.vocab)
+    got = ops.linear_logp(
+        bits, model.weight_bits, targets, bias=model.bias, temperature=1.3, vocab_size=model.vocab
+    )
     assert same_bits(got, want)
     if ml_dtypes is not None:
-        got_bf16 = ops.linear_logp(bits.view(ml_dtypes.bfloat16),
-                                   model.weight_bits.view(ml_dtypes.bfloat16),
-                                   targets, bias=model.bias, temperature=1.3,
-                                   vocab_size=model.vocab)
+        got_bf16 = ops.linear_logp(
+            bits.view(ml_dtypes.bfloat16),
+            model.weight_bits.view(ml_dtypes.bfloat16),
+            targets,
+            bias=model.bias,
+            temperature=1.3,
+            vocab_size=model.vocab,
+        )
         assert same_bits(got_bf16, want)
     # A temperature per row: each row's bits are its own request's bits.
     temps = np.array([0.5, 1.0, 1.5, 2.0, 0.5, 1.0, 1.5, 2.0], np.float32)
-    per_row = ops.linear_logp(hidden, model.weight_bits, targets, bias=model.bias,
-                              temperature=temps, vocab_size=model.vocab)
+    per_row = ops.linear_logp(
+        hidden,
+        model.weight_bits,
+        targets,
+        bias=model.bias,
+        temperature=temps,
+        vocab_size=model.vocab,
+    )
     for r in range(len(temps)):
-        one = client.logprobs(hidden[r:r + 1], targets[r:r + 1],
-                              temperature=float(temps[r])).logprobs
-        assert same_bits(per_row[r:r + 1], one), r
+        one = client.logprobs(
+            hidden[r : r + 1], targets[r : r + 1], temperature=float(temps[r])
+        ).logprobs
+        assert same_bits(per_row[r : r + 1], one), r
 
 
 def test_determinism_key_is_the_cpu_servers(client, model, plain_client, plain_model):
-    assert ops.determinism_key(model.weight_bits, model.bias, model.vocab) == \
-        client.info().determinism_key
-    assert ops.determinism_key(plain_model.weight_bits) == \
-        plain_client.info().determinism_key
+    assert (
+        ops.determinism_key(model.weight_bits, model.bias, model.vocab)
+        == client.info().determinism_key
+    )
+    assert ops.determinism_key(plain_model.weight_bits) == plain_client.info().determinism_key
     # Every input counts: the bias, the vocabulary.
-    keys = {ops.determinism_key(model.weight_bits, model.bias, model.vocab),
-            ops.determinism_key(model.weight_bits, None, model.vocab),
-            ops.determinism_key(model.weight_bits, model.bias, model.vocab - 1)}
+    keys = {
+        ops.determinism_key(model.weight_bits, model.bias, model.vocab),
+        ops.determinism_key(model.weight_bits, None, model.vocab),
+        ops.determinism_key(model.weight_bits, model.bias, model.vocab - 1),
+    }
     assert len(keys) == 3
 
 
@@ -155,20 +192,17 @@ def test_invalid_targets_are_rejected_naming_targets(model):
         t = targets.copy()
         t[2] = bad
         with pytest.raises(ValueError, match=r"targets\[2\]"):
-            ops.linear_logp(hidden, model.weight_bits, t, bias=model.bias,
-                            vocab_size=model.vocab)
+            ops.linear_logp(hidden, model.weight_bits, t, bias=model.bias, vocab_size=model.vocab)
     with pytest.raises(ValueError, match="targets"):
-        ops.linear_logp(hidden, model.weight_bits, targets[:3], bias=model.bias,
-                        vocab_size=model.vocab)
+        ops.linear_logp(
+            hidden, model.weight_bits, targets[:3], bias=model.bias, vocab_size=model.vocab
+        )
     with pytest.raises(ValueError, match="hidden"):
-        ops.linear_logp(hidden[:, :10], model.weight_bits, targets,
-                        vocab_size=model.vocab)
+        ops.linear_logp(hidden[:, :10], model.weight_bits, targets, vocab_size=model.vocab)
     with pytest.raises(ValueError, match="vocab_size"):
-        ops.linear_logp(hidden, model.weight_bits, targets,
-                        vocab_size=model.padded_vocab + 1)
+        ops.linear_logp(hidden, model.weight_bits, targets, vocab_size=model.padded_vocab + 1)
     with pytest.raises(ValueError, match="temperatures"):  # from the C ABI
-        ops.linear_logp(hidden, model.weight_bits, targets, temperature=0.0,
-                        vocab_size=model.vocab)
+        ops.linear_logp(hidden, model.weight_bits, targets, temperature=0.0, vocab_size=model.vocab)
 
 
 def test_cuda_asked_for_where_missing_is_a_clear_error(model, monkeypatch):
@@ -183,8 +217,7 @@ def test_cuda_asked_for_where_missing_is_a_clear_error(model, monkeypatch):
             return (2, 0)  # kDLCUDA
 
     with pytest.raises(ValueError, match="x not on the CPU"):
-        ops.h3_projection(FakeCudaArray(), np.zeros((5376, 96), np.float32),
-                          device="cpu")
+        ops.h3_projection(FakeCudaArray(), np.zeros((5376, 96), np.float32), device="cpu")
     monkeypatch.setattr(ops, "_cuda_lib", None)
     monkeypatch.setenv(ops.CUDA_LIBRARY_ENV, "/nonexistent/libdetlogp_ops_cuda.so")
     ok, why = ops.cuda_available()
@@ -198,34 +231,39 @@ def test_cuda_key_is_the_cuda_servers_and_not_the_cpus(repo_root, model):
     CPU key (another backend) and, like it, depends on the weights."""
     path = ops.find_cuda_library(repo_root)
     if path is None:
-        pytest.skip("no libdetlogp_ops_cuda.so built (bazel build "
-                    "//kernels/capi:libdetlogp_ops_cuda.so needs nvcc)")
+        pytest.skip(
+            "no libdetlogp_ops_cuda.so built (bazel build "
+            "//kernels/capi:libdetlogp_ops_cuda.so needs nvcc)"
+        )
     try:
         ops.load_cuda_library()
     except RuntimeError as error:  # e.g. no CUDA runtime on this machine
         pytest.skip(str(error))
-    cuda_key = ops.determinism_key(model.weight_bits, model.bias,
-                                   model.vocab, device="cuda")
+    cuda_key = ops.determinism_key(model.weight_bits, model.bias, model.vocab, device="cuda")
     cpu_key = ops.determinism_key(model.weight_bits, model.bias, model.vocab)
     assert cuda_key.startswith("dk1-") and len(cuda_key) == 36
     assert cuda_key != cpu_key
     other = model.weight_bits.copy()
     other[0, 0] ^= 1
-    assert ops.determinism_key(other, model.bias, model.vocab,
-                               device="cuda") != cuda_key
+    assert ops.determinism_key(other, model.bias, model.vocab, device="cuda") != cuda_key
 
 
 def test_entropy_is_the_float64_entropy_and_leaves_logprobs_alone(model):
     hidden, targets = model.random_rows(9, seed=808)
-    plain = ops.linear_logp(hidden, model.weight_bits, targets, model.bias,
-                            vocab_size=model.vocab)
+    plain = ops.linear_logp(hidden, model.weight_bits, targets, model.bias, vocab_size=model.vocab)
     logp, lse, entropy = ops.linear_logp(
-        hidden, model.weight_bits, targets, model.bias, vocab_size=model.vocab,
-        return_lse=True, return_entropy=True)
+        hidden,
+        model.weight_bits,
+        targets,
+        model.bias,
+        vocab_size=model.vocab,
+        return_lse=True,
+        return_entropy=True,
+    )
     assert same_bits(logp, plain)
     logp2, entropy2 = ops.linear_logp(
-        hidden, model.weight_bits, targets, model.bias, vocab_size=model.vocab,
-        return_entropy=True)
+        hidden, model.weight_bits, targets, model.bias, vocab_size=model.vocab, return_entropy=True
+    )
     assert same_bits(entropy, entropy2) and same_bits(logp2, plain)
     want, _, _ = model.reference_entropy_top_k(hidden, 1)
     np.testing.assert_allclose(entropy, want, rtol=1e-4, atol=1e-4)
@@ -239,10 +277,8 @@ def test_projection_grads_are_the_kernels_and_match_float64(projection):
     dx = ops.cpu_h3_projection_input_grad(dy, weight)
     dweight, dbias = ops.cpu_h3_projection_weight_grad(dy, x)
     np.testing.assert_allclose(dx, dy.astype(np.float64) @ weight, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(dweight, dy.T.astype(np.float64) @ x, rtol=1e-4,
-                               atol=1e-3)
-    np.testing.assert_allclose(dbias, dy.sum(axis=0, dtype=np.float64), rtol=1e-4,
-                               atol=1e-3)
+    np.testing.assert_allclose(dweight, dy.T.astype(np.float64) @ x, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(dbias, dy.sum(axis=0, dtype=np.float64), rtol=1e-4, atol=1e-3)
     # Row keys fix the order: the same rows as two batches with their keys
     # give the same bits only through the accumulator; one batch is
     # deterministic across thread counts.
@@ -259,14 +295,20 @@ def test_a_missing_library_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv(ops.LIBRARY_ENV)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="libdetlogp_ops.so"):
-        ops.linear_logp(np.zeros((1, 4), np.float32), np.zeros((8, 4), np.float32),
-                        np.zeros(1, np.int64))
+        ops.linear_logp(
+            np.zeros((1, 4), np.float32), np.zeros((8, 4), np.float32), np.zeros(1, np.int64)
+        )
 
 
 def test_the_package_imports_without_the_library(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != ops.LIBRARY_ENV}
     out = subprocess.run(
         [sys.executable, "-c", "import detlogp, detlogp.ops as o; print(o.find_library())"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"

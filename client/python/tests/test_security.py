@@ -1,12 +1,12 @@
 """Bearer tokens and TLS from the Python clients, against the real server
 started with --auth_tokens_file and a certificate made here with openssl."""
+
 import asyncio
 import subprocess
 
+import detlogp
 import numpy as np
 import pytest
-
-import detlogp
 from detlogp.testing import LocalServer
 
 
@@ -16,20 +16,42 @@ def secrets(tmp_path_factory):
     (folder / "tokens.txt").write_text("# test tokens\nsecret-one\nsecret-two\n")
     (folder / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(folder / "key.pem"), "-out", str(folder / "cert.pem"),
-         "-subj", "/CN=localhost", "-addext",
-         "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True)
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(folder / "key.pem"),
+            "-out",
+            str(folder / "cert.pem"),
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return folder
 
 
 @pytest.fixture(scope="module")
 def secure_server(server_binary, model, secrets):
-    with LocalServer(server_binary, model.flags + [
+    with LocalServer(
+        server_binary,
+        model.flags
+        + [
             f"--auth_tokens_file={secrets / 'tokens.txt'}",
             f"--tls_cert={secrets / 'cert.pem'}",
-            f"--tls_key={secrets / 'key.pem'}", "--cpu_threads=1"]) as srv:
+            f"--tls_key={secrets / 'key.pem'}",
+            "--cpu_threads=1",
+        ],
+    ) as srv:
         yield srv
 
 
@@ -39,8 +61,9 @@ def _hidden(model):
 
 def test_token_and_tls_are_accepted(secure_server, secrets, model):
     roots = (secrets / "cert.pem").read_bytes()
-    with detlogp.Client(secure_server.target, token="secret-two",
-                        root_certificates=roots, timeout=10) as client:
+    with detlogp.Client(
+        secure_server.target, token="secret-two", root_certificates=roots, timeout=10
+    ) as client:
         result = client.logprobs(_hidden(model), [1, 2, 3], return_lse=True)
         assert result.logprobs.shape == (3,)
         assert client.info().vocab_size == model.vocab
@@ -48,11 +71,15 @@ def test_token_and_tls_are_accepted(secure_server, secrets, model):
 
 
 @pytest.mark.parametrize("token", [None, "", "secret", "secret-one-x"])
-def test_missing_or_wrong_tokens_are_unauthenticated(secure_server, secrets,
-                                                     model, token):
+def test_missing_or_wrong_tokens_are_unauthenticated(secure_server, secrets, model, token):
     roots = (secrets / "cert.pem").read_bytes()
-    with detlogp.Client(secure_server.target, token=token, root_certificates=roots,
-                        timeout=10, retry=detlogp.NO_RETRY) as client:
+    with detlogp.Client(
+        secure_server.target,
+        token=token,
+        root_certificates=roots,
+        timeout=10,
+        retry=detlogp.NO_RETRY,
+    ) as client:
         with pytest.raises(detlogp.Unauthenticated):
             client.logprobs(_hidden(model), [1, 2, 3])
         # Health stays open for probes.
@@ -63,9 +90,9 @@ def test_async_client_sends_the_token(secure_server, secrets, model):
     roots = (secrets / "cert.pem").read_bytes()
 
     async def run():
-        async with detlogp.aio.AsyncClient(secure_server.target, token="secret-one",
-                                           root_certificates=roots,
-                                           timeout=10) as client:
+        async with detlogp.aio.AsyncClient(
+            secure_server.target, token="secret-one", root_certificates=roots, timeout=10
+        ) as client:
             result = await client.logprobs(_hidden(model), [4, 5, 6])
             streamed = [r async for r in client.stream([(_hidden(model), [1, 2, 3])])]
             return result, streamed
@@ -76,7 +103,8 @@ def test_async_client_sends_the_token(secure_server, secrets, model):
 
 
 def test_plaintext_client_cannot_reach_a_tls_server(secure_server, model):
-    with detlogp.Client(secure_server.target, token="secret-one", timeout=3,
-                        retry=detlogp.NO_RETRY) as client:
+    with detlogp.Client(
+        secure_server.target, token="secret-one", timeout=3, retry=detlogp.NO_RETRY
+    ) as client:
         with pytest.raises(detlogp.DetlogpError):
             client.logprobs(_hidden(model), [1, 2, 3])

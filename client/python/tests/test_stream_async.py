@@ -1,10 +1,10 @@
 """The streaming helper (in order, ids echoed) and the asyncio client."""
+
 import asyncio
 
+import detlogp
 import numpy as np
 import pytest
-
-import detlogp
 from detlogp.aio import AsyncClient
 from detlogp.testing import free_port
 
@@ -34,14 +34,15 @@ def test_async_client_matches_sync_bits_and_runs_concurrently(server, client, mo
             info = await aclient.info()
             assert info.hidden_size == model.hidden
             assert await aclient.health() == "SERVING"
-            results = await asyncio.gather(*[
-                aclient.logprobs(hidden, targets, return_lse=True) for _ in range(50)])
-            streamed = [r async for r in aclient.stream(
-                [(hidden, targets)] * 5)]
+            results = await asyncio.gather(
+                *[aclient.logprobs(hidden, targets, return_lse=True) for _ in range(50)]
+            )
+            streamed = [r async for r in aclient.stream([(hidden, targets)] * 5)]
 
             async def gen():
                 for _ in range(3):
                     yield (hidden, targets)
+
             streamed_async = [r async for r in aclient.stream(gen())]
             with pytest.raises(detlogp.InvalidArgument) as error:
                 await aclient.logprobs(hidden, np.full(6, model.vocab))
@@ -57,8 +58,7 @@ def test_async_client_matches_sync_bits_and_runs_concurrently(server, client, mo
 def test_async_retries_and_deadlines(model):
     async def main():
         policy = detlogp.RetryPolicy(max_attempts=4, initial_backoff_s=0.01)
-        async with AsyncClient(f"127.0.0.1:{free_port()}", retry=policy,
-                               timeout=5.0) as aclient:
+        async with AsyncClient(f"127.0.0.1:{free_port()}", retry=policy, timeout=5.0) as aclient:
             with pytest.raises(detlogp.Unavailable):
                 await aclient.logprobs(*model.random_rows(1, seed=42))
             return aclient.attempts, aclient.retries
@@ -77,8 +77,7 @@ def test_async_stream_reports_the_servers_status_for_an_invalid_item(server, mod
     grpcio's INTERNAL for the write that lost that race."""
     hidden, targets = model.random_rows(4, seed=61)
     beyond_vocabulary = np.full(4, model.vocab)
-    items = [(hidden, targets)] * 3 + [(hidden, beyond_vocabulary)] + \
-        [(hidden, targets)] * 200
+    items = [(hidden, targets)] * 3 + [(hidden, beyond_vocabulary)] + [(hidden, targets)] * 200
 
     async def main():
         errors = []

@@ -6,6 +6,7 @@ float32 detour, and a CUDA tensor is copied to the host once.
 The first tests use a stand-in `torch` module (CI has no torch); the tests
 marked by `pytest.importorskip("torch")` use the real one, on the GPU too
 when there is one, and against the server."""
+
 import asyncio
 import subprocess
 import sys
@@ -13,7 +14,6 @@ import types
 
 import numpy as np
 import pytest
-
 from detlogp import requests, tensors
 from detlogp.aio import AsyncClient
 from detlogp.v1 import detlogp_pb2 as pb
@@ -110,8 +110,7 @@ def fake_torch(monkeypatch):
 
 def _rows(n=5, h=8, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((n, h)).astype(np.float32),
-            rng.integers(0, 1000, size=n))
+    return (rng.standard_normal((n, h)).astype(np.float32), rng.integers(0, 1000, size=n))
 
 
 def _same_request(a, b):
@@ -123,9 +122,10 @@ def _same_request(a, b):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("dtype,wire", [("bfloat16", pb.DTYPE_BFLOAT16),
-                                        ("float16", pb.DTYPE_FLOAT16),
-                                        ("float32", pb.DTYPE_FLOAT32)])
+@pytest.mark.parametrize(
+    "dtype,wire",
+    [("bfloat16", pb.DTYPE_BFLOAT16), ("float16", pb.DTYPE_FLOAT16), ("float32", pb.DTYPE_FLOAT32)],
+)
 def test_fake_torch_hidden_is_sent_as_its_own_dtype(fake_torch, device, dtype, wire):
     hidden, targets = _rows()
     if dtype == "bfloat16":
@@ -152,8 +152,10 @@ def test_fake_torch_non_contiguous_rows(fake_torch):
     bits = tensors.float32_to_bf16_bits(hidden)
     view = FakeTensor(bits[::2], fake_torch.bfloat16, "cuda", fake_torch.log)
     assert not view._array.flags.c_contiguous
-    _same_request(requests.logprob_request(view, targets[::2]),
-                  requests.logprob_request(bits[::2], targets[::2]))
+    _same_request(
+        requests.logprob_request(view, targets[::2]),
+        requests.logprob_request(bits[::2], targets[::2]),
+    )
 
 
 def test_fake_torch_targets_of_any_integer_dtype(fake_torch):
@@ -193,13 +195,14 @@ def test_stream_items_take_torch_tensors(fake_torch):
 
 
 def test_numpy_requests_do_not_import_torch():
-    code = ("import sys, numpy, detlogp;"
-            "from detlogp import requests;"
-            "requests.logprob_request(numpy.zeros((2, 8), numpy.float32), [1, 2]);"
-            "requests.logprob_request(numpy.zeros((2, 8), numpy.uint16), numpy.arange(2));"
-            "print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys, numpy, detlogp;"
+        "from detlogp import requests;"
+        "requests.logprob_request(numpy.zeros((2, 8), numpy.float32), [1, 2]);"
+        "requests.logprob_request(numpy.zeros((2, 8), numpy.uint16), numpy.arange(2));"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
@@ -226,16 +229,22 @@ def test_real_torch_requests_equal_numpy_requests(dtype):
     hidden, targets = _rows(n=12, h=16, seed=3)
     for device in _real_torch_devices(torch):
         tensor, values = _torch_and_numpy(torch, hidden, dtype, device)
-        for ids in (torch.from_numpy(targets).to(device),
-                    torch.from_numpy(targets.astype(np.int32)).to(device)):
-            _same_request(requests.logprob_request(tensor, ids),
-                          requests.logprob_request(values, targets))
+        for ids in (
+            torch.from_numpy(targets).to(device),
+            torch.from_numpy(targets.astype(np.int32)).to(device),
+        ):
+            _same_request(
+                requests.logprob_request(tensor, ids), requests.logprob_request(values, targets)
+            )
         # A strided view and a tensor that requires grad.
-        _same_request(requests.logprob_request(tensor[::3], targets[::3]),
-                      requests.logprob_request(values[::3], targets[::3]))
+        _same_request(
+            requests.logprob_request(tensor[::3], targets[::3]),
+            requests.logprob_request(values[::3], targets[::3]),
+        )
         graded = tensor.clone().requires_grad_(True)
-        _same_request(requests.logprob_request(graded, targets),
-                      requests.logprob_request(values, targets))
+        _same_request(
+            requests.logprob_request(graded, targets), requests.logprob_request(values, targets)
+        )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -262,8 +271,9 @@ def test_real_torch_async_client_has_the_bits_of_numpy(server, client, model):
     async def main(device):
         tensor = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(device)
         async with AsyncClient(server.target, timeout=20.0) as aclient:
-            return await aclient.logprobs(tensor, torch.from_numpy(targets).to(device),
-                                          return_lse=True)
+            return await aclient.logprobs(
+                tensor, torch.from_numpy(targets).to(device), return_lse=True
+            )
 
     for device in _real_torch_devices(torch):
         got = asyncio.run(main(device))

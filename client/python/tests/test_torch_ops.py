@@ -4,21 +4,23 @@ matches float64, and the ops trace under fake tensors. Skipped without
 PyTorch (CI has none); CUDA cases run only on an sm_90 GPU with the CUDA
 library built (tools/device/run_twin.sh runs the full CUDA contract).
 """
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from detlogp import ops  # noqa: E402
 import detlogp.torch as dtorch  # noqa: E402
+from detlogp import ops  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ops_library(repo_root):
     path = ops.find_library(repo_root)
     if path is None or not path.exists():
-        pytest.fail("no ops library: run `bazel build //kernels/capi:libdetlogp_ops.so`",
-                    pytrace=False)
+        pytest.fail(
+            "no ops library: run `bazel build //kernels/capi:libdetlogp_ops.so`", pytrace=False
+        )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ops.LIBRARY_ENV, str(path))
         cuda_path = ops.find_cuda_library(repo_root)
@@ -39,33 +41,48 @@ def test_cpu_bits_equal_the_cpu_server(client, model):
     served = client.logprobs(hidden, targets, temperature=0.8, return_lse=True)
     weight = torch.from_numpy(model.weight_bits.view(np.int16)).view(torch.bfloat16)
     bias = torch.from_numpy(model.bias)
-    logp, lse = dtorch.linear_logp(torch.from_numpy(hidden), weight,
-                                   torch.from_numpy(targets), bias, temperature=0.8,
-                                   vocab_size=model.vocab, return_lse=True)
+    logp, lse = dtorch.linear_logp(
+        torch.from_numpy(hidden),
+        weight,
+        torch.from_numpy(targets),
+        bias,
+        temperature=0.8,
+        vocab_size=model.vocab,
+        return_lse=True,
+    )
     assert logp.dtype == torch.float32
     assert bits(logp) == served.logprobs.tobytes()
     assert bits(lse) == served.lse.tobytes()
     # bf16 hidden: the same rounded values, the same bits.
-    again = dtorch.linear_logp(torch.from_numpy(hidden).to(torch.bfloat16), weight,
-                               torch.from_numpy(targets), bias, temperature=0.8,
-                               vocab_size=model.vocab)
+    again = dtorch.linear_logp(
+        torch.from_numpy(hidden).to(torch.bfloat16),
+        weight,
+        torch.from_numpy(targets),
+        bias,
+        temperature=0.8,
+        vocab_size=model.vocab,
+    )
     assert bits(again) == served.logprobs.tobytes()
 
 
 def test_projection_bits_and_grads_are_the_kernels():
     rng = np.random.default_rng(3)
     x = torch.from_numpy(rng.standard_normal((9, ops.H3_IN_DIM)).astype(np.float32))
-    w = torch.from_numpy((rng.standard_normal((ops.H3_OUT_DIM, ops.H3_IN_DIM)) * 0.1)
-                         .astype(np.float32))
+    w = torch.from_numpy(
+        (rng.standard_normal((ops.H3_OUT_DIM, ops.H3_IN_DIM)) * 0.1).astype(np.float32)
+    )
     b = torch.from_numpy(rng.standard_normal(ops.H3_OUT_DIM).astype(np.float32))
     x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     y = dtorch.h3_projection(x, w, b)
-    assert bits(y) == ops.h3_projection(x.detach().numpy(), w.detach().numpy(),
-                                        b.detach().numpy()).tobytes()
+    assert (
+        bits(y)
+        == ops.h3_projection(x.detach().numpy(), w.detach().numpy(), b.detach().numpy()).tobytes()
+    )
     dy = torch.from_numpy(rng.standard_normal(tuple(y.shape)).astype(np.float32))
     y.backward(dy)
-    assert bits(x.grad) == ops.cpu_h3_projection_input_grad(
-        dy.numpy(), w.detach().numpy()).tobytes()
+    assert (
+        bits(x.grad) == ops.cpu_h3_projection_input_grad(dy.numpy(), w.detach().numpy()).tobytes()
+    )
     dweight, dbias = ops.cpu_h3_projection_weight_grad(dy.numpy(), x.detach().numpy())
     assert bits(w.grad) == dweight.tobytes() and bits(b.grad) == dbias.tobytes()
 
@@ -79,8 +96,9 @@ def test_gradcheck_float64_linear_logp():
     temps = torch.tensor([0.5, 1.0, 2.0, 1.5], dtype=torch.float64)
 
     def f(h, w, b):
-        return dtorch.linear_logp(h, w, targets, b, temperature=temps, vocab_size=11,
-                                  return_lse=True, return_entropy=True)
+        return dtorch.linear_logp(
+            h, w, targets, b, temperature=temps, vocab_size=11, return_lse=True, return_entropy=True
+        )
 
     assert torch.autograd.gradcheck(f, (hidden, weight, bias))
 
@@ -93,15 +111,16 @@ def test_gradcheck_float64_linear_logp_in_many_tiles(monkeypatch):
     weight = torch.randn(320, 32, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 300, (40,))
     assert torch.autograd.gradcheck(
-        lambda h, w: dtorch.linear_logp(h, w, targets, vocab_size=300), (hidden, weight),
-        fast_mode=True)
+        lambda h, w: dtorch.linear_logp(h, w, targets, vocab_size=300),
+        (hidden, weight),
+        fast_mode=True,
+    )
 
 
 def test_gradcheck_float64_h3_projection():
     torch.manual_seed(2)
     x = torch.randn(3, ops.H3_IN_DIM, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(ops.H3_OUT_DIM, ops.H3_IN_DIM, dtype=torch.float64,
-                    requires_grad=True)
+    w = torch.randn(ops.H3_OUT_DIM, ops.H3_IN_DIM, dtype=torch.float64, requires_grad=True)
     b = torch.randn(ops.H3_OUT_DIM, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(dtorch.h3_projection, (x, w, b), fast_mode=True)
 
@@ -114,16 +133,14 @@ def test_bf16_backward_is_close_to_float64_and_padding_gets_none(monkeypatch):
     bias = (torch.randn(padded) * 0.5).requires_grad_()
     hidden = torch.randn(n, h).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, vocab, (n,))
-    logp = dtorch.linear_logp(hidden, weight, targets, bias, temperature=0.7,
-                              vocab_size=vocab)
+    logp = dtorch.linear_logp(hidden, weight, targets, bias, temperature=0.7, vocab_size=vocab)
     (logp * torch.linspace(0.5, 1.5, n)).sum().backward()
     h64, w64, b64 = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
     z = (h64 @ w64[:vocab].T + b64[:vocab]) / 0.7
     want = z.gather(1, targets[:, None])[:, 0] - torch.logsumexp(z, 1)
     (want * torch.linspace(0.5, 1.5, n, dtype=torch.float64)).sum().backward()
     assert float((logp.detach().double() - want.detach()).abs().max()) < 1e-4
-    for got, ref in ((hidden.grad, h64.grad), (weight.grad, w64.grad),
-                     (bias.grad, b64.grad)):
+    for got, ref in ((hidden.grad, h64.grad), (weight.grad, w64.grad), (bias.grad, b64.grad)):
         assert float((got.double() - ref).norm() / ref.norm()) < 4e-3
     assert float(weight.grad[vocab:].abs().max()) == 0.0
     assert float(bias.grad[vocab:].abs().max()) == 0.0
@@ -142,8 +159,7 @@ def test_inputs_are_checked_with_the_argument_named():
     with pytest.raises(ValueError, match="temperature"):
         dtorch.linear_logp(hidden, weight, targets, temperature=0.0)
     with pytest.raises(TypeError, match="x: dtype"):
-        dtorch.h3_projection(torch.zeros(2, 96, dtype=torch.float16),
-                             torch.zeros(5376, 96), None)
+        dtorch.h3_projection(torch.zeros(2, 96, dtype=torch.float16), torch.zeros(5376, 96), None)
 
 
 def test_fake_tensors_give_shapes_without_running():
@@ -152,8 +168,9 @@ def test_fake_tensors_give_shapes_without_running():
     with FakeTensorMode():
         hidden = torch.empty(5, 64, dtype=torch.bfloat16)
         weight = torch.empty(128, 64, dtype=torch.bfloat16)
-        logp, lse = dtorch.linear_logp(hidden, weight, torch.zeros(5, dtype=torch.int64),
-                                       return_lse=True)
+        logp, lse = dtorch.linear_logp(
+            hidden, weight, torch.zeros(5, dtype=torch.int64), return_lse=True
+        )
         assert logp.shape == (5,) and lse.dtype == torch.float32
         y = dtorch.h3_projection(torch.empty(3, 96), torch.empty(5376, 96), None)
         assert y.shape == (3, 5376)
@@ -164,10 +181,13 @@ def test_opcheck():
     weight = (torch.randn(64, 32) * 0.3).to(torch.bfloat16)
     hidden = torch.randn(6, 32).to(torch.bfloat16)
     targets = torch.randint(0, 64, (6,))
-    for args in ((hidden, weight, targets, None, torch.ones(6), 1.0, 64, False),
-                 (hidden, weight, targets, None, None, 0.7, 64, True)):
-        torch.library.opcheck(dtorch._linear_logp_op, args,
-                              test_utils=("test_schema", "test_faketensor"))
+    for args in (
+        (hidden, weight, targets, None, torch.ones(6), 1.0, 64, False),
+        (hidden, weight, targets, None, None, 0.7, 64, True),
+    ):
+        torch.library.opcheck(
+            dtorch._linear_logp_op, args, test_utils=("test_schema", "test_faketensor")
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -214,9 +234,15 @@ def test_cuda_fused_backward_is_batch_invariant_deterministic_and_accurate():
             args = [t.to(device=device, dtype=dtype) for t in args]
         leaves = [t.detach().clone().requires_grad_() for t in args]
         logp, lse, ent = dtorch.linear_logp(
-            leaves[0], leaves[1], targets[rows].to(device), leaves[2],
-            temperature=temps[rows].to(device, leaves[2].dtype), vocab_size=vocab,
-            return_lse=True, return_entropy=True)
+            leaves[0],
+            leaves[1],
+            targets[rows].to(device),
+            leaves[2],
+            temperature=temps[rows].to(device, leaves[2].dtype),
+            vocab_size=vocab,
+            return_lse=True,
+            return_entropy=True,
+        )
         up = [t[rows].to(device, logp.dtype) for t in (a, b, c)]
         (up[0] * logp + up[1] * ent + up[2] * lse).sum().backward()
         return [t.grad for t in leaves]
@@ -228,10 +254,9 @@ def test_cuda_fused_backward_is_batch_invariant_deterministic_and_accurate():
     assert bits(again[2]) == bits(d_bias), "d_bias differs between two calls"
     for row in (0, 37, n - 1):
         alone = grads(slice(row, row + 1))
-        assert bits(alone[0]) == bits(d_hidden[row:row + 1]), f"row {row} alone"
+        assert bits(alone[0]) == bits(d_hidden[row : row + 1]), f"row {row} alone"
     want = grads(every, torch.float64, "cpu")
-    for name, got, ref in zip(("hidden", "weight", "bias"), (d_hidden, d_weight, d_bias),
-                              want):
+    for name, got, ref in zip(("hidden", "weight", "bias"), (d_hidden, d_weight, d_bias), want):
         ref = ref.to(got.device)
         error = float((got.double() - ref).norm() / ref.norm())
         assert error < 4e-3, f"d_{name}: relative error {error:.3g} vs float64"
@@ -254,12 +279,25 @@ def test_cuda_forward_reads_inputs_in_place_with_the_same_bits():
     targets[7] = 4000  # padding row: invalid
     targets[8] = -1
     targets[9] = 1 << 40  # beyond int32
-    a = dtorch.linear_logp(hidden, weight, targets, temperature=0.7, vocab_size=4000,
-                           return_lse=True, return_entropy=True)
+    a = dtorch.linear_logp(
+        hidden,
+        weight,
+        targets,
+        temperature=0.7,
+        vocab_size=4000,
+        return_lse=True,
+        return_entropy=True,
+    )
     t32 = targets.clamp(-1, 4000).to(torch.int32)
-    b = dtorch.linear_logp(hidden, weight, t32, temperature=torch.full(
-        (300,), 0.7, device="cuda"), vocab_size=4000, return_lse=True,
-        return_entropy=True)
+    b = dtorch.linear_logp(
+        hidden,
+        weight,
+        t32,
+        temperature=torch.full((300,), 0.7, device="cuda"),
+        vocab_size=4000,
+        return_lse=True,
+        return_entropy=True,
+    )
     for x, y in zip(a, b):
         assert bits(x) == bits(y)
     logp = a[0].cpu()

@@ -1,11 +1,11 @@
 """Client pieces that need no server: dtype packing, bf16 rounding, the
 safetensors writer, retry policy, error mapping, Project reassembly."""
+
 import random
 
 import grpc
 import numpy as np
 import pytest
-
 from detlogp import errors, requests, safetensors_io, tensors
 from detlogp.retry import RetryPolicy, is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
@@ -15,29 +15,40 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 def test_bf16_rounding_matches_ml_dtypes_including_ties_and_specials():
     rng = np.random.default_rng(0)
-    values = np.concatenate([
-        rng.standard_normal(100000).astype(np.float32) * 10.0,
-        np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, 3.4e38, 65504.0], np.float32),
-        # exact ties: low 16 bits 0x8000, even and odd upper halves
-        np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32).view(np.float32),
-    ])
+    values = np.concatenate(
+        [
+            rng.standard_normal(100000).astype(np.float32) * 10.0,
+            np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, 3.4e38, 65504.0], np.float32),
+            # exact ties: low 16 bits 0x8000, even and odd upper halves
+            np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32).view(np.float32),
+        ]
+    )
     ours = tensors.float32_to_bf16_bits(values)
     theirs = values.astype(ml_dtypes.bfloat16).view(np.uint16)
     assert np.array_equal(ours, theirs)
-    assert np.isnan(tensors.bf16_bits_to_float32(
-        tensors.float32_to_bf16_bits(np.array([np.nan], np.float32)))).all()
+    assert np.isnan(
+        tensors.bf16_bits_to_float32(tensors.float32_to_bf16_bits(np.array([np.nan], np.float32)))
+    ).all()
 
 
-@pytest.mark.parametrize("dtype,wire", [
-    (np.float32, pb.DTYPE_FLOAT32), (np.float16, pb.DTYPE_FLOAT16),
-    (np.uint16, pb.DTYPE_BFLOAT16), (ml_dtypes.bfloat16, pb.DTYPE_BFLOAT16)])
+@pytest.mark.parametrize(
+    "dtype,wire",
+    [
+        (np.float32, pb.DTYPE_FLOAT32),
+        (np.float16, pb.DTYPE_FLOAT16),
+        (np.uint16, pb.DTYPE_BFLOAT16),
+        (ml_dtypes.bfloat16, pb.DTYPE_BFLOAT16),
+    ],
+)
 def test_to_tensor_packs_little_endian_row_major(dtype, wire):
     array = np.arange(6).reshape(2, 3).astype(dtype)
     tensor = tensors.to_tensor(array)
     assert tensor.dtype == wire and list(tensor.shape) == [2, 3]
     back = tensors.from_tensor(tensor)
-    assert np.array_equal(np.asarray(back).view(np.uint8).reshape(-1),
-                          np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+    assert np.array_equal(
+        np.asarray(back).view(np.uint8).reshape(-1),
+        np.ascontiguousarray(array).view(np.uint8).reshape(-1),
+    )
 
 
 def test_to_tensor_handles_big_endian_and_non_contiguous():
@@ -52,8 +63,11 @@ def test_to_tensor_refuses_integers():
 
 
 def test_safetensors_round_trip(tmp_path):
-    arrays = {"w": tensors.float32_to_bf16_bits(np.ones((3, 5), np.float32)),
-              "b": np.arange(3, dtype=np.float32), "h": np.ones(7, np.float16)}
+    arrays = {
+        "w": tensors.float32_to_bf16_bits(np.ones((3, 5), np.float32)),
+        "b": np.arange(3, dtype=np.float32),
+        "h": np.ones(7, np.float16),
+    }
     path = tmp_path / "x.safetensors"
     safetensors_io.write(path, arrays)
     blob = path.read_bytes()
@@ -67,7 +81,7 @@ def test_backoff_is_jittered_exponential_and_capped():
     policy = RetryPolicy(max_attempts=10, initial_backoff_s=0.1, max_backoff_s=1.0)
     rng = random.Random(1)
     for index in range(8):
-        cap = min(1.0, 0.1 * 2 ** index)
+        cap = min(1.0, 0.1 * 2**index)
         draws = [policy.backoff(index, rng) for _ in range(200)]
         assert all(0 <= d <= cap for d in draws)
         assert max(draws) > 0.8 * cap  # jitter spans the range
@@ -89,8 +103,9 @@ def test_project_assembler_reorders_chunks_and_detects_gaps():
     chunks = [(6, y[6:10]), (0, y[0:3]), (3, y[3:6])]
     assembler = requests.ProjectAssembler(10)
     for offset, rows in chunks:
-        assembler.add(pb.ProjectResponse(row_offset=offset, y=tensors.to_tensor(rows),
-                                         determinism_key="k"))
+        assembler.add(
+            pb.ProjectResponse(row_offset=offset, y=tensors.to_tensor(rows), determinism_key="k")
+        )
     result = assembler.result()
     assert np.array_equal(result.y, y) and result.chunks == 3 and result.determinism_key == "k"
     gap = requests.ProjectAssembler(10)
@@ -107,13 +122,14 @@ def test_interleaved_projection_puts_blocks_back_and_checks_each():
     assert (plan.calls, plan.blocks) == (2, 4)
     assert [int(r.x.shape[0]) for r in plan.requests] == [6, 4]
     assert [r.request_id for r in plan.requests] == ["v/1of2", "v/2of2"]
-    assert np.array_equal(np.frombuffer(plan.requests[1].x.data, np.float32).reshape(4, 96),
-                          np.concatenate([x[3:6], x[9:10]]))
+    assert np.array_equal(
+        np.frombuffer(plan.requests[1].x.data, np.float32).reshape(4, 96),
+        np.concatenate([x[3:6], x[9:10]]),
+    )
     y = np.arange(10 * 5376, dtype=np.float32).reshape(10, 5376)
 
     def chunk(offset, rows, key="k"):
-        return pb.ProjectResponse(row_offset=offset, y=tensors.to_tensor(rows),
-                                  determinism_key=key)
+        return pb.ProjectResponse(row_offset=offset, y=tensors.to_tensor(rows), determinism_key=key)
 
     plan.add(1, chunk(0, y[3:6]))
     plan.add(0, chunk(0, y[0:3]))

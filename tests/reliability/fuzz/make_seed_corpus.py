@@ -5,12 +5,12 @@ valid requests of every dtype and one of each malformed kind.
 
 Usage: make_seed_corpus.py OUT_DIR
 """
+
 import math
 import pathlib
 import sys
 
 import numpy as np
-
 from detlogp import tensors
 from detlogp.v1 import detlogp_pb2 as pb
 
@@ -21,17 +21,26 @@ def request(rows=2, dtype="f32", **overrides):
     rng = np.random.default_rng(rows)
     values = rng.standard_normal((rows, H)).astype(np.float32)
     values.reshape(-1)[:4] = [np.inf, -0.0, 1e-40, np.nan][: values.size]
-    array = {"f32": values, "f16": values.astype(np.float16),
-             "bf16": tensors.float32_to_bf16_bits(values)}[dtype]
-    fields = dict(hidden=tensors.to_tensor(array), target_ids=list(range(rows)),
-                  temperature=0.7, return_lse=True, request_id="seed")
+    array = {
+        "f32": values,
+        "f16": values.astype(np.float16),
+        "bf16": tensors.float32_to_bf16_bits(values),
+    }[dtype]
+    fields = dict(
+        hidden=tensors.to_tensor(array),
+        target_ids=list(range(rows)),
+        temperature=0.7,
+        return_lse=True,
+        request_id="seed",
+    )
     fields.update(overrides)
     return pb.LogProbRequest(**fields)
 
 
 def seeds():
     t = lambda shape, nbytes, dtype=pb.DTYPE_FLOAT32: pb.Tensor(
-        dtype=dtype, shape=shape, data=b"\x01" * nbytes)
+        dtype=dtype, shape=shape, data=b"\x01" * nbytes
+    )
     yield "valid_f32", request()
     yield "valid_f16", request(dtype="f16")
     yield "valid_bf16", request(dtype="bf16")

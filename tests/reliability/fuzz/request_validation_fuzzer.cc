@@ -39,10 +39,10 @@ uint16_t ReferenceBf16(float value) {
 }
 
 bool StartsWithField(const std::string& message) {
-  static const char* kFields[] = {"hidden.dtype:", "hidden.shape:",
-                                  "hidden.shape[0]:", "hidden.shape[1]:",
-                                  "hidden.data:", "target_ids:", "target_ids[",
-                                  "temperature:", "top_k:"};
+  static const char* kFields[] = {
+      "hidden.dtype:",    "hidden.shape:", "hidden.shape[0]:",
+      "hidden.shape[1]:", "hidden.data:",  "target_ids:",
+      "target_ids[",      "temperature:",  "top_k:"};
   for (const char* field : kFields) {
     if (message.rfind(field, 0) == 0) return true;
   }
@@ -54,8 +54,8 @@ bool StartsWithField(const std::string& message) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   static const RequestLimits kLimits[] = {
-      {8, 100, 64, 20},    // the seed corpus is written for this one
-      {1, 1, 1, 32},       // --max_top_k above the vocabulary
+      {8, 100, 64, 20},  // the seed corpus is written for this one
+      {1, 1, 1, 32},     // --max_top_k above the vocabulary
       {16, 50000, 4, 0},
       {3, 7, 1024, 20},
   };
@@ -74,8 +74,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const auto& rows = *result;
   const auto& hidden = request.hidden();
-  if (hidden.shape_size() != 2 || rows.rows != hidden.shape(0) || rows.rows < 0 ||
-      rows.rows > limits.max_request_rows || hidden.shape(1) != limits.hidden_size) {
+  if (hidden.shape_size() != 2 || rows.rows != hidden.shape(0) ||
+      rows.rows < 0 || rows.rows > limits.max_request_rows ||
+      hidden.shape(1) != limits.hidden_size) {
     Fail("accepted a request whose shape breaks the limits");
   }
   const size_t elements = static_cast<size_t>(rows.rows * limits.hidden_size);
@@ -86,9 +87,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     std::memcpy(&v, rows.hidden_bf16 + 2 * i, 2);
     return v;
   };
-  if (static_cast<int64_t>(rows.targets.size()) != rows.rows) Fail("wrong target count");
+  if (static_cast<int64_t>(rows.targets.size()) != rows.rows)
+    Fail("wrong target count");
   for (int32_t t : rows.targets) {
-    if (t < 0 || t >= limits.vocab_size) Fail("accepted an out-of-range target");
+    if (t < 0 || t >= limits.vocab_size)
+      Fail("accepted an out-of-range target");
   }
   if (rows.top_k < 0 || rows.top_k > limits.max_top_k ||
       rows.top_k > limits.vocab_size || rows.top_k != request.top_k()) {
@@ -106,8 +109,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else if (hidden.dtype() == detlogp::v1::DTYPE_FLOAT16) {
     for (size_t i = 0; i < elements; ++i) (void)bf16_at(i);  // ASan: in bounds
   } else if (hidden.dtype() == detlogp::v1::DTYPE_BFLOAT16) {
-    if (elements > 0 &&
-        std::memcmp(rows.hidden_bf16, hidden.data().data(), 2 * elements) != 0) {
+    if (elements > 0 && std::memcmp(rows.hidden_bf16, hidden.data().data(),
+                                    2 * elements) != 0) {
       Fail("bf16 input not passed through bit-exactly");
     }
   }

@@ -14,9 +14,9 @@ moments, a stand-in for a kernel of our own.
   python3 tools/device/experiments/floor_screens.py \
       --lib .device/logp/liblogp_bench_floor.so --seed 8 --ns 1024,2048,4096
 """
+
 import ctypes
 import os
-import statistics
 import sys
 
 import torch
@@ -34,7 +34,7 @@ SCREEN_WORD = 64
 def screen_keys(z):
     """kernels/top_k_screen_key.h's ScreenKey, as int32 bit patterns."""
     b = z.float().contiguous().view(torch.int32)
-    return torch.where(b < 0, ~b, b | torch.tensor(-2**31, dtype=torch.int32, device=z.device))
+    return torch.where(b < 0, ~b, b | torch.tensor(-(2**31), dtype=torch.int32, device=z.device))
 
 
 def template_of(floor):
@@ -63,8 +63,9 @@ def main():
     sample = torch.arange(args.sample, device=dev) * (V // args.sample)
     W_s, b_s = W[sample].contiguous(), bias[sample].contiguous()
     cs = [float(c) for c in args.cs.split(",")]
-    print(f"kernel {lib.logp_version().decode()}; sample {args.sample} columns; "
-          f"c in {cs}", flush=True)
+    print(
+        f"kernel {lib.logp_version().decode()}; sample {args.sample} columns; c in {cs}", flush=True
+    )
 
     for n in [int(x) for x in args.ns.split(",")]:
         hidden = torch.randn(n, H, device=dev).to(torch.bfloat16)
@@ -76,19 +77,32 @@ def main():
             return z.mean(-1) + c * z.std(-1)
 
         def launcher(k, template):
-            ws = torch.empty(lib.logp_workspace_bytes_extras(handle, n, 0, k),
-                             device=dev, dtype=torch.uint8)
+            ws = torch.empty(
+                lib.logp_workspace_bytes_extras(handle, n, 0, k), device=dev, dtype=torch.uint8
+            )
             out = [torch.full((n,), float("nan"), device=dev) for _ in range(2)]
             ids = torch.full((n, max(k, 1)), -7, device=dev, dtype=torch.int32)
             lps = torch.full((n, max(k, 1)), float("nan"), device=dev)
 
             def run():
                 lib.logp_set_screen_template(None if template is None else template.data_ptr())
-                if lib.logp_launch_extras(handle, hidden.data_ptr(), targets.data_ptr(),
-                                          temps.data_ptr(), out[0].data_ptr(),
-                                          out[1].data_ptr(), None, k, ids.data_ptr(),
-                                          lps.data_ptr(), n, ws.data_ptr(), stream):
+                if lib.logp_launch_extras(
+                    handle,
+                    hidden.data_ptr(),
+                    targets.data_ptr(),
+                    temps.data_ptr(),
+                    out[0].data_ptr(),
+                    out[1].data_ptr(),
+                    None,
+                    k,
+                    ids.data_ptr(),
+                    lps.data_ptr(),
+                    n,
+                    ws.data_ptr(),
+                    stream,
+                ):
                     raise RuntimeError("launch failed")
+
             return run, (out[0], out[1], ids, lps)
 
         names, fns, outs = [], [], {}
@@ -105,21 +119,33 @@ def main():
             fn, o = launcher(TOP_K, template_of(floor))
             fn()
             torch.cuda.synchronize()
-            short = (o[2][:, TOP_K - 1] < 0)
+            short = o[2][:, TOP_K - 1] < 0
             ok = ~short
-            same = all(torch.equal(a[ok].view(torch.int32) if a.dtype == torch.float32 else a[ok],
-                                   b[ok].view(torch.int32) if b.dtype == torch.float32 else b[ok])
-                       for a, b in zip(o, ref))
-            print(f"N={n} {name}: rows short {int(short.sum())} (floor above the k-th: "
-                  f"{int((floor > kth_z).sum())}); others' bits equal: {same}", flush=True)
+            same = all(
+                torch.equal(
+                    a[ok].view(torch.int32) if a.dtype == torch.float32 else a[ok],
+                    b[ok].view(torch.int32) if b.dtype == torch.float32 else b[ok],
+                )
+                for a, b in zip(o, ref)
+            )
+            print(
+                f"N={n} {name}: rows short {int(short.sum())} (floor above the k-th: "
+                f"{int((floor > kth_z).sum())}); others' bits equal: {same}",
+                flush=True,
+            )
             names.append(name), fns.append(fn)
         timed = median_ms_interleaved(fns, args.reps)
         base = timed[0][0]
         sample_ms = median_ms(lambda: floors(cs[0]), args.reps)[0]
-        line = "  ".join(f"{nm} {ms:.4f} ms ({100 * (ms / base - 1):+.1f}%)"
-                         for nm, (ms, _, _) in zip(names, timed))
-        print(f"N={n}: {line}; sample+moments (torch) {sample_ms:.4f} ms "
-              f"({100 * sample_ms / base:.1f}% of logp)", flush=True)
+        line = "  ".join(
+            f"{nm} {ms:.4f} ms ({100 * (ms / base - 1):+.1f}%)"
+            for nm, (ms, _, _) in zip(names, timed)
+        )
+        print(
+            f"N={n}: {line}; sample+moments (torch) {sample_ms:.4f} ms "
+            f"({100 * sample_ms / base:.1f}% of logp)",
+            flush=True,
+        )
         lib.logp_set_screen_template(None)
         del hidden, fns, outs
 
