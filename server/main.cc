@@ -30,14 +30,19 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound port is written here once serving (for tests).");
 ABSL_FLAG(std::string, weights, "",
-          "A .safetensors file with the lm_head, served as the model "
-          "\"default\"; with neither --weights nor --model, the embedded "
-          "synthetic model is served as \"default\".");
+          "The model \"default\": a Hugging Face checkpoint directory "
+          "(model.safetensors or shards with model.safetensors.index.json, "
+          "and config.json) or one .safetensors file holding the lm_head "
+          "(docs/checkpoints.md); with neither --weights nor --model, the "
+          "embedded synthetic model is served as \"default\".");
 ABSL_FLAG(std::vector<std::string>, model, {},
-          "Named start-up models, name=path.safetensors; repeat the flag or "
-          "separate with commas (--model=policy=/m/a.safetensors "
-          "--model=reference=/m/b.safetensors). --lm_head_tensor, "
-          "--bias_tensor and --vocab_size apply to each.");
+          "Named start-up models, name=path[:tensor], path a checkpoint "
+          "directory or a .safetensors file; repeat the flag or separate "
+          "with commas (--model=policy=/m/qwen --model=tied=/m/small:"
+          "model.embed_tokens.weight). :tensor names that model's head "
+          "(default: lm_head.weight, else the tied input embedding); "
+          "--bias_tensor and --vocab_size apply to each, --lm_head_tensor "
+          "to none.");
 ABSL_FLAG(std::string, default_model, "",
           "The model an empty request.model means; empty: \"default\" when "
           "--weights is given or nothing is, else the first --model.");
@@ -61,13 +66,19 @@ ABSL_FLAG(int64_t, synthetic_hidden_size, 1024,
           "H of the embedded synthetic model (no --weights).");
 ABSL_FLAG(int64_t, synthetic_vocab_size, 32000,
           "V of the embedded synthetic model (no --weights).");
-ABSL_FLAG(std::string, lm_head_tensor, "lm_head.weight",
-          "Name of the [V, H] weight tensor in --weights.");
+ABSL_FLAG(std::string, lm_head_tensor, "",
+          "The [V, H] head tensor of --weights only (each --model names its "
+          "own as name=path:tensor); empty: lm_head.weight, else the input "
+          "embedding when config.json says tie_word_embeddings.");
 ABSL_FLAG(std::string, bias_tensor, "",
-          "Name of the optional [V] bias tensor in --weights.");
-ABSL_FLAG(
-    int64_t, vocab_size, 0,
-    "Real vocabulary (<= weight rows; the rest is padding). 0: all rows.");
+          "The optional [V] bias tensor; empty: lm_head.bias when the head "
+          "is lm_head.weight and the checkpoint has one.");
+ABSL_FLAG(int64_t, vocab_size, 0,
+          "Rows of the head that count (<= its rows); 0: every row, which is "
+          "what Hugging Face and vLLM normalise over. Only for heads padded "
+          "beyond the tokenizer on purpose: rows past it are left out of "
+          "the softmax, so log-probs then differ from Hugging Face's and "
+          "vLLM's by however much probability those rows held.");
 ABSL_FLAG(
     std::string, device, "auto",
     "auto (first GPU of compute capability >= 8.0, else CPU), cpu, cuda:N, "
@@ -146,13 +157,45 @@ namespace {
 
 using detlogp::server::LmHeadWeights;
 
-detlogp::server::LmHeadSource SourceFromFlags(const std::string& path) {
+detlogp::server::LmHeadSource SourceFromFlags(const std::string& path,
+                                              const std::string& tensor) {
   detlogp::server::LmHeadSource source;
   source.path = path;
-  source.weight_tensor = absl::GetFlag(FLAGS_lm_head_tensor);
+  source.weight_tensor = tensor;
   source.bias_tensor = absl::GetFlag(FLAGS_bias_tensor);
   source.vocab_size = absl::GetFlag(FLAGS_vocab_size);
   return source;
+}
+
+// A --model value: name=path, or name=path:tensor (tensor names hold no '/',
+// so a ':' followed by a '/' belongs to the path).
+absl::StatusOr<detlogp::server::StartupModel> ParseModelSpec(
+    const std::string& spec) {
+  const size_t eq = spec.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--model=", spec,
+        ": expected name=path or name=path:tensor (path a checkpoint "
+        "directory or a .safetensors file)"));
+  }
+  std::string path = spec.substr(eq + 1);
+  std::string tensor;
+  const size_t colon = path.rfind(':');
+  if (colon != std::string::npos &&
+      path.find('/', colon) == std::string::npos) {
+    tensor = path.substr(colon + 1);
+    path = path.substr(0, colon);
+    if (tensor.empty() || path.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--model=", spec, ": expected name=path:tensor with both given"));
+    }
+  }
+  const std::string source =
+      tensor.empty() ? path : absl::StrCat(path, ":", tensor);
+  return detlogp::server::StartupModel{
+      spec.substr(0, eq), source, [lm_head = SourceFromFlags(path, tensor)] {
+        return detlogp::server::LoadLmHead(lm_head);
+      }};
 }
 
 // --weights, every --model, or the embedded synthetic model. Each is loaded
@@ -160,22 +203,26 @@ detlogp::server::LmHeadSource SourceFromFlags(const std::string& path) {
 absl::StatusOr<std::vector<detlogp::server::StartupModel>> StartupModels() {
   std::vector<detlogp::server::StartupModel> models;
   const std::string weights = absl::GetFlag(FLAGS_weights);
+  const std::string lm_head_tensor = absl::GetFlag(FLAGS_lm_head_tensor);
+  if (!lm_head_tensor.empty() && weights.empty()) {
+    // Never applied to every --model: a tied and an untied checkpoint side
+    // by side would serve one of them with the wrong head.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lm_head_tensor=", lm_head_tensor,
+        " names the head of --weights, which is not given; name a --model's "
+        "head after its path: --model=name=path:",
+        lm_head_tensor));
+  }
   if (!weights.empty()) {
-    models.push_back({"default", weights, [source = SourceFromFlags(weights)] {
+    models.push_back({"default", weights,
+                      [source = SourceFromFlags(weights, lm_head_tensor)] {
                         return detlogp::server::LoadLmHead(source);
                       }});
   }
   for (const std::string& spec : absl::GetFlag(FLAGS_model)) {
-    const size_t eq = spec.find('=');
-    if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--model=", spec, ": expected name=path.safetensors"));
-    }
-    const std::string path = spec.substr(eq + 1);
-    models.push_back(
-        {spec.substr(0, eq), path, [source = SourceFromFlags(path)] {
-           return detlogp::server::LoadLmHead(source);
-         }});
+    auto model = ParseModelSpec(spec);
+    if (!model.ok()) return model.status();
+    models.push_back(*std::move(model));
   }
   if (models.empty()) {
     detlogp::server::SyntheticLmHeadOptions synthetic;
@@ -262,7 +309,20 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage_config);
   std::string folded_models;
   std::vector<char*> args = FoldRepeatedModelFlags(argc, argv, &folded_models);
-  absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  const std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (positional.size() > 1) {
+    // A shell glob (--weights=/m/ckpt/*.safetensors) leaves every file but
+    // the first here; serving the first alone would be a silent guess.
+    std::vector<std::string> extra(positional.begin() + 1, positional.end());
+    spdlog::error(
+        "unexpected arguments: {}; several files given? --weights and "
+        "--model take one path each: a checkpoint directory (its shards are "
+        "found through model.safetensors.index.json) or one .safetensors "
+        "file",
+        absl::StrJoin(extra, " "));
+    return 2;
+  }
 
   // Signals are taken synchronously by this thread (sigwait below); every
   // thread started later inherits the mask.

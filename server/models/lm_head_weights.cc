@@ -7,7 +7,9 @@
 #include "kernels/bfloat16.h"
 #include "kernels/parallel_for.h"
 #include "kernels/random_normal.h"
+#include "server/models/checkpoint.h"
 #include "server/models/safetensors.h"
+#include "spdlog/spdlog.h"
 #include "digests/sha256.h"
 
 namespace detlogp::server {
@@ -31,10 +33,6 @@ std::vector<float> BytesToFloats(const std::string& dtype,
   return out;
 }
 
-bool IsFloatDtype(const std::string& dtype) {
-  return dtype == "F32" || dtype == "BF16" || dtype == "F16";
-}
-
 }  // namespace
 
 kernels::LmHeadView LmHeadWeights::view() const {
@@ -53,73 +51,54 @@ void ComputeLmHeadDigest(LmHeadWeights* weights) {
 }
 
 absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source) {
-  auto file = SafetensorsFile::Open(source.path);
-  if (!file.ok()) return file.status();
-  auto it = file->tensors().find(source.weight_tensor);
-  if (it == file->tensors().end()) {
-    return absl::NotFoundError(absl::StrCat(source.path, ": no tensor '",
-                                            source.weight_tensor,
-                                            "' (set --lm_head_tensor)"));
-  }
-  const SafetensorInfo& info = it->second;
-  if (info.shape.size() != 2 || info.shape[0] <= 0 || info.shape[1] <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source.weight_tensor, ": expected a [V, H] matrix"));
-  }
-  if (!IsFloatDtype(info.dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(source.weight_tensor,
-                                                   ": dtype ", info.dtype,
-                                                   " is not F32, BF16 or F16"));
-  }
+  HeadLookup lookup;
+  lookup.path = source.path;
+  lookup.weight_tensor = source.weight_tensor;
+  lookup.bias_tensor = source.bias_tensor;
+  lookup.confine_to = source.confine_to;
+  auto head = ResolveHead(lookup);
+  if (!head.ok()) return head.status();
   LmHeadWeights weights;
-  weights.padded_vocab_size = info.shape[0];
-  weights.hidden_size = info.shape[1];
+  weights.padded_vocab_size = head->padded_vocab_size;
+  weights.hidden_size = head->hidden_size;
   weights.vocab_size =
       source.vocab_size > 0 ? source.vocab_size : weights.padded_vocab_size;
-  if (weights.vocab_size > weights.padded_vocab_size) {
+  if (source.vocab_size < 0 || weights.vocab_size > weights.padded_vocab_size) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--vocab_size=", weights.vocab_size, " exceeds the ",
-        weights.padded_vocab_size, " rows of ", source.weight_tensor));
+        "vocab_size: ", source.vocab_size, " is not in [0, ",
+        weights.padded_vocab_size, "], the rows of ", head->weight_tensor));
   }
-  if (info.dtype == "BF16") {  // straight into place
+  auto file = SafetensorsFile::Open(head->weight_file);
+  if (!file.ok()) return file.status();
+  if (head->weight_dtype == "BF16") {  // straight into place
     weights.weight.resize(weights.padded_vocab_size * weights.hidden_size);
     if (absl::Status s =
-            file->ReadTensorInto(source.weight_tensor, weights.weight.data(),
+            file->ReadTensorInto(head->weight_tensor, weights.weight.data(),
                                  weights.weight.size() * 2);
         !s.ok()) {
       return s;
     }
   } else {
-    auto bytes = file->ReadTensor(source.weight_tensor);
+    auto bytes = file->ReadTensor(head->weight_tensor);
     if (!bytes.ok()) return bytes.status();
-    const std::vector<float> values = BytesToFloats(info.dtype, *bytes);
+    const std::vector<float> values = BytesToFloats(head->weight_dtype, *bytes);
     weights.weight.resize(values.size());
     for (size_t i = 0; i < values.size(); ++i) {
       weights.weight[i] = kernels::FloatToBf16(values[i]);
     }
   }
-  if (!source.bias_tensor.empty()) {
-    auto bias_it = file->tensors().find(source.bias_tensor);
-    if (bias_it == file->tensors().end()) {
-      return absl::NotFoundError(absl::StrCat(source.path, ": no tensor '",
-                                              source.bias_tensor,
-                                              "' (--bias_tensor)"));
-    }
-    const SafetensorInfo& bias_info = bias_it->second;
-    if (bias_info.shape.size() != 1 ||
-        bias_info.shape[0] != weights.padded_vocab_size ||
-        !IsFloatDtype(bias_info.dtype)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(source.bias_tensor, ": expected a float vector of ",
-                       weights.padded_vocab_size, " elements"));
-    }
-    auto bias_bytes = file->ReadTensor(source.bias_tensor);
+  if (!head->bias_tensor.empty()) {
+    auto bias_file = head->bias_file == head->weight_file
+                         ? file
+                         : SafetensorsFile::Open(head->bias_file);
+    if (!bias_file.ok()) return bias_file.status();
+    auto bias_bytes = bias_file->ReadTensor(head->bias_tensor);
     if (!bias_bytes.ok()) return bias_bytes.status();
-    weights.bias = BytesToFloats(bias_info.dtype, *bias_bytes);
+    weights.bias = BytesToFloats(
+        bias_file->tensors().at(head->bias_tensor).dtype, *bias_bytes);
   }
-  weights.description = absl::StrCat(source.path, " (", source.weight_tensor,
-                                     source.bias_tensor.empty() ? "" : ", ",
-                                     source.bias_tensor, ")");
+  weights.description = head->description;
+  spdlog::info("lm_head: {}", head->description);
   ComputeLmHeadDigest(&weights);
   return weights;
 }

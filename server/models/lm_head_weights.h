@@ -53,13 +53,22 @@ struct LmHeadWeights {
 };
 
 struct LmHeadSource {
-  std::string path;                              // a .safetensors file
-  std::string weight_tensor = "lm_head.weight";  // [V_pad, H]
-  std::string bias_tensor;                       // optional, [V_pad]
+  // A Hugging Face checkpoint directory or a .safetensors file
+  // (checkpoint.h says how the head is found in either).
+  std::string path;
+  // The [V_pad, H] weight; empty: lm_head.weight, else the tied input
+  // embedding.
+  std::string weight_tensor;
+  // The [V_pad] bias; empty: lm_head.bias when the head is lm_head.weight
+  // and the checkpoint has one.
+  std::string bias_tensor;
   int64_t vocab_size = 0;  // real vocabulary; 0 means every weight row
+  // When set, every file read must lie inside this directory (--model_root).
+  std::string confine_to;
 };
 
-// Loads and converts (F32 / F16 weights are rounded to bf16, RNE).
+// Finds the head (ResolveHead), reads only its bytes and converts them (F32 /
+// F16 weights are rounded to bf16, RNE); logs which tensor of which file.
 absl::StatusOr<LmHeadWeights> LoadLmHead(const LmHeadSource& source);
 
 // The embedded default: weights ~ N(0, 0.02^2), bias ~ N(0, 0.1^2), from a

@@ -125,6 +125,11 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
   if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
   if (absl::Status s = CheckVersionNumber(model, origin.version); !s.ok())
     return s;
+  if (absl::Status s =
+          CheckShape(model, weights->hidden_size, weights->vocab_size);
+      !s.ok()) {
+    return s;
+  }
   if (reservation.tracker_ == nullptr) {
     auto reserved = Reserve(weights->hidden_size, weights->padded_vocab_size,
                             !weights->bias.empty());
@@ -174,6 +179,12 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
   }
   {
     absl::MutexLock lock(&mu_);
+    // Again: a version of another shape may have been published meanwhile.
+    if (absl::Status s =
+            CheckShapeLocked(model, version->hidden_size, version->vocab_size);
+        !s.ok()) {
+      return s;
+    }
     Model& m = models_[model];
     if (origin.version == 0) {
       version->version = m.next_version++;
@@ -234,6 +245,37 @@ absl::Status ModelManager::CheckVersionNumber(const std::string& model,
   const int64_t next = NextVersion(model);
   return version >= next ? absl::OkStatus()
                          : VersionTaken(model, version, next);
+}
+
+absl::Status ModelManager::CheckShape(const std::string& model,
+                                      int64_t hidden_size,
+                                      int64_t vocab_size) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return CheckShapeLocked(model, hidden_size, vocab_size);
+}
+
+absl::Status ModelManager::CheckShapeLocked(const std::string& model,
+                                            int64_t hidden_size,
+                                            int64_t vocab_size) const {
+  auto it = models_.find(model);
+  if (it == models_.end() || it->second.ready.empty()) return absl::OkStatus();
+  const ServedVersion& latest = *it->second.ready.rbegin()->second;
+  const auto refuse = [&](absl::string_view field, int64_t served,
+                          int64_t offered) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        field, ": model '", model, "' serves ", field, "=", served,
+        " (version ", latest.version, ") and the new version has ", field, "=",
+        offered,
+        "; a model keeps its shape across versions (unload every version, "
+        "then load the new shape under its name)"));
+  };
+  if (hidden_size != latest.hidden_size) {
+    return refuse("hidden_size", latest.hidden_size, hidden_size);
+  }
+  if (vocab_size != latest.vocab_size) {
+    return refuse("vocab_size", latest.vocab_size, vocab_size);
+  }
+  return absl::OkStatus();
 }
 
 void ModelManager::RetireLocked(const std::string& name, Model& model,

@@ -17,7 +17,9 @@
 // bound is RESOURCE_EXHAUSTED before any bytes are taken.
 //
 // Failure changes nothing: a load, upload, digest check or warm-up that
-// fails leaves every existing version serving as before.
+// fails leaves every existing version serving as before. A new version keeps
+// its model's hidden size and vocabulary (FAILED_PRECONDITION otherwise,
+// before anything is placed).
 //
 // Example:
 //   auto manager = ModelManager::Create(options);
@@ -176,6 +178,12 @@ class ModelManager {
   absl::Status CheckVersionNumber(const std::string& model,
                                   int64_t version) const;
   int64_t reserved_bytes() const;
+  // OK unless `model` has a ready version of another hidden size or
+  // vocabulary: FAILED_PRECONDITION naming the field and both values. Its
+  // callers' rows and targets are sized for the model's shape, so a model
+  // changes shape only by unloading every version and loading the new one.
+  absl::Status CheckShape(const std::string& model, int64_t hidden_size,
+                          int64_t vocab_size) const;
 
   // ---- Implementation details; API users need not read further. ----
  private:
@@ -193,6 +201,9 @@ class ModelManager {
   explicit ModelManager(Options options);
   static absl::Status VersionTaken(const std::string& model, int64_t asked,
                                    int64_t next);
+  absl::Status CheckShapeLocked(const std::string& model, int64_t hidden_size,
+                                int64_t vocab_size) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   detlogp::v1::ModelVersionStatus StatusOf(const ServedVersion& version,
                                            bool ready) const;
   detlogp::v1::ModelInfo DescribeLocked(const std::string& name,

@@ -305,9 +305,10 @@ absl::StatusOr<std::string> ModelStore::ResolveInside(
     return denied("leads outside the root through a symlink");
   }
   struct stat st;
-  if (stat(resolved->c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": '", relative, "' is not a regular file"));
+  if (stat(resolved->c_str(), &st) != 0 ||
+      !(S_ISREG(st.st_mode) || S_ISDIR(st.st_mode))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": '", relative, "' is neither a file nor a directory"));
   }
   return *resolved;
 }
@@ -343,6 +344,7 @@ std::map<std::string, std::vector<StoredVersion>> ModelStore::ListVersions()
         continue;
       }
       stored->source.path = *path;
+      stored->source.confine_to = root_;
       versions.emplace(version, *std::move(stored));
     }
     for (auto& [version, stored] : versions)

@@ -81,8 +81,10 @@ class ModelStore {
   const std::string& root() const { return root_; }
   bool writable() const { return writable_; }
 
-  // Resolves a client-sent path (relative to the root) to an existing
-  // regular file inside the root. `field` names the request field.
+  // Resolves a client-sent path (relative to the root) to an existing file
+  // or checkpoint directory inside the root. `field` names the request
+  // field. (Files a checkpoint directory leads to are confined to the root
+  // when they are read: LmHeadSource::confine_to.)
   absl::StatusOr<std::string> ResolveInside(absl::string_view relative,
                                             absl::string_view field) const;
 

@@ -157,8 +157,8 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
   }
   LmHeadSource source;
   source.path = *path;
-  if (!request->lm_head_tensor().empty())
-    source.weight_tensor = request->lm_head_tensor();
+  source.confine_to = options_.store->root();
+  source.weight_tensor = request->lm_head_tensor();
   source.bias_tensor = request->bias_tensor();
   source.vocab_size = request->vocab_size();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -305,6 +305,12 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (!shape.ok()) return shape.status();
     if (absl::Status s = service_->manager_->CheckVersionNumber(
             header.model(), header.model_version());
+        !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("header.", s.message()));
+    }
+    // Before any bytes are taken; AddVersion checks again at the end.
+    if (absl::Status s = service_->manager_->CheckShape(
+            header.model(), shape->hidden_size, shape->vocab_size);
         !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("header.", s.message()));
     }
