@@ -13,8 +13,8 @@
 // has --admin_tokens_file):
 //   detlogp_cli models
 //   detlogp_cli load --model=policy --path=ckpt/step_42.safetensors
-//   detlogp_cli upload --model=policy --weights_file=step_42.safetensors
-//       [--lm_head_tensor=lm_head.weight --bias_tensor= --vocab_size=0]
+//   detlogp_cli upload --model=policy --weights_file=/ckpt/step_42
+//       [--lm_head_tensor= --bias_tensor= --vocab_size=0]
 //       [--targets=10.0.0.1:50051,10.0.0.2:50051] [--model_version=42]
 //   detlogp_cli unload --model=policy --model_version=3
 #include <unistd.h>
@@ -128,14 +128,18 @@ ABSL_FLAG(
     "models, load, upload, unload: file whose first line is the admin "
     "token (the server's --admin_tokens_file); sent only on these calls.");
 ABSL_FLAG(std::string, path, "",
-          "load: a .safetensors file relative to the server's --model_root.");
+          "load: a checkpoint directory or .safetensors file relative to the "
+          "server's --model_root.");
 ABSL_FLAG(std::string, weights_file, "",
-          "upload: a local .safetensors file holding the lm_head (F32/F16 are "
-          "rounded to bf16, round-to-nearest-even, before sending).");
-ABSL_FLAG(std::string, lm_head_tensor, "lm_head.weight",
-          "load, upload: the [V, H] weight tensor's name.");
+          "upload: a local Hugging Face checkpoint directory or .safetensors "
+          "file holding the lm_head (F32/F16 are rounded to bf16, "
+          "round-to-nearest-even, before sending; docs/checkpoints.md).");
+ABSL_FLAG(std::string, lm_head_tensor, "",
+          "load, upload: the [V, H] weight tensor's name; empty: "
+          "lm_head.weight, else the tied input embedding (config.json).");
 ABSL_FLAG(std::string, bias_tensor, "",
-          "load, upload: the optional [V] bias tensor's name.");
+          "load, upload: the optional [V] bias tensor's name; empty: "
+          "lm_head.bias when the head is lm_head.weight and it exists.");
 ABSL_FLAG(int64_t, vocab_size, 0,
           "load, upload: the real vocabulary (0: every weight row).");
 ABSL_FLAG(std::string, expected_sha256, "",
@@ -542,11 +546,13 @@ int Upload() {
   if (absl::GetFlag(FLAGS_weights_file).empty()) {
     return Fail(absl::InvalidArgumentError("--weights_file is required"));
   }
+  std::string read_from;
   auto upload = detlogp::client::ReadLmHeadUpload(
       absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_weights_file),
       absl::GetFlag(FLAGS_lm_head_tensor), absl::GetFlag(FLAGS_bias_tensor),
-      absl::GetFlag(FLAGS_vocab_size));
+      absl::GetFlag(FLAGS_vocab_size), &read_from);
   if (!upload.ok()) return Fail(upload.status());
+  std::fprintf(stderr, "lm_head: %s\n", read_from.c_str());
   upload->version = absl::GetFlag(FLAGS_model_version);
   std::vector<std::string> targets =
       absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipWhitespace());

@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/tensor_files.h"
+#include "server/models/checkpoint.h"
 #include "kernels/bfloat16.h"
 #include "digests/lm_head_digest.h"
 
@@ -35,12 +36,6 @@ std::vector<float> ToFloats(const LoadedTensor& tensor) {
                  : kernels::Fp16ToFloat(bits);
   }
   return out;
-}
-
-bool IsFloatTensor(const LoadedTensor& tensor) {
-  return tensor.dtype == detlogp::v1::DTYPE_FLOAT32 ||
-         tensor.dtype == detlogp::v1::DTYPE_BFLOAT16 ||
-         tensor.dtype == detlogp::v1::DTYPE_FLOAT16;
 }
 
 }  // namespace
@@ -81,14 +76,17 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
                                               const std::string& path,
                                               const std::string& weight_tensor,
                                               const std::string& bias_tensor,
-                                              int64_t vocab_size) {
-  auto weight = ReadSafetensor(path, weight_tensor);
+                                              int64_t vocab_size,
+                                              std::string* description) {
+  server::HeadLookup lookup;
+  lookup.path = path;
+  lookup.weight_tensor = weight_tensor;
+  lookup.bias_tensor = bias_tensor;
+  auto head = server::ResolveHead(lookup);
+  if (!head.ok()) return head.status();
+  if (description != nullptr) *description = head->description;
+  auto weight = ReadSafetensor(head->weight_file, head->weight_tensor);
   if (!weight.ok()) return weight.status();
-  if (!IsFloatTensor(*weight) || weight->shape.size() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": ", weight_tensor,
-                     " must be a [V, H] F32, F16 or BF16 matrix"));
-  }
   LmHeadUpload upload;
   upload.model = model;
   upload.padded_vocab_size = weight->shape[0];
@@ -105,13 +103,9 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
       upload.weight[i] = kernels::FloatToBf16(values[i]);
     }
   }
-  if (!bias_tensor.empty()) {
-    auto bias = ReadSafetensor(path, bias_tensor);
+  if (!head->bias_tensor.empty()) {
+    auto bias = ReadSafetensor(head->bias_file, head->bias_tensor);
     if (!bias.ok()) return bias.status();
-    if (!IsFloatTensor(*bias) || bias->shape.size() != 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": ", bias_tensor, " must be a float vector"));
-    }
     upload.bias = ToFloats(*bias);
   }
   if (absl::Status s = ValidateLmHeadUpload(upload); !s.ok()) {

@@ -60,14 +60,18 @@ struct LmHeadUpload {
 // or empty, 0 <= vocab_size <= V_pad. INVALID_ARGUMENT otherwise.
 absl::Status ValidateLmHeadUpload(const LmHeadUpload& upload);
 
-// Reads an lm_head from a .safetensors file: `weight_tensor` [V_pad, H] in
-// F32, F16 or BF16 (F32 and F16 rounded to bf16, round-to-nearest-even, as
-// the server rounds), `bias_tensor` (optional) [V_pad] in any of those,
-// widened to fp32.
+// Reads an lm_head from a Hugging Face checkpoint directory or a
+// .safetensors file, found as the server finds it
+// (server/models/checkpoint.h: empty `weight_tensor` means lm_head.weight,
+// else the tied input embedding; empty `bias_tensor` means lm_head.bias when
+// present). Only the head's bytes are read: the weight [V_pad, H] in F32, F16
+// or BF16 (F32 and F16 rounded to bf16, round-to-nearest-even, as the server
+// rounds), the bias [V_pad] in any of those, widened to fp32. `description`,
+// when not null, receives which tensor of which file was read.
 absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(
     const std::string& model, const std::string& path,
-    const std::string& weight_tensor = "lm_head.weight",
-    const std::string& bias_tensor = "", int64_t vocab_size = 0);
+    const std::string& weight_tensor = "", const std::string& bias_tensor = "",
+    int64_t vocab_size = 0, std::string* description = nullptr);
 
 // The weights' digest as ModelVersionStatus.weights_sha256 reports it
 // (digests/lm_head_digest.h), its blocks hashed on every core.

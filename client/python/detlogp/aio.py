@@ -273,7 +273,7 @@ class AsyncClient(ClientState):
         timeout=None,
     ):
         """Client.upload_model as a coroutine (every target at once)."""
-        head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
+        head = LmHead.coerce(weight, bias, vocab_size)
 
         async def upload(index, left):
             call = self._repo[index].UploadModel(

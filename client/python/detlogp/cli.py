@@ -8,16 +8,19 @@
     detlogp models --target HOST:PORT                        (admin)
     detlogp load   NAME PATH [--bias-tensor lm_head.bias] [--vocab-size V]
                    [--sha256 HEX] [--version N]              (admin)
-    detlogp upload NAME FILE.safetensors|FILE.npy [--bias-tensor T | --bias b.npy]
+    detlogp upload NAME CHECKPOINT_DIR|FILE.safetensors|FILE.npy
+                   [--lm-head-tensor T] [--bias-tensor T | --bias b.npy]
                    [--vocab-size V] [--chunk-mb 4] [--version N]  (admin)
     detlogp unload NAME VERSION                              (admin)
 
 Admin commands (ModelRepositoryService) send --admin-token (or
 $DETLOGP_ADMIN_TOKEN); scoring sends --token (or $DETLOGP_TOKEN). With
 several targets, load/upload/unload act on every one. `load` reads PATH
-relative to the server's --model_root; `upload` sends a local file: a
-.safetensors (tensor --lm-head-tensor, bias --bias-tensor) or a .npy
-[V_pad, H] (float32/float16, rounded to bf16, or uint16 bf16 bits).
+relative to the server's --model_root; `upload` sends a local Hugging Face
+checkpoint directory or .safetensors file (head lm_head.weight, else the tied
+input embedding, or --lm-head-tensor; bias lm_head.bias when present, or
+--bias-tensor) or a .npy [V_pad, H] (float32/float16, rounded to bf16, or
+uint16 bf16 bits).
 """
 
 import argparse
@@ -27,10 +30,11 @@ import sys
 
 import numpy as np
 
-from detlogp import safetensors_io
+from detlogp.checkpoint import CheckpointError
 from detlogp.client import Client
 from detlogp.errors import DetlogpError
 from detlogp.v1 import detlogp_pb2 as pb
+from detlogp.weights import LmHead
 
 
 def _print(args, fields):
@@ -195,36 +199,35 @@ def _load(client, args):
 
 
 def _read_upload(args):
-    """(weight, bias) arrays from the file named on the command line."""
+    """The LmHead from the path named on the command line: a .npy [V_pad, H]
+    (bias from --bias b.npy), or a checkpoint directory or .safetensors file
+    (its head found as the server finds it)."""
     path = args.file
     if path.endswith(".npy"):
+        if args.bias_tensor or args.lm_head_tensor:
+            raise SystemExit(
+                "--lm-head-tensor and --bias-tensor apply to checkpoints; use --bias b.npy"
+            )
         weight = np.load(path, mmap_mode="r")
         bias = np.load(args.bias, mmap_mode="r") if args.bias else None
-        if args.bias_tensor:
-            raise SystemExit("--bias-tensor applies to .safetensors; use --bias b.npy")
-        return weight, bias
-    tensors = safetensors_io.read(path, mmap=True)
-    name = args.lm_head_tensor or "lm_head.weight"
-    if name not in tensors:
-        raise SystemExit(f"{path}: no tensor '{name}' (has: {', '.join(tensors)})")
+        return LmHead(weight, bias, args.vocab_size)
     if args.bias and args.bias_tensor:
         raise SystemExit("give --bias or --bias-tensor, not both")
-    if args.bias_tensor:
-        if args.bias_tensor not in tensors:
-            raise SystemExit(f"{path}: no tensor '{args.bias_tensor}'")
-        bias = tensors[args.bias_tensor]
-    else:
-        bias = np.load(args.bias, mmap_mode="r") if args.bias else None
-    return tensors[name], bias
+    try:
+        head = LmHead.from_checkpoint(path, args.lm_head_tensor, args.bias_tensor, args.vocab_size)
+    except (CheckpointError, OSError, KeyError, ValueError) as e:
+        raise SystemExit(str(e)) from None
+    print(f"lm_head: {head.source}", file=sys.stderr)
+    if args.bias:
+        head = LmHead(head.weight, np.load(args.bias, mmap_mode="r"), args.vocab_size)
+    return head
 
 
 def _upload(client, args):
-    weight, bias = _read_upload(args)
+    head = _read_upload(args)
     result = client.upload_model(
         args.name,
-        weight,
-        bias,
-        args.vocab_size,
+        head,
         chunk_bytes=int(args.chunk_mb * (1 << 20)),
         version=args.version,
     )
@@ -282,9 +285,13 @@ def main(argv=None):
     sub.add_parser("models", help="every model and its versions (admin)")
     load = sub.add_parser("load", help="load a file under the server's --model_root (admin)")
     load.add_argument("name")
-    load.add_argument("path", help="relative to the server's --model_root")
-    load.add_argument("--lm-head-tensor", help="default lm_head.weight")
-    load.add_argument("--bias-tensor", help="default: no bias")
+    load.add_argument(
+        "path", help="checkpoint directory or .safetensors, relative to the server's --model_root"
+    )
+    load.add_argument(
+        "--lm-head-tensor", help="default lm_head.weight, else the tied input embedding"
+    )
+    load.add_argument("--bias-tensor", help="default lm_head.bias when present")
     load.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
     load.add_argument("--sha256", help="the weights' expected digest")
     load.add_argument(
@@ -292,9 +299,11 @@ def main(argv=None):
     )
     upload = sub.add_parser("upload", help="send a local lm_head as a new version (admin)")
     upload.add_argument("name")
-    upload.add_argument("file", help=".safetensors or .npy [V_pad, H]")
-    upload.add_argument("--lm-head-tensor", help="default lm_head.weight (.safetensors)")
-    upload.add_argument("--bias-tensor", help="bias tensor in the .safetensors")
+    upload.add_argument("file", help="checkpoint directory, .safetensors file, or .npy [V_pad, H]")
+    upload.add_argument(
+        "--lm-head-tensor", help="default lm_head.weight, else the tied input embedding"
+    )
+    upload.add_argument("--bias-tensor", help="default lm_head.bias when present")
     upload.add_argument("--bias", help=".npy [V_pad] bias")
     upload.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
     upload.add_argument("--chunk-mb", type=float, default=4.0)

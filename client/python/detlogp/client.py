@@ -282,8 +282,10 @@ class Client(ClientState):
         version=None,
         timeout=None,
     ):
-        """Loads the .safetensors file `path` (relative to each server's
-        --model_root) as the next version of model `name` on every target;
+        """Loads `path`, a Hugging Face checkpoint directory or .safetensors
+        file relative to each server's --model_root (lm_head_tensor None:
+        lm_head.weight, else the tied input embedding), as the next version
+        of model `name` on every target;
         returns once it is ready and the latest: a ModelVersionResult.
         expected_sha256: the weights' digest must equal it.
         version: the number to publish it as (None: each server's next);
@@ -329,8 +331,11 @@ class Client(ClientState):
         weight: [V_pad, H]: numpy float32/float16 (rounded to bf16 by
           round-to-nearest-even, as the server rounds), ml_dtypes.bfloat16 or
           uint16 bf16 bits, or a torch tensor (CPU or CUDA; bf16 sent as its
-          bits); or a detlogp.weights.LmHead prepared once.
-        bias: [V_pad] float (sent as fp32), or None.
+          bits); or a detlogp.weights.LmHead prepared once; or the path of
+          a Hugging Face checkpoint directory or .safetensors file (its head
+          found as the server finds it: LmHead.from_checkpoint).
+        bias: [V_pad] float (sent as fp32), or None; with a path, the bias
+          tensor's name or None (lm_head.bias when present).
         vocab_size: the real vocabulary (None: every row).
         version: the number to publish it as, above every number the model
           has had on each target (else FailedPrecondition, field
@@ -339,7 +344,7 @@ class Client(ClientState):
         weights_sha256: the digest the weights must have (e.g. recorded by
           the trainer); default: computed while sending.
         """
-        head = weight if isinstance(weight, LmHead) else LmHead(weight, bias, vocab_size)
+        head = LmHead.coerce(weight, bias, vocab_size)
         outcomes = self._on_every_target(
             name,
             "UploadModel",

@@ -26,6 +26,8 @@ Accepted weights:
                                       imported only when a torch tensor is
                                       passed.
 The bias: any float array or tensor of V_pad values, sent as fp32.
+A Hugging Face checkpoint directory or .safetensors file: LmHead.from_checkpoint
+(the head found as the server finds it, docs/checkpoints.md).
 """
 
 import concurrent.futures
@@ -34,7 +36,7 @@ import os
 
 import numpy as np
 
-from detlogp import tensors
+from detlogp import checkpoint, safetensors_io, tensors
 from detlogp.tensors import is_torch_tensor
 from detlogp.v1 import detlogp_pb2 as pb
 
@@ -150,6 +152,7 @@ class LmHead:
         self.padded_vocab_size, self.hidden_size = (int(n) for n in self.weight.shape)
         self.bias = None if bias is None else bias_values(bias, self.padded_vocab_size)
         self.vocab_size = int(vocab_size or 0)
+        self.source = None  # where the weights were read from, when from a file
         self._sha256 = None
 
     @property
@@ -208,6 +211,38 @@ class LmHead:
         for view in self._buffers():
             for begin in range(0, len(view), chunk_bytes):
                 yield pb.UploadModelRequest(chunk=bytes(view[begin : begin + chunk_bytes]))
+
+    @classmethod
+    def from_checkpoint(cls, path, lm_head_tensor=None, bias_tensor=None, vocab_size=None):
+        """The head of a Hugging Face checkpoint directory or a .safetensors
+        file, found by the server's rules (detlogp.checkpoint.resolve_head:
+        lm_head.weight, else the tied input embedding; lm_head.bias when
+        present). Only the head's bytes are read; other tensors, whatever
+        their dtype, are skipped. `.source` says which tensor of which file."""
+        head = checkpoint.resolve_head(path, lm_head_tensor, bias_tensor)
+        weight = safetensors_io.read_tensor(head.weight_file, head.weight_tensor, mmap=True)
+        if head.weight_dtype == "BF16":
+            weight = weight.view(np.uint16)
+        bias = None
+        if head.bias_tensor:
+            bias = safetensors_io.read_tensor(head.bias_file, head.bias_tensor)
+            if bias.dtype == np.uint16:  # BF16 bits, widened exactly
+                bias = (bias.astype(np.uint32) << 16).view(np.float32)
+        lm_head = cls(weight, bias, vocab_size)
+        lm_head.source = head.description
+        return lm_head
+
+    @classmethod
+    def coerce(cls, weight, bias=None, vocab_size=None):
+        """`weight` as an LmHead: one already made, a checkpoint path (then
+        `bias` is the bias tensor's name or None), or an array or tensor."""
+        if isinstance(weight, cls):
+            return weight
+        if isinstance(weight, (str, os.PathLike)):
+            if bias is not None and not isinstance(bias, str):
+                raise TypeError("with a checkpoint path, bias is a tensor name (or None)")
+            return cls.from_checkpoint(weight, bias_tensor=bias, vocab_size=vocab_size)
+        return cls(weight, bias, vocab_size)
 
 
 def lm_head_sha256(weight, bias=None, vocab_size=None):
