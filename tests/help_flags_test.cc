@@ -115,7 +115,7 @@ void ExpectListsEveryFlag(const std::string& binary, const std::string& source,
 TEST(HelpFlagsTest, ServerHelpListsEveryFlagWithDefaults) {
   const std::map<std::string, std::string> defaults = {
       {"host", "\"127.0.0.1\""},       {"port", "50051"},
-      {"device", "\"auto\""},          {"lm_head_tensor", "\"lm_head.weight\""},
+      {"device", "\"auto\""},          {"lm_head_tensor", "\"\""},
       {"max_versions_per_model", "2"}, {"max_message_mb", "160"},
       {"max_request_rows", "65536"},
   };
@@ -134,7 +134,7 @@ TEST(HelpFlagsTest, CliHelpListsEveryFlagWithDefaults) {
       {"rows_per_chunk", "0"},
       {"probes", "16"},
       {"chunk_mb", "4"},
-      {"lm_head_tensor", "\"lm_head.weight\""},
+      {"lm_head_tensor", "\"\""},
   };
   for (const char* help_flag : {"--help", "--helpshort"}) {
     SCOPED_TRACE(help_flag);
