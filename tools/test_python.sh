@@ -14,12 +14,13 @@ xml=${1:?usage: tools/test_python.sh <junit-xml-path>}
 xml=$(realpath -m "$xml")
 venv=${DETLOGP_VENV:-.venv-ci}
 
-# The server and the trainer-side ops library (detlogp.ops, tests/test_ops.py),
+# The server, the C++ CLI (test_checkpoints.py uploads with it) and the
+# trainer-side ops library (detlogp.ops, tests/test_ops.py),
 # always through Bazel (a no-op when current): a binary left in bazel-bin by
 # an earlier build must never stand in for this tree's.
-echo "building //server:detlogp_server //kernels/capi:libdetlogp_ops.so" >&2
+echo "building //server:detlogp_server //kernels/capi:libdetlogp_ops.so //client:detlogp_cli" >&2
 bazel build $(tools/bazel_config.sh 2>/dev/null) //server:detlogp_server \
-  //kernels/capi:libdetlogp_ops.so >&2 || exit 1
+  //kernels/capi:libdetlogp_ops.so //client:detlogp_cli >&2 || exit 1
 
 # clang + libFuzzer for tests/reliability/fuzz (Debian 12: clang 14).
 if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then
