@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "server/models/checkpoint.h"
 #include "server/models/lm_head_weights.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -41,8 +42,7 @@ ABSL_FLAG(std::vector<std::string>, model, {},
           "with commas (--model=policy=/m/qwen --model=tied=/m/small:"
           "model.embed_tokens.weight). :tensor names that model's head "
           "(default: lm_head.weight, else the tied input embedding); "
-          "--bias_tensor and --vocab_size apply to each, --lm_head_tensor "
-          "to none.");
+          "--bias_tensor and --vocab_size apply to each.");
 ABSL_FLAG(std::string, default_model, "",
           "The model an empty request.model means; empty: \"default\" when "
           "--weights is given or nothing is, else the first --model.");
@@ -67,9 +67,11 @@ ABSL_FLAG(int64_t, synthetic_hidden_size, 1024,
 ABSL_FLAG(int64_t, synthetic_vocab_size, 32000,
           "V of the embedded synthetic model (no --weights).");
 ABSL_FLAG(std::string, lm_head_tensor, "",
-          "The [V, H] head tensor of --weights only (each --model names its "
-          "own as name=path:tensor); empty: lm_head.weight, else the input "
-          "embedding when config.json says tie_word_embeddings.");
+          "The [V, H] head tensor of --weights (each --model names its own "
+          "as name=path:tensor); empty: lm_head.weight, else the input "
+          "embedding when config.json says tie_word_embeddings. Without "
+          "--weights (deprecated): the head of each --model that names none, "
+          "never in place of a checkpoint's own lm_head.weight.");
 ABSL_FLAG(std::string, bias_tensor, "",
           "The optional [V] bias tensor; empty: lm_head.bias when the head "
           "is lm_head.weight and the checkpoint has one.");
@@ -168,9 +170,13 @@ detlogp::server::LmHeadSource SourceFromFlags(const std::string& path,
 }
 
 // A --model value: name=path, or name=path:tensor (tensor names hold no '/',
-// so a ':' followed by a '/' belongs to the path).
+// so a ':' followed by a '/' belongs to the path). `shared_tensor` is
+// --lm_head_tensor given without --weights (the older form, for every
+// --model that names no tensor): it never replaces a checkpoint's own
+// lm_head.weight, so a tied and an untied checkpoint cannot end up serving
+// the same kind of tensor by accident.
 absl::StatusOr<detlogp::server::StartupModel> ParseModelSpec(
-    const std::string& spec) {
+    const std::string& spec, const std::string& shared_tensor) {
   const size_t eq = spec.find('=');
   if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -178,6 +184,7 @@ absl::StatusOr<detlogp::server::StartupModel> ParseModelSpec(
         ": expected name=path or name=path:tensor (path a checkpoint "
         "directory or a .safetensors file)"));
   }
+  const std::string name = spec.substr(0, eq);
   std::string path = spec.substr(eq + 1);
   std::string tensor;
   const size_t colon = path.rfind(':');
@@ -192,10 +199,28 @@ absl::StatusOr<detlogp::server::StartupModel> ParseModelSpec(
   }
   const std::string source =
       tensor.empty() ? path : absl::StrCat(path, ":", tensor);
-  return detlogp::server::StartupModel{
-      spec.substr(0, eq), source, [lm_head = SourceFromFlags(path, tensor)] {
-        return detlogp::server::LoadLmHead(lm_head);
-      }};
+  auto load = [name, path, shared_tensor,
+               lm_head = SourceFromFlags(
+                   path, tensor)]() mutable -> absl::StatusOr<LmHeadWeights> {
+    if (lm_head.weight_tensor.empty() && !shared_tensor.empty() &&
+        shared_tensor != "lm_head.weight") {
+      detlogp::server::HeadLookup lookup;
+      lookup.path = path;
+      lookup.bias_tensor = lm_head.bias_tensor;
+      auto own = detlogp::server::ResolveHead(lookup);
+      if (own.ok() && own->weight_tensor == "lm_head.weight") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path,
+            " has its own lm_head.weight; --lm_head_tensor=", shared_tensor,
+            " (given for every --model) is not used in its place: name it "
+            "for this model to serve it (--model=",
+            name, "=", path, ":", shared_tensor, ")"));
+      }
+      lm_head.weight_tensor = shared_tensor;
+    }
+    return detlogp::server::LoadLmHead(lm_head);
+  };
+  return detlogp::server::StartupModel{name, source, std::move(load)};
 }
 
 // --weights, every --model, or the embedded synthetic model. Each is loaded
@@ -204,23 +229,22 @@ absl::StatusOr<std::vector<detlogp::server::StartupModel>> StartupModels() {
   std::vector<detlogp::server::StartupModel> models;
   const std::string weights = absl::GetFlag(FLAGS_weights);
   const std::string lm_head_tensor = absl::GetFlag(FLAGS_lm_head_tensor);
-  if (!lm_head_tensor.empty() && weights.empty()) {
-    // Never applied to every --model: a tied and an untied checkpoint side
-    // by side would serve one of them with the wrong head.
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--lm_head_tensor=", lm_head_tensor,
-        " names the head of --weights, which is not given; name a --model's "
-        "head after its path: --model=name=path:",
-        lm_head_tensor));
-  }
   if (!weights.empty()) {
     models.push_back({"default", weights,
                       [source = SourceFromFlags(weights, lm_head_tensor)] {
                         return detlogp::server::LoadLmHead(source);
                       }});
+  } else if (!lm_head_tensor.empty()) {
+    spdlog::warn(
+        "--lm_head_tensor={} without --weights applies to each --model that "
+        "names no tensor, and never in place of a checkpoint's own "
+        "lm_head.weight; name each model's head instead "
+        "(--model=name=path:tensor)",
+        lm_head_tensor);
   }
+  const std::string shared_tensor = weights.empty() ? lm_head_tensor : "";
   for (const std::string& spec : absl::GetFlag(FLAGS_model)) {
-    auto model = ParseModelSpec(spec);
+    auto model = ParseModelSpec(spec, shared_tensor);
     if (!model.ok()) return model.status();
     models.push_back(*std::move(model));
   }

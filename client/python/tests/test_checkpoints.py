@@ -358,7 +358,9 @@ def test_start_up_refusals_say_what_happened(server_binary, folder, checkpoints)
         ),
         (
             [f"--model=m={sharded}", "--lm_head_tensor=model.embed_tokens.weight"],
-            "--lm_head_tensor=model.embed_tokens.weight names the head of --weights",
+            f"{sharded} has its own lm_head.weight; --lm_head_tensor=model.embed_tokens.weight "
+            "(given for every --model) is not used in its place: name it for this model "
+            f"to serve it (--model=m={sharded}:model.embed_tokens.weight)",
         ),
     ]
     for args, message in cases:
@@ -367,20 +369,31 @@ def test_start_up_refusals_say_what_happened(server_binary, folder, checkpoints)
         assert "serving" not in output.lower().replace("not serving", "")
 
 
-def test_a_tensor_named_for_one_model_never_applies_to_another(server_binary, checkpoints, rows):
+@pytest.mark.parametrize(
+    "flags",
+    [
+        # Each model names its own head (or none).
+        ["--model=untied={single}", "--model=tied={tied}:model.embed_tokens.weight"],
+        # --weights takes --lm_head_tensor; the --model beside it resolves alone.
+        [
+            "--weights={tied}",
+            "--lm_head_tensor=model.embed_tokens.weight",
+            "--model=untied={single}",
+        ],
+        # The older form (--lm_head_tensor for every --model, as deployments
+        # pass the old default): each checkpoint still serves its own head.
+        ["--model=untied={single}", "--model=tied={tied}", "--lm_head_tensor=lm_head.weight"],
+    ],
+)
+def test_a_tensor_named_for_one_model_never_applies_to_another(server_binary, checkpoints, flags):
     single = checkpoints["single"]
     tied = checkpoints["tied"]
-    with LocalServer(
-        server_binary,
-        [
-            f"--model=untied={single.dir}",
-            f"--model=tied={tied.dir}:model.embed_tokens.weight",
-            "--cpu_threads=1",
-        ],
-    ) as srv:
+    args = [flag.format(single=single.dir, tied=tied.dir) for flag in flags]
+    with LocalServer(server_binary, args + ["--cpu_threads=1"]) as srv:
         with detlogp.Client(srv.target) as c:
             assert c.info(model="untied").weights_sha256 == detlogp.lm_head_sha256(single.weight)
-            assert c.info(model="tied").weights_sha256 == detlogp.lm_head_sha256(tied.weight)
+            tied_name = "default" if args[0].startswith("--weights") else "tied"
+            assert c.info(model=tied_name).weights_sha256 == detlogp.lm_head_sha256(tied.weight)
 
 
 def test_another_shape_is_refused_and_the_old_version_serves(served, checkpoints, root, rows):
