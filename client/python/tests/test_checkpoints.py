@@ -420,3 +420,35 @@ def test_another_shape_is_refused_and_the_old_version_serves(served, checkpoints
         assert refused.value.field == "hidden_size"
         assert [v.version for v in c.info(model="single").versions] == versions
     _same_bits(_score(served.target, rows, model="single"), before)
+
+
+def test_readers_skip_tensors_they_do_not_read(folder):
+    """An int64 buffer and a tensor of a dtype numpy has no type for (F8)
+    sit beside the head: read() leaves the F8 one out, the head's readers
+    never look at either."""
+    path = folder / "mixed.safetensors"
+    head = np.arange(VOCAB * HIDDEN, dtype=np.float32).reshape(VOCAB, HIDDEN) / 1e4
+    safetensors_io.write(
+        path, {"lm_head.weight": head, "model.position_ids": np.arange(4, dtype=np.int64)}
+    )
+    # Append an F8_E4M3 tensor by rewriting the header.
+    blob = path.read_bytes()
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    data = blob[8 + length :]
+    header["model.scales"] = {
+        "dtype": "F8_E4M3",
+        "shape": [4],
+        "data_offsets": [len(data), len(data) + 4],
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data + b"\0" * 4)
+
+    tensors = safetensors_io.read(path)
+    assert sorted(tensors) == ["lm_head.weight", "model.position_ids"]
+    assert tensors["model.position_ids"].tolist() == [0, 1, 2, 3]
+    lm_head = detlogp.LmHead.from_checkpoint(path)
+    assert lm_head.weight.tobytes() == tensors.float32_to_bf16_bits(head).tobytes()
+    with pytest.raises(checkpoint.CheckpointError, match="dtype I64 is not F32, BF16 or F16"):
+        checkpoint.resolve_head(path, "model.position_ids")
