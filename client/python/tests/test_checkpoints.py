@@ -293,7 +293,11 @@ def test_cli_upload_of_a_directory(served, bias_bare, checkpoints, rows, server_
     cli = pathlib.Path(server_binary).parents[1] / "client" / "detlogp_cli"
     if not cli.exists():
         pytest.fail(f"{cli} is missing: bazel build //client:detlogp_cli", pytrace=False)
-    for name in ("sharded", "bias"):
+    for name, shard in [
+        ("sharded", "model-00003-of-00004.safetensors"),
+        ("bias", "model-00003-of-00004.safetensors"),
+        ("tied", "model.safetensors"),
+    ]:
         done = subprocess.run(
             [
                 str(cli),
@@ -307,7 +311,7 @@ def test_cli_upload_of_a_directory(served, bias_bare, checkpoints, rows, server_
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
-        assert "model-00003-of-00004.safetensors" in done.stderr
+        assert f" in {shard} of {checkpoints[name].dir}" in done.stderr
         _same_bits(
             _score(served.target, rows, model=f"cli_{name}"),
             _want(name, served, bias_bare, rows),
