@@ -7,6 +7,7 @@ exactly 1.0 on real hidden states.
     python examples/hf_checkpoint.py                     # a small random Qwen2
     python examples/hf_checkpoint.py --model_dir /m/Qwen2.5-0.5B
     python examples/hf_checkpoint.py --model_dir DIR --target host:port
+    python examples/hf_checkpoint.py --device cuda      # server and twin on a GPU
 
 Without --target the script starts bazel-bin/server/detlogp_server (or
 --server) with --weights=<the checkpoint directory>; a server given with
@@ -42,6 +43,7 @@ import detlogp
 import numpy as np
 import torch
 import transformers
+from detlogp import ops
 from detlogp.testing import LocalServer, find_server_binary
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -108,6 +110,13 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model_tolerance", type=float, default=0.05)
     parser.add_argument("--save_to", help="random model: write it here (kept)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the server started here runs and the twin op runs (a "
+        "--target server must be of the same kind: the determinism keys are checked)",
+    )
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="hf-checkpoint-") as scratch:
@@ -134,7 +143,8 @@ def main(argv=None):
             binary = args.server or find_server_binary(pathlib.Path(__file__).parent)
             if binary is None:
                 raise SystemExit("no server binary: bazel build //server:detlogp_server")
-            flags = [f"--weights={model_dir}", "--device=cpu"]
+            server_device = "cpu" if args.device == "cpu" else "cuda:0"
+            flags = [f"--weights={model_dir}", f"--device={server_device}"]
             with LocalServer(binary, flags, start_timeout=300.0) as server:
                 got = score(server.target, None, hidden_bits, targets)
 
@@ -154,7 +164,16 @@ def main(argv=None):
             raise SystemExit(f"the server is {vs_model} nats from the model's own log-probs")
 
         # The GRPO step on this model's trunk: the rollout's log-probs are the
-        # server's answer above, the trainer's the twin op on the same rows.
+        # server's answer above, the trainer's the twin op on the same rows,
+        # on a device whose bits are the server's (equal keys, equal bits).
+        vocab_size = head.vocab_size or head.padded_vocab_size
+        want_key = ops.determinism_key(head.weight, head.bias, vocab_size, device=args.device)
+        if got.determinism_key != want_key:
+            raise SystemExit(
+                f"the server's determinism key {got.determinism_key} is not the "
+                f"{args.device} twin's ({want_key}): run the twin where the server "
+                "runs (--device)"
+            )
         print("GRPO twin step on the model's final hidden states:")
         ratio_ones = grpo_twin_step.run_step(
             rows.to(torch.bfloat16),
@@ -162,7 +181,7 @@ def main(argv=None):
             torch.from_numpy(targets),
             torch.from_numpy(got.logprobs),
             group=args.sequences,
-            device=torch.device("cpu"),
+            device=torch.device(args.device),
         )
         if ratio_ones != len(targets):
             raise SystemExit(f"ratio == 1.0 for only {ratio_ones}/{len(targets)} tokens")

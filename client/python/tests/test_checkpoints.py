@@ -449,9 +449,9 @@ def test_readers_skip_tensors_they_do_not_read(folder):
     text += b" " * (-len(text) % 8)
     path.write_bytes(len(text).to_bytes(8, "little") + text + data + b"\0" * 4)
 
-    tensors = safetensors_io.read(path)
-    assert sorted(tensors) == ["lm_head.weight", "model.position_ids"]
-    assert tensors["model.position_ids"].tolist() == [0, 1, 2, 3]
+    read_back = safetensors_io.read(path)
+    assert sorted(read_back) == ["lm_head.weight", "model.position_ids"]
+    assert read_back["model.position_ids"].tolist() == [0, 1, 2, 3]
     lm_head = detlogp.LmHead.from_checkpoint(path)
     assert lm_head.weight.tobytes() == tensors.float32_to_bf16_bits(head).tobytes()
     with pytest.raises(checkpoint.CheckpointError, match="dtype I64 is not F32, BF16 or F16"):
