@@ -1,6 +1,6 @@
 """One GRPO-style step where the rollout's log-probs come from the detlogp
 server and the trainer's forward from detlogp.torch on the same hidden
-states (issue #14): the importance ratio exp(logp_train - logp_rollout) is
+states: the importance ratio exp(logp_train - logp_rollout) is
 exactly 1.0 for every token, printed beside the same step with PyTorch eager
 on the trainer side (bf16 logits -> float -> log_softmax), whose mismatch is
 what RL frameworks log every step.
