@@ -1,4 +1,4 @@
-"""Build hook for the optional trainer-side ops libraries (issue #14).
+"""Build hook for the optional trainer-side ops libraries.
 
 `pip install ./client/python` installs the pure-Python package (no build).
 With DETLOGP_BUILD_OPS set, the install first builds the ops libraries with

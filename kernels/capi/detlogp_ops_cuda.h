@@ -1,4 +1,4 @@
-/* The trainer-side ops on CUDA (issue #14): a small C ABI over the kernels
+/* The trainer-side ops on CUDA: a small C ABI over the kernels
  * the CUDA server runs (kernels/cuda/), so a trainer gets the CUDA server's
  * bits. The linear-logp kernel is chosen as the server's --logp_kernel=auto
  * chooses it (kernels/cuda/kernel_kind.h): the Hopper kernel (sm_90a) on
@@ -83,7 +83,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
                              void* stream, char* error, size_t error_len);
 
 /* The backward of detlogp_cuda_linear_logp (kernels/cuda/
- * linear_logp_backward_cuda.h, issue #15; compute capability 9.0 only, a
+ * linear_logp_backward_cuda.h; compute capability 9.0 only, a
  * head made on another GPU answers with an error): for upstream gradients
  * of logprobs, lse and entropy (each device fp32 [rows] or null: zero),
  *   grad_hidden [rows, hidden_size]    bf16 when grad_hidden_bf16, else fp32
@@ -95,8 +95,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
  * `hidden`, `targets` and the temperature are the forward's. grad_hidden of
  * a row depends only on that row and its upstream gradients; grad_weight
  * and grad_bias are the same bits run to run. No atomics; nothing is
- * allocated. STATUS: compiled, not yet run on a GPU (see
- * docs/fused_backward.md). workspace: at least
+ * allocated (design: docs/kernels.md, "Fused backward"). workspace: at least
  * detlogp_cuda_linear_logp_backward_workspace_bytes(head, rows,
  * grad_hidden_bf16 && grad_hidden, grad_bias != null), 256-byte aligned.
  * -1 from the size query on a bad argument or a head without the backward. */

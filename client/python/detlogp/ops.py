@@ -1,4 +1,4 @@
-"""Trainer-side ops with exactly the served bits (issue #14).
+"""Trainer-side ops with exactly the served bits.
 
 The functions here run the server's own kernels, built as shared libraries
 with small C ABIs (kernels/capi/detlogp_ops.h for the CPU kernels,
@@ -412,7 +412,7 @@ def load_cuda_library():
 
 def cuda_available(device=0):
     """(True, "") when the CUDA ops can run on cuda:`device`, else (False, what
-    is missing): the library, PyTorch, or an sm_90 GPU."""
+    is missing): the library, PyTorch, or a GPU of compute capability >= 8.0."""
     if int(device) in _usable_devices:
         return True, ""
     try:
@@ -728,7 +728,7 @@ def cuda_linear_logp_backward(
     hidden_grad_dtype=None,
 ):
     """The fused, batch-invariant linear-logp backward on torch CUDA tensors
-    (sm_90a, kernel sm90a-wgmma-bwd-v1; issue #15). Inputs as
+    (sm_90a, kernel sm90a-wgmma-bwd-v1; docs/kernels.md). Inputs as
     cuda_linear_logp's (hidden bf16), plus the forward's lse (and entropy,
     needed with grad_entropy) and upstream gradients float32 [N] contiguous
     or None (zero). Returns (grad_hidden in hidden_grad_dtype (default:

@@ -1,5 +1,4 @@
-"""The trainer's twin: the served kernels as PyTorch ops with autograd
-(issue #14).
+"""The trainer's twin: the served kernels as PyTorch ops with autograd.
 
     linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
                 vocab_size=None, return_lse=False, return_entropy=False)
@@ -8,7 +7,8 @@
 are `torch.library` custom ops (detlogp::linear_logp, detlogp::h3_projection)
 with fake (meta) implementations, so they work under torch.compile and CUDA
 graphs, and autograd through `register_autograd`. Forward bits are the
-server's: on CUDA tensors the sm_90a kernels (the CUDA server's bits, run on
+server's: on CUDA tensors the kernel a server picks for that GPU (Hopper on
+compute capability 9.0, portable elsewhere; the CUDA server's bits, run on
 the current stream, workspace from PyTorch's caching allocator, the weight
 read in place), on CPU tensors the CPU kernels (the CPU server's bits).
 
@@ -24,7 +24,7 @@ Dtypes:
 
 linear_logp's backward:
   * on a GPU with the Hopper kernel (compute capability 9.0), the fused,
-    batch-invariant kernel sm90a-wgmma-bwd-v1 (issue #15,
+    batch-invariant kernel sm90a-wgmma-bwd-v1 (docs/kernels.md,
     ops.cuda_linear_logp_backward): the logits recomputed tile by tile from
     the saved lse (never [N, V]), bf16 operands with float32 accumulation; a
     row's d hidden bits depend only on that row, d weight and d bias are the

@@ -1,4 +1,4 @@
-"""detlogp.ops (issue #14, first step: CPU): the trainer-side ops give exactly
+"""detlogp.ops on the CPU: the trainer-side ops give exactly
 the CPU server's bits for the same weights and rows, and its determinism key.
 
 Nothing is built here: bazel-bin/kernels/capi/libdetlogp_ops.so (or

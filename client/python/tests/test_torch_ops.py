@@ -1,4 +1,4 @@
-"""detlogp.torch (issue #14): the custom ops on CPU tensors give the CPU
+"""detlogp.torch: the custom ops on CPU tensors give the CPU
 server's bits, gradcheck passes on the float64 path, the chunked backward
 matches float64, and the ops trace under fake tensors. Skipped without
 PyTorch (CI has none); CUDA cases run only on an sm_90 GPU with the CUDA
@@ -208,7 +208,7 @@ def test_cuda_forward_is_batch_invariant_and_backward_runs():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_fused_backward_is_batch_invariant_deterministic_and_accurate():
-    """On an sm_90 GPU the op's backward is the fused kernel (issue #15): a
+    """On an sm_90 GPU the op's backward is the fused kernel: a
     row's d hidden alone == inside the batch (bits), two identical backward
     calls give the same d weight and d bias bits, and every gradient (through
     logprobs, lse and entropy, with bias and per-row temperatures) is close
