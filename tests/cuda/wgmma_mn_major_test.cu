@@ -7,9 +7,9 @@
 //
 // The descriptor of an MN-major operand has two strides: between the
 // 8-row core groups along K and between the 64-element blocks along MN.
-// Which descriptor field takes which is the one fact not yet confirmed on a
-// device, so both assignments are tried and the test names the one that
-// matches (exactly one must).
+// Both assignments are tried and the test names the one that matches
+// (exactly one must): on the H200 the core-group stride goes in SBO, which
+// the backward's kMnMajorCoreGroupsInSbo relies on.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
