@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the Python tests (client/python/tests and tests/reliability) against
+# Runs the Python tests (client/python/tests, tests/reliability, tests/deploy
+# and the docs check in tests/docs) against
 # the real server in bazel-bin/server/detlogp_server (and detlogp.ops against
 # bazel-bin/kernels/capi/libdetlogp_ops.so), writing JUnit XML.
 #
@@ -14,12 +15,13 @@ xml=${1:?usage: tools/test_python.sh <junit-xml-path>}
 xml=$(realpath -m "$xml")
 venv=${DETLOGP_VENV:-.venv-ci}
 
-# The server and the trainer-side ops library (detlogp.ops, tests/test_ops.py),
-# always through Bazel (a no-op when current): a binary left in bazel-bin by
-# an earlier build must never stand in for this tree's.
-echo "building //server:detlogp_server //kernels/capi:libdetlogp_ops.so" >&2
+# The server, the CLI (whose --help the docs check reads) and the trainer-side
+# ops library (detlogp.ops, tests/test_ops.py), always through Bazel (a no-op
+# when current): a binary left in bazel-bin by an earlier build must never
+# stand in for this tree's.
+echo "building //server:detlogp_server //client:detlogp_cli //kernels/capi:libdetlogp_ops.so" >&2
 bazel build $(tools/bazel_config.sh 2>/dev/null) //server:detlogp_server \
-  //kernels/capi:libdetlogp_ops.so >&2 || exit 1
+  //client:detlogp_cli //kernels/capi:libdetlogp_ops.so >&2 || exit 1
 
 # clang + libFuzzer for tests/reliability/fuzz (Debian 12: clang 14).
 if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then
@@ -39,6 +41,6 @@ fi
 # Non-editable install: the tests import the installed package, as users do.
 "$venv/bin/python" -m pytest -p no:cacheprovider --import-mode=importlib \
   -o junit_family=xunit1 --junitxml="$xml" -s -rs -v --durations=15 \
-  client/python/tests tests/reliability tests/deploy
+  client/python/tests tests/reliability tests/deploy tests/docs
 rc=$?
 exit $rc
