@@ -25,6 +25,11 @@ word):
   (`--max_top_k`) must be a flag of one of the three. Flags in spans naming
   any other program (bench scripts, pip, bazel, examples) are not checked.
   `--noX` stands for the bool flag `--X` of the C++ programs.
+* Sections. Wherever the tree (code, scripts, docs) points at a section as
+  `docs/NAME.md, "Title"` (a comment may wrap the title over lines), NAME.md
+  must have a heading with that title (a heading's trailing "(...)" may be
+  left out). Files that pending work rewrites (PENDING_REWRITES) are skipped
+  while that work's marker path is missing.
 * Metrics. Every `detlogp_...` word in the text that is not a program or
   library name (NOT_METRICS) must be a metric family of a CPU server's
   /metrics scrape after a scored call and a projection.
@@ -65,6 +70,18 @@ PENDING_PATHS = {
     "docs/shared_memory.md",
     "tools/device/bundle.sh",
     "tools/device/run_suite.sh",
+}
+
+# Files that pending work rewrites, skipped by the section check until the
+# marker path (one of PENDING_PATHS) exists.
+PENDING_REWRITES = {
+    "tools/device/run_suite.sh": (
+        "tools/device",
+        "tools/bench",
+        "client/cli_main.cc",
+        "server/server.cc",
+        "server/main.cc",
+    ),
 }
 
 # detlogp_ words that name programs, libraries and C functions, not metrics.
@@ -222,6 +239,73 @@ def unknown_metrics(text, document, metric_names):
     return unknown
 
 
+_SECTION_REF = re.compile(r'(docs/[a-z_]+\.md),\s*"([^"]+)"')
+_COMMENT_LEADER = re.compile(r"\n[ \t]*(?://+|#+|\*+|--)?[ \t]*")
+_SOURCE_SUFFIXES = {".h", ".cc", ".cu", ".cuh", ".py", ".sh", ".md", ".bzl", ".toml", ".yaml", ""}
+
+
+def headings(text):
+    """Every heading's title, also without a trailing "(...)"."""
+    titles = set()
+    for m in re.finditer(r"^#+\s+(.+)$", text, re.M):
+        title = m.group(1).strip()
+        titles.add(title)
+        titles.add(re.sub(r"\s*\([^()]*\)$", "", title))
+    return titles
+
+
+def section_refs(text):
+    """(doc, title) for every `docs/NAME.md, "Title"` in a text, comment
+    leaders of wrapped lines removed."""
+    joined = _COMMENT_LEADER.sub(" ", text)
+    return [(m.group(1), " ".join(m.group(2).split())) for m in _SECTION_REF.finditer(joined)]
+
+
+def source_files(root=REPO_ROOT):
+    """The tree's text sources, less this file (its examples are made up)
+    and what pending work rewrites."""
+    skip = {".git", "node_modules", "__pycache__"}
+    pending = tuple(
+        root / part
+        for marker, parts in PENDING_REWRITES.items()
+        if not (root / marker).exists()
+        for part in parts
+    )
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [
+            d for d in dirs if d not in skip and not d.startswith((".venv", "bazel-", ".device"))
+        ]
+        for name in files:
+            path = pathlib.Path(folder) / name
+            if path == pathlib.Path(__file__).resolve():
+                continue
+            if any(path == p or p in path.parents for p in pending):
+                continue
+            if path.suffix in _SOURCE_SUFFIXES or name == "BUILD":
+                yield path
+
+
+def missing_sections(files, root=REPO_ROOT):
+    """(file, doc, title) for every section reference whose heading is gone."""
+    cache = {}
+    missing = []
+    for path in files:
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        for doc, title in section_refs(text):
+            if doc not in cache:
+                target = root / doc
+                cache[doc] = headings(target.read_text()) if target.is_file() else None
+            if doc in PENDING_PATHS and cache[doc] is None:
+                continue
+            if cache[doc] is None or title not in cache[doc]:
+                shown = path.relative_to(root) if path.is_relative_to(root) else path
+                missing.append((str(shown), doc, title))
+    return missing
+
+
 def describe(items):
     return "\n".join(
         f"  {s.document}:{s.line}: {w!r} in `{s.text}`" if isinstance(s, Span) else f"  {s}: {w!r}"
@@ -327,6 +411,13 @@ def test_flags_the_docs_name_exist(all_spans, known_flags):
     assert not unknown, "flags the docs name that --help does not list:\n" + describe(unknown)
 
 
+def test_sections_the_tree_points_at_exist():
+    missing = missing_sections(source_files())
+    assert not missing, "sections named in the tree that the docs lack:\n" + "\n".join(
+        f"  {f}: {doc}, {title!r}" for f, doc, title in missing
+    )
+
+
 def test_metrics_the_docs_name_exist(documents, metric_names):
     unknown = [
         item
@@ -375,6 +466,20 @@ def test_the_checker_finds_made_up_names(known_flags, metric_names):
     assert flags == {"no_such_flag", "random_rowz", "max_top_kk"}
     metrics = {w for _, w in unknown_metrics(MADE_UP, "made-up", metric_names)}
     assert metrics == {"detlogp_rows_made_up_total"}
+
+
+def test_the_section_check_finds_a_wrapped_made_up_title(tmp_path):
+    source = tmp_path / "x.h"
+    source.write_text(
+        '// see docs/kernels.md, "Top-k\n// floors" and docs/kernels.md, "No such\n// section".\n'
+        '# and docs/performance.md, "Serving end to end"\n'
+    )
+    assert section_refs(source.read_text()) == [
+        ("docs/kernels.md", "Top-k floors"),
+        ("docs/kernels.md", "No such section"),
+        ("docs/performance.md", "Serving end to end"),
+    ]
+    assert missing_sections([source]) == [(str(source), "docs/kernels.md", "No such section")]
 
 
 def test_the_checker_accepts_real_names(known_flags, metric_names):
