@@ -14,9 +14,9 @@ word):
   .h/.cc pair). A document below the top (client/python/README.md) may also
   name paths relative to its own folder (`tests/test_ops.py`). `//pkg:name`
   Bazel labels must name a target of `pkg/BUILD`. Build outputs (`bazel-*`)
-  and words holding a pattern (`*`, `<`, `{`, `…`) are skipped. PENDING_PATHS are paths that other work adds; while one is
-  missing it is allowed, and once it exists the test asks to drop it from
-  the list.
+  and words holding a pattern (`*`, `<`, `{`, `…`) are skipped.
+  PENDING_PATHS are paths that other work adds: while one is missing it is
+  allowed, and once it exists the test asks to drop it from the list.
 * Flags. In a code span, or a line of a fenced block, `--name` words are
   checked against the program the span names: `detlogp_cli` against
   `detlogp_cli --help`; `detlogp_server` or `serve.sh` against
