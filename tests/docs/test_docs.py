@@ -3,7 +3,8 @@ mention is checked against the tree, the programs' --help and a running
 server's /metrics, so the docs cannot drift from the code.
 
 Documents: README.md, CHANGELOG.md, docs/*.md, client/python/README.md,
-examples/README.md.
+examples/README.md, deploy/README.md, tests/load/README.md,
+tests/reliability/README.md.
 
 Rules (simple on purpose; a failure names the document, the line and the
 word):
@@ -60,6 +61,9 @@ DOCUMENTS = sorted(
         REPO_ROOT / "CHANGELOG.md",
         REPO_ROOT / "client/python/README.md",
         REPO_ROOT / "examples/README.md",
+        REPO_ROOT / "deploy/README.md",
+        REPO_ROOT / "tests/load/README.md",
+        REPO_ROOT / "tests/reliability/README.md",
         *(REPO_ROOT / "docs").glob("*.md"),
     ]
 )
