@@ -71,16 +71,14 @@ absl::Status RunUpload(const LogpClient::Options& connection,
   if (options.weights_file.empty()) {
     return absl::InvalidArgumentError("--weights_file is required");
   }
-  auto upload =
-      ReadLmHeadUpload(options.model, options.weights_file,
-                       options.lm_head_tensor, options.bias_tensor,
-                       options.vocab_size);
+  auto upload = ReadLmHeadUpload(options.model, options.weights_file,
+                                 options.lm_head_tensor, options.bias_tensor,
+                                 options.vocab_size);
   if (!upload.ok()) return upload.status();
   upload->version = options.model_version;
   std::vector<std::string> servers = options.servers;
   if (servers.empty()) servers.push_back(connection.target);
-  const PushReport report =
-      PushToTargets(servers, connection, admin, *upload);
+  const PushReport report = PushToTargets(servers, connection, admin, *upload);
   // "target": the server's address as gRPC names it.
   for (const PushedVersion& pushed : report.targets) {
     if (pushed.version.ok()) {

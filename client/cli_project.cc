@@ -126,8 +126,8 @@ absl::Status ProjectOnce(LogpClient& client, const std::vector<float>& x,
   project_options.streams = options.streams;
   // Read raw: only each chunk's header is parsed; y.data stays in gRPC's
   // receive slices and is hashed from there.
-  auto result = client.ProjectChunks(
-      x, rows, project_options, [&](ProjectChunk& chunk) {
+  auto result =
+      client.ProjectChunks(x, rows, project_options, [&](ProjectChunk& chunk) {
         if (first_chunk == absl::InfiniteDuration())
           first_chunk = absl::Now() - start;
         if (options.hash_y) hasher.Add(std::move(chunk));
