@@ -1,8 +1,8 @@
 // `detlogp_cli project` against a real server: its first two lines (the
 // determinism key and the SHA-256 of Y, compared between GPU and CPU runs by
-// tools/device/run_serve.sh) are Y's own digest and key, whether SHA-256
-// keeps up with the stream or the stream waits for it; transfer and hashing
-// are reported on lines of their own, each holding the word "seconds".
+// `tools/device/run_suite.sh serve`) are Y's own digest and key, whether
+// SHA-256 keeps up with the stream or the stream waits for it; transfer and
+// hashing are reported on lines of their own, each holding the word "seconds".
 #include <grpcpp/client_context.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -120,7 +120,8 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     ASSERT_EQ(lines.size(), 6u) << out;
     EXPECT_EQ(lines[0], want_key);
     EXPECT_EQ(lines[1], want_sha);
-    // run_serve.sh drops the lines holding "seconds" and compares the rest.
+    // The serve suite compares the first two lines; the others hold
+    // "seconds".
     for (size_t i = 2; i < lines.size(); ++i) {
       EXPECT_NE(lines[i].find("seconds"), std::string::npos) << lines[i];
     }

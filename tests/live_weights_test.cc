@@ -194,7 +194,7 @@ std::vector<RowBits> BitsOf(const ScoreResult& result) {
 }
 
 // The CPU backend in CI; DETLOGP_TEST_DEVICE=cuda:0 runs the same tests on a
-// GPU (tools/device/run_live_weights.sh).
+// GPU (tools/device/run_suite.sh live-weights).
 std::string TestDevice() {
   const char* device = std::getenv("DETLOGP_TEST_DEVICE");
   return device != nullptr ? device : "cpu";
