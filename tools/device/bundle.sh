@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds everything a GPU host runs with Bazel (the default CUDA config) and
-# bundles it into .device/bundle/ (git-ignored), for
-# tools/device/run_suite.sh there:
+# bundles it into .device/bundle/ (git-ignored), and the same compressed into
+# .device/bundle.tar.gz, for tools/device/run_suite.sh there:
 #   bin/       the server, the CLI, the serving benchmarks, the kernels'
 #              benchmarks, every test tagged "gpu" and the tests that run
 #              against a GPU server (live_weights_test)
@@ -89,4 +89,7 @@ cp examples/grpo_twin_step.py tests/load/detlogp_load.py "$out/scripts/"
 for label in "${gpu_tests[@]}"; do echo "${label##*:}"; done > "$out/gpu_tests.txt"
 git rev-parse HEAD > "$out/COMMIT" 2>/dev/null || true
 
-echo "bundled into $out: $(ls "$out/bin" | wc -l) binaries, $(ls "$out/lib" | wc -l) libraries ($(du -sh "$out" | cut -f1))"
+# One compressed file to copy to the GPU host; run_suite.sh unpacks it
+# there when it is newer than the unpacked bundle.
+tar -C "$(dirname "$out")" -czf "$out.tar.gz" "$(basename "$out")"
+echo "bundled into $out: $(ls "$out/bin" | wc -l) binaries, $(ls "$out/lib" | wc -l) libraries ($(du -sh "$out" | cut -f1)); $out.tar.gz: $(du -sh "$out.tar.gz" | cut -f1)"

@@ -2,8 +2,9 @@
 # start_server sets NAME_target, NAME_pid and NAME_metrics with printf -v.
 # shellcheck disable=SC2154
 # Runs one named suite on a GPU host from the bundle that
-# tools/device/bundle.sh made (.device/bundle, carried to the host with the
-# tree; or run as the bundle's own scripts/run_suite.sh).
+# tools/device/bundle.sh made: .device/bundle, or .device/bundle.tar.gz
+# (unpacked into .device/bundle first) beside the tree; or run as the
+# bundle's own scripts/run_suite.sh.
 #
 #   tools/device/run_suite.sh SUITE [ARGS...]
 #
@@ -69,16 +70,25 @@ esac
 
 script_dir=$(cd "$(dirname "$0")" && pwd)
 if [[ -n ${DETLOGP_BUNDLE:-} ]]; then
-  bundle=$(cd "$DETLOGP_BUNDLE" && pwd)
+  bundle=$(cd "$DETLOGP_BUNDLE" 2> /dev/null && pwd || echo "$DETLOGP_BUNDLE")
 elif [[ -x $script_dir/../bin/detlogp_server ]]; then
   bundle=$(cd "$script_dir/.." && pwd) # the bundle's own copy
 else
   bundle=$(cd "$script_dir/../.." && pwd)/.device/bundle
+  # bundle.sh's compressed copy, unpacked unless this very file was.
+  if [[ -f $bundle.tar.gz ]]; then
+    digest=$(sha256sum < "$bundle.tar.gz")
+    if [[ $digest != "$(cat "$bundle/.unpacked_from" 2> /dev/null)" ]]; then
+      rm -rf "$bundle"
+      tar -C "$(dirname "$bundle")" -xzf "$bundle.tar.gz" &&
+        echo "$digest" > "$bundle/.unpacked_from"
+    fi
+  fi
 fi
 bin=$bundle/bin
 scripts=$bundle/scripts
 if [[ ! -x $bin/detlogp_server ]]; then
-  echo "run_suite.sh: no bundle at $bundle: run tools/device/bundle.sh on the build machine and carry .device/bundle" >&2
+  echo "run_suite.sh: no bundle at $bundle: run tools/device/bundle.sh on the build machine and copy .device/bundle.tar.gz here" >&2
   exit 2
 fi
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L 2> /dev/null | grep -q "^GPU "; then
@@ -141,7 +151,7 @@ run_gtest() {
   fi
   timeout "$limit" "$bin/$name" "$@" > "$log" 2>&1
   local rc=$?
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) +\]|tests? from .* ran" "$log"
+  grep -E "^\[  (PASSED|FAILED) +\]|^\[  SKIPPED \] [0-9]+ tests?,|tests? from .* ran" "$log"
   if [[ $rc -eq 124 ]]; then
     fail "$name: timed out after ${limit}s (log: $log)"
   elif [[ $rc -ne 0 ]]; then
@@ -588,7 +598,7 @@ suite_live_weights() {
   local one two
   one=$(awk '{print $3}' "$OUT/one_model.txt")
   two=$(awk '{print $3}' "$OUT/two_models.txt")
-  python3 -c "print(f'two models / one model rows/s: {float($two)/float($one):.3f}')"
+  python3 -c "one, two = float('${one:-0}'), float('${two:-0}'); print(f'two models / one model rows/s: {two / one:.3f}' if one > 0 else 'no one-model figure')"
   stop_server a
   echo "== --model_root, 2 versions kept"
   local root=$work/model_root
