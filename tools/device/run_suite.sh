@@ -9,9 +9,10 @@
 #   tools/device/run_suite.sh SUITE [ARGS...]
 #
 # Suites:
-#   tests              every GPU test binary (tests tagged gpu); none may
-#                      skip a case or run none (ALLOW_SKIPS=1 on a GPU that
-#                      is not sm_90, where the Hopper cases skip)
+#   tests              every GPU test binary (tests tagged gpu; TESTS="a b"
+#                      runs those alone); none may skip a case or run none
+#                      (ALLOW_SKIPS=1 on a GPU that is not sm_90, where the
+#                      Hopper cases skip)
 #   kernels            the Hopper linear-logp kernel: its GPU tests,
 #                      compute-sanitizer memcheck on small shapes, the kernel
 #                      against PyTorch eager and the weight-read floor
@@ -261,11 +262,16 @@ synthetic_model=(--synthetic_hidden_size=4096 --synthetic_vocab_size=151936)
 
 # --- suites ---------------------------------------------------------------
 suite_tests() {
-  local name
-  while read -r name; do
+  local names name
+  if [[ -n ${TESTS:-} ]]; then
+    read -r -a names <<< "$TESTS"
+  else
+    mapfile -t names < "$bundle/gpu_tests.txt"
+  fi
+  for name in "${names[@]}"; do
     echo "== $name"
     run_gtest "$name" "${TEST_TIMEOUT:-600}"
-  done < "$bundle/gpu_tests.txt"
+  done
 }
 
 suite_kernels() {
