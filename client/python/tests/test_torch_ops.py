@@ -2,7 +2,7 @@
 server's bits, gradcheck passes on the float64 path, the chunked backward
 matches float64, and the ops trace under fake tensors. Skipped without
 PyTorch (CI has none); CUDA cases run only on an sm_90 GPU with the CUDA
-library built (tools/device/run_twin.sh runs the full CUDA contract).
+library built (`tools/device/run_suite.sh twin` runs the full CUDA contract).
 """
 
 import numpy as np
