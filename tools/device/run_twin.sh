@@ -6,7 +6,11 @@
 #      float64 path, CPU kernels' bits, fake tensors, the CUDA case), less the
 #      case that compares with a CPU server (the server here picks the GPU;
 #      CI runs it);
-#   2. tools/device/twin_check.py: 10^5 rows of detlogp.torch on CUDA ==
+#   2. pytest client/python/tests/test_torch_compile.py: opcheck on every
+#      op (CPU and CUDA, the fused backward included), compiled forward and
+#      backward == eager (bits), torch.cuda.graph and
+#      torch.compile(mode="reduce-overhead") replays == eager (bits);
+#   3. tools/device/twin_check.py: 10^5 rows of detlogp.torch on CUDA ==
 #      the CUDA server's bits (memcmp), the key, the H3 projection and its
 #      gradients, chunked-backward accuracy vs float64 beside PyTorch eager,
 #      peak backward memory, forward-through-op overhead vs the kernel alone.
@@ -49,6 +53,23 @@ else
 fi
 if grep -q "test_cuda_forward_is_batch_invariant_and_backward_runs SKIPPED" "$OUT/pytest.log"; then
   echo "FAIL pytest: the CUDA case was skipped on a GPU machine"; failed=$((failed + 1)); status=1
+fi
+
+echo "== pytest: detlogp.torch under torch.compile and CUDA graphs"
+if python3 -m pytest -v -p no:cacheprovider -o addopts="" \
+    client/python/tests/test_torch_compile.py > "$OUT/pytest_compile.log" 2>&1; then
+  echo "PASS pytest compile/graphs: $(tail -1 "$OUT/pytest_compile.log")"
+  passed=$((passed + 1))
+else
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_compile.log" | head -20
+  echo "FAIL pytest compile/graphs: $(tail -1 "$OUT/pytest_compile.log")" \
+    "(log: \$OUT/pytest_compile.log)"
+  failed=$((failed + 1)); status=1
+fi
+if grep -E "test_(cuda_graph|reduce_overhead|opcheck_the_fused)[a-z_]* SKIPPED" \
+    "$OUT/pytest_compile.log"; then
+  echo "FAIL pytest compile/graphs: a CUDA case was skipped on a GPU machine"
+  failed=$((failed + 1)); status=1
 fi
 
 echo "== twin_check.py"

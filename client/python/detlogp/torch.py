@@ -6,11 +6,18 @@
     h3_projection(x, weight, bias=None)
 
 are `torch.library` custom ops (detlogp::linear_logp, detlogp::h3_projection)
-with fake (meta) implementations, so they work under torch.compile and CUDA
-graphs, and autograd through `register_autograd`. Forward bits are the
-server's: on CUDA tensors the sm_90a kernels (the CUDA server's bits, run on
-the current stream, workspace from PyTorch's caching allocator, the weight
-read in place), on CPU tensors the CPU kernels (the CPU server's bits).
+with fake (meta) implementations and autograd through `register_autograd`;
+their backwards are custom ops too (detlogp::linear_logp_backward_fused and
+detlogp::linear_logp_backward_chunked, detlogp::h3_projection_input_grad and
+detlogp::h3_projection_weight_grad). Tracing never reaches a kernel, so
+torch.compile(fullgraph=True) of a forward and backward gives the eager
+op's bits; on CUDA every op takes outputs and workspace from PyTorch's
+caching allocator, launches on the current stream and never synchronizes
+or reads device values on the host, so CUDA graphs (torch.cuda.graph,
+torch.compile(mode="reduce-overhead")) capture and replay them. Forward
+bits are the server's: on CUDA tensors the kernels the CUDA server runs on
+that GPU (the weight read in place), on CPU tensors the CPU kernels (the
+CPU server's bits).
 
 Dtypes:
   * CUDA: weight bfloat16 (never copied: convert it once, outside the loop),
@@ -36,7 +43,9 @@ linear_logp's backward:
     weight and d bias, each accumulating in float32 over one tile
     dimension), extra memory under BACKWARD_BUDGET_BYTES (default 512 MiB)
     at any N.
-Both are deterministic. Gradients flow from logprobs, lse and entropy;
+Both are deterministic; which one runs depends on the device alone
+(compute capability 9.0 or not), so compiled and eager code run the same.
+Gradients flow from logprobs, lse and entropy;
 float32 hidden/weight get the gradient of the rounded values (straight
 through the bf16 rounding). A row whose target is outside [0, vocab_size)
 (NaN log-prob) gets the gradient of its lse term only.
