@@ -225,6 +225,7 @@ int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
                                 size_t error_len) {
   try {
     ClearError(error, error_len);
+    RelaxedCaptureMode relaxed;  // a head may be made while a graph captures
     if (head == nullptr) return Fail("head: null pointer", error, error_len);
     *head = nullptr;
     std::string bad =
@@ -235,7 +236,6 @@ int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
     }
     if (bad.empty()) bad = DeviceProblem(device);
     if (!bad.empty()) return Fail(bad, error, error_len);
-    RelaxedCaptureMode relaxed;  // a head may be made while a graph captures
     auto kernel_kind = KernelForDevice(device);
     if (!kernel_kind.ok()) {
       return FailStatus(kernel_kind.status(), error, error_len);

@@ -336,14 +336,15 @@ def test_cuda_graph_replay_equals_eager(cuda):
         assert_same_bits(got, run(step, case), f"replay with seed {seed}")
 
 
-def test_cuda_graph_capture_makes_a_new_head(cuda):
-    """A weight whose kernel handle is first made while a graph captures
-    (its address never seen before): the capture stays valid and replays
-    eager's forward bits."""
+def test_cuda_graph_capture_makes_a_new_head(cuda, monkeypatch):
+    """A weight whose kernel handle is first made while a graph captures (the
+    handle cache emptied): the capture stays valid and replays eager's
+    forward bits."""
     warm = make_case(cuda, 40)
-    run(step, warm)  # the kernels are loaded; this weight's head is made
+    run(step, warm)  # the kernels are loaded
+    monkeypatch.setattr(ops, "_lm_heads", ops._LmHeadCache())  # no head yet
     case = make_case(cuda, 41)
-    weight = case["weight"].clone()  # a new address: no head yet
+    weight = case["weight"].clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         logp, lse, entropy = dtorch.linear_logp(
@@ -375,11 +376,16 @@ def test_reduce_overhead_forward_and_backward_equal_eager_on_cuda(cuda):
     """torch.compile(mode="reduce-overhead"): warm-up, recording and replays
     of forward and backward (CUDA graph trees, inputs copied into their static
     buffers) give eager's bits."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
     for seed in range(50, 55):
         torch.compiler.cudagraph_mark_step_begin()
         case = make_case(cuda, seed)
         assert_same_bits(run(compiled, case), run(step, case), f"call with seed {seed}")
+    # Graphs really ran: inductor skipped none (a skip falls back to eager).
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 def test_cuda_graph_replay_of_the_h3_projection(cuda):
