@@ -6,11 +6,13 @@
 #      float64 path, CPU kernels' bits, fake tensors, the CUDA case), less the
 #      case that compares with a CPU server (the server here picks the GPU;
 #      CI runs it);
-#   2. pytest client/python/tests/test_torch_compile.py: opcheck on every
+#   2. kernels/capi/detlogp_ops_cuda_capture_test: the C ABI captured in a
+#      CUDA graph (a head made during the capture) == direct calls (bits);
+#   3. pytest client/python/tests/test_torch_compile.py: opcheck on every
 #      op (CPU and CUDA, the fused backward included), compiled forward and
 #      backward == eager (bits), torch.cuda.graph and
 #      torch.compile(mode="reduce-overhead") replays == eager (bits);
-#   3. tools/device/twin_check.py: 10^5 rows of detlogp.torch on CUDA ==
+#   4. tools/device/twin_check.py: 10^5 rows of detlogp.torch on CUDA ==
 #      the CUDA server's bits (memcmp), the key, the H3 projection and its
 #      gradients, chunked-backward accuracy vs float64 beside PyTorch eager,
 #      peak backward memory, forward-through-op overhead vs the kernel alone.
@@ -53,6 +55,23 @@ else
 fi
 if grep -q "test_cuda_forward_is_batch_invariant_and_backward_runs SKIPPED" "$OUT/pytest.log"; then
   echo "FAIL pytest: the CUDA case was skipped on a GPU machine"; failed=$((failed + 1)); status=1
+fi
+
+echo "== the CUDA C ABI under CUDA-graph capture"
+if [[ -x $dir/detlogp_ops_cuda_capture_test ]]; then
+  $dir/detlogp_ops_cuda_capture_test > "$OUT/capture_test.log" 2>&1
+  rc=$?
+  if [[ $rc -eq 0 ]] && ! grep -q "SKIPPED \]" "$OUT/capture_test.log"; then
+    echo "PASS capture test: $(grep -E '^\[  PASSED' "$OUT/capture_test.log")"
+    passed=$((passed + 1))
+  else
+    grep -E "Failure|SKIPPED|error" "$OUT/capture_test.log" | head -20
+    echo "FAIL capture test (rc $rc; log: \$OUT/capture_test.log)"
+    failed=$((failed + 1)); status=1
+  fi
+else
+  echo "FAIL capture test: $dir/detlogp_ops_cuda_capture_test is missing (build_twin.sh)"
+  failed=$((failed + 1)); status=1
 fi
 
 echo "== pytest: detlogp.torch under torch.compile and CUDA graphs"
