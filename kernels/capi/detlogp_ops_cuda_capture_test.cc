@@ -234,9 +234,9 @@ TEST_F(LinearLogpCaptureTest, AHeadMadeDuringCaptureReplaysTheDirectBits) {
   ASSERT_EQ(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal),
             cudaSuccess);
   detlogp_cuda_lm_head* head = NewHead();
-  const int rc = head == nullptr ? -1
-                                 : Run(head, captured, workspace,
-                                       backward_workspace, &why);
+  const int rc = head == nullptr
+                     ? -1
+                     : Run(head, captured, workspace, backward_workspace, &why);
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
   ASSERT_EQ(rc, 0) << why;
@@ -313,9 +313,9 @@ TEST(ProjectionCaptureTest, ForwardAndGradientsReplayTheDirectBits) {
                  DeviceBuffer& ws_dw) {
     char error[kErrorLen];
     int rc = detlogp_cuda_h3_projection_forward(
-        x.get<float>(), kProjectionRows, weight.get<float>(),
-        bias.get<float>(), out.y.get<float>(), ws_forward.get(),
-        ws_forward.bytes(), 0, stream, error, kErrorLen);
+        x.get<float>(), kProjectionRows, weight.get<float>(), bias.get<float>(),
+        out.y.get<float>(), ws_forward.get(), ws_forward.bytes(), 0, stream,
+        error, kErrorLen);
     if (rc == 0) {
       rc = detlogp_cuda_h3_projection_input_grad(
           dy.get<float>(), kProjectionRows, weight.get<float>(),
