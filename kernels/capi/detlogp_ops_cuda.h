@@ -11,7 +11,11 @@
  * library never allocates device memory or copies a weight: the caller (e.g.
  * PyTorch's caching allocator) supplies outputs and workspace, and work is
  * enqueued on the caller's stream (a cudaStream_t passed as void*; null is
- * the legacy default stream) without synchronizing the host.
+ * the legacy default stream) without synchronizing the host. Every call may
+ * run while the caller's stream captures a CUDA graph (torch.cuda.graph,
+ * torch.compile(mode="reduce-overhead")): launches are captured, and set-up
+ * (a head's creation, a projection's kernel attributes) allocates nothing,
+ * synchronizes nothing and runs with this thread's capture mode relaxed.
  *
  * Errors as in detlogp_ops.h: 0 on success, else nonzero with a
  * NUL-terminated message naming the bad argument written to
@@ -41,7 +45,8 @@ int detlogp_cuda_check_device(int device, char* error, size_t error_len);
  * holds the weight's TMA tensor map (kernels/cuda/linear_logp_cuda.h). The
  * tensors must stay allocated while the handle is used; their contents are
  * read when each launch runs, so a handle may be reused across weight
- * updates in place.
+ * updates in place. Destroying a handle frees host memory only: graphs
+ * captured with it keep their launch parameters.
  *   weight: device bf16 [padded_vocab_size, hidden_size] row-major, 16-byte
  *   aligned, hidden_size a multiple of 64 in [64, 65536]; bias: device fp32
  *   [padded_vocab_size] or null; 0 < vocab_size <= padded_vocab_size. */

@@ -44,7 +44,8 @@
 #   projection-stream  one H3 video (364,608 rows, 7.8 GB) streamed from
 #                      cuda:0 at each rows_per_chunk, one and four calls,
 #                      four videos at once, the transport-only bench
-#   twin               detlogp.torch on CUDA: the pytest cases, twin_check.py
+#   twin               detlogp.torch on CUDA: the pytest cases (torch.compile
+#                      and CUDA-graph replays among them), twin_check.py
 #                      (the op's bits == the CUDA server's, gradients, memory)
 #                      and examples/grpo_twin_step.py against a GPU server
 #   backward           the fused backward: the MN-major wgmma test, the
@@ -796,6 +797,15 @@ suite_twin() {
   check "pytest: $(tail -1 "$OUT/pytest.log")" $rc
   ! grep -q "test_cuda_forward_is_batch_invariant_and_backward_runs SKIPPED" "$OUT/pytest.log"
   check "pytest: the CUDA case ran" $?
+  echo "== pytest: detlogp.torch under torch.compile and CUDA graphs"
+  python3 -m pytest -v -p no:cacheprovider -o addopts="" \
+    "$bundle/python/client/tests/test_torch_compile.py" > "$OUT/pytest_compile.log" 2>&1
+  rc=$?
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_compile.log" | head -20
+  check "pytest compile/graphs: $(tail -1 "$OUT/pytest_compile.log")" $rc
+  ! grep -E "test_(cuda_graph|reduce_overhead|opcheck_the_fused)[a-z_]* SKIPPED" \
+    "$OUT/pytest_compile.log"
+  check "pytest compile/graphs: no CUDA case skipped" $?
   echo "== twin_check.py"
   python3 "$scripts/twin_check.py" --server="$DETLOGP_SERVER" "$@" 2>&1 | tee "$OUT/twin_check.log"
   rc=${PIPESTATUS[0]}

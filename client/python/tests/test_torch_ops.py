@@ -1,8 +1,9 @@
 """detlogp.torch: the custom ops on CPU tensors give the CPU
 server's bits, gradcheck passes on the float64 path, the chunked backward
-matches float64, and the ops trace under fake tensors. Skipped without
-PyTorch (CI has none); CUDA cases run only on an sm_90 GPU with the CUDA
-library built (`tools/device/run_suite.sh twin` runs the full CUDA contract).
+matches float64, and the ops trace under fake tensors. tools/test_python.sh
+installs PyTorch (the module skips where it is missing); CUDA cases run only
+on a GPU with the CUDA library built (tools/device/run_suite.sh twin runs the full
+CUDA contract; test_torch_compile.py covers torch.compile and CUDA graphs).
 """
 
 import numpy as np
