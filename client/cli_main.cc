@@ -1,37 +1,32 @@
-// detlogp_cli: scores, checks and manages model versions on a server.
+// detlogp_cli: scores, checks and manages model versions on a server. The
+// flags live here and are copied into each command's Options (cli_score.h,
+// cli_project.h, cli_models.h); --help lists them all.
 //
-//   detlogp_cli info --target=127.0.0.1:50051 [--model=policy
-//   --model_version=3] detlogp_cli score --random_rows=4 [--model=policy
-//   --model_version=3] detlogp_cli score --hidden=rows.npy
-//   --targets=targets.npy --return_lse detlogp_cli score --random_rows=4
-//   --entropy --top_k=5 detlogp_cli check-invariance --probes=16
-//   --concurrency=32 [--model=policy]
-//       [--entropy --top_k=20]
-//   detlogp_cli project --project_rows=4096
+//   detlogp_cli info --target=127.0.0.1:50051 [--model=policy]
+//   detlogp_cli score --random_rows=4 [--model=policy --model_version=3]
+//   detlogp_cli score --hidden=rows.npy --targets=targets.npy --return_lse
+//   detlogp_cli score --random_rows=4 --entropy --top_k=5
+//   detlogp_cli check-invariance --probes=16 --concurrency=32
+//   detlogp_cli project --project_rows=4096 [--project_malloc_tuning]
 //
 // Model versions (ModelRepositoryService; --admin_token_file when the server
 // has --admin_tokens_file):
 //   detlogp_cli models
 //   detlogp_cli load --model=policy --path=ckpt/step_42.safetensors
 //   detlogp_cli upload --model=policy --weights_file=/ckpt/step_42
-//       [--lm_head_tensor= --bias_tensor= --vocab_size=0]
-//       [--targets=10.0.0.1:50051,10.0.0.2:50051] [--model_version=42]
+//       [--servers=10.0.0.1:50051,10.0.0.2:50051] [--model_version=42]
 //   detlogp_cli unload --model=policy --model_version=3
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <condition_variable>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <fstream>
 #include <iostream>
-#include <mutex>
+#include <iterator>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -40,16 +35,13 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/cli_models.h"
+#include "client/cli_project.h"
+#include "client/cli_score.h"
 #include "client/heap_retention.h"
-#include "client/process_usage.h"
 #include "client/invariance_check.h"
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
-#include "client/random_rows.h"
-#include "client/tensor_files.h"
-#include "kernels/random_normal.h"
-#include "digests/sha256.h"
-#include "absl/time/clock.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
 ABSL_FLAG(int, timeout_s, 60, "Per-call deadline, seconds.");
@@ -61,8 +53,7 @@ ABSL_FLAG(std::string, hidden, "",
 ABSL_FLAG(std::string, hidden_tensor, "hidden",
           "score: tensor name inside a .safetensors --hidden.");
 ABSL_FLAG(std::string, targets, "",
-          "score: N target ids (.npy or .safetensors, int32/int64). upload: "
-          "the servers to push to, comma-separated (default: --target).");
+          "score: N target ids (.npy or .safetensors, int32/int64).");
 ABSL_FLAG(std::string, targets_tensor, "target_ids",
           "score: tensor name inside a .safetensors --targets.");
 ABSL_FLAG(int, random_rows, 4, "score: random demo rows when no --hidden.");
@@ -92,21 +83,23 @@ ABSL_FLAG(int, project_streams, 0,
 ABSL_FLAG(int64_t, hash_backlog_mb, 1024,
           "project: MiB of Y at most waiting for SHA-256 (hashed on its own "
           "thread); past it the stream waits, and the wait is reported.");
-ABSL_FLAG(int64_t, heap_retain_mb, 256,
-          "MiB of freed memory malloc keeps for reuse at the top of each heap "
-          "instead of returning it to the OS (0: glibc's default, 128 KiB). "
-          "Received messages are freed whole; returned memory comes back as "
-          "page faults on the next message (docs/perf.md, session 5).");
-ABSL_FLAG(bool, malloc_hugepages, true,
-          "project: run with glibc's transparent huge pages for the heap (sets "
-          "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 and re-executes itself, "
-          "unless GLIBC_TUNABLES already names that tunable): a stream's "
-          "receive buffers fault in 2 MiB at a time, not 4 KiB "
-          "(docs/perf.md, H3 projection streaming, session 13).");
-ABSL_FLAG(int, malloc_arenas, 1,
-          "glibc malloc arenas (0: glibc's default, 8 per core). One keeps "
-          "the stream readers' receive buffers in the main heap, reused "
-          "(docs/perf.md, H3 projection streaming, session 13).");
+ABSL_FLAG(bool, project_malloc_tuning, false,
+          "project: tune glibc's malloc for large streamed messages "
+          "(docs/performance.md, projection streaming): re-execute with "
+          "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge pages for "
+          "the heap; skipped when GLIBC_TUNABLES already names that tunable), "
+          "keep --project_heap_retain_mb of freed memory and use "
+          "--project_malloc_arenas arenas. Off: malloc as the process found "
+          "it. No other command changes malloc.");
+ABSL_FLAG(int64_t, project_heap_retain_mb, 256,
+          "project, with --project_malloc_tuning: MiB of freed memory malloc "
+          "keeps at the top of each heap instead of returning it to the OS "
+          "(0: glibc's default, 128 KiB); returned memory comes back as page "
+          "faults on the next message.");
+ABSL_FLAG(int, project_malloc_arenas, 1,
+          "project, with --project_malloc_tuning: glibc malloc arenas (0: "
+          "glibc's default, 8 per core). One keeps the stream readers' "
+          "receive buffers in the main heap, reused.");
 ABSL_FLAG(bool, hash_y, true,
           "project: SHA-256 Y's bits. --nohash_y measures the stream alone "
           "(y_sha256 prints as -; each chunk goes back to gRPC at once).");
@@ -145,12 +138,18 @@ ABSL_FLAG(int64_t, vocab_size, 0,
 ABSL_FLAG(std::string, expected_sha256, "",
           "load: refuse unless the file's weights hash to this digest.");
 ABSL_FLAG(int64_t, chunk_mb, 4, "upload: MiB per streamed chunk.");
+ABSL_FLAG(std::string, servers, "",
+          "upload: the servers to push to, comma-separated (default: "
+          "--target).");
 
 namespace {
 
 using detlogp::client::LogpClient;
 using detlogp::client::ModelRepositoryClient;
-using detlogp::client::ProcessUsage;
+
+constexpr char kUsage[] =
+    "detlogp_cli <info|score|check-invariance|project|models|load|upload|"
+    "unload> [--flags]";
 
 std::string FirstLine(const std::string& path) {
   std::string line;
@@ -172,10 +171,6 @@ LogpClient::Options ConnectionOptions() {
   return options;
 }
 
-absl::StatusOr<std::unique_ptr<LogpClient>> Connect() {
-  return LogpClient::Create(ConnectionOptions());
-}
-
 absl::StatusOr<ModelRepositoryClient::Options> AdminOptions() {
   // Checked before it becomes bytes: a huge value would overflow.
   const int64_t chunk_mb = absl::GetFlag(FLAGS_chunk_mb);
@@ -189,279 +184,52 @@ absl::StatusOr<ModelRepositoryClient::Options> AdminOptions() {
   return options;
 }
 
-absl::StatusOr<std::unique_ptr<ModelRepositoryClient>> ConnectAdmin() {
-  auto options = AdminOptions();
-  if (!options.ok()) return options.status();
-  return ModelRepositoryClient::Create(ConnectionOptions(), *options);
-}
-
-int Fail(const absl::Status& status) {
-  std::cerr << "error: " << status << "\n";
-  return 1;
-}
-
-int Info() {
-  auto client = Connect();
-  if (!client.ok()) return Fail(client.status());
-  auto info = (*client)->GetModelInfo(absl::GetFlag(FLAGS_model),
-                                      absl::GetFlag(FLAGS_model_version));
-  if (!info.ok()) return Fail(info.status());
-  std::cout << info->DebugString();
-  return 0;
-}
-
-int Score() {
-  auto client = Connect();
-  if (!client.ok()) return Fail(client.status());
-  // Shapes of the version asked for; the request is pinned to it, so a
-  // version published meanwhile cannot change the shapes under it.
-  auto info = (*client)->GetModelInfo(absl::GetFlag(FLAGS_model),
-                                      absl::GetFlag(FLAGS_model_version));
-  if (!info.ok()) return Fail(info.status());
-  detlogp::v1::DType dtype = detlogp::v1::DTYPE_BFLOAT16;
-  int64_t rows = 0;
-  std::string data;
-  std::vector<int64_t> targets;
-  if (absl::GetFlag(FLAGS_hidden).empty()) {
-    rows = absl::GetFlag(FLAGS_random_rows);
-    data = detlogp::client::RandomBf16Rows(rows, info->hidden_size(),
-                                           absl::GetFlag(FLAGS_seed));
-    targets = detlogp::client::RandomTargets(rows, info->vocab_size(),
-                                             absl::GetFlag(FLAGS_seed) + 1);
-  } else {
-    auto hidden = detlogp::client::ReadTensorFile(
-        absl::GetFlag(FLAGS_hidden), absl::GetFlag(FLAGS_hidden_tensor));
-    if (!hidden.ok()) return Fail(hidden.status());
-    if (hidden->shape.size() != 2 || hidden->data.empty()) {
-      return Fail(absl::InvalidArgumentError(
-          "--hidden: expected a float [N, H] tensor"));
-    }
-    dtype = hidden->dtype;
-    rows = hidden->shape[0];
-    data = std::move(hidden->data);
-    if (absl::GetFlag(FLAGS_targets).empty()) {
-      return Fail(
-          absl::InvalidArgumentError("--targets is required with --hidden"));
-    }
-    auto target_file = detlogp::client::ReadTensorFile(
-        absl::GetFlag(FLAGS_targets), absl::GetFlag(FLAGS_targets_tensor));
-    if (!target_file.ok()) return Fail(target_file.status());
-    targets = target_file->integers;
-  }
-  detlogp::client::LogProbOptions options;
+detlogp::client::ScoreCommandOptions ScoreOptions() {
+  detlogp::client::ScoreCommandOptions options;
+  options.model = absl::GetFlag(FLAGS_model);
+  options.model_version = absl::GetFlag(FLAGS_model_version);
+  options.hidden_path = absl::GetFlag(FLAGS_hidden);
+  options.hidden_tensor = absl::GetFlag(FLAGS_hidden_tensor);
+  options.target_ids_path = absl::GetFlag(FLAGS_targets);
+  options.target_ids_tensor = absl::GetFlag(FLAGS_targets_tensor);
+  options.random_rows = absl::GetFlag(FLAGS_random_rows);
+  options.seed = absl::GetFlag(FLAGS_seed);
   options.temperature = absl::GetFlag(FLAGS_temperature);
   options.return_lse = absl::GetFlag(FLAGS_return_lse);
   options.return_entropy = absl::GetFlag(FLAGS_entropy);
   options.top_k = absl::GetFlag(FLAGS_top_k);
-  options.model = info->model();
-  options.model_version = info->model_version();
-  // The client checks the answer's sizes against the request (N rows, N * k
-  // top-k entries); the server checks top_k.
-  auto result = (*client)->Score(detlogp::client::MakeLogProbRequest(
-      "cli", dtype, rows, info->hidden_size(), std::move(data), targets,
-      options));
-  if (!result.ok()) return Fail(result.status());
-  std::cout << "model " << result->model << " version " << result->model_version
-            << "\ndeterminism_key " << result->determinism_key << "\n";
-  // One line per row of "name value" pairs; a top-k list is one value,
-  // comma-separated. %.9g round-trips a float.
-  const int64_t k = result->top_k;
-  for (int64_t r = 0; r < rows; ++r) {
-    std::printf("row %lld target %lld logprob %.9g", static_cast<long long>(r),
-                static_cast<long long>(targets[r]), result->logprobs[r]);
-    if (!result->lse.empty()) std::printf(" lse %.9g", result->lse[r]);
-    if (!result->entropy.empty())
-      std::printf(" entropy %.9g", result->entropy[r]);
-    if (k > 0) {
-      std::printf(" top_ids ");
-      for (int64_t j = 0; j < k; ++j) {
-        std::printf("%s%lld", j ? "," : "",
-                    static_cast<long long>(result->top_ids[r * k + j]));
-      }
-      std::printf(" top_logprobs ");
-      for (int64_t j = 0; j < k; ++j) {
-        std::printf("%s%.9g", j ? "," : "", result->top_logprobs[r * k + j]);
-      }
-    }
-    std::printf("\n");
-  }
-  return 0;
+  return options;
 }
 
-// Streams the projection of seeded random rows and prints the determinism
-// key and a digest of Y's bits: equal digests across servers (CPU or GPU)
-// show equal bits.
-// SHA-256 of Y's chunks, in arrival order, on a thread of its own: one core
-// hashes at 1.5-2 GB/s (OpenSSL), slower than the stream it would otherwise
-// hold up. The receiving thread hands each chunk over as it came from gRPC
-// (moved: the hasher holds references to gRPC's receive slices and hashes
-// y.data straight from them, no copy). At most max_backlog_bytes wait to be
-// hashed (one chunk at least); past that the receiver waits, and the time it
-// waited is reported.
-class ChunkHasher {
- public:
-  explicit ChunkHasher(size_t max_backlog_bytes)
-      : max_backlog_bytes_(max_backlog_bytes), thread_([this] { Run(); }) {}
-  ~ChunkHasher() { Finish(); }
-
-  // Takes the chunk (its slices; y.data is never copied).
-  void Add(detlogp::client::ProjectChunk chunk) {
-    std::unique_lock<std::mutex> lock(mu_);
-    const auto room = [&] {
-      return backlog_bytes_ == 0 || backlog_bytes_ < max_backlog_bytes_;
-    };
-    if (!room()) {
-      const absl::Time wait_start = absl::Now();
-      room_.wait(lock, room);
-      waited_ += absl::Now() - wait_start;
-    }
-    backlog_bytes_ += static_cast<size_t>(chunk.y_data_bytes);
-    queue_.push_back(std::move(chunk));
-    work_.notify_one();
-  }
-
-  // Hashes what is queued, stops the thread; the digest as lowercase hex.
-  std::string Finish() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
-      work_.notify_one();
-    }
-    if (thread_.joinable()) thread_.join();
-    if (hex_.empty()) hex_ = digest_.HexDigest();
-    return hex_;
-  }
-
-  // Valid after Finish: time spent in SHA-256, bytes hashed, and the time
-  // the receiving thread waited for room in the backlog.
-  absl::Duration hashing() const { return hashing_; }
-  int64_t bytes() const { return bytes_; }
-  absl::Duration waited() const { return waited_; }
-
- private:
-  void Run() {
-    for (;;) {
-      detlogp::client::ProjectChunk chunk;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        work_.wait(lock, [&] { return done_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        chunk = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      const absl::Time start = absl::Now();
-      for (absl::string_view piece : chunk.y_data) {
-        digest_.Update(piece.data(), piece.size());
-      }
-      hashing_ += absl::Now() - start;
-      bytes_ += chunk.y_data_bytes;
-      const size_t hashed = static_cast<size_t>(chunk.y_data_bytes);
-      chunk = detlogp::client::ProjectChunk();  // gRPC's slices go back first
-      std::lock_guard<std::mutex> lock(mu_);
-      backlog_bytes_ -= hashed;
-      room_.notify_one();
-    }
-  }
-
-  const size_t max_backlog_bytes_;
-  std::mutex mu_;
-  std::condition_variable work_;  // a chunk queued, or done_
-  std::condition_variable room_;  // backlog_bytes_ went down
-  std::deque<detlogp::client::ProjectChunk> queue_;
-  size_t backlog_bytes_ = 0;
-  bool done_ = false;
-  absl::Duration waited_;  // written by the receiving thread only
-  // Written by the hashing thread only; read after the join.
-  detlogp::digests::Sha256 digest_;
-  absl::Duration hashing_;
-  int64_t bytes_ = 0;
-  std::string hex_;
-  std::thread thread_;  // last: starts once the members above exist
-};
-
-// Prints the determinism key and the SHA-256 of Y's bits (the first two
-// lines, unchanged: tools/device/run_serve.sh compares them between a GPU
-// and a CPU server), then the time of the whole call and, separately, the
-// stream's (request sent until the last chunk arrived; hashing runs beside
-// it) and SHA-256's, and last the CLI's own CPU time and minor page faults
-// per GB of Y (received bytes landing on fresh pages show up there; see
-// --heap_retain_mb) with the glibc.malloc.hugetlb it ran with (-: unset;
-// --malloc_hugepages). Every timing line holds the word "seconds".
-int ProjectOnce(LogpClient& client, const std::vector<float>& x, int64_t rows) {
-  const int64_t backlog_mb =
-      std::max<int64_t>(0, absl::GetFlag(FLAGS_hash_backlog_mb));
-  ChunkHasher hasher(static_cast<size_t>(backlog_mb) << 20);
-  const bool hash_y = absl::GetFlag(FLAGS_hash_y);
-  absl::Duration first_chunk = absl::InfiniteDuration();
-  const ProcessUsage usage_before = ProcessUsage::Now();
-  const absl::Time start = absl::Now();
-  LogpClient::ProjectOptions options;
+detlogp::client::ProjectCommandOptions ProjectOptions() {
+  detlogp::client::ProjectCommandOptions options;
+  options.rows = absl::GetFlag(FLAGS_project_rows);
+  options.seed = absl::GetFlag(FLAGS_seed);
   options.rows_per_chunk = absl::GetFlag(FLAGS_rows_per_chunk);
   options.streams = absl::GetFlag(FLAGS_project_streams);
-  // Read raw: only each chunk's header is parsed; y.data stays in gRPC's
-  // receive slices and is hashed from there.
-  auto result = client.ProjectChunks(
-      x, rows, options, [&](detlogp::client::ProjectChunk& chunk) {
-        if (first_chunk == absl::InfiniteDuration())
-          first_chunk = absl::Now() - start;
-        if (hash_y) hasher.Add(std::move(chunk));
-      });
-  const double transfer = absl::ToDoubleSeconds(absl::Now() - start);
-  const std::string y_sha256 = hash_y ? hasher.Finish() : "-";
-  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
-  const ProcessUsage usage = ProcessUsage::Now() - usage_before;
-  if (!result.ok()) return Fail(result.status());
-  const double output_bytes = rows * 5376.0 * 4;
-  const double hashing = absl::ToDoubleSeconds(hasher.hashing());
-  std::printf(
-      "determinism_key %s\ny_sha256 %s\nrows %lld chunks %lld "
-      "seconds %.3f output_GB/s %.2f\n",
-      result->determinism_key.c_str(), y_sha256.c_str(),
-      static_cast<long long>(rows), static_cast<long long>(result->chunks),
-      seconds, output_bytes / seconds / 1e9);
-  std::printf(
-      "transfer seconds %.3f output_GB/s %.2f first_chunk_seconds %.3f "
-      "waited_for_hashing_seconds %.3f streams %d\n",
-      transfer, output_bytes / transfer / 1e9,
-      result->chunks > 0 ? absl::ToDoubleSeconds(first_chunk) : 0.0,
-      absl::ToDoubleSeconds(hasher.waited()), result->streams);
-  std::printf("sha256 seconds %.3f GB/s %.2f after_transfer_seconds %.3f\n",
-              hashing, hashing > 0 ? hasher.bytes() / hashing / 1e9 : 0.0,
-              seconds - transfer);
-  const std::optional<std::string> hugetlb =
-      detlogp::client::MallocHugePagesTunable(std::getenv("GLIBC_TUNABLES"));
-  std::printf(
-      "client cpu_seconds %.3f minor_page_faults %lld per_GB %.0f "
-      "malloc_hugetlb %s\n",
-      usage.cpu_seconds, static_cast<long long>(usage.minor_page_faults),
-      output_bytes > 0 ? usage.minor_page_faults / (output_bytes / 1e9) : 0.0,
-      hugetlb.value_or("-").c_str());
-  return 0;
+  options.repeats = absl::GetFlag(FLAGS_project_repeats);
+  options.hash_y = absl::GetFlag(FLAGS_hash_y);
+  options.hash_backlog_bytes =
+      std::max<int64_t>(0, absl::GetFlag(FLAGS_hash_backlog_mb)) << 20;
+  return options;
 }
 
-// --project_repeats runs the same projection again in this process, each
-// run's lines printed as one run's are: the first run also pays for the
-// process's heap growing to a stream's working set (page faults that grow
-// with rows_per_chunk); later runs are what a long-lived client sees.
-int Project() {
-  const int repeats = absl::GetFlag(FLAGS_project_repeats);
-  if (repeats < 1) {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("project_repeats: ", repeats, ", expected 1 or more")));
-  }
-  auto client = Connect();
-  if (!client.ok()) return Fail(client.status());
-  const int64_t rows = absl::GetFlag(FLAGS_project_rows);
-  detlogp::kernels::RandomNormal random(absl::GetFlag(FLAGS_seed));
-  std::vector<float> x(rows * 96);
-  for (float& v : x) v = random.Next(1.0f);
-  for (int run = 0; run < repeats; ++run) {
-    if (const int rc = ProjectOnce(**client, x, rows); rc != 0) return rc;
-  }
-  return 0;
+detlogp::client::ModelsCommandOptions ModelsOptions() {
+  detlogp::client::ModelsCommandOptions options;
+  options.model = absl::GetFlag(FLAGS_model);
+  options.model_version = absl::GetFlag(FLAGS_model_version);
+  options.path = absl::GetFlag(FLAGS_path);
+  options.weights_file = absl::GetFlag(FLAGS_weights_file);
+  options.lm_head_tensor = absl::GetFlag(FLAGS_lm_head_tensor);
+  options.bias_tensor = absl::GetFlag(FLAGS_bias_tensor);
+  options.vocab_size = absl::GetFlag(FLAGS_vocab_size);
+  options.expected_sha256 = absl::GetFlag(FLAGS_expected_sha256);
+  options.servers =
+      absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipWhitespace());
+  return options;
 }
 
-int CheckInvariance() {
+detlogp::client::InvarianceOptions InvarianceCheckOptions() {
   detlogp::client::InvarianceOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.probes = absl::GetFlag(FLAGS_probes);
@@ -474,134 +242,104 @@ int CheckInvariance() {
   options.model_version = absl::GetFlag(FLAGS_model_version);
   options.entropy = absl::GetFlag(FLAGS_entropy);
   options.top_k = absl::GetFlag(FLAGS_top_k);
-  auto report = detlogp::client::CheckInvariance(options);
-  if (!report.ok()) return Fail(report.status());
-  std::cout << report->Summary() << "\n";
-  return report->ok() ? 0 : 3;
+  return options;
 }
 
-void PrintVersion(const detlogp::v1::ModelVersionStatus& v) {
-  std::printf(
-      "  version %lld %s H=%lld V=%lld V_pad=%lld bias=%d memory=%lld "
-      "in_flight=%lld persisted=%d source=%s\n    weights_sha256 %s\n"
-      "    determinism_key %s\n",
-      static_cast<long long>(v.version()),
-      detlogp::v1::ModelVersionStatus::State_Name(v.state()).c_str(),
-      static_cast<long long>(v.hidden_size()),
-      static_cast<long long>(v.vocab_size()),
-      static_cast<long long>(v.padded_vocab_size()), v.has_bias() ? 1 : 0,
-      static_cast<long long>(v.memory_bytes()),
-      static_cast<long long>(v.requests_in_flight()), v.persisted() ? 1 : 0,
-      v.source().c_str(), v.weights_sha256().c_str(),
-      v.determinism_key().c_str());
-}
-
-int Models() {
-  auto client = ConnectAdmin();
-  if (!client.ok()) return Fail(client.status());
-  auto models = (*client)->ListModels();
-  if (!models.ok()) return Fail(models.status());
-  for (const detlogp::v1::ModelInfo& info : models->models()) {
-    std::printf("model %s latest %lld%s\n", info.model().c_str(),
-                static_cast<long long>(info.model_version()),
-                info.model() == models->default_model() ? " (default)" : "");
-    for (const auto& version : info.versions()) PrintVersion(version);
+// --project_malloc_tuning: process-wide, so set here, once, before any
+// thread starts. glibc reads its tunables only when a process starts, hence
+// the re-execution; it returns only when that is not needed or failed.
+absl::Status TuneMallocForProjection(char** argv) {
+  if (const std::optional<std::string> tunables =
+          detlogp::client::TunablesWithMallocHugePages(
+              std::getenv("GLIBC_TUNABLES"))) {
+    setenv("GLIBC_TUNABLES", tunables->c_str(), 1);
+    execv("/proc/self/exe", argv);
+    std::cerr << "--project_malloc_tuning: could not re-execute ("
+              << std::strerror(errno) << "); going on with 4 KiB pages\n";
   }
-  return 0;
-}
-
-absl::Status RequireModel() {
-  if (absl::GetFlag(FLAGS_model).empty()) {
-    return absl::InvalidArgumentError("--model is required");
+  if (absl::Status s = detlogp::client::RetainFreedHeapMemory(
+          absl::GetFlag(FLAGS_project_heap_retain_mb) * (int64_t{1} << 20));
+      !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--project_heap_retain_mb: ", s.message()));
+  }
+  if (absl::Status s = detlogp::client::LimitMallocArenas(
+          absl::GetFlag(FLAGS_project_malloc_arenas));
+      !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--project_malloc_arenas: ", s.message()));
   }
   return absl::OkStatus();
 }
 
-int Load() {
-  if (absl::Status s = RequireModel(); !s.ok()) return Fail(s);
-  if (absl::GetFlag(FLAGS_path).empty()) {
-    return Fail(absl::InvalidArgumentError(
-        "--path is required (relative to the server's --model_root)"));
+// The command's status; check-invariance also answers whether the bits held.
+absl::StatusOr<bool> RunCommand(const std::string& command) {
+  if (command == "check-invariance") {
+    auto report = detlogp::client::CheckInvariance(InvarianceCheckOptions());
+    if (!report.ok()) return report.status();
+    std::cout << report->Summary() << "\n";
+    return report->ok();
   }
-  auto client = ConnectAdmin();
-  if (!client.ok()) return Fail(client.status());
-  detlogp::v1::LoadModelRequest request;
-  request.set_model(absl::GetFlag(FLAGS_model));
-  request.set_path(absl::GetFlag(FLAGS_path));
-  request.set_lm_head_tensor(absl::GetFlag(FLAGS_lm_head_tensor));
-  request.set_bias_tensor(absl::GetFlag(FLAGS_bias_tensor));
-  request.set_vocab_size(absl::GetFlag(FLAGS_vocab_size));
-  request.set_expected_weights_sha256(absl::GetFlag(FLAGS_expected_sha256));
-  request.set_model_version(absl::GetFlag(FLAGS_model_version));
-  auto version = (*client)->LoadModel(request);
-  if (!version.ok()) return Fail(version.status());
-  std::printf("model %s\n", request.model().c_str());
-  PrintVersion(*version);
-  return 0;
-}
-
-// Uploads to --targets (or --target); one line per target.
-int Upload() {
-  if (absl::Status s = RequireModel(); !s.ok()) return Fail(s);
-  if (absl::GetFlag(FLAGS_weights_file).empty()) {
-    return Fail(absl::InvalidArgumentError("--weights_file is required"));
-  }
-  std::string read_from;
-  auto upload = detlogp::client::ReadLmHeadUpload(
-      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_weights_file),
-      absl::GetFlag(FLAGS_lm_head_tensor), absl::GetFlag(FLAGS_bias_tensor),
-      absl::GetFlag(FLAGS_vocab_size), &read_from);
-  if (!upload.ok()) return Fail(upload.status());
-  std::fprintf(stderr, "lm_head: %s\n", read_from.c_str());
-  upload->version = absl::GetFlag(FLAGS_model_version);
-  std::vector<std::string> targets =
-      absl::StrSplit(absl::GetFlag(FLAGS_targets), ',', absl::SkipWhitespace());
-  if (targets.empty()) targets.push_back(absl::GetFlag(FLAGS_target));
-  auto admin = AdminOptions();
-  if (!admin.ok()) return Fail(admin.status());
-  const detlogp::client::PushReport report = detlogp::client::PushToTargets(
-      targets, ConnectionOptions(), *admin, *upload);
-  for (const detlogp::client::PushedVersion& pushed : report.targets) {
-    if (pushed.version.ok()) {
-      std::printf(
-          "target %s model %s version %lld weights_sha256 %s "
-          "determinism_key %s\n",
-          pushed.target.c_str(), upload->model.c_str(),
-          static_cast<long long>(pushed.version->version()),
-          pushed.version->weights_sha256().c_str(),
-          pushed.version->determinism_key().c_str());
+  if (command == "info" || command == "score" || command == "project") {
+    auto client = LogpClient::Create(ConnectionOptions());
+    if (!client.ok()) return client.status();
+    if (command == "score") {
+      if (absl::Status s = RunScore(**client, ScoreOptions()); !s.ok())
+        return s;
+    } else if (command == "project") {
+      if (absl::Status s = RunProject(**client, ProjectOptions()); !s.ok()) {
+        return s;
+      }
     } else {
-      std::printf("target %s error %s\n", pushed.target.c_str(),
-                  pushed.version.status().ToString().c_str());
+      auto info = (*client)->GetModelInfo(absl::GetFlag(FLAGS_model),
+                                          absl::GetFlag(FLAGS_model_version));
+      if (!info.ok()) return info.status();
+      std::cout << info->DebugString();
     }
+    return true;
   }
-  if (!report.status.ok()) return Fail(report.status);
-  return 0;
+  if (command == "models" || command == "load" || command == "upload" ||
+      command == "unload") {
+    const detlogp::client::ModelsCommandOptions options = ModelsOptions();
+    if (command != "models") {
+      if (absl::Status s = RequireModel(options); !s.ok()) return s;
+    }
+    auto admin = AdminOptions();
+    if (!admin.ok()) return admin.status();
+    if (command == "upload") {
+      if (!absl::GetFlag(FLAGS_targets).empty()) {
+        return absl::InvalidArgumentError(
+            "upload: --targets is score's file of target ids; the servers to "
+            "push to are --servers");
+      }
+      if (absl::Status s = RunUpload(ConnectionOptions(), *admin, options);
+          !s.ok()) {
+        return s;
+      }
+      return true;
+    }
+    auto client = ModelRepositoryClient::Create(ConnectionOptions(), *admin);
+    if (!client.ok()) return client.status();
+    absl::Status status = command == "models" ? RunModels(**client)
+                          : command == "load" ? RunLoad(**client, options)
+                                              : RunUnload(**client, options);
+    if (!status.ok()) return status;
+    return true;
+  }
+  return absl::InternalError(absl::StrCat("no command ", command));
 }
 
-int Unload() {
-  if (absl::Status s = RequireModel(); !s.ok()) return Fail(s);
-  if (absl::GetFlag(FLAGS_model_version) <= 0) {
-    return Fail(
-        absl::InvalidArgumentError("--model_version is required (> 0)"));
+bool IsCommand(const std::string& name) {
+  for (const char* command : {"info", "score", "check-invariance", "project",
+                              "models", "load", "upload", "unload"}) {
+    if (name == command) return true;
   }
-  auto client = ConnectAdmin();
-  if (!client.ok()) return Fail(client.status());
-  const absl::Status status = (*client)->UnloadModel(
-      absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_model_version));
-  if (!status.ok()) return Fail(status);
-  std::printf("model %s version %lld unloaded\n",
-              absl::GetFlag(FLAGS_model).c_str(),
-              static_cast<long long>(absl::GetFlag(FLAGS_model_version)));
-  return 0;
+  return false;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  constexpr char kUsage[] =
-      "detlogp_cli <info|score|check-invariance|project|models|load|upload|"
-      "unload> [--flags]";
   absl::SetProgramUsageMessage(kUsage);
   // Abseil's --help and --helpshort list only flags defined in a file named
   // after the program (detlogp_cli.cc); ours live here, in cli_main.cc.
@@ -613,44 +351,27 @@ int main(int argc, char** argv) {
   usage_config.contains_helppackage_flags = usage_config.contains_help_flags;
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  // Only `project` receives large messages; glibc reads its tunables only
-  // when a process starts.
-  if (args.size() == 2 && absl::string_view(args[1]) == "project" &&
-      absl::GetFlag(FLAGS_malloc_hugepages)) {
-    if (const std::optional<std::string> tunables =
-            detlogp::client::TunablesWithMallocHugePages(
-                std::getenv("GLIBC_TUNABLES"))) {
-      setenv("GLIBC_TUNABLES", tunables->c_str(), 1);
-      execv("/proc/self/exe", argv);
-      std::cerr << "--malloc_hugepages: could not re-execute ("
-                << std::strerror(errno) << "); going on with 4 KiB pages\n";
-    }
-  }
-  if (absl::Status s = detlogp::client::RetainFreedHeapMemory(
-          absl::GetFlag(FLAGS_heap_retain_mb) * (int64_t{1} << 20));
-      !s.ok()) {
-    std::cerr << "--heap_retain_mb: " << s << "\n";
-    return 2;
-  }
-  if (absl::Status s = detlogp::client::LimitMallocArenas(
-          absl::GetFlag(FLAGS_malloc_arenas));
-      !s.ok()) {
-    std::cerr << "--malloc_arenas: " << s << "\n";
-    return 2;
-  }
   if (args.size() != 2) {
     std::cerr << "usage: " << kUsage << "\n";
     return 2;
   }
   const std::string command = args[1];
-  if (command == "info") return Info();
-  if (command == "score") return Score();
-  if (command == "check-invariance") return CheckInvariance();
-  if (command == "project") return Project();
-  if (command == "models") return Models();
-  if (command == "load") return Load();
-  if (command == "upload") return Upload();
-  if (command == "unload") return Unload();
-  std::cerr << "unknown command '" << command << "'\n";
-  return 2;
+  if (!IsCommand(command)) {
+    std::cerr << "unknown command '" << command << "'; usage: " << kUsage
+              << "\n";
+    return 2;
+  }
+  if (command == "project" && absl::GetFlag(FLAGS_project_malloc_tuning)) {
+    if (absl::Status s = TuneMallocForProjection(argv); !s.ok()) {
+      std::cerr << "error: " << s << "\n";
+      return 2;
+    }
+  }
+  absl::StatusOr<bool> held = RunCommand(command);
+  if (!held.ok()) {
+    std::cerr << "error: " << held.status() << "\n";
+    return 1;
+  }
+  // 3: the bits differed (check-invariance).
+  return *held ? 0 : 3;
 }

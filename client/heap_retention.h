@@ -6,7 +6,7 @@
 // default trim threshold (128 KiB) the freed top of the heap goes back to the
 // OS at once, so the next message's recvmsg copies land on fresh pages: a
 // page fault and a zeroed 4 KiB page for most received bytes. Measured on a
-// projection stream (docs/perf.md, H3 projection streaming, session 5): 66 %
+// projection stream (docs/performance.md, "H3 projection streaming"): 66 %
 // of a 256-row stream's bytes and 84 % of a 2048-row one's arrived on fresh
 // pages, which cost the reading thread more than the copy itself.
 //
@@ -40,20 +40,20 @@ absl::Status RetainFreedHeapMemory(int64_t bytes);
 // mapped heaps of at most 64 MiB, smaller than two 44 MB messages (our
 // reading of why their pages came back fresh; not traced). One arena (the
 // main heap, which the trim threshold above governs) measured 3-4 % faster with
-// a fifth fewer page faults per GB on a four-call projection (docs/perf.md, "H3
-// projection streaming, session 13"). Process-wide, in main, before threads
+// a fifth fewer page faults per GB on a four-call projection. Process-wide,
+// in main, before threads
 // start. INVALID_ARGUMENT when negative; INTERNAL if malloc refuses.
 absl::Status LimitMallocArenas(int arenas);
 
 // Transparent huge pages for malloc's heap (glibc >= 2.35's tunable
 // glibc.malloc.hugetlb=1: madvise(MADV_HUGEPAGE) on what the heap grows
-// by). Measured on a four-call projection of one video on the H200 host
-// (docs/perf.md, session 13): page faults per GB of Y 24-26k -> 5k in a
+// by). Measured on a four-call projection of one video on the H200 host:
+// page faults per GB of Y 24-26k -> 5k in a
 // fresh process and 8-10k -> 0.5-0.7k in later runs, 4-14 % faster, and the
 // fresh process's penalty for larger chunks gone (2048 / 1024 rows per chunk
 // 0.95 -> 1.02 paired). glibc reads tunables only when a process starts, so
-// a program sets GLIBC_TUNABLES and re-executes itself (detlogp_cli project
-// does; client libraries leave it to the program). Returns GLIBC_TUNABLES'
+// a program sets GLIBC_TUNABLES and re-executes itself (client libraries
+// leave it to the program). Returns GLIBC_TUNABLES'
 // value with the tunable appended to `current` (null: unset), or nullopt when
 // `current` already sets glibc.malloc.hugetlb: the caller's choice stands,
 // and a re-executed program does not do it again.

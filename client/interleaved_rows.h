@@ -4,7 +4,8 @@
 // order. With rows_per_chunk = block_rows every chunk a call answers is one
 // whole block, so the answers go back into row order while each call has
 // only a few chunks ahead of the slowest: one gRPC stream is read on one
-// thread, several run side by side (docs/perf.md, H3 projection streaming).
+// thread, several run side by side (docs/performance.md, "H3 projection
+// streaming").
 // Only the request's last block can be short, and it is its call's last.
 #ifndef DETLOGP_CLIENT_INTERLEAVED_ROWS_H_
 #define DETLOGP_CLIENT_INTERLEAVED_ROWS_H_

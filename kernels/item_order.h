@@ -19,15 +19,15 @@ namespace detlogp::kernels {
 // (of 128 rows in the Hopper kernel, 256 in the portable one's large
 // tiling, where a group's hidden rows, 16 MiB at H = 4096, stay in L2 while
 // its splits go by: N = 8192 276 -> 293 TFLOP/s on the H200 against taking
-// every row block of a split together, docs/perf.md).
+// every row block of a split together; docs/kernels.md, "Item order").
 inline constexpr int kDefaultRowGroup = 8;
-// The top-k variants': the same 8. Session 10 chose 32 (fewer of a row's
-// splits side by side, so the shared screens tightened sooner: top-20
+// The top-k variants': the same 8. A group of 32 once paid (fewer of a
+// row's splits side by side, so the shared screens tightened sooner: top-20
 // 24.3 -> 22.1 % over logp-only at N = 2048); with the screens as they are
 // now, 8 is as good or better: top-20 over logp-only, medians of 5-7 runs
 // on the H200 with groups 8 / 32 / 64, +12.8 / 13.8 / 13.8 % at N = 2048,
 // 13.6 / 14.9 / 14.7 at 3072, 13.8 / 13.8 / 12.7 at 4096, 14.3 / 15.0 /
-// 14.6 at 8192 (docs/perf.md, "Top-k, session 19").
+// 14.6 at 8192.
 inline constexpr int kDefaultTopKRowGroup = kDefaultRowGroup;
 
 struct RowBlockAndSplit {

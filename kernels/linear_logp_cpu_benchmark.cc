@@ -1,5 +1,5 @@
 // Google Benchmark for the CPU fused linear-logp: GFLOP/s counting 2*N*H*V,
-// logp-only and with the extras (issue #11): BM_LinearLogpCpu/N/H/V/extras
+// logp-only and with the extras: BM_LinearLogpCpu/N/H/V/extras
 // with extras 0 = none, 1 = entropy, 2 = top_k 20, 3 = both.
 //   bazel run -c opt //kernels:linear_logp_cpu_benchmark
 #include <benchmark/benchmark.h>

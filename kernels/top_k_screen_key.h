@@ -40,7 +40,7 @@ DETLOGP_HOST_DEVICE inline float ScreenValue(uint32_t key) {
 // plain (v0 / 32) mod 16 put into 4 of the 16 groups, so the first tiles of
 // a row's splits, which fold at the same time, could not fill enough slots
 // to bound anything; a Fibonacci hash did no better on that progression
-// (docs/perf.md, "Top-k, session 12"). Any map works for correctness as
+// (docs/kernels.md, "Top-k screens"). Any map works for correctness as
 // long as one thread's columns of one tile go to one slot: slots then
 // gather disjoint column sets.
 inline constexpr int kScreenSlots = 64;

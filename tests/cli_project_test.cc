@@ -1,8 +1,8 @@
 // `detlogp_cli project` against a real server: its first two lines (the
 // determinism key and the SHA-256 of Y, compared between GPU and CPU runs by
-// tools/device/run_serve.sh) are Y's own digest and key, whether SHA-256
-// keeps up with the stream or the stream waits for it; transfer and hashing
-// are reported on lines of their own, each holding the word "seconds".
+// `tools/device/run_suite.sh serve`) are Y's own digest and key, whether
+// SHA-256 keeps up with the stream or the stream waits for it; transfer and
+// hashing are reported on lines of their own, each holding the word "seconds".
 #include <grpcpp/client_context.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -120,7 +120,8 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     ASSERT_EQ(lines.size(), 6u) << out;
     EXPECT_EQ(lines[0], want_key);
     EXPECT_EQ(lines[1], want_sha);
-    // run_serve.sh drops the lines holding "seconds" and compares the rest.
+    // The serve suite compares the first two lines; the others hold
+    // "seconds".
     for (size_t i = 2; i < lines.size(); ++i) {
       EXPECT_NE(lines[i].find("seconds"), std::string::npos) << lines[i];
     }
@@ -151,24 +152,25 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_EQ(usage[1], "cpu_seconds");
     EXPECT_GT(std::stod(usage[2]), 0.0);
     EXPECT_EQ(usage[3], "minor_page_faults");
-    // --malloc_hugepages (default) re-executed the CLI with the tunable,
-    // unless this environment already chose a value.
+    // malloc as the environment left it: no re-execution without
+    // --project_malloc_tuning.
     EXPECT_EQ(usage[7], "malloc_hugetlb");
     EXPECT_EQ(usage[8],
               client::MallocHugePagesTunable(std::getenv("GLIBC_TUNABLES"))
-                  .value_or("1"));
+                  .value_or("-"));
     // The whole call outlasts the stream, which outlasts its first chunk.
     EXPECT_GE(std::stod(total[5]), std::stod(transfer[2]));
     EXPECT_GE(std::stod(transfer[2]), std::stod(transfer[6]));
   }
 
   // --nohash_y: the stream alone; the same lines, no digest. Two runs in
-  // one process (--project_repeats), 4 KiB pages (--nomalloc_hugepages:
-  // no re-execution, the tunable unset).
+  // one process (--project_repeats), with --project_malloc_tuning: the CLI
+  // re-executed itself with huge pages for the heap, unless this
+  // environment already chose a value.
   auto [code, out] = RunCli(absl::StrCat(
       "project --target=", (*server)->target(), " --project_rows=", rows,
       " --rows_per_chunk=200 --nohash_y --project_repeats=2 "
-      "--nomalloc_hugepages --seed=",
+      "--project_malloc_tuning --seed=",
       seed));
   ASSERT_EQ(code, 0) << out;
   const std::vector<std::string> lines =
@@ -178,7 +180,10 @@ TEST(CliProjectTest, PrintsYsDigestThenTransferAndHashingApart) {
     EXPECT_EQ(lines[run], want_key);
     EXPECT_EQ(lines[run + 1], "y_sha256 -");
     EXPECT_EQ(Words(lines[run + 3])[0], "transfer");
-    EXPECT_EQ(Words(lines[run + 5]).back(), "-") << lines[run + 5];
+    EXPECT_EQ(Words(lines[run + 5]).back(),
+              client::MallocHugePagesTunable(std::getenv("GLIBC_TUNABLES"))
+                  .value_or("1"))
+        << lines[run + 5];
   }
   EXPECT_NE(RunCli(absl::StrCat("project --target=", (*server)->target(),
                                 " --project_repeats=0"))

@@ -135,6 +135,8 @@ TEST(HelpFlagsTest, CliHelpListsEveryFlagWithDefaults) {
       {"probes", "16"},
       {"chunk_mb", "4"},
       {"lm_head_tensor", "\"\""},
+      {"servers", "\"\""},
+      {"project_malloc_tuning", "false"},
   };
   for (const char* help_flag : {"--help", "--helpshort"}) {
     SCOPED_TRACE(help_flag);

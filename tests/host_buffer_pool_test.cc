@@ -204,7 +204,7 @@ TEST(CachingHostBufferPoolTest, BlocksWithABufferOutAreNeverFreed) {
 // together need more than the bound, the peak at once does not. Carved
 // from blocks, everything after the first projection reuses the first
 // block (a cache of whole buffers by size pinned and freed buffers every
-// round: docs/perf.md, session 15).
+// round).
 TEST(CachingHostBufferPoolTest, ChangingSizesReuseTheSameMemory) {
   CountedMemory memory;
   auto pool =

@@ -194,7 +194,7 @@ std::vector<RowBits> BitsOf(const ScoreResult& result) {
 }
 
 // The CPU backend in CI; DETLOGP_TEST_DEVICE=cuda:0 runs the same tests on a
-// GPU (tools/device/run_live_weights.sh).
+// GPU (tools/device/run_suite.sh live-weights).
 std::string TestDevice() {
   const char* device = std::getenv("DETLOGP_TEST_DEVICE");
   return device != nullptr ? device : "cpu";
@@ -1378,7 +1378,7 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
   auto [code, out] = RunCliAll(
       "upload --model=policy --weights_file=" + dir +
       "/v2.safetensors --bias_tensor=lm_head.bias --chunk_mb=1" + admin +
-      " --model_version=5 --targets=" + a->target() + "," + b->target());
+      " --model_version=5 --servers=" + a->target() + "," + b->target());
   EXPECT_EQ(code, 0) << out;
   const std::string digest = client::LmHeadUploadDigest(v2);
   auto key = Scorer(*b)->GetModelInfo("policy", 5);
@@ -1390,6 +1390,13 @@ TEST(LiveWeightsTest, CliListsLoadsUploadsScoresAndUnloads) {
                           " determinism_key ", key->determinism_key())))
         << out;
   }
+  // --targets means score's target ids, never servers.
+  std::tie(code, out) =
+      RunCliAll("upload --model=policy --weights_file=" + dir +
+                "/v2.safetensors --bias_tensor=lm_head.bias" + admin +
+                " --targets=" + a->target());
+  EXPECT_NE(code, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, "--servers")) << out;
   std::tie(code, out) =
       RunCliAll("upload --model=policy --weights_file=" + dir +
                 "/v2.safetensors --bias_tensor=lm_head.bias" + on_a);

@@ -1,4 +1,4 @@
-/* The trainer-side ops (issue #14) as a small C ABI over the same kernels the
+/* The trainer-side ops as a small C ABI over the same kernels the
  * CPU server runs, so a caller gets the served bits. The CUDA entry points
  * live in a library of their own (detlogp_ops_cuda.h), so this one builds and
  * loads without CUDA.

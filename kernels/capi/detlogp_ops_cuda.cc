@@ -92,9 +92,27 @@ std::string DeviceProblem(int device) {
   return kernel.ok() ? "" : std::string(kernel.status().message());
 }
 
+// Relaxes this thread's stream-capture mode for its lifetime. The set-up
+// calls of a head or a projection (device properties, kernel attributes,
+// tensor-map encoding) touch no stream and allocate nothing, but a capture
+// in the global mode (torch.cuda.graph's default) would still refuse them
+// and invalidate itself; with the mode relaxed they run, and the launches
+// that follow are captured as usual.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 // A ProjectionCuda over the caller's buffers (no copy, no allocation).
 absl::StatusOr<std::unique_ptr<ProjectionCuda>> WrapProjection(
     const float* weight, const float* weight_t, const float* bias, int device) {
+  RelaxedCaptureMode relaxed;
   ProjectionCuda::Options options;
   options.weight = weight;
   options.weight_t = weight_t;
@@ -207,6 +225,7 @@ int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
                                 size_t error_len) {
   try {
     ClearError(error, error_len);
+    RelaxedCaptureMode relaxed;  // a head may be made while a graph captures
     if (head == nullptr) return Fail("head: null pointer", error, error_len);
     *head = nullptr;
     std::string bad =
@@ -223,6 +242,10 @@ int detlogp_cuda_lm_head_create(const void* weight, int64_t padded_vocab_size,
     }
     LinearLogpCuda::Options options;
     options.kernel = *kernel_kind;
+    // The ops never ask for top-k, and the floors' column sample would cost
+    // an allocation and a synchronisation: neither may run while a CUDA
+    // graph captures, nor belongs in a call that only builds a handle.
+    options.top_k_floors = false;
     options.weights.weight = static_cast<const __nv_bfloat16*>(weight);
     options.weights.bias = bias;
     options.weights.hidden_size = hidden_size;

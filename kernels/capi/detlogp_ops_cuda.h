@@ -1,4 +1,4 @@
-/* The trainer-side ops on CUDA (issue #14): a small C ABI over the kernels
+/* The trainer-side ops on CUDA: a small C ABI over the kernels
  * the CUDA server runs (kernels/cuda/), so a trainer gets the CUDA server's
  * bits. The linear-logp kernel is chosen as the server's --logp_kernel=auto
  * chooses it (kernels/cuda/kernel_kind.h): the Hopper kernel (sm_90a) on
@@ -11,7 +11,11 @@
  * library never allocates device memory or copies a weight: the caller (e.g.
  * PyTorch's caching allocator) supplies outputs and workspace, and work is
  * enqueued on the caller's stream (a cudaStream_t passed as void*; null is
- * the legacy default stream) without synchronizing the host.
+ * the legacy default stream) without synchronizing the host. Every call may
+ * run while the caller's stream captures a CUDA graph (torch.cuda.graph,
+ * torch.compile(mode="reduce-overhead")): launches are captured, and set-up
+ * (a head's creation, a projection's kernel attributes) allocates nothing,
+ * synchronizes nothing and runs with this thread's capture mode relaxed.
  *
  * Errors as in detlogp_ops.h: 0 on success, else nonzero with a
  * NUL-terminated message naming the bad argument written to
@@ -41,7 +45,8 @@ int detlogp_cuda_check_device(int device, char* error, size_t error_len);
  * holds the weight's TMA tensor map (kernels/cuda/linear_logp_cuda.h). The
  * tensors must stay allocated while the handle is used; their contents are
  * read when each launch runs, so a handle may be reused across weight
- * updates in place.
+ * updates in place. Destroying a handle frees host memory only: graphs
+ * captured with it keep their launch parameters.
  *   weight: device bf16 [padded_vocab_size, hidden_size] row-major, 16-byte
  *   aligned, hidden_size a multiple of 64 in [64, 65536]; bias: device fp32
  *   [padded_vocab_size] or null; 0 < vocab_size <= padded_vocab_size. */
@@ -83,7 +88,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
                              void* stream, char* error, size_t error_len);
 
 /* The backward of detlogp_cuda_linear_logp (kernels/cuda/
- * linear_logp_backward_cuda.h, issue #15; compute capability 9.0 only, a
+ * linear_logp_backward_cuda.h; compute capability 9.0 only, a
  * head made on another GPU answers with an error): for upstream gradients
  * of logprobs, lse and entropy (each device fp32 [rows] or null: zero),
  *   grad_hidden [rows, hidden_size]    bf16 when grad_hidden_bf16, else fp32
@@ -95,8 +100,7 @@ int detlogp_cuda_linear_logp(const detlogp_cuda_lm_head* head,
  * `hidden`, `targets` and the temperature are the forward's. grad_hidden of
  * a row depends only on that row and its upstream gradients; grad_weight
  * and grad_bias are the same bits run to run. No atomics; nothing is
- * allocated. STATUS: compiled, not yet run on a GPU (see
- * docs/fused_backward.md). workspace: at least
+ * allocated (design: docs/kernels.md, "Fused backward"). workspace: at least
  * detlogp_cuda_linear_logp_backward_workspace_bytes(head, rows,
  * grad_hidden_bf16 && grad_hidden, grad_bias != null), 256-byte aligned.
  * -1 from the size query on a bad argument or a head without the backward. */

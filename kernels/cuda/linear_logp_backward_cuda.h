@@ -1,13 +1,15 @@
-// The batch-invariant backward of linear-logp on Hopper (issue #15; design
-// and counts in docs/fused_backward.md): dhidden, dweight and dbias of
+// The batch-invariant backward of linear-logp on Hopper (design and counts
+// in docs/kernels.md, "Fused backward"): dhidden, dweight and dbias of
 //   logp = z[target] - lse, lse, entropy  for  z = (hidden · Wᵀ + b) / T,
 // recomputing the logits chunk by chunk from the forward's saved lse, never
 // storing [rows, V]. dhidden of a row depends only on that row and its
 // upstream gradients; dweight and dbias are the same bits run to run.
 //
-// STATUS: compiled, not yet run on a GPU (session 5 had no device time).
-// Nothing calls it yet; tests/cuda/linear_logp_backward_test.cu is its
-// first device check.
+// Called by the trainer ops (kernels/capi/detlogp_ops_cuda.h,
+// detlogp_cuda_linear_logp_backward), which detlogp.torch uses as
+// linear_logp's backward on compute capability 9.0. Tested on the GPU by
+// tests/cuda/linear_logp_backward_test.cu; measured in docs/performance.md,
+// "Fused linear-logp backward".
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_BACKWARD_CUDA_H_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_BACKWARD_CUDA_H_
 

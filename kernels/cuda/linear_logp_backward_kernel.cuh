@@ -1,6 +1,6 @@
 // Kernel version sm90a-wgmma-bwd-v1: the batch-invariant backward of
-// linear-logp for Hopper (sm_90a), issue #15. Included by
-// linear_logp_backward_cuda.cu only. Design and counts: docs/fused_backward.md.
+// linear-logp for Hopper (sm_90a). Included by linear_logp_backward_cuda.cu
+// only. Design and counts: docs/kernels.md, "Fused backward".
 //
 // For each vocabulary chunk of kChunkCols columns, in ascending order:
 //   K1  G = dL/dlogits / T for the chunk, recomputed from hidden · W_cᵀ and

@@ -88,7 +88,7 @@ static __global__ void CombineKernel(const __grid_constant__ CombineParams p) {
 // equals a sequential merge bit for bit. Launched as CombineKernel's
 // programmatic dependent, it merges beside the lse fold and waits for it
 // (WaitForPrimaryGrid) only to finish the log-probs: one after the other
-// they took ~29 + ~21 us at N = 1024 (docs/perf.md, "Top-k, session 19").
+// they took ~29 + ~21 us at N = 1024 (docs/kernels.md, "Top-k lists").
 static __global__ void CombineTopKKernel(
     const __grid_constant__ CombineParams p) {
   const int r = static_cast<int>(

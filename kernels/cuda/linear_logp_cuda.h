@@ -142,7 +142,7 @@ class LinearLogpCuda {
     // top_k_floor_sigmas > 0 replaces the sigmas chosen from k and V (tests
     // force reruns with it). Batches of fewer than top_k_floor_min_rows rows
     // get none: at N <= 256 the floor kernel and the rerun pass cost more
-    // than the floors save (docs/perf.md, "Top-k, session 25").
+    // than the floors save (docs/kernels.md, "Top-k floors").
     bool top_k_floors = true;
     float top_k_floor_sigmas = 0.0f;
     int64_t top_k_floor_min_rows = 512;

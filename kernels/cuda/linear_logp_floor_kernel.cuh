@@ -3,7 +3,7 @@
 // A row's splits start with nothing to screen their candidates with, and the
 // first waves of a launch, where every row's first splits run together, paid
 // about half of top-k's cost inserting values that later fell out of the
-// lists (docs/perf.md, "Top-k, session 23"). This kernel runs before the
+// lists (docs/kernels.md, "Top-k floors"). This kernel runs before the
 // split pass and seeds each row's screen word with a guess at a value below
 // the row's k-th best: the mean plus `sigmas` standard deviations of z over
 // a strided sample of kSampleColumns columns, `sigmas` put where a normal
@@ -26,8 +26,8 @@
 // stored in the order the warps read it (every load 512 contiguous bytes),
 // a block has 16 warps, and when the batch has few row tiles a cluster of
 // blocks splits the hidden dimension and adds its partial sums through
-// distributed shared memory (docs/perf.md, "Top-k, session 25", with the
-// designs that were slower).
+// distributed shared memory (docs/performance.md lists the designs that
+// were slower).
 #ifndef DETLOGP_KERNELS_CUDA_LINEAR_LOGP_FLOOR_KERNEL_CUH_
 #define DETLOGP_KERNELS_CUDA_LINEAR_LOGP_FLOOR_KERNEL_CUH_
 
@@ -50,8 +50,8 @@ inline constexpr int kSampleTiles = kSampleColumns / 8;  // n8 tiles
 inline constexpr int kColumnGroups = 4;                  // warps of 8 n8 tiles
 inline constexpr int kGroupTiles = kSampleTiles / kColumnGroups;
 // ... times four parts of k. The warps' loads in flight bound the kernel:
-// 8 warps an SM brought ~50 GB/s, 16 ~85 (docs/perf.md, "Top-k, session
-// 25"); 16 warps leave 128 registers a thread.
+// 8 warps an SM brought ~50 GB/s, 16 ~85 on the H200; 16 warps leave 128
+// registers a thread.
 inline constexpr int kKParts = 4;
 inline constexpr int kWarps = kColumnGroups * kKParts;
 inline constexpr int kThreads = 32 * kWarps;

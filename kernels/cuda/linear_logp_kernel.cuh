@@ -1,7 +1,7 @@
 // Kernel version sm90a-wgmma-v3: batch-invariant fused linear + log-softmax
 // gather for Hopper (sm_90a). Included by linear_logp_cuda.cu only.
 //
-// Work decomposition (see docs/perf.md, "Fused linear-logp (CUDA)"):
+// Work decomposition (see docs/kernels.md, "Hopper kernel"):
 //   * A work item is (row block of kBlockM = 128 rows, vocabulary split s).
 //     Splits come from a table the host fills; in the batch-invariant mode it
 //     is kernels/split_policy.h's VocabSplitRange(V, s), a function of V alone.
@@ -38,7 +38,7 @@
 //     fl(max(y) * (1/T)) (rounding is monotone, 1/T > 0), exp(z - m) is
 //     ex2(y * (log2e / T) - m * log2e), and z[target] = y * (1/T).
 //
-// Entropy and top-k (issue #11) are compile-time variants of the same kernel
+// Entropy and top-k are compile-time variants of the same kernel
 // (kEntropy, kTopK). The logprob/lse arithmetic is the same instruction
 // sequence in every variant, so asking for extras never changes those bits:
 //   * entropy: next to sum = sum exp(z - m), each split also accumulates
@@ -63,7 +63,7 @@
 // The version string covers the extras too: any change to their arithmetic
 // must bump it.
 //
-// Version history (docs/perf.md; earlier kernels in `git log -- kernels/cuda`):
+// Version history (CHANGELOG.md; earlier kernels in `git log -- kernels/cuda`):
 //   v1: 256-wide tiles + one narrow tail tile per split, 128-row A box,
 //       {max, sum} partials.
 //   v2: even 32-multiple tile widths, A box sized to N (small-N speed).
@@ -225,7 +225,7 @@ __device__ __forceinline__ void ConsumeTile(
   // scoreboard stalls 1.9 -> 3.2 cycles per issue with top-k). Read a K
   // loop earlier, a screen can only be looser, never wrong. Kept as keys
   // until the fold: converted here, they made the warp wait out the round
-  // trip before its K loop (ncu, session 17: ~1 % of the kernel's samples).
+  // trip before its K loop (ncu: ~1 % of the kernel's samples).
   uint32_t screen_keys[2] = {0, 0};
   if constexpr (kTopK) {
     const epilogue::TopKParams top{p.top_screen, p.top_k, p.id_offset, p.rows};

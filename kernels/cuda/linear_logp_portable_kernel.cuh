@@ -1,5 +1,5 @@
 // Kernel version portable-mma-sync-v1: batch-invariant fused linear + online
-// softmax split pass on mma.sync (issue #13). Uses only instructions every
+// softmax split pass on mma.sync. Uses only instructions every
 // NVIDIA GPU from sm_80 on has: mma.sync.aligned.m16n8k16 (bf16 in, fp32
 // accumulate), ldmatrix and cp.async. Self-contained (no Hopper PTX), so the
 // same source builds for sm_80, sm_86, sm_89, sm_90 and compute_80 PTX.
@@ -158,11 +158,11 @@ using WideTiling = Tiling<128, 2, 1, 1, 3, 2, false>;
 // a fifth fewer ldmatrix per mma than 32 x 128, and half the weight copies
 // per row of WideTiling's 128-row blocks), 4 stages, one CTA per SM, the
 // rows' state in shared memory (8 rows per thread would spill). 3-8 % over
-// WideTiling at N = 2048-8192 on the H200 (docs/perf.md).
+// WideTiling at N = 2048-8192 on the H200.
 using Wide256Tiling = Tiling<256, 4, 2, 1, 4, 1, false, true>;
 // N <= 64: the weight stream is the cost, and one CTA per split means one
 // per SM, so the warps of a row group split the tile's columns between them
-// (measured on the H200, docs/perf.md): N <= 16, 16 rows x 4 parts of 32
+// (measured on the H200): N <= 16, 16 rows x 4 parts of 32
 // columns (4 warps), an 8-stage ring; N <= 32, 32 rows x 8 parts of 16
 // (8 warps), 4 stages; N <= 64, 2 row groups of 32 x 4 parts of 32 (8
 // warps; fewer shared-memory reads per mma than 16 warps), 4 stages (227

@@ -174,7 +174,7 @@ __device__ __forceinline__ float QuadKthOfSorted(float* best, int k, int lane) {
 //     (QuadKthOfSorted): exact over the slots unless one thread holds more
 //     than 8 of their k best, and a bound either way (k distinct slots
 //     reach it); ~k merge steps.
-// Chosen per kernel by measurement (docs/perf.md, "Top-k, session 12"): the
+// Chosen per kernel by measurement (docs/kernels.md, "Top-k screens"): the
 // merge pays in the portable kernel; in the Hopper kernel, whose epilogue
 // holds up the tensor cores, the cheap one is as fast or faster.
 enum class SlotBoundKind { kQuadLeast, kMerged };
@@ -456,7 +456,7 @@ __device__ __forceinline__ void TopKTile(const TopKParams& p, const float* acc,
   // is below the screen skips with one vote; a group with candidates goes
   // to TopKGroup, one copy of the position code for every group and tile
   // width (unrolled here, it was ~8x the code, and instruction-cache misses
-  // cost ~2 % of the kernel: ncu, session 21).
+  // cost ~2 % of the kernel under ncu).
   const int id_base = p.id_offset + v0;
 #pragma unroll
   for (int g = 0; g < kTileGroups<kW>; ++g) {

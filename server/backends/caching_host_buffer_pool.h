@@ -10,7 +10,7 @@
 // but at most 352 MB at once; with the cache bounded at 1 GiB, each round
 // re-pinned 2048-row buffers and freed smaller ones, and cudaHostAlloc /
 // cudaFreeHost stall every stream's launches (the first 2048-row run of a
-// round ran 13 % slower; docs/perf.md, session 15). Carved from blocks, the
+// round ran 13 % slower on the H200 host). Carved from blocks, the
 // sweep needs what is in use at once. The same design as the BFC allocator
 // TensorFlow uses for pinned host memory, simplified: buffers are few and
 // large (chunks of 5-44 MB), so plain ordered maps do.

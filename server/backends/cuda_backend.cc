@@ -244,11 +244,11 @@ class CudaBackend final : public LogpBackend {
     backend->description_.preferred_inflight_batches =
         options.vocab_parallel ? 4 : 4 * static_cast<int>(used.size());
     // A batch of small calls takes ~0.35 ms; a sleeping batch thread took
-    // 40-70 us to wake (docs/perf.md, "Small calls, session 2").
+    // 40-70 us to wake (docs/architecture.md, "Batching").
     backend->description_.preferred_idle_spin_micros = 1000;
     // One batch streams the whole weight (0.3 ms at N <= 190); large batches
     // and no waiting gave 490-507k rows/s and the lowest small-call latency
-    // (docs/perf.md, "Batching defaults").
+    // (docs/performance.md, "Serving end to end").
     backend->description_.preferred_max_batch_rows = 4096;
     backend->description_.preferred_max_queue_delay_micros = 0;
     return backend;

@@ -260,8 +260,8 @@ class CudaProjectionBackend final : public ProjectionBackend {
     // Measured when each launch still copied its output out of pinned
     // staging on its own thread (~45 MB per 2048 rows): on the H200 host
     // four videos at once went from 4.9 GB/s with two launches in flight to
-    // 9.1 with four (docs/perf.md, "H3 projection streaming, session 10").
-    // Now Y goes straight into the pinned chunks; still 4 until measured.
+    // 9.1 with four. With Y going straight into the pinned chunks, two in
+    // flight were no faster (docs/performance.md, "H3 projection streaming").
     backend->description_.preferred_inflight_batches = 4;
     auto pool = NewPinnedPool(device, options.max_cached_host_buffer_bytes);
     if (!pool.ok()) return pool.status();

@@ -123,8 +123,8 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
                      " exceeds the model's vocab_size=", limits.vocab_size));
   }
   validated.top_k = static_cast<int32_t>(top_k);
-  // A well-formed request this server cannot answer (the portable CUDA
-  // kernel): refused, never silently answered without the extras.
+  // A well-formed request this backend cannot answer (none does today):
+  // refused, never silently answered without the extras.
   if (!limits.extras_unavailable.empty()) {
     if (validated.return_entropy) {
       return absl::FailedPreconditionError(

@@ -3,8 +3,8 @@
 
 // A Unix-domain socket beside the TCP port, for clients on the same host.
 // One gRPC connection moves ~30-45 % more bytes per second over it than over
-// loopback TCP (no TCP stack per segment; docs/perf.md, "H3 projection
-// streaming, session 16"), which is what a co-located consumer of a
+// loopback TCP (no TCP stack per segment; docs/performance.md, "H3
+// projection streaming"), which is what a co-located consumer of a
 // projection stream needs.
 
 #include <string>

@@ -1,5 +1,5 @@
-// GPU tests of the linear-logp backward (issue #15,
-// kernels/cuda/linear_logp_backward_cuda.h): accuracy against float64,
+// GPU tests of the linear-logp backward
+// (kernels/cuda/linear_logp_backward_cuda.h): accuracy against float64,
 // batch invariance of dhidden (memcmp), run-to-run identical dweight/dbias,
 // bf16 outputs as the rounded fp32 ones, zero gradient for padding rows,
 // passes of kMaxRowsPerPass rows, and input checks. Skipped without an sm_90

@@ -313,7 +313,7 @@ TEST(LinearLogpCudaShards, RejectsBadShardRanges) {
   }
 }
 
-// Issue #11's memory target: the extras need at most 1 KiB per row plus
+// The extras' memory target: they need at most 1 KiB per row plus
 // k * 8 bytes per row and split for the top-k lists, at every split count
 // the batch-invariant policy gives (at most 132: kernels/split_policy.h).
 TEST(LinearLogpCudaWorkspace, ExtrasFitTheMemoryTarget) {

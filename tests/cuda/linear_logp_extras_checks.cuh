@@ -1,4 +1,4 @@
-// Checks of the entropy and top-k outputs (issue #11) shared by the tests of
+// Checks of the entropy and top-k outputs shared by the tests of
 // both linear-logp kernels (linear_logp_cuda_test.cu: the Hopper kernel;
 // linear_logp_portable_test.cu: the portable one): bitwise batch invariance
 // (memcmp) and float64 references, each a function of the kernel kind.

@@ -1,12 +1,11 @@
-// Tests of the portable mma.sync linear-logp kernel (issue #13,
-// KernelKind::kPortable, kernels/cuda/linear_logp_portable_kernel.cuh):
+// Tests of the portable mma.sync linear-logp kernel (KernelKind::kPortable,
+// kernels/cuda/linear_logp_portable_kernel.cuh):
 // accuracy against a float64 CPU reference and bitwise batch invariance
 // (memcmp), as linear_logp_cuda_test.cu does for the Hopper kernel.
 //
-// This build compiles the kernels for sm_90a only, so the tests need an sm_90
-// GPU (the portable kernel is forced there, which is how issue #13 tests it);
-// without one every test is skipped. Written before any GPU run: the first
-// run is tools/device/build_portable.sh + run_portable.sh on the H200.
+// The tests set the portable kernel beside the Hopper kernel, so they need an
+// sm_90 GPU (the portable kernel is forced there); without one every test is
+// skipped.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

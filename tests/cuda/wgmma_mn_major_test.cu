@@ -1,15 +1,16 @@
-// Issue #15's first device step (docs/fused_backward.md): wgmma with
-// MN-major shared-memory operands (the tnspA / tnspB bits), which the fused
-// backward's dhidden = G·W and dweight = Gᵀ·hidden GEMMs need to read W,
-// G and hidden in their stored layouts. One warpgroup multiplies a 64 x 64
-// by a 64 x 128 bf16 tile (four m64n128k16 steps) with each operand either
-// K-major or MN-major under the 128-byte swizzle, against a host reference.
+// The fused backward's first device check (docs/kernels.md, "Fused
+// backward"): wgmma with MN-major shared-memory operands (the tnspA / tnspB
+// bits), which the fused backward's dhidden = G·W and dweight = Gᵀ·hidden GEMMs
+// need to read W, G and hidden in their stored layouts. One warpgroup
+// multiplies a 64 x 64 by a 64 x 128 bf16 tile (four m64n128k16 steps) with
+// each operand either K-major or MN-major under the 128-byte swizzle, against a
+// host reference.
 //
 // The descriptor of an MN-major operand has two strides: between the
 // 8-row core groups along K and between the 64-element blocks along MN.
-// Which descriptor field takes which is the one fact not yet confirmed on a
-// device, so both assignments are tried and the test names the one that
-// matches (exactly one must).
+// Both assignments are tried and the test names the one that matches
+// (exactly one must): on the H200 the core-group stride goes in SBO, which
+// the backward's kMnMajorCoreGroupsInSbo relies on.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

@@ -12,8 +12,10 @@
 // Each setting runs --repeats times (a fresh connection each); the median
 // run's GB/s is reported with the process's CPU seconds and minor page
 // faults per GB moved (client and server share the process) and the
-// server's StreamTimings. --heap_retain_mb is detlogp_cli's flag of the same
-// name (client/heap_retention.h); 0 gives glibc's default for a before/after.
+// server's StreamTimings. --heap_retain_mb and --malloc_arenas are what
+// detlogp_cli project --project_malloc_tuning applies
+// (--project_heap_retain_mb, --project_malloc_arenas;
+// client/heap_retention.h); 0 gives glibc's default for a before/after.
 //
 // --reader=proto parses every chunk into a ProjectResponse (what
 // LogpClient::Project did before the raw read path); --reader=raw keeps
@@ -61,11 +63,12 @@ ABSL_FLAG(std::string, concurrent_chunks, "512",
           "rows_per_chunk values of the concurrent runs.");
 ABSL_FLAG(int, repeats, 3, "Runs per setting; the median is reported.");
 ABSL_FLAG(int64_t, heap_retain_mb, 256,
-          "client::RetainFreedHeapMemory in MiB, as detlogp_cli's flag "
-          "(0: glibc's default: freed receive buffers go back to the OS).");
+          "client::RetainFreedHeapMemory in MiB, as detlogp_cli's "
+          "--project_heap_retain_mb (0: glibc's default: freed receive "
+          "buffers go back to the OS).");
 ABSL_FLAG(int, malloc_arenas, 1,
-          "client::LimitMallocArenas, as detlogp_cli's flag (0: glibc's "
-          "default).");
+          "client::LimitMallocArenas, as detlogp_cli's "
+          "--project_malloc_arenas (0: glibc's default).");
 ABSL_FLAG(std::string, reader, "proto",
           "proto, raw or client (see the file comment).");
 ABSL_FLAG(

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Summarises tools/device/ab_logp_extras.sh's log: per library and N, the
-top-20 and entropy cost over the same library's logp-only in each round and
+"""Summarises the A/B log of `run_suite.sh kernels` with LIBS set: per
+library and N, the top-20 and entropy cost over the same library's logp-only
+in each round and
 their medians, the top-20 time against the first library's in the same
 round, and whether every library's outputs digest matched the first's.
 
   ab_summary.py AB.log
 
-Compare libraries within one call only (docs/perf.md, "Top-k, session 16":
-in interleaved timing a kernel starts at the clock the one before it left).
+Compare libraries within one run only (in interleaved timing a kernel
+starts at the clock the one before it left).
 """
 
 import collections
@@ -24,7 +25,8 @@ TABLE = re.compile(r"^ +(\d+) +([\d.]+) +[\d.]+ +([\d.]+) +[-\d.]+% +([\d.]+) ")
 
 
 def library_name(path):
-    """liblogp_bench_NAME.so -> NAME (build_logp_variant.sh's names)."""
+    """liblogp_bench_NAME.so -> NAME (a copy of the bundle's library renamed
+    for an A/B)."""
     name = path.rsplit("/", 1)[-1]
     name = name.removeprefix("liblogp_bench").removesuffix(".so")
     return name.lstrip("_") or "liblogp_bench"

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Median duration per kernel and grid from ncu's raw CSV page with
-gpu__time_duration.sum (tools/device/kernel_durations.sh).
+gpu__time_duration.sum (`run_suite.sh kernels` with NCU=1).
 
   kernel_durations_summary.py DURATIONS.csv
 
-Give it one N's run (kernel_durations.sh profiles each N on its own): the
+Give it one N's run (the suite profiles each N on its own): the
 persistent split kernel's grid is the SM count at every N, so a file with
 several N would pool their launches.
 """

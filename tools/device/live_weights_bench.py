@@ -1,4 +1,4 @@
-"""Times live-weight changes from the Python client on the device machine.
+"""Times live-weight changes from the Python client on a GPU host.
 
     python3 tools/device/live_weights_bench.py --target 127.0.0.1:PORT \
         --model_root /tmp/root --repeats 3

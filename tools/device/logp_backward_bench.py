@@ -1,6 +1,6 @@
-"""Forward + backward of linear-logp on the H200 (issue #15), one run beside
+"""Forward + backward of linear-logp on a Hopper GPU, one run beside
 PyTorch eager and Liger-Kernel's fused linear cross-entropy (when its wheel
-is installed), at the issue's shapes: H = 4096, V = 151936, bf16, loss =
+is installed), at the target shapes: H = 4096, V = 151936, bf16, loss =
 sum_i a_i * logp_i with random per-row weights a_i.
 
   ours    detlogp.ops.cuda_linear_logp (the served forward) +
@@ -15,7 +15,8 @@ size, a warm-up call first), peak extra device memory over the inputs
 (torch.cuda.max_memory_allocated), TFLOP/s counting 8·N·H·V for the pair,
 and, for ours and eager, the relative Frobenius error of dhidden and
 dweight vs float64 at N = 1024 (row subset for dhidden). Prints one line
-per (method, N) and a final PASS/FAIL line per target of the issue.
+per (method, N) and a final PASS/FAIL line per target (docs/kernels.md,
+the fused backward).
 
 With --profile N: also one profiled call of ours at N, its GPU time per
 kernel (torch.profiler), to place the time between the forward and the

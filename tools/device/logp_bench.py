@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark of the CUDA fused linear-logp kernel against PyTorch eager and the
-weight-read floor, all measured in one run on the device machine.
+weight-read floor, all measured in one run on a GPU host.
 
   PyTorch eager: cuBLAS bf16 matmul -> fp32 (+bias, /T) -> logsumexp -> gather.
   floor: a device-to-device copy of the weight's bytes; the floor for reading
          the weight once is half the copy time (a copy reads and writes).
-  ours:  liblogp_bench.so (tools/device/logp_bench_lib.cu) through ctypes, in
+  ours:  liblogp_bench.so (tools/device/logp_bench_lib.cu, built by
+         tools/device/bundle.sh) through ctypes, in
          the batch-invariant split and the throughput-tuned split.
 
 Every timing is the median of --reps timed runs (CUDA events) after warm-up,
@@ -23,6 +24,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from bundle_paths import bundle_lib
 from timing import median_ms
 
 
@@ -75,7 +77,7 @@ def median_ms_interleaved(fns, reps, warmup=3, gap_ms=0.0):
 def bench_arguments():
     """The arguments every linear-logp bench takes: library, shape, N, reps."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", default=".device/logp/liblogp_bench.so")
+    ap.add_argument("--lib", default=bundle_lib("liblogp_bench.so"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=151936)

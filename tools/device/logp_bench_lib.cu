@@ -14,7 +14,7 @@ using detlogp::kernels::cuda::SplitMode;
 extern "C" {
 
 // mode: 0 = batch-invariant, 1 = throughput split, 2 = batch-invariant on the
-// portable mma.sync kernel (issue #13). Returns null on error (printed to
+// portable mma.sync kernel. Returns null on error (printed to
 // stderr).
 // logp_create with the kernels' item order set (LinearLogpCuda::
 // Options::row_group and top_k_row_group; 0: the default).

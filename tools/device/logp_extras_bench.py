@@ -1,15 +1,14 @@
-"""Entropy and top-k cost of the fused linear-logp kernel (issue #11).
+"""Entropy and top-k cost of the fused linear-logp kernel.
 
-Runs on the device machine with .device/logp built (tools/device/build_logp.sh)
-and PyTorch: for each N, the logp-only kernel, + entropy, + top_k=20 and both,
+Runs on a GPU host with the bundle (tools/device/bundle.sh) and PyTorch: for each N, the logp-only kernel, + entropy, + top_k=20 and both,
 timed interleaved (CUDA events, median), beside PyTorch eager computing the
 same three outputs from materialised fp32 logits. Also checks that extras
 leave logprob/lse bits alone and measures accuracy against float64 on a few
 rows. FLOPs are counted as 2*N*H*V for every variant.
 
-  python3 tools/device/logp_extras_bench.py --lib .device/logp/liblogp_bench.so
+  python3 tools/device/logp_extras_bench.py [--lib .../liblogp_bench.so]
 
---kernel=portable measures the portable mma.sync kernel (issue #13), forced.
+--kernel=portable measures the portable mma.sync kernel, forced.
 """
 
 import ctypes

@@ -1,21 +1,21 @@
-"""Speed of the portable mma.sync linear-logp kernel (issue #13) on this GPU,
+"""Speed of the portable mma.sync linear-logp kernel on this GPU,
 forced, beside the Hopper kernel and PyTorch eager in the same run.
 
-Runs on the device machine with .device/logp built (tools/device/build_logp.sh):
+Runs on a GPU host with the bundle (tools/device/bundle.sh):
 for each N, the portable and Hopper kernels (batch-invariant splits) timed
 interleaved with CUDA events (median), then the portable kernel alone (back
 to back: "alone"), PyTorch eager's logprob (bf16 matmul, fp32 log-softmax,
 gather) after them; FLOPs counted 2*N*H*V; the weight-read
 floor from a device copy of the weight measured in the same run.
 
-  python3 tools/device/logp_portable_bench.py --lib .device/logp/liblogp_bench.so \
-      [--rlkernel .device/logp/rlkernel]
+  python3 tools/device/logp_portable_bench.py [--lib .../liblogp_bench.so] \
+      [--rlkernel DIR]
 
---rlkernel adds RL-Kernel's mma.sync kernel (tools/device/stage_rlkernel.sh
-stages it; built here with PyTorch's extension builder, about a minute),
+--rlkernel adds RL-Kernel's mma.sync kernel (DIR holds its two sources,
+see rlkernel_baseline.py; built here with PyTorch's extension builder, about a minute),
 timed back to back after ours at temperature 1 with the same weights and
 bias, its logprobs checked against PyTorch eager's; "port/rlk" is the
-portable kernel's speed over it (issue #13: >= 1.8 at N >= 2048).
+portable kernel's speed over it (the target: >= 1.8 at N >= 2048).
 
 Inputs come from a fixed seed, and each line ends with digests of the
 portable and the Hopper kernels' logprobs and lse: two builds that print the
@@ -41,7 +41,7 @@ KERNELS = (("portable", 2), ("hopper", 0))
 def main():
     ap = bench_arguments()
     ap.add_argument(
-        "--rlkernel", default=None, help="staged RL-Kernel sources (tools/device/stage_rlkernel.sh)"
+        "--rlkernel", default=None, help="RL-Kernel's sources (see rlkernel_baseline.py)"
     )
     ap.add_argument(
         "--portable-row-group",

@@ -4,11 +4,11 @@ timed interleaved (CUDA events, median), with every group's logprob, lse,
 top ids and top logprobs checked bit for bit against the default group's
 (item order must never change bits).
 
-  python3 tools/device/logp_row_group_bench.py --lib .device/logp/liblogp_bench.so \\
+  python3 tools/device/logp_row_group_bench.py \\
       --groups 8,16,32 --ns 1024,2048,4096,8192
 
 A larger group puts fewer of a row's splits side by side (the top-k
-variant's shared screens tighten sooner: docs/perf.md, "Top-k, session 8")
+variant's shared screens tighten sooner: docs/kernels.md, top-k)
 and reads each split's weights once for more row blocks.
 """
 

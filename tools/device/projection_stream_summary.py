@@ -1,4 +1,5 @@
-"""Summarises run_projection_stream.sh's timed rounds for one call count.
+"""Summarises `run_suite.sh projection-stream`'s timed rounds for one call
+count.
 
 Reads one file of GB/s figures per position of CHUNKS (one line per round,
 rounds in the same order in every file) and prints each position's median,

@@ -1,10 +1,14 @@
 """RL-Kernel's fused linear-logp (csrc/cuda/fused_linear_logp_sm90.cu:
 mma.sync m16n8k16 fed by TMA, the vocabulary split by a throughput heuristic,
-so not batch invariant) as a baseline in the same run as ours (issue #13:
-the portable kernel is to reach >= 1.8x it).
+so not batch invariant) as a baseline in the same run as ours (the
+portable kernel is to reach >= 1.8x it).
 
-Staged by tools/device/stage_rlkernel.sh into .device/logp/rlkernel; built on
-the device machine with torch.utils.cpp_extension (nvcc, ninja), binding only
+Third-party code never enters the repository: copy its two sources from a
+clone of RL-Kernel into a folder of their own,
+  for f in csrc/cuda/fused_linear_logp_sm90.cu csrc/utils/tma_utils.cuh; do
+    mkdir -p "$DIR/$(dirname $f)"; git -C RL-Kernel show "HEAD:$f" > "$DIR/$f"; done
+and pass --rlkernel DIR (RLKERNEL=DIR for run_suite.sh kernels). Built on
+the GPU host with torch.utils.cpp_extension (nvcc, ninja), binding only
 its forward: (hidden [N, D] bf16, weight [V, D] bf16, target [N], bias [V]
 or None) -> [logp [N], lse [N]] in fp32, temperature 1.
 """
@@ -32,7 +36,7 @@ def load(src_dir):
     src_dir = pathlib.Path(src_dir)
     kernel = src_dir / "csrc" / "cuda" / "fused_linear_logp_sm90.cu"
     if not kernel.is_file():
-        raise FileNotFoundError(f"{kernel}: run tools/device/stage_rlkernel.sh first")
+        raise FileNotFoundError(f"{kernel}: RL-Kernel's sources are not there")
     build = pathlib.Path(tempfile.mkdtemp(prefix="rlkernel_build_"))
     binding = build / "binding.cpp"
     binding.write_text(BINDING)

@@ -1,4 +1,4 @@
-"""The trainer's twin on the H200 (issue #14), run by tools/device/run_twin.sh.
+"""The trainer's twin on a GPU host, run by `tools/device/run_suite.sh twin`.
 
 Prints one "PASS name: ..." or "FAIL name: ..." line per check and exits
 non-zero when any failed:
@@ -11,11 +11,11 @@ non-zero when any failed:
   twin_key       detlogp.ops.determinism_key(device="cuda:0") == the server's
   twin_h3        detlogp.torch.h3_projection on CUDA == the server's Project
                  (memcmp), and its CUDA gradients == the CPU kernels' bits
-  grad_accuracy  the op's backward (on the H200 the fused kernel, issue #15)
+  grad_accuracy  the op's backward (on Hopper the fused kernel)
                  vs float64, beside PyTorch eager's error (bf16 logits ->
                  float -> log_softmax): ours <= 1.5x eager's
   grad_memory    peak extra memory of the backward beyond the gradients
-                 <= 512 MiB (N = 1024, 16384; issue #15's target)
+                 <= 512 MiB (N = 1024, 16384)
   overhead       forward through the op vs the kernel alone (the bare C ABI
                  launch through ctypes into preallocated buffers): both timed
                  the same way, CUDA events around many back-to-back calls on

@@ -1,15 +1,14 @@
 // How fast one warpgroup's chain of wgmma.m64n256k16 runs against two
 // warpgroups' chains side by side, on operands resident in shared memory:
 // the question behind a ping-pong schedule for the linear-logp kernel
-// (docs/perf.md, "Top-k, session 20"), where each consumer warpgroup
-// multiplies alone while the other folds. Every wgmma of a chain adds into
-// the same 128 accumulators, as in the kernel's K loop (four per 64-wide k
-// block, commit, wait for all but the newest group).
-// Here (tools/device/common.sh's $NVCC and $ARCH), then on the device:
-//   $NVCC -std=c++17 -O3 $ARCH -I. tools/device/wgmma_rate_bench.cu \
-//     -o .device/logp/wgmma_rate_bench
-//   .device/logp/wgmma_rate_bench
-// Prints TFLOP/s per mode, medians of 9 launches over every SM.
+// (docs/performance.md, designs tried and rejected), where each consumer
+// warpgroup multiplies alone while the other folds. Every wgmma of a chain
+// adds into the same 128 accumulators, as in the kernel's K loop (four per
+// 64-wide k block, commit, wait for all but the newest group).
+// Built by Bazel (//tools/device:wgmma_rate_bench); on a Hopper GPU:
+//   bash tools/device/run_suite.sh kernels   (or the bundle's
+//   bin/wgmma_rate_bench alone). Prints TFLOP/s per mode, medians of 9
+//   launches over every SM.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

@@ -7,7 +7,7 @@ they can (closed loop, optional think time) or at a fixed total request rate
 (open loop). Every answer is checked: exactly one per request, ids echoed in
 order, every row's bits equal to its solo bits, the determinism key equal.
 
-Requests may also ask for entropy and top-k log-probs (issue #11), mixed
+Requests may also ask for entropy and top-k log-probs, mixed
 freely (LoadConfig.extras): the pool is then scored alone with entropy and
 the largest top-k, and every answered row's entropy must have its solo bits
 and its top-k list must be the first k of its solo list, bit for bit, ids

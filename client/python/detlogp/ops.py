@@ -1,4 +1,4 @@
-"""Trainer-side ops with exactly the served bits (issue #14).
+"""Trainer-side ops with exactly the served bits.
 
 The functions here run the server's own kernels, built as shared libraries
 with small C ABIs (kernels/capi/detlogp_ops.h for the CPU kernels,
@@ -21,10 +21,11 @@ are allocated by PyTorch's caching allocator and the weight is never copied.
 For autograd, use detlogp.torch.
 
 The libraries are found, in order, at $DETLOGP_OPS_LIBRARY /
-$DETLOGP_OPS_CUDA_LIBRARY, in the installed package (detlogp/_lib/, put there
-by `pip install ./client/python[ops]` with DETLOGP_BUILD_OPS=1, see
-client/python/README.md), else at bazel-bin/kernels/capi/ in the working
-directory or a folder above it (`bazel build //kernels/capi:all`). They are
+$DETLOGP_OPS_CUDA_LIBRARY, in the installed package (detlogp/_lib/: `pip
+install ./client/python` compiles the CPU library there, and with
+DETLOGP_BUILD_OPS=1 also the CUDA one, see client/python/README.md), else at
+bazel-bin/kernels/capi/ in the working directory or a folder above it
+(`bazel build //kernels/capi:all`). They are
 loaded on first use, so the package imports without them; asking for CUDA
 where the CUDA library, PyTorch or a GPU of compute capability >= 8.0 is
 missing raises
@@ -115,11 +116,13 @@ def load_library():
         path = find_library()
         if path is None:
             raise RuntimeError(
-                f"detlogp.ops needs the CPU ops library libdetlogp_ops.so: set "
-                f"${LIBRARY_ENV} to its path, or run `bazel build "
+                f"detlogp.ops needs the CPU ops library libdetlogp_ops.so, which "
+                f"this installation lacks (installed with DETLOGP_BUILD_OPS=0?): "
+                f"reinstall with `pip install ./client/python` (it compiles the "
+                f"library), or set ${LIBRARY_ENV} to its path, or run `bazel build "
                 f"//kernels/capi:libdetlogp_ops.so` in the detlogp repository and "
-                f"work from inside it (looked for {_LIBRARY_PATH} in "
-                f"{pathlib.Path.cwd()} and every folder above)"
+                f"work from inside it (looked in {_PACKAGE_LIB_DIR} and for "
+                f"{_LIBRARY_PATH} in {pathlib.Path.cwd()} and every folder above)"
             )
         if not path.exists():
             raise RuntimeError(
@@ -412,7 +415,7 @@ def load_cuda_library():
 
 def cuda_available(device=0):
     """(True, "") when the CUDA ops can run on cuda:`device`, else (False, what
-    is missing): the library, PyTorch, or an sm_90 GPU."""
+    is missing): the library, PyTorch, or a GPU of compute capability >= 8.0."""
     if int(device) in _usable_devices:
         return True, ""
     try:
@@ -728,7 +731,7 @@ def cuda_linear_logp_backward(
     hidden_grad_dtype=None,
 ):
     """The fused, batch-invariant linear-logp backward on torch CUDA tensors
-    (sm_90a, kernel sm90a-wgmma-bwd-v1; issue #15). Inputs as
+    (sm_90a, kernel sm90a-wgmma-bwd-v1; docs/kernels.md). Inputs as
     cuda_linear_logp's (hidden bf16), plus the forward's lse (and entropy,
     needed with grad_entropy) and upstream gradients float32 [N] contiguous
     or None (zero). Returns (grad_hidden in hidden_grad_dtype (default:

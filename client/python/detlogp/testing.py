@@ -40,9 +40,9 @@ def find_server_binary(start=None):
 
 
 def server_binary_for_tests(repo_root):
-    """find_server_binary(repo_root) for pytest fixtures: fails the session
+    """find_server_binary(repo_root) for pytest fixtures: fails the test run
     with how to build it when there is none."""
-    import pytest  # only test sessions call this
+    import pytest  # only tests call this
 
     binary = find_server_binary(repo_root)
     if binary is None or not binary.exists():

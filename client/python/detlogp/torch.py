@@ -1,16 +1,22 @@
-"""The trainer's twin: the served kernels as PyTorch ops with autograd
-(issue #14).
+"""The trainer's twin: the served kernels as PyTorch ops with autograd.
 
     linear_logp(hidden, weight, targets, bias=None, temperature=1.0,
                 vocab_size=None, return_lse=False, return_entropy=False)
     h3_projection(x, weight, bias=None)
 
 are `torch.library` custom ops (detlogp::linear_logp, detlogp::h3_projection)
-with fake (meta) implementations, so they work under torch.compile and CUDA
-graphs, and autograd through `register_autograd`. Forward bits are the
-server's: on CUDA tensors the sm_90a kernels (the CUDA server's bits, run on
-the current stream, workspace from PyTorch's caching allocator, the weight
-read in place), on CPU tensors the CPU kernels (the CPU server's bits).
+with fake (meta) implementations and autograd through `register_autograd`;
+their backwards are custom ops too (detlogp::linear_logp_backward_fused and
+detlogp::linear_logp_backward_chunked, detlogp::h3_projection_input_grad and
+detlogp::h3_projection_weight_grad). Tracing never reaches a kernel, so
+torch.compile(fullgraph=True) of a forward and backward gives the eager
+op's bits; on CUDA every op takes outputs and workspace from PyTorch's
+caching allocator, launches on the current stream and never synchronizes
+or reads device values on the host, so CUDA graphs (torch.cuda.graph,
+torch.compile(mode="reduce-overhead")) capture and replay them. Forward
+bits are the server's: on CUDA tensors the kernels the CUDA server runs on
+that GPU (the weight read in place), on CPU tensors the CPU kernels (the
+CPU server's bits).
 
 Dtypes:
   * CUDA: weight bfloat16 (never copied: convert it once, outside the loop),
@@ -24,7 +30,7 @@ Dtypes:
 
 linear_logp's backward:
   * on a GPU with the Hopper kernel (compute capability 9.0), the fused,
-    batch-invariant kernel sm90a-wgmma-bwd-v1 (issue #15,
+    batch-invariant kernel sm90a-wgmma-bwd-v1 (docs/kernels.md,
     ops.cuda_linear_logp_backward): the logits recomputed tile by tile from
     the saved lse (never [N, V]), bf16 operands with float32 accumulation; a
     row's d hidden bits depend only on that row, d weight and d bias are the
@@ -36,7 +42,9 @@ linear_logp's backward:
     weight and d bias, each accumulating in float32 over one tile
     dimension), extra memory under BACKWARD_BUDGET_BYTES (default 512 MiB)
     at any N.
-Both are deterministic. Gradients flow from logprobs, lse and entropy;
+Both are deterministic; which one runs depends on the device alone
+(compute capability 9.0 or not), so compiled and eager code run the same.
+Gradients flow from logprobs, lse and entropy;
 float32 hidden/weight get the gradient of the rounded values (straight
 through the bf16 rounding). A row whose target is outside [0, vocab_size)
 (NaN log-prob) gets the gradient of its lse term only.
@@ -47,6 +55,7 @@ CPU; equal bits), rows keyed 0..R-1 in batch order.
 """
 
 import contextlib
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -442,7 +451,128 @@ def _setup_linear_logp(ctx, inputs, output):
     ctx.return_entropy = return_entropy
 
 
-def _fused_cuda_backward(
+def _unasked(tensor, dtype=None):
+    """The placeholder a backward op returns for a gradient nobody asked for
+    (custom ops return tensors, never None): empty, on tensor's device."""
+    return tensor.new_empty((0,), dtype=dtype)
+
+
+def _backward_outputs(hidden, weight, bias, need_hidden, need_weight, need_bias, like):
+    """(d hidden, d weight, d bias) shaped as the backward ops return them:
+    `like(tensor, shape)` for those asked for, else an empty placeholder."""
+    bias_dtype = _out_dtype(weight) if bias is None else bias.dtype
+    return (
+        like(hidden, hidden.shape) if need_hidden else _unasked(hidden),
+        like(weight, weight.shape) if need_weight else _unasked(weight),
+        like(bias, bias.shape) if need_bias else _unasked(weight, bias_dtype),
+    )
+
+
+# The two backwards, each an opaque custom op (torch.compile and CUDA graphs
+# see one call; tracing never reaches a kernel's raw pointers). Arguments:
+# the forward's inputs as saved, its lse and entropy, the upstream gradients
+# (None: zero) and which gradients to compute. Returns (d hidden, d weight,
+# d bias) in the inputs' dtypes; one not asked for is an empty tensor.
+@torch.library.custom_op("detlogp::linear_logp_backward_chunked", mutates_args=())
+def _chunked_backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    temperature: Optional[torch.Tensor],
+    temperature_value: float,
+    vocab_size: int,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: Optional[torch.Tensor],
+    grad_lse: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    temperature = _temperatures(
+        temperature, temperature_value, hidden.shape[0], lse.dtype, lse.device
+    )
+    need_bias = need_bias and bias is not None
+    d_hidden, d_weight, d_bias = _linear_logp_backward_impl(
+        hidden,
+        weight,
+        targets,
+        bias,
+        temperature,
+        vocab_size,
+        lse,
+        entropy,
+        grad_logprobs,
+        grad_lse,
+        grad_entropy,
+        need_hidden,
+        need_weight,
+        need_bias,
+        BACKWARD_BUDGET_BYTES,
+    )
+    placeholders = _backward_outputs(hidden, weight, bias, False, False, False, None)
+    return tuple(p if g is None else g for g, p in zip((d_hidden, d_weight, d_bias), placeholders))
+
+
+@torch.library.custom_op("detlogp::linear_logp_backward_fused", mutates_args=())
+def _fused_backward_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    temperature: Optional[torch.Tensor],
+    temperature_value: float,
+    vocab_size: int,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logprobs: Optional[torch.Tensor],
+    grad_lse: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused Hopper backward (ops.cuda_linear_logp_backward): outputs and
+    workspace from PyTorch's caching allocator, launched on the current
+    stream, no synchronisation."""
+    if weight.device.type != "cuda" or not _fused_backward_on(weight.device):
+        raise ValueError(
+            f"weight: on {weight.device}; the fused linear-logp backward runs on a "
+            "GPU of compute capability 9.0 (detlogp::linear_logp_backward_chunked "
+            "runs elsewhere)"
+        )
+    need_bias = need_bias and bias is not None
+
+    def upstream(grad):
+        return None if grad is None else grad.to(torch.float32).contiguous()
+
+    temps = temperature_value if temperature is None else temperature.to(torch.float32).contiguous()
+    with torch.cuda.device(weight.device):
+        d_hidden, d_weight, d_bias = ops.cuda_linear_logp_backward(
+            hidden.to(torch.bfloat16).contiguous(),
+            weight,
+            targets.contiguous(),
+            lse,
+            temperatures=temps,
+            bias=bias,
+            vocab_size=vocab_size,
+            entropy=None if grad_entropy is None else entropy,
+            grad_logprobs=upstream(grad_logprobs),
+            grad_lse=upstream(grad_lse),
+            grad_entropy=upstream(grad_entropy),
+            need_hidden=need_hidden,
+            need_weight=need_weight,
+            need_bias=need_bias,
+            hidden_grad_dtype=hidden.dtype,
+            weight_grad_dtype=weight.dtype,
+        )
+    placeholders = _backward_outputs(hidden, weight, bias, False, False, False, None)
+    return tuple(p if g is None else g for g, p in zip((d_hidden, d_weight, d_bias), placeholders))
+
+
+def _backward_fake(
     hidden,
     weight,
     targets,
@@ -452,88 +582,76 @@ def _fused_cuda_backward(
     vocab_size,
     lse,
     entropy,
-    g_logp,
-    g_lse,
-    g_ent,
+    grad_logprobs,
+    grad_lse,
+    grad_entropy,
     need_hidden,
     need_weight,
     need_bias,
 ):
-    """The fused Hopper backward (ops.cuda_linear_logp_backward) on the
-    forward's inputs as saved; gradients in the inputs' dtypes."""
-
-    def upstream(grad):
-        return None if grad is None else grad.to(torch.float32).contiguous()
-
-    temps = temperature_value if temperature is None else temperature.to(torch.float32).contiguous()
-    return ops.cuda_linear_logp_backward(
-        hidden.to(torch.bfloat16).contiguous(),
+    return _backward_outputs(
+        hidden,
         weight,
-        targets.contiguous(),
-        lse,
-        temperatures=temps,
-        bias=bias,
-        vocab_size=vocab_size,
-        entropy=None if g_ent is None else entropy,
-        grad_logprobs=upstream(g_logp),
-        grad_lse=upstream(g_lse),
-        grad_entropy=upstream(g_ent),
-        need_hidden=need_hidden,
-        need_weight=need_weight,
-        need_bias=need_bias,
-        hidden_grad_dtype=hidden.dtype,
-        weight_grad_dtype=weight.dtype,
+        bias,
+        need_hidden,
+        need_weight,
+        need_bias and bias is not None,
+        lambda tensor, shape: tensor.new_empty(shape),
     )
+
+
+_chunked_backward_op.register_fake(_backward_fake)
+_fused_backward_op.register_fake(_backward_fake)
+
+
+@functools.cache
+def _fused_backward_on_index(index):
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def _fused_backward_on(device):
+    """Whether the fused backward runs on `device`: a GPU of compute
+    capability 9.0, where the forward runs the Hopper kernel (the same rule
+    as the C library's). Decided from the device alone, so that tracing with
+    fake tensors picks the op eager mode runs."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _fused_backward_on_index(index)
 
 
 def _backward_linear_logp(ctx, g_logp, g_lse, g_ent):
     hidden, weight, targets, bias, temperature, lse, entropy = ctx.saved_tensors
     need = ctx.needs_input_grad
-    if not ctx.return_entropy or g_ent is None or g_ent.numel() == 0:
-        g_ent = None
     need_bias = bias is not None and need[3]
-    if weight.device.type == "cuda" and ops.cuda_fused_backward_available(
-        weight, bias, ctx.vocab_size
-    ):
-        d_hidden, d_weight, d_bias = _fused_cuda_backward(
-            hidden,
-            weight,
-            targets,
-            bias,
-            temperature,
-            ctx.temperature_value,
-            ctx.vocab_size,
-            lse,
-            entropy,
-            g_logp,
-            g_lse,
-            g_ent,
-            need[0],
-            need[1],
-            need_bias,
-        )
-    else:
-        temperature = _temperatures(
-            temperature, ctx.temperature_value, hidden.shape[0], lse.dtype, lse.device
-        )
-        d_hidden, d_weight, d_bias = _linear_logp_backward_impl(
-            hidden,
-            weight,
-            targets,
-            bias,
-            temperature,
-            ctx.vocab_size,
-            lse,
-            entropy,
-            g_logp,
-            g_lse,
-            g_ent,
-            need[0],
-            need[1],
-            need_bias,
-            BACKWARD_BUDGET_BYTES,
-        )
-    return d_hidden, d_weight, None, d_bias, None, None, None, None
+    backward = _fused_backward_op if _fused_backward_on(weight.device) else _chunked_backward_op
+    d_hidden, d_weight, d_bias = backward(
+        hidden,
+        weight,
+        targets,
+        bias,
+        temperature,
+        ctx.temperature_value,
+        ctx.vocab_size,
+        lse,
+        entropy,
+        g_logp,
+        g_lse,
+        g_ent if ctx.return_entropy else None,
+        need[0],
+        need[1],
+        need_bias,
+    )
+    return (
+        d_hidden if need[0] else None,
+        d_weight if need[1] else None,
+        None,
+        d_bias if need_bias else None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 _linear_logp_op.register_autograd(_backward_linear_logp, setup_context=_setup_linear_logp)
@@ -566,7 +684,9 @@ def linear_logp(
     else:
         # One value for every row: passed as a float, no [N] tensor filled.
         value = float(temperature)
-        if not (math.isfinite(value) and value > 0):
+        # Comparisons, not math.isfinite: torch.compile traces a float
+        # argument as a symbolic float, which math.isfinite cannot take.
+        if not (0 < value < math.inf):
             raise ValueError(f"temperature: {value} is not finite and positive")
         temps = None
     vocab = weight.shape[0] if vocab_size is None else int(vocab_size)

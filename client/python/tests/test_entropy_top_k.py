@@ -1,4 +1,4 @@
-"""Entropy and top-k log-probs per row (issue #11): present only when asked
+"""Entropy and top-k log-probs per row: present only when asked
 for, with the promised shapes and order; a row's bits never depend on what
 it was batched with, on the k asked for (a smaller k is a prefix), on the
 other outputs asked for, or on the client (sync, asyncio, streams); values
@@ -21,7 +21,7 @@ from detlogp.v1 import detlogp_pb2 as pb
 
 # The server's default --max_top_k (the `server` fixture does not set it).
 MAX_TOP_K = 20
-# Accuracy against float64 on the same bf16 inputs (issue #11's targets).
+# Accuracy against float64 on the same bf16 inputs (the extras' targets).
 ENTROPY_ATOL = 2e-3
 TOP_LOGPROB_ATOL = 1e-3
 RANK_GAP = 1e-4

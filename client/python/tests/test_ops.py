@@ -1,9 +1,10 @@
-"""detlogp.ops (issue #14, first step: CPU): the trainer-side ops give exactly
+"""detlogp.ops on the CPU: the trainer-side ops give exactly
 the CPU server's bits for the same weights and rows, and its determinism key.
 
 Nothing is built here: bazel-bin/kernels/capi/libdetlogp_ops.so (or
-$DETLOGP_OPS_LIBRARY) and the server binary must exist; tools/test_python.sh
-builds both.
+$DETLOGP_OPS_LIBRARY), the server binary and the installed package's own
+library (compiled by `pip install ./client/python`) must exist;
+tools/test_python.sh builds all three.
 """
 
 import os
@@ -292,23 +293,133 @@ def test_a_missing_library_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(ops.LIBRARY_ENV, str(tmp_path / "nothing.so"))
     with pytest.raises(RuntimeError, match="DETLOGP_OPS_LIBRARY.*does not exist"):
         ops.load_library()
+    # An installation without the library (DETLOGP_BUILD_OPS=0), outside
+    # the repository.
     monkeypatch.delenv(ops.LIBRARY_ENV)
+    monkeypatch.setattr(ops, "_PACKAGE_LIB_DIR", tmp_path / "_lib")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(RuntimeError, match="libdetlogp_ops.so"):
+    with pytest.raises(RuntimeError, match="libdetlogp_ops.so.*pip install ./client/python"):
         ops.linear_logp(
             np.zeros((1, 4), np.float32), np.zeros((8, 4), np.float32), np.zeros(1, np.int64)
         )
 
 
-def test_the_package_imports_without_the_library(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != ops.LIBRARY_ENV}
+def test_the_package_imports_without_loading_the_library(tmp_path):
+    env = dict(os.environ, **{ops.LIBRARY_ENV: str(tmp_path / "nothing.so")})
     out = subprocess.run(
-        [sys.executable, "-c", "import detlogp, detlogp.ops as o; print(o.find_library())"],
+        [sys.executable, "-c", "import detlogp, detlogp.ops"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "None"
+
+
+_INSTALLED_LIBRARY_SCRIPT = """
+import sys
+import numpy as np
+from detlogp import ops
+folder = sys.argv[1]
+print(ops.find_library())
+arrays = {name: np.load(f"{folder}/{name}.npy") for name in
+          ("hidden", "targets", "weight", "bias", "x", "proj_weight", "proj_bias")}
+vocab = int(sys.argv[2])
+logp, lse, entropy = ops.linear_logp(
+    arrays["hidden"], arrays["weight"], arrays["targets"], arrays["bias"], 0.9,
+    vocab_size=vocab, return_lse=True, return_entropy=True)
+np.save(f"{folder}/logp.npy", logp)
+np.save(f"{folder}/lse.npy", lse)
+np.save(f"{folder}/entropy.npy", entropy)
+np.save(f"{folder}/y.npy", ops.h3_projection(
+    arrays["x"], arrays["proj_weight"], arrays["proj_bias"]))
+print(ops.determinism_key(arrays["weight"], arrays["bias"], vocab))
+"""
+
+
+def test_the_installed_library_gives_the_servers_bits(
+    tmp_path, client, model, plain_client, projection, ops_library
+):
+    """`pip install ./client/python` compiles libdetlogp_ops.so into the
+    package with the system compiler: outside the repository, with no
+    variable set, detlogp.ops loads it and gets the CPU server's bits (and the
+    Bazel-built library's)."""
+    hidden, targets = model.random_rows(37, seed=909)
+    x = np.random.default_rng(910).standard_normal((5, ops.H3_IN_DIM)).astype(np.float32)
+    _, proj_weight, proj_bias = projection
+    arrays = {
+        "hidden": hidden,
+        "targets": targets,
+        "weight": model.weight_bits,
+        "bias": model.bias,
+        "x": x,
+        "proj_weight": proj_weight,
+        "proj_bias": proj_bias,
+    }
+    for name, array in arrays.items():
+        np.save(tmp_path / f"{name}.npy", array)
+    env = {k: v for k, v in os.environ.items() if k != ops.LIBRARY_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", _INSTALLED_LIBRARY_SCRIPT, str(tmp_path), str(model.vocab)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    library, key = out.stdout.split()
+    assert library == str(ops._PACKAGE_LIB_DIR / "libdetlogp_ops.so"), (
+        "the installed package has no ops library: install it with "
+        "`pip install ./client/python` (tools/test_python.sh does)"
+    )
+    want = client.logprobs(hidden, targets, temperature=0.9, return_lse=True)
+    assert same_bits(np.load(tmp_path / "logp.npy"), want.logprobs)
+    assert same_bits(np.load(tmp_path / "lse.npy"), want.lse)
+    # Entropy (not served by this request) against the Bazel-built library.
+    bazel = ops.linear_logp(
+        hidden, model.weight_bits, targets, model.bias, 0.9, model.vocab, return_entropy=True
+    )
+    assert same_bits(np.load(tmp_path / "entropy.npy"), bazel[1])
+    assert same_bits(np.load(tmp_path / "y.npy"), plain_client.project(x, timeout=60).y)
+    assert key == client.info().determinism_key
+
+
+def test_the_sdist_carries_every_source_the_cpu_library_needs(repo_root, tmp_path):
+    """A wheel built from the sdist alone (no repository around it) finds the
+    CPU library's sources in ops_src/: every translation unit, and every
+    project header they include, transitively."""
+    import re
+    import tarfile
+
+    package = repo_root / "client" / "python"
+    out = subprocess.run(
+        [sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)],
+        cwd=package,
+        env=dict(os.environ, DETLOGP_BUILD_OPS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    (archive,) = tmp_path.glob("detlogp-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        files = {
+            name.split("/ops_src/", 1)[1]: tar.extractfile(name).read().decode()
+            for name in tar.getnames()
+            if "/ops_src/" in name and tar.getmember(name).isfile()
+        }
+    sources = re.findall(r'^    "([a-z0-9_/]+\.cc)":', (package / "setup.py").read_text(), re.M)
+    assert len(sources) >= 10 and all(s in files for s in sources), sorted(files)
+    todo, seen = list(sources), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for include in re.findall(r'^#include "([^"]+)"', files[name], re.M):
+            if not (repo_root / include).exists():
+                continue  # a system library's (Abseil)
+            assert include in files, f"{name} includes {include}, missing from the sdist"
+            todo.append(include)

@@ -1,8 +1,9 @@
-"""detlogp.torch (issue #14): the custom ops on CPU tensors give the CPU
+"""detlogp.torch: the custom ops on CPU tensors give the CPU
 server's bits, gradcheck passes on the float64 path, the chunked backward
-matches float64, and the ops trace under fake tensors. Skipped without
-PyTorch (CI has none); CUDA cases run only on an sm_90 GPU with the CUDA
-library built (tools/device/run_twin.sh runs the full CUDA contract).
+matches float64, and the ops trace under fake tensors. tools/test_python.sh
+installs PyTorch (the module skips where it is missing); CUDA cases run only
+on a GPU with the CUDA library built (tools/device/run_suite.sh twin runs the full
+CUDA contract; test_torch_compile.py covers torch.compile and CUDA graphs).
 """
 
 import numpy as np
@@ -208,7 +209,7 @@ def test_cuda_forward_is_batch_invariant_and_backward_runs():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_fused_backward_is_batch_invariant_deterministic_and_accurate():
-    """On an sm_90 GPU the op's backward is the fused kernel (issue #15): a
+    """On an sm_90 GPU the op's backward is the fused kernel: a
     row's d hidden alone == inside the batch (bits), two identical backward
     calls give the same d weight and d bias bits, and every gradient (through
     logprobs, lse and entropy, with bias and per-row temperatures) is close

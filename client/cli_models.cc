@@ -1,0 +1,117 @@
+#include "client/cli_models.h"
+
+#include <cstdio>
+
+namespace detlogp::client {
+namespace {
+
+void PrintVersion(const detlogp::v1::ModelVersionStatus& v) {
+  std::printf(
+      "  version %lld %s H=%lld V=%lld V_pad=%lld bias=%d memory=%lld "
+      "in_flight=%lld persisted=%d source=%s\n    weights_sha256 %s\n"
+      "    determinism_key %s\n",
+      static_cast<long long>(v.version()),
+      detlogp::v1::ModelVersionStatus::State_Name(v.state()).c_str(),
+      static_cast<long long>(v.hidden_size()),
+      static_cast<long long>(v.vocab_size()),
+      static_cast<long long>(v.padded_vocab_size()), v.has_bias() ? 1 : 0,
+      static_cast<long long>(v.memory_bytes()),
+      static_cast<long long>(v.requests_in_flight()), v.persisted() ? 1 : 0,
+      v.source().c_str(), v.weights_sha256().c_str(),
+      v.determinism_key().c_str());
+}
+
+}  // namespace
+
+absl::Status RequireModel(const ModelsCommandOptions& options) {
+  if (options.model.empty()) {
+    return absl::InvalidArgumentError("--model is required");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunModels(ModelRepositoryClient& client) {
+  auto models = client.ListModels();
+  if (!models.ok()) return models.status();
+  for (const detlogp::v1::ModelInfo& info : models->models()) {
+    std::printf("model %s latest %lld%s\n", info.model().c_str(),
+                static_cast<long long>(info.model_version()),
+                info.model() == models->default_model() ? " (default)" : "");
+    for (const auto& version : info.versions()) PrintVersion(version);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunLoad(ModelRepositoryClient& client,
+                     const ModelsCommandOptions& options) {
+  if (absl::Status s = RequireModel(options); !s.ok()) return s;
+  if (options.path.empty()) {
+    return absl::InvalidArgumentError(
+        "--path is required (relative to the server's --model_root)");
+  }
+  detlogp::v1::LoadModelRequest request;
+  request.set_model(options.model);
+  request.set_path(options.path);
+  request.set_lm_head_tensor(options.lm_head_tensor);
+  request.set_bias_tensor(options.bias_tensor);
+  request.set_vocab_size(options.vocab_size);
+  request.set_expected_weights_sha256(options.expected_sha256);
+  request.set_model_version(options.model_version);
+  auto version = client.LoadModel(request);
+  if (!version.ok()) return version.status();
+  std::printf("model %s\n", request.model().c_str());
+  PrintVersion(*version);
+  return absl::OkStatus();
+}
+
+absl::Status RunUpload(const LogpClient::Options& connection,
+                       const ModelRepositoryClient::Options& admin,
+                       const ModelsCommandOptions& options) {
+  if (absl::Status s = RequireModel(options); !s.ok()) return s;
+  if (options.weights_file.empty()) {
+    return absl::InvalidArgumentError("--weights_file is required");
+  }
+  std::string read_from;
+  auto upload = ReadLmHeadUpload(options.model, options.weights_file,
+                                 options.lm_head_tensor, options.bias_tensor,
+                                 options.vocab_size, &read_from);
+  if (!upload.ok()) return upload.status();
+  std::fprintf(stderr, "lm_head: %s\n", read_from.c_str());
+  upload->version = options.model_version;
+  std::vector<std::string> servers = options.servers;
+  if (servers.empty()) servers.push_back(connection.target);
+  const PushReport report = PushToTargets(servers, connection, admin, *upload);
+  // "target": the server's address as gRPC names it.
+  for (const PushedVersion& pushed : report.targets) {
+    if (pushed.version.ok()) {
+      std::printf(
+          "target %s model %s version %lld weights_sha256 %s "
+          "determinism_key %s\n",
+          pushed.target.c_str(), upload->model.c_str(),
+          static_cast<long long>(pushed.version->version()),
+          pushed.version->weights_sha256().c_str(),
+          pushed.version->determinism_key().c_str());
+    } else {
+      std::printf("target %s error %s\n", pushed.target.c_str(),
+                  pushed.version.status().ToString().c_str());
+    }
+  }
+  return report.status;
+}
+
+absl::Status RunUnload(ModelRepositoryClient& client,
+                       const ModelsCommandOptions& options) {
+  if (absl::Status s = RequireModel(options); !s.ok()) return s;
+  if (options.model_version <= 0) {
+    return absl::InvalidArgumentError("--model_version is required (> 0)");
+  }
+  if (absl::Status s = client.UnloadModel(options.model, options.model_version);
+      !s.ok()) {
+    return s;
+  }
+  std::printf("model %s version %lld unloaded\n", options.model.c_str(),
+              static_cast<long long>(options.model_version));
+  return absl::OkStatus();
+}
+
+}  // namespace detlogp::client

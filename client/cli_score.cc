@@ -1,0 +1,84 @@
+#include "client/cli_score.h"
+
+#include <cstdio>
+#include <utility>
+#include <vector>
+
+#include "client/random_rows.h"
+#include "client/tensor_files.h"
+
+namespace detlogp::client {
+
+absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
+  auto info = client.GetModelInfo(options.model, options.model_version);
+  if (!info.ok()) return info.status();
+  detlogp::v1::DType dtype = detlogp::v1::DTYPE_BFLOAT16;
+  int64_t rows = 0;
+  std::string data;
+  std::vector<int64_t> targets;
+  if (options.hidden_path.empty()) {
+    rows = options.random_rows;
+    data = RandomBf16Rows(rows, info->hidden_size(), options.seed);
+    targets = RandomTargets(rows, info->vocab_size(), options.seed + 1);
+  } else {
+    auto hidden = ReadTensorFile(options.hidden_path, options.hidden_tensor);
+    if (!hidden.ok()) return hidden.status();
+    if (hidden->shape.size() != 2 || hidden->data.empty()) {
+      return absl::InvalidArgumentError(
+          "--hidden: expected a float [N, H] tensor");
+    }
+    dtype = hidden->dtype;
+    rows = hidden->shape[0];
+    data = std::move(hidden->data);
+    if (options.target_ids_path.empty()) {
+      return absl::InvalidArgumentError("--targets is required with --hidden");
+    }
+    auto target_file =
+        ReadTensorFile(options.target_ids_path, options.target_ids_tensor);
+    if (!target_file.ok()) return target_file.status();
+    targets = target_file->integers;
+  }
+  LogProbOptions request_options;
+  request_options.temperature = options.temperature;
+  request_options.return_lse = options.return_lse;
+  request_options.return_entropy = options.return_entropy;
+  request_options.top_k = options.top_k;
+  request_options.model = info->model();
+  request_options.model_version = info->model_version();
+  // The client checks the answer's sizes against the request (N rows, N * k
+  // top-k entries); the server checks top_k.
+  auto result = client.Score(
+      MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
+                         std::move(data), targets, request_options));
+  if (!result.ok()) return result.status();
+  std::printf("model %s version %lld\ndeterminism_key %s\n",
+              result->model.c_str(),
+              static_cast<long long>(result->model_version),
+              result->determinism_key.c_str());
+  // One line per row of "name value" pairs; a top-k list is one value,
+  // comma-separated.
+  const int64_t k = result->top_k;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::printf("row %lld target %lld logprob %.9g", static_cast<long long>(r),
+                static_cast<long long>(targets[r]), result->logprobs[r]);
+    if (!result->lse.empty()) std::printf(" lse %.9g", result->lse[r]);
+    if (!result->entropy.empty()) {
+      std::printf(" entropy %.9g", result->entropy[r]);
+    }
+    if (k > 0) {
+      std::printf(" top_ids ");
+      for (int64_t j = 0; j < k; ++j) {
+        std::printf("%s%lld", j ? "," : "",
+                    static_cast<long long>(result->top_ids[r * k + j]));
+      }
+      std::printf(" top_logprobs ");
+      for (int64_t j = 0; j < k; ++j) {
+        std::printf("%s%.9g", j ? "," : "", result->top_logprobs[r * k + j]);
+      }
+    }
+    std::printf("\n");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace detlogp::client

@@ -1,0 +1,42 @@
+// detlogp_cli score: log-probs of hidden rows (from files, or seeded random
+// rows shaped like the model) printed one line per row, exactly (%.9g
+// round-trips a float).
+#ifndef DETLOGP_CLIENT_CLI_SCORE_H_
+#define DETLOGP_CLIENT_CLI_SCORE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "client/logp_client.h"
+
+namespace detlogp::client {
+
+struct ScoreCommandOptions {
+  // Empty: the server's default model; 0: its latest version. The request
+  // is pinned to the version resolved first, so a version published
+  // meanwhile cannot change the shapes under it.
+  std::string model;
+  int64_t model_version = 0;
+  // [N, H] hidden rows (.npy or .safetensors) and N target ids; with no
+  // hidden_path, random_rows seeded rows and targets.
+  std::string hidden_path;
+  std::string hidden_tensor = "hidden";
+  std::string target_ids_path;
+  std::string target_ids_tensor = "target_ids";
+  int64_t random_rows = 4;
+  uint64_t seed = 1;
+  float temperature = 1.0f;
+  bool return_lse = false;
+  bool return_entropy = false;
+  int64_t top_k = 0;
+};
+
+// Prints "model M version V", "determinism_key K", then per row
+// "row r target t logprob x [lse y] [entropy e] [top_ids i,j,...
+// top_logprobs a,b,...]".
+absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options);
+
+}  // namespace detlogp::client
+
+#endif  // DETLOGP_CLIENT_CLI_SCORE_H_
