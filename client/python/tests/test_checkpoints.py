@@ -456,3 +456,25 @@ def test_readers_skip_tensors_they_do_not_read(folder):
     assert lm_head.weight.tobytes() == tensors.float32_to_bf16_bits(head).tobytes()
     with pytest.raises(checkpoint.CheckpointError, match="dtype I64 is not F32, BF16 or F16"):
         checkpoint.resolve_head(path, "model.position_ids")
+
+
+def test_a_loaded_directory_is_restored_after_a_restart(server_binary, tmp_path, rows):
+    """LoadModel of a checkpoint directory records it under --model_root; a
+    restarted server resolves the directory again and serves the same bits."""
+    root = tmp_path / "root"
+    root.mkdir()
+    ckpt = Checkpoint(root, "restored", layout="sharded", tied=False, seed=8)
+    flags = [f"--model_root={root}", "--cpu_threads=1"]
+    with LocalServer(server_binary, flags) as srv:
+        with detlogp.Client(srv.target, timeout=60.0) as c:
+            published = c.load_model("policy", "restored")
+        assert published.weights_sha256 == detlogp.lm_head_sha256(ckpt.weight)
+        before = _score(srv.target, rows, model="policy")
+    with LocalServer(server_binary, flags) as srv:
+        with detlogp.Client(srv.target) as c:
+            info = c.info(model="policy")
+        assert (info.model_version, info.weights_sha256) == (
+            published.version,
+            published.weights_sha256,
+        )
+        _same_bits(_score(srv.target, rows, model="policy"), before)
