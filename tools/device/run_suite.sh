@@ -93,7 +93,7 @@ if [[ ! -x $bin/detlogp_server ]]; then
   exit 2
 fi
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L 2> /dev/null | grep -q "^GPU "; then
-  echo "run_suite.sh: no NVIDIA GPU on this host (nvidia-smi lists none): the $suite suite runs on a GPU host" >&2
+  echo "run_suite.sh: no NVIDIA GPU on this host (nvidia-smi is missing or lists none): the $suite suite runs on a GPU host" >&2
   exit 2
 fi
 OUT=${OUT:-/tmp/detlogp-$suite}
