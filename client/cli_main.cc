@@ -280,8 +280,9 @@ absl::StatusOr<bool> RunCommand(const std::string& command) {
     auto client = LogpClient::Create(ConnectionOptions());
     if (!client.ok()) return client.status();
     if (command == "score") {
-      if (absl::Status s = RunScore(**client, ScoreOptions()); !s.ok())
+      if (absl::Status s = RunScore(**client, ScoreOptions()); !s.ok()) {
         return s;
+      }
     } else if (command == "project") {
       if (absl::Status s = RunProject(**client, ProjectOptions()); !s.ok()) {
         return s;
