@@ -113,6 +113,7 @@ class RequestFields:
     model_version: int = 0
     return_entropy: bool = False
     top_k: int = 0
+    return_timing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +168,7 @@ def encode_logprob_request(fields, dtype, shape, target_ids, data=None, ref=None
         _int(7, fields.model_version),
         _bool(8, fields.return_entropy),
         _int(9, fields.top_k),
+        _bool(10, fields.return_timing),
     ]
     return b"".join([head, *tensor, *tail])
 
@@ -186,7 +188,28 @@ class LogProbAnswer:
     entropy: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.float32))
     top_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
     top_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.float32))
+    timing: Optional["ServerTiming"] = None
     unknown: Optional[dict] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerTiming:
+    """LogProbResponse.timing: where the call's time went on the server,
+    microseconds (validation and shared-memory reads, queue, compute, and
+    arrival to answer)."""
+
+    validate_us: int = 0
+    queue_us: int = 0
+    compute_us: int = 0
+    total_us: int = 0
+
+
+def decode_server_timing(data):
+    values = {1: 0, 2: 0, 3: 0, 4: 0}
+    for field, wire_type, value in iter_fields(data):
+        if field in values and wire_type == _VARINT:
+            values[field] = _signed(value)
+    return ServerTiming(values[1], values[2], values[3], values[4])
 
 
 _STRINGS = {1: "request_id", 4: "determinism_key", 5: "model"}
@@ -260,6 +283,8 @@ def decode_logprob_response(data):
             chunks[_INT64S[field]].append(np.array([_signed(value)], np.int64))
         elif field in _INTS and wire_type == _VARINT:
             setattr(answer, _INTS[field], _signed(value))
+        elif field == 10 and wire_type == _LEN:
+            answer.timing = decode_server_timing(value)
         else:
             if answer.unknown is None:
                 answer.unknown = {}
