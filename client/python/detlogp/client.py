@@ -14,13 +14,16 @@ Example:
 """
 
 import concurrent.futures
+import dataclasses
+import logging
 import threading
 import time
+import weakref
 
 import grpc
 import numpy as np
 
-from detlogp import requests
+from detlogp import requests, shm, transfer, wire
 from detlogp._common import (
     CallPlan,
     ClientState,
@@ -29,10 +32,18 @@ from detlogp._common import (
     combine_versions,
     first_failure,
     legacy_info_args,
+    logprob_fields,
     parse_health_response,
+    shared_memory_problem,
 )
 from detlogp.credentials import make_channel
-from detlogp.errors import DetlogpError, from_rpc_error
+from detlogp.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    DetlogpError,
+    InvalidArgument,
+    from_rpc_error,
+)
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
@@ -54,16 +65,47 @@ class Client(ClientState):
     admin_timeout: default seconds for load/upload/unload (they wait until
       the version is placed and warmed up, or freed).
 
+    transfer_options: a TransferOptions (how logprobs() cuts, stripes and
+      places large calls); shared_memory: "auto" (default), "off",
+      "system" or "cuda", overriding transfer_options.shared_memory.
+    max_message_mb: the largest answer accepted (logprobs() cuts calls so
+      that theirs fit, and the server's own limit on requests).
+
     With several targets, scoring is round-robin; load_model, upload_model
     and unload_model act on EVERY target (replicas must hold the same
     versions), and a call pinned to a version that one target lacks
-    (NOT_FOUND) moves on to the next target.
+    (NOT_FOUND) moves on to the next target. A dns:/// target (or an ipv4:
+    list) spreads calls, and a large call's slices, over every address
+    (gRPC's round_robin).
+
+    Large calls: logprobs() cuts a call into requests within the server's
+    row and message limits, sends them side by side over several
+    connections (TransferOptions.connections), and puts the answers back in
+    order; the bits are those of one call. To a server on this host (a Unix
+    socket or a loopback address) the rows go through shared memory the
+    client owns (a CUDA region for a CUDA tensor, a system region for host
+    rows); a server that refuses it gets gRPC bytes, and the reason is
+    logged once ("detlogp" logger).
     """
 
     _make_channel = staticmethod(make_channel)
 
+    def __init__(self, targets, **kwargs):
+        super().__init__(targets, **kwargs)
+        self._slice_pool = None
+        self._slice_pool_lock = threading.Lock()
+        # Regions are released by close(), or at exit when it was not called.
+        self._release_regions = weakref.finalize(
+            self, _release_shared_memory, self._memory, self._shm_stubs
+        )
+
     # ------------------------------------------------------------ lifecycle
     def close(self):
+        self._release_regions()
+        if self._slice_pool is not None:
+            self._slice_pool.shutdown(wait=True)
+        for channel in self._take_extra_channels():
+            channel.close()
         for channel in self._channels:
             channel.close()
 
@@ -131,6 +173,7 @@ class Client(ClientState):
         version=None,
         return_entropy=False,
         top_k=0,
+        timing=False,
     ):
         """log p(target) for each row of hidden [N, H]: a LogProbResult.
 
@@ -146,19 +189,231 @@ class Client(ClientState):
         id (0: none; a negative top_k raises ValueError, one above the
         server's --max_top_k InvalidArgument with .field "top_k"). Fields
         not asked for are None. The answer's sizes are checked against the
-        request (DataLoss naming the field otherwise)."""
-        request = requests.logprob_request(
-            hidden,
-            targets,
-            temperature,
-            return_lse,
-            request_id,
-            model,
-            version,
-            return_entropy=return_entropy,
-            top_k=top_k,
+        request (DataLoss naming the field otherwise).
+
+        Any N works: a call beyond the server's limits is cut into requests
+        and sent side by side (see the class docstring); the result is in
+        order and has the bits of one call. timing: also .timings, where
+        the call's time went (a CallTimings; the server's part when it
+        reports it)."""
+        started = time.perf_counter()
+        fields = logprob_fields(
+            request_id, temperature, return_lse, model, version, return_entropy, top_k, timing
         )
-        return logprob_result(self.compute(request, timeout=timeout), request)
+        call = transfer.LogProbCall(hidden, targets, fields)
+        timings = None
+        if timing:
+            timings = transfer.CallTimings(prepare_s=time.perf_counter() - started)
+        result = self._run_call(
+            call, Deadline(self.timeout if timeout is None else timeout), timings
+        )
+        if timings is not None:
+            timings.total_s = time.perf_counter() - started
+        return result
+
+    # ------------------------------------------------------------ large calls
+    def _run_call(self, call, deadline, timings):
+        """Sends `call` as slices (side by side when there are several) and
+        merges the answers."""
+        if call.rows > 1:
+            self._learn_limits(deadline)
+        while True:
+            pieces = self._plan_slices(call, 0)
+            options = self.transfer_options
+            connections = min(options.connections_for(call.rows), len(pieces))
+            if timings is not None:
+                timings.connections = connections
+            try:
+                answers = self._send_slices(call, pieces, deadline, timings, connections)
+                break
+            except InvalidArgument as error:
+                if not self._learned_from(error, pieces):
+                    raise
+        repeat = transfer.versions_to_repeat(answers)
+        if repeat and not call.fields.model_version:
+            version = answers[0].model_version
+            again = self._send_slices(
+                call, [pieces[i] for i in repeat], deadline, timings, connections, version
+            )
+            for i, answer in zip(repeat, again):
+                answers[i] = answer
+        return transfer.merge_answers(call, pieces, answers, timings)
+
+    def _send_slices(self, call, pieces, deadline, timings, connections, version=None):
+        def one(piece):
+            return self._send_slice(
+                call, piece, deadline, timings, piece.index % connections, version
+            )
+
+        in_flight = min(
+            len(pieces), connections * self.transfer_options.slices_in_flight_per_connection
+        )
+        if in_flight <= 1:
+            return [one(piece) for piece in pieces]
+        pool = self._slice_executor(in_flight)
+        futures = [pool.submit(one, piece) for piece in pieces]
+        try:
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()  # after a failure: the slices not started
+
+    def _slice_executor(self, workers):
+        with self._slice_pool_lock:
+            if self._slice_pool is None or self._slice_pool._max_workers < workers:
+                old = self._slice_pool
+                self._slice_pool = concurrent.futures.ThreadPoolExecutor(
+                    max(workers, 8), thread_name_prefix="detlogp-slice"
+                )
+                if old is not None:
+                    old.shutdown(wait=False)
+            return self._slice_pool
+
+    def _learned_from(self, error, pieces):
+        """True when `error` is a server's refusal of a slice over its row
+        limit, a limit it did not report: the call is cut again to fit it."""
+        rows = transfer.rows_limit_in(error)
+        if rows is None or rows < 1 or rows >= max(p.rows for p in pieces):
+            return False
+        for index, known in enumerate(self._limits):
+            known = known or transfer.ServerLimits()
+            self._limits[index] = dataclasses.replace(known, max_request_rows=rows)
+        return True
+
+    def _learn_limits(self, deadline):
+        """Asks each target whose limits are unknown for them once
+        (ModelInfo); a target that does not answer is asked again on the
+        next large call, the server's defaults assumed meanwhile."""
+        for index, known in enumerate(self._limits):
+            if known is not None:
+                continue
+            left = deadline.remaining()
+            try:
+                info = self._logp[index].GetModelInfo(
+                    requests.model_info_request(), timeout=min(left or 10.0, 10.0)
+                )
+            except grpc.RpcError:
+                continue
+            self._limits[index] = transfer.ServerLimits.from_model_info(info)
+
+    def _send_slice(self, call, piece, deadline, timings, connection, version=None):
+        """One slice with CallPlan's round-robin, retries and deadline; its
+        rows in shared memory when the target takes them. A wire.LogProbAnswer."""
+        plan = CallPlan(self, deadline.remaining(), bool(call.fields.model_version or version))
+        while True:
+            index = plan.index
+            build_started = time.perf_counter()
+            slot = self._stage(call, piece, index, plan.deadline)
+            try:
+                payload = call.request_bytes(piece, version, ref=shm.region_ref(call, piece, slot))
+                sent = time.perf_counter()
+                self.attempts += 1
+                try:
+                    data = self._compute_on(index, connection)(
+                        payload, timeout=plan.deadline.remaining()
+                    )
+                except grpc.RpcError as rpc_error:
+                    error = call.slice_error(piece, from_rpc_error(rpc_error))
+                else:
+                    answered = time.perf_counter()
+                    try:
+                        answer = wire.decode_logprob_response(data)
+                    except ValueError as bad:
+                        raise DataLoss(f"LogProbResponse: {bad}") from None
+                    if timings is not None:
+                        timings.add_slice(
+                            sent - build_started,
+                            answered - sent,
+                            time.perf_counter() - answered,
+                            answer.timing,
+                            shm.path_name(slot),
+                        )
+                    return answer
+            finally:
+                if slot is not None:
+                    self._memory[index].pool_of(slot).release(slot)
+            if slot is not None and self._after_shared_memory_error(index, slot, error):
+                continue
+            pause = plan.after(error)
+            if pause is None:
+                raise error
+            if pause:
+                time.sleep(pause)
+
+    def _stage(self, call, piece, index, deadline):
+        """A slot holding the slice's rows in a region of target `index`, or
+        None (gRPC bytes): no region kind applies, or it was refused."""
+        memory = self._memory[index]
+        kind = memory.kind_for(call, time.monotonic())
+        nbytes = piece.rows * call.row_bytes
+        if kind is None or not call.sliceable or nbytes == 0:
+            return None
+        device = call.cuda_tensor.device if kind == "cuda" else None
+        pool = memory.pool(kind, device)
+        try:
+            want = nbytes * self.transfer_options.slices_in_flight_per_connection
+            slot = self._acquire_slot(index, kind, pool, nbytes, want, device, deadline)
+        except (DetlogpError, OSError, MemoryError, ImportError, RuntimeError) as why:
+            if isinstance(why, DeadlineExceeded):
+                raise
+            memory.refused(kind, time.monotonic(), why, _log)
+            return None
+        try:
+            shm.copy_rows_in(call, piece, slot)
+        except BaseException:
+            pool.release(slot)
+            raise
+        return slot
+
+    def _acquire_slot(self, index, kind, pool, nbytes, want_bytes, device, deadline):
+        while True:
+            got = pool.try_acquire(nbytes, want_bytes)
+            if isinstance(got, shm.Slot):
+                return got
+            if isinstance(got, shm.NeedRegion):
+                try:
+                    for region in pool.idle_regions_to_drop(got.byte_size):
+                        self._unregister(index, region)
+                    region = shm.make_region_within(kind, got.byte_size, nbytes, device)
+                    try:
+                        request = region.register_request(pb)
+                        register = self._shm_stubs[index]
+                        if kind == "system":
+                            register.SystemSharedMemoryRegister(
+                                request, timeout=deadline.remaining()
+                            )
+                        else:
+                            register.CudaSharedMemoryRegister(request, timeout=deadline.remaining())
+                    except grpc.RpcError as rpc_error:
+                        region.close()
+                        raise from_rpc_error(rpc_error) from None
+                    region.after_register()
+                except BaseException:
+                    pool.abandon()
+                    raise
+                pool.add(region)
+                continue
+            with pool.changed:
+                pool.changed.wait(timeout=0.05)
+            deadline.remaining()  # DeadlineExceeded once it has passed
+
+    def _unregister(self, index, region):
+        _unregister_region(self._shm_stubs[index], region)
+
+    def _after_shared_memory_error(self, index, slot, error):
+        """True when the slice should be sent again at once: the server
+        forgot the region (released for idleness, restarted: a new one is
+        made) or refused shared memory (gRPC bytes from now on)."""
+        problem = shared_memory_problem(error)
+        if problem is None:
+            return False
+        memory = self._memory[index]
+        if problem == "forgotten":
+            memory.pool_of(slot).forget(slot.region)
+            slot.region.close()
+        else:
+            memory.refused(slot.region.kind, time.monotonic(), error, _log)
+        return True
 
     def compute(self, request, timeout=None):
         """ComputeLogProbs on a ready LogProbRequest; the raw response. A
@@ -391,3 +646,36 @@ class Client(ClientState):
         if failure is not None:
             raise failure
         return outcomes
+
+
+_log = logging.getLogger("detlogp")
+
+
+def _unregister_region(stub, region, timeout=5.0):
+    """Unregisters and frees `region`; the server's answer does not matter
+    (it releases unused regions itself after --shared_memory_idle_s)."""
+    try:
+        request_type = (
+            pb.SystemSharedMemoryUnregisterRequest
+            if region.kind == "system"
+            else pb.CudaSharedMemoryUnregisterRequest
+        )
+        method = (
+            stub.SystemSharedMemoryUnregister
+            if region.kind == "system"
+            else stub.CudaSharedMemoryUnregister
+        )
+        method(request_type(name=region.name), timeout=timeout)
+    except grpc.RpcError:
+        pass
+    finally:
+        region.close()
+
+
+def _release_shared_memory(memories, stubs):
+    """Every region of every target, unregistered and freed (close(), or at
+    exit)."""
+    for memory, stub in zip(memories, stubs):
+        for pool in memory.pools():
+            for region in pool.take_all():
+                _unregister_region(stub, region)
