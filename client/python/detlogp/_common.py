@@ -5,16 +5,27 @@ health check, and combining several replicas' answers to an admin call."""
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 
 from detlogp import requests, shm, transfer, wire
 from detlogp.credentials import bearer
-from detlogp.errors import DataLoss, DeadlineExceeded, NotFound, ReplicaMismatch
+from detlogp.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    DetlogpError,
+    NotFound,
+    ReplicaMismatch,
+)
 from detlogp.results import ModelVersionResult
 from detlogp.retry import RetryPolicy, is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
+
+log = logging.getLogger("detlogp")
+# What staging rows in shared memory may raise that means "use gRPC bytes".
+STAGING_FAILURES = (DetlogpError, OSError, MemoryError, ImportError, RuntimeError)
 
 HEALTH_METHOD = "/grpc.health.v1.Health/Check"
 COMPUTE_METHOD = "/detlogp.v1.LogProbService/ComputeLogProbs"
@@ -418,6 +429,50 @@ class ClientState:
         kind = self._memory[index].kind_for(call, time.monotonic())
         preferred = options.slice_bytes if kind is None else options.shared_memory_slice_bytes
         return call.slices(limits, preferred, self._max_receive_bytes)
+
+    def _learned_from(self, error, pieces):
+        """True when `error` is a server's refusal of a slice over its row
+        limit, a limit it did not report: the call is cut again to fit it."""
+        rows = transfer.rows_limit_in(error)
+        if rows is None or rows < 1 or rows >= max(p.rows for p in pieces):
+            return False
+        for index, known in enumerate(self._limits):
+            known = known or transfer.ServerLimits()
+            self._limits[index] = dataclasses.replace(known, max_request_rows=rows)
+        return True
+
+    def _after_shared_memory_error(self, index, slot, error):
+        """True when the slice should be sent again at once: the server
+        forgot the region (released for idleness, restarted: a new one is
+        made) or refused shared memory (gRPC bytes from now on)."""
+        problem = shared_memory_problem(error)
+        if problem is None:
+            return False
+        memory = self._memory[index]
+        if problem == "forgotten":
+            # Slices in flight may still write into it: the GC frees it.
+            memory.pool_of(slot).forget(slot.region)
+        else:
+            memory.refused(slot.region.kind, time.monotonic(), error, log)
+        return True
+
+    def _staging(self, call, piece, index):
+        """What staging the slice's rows in shared memory on target `index`
+        takes (shm.Staging), or None: gRPC bytes."""
+        memory = self._memory[index]
+        kind = memory.kind_for(call, time.monotonic())
+        nbytes = piece.rows * call.row_bytes
+        if kind is None or not call.sliceable or nbytes == 0:
+            return None
+        want = nbytes * self.transfer_options.slices_in_flight_per_connection
+        return shm.Staging(memory, kind, call, piece, want)
+
+    def _staging_failed(self, staging, why):
+        """No slot (refused, or no memory for a region): gRPC bytes, the
+        reason logged once. A passed deadline is raised."""
+        if isinstance(why, DeadlineExceeded):
+            raise why
+        staging.memory.refused(staging.kind, time.monotonic(), why, log)
 
     def _own_channel(self, target, own_connection=True):
         """A channel to `target` as the client's are made; with

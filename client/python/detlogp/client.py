@@ -14,8 +14,6 @@ Example:
 """
 
 import concurrent.futures
-import dataclasses
-import logging
 import threading
 import time
 import weakref
@@ -25,6 +23,7 @@ import numpy as np
 
 from detlogp import requests, shm, transfer, wire
 from detlogp._common import (
+    STAGING_FAILURES,
     CallPlan,
     ClientState,
     Deadline,
@@ -34,16 +33,9 @@ from detlogp._common import (
     legacy_info_args,
     logprob_fields,
     parse_health_response,
-    shared_memory_problem,
 )
 from detlogp.credentials import make_channel
-from detlogp.errors import (
-    DataLoss,
-    DeadlineExceeded,
-    DetlogpError,
-    InvalidArgument,
-    from_rpc_error,
-)
+from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
@@ -269,17 +261,6 @@ class Client(ClientState):
                     old.shutdown(wait=False)
             return self._slice_pool
 
-    def _learned_from(self, error, pieces):
-        """True when `error` is a server's refusal of a slice over its row
-        limit, a limit it did not report: the call is cut again to fit it."""
-        rows = transfer.rows_limit_in(error)
-        if rows is None or rows < 1 or rows >= max(p.rows for p in pieces):
-            return False
-        for index, known in enumerate(self._limits):
-            known = known or transfer.ServerLimits()
-            self._limits[index] = dataclasses.replace(known, max_request_rows=rows)
-        return True
-
     def _learn_limits(self, deadline):
         """Asks each target whose limits are unknown for them once
         (ModelInfo); a target that does not answer is asked again on the
@@ -343,47 +324,31 @@ class Client(ClientState):
     def _stage(self, call, piece, index, deadline):
         """A slot holding the slice's rows in a region of target `index`, or
         None (gRPC bytes): no region kind applies, or it was refused."""
-        memory = self._memory[index]
-        kind = memory.kind_for(call, time.monotonic())
-        nbytes = piece.rows * call.row_bytes
-        if kind is None or not call.sliceable or nbytes == 0:
-            return None
-        device = call.cuda_tensor.device if kind == "cuda" else None
-        pool = memory.pool(kind, device)
-        try:
-            want = nbytes * self.transfer_options.slices_in_flight_per_connection
-            slot = self._acquire_slot(index, kind, pool, nbytes, want, device, deadline)
-        except (DetlogpError, OSError, MemoryError, ImportError, RuntimeError) as why:
-            if isinstance(why, DeadlineExceeded):
-                raise
-            memory.refused(kind, time.monotonic(), why, _log)
+        staging = self._staging(call, piece, index)
+        if staging is None:
             return None
         try:
-            shm.copy_rows_in(call, piece, slot)
-        except BaseException:
-            pool.release(slot)
-            raise
-        return slot
+            slot = self._acquire_slot(index, staging, deadline)
+        except STAGING_FAILURES as why:
+            return self._staging_failed(staging, why)
+        return staging.fill(slot)
 
-    def _acquire_slot(self, index, kind, pool, nbytes, want_bytes, device, deadline):
+    def _acquire_slot(self, index, staging, deadline):
+        """A slot in staging.pool, registering a new region when the pool
+        asks for one, waiting while every byte is held by slices in flight."""
+        pool = staging.pool
         while True:
-            got = pool.try_acquire(nbytes, want_bytes)
+            got = pool.try_acquire(staging.nbytes, staging.want_bytes)
             if isinstance(got, shm.Slot):
                 return got
             if isinstance(got, shm.NeedRegion):
                 try:
                     for region in pool.idle_regions_to_drop(got.byte_size):
                         self._unregister(index, region)
-                    region = shm.make_region_within(kind, got.byte_size, nbytes, device)
+                    region = staging.make_region(got.byte_size)
                     try:
-                        request = region.register_request(pb)
-                        register = self._shm_stubs[index]
-                        if kind == "system":
-                            register.SystemSharedMemoryRegister(
-                                request, timeout=deadline.remaining()
-                            )
-                        else:
-                            register.CudaSharedMemoryRegister(request, timeout=deadline.remaining())
+                        register = getattr(self._shm_stubs[index], region.register_method)
+                        register(region.register_request(pb), timeout=deadline.remaining())
                     except grpc.RpcError as rpc_error:
                         region.close()
                         raise from_rpc_error(rpc_error) from None
@@ -399,21 +364,6 @@ class Client(ClientState):
 
     def _unregister(self, index, region):
         _unregister_region(self._shm_stubs[index], region)
-
-    def _after_shared_memory_error(self, index, slot, error):
-        """True when the slice should be sent again at once: the server
-        forgot the region (released for idleness, restarted: a new one is
-        made) or refused shared memory (gRPC bytes from now on)."""
-        problem = shared_memory_problem(error)
-        if problem is None:
-            return False
-        memory = self._memory[index]
-        if problem == "forgotten":
-            memory.pool_of(slot).forget(slot.region)
-            slot.region.close()
-        else:
-            memory.refused(slot.region.kind, time.monotonic(), error, _log)
-        return True
 
     def compute(self, request, timeout=None):
         """ComputeLogProbs on a ready LogProbRequest; the raw response. A
@@ -648,24 +598,12 @@ class Client(ClientState):
         return outcomes
 
 
-_log = logging.getLogger("detlogp")
-
-
 def _unregister_region(stub, region, timeout=5.0):
     """Unregisters and frees `region`; the server's answer does not matter
     (it releases unused regions itself after --shared_memory_idle_s)."""
     try:
-        request_type = (
-            pb.SystemSharedMemoryUnregisterRequest
-            if region.kind == "system"
-            else pb.CudaSharedMemoryUnregisterRequest
-        )
-        method = (
-            stub.SystemSharedMemoryUnregister
-            if region.kind == "system"
-            else stub.CudaSharedMemoryUnregister
-        )
-        method(request_type(name=region.name), timeout=timeout)
+        unregister = getattr(stub, region.unregister_method)
+        unregister(region.unregister_request(pb), timeout=timeout)
     except grpc.RpcError:
         pass
     finally:

@@ -81,6 +81,8 @@ class SystemRegion:
     """A POSIX shared-memory object of `byte_size` bytes, mapped here."""
 
     kind = "system"
+    register_method = "SystemSharedMemoryRegister"
+    unregister_method = "SystemSharedMemoryUnregister"
 
     def __init__(self, byte_size):
         self.name = region_name("sys")
@@ -97,6 +99,9 @@ class SystemRegion:
             raise
         finally:
             os.close(fd)
+
+    def unregister_request(self, pb):
+        return pb.SystemSharedMemoryUnregisterRequest(name=self.name)
 
     def register_request(self, pb):
         return pb.SystemSharedMemoryRegisterRequest(
@@ -155,6 +160,8 @@ class CudaRegion:
     starts `base_offset` bytes into it."""
 
     kind = "cuda"
+    register_method = "CudaSharedMemoryRegister"
+    unregister_method = "CudaSharedMemoryUnregister"
 
     def __init__(self, byte_size, device):
         import torch  # CUDA regions exist only for torch CUDA tensors
@@ -175,6 +182,9 @@ class CudaRegion:
         self.raw_handle = handle.raw
         self.base_offset = pointer - base.value
         self.byte_size = self.base_offset + int(byte_size)
+
+    def unregister_request(self, pb):
+        return pb.CudaSharedMemoryUnregisterRequest(name=self.name)
 
     def register_request(self, pb):
         return pb.CudaSharedMemoryRegisterRequest(
@@ -207,6 +217,30 @@ class Slot:
     def ref_offset(self):
         """The offset a request names (from the registered region's start)."""
         return self.region.base_offset + self.offset
+
+
+class Staging:
+    """One slice's rows on their way into a slot: the target's memory, the
+    kind and pool, the bytes, and how to make a region for them."""
+
+    def __init__(self, memory, kind, call, piece, want_bytes):
+        self.memory, self.kind, self.call, self.piece = memory, kind, call, piece
+        self.nbytes = piece.rows * call.row_bytes
+        self.want_bytes = want_bytes
+        self.device = call.cuda_tensor.device if kind == "cuda" else None
+        self.pool = memory.pool(kind, self.device)
+
+    def make_region(self, byte_size):
+        return make_region_within(self.kind, byte_size, self.nbytes, self.device)
+
+    def fill(self, slot):
+        """The rows copied into `slot`; the slot (released on failure)."""
+        try:
+            copy_rows_in(self.call, self.piece, slot)
+        except BaseException:
+            self.pool.release(slot)
+            raise
+        return slot
 
 
 class NeedRegion:
