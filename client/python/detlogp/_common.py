@@ -15,6 +15,7 @@ from detlogp.errors import (
     DataLoss,
     DeadlineExceeded,
     DetlogpError,
+    MessageTooLarge,
     NotFound,
     ReplicaMismatch,
 )
@@ -431,14 +432,21 @@ class ClientState:
         return call.slices(limits, preferred, self._max_receive_bytes)
 
     def _learned_from(self, error, pieces):
-        """True when `error` is a server's refusal of a slice over its row
-        limit, a limit it did not report: the call is cut again to fit it."""
+        """True when `error` is a server's refusal of a slice over its row or
+        message limit, a limit it did not report (an older server): the
+        call is cut again to fit it."""
+        change = {}
         rows = transfer.rows_limit_in(error)
-        if rows is None or rows < 1 or rows >= max(p.rows for p in pieces):
+        if rows is not None and 1 <= rows < max(p.rows for p in pieces):
+            change["max_request_rows"] = rows
+        if isinstance(error, MessageTooLarge) and error.on_server and error.limit_bytes:
+            known = self._limits[0] or transfer.ServerLimits()
+            if error.limit_bytes < known.max_message_bytes:
+                change["max_message_bytes"] = error.limit_bytes
+        if not change:
             return False
         for index, known in enumerate(self._limits):
-            known = known or transfer.ServerLimits()
-            self._limits[index] = dataclasses.replace(known, max_request_rows=rows)
+            self._limits[index] = dataclasses.replace(known or transfer.ServerLimits(), **change)
         return True
 
     def _after_shared_memory_error(self, index, slot, error):

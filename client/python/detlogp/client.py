@@ -35,7 +35,7 @@ from detlogp._common import (
     parse_health_response,
 )
 from detlogp.credentials import make_channel
-from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, from_rpc_error
+from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, MessageTooLarge, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
@@ -218,7 +218,7 @@ class Client(ClientState):
             try:
                 answers = self._send_slices(call, pieces, deadline, timings, connections)
                 break
-            except InvalidArgument as error:
+            except (InvalidArgument, MessageTooLarge) as error:
                 if not self._learned_from(error, pieces):
                     raise
         repeat = transfer.versions_to_repeat(answers)

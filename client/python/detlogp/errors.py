@@ -3,7 +3,8 @@
 `from_rpc_error` maps a grpc.RpcError (sync or aio) to the matching subclass:
 
     INVALID_ARGUMENT    -> InvalidArgument  (.field: "hidden.shape[1]", ...)
-    RESOURCE_EXHAUSTED  -> Overloaded       (.queue_full: server queue bound)
+    RESOURCE_EXHAUSTED  -> Overloaded       (.queue_full: server queue bound),
+                           or MessageTooLarge (.limit_bytes: a size limit)
     DEADLINE_EXCEEDED   -> DeadlineExceeded
     UNAVAILABLE         -> Unavailable
     CANCELLED           -> Cancelled
@@ -68,8 +69,8 @@ class NotFound(DetlogpError):
 
 class Overloaded(DetlogpError):
     """RESOURCE_EXHAUSTED. `queue_full` is True when the server's row queue
-    was full (retryable); False for other exhaustion such as a message over
-    the size limit (not retryable)."""
+    was full (retryable); False for other exhaustion (not retryable). A
+    message over a size limit is MessageTooLarge instead."""
 
     def __init__(self, details, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
         super().__init__(details, code)
@@ -79,15 +80,23 @@ class Overloaded(DetlogpError):
 class MessageTooLarge(DetlogpError):
     """A message over a size limit: the server's --max_message_mb or the
     client's max_message_mb. `size_bytes` and `limit_bytes` as gRPC or the
-    client reported them (None when unknown). Not retryable; logprobs()
-    cuts large calls so it never sends one."""
+    client reported them (None when unknown); `on_server`: the server's
+    limit. Not retryable; logprobs() cuts large calls so it never sends
+    one."""
 
     def __init__(
-        self, details, code=grpc.StatusCode.RESOURCE_EXHAUSTED, *, size_bytes=None, limit_bytes=None
+        self,
+        details,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        *,
+        size_bytes=None,
+        limit_bytes=None,
+        on_server=False,
     ):
         super().__init__(details, code)
         self.size_bytes = size_bytes
         self.limit_bytes = limit_bytes
+        self.on_server = on_server
 
 
 class DeadlineExceeded(DetlogpError):
@@ -188,6 +197,7 @@ def from_rpc_error(error):
             code,
             size_bytes=size,
             limit_bytes=limit,
+            on_server=too_large.group(1) == "Received",
         )
     cls = _BY_CODE.get(code, DetlogpError)
     if cls is DetlogpError:

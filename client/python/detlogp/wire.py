@@ -17,7 +17,6 @@ protobuf parser does.
 """
 
 import dataclasses
-import struct
 from typing import Optional
 
 import numpy as np
@@ -134,7 +133,10 @@ def tensor_bytes(dtype, shape, data=None, ref=None):
     if dims:
         parts.append(_len_field(2, len(dims)) + dims)
     if data is not None:
-        view = memoryview(data).cast("B")
+        if isinstance(data, np.ndarray):  # C-contiguous: no copy
+            view = memoryview(data.reshape(-1).view(np.uint8))
+        else:
+            view = memoryview(data).cast("B")
         if view.nbytes:
             parts.append(_len_field(3, view.nbytes))
             parts.append(view)
@@ -159,7 +161,8 @@ def encode_logprob_request(fields, dtype, shape, target_ids, data=None, ref=None
     ids = varints(target_ids)
     head = _string(1, fields.request_id) + _len_field(2, tensor_size)
     tail = [_len_field(3, len(ids)) + ids if ids else b""]
-    temperature = struct.pack("<f", fields.temperature)
+    with np.errstate(over="ignore"):  # as protobuf: beyond float32 is inf
+        temperature = np.float32(fields.temperature).astype("<f4").tobytes()
     if temperature != b"\0\0\0\0":
         tail.append(_tag(4, _FIXED32) + temperature)
     tail += [
