@@ -381,6 +381,7 @@ class TargetMemory:
         self.target = target
         self.same_host = is_same_host(target)
         self.mode = options.shared_memory
+        self.min_bytes = options.shared_memory_min_bytes
         self.budget_bytes = options.shared_memory_bytes
         self.region_bytes = options.shared_memory_slice_bytes * (
             options.auto_connections * options.slices_in_flight_per_connection
@@ -394,6 +395,8 @@ class TargetMemory:
     def kind_for(self, call, now):
         """ "cuda", "system" or None (gRPC bytes) for `call` on this target."""
         if self.mode == "off" or (self.mode == "auto" and not self.same_host):
+            return None
+        if call.hidden_bytes < self.min_bytes:
             return None
         usable = [
             k for k in ("cuda", "system") if now - self._refused.get(k, -1e18) > REFUSAL_RETRY_S

@@ -53,6 +53,9 @@ class TransferOptions:
       a system region), "cuda" (CUDA tensors only), or "off".
     shared_memory_bytes: bytes of regions the client may hold per target and
       kind (system, each CUDA device); a call waits for slots within it.
+    shared_memory_min_bytes: calls with fewer hidden bytes go over gRPC
+      (as fast for them, and nothing is registered for a client that only
+      makes small calls).
     """
 
     slice_bytes: int = 16 << 20
@@ -63,6 +66,7 @@ class TransferOptions:
     slices_in_flight_per_connection: int = 2
     shared_memory: str = "auto"
     shared_memory_bytes: int = 1 << 30
+    shared_memory_min_bytes: int = 64 << 10
 
     def validated(self):
         """self, or ValueError naming the first bad field."""
@@ -72,6 +76,11 @@ class TransferOptions:
         for name in ("auto_connections", "slices_in_flight_per_connection"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
+        if int(self.shared_memory_min_bytes) < 0:
+            raise ValueError(
+                "TransferOptions.shared_memory_min_bytes must be >= 0, got "
+                f"{self.shared_memory_min_bytes}"
+            )
         if int(self.connections) < 0:
             raise ValueError(f"TransferOptions.connections must be >= 0, got {self.connections}")
         if self.shared_memory not in SHARED_MEMORY_MODES:
