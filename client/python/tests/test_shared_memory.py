@@ -19,7 +19,6 @@ import time
 
 import detlogp
 import grpc
-import numpy as np
 import pytest
 from detlogp import tensors
 from detlogp.aio import AsyncClient
