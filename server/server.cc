@@ -6,6 +6,7 @@
 #include <grpcpp/server_builder.h>
 
 #include <cmath>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -70,39 +71,12 @@ std::string ProjectionDeterminismKey(const ProjectionWeights& weights) {
        "fma-chain-k-ascending-then-bias/v1", "rows-independent"});
 }
 
-// Creates the projection backend (same --device as the log-prob backend) and
-// its scheduler.
-absl::Status StartProjection(const Server::Options& options,
-                             const ProjectionWeights* weights,
-                             ServerMetrics* metrics,
-                             std::unique_ptr<ProjectionBackend>* backend,
-                             std::unique_ptr<ProjectionScheduler>* scheduler) {
-  ProjectionBackendRegistry registry;
-  RegisterBuiltinBackends(&registry);
-  ProjectionBackendOptions backend_options;
-  backend_options.weights = weights;
-  backend_options.cpu_threads = options.cpu_threads;
-  backend_options.max_cached_host_buffer_bytes =
-      options.projection_chunk_cache_bytes;
-  std::vector<std::string> notes;
-  auto created = registry.Create(options.device, backend_options, &notes);
-  if (!created.ok()) return created.status();
-  *backend = *std::move(created);
-  ProjectionScheduler::Options scheduler_options;
-  scheduler_options.max_launch_rows = options.projection_max_launch_rows;
-  scheduler_options.num_threads =
-      options.projection_threads > 0
-          ? options.projection_threads
-          : (*backend)->description().preferred_inflight_batches;
-  scheduler_options.on_launch =
-      [metrics](const ProjectionScheduler::LaunchTimings& t) {
-        metrics->ObserveProjectionLaunch(t.rows, t.queue_delay_seconds,
-                                         t.run_seconds, t.copy_out_seconds);
-      };
-  auto made = ProjectionScheduler::Create(scheduler_options, backend->get());
-  if (!made.ok()) return made.status();
-  *scheduler = *std::move(made);
-  return absl::OkStatus();
+// Counts every finished call by method and gRPC code.
+std::function<void(absl::string_view, int)> CountCallsInto(
+    ServerMetrics* metrics) {
+  return [metrics](absl::string_view method, int code) {
+    metrics->CountRequest(method, code);
+  };
 }
 
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
@@ -142,11 +116,51 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
   return grpc::SslServerCredentials(ssl);
 }
 
+// "[::1]" for an IPv6 host, so that a port can follow it.
+std::string BracketedHost(const std::string& host) {
+  return host.find(':') != std::string::npos ? "[" + host + "]" : host;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     const Options& options, std::vector<StartupModel> models,
     ProjectionWeights projection_weights) {
+  if (absl::Status s = ValidateOptions(options, models); !s.ok()) return s;
+  // TLS files are read before anything is built, so that a bad path fails
+  // fast.
+  auto credentials = MakeCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+  std::unique_ptr<Server> server(new Server());
+  server->options_ = options;
+  server->metrics_ = std::make_unique<ServerMetrics>();
+  // Each step builds on the ones before it. On an error the unique_ptr's
+  // destructor shuts down whatever was started.
+  if (absl::Status s = server->LoadAuthenticators(); !s.ok()) return s;
+  if (absl::Status s = server->CreateBackend(); !s.ok()) return s;
+  if (absl::Status s = server->CreateBatcher(); !s.ok()) return s;
+  if (absl::Status s = server->OpenModelStore(); !s.ok()) return s;
+  const std::string default_model = options.default_model.empty()
+                                        ? models.front().name
+                                        : options.default_model;
+  if (absl::Status s = server->CreateModelManager(default_model); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = server->LoadModels(std::move(models)); !s.ok()) return s;
+  server->BuildLogProbService();
+  server->BuildRepositoryService();
+  if (absl::Status s = server->StartProjection(std::move(projection_weights));
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = server->StartListeners(*credentials); !s.ok()) return s;
+  if (absl::Status s = server->StartMetricsEndpoint(); !s.ok()) return s;
+  server->ReportServing();
+  return server;
+}
+
+absl::Status Server::ValidateOptions(const Options& options,
+                                     const std::vector<StartupModel>& models) {
   if (models.empty()) return absl::InvalidArgumentError("no model to serve");
   if (options.max_top_k < 0 || options.max_top_k > kernels::kMaxTopK) {
     return absl::InvalidArgumentError(
@@ -168,33 +182,34 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
         absl::StrCat("--projection_threads=", options.projection_threads,
                      " is outside [0, 64]"));
   }
-  std::unique_ptr<Server> server(new Server());
-  server->options_ = options;
-  server->metrics_ = std::make_unique<ServerMetrics>();
-  ServerMetrics* metrics = server->metrics_.get();
-  auto credentials = MakeCredentials(options);
-  if (!credentials.ok()) return credentials.status();
+  return absl::OkStatus();
+}
+
+absl::Status Server::LoadAuthenticators() {
   for (auto [path, authenticator] :
-       {std::pair{&options.auth_tokens_path, &server->authenticator_},
-        {&options.admin_tokens_path, &server->admin_authenticator_}}) {
+       {std::pair{&options_.auth_tokens_path, &authenticator_},
+        {&options_.admin_tokens_path, &admin_authenticator_}}) {
     if (path->empty()) continue;
     auto loaded = TokenAuthenticator::FromFile(*path);
     if (!loaded.ok()) return loaded.status();
     *authenticator = *std::move(loaded);
   }
+  return absl::OkStatus();
+}
 
+absl::Status Server::CreateBackend() {
   LogpBackendRegistry registry;
   RegisterBuiltinBackends(&registry);
   BackendOptions backend_options;
-  backend_options.cpu_threads = options.cpu_threads;
-  backend_options.vocab_parallel = options.vocab_parallel;
-  backend_options.logp_kernel = options.logp_kernel;
+  backend_options.cpu_threads = options_.cpu_threads;
+  backend_options.vocab_parallel = options_.vocab_parallel;
+  backend_options.logp_kernel = options_.logp_kernel;
   std::vector<std::string> notes;
-  auto backend = registry.Create(options.device, backend_options, &notes);
+  auto backend = registry.Create(options_.device, backend_options, &notes);
   for (const std::string& note : notes) spdlog::info("{}", note);
   if (!backend.ok()) return backend.status();
-  server->backend_ = *std::move(backend);
-  const BackendDescription& description = server->backend_->description();
+  backend_ = *std::move(backend);
+  const BackendDescription& description = backend_->description();
   spdlog::info("backend {} on {} (kernel {}, isa {})", description.name,
                description.device, description.kernel_version,
                description.instruction_set);
@@ -202,8 +217,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     spdlog::warn("return_entropy and top_k are refused: {}",
                  description.extras_unavailable);
   }
+  return absl::OkStatus();
+}
 
-  DynamicBatcher::Options batcher_options = options.batcher;
+absl::Status Server::CreateBatcher() {
+  const BackendDescription& description = backend_->description();
+  DynamicBatcher::Options batcher_options = options_.batcher;
   if (batcher_options.max_batch_rows < 0) {
     batcher_options.max_batch_rows = description.preferred_max_batch_rows;
   }
@@ -217,13 +236,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   if (batcher_options.idle_spin_micros < 0) {
     batcher_options.idle_spin_micros = description.preferred_idle_spin_micros;
   }
+  ServerMetrics* metrics = metrics_.get();
   batcher_options.on_batch = [metrics](const DynamicBatcher::BatchRecord& r) {
     metrics->ObserveBatch(
         r.rows, r.requests, absl::ToDoubleSeconds(r.queue_delay),
         absl::ToDoubleSeconds(r.gather), absl::ToDoubleSeconds(r.compute));
   };
-  auto batcher =
-      DynamicBatcher::Create(batcher_options, server->backend_.get());
+  auto batcher = DynamicBatcher::Create(batcher_options, backend_.get());
   if (!batcher.ok()) return batcher.status();
   spdlog::info(
       "batching: max_batch_rows={} max_queue_delay_us={} batch_threads={} "
@@ -231,27 +250,33 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
       batcher_options.max_batch_rows, batcher_options.max_queue_delay_micros,
       batcher_options.num_batch_threads, batcher_options.idle_spin_micros,
       description.name);
+  batcher_ = *std::move(batcher);
+  return absl::OkStatus();
+}
 
-  server->batcher_ = *std::move(batcher);
-
-  if (!options.model_root.empty()) {
-    auto store = ModelStore::Open(options.model_root);
-    if (!store.ok()) return store.status();
-    server->model_store_ = *std::move(store);
-    if (!server->model_store_->writable()) {
-      spdlog::warn(
-          "--model_root={} is read-only: LoadModel works, uploads serve "
-          "but are not kept for a restart",
-          options.model_root);
-    }
+absl::Status Server::OpenModelStore() {
+  if (options_.model_root.empty()) return absl::OkStatus();
+  auto store = ModelStore::Open(options_.model_root);
+  if (!store.ok()) return store.status();
+  model_store_ = *std::move(store);
+  if (!model_store_->writable()) {
+    spdlog::warn(
+        "--model_root={} is read-only: LoadModel works, uploads serve "
+        "but are not kept for a restart",
+        options_.model_root);
   }
+  return absl::OkStatus();
+}
+
+absl::Status Server::CreateModelManager(const std::string& default_model) {
+  const BackendDescription& description = backend_->description();
+  // The batcher's options as resolved against the backend's preferences.
+  const DynamicBatcher::Options& batching = batcher_->options();
   ModelManager::Options manager_options;
-  manager_options.default_model = options.default_model.empty()
-                                      ? models.front().name
-                                      : options.default_model;
-  manager_options.max_versions_per_model = options.max_versions_per_model;
-  manager_options.max_model_memory_bytes = options.max_model_memory_bytes;
-  manager_options.store = server->model_store_.get();
+  manager_options.default_model = default_model;
+  manager_options.max_versions_per_model = options_.max_versions_per_model;
+  manager_options.max_model_memory_bytes = options_.max_model_memory_bytes;
+  manager_options.store = model_store_.get();
   manager_options.key_inputs.backend = description.name;
   manager_options.key_inputs.instruction_set = description.instruction_set;
   manager_options.key_inputs.kernel_version = description.kernel_version;
@@ -265,176 +290,26 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
                        ? ""
                        : absl::StrCat("; no entropy or top_k: ",
                                       description.extras_unavailable));
-  manager_options.batching.set_max_batch_rows(batcher_options.max_batch_rows);
+  manager_options.batching.set_max_batch_rows(batching.max_batch_rows);
   manager_options.batching.set_max_queue_delay_us(
-      batcher_options.max_queue_delay_micros);
-  manager_options.batching.set_batch_threads(batcher_options.num_batch_threads);
-  manager_options.batching.set_batch_spin_us(batcher_options.idle_spin_micros);
-  LogpBackend* raw_backend = server->backend_.get();
-  DynamicBatcher* raw_batcher = server->batcher_.get();
-  manager_options.place =
-      [raw_backend](std::shared_ptr<const LmHeadWeights> w) {
-        return raw_backend->Load(std::move(w));
-      };
-  manager_options.estimate_bytes = [raw_backend](int64_t h, int64_t v,
-                                                 bool bias) {
-    return raw_backend->EstimateBytes(h, v, bias);
+      batching.max_queue_delay_micros);
+  manager_options.batching.set_batch_threads(batching.num_batch_threads);
+  manager_options.batching.set_batch_spin_us(batching.idle_spin_micros);
+  LogpBackend* backend = backend_.get();
+  DynamicBatcher* batcher = batcher_.get();
+  manager_options.place = [backend](std::shared_ptr<const LmHeadWeights> w) {
+    return backend->Load(std::move(w));
   };
-  manager_options.warm_up = [raw_batcher](const ServedVersion& version) {
-    return WarmUp(raw_batcher, version);
+  manager_options.estimate_bytes = [backend](int64_t h, int64_t v, bool bias) {
+    return backend->EstimateBytes(h, v, bias);
+  };
+  manager_options.warm_up = [batcher](const ServedVersion& version) {
+    return WarmUp(batcher, version);
   };
   auto manager = ModelManager::Create(std::move(manager_options));
   if (!manager.ok()) return manager.status();
-  server->models_ = *std::move(manager);
-  if (absl::Status s = server->LoadModels(std::move(models)); !s.ok()) return s;
-  if (!server->models_->Resolve("", 0).ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--default_model=", server->models_->default_model(),
-                     " is not loaded"));
-  }
-
-  LogProbServiceImpl::Options service_options;
-  service_options.max_request_rows = options.max_request_rows;
-  service_options.max_top_k = options.max_top_k;
-  service_options.extras_unavailable = description.extras_unavailable;
-  spdlog::info(
-      "requests: up to {} rows (--max_request_rows), entropy on "
-      "request, top_k up to {} (--max_top_k; kernels allow {})",
-      options.max_request_rows, options.max_top_k, kernels::kMaxTopK);
-  service_options.max_stream_inflight_requests =
-      options.max_stream_inflight_requests;
-  service_options.on_call_done = [metrics](absl::string_view method, int code) {
-    metrics->CountRequest(method, code);
-  };
-  service_options.on_rows_answered = [metrics](absl::string_view model,
-                                               int64_t rows) {
-    metrics->CountModelRows(model, rows);
-  };
-  service_options.authenticator = server->authenticator_.get();
-  server->logprob_service_ = std::make_unique<LogProbServiceImpl>(
-      service_options, server->models_.get(), server->batcher_.get());
-
-  ModelRepositoryServiceImpl::Options repository_options;
-  repository_options.admin_authenticator = server->admin_authenticator_.get();
-  repository_options.allow_without_admin_token = IsLoopbackHost(options.host);
-  repository_options.store = server->model_store_.get();
-  repository_options.on_call_done = service_options.on_call_done;
-  server->repository_service_ = std::make_unique<ModelRepositoryServiceImpl>(
-      repository_options, server->models_.get());
-  if (server->admin_authenticator_ == nullptr &&
-      !IsLoopbackHost(options.host)) {
-    spdlog::warn(
-        "no --admin_tokens_file: ModelRepositoryService refuses every "
-        "call (the server listens on {}, beyond loopback)",
-        options.host);
-  }
-
-  server->projection_weights_ =
-      std::make_unique<ProjectionWeights>(std::move(projection_weights));
-  if (absl::Status s = StartProjection(
-          options, server->projection_weights_.get(), metrics,
-          &server->projection_backend_, &server->projection_scheduler_);
-      !s.ok()) {
-    return s;
-  }
-  ProjectionServiceImpl::Options projection_options;
-  projection_options.default_rows_per_chunk =
-      options.projection_default_rows_per_chunk;
-  projection_options.max_stream_buffer_bytes =
-      options.projection_stream_buffer_bytes;
-  projection_options.determinism_key =
-      ProjectionDeterminismKey(*server->projection_weights_);
-  projection_options.on_call_done = service_options.on_call_done;
-  projection_options.authenticator = server->authenticator_.get();
-  projection_options.chunk_buffers =
-      server->projection_backend_->host_buffer_pool();
-  projection_options.on_stream_timings =
-      [metrics](const ProjectionServiceImpl::StreamTimings& t) {
-        metrics->ObserveProjectionStream(t.chunks, t.write_seconds,
-                                         t.waited_for_compute_seconds);
-      };
-  server->projection_service_ = std::make_unique<ProjectionServiceImpl>(
-      projection_options, server->projection_scheduler_.get());
-  spdlog::info("projection: {} on {} (kernel {}, key {})",
-               server->projection_weights_->description,
-               server->projection_backend_->description().device,
-               server->projection_backend_->description().kernel_version,
-               projection_options.determinism_key);
-
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  const std::string address = absl::StrCat(
-      options.host.find(':') != std::string::npos ? "[" + options.host + "]"
-                                                  : options.host,
-      ":", options.port);
-  builder.AddListeningPort(address, *credentials, &server->port_);
-  if (!options.unix_socket_path.empty()) {
-    if (absl::Status s =
-            PrepareUnixSocketPath(options.unix_socket_path, "--unix_socket");
-        !s.ok()) {
-      return s;
-    }
-    // Plaintext, as local sockets of system services are: who may connect is
-    // the socket file's mode; bearer tokens still apply to every call.
-    builder.AddListeningPort(UnixSocketAddress(options.unix_socket_path),
-                             grpc::InsecureServerCredentials());
-  }
-  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
-                             options.max_concurrent_streams_per_connection);
-  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
-  builder.SetMaxSendMessageSize(options.max_message_bytes);
-  builder.RegisterService(server->logprob_service_.get());
-  builder.RegisterService(server->repository_service_.get());
-  builder.RegisterService(server->projection_service_.get());
-  server->grpc_server_ = builder.BuildAndStart();
-  if (server->grpc_server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot listen on ", address,
-        options.unix_socket_path.empty()
-            ? ""
-            : absl::StrCat(" and ",
-                           UnixSocketAddress(options.unix_socket_path))));
-  }
-  grpc::HealthCheckServiceInterface* health =
-      server->grpc_server_->GetHealthCheckService();
-  health->SetServingStatus(false);
-
-  if (options.metrics_port >= 0) {
-    MetricsHttpServer::Options metrics_options;
-    metrics_options.host = options.host;
-    metrics_options.port = options.metrics_port;
-    Server* raw = server.get();
-    metrics_options.render = [raw] { return raw->RenderMetrics(); };
-    auto http = MetricsHttpServer::Start(metrics_options);
-    if (!http.ok()) return http.status();
-    server->metrics_http_ = *std::move(http);
-    spdlog::info("metrics on http://{}:{}/metrics",
-                 options.host.find(':') != std::string::npos
-                     ? "[" + options.host + "]"
-                     : options.host,
-                 server->metrics_http_->port());
-  }
-  health->SetServingStatus(true);
-  health->SetServingStatus(kLogProbServiceName, true);
-  health->SetServingStatus(kProjectionServiceName, true);
-  health->SetServingStatus(kRepositoryServiceName, true);
-  const detlogp::v1::ModelInfo info = server->model_info();
-  spdlog::info(
-      "serving model {} v{} (default) and {} other(s) on {}:{}{} "
-      "(determinism key {}; {}, {})",
-      info.model(), info.model_version(),
-      server->models_->DescribeAll().size() - 1, options.host, server->port_,
-      options.unix_socket_path.empty()
-          ? ""
-          : " and " + UnixSocketAddress(options.unix_socket_path) +
-                " (plaintext)",
-      info.determinism_key(),
-      options.tls_cert_path.empty()        ? "plaintext"
-      : options.tls_client_ca_path.empty() ? "TLS"
-                                           : "mutual TLS",
-      server->authenticator_ ? "bearer tokens required" : "no authentication");
-  return server;
+  models_ = *std::move(manager);
+  return absl::OkStatus();
 }
 
 absl::Status Server::LoadModels(std::vector<StartupModel> models) {
@@ -509,7 +384,185 @@ absl::Status Server::LoadModels(std::vector<StartupModel> models) {
         std::move(origin));
     if (!added.ok()) return added.status();
   }
+  if (!models_->Resolve("", 0).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--default_model=", models_->default_model(), " is not loaded"));
+  }
   return absl::OkStatus();
+}
+
+void Server::BuildLogProbService() {
+  LogProbServiceImpl::Options service_options;
+  service_options.max_request_rows = options_.max_request_rows;
+  service_options.max_top_k = options_.max_top_k;
+  service_options.extras_unavailable =
+      backend_->description().extras_unavailable;
+  spdlog::info(
+      "requests: up to {} rows (--max_request_rows), entropy on "
+      "request, top_k up to {} (--max_top_k; kernels allow {})",
+      options_.max_request_rows, options_.max_top_k, kernels::kMaxTopK);
+  service_options.max_stream_inflight_requests =
+      options_.max_stream_inflight_requests;
+  service_options.on_call_done = CountCallsInto(metrics_.get());
+  ServerMetrics* metrics = metrics_.get();
+  service_options.on_rows_answered = [metrics](absl::string_view model,
+                                               int64_t rows) {
+    metrics->CountModelRows(model, rows);
+  };
+  service_options.authenticator = authenticator_.get();
+  logprob_service_ = std::make_unique<LogProbServiceImpl>(
+      service_options, models_.get(), batcher_.get());
+}
+
+void Server::BuildRepositoryService() {
+  ModelRepositoryServiceImpl::Options repository_options;
+  repository_options.admin_authenticator = admin_authenticator_.get();
+  repository_options.allow_without_admin_token = IsLoopbackHost(options_.host);
+  repository_options.store = model_store_.get();
+  repository_options.on_call_done = CountCallsInto(metrics_.get());
+  repository_service_ = std::make_unique<ModelRepositoryServiceImpl>(
+      repository_options, models_.get());
+  if (admin_authenticator_ == nullptr && !IsLoopbackHost(options_.host)) {
+    spdlog::warn(
+        "no --admin_tokens_file: ModelRepositoryService refuses every "
+        "call (the server listens on {}, beyond loopback)",
+        options_.host);
+  }
+}
+
+absl::Status Server::StartProjection(ProjectionWeights weights) {
+  projection_weights_ = std::make_unique<ProjectionWeights>(std::move(weights));
+  // The same --device as the log-prob backend.
+  ProjectionBackendRegistry registry;
+  RegisterBuiltinBackends(&registry);
+  ProjectionBackendOptions backend_options;
+  backend_options.weights = projection_weights_.get();
+  backend_options.cpu_threads = options_.cpu_threads;
+  backend_options.max_cached_host_buffer_bytes =
+      options_.projection_chunk_cache_bytes;
+  std::vector<std::string> notes;
+  auto backend = registry.Create(options_.device, backend_options, &notes);
+  if (!backend.ok()) return backend.status();
+  projection_backend_ = *std::move(backend);
+
+  ServerMetrics* metrics = metrics_.get();
+  ProjectionScheduler::Options scheduler_options;
+  scheduler_options.max_launch_rows = options_.projection_max_launch_rows;
+  scheduler_options.num_threads =
+      options_.projection_threads > 0
+          ? options_.projection_threads
+          : projection_backend_->description().preferred_inflight_batches;
+  scheduler_options.on_launch =
+      [metrics](const ProjectionScheduler::LaunchTimings& t) {
+        metrics->ObserveProjectionLaunch(t.rows, t.queue_delay_seconds,
+                                         t.run_seconds, t.copy_out_seconds);
+      };
+  auto scheduler =
+      ProjectionScheduler::Create(scheduler_options, projection_backend_.get());
+  if (!scheduler.ok()) return scheduler.status();
+  projection_scheduler_ = *std::move(scheduler);
+
+  ProjectionServiceImpl::Options projection_options;
+  projection_options.default_rows_per_chunk =
+      options_.projection_default_rows_per_chunk;
+  projection_options.max_stream_buffer_bytes =
+      options_.projection_stream_buffer_bytes;
+  projection_options.determinism_key =
+      ProjectionDeterminismKey(*projection_weights_);
+  projection_options.on_call_done = CountCallsInto(metrics);
+  projection_options.authenticator = authenticator_.get();
+  projection_options.chunk_buffers = projection_backend_->host_buffer_pool();
+  projection_options.on_stream_timings =
+      [metrics](const ProjectionServiceImpl::StreamTimings& t) {
+        metrics->ObserveProjectionStream(t.chunks, t.write_seconds,
+                                         t.waited_for_compute_seconds);
+      };
+  projection_service_ = std::make_unique<ProjectionServiceImpl>(
+      projection_options, projection_scheduler_.get());
+  spdlog::info("projection: {} on {} (kernel {}, key {})",
+               projection_weights_->description,
+               projection_backend_->description().device,
+               projection_backend_->description().kernel_version,
+               projection_options.determinism_key);
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartListeners(
+    const std::shared_ptr<grpc::ServerCredentials>& tcp_credentials) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address =
+      absl::StrCat(BracketedHost(options_.host), ":", options_.port);
+  builder.AddListeningPort(address, tcp_credentials, &port_);
+  if (!options_.unix_socket_path.empty()) {
+    if (absl::Status s =
+            PrepareUnixSocketPath(options_.unix_socket_path, "--unix_socket");
+        !s.ok()) {
+      return s;
+    }
+    // Plaintext, as local sockets of system services are: who may connect is
+    // the socket file's mode; bearer tokens still apply to every call.
+    builder.AddListeningPort(UnixSocketAddress(options_.unix_socket_path),
+                             grpc::InsecureServerCredentials());
+  }
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             options_.max_concurrent_streams_per_connection);
+  builder.SetMaxReceiveMessageSize(options_.max_message_bytes);
+  builder.SetMaxSendMessageSize(options_.max_message_bytes);
+  builder.RegisterService(logprob_service_.get());
+  builder.RegisterService(repository_service_.get());
+  builder.RegisterService(projection_service_.get());
+  grpc_server_ = builder.BuildAndStart();
+  if (grpc_server_ == nullptr || port_ == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen on ", address,
+        options_.unix_socket_path.empty()
+            ? ""
+            : absl::StrCat(" and ",
+                           UnixSocketAddress(options_.unix_socket_path))));
+  }
+  // Listening is not serving: health says SERVING once every step is done.
+  grpc_server_->GetHealthCheckService()->SetServingStatus(false);
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartMetricsEndpoint() {
+  if (options_.metrics_port < 0) return absl::OkStatus();
+  MetricsHttpServer::Options metrics_options;
+  metrics_options.host = options_.host;
+  metrics_options.port = options_.metrics_port;
+  metrics_options.render = [this] { return RenderMetrics(); };
+  auto http = MetricsHttpServer::Start(metrics_options);
+  if (!http.ok()) return http.status();
+  metrics_http_ = *std::move(http);
+  spdlog::info("metrics on http://{}:{}/metrics", BracketedHost(options_.host),
+               metrics_http_->port());
+  return absl::OkStatus();
+}
+
+void Server::ReportServing() {
+  grpc::HealthCheckServiceInterface* health =
+      grpc_server_->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kLogProbServiceName, true);
+  health->SetServingStatus(kProjectionServiceName, true);
+  health->SetServingStatus(kRepositoryServiceName, true);
+  const detlogp::v1::ModelInfo info = model_info();
+  spdlog::info(
+      "serving model {} v{} (default) and {} other(s) on {}:{}{} "
+      "(determinism key {}; {}, {})",
+      info.model(), info.model_version(), models_->DescribeAll().size() - 1,
+      options_.host, port_,
+      options_.unix_socket_path.empty()
+          ? ""
+          : " and " + UnixSocketAddress(options_.unix_socket_path) +
+                " (plaintext)",
+      info.determinism_key(),
+      options_.tls_cert_path.empty()        ? "plaintext"
+      : options_.tls_client_ca_path.empty() ? "TLS"
+                                            : "mutual TLS",
+      authenticator_ ? "bearer tokens required" : "no authentication");
 }
 
 detlogp::v1::ModelInfo Server::model_info() const {

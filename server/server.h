@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server.h>
 
 #include "absl/status/statusor.h"
@@ -140,8 +141,34 @@ class Server {
  private:
   Server() = default;
 
-  // Restores stored versions, then loads start-up models not restored.
+  // The start-up steps, in the order BuildAndStart runs them. Each fills
+  // the members it names and reads only those built before it.
+  static absl::Status ValidateOptions(const Options& options,
+                                      const std::vector<StartupModel>& models);
+  // --auth_tokens_file and --admin_tokens_file.
+  absl::Status LoadAuthenticators();
+  // The log-prob backend named by --device.
+  absl::Status CreateBackend();
+  // The batcher, its unset options taken from the backend's preferences.
+  absl::Status CreateBatcher();
+  // --model_root, when set.
+  absl::Status OpenModelStore();
+  absl::Status CreateModelManager(const std::string& default_model);
+  // Restores stored versions, then loads start-up models not restored;
+  // fails when the default model is not among them.
   absl::Status LoadModels(std::vector<StartupModel> models);
+  void BuildLogProbService();
+  void BuildRepositoryService();
+  // The projection backend (same --device), its scheduler and service.
+  absl::Status StartProjection(ProjectionWeights weights);
+  // The TCP port (and the Unix socket), every service registered; health
+  // reports NOT_SERVING until ReportServing.
+  absl::Status StartListeners(
+      const std::shared_ptr<grpc::ServerCredentials>& tcp_credentials);
+  // The Prometheus endpoint, when --metrics_port >= 0.
+  absl::Status StartMetricsEndpoint();
+  // Health goes SERVING for the server and every service.
+  void ReportServing();
 
   Options options_;
   // Before the batcher and services, which report into it.
