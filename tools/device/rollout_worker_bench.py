@@ -174,7 +174,7 @@ def main():
                     rows_per_s=summary[(rows, path)],
                     ratio_to_kernel=summary[(rows, path)] / summary[(rows, "kernel")],
                     seconds=times,
-                    last_timings=vars(timings),
+                    last_timings=timings.as_dict(),
                 )
 
         print("\nrows/s (ratio to the kernel in the same run)")

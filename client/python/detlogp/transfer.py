@@ -13,6 +13,7 @@ a remote one.
 
 import dataclasses
 import re
+import threading
 import time
 
 import numpy as np
@@ -145,8 +146,19 @@ class CallTimings:
     connections: int = 1
     path: str = "grpc"
     server_reported: bool = False
+    # Slices finish on several threads at once.
+    _lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    def as_dict(self):
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
 
     def add_slice(self, build_s, round_trip_s, decode_s, server_timing, path):
+        with self._lock:
+            self._add_slice(build_s, round_trip_s, decode_s, server_timing, path)
+
+    def _add_slice(self, build_s, round_trip_s, decode_s, server_timing, path):
         self.slices += 1
         self.build_s += build_s
         self.return_s += decode_s
