@@ -92,6 +92,18 @@ def main():
     parser.add_argument("--large_repeats", type=int, default=3, help="for N >= 262144")
     parser.add_argument("--bits_rows", type=int, default=262144)
     parser.add_argument("--server_flags", default="", help="more server flags, space-separated")
+    parser.add_argument(
+        "--connections", type=int, default=0, help="TransferOptions.connections (0: auto)"
+    )
+    parser.add_argument(
+        "--slice_mb", type=int, default=16, help="TransferOptions.slice_bytes, MiB (gRPC bytes)"
+    )
+    parser.add_argument(
+        "--shm_slice_mb",
+        type=int,
+        default=64,
+        help="TransferOptions.shared_memory_slice_bytes, MiB",
+    )
     parser.add_argument("--json_out")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -133,8 +145,18 @@ def main():
             "unix": f"unix:{socket}",
         }
         modes = {"cuda_shm": "cuda", "system_shm": "system", "tcp": "off", "unix": "off"}
+        options = detlogp.TransferOptions(
+            connections=args.connections,
+            slice_bytes=args.slice_mb << 20,
+            shared_memory_slice_bytes=args.shm_slice_mb << 20,
+        )
         clients = {
-            path: detlogp.Client(targets_of[path], timeout=600, shared_memory=modes[path])
+            path: detlogp.Client(
+                targets_of[path],
+                timeout=600,
+                transfer_options=options,
+                shared_memory=modes[path],
+            )
             for path in paths
         }
         summary = {}
