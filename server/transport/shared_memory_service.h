@@ -39,6 +39,8 @@ class SharedMemoryServiceImpl final
   SharedMemoryServiceImpl(const Options& options,
                           SharedMemoryRegistry* registry);
 
+  bool enabled() const { return options_.enabled; }
+
   grpc::ServerUnaryReactor* SystemSharedMemoryRegister(
       grpc::CallbackServerContext* context,
       const detlogp::v1::SystemSharedMemoryRegisterRequest* request,
