@@ -28,6 +28,7 @@ from detlogp._common import (
     parse_health_response,
 )
 from detlogp.aio_status import ServerStatus
+from detlogp.client import UNREGISTER_PAUSE_S
 from detlogp.credentials import make_aio_channel
 from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, MessageTooLarge, from_rpc_error
 from detlogp.results import logprob_result
@@ -289,14 +290,24 @@ class AsyncClient(ClientState):
             await asyncio.sleep(0.002)
             deadline.remaining()  # DeadlineExceeded once it has passed
 
-    async def _unregister(self, stub, region):
+    async def _unregister(self, stub, region, timeout=5.0):
+        """client._unregister_region on this loop."""
+        end = time.monotonic() + timeout
         try:
             unregister = getattr(stub, region.unregister_method)
-            await unregister(
-                region.unregister_request(pb), timeout=5.0, metadata=self._scoring_metadata
-            )
-        except grpc.RpcError:
-            pass
+            while True:
+                try:
+                    await unregister(
+                        region.unregister_request(pb),
+                        timeout=timeout,
+                        metadata=self._scoring_metadata,
+                    )
+                    return
+                except grpc.RpcError as error:
+                    in_use = error.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    if not in_use or time.monotonic() + UNREGISTER_PAUSE_S > end:
+                        return
+                await asyncio.sleep(UNREGISTER_PAUSE_S)
         finally:
             region.close()
 

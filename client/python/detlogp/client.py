@@ -598,14 +598,27 @@ class Client(ClientState):
         return outcomes
 
 
+# Between attempts to unregister a region still held by a request.
+UNREGISTER_PAUSE_S = 0.02
+
+
 def _unregister_region(stub, region, timeout=5.0):
-    """Unregisters and frees `region`; the server's answer does not matter
-    (it releases unused regions itself after --shared_memory_idle_s)."""
+    """Unregisters and frees `region`. The server may still hold the region
+    for a request answered a moment ago (FAILED_PRECONDITION): asked again
+    for up to `timeout`; any other answer does not matter (the server
+    releases unused regions itself after --shared_memory_idle_s)."""
+    end = time.monotonic() + timeout
     try:
         unregister = getattr(stub, region.unregister_method)
-        unregister(region.unregister_request(pb), timeout=timeout)
-    except grpc.RpcError:
-        pass
+        while True:
+            try:
+                unregister(region.unregister_request(pb), timeout=timeout)
+                return
+            except grpc.RpcError as error:
+                in_use = error.code() == grpc.StatusCode.FAILED_PRECONDITION
+                if not in_use or time.monotonic() + UNREGISTER_PAUSE_S > end:
+                    return
+            time.sleep(UNREGISTER_PAUSE_S)
     finally:
         region.close()
 

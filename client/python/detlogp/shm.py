@@ -422,11 +422,16 @@ class TargetMemory:
         key = (kind, type(why).__name__, str(getattr(why, "code", "")))
         if key not in self._said:
             self._said.add(key)
+            reason = str(why).rstrip(": ") or type(why).__name__
+            if type(why).__name__ == "Unimplemented":
+                reason = f"the server offers no shared memory ({reason})"
             log.warning(
-                "detlogp: %s shared memory with %s is not used, rows go over gRPC: %s",
+                "%s shared memory with %s is not used, rows go over gRPC "
+                "(asked again in %.0f s): %s",
                 kind,
                 self.target,
-                why,
+                REFUSAL_RETRY_S,
+                reason,
             )
 
     def pools(self):

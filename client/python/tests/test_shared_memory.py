@@ -128,7 +128,7 @@ def test_a_region_is_registered_once_and_reused(shm_server):
         mine = {
             k: v for k, v in regions(shm_server.target).items() if k.startswith(f"detlogp_{pid}_")
         }
-        assert len(mine) == 1, mine
+        assert len(mine) == 1, sorted(mine)
         (region,) = mine.values()
         assert region.use.requests >= 5
         assert region.use.requests_in_flight == 0
