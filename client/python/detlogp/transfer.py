@@ -32,6 +32,10 @@ MESSAGE_HEADROOM_BYTES = 64 << 10
 # Bytes a response spends per row beyond its values: a top-k id is a varint
 # of up to ten bytes.
 _TOP_K_ROW_BYTES = 4 + 10
+# The largest top_k any server answers (the kernels' limit; --max_top_k is at
+# most this): a larger one is refused whatever the slicing, so it does not
+# shrink the slices.
+_MAX_TOP_K_ANSWERED = 32
 
 SHARED_MEMORY_MODES = ("auto", "off", "system", "cuda")
 
@@ -255,7 +259,7 @@ class LogProbCall:
 
     def response_row_bytes(self):
         per_row = 4 * (1 + self.fields.return_lse + self.fields.return_entropy)
-        return per_row + self.fields.top_k * _TOP_K_ROW_BYTES
+        return per_row + min(self.fields.top_k, _MAX_TOP_K_ANSWERED) * _TOP_K_ROW_BYTES
 
     def slices(self, limits, preferred_bytes, receive_limit_bytes):
         """The call cut into Slices: at most limits.max_request_rows rows,
