@@ -85,6 +85,7 @@ class Client(ClientState):
     def __init__(self, targets, **kwargs):
         super().__init__(targets, **kwargs)
         self._slice_pool = None
+        self._slice_workers = 0
         self._slice_pool_lock = threading.Lock()
         # Regions are released by close(), or at exit when it was not called.
         self._release_regions = weakref.finalize(
@@ -251,11 +252,13 @@ class Client(ClientState):
                 future.cancel()  # after a failure: the slices not started
 
     def _slice_executor(self, workers):
+        """The client's threads for slices, at least `workers` of them."""
         with self._slice_pool_lock:
-            if self._slice_pool is None or self._slice_pool._max_workers < workers:
+            if self._slice_pool is None or self._slice_workers < workers:
                 old = self._slice_pool
+                self._slice_workers = max(workers, 8)
                 self._slice_pool = concurrent.futures.ThreadPoolExecutor(
-                    max(workers, 8), thread_name_prefix="detlogp-slice"
+                    self._slice_workers, thread_name_prefix="detlogp-slice"
                 )
                 if old is not None:
                     old.shutdown(wait=False)
