@@ -9,6 +9,8 @@ import logging
 import threading
 import time
 
+import grpc
+
 from detlogp import requests, shm, transfer, wire
 from detlogp.credentials import bearer
 from detlogp.errors import (
@@ -92,7 +94,9 @@ class Deadline:
             return None
         left = self._end - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded("deadline passed on the client before the call")
+            raise DeadlineExceeded(
+                "deadline passed on the client before the call", grpc.StatusCode.DEADLINE_EXCEEDED
+            )
         return left
 
     def allows_sleep(self, seconds):
@@ -158,6 +162,9 @@ def logprob_fields(
     )
 
 
+# How long after an unanswered ModelInfo the client asks a target for its
+# limits again.
+LIMITS_ASK_AGAIN_S = 10.0
 # The field the server names when a request's shared-memory reference is bad.
 SHARED_MEMORY_FIELD = "hidden.shared_memory"
 
@@ -391,6 +398,7 @@ class ClientState:
         self._extra_channels = [[] for _ in self.targets]
         self._connections_lock = threading.Lock()
         self._limits = [None] * len(self.targets)
+        self._limits_asked = [None] * len(self.targets)  # monotonic time
         self._memory = [shm.TargetMemory(t, self.transfer_options) for t in self.targets]
         self._shm_stubs = [pb_grpc.SharedMemoryServiceStub(c) for c in self._channels]
 
@@ -430,6 +438,20 @@ class ClientState:
         kind = self._memory[index].kind_for(call, time.monotonic())
         preferred = options.slice_bytes if kind is None else options.shared_memory_slice_bytes
         return call.slices(limits, preferred, self._max_receive_bytes)
+
+    def _targets_to_ask_limits(self):
+        """Targets whose limits are unknown and were not asked for lately
+        (one call asks; calls meanwhile assume the server's defaults, and a
+        refusal teaches the real ones)."""
+        now = time.monotonic()
+        due = []
+        with self._connections_lock:
+            for index, known in enumerate(self._limits):
+                asked = self._limits_asked[index]
+                if known is None and (asked is None or now - asked > LIMITS_ASK_AGAIN_S):
+                    self._limits_asked[index] = now
+                    due.append(index)
+        return due
 
     def _learned_from(self, error, pieces):
         """True when `error` is a server's refusal of a slice over its row or

@@ -190,9 +190,7 @@ class AsyncClient(ClientState):
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _learn_limits(self, deadline):
-        for index, known in enumerate(self._limits):
-            if known is not None:
-                continue
+        for index in self._targets_to_ask_limits():
             left = deadline.remaining()
             try:
                 info = await self._logp[index].GetModelInfo(

@@ -265,12 +265,10 @@ class Client(ClientState):
             return self._slice_pool
 
     def _learn_limits(self, deadline):
-        """Asks each target whose limits are unknown for them once
-        (ModelInfo); a target that does not answer is asked again on the
-        next large call, the server's defaults assumed meanwhile."""
-        for index, known in enumerate(self._limits):
-            if known is not None:
-                continue
+        """Asks each target whose limits are unknown for them (ModelInfo);
+        one that does not answer is asked again LIMITS_ASK_AGAIN_S later,
+        the server's defaults assumed meanwhile."""
+        for index in self._targets_to_ask_limits():
             left = deadline.remaining()
             try:
                 info = self._logp[index].GetModelInfo(
