@@ -96,13 +96,13 @@ def main():
         "--connections", type=int, default=0, help="TransferOptions.connections (0: auto)"
     )
     parser.add_argument(
-        "--slice_mb", type=int, default=16, help="TransferOptions.slice_bytes, MiB (gRPC bytes)"
+        "--slice_mb", type=int, default=8, help="TransferOptions.slice_bytes, MiB (gRPC bytes)"
     )
     parser.add_argument(
-        "--shm_slice_mb",
-        type=int,
-        default=64,
-        help="TransferOptions.shared_memory_slice_bytes, MiB",
+        "--system_slice_mb", type=int, default=8, help="TransferOptions.system_slice_bytes, MiB"
+    )
+    parser.add_argument(
+        "--cuda_slice_mb", type=int, default=64, help="TransferOptions.cuda_slice_bytes, MiB"
     )
     parser.add_argument("--json_out")
     args = parser.parse_args()
@@ -148,7 +148,8 @@ def main():
         options = detlogp.TransferOptions(
             connections=args.connections,
             slice_bytes=args.slice_mb << 20,
-            shared_memory_slice_bytes=args.shm_slice_mb << 20,
+            system_slice_bytes=args.system_slice_mb << 20,
+            cuda_slice_bytes=args.cuda_slice_mb << 20,
         )
         clients = {
             path: detlogp.Client(

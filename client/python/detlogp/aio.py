@@ -145,7 +145,7 @@ class AsyncClient(ClientState):
             await self._learn_limits(deadline)
         while True:
             pieces = self._plan_slices(call, 0)
-            connections = min(self.transfer_options.connections_for(call.rows), len(pieces))
+            connections = min(self.transfer_options.connections_for(call.hidden_bytes), len(pieces))
             if timings is not None:
                 timings.connections = connections
             try:

@@ -213,7 +213,7 @@ class Client(ClientState):
         while True:
             pieces = self._plan_slices(call, 0)
             options = self.transfer_options
-            connections = min(options.connections_for(call.rows), len(pieces))
+            connections = min(options.connections_for(call.hidden_bytes), len(pieces))
             if timings is not None:
                 timings.connections = connections
             try:

@@ -383,10 +383,10 @@ class TargetMemory:
         self.mode = options.shared_memory
         self.min_bytes = options.shared_memory_min_bytes
         self.budget_bytes = options.shared_memory_bytes
-        self.region_bytes = options.shared_memory_slice_bytes * (
-            options.auto_connections * options.slices_in_flight_per_connection
-        )
-        self.system = RegionPool(self.budget_bytes, self.region_bytes)
+        # A region holds a large call's slices in flight.
+        in_flight = options.auto_connections * options.slices_in_flight_per_connection
+        self.system = RegionPool(self.budget_bytes, options.system_slice_bytes * in_flight)
+        self.cuda_region_bytes = options.cuda_slice_bytes * in_flight
         self.cuda = {}  # device index -> RegionPool
         self._refused = {}  # kind -> monotonic time of the refusal
         self._said = set()
@@ -412,7 +412,7 @@ class TargetMemory:
             return self.system
         with self._lock:
             if device.index not in self.cuda:
-                self.cuda[device.index] = RegionPool(self.budget_bytes, self.region_bytes)
+                self.cuda[device.index] = RegionPool(self.budget_bytes, self.cuda_region_bytes)
             return self.cuda[device.index]
 
     def refused(self, kind, now, why, log):

@@ -46,10 +46,14 @@ class TransferOptions:
 
     slice_bytes: hidden bytes per request sent over gRPC (the server parses
       smaller messages faster, and slices overlap on the connections).
-    shared_memory_slice_bytes: hidden bytes per request whose rows lie in
-      shared memory (only the reference travels).
+    system_slice_bytes: hidden bytes per request whose rows lie in a system
+      region: small enough that copying the next slice in overlaps the
+      server's work on the last.
+    cuda_slice_bytes: the same for a CUDA region (a device-to-device copy
+      costs little; fewer, larger requests do).
     connections: connections per target a large call is spread over; 0:
-      `auto_connections` from `auto_connections_min_rows` rows on, else 1.
+      `auto_connections` for calls of `auto_connections_min_bytes` of rows
+      or more (4,096 rows of H=4096 bf16), else 1.
     slices_in_flight_per_connection: requests of one call outstanding on
       each connection at once.
     shared_memory: "auto" (a CUDA region for a CUDA tensor, a system region
@@ -63,11 +67,12 @@ class TransferOptions:
       makes small calls).
     """
 
-    slice_bytes: int = 16 << 20
-    shared_memory_slice_bytes: int = 64 << 20
+    slice_bytes: int = 8 << 20
+    system_slice_bytes: int = 8 << 20
+    cuda_slice_bytes: int = 64 << 20
     connections: int = 0
     auto_connections: int = 4
-    auto_connections_min_rows: int = 8192
+    auto_connections_min_bytes: int = 32 << 20
     slices_in_flight_per_connection: int = 2
     shared_memory: str = "auto"
     shared_memory_bytes: int = 1 << 30
@@ -75,7 +80,13 @@ class TransferOptions:
 
     def validated(self):
         """self, or ValueError naming the first bad field."""
-        for name in ("slice_bytes", "shared_memory_slice_bytes", "shared_memory_bytes"):
+        for name in (
+            "slice_bytes",
+            "system_slice_bytes",
+            "cuda_slice_bytes",
+            "shared_memory_bytes",
+            "auto_connections_min_bytes",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("auto_connections", "slices_in_flight_per_connection"):
@@ -95,10 +106,17 @@ class TransferOptions:
             )
         return self
 
-    def connections_for(self, rows):
+    def connections_for(self, hidden_bytes):
         if self.connections:
             return int(self.connections)
-        return self.auto_connections if rows >= self.auto_connections_min_rows else 1
+        return self.auto_connections if hidden_bytes >= self.auto_connections_min_bytes else 1
+
+    def slice_bytes_for(self, kind):
+        """Hidden bytes per request for rows in `kind` of region (None: in
+        the message)."""
+        if kind is None:
+            return self.slice_bytes
+        return self.cuda_slice_bytes if kind == "cuda" else self.system_slice_bytes
 
 
 @dataclasses.dataclass(frozen=True)
