@@ -376,6 +376,9 @@ class ClientState:
             client_certificate=client_certificate,
             client_key=client_key,
         )
+        # What a sync channel to a target needs (the asyncio client releases
+        # its regions at exit through one).
+        self._sync_channel_security = dict(self._channel_security, token=token)
         if self._channel_sends_token:
             self._channel_security["token"] = token
         self._channels = [self._own_channel(t, own_connection=False) for t in self.targets]

@@ -10,6 +10,7 @@ Example:
 
 import asyncio
 import time
+import weakref
 
 import grpc
 import numpy as np
@@ -28,7 +29,7 @@ from detlogp._common import (
     parse_health_response,
 )
 from detlogp.aio_status import ServerStatus
-from detlogp.client import UNREGISTER_PAUSE_S
+from detlogp.client import UNREGISTER_PAUSE_S, release_shared_memory_at_exit
 from detlogp.credentials import make_aio_channel
 from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, MessageTooLarge, from_rpc_error
 from detlogp.results import logprob_result
@@ -42,14 +43,28 @@ class AsyncClient(ClientState):
     same model calls (admin_token, every-target uploads, NOT_FOUND moving
     on for pinned versions), and the same large calls (slices side by side,
     shared memory for a server on this host). Create it inside the event
-    loop that uses it; close() it to unregister its shared memory at once
-    (else the server releases it after --shared_memory_idle_s)."""
+    loop that uses it; close() unregisters its shared memory (a client
+    not closed does so when the process exits)."""
 
     _make_channel = staticmethod(make_aio_channel)
     # Each call carries the token as metadata: see make_aio_channel.
     _channel_sends_token = False
 
+    def __init__(self, targets, **kwargs):
+        super().__init__(targets, **kwargs)
+        # Regions left when the process exits without close(): released
+        # through sync channels (this client's need its event loop).
+        self._release_at_exit = weakref.finalize(
+            self,
+            release_shared_memory_at_exit,
+            self.targets,
+            self._memory,
+            list(self._channel_options),
+            self._sync_channel_security,
+        )
+
     async def close(self):
+        self._release_at_exit.detach()
         for memory, stub in zip(self._memory, self._shm_stubs):
             for pool in memory.pools():
                 for region in pool.take_all():

@@ -631,3 +631,16 @@ def _release_shared_memory(memories, stubs):
         for pool in memory.pools():
             for region in pool.take_all():
                 _unregister_region(stub, region)
+
+
+def release_shared_memory_at_exit(targets, memories, channel_options, security):
+    """_release_shared_memory through sync channels opened for it: for the
+    asyncio client, whose own channels need its event loop, gone at exit."""
+    for target, memory in zip(targets, memories):
+        if not any(pool.held_bytes() for pool in memory.pools()):
+            continue
+        channel = make_channel(target, channel_options, **security)
+        try:
+            _release_shared_memory([memory], [pb_grpc.SharedMemoryServiceStub(channel)])
+        finally:
+            channel.close()

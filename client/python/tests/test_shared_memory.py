@@ -277,6 +277,56 @@ def test_async_client_uses_a_system_region_and_unregisters_on_close(shm_server):
     assert not [k for k in regions(shm_server.target) if k.startswith(f"detlogp_{pid}_")]
 
 
+UNCLOSED_CLIENTS = textwrap.dedent(
+    """
+    import asyncio, sys
+    import numpy as np
+    import detlogp
+    from detlogp.aio import AsyncClient
+
+    target, hidden_size = sys.argv[1], int(sys.argv[2])
+    hidden = np.ones((1000, hidden_size), np.float32)
+    targets = np.zeros(1000, np.int64)
+    sync_client = detlogp.Client(target, timeout=60)
+    print(sync_client.logprobs(hidden, targets, timing=True).timings.path)
+
+    async def main():
+        aclient = AsyncClient(target, timeout=60)
+        print((await aclient.logprobs(hidden, targets, timing=True)).timings.path)
+        return aclient
+
+    kept = asyncio.run(main())
+    print("exiting", flush=True)
+    """
+)
+
+
+def test_clients_never_closed_release_their_regions_at_exit(shm_server):
+    """A sync and an asyncio client left open: their regions are
+    unregistered when the process exits (this server keeps idle regions
+    for 300 s, so only that removes them)."""
+    model = shm_server.model
+    child = subprocess.Popen(
+        [sys.executable, "-c", UNCLOSED_CLIENTS, shm_server.target, str(model.hidden)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0, err
+    assert out.split() == ["system_shm", "system_shm", "exiting"], out
+    prefix = f"detlogp_{child.pid}_"
+    log = shm_server.log()
+    registered = {
+        line.split("system region ")[1].split()[0]
+        for line in log.splitlines()
+        if prefix in line and line.rstrip().endswith(")") and "registered (" in line
+    }
+    assert len(registered) == 2, registered
+    assert not [name for name in regions(shm_server.target) if name.startswith(prefix)]
+    assert shm_files(child.pid) == []
+
+
 def test_cpu_torch_tensors_use_a_system_region(shm_server):
     torch = pytest.importorskip("torch")
     model = shm_server.model
