@@ -48,11 +48,9 @@ std::string TokensFile() {
 
 std::vector<std::string> ServerArgs(std::vector<std::string> extra = {}) {
   std::vector<std::string> args = {
-      "--device=cpu",
-      absl::StrCat("--synthetic_hidden_size=", kHidden),
+      "--device=cpu", absl::StrCat("--synthetic_hidden_size=", kHidden),
       absl::StrCat("--synthetic_vocab_size=", kVocab),
-      "--auth_tokens_file=" + TokensFile(),
-      "--metrics_port=0"};
+      "--auth_tokens_file=" + TokensFile(), "--metrics_port=0"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
 }
@@ -61,8 +59,8 @@ std::vector<std::string> ServerArgs(std::vector<std::string> extra = {}) {
 class Regions {
  public:
   Regions(const std::string& target, std::string token)
-      : stub_(v1::SharedMemoryService::NewStub(grpc::CreateChannel(
-            target, grpc::InsecureChannelCredentials()))),
+      : stub_(v1::SharedMemoryService::NewStub(
+            grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))),
         token_(std::move(token)) {}
 
   grpc::Status Register(const std::string& name, const std::string& key,
@@ -197,8 +195,8 @@ TEST_F(SharedMemoryServerTest, BitsAreTheSameOverGrpcAndSystemSharedMemory) {
     const LogProbRequest request = Request(rows, 100 + rows);
     // An odd offset inside the region: rows need no alignment.
     const int64_t offset = 1001;
-    std::memcpy((*shm)->data() + 4096 + offset,
-                request.hidden().data().data(), request.hidden().data().size());
+    std::memcpy((*shm)->data() + 4096 + offset, request.hidden().data().data(),
+                request.hidden().data().size());
     auto over_grpc = grpc_client->Score(request);
     auto over_shm = grpc_client->Score(ByReference(request, "bits", offset));
     ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
@@ -210,10 +208,10 @@ TEST_F(SharedMemoryServerTest, BitsAreTheSameOverGrpcAndSystemSharedMemory) {
   std::string fp32(rows * kHidden * 4, '\0');
   const std::string bf16 = client::RandomBf16Rows(rows, kHidden, 7);
   for (int64_t i = 0; i < rows * kHidden; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(
-                              static_cast<uint16_t>(bf16[2 * i] & 0xff) |
+    const uint32_t bits =
+        static_cast<uint32_t>(static_cast<uint16_t>(bf16[2 * i] & 0xff) |
                               static_cast<uint16_t>(bf16[2 * i + 1] << 8))
-                          << 16;
+        << 16;
     std::memcpy(&fp32[4 * i], &bits, 4);
   }
   const LogProbRequest fp32_request = client::MakeLogProbRequest(
@@ -329,8 +327,7 @@ TEST_F(SharedMemoryServerTest, BadReferencesAreRefusedNamingTheField) {
        absl::StatusCode::kInvalidArgument, "hidden.shared_memory.byte_size:"},
       {"byte_size not the shape's",
        [bytes](LogProbRequest* r) {
-         r->mutable_hidden()->mutable_shared_memory()->set_byte_size(bytes -
-                                                                     2);
+         r->mutable_hidden()->mutable_shared_memory()->set_byte_size(bytes - 2);
        },
        absl::StatusCode::kInvalidArgument, "hidden.shared_memory.byte_size:"},
       {"data and a reference",
@@ -342,8 +339,8 @@ TEST_F(SharedMemoryServerTest, BadReferencesAreRefusedNamingTheField) {
     c.edit(&request);
     auto result = client->Score(request);
     ASSERT_FALSE(result.ok()) << c.what;
-    EXPECT_EQ(result.status().code(), c.code) << c.what << ": "
-                                              << result.status();
+    EXPECT_EQ(result.status().code(), c.code)
+        << c.what << ": " << result.status();
     EXPECT_TRUE(absl::StartsWith(result.status().message(), c.field))
         << c.what << ": " << result.status();
     EXPECT_TRUE(client->Score(good).ok()) << "after " << c.what;
@@ -390,10 +387,9 @@ TEST_F(SharedMemoryServerTest, ARegionIsOnlyItsTokens) {
   const LogProbRequest good = Request(2, 5);
   std::memcpy((*shm)->data(), good.hidden().data().data(),
               good.hidden().data().size());
-  EXPECT_TRUE(Connect(*server_, kAlpha)->Score(ByReference(good, "mine", 0))
-                  .ok());
-  auto stolen =
-      Connect(*server_, kBeta)->Score(ByReference(good, "mine", 0));
+  EXPECT_TRUE(
+      Connect(*server_, kAlpha)->Score(ByReference(good, "mine", 0)).ok());
+  auto stolen = Connect(*server_, kBeta)->Score(ByReference(good, "mine", 0));
   EXPECT_EQ(stolen.status().code(), absl::StatusCode::kNotFound)
       << stolen.status();
   EXPECT_TRUE(absl::StartsWith(stolen.status().message(),
@@ -420,10 +416,11 @@ TEST_F(SharedMemoryServerTest, RegistrationsBeyondTheByteBoundAreRefused) {
   auto shm = SystemSharedMemory::Create(48 << 20);
   ASSERT_TRUE(shm.ok());
   ASSERT_TRUE(regions.Register("big1", (*shm)->key(), 0, 48 << 20).ok());
-  const grpc::Status over = regions.Register("big2", (*shm)->key(), 0, 20 << 20);
+  const grpc::Status over =
+      regions.Register("big2", (*shm)->key(), 0, 20 << 20);
   EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
-  EXPECT_TRUE(absl::StrContains(over.error_message(),
-                                "--max_shared_memory_bytes"));
+  EXPECT_TRUE(
+      absl::StrContains(over.error_message(), "--max_shared_memory_bytes"));
   ASSERT_TRUE(regions.Register("big2", (*shm)->key(), 0, 16 << 20).ok());
   EXPECT_EQ(Metric(*server_, "detlogp_shared_memory_bytes{kind=\"system\"}"),
             64 << 20);
@@ -481,8 +478,7 @@ TEST_F(SharedMemoryServerTest, TimingSaysWhereTheCallsTimeWent) {
 }
 
 TEST(SharedMemoryIdleTest, AnAbandonedRegionIsReleased) {
-  auto server =
-      ServerProcess::Start(ServerArgs({"--shared_memory_idle_s=1"}));
+  auto server = ServerProcess::Start(ServerArgs({"--shared_memory_idle_s=1"}));
   ASSERT_TRUE(server.ok()) << server.status();
   Regions regions((*server)->target(), kAlpha);
   std::string key;
@@ -509,7 +505,8 @@ TEST(SharedMemoryIdleTest, AnAbandonedRegionIsReleased) {
 }
 
 TEST(SharedMemoryOffTest, TheFlagOffRefusesRegionsAndReferences) {
-  auto server = ServerProcess::Start(ServerArgs({"--allow_shared_memory=false"}));
+  auto server =
+      ServerProcess::Start(ServerArgs({"--allow_shared_memory=false"}));
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_TRUE(absl::StrContains((*server)->Log(), "shared memory: off"));
   Regions regions((*server)->target(), kAlpha);
@@ -517,11 +514,10 @@ TEST(SharedMemoryOffTest, TheFlagOffRefusesRegionsAndReferences) {
   ASSERT_TRUE(shm.ok());
   const grpc::Status refused = regions.Register("r", (*shm)->key(), 0, 1024);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_TRUE(absl::StrContains(refused.error_message(),
-                                "--allow_shared_memory"));
+  EXPECT_TRUE(
+      absl::StrContains(refused.error_message(), "--allow_shared_memory"));
   const LogProbRequest good = Request(2, 3);
-  auto result =
-      Connect(**server, kAlpha)->Score(ByReference(good, "r", 0));
+  auto result = Connect(**server, kAlpha)->Score(ByReference(good, "r", 0));
   EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(
       absl::StartsWith(result.status().message(), "hidden.shared_memory:"));
