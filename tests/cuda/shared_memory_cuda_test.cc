@@ -76,8 +76,8 @@ bool SameBits(const ScoreResult& a, const ScoreResult& b) {
 class Regions {
  public:
   explicit Regions(const std::string& target)
-      : stub_(v1::SharedMemoryService::NewStub(grpc::CreateChannel(
-            target, grpc::InsecureChannelCredentials()))) {}
+      : stub_(v1::SharedMemoryService::NewStub(
+            grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {}
   grpc::Status RegisterCuda(const std::string& name, const std::string& handle,
                             int64_t device, int64_t bytes) {
     v1::CudaSharedMemoryRegisterRequest request;
@@ -190,9 +190,9 @@ TEST(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
         const size_t i = (caller + round) % requests.size();
         const int path = (caller + 2 * round) % 3;
         const LogProbRequest request =
-            path == 0 ? requests[i]
-                      : ByReference(requests[i], path == 1 ? "g" : "h",
-                                    offsets[i]);
+            path == 0
+                ? requests[i]
+                : ByReference(requests[i], path == 1 ? "g" : "h", offsets[i]);
         auto result = own->Score(request);
         if (!result.ok()) {
           ++failures;
@@ -212,7 +212,8 @@ TEST(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
   auto text = (*server)->HttpGet("/metrics");
   ASSERT_TRUE(text.ok());
-  EXPECT_TRUE(absl::StrContains(*text, "detlogp_hidden_bytes_total{path=\"cuda_shm\"}"));
+  EXPECT_TRUE(absl::StrContains(
+      *text, "detlogp_hidden_bytes_total{path=\"cuda_shm\"}"));
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
   cudaFree(device);
 }
