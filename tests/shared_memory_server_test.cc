@@ -1,8 +1,11 @@
 // Shared-memory regions end to end: the real server binary (CPU backend, a
 // small synthetic model, bearer tokens) on loopback, regions created by this
 // process, and requests that name them.
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <grpcpp/client_context.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 #include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -529,6 +532,70 @@ TEST(SharedMemoryOffTest, TheFlagOffRefusesRegionsAndReferences) {
   EXPECT_TRUE(absl::StrContains(client->shared_memory_refusal(),
                                 "--allow_shared_memory"));
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+// This host's first non-loopback IPv4 address, or "" when it has none.
+std::string NonLoopbackAddress() {
+  ifaddrs* addresses = nullptr;
+  if (getifaddrs(&addresses) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = addresses; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    const in_addr address =
+        reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr;
+    if ((ntohl(address.s_addr) >> 24) == 127) continue;
+    char text[INET_ADDRSTRLEN];
+    if (inet_ntop(AF_INET, &address, text, sizeof(text)) != nullptr) {
+      found = text;
+    }
+  }
+  freeifaddrs(addresses);
+  return found;
+}
+
+TEST(SharedMemoryPeerTest, OnlyCallersOnThisHostMayUseRegions) {
+  const std::string address = NonLoopbackAddress();
+  if (address.empty()) GTEST_SKIP() << "no non-loopback IPv4 address";
+  // A short path: a Unix socket's holds at most 107 bytes.
+  char dir[] = "/tmp/detlogp-shm-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string socket = absl::StrCat(dir, "/peer.sock");
+  // Every address, shared memory asked for: callers through the host's own
+  // non-loopback address are still refused.
+  auto server = ServerProcess::Start(
+      ServerArgs({"--host=0.0.0.0", "--allow_shared_memory=true",
+                  "--unix_socket=" + socket}));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto shm = SystemSharedMemory::Create(64 << 10);
+  ASSERT_TRUE(shm.ok());
+  const LogProbRequest good = Request(2, 8);
+  std::memcpy((*shm)->data(), good.hidden().data().data(),
+              good.hidden().data().size());
+  const std::string remote = absl::StrCat(address, ":", (*server)->port());
+  Regions from_afar(remote, kAlpha);
+  const grpc::Status refused = from_afar.Register("r", (*shm)->key(), 0, 4096);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED)
+      << refused.error_message();
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "host"));
+  // Through the Unix socket the same region is accepted, and usable from
+  // loopback but not from afar.
+  Regions local("unix:" + socket, kAlpha);
+  ASSERT_TRUE(local.Register("r", (*shm)->key(), 0, 4096).ok());
+  LogpClient::Options options;
+  options.bearer_token = kAlpha;
+  options.target = "unix:" + socket;
+  EXPECT_TRUE(
+      (*LogpClient::Create(options))->Score(ByReference(good, "r", 0)).ok());
+  options.target = remote;
+  auto afar = (*LogpClient::Create(options))->Score(ByReference(good, "r", 0));
+  EXPECT_EQ(afar.status().code(), absl::StatusCode::kFailedPrecondition)
+      << afar.status();
+  EXPECT_TRUE(
+      absl::StartsWith(afar.status().message(), "hidden.shared_memory:"));
+  EXPECT_TRUE((*LogpClient::Create(options))->Score(good).ok());
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+  unlink(socket.c_str());
+  rmdir(dir);
 }
 
 TEST(SharedMemoryOffTest, OnByDefaultForALoopbackListener) {
