@@ -78,6 +78,16 @@ ABSL_FLAG(
     "log-prob order (\"top_ids i,j,... top_logprobs a,b,...\"); 0: none, at "
     "most the server's --max_top_k. check-invariance: half the mixed calls "
     "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
+ABSL_FLAG(bool, timing, false,
+          "score: also print where the call's time went, on stderr: "
+          "\"timing build_us B call_us C server_us S validate_us V queue_us Q "
+          "compute_us P transfer_us T requests R path grpc|system_shm\" "
+          "(transfer: the call's time not spent on the server, both "
+          "directions).");
+ABSL_FLAG(bool, shared_memory, false,
+          "score: send the rows through a system shared-memory region the "
+          "CLI registers (same host, the server's --allow_shared_memory); "
+          "falls back to the message when refused, and says why.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int, project_repeats, 1,
@@ -169,7 +179,9 @@ LogpClient::Options ConnectionOptions() {
 }
 
 absl::StatusOr<std::unique_ptr<LogpClient>> Connect() {
-  return LogpClient::Create(ConnectionOptions());
+  LogpClient::Options options = ConnectionOptions();
+  options.system_shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  return LogpClient::Create(options);
 }
 
 absl::StatusOr<ModelRepositoryClient::Options> AdminOptions() {
@@ -253,10 +265,31 @@ int Score() {
   options.model_version = info->model_version();
   // The client checks the answer's sizes against the request (N rows, N * k
   // top-k entries); the server checks top_k.
-  auto result = (*client)->Score(detlogp::client::MakeLogProbRequest(
+  const absl::Time build_start = absl::Now();
+  detlogp::v1::LogProbRequest request = detlogp::client::MakeLogProbRequest(
       "cli", dtype, rows, info->hidden_size(), std::move(data), targets,
-      options));
+      options);
+  request.set_return_timing(absl::GetFlag(FLAGS_timing));
+  const absl::Time call_start = absl::Now();
+  auto result = (*client)->Score(request);
+  const absl::Time call_end = absl::Now();
   if (!result.ok()) return Fail(result.status());
+  if (absl::GetFlag(FLAGS_shared_memory) && !result->used_shared_memory) {
+    std::cerr << "shared memory not used: "
+              << (*client)->shared_memory_refusal() << "\n";
+  }
+  if (absl::GetFlag(FLAGS_timing)) {
+    const detlogp::v1::ServerTiming& t = result->server_timing;
+    const int64_t call_us = absl::ToInt64Microseconds(call_end - call_start);
+    std::cerr << "timing build_us "
+              << absl::ToInt64Microseconds(call_start - build_start)
+              << " call_us " << call_us << " server_us " << t.total_us()
+              << " validate_us " << t.validate_us() << " queue_us "
+              << t.queue_us() << " compute_us " << t.compute_us()
+              << " transfer_us " << call_us - t.total_us() << " requests "
+              << result->requests << " path "
+              << (result->used_shared_memory ? "system_shm" : "grpc") << "\n";
+  }
   std::cout << "model " << result->model << " version " << result->model_version
             << "\ndeterminism_key " << result->determinism_key << "\n";
   // One line per row of "name value" pairs; a top-k list is one value,

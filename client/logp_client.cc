@@ -293,7 +293,7 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
     out->set_data(hidden.data().substr(begin * row_bytes, count * row_bytes));
   }
   slice.mutable_target_ids()->Add(request.target_ids().begin() + begin,
-                                   request.target_ids().begin() + begin + count);
+                                  request.target_ids().begin() + begin + count);
   slice.set_temperature(request.temperature());
   slice.set_return_lse(request.return_lse());
   slice.set_model(request.model());
@@ -333,8 +333,7 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
   const int64_t rows = request.target_ids_size();
   const int64_t row_bytes = RowBytes(request);
   if (!options_.split_large_calls || row_bytes == 0) return 0;
-  const int64_t wire_row_bytes =
-      kTargetBytes + (by_reference ? 0 : row_bytes);
+  const int64_t wire_row_bytes = kTargetBytes + (by_reference ? 0 : row_bytes);
   int64_t max_rows = options_.max_request_rows;
   int64_t max_message_bytes = options_.max_message_bytes;
   if (max_rows <= 0) {

@@ -27,8 +27,8 @@ absl::StatusOr<std::unique_ptr<SystemSharedMemory>> SystemSharedMemory::Create(
   // Owner-only: the server runs as the same user, other users read nothing.
   const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0) {
-    return absl::InternalError(absl::StrCat("shm_open ", key, ": ",
-                                            std::strerror(errno)));
+    return absl::InternalError(
+        absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
   }
   if (ftruncate(fd, bytes) != 0) {
     const int error = errno;
@@ -37,8 +37,7 @@ absl::StatusOr<std::unique_ptr<SystemSharedMemory>> SystemSharedMemory::Create(
     return absl::ResourceExhaustedError(absl::StrCat(
         "ftruncate ", key, " to ", bytes, " bytes: ", std::strerror(error)));
   }
-  void* data =
-      mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int error = errno;
   close(fd);
   if (data == MAP_FAILED) {

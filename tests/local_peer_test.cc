@@ -19,8 +19,8 @@ TEST(LocalPeerTest, EveryOtherAddressIsNot) {
   for (const char* peer :
        {"ipv4:10.0.0.7:50051", "ipv4:128.0.0.1:1", "ipv4:0.0.0.0:1",
         "ipv6:[::2]:50051", "ipv6:[fe80::1%25eth0]:1",
-        "ipv6:[::ffff:10.0.0.1]:7", "ipv6:[2001:db8::1]:443", "ipv4:", "ipv6:",
-        "ipv6:[::1", "ipv4:127.0.0.1", "", "vsock:3:5000",
+        "ipv6:[::ffff:10.0.0.1]:7", "ipv6:[2001:db8::1]:443",
+        "ipv4:", "ipv6:", "ipv6:[::1", "ipv4:127.0.0.1", "", "vsock:3:5000",
         "ipv4:localhost:1"}) {
     EXPECT_FALSE(IsSameHostPeer(peer)) << peer;
   }

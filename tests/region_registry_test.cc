@@ -70,10 +70,11 @@ TEST(RegionRegistryTest, LeaseReadsTheObjectsBytesAtTheRegionsOffset) {
   ShmObject object(10000);
   Fixture f;
   // Offset 5000 is not page-aligned: the mapping starts at the page below.
-  ASSERT_TRUE(f.registry->RegisterSystem("", "rows", object.key(), 5000, 4000)
-                  .ok());
+  ASSERT_TRUE(
+      f.registry->RegisterSystem("", "rows", object.key(), 5000, 4000).ok());
   EXPECT_GE(f.pinned_bytes, 4000);
-  auto lease = f.registry->Acquire("", "rows", 100, 200, "hidden.shared_memory");
+  auto lease =
+      f.registry->Acquire("", "rows", 100, 200, "hidden.shared_memory");
   ASSERT_TRUE(lease.ok()) << lease.status();
   for (int i = 0; i < 200; ++i) {
     ASSERT_EQ((*lease)->data()[i], static_cast<char>((5100 + i) * 7 + 1)) << i;
@@ -106,8 +107,7 @@ TEST(RegionRegistryTest, BadRegistrationsNameTheirField) {
             "name:"},
            {std::string(129, 'x'), object.key(), 0, 16,
             absl::StatusCode::kInvalidArgument, "name:"},
-           {"r", "no_slash", 0, 16, absl::StatusCode::kInvalidArgument,
-            "key:"},
+           {"r", "no_slash", 0, 16, absl::StatusCode::kInvalidArgument, "key:"},
            {"r", "/a/b", 0, 16, absl::StatusCode::kInvalidArgument, "key:"},
            {"r", "/detlogp_registry_test_absent", 0, 16,
             absl::StatusCode::kNotFound, "key:"},
@@ -147,15 +147,14 @@ TEST(RegionRegistryTest, BadReferencesNameTheirField) {
            {"b", "r", 0, 1, absl::StatusCode::kNotFound, "t.region:"},
            {"", "r", 0, 1, absl::StatusCode::kNotFound, "t.region:"},
            {"a", "r", -1, 1, absl::StatusCode::kInvalidArgument, "t.offset:"},
-           {"a", "r", 1001, 0, absl::StatusCode::kInvalidArgument,
-            "t.offset:"},
+           {"a", "r", 1001, 0, absl::StatusCode::kInvalidArgument, "t.offset:"},
            {"a", "r", 999, 2, absl::StatusCode::kInvalidArgument,
             "t.byte_size:"},
            {"a", "r", 0, -1, absl::StatusCode::kInvalidArgument,
             "t.byte_size:"},
        }) {
-    auto lease = f.registry->Acquire(c.owner, c.region, c.offset, c.byte_size,
-                                     "t");
+    auto lease =
+        f.registry->Acquire(c.owner, c.region, c.offset, c.byte_size, "t");
     ASSERT_FALSE(lease.ok()) << c.owner << " " << c.region;
     EXPECT_EQ(lease.status().code(), c.code) << lease.status();
     EXPECT_TRUE(absl::StartsWith(lease.status().message(), c.field))
@@ -245,10 +244,9 @@ TEST(RegionRegistryTest, UseKeepsARegionFromTheIdleSweep) {
 
 TEST(RegionRegistryTest, CudaRegionsGoThroughTheHooks) {
   Fixture refused;
-  EXPECT_EQ(
-      refused.registry->RegisterCuda("", "g", std::string(64, 'h'), 0, 64)
-          .code(),
-      absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(refused.registry->RegisterCuda("", "g", std::string(64, 'h'), 0, 64)
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
 
   SharedMemoryRegistry::Options options;
   static char device_memory[256];

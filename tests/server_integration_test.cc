@@ -240,6 +240,7 @@ TEST_F(ServerIntegrationTest, OversizedMessageIsRefused) {
   LogpClient::Options options;
   options.target = server_->target();
   options.max_message_bytes = 256 << 20;
+  options.split_large_calls = false;  // sent whole, as a plain client would
   auto big_client = *LogpClient::Create(options);
   auto result = big_client->Score(request);
   ASSERT_FALSE(result.ok());

@@ -70,14 +70,14 @@ constexpr size_t kMaxNameLength = 128;
 absl::Status CheckName(const std::string& name) {
   if (name.empty() || name.size() > kMaxNameLength) {
     return absl::InvalidArgumentError(
-        absl::StrCat("name: \"", name.substr(0, kMaxNameLength), "\" must be 1-",
-                     kMaxNameLength, " characters"));
+        absl::StrCat("name: \"", name.substr(0, kMaxNameLength),
+                     "\" must be 1-", kMaxNameLength, " characters"));
   }
   for (char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' &&
         c != '.' && c != '-') {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "name: \"", name, "\" may hold only [A-Za-z0-9_.-]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("name: \"", name, "\" may hold only [A-Za-z0-9_.-]"));
     }
   }
   return absl::OkStatus();
@@ -120,9 +120,8 @@ SharedMemoryRegistry::Create(Options options) {
     return absl::InvalidArgumentError("--shared_memory_idle_s must be >= 0");
   }
   if (options.sweep_interval <= absl::ZeroDuration()) {
-    options.sweep_interval =
-        std::clamp(options.idle_release / 4, absl::Milliseconds(10),
-                   absl::Seconds(5));
+    options.sweep_interval = std::clamp(
+        options.idle_release / 4, absl::Milliseconds(10), absl::Seconds(5));
   }
   return absl::WrapUnique(new SharedMemoryRegistry(std::move(options)));
 }
@@ -182,9 +181,8 @@ int SharedMemoryRegistry::ReleaseIdle() {
 absl::Status SharedMemoryRegistry::CheckNewRegion(const std::string& name,
                                                   int64_t byte_size) const {
   if (regions_.count(name) != 0) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("name: a region \"", name,
-                     "\" is registered; unregister it first"));
+    return absl::AlreadyExistsError(absl::StrCat(
+        "name: a region \"", name, "\" is registered; unregister it first"));
   }
   if (byte_size > options_.max_bytes - registered_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -230,8 +228,8 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   if (fd < 0) {
     const int error = errno;
     if (error == ENOENT) {
-      return absl::NotFoundError(absl::StrCat(
-          "key: no shared-memory object \"", key, "\" on this host"));
+      return absl::NotFoundError(absl::StrCat("key: no shared-memory object \"",
+                                              key, "\" on this host"));
     }
     return absl::InvalidArgumentError(
         absl::StrCat("key: cannot open \"", key, "\": ", std::strerror(error)));
@@ -246,9 +244,9 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   const int64_t object_bytes = info.st_size;
   if (offset > object_bytes || byte_size > object_bytes - offset) {
     close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        "byte_size: offset ", offset, " + byte_size ", byte_size,
-        " exceeds the ", object_bytes, " bytes of \"", key, "\""));
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte_size: offset ", offset, " + byte_size ", byte_size,
+                     " exceeds the ", object_bytes, " bytes of \"", key, "\""));
   }
   // mmap's offset must be page-aligned; the region starts inside the page.
   const int64_t page = sysconf(_SC_PAGESIZE);
@@ -259,15 +257,15 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   const int map_error = errno;
   close(fd);  // the mapping keeps the object
   if (mapping == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot map ", map_bytes, " bytes of \"", key,
-        "\": ", std::strerror(map_error)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map ", map_bytes, " bytes of \"", key,
+                     "\": ", std::strerror(map_error)));
   }
   Region::Release release;
   release.mapping = mapping;
   release.mapping_bytes = map_bytes;
-  release.pinned =
-      options_.pin_host && options_.pin_host(mapping, static_cast<int64_t>(map_bytes));
+  release.pinned = options_.pin_host &&
+                   options_.pin_host(mapping, static_cast<int64_t>(map_bytes));
   release.unpin_host = options_.unpin_host;
   RegionStatus status;
   status.name = name;
@@ -283,7 +281,8 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
                                          std::move(release));
   if (absl::Status s = Insert(std::move(region)); !s.ok()) return s;
   spdlog::info("shared memory: system region {} registered ({} bytes of {}{})",
-               name, byte_size, key, pinned ? ", pinned for direct copies" : "");
+               name, byte_size, key,
+               pinned ? ", pinned for direct copies" : "");
   return absl::OkStatus();
 }
 
@@ -325,10 +324,9 @@ absl::Status SharedMemoryRegistry::RegisterCuda(const std::string& owner,
   status.device = device;
   status.byte_size = byte_size;
   status.use.last_use = Now();
-  auto region =
-      std::make_shared<Region>(owner, std::move(status),
-                               static_cast<const char*>(*opened),
-                               std::move(release));
+  auto region = std::make_shared<Region>(owner, std::move(status),
+                                         static_cast<const char*>(*opened),
+                                         std::move(release));
   if (absl::Status s = Insert(std::move(region)); !s.ok()) return s;
   spdlog::info("shared memory: CUDA region {} registered ({} bytes on cuda:{})",
                name, byte_size, device);
@@ -352,8 +350,8 @@ absl::Status SharedMemoryRegistry::Unregister(const std::string& owner,
       if (!name.empty()) break;
     }
     if (!name.empty() && chosen.empty()) {
-      return absl::NotFoundError(absl::StrCat(
-          "name: no ", RegionKindName(kind), " region \"", name, "\""));
+      return absl::NotFoundError(absl::StrCat("name: no ", RegionKindName(kind),
+                                              " region \"", name, "\""));
     }
     for (const auto& it : chosen) {
       const Use& use = it->second->status().use;
@@ -414,10 +412,10 @@ SharedMemoryRegistry::Acquire(const std::string& owner,
                      region_name, "\" of ", status.byte_size, " bytes"));
   }
   if (byte_size < 0 || byte_size > status.byte_size - offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".byte_size: ", byte_size, " bytes from offset ", offset,
-        " exceed region \"", region_name, "\" of ", status.byte_size,
-        " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".byte_size: ", byte_size, " bytes from offset ",
+                     offset, " exceed region \"", region_name, "\" of ",
+                     status.byte_size, " bytes"));
   }
   ++status.use.requests_in_flight;
   ++status.use.requests;

@@ -176,7 +176,9 @@ class SharedMemoryRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status Insert(std::shared_ptr<Region> region);
   void EndLease(Region& region);
-  absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
+  absl::Time Now() const {
+    return options_.clock ? options_.clock() : absl::Now();
+  }
   void SweepLoop();
 
   const Options options_;

@@ -67,8 +67,8 @@ void SharedMemoryServiceImpl::FillUse(const SharedMemoryRegistry::Use& use,
   if (idle > absl::ZeroDuration()) {
     const absl::Duration left =
         std::max(absl::ZeroDuration(), use.last_use + idle - absl::Now());
-    out->set_idle_release_in_s(absl::ToInt64Seconds(absl::Ceil(
-        left, absl::Seconds(1))));
+    out->set_idle_release_in_s(
+        absl::ToInt64Seconds(absl::Ceil(left, absl::Seconds(1))));
   }
 }
 
@@ -152,9 +152,10 @@ grpc::ServerUnaryReactor* SharedMemoryServiceImpl::CudaSharedMemoryRegister(
   std::string owner = TokenAuthenticator::PresentedToken(*context);
   registrations_.Start([this, reactor, request, owner = std::move(owner),
                         kMethod] {
-    Finish(reactor, kMethod,
-           registry_->RegisterCuda(owner, request->name(), request->raw_handle(),
-                                   request->device_id(), request->byte_size()));
+    Finish(
+        reactor, kMethod,
+        registry_->RegisterCuda(owner, request->name(), request->raw_handle(),
+                                request->device_id(), request->byte_size()));
   });
   return reactor;
 }
