@@ -75,9 +75,9 @@ class Client(ClientState):
     connections (TransferOptions.connections), and puts the answers back in
     order; the bits are those of one call. To a server on this host (a Unix
     socket or a loopback address) the rows go through shared memory the
-    client owns (a CUDA region for a CUDA tensor, a system region for host
-    rows); a server that refuses it gets gRPC bytes, and the reason is
-    logged once ("detlogp" logger).
+    client owns (a CUDA region for a bf16 CUDA tensor, a system region for
+    other rows); a server that refuses it gets gRPC bytes, and the reason
+    is logged once ("detlogp" logger).
     """
 
     _make_channel = staticmethod(make_channel)

@@ -30,6 +30,7 @@ import threading
 import numpy as np
 
 from detlogp import wire
+from detlogp.v1 import detlogp_pb2 as pb
 
 # Slot offsets are multiples of this (a page: aligned rows for any dtype,
 # and the server's pinned-copy engine likes page-aligned sources).
@@ -401,7 +402,10 @@ class TargetMemory:
         usable = [
             k for k in ("cuda", "system") if now - self._refused.get(k, -1e18) > REFUSAL_RETRY_S
         ]
-        if call.cuda_tensor is not None and self.mode in ("auto", "cuda") and "cuda" in usable:
+        # CUDA regions hold bf16 rows only (the server converts fp32 and fp16
+        # on the host path): other CUDA tensors go through a system region.
+        cuda_rows = call.cuda_tensor is not None and call.dtype == pb.DTYPE_BFLOAT16
+        if cuda_rows and self.mode in ("auto", "cuda") and "cuda" in usable:
             return "cuda"
         if self.mode in ("auto", "system") and "system" in usable:
             return "system"
