@@ -42,6 +42,7 @@ def shm_server(server_binary):
     flags = model.flags + [
         f"--max_request_rows={MAX_REQUEST_ROWS}",
         f"--unix_socket={socket}",
+        "--device=cpu",  # on GPU hosts too: CUDA regions are refused here
         "--cpu_threads=1",
     ]
     with LocalServer(server_binary, flags) as server:
@@ -54,7 +55,7 @@ def shm_server(server_binary):
 def idle_server(server_binary, shm_server):
     """shm_server's model, regions released after IDLE_S idle seconds."""
     model = shm_server.model
-    flags = model.flags + [f"--shared_memory_idle_s={IDLE_S}", "--cpu_threads=1"]
+    flags = model.flags + [f"--shared_memory_idle_s={IDLE_S}", "--device=cpu", "--cpu_threads=1"]
     with LocalServer(server_binary, flags) as server:
         server.model = model
         yield server
