@@ -69,6 +69,16 @@ ABSL_FLAG(
     "log-prob order (\"top_ids i,j,... top_logprobs a,b,...\"); 0: none, at "
     "most the server's --max_top_k. check-invariance: half the mixed calls "
     "ask for a top-k of 1..top_k, checked as a prefix of the solo list.");
+ABSL_FLAG(bool, timing, false,
+          "score: also print where the call's time went, on stderr: "
+          "\"timing build_us B call_us C server_us S validate_us V queue_us Q "
+          "compute_us P transfer_us T requests R path grpc|system_shm\" "
+          "(transfer: the call's time not spent on the server, both "
+          "directions).");
+ABSL_FLAG(bool, shared_memory, false,
+          "score: send the rows through a system shared-memory region the "
+          "CLI registers (same host, the server's --allow_shared_memory); "
+          "falls back to the message when refused, and says why.");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int, project_repeats, 1,
@@ -198,6 +208,8 @@ detlogp::client::ScoreCommandOptions ScoreOptions() {
   options.return_lse = absl::GetFlag(FLAGS_return_lse);
   options.return_entropy = absl::GetFlag(FLAGS_entropy);
   options.top_k = absl::GetFlag(FLAGS_top_k);
+  options.timing = absl::GetFlag(FLAGS_timing);
+  options.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   return options;
 }
 
@@ -281,11 +293,15 @@ absl::StatusOr<bool> RunCommand(const std::string& command) {
     return report->ok();
   }
   if (command == "info" || command == "score" || command == "project") {
-    auto client = LogpClient::Create(ConnectionOptions());
+    LogpClient::Options connection = ConnectionOptions();
+    connection.system_shared_memory =
+        command == "score" && absl::GetFlag(FLAGS_shared_memory);
+    auto client = LogpClient::Create(connection);
     if (!client.ok()) return client.status();
     if (command == "score") {
-      if (absl::Status s = RunScore(**client, ScoreOptions()); !s.ok())
+      if (absl::Status s = RunScore(**client, ScoreOptions()); !s.ok()) {
         return s;
+      }
     } else if (command == "project") {
       if (absl::Status s = RunProject(**client, ProjectOptions()); !s.ok()) {
         return s;

@@ -4,6 +4,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/random_rows.h"
 #include "client/tensor_files.h"
 
@@ -47,10 +49,37 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
   request_options.model_version = info->model_version();
   // The client checks the answer's sizes against the request (N rows, N * k
   // top-k entries); the server checks top_k.
-  auto result = client.Score(
+  const absl::Time build_start = absl::Now();
+  detlogp::v1::LogProbRequest request =
       MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
-                         std::move(data), targets, request_options));
+                         std::move(data), targets, request_options);
+  request.set_return_timing(options.timing);
+  const absl::Time call_start = absl::Now();
+  auto result = client.Score(request);
+  const absl::Time call_end = absl::Now();
   if (!result.ok()) return result.status();
+  if (options.shared_memory && !result->used_shared_memory) {
+    std::fprintf(stderr, "shared memory not used: %s\n",
+                 client.shared_memory_refusal().c_str());
+  }
+  if (options.timing) {
+    const detlogp::v1::ServerTiming& t = result->server_timing;
+    const int64_t call_us = absl::ToInt64Microseconds(call_end - call_start);
+    std::fprintf(
+        stderr,
+        "timing build_us %lld call_us %lld server_us %lld validate_us %lld "
+        "queue_us %lld compute_us %lld transfer_us %lld requests %lld path "
+        "%s\n",
+        static_cast<long long>(
+            absl::ToInt64Microseconds(call_start - build_start)),
+        static_cast<long long>(call_us), static_cast<long long>(t.total_us()),
+        static_cast<long long>(t.validate_us()),
+        static_cast<long long>(t.queue_us()),
+        static_cast<long long>(t.compute_us()),
+        static_cast<long long>(call_us - t.total_us()),
+        static_cast<long long>(result->requests),
+        result->used_shared_memory ? "system_shm" : "grpc");
+  }
   std::printf("model %s version %lld\ndeterminism_key %s\n",
               result->model.c_str(),
               static_cast<long long>(result->model_version),

@@ -30,6 +30,14 @@ struct ScoreCommandOptions {
   bool return_lse = false;
   bool return_entropy = false;
   int64_t top_k = 0;
+  // Print where the call's time went, on stderr: "timing build_us B call_us
+  // C server_us S validate_us V queue_us Q compute_us P transfer_us T
+  // requests R path grpc|system_shm" (transfer: the call's time not spent
+  // on the server, both directions).
+  bool timing = false;
+  // The client was created with a system shared-memory region: say so on
+  // stderr, with the server's reason, when the rows went as bytes instead.
+  bool shared_memory = false;
 };
 
 // Prints "model M version V", "determinism_key K", then per row

@@ -5,11 +5,15 @@
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/sync_stream.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
@@ -117,6 +121,7 @@ ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response) {
   result.determinism_key = response.determinism_key();
   result.model = response.model();
   result.model_version = response.model_version();
+  result.server_timing = response.timing();
   return result;
 }
 
@@ -138,9 +143,13 @@ std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
   args.SetMaxSendMessageSize(options.max_message_bytes);
   if (options.own_connection)
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  if (!options.load_balancing_policy.empty()) {
-    args.SetLoadBalancingPolicyName(options.load_balancing_policy);
+  std::string policy = options.load_balancing_policy;
+  // A dns: target names every replica behind a headless Service; gRPC's
+  // pick_first would send every call to the first.
+  if (policy.empty() && absl::StartsWith(options.target, "dns:")) {
+    policy = "round_robin";
   }
+  if (!policy.empty()) args.SetLoadBalancingPolicyName(policy);
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       grpc::InsecureChannelCredentials();
   if (!options.tls_root_certs.empty()) {
@@ -165,6 +174,8 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
+  client->shared_memory_stub_ =
+      detlogp::v1::SharedMemoryService::NewStub(client->channel_);
   client->projection_ =
       std::make_unique<ProjectionConnection>(client->channel_);
   return client;
@@ -190,7 +201,284 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
   return info;
 }
 
+LogpClient::~LogpClient() {
+  absl::MutexLock lock(&shared_memory_mu_);
+  UnregisterRegion();
+}
+
+std::string LogpClient::shared_memory_refusal() const {
+  absl::MutexLock lock(&shared_memory_mu_);
+  return shared_memory_refusal_;
+}
+
+namespace {
+
+int64_t DtypeBytes(detlogp::v1::DType dtype) {
+  switch (dtype) {
+    case detlogp::v1::DTYPE_FLOAT32:
+      return 4;
+    case detlogp::v1::DTYPE_BFLOAT16:
+    case detlogp::v1::DTYPE_FLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+// Bytes of one row of `request`'s hidden tensor; 0 when its shape or dtype
+// is not one the server accepts (the request then goes as it is, and the
+// server names the field).
+int64_t RowBytes(const detlogp::v1::LogProbRequest& request) {
+  const detlogp::v1::Tensor& hidden = request.hidden();
+  if (hidden.shape_size() != 2 || hidden.shape(1) <= 0 ||
+      hidden.shape(0) != request.target_ids_size()) {
+    return 0;
+  }
+  return hidden.shape(1) * DtypeBytes(hidden.dtype());
+}
+
+// Every field of `request` but the hidden tensor's bytes or reference.
+detlogp::v1::LogProbRequest WithoutHiddenBytes(
+    const detlogp::v1::LogProbRequest& request) {
+  detlogp::v1::LogProbRequest copy;
+  copy.set_request_id(request.request_id());
+  copy.mutable_hidden()->set_dtype(request.hidden().dtype());
+  *copy.mutable_hidden()->mutable_shape() = request.hidden().shape();
+  *copy.mutable_target_ids() = request.target_ids();
+  copy.set_temperature(request.temperature());
+  copy.set_return_lse(request.return_lse());
+  copy.set_model(request.model());
+  copy.set_model_version(request.model_version());
+  copy.set_return_entropy(request.return_entropy());
+  copy.set_top_k(request.top_k());
+  copy.set_return_timing(request.return_timing());
+  return copy;
+}
+
+// Calls this large always fit the server's defaults (65,536 rows, 640 MiB)
+// and the client's: no need to ask for the limits.
+constexpr int64_t kRowsThatAlwaysFit = 1024;
+constexpr int64_t kBytesThatAlwaysFit = int64_t{16} << 20;
+// Room for a row's target id (a varint) and the message's other fields.
+constexpr int64_t kTargetBytes = 11;
+constexpr int64_t kMessageOverheadBytes = 64 << 10;
+
+// Registration refusals that mean "not here": the client sends bytes.
+bool IsRefusal(absl::StatusCode code) {
+  return code == absl::StatusCode::kFailedPrecondition ||
+         code == absl::StatusCode::kPermissionDenied ||
+         code == absl::StatusCode::kUnimplemented ||
+         code == absl::StatusCode::kNotFound ||
+         code == absl::StatusCode::kResourceExhausted;
+}
+
+}  // namespace
+
+detlogp::v1::LogProbRequest SliceLogProbRequest(
+    const detlogp::v1::LogProbRequest& request, int64_t begin, int64_t count) {
+  detlogp::v1::LogProbRequest slice;
+  slice.set_request_id(request.request_id());
+  const detlogp::v1::Tensor& hidden = request.hidden();
+  detlogp::v1::Tensor* out = slice.mutable_hidden();
+  out->set_dtype(hidden.dtype());
+  out->add_shape(count);
+  out->add_shape(hidden.shape(1));
+  const int64_t row_bytes = RowBytes(request);
+  if (hidden.has_shared_memory()) {
+    detlogp::v1::SharedMemoryRef* ref = out->mutable_shared_memory();
+    ref->set_region(hidden.shared_memory().region());
+    ref->set_offset(hidden.shared_memory().offset() + begin * row_bytes);
+    ref->set_byte_size(count * row_bytes);
+  } else {
+    out->set_data(hidden.data().substr(begin * row_bytes, count * row_bytes));
+  }
+  slice.mutable_target_ids()->Add(request.target_ids().begin() + begin,
+                                  request.target_ids().begin() + begin + count);
+  slice.set_temperature(request.temperature());
+  slice.set_return_lse(request.return_lse());
+  slice.set_model(request.model());
+  slice.set_model_version(request.model_version());
+  slice.set_return_entropy(request.return_entropy());
+  slice.set_top_k(request.top_k());
+  slice.set_return_timing(request.return_timing());
+  return slice;
+}
+
+ScoreResult JoinScoreResults(std::vector<ScoreResult> parts) {
+  ScoreResult joined = std::move(parts.front());
+  joined.requests = static_cast<int64_t>(parts.size());
+  detlogp::v1::ServerTiming& timing = joined.server_timing;
+  for (size_t i = 1; i < parts.size(); ++i) {
+    ScoreResult& part = parts[i];
+    auto append = [](auto& to, const auto& from) {
+      to.insert(to.end(), from.begin(), from.end());
+    };
+    append(joined.logprobs, part.logprobs);
+    append(joined.lse, part.lse);
+    append(joined.entropy, part.entropy);
+    append(joined.top_ids, part.top_ids);
+    append(joined.top_logprobs, part.top_logprobs);
+    timing.set_validate_us(timing.validate_us() +
+                           part.server_timing.validate_us());
+    timing.set_queue_us(timing.queue_us() + part.server_timing.queue_us());
+    timing.set_compute_us(timing.compute_us() +
+                          part.server_timing.compute_us());
+    timing.set_total_us(timing.total_us() + part.server_timing.total_us());
+  }
+  return joined;
+}
+
+absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
+    const detlogp::v1::LogProbRequest& request, bool by_reference) {
+  const int64_t rows = request.target_ids_size();
+  const int64_t row_bytes = RowBytes(request);
+  if (!options_.split_large_calls || row_bytes == 0) return 0;
+  const int64_t wire_row_bytes = kTargetBytes + (by_reference ? 0 : row_bytes);
+  int64_t max_rows = options_.max_request_rows;
+  int64_t max_message_bytes = options_.max_message_bytes;
+  if (max_rows <= 0) {
+    if (rows <= kRowsThatAlwaysFit &&
+        rows * wire_row_bytes <= kBytesThatAlwaysFit) {
+      return 0;
+    }
+    absl::MutexLock lock(&limits_mu_);
+    if (!limits_.has_value()) {
+      auto info = GetModelInfo(request.model(), request.model_version());
+      // The server names what is wrong (an unknown model) when the call
+      // goes as it is.
+      if (!info.ok()) return 0;
+      limits_ = *std::move(info);
+    }
+    max_rows = limits_->max_request_rows();
+    if (limits_->max_receive_message_bytes() > 0) {
+      max_message_bytes = std::min<int64_t>(
+          max_message_bytes, limits_->max_receive_message_bytes());
+    }
+  }
+  const int64_t rows_by_bytes =
+      (max_message_bytes - kMessageOverheadBytes) / wire_row_bytes;
+  if (max_rows <= 0) max_rows = rows_by_bytes;  // a server that does not say
+  return std::max<int64_t>(1, std::min(max_rows, rows_by_bytes));
+}
+
+absl::Status LogpClient::RegisterRegion(int64_t bytes) {
+  // Room to grow: calls of about this size reuse it.
+  const int64_t granule = int64_t{2} << 20;
+  const int64_t size = (bytes + granule - 1) / granule * granule;
+  auto region = SystemSharedMemory::Create(size);
+  if (!region.ok()) return region.status();
+  std::random_device random;
+  const std::string name =
+      absl::StrCat("detlogp_", getpid(), "_", random(), random());
+  detlogp::v1::SystemSharedMemoryRegisterRequest request;
+  request.set_name(name);
+  request.set_key((*region)->key());
+  request.set_offset(0);
+  request.set_byte_size(size);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::SystemSharedMemoryRegisterResponse response;
+  const grpc::Status status = shared_memory_stub_->SystemSharedMemoryRegister(
+      &context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  // The server holds its own mapping: the name is no longer needed, and a
+  // client killed now leaves nothing in /dev/shm.
+  (*region)->Unlink();
+  region_ = *std::move(region);
+  region_name_ = name;
+  return absl::OkStatus();
+}
+
+void LogpClient::UnregisterRegion() {
+  if (region_ == nullptr) return;
+  detlogp::v1::SystemSharedMemoryUnregisterRequest request;
+  request.set_name(region_name_);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  detlogp::v1::SystemSharedMemoryUnregisterResponse response;
+  // Best effort: the server releases an idle region by itself.
+  shared_memory_stub_->SystemSharedMemoryUnregister(&context, request,
+                                                    &response);
+  region_.reset();
+  region_name_.clear();
+}
+
+absl::StatusOr<std::optional<detlogp::v1::LogProbRequest>>
+LogpClient::ToSharedMemoryRequest(const detlogp::v1::LogProbRequest& request) {
+  const std::string& data = request.hidden().data();
+  if (!shared_memory_refusal_.empty() || data.empty() ||
+      request.hidden().has_shared_memory()) {
+    return std::nullopt;
+  }
+  const int64_t bytes = static_cast<int64_t>(data.size());
+  if (region_ == nullptr || region_->bytes() < bytes) {
+    UnregisterRegion();
+    if (absl::Status s = RegisterRegion(bytes); !s.ok()) {
+      if (!IsRefusal(s.code())) return s;
+      shared_memory_refusal_ = s.ToString();
+      return std::nullopt;
+    }
+  }
+  std::memcpy(region_->data(), data.data(), data.size());
+  detlogp::v1::LogProbRequest by_reference = WithoutHiddenBytes(request);
+  detlogp::v1::SharedMemoryRef* ref =
+      by_reference.mutable_hidden()->mutable_shared_memory();
+  ref->set_region(region_name_);
+  ref->set_offset(0);
+  ref->set_byte_size(bytes);
+  return by_reference;
+}
+
 absl::StatusOr<ScoreResult> LogpClient::Score(
+    const detlogp::v1::LogProbRequest& request) {
+  std::optional<absl::MutexLock> region_lock;
+  const detlogp::v1::LogProbRequest* to_send = &request;
+  std::optional<detlogp::v1::LogProbRequest> by_reference;
+  if (options_.system_shared_memory) {
+    region_lock.emplace(&shared_memory_mu_);
+    auto converted = ToSharedMemoryRequest(request);
+    if (!converted.ok()) return converted.status();
+    by_reference = *std::move(converted);
+    if (by_reference.has_value()) {
+      to_send = &*by_reference;
+    } else {
+      region_lock.reset();  // bytes in messages: no need to take turns
+    }
+  }
+  const bool shared = by_reference.has_value();
+  auto rows_per_request = RowsPerRequest(*to_send, shared);
+  if (!rows_per_request.ok()) return rows_per_request.status();
+  const int64_t rows = to_send->target_ids_size();
+  absl::StatusOr<ScoreResult> result;
+  if (*rows_per_request <= 0 || rows <= *rows_per_request) {
+    result = ScoreOne(*to_send);
+  } else {
+    // The first slice alone picks the version (the latest when the request
+    // says 0); every other slice is pinned to it, so the whole call is
+    // computed on one version even when a new one is published meanwhile.
+    std::vector<ScoreResult> parts;
+    auto first = ScoreOne(SliceLogProbRequest(*to_send, 0, *rows_per_request));
+    if (!first.ok()) return first.status();
+    const int64_t version = first->model_version;
+    parts.push_back(*std::move(first));
+    std::vector<detlogp::v1::LogProbRequest> rest;
+    for (int64_t begin = *rows_per_request; begin < rows;
+         begin += *rows_per_request) {
+      rest.push_back(SliceLogProbRequest(
+          *to_send, begin, std::min(*rows_per_request, rows - begin)));
+      rest.back().set_model_version(version);
+    }
+    auto answers = ScoreStream(rest);
+    if (!answers.ok()) return answers.status();
+    for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
+    result = JoinScoreResults(std::move(parts));
+  }
+  if (result.ok()) result->used_shared_memory = shared;
+  return result;
+}
+
+absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
     const detlogp::v1::LogProbRequest& request) {
   grpc::ClientContext context;
   PrepareContext(&context);

@@ -18,6 +18,16 @@
 // entropy per row exactly when asked for, N * top_k top-k ids and log-probs;
 // a response of another size is a DATA_LOSS error naming the field.
 //
+// Large calls: Score cuts a request larger than the server's limits
+// (ModelInfo.max_request_rows and max_receive_message_bytes, asked once)
+// into requests that fit, sends them on one stream and joins the answers in
+// row order; each row's bits are those it gets alone.
+//
+// Same host: with Options::system_shared_memory, Score copies the hidden
+// rows into a POSIX shared-memory region the client owns (registered once,
+// grown when a call needs more) and sends a reference instead of the bytes.
+// The server answers with the same bits.
+//
 // Model versions are managed with ModelRepositoryClient
 // (client/model_repository_client.h).
 //
@@ -27,6 +37,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,10 +45,13 @@
 #include <grpcpp/client_context.h>
 #include <grpcpp/impl/rpc_method.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/interleaved_rows.h"
 #include "client/project_chunk.h"
+#include "client/system_shared_memory.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 
 namespace detlogp::client {
@@ -59,6 +73,13 @@ struct ScoreResult {
   // The model and version every row was computed with.
   std::string model;
   int64_t model_version = 0;
+  // Where the call's time went on the server, when the request set
+  // return_timing (summed over the requests a large call was cut into).
+  detlogp::v1::ServerTiming server_timing;
+  // Requests the call took (more than one when it was cut to fit).
+  int64_t requests = 1;
+  // Whether the hidden rows went through a shared-memory region.
+  bool used_shared_memory = false;
 };
 
 // What a request asks for beyond log p(target), and what it runs on.
@@ -103,9 +124,22 @@ class LogpClient {
     // Distinct channels are distinct TCP connections (local subchannel pool).
     bool own_connection = false;
     // gRPC load-balancing policy, e.g. "round_robin" with a target listing
-    // several replicas ("ipv4:10.0.0.1:50051,10.0.0.2:50051") or a headless
-    // Service name ("dns:///detlogp.ns.svc:50051"). Empty: gRPC's default.
+    // several replicas ("ipv4:10.0.0.1:50051,10.0.0.2:50051"). Empty:
+    // "round_robin" for a "dns:" target (a headless Service's pods, each
+    // call to the next), gRPC's default (pick_first) otherwise.
     std::string load_balancing_policy;
+    // Score sends hidden rows through a system shared-memory region this
+    // client owns when the server allows it (same host,
+    // --allow_shared_memory). Calls through the region take turns (one
+    // region per client). A refused registration turns it off for the
+    // client: the bytes then go in the messages (shared_memory_refusal()
+    // says why).
+    bool system_shared_memory = false;
+    // Cut calls larger than the server's limits into requests that fit.
+    bool split_large_calls = true;
+    // Rows per request when cutting; 0: the server's limits (GetModelInfo,
+    // asked once when a call is large enough to need them).
+    int64_t max_request_rows = 0;
     // Sent as "authorization: Bearer <token>" when not empty.
     std::string bearer_token;
     // PEM roots to verify the server with; enables TLS when not empty.
@@ -117,13 +151,19 @@ class LogpClient {
 
   static absl::StatusOr<std::unique_ptr<LogpClient>> Create(
       const Options& options);
+  // Unregisters the client's region, if any.
+  ~LogpClient();
 
   // `model` empty: the default model; `model_version` 0: its latest version.
   // The answer lists every version the server holds of that model.
   absl::StatusOr<detlogp::v1::ModelInfo> GetModelInfo(
       const std::string& model = "", int64_t model_version = 0);
-  // One call; the answer checked against the request (CheckLogProbResponse).
+  // One call, cut into requests that fit the server's limits when larger;
+  // the answer checked against the request (CheckLogProbResponse).
   absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& request);
+  // Why system shared memory is not used (empty while it is, or was never
+  // asked for).
+  std::string shared_memory_refusal() const;
   // Sends every request on one stream and returns the answers in order,
   // each checked against its request.
   absl::StatusOr<std::vector<ScoreResult>> ScoreStream(
@@ -226,15 +266,51 @@ class LogpClient {
       const ProjectOptions& options,
       const std::function<void(ProjectChunk&)>& on_chunk);
 
+  // One request as it is, answered and checked.
+  absl::StatusOr<ScoreResult> ScoreOne(
+      const detlogp::v1::LogProbRequest& request);
+  // The rows a request may carry on this server (0: unknown, no cutting).
+  absl::StatusOr<int64_t> RowsPerRequest(
+      const detlogp::v1::LogProbRequest& request, bool by_reference);
+  // Copies the request's hidden bytes into the client's region (created,
+  // grown and registered as needed) and returns the request naming them;
+  // nullopt when shared memory is off or refused (the caller sends bytes).
+  absl::StatusOr<std::optional<detlogp::v1::LogProbRequest>>
+  ToSharedMemoryRequest(const detlogp::v1::LogProbRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
+  absl::Status RegisterRegion(int64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
+  void UnregisterRegion() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
+
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
+  std::unique_ptr<detlogp::v1::SharedMemoryService::Stub> shared_memory_stub_;
+  // The server's limits, once asked.
+  absl::Mutex limits_mu_;
+  std::optional<detlogp::v1::ModelInfo> limits_ ABSL_GUARDED_BY(limits_mu_);
+  // The client's region; held for a whole call through it.
+  mutable absl::Mutex shared_memory_mu_;
+  std::unique_ptr<SystemSharedMemory> region_
+      ABSL_GUARDED_BY(shared_memory_mu_);
+  std::string region_name_ ABSL_GUARDED_BY(shared_memory_mu_);
+  std::string shared_memory_refusal_ ABSL_GUARDED_BY(shared_memory_mu_);
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
   // channel_'s: one-stream projections and the first interleaved call. The
   // other interleaved calls get connections of their own for the length of
   // the projection (an idle connection holds a server's SIGTERM drain).
   std::unique_ptr<ProjectionConnection> projection_;
 };
+
+// A request's rows [begin, begin + count) as a request of their own: its
+// hidden bytes (or its shared-memory reference, moved by the rows before),
+// targets, and every other field as they are.
+detlogp::v1::LogProbRequest SliceLogProbRequest(
+    const detlogp::v1::LogProbRequest& request, int64_t begin, int64_t count);
+
+// Answers of consecutive slices of one request, joined in order (top_k of
+// the first).
+ScoreResult JoinScoreResults(std::vector<ScoreResult> parts);
 
 // A channel as LogpClient makes it (message limits, TLS, load balancing);
 // `options.bearer_token` and `options.timeout` belong to calls, not here.

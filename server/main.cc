@@ -3,6 +3,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -106,9 +107,22 @@ ABSL_FLAG(int64_t, max_request_rows, 65536,
 ABSL_FLAG(int64_t, max_top_k, 20,
           "Largest top_k a request may ask for (0 .. 32); larger ones get "
           "INVALID_ARGUMENT.");
-ABSL_FLAG(int, max_message_mb, 160,
-          "Largest gRPC message, MiB (default fits 8192 x 4096 bf16 rows and "
-          "a 364,608-row H3 video input).");
+ABSL_FLAG(int, max_message_mb, 640,
+          "Largest gRPC message, MiB, 1..2047 (the default fits a request of "
+          "65,536 x 4,096 bf16 rows; GetModelInfo reports it, and the "
+          "clients cut larger calls to fit).");
+ABSL_FLAG(std::optional<bool>, allow_shared_memory, std::nullopt,
+          "true or false: SharedMemoryService and requests naming "
+          "shared-memory regions, for callers on this host only (the Unix "
+          "socket, loopback). Not given: on if --host is loopback, off "
+          "otherwise.");
+ABSL_FLAG(int64_t, max_shared_memory_bytes, int64_t{64} << 30,
+          "Bytes all registered shared-memory regions may span together; "
+          "registrations beyond it get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, shared_memory_idle_s, 300,
+          "A shared-memory region no request named for this many seconds is "
+          "released (a client killed without unregistering leaks nothing for "
+          "long); 0: never.");
 ABSL_FLAG(std::string, projection_weights, "",
           "A .safetensors file with the H3 video input projection; empty "
           "serves seeded synthetic weights.");
@@ -416,6 +430,16 @@ int main(int argc, char** argv) {
   options.max_model_memory_bytes = absl::GetFlag(FLAGS_max_model_memory_bytes);
   options.max_concurrent_streams_per_connection =
       absl::GetFlag(FLAGS_max_concurrent_streams);
+  // Unset, the server decides from its listeners (Server::Options).
+  options.allow_shared_memory = absl::GetFlag(FLAGS_allow_shared_memory);
+  options.max_shared_memory_bytes =
+      absl::GetFlag(FLAGS_max_shared_memory_bytes);
+  const int64_t idle_s = absl::GetFlag(FLAGS_shared_memory_idle_s);
+  if (idle_s < 0) {
+    spdlog::error("--shared_memory_idle_s={} is negative", idle_s);
+    return 2;
+  }
+  options.shared_memory_idle = absl::Seconds(idle_s);
   options.projection_max_launch_rows =
       absl::GetFlag(FLAGS_projection_max_launch_rows);
   options.projection_threads = absl::GetFlag(FLAGS_projection_threads);

@@ -16,6 +16,7 @@
 #include "kernels/lm_head.h"
 #include "kernels/split_policy.h"
 #include "digests/determinism_key.h"
+#include "server/transport/local_peer.h"
 #include "server/transport/unix_socket.h"
 #include "spdlog/spdlog.h"
 
@@ -147,6 +148,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
     return s;
   }
   if (absl::Status s = server->LoadModels(std::move(models)); !s.ok()) return s;
+  if (absl::Status s = server->StartSharedMemory(); !s.ok()) return s;
   server->BuildLogProbService();
   server->BuildRepositoryService();
   if (absl::Status s = server->StartProjection(std::move(projection_weights));
@@ -391,6 +393,58 @@ absl::Status Server::LoadModels(std::vector<StartupModel> models) {
   return absl::OkStatus();
 }
 
+absl::Status Server::StartSharedMemory() {
+  SharedMemoryRegistry::Options registry_options;
+  registry_options.max_bytes = options_.max_shared_memory_bytes;
+  registry_options.idle_release = options_.shared_memory_idle;
+  LogpBackend* backend = backend_.get();
+  registry_options.pin_host = [backend](void* data, int64_t bytes) {
+    return backend->PinHostMemory(data, bytes);
+  };
+  registry_options.unpin_host = [backend](void* data) {
+    backend->UnpinHostMemory(data);
+  };
+  registry_options.open_ipc = [backend](const std::string& handle, int device,
+                                        int64_t bytes) {
+    return backend->OpenIpcMemory(handle, device, bytes);
+  };
+  registry_options.close_ipc = [backend](void* data, int device) {
+    backend->CloseIpcMemory(data, device);
+  };
+  auto registry = SharedMemoryRegistry::Create(std::move(registry_options));
+  if (!registry.ok()) return registry.status();
+  shared_memory_ = *std::move(registry);
+  // Every caller of a loopback listener (and of the Unix socket) is on this
+  // host; beyond that it takes the operator's word.
+  const bool on_host_only = IsLoopbackListenAddress(options_.host);
+  const bool enabled = options_.allow_shared_memory.value_or(on_host_only);
+  if (enabled) {
+    spdlog::info(
+        "shared memory: on for callers on this host (--allow_shared_memory{}; "
+        "up to {} bytes, regions unused for {} released)",
+        options_.allow_shared_memory.has_value()
+            ? ""
+            : ", the default: every listener is on this host",
+        options_.max_shared_memory_bytes,
+        absl::FormatDuration(options_.shared_memory_idle));
+  } else {
+    spdlog::info(
+        "shared memory: off (--allow_shared_memory{}); requests carry their "
+        "bytes",
+        options_.allow_shared_memory.has_value()
+            ? "=false"
+            : absl::StrCat(" unset and --host=", options_.host,
+                           " is beyond loopback"));
+  }
+  SharedMemoryServiceImpl::Options service_options;
+  service_options.enabled = enabled;
+  service_options.authenticator = authenticator_.get();
+  service_options.on_call_done = CountCallsInto(metrics_.get());
+  shared_memory_service_ = std::make_unique<SharedMemoryServiceImpl>(
+      service_options, shared_memory_.get());
+  return absl::OkStatus();
+}
+
 void Server::BuildLogProbService() {
   LogProbServiceImpl::Options service_options;
   service_options.max_request_rows = options_.max_request_rows;
@@ -410,6 +464,14 @@ void Server::BuildLogProbService() {
     metrics->CountModelRows(model, rows);
   };
   service_options.authenticator = authenticator_.get();
+  service_options.on_hidden_bytes = [metrics](absl::string_view path,
+                                              int64_t bytes) {
+    metrics->CountHiddenBytes(path, bytes);
+  };
+  service_options.max_receive_message_bytes = options_.max_message_bytes;
+  if (shared_memory_service_ != nullptr && shared_memory_service_->enabled()) {
+    service_options.shared_memory = shared_memory_.get();
+  }
   logprob_service_ = std::make_unique<LogProbServiceImpl>(
       service_options, models_.get(), batcher_.get());
 }
@@ -513,6 +575,7 @@ absl::Status Server::StartListeners(
   builder.RegisterService(logprob_service_.get());
   builder.RegisterService(repository_service_.get());
   builder.RegisterService(projection_service_.get());
+  builder.RegisterService(shared_memory_service_.get());
   grpc_server_ = builder.BuildAndStart();
   if (grpc_server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -600,6 +663,12 @@ std::string Server::RenderMetrics() const {
     buffers.heap = pool.heap_fallbacks;
     buffers.freed = pool.freed;
     buffers.cache_bytes = pool.cached_bytes;
+  }
+  if (shared_memory_ != nullptr) {
+    const SharedMemoryRegistry::Totals totals = shared_memory_->totals();
+    snapshot.shared_memory = {totals.system_regions, totals.system_bytes,
+                              totals.cuda_regions, totals.cuda_bytes,
+                              totals.idle_released};
   }
   return metrics_->Render(snapshot);
 }

@@ -14,6 +14,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,10 +34,12 @@
 #include "server/models/projection_weights.h"
 #include "server/observability/metrics.h"
 #include "server/observability/metrics_http_server.h"
+#include "server/shared_memory/region_registry.h"
 #include "server/transport/auth.h"
 #include "server/transport/logprob_service.h"
 #include "server/transport/model_repository_service.h"
 #include "server/transport/projection_service.h"
+#include "server/transport/shared_memory_service.h"
 
 namespace detlogp::server {
 
@@ -58,9 +61,10 @@ class Server {
     // Who may connect is the socket file's mode, set by the process's umask
     // (connecting needs write permission).
     std::string unix_socket_path;
-    // Largest message either way; the default fits 8192 x 4096 bf16 rows
-    // and a 364,608-row H3 video input (140 MB).
-    int max_message_bytes = 160 << 20;
+    // Largest message either way; the default fits a request of 65,536 x
+    // 4,096 bf16 rows with its targets (ModelInfo reports it, so clients
+    // cut larger calls).
+    int max_message_bytes = 640 << 20;
     int64_t max_request_rows = 65536;
     // Largest top_k a request may ask for; 0 .. kernels::kMaxTopK.
     int64_t max_top_k = 20;
@@ -102,6 +106,14 @@ class Server {
     int64_t max_model_memory_bytes = 0;  // 0: no bound
     // HTTP/2 streams one connection may have open at once.
     int max_concurrent_streams_per_connection = 256;
+    // SharedMemoryService and Tensor.shared_memory for callers on this host
+    // (docs/shared_memory.md). Unset: on when every listener is on this
+    // host (loopback --host; the Unix socket always is), off otherwise.
+    std::optional<bool> allow_shared_memory;
+    // Bytes all registered regions may span together.
+    int64_t max_shared_memory_bytes = int64_t{64} << 30;
+    // A region unused this long is released; zero: never.
+    absl::Duration shared_memory_idle = absl::Seconds(300);
     // Projection rows per launch; also the largest rows_per_chunk.
     int64_t projection_max_launch_rows = 2048;
     // Projection launches in flight (each its own staging and GPU stream);
@@ -157,6 +169,8 @@ class Server {
   // Restores stored versions, then loads start-up models not restored;
   // fails when the default model is not among them.
   absl::Status LoadModels(std::vector<StartupModel> models);
+  // The region registry (with the backend's hooks) and SharedMemoryService.
+  absl::Status StartSharedMemory();
   void BuildLogProbService();
   void BuildRepositoryService();
   // The projection backend (same --device), its scheduler and service.
@@ -176,6 +190,9 @@ class Server {
   std::unique_ptr<TokenAuthenticator> authenticator_;
   std::unique_ptr<TokenAuthenticator> admin_authenticator_;
   std::unique_ptr<LogpBackend> backend_;
+  // After the backend (its regions are pinned or opened through it), before
+  // the batcher (whose requests hold regions until answered).
+  std::unique_ptr<SharedMemoryRegistry> shared_memory_;
   std::unique_ptr<DynamicBatcher> batcher_;
   std::unique_ptr<ModelStore> model_store_;
   // After the batcher: versions free their device memory before the
@@ -183,6 +200,7 @@ class Server {
   std::unique_ptr<ModelManager> models_;
   std::unique_ptr<LogProbServiceImpl> logprob_service_;
   std::unique_ptr<ModelRepositoryServiceImpl> repository_service_;
+  std::unique_ptr<SharedMemoryServiceImpl> shared_memory_service_;
   std::unique_ptr<ProjectionWeights> projection_weights_;
   std::unique_ptr<ProjectionBackend> projection_backend_;
   std::unique_ptr<ProjectionScheduler> projection_scheduler_;

@@ -116,8 +116,8 @@ TEST(HelpFlagsTest, ServerHelpListsEveryFlagWithDefaults) {
   const std::map<std::string, std::string> defaults = {
       {"host", "\"127.0.0.1\""},       {"port", "50051"},
       {"device", "\"auto\""},          {"lm_head_tensor", "\"\""},
-      {"max_versions_per_model", "2"}, {"max_message_mb", "160"},
-      {"max_request_rows", "65536"},
+      {"max_versions_per_model", "2"}, {"max_message_mb", "640"},
+      {"shared_memory_idle_s", "300"}, {"max_request_rows", "65536"},
   };
   for (const char* help_flag : {"--help", "--helpshort"}) {
     SCOPED_TRACE(help_flag);

@@ -67,6 +67,10 @@ const std::map<std::string, std::string>& ExpectedTypes() {
       {"detlogp_projection_chunk_buffers_total", "counter"},
       {"detlogp_projection_chunk_buffers_freed_total", "counter"},
       {"detlogp_projection_chunk_buffer_cache_bytes", "gauge"},
+      {"detlogp_hidden_bytes_total", "counter"},
+      {"detlogp_shared_memory_regions", "gauge"},
+      {"detlogp_shared_memory_bytes", "gauge"},
+      {"detlogp_shared_memory_idle_released_total", "counter"},
   };
   return *types;
 }
@@ -163,6 +167,10 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
   snapshot.models.push_back({"policy", 7, 2});
   snapshot.models.push_back({"reference", 1, 1});
   snapshot.chunk_buffers = {690, 24, 1, 8, 264241152};
+  snapshot.shared_memory = {2, 1 << 30, 1, 3 << 20, 5};
+  metrics.CountHiddenBytes("grpc", 8192);
+  metrics.CountHiddenBytes("system_shm", 1 << 20);
+  metrics.CountHiddenBytes("system_shm", 1 << 20);
   const std::string text = metrics.Render(snapshot);
   const Exposition parsed = Parse(text);
   EXPECT_EQ(parsed.types, ExpectedTypes()) << text;
@@ -215,6 +223,14 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
       {"detlogp_projection_chunk_buffers_total{source=\"heap\"}", 1},
       {"detlogp_projection_chunk_buffers_freed_total", 8},
       {"detlogp_projection_chunk_buffer_cache_bytes", 264241152},
+      {"detlogp_hidden_bytes_total{path=\"grpc\"}", 8192},
+      {"detlogp_hidden_bytes_total{path=\"system_shm\"}", 2 << 20},
+      {"detlogp_hidden_bytes_total{path=\"cuda_shm\"}", 0},
+      {"detlogp_shared_memory_regions{kind=\"system\"}", 2},
+      {"detlogp_shared_memory_regions{kind=\"cuda\"}", 1},
+      {"detlogp_shared_memory_bytes{kind=\"system\"}", 1 << 30},
+      {"detlogp_shared_memory_bytes{kind=\"cuda\"}", 3 << 20},
+      {"detlogp_shared_memory_idle_released_total", 5},
   };
   for (const auto& [series, value] : expected) {
     auto it = parsed.samples.find(series);

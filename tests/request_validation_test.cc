@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <string>
 
 #include "kernels/bfloat16.h"
 
@@ -170,6 +172,88 @@ TEST(RequestValidationTest, EmptyRequestIsValid) {
   auto rows = ValidateLogProbRequest(ValidRequest(0), kLimits);
   ASSERT_TRUE(rows.ok());
   EXPECT_EQ(rows->rows, 0);
+}
+
+// The request's fp32 rows moved into `region` (host memory of the test),
+// named by reference.
+LogProbRequest InRegion(LogProbRequest request, std::string* region) {
+  *region = request.hidden().data();
+  request.mutable_hidden()->clear_data();
+  detlogp::v1::SharedMemoryRef* ref =
+      request.mutable_hidden()->mutable_shared_memory();
+  ref->set_region("r");
+  ref->set_byte_size(static_cast<int64_t>(region->size()));
+  return request;
+}
+
+TEST(RequestValidationTest, SharedMemoryRowsReadLikeMessageRows) {
+  std::string region;
+  const LogProbRequest request = InRegion(ValidRequest(3), &region);
+  auto hold = std::make_shared<int>(0);
+  int resolved = 0;
+  const SharedMemoryResolver resolve =
+      [&](const detlogp::v1::SharedMemoryRef& ref)
+      -> absl::StatusOr<SharedMemoryBytes> {
+    ++resolved;
+    EXPECT_EQ(ref.region(), "r");
+    SharedMemoryBytes bytes;
+    bytes.data = region.data();
+    bytes.location.kind = HiddenLocation::Kind::kPinnedHost;
+    bytes.hold = hold;
+    return bytes;
+  };
+  auto by_reference = ValidateLogProbRequest(request, kLimits, resolve);
+  ASSERT_TRUE(by_reference.ok()) << by_reference.status();
+  auto in_message = ValidateLogProbRequest(ValidRequest(3), kLimits);
+  ASSERT_TRUE(in_message.ok());
+  EXPECT_EQ(resolved, 1);
+  EXPECT_EQ(by_reference->converted, in_message->converted);
+  EXPECT_EQ(by_reference->source, ValidatedRows::Source::kSystemRegion);
+  EXPECT_EQ(by_reference->hidden_bytes, 3 * kH * 4);
+  // Converted rows are the server's own: the region is let go at once.
+  EXPECT_EQ(by_reference->region_hold, nullptr);
+  EXPECT_EQ(by_reference->location.kind, HiddenLocation::Kind::kHost);
+  EXPECT_EQ(hold.use_count(), 1);
+}
+
+TEST(RequestValidationTest, BadSharedMemoryReferencesNameTheirField) {
+  std::string region;
+  const LogProbRequest good = InRegion(ValidRequest(2), &region);
+  const SharedMemoryResolver not_found = [](const detlogp::v1::SharedMemoryRef&)
+      -> absl::StatusOr<SharedMemoryBytes> {
+    return absl::NotFoundError("hidden.shared_memory.region: no region");
+  };
+  auto absent = ValidateLogProbRequest(good, kLimits, not_found);
+  EXPECT_EQ(absent.status().code(), absl::StatusCode::kNotFound);
+  auto off = ValidateLogProbRequest(good, kLimits);
+  EXPECT_EQ(off.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(off.status().message().rfind("hidden.shared_memory:", 0), 0u)
+      << off.status();
+  LogProbRequest both = good;
+  both.mutable_hidden()->set_data("x");
+  auto both_result = ValidateLogProbRequest(both, kLimits, not_found);
+  EXPECT_EQ(both_result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(both_result.status().message().rfind("hidden.data:", 0), 0u);
+  LogProbRequest wrong_size = good;
+  wrong_size.mutable_hidden()->mutable_shared_memory()->set_byte_size(4);
+  auto size_result = ValidateLogProbRequest(wrong_size, kLimits, not_found);
+  EXPECT_EQ(size_result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(size_result.status().message().rfind(
+                "hidden.shared_memory.byte_size:", 0),
+            0u);
+  // A CUDA region must hold bf16: the server converts on the host only.
+  const SharedMemoryResolver on_device =
+      [&](const detlogp::v1::SharedMemoryRef&)
+      -> absl::StatusOr<SharedMemoryBytes> {
+    SharedMemoryBytes bytes;
+    bytes.data = region.data();
+    bytes.location.kind = HiddenLocation::Kind::kDevice;
+    bytes.location.device = 0;
+    return bytes;
+  };
+  auto fp32_on_device = ValidateLogProbRequest(good, kLimits, on_device);
+  EXPECT_EQ(fp32_on_device.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fp32_on_device.status().message().rfind("hidden.dtype:", 0), 0u);
 }
 
 }  // namespace

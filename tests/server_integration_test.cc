@@ -35,7 +35,10 @@ using v1::LogProbRequest;
 class ServerIntegrationTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    auto server = ServerProcess::Start({"--device=cpu"});
+    // A 160 MiB message limit (the default is larger) for the oversized
+    // message test.
+    auto server =
+        ServerProcess::Start({"--device=cpu", "--max_message_mb=160"});
     ASSERT_TRUE(server.ok()) << server.status();
     server_ = server->release();
   }
@@ -229,7 +232,7 @@ TEST_F(ServerIntegrationTest, BadRequestInStreamEndsItAfterEarlierAnswers) {
 
 TEST_F(ServerIntegrationTest, OversizedMessageIsRefused) {
   auto client = Connect();
-  // 90k rows x 1024 x 2 bytes = 180 MiB > the 160 MiB default limit.
+  // 90k rows x 1024 x 2 bytes = 180 MiB > the server's 160 MiB limit.
   LogProbRequest request =
       MakeLogProbRequest("big", v1::DTYPE_BFLOAT16, 90 * 1024, 1024,
                          std::string(180u << 20, '\x01'),
@@ -237,6 +240,7 @@ TEST_F(ServerIntegrationTest, OversizedMessageIsRefused) {
   LogpClient::Options options;
   options.target = server_->target();
   options.max_message_bytes = 256 << 20;
+  options.split_large_calls = false;  // sent whole, as a plain client would
   auto big_client = *LogpClient::Create(options);
   auto result = big_client->Score(request);
   ASSERT_FALSE(result.ok());

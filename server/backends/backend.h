@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/lm_head.h"
 #include "server/backends/backend_registry.h"
+#include "server/backends/hidden_location.h"
 #include "server/models/lm_head_weights.h"
 
 namespace detlogp::server {
@@ -99,6 +100,17 @@ class LogpExecutor {
   // gathers the rest, so a device backend can start copying them; the
   // batch's Run follows. Backends that copy in Run ignore it.
   virtual void RowsStaged(int64_t rows) {}
+  // Whether this executor copies rows that live at `kind` itself (CopyRows)
+  // straight into its device inputs. The batcher gathers kHost rows, and
+  // kPinnedHost rows an executor does not take, into the staging; kDevice
+  // rows an executor does not take fail their request.
+  virtual bool CopiesRowsFrom(HiddenLocation::Kind kind) const { return false; }
+  // Rows [staging_row, staging_row + count) of this batch are `count` rows
+  // at `rows` (row-major bf16, in memory of `location`, of a kind
+  // CopiesRowsFrom accepts): Run copies them, after every staged row, and
+  // their staging rows are left unset. `rows` stays valid until Run returns.
+  virtual void CopyRows(const HiddenLocation& location, const char* rows,
+                        int64_t staging_row, int64_t count) {}
   // Computes rows [0, rows) of the staging buffers on `model` (the one
   // given to Stage), and `extras`, and returns when the outputs are in host
   // memory. A failure fails this batch only.
@@ -122,6 +134,25 @@ class LogpBackend {
       int64_t max_batch_rows) = 0;
   // Accelerator memory in use by this process's device(s); 0 on the CPU.
   virtual int64_t DeviceMemoryUsedBytes() const { return 0; }
+
+  // Shared-memory regions (server/shared_memory). Registers host memory a
+  // client shares so executors copy from it straight to the device;
+  // returns whether it did (false: nothing to gain, e.g. on the CPU; the
+  // batcher then gathers the rows as usual). A failure is not fatal either.
+  virtual bool PinHostMemory(void* data, int64_t bytes) { return false; }
+  // Undoes a PinHostMemory that returned true.
+  virtual void UnpinHostMemory(void* data) {}
+  // Opens another process's device memory (a cudaIpcMemHandle_t's raw
+  // bytes) on `device`, which must be one the backend computes on, and
+  // checks that `byte_size` bytes from its base lie in one allocation.
+  // INVALID_ARGUMENT naming raw_handle, device_id or byte_size when not.
+  virtual absl::StatusOr<void*> OpenIpcMemory(const std::string& raw_handle,
+                                              int device, int64_t byte_size) {
+    return absl::FailedPreconditionError(
+        "CUDA shared memory: this server computes on the CPU");
+  }
+  // Undoes a successful OpenIpcMemory.
+  virtual void CloseIpcMemory(void* data, int device) {}
 };
 
 // BackendOptions::device_index for "every suitable device" ("cuda:all") and

@@ -2,6 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -71,7 +74,22 @@ class CudaExecutor final : public LogpExecutor {
     return layout_.View(host_inputs_.as<void>(), host_outputs_.as<void>());
   }
 
+  // Rows of registered host memory and of opened CUDA regions go straight
+  // from where they are to the device input, after every staged row.
+  bool CopiesRowsFrom(HiddenLocation::Kind kind) const override {
+    return kind == HiddenLocation::Kind::kPinnedHost ||
+           kind == HiddenLocation::Kind::kDevice;
+  }
+
+  void CopyRows(const HiddenLocation& location, const char* rows,
+                int64_t staging_row, int64_t count) override {
+    direct_.push_back(DirectRows{rows, staging_row, count});
+  }
+
   void RowsStaged(int64_t rows) override {
+    // Staging rows of direct copies are unset: once a batch has them, its
+    // remaining staged rows are copied by Run, around them.
+    if (!direct_.empty()) return;
     if (rows > capacity_ ||
         (rows - rows_copied_) * row_bytes() < kMinEarlyCopyBytes) {
       return;
@@ -86,6 +104,7 @@ class CudaExecutor final : public LogpExecutor {
   absl::Status Run(const LogpModel& model, int64_t rows,
                    const LogpExtras& extras) override {
     const int64_t rows_copied = std::exchange(rows_copied_, 0);
+    const std::vector<DirectRows> direct = std::exchange(direct_, {});
     if (rows > capacity_ || model.hidden_size() != hidden_size_) {
       return absl::InternalError("batch does not match the executor's staging");
     }
@@ -98,7 +117,7 @@ class CudaExecutor final : public LogpExecutor {
         !s.ok()) {
       return s;
     }
-    absl::Status enqueued = Enqueue(kernel, rows, rows_copied, extras);
+    absl::Status enqueued = Enqueue(kernel, rows, rows_copied, direct, extras);
     // Also after a failure: no copy may still read the staging when the
     // batcher refills it.
     const absl::Status done =
@@ -114,12 +133,50 @@ class CudaExecutor final : public LogpExecutor {
     return *static_cast<const CudaModel&>(model).heads()[slot_]->kernel;
   }
 
+  // Rows CopyRows announced: `count` rows at `source` (registered host or
+  // device memory) for staging rows from `staging_row` on.
+  struct DirectRows {
+    const char* source;
+    int64_t staging_row;
+    int64_t count;
+  };
+
   // Copies what RowsStaged has not, launches the kernel and copies the
   // outputs back, all on the stream.
   absl::Status Enqueue(const LinearLogpCuda& kernel, int64_t rows,
-                       int64_t rows_copied, const LogpExtras& extras) {
+                       int64_t rows_copied,
+                       const std::vector<DirectRows>& direct,
+                       const LogpExtras& extras) {
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_), "cudaSetDevice");
-    if (rows_copied == 0) {  // one copy for the whole block
+    if (!direct.empty()) {
+      // Targets and temperatures, then the staged rows between the direct
+      // ones (in batch order, so RowsStaged copied none after the first),
+      // each direct run straight from its memory: the device resolves
+      // where it is (unified addressing), peer GPUs included.
+      DETLOGP_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(inputs_.as<void>(), host_inputs_.as<void>(),
+                          layout_.hidden_offset(), cudaMemcpyHostToDevice,
+                          stream_),
+          "copy targets to device");
+      int64_t next = rows_copied;
+      for (const DirectRows& run : direct) {
+        if (run.staging_row > next) {
+          DETLOGP_RETURN_IF_CUDA_ERROR(CopyHiddenRows(next, run.staging_row),
+                                       "copy rows to device");
+        }
+        DETLOGP_RETURN_IF_CUDA_ERROR(
+            cudaMemcpyAsync(inputs_.as<char>() + layout_.hidden_offset() +
+                                run.staging_row * row_bytes(),
+                            run.source, run.count * row_bytes(),
+                            cudaMemcpyDefault, stream_),
+            "copy shared-memory rows to device");
+        next = run.staging_row + run.count;
+      }
+      if (next < rows) {
+        DETLOGP_RETURN_IF_CUDA_ERROR(CopyHiddenRows(next, rows),
+                                     "copy rows to device");
+      }
+    } else if (rows_copied == 0) {  // one copy for the whole block
       DETLOGP_RETURN_IF_CUDA_ERROR(
           cudaMemcpyAsync(inputs_.as<void>(), host_inputs_.as<void>(),
                           layout_.hidden_offset() + rows * row_bytes(),
@@ -176,9 +233,34 @@ class CudaExecutor final : public LogpExecutor {
   cudaStream_t stream_ = nullptr;
   int64_t hidden_size_ = 0;  // of the model last staged
   int64_t rows_copied_ = 0;  // hidden rows of this batch already on their way
+  std::vector<DirectRows> direct_;  // this batch's, in staging order
   PinnedBuffer host_inputs_, host_outputs_;
   DeviceBuffer inputs_, outputs_, workspace_;
 };
+
+// Bytes of the device allocation holding `data`, from `data` to its end
+// (the driver's cuMemGetAddressRange).
+absl::StatusOr<int64_t> AllocationBytesFrom(const void* data) {
+  using GetAddressRange = int (*)(unsigned long long* base, size_t* size,
+                                  unsigned long long pointer);
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000,
+                                       cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || entry == nullptr) {
+    cudaGetLastError();
+    return absl::InternalError("cuMemGetAddressRange is not available");
+  }
+  unsigned long long base = 0;
+  size_t size = 0;
+  const unsigned long long pointer = reinterpret_cast<uintptr_t>(data);
+  if (reinterpret_cast<GetAddressRange>(entry)(&base, &size, pointer) != 0) {
+    return absl::InvalidArgumentError(
+        "raw_handle: the driver knows no allocation at the opened address");
+  }
+  return static_cast<int64_t>(base + size - pointer);
+}
 
 // Drives one GPU ("cuda:N", or the first suitable one for "auto") or every
 // GPU of one kind ("cuda:all"); which ones and which kernel is
@@ -297,6 +379,82 @@ class CudaBackend final : public LogpBackend {
       }
     }
     return used;
+  }
+
+  // Portable: every GPU (and every executor's stream) copies from it.
+  // Read-only: the mapping is; drivers that cannot pin such pages refuse,
+  // and the batcher then gathers those rows through the staging.
+  bool PinHostMemory(void* data, int64_t bytes) override {
+    if (cudaSetDevice(devices_.front()) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    const cudaError_t pinned =
+        cudaHostRegister(data, static_cast<size_t>(bytes),
+                         cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+    if (pinned != cudaSuccess) {
+      cudaGetLastError();  // not sticky; clear it for the next call
+      return false;
+    }
+    return true;
+  }
+
+  void UnpinHostMemory(void* data) override {
+    if (cudaSetDevice(devices_.front()) == cudaSuccess) {
+      cudaHostUnregister(data);
+    }
+    cudaGetLastError();
+  }
+
+  absl::StatusOr<void*> OpenIpcMemory(const std::string& raw_handle, int device,
+                                      int64_t byte_size) override {
+    if (vocab_parallel_) {
+      return absl::FailedPreconditionError(
+          "CUDA shared memory: not read by the vocabulary-parallel backend "
+          "(--vocab_parallel); use a system region");
+    }
+    if (std::find(devices_.begin(), devices_.end(), device) == devices_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device_id: cuda:", device,
+                       " is not a GPU this server computes on (cuda:",
+                       absl::StrJoin(devices_, ","), ")"));
+    }
+    cudaIpcMemHandle_t handle;
+    if (raw_handle.size() != sizeof(handle)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("raw_handle: ", raw_handle.size(),
+                       " bytes, a cudaIpcMemHandle_t has ", sizeof(handle)));
+    }
+    std::memcpy(&handle, raw_handle.data(), sizeof(handle));
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
+    void* data = nullptr;
+    const cudaError_t opened =
+        cudaIpcOpenMemHandle(&data, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (opened != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "raw_handle: cudaIpcOpenMemHandle on cuda:", device,
+          " failed: ", cudaGetErrorString(opened),
+          " (a handle of another process, for memory on this GPU?)"));
+    }
+    // Copies may not read past the allocation: its extent comes from the
+    // driver (resolved through the runtime, so no link to libcuda).
+    auto extent = AllocationBytesFrom(data);
+    if (!extent.ok() || *extent < byte_size) {
+      cudaIpcCloseMemHandle(data);
+      if (!extent.ok()) return extent.status();
+      return absl::InvalidArgumentError(
+          absl::StrCat("byte_size: ", byte_size,
+                       " bytes, but the allocation "
+                       "holds ",
+                       *extent, " from the handle's base"));
+    }
+    return data;
+  }
+
+  void CloseIpcMemory(void* data, int device) override {
+    if (cudaSetDevice(device) == cudaSuccess) cudaIpcCloseMemHandle(data);
+    cudaGetLastError();
   }
 
   absl::StatusOr<std::unique_ptr<LogpExecutor>> NewExecutor(

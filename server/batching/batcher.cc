@@ -315,13 +315,41 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
                          "this backend does not compute entropy or top_k"));
     return;
   }
+  // Rows in device memory only an executor that copies them itself can
+  // read; anywhere else they fail their own request, not the batch.
+  const auto unreadable = [executor](const Slice& slice) {
+    return slice.job->hidden_location().kind == HiddenLocation::Kind::kDevice &&
+           !executor->CopiesRowsFrom(HiddenLocation::Kind::kDevice);
+  };
+  for (Slice& slice : batch) {
+    if (!unreadable(slice)) continue;
+    rows_failed_.fetch_add(slice.row_count, std::memory_order_relaxed);
+    slice.job->FinishRows(
+        slice.row_count,
+        absl::FailedPreconditionError(
+            "hidden.shared_memory: this backend cannot read device memory"));
+  }
+  batch.erase(std::remove_if(batch.begin(), batch.end(), unreadable),
+              batch.end());
+  if (batch.empty()) {
+    absl::MutexLock lock(&mu_);
+    --batches_in_flight_;
+    NotifyStateChangedLocked();
+    return;
+  }
   int64_t rows = 0;
   for (const Slice& slice : batch) {
     const LogpJob& job = *slice.job;
     const int64_t row_bytes = job.hidden_size() * sizeof(uint16_t);
-    std::memcpy(reinterpret_cast<char*>(staging.hidden) + rows * row_bytes,
-                job.hidden_bf16() + slice.row_begin * row_bytes,
-                slice.row_count * row_bytes);
+    const char* source = job.hidden_bf16() + slice.row_begin * row_bytes;
+    const HiddenLocation& location = job.hidden_location();
+    if (location.kind != HiddenLocation::Kind::kHost &&
+        executor->CopiesRowsFrom(location.kind)) {
+      executor->CopyRows(location, source, rows, slice.row_count);
+    } else {
+      std::memcpy(reinterpret_cast<char*>(staging.hidden) + rows * row_bytes,
+                  source, slice.row_count * row_bytes);
+    }
     std::memcpy(staging.targets + rows, job.targets().data() + slice.row_begin,
                 slice.row_count * sizeof(int32_t));
     std::fill_n(staging.temperatures + rows, slice.row_count,
@@ -354,6 +382,7 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
       .fetch_add(rows, std::memory_order_relaxed);
   int64_t offset = 0;
   for (Slice& slice : batch) {
+    slice.job->NoteBatchRan(gather_start, end);
     if (status.ok()) {
       std::copy_n(staging.logprobs + offset, slice.row_count,
                   slice.job->logprobs().begin() + slice.row_begin);

@@ -84,6 +84,32 @@ class LogpJob {
   std::vector<int32_t>& top_ids() { return top_ids_; }
   std::vector<float>& top_logprobs() { return top_logprobs_; }
 
+  // Where hidden_bf16() points (host memory unless set); set before
+  // Schedule.
+  void set_hidden_location(const HiddenLocation& location) {
+    hidden_location_ = location;
+  }
+  const HiddenLocation& hidden_location() const { return hidden_location_; }
+
+  // When the batches carrying the job's rows ran (called by batch threads):
+  // the first start and the last end, for LogProbResponse.timing.
+  void NoteBatchRan(absl::Time start, absl::Time end) {
+    absl::MutexLock lock(&mu_);
+    if (first_batch_start_ == absl::InfiniteFuture() ||
+        start < first_batch_start_) {
+      first_batch_start_ = start;
+    }
+    if (end > last_batch_end_) last_batch_end_ = end;
+  }
+  absl::Time first_batch_start() const {
+    absl::MutexLock lock(&mu_);
+    return first_batch_start_;
+  }
+  absl::Time last_batch_end() const {
+    absl::MutexLock lock(&mu_);
+    return last_batch_end_;
+  }
+
   void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
   bool cancelled() const { return cancelled_.load(std::memory_order_relaxed); }
 
@@ -118,13 +144,16 @@ class LogpJob {
   std::vector<float> logprobs_;  // each row written by one batch thread
   std::vector<float> lse_;
   LogpExtras extras_;
+  HiddenLocation hidden_location_;
   std::vector<float> entropy_;
   std::vector<int32_t> top_ids_;
   std::vector<float> top_logprobs_;
   std::atomic<bool> cancelled_{false};
   std::atomic<int64_t> rows_outstanding_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
+  absl::Time first_batch_start_ ABSL_GUARDED_BY(mu_) = absl::InfiniteFuture();
+  absl::Time last_batch_end_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   DoneCallback done_;
 };
 

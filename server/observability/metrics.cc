@@ -1,6 +1,7 @@
 #include "server/observability/metrics.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include <prometheus/client_metric.h>
@@ -20,6 +21,10 @@ constexpr char kRequestsHelp[] = "Calls finished, by method and gRPC code.";
 constexpr char kRowsHelp[] =
     "Rows by outcome; expired and cancelled rows were never computed.";
 constexpr char kModelRowsHelp[] = "Rows answered, by model.";
+constexpr char kHiddenBytesHelp[] =
+    "Hidden-state bytes of scheduled requests, by how they came: in the gRPC "
+    "message, or named in a system or CUDA shared-memory region.";
+constexpr const char* kHiddenPaths[] = {"grpc", "system_shm", "cuda_shm"};
 constexpr char kProjectionStreamsHelp[] = "Projection streams finished.";
 constexpr char kProjectionChunksHelp[] = "Projection chunks written.";
 constexpr char kProjectionWriteHelp[] =
@@ -187,7 +192,17 @@ ServerMetrics::ServerMetrics()
       projection_run_seconds_histogram_(
           projection_run_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
       projection_copy_out_seconds_histogram_(
-          projection_copy_out_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))) {}
+          projection_copy_out_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
+      hidden_bytes_(AddCounter(*registry_, "detlogp_hidden_bytes_total",
+                               kHiddenBytesHelp)) {
+  // Every path is listed from the start, at 0.
+  for (const char* path : kHiddenPaths) hidden_bytes_.Add({{"path", path}});
+}
+
+void ServerMetrics::CountHiddenBytes(absl::string_view path, int64_t bytes) {
+  hidden_bytes_.Add({{"path", std::string(path)}})
+      .Increment(static_cast<double>(bytes));
+}
 
 void ServerMetrics::CountRequest(absl::string_view method, int grpc_code) {
   requests_
@@ -336,6 +351,31 @@ std::vector<MetricFamily> ServerMetrics::Collect(
       "detlogp_projection_chunk_buffer_cache_bytes",
       "Bytes of chunk-buffer memory held idle for reuse now.",
       MetricType::Gauge, static_cast<double>(buffers.cache_bytes)));
+
+  families.push_back(
+      CollectFamily(hidden_bytes_, kHiddenBytesHelp, MetricType::Counter));
+  OrderLabels({"path"}, &families.back());
+  const MetricsSnapshot::SharedMemory& shm = snapshot.shared_memory;
+  MetricFamily regions =
+      EmptyFamily("detlogp_shared_memory_regions",
+                  "Shared-memory regions registered now.", MetricType::Gauge);
+  MetricFamily region_bytes = EmptyFamily(
+      "detlogp_shared_memory_bytes",
+      "Bytes the registered shared-memory regions span.", MetricType::Gauge);
+  for (const auto& [kind, count, bytes] :
+       {std::tuple{"cuda", shm.cuda_regions, shm.cuda_bytes},
+        {"system", shm.system_regions, shm.system_bytes}}) {
+    regions.metric.push_back(Sample(
+        MetricType::Gauge, static_cast<double>(count), {{"kind", kind}}));
+    region_bytes.metric.push_back(Sample(
+        MetricType::Gauge, static_cast<double>(bytes), {{"kind", kind}}));
+  }
+  families.push_back(std::move(regions));
+  families.push_back(std::move(region_bytes));
+  families.push_back(OneSampleFamily(
+      "detlogp_shared_memory_idle_released_total",
+      "Shared-memory regions released after --shared_memory_idle_s unused.",
+      MetricType::Counter, static_cast<double>(shm.idle_released)));
   return families;
 }
 

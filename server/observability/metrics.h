@@ -38,6 +38,15 @@
 //                                            cached buffers given back
 //   detlogp_projection_chunk_buffer_cache_bytes
 //                                            gauge: bytes kept for reuse
+//   detlogp_hidden_bytes_total{path}         hidden-state bytes of scheduled
+//                                            requests by how they came: grpc,
+//                                            system_shm, cuda_shm
+//   detlogp_shared_memory_regions{kind}      gauge: registered regions,
+//                                            system or cuda
+//   detlogp_shared_memory_bytes{kind}        gauge: bytes those regions span
+//   detlogp_shared_memory_idle_released_total
+//                                            regions released after
+//                                            --shared_memory_idle_s unused
 //
 // Names, types, label names and values and bucket bounds are those of the
 // hand-written registry this replaced; dashboards depend on them. Requests,
@@ -88,6 +97,15 @@ struct MetricsSnapshot {
     int64_t cache_bytes = 0;
   };
   ChunkBuffers chunk_buffers;
+  // Registered shared-memory regions (SharedMemoryRegistry::Totals).
+  struct SharedMemory {
+    int64_t system_regions = 0;
+    int64_t system_bytes = 0;
+    int64_t cuda_regions = 0;
+    int64_t cuda_bytes = 0;
+    int64_t idle_released = 0;
+  };
+  SharedMemory shared_memory;
 };
 
 // Thread-safe: calls, batches and scrapes may come from any thread.
@@ -99,6 +117,9 @@ class ServerMetrics {
 
   void CountRequest(absl::string_view method, int grpc_code);
   void CountModelRows(absl::string_view model, int64_t rows);
+  // A scheduled request's hidden bytes and how they came ("grpc",
+  // "system_shm", "cuda_shm").
+  void CountHiddenBytes(absl::string_view path, int64_t bytes);
   void ObserveBatch(int64_t rows, int64_t requests, double queue_delay_seconds,
                     double gather_seconds, double compute_seconds);
   // Where a projection stream's time went, once per stream that got past
@@ -148,6 +169,7 @@ class ServerMetrics {
   prometheus::Histogram& projection_queue_delay_seconds_histogram_;
   prometheus::Histogram& projection_run_seconds_histogram_;
   prometheus::Histogram& projection_copy_out_seconds_histogram_;
+  prometheus::Family<prometheus::Counter>& hidden_bytes_;
 };
 
 // Canonical upper-case name of a gRPC status code ("OK", "INVALID_ARGUMENT").

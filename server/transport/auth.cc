@@ -46,6 +46,17 @@ std::unique_ptr<TokenAuthenticator> TokenAuthenticator::FromTokens(
       new TokenAuthenticator(std::move(tokens)));
 }
 
+std::string TokenAuthenticator::PresentedToken(
+    const grpc::CallbackServerContext& context) {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) return "";
+  const absl::string_view value(it->second.data(), it->second.size());
+  constexpr absl::string_view kPrefix = "Bearer ";
+  if (!absl::StartsWith(value, kPrefix)) return "";
+  return std::string(value.substr(kPrefix.size()));
+}
+
 absl::Status TokenAuthenticator::Check(
     const grpc::CallbackServerContext& context) const {
   const auto& metadata = context.client_metadata();

@@ -26,6 +26,10 @@ class TokenAuthenticator {
   // candidate, so timing does not leak how much of a token matched.
   absl::Status Check(const grpc::CallbackServerContext& context) const;
 
+  // The bearer token the call presented ("" without one): whose
+  // shared-memory regions the call may use once Check passed.
+  static std::string PresentedToken(const grpc::CallbackServerContext& context);
+
  private:
   explicit TokenAuthenticator(std::vector<std::string> tokens)
       : tokens_(std::move(tokens)) {}

@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "server/transport/grpc_status.h"
+#include "server/transport/local_peer.h"
 #include "server/transport/reactor_update.h"
 #include "server/transport/rejected_call.h"
 
@@ -30,6 +31,20 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext* context) {
   return absl::FromChrono(deadline);
 }
 
+// Where a request's time went: validation, the queue, the batches.
+void FillTiming(const LogpJob& job, absl::Time arrived, absl::Time scheduled,
+                detlogp::v1::ServerTiming* timing) {
+  const absl::Time now = absl::Now();
+  timing->set_validate_us(absl::ToInt64Microseconds(scheduled - arrived));
+  const absl::Time first = job.first_batch_start();
+  if (first != absl::InfiniteFuture()) {  // rows were computed
+    timing->set_queue_us(absl::ToInt64Microseconds(first - scheduled));
+    timing->set_compute_us(
+        absl::ToInt64Microseconds(job.last_batch_end() - first));
+  }
+  timing->set_total_us(absl::ToInt64Microseconds(now - arrived));
+}
+
 }  // namespace
 
 grpc::Status LogProbServiceImpl::Record(absl::string_view method,
@@ -44,16 +59,28 @@ grpc::Status LogProbServiceImpl::Authenticate(
   return ToGrpcStatus(options_.authenticator->Check(context));
 }
 
+LogProbServiceImpl::Caller LogProbServiceImpl::CallerOf(
+    const grpc::CallbackServerContext& context) const {
+  Caller caller;
+  if (options_.shared_memory == nullptr) return caller;
+  caller.token = TokenAuthenticator::PresentedToken(context);
+  const std::string peer = context.peer();
+  caller.same_host = options_.is_same_host ? options_.is_same_host(peer)
+                                           : IsSameHostPeer(peer);
+  return caller;
+}
+
 LogProbServiceImpl::LogProbServiceImpl(const Options& options,
                                        const ModelManager* models,
                                        DynamicBatcher* batcher)
     : options_(options), models_(models), batcher_(batcher) {}
 
 absl::Status LogProbServiceImpl::Submit(
-    const LogProbRequest& request, std::shared_ptr<const void> request_owner,
-    absl::Time deadline, LogProbResponse* response,
-    absl::AnyInvocable<void(absl::Status)> done,
+    const LogProbRequest& request, const Caller& caller,
+    std::shared_ptr<const void> request_owner, absl::Time deadline,
+    LogProbResponse* response, absl::AnyInvocable<void(absl::Status)> done,
     std::shared_ptr<LogpJob>* job) {
+  const absl::Time arrived = absl::Now();
   if (request.model_version() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("model_version: ", request.model_version(),
@@ -69,8 +96,29 @@ absl::Status LogProbServiceImpl::Submit(
   limits.max_request_rows = options_.max_request_rows;
   limits.max_top_k = options_.max_top_k;
   limits.extras_unavailable = options_.extras_unavailable;
-  auto rows = ValidateLogProbRequest(request, limits);
+  SharedMemoryResolver resolve;
+  if (options_.shared_memory != nullptr && caller.same_host) {
+    resolve = [this, &caller](const detlogp::v1::SharedMemoryRef& ref)
+        -> absl::StatusOr<SharedMemoryBytes> {
+      auto lease = options_.shared_memory->Acquire(
+          caller.token, ref.region(), ref.offset(), ref.byte_size(),
+          "hidden.shared_memory");
+      if (!lease.ok()) return lease.status();
+      SharedMemoryBytes bytes;
+      bytes.data = (*lease)->data();
+      bytes.location = (*lease)->location();
+      bytes.hold = *std::move(lease);
+      return bytes;
+    };
+  }
+  auto rows = ValidateLogProbRequest(request, limits, resolve);
   if (!rows.ok()) return rows.status();
+  if (options_.on_hidden_bytes) {
+    static constexpr absl::string_view kPaths[] = {"grpc", "system_shm",
+                                                   "cuda_shm"};
+    options_.on_hidden_bytes(kPaths[static_cast<int>(rows->source)],
+                             rows->hidden_bytes);
+  }
   response->set_request_id(request.request_id());
   response->set_determinism_key((*version)->determinism_key);
   response->set_model((*version)->model);
@@ -83,19 +131,29 @@ absl::Status LogProbServiceImpl::Submit(
   // into the job.
   const char* hidden = rows->hidden_bf16;
   std::shared_ptr<const void> keep_alive = std::move(request_owner);
+  if (rows->region_hold != nullptr) {
+    // The region's lease ends when the job does (the request's own bytes
+    // are not read).
+    keep_alive = std::move(rows->region_hold);
+  }
   if (!rows->converted.empty()) {
     auto converted = std::make_shared<const std::vector<uint16_t>>(
         std::move(rows->converted));
     hidden = reinterpret_cast<const char*>(converted->data());
     keep_alive = std::move(converted);
   }
+  const bool return_timing = request.return_timing();
   std::shared_ptr<const LogpModel> placed = (*version)->placed;
   *job = std::make_shared<LogpJob>(
       std::move(placed), rows->rows, hidden, std::move(keep_alive),
       std::move(rows->targets), rows->temperature, deadline,
-      [this, response, return_lse, extras, done = std::move(done),
+      [this, response, return_lse, extras, return_timing, arrived,
+       scheduled = absl::Now(), done = std::move(done),
        version = *std::move(version)](absl::Status status,
                                       LogpJob& job) mutable {
+        if (status.ok() && return_timing) {
+          FillTiming(job, arrived, scheduled, response->mutable_timing());
+        }
         if (status.ok() && options_.on_rows_answered) {
           options_.on_rows_answered(version->model, job.rows());
         }
@@ -120,6 +178,7 @@ absl::Status LogProbServiceImpl::Submit(
         done(std::move(status));
       });
   (*job)->set_extras(extras);
+  (*job)->set_hidden_location(rows->location);
   // Once scheduled, the job may complete (and its caller go away) at once.
   absl::Status scheduled = batcher_->Schedule(*job);
   if (!scheduled.ok()) job->reset();
@@ -134,7 +193,8 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
             const LogProbRequest* request, LogProbResponse* response) {
     // gRPC keeps *request alive until OnDone, after the job completed.
     const absl::Status status = service->Submit(
-        *request, nullptr, DeadlineOf(context), response,
+        *request, service->CallerOf(*context), nullptr, DeadlineOf(context),
+        response,
         [this, service](absl::Status done) {
           Finish(service->Record("ComputeLogProbs", ToGrpcStatus(done)));
         },
@@ -176,7 +236,9 @@ class LogProbServiceImpl::StreamCall final
           grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>> {
  public:
   StreamCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context)
-      : service_(service), context_(context) {
+      : service_(service),
+        context_(context),
+        caller_(service->CallerOf(*context)) {
     absl::MutexLock lock(&mu_);
     StartNextReadLocked();
   }
@@ -209,7 +271,8 @@ class LogProbServiceImpl::StreamCall final
     const LogProbRequest& request_ref = *request;
     std::shared_ptr<LogpJob> job;  // stored under the lock, below
     const absl::Status status = service_->Submit(
-        request_ref, std::move(request), DeadlineOf(context_), &entry->response,
+        request_ref, caller_, std::move(request), DeadlineOf(context_),
+        &entry->response,
         // A raw pointer: the entry owns the job, which owns this callback;
         // pending_ keeps the entry alive until the callback has run.
         [this, raw_entry = entry.get()](absl::Status done) {
@@ -302,6 +365,7 @@ class LogProbServiceImpl::StreamCall final
 
   LogProbServiceImpl* const service_;
   grpc::CallbackServerContext* const context_;
+  const Caller caller_;
 
   // Each read lands in a fresh message that the job can borrow from.
   std::shared_ptr<LogProbRequest> next_request_ ABSL_GUARDED_BY(mu_);
@@ -336,7 +400,11 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
     return reactor;
   }
   auto info = models_->Describe(request->model(), request->model_version());
-  if (info.ok()) *response = *std::move(info);
+  if (info.ok()) {
+    *response = *std::move(info);
+    response->set_max_request_rows(options_.max_request_rows);
+    response->set_max_receive_message_bytes(options_.max_receive_message_bytes);
+  }
   reactor->Finish(Record("GetModelInfo", ToGrpcStatus(info.status())));
   return reactor;
 }

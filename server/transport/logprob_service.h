@@ -14,6 +14,7 @@
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "server/batching/batcher.h"
 #include "server/models/model_manager.h"
+#include "server/shared_memory/region_registry.h"
 #include "server/transport/auth.h"
 #include "server/transport/request_validation.h"
 
@@ -38,6 +39,22 @@ class LogProbServiceImpl final
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
     // Called once per computed request with its model and row count.
     std::function<void(absl::string_view model, int64_t rows)> on_rows_answered;
+    // Called once per scheduled request with how its hidden bytes arrived
+    // ("grpc", "system_shm", "cuda_shm") and how many.
+    std::function<void(absl::string_view path, int64_t bytes)> on_hidden_bytes;
+    // Regions requests may name in hidden.shared_memory (callers on this
+    // host only); null: such requests get FAILED_PRECONDITION.
+    SharedMemoryRegistry* shared_memory = nullptr;
+    // Reported in ModelInfo so clients cut larger calls themselves.
+    int64_t max_receive_message_bytes = 0;
+    // Decides whether a peer string is on this host (tests replace it).
+    std::function<bool(absl::string_view peer)> is_same_host;
+  };
+
+  // Who is calling, for shared-memory references.
+  struct Caller {
+    std::string token;  // the bearer token presented ("" without)
+    bool same_host = false;
   };
 
   // `models` and `batcher` outlive the service.
@@ -63,6 +80,7 @@ class LogProbServiceImpl final
   // request's bytes: `request_owner` (or the caller) keeps them alive until
   // `done` runs.
   absl::Status Submit(const detlogp::v1::LogProbRequest& request,
+                      const Caller& caller,
                       std::shared_ptr<const void> request_owner,
                       absl::Time deadline,
                       detlogp::v1::LogProbResponse* response,
@@ -76,6 +94,7 @@ class LogProbServiceImpl final
   grpc::Status Record(absl::string_view method, grpc::Status status) const;
   // OK, or the UNAUTHENTICATED status to finish the call with.
   grpc::Status Authenticate(const grpc::CallbackServerContext& context) const;
+  Caller CallerOf(const grpc::CallbackServerContext& context) const;
 
   const Options options_;
   const ModelManager* const models_;

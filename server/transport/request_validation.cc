@@ -25,9 +25,8 @@ int64_t DtypeSize(DType dtype) {
 
 }  // namespace
 
-void DecodeToBf16(DType dtype, const std::string& data, int64_t elements,
+void DecodeToBf16(DType dtype, const char* bytes, int64_t elements,
                   uint16_t* out) {
-  const char* bytes = data.data();
   if (dtype == detlogp::v1::DTYPE_BFLOAT16) {
     std::memcpy(out, bytes, elements * 2);
     return;
@@ -46,7 +45,8 @@ void DecodeToBf16(DType dtype, const std::string& data, int64_t elements,
 }
 
 absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
-    const detlogp::v1::LogProbRequest& request, const RequestLimits& limits) {
+    const detlogp::v1::LogProbRequest& request, const RequestLimits& limits,
+    const SharedMemoryResolver& resolve) {
   const detlogp::v1::Tensor& hidden = request.hidden();
   if (!detlogp::v1::DType_IsValid(hidden.dtype()) ||
       DtypeSize(hidden.dtype()) == 0) {
@@ -77,7 +77,21 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
         "split the request"));
   }
   const int64_t expected_bytes = rows * hidden_size * DtypeSize(hidden.dtype());
-  if (static_cast<int64_t>(hidden.data().size()) != expected_bytes) {
+  const bool shared = hidden.has_shared_memory();
+  if (shared) {
+    if (!hidden.data().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("hidden.data: ", hidden.data().size(),
+                       " bytes, but hidden.shared_memory is set (one or the "
+                       "other)"));
+    }
+    if (hidden.shared_memory().byte_size() != expected_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "hidden.shared_memory.byte_size: ",
+          hidden.shared_memory().byte_size(), " bytes, expected N*H*",
+          DtypeSize(hidden.dtype()), " = ", expected_bytes));
+    }
+  } else if (static_cast<int64_t>(hidden.data().size()) != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "hidden.data: ", hidden.data().size(), " bytes, expected N*H*",
         DtypeSize(hidden.dtype()), " = ", expected_bytes));
@@ -135,12 +149,38 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
           absl::StrCat("top_k: ", limits.extras_unavailable));
     }
   }
+  validated.hidden_bytes = expected_bytes;
+  const char* bytes = hidden.data().data();
+  if (shared) {
+    if (!resolve) {
+      return absl::FailedPreconditionError(
+          "hidden.shared_memory: shared memory is off on this server "
+          "(--allow_shared_memory), or the caller is not on its host");
+    }
+    auto region = resolve(hidden.shared_memory());
+    if (!region.ok()) return region.status();
+    if (region->location.kind == HiddenLocation::Kind::kDevice &&
+        hidden.dtype() != detlogp::v1::DTYPE_BFLOAT16) {
+      return absl::InvalidArgumentError(
+          "hidden.dtype: a CUDA shared-memory region must hold "
+          "DTYPE_BFLOAT16 (no conversion on the device)");
+    }
+    bytes = region->data;
+    validated.source = region->location.kind == HiddenLocation::Kind::kDevice
+                           ? ValidatedRows::Source::kCudaRegion
+                           : ValidatedRows::Source::kSystemRegion;
+    validated.location = region->location;
+    validated.region_hold = std::move(region->hold);
+  }
   if (hidden.dtype() == detlogp::v1::DTYPE_BFLOAT16) {
-    validated.hidden_bf16 = hidden.data().data();  // no copy
+    validated.hidden_bf16 = bytes;  // no copy
   } else {
+    // Converted rows live in host memory, wherever they came from.
+    validated.location = HiddenLocation();
     validated.converted.resize(rows * hidden_size);
-    DecodeToBf16(hidden.dtype(), hidden.data(), rows * hidden_size,
+    DecodeToBf16(hidden.dtype(), bytes, rows * hidden_size,
                  validated.converted.data());
+    validated.region_hold.reset();  // the region is read: let it go
     validated.hidden_bf16 =
         reinterpret_cast<const char*>(validated.converted.data());
   }

@@ -4,11 +4,15 @@
 //
 //   bazel run //tools/bench:serve_throughput -- --target=127.0.0.1:50051
 //       --callers=64 --channels=8 --rows=256 --seconds=10
+//
+// --shared_memory sends references to a system region instead of the rows.
 #include <grpcpp/client_context.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "client/logp_client.h"
 #include "client/random_rows.h"
+#include "client/system_shared_memory.h"
 #include "tools/bench/closed_loop_caller.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
@@ -30,6 +35,11 @@ ABSL_FLAG(int, rows, 256, "Rows per request.");
 ABSL_FLAG(double, seconds, 10, "Measured duration.");
 ABSL_FLAG(double, warmup_seconds, 2, "Unmeasured warm-up.");
 ABSL_FLAG(int, payloads, 8, "Distinct request payloads, reused round-robin.");
+ABSL_FLAG(bool, shared_memory, false,
+          "Requests name their rows in a system shared-memory region "
+          "(registered once, the payloads written into it before the run) "
+          "instead of carrying them: the server's side of the same-host "
+          "path. The server must allow it (--allow_shared_memory).");
 ABSL_FLAG(
     std::vector<std::string>, models, {},
     "Models to score, alternating call by call (empty: the default model).");
@@ -131,6 +141,47 @@ int main(int argc, char** argv) {
     request.set_model(model);
     shared.payloads.push_back(std::move(request));
     shared.expected_keys.push_back(info->determinism_key());
+  }
+  // Kept for the whole run: the server maps the region from it.
+  std::unique_ptr<detlogp::client::SystemSharedMemory> region;
+  if (absl::GetFlag(FLAGS_shared_memory)) {
+    int64_t total = 0;
+    for (const LogProbRequest& request : shared.payloads) {
+      total += static_cast<int64_t>(request.hidden().data().size());
+    }
+    auto created = detlogp::client::SystemSharedMemory::Create(total);
+    if (!created.ok()) {
+      std::fprintf(stderr, "%s\n", created.status().ToString().c_str());
+      return 1;
+    }
+    region = *std::move(created);
+    detlogp::v1::SystemSharedMemoryRegisterRequest registration;
+    registration.set_name(absl::StrCat("serve_throughput_", getpid()));
+    registration.set_key(region->key());
+    registration.set_byte_size(total);
+    grpc::ClientContext context;
+    detlogp::v1::SystemSharedMemoryRegisterResponse registered;
+    const grpc::Status status =
+        detlogp::v1::SharedMemoryService::NewStub(shared.clients[0]->channel())
+            ->SystemSharedMemoryRegister(&context, registration, &registered);
+    if (!status.ok()) {
+      std::fprintf(stderr, "SystemSharedMemoryRegister: %s\n",
+                   status.error_message().c_str());
+      return 1;
+    }
+    region->Unlink();
+    int64_t offset = 0;
+    for (LogProbRequest& request : shared.payloads) {
+      const std::string& data = request.hidden().data();
+      std::memcpy(region->data() + offset, data.data(), data.size());
+      detlogp::v1::SharedMemoryRef* ref =
+          request.mutable_hidden()->mutable_shared_memory();
+      ref->set_region(registration.name());
+      ref->set_offset(offset);
+      ref->set_byte_size(static_cast<int64_t>(data.size()));
+      offset += static_cast<int64_t>(data.size());
+      request.mutable_hidden()->clear_data();
+    }
   }
   const int callers = absl::GetFlag(FLAGS_callers);
   shared.callers_left = callers;

@@ -94,7 +94,7 @@ if [[ ! -x $bin/detlogp_server ]]; then
   exit 2
 fi
 if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L 2> /dev/null | grep -q "^GPU "; then
-  echo "run_suite.sh: no NVIDIA GPU on this host (nvidia-smi lists none): the $suite suite runs on a GPU host" >&2
+  echo "run_suite.sh: no NVIDIA GPU on this host (nvidia-smi is missing or lists none): the $suite suite runs on a GPU host" >&2
   exit 2
 fi
 OUT=${OUT:-/tmp/detlogp-$suite}
@@ -283,6 +283,12 @@ suite_kernels() {
   echo "== memcheck, small shapes"
   memcheck linear_logp_cuda_test 'Edges/ShapeTest.*/V63_*:Edges/ShapeTest.*/V64_*:Edges/ShapeTest.*/V65_*:Edges/ShapeTest.*/V1_*:Edges/ShapeTest.*/V129_*:Edges/ShapeTest.*/V2049_*:Edges/ShapeTest.*/V4097_*:Edges/ShapeTest.*/V8191_*:LinearLogpCudaValidation.*:LinearLogpCudaExtras.RejectsBadTopK:LinearLogpCudaExtras.SmallVocabulariesAndPadding'
   local lib=$bundle/lib/liblogp_bench.so
+  if command -v cuobjdump > /dev/null; then
+    # The Hopper kernel multiplies with wgmma and keeps its state in
+    # registers: HGMMA present, no local memory.
+    cuobjdump --dump-sass "$lib" > "$work/sass.txt" 2> /dev/null
+    echo "SASS of liblogp_bench.so: $(grep -c HGMMA "$work/sass.txt") HGMMA, $(grep -cE 'LDL|STL' "$work/sass.txt") local memory instructions"
+  fi
   echo "== the kernel against PyTorch eager and the weight-read floor"
   timeout 300 python3 "$scripts/logp_bench.py" --lib "$lib" --json "$OUT/bench.json" "$@" \
     2>&1 | tee "$OUT/bench.log"
@@ -640,6 +646,18 @@ suite_projection() {
   echo "== GPU tests"
   run_gtest projection_cuda_test 300
   run_gtest projection_backend_cuda_test 300
+  if command -v cuobjdump > /dev/null; then
+    # The forward and dX loops are FFMA chains: no FMUL/FADD splitting an
+    # fma, no local memory in the hot kernels.
+    cuobjdump --dump-sass "$bin/projection_bench" 2> /dev/null | awk '
+      /Function : / { f = $3 }
+      /FFMA|FMUL|FADD|LDL|STL/ {
+        for (i = 1; i <= NF; i++) if ($i ~ /^(FFMA|FMUL|FADD|LDL|STL)/) {
+          split($i, a, "."); c[f " " a[1]]++; break
+        }
+      }
+      END { for (k in c) print "  SASS", k, c[k] }' | sort
+  fi
   local rows=${ROWS:-1,128,1024,4096,13104,37296,72576,102816,108576,364608}
   echo "== the kernels, then PyTorch in the same run"
   timeout 300 "$bin/projection_bench" --rows="$rows" --reps=25 --json="$OUT/ours.json" \

@@ -5,6 +5,7 @@ RetryPolicy                backoff with jitter for UNAVAILABLE / queue full
 DetlogpError and subclasses  typed errors carrying the server's message
 LogProbResult, ProjectResult, ModelVersionResult  results
 LmHead, lm_head_sha256     upload payloads and the model digest (weights)
+TransferOptions, CallTimings  how large calls travel, and where their time went
 """
 
 from detlogp import aio  # noqa: E402  (detlogp.aio.AsyncClient)
@@ -16,6 +17,7 @@ from detlogp.errors import (
     DetlogpError,
     FailedPrecondition,
     InvalidArgument,
+    MessageTooLarge,
     NotFound,
     Overloaded,
     PermissionDenied,
@@ -26,12 +28,15 @@ from detlogp.errors import (
 )
 from detlogp.results import LogProbResult, ModelVersionResult, ProjectResult
 from detlogp.retry import NO_RETRY, RetryPolicy
+from detlogp.transfer import CallTimings, TransferOptions
 from detlogp.weights import LmHead, lm_head_sha256
 
 __all__ = [
     "Client",
     "aio",
     "RetryPolicy",
+    "TransferOptions",
+    "CallTimings",
     "NO_RETRY",
     "LogProbResult",
     "ProjectResult",
@@ -41,6 +46,7 @@ __all__ = [
     "DetlogpError",
     "InvalidArgument",
     "Overloaded",
+    "MessageTooLarge",
     "DeadlineExceeded",
     "Unavailable",
     "Cancelled",

@@ -3,19 +3,35 @@ deadline arithmetic, retry decisions, stream item conversion, the raw
 health check, and combining several replicas' answers to an admin call."""
 
 import collections
+import dataclasses
 import itertools
+import logging
 import threading
 import time
 
-from detlogp import requests
+import grpc
+
+from detlogp import requests, shm, transfer, wire
 from detlogp.credentials import bearer
-from detlogp.errors import DataLoss, DeadlineExceeded, NotFound, ReplicaMismatch
+from detlogp.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    DetlogpError,
+    MessageTooLarge,
+    NotFound,
+    ReplicaMismatch,
+)
 from detlogp.results import ModelVersionResult
 from detlogp.retry import RetryPolicy, is_retryable
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
+log = logging.getLogger("detlogp")
+# What staging rows in shared memory may raise that means "use gRPC bytes".
+STAGING_FAILURES = (DetlogpError, OSError, MemoryError, ImportError, RuntimeError)
+
 HEALTH_METHOD = "/grpc.health.v1.Health/Check"
+COMPUTE_METHOD = "/detlogp.v1.LogProbService/ComputeLogProbs"
 _HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
 
 
@@ -30,11 +46,26 @@ def normalize_targets(targets):
 
 
 def channel_options(max_message_mb):
-    size = int(max_message_mb) << 20
+    """No limit on what the client sends (logprobs() cuts calls to fit the
+    server's limit, and a message over it is refused by the server as
+    MessageTooLarge); answers up to max_message_mb MiB (logprobs() cuts
+    calls so that theirs fit too)."""
     return [
-        ("grpc.max_send_message_length", size),
-        ("grpc.max_receive_message_length", size),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", int(max_message_mb) << 20),
     ]
+
+
+def wants_round_robin(target):
+    """dns:/// names (a Kubernetes headless Service: one address per pod)
+    and ipv4:/ipv6: address lists: calls are spread over every address
+    (gRPC's round_robin) instead of gRPC's default pick_first, which sends
+    everything to one."""
+    return target.startswith(("dns:", "ipv4:", "ipv6:"))
+
+
+def sets_lb_policy(options):
+    return any(key in ("grpc.lb_policy_name", "grpc.service_config") for key, _ in options)
 
 
 class RoundRobin:
@@ -63,7 +94,9 @@ class Deadline:
             return None
         left = self._end - time.monotonic()
         if left <= 0:
-            raise DeadlineExceeded("deadline passed on the client before the call")
+            raise DeadlineExceeded(
+                "deadline passed on the client before the call", grpc.StatusCode.DEADLINE_EXCEEDED
+            )
         return left
 
     def allows_sleep(self, seconds):
@@ -110,6 +143,41 @@ class CallPlan:
         self.index = self._state._rr.next()
         self._state.retries += 1
         return pause
+
+
+def logprob_fields(
+    request_id, temperature, return_lse, model, version, return_entropy, top_k, timing
+):
+    """logprobs()' arguments as wire.RequestFields (top_k checked as
+    requests.top_k_value does)."""
+    return wire.RequestFields(
+        request_id=request_id or "",
+        temperature=float(temperature),
+        return_lse=bool(return_lse),
+        model=model or "",
+        model_version=int(version or 0),
+        return_entropy=bool(return_entropy),
+        top_k=requests.top_k_value(top_k),
+        return_timing=bool(timing),
+    )
+
+
+# How long after an unanswered ModelInfo the client asks a target for its
+# limits again.
+LIMITS_ASK_AGAIN_S = 10.0
+# The field the server names when a request's shared-memory reference is bad.
+SHARED_MEMORY_FIELD = "hidden.shared_memory"
+
+
+def shared_memory_problem(error):
+    """For a request that named a region: "forgotten" when the server does
+    not know the region (released for idleness, restarted: the client makes
+    a new one), "refused" for any other complaint about the reference (the
+    client sends bytes instead), None when the error is not about it."""
+    field = getattr(error, "field", None) or ""
+    if not field.startswith(SHARED_MEMORY_FIELD):
+        return None
+    return "forgotten" if isinstance(error, NotFound) else "refused"
 
 
 def stream_item_to_request(item, index, model=None, version=None):
@@ -286,8 +354,15 @@ class ClientState:
         client_key=None,
         admin_token=None,
         admin_timeout=600.0,
+        transfer_options=None,
+        shared_memory=None,
     ):
         self.targets = normalize_targets(targets)
+        options = transfer_options or transfer.TransferOptions()
+        if shared_memory is not None:
+            options = dataclasses.replace(options, shared_memory=shared_memory)
+        self.transfer_options = options.validated()
+        self._max_receive_bytes = int(max_message_mb) << 20
         self.timeout = timeout
         self.retry = retry
         self.admin_timeout = admin_timeout
@@ -301,6 +376,9 @@ class ClientState:
             client_certificate=client_certificate,
             client_key=client_key,
         )
+        # What a sync channel to a target needs (the asyncio client releases
+        # its regions at exit through one).
+        self._sync_channel_security = dict(self._channel_security, token=token)
         if self._channel_sends_token:
             self._channel_security["token"] = token
         self._channels = [self._own_channel(t, own_connection=False) for t in self.targets]
@@ -316,11 +394,124 @@ class ClientState:
         self._rr = RoundRobin(len(self.targets))
         self.attempts = 0  # calls sent, retries included
         self.retries = 0
+        # logprobs(): each target's connections (the first is the channel
+        # above; more are opened for striped calls), its limits once known,
+        # and its shared memory.
+        self._compute_raw = [[self._raw_compute(c)] for c in self._channels]
+        self._extra_channels = [[] for _ in self.targets]
+        self._connections_lock = threading.Lock()
+        self._limits = [None] * len(self.targets)
+        self._limits_asked = [None] * len(self.targets)  # monotonic time
+        self._memory = [shm.TargetMemory(t, self.transfer_options) for t in self.targets]
+        self._shm_stubs = [pb_grpc.SharedMemoryServiceStub(c) for c in self._channels]
+
+    @staticmethod
+    def _raw_compute(channel):
+        """ComputeLogProbs taking and giving serialized messages (wire.py
+        writes and reads them)."""
+        return channel.unary_unary(
+            COMPUTE_METHOD, request_serializer=identity, response_deserializer=identity
+        )
+
+    def _compute_on(self, index, connection):
+        """The raw ComputeLogProbs of connection `connection` to target
+        `index`, opening connections up to it on first use."""
+        raws = self._compute_raw[index]
+        if connection < len(raws):
+            return raws[connection]
+        with self._connections_lock:
+            while len(raws) <= connection:
+                channel = self._own_channel(self.targets[index])
+                self._extra_channels[index].append(channel)
+                raws.append(self._raw_compute(channel))
+        return raws[connection]
+
+    def _take_extra_channels(self):
+        with self._connections_lock:
+            channels = [c for per_target in self._extra_channels for c in per_target]
+            self._extra_channels = [[] for _ in self.targets]
+            self._compute_raw = [raws[:1] for raws in self._compute_raw]
+        return channels
+
+    def _plan_slices(self, call, index):
+        """The slices of `call` for target `index`'s limits (known, or the
+        server defaults)."""
+        options = self.transfer_options
+        limits = self._limits[index] or transfer.ServerLimits()
+        kind = self._memory[index].kind_for(call, time.monotonic())
+        return call.slices(limits, options.slice_bytes_for(kind), self._max_receive_bytes)
+
+    def _targets_to_ask_limits(self):
+        """Targets whose limits are unknown and were not asked for lately
+        (one call asks; calls meanwhile assume the server's defaults, and a
+        refusal teaches the real ones)."""
+        now = time.monotonic()
+        due = []
+        with self._connections_lock:
+            for index, known in enumerate(self._limits):
+                asked = self._limits_asked[index]
+                if known is None and (asked is None or now - asked > LIMITS_ASK_AGAIN_S):
+                    self._limits_asked[index] = now
+                    due.append(index)
+        return due
+
+    def _learned_from(self, error, pieces):
+        """True when `error` is a server's refusal of a slice over its row or
+        message limit, a limit it did not report (an older server): the
+        call is cut again to fit it."""
+        change = {}
+        rows = transfer.rows_limit_in(error)
+        if rows is not None and 1 <= rows < max(p.rows for p in pieces):
+            change["max_request_rows"] = rows
+        if isinstance(error, MessageTooLarge) and error.on_server and error.limit_bytes:
+            known = self._limits[0] or transfer.ServerLimits()
+            if error.limit_bytes < known.max_message_bytes:
+                change["max_message_bytes"] = error.limit_bytes
+        if not change:
+            return False
+        for index, known in enumerate(self._limits):
+            self._limits[index] = dataclasses.replace(known or transfer.ServerLimits(), **change)
+        return True
+
+    def _after_shared_memory_error(self, index, slot, error):
+        """True when the slice should be sent again at once: the server
+        forgot the region (released for idleness, restarted: a new one is
+        made) or refused shared memory (gRPC bytes from now on)."""
+        problem = shared_memory_problem(error)
+        if problem is None:
+            return False
+        memory = self._memory[index]
+        if problem == "forgotten":
+            # Slices in flight may still write into it: the GC frees it.
+            memory.pool_of(slot).forget(slot.region)
+        else:
+            memory.refused(slot.region.kind, time.monotonic(), error, log)
+        return True
+
+    def _staging(self, call, piece, index):
+        """What staging the slice's rows in shared memory on target `index`
+        takes (shm.Staging), or None: gRPC bytes."""
+        memory = self._memory[index]
+        kind = memory.kind_for(call, time.monotonic())
+        nbytes = piece.rows * call.row_bytes
+        if kind is None or not call.sliceable or nbytes == 0:
+            return None
+        want = nbytes * self.transfer_options.slices_in_flight_per_connection
+        return shm.Staging(memory, kind, call, piece, want)
+
+    def _staging_failed(self, staging, why):
+        """No slot (refused, or no memory for a region): gRPC bytes, the
+        reason logged once. A passed deadline is raised."""
+        if isinstance(why, DeadlineExceeded):
+            raise why
+        staging.memory.refused(staging.kind, time.monotonic(), why, log)
 
     def _own_channel(self, target, own_connection=True):
         """A channel to `target` as the client's are made; with
         own_connection, on a TCP connection of its own."""
         options = list(self._channel_options)
+        if wants_round_robin(target) and not sets_lb_policy(options):
+            options.append(("grpc.lb_policy_name", "round_robin"))
         if own_connection:
             options.append(("grpc.use_local_subchannel_pool", 1))
         return self._make_channel(target, options, **self._channel_security)

@@ -1,7 +1,7 @@
 """The `detlogp` console command.
 
     detlogp info   --target HOST:PORT[,HOST:PORT...] [--model M] [--version N]
-    detlogp score  --target HOST:PORT --rows 4 --seed 1 [--lse] [--json]
+    detlogp score  --target HOST:PORT --rows 4 --seed 1 [--lse] [--timing] [--json]
                    [--entropy] [--top-k 5]
     detlogp score  --target HOST:PORT --hidden h.npy --targets t.npy
                    [--model M] [--version N]
@@ -85,6 +85,7 @@ def _score(client, args):
         version=args.version,
         return_entropy=args.entropy,
         top_k=args.top_k,
+        timing=args.timing,
     )
     rows = []
     for i, target in enumerate(np.asarray(targets).reshape(-1)):
@@ -105,6 +106,7 @@ def _score(client, args):
                     "model": result.model,
                     "model_version": result.model_version,
                     "rows": rows,
+                    **({"timings": result.timings.as_dict()} if args.timing else {}),
                 }
             )
         )
@@ -125,6 +127,15 @@ def _score(client, args):
             print(
                 f"row {row['row']:4d}  target {row['target']:8d}  "
                 f"logprob {row['logprob']:.9g}{extra}"
+            )
+        if args.timing:
+            t = result.timings
+            print(
+                f"timing: total {1e3 * t.total_s:.3f} ms: prepare {1e3 * t.prepare_s:.3f}"
+                f" + build {1e3 * t.build_s:.3f} + transfer {1e3 * t.transfer_s:.3f}"
+                f" + server (validate {1e3 * t.validate_s:.3f}, queue {1e3 * t.queue_s:.3f},"
+                f" compute {1e3 * t.compute_s:.3f}) + return {1e3 * t.return_s:.3f} ms;"
+                f" {t.slices} slice(s) over {t.connections} connection(s), {t.path}"
             )
 
 
@@ -280,6 +291,11 @@ def main(argv=None):
     )
     score.add_argument(
         "--top-k", type=int, default=0, help="also print each row's top-k tokens and log-probs"
+    )
+    score.add_argument(
+        "--timing",
+        action="store_true",
+        help="also print where the call's time went (client, transfer, server queue/compute)",
     )
     model_flags(score)
     sub.add_parser("models", help="every model and its versions (admin)")

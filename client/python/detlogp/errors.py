@@ -3,7 +3,8 @@
 `from_rpc_error` maps a grpc.RpcError (sync or aio) to the matching subclass:
 
     INVALID_ARGUMENT    -> InvalidArgument  (.field: "hidden.shape[1]", ...)
-    RESOURCE_EXHAUSTED  -> Overloaded       (.queue_full: server queue bound)
+    RESOURCE_EXHAUSTED  -> Overloaded       (.queue_full: server queue bound),
+                           or MessageTooLarge (.limit_bytes: a size limit)
     DEADLINE_EXCEEDED   -> DeadlineExceeded
     UNAVAILABLE         -> Unavailable
     CANCELLED           -> Cancelled
@@ -14,6 +15,10 @@
     DATA_LOSS           -> DataLoss         (.field: "weights_sha256")
     FAILED_PRECONDITION -> FailedPrecondition (.field: "header.model_version")
     anything else       -> DetlogpError
+
+A message over a size limit (gRPC's "Sent message larger than max" on the
+client, "Received message larger than max" on the server) is
+MessageTooLarge, never Overloaded: .limit_bytes names the limit.
 
 ReplicaMismatch is raised by the client itself when replicas that were
 given the same weights answer with different determinism keys or versions.
@@ -64,12 +69,34 @@ class NotFound(DetlogpError):
 
 class Overloaded(DetlogpError):
     """RESOURCE_EXHAUSTED. `queue_full` is True when the server's row queue
-    was full (retryable); False for other exhaustion such as a message over
-    the size limit (not retryable)."""
+    was full (retryable); False for other exhaustion (not retryable). A
+    message over a size limit is MessageTooLarge instead."""
 
     def __init__(self, details, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
         super().__init__(details, code)
         self.queue_full = (details or "").startswith("queue full")
+
+
+class MessageTooLarge(DetlogpError):
+    """A message over a size limit: the server's --max_message_mb or the
+    client's max_message_mb. `size_bytes` and `limit_bytes` as gRPC or the
+    client reported them (None when unknown); `on_server`: the server's
+    limit. Not retryable; logprobs() cuts large calls so it never sends
+    one."""
+
+    def __init__(
+        self,
+        details,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        *,
+        size_bytes=None,
+        limit_bytes=None,
+        on_server=False,
+    ):
+        super().__init__(details, code)
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+        self.on_server = on_server
 
 
 class DeadlineExceeded(DetlogpError):
@@ -150,10 +177,28 @@ _BY_CODE = {
 }
 
 
+_TOO_LARGE = re.compile(r"(Sent|Received) message larger than max \((\d+) vs\. (\d+)\)")
+
+
 def from_rpc_error(error):
     """Returns the typed exception for a grpc.RpcError (sync or aio)."""
     code = error.code()
     details = error.details() or ""
+    too_large = _TOO_LARGE.search(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and too_large:
+        side = (
+            "client's max_message_mb"
+            if too_large.group(1) == "Sent"
+            else ("server's --max_message_mb")
+        )
+        size, limit = int(too_large.group(2)), int(too_large.group(3))
+        return MessageTooLarge(
+            f"message of {size} bytes is over the {side} ({limit} bytes): {details}",
+            code,
+            size_bytes=size,
+            limit_bytes=limit,
+            on_server=too_large.group(1) == "Received",
+        )
     cls = _BY_CODE.get(code, DetlogpError)
     if cls is DetlogpError:
         return DetlogpError(details, code)

@@ -21,7 +21,9 @@ class LogProbResult:
       most likely tokens and their log-probs in descending order (ties: the
       lower id first), when asked for (top_k=k > 0), else None. A smaller k
       gives a prefix of these rows, with the same bits.
-    Like logprobs, their bits depend only on the row (and the key)."""
+    Like logprobs, their bits depend only on the row (and the key).
+    timings: where the call's time went (a transfer.CallTimings) when
+      logprobs() was called with timing=True, else None."""
 
     logprobs: np.ndarray
     lse: Optional[np.ndarray]
@@ -32,6 +34,7 @@ class LogProbResult:
     entropy: Optional[np.ndarray] = None
     top_ids: Optional[np.ndarray] = None
     top_logprobs: Optional[np.ndarray] = None
+    timings: Optional[object] = None
 
 
 @dataclasses.dataclass
@@ -52,22 +55,33 @@ def check_response(request, response):
     """Raises DataLoss (.field naming it) unless `response` has the sizes
     `request` asks for: N logprobs, N lse / entropy exactly when asked for,
     N * top_k top_ids and top_logprobs."""
-    rows = len(request.target_ids)
+    check_sizes(
+        response,
+        len(request.target_ids),
+        request.return_lse,
+        request.return_entropy,
+        request.top_k,
+    )
+
+
+def check_sizes(response, rows, return_lse, return_entropy, top_k):
+    """check_response for an answer to `rows` rows asked with these flags
+    (a LogProbResponse or a wire.LogProbAnswer)."""
     per_row = f"{rows} rows"
     _check_size("logprobs", len(response.logprobs), rows, per_row)
     _check_size(
         "lse",
         len(response.lse),
-        rows if request.return_lse else 0,
-        per_row if request.return_lse else "return_lse not set",
+        rows if return_lse else 0,
+        per_row if return_lse else "return_lse not set",
     )
     _check_size(
         "entropy",
         len(response.entropy),
-        rows if request.return_entropy else 0,
-        per_row if request.return_entropy else "return_entropy not set",
+        rows if return_entropy else 0,
+        per_row if return_entropy else "return_entropy not set",
     )
-    k = max(int(request.top_k), 0)
+    k = max(int(top_k), 0)
     why = f"{rows} rows x top_k {k}" if k else "top_k not set"
     _check_size("top_ids", len(response.top_ids), rows * k, why)
     _check_size("top_logprobs", len(response.top_logprobs), rows * k, why)

@@ -91,9 +91,11 @@ def target_ids(targets):
     return [int(t) for t in ids]
 
 
-def to_tensor(array):
-    """Packs a 2-D (or any-rank) numpy array, or a torch tensor (see the
-    module's docstring), into a Tensor message."""
+def hidden_wire_array(array):
+    """(DType number, a C-contiguous little-endian array) for hidden rows
+    given as a numpy array or a torch tensor (see the module's docstring):
+    the bytes a Tensor's `data` holds. No copy when the array already has
+    its wire layout; TypeError for other dtypes."""
     if is_torch_tensor(array):
         array = torch_hidden_to_numpy(array)
     array = np.asarray(array)
@@ -113,8 +115,38 @@ def to_tensor(array):
             f"hidden dtype {array.dtype} is not float32, float16, bfloat16 "
             "(ml_dtypes) or uint16 bf16 bits"
         )
-    data = np.ascontiguousarray(array, dtype=wire).tobytes()
-    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=data)
+    return dtype, np.ascontiguousarray(array, dtype=wire)
+
+
+def to_tensor(array):
+    """Packs a 2-D (or any-rank) numpy array, or a torch tensor (see the
+    module's docstring), into a Tensor message."""
+    dtype, array = hidden_wire_array(array)
+    return pb.Tensor(dtype=dtype, shape=list(array.shape), data=array.tobytes())
+
+
+def target_id_array(targets):
+    """N target ids as an int64 numpy array: any integer numpy array,
+    sequence, or integer torch tensor (CPU or CUDA). ValueError for ids
+    outside int64 (what protobuf refuses too)."""
+    if is_torch_tensor(targets):
+        import torch  # reached only for torch tensors, so torch is installed
+
+        dtype = targets.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"targets torch dtype {dtype} is not an integer type")
+        targets = torch_to_numpy(targets)
+    ids = np.asarray(targets).reshape(-1)
+    if ids.dtype.kind == "i":
+        return ids.astype(np.int64, copy=False)
+    if ids.dtype.kind == "u":
+        if ids.size and int(ids.max()) >= 1 << 63:
+            raise ValueError(f"target_ids: {int(ids.max())} is outside int64")
+        return ids.astype(np.int64)
+    try:
+        return np.array([int(t) for t in ids], dtype=np.int64)
+    except OverflowError:
+        raise ValueError("target_ids: a value is outside int64") from None
 
 
 def from_tensor(tensor):

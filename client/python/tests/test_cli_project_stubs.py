@@ -54,6 +54,15 @@ def test_cli_info_and_score(server, model, client, tmp_path):
     table = run("score", "--rows", "2", "--seed", "3")
     assert table.returncode == 0 and table.stdout.count("\nrow ") == 2, table.stdout
 
+    # 200 rows to a server taking 64 per request: 4 slices, timed.
+    timed = run("--json", "score", "--rows", "200", "--seed", "4", "--timing")
+    assert timed.returncode == 0, timed.stderr
+    timings = json.loads(timed.stdout)["timings"]
+    assert timings["slices"] == 4 and timings["path"] == "grpc", timings
+    assert timings["server_reported"] and timings["compute_s"] > 0, timings
+    line = run("score", "--rows", "2", "--timing").stdout.splitlines()[-1]
+    assert line.startswith("timing: total") and "1 slice(s)" in line, line
+
     np.save(tmp_path / "bad.npy", np.full(3, model.vocab))
     bad = run("score", "--hidden", str(tmp_path / "h.npy"), "--targets", str(tmp_path / "bad.npy"))
     assert bad.returncode == 1 and "target_ids[0]" in bad.stderr
@@ -133,9 +142,14 @@ def test_checked_in_stubs_match_the_proto(tmp_path, repo_root):
     fresh = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / "set.pb").read_bytes())
     fresh_file = [f for f in fresh.file if f.name == "detlogp/v1/detlogp.proto"][0]
     fresh_file.ClearField("source_code_info")
-    for message in fresh_file.message_type:  # protoc adds json names to sets only
-        for field in message.field:
-            field.ClearField("json_name")
+
+    def clear_json_names(messages):  # protoc adds json names to sets only
+        for message in messages:
+            for field in message.field:
+                field.ClearField("json_name")
+            clear_json_names(message.nested_type)
+
+    clear_json_names(fresh_file.message_type)
     checked_in = descriptor_pb2.FileDescriptorProto()
     detlogp_pb2.DESCRIPTOR.CopyToProto(checked_in)
     assert checked_in == fresh_file, "stubs are stale: run client/python/tools/regen_stubs.sh"

@@ -486,3 +486,319 @@ class ProjectionService:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SharedMemoryServiceStub:
+    """Shared memory for tensors that stay on the host (Triton's shared-memory
+    extensions). A client on the same host registers a region once; requests
+    then name {region, offset, byte_size} in Tensor.shared_memory instead of
+    carrying the bytes. Registration is accepted only from the Unix socket or
+    a loopback peer, and only when the server runs with --allow_shared_memory.
+    With bearer tokens a region is visible and usable only with the token that
+    registered it. A region unused for --shared_memory_idle_s is released.
+    Region names are unique over both kinds.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SystemSharedMemoryRegister = channel.unary_unary(
+                '/detlogp.v1.SharedMemoryService/SystemSharedMemoryRegister',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryStatus = channel.unary_unary(
+                '/detlogp.v1.SharedMemoryService/SystemSharedMemoryStatus',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.SystemSharedMemoryUnregister = channel.unary_unary(
+                '/detlogp.v1.SharedMemoryService/SystemSharedMemoryUnregister',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryRegister = channel.unary_unary(
+                '/detlogp.v1.SharedMemoryService/CudaSharedMemoryRegister',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryRegisterResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryStatus = channel.unary_unary(
+                '/detlogp.v1.SharedMemoryService/CudaSharedMemoryStatus',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryStatusResponse.FromString,
+                _registered_method=True)
+        self.CudaSharedMemoryUnregister = channel.unary_unary(
+                '/detlogp.v1.SharedMemoryService/CudaSharedMemoryUnregister',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+                _registered_method=True)
+
+
+class SharedMemoryServiceServicer:
+    """Shared memory for tensors that stay on the host (Triton's shared-memory
+    extensions). A client on the same host registers a region once; requests
+    then name {region, offset, byte_size} in Tensor.shared_memory instead of
+    carrying the bytes. Registration is accepted only from the Unix socket or
+    a loopback peer, and only when the server runs with --allow_shared_memory.
+    With bearer tokens a region is visible and usable only with the token that
+    registered it. A region unused for --shared_memory_idle_s is released.
+    Region names are unique over both kinds.
+    """
+
+    def SystemSharedMemoryRegister(self, request, context):
+        """Maps a POSIX shared-memory object (shm_open's name) read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryStatus(self, request, context):
+        """The caller's system regions with their use (one, or all).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        """Releases a system region (or all of the caller's); refused with
+        FAILED_PRECONDITION while requests read it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryRegister(self, request, context):
+        """Opens a CUDA IPC memory handle on the GPU that owns it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryUnregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SharedMemoryServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SystemSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryRegister,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryRegisterRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryStatus,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryStatusRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryUnregister,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryRegister,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryRegisterRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryStatus,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryStatusRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryUnregister,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'detlogp.v1.SharedMemoryService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('detlogp.v1.SharedMemoryService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SharedMemoryService:
+    """Shared memory for tensors that stay on the host (Triton's shared-memory
+    extensions). A client on the same host registers a region once; requests
+    then name {region, offset, byte_size} in Tensor.shared_memory instead of
+    carrying the bytes. Registration is accepted only from the Unix socket or
+    a loopback peer, and only when the server runs with --allow_shared_memory.
+    With bearer tokens a region is visible and usable only with the token that
+    registered it. A region unused for --shared_memory_idle_s is released.
+    Region names are unique over both kinds.
+    """
+
+    @staticmethod
+    def SystemSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.SharedMemoryService/SystemSharedMemoryRegister',
+            detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.SharedMemoryService/SystemSharedMemoryStatus',
+            detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SystemSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.SharedMemoryService/SystemSharedMemoryUnregister',
+            detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.SharedMemoryService/CudaSharedMemoryRegister',
+            detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryRegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.SharedMemoryService/CudaSharedMemoryStatus',
+            detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CudaSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.SharedMemoryService/CudaSharedMemoryUnregister',
+            detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

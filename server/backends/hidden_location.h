@@ -1,0 +1,26 @@
+// Where a request's hidden rows live, so the batcher can let a device
+// backend copy them itself (straight to the GPU) instead of gathering them
+// into host staging first. Plain C++: no backend, no CUDA.
+#ifndef DETLOGP_SERVER_BACKENDS_HIDDEN_LOCATION_H_
+#define DETLOGP_SERVER_BACKENDS_HIDDEN_LOCATION_H_
+
+namespace detlogp::server {
+
+struct HiddenLocation {
+  enum class Kind {
+    // Ordinary host memory: gRPC's message, converted rows.
+    kHost,
+    // Host memory the backend registered for direct copies (a system
+    // shared-memory region pinned with LogpBackend::PinHostMemory).
+    kPinnedHost,
+    // Device memory on CUDA device `device` (an opened CUDA region). Only
+    // an executor that copies such rows itself can read them.
+    kDevice,
+  };
+  Kind kind = Kind::kHost;
+  int device = -1;  // kDevice only
+};
+
+}  // namespace detlogp::server
+
+#endif  // DETLOGP_SERVER_BACKENDS_HIDDEN_LOCATION_H_
