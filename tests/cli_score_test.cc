@@ -205,6 +205,43 @@ TEST_F(CliScoreTest, FieldsOnlyWhenAsked) {
   }
 }
 
+// --shared_memory sends the rows through a region (the server is on
+// loopback, so it allows it) with the same printed bits; --timing says where
+// the time went and which path the rows took.
+TEST_F(CliScoreTest, SharedMemoryPrintsTheSameRowsAndTimingSaysSo) {
+  int code = 0;
+  const std::string plain = Score("--return_lse --timing", &code);
+  ASSERT_EQ(code, 0) << plain;
+  const std::string shared =
+      Score("--return_lse --timing --shared_memory", &code);
+  ASSERT_EQ(code, 0) << shared;
+  EXPECT_EQ(RowLines(plain), RowLines(shared));
+  EXPECT_EQ(RowLines(shared).size(), static_cast<size_t>(kRows));
+  for (const auto& [out, path] :
+       {std::pair{plain, "grpc"}, std::pair{shared, "system_shm"}}) {
+    std::map<std::string, std::string> timing;
+    for (absl::string_view line :
+         absl::StrSplit(out, '\n', absl::SkipEmpty())) {
+      if (!absl::StartsWith(line, "timing ")) continue;
+      const std::vector<std::string> words =
+          absl::StrSplit(line.substr(7), ' ', absl::SkipEmpty());
+      for (size_t i = 0; i + 1 < words.size(); i += 2) {
+        timing[words[i]] = words[i + 1];
+      }
+    }
+    ASSERT_FALSE(timing.empty()) << out;
+    EXPECT_EQ(timing["path"], path) << out;
+    EXPECT_EQ(timing["requests"], "1");
+    int64_t call_us = 0, server_us = 0, compute_us = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(timing["call_us"], &call_us));
+    ASSERT_TRUE(absl::SimpleAtoi(timing["server_us"], &server_us));
+    ASSERT_TRUE(absl::SimpleAtoi(timing["compute_us"], &compute_us));
+    EXPECT_GT(compute_us, 0);
+    EXPECT_GE(server_us, compute_us);
+    EXPECT_GE(call_us, server_us);
+  }
+}
+
 TEST_F(CliScoreTest, TopKAboveTheMaximumFailsNamingTopK) {
   int code = 0;
   // The server's default --max_top_k is 20.

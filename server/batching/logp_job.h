@@ -25,7 +25,8 @@ class LogpJob {
 
   // Computes on `model` (which the job keeps alive). Borrows `hidden_bf16`
   // (rows x model->hidden_size() bf16 values, little-endian, any
-  // alignment), kept valid by `keep_alive` until the job completes.
+  // alignment), kept valid by `keep_alive`, which the job drops when it
+  // completes (before `done` runs).
   LogpJob(std::shared_ptr<const LogpModel> model, int64_t rows,
           const char* hidden_bf16, std::shared_ptr<const void> keep_alive,
           std::vector<int32_t> targets, float temperature, absl::Time deadline,
@@ -128,6 +129,10 @@ class LogpJob {
         absl::MutexLock lock(&mu_);
         final_status = status_;
       }
+      // No batch reads the rows any more: let them go before the answer
+      // leaves, so a shared-memory region is free once its caller has it.
+      keep_alive_.reset();
+      hidden_bf16_ = nullptr;
       done_(final_status, *this);
     }
   }

@@ -4,7 +4,10 @@
 // Input: one selector byte choosing the server limits, then a serialized
 // detlogp.v1.LogProbRequest. Bytes that do not parse are skipped (gRPC
 // refuses them before validation). For every parsed request it checks:
-//   * an error is INVALID_ARGUMENT and its message starts with a field name;
+//   * an error is INVALID_ARGUMENT and its message starts with a field name
+//     (or, for a request naming a shared-memory region, which this
+//     validation has no regions for, FAILED_PRECONDITION naming
+//     hidden.shared_memory);
 //   * a success has rows == shape[0] <= max_request_rows, N*H bf16 values,
 //     N targets in [0, vocab_size), a finite positive temperature, and fp32
 //     inputs rounded to bf16 exactly as a reference round-to-nearest-even,
@@ -40,9 +43,11 @@ uint16_t ReferenceBf16(float value) {
 
 bool StartsWithField(const std::string& message) {
   static const char* kFields[] = {
-      "hidden.dtype:",    "hidden.shape:", "hidden.shape[0]:",
-      "hidden.shape[1]:", "hidden.data:",  "target_ids:",
-      "target_ids[",      "temperature:",  "top_k:"};
+      "hidden.dtype:",    "hidden.shape:",
+      "hidden.shape[0]:", "hidden.shape[1]:",
+      "hidden.data:",     "hidden.shared_memory.byte_size:",
+      "target_ids:",      "target_ids[",
+      "temperature:",     "top_k:"};
   for (const char* field : kFields) {
     if (message.rfind(field, 0) == 0) return true;
   }
@@ -65,10 +70,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   auto result = detlogp::server::ValidateLogProbRequest(request, limits);
   if (!result.ok()) {
-    if (result.status().code() != absl::StatusCode::kInvalidArgument) {
+    const std::string message(result.status().message());
+    // Validation runs without shared memory here: a well-formed request
+    // naming a region is one this server cannot serve.
+    const bool names_a_region =
+        request.hidden().has_shared_memory() &&
+        result.status().code() == absl::StatusCode::kFailedPrecondition &&
+        message.rfind("hidden.shared_memory:", 0) == 0;
+    if (result.status().code() != absl::StatusCode::kInvalidArgument &&
+        !names_a_region) {
       Fail("error is not INVALID_ARGUMENT: " + result.status().ToString());
     }
-    const std::string message(result.status().message());
+    if (names_a_region) return 0;
     if (!StartsWithField(message)) Fail("error names no field: " + message);
     return 0;
   }
