@@ -19,6 +19,7 @@ slot. Regions grow on demand within TransferOptions.shared_memory_bytes per
 target and kind, and are unregistered by Client.close() and at exit.
 """
 
+import contextlib
 import ctypes
 import ipaddress
 import itertools
@@ -145,8 +146,35 @@ def _cuda_driver():
             ctypes.POINTER(ctypes.c_size_t),
             ctypes.c_uint64,
         ]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+        lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
+        lib.cuCtxPopCurrent_v2.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         _libcuda = lib
     return _libcuda
+
+
+@contextlib.contextmanager
+def _primary_context(driver, ordinal):
+    """The device's primary context (the one PyTorch's runtime uses) current
+    on this thread: a thread that never called the runtime has none, and the
+    driver API then fails with CUDA_ERROR_INVALID_CONTEXT."""
+    device = ctypes.c_int()
+    _check_cuda(driver.cuDeviceGet(ctypes.byref(device), int(ordinal)), "cuDeviceGet")
+    context = ctypes.c_void_p()
+    _check_cuda(
+        driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+        "cuDevicePrimaryCtxRetain",
+    )
+    try:
+        _check_cuda(driver.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            driver.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    finally:
+        driver.cuDevicePrimaryCtxRelease_v2(device)
 
 
 def _check_cuda(result, what):
@@ -174,12 +202,13 @@ class CudaRegion:
             pointer = self.buffer.data_ptr()
             driver = _cuda_driver()
             base, size = ctypes.c_uint64(), ctypes.c_size_t()
-            _check_cuda(
-                driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer),
-                "cuMemGetAddressRange",
-            )
             handle = ctypes.create_string_buffer(_CU_IPC_HANDLE_BYTES)
-            _check_cuda(driver.cuIpcGetMemHandle(handle, base.value), "cuIpcGetMemHandle")
+            with _primary_context(driver, device.index):
+                _check_cuda(
+                    driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer),
+                    "cuMemGetAddressRange",
+                )
+                _check_cuda(driver.cuIpcGetMemHandle(handle, base.value), "cuIpcGetMemHandle")
         self.raw_handle = handle.raw
         self.base_offset = pointer - base.value
         self.byte_size = self.base_offset + int(byte_size)
