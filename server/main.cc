@@ -90,8 +90,7 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, logp_kernel, "auto",
           "CUDA linear-logp kernel: auto (hopper on compute capability 9.0, "
           "portable on other GPUs >= 8.0), hopper (9.0 only; fails at start "
-          "elsewhere) or portable (mma.sync, any GPU >= 8.0; no entropy or "
-          "top_k yet).");
+          "elsewhere) or portable (mma.sync, any GPU >= 8.0).");
 ABSL_FLAG(bool, vocab_parallel, false,
           "With --device=cuda:all: each GPU holds a contiguous share of the "
           "vocabulary splits instead of the whole lm_head (bits unchanged).");

@@ -16,8 +16,6 @@ word):
   name paths relative to its own folder (`tests/test_ops.py`). `//pkg:name`
   Bazel labels must name a target of `pkg/BUILD`. Build outputs (`bazel-*`)
   and words holding a pattern (`*`, `<`, `{`, `…`) are skipped.
-  PENDING_PATHS are paths that other work adds: while one is missing it is
-  allowed, and once it exists the test asks to drop it from the list.
 * Flags. In a code span, or a line of a fenced block, `--name` words are
   checked against the program the span names: `detlogp_cli` against
   `detlogp_cli --help`; `detlogp_server` or `serve.sh` against
@@ -29,8 +27,7 @@ word):
 * Sections. Wherever the tree (code, scripts, docs) points at a section as
   `docs/NAME.md, "Title"` (a comment may wrap the title over lines), NAME.md
   must have a heading with that title (a heading's trailing "(...)" may be
-  left out). Files that pending work rewrites (PENDING_REWRITES) are skipped
-  while that work's marker path is missing.
+  left out).
 * Metrics. Every `detlogp_...` word in the text that is not a program or
   library name (NOT_METRICS) must be a metric family of a CPU server's
   /metrics scrape after a scored call and a projection.
@@ -67,26 +64,6 @@ DOCUMENTS = sorted(
         *(REPO_ROOT / "docs").glob("*.md"),
     ]
 )
-
-# Paths the docs already link to that other work adds to the tree.
-PENDING_PATHS = {
-    "docs/checkpoints.md",
-    "docs/shared_memory.md",
-    "tools/device/bundle.sh",
-    "tools/device/run_suite.sh",
-}
-
-# Files that pending work rewrites, skipped by the section check until the
-# marker path (one of PENDING_PATHS) exists.
-PENDING_REWRITES = {
-    "tools/device/run_suite.sh": (
-        "tools/device",
-        "tools/bench",
-        "client/cli_main.cc",
-        "server/server.cc",
-        "server/main.cc",
-    ),
-}
 
 # detlogp_ words that name programs, libraries and C functions, not metrics.
 NOT_METRICS = {
@@ -266,15 +243,8 @@ def section_refs(text):
 
 
 def source_files(root=REPO_ROOT):
-    """The tree's text sources, less this file (its examples are made up)
-    and what pending work rewrites."""
+    """The tree's text sources, less this file (its examples are made up)."""
     skip = {".git", "node_modules", "__pycache__"}
-    pending = tuple(
-        root / part
-        for marker, parts in PENDING_REWRITES.items()
-        if not (root / marker).exists()
-        for part in parts
-    )
     for folder, dirs, files in os.walk(root):
         dirs[:] = [
             d for d in dirs if d not in skip and not d.startswith((".venv", "bazel-", ".device"))
@@ -282,8 +252,6 @@ def source_files(root=REPO_ROOT):
         for name in files:
             path = pathlib.Path(folder) / name
             if path == pathlib.Path(__file__).resolve():
-                continue
-            if any(path == p or p in path.parents for p in pending):
                 continue
             if path.suffix in _SOURCE_SUFFIXES or name == "BUILD":
                 yield path
@@ -302,8 +270,6 @@ def missing_sections(files, root=REPO_ROOT):
             if doc not in cache:
                 target = root / doc
                 cache[doc] = headings(target.read_text()) if target.is_file() else None
-            if doc in PENDING_PATHS and cache[doc] is None:
-                continue
             if cache[doc] is None or title not in cache[doc]:
                 shown = path.relative_to(root) if path.is_relative_to(root) else path
                 missing.append((str(shown), doc, title))
@@ -401,13 +367,8 @@ def test_every_document_exists_and_is_read():
 
 
 def test_paths_the_docs_name_exist(all_spans):
-    missing = [(s, w) for s, w in missing_paths(all_spans) if w not in PENDING_PATHS]
+    missing = list(missing_paths(all_spans))
     assert not missing, "paths the docs name that are not in the tree:\n" + describe(missing)
-
-
-def test_pending_paths_are_still_pending():
-    landed = sorted(p for p in PENDING_PATHS if (REPO_ROOT / p).exists())
-    assert not landed, f"now in the tree: drop them from PENDING_PATHS: {landed}"
 
 
 def test_flags_the_docs_name_exist(all_spans, known_flags):
