@@ -48,6 +48,10 @@
 #                      and CUDA-graph replays among them), twin_check.py
 #                      (the op's bits == the CUDA server's, gradients, memory)
 #                      and examples/grpo_twin_step.py against a GPU server
+#   rollout            one caller's large batch through the Python client
+#                      (system and CUDA regions, TCP, Unix socket) against
+#                      detlogp.torch in the same process, and the bits of
+#                      every path (rollout_worker_bench.py; ARGS go to it)
 #   backward           the fused backward: the MN-major wgmma test, the
 #                      backward's GPU tests, then forward + backward beside
 #                      PyTorch eager and Liger (logp_backward_bench.py)
@@ -58,12 +62,12 @@
 # and with 2 when the host has no GPU or no bundle.
 set -uo pipefail
 
-usage="usage: run_suite.sh tests|kernels|portable|serve|live-weights|projection|projection-stream|twin|backward [ARGS...]"
+usage="usage: run_suite.sh tests|kernels|portable|serve|live-weights|projection|projection-stream|twin|rollout|backward [ARGS...]"
 suite=${1:-}
 shift || true
 case "$suite" in
   tests | kernels | portable | serve | live-weights | projection | \
-    projection-stream | twin | backward) ;;
+    projection-stream | twin | rollout | backward) ;;
   *)
     echo "$usage" >&2
     exit 2
@@ -799,6 +803,13 @@ suite_projection_stream() {
       --concurrent_chunks=2048 --repeats=3 | grep -A1 "stream(s)"
     check "transport-only, four projections" "${PIPESTATUS[0]}"
   fi
+}
+
+suite_rollout() {
+  python_env
+  timeout 560 python3 "$scripts/rollout_worker_bench.py" --server="$bin/detlogp_server" \
+    --json_out="$OUT/rollout.json" "$@" 2>&1 | tee "$OUT/rollout.log"
+  check "rollout_worker_bench.py (bits on every path)" "${PIPESTATUS[0]}"
 }
 
 suite_twin() {
