@@ -155,7 +155,9 @@ run_gtest() {
     fail "$name: not in the bundle"
     return
   fi
-  timeout "$limit" "$bin/$name" "$@" > "$log" 2>&1
+  # Tests that start a server (ServerProcess) find it under TEST_SRCDIR.
+  TEST_SRCDIR=${TEST_SRCDIR:-$bundle/runfiles} TEST_TMPDIR=${TEST_TMPDIR:-$work} \
+    timeout "$limit" "$bin/$name" "$@" > "$log" 2>&1
   local rc=$?
   grep -E "^\[  (PASSED|FAILED) +\]|^\[  SKIPPED \] [0-9]+ tests?,|tests? from .* ran" "$log"
   if [[ $rc -eq 124 ]]; then
@@ -591,8 +593,7 @@ suite_live_weights() {
   # publish; the GPU answers theirs first, so they stay with the CPU
   # servers of CI.
   echo "== live-weights tests against a server on cuda:0"
-  TEST_SRCDIR=$bundle/runfiles TEST_TMPDIR=$work DETLOGP_TEST_DEVICE=cuda:0 \
-    run_gtest live_weights_test 900 \
+  DETLOGP_TEST_DEVICE=cuda:0 run_gtest live_weights_test 900 \
     --gtest_filter='-*UnloadWaitsForTheVersionsRequests*:*MultiSliceRequestNeverMixesVersions*'
   echo "== versions kept (no --model_root)"
   start_server a "${model[@]}" --max_versions_per_model=64 || return

@@ -439,7 +439,8 @@ class ClientState:
         options = self.transfer_options
         limits = self._limits[index] or transfer.ServerLimits()
         kind = self._memory[index].kind_for(call, time.monotonic())
-        return call.slices(limits, options.slice_bytes_for(kind), self._max_receive_bytes)
+        preferred = options.slice_bytes_for(kind, call.hidden_bytes)
+        return call.slices(limits, preferred, self._max_receive_bytes)
 
     def _targets_to_ask_limits(self):
         """Targets whose limits are unknown and were not asked for lately

@@ -414,7 +414,7 @@ class TargetMemory:
         self.min_bytes = options.shared_memory_min_bytes
         self.budget_bytes = options.shared_memory_bytes
         # A region holds a large call's slices in flight.
-        in_flight = options.auto_connections * options.slices_in_flight_per_connection
+        in_flight = options.region_slices
         self.system = RegionPool(self.budget_bytes, options.system_slice_bytes * in_flight)
         self.cuda_region_bytes = options.cuda_slice_bytes * in_flight
         self.cuda = {}  # device index -> RegionPool

@@ -44,8 +44,11 @@ SHARED_MEMORY_MODES = ("auto", "off", "system", "cuda")
 class TransferOptions:
     """How the client moves a logprobs() call's rows.
 
-    slice_bytes: hidden bytes per request sent over gRPC (the server parses
-      smaller messages faster, and slices overlap on the connections).
+    slice_bytes: hidden bytes per request sent over gRPC at most (the
+      server parses smaller messages faster, and slices overlap on the
+      connections).
+    min_slice_bytes: a call's gRPC requests are cut smaller than
+      slice_bytes, down to this, so that every connection carries one.
     system_slice_bytes: hidden bytes per request whose rows lie in a system
       region: small enough that copying the next slice in overlaps the
       server's work on the last.
@@ -53,13 +56,15 @@ class TransferOptions:
       costs little; fewer, larger requests do).
     connections: connections per target a large call is spread over; 0:
       `auto_connections` for calls of `auto_connections_min_bytes` of rows
-      or more (4,096 rows of H=4096 bf16), else 1.
+      or more (1,024 rows of H=4096 bf16), else 1.
     slices_in_flight_per_connection: requests of one call outstanding on
       each connection at once.
     shared_memory: "auto" (a CUDA region for a CUDA tensor, a system region
       for host rows, when the target is on this host: a Unix socket or a
       loopback address), "system" (host rows and CUDA tensors both through
       a system region), "cuda" (CUDA tensors only), or "off".
+    region_slices: requests of one call whose rows a region holds at once
+      (a region is this many system or CUDA slices).
     shared_memory_bytes: bytes of regions the client may hold per target and
       kind (system, each CUDA device); a call waits for slots within it.
     shared_memory_min_bytes: calls with fewer hidden bytes go over gRPC
@@ -68,12 +73,14 @@ class TransferOptions:
     """
 
     slice_bytes: int = 8 << 20
+    min_slice_bytes: int = 1 << 20
     system_slice_bytes: int = 8 << 20
     cuda_slice_bytes: int = 64 << 20
     connections: int = 0
-    auto_connections: int = 4
-    auto_connections_min_bytes: int = 32 << 20
+    auto_connections: int = 8
+    auto_connections_min_bytes: int = 8 << 20
     slices_in_flight_per_connection: int = 2
+    region_slices: int = 8
     shared_memory: str = "auto"
     shared_memory_bytes: int = 1 << 30
     shared_memory_min_bytes: int = 64 << 10
@@ -82,6 +89,7 @@ class TransferOptions:
         """self, or ValueError naming the first bad field."""
         for name in (
             "slice_bytes",
+            "min_slice_bytes",
             "system_slice_bytes",
             "cuda_slice_bytes",
             "shared_memory_bytes",
@@ -89,7 +97,7 @@ class TransferOptions:
         ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("auto_connections", "slices_in_flight_per_connection"):
+        for name in ("auto_connections", "slices_in_flight_per_connection", "region_slices"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
         if int(self.shared_memory_min_bytes) < 0:
@@ -111,11 +119,14 @@ class TransferOptions:
             return int(self.connections)
         return self.auto_connections if hidden_bytes >= self.auto_connections_min_bytes else 1
 
-    def slice_bytes_for(self, kind):
-        """Hidden bytes per request for rows in `kind` of region (None: in
-        the message)."""
+    def slice_bytes_for(self, kind, hidden_bytes):
+        """Hidden bytes per request of a call of `hidden_bytes` whose rows
+        lie in `kind` of region (None: in the message). gRPC requests are
+        cut so that each connection has one: the call's bytes all move at
+        once."""
         if kind is None:
-            return self.slice_bytes
+            spread = -(-int(hidden_bytes) // self.connections_for(hidden_bytes))
+            return min(self.slice_bytes, max(self.min_slice_bytes, spread))
         return self.cuda_slice_bytes if kind == "cuda" else self.system_slice_bytes
 
 

@@ -209,3 +209,35 @@ def test_unknown_and_unpacked_fields_are_read_as_protobuf_reads_them():
     assert answer.timing is None
     with pytest.raises(ValueError):
         wire.decode_logprob_response(data[:-1])
+
+
+def test_large_requests_are_joined_without_the_gil_and_equal_protobufs():
+    """A request past bytes_join's threshold is written by the GIL-free
+    writer (CPython) and is still protobuf's bytes."""
+    from detlogp import bytes_join
+
+    assert bytes_join._WRITER is not None, "the GIL-free writer failed its self-check"
+    rows, hidden = 160, 4096  # 1.25 MiB of bf16 rows
+    bits = tensors.float32_to_bf16_bits(
+        np.random.default_rng(5).standard_normal((rows, hidden)).astype(np.float32)
+    )
+    targets = list(range(0, rows * 997, 997))
+    options = dict(temperature=0.5, return_lse=True, model="m", version=3, top_k=4)
+    mine = written_once(bits, targets, **options)
+    assert len(mine) >= bytes_join.GIL_FREE_MIN_BYTES
+    assert mine == requests.logprob_request(bits, targets, **options).SerializeToString()
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 62])
+def test_bytes_join_equals_bytes_join_of_python(monkeypatch, threshold):
+    from detlogp import bytes_join
+
+    monkeypatch.setattr(bytes_join, "GIL_FREE_MIN_BYTES", threshold)
+    array = np.arange(1000, dtype=np.uint16)
+    read_only = memoryview(array.tobytes())
+    parts = [b"head", memoryview(array).cast("B"), b"", read_only, bytearray(b"tail")]
+    joined = bytes_join.join(parts)
+    assert type(joined) is bytes
+    assert joined == b"".join(parts)
+    assert hash(joined) == hash(b"".join(parts))
+    assert bytes_join.join([]) == b""
