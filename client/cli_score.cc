@@ -1,5 +1,6 @@
 #include "client/cli_score.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <utility>
 #include <vector>
@@ -10,6 +11,15 @@
 #include "client/tensor_files.h"
 
 namespace detlogp::client {
+namespace {
+
+// The call's time outside the server. Server times are summed over the
+// call's requests, which ran side by side over `connections` connections.
+int64_t TransferMicros(int64_t call_us, int64_t server_us, int connections) {
+  return std::max<int64_t>(call_us - server_us / std::max(connections, 1), 0);
+}
+
+}  // namespace
 
 absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
   auto info = client.GetModelInfo(options.model, options.model_version);
@@ -68,16 +78,17 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
     std::fprintf(
         stderr,
         "timing build_us %lld call_us %lld server_us %lld validate_us %lld "
-        "queue_us %lld compute_us %lld transfer_us %lld requests %lld path "
-        "%s\n",
+        "queue_us %lld compute_us %lld transfer_us %lld requests %lld "
+        "connections %d path %s\n",
         static_cast<long long>(
             absl::ToInt64Microseconds(call_start - build_start)),
         static_cast<long long>(call_us), static_cast<long long>(t.total_us()),
         static_cast<long long>(t.validate_us()),
         static_cast<long long>(t.queue_us()),
         static_cast<long long>(t.compute_us()),
-        static_cast<long long>(call_us - t.total_us()),
-        static_cast<long long>(result->requests),
+        static_cast<long long>(
+            TransferMicros(call_us, t.total_us(), result->connections)),
+        static_cast<long long>(result->requests), result->connections,
         result->used_shared_memory ? "system_shm" : "grpc");
   }
   std::printf("model %s version %lld\ndeterminism_key %s\n",

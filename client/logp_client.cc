@@ -263,6 +263,15 @@ constexpr int64_t kBytesThatAlwaysFit = int64_t{16} << 20;
 constexpr int64_t kTargetBytes = 11;
 constexpr int64_t kMessageOverheadBytes = 64 << 10;
 
+// Calls with this many bytes of rows in their messages are spread over
+// kAutoConnections connections by default, in requests of at least
+// kMinSpreadRequestBytes: one connection moves a large message at a fraction
+// of what several do side by side (docs/performance.md, "One caller's large
+// batch").
+constexpr int kAutoConnections = 8;
+constexpr int64_t kAutoConnectionsMinBytes = int64_t{8} << 20;
+constexpr int64_t kMinSpreadRequestBytes = int64_t{1} << 20;
+
 // Registration refusals that mean "not here": the client sends bytes.
 bool IsRefusal(absl::StatusCode code) {
   return code == absl::StatusCode::kFailedPrecondition ||
@@ -450,8 +459,22 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
   auto rows_per_request = RowsPerRequest(*to_send, shared);
   if (!rows_per_request.ok()) return rows_per_request.status();
   const int64_t rows = to_send->target_ids_size();
+  const int64_t row_bytes = RowBytes(*to_send);
+  const int64_t bytes = rows * row_bytes;
+  int connections = options_.connections;
+  if (connections <= 0) {
+    connections = bytes >= kAutoConnectionsMinBytes ? kAutoConnections : 1;
+  }
+  if (shared || !options_.split_large_calls || row_bytes == 0) connections = 1;
   absl::StatusOr<ScoreResult> result;
-  if (*rows_per_request <= 0 || rows <= *rows_per_request) {
+  if (connections > 1 && rows > 1) {
+    const int64_t share = std::max((rows + connections - 1) / connections,
+                                   kMinSpreadRequestBytes / row_bytes);
+    const int64_t rows_each =
+        *rows_per_request > 0 ? std::min(*rows_per_request, share) : share;
+    result =
+        ScoreSpread(*to_send, std::max<int64_t>(rows_each, 1), connections);
+  } else if (*rows_per_request <= 0 || rows <= *rows_per_request) {
     result = ScoreOne(*to_send);
   } else {
     // The first slice alone picks the version (the latest when the request
@@ -479,13 +502,67 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 }
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
-    const detlogp::v1::LogProbRequest& request) {
+    const detlogp::v1::LogProbRequest& request,
+    detlogp::v1::LogProbService::Stub* stub) {
   grpc::ClientContext context;
   PrepareContext(&context);
   detlogp::v1::LogProbResponse response;
-  grpc::Status status = stub_->ComputeLogProbs(&context, request, &response);
+  grpc::Status status = (stub != nullptr ? stub : stub_.get())
+                            ->ComputeLogProbs(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return ToScoreResult(request, response);
+}
+
+absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
+    const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
+    int connections) {
+  const int64_t rows = request.target_ids_size();
+  std::vector<detlogp::v1::LogProbRequest> slices;
+  for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
+    slices.push_back(SliceLogProbRequest(
+        request, begin, std::min(rows_per_request, rows - begin)));
+  }
+  const int used =
+      static_cast<int>(std::min<size_t>(connections, slices.size()));
+  // Connections of the call's own beside the client's: closed with it, so
+  // none idles open between calls.
+  std::vector<std::unique_ptr<detlogp::v1::LogProbService::Stub>> stubs;
+  Options own = options_;
+  own.own_connection = true;
+  for (int c = 1; c < used; ++c) {
+    stubs.push_back(detlogp::v1::LogProbService::NewStub(MakeChannel(own)));
+  }
+  std::vector<absl::StatusOr<ScoreResult>> answers(
+      slices.size(), absl::UnknownError("not sent"));
+  std::vector<std::thread> senders;
+  for (int c = 0; c < used; ++c) {
+    senders.emplace_back([&, c] {
+      auto* stub = c == 0 ? stub_.get() : stubs[c - 1].get();
+      for (size_t i = c; i < slices.size(); i += used) {
+        answers[i] = ScoreOne(slices[i], stub);
+        if (!answers[i].ok()) return;
+      }
+    });
+  }
+  for (std::thread& sender : senders) sender.join();
+  for (const auto& answer : answers) {
+    if (!answer.ok()) return answer.status();
+  }
+  // One version for the whole call: slices answered by another version than
+  // the first's (one published meanwhile) are asked again, pinned to it.
+  const int64_t version = answers.front()->model_version;
+  std::vector<ScoreResult> parts;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    if (answers[i]->model_version != version) {
+      slices[i].set_model_version(version);
+      answers[i] = ScoreOne(slices[i]);
+      if (!answers[i].ok()) return answers[i].status();
+    }
+    parts.push_back(*std::move(answers[i]));
+  }
+  ScoreResult joined = JoinScoreResults(std::move(parts));
+  joined.connections = used;
+  return joined;
 }
 
 absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(

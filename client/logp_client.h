@@ -20,8 +20,9 @@
 //
 // Large calls: Score cuts a request larger than the server's limits
 // (ModelInfo.max_request_rows and max_receive_message_bytes, asked once)
-// into requests that fit, sends them on one stream and joins the answers in
-// row order; each row's bits are those it gets alone.
+// into requests that fit, and a call of 8 MiB of rows or more into a share
+// per connection (Options::connections), sends them side by side and joins
+// the answers in row order; each row's bits are those it gets alone.
 //
 // Same host: with Options::system_shared_memory, Score copies the hidden
 // rows into a POSIX shared-memory region the client owns (registered once,
@@ -76,8 +77,10 @@ struct ScoreResult {
   // Where the call's time went on the server, when the request set
   // return_timing (summed over the requests a large call was cut into).
   detlogp::v1::ServerTiming server_timing;
-  // Requests the call took (more than one when it was cut to fit).
+  // Requests the call took (more than one when it was cut to fit or spread
+  // over connections), and the connections they went over.
   int64_t requests = 1;
+  int connections = 1;
   // Whether the hidden rows went through a shared-memory region.
   bool used_shared_memory = false;
 };
@@ -140,6 +143,12 @@ class LogpClient {
     // Rows per request when cutting; 0: the server's limits (GetModelInfo,
     // asked once when a call is large enough to need them).
     int64_t max_request_rows = 0;
+    // Connections a call's rows are spread over when they travel in the
+    // messages: the call is cut so that each carries a share (requests of at
+    // least 1 MiB), sent side by side, each on a TCP connection of its own
+    // (opened for the call). 0: 8 for calls of 8 MiB of rows or more, else
+    // 1. Rows in a shared-memory region go in one request.
+    int connections = 0;
     // Sent as "authorization: Bearer <token>" when not empty.
     std::string bearer_token;
     // PEM roots to verify the server with; enables TLS when not empty.
@@ -266,9 +275,16 @@ class LogpClient {
       const ProjectOptions& options,
       const std::function<void(ProjectChunk&)>& on_chunk);
 
-  // One request as it is, answered and checked.
+  // One request as it is on `stub` (default: the client's own), answered
+  // and checked.
   absl::StatusOr<ScoreResult> ScoreOne(
-      const detlogp::v1::LogProbRequest& request);
+      const detlogp::v1::LogProbRequest& request,
+      detlogp::v1::LogProbService::Stub* stub = nullptr);
+  // `request` cut into requests of `rows_per_request` rows sent side by side
+  // over `connections` connections, on one model version.
+  absl::StatusOr<ScoreResult> ScoreSpread(
+      const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
+      int connections);
   // The rows a request may carry on this server (0: unknown, no cutting).
   absl::StatusOr<int64_t> RowsPerRequest(
       const detlogp::v1::LogProbRequest& request, bool by_reference);

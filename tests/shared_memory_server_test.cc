@@ -258,7 +258,7 @@ TEST_F(SharedMemoryServerTest, TheClientsOwnRegionGivesTheSameBits) {
   EXPECT_EQ(status.regions_size(), 0);
 }
 
-TEST_F(SharedMemoryServerTest, LargeCallsAreCutToTheServersLimitsSameBits) {
+TEST_F(SharedMemoryServerTest, LargeCallsAreCutAndSpreadSameBits) {
   // A server that takes at most 100 rows per request.
   auto server = ServerProcess::Start(ServerArgs({"--max_request_rows=100"}));
   ASSERT_TRUE(server.ok()) << server.status();
@@ -283,6 +283,21 @@ TEST_F(SharedMemoryServerTest, LargeCallsAreCutToTheServersLimitsSameBits) {
     }
     ExpectSameBits(client::JoinScoreResults(std::move(parts)), *cut);
   }
+  // Spread over four connections: the same requests side by side, the same
+  // bits, one version.
+  LogpClient::Options spread;
+  spread.target = (*server)->target();
+  spread.bearer_token = kAlpha;
+  spread.connections = 4;
+  auto over_four = (*LogpClient::Create(spread))->Score(request);
+  ASSERT_TRUE(over_four.ok()) << over_four.status();
+  EXPECT_EQ(over_four->connections, 4);
+  EXPECT_EQ(over_four->requests, 13);
+  auto on_one = client->Score(request);
+  ASSERT_TRUE(on_one.ok()) << on_one.status();
+  EXPECT_EQ(on_one->connections, 1);  // 1234 rows of H=256: under 8 MiB
+  ExpectSameBits(*on_one, *over_four);
+  EXPECT_EQ(over_four->model_version, on_one->model_version);
   LogpClient::Options whole;
   whole.target = (*server)->target();
   whole.bearer_token = kAlpha;

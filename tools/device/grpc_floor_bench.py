@@ -16,7 +16,6 @@ import time
 
 import grpc
 import numpy as np
-
 from detlogp import wire
 
 _METHOD = "/detlogp.v1.LogProbService/ComputeLogProbs"

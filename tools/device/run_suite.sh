@@ -29,7 +29,8 @@
 #                      against the kernel alone: >= 0.85)
 #   serve              the server on cuda:0 (H=4096, V=151936): bit invariance
 #                      over gRPC with and without extras, throughput (N=256 x
-#                      64 callers), small-call latency, the projection's bits
+#                      64 callers), small-call latency (16 rows from 8
+#                      callers and from one, one row), the projection's bits
 #                      from the GPU equal the CPU's; SWEEP="threads:delay_us:
 #                      rows[:spin_us[:qos]] ..." compares server settings.
 #                      With two or more GPUs (MULTI_GPU=0 skips): GPU 0 ==
@@ -475,6 +476,8 @@ suite_serve() {
     check "latency N=16 x 8" "${PIPESTATUS[0]}"
     load_phase gpu --rows=16 --callers=1 --channels=1 --seconds=3 | tail -2
     check "latency N=16 x 1" "${PIPESTATUS[0]}"
+    load_phase gpu --rows=1 --callers=1 --channels=1 --seconds=3 | tail -2
+    check "latency N=1 x 1" "${PIPESTATUS[0]}"
     scrape "$gpu_metrics" > "$OUT/metrics.txt"
     echo "== projection from the GPU, then from the CPU (same seeded rows)"
     "$bin/detlogp_cli" project --target="$gpu_target" --project_rows=37296 --seed=7 \
