@@ -113,7 +113,10 @@ class Regions {
 
 TEST(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-  auto server = ServerProcess::Start({"--device=cuda:0", "--metrics_port=0"});
+  auto server =
+      ServerProcess::Start({"--device=cuda:0", "--metrics_port=0",
+                            absl::StrCat("--synthetic_hidden_size=", kHidden),
+                            absl::StrCat("--synthetic_vocab_size=", kVocab)});
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options options;
   options.target = (*server)->target();

@@ -403,6 +403,7 @@ class ClientState:
         self._limits = [None] * len(self.targets)
         self._limits_asked = [None] * len(self.targets)  # monotonic time
         self._memory = [shm.TargetMemory(t, self.transfer_options) for t in self.targets]
+        self._row_copier = shm.RowCopier(self.transfer_options.copy_threads)
         self._shm_stubs = [pb_grpc.SharedMemoryServiceStub(c) for c in self._channels]
 
     @staticmethod
@@ -498,7 +499,7 @@ class ClientState:
         if kind is None or not call.sliceable or nbytes == 0:
             return None
         want = nbytes * self.transfer_options.slices_in_flight_per_connection
-        return shm.Staging(memory, kind, call, piece, want)
+        return shm.Staging(memory, kind, call, piece, want, self._row_copier)
 
     def _staging_failed(self, staging, why):
         """No slot (refused, or no memory for a region): gRPC bytes, the

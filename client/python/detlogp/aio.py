@@ -69,6 +69,7 @@ class AsyncClient(ClientState):
             for pool in memory.pools():
                 for region in pool.take_all():
                     await self._unregister(stub, region)
+        self._row_copier.close()
         for channel in self._take_extra_channels():
             await channel.close()
         for channel in self._channels:

@@ -97,6 +97,7 @@ class Client(ClientState):
         self._release_regions()
         if self._slice_pool is not None:
             self._slice_pool.shutdown(wait=True)
+        self._row_copier.close()
         for channel in self._take_extra_channels():
             channel.close()
         for channel in self._channels:

@@ -52,6 +52,8 @@ class TransferOptions:
     system_slice_bytes: hidden bytes per request whose rows lie in a system
       region: small enough that copying the next slice in overlaps the
       server's work on the last.
+    copy_threads: threads that copy one slice's host rows into a system
+      region.
     cuda_slice_bytes: the same for a CUDA region (a device-to-device copy
       costs little; fewer, larger requests do).
     connections: connections per target a large call is spread over; 0:
@@ -74,10 +76,11 @@ class TransferOptions:
 
     slice_bytes: int = 8 << 20
     min_slice_bytes: int = 1 << 20
-    system_slice_bytes: int = 8 << 20
+    system_slice_bytes: int = 16 << 20
+    copy_threads: int = 4
     cuda_slice_bytes: int = 64 << 20
     connections: int = 0
-    auto_connections: int = 8
+    auto_connections: int = 16
     auto_connections_min_bytes: int = 8 << 20
     slices_in_flight_per_connection: int = 2
     region_slices: int = 8
@@ -97,7 +100,12 @@ class TransferOptions:
         ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("auto_connections", "slices_in_flight_per_connection", "region_slices"):
+        for name in (
+            "auto_connections",
+            "slices_in_flight_per_connection",
+            "region_slices",
+            "copy_threads",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
         if int(self.shared_memory_min_bytes) < 0:
@@ -242,6 +250,8 @@ class LogProbCall:
     def __init__(self, hidden, targets, fields):
         self.fields = fields
         self.target_ids = tensors.target_id_array(targets)
+        # Slices copy their rows into regions one at a time (RowCopier).
+        self.copy_lock = threading.Lock()
         self.cuda_tensor = None
         self.cuda_stream = None
         self._host = None

@@ -156,3 +156,20 @@ def test_interleaved_projection_puts_blocks_back_and_checks_each():
     assert requests.InterleavedProjection.count_calls(8191, 0, 0) == 1
     assert requests.InterleavedProjection.count_calls(8192, 0, 0) == 4
     assert requests.InterleavedProjection.count_calls(8192, 4096, 0) == 2  # two blocks
+
+
+@pytest.mark.parametrize("rows,threads", [(3, 4), (1000, 1), (4099, 4), (4099, 3)])
+def test_row_copier_copies_every_row_once(rows, threads):
+    """RowCopier's blocks cover the rows exactly (row counts that do not
+    divide, fewer rows than threads, one thread)."""
+    from detlogp import shm
+
+    source = np.random.default_rng(rows).integers(0, 1 << 16, (rows, 2048), dtype=np.uint16)
+    dest = np.zeros_like(source)
+    copier = shm.RowCopier(threads)
+    copier.MIN_PARALLEL_BYTES = 1 << 10  # blocks even for small calls
+    try:
+        copier.copy(dest, source)
+    finally:
+        copier.close()
+    assert dest.tobytes() == source.tobytes()
