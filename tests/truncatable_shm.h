@@ -24,9 +24,8 @@ class TruncatableShm {
   // An object of `pages` pages, mapped; null when the host refuses.
   static std::unique_ptr<TruncatableShm> Create(size_t pages) {
     static std::atomic<int> next{0};
-    const std::string key = "/detlogp_truncatable_" +
-                            std::to_string(getpid()) + "_" +
-                            std::to_string(next++);
+    const std::string key = "/detlogp_truncatable_" + std::to_string(getpid()) +
+                            "_" + std::to_string(next++);
     const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) return nullptr;
     shm_unlink(key.c_str());  // the descriptor and the mapping keep it
