@@ -498,10 +498,9 @@ LogProbRequest Fp32Request(int64_t rows, uint64_t seed) {
     const uint32_t bits = static_cast<uint32_t>(half) << 16;
     std::memcpy(&fp32[4 * i], &bits, 4);
   }
-  return client::MakeLogProbRequest(absl::StrCat("f", seed),
-                                    v1::DTYPE_FLOAT32, rows, kHidden, fp32,
-                                    client::RandomTargets(rows, kVocab, seed),
-                                    1.0f, true);
+  return client::MakeLogProbRequest(
+      absl::StrCat("f", seed), v1::DTYPE_FLOAT32, rows, kHidden, fp32,
+      client::RandomTargets(rows, kVocab, seed), 1.0f, true);
 }
 
 void ExpectRegionShrank(const absl::StatusOr<ScoreResult>& result,

@@ -34,17 +34,20 @@ bool g_sigbus_handler_installed = false;
 // Gives a SIGBUS that no guarded read takes to whoever would have had it
 // without this library.
 void ForwardSigbus(int signo, siginfo_t* info, void* context) {
-  if ((g_previous_sigbus.sa_flags & SA_SIGINFO) != 0) {
-    g_previous_sigbus.sa_sigaction(signo, info, context);
+  // sa_handler and sa_sigaction share storage: SIG_DFL and SIG_IGN are
+  // recognised whatever the flags say.
+  const auto previous = g_previous_sigbus.sa_handler;
+  if (previous != SIG_DFL && previous != SIG_IGN) {
+    if ((g_previous_sigbus.sa_flags & SA_SIGINFO) != 0) {
+      g_previous_sigbus.sa_sigaction(signo, info, context);
+    } else {
+      previous(signo);
+    }
     return;
   }
-  const bool sent_by_a_process = info->si_code <= 0;  // kill, sigqueue, tkill
-  if (g_previous_sigbus.sa_handler == SIG_IGN && sent_by_a_process) return;
-  if (g_previous_sigbus.sa_handler != SIG_DFL &&
-      g_previous_sigbus.sa_handler != SIG_IGN) {
-    g_previous_sigbus.sa_handler(signo);
-    return;
-  }
+  // kill, sigqueue, tkill (a fault has a positive code).
+  const bool sent_by_a_process = info == nullptr || info->si_code <= 0;
+  if (previous == SIG_IGN && sent_by_a_process) return;
   // The default action (a fault cannot be ignored). Once it is restored, a
   // faulting instruction runs again on return and the fault kills the
   // process where it happened (the core shows the real culprit); a signal
