@@ -89,8 +89,11 @@ void InstallSigbusHandler() {
   sigemptyset(&action.sa_mask);
   // SA_ONSTACK: runs on an alternate signal stack where a thread set one.
   action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  // The previous disposition is read first: a fault on another thread the
+  // moment ours is in place must find it.
   g_sigbus_handler_installed =
-      sigaction(SIGBUS, &action, &g_previous_sigbus) == 0;
+      sigaction(SIGBUS, nullptr, &g_previous_sigbus) == 0 &&
+      sigaction(SIGBUS, &action, nullptr) == 0;
 }
 
 bool SigbusHandlerInstalled() {
