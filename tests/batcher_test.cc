@@ -2,14 +2,17 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/bfloat16.h"
 #include "tests/fake_backend.h"
+#include "tests/truncatable_shm.h"
 
 namespace detlogp::server {
 namespace {
 
 using detlogp::testing::FakeBackend;
+using detlogp::testing::TruncatableShm;
 
 constexpr int64_t kH = 4;
 
@@ -45,6 +48,39 @@ TrackedJob MakeJob(int64_t rows, absl::Time deadline = absl::InfiniteFuture(),
         done->Notify();
       });
   return tracked;
+}
+
+// A job reading its rows where they lie, at `at` (row r: hidden[0] =
+// base + r, target 2r), from memory of `location`.
+TrackedJob MakeJobAt(char* at, int64_t rows, float base,
+                     const HiddenLocation& location) {
+  TrackedJob tracked;
+  std::vector<uint16_t> hidden(rows * kH);
+  std::vector<int32_t> targets(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    hidden[r * kH] = kernels::FloatToBf16(base + static_cast<float>(r));
+    targets[r] = static_cast<int32_t>(2 * r);
+  }
+  std::memcpy(at, hidden.data(), hidden.size() * sizeof(uint16_t));
+  tracked.job = std::make_shared<LogpJob>(
+      DefaultModel(), rows, at, nullptr, std::move(targets), 1.0f,
+      absl::InfiniteFuture(),
+      [done = tracked.done, status = tracked.status](absl::Status s, LogpJob&) {
+        *status = s;
+        done->Notify();
+      });
+  tracked.job->set_hidden_location(location);
+  return tracked;
+}
+
+HiddenLocation SystemRegion(
+    const std::string& name,
+    HiddenLocation::Kind kind = HiddenLocation::Kind::kHost) {
+  HiddenLocation location;
+  location.kind = kind;
+  location.owner_may_truncate = true;
+  location.region = name;
+  return location;
 }
 
 std::unique_ptr<DynamicBatcher> MakeBatcher(FakeBackend* backend,
@@ -382,6 +418,68 @@ TEST(DynamicBatcherTest, BatchesHoldRowsOfOneModelAndJobsStayOnTheirModel) {
   EXPECT_NE(std::count(models.begin(), models.end(), 0.0f), 0);
   EXPECT_NE(std::count(models.begin(), models.end(), 1000.0f), 0);
   EXPECT_EQ(backend.rows_computed(), 6 * 3 + 6 * 19);
+}
+
+// A region whose owner truncated it under the gather fails its own request
+// only: the other rows of the batch are staged in order, computed and
+// scattered back to their own jobs.
+TEST(DynamicBatcherTest, ARegionTruncatedUnderTheGatherFailsOnlyItsRequest) {
+  auto shm = TruncatableShm::Create(2);
+  ASSERT_NE(shm, nullptr);
+  FakeBackend backend(kH);
+  auto batcher = MakeBatcher(&backend, {12, 5'000'000, 1000, 1});
+  TrackedJob before = MakeJob(3);
+  // Pinned, but the fake executor does not copy rows itself: the batcher
+  // reads them, through the guard.
+  TrackedJob shrunk =
+      MakeJobAt(shm->page(1), 3, 100.0f,
+                SystemRegion("shrunk", HiddenLocation::Kind::kPinnedHost));
+  TrackedJob intact =
+      MakeJobAt(shm->page(0), 3, 200.0f, SystemRegion("intact"));
+  TrackedJob after = MakeJob(3);
+  ASSERT_TRUE(shm->TruncateToPages(1));
+  for (TrackedJob* job : {&before, &shrunk, &intact, &after}) {
+    ASSERT_TRUE(batcher->Schedule(job->job).ok());
+  }
+  for (TrackedJob* job : {&before, &shrunk, &intact, &after}) {
+    ASSERT_TRUE(job->done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  }
+  EXPECT_EQ(shrunk.status->code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StartsWith(shrunk.status->message(),
+                               "hidden.shared_memory: region \"shrunk\""))
+      << *shrunk.status;
+  for (const auto& [job, base] : std::vector<std::pair<TrackedJob*, float>>{
+           {&before, 0.0f}, {&intact, 200.0f}, {&after, 0.0f}}) {
+    ASSERT_TRUE(job->status->ok()) << *job->status;
+    for (int64_t r = 0; r < 3; ++r) {
+      EXPECT_EQ(job->job->logprobs()[r], base + static_cast<float>(3 * r))
+          << "base " << base << " row " << r;
+    }
+  }
+  EXPECT_EQ(backend.batch_sizes(), std::vector<int64_t>{9});
+  EXPECT_EQ(backend.bad_staging_batches(), 0);
+  const DynamicBatcher::Stats stats = batcher->stats();
+  EXPECT_EQ(stats.rows_failed, 3);
+  EXPECT_EQ(stats.rows_computed, 9);
+}
+
+TEST(DynamicBatcherTest, ABatchOfOnlyTruncatedRowsEndsAndTheNextRuns) {
+  auto shm = TruncatableShm::Create(2);
+  ASSERT_NE(shm, nullptr);
+  FakeBackend backend(kH);
+  auto batcher = MakeBatcher(&backend, {4, 0, 1000, 1});
+  TrackedJob shrunk =
+      MakeJobAt(shm->page(1), 3, 100.0f, SystemRegion("shrunk"));
+  ASSERT_TRUE(shm->TruncateToPages(0));
+  ASSERT_TRUE(batcher->Schedule(shrunk.job).ok());
+  ASSERT_TRUE(shrunk.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(shrunk.status->code(), absl::StatusCode::kFailedPrecondition);
+  TrackedJob fine = MakeJob(3);
+  ASSERT_TRUE(batcher->Schedule(fine.job).ok());
+  ASSERT_TRUE(fine.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(fine.status->ok()) << *fine.status;
+  EXPECT_EQ(fine.job->logprobs()[2], 6.0f);
+  EXPECT_EQ(backend.batch_sizes(), std::vector<int64_t>{3});
 }
 
 }  // namespace

@@ -8,12 +8,14 @@
 
 #include <atomic>
 #include <cstring>
+#include <filesystem>
 #include <string>
 
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "server/shared_memory/mapped_reads.h"
 
 namespace detlogp::server {
 namespace {
@@ -286,6 +288,53 @@ TEST(RegionRegistryTest, CudaRegionsGoThroughTheHooks) {
   lease->reset();
   ASSERT_TRUE(registry->Unregister("", RegionKind::kCuda, "g").ok());
   EXPECT_EQ(closed, 1);
+}
+
+int OpenDescriptors() {
+  return static_cast<int>(
+      std::distance(std::filesystem::directory_iterator("/proc/self/fd"),
+                    std::filesystem::directory_iterator()));
+}
+
+// The owner of a system region may truncate its object at any time: a
+// request after that is refused at Acquire, and a lease taken before reads
+// through the guard and gets a status instead of a SIGBUS.
+TEST(RegionRegistryTest, AnObjectTruncatedByItsOwnerIsRefusedNamingTheField) {
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  ShmObject object(3 * page);
+  Fixture f;
+  const int descriptors = OpenDescriptors();
+  ASSERT_TRUE(
+      f.registry->RegisterSystem("", "rows", object.key(), page, 2 * page)
+          .ok());
+  auto before = f.registry->Acquire("", "rows", 0, 2 * page, "t");
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_TRUE((*before)->location().owner_may_truncate);
+  EXPECT_EQ((*before)->location().region, "rows");
+  std::string copy(2 * page, '\0');
+  ASSERT_TRUE(CopyFromMapping(copy.data(), (*before)->data(), 2 * page).ok());
+
+  const int fd = shm_open(object.key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 2 * page), 0);  // the region's second page goes
+  close(fd);
+  EXPECT_EQ(CopyFromMapping(copy.data(), (*before)->data(), 2 * page).code(),
+            absl::StatusCode::kFailedPrecondition);
+  // Even a request for the bytes still there: the region as registered is
+  // gone.
+  auto after = f.registry->Acquire("", "rows", 0, 16, "hidden.shared_memory");
+  EXPECT_EQ(after.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StartsWith(after.status().message(),
+                               "hidden.shared_memory: region \"rows\" shrank"))
+      << after.status();
+  auto listed = f.registry->List("", RegionKind::kSystem, "rows");
+  ASSERT_TRUE(listed.ok());
+  EXPECT_EQ((*listed)[0].use.requests, 1);  // the refused one is not counted
+  EXPECT_EQ((*listed)[0].use.requests_in_flight, 1);
+  before->reset();
+  ASSERT_TRUE(f.registry->Unregister("", RegionKind::kSystem, "rows").ok());
+  // The descriptor kept to watch the object's size is closed with it.
+  EXPECT_EQ(OpenDescriptors(), descriptors);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/bfloat16.h"
+#include "tests/truncatable_shm.h"
 
 namespace detlogp::server {
 namespace {
@@ -254,6 +255,50 @@ TEST(RequestValidationTest, BadSharedMemoryReferencesNameTheirField) {
   auto fp32_on_device = ValidateLogProbRequest(good, kLimits, on_device);
   EXPECT_EQ(fp32_on_device.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(fp32_on_device.status().message().rfind("hidden.dtype:", 0), 0u);
+}
+
+// fp32 rows in a system region are decoded here, from the mapping; a
+// region its owner truncated is refused naming the field and the region,
+// and bf16 rows (not read here) pass on with the location that tells the
+// batcher to read them through the guard.
+TEST(RequestValidationTest, ARegionTruncatedByItsOwnerIsRefusedNotACrash) {
+  using detlogp::testing::TruncatableShm;
+  auto shm = TruncatableShm::Create(2);
+  ASSERT_NE(shm, nullptr);
+  std::string rows;
+  LogProbRequest request = InRegion(ValidRequest(3), &rows);
+  std::memcpy(shm->page(1), rows.data(), rows.size());
+  const SharedMemoryResolver resolve = [&](const detlogp::v1::SharedMemoryRef&)
+      -> absl::StatusOr<SharedMemoryBytes> {
+    SharedMemoryBytes bytes;
+    bytes.data = shm->page(1);
+    bytes.location.owner_may_truncate = true;
+    bytes.location.region = "r";
+    return bytes;
+  };
+  auto intact = ValidateLogProbRequest(request, kLimits, resolve);
+  ASSERT_TRUE(intact.ok()) << intact.status();
+  auto in_message = ValidateLogProbRequest(ValidRequest(3), kLimits);
+  ASSERT_TRUE(in_message.ok());
+  EXPECT_EQ(intact->converted, in_message->converted);
+  EXPECT_FALSE(intact->location.owner_may_truncate);  // the server's copy
+
+  ASSERT_TRUE(shm->TruncateToPages(1));
+  auto shrunk = ValidateLogProbRequest(request, kLimits, resolve);
+  EXPECT_EQ(shrunk.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      shrunk.status().message().rfind("hidden.shared_memory: region \"r\"", 0),
+      0u)
+      << shrunk.status();
+
+  LogProbRequest bf16 = request;
+  bf16.mutable_hidden()->set_dtype(detlogp::v1::DTYPE_BFLOAT16);
+  bf16.mutable_hidden()->mutable_shared_memory()->set_byte_size(3 * kH * 2);
+  auto passed_on = ValidateLogProbRequest(bf16, kLimits, resolve);
+  ASSERT_TRUE(passed_on.ok()) << passed_on.status();
+  EXPECT_EQ(passed_on->hidden_bf16, shm->page(1));
+  EXPECT_TRUE(passed_on->location.owner_may_truncate);
+  EXPECT_EQ(passed_on->location.region, "r");
 }
 
 }  // namespace

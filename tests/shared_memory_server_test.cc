@@ -495,6 +495,137 @@ TEST_F(SharedMemoryServerTest, TimingSaysWhereTheCallsTimeWent) {
   EXPECT_EQ(untimed->server_timing.total_us(), 0);
 }
 
+// Shrinks the object `key` to `bytes`, as a careless or dying owner would.
+void Truncate(const std::string& key, off_t bytes) {
+  const int fd = shm_open(key.c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0) << key;
+  ASSERT_EQ(ftruncate(fd, bytes), 0);
+  close(fd);
+}
+
+// `rows` random rows as fp32 (bf16 values widened: exact both ways).
+LogProbRequest Fp32Request(int64_t rows, uint64_t seed) {
+  const std::string bf16 = client::RandomBf16Rows(rows, kHidden, seed);
+  std::string fp32(rows * kHidden * 4, '\0');
+  for (int64_t i = 0; i < rows * kHidden; ++i) {
+    uint16_t half;
+    std::memcpy(&half, &bf16[2 * i], 2);
+    const uint32_t bits = static_cast<uint32_t>(half) << 16;
+    std::memcpy(&fp32[4 * i], &bits, 4);
+  }
+  return client::MakeLogProbRequest(
+      absl::StrCat("f", seed), v1::DTYPE_FLOAT32, rows, kHidden, fp32,
+      client::RandomTargets(rows, kVocab, seed), 1.0f, true);
+}
+
+void ExpectRegionShrank(const absl::StatusOr<ScoreResult>& result,
+                        const std::string& region) {
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition)
+      << result.status();
+  EXPECT_TRUE(absl::StartsWith(
+      result.status().message(),
+      absl::StrCat("hidden.shared_memory: region \"", region, "\" shrank")))
+      << result.status();
+}
+
+// An owner that truncates its registered object makes its own requests
+// fail, bf16 rows (read in the batch) and fp32 rows (decoded at validation)
+// alike; the server goes on answering everyone else, with the same bits.
+TEST_F(SharedMemoryServerTest, ARegionItsOwnerTruncatedFailsOnlyItsRequests) {
+  auto client = Connect(*server_, kAlpha);
+  Regions regions(server_->target(), kAlpha);
+  auto shm = SystemSharedMemory::Create(1 << 20);
+  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(regions.Register("shrinking", (*shm)->key(), 0, 1 << 20).ok());
+  const LogProbRequest bf16 = Request(37, 40);
+  const LogProbRequest fp32 = Fp32Request(9, 41);
+  const int64_t bf16_at = 64 << 10;
+  const int64_t fp32_at = 512 << 10;
+  std::memcpy((*shm)->data() + bf16_at, bf16.hidden().data().data(),
+              bf16.hidden().data().size());
+  std::memcpy((*shm)->data() + fp32_at, fp32.hidden().data().data(),
+              fp32.hidden().data().size());
+  const LogProbRequest bf16_ref = ByReference(bf16, "shrinking", bf16_at);
+  const LogProbRequest fp32_ref = ByReference(fp32, "shrinking", fp32_at);
+  ASSERT_TRUE(client->Score(bf16_ref).ok());
+  ASSERT_TRUE(client->Score(fp32_ref).ok());
+  auto baseline = client->Score(bf16);
+  ASSERT_TRUE(baseline.ok()) << baseline.status();
+
+  Truncate((*shm)->key(), 4096);
+  ExpectRegionShrank(client->Score(bf16_ref), "shrinking");
+  ExpectRegionShrank(client->Score(fp32_ref), "shrinking");
+  auto after = client->Score(bf16);
+  ASSERT_TRUE(after.ok()) << after.status();
+  ExpectSameBits(*baseline, *after);
+
+  // Refused and good requests at once, from two callers.
+  std::vector<absl::StatusOr<ScoreResult>> refused(10), answered(10);
+  std::thread shrunk_caller([&] {
+    auto own = Connect(*server_, kAlpha);
+    for (auto& result : refused) result = own->Score(bf16_ref);
+  });
+  std::thread good_caller([&] {
+    auto own = Connect(*server_, kAlpha);
+    for (auto& result : answered) result = own->Score(bf16);
+  });
+  shrunk_caller.join();
+  good_caller.join();
+  for (const auto& result : refused) ExpectRegionShrank(result, "shrinking");
+  for (const auto& result : answered) {
+    ASSERT_TRUE(result.ok()) << result.status();
+    ExpectSameBits(*baseline, *result);
+  }
+  ASSERT_TRUE(regions.Unregister("shrinking").ok());
+}
+
+// The truncation lands after the request was accepted, while it waits for
+// its batch: the batch reads the vanished rows, fails that request only and
+// answers the request that shared the batch.
+TEST_F(SharedMemoryServerTest, ARegionTruncatedUnderAQueuedRequestFailsOnlyIt) {
+  // Batches wait 2 s for rows, leaving time to truncate under a request.
+  auto slow =
+      ServerProcess::Start(ServerArgs({"--max_queue_delay_us=2000000"}));
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  Regions regions((*slow)->target(), kAlpha);
+  auto shm = SystemSharedMemory::Create(1 << 20);
+  ASSERT_TRUE(shm.ok());
+  ASSERT_TRUE(regions.Register("late", (*shm)->key(), 0, 1 << 20).ok());
+  const LogProbRequest doomed = Request(5, 50);
+  const int64_t at = 512 << 10;
+  std::memcpy((*shm)->data() + at, doomed.hidden().data().data(),
+              doomed.hidden().data().size());
+  absl::StatusOr<ScoreResult> refused;
+  std::thread doomed_caller([&] {
+    refused = Connect(**slow, kAlpha)->Score(ByReference(doomed, "late", at));
+  });
+  // Accepted (validated, queued) once the region counts it in flight.
+  bool queued = false;
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  while (!queued && absl::Now() < give_up) {
+    v1::SystemSharedMemoryStatusResponse status;
+    ASSERT_TRUE(regions.Status("late", &status).ok());
+    queued = status.regions(0).use().requests_in_flight() == 1;
+  }
+  Truncate((*shm)->key(), 4096);
+  const LogProbRequest good = Request(7, 51);
+  absl::StatusOr<ScoreResult> answered;
+  std::thread good_caller(
+      [&] { answered = Connect(**slow, kAlpha)->Score(good); });
+  doomed_caller.join();
+  good_caller.join();
+  ASSERT_TRUE(queued) << "the request was never seen in flight";
+  ExpectRegionShrank(refused, "late");
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  auto reference = Connect(*server_, kAlpha)->Score(good);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  ExpectSameBits(*reference, *answered);
+  ASSERT_TRUE(regions.Unregister("late").ok());
+  // Alive throughout, and it stops cleanly.
+  EXPECT_EQ((*slow)->Stop(SIGTERM), 0) << (*slow)->Log();
+}
+
 TEST(SharedMemoryIdleTest, AnAbandonedRegionIsReleased) {
   auto server = ServerProcess::Start(ServerArgs({"--shared_memory_idle_s=1"}));
   ASSERT_TRUE(server.ok()) << server.status();

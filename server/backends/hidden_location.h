@@ -4,6 +4,8 @@
 #ifndef DETLOGP_SERVER_BACKENDS_HIDDEN_LOCATION_H_
 #define DETLOGP_SERVER_BACKENDS_HIDDEN_LOCATION_H_
 
+#include <string>
+
 namespace detlogp::server {
 
 struct HiddenLocation {
@@ -19,6 +21,14 @@ struct HiddenLocation {
   };
   Kind kind = Kind::kHost;
   int device = -1;  // kDevice only
+  // Host memory (kHost or kPinnedHost) that can vanish under a read: a
+  // system shared-memory region's mapping, whose owner may truncate the
+  // object at any time (a CPU read then faults with SIGBUS). The CPU reads
+  // such rows only through CopyFromMapping
+  // (server/shared_memory/mapped_reads.h).
+  bool owner_may_truncate = false;
+  // The shared-memory region the rows are in, for errors; empty otherwise.
+  std::string region;
 };
 
 }  // namespace detlogp::server

@@ -5,6 +5,7 @@
 
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
+#include "server/shared_memory/mapped_reads.h"
 
 namespace detlogp::server {
 
@@ -337,18 +338,36 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     NotifyStateChangedLocked();
     return;
   }
+  // The slices whose rows made it into the staging, in staging order: a
+  // region truncated by its owner under the gather fails its own slice,
+  // and the scatter below walks only these.
+  std::vector<Slice> gathered;
+  gathered.reserve(batch.size());
   int64_t rows = 0;
-  for (const Slice& slice : batch) {
+  for (Slice& slice : batch) {
     const LogpJob& job = *slice.job;
     const int64_t row_bytes = job.hidden_size() * sizeof(uint16_t);
     const char* source = job.hidden_bf16() + slice.row_begin * row_bytes;
     const HiddenLocation& location = job.hidden_location();
     if (location.kind != HiddenLocation::Kind::kHost &&
         executor->CopiesRowsFrom(location.kind)) {
+      // The executor's own copy (DMA from pinned pages, device to device)
+      // involves no CPU read of the mapping.
       executor->CopyRows(location, source, rows, slice.row_count);
     } else {
-      std::memcpy(reinterpret_cast<char*>(staging.hidden) + rows * row_bytes,
-                  source, slice.row_count * row_bytes);
+      char* destination =
+          reinterpret_cast<char*>(staging.hidden) + rows * row_bytes;
+      const size_t bytes = slice.row_count * row_bytes;
+      if (!location.owner_may_truncate) {
+        std::memcpy(destination, source, bytes);
+      } else if (!CopyFromMapping(destination, source, bytes).ok()) {
+        // Its staging rows are taken by the next slice.
+        rows_failed_.fetch_add(slice.row_count, std::memory_order_relaxed);
+        slice.job->FinishRows(
+            slice.row_count,
+            RegionShrankError("hidden.shared_memory", location.region));
+        continue;
+      }
     }
     std::memcpy(staging.targets + rows, job.targets().data() + slice.row_begin,
                 slice.row_count * sizeof(int32_t));
@@ -356,6 +375,14 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
                 job.temperature());
     rows += slice.row_count;
     executor->RowsStaged(rows);
+    gathered.push_back(std::move(slice));
+  }
+  batch.swap(gathered);
+  if (batch.empty()) {
+    absl::MutexLock lock(&mu_);
+    --batches_in_flight_;
+    NotifyStateChangedLocked();
+    return;
   }
   const absl::Time start = absl::Now();
   const absl::Status status = executor->Run(model, rows, extras);

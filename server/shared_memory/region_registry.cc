@@ -13,6 +13,7 @@
 #include "absl/memory/memory.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "server/shared_memory/mapped_reads.h"
 #include "spdlog/spdlog.h"
 
 namespace detlogp::server {
@@ -24,6 +25,9 @@ class SharedMemoryRegistry::Region {
   struct Release {
     void* mapping = nullptr;  // system: munmap'ed
     size_t mapping_bytes = 0;
+    // system: the object, kept open to see whether its owner truncated it
+    // (closed).
+    int object_fd = -1;
     bool pinned = false;
     std::function<void(void*)> unpin_host;
     void* device_data = nullptr;  // CUDA: closed
@@ -45,6 +49,7 @@ class SharedMemoryRegistry::Region {
       }
       munmap(release_.mapping, release_.mapping_bytes);
     }
+    if (release_.object_fd >= 0) close(release_.object_fd);
     if (release_.device_data != nullptr && release_.close_ipc) {
       release_.close_ipc(release_.device_data, release_.device);
     }
@@ -55,6 +60,16 @@ class SharedMemoryRegistry::Region {
   RegionStatus& status() { return status_; }
   const RegionStatus& status() const { return status_; }
   const char* data() const { return data_; }
+
+  // Whether a system region's object still holds every registered byte:
+  // its owner may have truncated it since (a CUDA region: always).
+  bool ObjectHoldsRegion() const {
+    if (release_.object_fd < 0) return true;
+    struct stat info;
+    // Cannot tell: the guarded reads still catch a truncation.
+    if (fstat(release_.object_fd, &info) != 0) return true;
+    return info.st_size >= status_.offset + status_.byte_size;
+  }
 
  private:
   const std::string owner_;
@@ -255,8 +270,8 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   void* mapping =
       mmap(nullptr, map_bytes, PROT_READ, MAP_SHARED, fd, map_offset);
   const int map_error = errno;
-  close(fd);  // the mapping keeps the object
   if (mapping == MAP_FAILED) {
+    close(fd);
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot map ", map_bytes, " bytes of \"", key,
                      "\": ", std::strerror(map_error)));
@@ -264,6 +279,8 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   Region::Release release;
   release.mapping = mapping;
   release.mapping_bytes = map_bytes;
+  // The mapping keeps the object; the descriptor tells its size per request.
+  release.object_fd = fd;
   release.pinned = options_.pin_host &&
                    options_.pin_host(mapping, static_cast<int64_t>(map_bytes));
   release.unpin_host = options_.unpin_host;
@@ -417,16 +434,23 @@ SharedMemoryRegistry::Acquire(const std::string& owner,
                      offset, " exceed region \"", region_name, "\" of ",
                      status.byte_size, " bytes"));
   }
+  // Refused early when the owner already truncated the object (one fstat);
+  // a truncation after this check is caught by the guarded reads.
+  if (!region->ObjectHoldsRegion()) {
+    return RegionShrankError(field, region_name);
+  }
   ++status.use.requests_in_flight;
   ++status.use.requests;
   status.use.bytes_read += byte_size;
   status.use.last_use = Now();
   HiddenLocation location;
+  location.region = status.name;
   if (status.kind == RegionKind::kCuda) {
     location.kind = HiddenLocation::Kind::kDevice;
     location.device = status.device;
-  } else if (status.pinned) {
-    location.kind = HiddenLocation::Kind::kPinnedHost;
+  } else {
+    if (status.pinned) location.kind = HiddenLocation::Kind::kPinnedHost;
+    location.owner_may_truncate = true;
   }
   const char* data = region->data() + offset;
   return std::shared_ptr<const Lease>(

@@ -13,6 +13,12 @@
 //   - A request holds a Lease while it reads a region; Unregister refuses
 //     with FAILED_PRECONDITION while leases are out, and memory is unmapped
 //     only when the last lease ends, so bytes never vanish under a request.
+//   - A system region's owner may truncate its object at any time: a
+//     request is refused (FAILED_PRECONDITION naming `field`) when the
+//     object no longer holds the region at Acquire, and its Lease's location
+//     says owner_may_truncate, so the server reads it only through
+//     CopyFromMapping (mapped_reads.h), which turns a later truncation
+//     into a status instead of a SIGBUS.
 //   - A region neither registered nor named by a request for
 //     Options::idle_release is released by a background sweep, so a client
 //     killed without unregistering leaks nothing for long.
@@ -23,8 +29,9 @@
 // Example:
 //   auto registry = SharedMemoryRegistry::Create(options);
 //   (*registry)->RegisterSystem("", "rows", "/my_shm", 0, 1 << 20);
-//   auto lease = (*registry)->Acquire("", ref, "hidden.shared_memory");
-//   // read lease->data() .. lease->data() + ref.byte_size()
+//   auto lease = (*registry)->Acquire("", "rows", offset, bytes,
+//                                     "hidden.shared_memory");
+//   // read lease->data() .. lease->data() + bytes through CopyFromMapping
 #ifndef DETLOGP_SERVER_SHARED_MEMORY_REGION_REGISTRY_H_
 #define DETLOGP_SERVER_SHARED_MEMORY_REGION_REGISTRY_H_
 
@@ -156,7 +163,8 @@ class SharedMemoryRegistry {
 
   // Bytes [offset, offset + byte_size) of `owner`'s region `region`.
   // INVALID_ARGUMENT or NOT_FOUND naming `field`.region, .offset or
-  // .byte_size.
+  // .byte_size; FAILED_PRECONDITION naming `field` when the owner truncated
+  // a system region's object below the region.
   absl::StatusOr<std::shared_ptr<const Lease>> Acquire(
       const std::string& owner, const std::string& region, int64_t offset,
       int64_t byte_size, absl::string_view field);

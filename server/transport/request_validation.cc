@@ -2,9 +2,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/bfloat16.h"
+#include "server/shared_memory/mapped_reads.h"
 
 namespace detlogp::server {
 namespace {
@@ -176,10 +178,18 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
     validated.hidden_bf16 = bytes;  // no copy
   } else {
     // Converted rows live in host memory, wherever they came from.
+    const HiddenLocation read_from = std::move(validated.location);
     validated.location = HiddenLocation();
     validated.converted.resize(rows * hidden_size);
-    DecodeToBf16(hidden.dtype(), bytes, rows * hidden_size,
-                 validated.converted.data());
+    const auto decode = [&] {
+      DecodeToBf16(hidden.dtype(), bytes, rows * hidden_size,
+                   validated.converted.data());
+    };
+    if (!read_from.owner_may_truncate) {
+      decode();
+    } else if (!ReadFromMapping(bytes, expected_bytes, decode).ok()) {
+      return RegionShrankError("hidden.shared_memory", read_from.region);
+    }
     validated.region_hold.reset();  // the region is read: let it go
     validated.hidden_bf16 =
         reinterpret_cast<const char*>(validated.converted.data());

@@ -65,7 +65,9 @@ struct ValidatedRows {
 // for extras the backend does not compute (limits.extras_unavailable).
 // hidden.shared_memory is resolved through `resolve` once everything else
 // is checked; without one such a request gets FAILED_PRECONDITION naming
-// hidden.shared_memory.
+// hidden.shared_memory. fp32 / fp16 rows in a region are decoded here, read
+// through ReadFromMapping when the region's owner may truncate it:
+// FAILED_PRECONDITION naming hidden.shared_memory when it did.
 absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
     const detlogp::v1::LogProbRequest& request, const RequestLimits& limits,
     const SharedMemoryResolver& resolve = nullptr);

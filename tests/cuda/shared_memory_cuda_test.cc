@@ -4,9 +4,12 @@
 // against the same rows sent in the message: the same bits, alone and mixed
 // in shared batches. Skipped without a GPU.
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <thread>
@@ -98,6 +101,13 @@ class Regions {
     grpc::ClientContext context;
     v1::SystemSharedMemoryRegisterResponse response;
     return stub_->SystemSharedMemoryRegister(&context, request, &response);
+  }
+  grpc::Status UnregisterSystem(const std::string& name) {
+    v1::SystemSharedMemoryUnregisterRequest request;
+    request.set_name(name);
+    grpc::ClientContext context;
+    v1::SystemSharedMemoryUnregisterResponse response;
+    return stub_->SystemSharedMemoryUnregister(&context, request, &response);
   }
   grpc::Status UnregisterCuda(const std::string& name) {
     v1::CudaSharedMemoryUnregisterRequest request;
@@ -219,6 +229,54 @@ TEST(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
       *text, "detlogp_hidden_bytes_total{path=\"cuda_shm\"}"));
   EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
   cudaFree(device);
+}
+
+// A pinned system region whose owner truncates the object: requests naming
+// it are refused naming hidden.shared_memory, everything else keeps its
+// bits, and the region unpins and unregisters cleanly.
+TEST(SharedMemoryCudaTest, APinnedRegionItsOwnerTruncatedFailsOnlyItsRequests) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  auto server = ServerProcess::Start({"--device=cuda:0", "--metrics_port=0"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  Regions regions((*server)->target());
+  const LogProbRequest request = Request(300, 60);
+  const std::string& data = request.hidden().data();
+  const int64_t at = 8 << 20;  // past the page left after the truncation
+  auto host = client::SystemSharedMemory::Create(at + data.size());
+  ASSERT_TRUE(host.ok()) << host.status();
+  std::memcpy((*host)->data() + at, data.data(), data.size());
+  ASSERT_TRUE(
+      regions.RegisterSystem("h", (*host)->key(), (*host)->bytes()).ok());
+  EXPECT_TRUE(absl::StrContains((*server)->Log(), "pinned for direct copies"));
+  auto expected = client->Score(request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  auto before = client->Score(ByReference(request, "h", at));
+  ASSERT_TRUE(before.ok()) << before.status();
+  EXPECT_TRUE(SameBits(*expected, *before));
+
+  const int fd = shm_open((*host)->key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  for (int i = 0; i < 3; ++i) {
+    auto refused = client->Score(ByReference(request, "h", at));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition)
+        << refused.status();
+    EXPECT_TRUE(absl::StartsWith(refused.status().message(),
+                                 "hidden.shared_memory: region \"h\" shrank"))
+        << refused.status();
+    auto answered = client->Score(request);
+    ASSERT_TRUE(answered.ok()) << answered.status();
+    EXPECT_TRUE(SameBits(*expected, *answered));
+  }
+  ASSERT_TRUE(regions.UnregisterSystem("h").ok());
+  auto after = client->Score(request);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(SameBits(*expected, *after));
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 
 }  // namespace

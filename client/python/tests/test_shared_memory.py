@@ -184,6 +184,70 @@ def test_shared_memory_off_is_off(shm_server):
         assert not [k for k in regions(shm_server.target) if k.startswith(f"detlogp_{pid}_")]
 
 
+def test_a_region_its_owner_truncated_fails_only_its_requests(shm_server):
+    """An owner that shrinks its registered object (ftruncate) gets
+    FAILED_PRECONDITION naming hidden.shared_memory for requests that name the
+    region, fp32 and bf16 rows alike; the server goes on answering everyone
+    else with the same bits."""
+    from multiprocessing import shared_memory
+
+    model = shm_server.model
+    fp32, targets = rows(model, 40, seed=460)
+    bf16 = tensors.float32_to_bf16_bits(fp32)
+    with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
+        want = plain.logprobs(fp32, targets, **EXTRAS)
+    block = shared_memory.SharedMemory(create=True, size=1 << 20)
+    placed = {
+        pb.DTYPE_FLOAT32: (fp32.tobytes(), 64 << 10),
+        pb.DTYPE_BFLOAT16: (bf16.tobytes(), 512 << 10),
+    }
+    try:
+        for data, offset in placed.values():
+            block.buf[offset : offset + len(data)] = data
+        with grpc.insecure_channel(shm_server.target) as channel:
+            regions_stub = pb_grpc.SharedMemoryServiceStub(channel)
+            regions_stub.SystemSharedMemoryRegister(
+                pb.SystemSharedMemoryRegisterRequest(
+                    name="shrinking", key=f"/{block.name}", byte_size=1 << 20
+                ),
+                timeout=10,
+            )
+            logprobs = pb_grpc.LogProbServiceStub(channel)
+            requests = [
+                pb.LogProbRequest(
+                    hidden=pb.Tensor(
+                        dtype=dtype,
+                        shape=[len(targets), model.hidden],
+                        shared_memory=pb.SharedMemoryRef(
+                            region="shrinking", offset=offset, byte_size=len(data)
+                        ),
+                    ),
+                    target_ids=targets.tolist(),
+                )
+                for dtype, (data, offset) in placed.items()
+            ]
+            for request in requests:
+                assert len(logprobs.ComputeLogProbs(request, timeout=30).logprobs) == len(targets)
+            descriptor = os.open(f"/dev/shm/{block.name}", os.O_RDWR)
+            os.ftruncate(descriptor, 4096)
+            os.close(descriptor)
+            for request in requests:
+                with pytest.raises(grpc.RpcError) as refused:
+                    logprobs.ComputeLogProbs(request, timeout=30)
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert refused.value.details().startswith(
+                    'hidden.shared_memory: region "shrinking" shrank'
+                )
+            with detlogp.Client(shm_server.target, timeout=60) as client:
+                same_bits(client.logprobs(fp32, targets, **EXTRAS), want)
+            regions_stub.SystemSharedMemoryUnregister(
+                pb.SystemSharedMemoryUnregisterRequest(name="shrinking"), timeout=10
+            )
+    finally:
+        block.close()
+        block.unlink()
+
+
 KILLED_CLIENT = textwrap.dedent(
     """
     import sys
