@@ -208,13 +208,16 @@ std::unique_ptr<ServerProcess> StartServer(std::vector<std::string> args) {
   return server.ok() ? *std::move(server) : nullptr;
 }
 
+// connections: Options::connections (1: a large call is one request).
 std::unique_ptr<LogpClient> Scorer(const ServerProcess& server,
                                    const std::string& token = "",
-                                   bool own_connection = false) {
+                                   bool own_connection = false,
+                                   int connections = 0) {
   LogpClient::Options options;
   options.target = server.target();
   options.bearer_token = token;
   options.own_connection = own_connection;
+  options.connections = connections;
   return *LogpClient::Create(options);
 }
 
@@ -975,7 +978,9 @@ TEST(LiveWeightsTest, UnloadWaitsForTheVersionsRequests) {
   auto server = StartServer({"--model=policy=" + dir + "/v1.safetensors",
                              "--max_versions_per_model=4", "--cpu_threads=1"});
   ASSERT_NE(server, nullptr);
-  auto scorer = Scorer(*server);
+  // The long call is one request (not spread over connections): the
+  // version then has exactly one request in flight.
+  auto scorer = Scorer(*server, "", false, /*connections=*/1);
   ModelRepositoryClient repo(scorer->channel(), {});
   ASSERT_TRUE(repo.UploadModel(RandomLmHead("policy", 2, kBigH, kBigV)).ok());
 

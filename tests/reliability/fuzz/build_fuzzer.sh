@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer target over request validation, outside Bazel:
 # protoc --cpp_out for the API proto, then clang++ -fsanitize=fuzzer,address
-# over the fuzzer, server/transport/request_validation.cc and the generated
-# code.
+# over the fuzzer, server/transport/request_validation.cc (with the
+# guarded reads it uses, server/shared_memory/mapped_reads.cc) and the
+# generated code.
 #
 # Usage: tests/reliability/fuzz/build_fuzzer.sh [OUT_DIR]   (default build/fuzz)
 # Prints the fuzzer's path. Needs clang++ and libFuzzer (Debian 12:
@@ -15,6 +16,8 @@ fuzzer="$out/request_validation_fuzzer"
 sources=("$repo/tests/reliability/fuzz/request_validation_fuzzer.cc"
          "$repo/server/transport/request_validation.cc"
          "$repo/server/transport/request_validation.h"
+         "$repo/server/shared_memory/mapped_reads.cc"
+         "$repo/server/shared_memory/mapped_reads.h"
          "$repo/kernels/bfloat16.h" "$repo/proto/detlogp/v1/detlogp.proto")
 
 stale=0
@@ -45,6 +48,7 @@ if ((stale)); then
     -I"$repo" -I"$out/gen" \
     "$repo/tests/reliability/fuzz/request_validation_fuzzer.cc" \
     "$repo/server/transport/request_validation.cc" \
+    "$repo/server/shared_memory/mapped_reads.cc" \
     "$out/gen/detlogp/v1/detlogp.pb.cc" \
     "${available[@]}" -o "$fuzzer.tmp"
   mv "$fuzzer.tmp" "$fuzzer"
