@@ -41,6 +41,13 @@ bool HaveGpu() {
   return have;
 }
 
+// A server on cuda:0 whose synthetic model has the test's H and V.
+std::vector<std::string> GpuServerArgs() {
+  return {"--device=cuda:0", "--metrics_port=0",
+          absl::StrCat("--synthetic_hidden_size=", kHidden),
+          absl::StrCat("--synthetic_vocab_size=", kVocab)};
+}
+
 LogProbRequest Request(int64_t rows, uint64_t seed) {
   client::LogProbOptions options;
   options.return_lse = true;
@@ -123,10 +130,7 @@ class Regions {
 
 TEST(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-  auto server =
-      ServerProcess::Start({"--device=cuda:0", "--metrics_port=0",
-                            absl::StrCat("--synthetic_hidden_size=", kHidden),
-                            absl::StrCat("--synthetic_vocab_size=", kVocab)});
+  auto server = ServerProcess::Start(GpuServerArgs());
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options options;
   options.target = (*server)->target();
@@ -236,7 +240,7 @@ TEST(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
 // bits, and the region unpins and unregisters cleanly.
 TEST(SharedMemoryCudaTest, APinnedRegionItsOwnerTruncatedFailsOnlyItsRequests) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-  auto server = ServerProcess::Start({"--device=cuda:0", "--metrics_port=0"});
+  auto server = ServerProcess::Start(GpuServerArgs());
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options options;
   options.target = (*server)->target();
