@@ -104,8 +104,15 @@ def main():
     parser.add_argument(
         "--cuda_slice_mb", type=int, default=64, help="TransferOptions.cuda_slice_bytes, MiB"
     )
+    parser.add_argument(
+        "--keep_freed_memory",
+        action="store_true",
+        help="detlogp.keep_freed_memory() in this process first",
+    )
     parser.add_argument("--json_out")
     args = parser.parse_args()
+    if args.keep_freed_memory and not detlogp.keep_freed_memory():
+        parser.error("--keep_freed_memory: this process's malloc is not glibc's")
     sizes = [int(s) for s in args.sizes.split(",") if s]
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(PATHS)

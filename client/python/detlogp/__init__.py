@@ -26,6 +26,7 @@ from detlogp.errors import (
     Unavailable,
     Unimplemented,
 )
+from detlogp.heap import keep_freed_memory
 from detlogp.results import LogProbResult, ModelVersionResult, ProjectResult
 from detlogp.retry import NO_RETRY, RetryPolicy
 from detlogp.transfer import CallTimings, TransferOptions
@@ -36,6 +37,7 @@ __all__ = [
     "aio",
     "RetryPolicy",
     "TransferOptions",
+    "keep_freed_memory",
     "CallTimings",
     "NO_RETRY",
     "LogProbResult",

@@ -173,3 +173,12 @@ def test_row_copier_copies_every_row_once(rows, threads):
     finally:
         copier.close()
     assert dest.tobytes() == source.tobytes()
+
+
+def test_keep_freed_memory_sets_glibc_malloc_and_checks_its_argument():
+    import detlogp
+
+    assert detlogp.keep_freed_memory(64) is True  # Linux with glibc
+    for bad in (0, -1, 2048):
+        with pytest.raises(ValueError, match="keep_freed_memory"):
+            detlogp.keep_freed_memory(bad)
