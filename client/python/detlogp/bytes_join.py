@@ -19,7 +19,8 @@ GIL_FREE_MIN_BYTES = 1 << 20
 
 
 def _raw_bytes_writer():
-    """(new_bytes(n), data_address(obj)) on CPython, else None."""
+    """(PyBytes_FromStringAndSize, the offset of a bytes object's data from
+    its id()) on CPython, else None."""
     if sys.implementation.name != "cpython":
         return None
     try:
