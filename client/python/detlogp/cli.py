@@ -33,6 +33,7 @@ import numpy as np
 from detlogp.checkpoint import CheckpointError
 from detlogp.client import Client
 from detlogp.errors import DetlogpError
+from detlogp.heap import keep_freed_memory
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.weights import LmHead
 
@@ -330,6 +331,10 @@ def main(argv=None):
     unload.add_argument("name")
     unload.add_argument("version", type=int)
     args = parser.parse_args(argv)
+    if args.command in ("score", "upload"):
+        # The console is a program: it may let malloc reuse the large
+        # requests' buffers (process-wide; see detlogp/heap.py).
+        keep_freed_memory()
     commands = {
         "info": _info,
         "score": _score,
