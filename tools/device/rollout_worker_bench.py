@@ -104,6 +104,7 @@ def main():
     parser.add_argument(
         "--cuda_slice_mb", type=int, default=64, help="TransferOptions.cuda_slice_bytes, MiB"
     )
+    parser.add_argument("--copy_threads", type=int, default=4, help="TransferOptions.copy_threads")
     parser.add_argument(
         "--keep_freed_memory",
         action="store_true",
@@ -157,6 +158,7 @@ def main():
             slice_bytes=args.slice_mb << 20,
             system_slice_bytes=args.system_slice_mb << 20,
             cuda_slice_bytes=args.cuda_slice_mb << 20,
+            copy_threads=args.copy_threads,
         )
         clients = {
             path: detlogp.Client(

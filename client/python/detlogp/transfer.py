@@ -76,7 +76,7 @@ class TransferOptions:
 
     slice_bytes: int = 8 << 20
     min_slice_bytes: int = 1 << 20
-    system_slice_bytes: int = 16 << 20
+    system_slice_bytes: int = 8 << 20
     copy_threads: int = 4
     cuda_slice_bytes: int = 64 << 20
     connections: int = 0
