@@ -182,3 +182,24 @@ def test_keep_freed_memory_sets_glibc_malloc_and_checks_its_argument():
     for bad in (0, -1, 2048):
         with pytest.raises(ValueError, match="keep_freed_memory"):
             detlogp.keep_freed_memory(bad)
+
+
+@pytest.mark.parametrize(
+    "hidden_mib,connections,slice_mib",
+    [
+        (4, 1, 4),  # under auto_connections_min_bytes: one connection, one slice
+        (12, 16, 1),  # a share per connection would be 0.75 MiB: min_slice_bytes
+        (32, 16, 2),  # 4,096 rows of H=4096 bf16: 16 slices of 2 MiB
+        (1024, 16, 8),  # slice_bytes caps a share of 64 MiB
+    ],
+)
+def test_grpc_slices_spread_a_call_over_every_connection(hidden_mib, connections, slice_mib):
+    from detlogp import transfer
+
+    options = transfer.TransferOptions()
+    nbytes = hidden_mib << 20
+    assert options.connections_for(nbytes) == connections
+    assert options.slice_bytes_for(None, nbytes) == slice_mib << 20
+    # Rows in regions keep their own slice sizes.
+    assert options.slice_bytes_for("system", nbytes) == options.system_slice_bytes
+    assert options.slice_bytes_for("cuda", nbytes) == options.cuda_slice_bytes
