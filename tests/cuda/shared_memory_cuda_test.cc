@@ -198,11 +198,12 @@ TEST_F(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
   std::vector<ScoreResult> expected;
   for (size_t i = 0; i < requests.size(); ++i) {
     auto over_grpc = client_->Score(requests[i]);
-    ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
+    ASSERT_TRUE(over_grpc.ok()) << over_grpc.status() << "\n" << server_->Log();
     for (const char* region : {"g", "h"}) {
       auto by_ref =
           client_->Score(ByReference(requests[i], region, offsets[i]));
-      ASSERT_TRUE(by_ref.ok()) << region << ": " << by_ref.status();
+      ASSERT_TRUE(by_ref.ok()) << region << ": " << by_ref.status() << "\n"
+                               << server_->Log();
       EXPECT_TRUE(SameBits(*over_grpc, *by_ref))
           << region << ", " << sizes[i] << " rows";
     }

@@ -566,10 +566,7 @@ def copy_rows_in(call, piece, slot, copier=None):
         return
     view = slot.region.host_view(slot.offset, nbytes)
     if call.cuda_tensor is not None and call.host_rows_cached() is None:
-        import torch  # a CUDA tensor straight into the system region
-
-        source = call.cuda_tensor[piece.start : piece.stop]
-        torch.from_numpy(view).view(source.dtype).view(source.shape).copy_(source)
+        call.slice_host_rows(piece, out=view)  # straight into the region
         return
     rows = call.host_rows()[piece.start : piece.stop]
     dest = view.view(rows.dtype).reshape(rows.shape)

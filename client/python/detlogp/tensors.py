@@ -48,6 +48,32 @@ def _torch_to_host(tensor):
     return tensor.cpu()
 
 
+def cuda_rows_to_host(rows, stream, out=None):
+    """CUDA rows (bfloat16, float16 or float32) copied to the host on
+    `stream`, the stream they were written on, and waited for: into `out`
+    (a host numpy array of their size in bytes) or into pinned memory
+    (torch caches pinned blocks). Returns the host rows in wire layout
+    (bfloat16 as uint16 bits), a numpy array."""
+    import torch  # reached only for torch tensors, so torch is installed
+
+    bf16 = rows.dtype == torch.bfloat16
+    with torch.cuda.stream(stream):
+        source = rows.detach()
+        if bf16:
+            source = source.view(torch.int16)
+        source = source.contiguous()
+        if out is None:
+            host = torch.empty(tuple(source.shape), dtype=source.dtype, pin_memory=True)
+        else:
+            host = torch.from_numpy(out).view(source.dtype).view(source.shape)
+        host.copy_(source, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+    array = host.numpy()
+    return array.view(np.uint16) if bf16 else array
+
+
 def torch_to_numpy(tensor, *, bf16_bits=True):
     """A torch tensor's values as a numpy array of the same dtype, on the
     host. bfloat16 comes back as uint16 bits (bf16_bits, no float32 detour)

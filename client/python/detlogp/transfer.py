@@ -255,6 +255,7 @@ class LogProbCall:
         self.cuda_tensor = None
         self.cuda_stream = None
         self._host = None
+        self._host_lock = threading.Lock()
         if tensors.is_torch_tensor(hidden) and hidden.is_cuda:
             import torch  # a torch tensor was passed, so torch is installed
 
@@ -291,10 +292,27 @@ class LogProbCall:
 
     def host_rows(self):
         """The rows on the host in wire layout (a CUDA tensor is copied
-        once, on first use)."""
-        if self._host is None:
-            self._host = tensors.hidden_wire_array(self.cuda_tensor)[1]
+        once, on first use, by the first slice that asks)."""
+        with self._host_lock:
+            if self._host is None:
+                self._host = tensors.cuda_rows_to_host(self.cuda_tensor, self.cuda_stream)
         return self._host
+
+    def slice_host_rows(self, piece, out=None):
+        """Rows [piece.start, piece.stop) on the host in wire layout. A CUDA
+        tensor's rows are copied alone, on the caller's stream: slices copy
+        side by side and each goes out as soon as its own rows are here.
+        `out`: a host array of their bytes to copy them into."""
+        if self.cuda_tensor is None or self._host is not None:
+            rows = self.host_rows()[piece.start : piece.stop]
+            if out is None:
+                return rows
+            dest = out.view(rows.dtype).reshape(rows.shape)
+            np.copyto(dest, rows)
+            return dest
+        return tensors.cuda_rows_to_host(
+            self.cuda_tensor[piece.start : piece.stop], self.cuda_stream, out
+        )
 
     def response_row_bytes(self):
         per_row = 4 * (1 + self.fields.return_lse + self.fields.return_entropy)
@@ -348,7 +366,7 @@ class LogProbCall:
         ids = self.target_ids[piece.start : piece.stop]
         if ref is not None:
             return wire.encode_logprob_request(fields, self.dtype, shape, ids, ref=ref)
-        rows = self.host_rows()[piece.start : piece.stop]
+        rows = self.slice_host_rows(piece)
         return wire.encode_logprob_request(fields, self.dtype, shape, ids, data=rows)
 
     def slice_error(self, piece, error):

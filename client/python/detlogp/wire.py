@@ -51,19 +51,18 @@ def varints(values):
     unsigned = np.ascontiguousarray(values, dtype=np.int64).view(np.uint64)
     if unsigned.size == 0:
         return b""
-    if int(unsigned.max()) < 0x80:
+    top = int(unsigned.max())
+    if top < 0x80:
         return unsigned.astype(np.uint8).tobytes()
-    lengths = np.ones(unsigned.size, np.int64)
-    for group in range(1, 10):
-        lengths += (unsigned >> np.uint64(7 * group)) != 0
-    starts = np.cumsum(lengths) - lengths
-    out = np.empty(int(starts[-1] + lengths[-1]), np.uint8)
-    for group in range(int(lengths.max())):
-        has = lengths > group
-        bits = (unsigned[has] >> np.uint64(7 * group)) & np.uint64(0x7F)
-        more = (lengths[has] > group + 1).astype(np.uint64) << np.uint64(7)
-        out[starts[has] + group] = (bits | more).astype(np.uint8)
-    return out.tobytes()
+    # The 7-bit groups of every value, low first ([groups, n]); only as many
+    # groups as the largest value has.
+    groups = (top.bit_length() + 6) // 7
+    shifted = unsigned[None, :] >> (np.arange(groups, dtype=np.uint64)[:, None] * np.uint64(7))
+    lengths = np.maximum(np.count_nonzero(shifted, axis=0), 1)
+    group = np.arange(groups)[:, None]
+    out = (shifted & np.uint64(0x7F)).astype(np.uint8)
+    out[group < lengths[None, :] - 1] |= 0x80
+    return out.T[(group < lengths[None, :]).T].tobytes()
 
 
 def read_varints(data):
