@@ -7,6 +7,8 @@
 //
 // --shared_memory sends references to a system region instead of the rows.
 #include <grpcpp/client_context.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -40,6 +42,11 @@ ABSL_FLAG(bool, shared_memory, false,
           "(registered once, the payloads written into it before the run) "
           "instead of carrying them: the server's side of the same-host "
           "path. The server must allow it (--allow_shared_memory).");
+ABSL_FLAG(bool, serialized, false,
+          "Requests are serialized once before the run and sent as those "
+          "bytes: the client spends nothing per call on encoding, so the "
+          "figures are the server's and the connection's (a large message "
+          "over one connection, say).");
 ABSL_FLAG(
     std::vector<std::string>, models, {},
     "Models to score, alternating call by call (empty: the default model).");
@@ -53,6 +60,8 @@ using detlogp::v1::LogProbResponse;
 struct Shared {
   std::vector<std::unique_ptr<LogpClient>> clients;
   std::vector<LogProbRequest> payloads;
+  // The payloads' bytes, with --serialized.
+  std::vector<grpc::ByteBuffer> serialized;
   absl::Time measure_from;
   absl::Time stop_at;
   // Per payload: the key its model answers with.
@@ -183,6 +192,12 @@ int main(int argc, char** argv) {
       request.mutable_hidden()->clear_data();
     }
   }
+  if (absl::GetFlag(FLAGS_serialized)) {
+    for (const LogProbRequest& request : shared.payloads) {
+      grpc::Slice bytes(request.SerializeAsString());
+      shared.serialized.emplace_back(&bytes, 1);
+    }
+  }
   const int callers = absl::GetFlag(FLAGS_callers);
   shared.callers_left = callers;
   shared.measure_from =
@@ -198,6 +213,9 @@ int main(int argc, char** argv) {
         [&shared] {
           if (--shared.callers_left == 0) shared.all_done.Notify();
         }));
+    if (!shared.serialized.empty()) {
+      all.back()->SendSerialized(&shared.serialized);
+    }
   }
   for (auto& caller : all) caller->Start();
   shared.all_done.WaitForNotification();
