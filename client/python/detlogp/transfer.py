@@ -80,7 +80,7 @@ class TransferOptions:
     copy_threads: int = 4
     cuda_slice_bytes: int = 64 << 20
     connections: int = 0
-    auto_connections: int = 16
+    auto_connections: int = 8
     auto_connections_min_bytes: int = 8 << 20
     slices_in_flight_per_connection: int = 2
     region_slices: int = 8

@@ -185,21 +185,21 @@ def test_keep_freed_memory_sets_glibc_malloc_and_checks_its_argument():
 
 
 @pytest.mark.parametrize(
-    "hidden_mib,connections,slice_mib",
+    "hidden_mib,connections,slice_kib",
     [
-        (4, 1, 4),  # under auto_connections_min_bytes: one connection, one slice
-        (12, 16, 1),  # a share per connection would be 0.75 MiB: min_slice_bytes
-        (32, 16, 2),  # 4,096 rows of H=4096 bf16: 16 slices of 2 MiB
-        (1024, 16, 8),  # slice_bytes caps a share of 64 MiB
+        (4, 1, 4 << 10),  # under auto_connections_min_bytes: one connection, one slice
+        (12, 8, 1536),  # a share per connection: 1.5 MiB
+        (32, 8, 4 << 10),  # 4,096 rows of H=4096 bf16: 8 slices of 4 MiB
+        (1024, 8, 8 << 10),  # slice_bytes caps a share of 128 MiB
     ],
 )
-def test_grpc_slices_spread_a_call_over_every_connection(hidden_mib, connections, slice_mib):
+def test_grpc_slices_spread_a_call_over_every_connection(hidden_mib, connections, slice_kib):
     from detlogp import transfer
 
     options = transfer.TransferOptions()
     nbytes = hidden_mib << 20
     assert options.connections_for(nbytes) == connections
-    assert options.slice_bytes_for(None, nbytes) == slice_mib << 20
+    assert options.slice_bytes_for(None, nbytes) == slice_kib << 10
     # Rows in regions keep their own slice sizes.
     assert options.slice_bytes_for("system", nbytes) == options.system_slice_bytes
     assert options.slice_bytes_for("cuda", nbytes) == options.cuda_slice_bytes
