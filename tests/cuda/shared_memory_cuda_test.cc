@@ -9,6 +9,7 @@
 #include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -39,6 +40,16 @@ bool HaveGpu() {
   const bool have = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
   cudaGetLastError();
   return have;
+}
+
+// Whether the server process is still running, or how it ended.
+std::string ProcessState(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, WNOHANG) != pid) return "server running";
+  if (WIFSIGNALED(status)) {
+    return absl::StrCat("server killed by signal ", WTERMSIG(status));
+  }
+  return absl::StrCat("server exited with ", WEXITSTATUS(status));
 }
 
 // A server on cuda:0 whose synthetic model has the test's H and V.
@@ -128,26 +139,15 @@ class Regions {
   std::unique_ptr<v1::SharedMemoryService::Stub> stub_;
 };
 
-// A server on cuda:0 (the test's H and V), a client and the region RPCs.
-class SharedMemoryCudaTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-    auto server = ServerProcess::Start(GpuServerArgs());
-    ASSERT_TRUE(server.ok()) << server.status();
-    server_ = *std::move(server);
-    LogpClient::Options options;
-    options.target = server_->target();
-    client_ = *LogpClient::Create(options);
-    regions_ = std::make_unique<Regions>(server_->target());
-  }
+TEST(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  auto server = ServerProcess::Start(GpuServerArgs());
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  Regions regions((*server)->target());
 
-  std::unique_ptr<ServerProcess> server_;
-  std::unique_ptr<LogpClient> client_;
-  std::unique_ptr<Regions> regions_;
-};
-
-TEST_F(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
   // Requests of several sizes, laid out one after another (odd offsets
   // included) in a device buffer and in a system region.
   const std::vector<int64_t> sizes = {1, 7, 300, 4096, 9000};
@@ -176,34 +176,33 @@ TEST_F(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
   const std::string raw(reinterpret_cast<const char*>(&handle), sizeof(handle));
 
   // Refusals name their field and register nothing.
-  const grpc::Status short_handle =
-      regions_->RegisterCuda("g", "abc", 0, total);
+  const grpc::Status short_handle = regions.RegisterCuda("g", "abc", 0, total);
   EXPECT_EQ(short_handle.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(absl::StartsWith(short_handle.error_message(), "raw_handle:"));
-  const grpc::Status other_gpu = regions_->RegisterCuda("g", raw, 77, total);
+  const grpc::Status other_gpu = regions.RegisterCuda("g", raw, 77, total);
   EXPECT_EQ(other_gpu.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(absl::StartsWith(other_gpu.error_message(), "device_id:"));
   const grpc::Status too_big =
-      regions_->RegisterCuda("g", raw, 0, total + (64 << 20));
+      regions.RegisterCuda("g", raw, 0, total + (64 << 20));
   EXPECT_EQ(too_big.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
       << too_big.error_message();
   EXPECT_TRUE(absl::StartsWith(too_big.error_message(), "byte_size:"));
 
-  ASSERT_TRUE(regions_->RegisterCuda("g", raw, 0, total).ok());
-  ASSERT_TRUE(regions_->RegisterSystem("h", (*host)->key(), total).ok());
-  EXPECT_TRUE(absl::StrContains(server_->Log(), "pinned for direct copies"))
-      << server_->Log();
+  ASSERT_TRUE(regions.RegisterCuda("g", raw, 0, total).ok());
+  ASSERT_TRUE(regions.RegisterSystem("h", (*host)->key(), total).ok());
+  EXPECT_TRUE(absl::StrContains((*server)->Log(), "pinned for direct copies"))
+      << (*server)->Log();
 
   // Alone: each path against message bytes.
   std::vector<ScoreResult> expected;
   for (size_t i = 0; i < requests.size(); ++i) {
-    auto over_grpc = client_->Score(requests[i]);
-    ASSERT_TRUE(over_grpc.ok()) << over_grpc.status() << "\n" << server_->Log();
+    auto over_grpc = client->Score(requests[i]);
+    ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
     for (const char* region : {"g", "h"}) {
-      auto by_ref =
-          client_->Score(ByReference(requests[i], region, offsets[i]));
+      auto by_ref = client->Score(ByReference(requests[i], region, offsets[i]));
       ASSERT_TRUE(by_ref.ok()) << region << ": " << by_ref.status() << "\n"
-                               << server_->Log();
+                               << ProcessState((*server)->pid()) << "\n"
+                               << (*server)->Log();
       EXPECT_TRUE(SameBits(*over_grpc, *by_ref))
           << region << ", " << sizes[i] << " rows";
     }
@@ -212,8 +211,6 @@ TEST_F(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
 
   // Mixed: many callers at once, so batches hold staged, pinned and device
   // rows side by side (the executor copies around the direct ones).
-  LogpClient::Options options;
-  options.target = server_->target();
   std::vector<std::thread> callers;
   std::atomic<int> mismatches{0}, failures{0};
   for (int caller = 0; caller < 12; ++caller) {
@@ -240,22 +237,28 @@ TEST_F(SharedMemoryCudaTest, CudaAndPinnedRegionsGiveTheBitsOfMessageBytes) {
   EXPECT_EQ(mismatches.load(), 0);
 
   // A device region in use stays; once idle it goes, and the handle closes.
-  ASSERT_TRUE(regions_->UnregisterCuda("g").ok());
-  auto gone = client_->Score(ByReference(requests[0], "g", offsets[0]));
+  ASSERT_TRUE(regions.UnregisterCuda("g").ok());
+  auto gone = client->Score(ByReference(requests[0], "g", offsets[0]));
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
-  auto text = server_->HttpGet("/metrics");
+  auto text = (*server)->HttpGet("/metrics");
   ASSERT_TRUE(text.ok());
   EXPECT_TRUE(absl::StrContains(
       *text, "detlogp_hidden_bytes_total{path=\"cuda_shm\"}"));
-  EXPECT_EQ(server_->Stop(SIGTERM), 0) << server_->Log();
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
   cudaFree(device);
 }
 
 // A pinned system region whose owner truncates the object: requests naming
 // it are refused naming hidden.shared_memory, everything else keeps its
 // bits, and the region unpins and unregisters cleanly.
-TEST_F(SharedMemoryCudaTest,
-       APinnedRegionItsOwnerTruncatedFailsOnlyItsRequests) {
+TEST(SharedMemoryCudaTest, APinnedRegionItsOwnerTruncatedFailsOnlyItsRequests) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  auto server = ServerProcess::Start(GpuServerArgs());
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  Regions regions((*server)->target());
   const LogProbRequest request = Request(300, 60);
   const std::string& data = request.hidden().data();
   const int64_t at = 8 << 20;  // past the page left after the truncation
@@ -263,11 +266,11 @@ TEST_F(SharedMemoryCudaTest,
   ASSERT_TRUE(host.ok()) << host.status();
   std::memcpy((*host)->data() + at, data.data(), data.size());
   ASSERT_TRUE(
-      regions_->RegisterSystem("h", (*host)->key(), (*host)->bytes()).ok());
-  EXPECT_TRUE(absl::StrContains(server_->Log(), "pinned for direct copies"));
-  auto expected = client_->Score(request);
+      regions.RegisterSystem("h", (*host)->key(), (*host)->bytes()).ok());
+  EXPECT_TRUE(absl::StrContains((*server)->Log(), "pinned for direct copies"));
+  auto expected = client->Score(request);
   ASSERT_TRUE(expected.ok()) << expected.status();
-  auto before = client_->Score(ByReference(request, "h", at));
+  auto before = client->Score(ByReference(request, "h", at));
   ASSERT_TRUE(before.ok()) << before.status();
   EXPECT_TRUE(SameBits(*expected, *before));
 
@@ -276,21 +279,21 @@ TEST_F(SharedMemoryCudaTest,
   ASSERT_EQ(ftruncate(fd, 4096), 0);
   close(fd);
   for (int i = 0; i < 3; ++i) {
-    auto refused = client_->Score(ByReference(request, "h", at));
+    auto refused = client->Score(ByReference(request, "h", at));
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition)
         << refused.status();
     EXPECT_TRUE(absl::StartsWith(refused.status().message(),
                                  "hidden.shared_memory: region \"h\" shrank"))
         << refused.status();
-    auto answered = client_->Score(request);
+    auto answered = client->Score(request);
     ASSERT_TRUE(answered.ok()) << answered.status();
     EXPECT_TRUE(SameBits(*expected, *answered));
   }
-  ASSERT_TRUE(regions_->UnregisterSystem("h").ok());
-  auto after = client_->Score(request);
+  ASSERT_TRUE(regions.UnregisterSystem("h").ok());
+  auto after = client->Score(request);
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_TRUE(SameBits(*expected, *after));
-  EXPECT_EQ(server_->Stop(SIGTERM), 0) << server_->Log();
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0) << (*server)->Log();
 }
 
 }  // namespace
