@@ -16,13 +16,14 @@ xml=${1:?usage: tools/test_python.sh <junit-xml-path>}
 xml=$(realpath -m "$xml")
 venv=${DETLOGP_VENV:-.venv-ci}
 
-# The server, the CLI (whose --help the docs check reads) and the trainer-side
-# ops library (detlogp.ops, tests/test_ops.py), always through Bazel (a no-op
+# The server, the CLI (whose --help the docs check reads), the trainer-side
+# ops library (detlogp.ops, tests/test_ops.py) and the C++ client's library
+# (detlogp.native, large calls), always through Bazel (a no-op
 # when current): a binary left in bazel-bin by an earlier build must never
 # stand in for this tree's.
-echo "building //server:detlogp_server //client:detlogp_cli //kernels/capi:libdetlogp_ops.so" >&2
+echo "building //server:detlogp_server //client:detlogp_cli //kernels/capi:libdetlogp_ops.so //client/capi:libdetlogp_client.so" >&2
 bazel build $(tools/bazel_config.sh 2>/dev/null) //server:detlogp_server \
-  //client:detlogp_cli //kernels/capi:libdetlogp_ops.so >&2 || exit 1
+  //client:detlogp_cli //kernels/capi:libdetlogp_ops.so //client/capi:libdetlogp_client.so >&2 || exit 1
 
 # clang + libFuzzer for tests/reliability/fuzz (Debian 12: clang 14).
 if ! command -v clang++ >/dev/null || ! compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then

@@ -371,6 +371,9 @@ class ClientState:
         self._admin_metadata = bearer(admin_token) if admin_token else None
         self._scoring_metadata = bearer(token) if token else None
         self._channel_options = channel_options(max_message_mb) + list(channel_args)
+        # The C++ client (native_transport) cannot take the caller's own
+        # channel arguments.
+        self._custom_channel_args = bool(channel_args)
         self._channel_security = dict(
             root_certificates=root_certificates,
             client_certificate=client_certificate,

@@ -38,6 +38,7 @@ _TOP_K_ROW_BYTES = 4 + 10
 _MAX_TOP_K_ANSWERED = 32
 
 SHARED_MEMORY_MODES = ("auto", "off", "system", "cuda")
+NATIVE_TRANSPORT_MODES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,10 @@ class TransferOptions:
     shared_memory_min_bytes: calls with fewer hidden bytes go over gRPC
       (as fast for them, and nothing is registered for a client that only
       makes small calls).
+    native_transport: "auto" (a call of `auto_connections_min_bytes` of
+      rows or more whose rows go in the messages is sent by the C++ client,
+      detlogp/native.py, when its library is found), "on" (the same, and a
+      missing library is an error), or "off" (grpcio only).
     """
 
     slice_bytes: int = 8 << 20
@@ -87,6 +92,7 @@ class TransferOptions:
     shared_memory: str = "auto"
     shared_memory_bytes: int = 1 << 30
     shared_memory_min_bytes: int = 64 << 10
+    native_transport: str = "auto"
 
     def validated(self):
         """self, or ValueError naming the first bad field."""
@@ -115,6 +121,11 @@ class TransferOptions:
             )
         if int(self.connections) < 0:
             raise ValueError(f"TransferOptions.connections must be >= 0, got {self.connections}")
+        if self.native_transport not in NATIVE_TRANSPORT_MODES:
+            raise ValueError(
+                f"TransferOptions.native_transport must be one of {NATIVE_TRANSPORT_MODES}, "
+                f"got {self.native_transport!r}"
+            )
         if self.shared_memory not in SHARED_MEMORY_MODES:
             raise ValueError(
                 f"TransferOptions.shared_memory must be one of {SHARED_MEMORY_MODES}, "
@@ -173,6 +184,8 @@ class CallTimings:
     slices, connections: requests sent (retries excluded) and connections
     used per target. path: "grpc", "system_shm" or "cuda_shm" (the path
     of the last slice sent; a refused region falls back to "grpc").
+    native: the call was sent by the C++ client (native_transport): its
+    time is transfer_s (less the server's part), slices its requests.
     """
 
     total_s: float = 0.0
@@ -187,6 +200,7 @@ class CallTimings:
     connections: int = 1
     path: str = "grpc"
     server_reported: bool = False
+    native: bool = False
     # Slices finish on several threads at once.
     _lock: threading.Lock = dataclasses.field(
         default_factory=threading.Lock, repr=False, compare=False
@@ -194,6 +208,24 @@ class CallTimings:
 
     def as_dict(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+
+    def record_native(self, elapsed_s, answer):
+        """The C++ client's call: `answer` (native._Answer) holds its
+        requests, connections and summed ServerTiming."""
+        with self._lock:
+            self.native = True
+            self.slices += int(answer.requests)
+            self.connections = int(answer.connections)
+            self.path = "grpc"
+            if not answer.server_reported_timing:
+                self.transfer_s += elapsed_s
+                return
+            self.server_reported = True
+            per_connection = answer.total_us * 1e-6 / max(int(answer.connections), 1)
+            self.transfer_s += max(elapsed_s - per_connection, 0.0)
+            self.validate_s += answer.validate_us * 1e-6
+            self.queue_s += answer.queue_us * 1e-6
+            self.compute_s += answer.compute_us * 1e-6
 
     def add_slice(self, build_s, round_trip_s, decode_s, server_timing, path):
         with self._lock:

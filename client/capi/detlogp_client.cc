@@ -1,0 +1,199 @@
+#include "client/capi/detlogp_client.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/logp_client.h"
+#include "detlogp/v1/detlogp.pb.h"
+
+struct DetlogpClient {
+  std::unique_ptr<detlogp::client::LogpClient> client;
+};
+
+namespace {
+
+using detlogp::client::LogpClient;
+
+int Fail(const absl::Status& status, char* error, size_t error_len) {
+  if (error != nullptr && error_len > 0) {
+    const std::string message(status.message());
+    const size_t n = std::min(message.size(), error_len - 1);
+    std::memcpy(error, message.data(), n);
+    error[n] = '\0';
+  }
+  return static_cast<int>(status.code());
+}
+
+std::string Text(const char* s) { return s == nullptr ? "" : s; }
+
+void CopyText(const std::string& from, char* to, size_t capacity) {
+  const size_t n = std::min(from.size(), capacity - 1);
+  std::memcpy(to, from.data(), n);
+  to[n] = '\0';
+}
+
+int64_t ElementBytes(int dtype) {
+  switch (dtype) {
+    case detlogp::v1::DTYPE_BFLOAT16:
+    case detlogp::v1::DTYPE_FLOAT16:
+      return 2;
+    case detlogp::v1::DTYPE_FLOAT32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+absl::Status CheckRequest(const DetlogpScoreRequest& request) {
+  if (ElementBytes(request.dtype) == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype: ", request.dtype,
+                     " is not BFLOAT16, FLOAT16 or FLOAT32"));
+  }
+  if (request.rows < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows: ", request.rows, " is negative"));
+  }
+  if (request.hidden_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "hidden_size: ", request.hidden_size, " is not positive"));
+  }
+  if (request.rows > 0 &&
+      (request.hidden == nullptr || request.target_ids == nullptr)) {
+    return absl::InvalidArgumentError(
+        request.hidden == nullptr ? "hidden: null" : "target_ids: null");
+  }
+  return absl::OkStatus();
+}
+
+// Copies `from` (one value per row, or per row and rank) into `to` when
+// the caller gave an array for it.
+template <typename T>
+absl::Status CopyOut(const std::vector<T>& from, int64_t expected, T* to,
+                     const char* field) {
+  if (to == nullptr) return absl::OkStatus();
+  if (static_cast<int64_t>(from.size()) != expected) {
+    return absl::DataLossError(absl::StrCat(field, ": ", from.size(),
+                                            " values, expected ", expected));
+  }
+  std::copy(from.begin(), from.end(), to);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+extern "C" {
+
+int detlogp_client_abi_version(void) { return DETLOGP_CLIENT_ABI_VERSION; }
+
+int detlogp_client_create(const DetlogpClientOptions* options,
+                          DetlogpClient** client, char* error,
+                          size_t error_len) {
+  if (options == nullptr || client == nullptr) {
+    return Fail(absl::InvalidArgumentError(options == nullptr
+                                               ? "options: null"
+                                               : "client: null"),
+                error, error_len);
+  }
+  LogpClient::Options settings;
+  settings.target = Text(options->target);
+  if (options->timeout_s > 0) {
+    settings.timeout = absl::Seconds(options->timeout_s);
+  }
+  if (options->max_message_bytes > 0) {
+    settings.max_message_bytes = static_cast<int>(
+        std::min<int64_t>(options->max_message_bytes, INT32_MAX));
+  }
+  if (options->connections < 0) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+                    "connections: ", options->connections, " is negative")),
+                error, error_len);
+  }
+  settings.connections = options->connections;
+  settings.bearer_token = Text(options->bearer_token);
+  settings.tls_root_certs = Text(options->tls_root_certs);
+  settings.tls_client_cert = Text(options->tls_client_cert);
+  settings.tls_client_key = Text(options->tls_client_key);
+  auto created = LogpClient::Create(settings);
+  if (!created.ok()) return Fail(created.status(), error, error_len);
+  *client = new DetlogpClient{*std::move(created)};
+  return 0;
+}
+
+int detlogp_client_score(DetlogpClient* client,
+                         const DetlogpScoreRequest* request,
+                         DetlogpScoreAnswer* answer, char* error,
+                         size_t error_len) {
+  if (client == nullptr || request == nullptr || answer == nullptr) {
+    return Fail(absl::InvalidArgumentError(
+                    client == nullptr    ? "client: null"
+                    : request == nullptr ? "request: null"
+                                         : "answer: null"),
+                error, error_len);
+  }
+  if (absl::Status valid = CheckRequest(*request); !valid.ok()) {
+    return Fail(valid, error, error_len);
+  }
+  const int64_t rows = request->rows;
+  const size_t bytes = static_cast<size_t>(rows * request->hidden_size *
+                                           ElementBytes(request->dtype));
+  detlogp::client::LogProbOptions extras;
+  extras.temperature = request->temperature;
+  extras.return_lse = request->return_lse != 0;
+  extras.return_entropy = request->return_entropy != 0;
+  extras.top_k = request->top_k;
+  extras.model = Text(request->model);
+  extras.model_version = request->model_version;
+  std::vector<int64_t> targets(request->target_ids,
+                               request->target_ids + rows);
+  detlogp::v1::LogProbRequest message = detlogp::client::MakeLogProbRequest(
+      Text(request->request_id),
+      static_cast<detlogp::v1::DType>(request->dtype), rows,
+      request->hidden_size,
+      std::string(static_cast<const char*>(request->hidden), bytes), targets,
+      extras);
+  message.set_return_timing(request->return_timing != 0);
+  auto result = client->client->Score(message);
+  if (!result.ok()) return Fail(result.status(), error, error_len);
+
+  const int64_t ranked = rows * std::max<int64_t>(request->top_k, 0);
+  absl::Status copied = CopyOut(result->logprobs, rows, answer->logprobs,
+                                "logprobs");
+  if (copied.ok() && request->return_lse) {
+    copied = CopyOut(result->lse, rows, answer->lse, "lse");
+  }
+  if (copied.ok() && request->return_entropy) {
+    copied = CopyOut(result->entropy, rows, answer->entropy, "entropy");
+  }
+  if (copied.ok() && request->top_k > 0) {
+    copied = CopyOut(result->top_ids, ranked, answer->top_ids, "top_ids");
+  }
+  if (copied.ok() && request->top_k > 0) {
+    copied = CopyOut(result->top_logprobs, ranked, answer->top_logprobs,
+                     "top_logprobs");
+  }
+  if (!copied.ok()) return Fail(copied, error, error_len);
+  answer->model_version = result->model_version;
+  answer->requests = result->requests;
+  answer->connections = result->connections;
+  const detlogp::v1::ServerTiming& timing = result->server_timing;
+  answer->server_reported_timing = request->return_timing != 0;
+  answer->validate_us = timing.validate_us();
+  answer->queue_us = timing.queue_us();
+  answer->compute_us = timing.compute_us();
+  answer->total_us = timing.total_us();
+  CopyText(result->model, answer->model, sizeof(answer->model));
+  CopyText(result->determinism_key, answer->determinism_key,
+           sizeof(answer->determinism_key));
+  return 0;
+}
+
+void detlogp_client_destroy(DetlogpClient* client) { delete client; }
+
+}  // extern "C"

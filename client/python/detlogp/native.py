@@ -1,0 +1,261 @@
+"""Large calls through the C++ client (client/capi/detlogp_client.h).
+
+grpcio copies every request into its own buffer while holding the GIL, so
+one Python process sending a large call over gRPC stays well below what a
+server receives. When the C ABI library libdetlogp_client.so is found,
+logprobs() hands such a call's rows to it instead (one ctypes call, the GIL
+released): the C++ client cuts the call, spreads it over connections it
+keeps, writes each request's rows once and checks every answer. The answer
+carries the same bits; any failure is left to the Python path, which sends
+the call again and gives the answer or the error the caller would have had.
+
+The library is found at $DETLOGP_CLIENT_LIBRARY, in the installed package
+(detlogp/_lib/), or as bazel-bin/client/capi/libdetlogp_client.so in the
+working directory or a folder above it (`bazel build
+//client/capi:libdetlogp_client.so`).
+"""
+
+import ctypes
+import logging
+import os
+import pathlib
+import threading
+import time
+
+import numpy as np
+
+from detlogp.results import LogProbResult
+
+__all__ = ["find_library", "load_library", "NativeClient", "NativeCallFailed"]
+
+LIBRARY_ENV = "DETLOGP_CLIENT_LIBRARY"
+ABI_VERSION = 1
+_LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_client.so"
+_PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
+_ERROR_BYTES = 4096
+
+_log = logging.getLogger("detlogp")
+_lock = threading.Lock()
+_loaded = {}  # path -> CDLL
+
+
+class NativeCallFailed(Exception):
+    """The C++ client's call failed (code, message): the caller sends the
+    call again through grpcio."""
+
+    def __init__(self, code, message):
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class _Options(ctypes.Structure):
+    _fields_ = [
+        ("target", ctypes.c_char_p),
+        ("timeout_s", ctypes.c_double),
+        ("max_message_bytes", ctypes.c_int64),
+        ("connections", ctypes.c_int),
+        ("bearer_token", ctypes.c_char_p),
+        ("tls_root_certs", ctypes.c_char_p),
+        ("tls_client_cert", ctypes.c_char_p),
+        ("tls_client_key", ctypes.c_char_p),
+    ]
+
+
+class _Request(ctypes.Structure):
+    _fields_ = [
+        ("request_id", ctypes.c_char_p),
+        ("dtype", ctypes.c_int),
+        ("rows", ctypes.c_int64),
+        ("hidden_size", ctypes.c_int64),
+        ("hidden", ctypes.c_void_p),
+        ("target_ids", ctypes.c_void_p),
+        ("temperature", ctypes.c_float),
+        ("return_lse", ctypes.c_int),
+        ("return_entropy", ctypes.c_int),
+        ("return_timing", ctypes.c_int),
+        ("top_k", ctypes.c_int64),
+        ("model", ctypes.c_char_p),
+        ("model_version", ctypes.c_int64),
+    ]
+
+
+class _Answer(ctypes.Structure):
+    _fields_ = [
+        ("logprobs", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("entropy", ctypes.c_void_p),
+        ("top_ids", ctypes.c_void_p),
+        ("top_logprobs", ctypes.c_void_p),
+        ("model_version", ctypes.c_int64),
+        ("requests", ctypes.c_int64),
+        ("connections", ctypes.c_int32),
+        ("server_reported_timing", ctypes.c_int32),
+        ("validate_us", ctypes.c_int64),
+        ("queue_us", ctypes.c_int64),
+        ("compute_us", ctypes.c_int64),
+        ("total_us", ctypes.c_int64),
+        ("model", ctypes.c_char * 256),
+        ("determinism_key", ctypes.c_char * 128),
+    ]
+
+
+def find_library(start=None):
+    """$DETLOGP_CLIENT_LIBRARY, else detlogp/_lib/libdetlogp_client.so in
+    the installed package, else bazel-bin/client/capi/libdetlogp_client.so
+    in `start` (or the working directory) or a folder above it; None if not
+    found."""
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        return pathlib.Path(env)
+    packaged = _PACKAGE_LIB_DIR / _LIBRARY_PATH.name
+    if packaged.exists():
+        return packaged
+    here = pathlib.Path(start or os.getcwd()).resolve()
+    for folder in [here, *here.parents]:
+        if (folder / _LIBRARY_PATH).exists():
+            return folder / _LIBRARY_PATH
+    return None
+
+
+def load_library():
+    """The loaded library (once per path); RuntimeError saying what is
+    missing when it cannot be found, loaded, or is of another ABI."""
+    path = find_library()
+    if path is None:
+        raise RuntimeError(
+            f"libdetlogp_client.so not found (set ${LIBRARY_ENV}, or build "
+            "//client/capi:libdetlogp_client.so and work inside the repository)"
+        )
+    with _lock:
+        if path in _loaded:
+            return _loaded[path]
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as error:
+            raise RuntimeError(f"cannot load {path}: {error}") from None
+        if lib.detlogp_client_abi_version() != ABI_VERSION:
+            raise RuntimeError(
+                f"{path} has ABI {lib.detlogp_client_abi_version()}, this "
+                f"client needs {ABI_VERSION}"
+            )
+        lib.detlogp_client_create.argtypes = [
+            ctypes.POINTER(_Options),
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.detlogp_client_score.argtypes = [
+            ctypes.c_void_p,
+            ctypes.POINTER(_Request),
+            ctypes.POINTER(_Answer),
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.detlogp_client_destroy.argtypes = [ctypes.c_void_p]
+        lib.detlogp_client_destroy.restype = None
+        _loaded[path] = lib
+        return lib
+
+
+def _text(value):
+    if value is None:
+        return None
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _pointer(array):
+    return None if array is None else array.ctypes.data
+
+
+class NativeClient:
+    """A C++ LogpClient for one target, its connections kept between calls.
+    `security`: token, root_certificates, client_certificate, client_key
+    (as the Python client takes them)."""
+
+    def __init__(self, lib, target, timeout, max_message_bytes, connections, security):
+        self._lib = lib
+        options = _Options(
+            target=_text(target),
+            timeout_s=float(timeout or 0.0),
+            max_message_bytes=int(max_message_bytes),
+            connections=int(connections),
+            bearer_token=_text(security.get("token")),
+            tls_root_certs=_text(security.get("root_certificates")),
+            tls_client_cert=_text(security.get("client_certificate")),
+            tls_client_key=_text(security.get("client_key")),
+        )
+        handle = ctypes.c_void_p()
+        error = ctypes.create_string_buffer(_ERROR_BYTES)
+        code = lib.detlogp_client_create(
+            ctypes.byref(options), ctypes.byref(handle), error, _ERROR_BYTES
+        )
+        if code != 0:
+            raise RuntimeError(
+                f"the C++ client for {target}: {error.value.decode(errors='replace')}"
+            )
+        self._handle = handle
+
+    def close(self):
+        handle, self._handle = self._handle, None
+        if handle:
+            self._lib.detlogp_client_destroy(handle)
+
+    def score(self, call, rows, timings=None):
+        """LogProbResult for `call` (a transfer.LogProbCall) whose host rows
+        in wire layout are `rows`; NativeCallFailed when the C++ client's
+        call fails."""
+        fields = call.fields
+        n = call.rows
+        k = int(fields.top_k)
+        ids = np.ascontiguousarray(call.target_ids, dtype=np.int64)
+        logprobs = np.empty(n, np.float32)
+        lse = np.empty(n, np.float32) if fields.return_lse else None
+        entropy = np.empty(n, np.float32) if fields.return_entropy else None
+        top_ids = np.empty((n, k), np.int64) if k else None
+        top_logprobs = np.empty((n, k), np.float32) if k else None
+        request = _Request(
+            request_id=_text(fields.request_id),
+            dtype=int(call.dtype),
+            rows=n,
+            hidden_size=int(call.shape[1]),
+            hidden=_pointer(rows),
+            target_ids=_pointer(ids),
+            temperature=float(fields.temperature),
+            return_lse=int(fields.return_lse),
+            return_entropy=int(fields.return_entropy),
+            return_timing=int(fields.return_timing),
+            top_k=k,
+            model=_text(fields.model),
+            model_version=int(fields.model_version),
+        )
+        answer = _Answer(
+            logprobs=_pointer(logprobs),
+            lse=_pointer(lse),
+            entropy=_pointer(entropy),
+            top_ids=_pointer(top_ids),
+            top_logprobs=_pointer(top_logprobs),
+        )
+        error = ctypes.create_string_buffer(_ERROR_BYTES)
+        started = time.perf_counter()
+        code = self._lib.detlogp_client_score(
+            self._handle, ctypes.byref(request), ctypes.byref(answer), error, _ERROR_BYTES
+        )
+        elapsed = time.perf_counter() - started
+        if code != 0:
+            raise NativeCallFailed(code, error.value.decode(errors="replace"))
+        if timings is not None:
+            timings.record_native(elapsed, answer)
+        result = LogProbResult(
+            logprobs=logprobs,
+            lse=lse,
+            determinism_key=answer.determinism_key.decode(),
+            request_id=fields.request_id,
+            model=answer.model.decode(),
+            model_version=int(answer.model_version),
+            entropy=entropy,
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+        )
+        if timings is not None:
+            result.timings = timings
+        return result

@@ -1,0 +1,118 @@
+"""Large calls sent by the C++ client (detlogp/native.py, native_transport)
+give the bits, fields and errors of the same calls sent through grpcio:
+cut to the server's row limit, spread over connections, in any wire dtype,
+with lse, entropy and top-k; and the client chooses grpcio where the C++
+client does not apply."""
+
+import logging
+
+import detlogp
+import numpy as np
+import pytest
+from detlogp import native, tensors
+
+pytestmark = pytest.mark.skipif(
+    native.find_library() is None,
+    reason="libdetlogp_client.so not built (bazel build //client/capi:libdetlogp_client.so)",
+)
+
+EXTRAS = dict(return_lse=True, return_entropy=True, top_k=3)
+FIELDS = ("logprobs", "lse", "entropy", "top_ids", "top_logprobs")
+
+
+def options(mode, **more):
+    # Calls of 1 KiB of rows count as large here, so the test's small model
+    # takes the C++ client's path.
+    return detlogp.TransferOptions(
+        shared_memory="off", native_transport=mode, auto_connections_min_bytes=1 << 10, **more
+    )
+
+
+def score(target, mode, hidden, targets, **kwargs):
+    with detlogp.Client(target, timeout=60, transfer_options=options(mode)) as client:
+        return client.logprobs(hidden, targets, timing=True, **kwargs)
+
+
+def assert_same_answer(got, want):
+    for name in FIELDS:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert a.tobytes() == b.tobytes(), name
+    for name in ("determinism_key", "model", "model_version", "request_id"):
+        assert getattr(got, name) == getattr(want, name), name
+
+
+@pytest.mark.parametrize("wire", ["float32", "bf16_bits", "float16"])
+def test_the_cpp_client_gives_the_bits_of_grpcio(server, model, max_request_rows, wire):
+    # Over 1,024 rows: the C++ client asks the server's limits and cuts.
+    hidden, targets = model.random_rows(20 * max_request_rows + 5, seed=401)
+    if wire == "bf16_bits":
+        hidden = tensors.float32_to_bf16_bits(hidden)
+    elif wire == "float16":
+        hidden = hidden.astype(np.float16)
+    want = score(server.target, "off", hidden, targets, request_id="r1", **EXTRAS)
+    got = score(server.target, "on", hidden, targets, request_id="r1", **EXTRAS)
+    assert not want.timings.native
+    assert got.timings.native
+    assert got.timings.slices == 21  # cut to the server's row limit
+    assert got.timings.server_reported
+    assert_same_answer(got, want)
+    plain = score(server.target, "on", hidden, targets, temperature=0.7)
+    assert plain.lse is None and plain.entropy is None and plain.top_ids is None
+    assert plain.logprobs.tobytes() == (
+        score(server.target, "off", hidden, targets, temperature=0.7).logprobs.tobytes()
+    )
+
+
+def test_a_bad_row_gets_the_error_grpcio_gives(server, model, max_request_rows):
+    hidden, targets = model.random_rows(20 * max_request_rows, seed=402)
+    row = 17 * max_request_rows + 5
+    targets[row] = model.vocab
+    errors = {}
+    for mode in ("off", "on"):
+        with pytest.raises(detlogp.InvalidArgument) as error:
+            score(server.target, mode, hidden, targets)
+        errors[mode] = error.value
+    assert errors["on"].field == f"target_ids[{row}]", errors["on"].details
+    assert errors["on"].details == errors["off"].details
+
+
+def test_grpcio_sends_what_the_cpp_client_does_not_take(server, model):
+    hidden, targets = model.random_rows(60, seed=403)  # one request
+    with detlogp.Client(server.target, timeout=60, transfer_options=options("auto")) as client:
+        small = detlogp.TransferOptions(
+            shared_memory="off", native_transport="auto", auto_connections_min_bytes=1 << 30
+        )
+        assert client.logprobs(hidden, targets, timing=True).timings.native
+        # A deadline shorter than the client's own: grpcio keeps it.
+        assert not client.logprobs(hidden, targets, timing=True, timeout=5).timings.native
+    with detlogp.Client(server.target, timeout=60, transfer_options=small) as client:
+        assert not client.logprobs(hidden, targets, timing=True).timings.native
+    # Several targets: the C++ client takes one.
+    pair = [server.target, server.target]
+    with detlogp.Client(pair, timeout=60, transfer_options=options("auto")) as client:
+        assert not client.logprobs(hidden, targets, timing=True).timings.native
+    with detlogp.Client(pair, timeout=60, transfer_options=options("on")) as client:
+        with pytest.raises(RuntimeError, match="several targets"):
+            client.logprobs(hidden, targets)
+
+
+def test_without_the_library_auto_uses_grpcio_and_on_says_why(
+    server, model, monkeypatch, tmp_path, caplog
+):
+    missing = tmp_path / "libdetlogp_client.so"
+    monkeypatch.setenv(native.LIBRARY_ENV, str(missing))
+    hidden, targets = model.random_rows(200, seed=404)
+    with caplog.at_level(logging.INFO, logger="detlogp"):
+        result = score(server.target, "auto", hidden, targets)
+    assert any("go through grpcio" in r.getMessage() for r in caplog.records)
+    assert result.logprobs.shape == (200,)
+    with pytest.raises(RuntimeError, match="native_transport='on'.*cannot load"):
+        score(server.target, "on", hidden, targets)
+
+
+def test_native_transport_is_checked():
+    with pytest.raises(ValueError, match="TransferOptions.native_transport"):
+        detlogp.TransferOptions(native_transport="always").validated()
