@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 
@@ -38,6 +40,41 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
   request.set_top_k(options.top_k);
   request.set_model(options.model);
   request.set_model_version(options.model_version);
+  request.set_return_timing(options.return_timing);
+  return request;
+}
+
+namespace {
+
+int64_t DtypeBytes(detlogp::v1::DType dtype) {
+  switch (dtype) {
+    case detlogp::v1::DTYPE_FLOAT32:
+      return 4;
+    case detlogp::v1::DTYPE_BFLOAT16:
+    case detlogp::v1::DTYPE_FLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+detlogp::v1::LogProbRequest MakeLogProbRequest(
+    std::string request_id, detlogp::v1::DType dtype, int64_t rows,
+    int64_t hidden_size, const RegionRef& region,
+    const std::vector<int64_t>& targets, const LogProbOptions& options) {
+  detlogp::v1::LogProbRequest request = MakeLogProbRequest(
+      std::move(request_id), dtype, rows, hidden_size, "", targets, options);
+  detlogp::v1::SharedMemoryRef* ref =
+      request.mutable_hidden()->mutable_shared_memory();
+  ref->set_region(region.region);
+  ref->set_offset(region.offset);
+  // A shape or dtype the server refuses gets its own message; a byte_size
+  // that does not match them is named by the server too.
+  ref->set_byte_size(region.byte_size != 0
+                         ? region.byte_size
+                         : rows * hidden_size * DtypeBytes(dtype));
   return request;
 }
 
@@ -137,8 +174,18 @@ absl::StatusOr<ScoreResult> ToScoreResult(
   return result;
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
+namespace {
+
+// MakeChannel's channel; `idle_timeout` > 0 closes its connection after that
+// long unused.
+std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
+    const LogpClient::Options& options, absl::Duration idle_timeout) {
   grpc::ChannelArguments args;
+  if (idle_timeout > absl::ZeroDuration()) {
+    args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS,
+                static_cast<int>(std::min<int64_t>(
+                    absl::ToInt64Milliseconds(idle_timeout), 1 << 30)));
+  }
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
   if (options.own_connection)
@@ -160,6 +207,12 @@ std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
     credentials = grpc::SslCredentials(ssl);
   }
   return grpc::CreateCustomChannel(options.target, credentials, args);
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
+  return MakeChannelIdleAfter(options, absl::ZeroDuration());
 }
 
 LogpClient::LogpClient(const Options& options) : options_(options) {}
@@ -202,28 +255,31 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
 }
 
 LogpClient::~LogpClient() {
-  absl::MutexLock lock(&shared_memory_mu_);
-  UnregisterRegion();
+  {
+    absl::MutexLock lock(&shared_memory_mu_);
+    UnregisterRegion();
+  }
+  absl::MutexLock lock(&cuda_mu_);
+  for (auto& [device, region] : cuda_regions_) ReleaseCudaRegion(region);
+  cuda_regions_.clear();  // frees the device memory while the runtime is here
 }
 
 std::string LogpClient::shared_memory_refusal() const {
-  absl::MutexLock lock(&shared_memory_mu_);
-  return shared_memory_refusal_;
+  std::vector<std::string> refusals;
+  {
+    absl::MutexLock lock(&shared_memory_mu_);
+    if (!shared_memory_refusal_.empty()) {
+      refusals.push_back(absl::StrCat("system: ", shared_memory_refusal_));
+    }
+  }
+  absl::MutexLock lock(&cuda_mu_);
+  if (!cuda_refusal_.empty()) {
+    refusals.push_back(absl::StrCat("cuda: ", cuda_refusal_));
+  }
+  return absl::StrJoin(refusals, "; ");
 }
 
 namespace {
-
-int64_t DtypeBytes(detlogp::v1::DType dtype) {
-  switch (dtype) {
-    case detlogp::v1::DTYPE_FLOAT32:
-      return 4;
-    case detlogp::v1::DTYPE_BFLOAT16:
-    case detlogp::v1::DTYPE_FLOAT16:
-      return 2;
-    default:
-      return 0;
-  }
-}
 
 // Bytes of one row of `request`'s hidden tensor; 0 when its shape or dtype
 // is not one the server accepts (the request then goes as it is, and the
@@ -279,6 +335,32 @@ bool IsRefusal(absl::StatusCode code) {
          code == absl::StatusCode::kUnimplemented ||
          code == absl::StatusCode::kNotFound ||
          code == absl::StatusCode::kResourceExhausted;
+}
+
+// The same for a CUDA region, whose handle or device the server may also
+// not be able to open (another host's GPU, a GPU it does not compute on):
+// INVALID_ARGUMENT naming raw_handle or device_id.
+bool IsCudaRefusal(absl::StatusCode code) {
+  return IsRefusal(code) || code == absl::StatusCode::kInvalidArgument;
+}
+
+// A request named a region the server no longer holds (released after
+// --shared_memory_idle_s unused, or the server restarted).
+bool IsRegionGone(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kNotFound &&
+         absl::StartsWith(status.message(), "hidden.shared_memory.region");
+}
+
+// Room to grow: calls of about the same size reuse a region.
+int64_t RegionBytesFor(int64_t bytes) {
+  constexpr int64_t kGranule = int64_t{2} << 20;
+  return (bytes + kGranule - 1) / kGranule * kGranule;
+}
+
+// A region name no other region of this process has.
+std::string UniqueRegionName(absl::string_view kind) {
+  std::random_device random;
+  return absl::StrCat("detlogp_", kind, getpid(), "_", random(), random());
 }
 
 }  // namespace
@@ -371,25 +453,14 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
 }
 
 absl::Status LogpClient::RegisterRegion(int64_t bytes) {
-  // Room to grow: calls of about this size reuse it.
-  const int64_t granule = int64_t{2} << 20;
-  const int64_t size = (bytes + granule - 1) / granule * granule;
+  const int64_t size = RegionBytesFor(bytes);
   auto region = SystemSharedMemory::Create(size);
   if (!region.ok()) return region.status();
-  std::random_device random;
-  const std::string name =
-      absl::StrCat("detlogp_", getpid(), "_", random(), random());
-  detlogp::v1::SystemSharedMemoryRegisterRequest request;
-  request.set_name(name);
-  request.set_key((*region)->key());
-  request.set_offset(0);
-  request.set_byte_size(size);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::SystemSharedMemoryRegisterResponse response;
-  const grpc::Status status = shared_memory_stub_->SystemSharedMemoryRegister(
-      &context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  const std::string name = UniqueRegionName("");
+  if (absl::Status s = RegisterSystemRegion(name, (*region)->key(), 0, size);
+      !s.ok()) {
+    return s;
+  }
   // The server holds its own mapping: the name is no longer needed, and a
   // client killed now leaves nothing in /dev/shm.
   (*region)->Unlink();
@@ -441,21 +512,37 @@ LogpClient::ToSharedMemoryRequest(const detlogp::v1::LogProbRequest& request) {
 
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request) {
-  std::optional<absl::MutexLock> region_lock;
-  const detlogp::v1::LogProbRequest* to_send = &request;
-  std::optional<detlogp::v1::LogProbRequest> by_reference;
   if (options_.system_shared_memory) {
-    region_lock.emplace(&shared_memory_mu_);
-    auto converted = ToSharedMemoryRequest(request);
-    if (!converted.ok()) return converted.status();
-    by_reference = *std::move(converted);
-    if (by_reference.has_value()) {
-      to_send = &*by_reference;
-    } else {
-      region_lock.reset();  // bytes in messages: no need to take turns
+    absl::MutexLock lock(&shared_memory_mu_);
+    for (int attempt = 0;; ++attempt) {
+      auto by_reference = ToSharedMemoryRequest(request);
+      if (!by_reference.ok()) return by_reference.status();
+      if (!by_reference->has_value()) break;  // bytes in the messages
+      absl::StatusOr<ScoreResult> result = ScoreCut(**by_reference);
+      if (attempt == 0 && IsRegionGone(result.status())) {
+        region_.reset();  // the server's copy is gone: register a new one
+        region_name_.clear();
+        continue;
+      }
+      if (result.ok()) {
+        result->path = "system_shm";
+        result->used_shared_memory = true;
+      }
+      return result;
     }
   }
-  const bool shared = by_reference.has_value();
+  absl::StatusOr<ScoreResult> result = ScoreCut(request);
+  if (result.ok() && request.hidden().has_shared_memory()) {
+    result->path = "named_region";
+    result->used_shared_memory = true;
+  }
+  return result;
+}
+
+absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
+    const detlogp::v1::LogProbRequest& request) {
+  const detlogp::v1::LogProbRequest* to_send = &request;
+  const bool shared = request.hidden().has_shared_memory();
   auto rows_per_request = RowsPerRequest(*to_send, shared);
   if (!rows_per_request.ok()) return rows_per_request.status();
   const int64_t rows = to_send->target_ids_size();
@@ -497,7 +584,6 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
     result = JoinScoreResults(std::move(parts));
   }
-  if (result.ok()) result->used_shared_memory = shared;
   return result;
 }
 
@@ -524,20 +610,14 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
   }
   const int used =
       static_cast<int>(std::min<size_t>(connections, slices.size()));
-  // Connections of the call's own beside the client's: closed with it, so
-  // none idles open between calls.
-  std::vector<std::unique_ptr<detlogp::v1::LogProbService::Stub>> stubs;
-  Options own = options_;
-  own.own_connection = true;
-  for (int c = 1; c < used; ++c) {
-    stubs.push_back(detlogp::v1::LogProbService::NewStub(MakeChannel(own)));
-  }
+  // The client's own connection and kept ones beside it.
+  std::vector<SpreadConnection> spread = TakeSpreadConnections(used - 1);
   std::vector<absl::StatusOr<ScoreResult>> answers(
       slices.size(), absl::UnknownError("not sent"));
   std::vector<std::thread> senders;
   for (int c = 0; c < used; ++c) {
     senders.emplace_back([&, c] {
-      auto* stub = c == 0 ? stub_.get() : stubs[c - 1].get();
+      auto* stub = c == 0 ? stub_.get() : spread[c - 1].stub.get();
       for (size_t i = c; i < slices.size(); i += used) {
         answers[i] = ScoreOne(slices[i], stub);
         if (!answers[i].ok()) return;
@@ -545,6 +625,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
     });
   }
   for (std::thread& sender : senders) sender.join();
+  GiveBackSpreadConnections(std::move(spread));
   for (const auto& answer : answers) {
     if (!answer.ok()) return answer.status();
   }
@@ -608,6 +689,284 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
                                             " requests"));
   }
   return results;
+}
+
+absl::Status LogpClient::RegisterSystemRegion(const std::string& name,
+                                              const std::string& key,
+                                              int64_t offset,
+                                              int64_t byte_size) {
+  detlogp::v1::SystemSharedMemoryRegisterRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::SystemSharedMemoryRegisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->SystemSharedMemoryRegister(
+      &context, request, &response));
+}
+
+absl::Status LogpClient::RegisterCudaRegion(const std::string& name,
+                                            const std::string& raw_handle,
+                                            int64_t device_id,
+                                            int64_t byte_size) {
+  detlogp::v1::CudaSharedMemoryRegisterRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle);
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::CudaSharedMemoryRegisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->CudaSharedMemoryRegister(
+      &context, request, &response));
+}
+
+absl::Status LogpClient::UnregisterSystemRegion(const std::string& name) {
+  detlogp::v1::SystemSharedMemoryUnregisterRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::SystemSharedMemoryUnregisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->SystemSharedMemoryUnregister(
+      &context, request, &response));
+}
+
+absl::Status LogpClient::UnregisterCudaRegion(const std::string& name) {
+  detlogp::v1::CudaSharedMemoryUnregisterRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::CudaSharedMemoryUnregisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->CudaSharedMemoryUnregister(
+      &context, request, &response));
+}
+
+absl::StatusOr<detlogp::v1::SystemSharedMemoryStatusResponse>
+LogpClient::SystemRegionStatus(const std::string& name) {
+  detlogp::v1::SystemSharedMemoryStatusRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::SystemSharedMemoryStatusResponse response;
+  const grpc::Status status = shared_memory_stub_->SystemSharedMemoryStatus(
+      &context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<detlogp::v1::CudaSharedMemoryStatusResponse>
+LogpClient::CudaRegionStatus(const std::string& name) {
+  detlogp::v1::CudaSharedMemoryStatusRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::CudaSharedMemoryStatusResponse response;
+  const grpc::Status status =
+      shared_memory_stub_->CudaSharedMemoryStatus(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<const CudaRuntime*> LogpClient::Cuda() {
+  absl::MutexLock lock(&cuda_runtime_mu_);
+  if (!cuda_runtime_.has_value()) {
+    cuda_runtime_ = CudaRuntime::Load(options_.cuda_runtime);
+  }
+  if (!cuda_runtime_->ok()) return cuda_runtime_->status();
+  return cuda_runtime_->value().get();
+}
+
+absl::StatusOr<ScoreResult> LogpClient::Score(
+    const DeviceRows& rows, const std::vector<int64_t>& targets,
+    const LogProbOptions& options, std::string request_id) {
+  // What the server cannot check: it never sees the pointer.
+  const int64_t element_bytes = DtypeBytes(rows.dtype);
+  if (rows.data == nullptr) {
+    return absl::InvalidArgumentError("rows.data: null");
+  }
+  if (element_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows.dtype: ", detlogp::v1::DType_Name(rows.dtype),
+                     " is not bf16, fp16 or fp32"));
+  }
+  if (rows.rows <= 0 || rows.hidden_size <= 0 ||
+      rows.rows > std::numeric_limits<int64_t>::max() / rows.hidden_size /
+                      element_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows.rows, rows.hidden_size: [", rows.rows, ", ",
+                     rows.hidden_size, "] is not a shape of rows"));
+  }
+  if (static_cast<int64_t>(targets.size()) != rows.rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets: ", targets.size(), " target ids for ", rows.rows, " rows"));
+  }
+  auto cuda = Cuda();
+  if (!cuda.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rows.data: rows on a GPU cannot be read without the "
+                     "CUDA runtime: ",
+                     cuda.status().message()));
+  }
+  auto device = (*cuda)->DeviceOf(rows.data);
+  if (!device.ok()) {
+    return absl::Status(device.status().code(),
+                        absl::StrCat("rows.data: ", device.status().message()));
+  }
+  if (*device != rows.device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rows.device: ", rows.device, ", but the rows are on cuda:", *device));
+  }
+  detlogp::v1::LogProbRequest request =
+      MakeLogProbRequest(std::move(request_id), rows.dtype, rows.rows,
+                         rows.hidden_size, std::string(), targets, options);
+  // CUDA regions hold bf16 rows: the server converts other dtypes on the
+  // host path only.
+  if (options_.cuda_shared_memory &&
+      rows.dtype == detlogp::v1::DTYPE_BFLOAT16) {
+    auto through_region = ScoreThroughCudaRegion(**cuda, rows, request);
+    if (!through_region.ok()) return through_region.status();
+    if (through_region->has_value()) return **std::move(through_region);
+  }
+  const int64_t bytes = rows.rows * rows.hidden_size * element_bytes;
+  std::string data(static_cast<size_t>(bytes), '\0');
+  if (absl::Status s =
+          (*cuda)->Copy(data.data(), rows.data, bytes, CudaCopy::kDeviceToHost,
+                        rows.device, rows.stream);
+      !s.ok()) {
+    return s;
+  }
+  request.mutable_hidden()->set_data(std::move(data));
+  return Score(request);
+}
+
+absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
+    const CudaRuntime& cuda, const DeviceRows& rows,
+    const detlogp::v1::LogProbRequest& request) {
+  const int64_t bytes =
+      rows.rows * rows.hidden_size * DtypeBytes(detlogp::v1::DTYPE_BFLOAT16);
+  absl::MutexLock lock(&cuda_mu_);
+  for (int attempt = 0;; ++attempt) {
+    if (!cuda_refusal_.empty()) return std::nullopt;
+    auto region = CudaRegionFor(cuda, rows.device, bytes);
+    if (!region.ok()) return region.status();
+    if (*region == nullptr) return std::nullopt;
+    // On the caller's stream, after whatever wrote the rows; done when the
+    // request goes.
+    if (absl::Status s = cuda.Copy((*region)->memory->data(), rows.data, bytes,
+                                   CudaCopy::kDeviceToDevice, rows.device,
+                                   rows.stream);
+        !s.ok()) {
+      return s;
+    }
+    detlogp::v1::LogProbRequest by_reference = request;
+    detlogp::v1::SharedMemoryRef* ref =
+        by_reference.mutable_hidden()->mutable_shared_memory();
+    ref->set_region((*region)->name);
+    ref->set_offset(0);
+    ref->set_byte_size(bytes);
+    absl::StatusOr<ScoreResult> result = ScoreCut(by_reference);
+    if (attempt == 0 && IsRegionGone(result.status())) {
+      // The server closed its handle: free the memory, register anew.
+      cuda_regions_.erase(rows.device);
+      continue;
+    }
+    if (!result.ok()) return result.status();
+    result->path = "cuda_shm";
+    result->used_shared_memory = true;
+    return std::optional<ScoreResult>(*std::move(result));
+  }
+}
+
+absl::StatusOr<LogpClient::CudaRegion*> LogpClient::CudaRegionFor(
+    const CudaRuntime& cuda, int device, int64_t bytes) {
+  auto it = cuda_regions_.find(device);
+  if (it != cuda_regions_.end()) {
+    if (it->second.memory->bytes() >= bytes) return &it->second;
+    ReleaseCudaRegion(it->second);
+    cuda_regions_.erase(it);
+  }
+  const int64_t size = RegionBytesFor(bytes);
+  // The region's base is the allocation's, so its IPC handle names it from
+  // byte 0.
+  auto memory = DeviceMemory::Allocate(&cuda, device, size);
+  if (!memory.ok()) return memory.status();
+  auto handle = cuda.IpcMemHandle(device, (*memory)->data());
+  if (!handle.ok()) return handle.status();
+  const std::string name = UniqueRegionName(absl::StrCat("cuda", device, "_"));
+  if (absl::Status s = RegisterCudaRegion(name, *handle, device, size);
+      !s.ok()) {
+    if (!IsCudaRefusal(s.code())) return s;
+    cuda_refusal_ = s.ToString();
+    return nullptr;
+  }
+  CudaRegion& region = cuda_regions_[device];
+  region.memory = *std::move(memory);
+  region.name = name;
+  return &region;
+}
+
+void LogpClient::ReleaseCudaRegion(CudaRegion& region) {
+  detlogp::v1::CudaSharedMemoryUnregisterRequest request;
+  request.set_name(region.name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  detlogp::v1::CudaSharedMemoryUnregisterResponse response;
+  // Best effort: the server releases an idle region by itself.
+  shared_memory_stub_->CudaSharedMemoryUnregister(&context, request,
+                                                  &response);
+}
+
+std::vector<LogpClient::SpreadConnection> LogpClient::TakeSpreadConnections(
+    int count) {
+  std::vector<SpreadConnection> taken;
+  {
+    absl::MutexLock lock(&spread_mu_);
+    while (static_cast<int>(taken.size()) < count && !idle_spread_.empty()) {
+      taken.push_back(std::move(idle_spread_.back()));
+      idle_spread_.pop_back();
+    }
+    spread_opened_ += count - static_cast<int64_t>(taken.size());
+  }
+  // Distinct channels on a local subchannel pool: distinct TCP connections.
+  Options own = options_;
+  own.own_connection = true;
+  while (static_cast<int>(taken.size()) < count) {
+    SpreadConnection connection;
+    connection.channel =
+        MakeChannelIdleAfter(own, options_.spread_connection_idle_timeout);
+    connection.stub =
+        detlogp::v1::LogProbService::NewStub(connection.channel);
+    taken.push_back(std::move(connection));
+  }
+  return taken;
+}
+
+void LogpClient::GiveBackSpreadConnections(
+    std::vector<SpreadConnection> connections) {
+  absl::MutexLock lock(&spread_mu_);
+  for (SpreadConnection& connection : connections) {
+    idle_spread_.push_back(std::move(connection));
+  }
+}
+
+int64_t LogpClient::spread_connections_opened() const {
+  absl::MutexLock lock(&spread_mu_);
+  return spread_opened_;
+}
+
+int LogpClient::spread_connections_connected() const {
+  absl::MutexLock lock(&spread_mu_);
+  int connected = 0;
+  for (const SpreadConnection& connection : idle_spread_) {
+    if (connection.channel->GetState(/*try_to_connect=*/false) ==
+        GRPC_CHANNEL_READY) {
+      ++connected;
+    }
+  }
+  return connected;
 }
 
 }  // namespace detlogp::client
