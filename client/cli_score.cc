@@ -5,8 +5,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/cuda_runtime_loader.h"
 #include "client/random_rows.h"
 #include "client/tensor_files.h"
 
@@ -17,6 +19,20 @@ namespace {
 // call's requests, which ran side by side over `connections` connections.
 int64_t TransferMicros(int64_t call_us, int64_t server_us, int connections) {
   return std::max<int64_t>(call_us - server_us / std::max(connections, 1), 0);
+}
+
+// The rows copied to `device`, for the device path.
+absl::StatusOr<std::unique_ptr<DeviceMemory>> UploadRows(
+    const CudaRuntime& cuda, int device, const std::string& data) {
+  const int64_t bytes = static_cast<int64_t>(data.size());
+  auto memory = DeviceMemory::Allocate(&cuda, device, bytes);
+  if (!memory.ok()) return memory.status();
+  if (absl::Status s = cuda.Copy((*memory)->data(), data.data(), bytes,
+                                 CudaCopy::kHostToDevice, device, nullptr);
+      !s.ok()) {
+    return s;
+  }
+  return memory;
 }
 
 }  // namespace
@@ -59,18 +75,51 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
   request_options.model_version = info->model_version();
   // The client checks the answer's sizes against the request (N rows, N * k
   // top-k entries); the server checks top_k.
+  request_options.return_timing = options.timing;
   const absl::Time build_start = absl::Now();
-  detlogp::v1::LogProbRequest request =
-      MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
-                         std::move(data), targets, request_options);
-  request.set_return_timing(options.timing);
-  const absl::Time call_start = absl::Now();
-  auto result = client.Score(request);
+  absl::Time call_start;
+  absl::StatusOr<ScoreResult> result;
+  if (options.cuda_shared_memory) {
+    auto cuda = CudaRuntime::Load(CudaRuntime::Options());
+    if (!cuda.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--cuda_shared_memory: ", cuda.status().message()));
+    }
+    auto device_rows = UploadRows(**cuda, options.cuda_device, data);
+    if (!device_rows.ok()) {
+      return absl::Status(
+          device_rows.status().code(),
+          absl::StrCat("--cuda_shared_memory: uploading the rows to cuda:",
+                       options.cuda_device, ": ",
+                       device_rows.status().message()));
+    }
+    DeviceRows on_gpu;
+    on_gpu.data = (*device_rows)->data();
+    on_gpu.device = options.cuda_device;
+    on_gpu.dtype = dtype;
+    on_gpu.rows = rows;
+    on_gpu.hidden_size = info->hidden_size();
+    call_start = absl::Now();
+    result = client.Score(on_gpu, targets, request_options, "cli");
+  } else {
+    detlogp::v1::LogProbRequest request =
+        MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
+                           std::move(data), targets, request_options);
+    call_start = absl::Now();
+    result = client.Score(request);
+  }
   const absl::Time call_end = absl::Now();
   if (!result.ok()) return result.status();
-  if (options.shared_memory && !result->used_shared_memory) {
-    std::fprintf(stderr, "shared memory not used: %s\n",
-                 client.shared_memory_refusal().c_str());
+  // The region the rows were meant to take (CUDA regions hold bf16 only).
+  std::string wanted;
+  if (options.cuda_shared_memory && dtype == detlogp::v1::DTYPE_BFLOAT16) {
+    wanted = "cuda_shm";
+  } else if (options.shared_memory) {
+    wanted = "system_shm";
+  }
+  if (!wanted.empty() && result->path != wanted) {
+    std::fprintf(stderr, "%s not used (path %s): %s\n", wanted.c_str(),
+                 result->path.c_str(), client.shared_memory_refusal().c_str());
   }
   if (options.timing) {
     const detlogp::v1::ServerTiming& t = result->server_timing;
@@ -89,7 +138,7 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
         static_cast<long long>(
             TransferMicros(call_us, t.total_us(), result->connections)),
         static_cast<long long>(result->requests), result->connections,
-        result->used_shared_memory ? "system_shm" : "grpc");
+        result->path.c_str());
   }
   std::printf("model %s version %lld\ndeterminism_key %s\n",
               result->model.c_str(),

@@ -91,9 +91,8 @@ absl::StatusOr<std::unique_ptr<CudaRuntime>> CudaRuntime::Load(
     return std::unique_ptr<CudaRuntime>(
         new CudaRuntime(handle, library, std::move(functions)));
   }
-  return absl::FailedPreconditionError(
-      absl::StrCat("no CUDA runtime could be loaded (",
-                   absl::StrJoin(failures, "; "), ")"));
+  return absl::FailedPreconditionError(absl::StrCat(
+      "no CUDA runtime could be loaded (", absl::StrJoin(failures, "; "), ")"));
 }
 
 CudaRuntime::CudaRuntime(void* handle, std::string library,
@@ -147,8 +146,8 @@ absl::StatusOr<void*> CudaRuntime::Malloc(int device, int64_t bytes) const {
   const int e = functions_->malloc(&data, static_cast<size_t>(bytes));
   RestoreDevice(*previous);
   if (e != kCudaSuccess) {
-    return Error(e, absl::StrCat("cudaMalloc(", bytes, " bytes on cuda:",
-                                 device, ")"));
+    return Error(
+        e, absl::StrCat("cudaMalloc(", bytes, " bytes on cuda:", device, ")"));
   }
   return data;
 }
@@ -190,8 +189,8 @@ absl::Status CudaRuntime::Copy(void* to, const void* from, int64_t bytes,
   }
   RestoreDevice(*previous);
   if (e != kCudaSuccess) {
-    return Error(e, absl::StrCat(what, " (", bytes, " bytes on cuda:", device,
-                                 ")"));
+    return Error(
+        e, absl::StrCat(what, " (", bytes, " bytes on cuda:", device, ")"));
   }
   return absl::OkStatus();
 }

@@ -854,9 +854,9 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     if (*region == nullptr) return std::nullopt;
     // On the caller's stream, after whatever wrote the rows; done when the
     // request goes.
-    if (absl::Status s = cuda.Copy((*region)->memory->data(), rows.data, bytes,
-                                   CudaCopy::kDeviceToDevice, rows.device,
-                                   rows.stream);
+    if (absl::Status s =
+            cuda.Copy((*region)->memory->data(), rows.data, bytes,
+                      CudaCopy::kDeviceToDevice, rows.device, rows.stream);
         !s.ok()) {
       return s;
     }
@@ -915,8 +915,7 @@ void LogpClient::ReleaseCudaRegion(CudaRegion& region) {
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
   detlogp::v1::CudaSharedMemoryUnregisterResponse response;
   // Best effort: the server releases an idle region by itself.
-  shared_memory_stub_->CudaSharedMemoryUnregister(&context, request,
-                                                  &response);
+  shared_memory_stub_->CudaSharedMemoryUnregister(&context, request, &response);
 }
 
 std::vector<LogpClient::SpreadConnection> LogpClient::TakeSpreadConnections(
@@ -937,8 +936,7 @@ std::vector<LogpClient::SpreadConnection> LogpClient::TakeSpreadConnections(
     SpreadConnection connection;
     connection.channel =
         MakeChannelIdleAfter(own, options_.spread_connection_idle_timeout);
-    connection.stub =
-        detlogp::v1::LogProbService::NewStub(connection.channel);
+    connection.stub = detlogp::v1::LogProbService::NewStub(connection.channel);
     taken.push_back(std::move(connection));
   }
   return taken;

@@ -442,8 +442,8 @@ class LogpClient {
       const detlogp::v1::LogProbRequest& request);
   // The region on `device`, of at least `bytes`, registered; null when the
   // server refuses it (cuda_refusal_ then says why).
-  absl::StatusOr<CudaRegion*> CudaRegionFor(const CudaRuntime& cuda,
-                                            int device, int64_t bytes)
+  absl::StatusOr<CudaRegion*> CudaRegionFor(const CudaRuntime& cuda, int device,
+                                            int64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(cuda_mu_);
   void ReleaseCudaRegion(CudaRegion& region)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(cuda_mu_);
