@@ -106,10 +106,9 @@ TEST_F(LogpClientRegionsTest, ACallersSystemRegionGivesTheBitsOfBytes) {
   auto shm = SystemSharedMemory::Create(offset + rows.size() + 100);
   ASSERT_TRUE(shm.ok()) << shm.status();
   std::memcpy((*shm)->data() + offset, rows.data(), rows.size());
-  ASSERT_TRUE(client
-                  ->RegisterSystemRegion("callers", (*shm)->key(), 0,
-                                         (*shm)->bytes())
-                  .ok());
+  ASSERT_TRUE(
+      client->RegisterSystemRegion("callers", (*shm)->key(), 0, (*shm)->bytes())
+          .ok());
   const std::vector<int64_t> targets(request.target_ids().begin(),
                                      request.target_ids().end());
   client::RegionRef ref;
@@ -152,8 +151,8 @@ TEST_F(LogpClientRegionsTest, ACallersSystemRegionGivesTheBitsOfBytes) {
   EXPECT_EQ(status->regions_size(), 0);
   auto gone = client->Score(by_reference);
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_TRUE(absl::StartsWith(gone.status().message(),
-                               "hidden.shared_memory.region"))
+  EXPECT_TRUE(
+      absl::StartsWith(gone.status().message(), "hidden.shared_memory.region"))
       << gone.status();
 }
 
@@ -230,11 +229,11 @@ TEST_F(LogpClientRegionsTest, ACpuServerRefusesCudaRegionsNamingTheField) {
     int64_t device, byte_size;
     std::string field;
   };
-  for (const Registration& r : std::vector<Registration>{
-           {"bad name!", handle, 0, 1024, "name:"},
-           {"g", "", 0, 1024, "raw_handle:"},
-           {"g", handle, -1, 1024, "device_id:"},
-           {"g", handle, 0, 0, "byte_size:"}}) {
+  for (const Registration& r :
+       std::vector<Registration>{{"bad name!", handle, 0, 1024, "name:"},
+                                 {"g", "", 0, 1024, "raw_handle:"},
+                                 {"g", handle, -1, 1024, "device_id:"},
+                                 {"g", handle, 0, 0, "byte_size:"}}) {
     const absl::Status refused =
         client->RegisterCudaRegion(r.name, r.handle, r.device, r.byte_size);
     EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
