@@ -1,6 +1,8 @@
 #include "client/logp_client.h"
 
+#include <grpc/slice.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/sync_stream.h>
@@ -231,6 +233,7 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
       detlogp::v1::SharedMemoryService::NewStub(client->channel_);
   client->projection_ =
       std::make_unique<ProjectionConnection>(client->channel_);
+  client->raw_ = std::make_unique<RawConnection>(client->channel_);
   return client;
 }
 
@@ -395,6 +398,76 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
   return slice;
 }
 
+namespace {
+
+void PutVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>(value | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+// Wire types, and the field numbers of LogProbRequest.hidden and of
+// Tensor's dtype, shape and data (proto/detlogp/v1/detlogp.proto).
+constexpr uint32_t kVarint = 0;
+constexpr uint32_t kLengthDelimited = 2;
+constexpr uint32_t kRequestHidden = 2;
+constexpr uint32_t kTensorDtype = 1;
+constexpr uint32_t kTensorShape = 2;
+constexpr uint32_t kTensorData = 3;
+
+void PutTag(uint32_t field, uint32_t wire_type, std::string* out) {
+  PutVarint((field << 3) | wire_type, out);
+}
+
+}  // namespace
+
+grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
+                                   absl::string_view rows) {
+  // hidden: dtype, shape (packed) and the head of data, then the rows.
+  const detlogp::v1::Tensor& hidden = header.hidden();
+  std::string tensor_head;
+  if (hidden.dtype() != 0) {
+    PutTag(kTensorDtype, kVarint, &tensor_head);
+    PutVarint(static_cast<uint64_t>(hidden.dtype()), &tensor_head);
+  }
+  if (hidden.shape_size() > 0) {
+    std::string shape;
+    for (const int64_t dim : hidden.shape()) {
+      PutVarint(static_cast<uint64_t>(dim), &shape);
+    }
+    PutTag(kTensorShape, kLengthDelimited, &tensor_head);
+    PutVarint(shape.size(), &tensor_head);
+    tensor_head += shape;
+  }
+  if (!rows.empty()) {
+    PutTag(kTensorData, kLengthDelimited, &tensor_head);
+    PutVarint(rows.size(), &tensor_head);
+  }
+  std::string hidden_head;
+  PutTag(kRequestHidden, kLengthDelimited, &hidden_head);
+  PutVarint(tensor_head.size() + rows.size(), &hidden_head);
+  // Every other field as protobuf writes them (a parser takes fields in any
+  // order).
+  detlogp::v1::LogProbRequest rest = header;
+  rest.clear_hidden();
+  const size_t rest_bytes = rest.ByteSizeLong();
+  const size_t total =
+      hidden_head.size() + tensor_head.size() + rows.size() + rest_bytes;
+  grpc_slice slice = grpc_slice_malloc(total);
+  uint8_t* out = GRPC_SLICE_START_PTR(slice);
+  std::memcpy(out, hidden_head.data(), hidden_head.size());
+  out += hidden_head.size();
+  std::memcpy(out, tensor_head.data(), tensor_head.size());
+  out += tensor_head.size();
+  if (!rows.empty()) std::memcpy(out, rows.data(), rows.size());
+  out += rows.size();
+  rest.SerializeWithCachedSizesToArray(out);
+  grpc::Slice owned(slice, grpc::Slice::STEAL_REF);
+  return grpc::ByteBuffer(&owned, 1);
+}
+
 ScoreResult JoinScoreResults(std::vector<ScoreResult> parts) {
   ScoreResult joined = std::move(parts.front());
   joined.requests = static_cast<int64_t>(parts.size());
@@ -552,7 +625,12 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   if (connections <= 0) {
     connections = bytes >= kAutoConnectionsMinBytes ? kAutoConnections : 1;
   }
-  if (shared || !options_.split_large_calls || row_bytes == 0) connections = 1;
+  // Rows that do not fill the shape go as they are: the server names the
+  // field.
+  if (shared || !options_.split_large_calls || row_bytes == 0 ||
+      static_cast<int64_t>(to_send->hidden().data().size()) != bytes) {
+    connections = 1;
+  }
   absl::StatusOr<ScoreResult> result;
   if (connections > 1 && rows > 1) {
     const int64_t share = std::max((rows + connections - 1) / connections,
@@ -603,23 +681,36 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
     const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
     int connections) {
   const int64_t rows = request.target_ids_size();
-  std::vector<detlogp::v1::LogProbRequest> slices;
+  const int64_t row_bytes = RowBytes(request);
+  const char* const data = request.hidden().data().data();
+  // Each slice's fields but its rows: a sender writes the rows straight from
+  // `request` into gRPC's buffer, one slice at a time.
+  std::vector<detlogp::v1::LogProbRequest> headers;
+  std::vector<absl::string_view> slice_rows;
   for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
-    slices.push_back(SliceLogProbRequest(
-        request, begin, std::min(rows_per_request, rows - begin)));
+    const int64_t count = std::min(rows_per_request, rows - begin);
+    headers.push_back(WithoutHiddenBytes(request));
+    detlogp::v1::LogProbRequest& header = headers.back();
+    header.mutable_hidden()->set_shape(0, count);
+    header.mutable_target_ids()->Clear();
+    header.mutable_target_ids()->Add(
+        request.target_ids().begin() + begin,
+        request.target_ids().begin() + begin + count);
+    slice_rows.emplace_back(data + begin * row_bytes, count * row_bytes);
   }
   const int used =
-      static_cast<int>(std::min<size_t>(connections, slices.size()));
+      static_cast<int>(std::min<size_t>(connections, headers.size()));
   // The client's own connection and kept ones beside it.
-  std::vector<SpreadConnection> spread = TakeSpreadConnections(used - 1);
+  std::vector<std::unique_ptr<RawConnection>> spread =
+      TakeSpreadConnections(used - 1);
   std::vector<absl::StatusOr<ScoreResult>> answers(
-      slices.size(), absl::UnknownError("not sent"));
+      headers.size(), absl::UnknownError("not sent"));
   std::vector<std::thread> senders;
   for (int c = 0; c < used; ++c) {
     senders.emplace_back([&, c] {
-      auto* stub = c == 0 ? stub_.get() : spread[c - 1].stub.get();
-      for (size_t i = c; i < slices.size(); i += used) {
-        answers[i] = ScoreOne(slices[i], stub);
+      const RawConnection& connection = c == 0 ? *raw_ : *spread[c - 1];
+      for (size_t i = c; i < headers.size(); i += used) {
+        answers[i] = ScoreRaw(headers[i], slice_rows[i], connection);
         if (!answers[i].ok()) return;
       }
     });
@@ -633,10 +724,10 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
   // the first's (one published meanwhile) are asked again, pinned to it.
   const int64_t version = answers.front()->model_version;
   std::vector<ScoreResult> parts;
-  for (size_t i = 0; i < slices.size(); ++i) {
+  for (size_t i = 0; i < headers.size(); ++i) {
     if (answers[i]->model_version != version) {
-      slices[i].set_model_version(version);
-      answers[i] = ScoreOne(slices[i]);
+      headers[i].set_model_version(version);
+      answers[i] = ScoreRaw(headers[i], slice_rows[i], *raw_);
       if (!answers[i].ok()) return answers[i].status();
     }
     parts.push_back(*std::move(answers[i]));
@@ -645,6 +736,29 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
   joined.connections = used;
   return joined;
 }
+
+absl::StatusOr<ScoreResult> LogpClient::ScoreRaw(
+    const detlogp::v1::LogProbRequest& header, absl::string_view rows,
+    const RawConnection& connection) {
+  const grpc::ByteBuffer wire = SerializeWithRows(header, rows);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::LogProbResponse response;
+  const grpc::Status status =
+      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer,
+                                        detlogp::v1::LogProbResponse>(
+          connection.channel.get(), connection.compute, &context, wire,
+          &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  // The header holds everything the check reads (rows, extras asked for).
+  return ToScoreResult(header, response);
+}
+
+LogpClient::RawConnection::RawConnection(
+    std::shared_ptr<grpc::Channel> channel_in)
+    : channel(std::move(channel_in)),
+      compute("/detlogp.v1.LogProbService/ComputeLogProbs",
+              grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
 
 absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
     const std::vector<detlogp::v1::LogProbRequest>& requests) {
@@ -918,9 +1032,9 @@ void LogpClient::ReleaseCudaRegion(CudaRegion& region) {
   shared_memory_stub_->CudaSharedMemoryUnregister(&context, request, &response);
 }
 
-std::vector<LogpClient::SpreadConnection> LogpClient::TakeSpreadConnections(
-    int count) {
-  std::vector<SpreadConnection> taken;
+std::vector<std::unique_ptr<LogpClient::RawConnection>>
+LogpClient::TakeSpreadConnections(int count) {
+  std::vector<std::unique_ptr<RawConnection>> taken;
   {
     absl::MutexLock lock(&spread_mu_);
     while (static_cast<int>(taken.size()) < count && !idle_spread_.empty()) {
@@ -933,19 +1047,16 @@ std::vector<LogpClient::SpreadConnection> LogpClient::TakeSpreadConnections(
   Options own = options_;
   own.own_connection = true;
   while (static_cast<int>(taken.size()) < count) {
-    SpreadConnection connection;
-    connection.channel =
-        MakeChannelIdleAfter(own, options_.spread_connection_idle_timeout);
-    connection.stub = detlogp::v1::LogProbService::NewStub(connection.channel);
-    taken.push_back(std::move(connection));
+    taken.push_back(std::make_unique<RawConnection>(
+        MakeChannelIdleAfter(own, options_.spread_connection_idle_timeout)));
   }
   return taken;
 }
 
 void LogpClient::GiveBackSpreadConnections(
-    std::vector<SpreadConnection> connections) {
+    std::vector<std::unique_ptr<RawConnection>> connections) {
   absl::MutexLock lock(&spread_mu_);
-  for (SpreadConnection& connection : connections) {
+  for (std::unique_ptr<RawConnection>& connection : connections) {
     idle_spread_.push_back(std::move(connection));
   }
 }
@@ -958,8 +1069,8 @@ int64_t LogpClient::spread_connections_opened() const {
 int LogpClient::spread_connections_connected() const {
   absl::MutexLock lock(&spread_mu_);
   int connected = 0;
-  for (const SpreadConnection& connection : idle_spread_) {
-    if (connection.channel->GetState(/*try_to_connect=*/false) ==
+  for (const std::unique_ptr<RawConnection>& connection : idle_spread_) {
+    if (connection->channel->GetState(/*try_to_connect=*/false) ==
         GRPC_CHANNEL_READY) {
       ++connected;
     }

@@ -64,9 +64,11 @@
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/byte_buffer.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/cuda_runtime_loader.h"
@@ -409,12 +411,21 @@ class LogpClient {
       int connections);
   // Spread connections beyond the client's own: taken by a call (kept ones
   // first, new ones opened as needed) and given back after it.
-  struct SpreadConnection {
+  // A channel and ComputeLogProbs on it, sent as grpc::ByteBuffer (a
+  // slice's rows written once, straight from the caller's request).
+  struct RawConnection {
+    explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
-    std::unique_ptr<detlogp::v1::LogProbService::Stub> stub;
+    grpc::internal::RpcMethod compute;
   };
-  std::vector<SpreadConnection> TakeSpreadConnections(int count);
-  void GiveBackSpreadConnections(std::vector<SpreadConnection> connections);
+  std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(int count);
+  void GiveBackSpreadConnections(
+      std::vector<std::unique_ptr<RawConnection>> connections);
+  // `header` (a request without hidden bytes) with `rows` as its bytes, on
+  // `connection`, answered and checked against `header`.
+  absl::StatusOr<ScoreResult> ScoreRaw(
+      const detlogp::v1::LogProbRequest& header, absl::string_view rows,
+      const RawConnection& connection);
   // The rows a request may carry on this server (0: unknown, no cutting).
   absl::StatusOr<int64_t> RowsPerRequest(
       const detlogp::v1::LogProbRequest& request, bool by_reference);
@@ -471,7 +482,10 @@ class LogpClient {
   std::string cuda_refusal_ ABSL_GUARDED_BY(cuda_mu_);
   // Kept spread connections not in use by a call, and how many were opened.
   mutable absl::Mutex spread_mu_;
-  std::vector<SpreadConnection> idle_spread_ ABSL_GUARDED_BY(spread_mu_);
+  std::vector<std::unique_ptr<RawConnection>> idle_spread_
+      ABSL_GUARDED_BY(spread_mu_);
+  // channel_ for spread calls.
+  std::unique_ptr<RawConnection> raw_;
   int64_t spread_opened_ ABSL_GUARDED_BY(spread_mu_) = 0;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
   // channel_'s: one-stream projections and the first interleaved call. The
@@ -485,6 +499,13 @@ class LogpClient {
 // targets, and every other field as they are.
 detlogp::v1::LogProbRequest SliceLogProbRequest(
     const detlogp::v1::LogProbRequest& request, int64_t begin, int64_t count);
+
+// The wire bytes of `header` with `rows` as hidden.data, in one buffer of
+// gRPC's: the rows are copied once, straight into it (no protobuf message
+// holds them). `header`'s own hidden.data and hidden.shared_memory are left
+// out. The bytes parse as `header` with hidden.data = rows.
+grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
+                                   absl::string_view rows);
 
 // Answers of consecutive slices of one request, joined in order (top_k of
 // the first).

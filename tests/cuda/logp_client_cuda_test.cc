@@ -248,7 +248,8 @@ TEST_F(LogpClientCudaTest, WithoutTheRegionRowsGoThroughTheHost) {
 }
 
 TEST_F(LogpClientCudaTest, ARefusedRegionFallsBackAndSaysWhy) {
-  auto server = ServerProcess::Start(GpuServerArgs({"--allow_shared_memory=false"}));
+  auto server =
+      ServerProcess::Start(GpuServerArgs({"--allow_shared_memory=false"}));
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options options;
   options.target = (*server)->target();
@@ -288,7 +289,8 @@ TEST_F(LogpClientCudaTest, ACudaRegionTheCallerRegistersGivesTheBitsOfBytes) {
   const std::string raw(reinterpret_cast<const char*>(&handle), sizeof(handle));
   ASSERT_EQ(static_cast<int>(raw.size()), client::CudaRuntime::kIpcHandleBytes);
   // Refusals name the field.
-  const absl::Status other_gpu = client->RegisterCudaRegion("mine", raw, 77, bytes);
+  const absl::Status other_gpu =
+      client->RegisterCudaRegion("mine", raw, 77, bytes);
   EXPECT_EQ(other_gpu.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StartsWith(other_gpu.message(), "device_id:")) << other_gpu;
   const absl::Status short_handle =
@@ -300,9 +302,9 @@ TEST_F(LogpClientCudaTest, ACudaRegionTheCallerRegistersGivesTheBitsOfBytes) {
   client::RegionRef ref;
   ref.region = "mine";
   ref.offset = offset;
-  auto by_reference = client->Score(client::MakeLogProbRequest(
-      "mine", v1::DTYPE_BFLOAT16, 700, kHidden, ref, Targets(request),
-      Extras()));
+  auto by_reference = client->Score(
+      client::MakeLogProbRequest("mine", v1::DTYPE_BFLOAT16, 700, kHidden, ref,
+                                 Targets(request), Extras()));
   ASSERT_TRUE(by_reference.ok()) << by_reference.status();
   EXPECT_EQ(by_reference->path, "named_region");
   ExpectSameBits(expected, *by_reference);
