@@ -255,7 +255,8 @@ class LogpClient {
   // the host. The caller keeps the rows unchanged until it returns.
   // INVALID_ARGUMENT naming the field for rows that are not device memory
   // on rows.device or do not match the targets; FAILED_PRECONDITION when no
-  // CUDA runtime loads (rows on a GPU cannot be read without one).
+  // CUDA runtime loads (rows on a GPU cannot be read without one);
+  // RESOURCE_EXHAUSTED when the GPU has no room for the client's region.
   absl::StatusOr<ScoreResult> Score(const DeviceRows& rows,
                                     const std::vector<int64_t>& targets,
                                     const LogProbOptions& options,
@@ -409,8 +410,6 @@ class LogpClient {
   absl::StatusOr<ScoreResult> ScoreSpread(
       const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
       int connections);
-  // Spread connections beyond the client's own: taken by a call (kept ones
-  // first, new ones opened as needed) and given back after it.
   // A channel and ComputeLogProbs on it, sent as grpc::ByteBuffer (a
   // slice's rows written once, straight from the caller's request).
   struct RawConnection {
@@ -418,6 +417,8 @@ class LogpClient {
     std::shared_ptr<grpc::Channel> channel;
     grpc::internal::RpcMethod compute;
   };
+  // Spread connections beyond the client's own: taken by a call (kept ones
+  // first, new ones opened as needed) and given back after it.
   std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(int count);
   void GiveBackSpreadConnections(
       std::vector<std::unique_ptr<RawConnection>> connections);
@@ -480,12 +481,12 @@ class LogpClient {
   mutable absl::Mutex cuda_mu_;
   std::map<int, CudaRegion> cuda_regions_ ABSL_GUARDED_BY(cuda_mu_);
   std::string cuda_refusal_ ABSL_GUARDED_BY(cuda_mu_);
+  // channel_ as the first connection of spread calls.
+  std::unique_ptr<RawConnection> raw_;
   // Kept spread connections not in use by a call, and how many were opened.
   mutable absl::Mutex spread_mu_;
   std::vector<std::unique_ptr<RawConnection>> idle_spread_
       ABSL_GUARDED_BY(spread_mu_);
-  // channel_ for spread calls.
-  std::unique_ptr<RawConnection> raw_;
   int64_t spread_opened_ ABSL_GUARDED_BY(spread_mu_) = 0;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
   // channel_'s: one-stream projections and the first interleaved call. The
