@@ -386,5 +386,24 @@ TEST_F(LogpClientRegionsTest, SpreadConnectionsAreKeptBetweenCalls) {
   EXPECT_LE(client->spread_connections_opened(), 9);
 }
 
+TEST_F(LogpClientRegionsTest, TheCliSaysWhyRowsOnTheGpuTookAnotherPath) {
+  // Here without a GPU the upload fails naming the flag; on a GPU host this
+  // CPU server refuses the CUDA region and the rows come back through the
+  // host, which the CLI says.
+  auto [code, out] = testing::RunCli(
+      absl::StrCat("score --target=", server_->target(),
+                   " --random_rows=3 --cuda_shared_memory --timing 2>&1"));
+  if (code == 0) {
+    EXPECT_TRUE(absl::StrContains(out,
+                                  "cuda_shm not used (path grpc): cuda: "
+                                  "FAILED_PRECONDITION"))
+        << out;
+    EXPECT_TRUE(absl::StrContains(out, " path grpc\n")) << out;
+  } else {
+    EXPECT_EQ(code, 1) << out;
+    EXPECT_TRUE(absl::StrContains(out, "--cuda_shared_memory: ")) << out;
+  }
+}
+
 }  // namespace
 }  // namespace detlogp
