@@ -583,6 +583,38 @@ LogpClient::ToSharedMemoryRequest(const detlogp::v1::LogProbRequest& request) {
   return by_reference;
 }
 
+namespace {
+
+// A request with its rows in the message, cut into slices of
+// `rows_per_request` rows: each slice's fields but its rows (headers), and
+// its rows in the request's bytes. The request's bytes must fill its shape.
+struct RowSlices {
+  std::vector<detlogp::v1::LogProbRequest> headers;
+  std::vector<absl::string_view> rows;
+};
+
+RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
+                  int64_t rows_per_request) {
+  const int64_t rows = request.target_ids_size();
+  const int64_t row_bytes = RowBytes(request);
+  const char* const data = request.hidden().data().data();
+  RowSlices slices;
+  for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
+    const int64_t count = std::min(rows_per_request, rows - begin);
+    slices.headers.push_back(WithoutHiddenBytes(request));
+    detlogp::v1::LogProbRequest& header = slices.headers.back();
+    header.mutable_hidden()->set_shape(0, count);
+    header.mutable_target_ids()->Clear();
+    header.mutable_target_ids()->Add(
+        request.target_ids().begin() + begin,
+        request.target_ids().begin() + begin + count);
+    slices.rows.emplace_back(data + begin * row_bytes, count * row_bytes);
+  }
+  return slices;
+}
+
+}  // namespace
+
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request) {
   if (options_.system_shared_memory) {
@@ -625,12 +657,12 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   if (connections <= 0) {
     connections = bytes >= kAutoConnectionsMinBytes ? kAutoConnections : 1;
   }
-  // Rows that do not fill the shape go as they are: the server names the
+  // Rows that do not fill the shape are not spread: the server names the
   // field.
-  if (shared || !options_.split_large_calls || row_bytes == 0 ||
-      static_cast<int64_t>(to_send->hidden().data().size()) != bytes) {
-    connections = 1;
-  }
+  const bool fills_shape =
+      row_bytes > 0 &&
+      static_cast<int64_t>(to_send->hidden().data().size()) == bytes;
+  if (shared || !options_.split_large_calls || !fills_shape) connections = 1;
   absl::StatusOr<ScoreResult> result;
   if (connections > 1 && rows > 1) {
     const int64_t share = std::max((rows + connections - 1) / connections,
@@ -641,7 +673,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
         ScoreSpread(*to_send, std::max<int64_t>(rows_each, 1), connections);
   } else if (*rows_per_request <= 0 || rows <= *rows_per_request) {
     result = ScoreOne(*to_send);
-  } else {
+  } else if (shared || !fills_shape) {
     // The first slice alone picks the version (the latest when the request
     // says 0); every other slice is pinned to it, so the whole call is
     // computed on one version even when a new one is published meanwhile.
@@ -658,6 +690,24 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
       rest.back().set_model_version(version);
     }
     auto answers = ScoreStream(rest);
+    if (!answers.ok()) return answers.status();
+    for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
+    result = JoinScoreResults(std::move(parts));
+  } else {
+    // The same with each slice's rows written once, straight from the
+    // request into gRPC's buffer.
+    RowSlices slices = CutRows(*to_send, *rows_per_request);
+    std::vector<ScoreResult> parts;
+    auto first = ScoreRaw(slices.headers[0], slices.rows[0], *raw_);
+    if (!first.ok()) return first.status();
+    const int64_t version = first->model_version;
+    parts.push_back(*std::move(first));
+    slices.headers.erase(slices.headers.begin());
+    slices.rows.erase(slices.rows.begin());
+    for (detlogp::v1::LogProbRequest& header : slices.headers) {
+      header.set_model_version(version);
+    }
+    auto answers = ScoreStreamRaw(slices.headers, slices.rows);
     if (!answers.ok()) return answers.status();
     for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
     result = JoinScoreResults(std::move(parts));
@@ -680,24 +730,11 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
 absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
     const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
     int connections) {
-  const int64_t rows = request.target_ids_size();
-  const int64_t row_bytes = RowBytes(request);
-  const char* const data = request.hidden().data().data();
-  // Each slice's fields but its rows: a sender writes the rows straight from
-  // `request` into gRPC's buffer, one slice at a time.
-  std::vector<detlogp::v1::LogProbRequest> headers;
-  std::vector<absl::string_view> slice_rows;
-  for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
-    const int64_t count = std::min(rows_per_request, rows - begin);
-    headers.push_back(WithoutHiddenBytes(request));
-    detlogp::v1::LogProbRequest& header = headers.back();
-    header.mutable_hidden()->set_shape(0, count);
-    header.mutable_target_ids()->Clear();
-    header.mutable_target_ids()->Add(
-        request.target_ids().begin() + begin,
-        request.target_ids().begin() + begin + count);
-    slice_rows.emplace_back(data + begin * row_bytes, count * row_bytes);
-  }
+  // A sender writes each slice's rows straight from `request` into gRPC's
+  // buffer when it sends it.
+  RowSlices slices = CutRows(request, rows_per_request);
+  std::vector<detlogp::v1::LogProbRequest>& headers = slices.headers;
+  const std::vector<absl::string_view>& slice_rows = slices.rows;
   const int used =
       static_cast<int>(std::min<size_t>(connections, headers.size()));
   // The client's own connection and kept ones beside it.
@@ -758,32 +795,37 @@ LogpClient::RawConnection::RawConnection(
     std::shared_ptr<grpc::Channel> channel_in)
     : channel(std::move(channel_in)),
       compute("/detlogp.v1.LogProbService/ComputeLogProbs",
-              grpc::internal::RpcMethod::NORMAL_RPC, channel) {}
+              grpc::internal::RpcMethod::NORMAL_RPC, channel),
+      stream("/detlogp.v1.LogProbService/StreamLogProbs",
+             grpc::internal::RpcMethod::BIDI_STREAMING, channel) {}
 
-absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
-    const std::vector<detlogp::v1::LogProbRequest>& requests) {
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  auto stream = stub_->StreamLogProbs(&context);
-  // Writes on one thread while this one reads, so the server can pipeline.
+namespace {
+
+// Writes requests 0..checks.size()-1 on `stream` (`write(i)` writes the
+// i-th) on one thread while this one reads, so the server can pipeline;
+// answer i is checked against checks[i].
+template <typename Stream, typename Write>
+absl::StatusOr<std::vector<ScoreResult>> StreamAndCheck(
+    Stream& stream, const std::vector<detlogp::v1::LogProbRequest>& checks,
+    Write write) {
   std::thread writer([&] {
-    for (const auto& request : requests) {
-      if (!stream->Write(request)) break;
+    for (size_t i = 0; i < checks.size(); ++i) {
+      if (!write(i)) break;
     }
-    stream->WritesDone();
+    stream.WritesDone();
   });
   std::vector<ScoreResult> results;
   absl::Status problem;
   detlogp::v1::LogProbResponse response;
-  while (stream->Read(&response)) {
+  while (stream.Read(&response)) {
     if (!problem.ok()) continue;  // drain, so that Finish can return
-    if (results.size() >= requests.size()) {
+    if (results.size() >= checks.size()) {
       problem = absl::DataLossError(absl::StrCat(
-          "stream answered more than the ", requests.size(), " requests sent"));
+          "stream answered more than the ", checks.size(), " requests sent"));
       continue;
     }
     absl::StatusOr<ScoreResult> result =
-        ToScoreResult(requests[results.size()], response);
+        ToScoreResult(checks[results.size()], response);
     if (!result.ok()) {
       problem =
           absl::Status(result.status().code(),
@@ -794,15 +836,44 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
     results.push_back(*std::move(result));
   }
   writer.join();
-  grpc::Status status = stream->Finish();
+  grpc::Status status = stream.Finish();
   if (!status.ok()) return FromGrpcStatus(status);
   if (!problem.ok()) return problem;
-  if (results.size() != requests.size()) {
+  if (results.size() != checks.size()) {
     return absl::DataLossError(absl::StrCat("stream answered ", results.size(),
-                                            " of ", requests.size(),
+                                            " of ", checks.size(),
                                             " requests"));
   }
   return results;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
+    const std::vector<detlogp::v1::LogProbRequest>& requests) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  auto stream = stub_->StreamLogProbs(&context);
+  return StreamAndCheck(*stream, requests,
+                        [&](size_t i) { return stream->Write(requests[i]); });
+}
+
+absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStreamRaw(
+    const std::vector<detlogp::v1::LogProbRequest>& headers,
+    const std::vector<absl::string_view>& rows) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  std::unique_ptr<
+      grpc::ClientReaderWriter<grpc::ByteBuffer, detlogp::v1::LogProbResponse>>
+      stream(grpc::internal::ClientReaderWriterFactory<
+             grpc::ByteBuffer,
+             detlogp::v1::LogProbResponse>::Create(raw_->channel.get(),
+                                                   raw_->stream, &context));
+  // Each request's bytes are written when it is sent: one slice's copy at a
+  // time.
+  return StreamAndCheck(*stream, headers, [&](size_t i) {
+    return stream->Write(SerializeWithRows(headers[i], rows[i]));
+  });
 }
 
 absl::Status LogpClient::RegisterSystemRegion(const std::string& name,

@@ -410,12 +410,14 @@ class LogpClient {
   absl::StatusOr<ScoreResult> ScoreSpread(
       const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
       int connections);
-  // A channel and ComputeLogProbs on it, sent as grpc::ByteBuffer (a
-  // slice's rows written once, straight from the caller's request).
+  // A channel with ComputeLogProbs and StreamLogProbs on it, sent as
+  // grpc::ByteBuffer (a slice's rows written once, straight from the
+  // caller's request).
   struct RawConnection {
     explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
     grpc::internal::RpcMethod compute;
+    grpc::internal::RpcMethod stream;
   };
   // Spread connections beyond the client's own: taken by a call (kept ones
   // first, new ones opened as needed) and given back after it.
@@ -427,6 +429,11 @@ class LogpClient {
   absl::StatusOr<ScoreResult> ScoreRaw(
       const detlogp::v1::LogProbRequest& header, absl::string_view rows,
       const RawConnection& connection);
+  // ScoreStream for headers[i] with rows[i] as its bytes, on the client's
+  // own connection, each answer checked against its header.
+  absl::StatusOr<std::vector<ScoreResult>> ScoreStreamRaw(
+      const std::vector<detlogp::v1::LogProbRequest>& headers,
+      const std::vector<absl::string_view>& rows);
   // The rows a request may carry on this server (0: unknown, no cutting).
   absl::StatusOr<int64_t> RowsPerRequest(
       const detlogp::v1::LogProbRequest& request, bool by_reference);

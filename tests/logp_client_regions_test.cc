@@ -386,6 +386,30 @@ TEST_F(LogpClientRegionsTest, SpreadConnectionsAreKeptBetweenCalls) {
   EXPECT_LE(client->spread_connections_opened(), 9);
 }
 
+TEST_F(LogpClientRegionsTest, ACallCutOnOneConnectionHasTheBitsOfUnsplitRows) {
+  LogpClient::Options whole;
+  whole.split_large_calls = false;
+  const LogProbRequest request = Request(1234, 13);
+  auto unsplit = Connect(*server_, whole)->Score(request);
+  ASSERT_TRUE(unsplit.ok()) << unsplit.status();
+  LogpClient::Options cut;
+  cut.connections = 1;
+  cut.max_request_rows = 100;
+  auto client = Connect(*server_, cut);
+  auto sliced = client->Score(request);
+  ASSERT_TRUE(sliced.ok()) << sliced.status();
+  EXPECT_EQ(sliced->requests, 13);
+  EXPECT_EQ(sliced->connections, 1);
+  ExpectSameBits(*unsplit, *sliced);
+  // Bytes that do not fill the shape are not cut: the server names them.
+  LogProbRequest short_rows = request;
+  short_rows.mutable_hidden()->mutable_data()->resize(1234 * kHidden * 2 - 2);
+  auto refused = client->Score(short_rows);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(refused.status().message(), "hidden.data:"))
+      << refused.status();
+}
+
 TEST_F(LogpClientRegionsTest, TheCliSaysWhyRowsOnTheGpuTookAnotherPath) {
   // Here without a GPU the upload fails naming the flag; on a GPU host this
   // CPU server refuses the CUDA region and the rows come back through the
