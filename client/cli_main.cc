@@ -89,6 +89,12 @@ ABSL_FLAG(bool, cuda_shared_memory, false,
           "--allow_shared_memory, a GPU it computes on); refused, the rows "
           "are copied back to the host and sent, and it says why. Needs the "
           "CUDA runtime (libcudart.so.13) at run time.");
+ABSL_FLAG(int, score_repeats, 1,
+          "score: make the same call this many times on one client (its "
+          "connections and regions kept between calls; the rows uploaded "
+          "once with --cuda_shared_memory): a --timing line each, the rows "
+          "printed once; fails when a call answers other bits than the "
+          "first.");
 ABSL_FLAG(int, cuda_device, 0,
           "score, with --cuda_shared_memory: the CUDA device the rows are "
           "uploaded to (numbered as the server numbers its GPUs).");
@@ -225,6 +231,7 @@ detlogp::client::ScoreCommandOptions ScoreOptions() {
   options.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   options.cuda_shared_memory = absl::GetFlag(FLAGS_cuda_shared_memory);
   options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  options.repeats = absl::GetFlag(FLAGS_score_repeats);
   return options;
 }
 

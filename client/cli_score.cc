@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -19,6 +22,19 @@ namespace {
 // call's requests, which ran side by side over `connections` connections.
 int64_t TransferMicros(int64_t call_us, int64_t server_us, int connections) {
   return std::max<int64_t>(call_us - server_us / std::max(connections, 1), 0);
+}
+
+template <typename T>
+bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         (a.empty() ||
+          std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+bool SameBits(const ScoreResult& a, const ScoreResult& b) {
+  return SameBits(a.logprobs, b.logprobs) && SameBits(a.lse, b.lse) &&
+         SameBits(a.entropy, b.entropy) && SameBits(a.top_ids, b.top_ids) &&
+         SameBits(a.top_logprobs, b.top_logprobs);
 }
 
 // The rows copied to `device`, for the device path.
@@ -76,9 +92,17 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
   // The client checks the answer's sizes against the request (N rows, N * k
   // top-k entries); the server checks top_k.
   request_options.return_timing = options.timing;
+  if (options.repeats < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--score_repeats=", options.repeats, " must be at least 1"));
+  }
   const absl::Time build_start = absl::Now();
-  absl::Time call_start;
-  absl::StatusOr<ScoreResult> result;
+  // The call, made options.repeats times on the same client.
+  std::function<absl::StatusOr<ScoreResult>()> call;
+  std::unique_ptr<CudaRuntime> cuda_runtime;
+  std::unique_ptr<DeviceMemory> device_memory;
+  DeviceRows on_gpu;
+  detlogp::v1::LogProbRequest request;
   if (options.cuda_shared_memory) {
     auto cuda = CudaRuntime::Load(CudaRuntime::Options());
     if (!cuda.ok()) {
@@ -93,23 +117,22 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
                        options.cuda_device, ": ",
                        device_rows.status().message()));
     }
-    DeviceRows on_gpu;
-    on_gpu.data = (*device_rows)->data();
+    cuda_runtime = *std::move(cuda);
+    device_memory = *std::move(device_rows);
+    on_gpu.data = device_memory->data();
     on_gpu.device = options.cuda_device;
     on_gpu.dtype = dtype;
     on_gpu.rows = rows;
     on_gpu.hidden_size = info->hidden_size();
-    call_start = absl::Now();
-    result = client.Score(on_gpu, targets, request_options, "cli");
+    call = [&] {
+      return client.Score(on_gpu, targets, request_options, "cli");
+    };
   } else {
-    detlogp::v1::LogProbRequest request =
-        MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
-                           std::move(data), targets, request_options);
-    call_start = absl::Now();
-    result = client.Score(request);
+    request = MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
+                                 std::move(data), targets, request_options);
+    call = [&] { return client.Score(request); };
   }
-  const absl::Time call_end = absl::Now();
-  if (!result.ok()) return result.status();
+  absl::Duration build = absl::Now() - build_start;
   // The region the rows were meant to take (CUDA regions hold bf16 only).
   std::string wanted;
   if (options.cuda_shared_memory && dtype == detlogp::v1::DTYPE_BFLOAT16) {
@@ -117,28 +140,44 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
   } else if (options.shared_memory) {
     wanted = "system_shm";
   }
-  if (!wanted.empty() && result->path != wanted) {
-    std::fprintf(stderr, "%s not used (path %s): %s\n", wanted.c_str(),
-                 result->path.c_str(), client.shared_memory_refusal().c_str());
-  }
-  if (options.timing) {
-    const detlogp::v1::ServerTiming& t = result->server_timing;
-    const int64_t call_us = absl::ToInt64Microseconds(call_end - call_start);
-    std::fprintf(
-        stderr,
-        "timing build_us %lld call_us %lld server_us %lld validate_us %lld "
-        "queue_us %lld compute_us %lld transfer_us %lld requests %lld "
-        "connections %d path %s\n",
-        static_cast<long long>(
-            absl::ToInt64Microseconds(call_start - build_start)),
-        static_cast<long long>(call_us), static_cast<long long>(t.total_us()),
-        static_cast<long long>(t.validate_us()),
-        static_cast<long long>(t.queue_us()),
-        static_cast<long long>(t.compute_us()),
-        static_cast<long long>(
-            TransferMicros(call_us, t.total_us(), result->connections)),
-        static_cast<long long>(result->requests), result->connections,
-        result->path.c_str());
+  absl::StatusOr<ScoreResult> result;
+  for (int repeat = 0; repeat < options.repeats; ++repeat) {
+    const absl::Time call_start = absl::Now();
+    absl::StatusOr<ScoreResult> answer = call();
+    const absl::Time call_end = absl::Now();
+    if (!answer.ok()) return answer.status();
+    if (repeat == 0 && !wanted.empty() && answer->path != wanted) {
+      std::fprintf(stderr, "%s not used (path %s): %s\n", wanted.c_str(),
+                   answer->path.c_str(),
+                   client.shared_memory_refusal().c_str());
+    }
+    if (options.timing) {
+      const detlogp::v1::ServerTiming& t = answer->server_timing;
+      const int64_t call_us = absl::ToInt64Microseconds(call_end - call_start);
+      std::fprintf(
+          stderr,
+          "timing build_us %lld call_us %lld server_us %lld validate_us %lld "
+          "queue_us %lld compute_us %lld transfer_us %lld requests %lld "
+          "connections %d path %s\n",
+          static_cast<long long>(absl::ToInt64Microseconds(build)),
+          static_cast<long long>(call_us), static_cast<long long>(t.total_us()),
+          static_cast<long long>(t.validate_us()),
+          static_cast<long long>(t.queue_us()),
+          static_cast<long long>(t.compute_us()),
+          static_cast<long long>(
+              TransferMicros(call_us, t.total_us(), answer->connections)),
+          static_cast<long long>(answer->requests), answer->connections,
+          answer->path.c_str());
+    }
+    build = absl::ZeroDuration();  // built once
+    if (repeat == 0) {
+      result = *std::move(answer);
+    } else if (!SameBits(*result, *answer)) {
+      return absl::DataLossError(
+          absl::StrCat("call ", repeat + 1,
+                       " of --score_repeats answered other bits than "
+                       "the first for the same rows"));
+    }
   }
   std::printf("model %s version %lld\ndeterminism_key %s\n",
               result->model.c_str(),

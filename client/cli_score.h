@@ -45,6 +45,10 @@ struct ScoreCommandOptions {
   // allows it (else to the host and in the messages, said on stderr).
   bool cuda_shared_memory = false;
   int cuda_device = 0;
+  // The same call this many times on one client (connections and regions
+  // kept between calls): a timing line each, the rows printed once, and
+  // DATA_LOSS when a call answers other bits than the first.
+  int repeats = 1;
 };
 
 // Prints "model M version V", "determinism_key K", then per row

@@ -15,6 +15,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/logp_client.h"
@@ -408,6 +409,24 @@ TEST_F(LogpClientRegionsTest, ACallCutOnOneConnectionHasTheBitsOfUnsplitRows) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StartsWith(refused.status().message(), "hidden.data:"))
       << refused.status();
+}
+
+TEST_F(LogpClientRegionsTest, TheCliRepeatsACallOnOneClient) {
+  auto [code, out] = testing::RunCli(
+      absl::StrCat("score --target=", server_->target(),
+                   " --random_rows=5 --score_repeats=3 --timing 2>&1"));
+  ASSERT_EQ(code, 0) << out;
+  int timing_lines = 0, row_lines = 0;
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    timing_lines += absl::StartsWith(line, "timing build_us ");
+    row_lines += absl::StartsWith(line, "row ");
+  }
+  EXPECT_EQ(timing_lines, 3) << out;
+  EXPECT_EQ(row_lines, 5) << out;
+  auto [zero_code, zero] = testing::RunCli(absl::StrCat(
+      "score --target=", server_->target(), " --score_repeats=0 2>&1"));
+  EXPECT_EQ(zero_code, 1) << zero;
+  EXPECT_TRUE(absl::StrContains(zero, "--score_repeats=0")) << zero;
 }
 
 TEST_F(LogpClientRegionsTest, TheCliSaysWhyRowsOnTheGpuTookAnotherPath) {

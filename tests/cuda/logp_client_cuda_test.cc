@@ -344,7 +344,7 @@ TEST_F(LogpClientCudaTest, TheCliScoresRowsUploadedToTheGpu) {
   auto [plain_code, plain] = testing::RunCli(common + " 2>&1");
   ASSERT_EQ(plain_code, 0) << plain;
   auto [device_code, device] =
-      testing::RunCli(common + " --cuda_shared_memory 2>&1");
+      testing::RunCli(common + " --cuda_shared_memory --score_repeats=2 2>&1");
   ASSERT_EQ(device_code, 0) << device;
   EXPECT_EQ(TimingPath(plain), "grpc") << plain;
   EXPECT_EQ(TimingPath(device), "cuda_shm") << device;
