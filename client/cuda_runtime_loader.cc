@@ -61,7 +61,11 @@ absl::StatusOr<std::unique_ptr<CudaRuntime>> CudaRuntime::Load(
     const Options& options) {
   std::vector<std::string> failures;
   for (const std::string& library : options.libraries) {
-    void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+    // RTLD_NODELETE: dlclose never unloads it; the runtime's contexts and
+    // exit handlers outlive any one object (CUDA does not support unloading
+    // its runtime while the process may still use it).
+    void* handle =
+        dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (handle == nullptr) {
       const char* why = dlerror();
       failures.push_back(why != nullptr ? why : library + ": not loaded");

@@ -10,8 +10,8 @@
 // Only the few functions the client calls are resolved. Each call that takes
 // a device makes it current for the call and restores the caller's current
 // device after. A CudaRuntime holds no mutable state: one object may be used
-// from many threads, and every object is independent (the library stays
-// loaded while any holds it).
+// from many threads, and every object is independent. Once loaded, the
+// library stays in the process (RTLD_NODELETE).
 #ifndef DETLOGP_CLIENT_CUDA_RUNTIME_LOADER_H_
 #define DETLOGP_CLIENT_CUDA_RUNTIME_LOADER_H_
 
