@@ -95,6 +95,7 @@ absl::StatusOr<std::unique_ptr<CudaRuntime>> CudaRuntime::Load(
     return std::unique_ptr<CudaRuntime>(
         new CudaRuntime(handle, library, std::move(functions)));
   }
+  if (failures.empty()) failures.push_back("no library named");
   return absl::FailedPreconditionError(absl::StrCat(
       "no CUDA runtime could be loaded (", absl::StrJoin(failures, "; "), ")"));
 }
