@@ -29,8 +29,8 @@ TEST(CudaRuntimeLoadTest, ALibraryWithoutTheRuntimesFunctionsIsRefused) {
   options.libraries = {"libc.so.6"};
   auto loaded = CudaRuntime::Load(options);
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(absl::StrContains(loaded.status().message(),
-                                "libc.so.6: no cudaMalloc"))
+  EXPECT_TRUE(
+      absl::StrContains(loaded.status().message(), "libc.so.6: no cudaMalloc"))
       << loaded.status();
 }
 

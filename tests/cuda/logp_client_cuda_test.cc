@@ -87,7 +87,7 @@ void ExpectSameBits(const ScoreResult& a, const ScoreResult& b) {
 // its copy after them on the same stream.
 class OnGpu {
  public:
-  explicit OnGpu(const std::string& bytes) : bytes_(bytes.size()) {
+  explicit OnGpu(const std::string& bytes) {
     EXPECT_EQ(cudaSetDevice(0), cudaSuccess);
     EXPECT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
               cudaSuccess);
@@ -113,7 +113,6 @@ class OnGpu {
   }
 
  private:
-  size_t bytes_;
   void* base_ = nullptr;
   cudaStream_t stream_ = nullptr;
 };
@@ -150,8 +149,9 @@ class LogpClientCudaTest : public ::testing::Test {
     whole.split_large_calls = false;
     auto result = Connect(whole)->Score(request);
     EXPECT_TRUE(result.ok()) << result.status();
+    if (!result.ok()) return ScoreResult();
     EXPECT_EQ(result->path, "grpc");
-    return result.ok() ? *std::move(result) : ScoreResult();
+    return *std::move(result);
   }
 
   static ServerProcess* server_;
