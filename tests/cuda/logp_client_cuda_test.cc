@@ -7,6 +7,7 @@
 // the same rows sent as message bytes. Skipped without a GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <cstring>
 #include <memory>
@@ -117,24 +118,33 @@ class OnGpu {
   cudaStream_t stream_ = nullptr;
 };
 
+// Whether the server process is still running, or how it ended.
+std::string ProcessState(pid_t pid) {
+  int status = 0;
+  if (waitpid(pid, &status, WNOHANG) != pid) return "server running";
+  if (WIFSIGNALED(status)) {
+    return absl::StrCat("server killed by signal ", WTERMSIG(status));
+  }
+  return absl::StrCat("server exited with ", WEXITSTATUS(status));
+}
+
+// A server on cuda:0 per case (the test's H and V).
 class LogpClientCudaTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    if (!HaveGpu()) return;
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no GPU";
     auto server = ServerProcess::Start(GpuServerArgs());
     ASSERT_TRUE(server.ok()) << server.status();
-    server_ = server->release();
+    server_ = *std::move(server);
   }
-  static void TearDownTestSuite() {
+  void TearDown() override {
     if (server_ != nullptr) {
       EXPECT_EQ(server_->Stop(SIGTERM), 0) << server_->Log();
     }
-    delete server_;
-    server_ = nullptr;
   }
-  void SetUp() override {
-    if (!HaveGpu()) GTEST_SKIP() << "no GPU";
-    ASSERT_NE(server_, nullptr);
+  // What a failed call's message adds: the server's state and log.
+  std::string ServerState() const {
+    return absl::StrCat(ProcessState(server_->pid()), "\n", server_->Log());
   }
 
   std::unique_ptr<LogpClient> Connect(LogpClient::Options options = {}) {
@@ -154,9 +164,8 @@ class LogpClientCudaTest : public ::testing::Test {
     return *std::move(result);
   }
 
-  static ServerProcess* server_;
+  std::unique_ptr<ServerProcess> server_;
 };
-ServerProcess* LogpClientCudaTest::server_ = nullptr;
 
 TEST_F(LogpClientCudaTest, TheClientsCudaRegionGivesTheBitsOfBytes) {
   LogpClient::Options options;
@@ -169,7 +178,7 @@ TEST_F(LogpClientCudaTest, TheClientsCudaRegionGivesTheBitsOfBytes) {
     const OnGpu rows_on_gpu(request.hidden().data());
     auto result = client->Score(rows_on_gpu.Rows(v1::DTYPE_BFLOAT16, rows),
                                 Targets(request), Extras(), "device");
-    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_TRUE(result.ok()) << result.status() << "\n" << ServerState();
     EXPECT_EQ(result->path, "cuda_shm") << client->shared_memory_refusal();
     EXPECT_TRUE(result->used_shared_memory);
     EXPECT_EQ(result->request_id, "device");
@@ -198,7 +207,7 @@ TEST_F(LogpClientCudaTest, ACallCutIntoRequestsNamesItsRowsInTheRegion) {
   const OnGpu rows_on_gpu(request.hidden().data());
   auto sliced = client->Score(rows_on_gpu.Rows(v1::DTYPE_BFLOAT16, 4096),
                               Targets(request), Extras());
-  ASSERT_TRUE(sliced.ok()) << sliced.status();
+  ASSERT_TRUE(sliced.ok()) << sliced.status() << "\n" << ServerState();
   EXPECT_EQ(sliced->path, "cuda_shm");
   EXPECT_EQ(sliced->requests, 5);
   EXPECT_EQ(sliced->connections, 1);
@@ -305,7 +314,8 @@ TEST_F(LogpClientCudaTest, ACudaRegionTheCallerRegistersGivesTheBitsOfBytes) {
   auto by_reference = client->Score(
       client::MakeLogProbRequest("mine", v1::DTYPE_BFLOAT16, 700, kHidden, ref,
                                  Targets(request), Extras()));
-  ASSERT_TRUE(by_reference.ok()) << by_reference.status();
+  ASSERT_TRUE(by_reference.ok()) << by_reference.status() << "\n"
+                                 << ServerState();
   EXPECT_EQ(by_reference->path, "named_region");
   ExpectSameBits(expected, *by_reference);
   auto status = client->CudaRegionStatus("mine");
