@@ -6,6 +6,7 @@
 //   detlogp_cli score --random_rows=4 [--model=policy --model_version=3]
 //   detlogp_cli score --hidden=rows.npy --targets=targets.npy --return_lse
 //   detlogp_cli score --random_rows=4 --entropy --top_k=5
+//   detlogp_cli score --random_rows=65536 --cuda_shared_memory --timing
 //   detlogp_cli check-invariance --probes=16 --concurrency=32
 //   detlogp_cli project --project_rows=4096 [--project_malloc_tuning]
 //
@@ -72,13 +73,31 @@ ABSL_FLAG(
 ABSL_FLAG(bool, timing, false,
           "score: also print where the call's time went, on stderr: "
           "\"timing build_us B call_us C server_us S validate_us V queue_us Q "
-          "compute_us P transfer_us T requests R path grpc|system_shm\" "
-          "(transfer: the call's time not spent on the server, both "
+          "compute_us P transfer_us T requests R connections N path "
+          "grpc|system_shm|cuda_shm\" (build: making the request, or "
+          "uploading the rows to the GPU with --cuda_shared_memory; "
+          "transfer: the call's time not spent on the server, both "
           "directions).");
 ABSL_FLAG(bool, shared_memory, false,
           "score: send the rows through a system shared-memory region the "
           "CLI registers (same host, the server's --allow_shared_memory); "
           "falls back to the message when refused, and says why.");
+ABSL_FLAG(bool, cuda_shared_memory, false,
+          "score: upload the rows (--random_rows or --hidden) to "
+          "--cuda_device once, then score them from there through a CUDA "
+          "region the CLI registers (bf16 rows; same host, the server's "
+          "--allow_shared_memory, a GPU it computes on); refused, the rows "
+          "are copied back to the host and sent, and it says why. Needs the "
+          "CUDA runtime (libcudart.so.13) at run time.");
+ABSL_FLAG(int, score_repeats, 1,
+          "score: make the same call this many times on one client (its "
+          "connections and regions kept between calls; the rows uploaded "
+          "once with --cuda_shared_memory): a --timing line each, the rows "
+          "printed once; fails when a call answers other bits than the "
+          "first.");
+ABSL_FLAG(int, cuda_device, 0,
+          "score, with --cuda_shared_memory: the CUDA device the rows are "
+          "uploaded to (numbered as the server numbers its GPUs).");
 ABSL_FLAG(int64_t, project_rows, 4096, "project: rows of random X.");
 ABSL_FLAG(int64_t, rows_per_chunk, 0, "project: rows per streamed chunk.");
 ABSL_FLAG(int, project_repeats, 1,
@@ -210,6 +229,9 @@ detlogp::client::ScoreCommandOptions ScoreOptions() {
   options.top_k = absl::GetFlag(FLAGS_top_k);
   options.timing = absl::GetFlag(FLAGS_timing);
   options.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  options.cuda_shared_memory = absl::GetFlag(FLAGS_cuda_shared_memory);
+  options.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  options.repeats = absl::GetFlag(FLAGS_score_repeats);
   return options;
 }
 
@@ -296,6 +318,8 @@ absl::StatusOr<bool> RunCommand(const std::string& command) {
     LogpClient::Options connection = ConnectionOptions();
     connection.system_shared_memory =
         command == "score" && absl::GetFlag(FLAGS_shared_memory);
+    connection.cuda_shared_memory =
+        command == "score" && absl::GetFlag(FLAGS_cuda_shared_memory);
     auto client = LogpClient::Create(connection);
     if (!client.ok()) return client.status();
     if (command == "score") {

@@ -2,11 +2,16 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/cuda_runtime_loader.h"
 #include "client/random_rows.h"
 #include "client/tensor_files.h"
 
@@ -17,6 +22,33 @@ namespace {
 // call's requests, which ran side by side over `connections` connections.
 int64_t TransferMicros(int64_t call_us, int64_t server_us, int connections) {
   return std::max<int64_t>(call_us - server_us / std::max(connections, 1), 0);
+}
+
+template <typename T>
+bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() &&
+         (a.empty() ||
+          std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+bool SameBits(const ScoreResult& a, const ScoreResult& b) {
+  return SameBits(a.logprobs, b.logprobs) && SameBits(a.lse, b.lse) &&
+         SameBits(a.entropy, b.entropy) && SameBits(a.top_ids, b.top_ids) &&
+         SameBits(a.top_logprobs, b.top_logprobs);
+}
+
+// The rows copied to `device`, for the device path.
+absl::StatusOr<std::unique_ptr<DeviceMemory>> UploadRows(
+    const CudaRuntime& cuda, int device, const std::string& data) {
+  const int64_t bytes = static_cast<int64_t>(data.size());
+  auto memory = DeviceMemory::Allocate(&cuda, device, bytes);
+  if (!memory.ok()) return memory.status();
+  if (absl::Status s = cuda.Copy((*memory)->data(), data.data(), bytes,
+                                 CudaCopy::kHostToDevice, device, nullptr);
+      !s.ok()) {
+    return s;
+  }
+  return memory;
 }
 
 }  // namespace
@@ -59,37 +91,93 @@ absl::Status RunScore(LogpClient& client, const ScoreCommandOptions& options) {
   request_options.model_version = info->model_version();
   // The client checks the answer's sizes against the request (N rows, N * k
   // top-k entries); the server checks top_k.
-  const absl::Time build_start = absl::Now();
-  detlogp::v1::LogProbRequest request =
-      MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
-                         std::move(data), targets, request_options);
-  request.set_return_timing(options.timing);
-  const absl::Time call_start = absl::Now();
-  auto result = client.Score(request);
-  const absl::Time call_end = absl::Now();
-  if (!result.ok()) return result.status();
-  if (options.shared_memory && !result->used_shared_memory) {
-    std::fprintf(stderr, "shared memory not used: %s\n",
-                 client.shared_memory_refusal().c_str());
+  request_options.return_timing = options.timing;
+  if (options.repeats < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--score_repeats=", options.repeats, " must be at least 1"));
   }
-  if (options.timing) {
-    const detlogp::v1::ServerTiming& t = result->server_timing;
-    const int64_t call_us = absl::ToInt64Microseconds(call_end - call_start);
-    std::fprintf(
-        stderr,
-        "timing build_us %lld call_us %lld server_us %lld validate_us %lld "
-        "queue_us %lld compute_us %lld transfer_us %lld requests %lld "
-        "connections %d path %s\n",
-        static_cast<long long>(
-            absl::ToInt64Microseconds(call_start - build_start)),
-        static_cast<long long>(call_us), static_cast<long long>(t.total_us()),
-        static_cast<long long>(t.validate_us()),
-        static_cast<long long>(t.queue_us()),
-        static_cast<long long>(t.compute_us()),
-        static_cast<long long>(
-            TransferMicros(call_us, t.total_us(), result->connections)),
-        static_cast<long long>(result->requests), result->connections,
-        result->used_shared_memory ? "system_shm" : "grpc");
+  const absl::Time build_start = absl::Now();
+  // The call, made options.repeats times on the same client.
+  std::function<absl::StatusOr<ScoreResult>()> call;
+  std::unique_ptr<CudaRuntime> cuda_runtime;
+  std::unique_ptr<DeviceMemory> device_memory;
+  DeviceRows on_gpu;
+  detlogp::v1::LogProbRequest request;
+  if (options.cuda_shared_memory) {
+    auto cuda = CudaRuntime::Load(CudaRuntime::Options());
+    if (!cuda.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--cuda_shared_memory: ", cuda.status().message()));
+    }
+    auto device_rows = UploadRows(**cuda, options.cuda_device, data);
+    if (!device_rows.ok()) {
+      return absl::Status(
+          device_rows.status().code(),
+          absl::StrCat("--cuda_shared_memory: uploading the rows to cuda:",
+                       options.cuda_device, ": ",
+                       device_rows.status().message()));
+    }
+    cuda_runtime = *std::move(cuda);
+    device_memory = *std::move(device_rows);
+    on_gpu.data = device_memory->data();
+    on_gpu.device = options.cuda_device;
+    on_gpu.dtype = dtype;
+    on_gpu.rows = rows;
+    on_gpu.hidden_size = info->hidden_size();
+    call = [&] {
+      return client.Score(on_gpu, targets, request_options, "cli");
+    };
+  } else {
+    request = MakeLogProbRequest("cli", dtype, rows, info->hidden_size(),
+                                 std::move(data), targets, request_options);
+    call = [&] { return client.Score(request); };
+  }
+  absl::Duration build = absl::Now() - build_start;
+  // The region the rows were meant to take (CUDA regions hold bf16 only).
+  std::string wanted;
+  if (options.cuda_shared_memory && dtype == detlogp::v1::DTYPE_BFLOAT16) {
+    wanted = "cuda_shm";
+  } else if (options.shared_memory) {
+    wanted = "system_shm";
+  }
+  absl::StatusOr<ScoreResult> result;
+  for (int repeat = 0; repeat < options.repeats; ++repeat) {
+    const absl::Time call_start = absl::Now();
+    absl::StatusOr<ScoreResult> answer = call();
+    const absl::Time call_end = absl::Now();
+    if (!answer.ok()) return answer.status();
+    if (repeat == 0 && !wanted.empty() && answer->path != wanted) {
+      std::fprintf(stderr, "%s not used (path %s): %s\n", wanted.c_str(),
+                   answer->path.c_str(),
+                   client.shared_memory_refusal().c_str());
+    }
+    if (options.timing) {
+      const detlogp::v1::ServerTiming& t = answer->server_timing;
+      const int64_t call_us = absl::ToInt64Microseconds(call_end - call_start);
+      std::fprintf(
+          stderr,
+          "timing build_us %lld call_us %lld server_us %lld validate_us %lld "
+          "queue_us %lld compute_us %lld transfer_us %lld requests %lld "
+          "connections %d path %s\n",
+          static_cast<long long>(absl::ToInt64Microseconds(build)),
+          static_cast<long long>(call_us), static_cast<long long>(t.total_us()),
+          static_cast<long long>(t.validate_us()),
+          static_cast<long long>(t.queue_us()),
+          static_cast<long long>(t.compute_us()),
+          static_cast<long long>(
+              TransferMicros(call_us, t.total_us(), answer->connections)),
+          static_cast<long long>(answer->requests), answer->connections,
+          answer->path.c_str());
+    }
+    build = absl::ZeroDuration();  // built once
+    if (repeat == 0) {
+      result = *std::move(answer);
+    } else if (!SameBits(*result, *answer)) {
+      return absl::DataLossError(
+          absl::StrCat("call ", repeat + 1,
+                       " of --score_repeats answered other bits than "
+                       "the first for the same rows"));
+    }
   }
   std::printf("model %s version %lld\ndeterminism_key %s\n",
               result->model.c_str(),

@@ -32,12 +32,23 @@ struct ScoreCommandOptions {
   int64_t top_k = 0;
   // Print where the call's time went, on stderr: "timing build_us B call_us
   // C server_us S validate_us V queue_us Q compute_us P transfer_us T
-  // requests R path grpc|system_shm" (transfer: the call's time not spent
-  // on the server, both directions).
+  // requests R connections N path grpc|system_shm|cuda_shm" (build: making
+  // the request, or uploading the rows to the GPU with cuda_shared_memory;
+  // transfer: the call's time not spent on the server, both directions).
   bool timing = false;
   // The client was created with a system shared-memory region: say so on
   // stderr, with the server's reason, when the rows went as bytes instead.
   bool shared_memory = false;
+  // Upload the rows to cuda_device once and score them from there
+  // (LogpClient::Score(DeviceRows)); the client was created with
+  // cuda_shared_memory, so they go through its CUDA region when the server
+  // allows it (else to the host and in the messages, said on stderr).
+  bool cuda_shared_memory = false;
+  int cuda_device = 0;
+  // The same call this many times on one client (connections and regions
+  // kept between calls): a timing line each, the rows printed once, and
+  // DATA_LOSS when a call answers other bits than the first.
+  int repeats = 1;
 };
 
 // Prints "model M version V", "determinism_key K", then per row

@@ -1,6 +1,8 @@
 #include "client/logp_client.h"
 
+#include <grpc/slice.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/sync_stream.h>
@@ -9,12 +11,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 
@@ -38,6 +42,41 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
   request.set_top_k(options.top_k);
   request.set_model(options.model);
   request.set_model_version(options.model_version);
+  request.set_return_timing(options.return_timing);
+  return request;
+}
+
+namespace {
+
+int64_t DtypeBytes(detlogp::v1::DType dtype) {
+  switch (dtype) {
+    case detlogp::v1::DTYPE_FLOAT32:
+      return 4;
+    case detlogp::v1::DTYPE_BFLOAT16:
+    case detlogp::v1::DTYPE_FLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+detlogp::v1::LogProbRequest MakeLogProbRequest(
+    std::string request_id, detlogp::v1::DType dtype, int64_t rows,
+    int64_t hidden_size, const RegionRef& region,
+    const std::vector<int64_t>& targets, const LogProbOptions& options) {
+  detlogp::v1::LogProbRequest request = MakeLogProbRequest(
+      std::move(request_id), dtype, rows, hidden_size, "", targets, options);
+  detlogp::v1::SharedMemoryRef* ref =
+      request.mutable_hidden()->mutable_shared_memory();
+  ref->set_region(region.region);
+  ref->set_offset(region.offset);
+  // A shape or dtype the server refuses gets its own message; a byte_size
+  // that does not match them is named by the server too.
+  ref->set_byte_size(region.byte_size != 0
+                         ? region.byte_size
+                         : rows * hidden_size * DtypeBytes(dtype));
   return request;
 }
 
@@ -137,8 +176,18 @@ absl::StatusOr<ScoreResult> ToScoreResult(
   return result;
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
+namespace {
+
+// MakeChannel's channel; `idle_timeout` > 0 closes its connection after that
+// long unused.
+std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
+    const LogpClient::Options& options, absl::Duration idle_timeout) {
   grpc::ChannelArguments args;
+  if (idle_timeout > absl::ZeroDuration()) {
+    args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS,
+                static_cast<int>(std::min<int64_t>(
+                    absl::ToInt64Milliseconds(idle_timeout), 1 << 30)));
+  }
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
   if (options.own_connection)
@@ -162,6 +211,12 @@ std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
   return grpc::CreateCustomChannel(options.target, credentials, args);
 }
 
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
+  return MakeChannelIdleAfter(options, absl::ZeroDuration());
+}
+
 LogpClient::LogpClient(const Options& options) : options_(options) {}
 
 absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
@@ -178,6 +233,7 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
       detlogp::v1::SharedMemoryService::NewStub(client->channel_);
   client->projection_ =
       std::make_unique<ProjectionConnection>(client->channel_);
+  client->raw_ = std::make_unique<RawConnection>(client->channel_);
   return client;
 }
 
@@ -202,28 +258,31 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
 }
 
 LogpClient::~LogpClient() {
-  absl::MutexLock lock(&shared_memory_mu_);
-  UnregisterRegion();
+  {
+    absl::MutexLock lock(&shared_memory_mu_);
+    UnregisterRegion();
+  }
+  absl::MutexLock lock(&cuda_mu_);
+  for (auto& [device, region] : cuda_regions_) ReleaseCudaRegion(region);
+  cuda_regions_.clear();  // frees the device memory while the runtime is here
 }
 
 std::string LogpClient::shared_memory_refusal() const {
-  absl::MutexLock lock(&shared_memory_mu_);
-  return shared_memory_refusal_;
+  std::vector<std::string> refusals;
+  {
+    absl::MutexLock lock(&shared_memory_mu_);
+    if (!shared_memory_refusal_.empty()) {
+      refusals.push_back(absl::StrCat("system: ", shared_memory_refusal_));
+    }
+  }
+  absl::MutexLock lock(&cuda_mu_);
+  if (!cuda_refusal_.empty()) {
+    refusals.push_back(absl::StrCat("cuda: ", cuda_refusal_));
+  }
+  return absl::StrJoin(refusals, "; ");
 }
 
 namespace {
-
-int64_t DtypeBytes(detlogp::v1::DType dtype) {
-  switch (dtype) {
-    case detlogp::v1::DTYPE_FLOAT32:
-      return 4;
-    case detlogp::v1::DTYPE_BFLOAT16:
-    case detlogp::v1::DTYPE_FLOAT16:
-      return 2;
-    default:
-      return 0;
-  }
-}
 
 // Bytes of one row of `request`'s hidden tensor; 0 when its shape or dtype
 // is not one the server accepts (the request then goes as it is, and the
@@ -281,6 +340,32 @@ bool IsRefusal(absl::StatusCode code) {
          code == absl::StatusCode::kResourceExhausted;
 }
 
+// The same for a CUDA region, whose handle or device the server may also
+// not be able to open (another host's GPU, a GPU it does not compute on):
+// INVALID_ARGUMENT naming raw_handle or device_id.
+bool IsCudaRefusal(absl::StatusCode code) {
+  return IsRefusal(code) || code == absl::StatusCode::kInvalidArgument;
+}
+
+// A request named a region the server no longer holds (released after
+// --shared_memory_idle_s unused, or the server restarted).
+bool IsRegionGone(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kNotFound &&
+         absl::StartsWith(status.message(), "hidden.shared_memory.region");
+}
+
+// Room to grow: calls of about the same size reuse a region.
+int64_t RegionBytesFor(int64_t bytes) {
+  constexpr int64_t kGranule = int64_t{2} << 20;
+  return (bytes + kGranule - 1) / kGranule * kGranule;
+}
+
+// A region name no other region of this process has.
+std::string UniqueRegionName(absl::string_view kind) {
+  std::random_device random;
+  return absl::StrCat("detlogp_", kind, getpid(), "_", random(), random());
+}
+
 }  // namespace
 
 detlogp::v1::LogProbRequest SliceLogProbRequest(
@@ -311,6 +396,76 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
   slice.set_top_k(request.top_k());
   slice.set_return_timing(request.return_timing());
   return slice;
+}
+
+namespace {
+
+void PutVarint(uint64_t value, std::string* out) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>(value | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+// Wire types, and the field numbers of LogProbRequest.hidden and of
+// Tensor's dtype, shape and data (proto/detlogp/v1/detlogp.proto).
+constexpr uint32_t kVarint = 0;
+constexpr uint32_t kLengthDelimited = 2;
+constexpr uint32_t kRequestHidden = 2;
+constexpr uint32_t kTensorDtype = 1;
+constexpr uint32_t kTensorShape = 2;
+constexpr uint32_t kTensorData = 3;
+
+void PutTag(uint32_t field, uint32_t wire_type, std::string* out) {
+  PutVarint((field << 3) | wire_type, out);
+}
+
+}  // namespace
+
+grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
+                                   absl::string_view rows) {
+  // hidden: dtype, shape (packed) and the head of data, then the rows.
+  const detlogp::v1::Tensor& hidden = header.hidden();
+  std::string tensor_head;
+  if (hidden.dtype() != 0) {
+    PutTag(kTensorDtype, kVarint, &tensor_head);
+    PutVarint(static_cast<uint64_t>(hidden.dtype()), &tensor_head);
+  }
+  if (hidden.shape_size() > 0) {
+    std::string shape;
+    for (const int64_t dim : hidden.shape()) {
+      PutVarint(static_cast<uint64_t>(dim), &shape);
+    }
+    PutTag(kTensorShape, kLengthDelimited, &tensor_head);
+    PutVarint(shape.size(), &tensor_head);
+    tensor_head += shape;
+  }
+  if (!rows.empty()) {
+    PutTag(kTensorData, kLengthDelimited, &tensor_head);
+    PutVarint(rows.size(), &tensor_head);
+  }
+  std::string hidden_head;
+  PutTag(kRequestHidden, kLengthDelimited, &hidden_head);
+  PutVarint(tensor_head.size() + rows.size(), &hidden_head);
+  // Every other field as protobuf writes them (a parser takes fields in any
+  // order).
+  detlogp::v1::LogProbRequest rest = header;
+  rest.clear_hidden();
+  const size_t rest_bytes = rest.ByteSizeLong();
+  const size_t total =
+      hidden_head.size() + tensor_head.size() + rows.size() + rest_bytes;
+  grpc_slice slice = grpc_slice_malloc(total);
+  uint8_t* out = GRPC_SLICE_START_PTR(slice);
+  std::memcpy(out, hidden_head.data(), hidden_head.size());
+  out += hidden_head.size();
+  std::memcpy(out, tensor_head.data(), tensor_head.size());
+  out += tensor_head.size();
+  if (!rows.empty()) std::memcpy(out, rows.data(), rows.size());
+  out += rows.size();
+  rest.SerializeWithCachedSizesToArray(out);
+  grpc::Slice owned(slice, grpc::Slice::STEAL_REF);
+  return grpc::ByteBuffer(&owned, 1);
 }
 
 ScoreResult JoinScoreResults(std::vector<ScoreResult> parts) {
@@ -371,25 +526,14 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
 }
 
 absl::Status LogpClient::RegisterRegion(int64_t bytes) {
-  // Room to grow: calls of about this size reuse it.
-  const int64_t granule = int64_t{2} << 20;
-  const int64_t size = (bytes + granule - 1) / granule * granule;
+  const int64_t size = RegionBytesFor(bytes);
   auto region = SystemSharedMemory::Create(size);
   if (!region.ok()) return region.status();
-  std::random_device random;
-  const std::string name =
-      absl::StrCat("detlogp_", getpid(), "_", random(), random());
-  detlogp::v1::SystemSharedMemoryRegisterRequest request;
-  request.set_name(name);
-  request.set_key((*region)->key());
-  request.set_offset(0);
-  request.set_byte_size(size);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::SystemSharedMemoryRegisterResponse response;
-  const grpc::Status status = shared_memory_stub_->SystemSharedMemoryRegister(
-      &context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
+  const std::string name = UniqueRegionName("");
+  if (absl::Status s = RegisterSystemRegion(name, (*region)->key(), 0, size);
+      !s.ok()) {
+    return s;
+  }
   // The server holds its own mapping: the name is no longer needed, and a
   // client killed now leaves nothing in /dev/shm.
   (*region)->Unlink();
@@ -439,23 +583,71 @@ LogpClient::ToSharedMemoryRequest(const detlogp::v1::LogProbRequest& request) {
   return by_reference;
 }
 
+namespace {
+
+// A request with its rows in the message, cut into slices of
+// `rows_per_request` rows: each slice's fields but its rows (headers), and
+// its rows in the request's bytes. The request's bytes must fill its shape.
+struct RowSlices {
+  std::vector<detlogp::v1::LogProbRequest> headers;
+  std::vector<absl::string_view> rows;
+};
+
+RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
+                  int64_t rows_per_request) {
+  const int64_t rows = request.target_ids_size();
+  const int64_t row_bytes = RowBytes(request);
+  const char* const data = request.hidden().data().data();
+  RowSlices slices;
+  for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
+    const int64_t count = std::min(rows_per_request, rows - begin);
+    slices.headers.push_back(WithoutHiddenBytes(request));
+    detlogp::v1::LogProbRequest& header = slices.headers.back();
+    header.mutable_hidden()->set_shape(0, count);
+    header.mutable_target_ids()->Clear();
+    header.mutable_target_ids()->Add(
+        request.target_ids().begin() + begin,
+        request.target_ids().begin() + begin + count);
+    slices.rows.emplace_back(data + begin * row_bytes, count * row_bytes);
+  }
+  return slices;
+}
+
+}  // namespace
+
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request) {
-  std::optional<absl::MutexLock> region_lock;
-  const detlogp::v1::LogProbRequest* to_send = &request;
-  std::optional<detlogp::v1::LogProbRequest> by_reference;
   if (options_.system_shared_memory) {
-    region_lock.emplace(&shared_memory_mu_);
-    auto converted = ToSharedMemoryRequest(request);
-    if (!converted.ok()) return converted.status();
-    by_reference = *std::move(converted);
-    if (by_reference.has_value()) {
-      to_send = &*by_reference;
-    } else {
-      region_lock.reset();  // bytes in messages: no need to take turns
+    absl::MutexLock lock(&shared_memory_mu_);
+    for (int attempt = 0;; ++attempt) {
+      auto by_reference = ToSharedMemoryRequest(request);
+      if (!by_reference.ok()) return by_reference.status();
+      if (!by_reference->has_value()) break;  // bytes in the messages
+      absl::StatusOr<ScoreResult> result = ScoreCut(**by_reference);
+      if (attempt == 0 && IsRegionGone(result.status())) {
+        region_.reset();  // the server's copy is gone: register a new one
+        region_name_.clear();
+        continue;
+      }
+      if (result.ok()) {
+        result->path = "system_shm";
+        result->used_shared_memory = true;
+      }
+      return result;
     }
   }
-  const bool shared = by_reference.has_value();
+  absl::StatusOr<ScoreResult> result = ScoreCut(request);
+  if (result.ok() && request.hidden().has_shared_memory()) {
+    result->path = "named_region";
+    result->used_shared_memory = true;
+  }
+  return result;
+}
+
+absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
+    const detlogp::v1::LogProbRequest& request) {
+  const detlogp::v1::LogProbRequest* to_send = &request;
+  const bool shared = request.hidden().has_shared_memory();
   auto rows_per_request = RowsPerRequest(*to_send, shared);
   if (!rows_per_request.ok()) return rows_per_request.status();
   const int64_t rows = to_send->target_ids_size();
@@ -465,7 +657,12 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
   if (connections <= 0) {
     connections = bytes >= kAutoConnectionsMinBytes ? kAutoConnections : 1;
   }
-  if (shared || !options_.split_large_calls || row_bytes == 0) connections = 1;
+  // Rows that do not fill the shape are not spread: the server names the
+  // field.
+  const bool fills_shape =
+      row_bytes > 0 &&
+      static_cast<int64_t>(to_send->hidden().data().size()) == bytes;
+  if (shared || !options_.split_large_calls || !fills_shape) connections = 1;
   absl::StatusOr<ScoreResult> result;
   if (connections > 1 && rows > 1) {
     const int64_t share = std::max((rows + connections - 1) / connections,
@@ -476,7 +673,7 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
         ScoreSpread(*to_send, std::max<int64_t>(rows_each, 1), connections);
   } else if (*rows_per_request <= 0 || rows <= *rows_per_request) {
     result = ScoreOne(*to_send);
-  } else {
+  } else if (shared || !fills_shape) {
     // The first slice alone picks the version (the latest when the request
     // says 0); every other slice is pinned to it, so the whole call is
     // computed on one version even when a new one is published meanwhile.
@@ -496,8 +693,25 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     if (!answers.ok()) return answers.status();
     for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
     result = JoinScoreResults(std::move(parts));
+  } else {
+    // The same with each slice's rows written once, straight from the
+    // request into gRPC's buffer.
+    RowSlices slices = CutRows(*to_send, *rows_per_request);
+    std::vector<ScoreResult> parts;
+    auto first = ScoreRaw(slices.headers[0], slices.rows[0], *raw_);
+    if (!first.ok()) return first.status();
+    const int64_t version = first->model_version;
+    parts.push_back(*std::move(first));
+    slices.headers.erase(slices.headers.begin());
+    slices.rows.erase(slices.rows.begin());
+    for (detlogp::v1::LogProbRequest& header : slices.headers) {
+      header.set_model_version(version);
+    }
+    auto answers = ScoreStreamRaw(slices.headers, slices.rows);
+    if (!answers.ok()) return answers.status();
+    for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
+    result = JoinScoreResults(std::move(parts));
   }
-  if (result.ok()) result->used_shared_memory = shared;
   return result;
 }
 
@@ -516,35 +730,30 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
 absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
     const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
     int connections) {
-  const int64_t rows = request.target_ids_size();
-  std::vector<detlogp::v1::LogProbRequest> slices;
-  for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
-    slices.push_back(SliceLogProbRequest(
-        request, begin, std::min(rows_per_request, rows - begin)));
-  }
+  // A sender writes each slice's rows straight from `request` into gRPC's
+  // buffer when it sends it.
+  RowSlices slices = CutRows(request, rows_per_request);
+  std::vector<detlogp::v1::LogProbRequest>& headers = slices.headers;
+  const std::vector<absl::string_view>& slice_rows = slices.rows;
   const int used =
-      static_cast<int>(std::min<size_t>(connections, slices.size()));
-  // Connections of the call's own beside the client's: closed with it, so
-  // none idles open between calls.
-  std::vector<std::unique_ptr<detlogp::v1::LogProbService::Stub>> stubs;
-  Options own = options_;
-  own.own_connection = true;
-  for (int c = 1; c < used; ++c) {
-    stubs.push_back(detlogp::v1::LogProbService::NewStub(MakeChannel(own)));
-  }
+      static_cast<int>(std::min<size_t>(connections, headers.size()));
+  // The client's own connection and kept ones beside it.
+  std::vector<std::unique_ptr<RawConnection>> spread =
+      TakeSpreadConnections(used - 1);
   std::vector<absl::StatusOr<ScoreResult>> answers(
-      slices.size(), absl::UnknownError("not sent"));
+      headers.size(), absl::UnknownError("not sent"));
   std::vector<std::thread> senders;
   for (int c = 0; c < used; ++c) {
     senders.emplace_back([&, c] {
-      auto* stub = c == 0 ? stub_.get() : stubs[c - 1].get();
-      for (size_t i = c; i < slices.size(); i += used) {
-        answers[i] = ScoreOne(slices[i], stub);
+      const RawConnection& connection = c == 0 ? *raw_ : *spread[c - 1];
+      for (size_t i = c; i < headers.size(); i += used) {
+        answers[i] = ScoreRaw(headers[i], slice_rows[i], connection);
         if (!answers[i].ok()) return;
       }
     });
   }
   for (std::thread& sender : senders) sender.join();
+  GiveBackSpreadConnections(std::move(spread));
   for (const auto& answer : answers) {
     if (!answer.ok()) return answer.status();
   }
@@ -552,10 +761,10 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
   // the first's (one published meanwhile) are asked again, pinned to it.
   const int64_t version = answers.front()->model_version;
   std::vector<ScoreResult> parts;
-  for (size_t i = 0; i < slices.size(); ++i) {
+  for (size_t i = 0; i < headers.size(); ++i) {
     if (answers[i]->model_version != version) {
-      slices[i].set_model_version(version);
-      answers[i] = ScoreOne(slices[i]);
+      headers[i].set_model_version(version);
+      answers[i] = ScoreRaw(headers[i], slice_rows[i], *raw_);
       if (!answers[i].ok()) return answers[i].status();
     }
     parts.push_back(*std::move(answers[i]));
@@ -565,30 +774,58 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
   return joined;
 }
 
-absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
-    const std::vector<detlogp::v1::LogProbRequest>& requests) {
+absl::StatusOr<ScoreResult> LogpClient::ScoreRaw(
+    const detlogp::v1::LogProbRequest& header, absl::string_view rows,
+    const RawConnection& connection) {
+  const grpc::ByteBuffer wire = SerializeWithRows(header, rows);
   grpc::ClientContext context;
   PrepareContext(&context);
-  auto stream = stub_->StreamLogProbs(&context);
-  // Writes on one thread while this one reads, so the server can pipeline.
+  detlogp::v1::LogProbResponse response;
+  const grpc::Status status =
+      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer,
+                                        detlogp::v1::LogProbResponse>(
+          connection.channel.get(), connection.compute, &context, wire,
+          &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  // The header holds everything the check reads (rows, extras asked for).
+  return ToScoreResult(header, response);
+}
+
+LogpClient::RawConnection::RawConnection(
+    std::shared_ptr<grpc::Channel> channel_in)
+    : channel(std::move(channel_in)),
+      compute("/detlogp.v1.LogProbService/ComputeLogProbs",
+              grpc::internal::RpcMethod::NORMAL_RPC, channel),
+      stream("/detlogp.v1.LogProbService/StreamLogProbs",
+             grpc::internal::RpcMethod::BIDI_STREAMING, channel) {}
+
+namespace {
+
+// Writes requests 0..checks.size()-1 on `stream` (`write(i)` writes the
+// i-th) on one thread while this one reads, so the server can pipeline;
+// answer i is checked against checks[i].
+template <typename Stream, typename Write>
+absl::StatusOr<std::vector<ScoreResult>> StreamAndCheck(
+    Stream& stream, const std::vector<detlogp::v1::LogProbRequest>& checks,
+    Write write) {
   std::thread writer([&] {
-    for (const auto& request : requests) {
-      if (!stream->Write(request)) break;
+    for (size_t i = 0; i < checks.size(); ++i) {
+      if (!write(i)) break;
     }
-    stream->WritesDone();
+    stream.WritesDone();
   });
   std::vector<ScoreResult> results;
   absl::Status problem;
   detlogp::v1::LogProbResponse response;
-  while (stream->Read(&response)) {
+  while (stream.Read(&response)) {
     if (!problem.ok()) continue;  // drain, so that Finish can return
-    if (results.size() >= requests.size()) {
+    if (results.size() >= checks.size()) {
       problem = absl::DataLossError(absl::StrCat(
-          "stream answered more than the ", requests.size(), " requests sent"));
+          "stream answered more than the ", checks.size(), " requests sent"));
       continue;
     }
     absl::StatusOr<ScoreResult> result =
-        ToScoreResult(requests[results.size()], response);
+        ToScoreResult(checks[results.size()], response);
     if (!result.ok()) {
       problem =
           absl::Status(result.status().code(),
@@ -599,15 +836,317 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
     results.push_back(*std::move(result));
   }
   writer.join();
-  grpc::Status status = stream->Finish();
+  grpc::Status status = stream.Finish();
   if (!status.ok()) return FromGrpcStatus(status);
   if (!problem.ok()) return problem;
-  if (results.size() != requests.size()) {
+  if (results.size() != checks.size()) {
     return absl::DataLossError(absl::StrCat("stream answered ", results.size(),
-                                            " of ", requests.size(),
+                                            " of ", checks.size(),
                                             " requests"));
   }
   return results;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
+    const std::vector<detlogp::v1::LogProbRequest>& requests) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  auto stream = stub_->StreamLogProbs(&context);
+  return StreamAndCheck(*stream, requests,
+                        [&](size_t i) { return stream->Write(requests[i]); });
+}
+
+absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStreamRaw(
+    const std::vector<detlogp::v1::LogProbRequest>& headers,
+    const std::vector<absl::string_view>& rows) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  std::unique_ptr<
+      grpc::ClientReaderWriter<grpc::ByteBuffer, detlogp::v1::LogProbResponse>>
+      stream(grpc::internal::ClientReaderWriterFactory<
+             grpc::ByteBuffer,
+             detlogp::v1::LogProbResponse>::Create(raw_->channel.get(),
+                                                   raw_->stream, &context));
+  // Each request's bytes are written when it is sent: one slice's copy at a
+  // time.
+  return StreamAndCheck(*stream, headers, [&](size_t i) {
+    return stream->Write(SerializeWithRows(headers[i], rows[i]));
+  });
+}
+
+absl::Status LogpClient::RegisterSystemRegion(const std::string& name,
+                                              const std::string& key,
+                                              int64_t offset,
+                                              int64_t byte_size) {
+  detlogp::v1::SystemSharedMemoryRegisterRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::SystemSharedMemoryRegisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->SystemSharedMemoryRegister(
+      &context, request, &response));
+}
+
+absl::Status LogpClient::RegisterCudaRegion(const std::string& name,
+                                            const std::string& raw_handle,
+                                            int64_t device_id,
+                                            int64_t byte_size) {
+  detlogp::v1::CudaSharedMemoryRegisterRequest request;
+  request.set_name(name);
+  request.set_raw_handle(raw_handle);
+  request.set_device_id(device_id);
+  request.set_byte_size(byte_size);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::CudaSharedMemoryRegisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->CudaSharedMemoryRegister(
+      &context, request, &response));
+}
+
+absl::Status LogpClient::UnregisterSystemRegion(const std::string& name) {
+  detlogp::v1::SystemSharedMemoryUnregisterRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::SystemSharedMemoryUnregisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->SystemSharedMemoryUnregister(
+      &context, request, &response));
+}
+
+absl::Status LogpClient::UnregisterCudaRegion(const std::string& name) {
+  detlogp::v1::CudaSharedMemoryUnregisterRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::CudaSharedMemoryUnregisterResponse response;
+  return FromGrpcStatus(shared_memory_stub_->CudaSharedMemoryUnregister(
+      &context, request, &response));
+}
+
+absl::StatusOr<detlogp::v1::SystemSharedMemoryStatusResponse>
+LogpClient::SystemRegionStatus(const std::string& name) {
+  detlogp::v1::SystemSharedMemoryStatusRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::SystemSharedMemoryStatusResponse response;
+  const grpc::Status status = shared_memory_stub_->SystemSharedMemoryStatus(
+      &context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<detlogp::v1::CudaSharedMemoryStatusResponse>
+LogpClient::CudaRegionStatus(const std::string& name) {
+  detlogp::v1::CudaSharedMemoryStatusRequest request;
+  request.set_name(name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::CudaSharedMemoryStatusResponse response;
+  const grpc::Status status =
+      shared_memory_stub_->CudaSharedMemoryStatus(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<const CudaRuntime*> LogpClient::Cuda() {
+  absl::MutexLock lock(&cuda_runtime_mu_);
+  if (!cuda_runtime_.has_value()) {
+    cuda_runtime_ = CudaRuntime::Load(options_.cuda_runtime);
+  }
+  if (!cuda_runtime_->ok()) return cuda_runtime_->status();
+  return cuda_runtime_->value().get();
+}
+
+absl::StatusOr<ScoreResult> LogpClient::Score(
+    const DeviceRows& rows, const std::vector<int64_t>& targets,
+    const LogProbOptions& options, std::string request_id) {
+  // What the server cannot check: it never sees the pointer.
+  const int64_t element_bytes = DtypeBytes(rows.dtype);
+  if (rows.data == nullptr) {
+    return absl::InvalidArgumentError("rows.data: null");
+  }
+  if (element_bytes == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows.dtype: ", detlogp::v1::DType_Name(rows.dtype),
+                     " is not bf16, fp16 or fp32"));
+  }
+  if (rows.rows <= 0 || rows.hidden_size <= 0 ||
+      rows.rows > std::numeric_limits<int64_t>::max() / rows.hidden_size /
+                      element_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows.rows, rows.hidden_size: [", rows.rows, ", ",
+                     rows.hidden_size, "] is not a shape of rows"));
+  }
+  if (static_cast<int64_t>(targets.size()) != rows.rows) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets: ", targets.size(), " target ids for ", rows.rows, " rows"));
+  }
+  auto cuda = Cuda();
+  if (!cuda.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rows.data: rows on a GPU cannot be read without the "
+                     "CUDA runtime: ",
+                     cuda.status().message()));
+  }
+  auto device = (*cuda)->DeviceOf(rows.data);
+  if (!device.ok()) {
+    return absl::Status(device.status().code(),
+                        absl::StrCat("rows.data: ", device.status().message()));
+  }
+  if (*device != rows.device) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rows.device: ", rows.device, ", but the rows are on cuda:", *device));
+  }
+  detlogp::v1::LogProbRequest request =
+      MakeLogProbRequest(std::move(request_id), rows.dtype, rows.rows,
+                         rows.hidden_size, std::string(), targets, options);
+  // CUDA regions hold bf16 rows: the server converts other dtypes on the
+  // host path only.
+  if (options_.cuda_shared_memory &&
+      rows.dtype == detlogp::v1::DTYPE_BFLOAT16) {
+    auto through_region = ScoreThroughCudaRegion(**cuda, rows, request);
+    if (!through_region.ok()) return through_region.status();
+    if (through_region->has_value()) return **std::move(through_region);
+  }
+  const int64_t bytes = rows.rows * rows.hidden_size * element_bytes;
+  std::string data(static_cast<size_t>(bytes), '\0');
+  if (absl::Status s =
+          (*cuda)->Copy(data.data(), rows.data, bytes, CudaCopy::kDeviceToHost,
+                        rows.device, rows.stream);
+      !s.ok()) {
+    return s;
+  }
+  request.mutable_hidden()->set_data(std::move(data));
+  return Score(request);
+}
+
+absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
+    const CudaRuntime& cuda, const DeviceRows& rows,
+    const detlogp::v1::LogProbRequest& request) {
+  const int64_t bytes =
+      rows.rows * rows.hidden_size * DtypeBytes(detlogp::v1::DTYPE_BFLOAT16);
+  absl::MutexLock lock(&cuda_mu_);
+  for (int attempt = 0;; ++attempt) {
+    if (!cuda_refusal_.empty()) return std::nullopt;
+    auto region = CudaRegionFor(cuda, rows.device, bytes);
+    if (!region.ok()) return region.status();
+    if (*region == nullptr) return std::nullopt;
+    // On the caller's stream, after whatever wrote the rows; done when the
+    // request goes.
+    if (absl::Status s =
+            cuda.Copy((*region)->memory->data(), rows.data, bytes,
+                      CudaCopy::kDeviceToDevice, rows.device, rows.stream);
+        !s.ok()) {
+      return s;
+    }
+    detlogp::v1::LogProbRequest by_reference = request;
+    detlogp::v1::SharedMemoryRef* ref =
+        by_reference.mutable_hidden()->mutable_shared_memory();
+    ref->set_region((*region)->name);
+    ref->set_offset(0);
+    ref->set_byte_size(bytes);
+    absl::StatusOr<ScoreResult> result = ScoreCut(by_reference);
+    if (attempt == 0 && IsRegionGone(result.status())) {
+      // The server closed its handle: free the memory, register anew.
+      cuda_regions_.erase(rows.device);
+      continue;
+    }
+    if (!result.ok()) return result.status();
+    result->path = "cuda_shm";
+    result->used_shared_memory = true;
+    return std::optional<ScoreResult>(*std::move(result));
+  }
+}
+
+absl::StatusOr<LogpClient::CudaRegion*> LogpClient::CudaRegionFor(
+    const CudaRuntime& cuda, int device, int64_t bytes) {
+  auto it = cuda_regions_.find(device);
+  if (it != cuda_regions_.end()) {
+    if (it->second.memory->bytes() >= bytes) return &it->second;
+    ReleaseCudaRegion(it->second);
+    cuda_regions_.erase(it);
+  }
+  const int64_t size = RegionBytesFor(bytes);
+  // The region's base is the allocation's, so its IPC handle names it from
+  // byte 0.
+  auto memory = DeviceMemory::Allocate(&cuda, device, size);
+  if (!memory.ok()) return memory.status();
+  auto handle = cuda.IpcMemHandle(device, (*memory)->data());
+  if (!handle.ok()) return handle.status();
+  const std::string name = UniqueRegionName(absl::StrCat("cuda", device, "_"));
+  if (absl::Status s = RegisterCudaRegion(name, *handle, device, size);
+      !s.ok()) {
+    if (!IsCudaRefusal(s.code())) return s;
+    cuda_refusal_ = s.ToString();
+    return nullptr;
+  }
+  CudaRegion& region = cuda_regions_[device];
+  region.memory = *std::move(memory);
+  region.name = name;
+  return &region;
+}
+
+void LogpClient::ReleaseCudaRegion(CudaRegion& region) {
+  detlogp::v1::CudaSharedMemoryUnregisterRequest request;
+  request.set_name(region.name);
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  detlogp::v1::CudaSharedMemoryUnregisterResponse response;
+  // Best effort: the server releases an idle region by itself.
+  shared_memory_stub_->CudaSharedMemoryUnregister(&context, request, &response);
+}
+
+std::vector<std::unique_ptr<LogpClient::RawConnection>>
+LogpClient::TakeSpreadConnections(int count) {
+  std::vector<std::unique_ptr<RawConnection>> taken;
+  {
+    absl::MutexLock lock(&spread_mu_);
+    while (static_cast<int>(taken.size()) < count && !idle_spread_.empty()) {
+      taken.push_back(std::move(idle_spread_.back()));
+      idle_spread_.pop_back();
+    }
+    spread_opened_ += count - static_cast<int64_t>(taken.size());
+  }
+  // Distinct channels on a local subchannel pool: distinct TCP connections.
+  Options own = options_;
+  own.own_connection = true;
+  while (static_cast<int>(taken.size()) < count) {
+    taken.push_back(std::make_unique<RawConnection>(
+        MakeChannelIdleAfter(own, options_.spread_connection_idle_timeout)));
+  }
+  return taken;
+}
+
+void LogpClient::GiveBackSpreadConnections(
+    std::vector<std::unique_ptr<RawConnection>> connections) {
+  absl::MutexLock lock(&spread_mu_);
+  for (std::unique_ptr<RawConnection>& connection : connections) {
+    idle_spread_.push_back(std::move(connection));
+  }
+}
+
+int64_t LogpClient::spread_connections_opened() const {
+  absl::MutexLock lock(&spread_mu_);
+  return spread_opened_;
+}
+
+int LogpClient::spread_connections_connected() const {
+  absl::MutexLock lock(&spread_mu_);
+  int connected = 0;
+  for (const std::unique_ptr<RawConnection>& connection : idle_spread_) {
+    if (connection->channel->GetState(/*try_to_connect=*/false) ==
+        GRPC_CHANNEL_READY) {
+      ++connected;
+    }
+  }
+  return connected;
 }
 
 }  // namespace detlogp::client

@@ -29,6 +29,24 @@
 // grown when a call needs more) and sends a reference instead of the bytes.
 // The server answers with the same bits.
 //
+// Rows already on a GPU: Score(DeviceRows) reads them where they are. With
+// Options::cuda_shared_memory, bf16 rows are copied device-to-device on the
+// caller's stream into a CUDA region the client owns on that GPU (its IPC
+// handle registered once, grown when a call needs more) and the requests
+// name it; otherwise, or when the server refuses the region, the rows are
+// copied to the host and sent as bytes (or through the system region):
+//
+//   DeviceRows rows{.data = hidden_ptr, .device = 0, .rows = N,
+//                   .hidden_size = H, .stream = stream};
+//   auto result = client->Score(rows, targets, LogProbOptions{});
+//   // result->path: "cuda_shm", "system_shm" or "grpc"
+//
+// The CUDA runtime is loaded when first needed (client/cuda_runtime_loader.h):
+// the library builds and runs without CUDA, and only the device path needs
+// it. Regions the caller manages itself are registered with
+// RegisterSystemRegion / RegisterCudaRegion and named by
+// MakeLogProbRequest(..., RegionRef, ...).
+//
 // Model versions are managed with ModelRepositoryClient
 // (client/model_repository_client.h).
 //
@@ -37,6 +55,7 @@
 #define DETLOGP_CLIENT_LOGP_CLIENT_H_
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,11 +64,14 @@
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
 #include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/support/byte_buffer.h>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/cuda_runtime_loader.h"
 #include "client/interleaved_rows.h"
 #include "client/project_chunk.h"
 #include "client/system_shared_memory.h"
@@ -81,7 +103,12 @@ struct ScoreResult {
   // over connections), and the connections they went over.
   int64_t requests = 1;
   int connections = 1;
-  // Whether the hidden rows went through a shared-memory region.
+  // How the hidden rows travelled: "grpc" (in the messages), "system_shm"
+  // or "cuda_shm" (the client's own region of that kind), "named_region"
+  // (a region the request named).
+  std::string path = "grpc";
+  // Whether the hidden rows went through a shared-memory region (path is
+  // not "grpc").
   bool used_shared_memory = false;
 };
 
@@ -101,6 +128,35 @@ struct LogProbOptions {
   std::string model;
   // 0: the model's latest ready version.
   int64_t model_version = 0;
+  // Also return where the call's time went on the server
+  // (ScoreResult::server_timing).
+  bool return_timing = false;
+};
+
+// Where a request's rows lie in a registered region (Tensor.shared_memory).
+struct RegionRef {
+  // The name the region was registered under.
+  std::string region;
+  // Of the first row's first byte, from the region's start.
+  int64_t offset = 0;
+  // The rows' bytes; 0: rows * hidden_size * the dtype's size.
+  int64_t byte_size = 0;
+};
+
+// Hidden rows in GPU memory: [rows, hidden_size] row-major, little-endian
+// elements of `dtype`, written on `stream`.
+struct DeviceRows {
+  // Device (or managed) memory on `device`.
+  const void* data = nullptr;
+  // The CUDA device, as this process numbers it; the server must number its
+  // GPUs alike (the same CUDA_VISIBLE_DEVICES) for a CUDA region.
+  int device = 0;
+  detlogp::v1::DType dtype = detlogp::v1::DTYPE_BFLOAT16;
+  int64_t rows = 0;
+  int64_t hidden_size = 0;
+  // The cudaStream_t that wrote the rows (null: the legacy default stream);
+  // the client copies them on it and waits for it.
+  void* stream = nullptr;
 };
 
 // Builds a request from raw little-endian rows of `dtype`.
@@ -108,6 +164,12 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
     std::string request_id, detlogp::v1::DType dtype, int64_t rows,
     int64_t hidden_size, std::string data, const std::vector<int64_t>& targets,
     const LogProbOptions& options);
+
+// A request whose rows lie in a registered region instead of the message.
+detlogp::v1::LogProbRequest MakeLogProbRequest(
+    std::string request_id, detlogp::v1::DType dtype, int64_t rows,
+    int64_t hidden_size, const RegionRef& region,
+    const std::vector<int64_t>& targets, const LogProbOptions& options);
 
 // The same, with the former positional arguments. `model` empty means the
 // server's default model; `model_version` 0 its latest version.
@@ -138,6 +200,18 @@ class LogpClient {
     // client: the bytes then go in the messages (shared_memory_refusal()
     // says why).
     bool system_shared_memory = false;
+    // Score(DeviceRows) copies bf16 rows device-to-device into a CUDA region
+    // this client owns on the rows' GPU (one per GPU, allocated and
+    // registered on first use, grown when a call needs more, unregistered
+    // and freed by the destructor) and names it in the requests, when the
+    // server allows it (same host, --allow_shared_memory, a GPU it computes
+    // on). Calls through a GPU's region take turns. A refused registration
+    // turns it off for the client: rows are then copied to the host and go
+    // in the messages or the system region (shared_memory_refusal() says
+    // why). Other dtypes always take the host path (CUDA regions hold bf16).
+    bool cuda_shared_memory = false;
+    // Where the CUDA runtime is looked for (Score(DeviceRows) only).
+    CudaRuntime::Options cuda_runtime;
     // Cut calls larger than the server's limits into requests that fit.
     bool split_large_calls = true;
     // Rows per request when cutting; 0: the server's limits (GetModelInfo,
@@ -145,10 +219,16 @@ class LogpClient {
     int64_t max_request_rows = 0;
     // Connections a call's rows are spread over when they travel in the
     // messages: the call is cut so that each carries a share (requests of at
-    // least 1 MiB), sent side by side, each on a TCP connection of its own
-    // (opened for the call). 0: 8 for calls of 8 MiB of rows or more, else
-    // 1. Rows in a shared-memory region go in one request.
+    // least 1 MiB), sent side by side, each on a TCP connection of its own.
+    // 0: 8 for calls of 8 MiB of rows or more, else 1. Rows in a
+    // shared-memory region are not spread.
     int connections = 0;
+    // The spread connections beyond the client's own are opened on first
+    // need and kept for later calls (a call takes those it needs; calls at
+    // once open more). One unused this long closes by itself, so an idle
+    // client holds no connection open that a server's shutdown would wait
+    // for; the next call reopens it. gRPC allows no less than a second.
+    absl::Duration spread_connection_idle_timeout = absl::Seconds(5);
     // Sent as "authorization: Bearer <token>" when not empty.
     std::string bearer_token;
     // PEM roots to verify the server with; enables TLS when not empty.
@@ -170,9 +250,49 @@ class LogpClient {
   // One call, cut into requests that fit the server's limits when larger;
   // the answer checked against the request (CheckLogProbResponse).
   absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& request);
-  // Why system shared memory is not used (empty while it is, or was never
-  // asked for).
+  // The same for rows on a GPU (DeviceRows; one target per row): through
+  // the client's CUDA region (Options::cuda_shared_memory), else copied to
+  // the host. The caller keeps the rows unchanged until it returns.
+  // INVALID_ARGUMENT naming the field for rows that are not device memory
+  // on rows.device or do not match the targets; FAILED_PRECONDITION when no
+  // CUDA runtime loads (rows on a GPU cannot be read without one);
+  // RESOURCE_EXHAUSTED when the GPU has no room for the client's region.
+  absl::StatusOr<ScoreResult> Score(const DeviceRows& rows,
+                                    const std::vector<int64_t>& targets,
+                                    const LogProbOptions& options,
+                                    std::string request_id = "");
+  // Why a shared-memory region of the client's is not used: "system: ..."
+  // and "cuda: ..." with the server's (or the runtime's) reason, joined by
+  // "; " (empty while they are used, or were never asked for).
   std::string shared_memory_refusal() const;
+
+  // Regions the caller manages itself (Triton's shared-memory calls); the
+  // server checks every field and names the one it refuses. Requests name
+  // them with MakeLogProbRequest(..., RegionRef, ...). A region belongs to
+  // the bearer token that registered it.
+  // Bytes [offset, offset + byte_size) of the POSIX shared-memory object
+  // `key` (shm_open's name) as region `name`.
+  absl::Status RegisterSystemRegion(const std::string& name,
+                                    const std::string& key, int64_t offset,
+                                    int64_t byte_size);
+  // `byte_size` bytes from the base of the allocation `raw_handle` (the 64
+  // bytes of its cudaIpcMemHandle_t) names, on CUDA device `device_id` as
+  // the server numbers its GPUs.
+  absl::Status RegisterCudaRegion(const std::string& name,
+                                  const std::string& raw_handle,
+                                  int64_t device_id, int64_t byte_size);
+  // `name` empty: every region of that kind the caller may use.
+  absl::Status UnregisterSystemRegion(const std::string& name);
+  absl::Status UnregisterCudaRegion(const std::string& name);
+  absl::StatusOr<detlogp::v1::SystemSharedMemoryStatusResponse>
+  SystemRegionStatus(const std::string& name = "");
+  absl::StatusOr<detlogp::v1::CudaSharedMemoryStatusResponse> CudaRegionStatus(
+      const std::string& name = "");
+
+  // Spread connections this client opened so far, and those of them kept
+  // between calls that are connected now (not closed for idleness).
+  int64_t spread_connections_opened() const;
+  int spread_connections_connected() const;
   // Sends every request on one stream and returns the answers in order,
   // each checked against its request.
   absl::StatusOr<std::vector<ScoreResult>> ScoreStream(
@@ -280,11 +400,40 @@ class LogpClient {
   absl::StatusOr<ScoreResult> ScoreOne(
       const detlogp::v1::LogProbRequest& request,
       detlogp::v1::LogProbService::Stub* stub = nullptr);
+  // `request` as it is (rows in the message or named by reference), cut to
+  // fit the server's limits and, with rows in the message, spread over
+  // connections.
+  absl::StatusOr<ScoreResult> ScoreCut(
+      const detlogp::v1::LogProbRequest& request);
   // `request` cut into requests of `rows_per_request` rows sent side by side
   // over `connections` connections, on one model version.
   absl::StatusOr<ScoreResult> ScoreSpread(
       const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
       int connections);
+  // A channel with ComputeLogProbs and StreamLogProbs on it, sent as
+  // grpc::ByteBuffer (a slice's rows written once, straight from the
+  // caller's request).
+  struct RawConnection {
+    explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);
+    std::shared_ptr<grpc::Channel> channel;
+    grpc::internal::RpcMethod compute;
+    grpc::internal::RpcMethod stream;
+  };
+  // Spread connections beyond the client's own: taken by a call (kept ones
+  // first, new ones opened as needed) and given back after it.
+  std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(int count);
+  void GiveBackSpreadConnections(
+      std::vector<std::unique_ptr<RawConnection>> connections);
+  // `header` (a request without hidden bytes) with `rows` as its bytes, on
+  // `connection`, answered and checked against `header`.
+  absl::StatusOr<ScoreResult> ScoreRaw(
+      const detlogp::v1::LogProbRequest& header, absl::string_view rows,
+      const RawConnection& connection);
+  // ScoreStream for headers[i] with rows[i] as its bytes, on the client's
+  // own connection, each answer checked against its header.
+  absl::StatusOr<std::vector<ScoreResult>> ScoreStreamRaw(
+      const std::vector<detlogp::v1::LogProbRequest>& headers,
+      const std::vector<absl::string_view>& rows);
   // The rows a request may carry on this server (0: unknown, no cutting).
   absl::StatusOr<int64_t> RowsPerRequest(
       const detlogp::v1::LogProbRequest& request, bool by_reference);
@@ -297,6 +446,26 @@ class LogpClient {
   absl::Status RegisterRegion(int64_t bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
   void UnregisterRegion() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
+
+  // The CUDA runtime, loaded on first need (or why it did not load).
+  absl::StatusOr<const CudaRuntime*> Cuda();
+  // The client's CUDA region on one GPU.
+  struct CudaRegion {
+    std::unique_ptr<DeviceMemory> memory;
+    std::string name;
+  };
+  // Through the client's CUDA region on rows.device: nullopt when the
+  // region is off or refused (the caller takes the host path).
+  absl::StatusOr<std::optional<ScoreResult>> ScoreThroughCudaRegion(
+      const CudaRuntime& cuda, const DeviceRows& rows,
+      const detlogp::v1::LogProbRequest& request);
+  // The region on `device`, of at least `bytes`, registered; null when the
+  // server refuses it (cuda_refusal_ then says why).
+  absl::StatusOr<CudaRegion*> CudaRegionFor(const CudaRuntime& cuda, int device,
+                                            int64_t bytes)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(cuda_mu_);
+  void ReleaseCudaRegion(CudaRegion& region)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(cuda_mu_);
 
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -311,6 +480,21 @@ class LogpClient {
       ABSL_GUARDED_BY(shared_memory_mu_);
   std::string region_name_ ABSL_GUARDED_BY(shared_memory_mu_);
   std::string shared_memory_refusal_ ABSL_GUARDED_BY(shared_memory_mu_);
+  // The CUDA runtime; loaded once, kept until the regions are freed.
+  absl::Mutex cuda_runtime_mu_;
+  std::optional<absl::StatusOr<std::unique_ptr<CudaRuntime>>> cuda_runtime_
+      ABSL_GUARDED_BY(cuda_runtime_mu_);
+  // The client's CUDA regions by device; held for a whole call through one.
+  mutable absl::Mutex cuda_mu_;
+  std::map<int, CudaRegion> cuda_regions_ ABSL_GUARDED_BY(cuda_mu_);
+  std::string cuda_refusal_ ABSL_GUARDED_BY(cuda_mu_);
+  // channel_ as the first connection of spread calls.
+  std::unique_ptr<RawConnection> raw_;
+  // Kept spread connections not in use by a call, and how many were opened.
+  mutable absl::Mutex spread_mu_;
+  std::vector<std::unique_ptr<RawConnection>> idle_spread_
+      ABSL_GUARDED_BY(spread_mu_);
+  int64_t spread_opened_ ABSL_GUARDED_BY(spread_mu_) = 0;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
   // channel_'s: one-stream projections and the first interleaved call. The
   // other interleaved calls get connections of their own for the length of
@@ -323,6 +507,13 @@ class LogpClient {
 // targets, and every other field as they are.
 detlogp::v1::LogProbRequest SliceLogProbRequest(
     const detlogp::v1::LogProbRequest& request, int64_t begin, int64_t count);
+
+// The wire bytes of `header` with `rows` as hidden.data, in one buffer of
+// gRPC's: the rows are copied once, straight into it (no protobuf message
+// holds them). `header`'s own hidden.data and hidden.shared_memory are left
+// out. The bytes parse as `header` with hidden.data = rows.
+grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
+                                   absl::string_view rows);
 
 // Answers of consecutive slices of one request, joined in order (top_k of
 // the first).

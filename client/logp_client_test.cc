@@ -3,6 +3,7 @@
 #include "client/logp_client.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -153,6 +154,61 @@ TEST(ToScoreResultTest, UncheckedInfersTopK) {
   const ScoreResult result = ToScoreResult(Answer(request));
   EXPECT_EQ(result.top_k, 5);
   EXPECT_EQ(ToScoreResult(LogProbResponse()).top_k, 0);
+}
+
+// SerializeWithRows's bytes, parsed back.
+LogProbRequest Parse(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& slice : slices) {
+    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  LogProbRequest parsed;
+  EXPECT_TRUE(parsed.ParseFromString(bytes));
+  return parsed;
+}
+
+TEST(SerializeWithRowsTest, ParsesAsTheSliceWithItsBytes) {
+  LogProbOptions extras;
+  extras.temperature = 0.7f;
+  extras.return_lse = true;
+  extras.return_entropy = true;
+  extras.top_k = 3;
+  extras.model = "policy";
+  extras.model_version = 12;
+  extras.return_timing = true;
+  std::string rows(37 * 5 * 4, '\0');
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<char>(i * 7);
+  std::vector<int64_t> targets;
+  for (int64_t r = 0; r < 37; ++r) targets.push_back(1000 * r + 1);
+  for (const LogProbOptions& options : {LogProbOptions(), extras}) {
+    for (const auto dtype :
+         {detlogp::v1::DTYPE_FLOAT32, detlogp::v1::DTYPE_BFLOAT16}) {
+      const int64_t hidden_size = dtype == detlogp::v1::DTYPE_FLOAT32 ? 5 : 10;
+      const LogProbRequest request = MakeLogProbRequest(
+          "id", dtype, 37, hidden_size, rows, targets, options);
+      for (const auto& [begin, count] :
+           std::vector<std::pair<int64_t, int64_t>>{
+               {0, 37}, {5, 20}, {36, 1}}) {
+        const LogProbRequest slice = SliceLogProbRequest(request, begin, count);
+        LogProbRequest header = slice;
+        header.mutable_hidden()->clear_data();
+        const LogProbRequest parsed =
+            Parse(SerializeWithRows(header, slice.hidden().data()));
+        EXPECT_EQ(parsed.SerializeAsString(), slice.SerializeAsString())
+            << begin << "+" << count << ": " << parsed.ShortDebugString();
+        EXPECT_EQ(parsed.hidden().data(), slice.hidden().data());
+      }
+    }
+  }
+  // A header's own bytes are left out; no rows: no data field.
+  LogProbRequest header = MakeLogProbRequest("id", detlogp::v1::DTYPE_BFLOAT16,
+                                             0, 4, "", {}, LogProbOptions());
+  EXPECT_EQ(Parse(SerializeWithRows(header, "")).SerializeAsString(),
+            header.SerializeAsString());
+  header.mutable_hidden()->set_data("ignored");
+  EXPECT_EQ(Parse(SerializeWithRows(header, "kept")).hidden().data(), "kept");
 }
 
 }  // namespace
