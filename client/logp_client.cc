@@ -594,10 +594,10 @@ struct RowSlices {
 };
 
 RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
-                  int64_t rows_per_request) {
+                  int64_t rows_per_request, absl::string_view bytes) {
   const int64_t rows = request.target_ids_size();
   const int64_t row_bytes = RowBytes(request);
-  const char* const data = request.hidden().data().data();
+  const char* const data = bytes.data();
   RowSlices slices;
   for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
     const int64_t count = std::min(rows_per_request, rows - begin);
@@ -623,7 +623,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
       auto by_reference = ToSharedMemoryRequest(request);
       if (!by_reference.ok()) return by_reference.status();
       if (!by_reference->has_value()) break;  // bytes in the messages
-      absl::StatusOr<ScoreResult> result = ScoreCut(**by_reference);
+      absl::StatusOr<ScoreResult> result =
+          ScoreCut(**by_reference, {}, /*rows_beside=*/false);
       if (attempt == 0 && IsRegionGone(result.status())) {
         region_.reset();  // the server's copy is gone: register a new one
         region_name_.clear();
@@ -636,7 +637,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
       return result;
     }
   }
-  absl::StatusOr<ScoreResult> result = ScoreCut(request);
+  absl::StatusOr<ScoreResult> result =
+      ScoreCut(request, request.hidden().data(), /*rows_beside=*/false);
   if (result.ok() && request.hidden().has_shared_memory()) {
     result->path = "named_region";
     result->used_shared_memory = true;
@@ -644,8 +646,27 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
   return result;
 }
 
+absl::StatusOr<ScoreResult> LogpClient::Score(
+    const detlogp::v1::LogProbRequest& header, absl::string_view rows) {
+  if (!header.hidden().data().empty() || header.hidden().has_shared_memory()) {
+    return absl::InvalidArgumentError(
+        "hidden: the rows are given beside the request, which must carry "
+        "neither data nor shared_memory");
+  }
+  const int64_t expected =
+      static_cast<int64_t>(header.target_ids_size()) * RowBytes(header);
+  if (RowBytes(header) <= 0 || static_cast<int64_t>(rows.size()) != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden.data: ", rows.size(), " bytes of rows for ",
+                     header.target_ids_size(), " targets of ", RowBytes(header),
+                     " bytes each (hidden.shape and dtype)"));
+  }
+  return ScoreCut(header, rows, /*rows_beside=*/true);
+}
+
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
-    const detlogp::v1::LogProbRequest& request) {
+    const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
+    bool rows_beside) {
   const detlogp::v1::LogProbRequest* to_send = &request;
   const bool shared = request.hidden().has_shared_memory();
   auto rows_per_request = RowsPerRequest(*to_send, shared);
@@ -660,8 +681,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   // Rows that do not fill the shape are not spread: the server names the
   // field.
   const bool fills_shape =
-      row_bytes > 0 &&
-      static_cast<int64_t>(to_send->hidden().data().size()) == bytes;
+      row_bytes > 0 && static_cast<int64_t>(rows_bytes.size()) == bytes;
   if (shared || !options_.split_large_calls || !fills_shape) connections = 1;
   absl::StatusOr<ScoreResult> result;
   if (connections > 1 && rows > 1) {
@@ -669,10 +689,11 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
                                    kMinSpreadRequestBytes / row_bytes);
     const int64_t rows_each =
         *rows_per_request > 0 ? std::min(*rows_per_request, share) : share;
-    result =
-        ScoreSpread(*to_send, std::max<int64_t>(rows_each, 1), connections);
+    result = ScoreSpread(*to_send, rows_bytes, std::max<int64_t>(rows_each, 1),
+                         connections);
   } else if (*rows_per_request <= 0 || rows <= *rows_per_request) {
-    result = ScoreOne(*to_send);
+    result = rows_beside ? ScoreRaw(*to_send, rows_bytes, *raw_)
+                         : ScoreOne(*to_send);
   } else if (shared || !fills_shape) {
     // The first slice alone picks the version (the latest when the request
     // says 0); every other slice is pinned to it, so the whole call is
@@ -696,7 +717,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   } else {
     // The same with each slice's rows written once, straight from the
     // request into gRPC's buffer.
-    RowSlices slices = CutRows(*to_send, *rows_per_request);
+    RowSlices slices = CutRows(*to_send, *rows_per_request, rows_bytes);
     std::vector<ScoreResult> parts;
     auto first = ScoreRaw(slices.headers[0], slices.rows[0], *raw_);
     if (!first.ok()) return first.status();
@@ -728,11 +749,11 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
 }
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
-    const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
-    int connections) {
-  // A sender writes each slice's rows straight from `request` into gRPC's
+    const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
+    int64_t rows_per_request, int connections) {
+  // A sender writes each slice's rows straight from `rows_bytes` into gRPC's
   // buffer when it sends it.
-  RowSlices slices = CutRows(request, rows_per_request);
+  RowSlices slices = CutRows(request, rows_per_request, rows_bytes);
   std::vector<detlogp::v1::LogProbRequest>& headers = slices.headers;
   const std::vector<absl::string_view>& slice_rows = slices.rows;
   const int used =
@@ -1051,7 +1072,8 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     ref->set_region((*region)->name);
     ref->set_offset(0);
     ref->set_byte_size(bytes);
-    absl::StatusOr<ScoreResult> result = ScoreCut(by_reference);
+    absl::StatusOr<ScoreResult> result =
+        ScoreCut(by_reference, {}, /*rows_beside=*/false);
     if (attempt == 0 && IsRegionGone(result.status())) {
       // The server closed its handle: free the memory, register anew.
       cuda_regions_.erase(rows.device);

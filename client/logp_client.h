@@ -250,6 +250,14 @@ class LogpClient {
   // One call, cut into requests that fit the server's limits when larger;
   // the answer checked against the request (CheckLogProbResponse).
   absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& request);
+  // The same for rows given beside the request: `header` carries neither
+  // hidden.data nor a region (its shape and dtype say what `rows` hold), and
+  // `rows` (read during the call only) are written once, straight into each
+  // request's gRPC buffer, never copied into a message first. They go in
+  // the messages (not through the system region); INVALID_ARGUMENT naming
+  // hidden.data when they do not fill the shape.
+  absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& header,
+                                    absl::string_view rows);
   // The same for rows on a GPU (DeviceRows; one target per row): through
   // the client's CUDA region (Options::cuda_shared_memory), else copied to
   // the host. The caller keeps the rows unchanged until it returns.
@@ -401,15 +409,18 @@ class LogpClient {
       const detlogp::v1::LogProbRequest& request,
       detlogp::v1::LogProbService::Stub* stub = nullptr);
   // `request` as it is (rows in the message or named by reference), cut to
-  // fit the server's limits and, with rows in the message, spread over
-  // connections.
+  // fit the server's limits and, with rows in the messages, spread over
+  // connections. `rows_bytes`: the rows that go in the messages, the
+  // request's own data or, with `rows_beside`, rows given beside a request
+  // that carries none.
   absl::StatusOr<ScoreResult> ScoreCut(
-      const detlogp::v1::LogProbRequest& request);
+      const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
+      bool rows_beside);
   // `request` cut into requests of `rows_per_request` rows sent side by side
   // over `connections` connections, on one model version.
   absl::StatusOr<ScoreResult> ScoreSpread(
-      const detlogp::v1::LogProbRequest& request, int64_t rows_per_request,
-      int connections);
+      const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
+      int64_t rows_per_request, int connections);
   // A channel with ComputeLogProbs and StreamLogProbs on it, sent as
   // grpc::ByteBuffer (a slice's rows written once, straight from the
   // caller's request).

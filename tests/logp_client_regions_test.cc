@@ -411,6 +411,37 @@ TEST_F(LogpClientRegionsTest, ACallCutOnOneConnectionHasTheBitsOfUnsplitRows) {
       << refused.status();
 }
 
+TEST_F(LogpClientRegionsTest, RowsGivenBesideTheRequestHaveTheBitsOfRowsInIt) {
+  const LogProbRequest request = Request(1234, 17);
+  LogProbRequest header = request;
+  header.mutable_hidden()->clear_data();
+  const std::string& rows = request.hidden().data();
+  auto whole = Connect(*server_)->Score(request);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  // Alone, cut on one connection, and spread over three.
+  for (const auto& [connections, max_rows] :
+       std::vector<std::pair<int, int64_t>>{{1, 0}, {1, 100}, {3, 100}}) {
+    LogpClient::Options options;
+    options.connections = connections;
+    options.max_request_rows = max_rows;
+    auto beside = Connect(*server_, options)->Score(header, rows);
+    ASSERT_TRUE(beside.ok()) << beside.status();
+    EXPECT_EQ(beside->requests, max_rows == 0 ? 1 : 13);
+    EXPECT_EQ(beside->connections, connections);
+    ExpectSameBits(*whole, *beside);
+  }
+  auto client = Connect(*server_);
+  auto short_rows =
+      client->Score(header, absl::string_view(rows).substr(0, rows.size() - 2));
+  EXPECT_EQ(short_rows.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(short_rows.status().message(), "hidden.data:"))
+      << short_rows.status();
+  auto rows_twice = client->Score(request, rows);
+  EXPECT_EQ(rows_twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(rows_twice.status().message(), "hidden:"))
+      << rows_twice.status();
+}
+
 TEST_F(LogpClientRegionsTest, TheCliRepeatsACallOnOneClient) {
   auto [code, out] = testing::RunCli(
       absl::StrCat("score --target=", server_->target(),

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "client/logp_client.h"
 #include "detlogp/v1/detlogp.pb.h"
@@ -52,17 +53,16 @@ int64_t ElementBytes(int dtype) {
 
 absl::Status CheckRequest(const DetlogpScoreRequest& request) {
   if (ElementBytes(request.dtype) == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dtype: ", request.dtype,
-                     " is not BFLOAT16, FLOAT16 or FLOAT32"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dtype: ", request.dtype, " is not BFLOAT16, FLOAT16 or FLOAT32"));
   }
   if (request.rows < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("rows: ", request.rows, " is negative"));
   }
   if (request.hidden_size <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden_size: ", request.hidden_size, " is not positive"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("hidden_size: ", request.hidden_size, " is not positive"));
   }
   if (request.rows > 0 &&
       (request.hidden == nullptr || request.target_ids == nullptr)) {
@@ -79,8 +79,8 @@ absl::Status CopyOut(const std::vector<T>& from, int64_t expected, T* to,
                      const char* field) {
   if (to == nullptr) return absl::OkStatus();
   if (static_cast<int64_t>(from.size()) != expected) {
-    return absl::DataLossError(absl::StrCat(field, ": ", from.size(),
-                                            " values, expected ", expected));
+    return absl::DataLossError(
+        absl::StrCat(field, ": ", from.size(), " values, expected ", expected));
   }
   std::copy(from.begin(), from.end(), to);
   return absl::OkStatus();
@@ -96,9 +96,8 @@ int detlogp_client_create(const DetlogpClientOptions* options,
                           DetlogpClient** client, char* error,
                           size_t error_len) {
   if (options == nullptr || client == nullptr) {
-    return Fail(absl::InvalidArgumentError(options == nullptr
-                                               ? "options: null"
-                                               : "client: null"),
+    return Fail(absl::InvalidArgumentError(options == nullptr ? "options: null"
+                                                              : "client: null"),
                 error, error_len);
   }
   LogpClient::Options settings;
@@ -131,11 +130,11 @@ int detlogp_client_score(DetlogpClient* client,
                          DetlogpScoreAnswer* answer, char* error,
                          size_t error_len) {
   if (client == nullptr || request == nullptr || answer == nullptr) {
-    return Fail(absl::InvalidArgumentError(
-                    client == nullptr    ? "client: null"
-                    : request == nullptr ? "request: null"
-                                         : "answer: null"),
-                error, error_len);
+    return Fail(
+        absl::InvalidArgumentError(client == nullptr    ? "client: null"
+                                   : request == nullptr ? "request: null"
+                                                        : "answer: null"),
+        error, error_len);
   }
   if (absl::Status valid = CheckRequest(*request); !valid.ok()) {
     return Fail(valid, error, error_len);
@@ -150,21 +149,22 @@ int detlogp_client_score(DetlogpClient* client,
   extras.top_k = request->top_k;
   extras.model = Text(request->model);
   extras.model_version = request->model_version;
-  std::vector<int64_t> targets(request->target_ids,
-                               request->target_ids + rows);
-  detlogp::v1::LogProbRequest message = detlogp::client::MakeLogProbRequest(
+  std::vector<int64_t> targets(request->target_ids, request->target_ids + rows);
+  // The rows stay where they are: each request's gRPC buffer is written
+  // from them.
+  detlogp::v1::LogProbRequest header = detlogp::client::MakeLogProbRequest(
       Text(request->request_id),
       static_cast<detlogp::v1::DType>(request->dtype), rows,
-      request->hidden_size,
-      std::string(static_cast<const char*>(request->hidden), bytes), targets,
-      extras);
-  message.set_return_timing(request->return_timing != 0);
-  auto result = client->client->Score(message);
+      request->hidden_size, /*data=*/"", targets, extras);
+  header.set_return_timing(request->return_timing != 0);
+  auto result = client->client->Score(
+      header,
+      absl::string_view(static_cast<const char*>(request->hidden), bytes));
   if (!result.ok()) return Fail(result.status(), error, error_len);
 
   const int64_t ranked = rows * std::max<int64_t>(request->top_k, 0);
-  absl::Status copied = CopyOut(result->logprobs, rows, answer->logprobs,
-                                "logprobs");
+  absl::Status copied =
+      CopyOut(result->logprobs, rows, answer->logprobs, "logprobs");
   if (copied.ok() && request->return_lse) {
     copied = CopyOut(result->lse, rows, answer->lse, "lse");
   }
