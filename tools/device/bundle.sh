@@ -6,7 +6,7 @@
 #              benchmarks, every test tagged "gpu" and the tests that run
 #              against a GPU server (live_weights_test)
 #   lib/       the ops libraries (libdetlogp_ops.so, libdetlogp_ops_cuda.so),
-#              the kernels' bench library (liblogp_bench.so) and every shared
+#              the C++ client's C ABI (libdetlogp_client.so), the kernels' bench library (liblogp_bench.so) and every shared
 #              library these load that a GPU host does not bring itself
 #   runfiles/  where the server-process tests look for the binaries
 #   python/    client/python (pip install python/client, or PYTHONPATH)
@@ -39,6 +39,7 @@ binaries=(
 libraries=(
   //kernels/capi:libdetlogp_ops.so
   //kernels/capi:libdetlogp_ops_cuda.so
+  //client/capi:libdetlogp_client.so
   //tools/device:liblogp_bench.so
 )
 echo "== bazel build: ${#binaries[@]} binaries, ${#libraries[@]} libraries" >&2

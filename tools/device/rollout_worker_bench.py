@@ -106,6 +106,12 @@ def main():
     )
     parser.add_argument("--copy_threads", type=int, default=4, help="TransferOptions.copy_threads")
     parser.add_argument(
+        "--native_transport",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="TransferOptions.native_transport (large gRPC calls sent by the C++ client)",
+    )
+    parser.add_argument(
         "--keep_freed_memory",
         action="store_true",
         help="detlogp.keep_freed_memory() in this process first",
@@ -159,6 +165,7 @@ def main():
             system_slice_bytes=args.system_slice_mb << 20,
             cuda_slice_bytes=args.cuda_slice_mb << 20,
             copy_threads=args.copy_threads,
+            native_transport=args.native_transport,
         )
         clients = {
             path: detlogp.Client(

@@ -204,6 +204,7 @@ python_env() {
   export PYTHONPATH="$site:$bundle/python/client${PYTHONPATH:+:$PYTHONPATH}"
   export DETLOGP_OPS_LIBRARY=$bundle/lib/libdetlogp_ops.so
   export DETLOGP_OPS_CUDA_LIBRARY=$bundle/lib/libdetlogp_ops_cuda.so
+  export DETLOGP_CLIENT_LIBRARY=$bundle/lib/libdetlogp_client.so
   export DETLOGP_SERVER=$bin/detlogp_server
   export DETLOGP_BUNDLE=$bundle
 }
