@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from detlogp import requests, shm, transfer, wire
+from detlogp import native, requests, shm, transfer, wire
 from detlogp.credentials import bearer
 from detlogp.errors import (
     DataLoss,
@@ -408,6 +408,61 @@ class ClientState:
         self._memory = [shm.TargetMemory(t, self.transfer_options) for t in self.targets]
         self._row_copier = shm.RowCopier(self.transfer_options.copy_threads)
         self._shm_stubs = [pb_grpc.SharedMemoryServiceStub(c) for c in self._channels]
+        # The C++ client for large calls over gRPC (native_transport), made
+        # on first need; why it is not used, once known.
+        self._native = None
+        self._native_refusal = None
+        self._native_lock = threading.Lock()
+
+    def _native_client(self, call, deadline):
+        """The C++ client when it should send `call` (native_transport): a
+        large call whose rows go in the messages, to a single target, within
+        the client's own timeout; else None."""
+        options = self.transfer_options
+        if options.native_transport == "off":
+            return None
+        if not call.sliceable or call.hidden_bytes < options.auto_connections_min_bytes:
+            return None
+        if self._memory[0].kind_for(call, time.monotonic()) is not None:
+            return None  # the rows go through shared memory
+        remaining = deadline.remaining()
+        if self.timeout is not None and (remaining is None or remaining < self.timeout - 1.0):
+            return None  # a shorter deadline than the C++ client's
+        with self._native_lock:
+            if self._native is None and self._native_refusal is None:
+                self._native_refusal = self._native_unsuitable()
+                if self._native_refusal is None:
+                    try:
+                        self._native = native.NativeClient(
+                            native.load_library(),
+                            self.targets[0],
+                            self.timeout,
+                            self._max_receive_bytes,
+                            options.connections,
+                            self._sync_channel_security,
+                        )
+                    except RuntimeError as why:
+                        self._native_refusal = str(why)
+                if self._native_refusal is not None:
+                    say = log.warning if options.native_transport == "on" else log.info
+                    say("large calls go through grpcio: %s", self._native_refusal)
+            if self._native is None and options.native_transport == "on":
+                raise RuntimeError(f"TransferOptions.native_transport='on': {self._native_refusal}")
+            return self._native
+
+    def _native_unsuitable(self):
+        """Why this client's calls cannot go through the C++ client, or None."""
+        if len(self.targets) != 1:
+            return "several targets (the C++ client takes one)"
+        if self._custom_channel_args:
+            return "channel_args were given (the C++ client cannot take them)"
+        return None
+
+    def _close_native(self):
+        with self._native_lock:
+            if self._native is not None:
+                self._native.close()
+                self._native = None
 
     @staticmethod
     def _raw_compute(channel):

@@ -15,7 +15,7 @@ import weakref
 import grpc
 import numpy as np
 
-from detlogp import requests, shm, transfer, wire
+from detlogp import native, requests, shm, transfer, wire
 from detlogp._common import (
     STAGING_FAILURES,
     CallPlan,
@@ -25,6 +25,7 @@ from detlogp._common import (
     combine_versions,
     first_failure,
     legacy_info_args,
+    log,
     logprob_fields,
     parse_health_response,
 )
@@ -70,6 +71,7 @@ class AsyncClient(ClientState):
                 for region in pool.take_all():
                     await self._unregister(stub, region)
         self._row_copier.close()
+        self._close_native()
         for channel in self._take_extra_channels():
             await channel.close()
         for channel in self._channels:
@@ -157,6 +159,16 @@ class AsyncClient(ClientState):
 
     # ------------------------------------------------------------ large calls
     async def _run_call(self, call, deadline, timings):
+        client = self._native_client(call, deadline)
+        if client is not None:
+            loop = asyncio.get_running_loop()
+            try:
+                return await loop.run_in_executor(
+                    None, lambda: client.score(call, call.host_rows(), timings)
+                )
+            except native.NativeCallFailed as failed:
+                # The slices below send it again: their answer or error stands.
+                log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
         if call.rows > 1:
             await self._learn_limits(deadline)
         while True:

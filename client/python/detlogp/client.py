@@ -90,11 +90,6 @@ class Client(ClientState):
         self._slice_pool = None
         self._slice_workers = 0
         self._slice_pool_lock = threading.Lock()
-        # The C++ client for large calls over gRPC (native_transport), made
-        # on first need; why it is not used, once known.
-        self._native = None
-        self._native_refusal = None
-        self._native_lock = threading.Lock()
         # Regions are released by close(), or at exit when it was not called.
         self._release_regions = weakref.finalize(
             self, _release_shared_memory, self._memory, self._shm_stubs
@@ -106,10 +101,7 @@ class Client(ClientState):
         if self._slice_pool is not None:
             self._slice_pool.shutdown(wait=True)
         self._row_copier.close()
-        with self._native_lock:
-            if self._native is not None:
-                self._native.close()
-                self._native = None
+        self._close_native()
         for channel in self._take_extra_channels():
             channel.close()
         for channel in self._channels:
@@ -252,50 +244,6 @@ class Client(ClientState):
             for i, answer in zip(repeat, again):
                 answers[i] = answer
         return transfer.merge_answers(call, pieces, answers, timings)
-
-    def _native_client(self, call, deadline):
-        """The C++ client when it should send `call` (native_transport): a
-        large call whose rows go in the messages, to a single target, within
-        the client's own timeout; else None."""
-        options = self.transfer_options
-        if options.native_transport == "off":
-            return None
-        if not call.sliceable or call.hidden_bytes < options.auto_connections_min_bytes:
-            return None
-        if self._memory[0].kind_for(call, time.monotonic()) is not None:
-            return None  # the rows go through shared memory
-        remaining = deadline.remaining()
-        if self.timeout is not None and (remaining is None or remaining < self.timeout - 1.0):
-            return None  # a shorter deadline than the C++ client's
-        with self._native_lock:
-            if self._native is None and self._native_refusal is None:
-                self._native_refusal = self._native_unsuitable()
-                if self._native_refusal is None:
-                    try:
-                        self._native = native.NativeClient(
-                            native.load_library(),
-                            self.targets[0],
-                            self.timeout,
-                            self._max_receive_bytes,
-                            options.connections,
-                            self._sync_channel_security,
-                        )
-                    except RuntimeError as why:
-                        self._native_refusal = str(why)
-                if self._native_refusal is not None:
-                    log = _log.warning if options.native_transport == "on" else _log.info
-                    log("large calls go through grpcio: %s", self._native_refusal)
-            if self._native is None and options.native_transport == "on":
-                raise RuntimeError(f"TransferOptions.native_transport='on': {self._native_refusal}")
-            return self._native
-
-    def _native_unsuitable(self):
-        """Why this client's calls cannot go through the C++ client, or None."""
-        if len(self.targets) != 1:
-            return "several targets (the C++ client takes one)"
-        if self._custom_channel_args:
-            return "channel_args were given (the C++ client cannot take them)"
-        return None
 
     def _send_slices(self, call, pieces, deadline, timings, connections, version=None):
         def one(piece):

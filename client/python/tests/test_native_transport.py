@@ -116,3 +116,20 @@ def test_without_the_library_auto_uses_grpcio_and_on_says_why(
 def test_native_transport_is_checked():
     with pytest.raises(ValueError, match="TransferOptions.native_transport"):
         detlogp.TransferOptions(native_transport="always").validated()
+
+
+def test_the_asyncio_client_sends_large_calls_the_same_way(server, model, max_request_rows):
+    import asyncio
+
+    from detlogp.aio import AsyncClient
+
+    hidden, targets = model.random_rows(20 * max_request_rows + 3, seed=405)
+    want = score(server.target, "off", hidden, targets, **EXTRAS)
+
+    async def run():
+        async with AsyncClient(server.target, timeout=60, transfer_options=options("on")) as client:
+            return await client.logprobs(hidden, targets, timing=True, **EXTRAS)
+
+    got = asyncio.run(run())
+    assert got.timings.native
+    assert_same_answer(got, want)
