@@ -130,7 +130,9 @@ def load_library():
         if path in _loaded:
             return _loaded[path]
         try:
-            lib = ctypes.CDLL(str(path))
+            # Its own gRPC, protobuf and Abseil first: a process may hold
+            # other copies of them (grpcio's tools bundle protobuf's).
+            lib = ctypes.CDLL(str(path), mode=os.RTLD_LOCAL | os.RTLD_DEEPBIND)
         except OSError as error:
             raise RuntimeError(f"cannot load {path}: {error}") from None
         if lib.detlogp_client_abi_version() != ABI_VERSION:
