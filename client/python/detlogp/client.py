@@ -14,7 +14,6 @@ Example:
 """
 
 import concurrent.futures
-import logging
 import threading
 import time
 import weakref
@@ -32,6 +31,7 @@ from detlogp._common import (
     combine_versions,
     first_failure,
     legacy_info_args,
+    log,
     logprob_fields,
     parse_health_response,
 )
@@ -41,8 +41,6 @@ from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
-
-_log = logging.getLogger("detlogp")
 
 
 class Client(ClientState):
@@ -220,7 +218,7 @@ class Client(ClientState):
             except native.NativeCallFailed as failed:
                 # grpcio sends the call again: its answer, or the error the
                 # caller gets from it (retries, row numbers in messages).
-                _log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
+                log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
         if call.rows > 1:
             self._learn_limits(deadline)
         while True:

@@ -178,7 +178,8 @@ class NativeClient:
         self._lib = lib
         options = _Options(
             target=_text(target),
-            timeout_s=float(timeout or 0.0),
+            # No deadline: a year (the C++ client always sets one).
+            timeout_s=float(timeout) if timeout is not None else 365 * 86400.0,
             max_message_bytes=int(max_message_bytes),
             connections=int(connections),
             bearer_token=_text(security.get("token")),
