@@ -86,49 +86,8 @@ absl::Status CopyOut(const std::vector<T>& from, int64_t expected, T* to,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-extern "C" {
-
-int detlogp_client_abi_version(void) { return DETLOGP_CLIENT_ABI_VERSION; }
-
-int detlogp_client_create(const DetlogpClientOptions* options,
-                          DetlogpClient** client, char* error,
-                          size_t error_len) {
-  if (options == nullptr || client == nullptr) {
-    return Fail(absl::InvalidArgumentError(options == nullptr ? "options: null"
-                                                              : "client: null"),
-                error, error_len);
-  }
-  LogpClient::Options settings;
-  settings.target = Text(options->target);
-  if (options->timeout_s > 0) {
-    settings.timeout = absl::Seconds(options->timeout_s);
-  }
-  if (options->max_message_bytes > 0) {
-    settings.max_message_bytes = static_cast<int>(
-        std::min<int64_t>(options->max_message_bytes, INT32_MAX));
-  }
-  if (options->connections < 0) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-                    "connections: ", options->connections, " is negative")),
-                error, error_len);
-  }
-  settings.connections = options->connections;
-  settings.bearer_token = Text(options->bearer_token);
-  settings.tls_root_certs = Text(options->tls_root_certs);
-  settings.tls_client_cert = Text(options->tls_client_cert);
-  settings.tls_client_key = Text(options->tls_client_key);
-  auto created = LogpClient::Create(settings);
-  if (!created.ok()) return Fail(created.status(), error, error_len);
-  *client = new DetlogpClient{*std::move(created)};
-  return 0;
-}
-
-int detlogp_client_score(DetlogpClient* client,
-                         const DetlogpScoreRequest* request,
-                         DetlogpScoreAnswer* answer, char* error,
-                         size_t error_len) {
+int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
+          DetlogpScoreAnswer* answer, char* error, size_t error_len) {
   if (client == nullptr || request == nullptr || answer == nullptr) {
     return Fail(
         absl::InvalidArgumentError(client == nullptr    ? "client: null"
@@ -192,6 +151,59 @@ int detlogp_client_score(DetlogpClient* client,
   CopyText(result->determinism_key, answer->determinism_key,
            sizeof(answer->determinism_key));
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int detlogp_client_abi_version(void) { return DETLOGP_CLIENT_ABI_VERSION; }
+
+int detlogp_client_create(const DetlogpClientOptions* options,
+                          DetlogpClient** client, char* error,
+                          size_t error_len) {
+  if (options == nullptr || client == nullptr) {
+    return Fail(absl::InvalidArgumentError(options == nullptr ? "options: null"
+                                                              : "client: null"),
+                error, error_len);
+  }
+  LogpClient::Options settings;
+  settings.target = Text(options->target);
+  if (options->timeout_s > 0) {
+    settings.timeout = absl::Seconds(options->timeout_s);
+  }
+  if (options->max_message_bytes > 0) {
+    settings.max_message_bytes = static_cast<int>(
+        std::min<int64_t>(options->max_message_bytes, INT32_MAX));
+  }
+  if (options->connections < 0) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+                    "connections: ", options->connections, " is negative")),
+                error, error_len);
+  }
+  settings.connections = options->connections;
+  settings.bearer_token = Text(options->bearer_token);
+  settings.tls_root_certs = Text(options->tls_root_certs);
+  settings.tls_client_cert = Text(options->tls_client_cert);
+  settings.tls_client_key = Text(options->tls_client_key);
+  auto created = LogpClient::Create(settings);
+  if (!created.ok()) return Fail(created.status(), error, error_len);
+  *client = new DetlogpClient{*std::move(created)};
+  return 0;
+}
+
+// No C++ exception crosses the C boundary: one (a thread that cannot start,
+// memory that cannot be had) fails the call instead.
+int detlogp_client_score(DetlogpClient* client,
+                         const DetlogpScoreRequest* request,
+                         DetlogpScoreAnswer* answer, char* error,
+                         size_t error_len) {
+  try {
+    return Score(client, request, answer, error, error_len);
+  } catch (const std::exception& e) {
+    return Fail(absl::InternalError(absl::StrCat("C++ client: ", e.what())),
+                error, error_len);
+  }
 }
 
 void detlogp_client_destroy(DetlogpClient* client) { delete client; }

@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 import pathlib
+import sys
 import threading
 import time
 
@@ -33,6 +34,9 @@ ABI_VERSION = 1
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_client.so"
 _PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
 _ERROR_BYTES = 4096
+# grpcio-tools' protoc carries a protobuf whose symbols the C++ client's
+# protobuf would bind to when loaded beside it (an abort, or a crash later).
+_CLASHING_MODULE = "grpc_tools._protoc_compiler"
 
 _log = logging.getLogger("detlogp")
 _lock = threading.Lock()
@@ -125,6 +129,11 @@ def load_library():
         raise RuntimeError(
             f"libdetlogp_client.so not found (set ${LIBRARY_ENV}, or build "
             "//client/capi:libdetlogp_client.so and work inside the repository)"
+        )
+    if _CLASHING_MODULE in sys.modules:
+        raise RuntimeError(
+            f"{_CLASHING_MODULE} is loaded in this process: its own protobuf "
+            "would clash with the C++ client's"
         )
     with _lock:
         if path in _loaded:

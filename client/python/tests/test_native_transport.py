@@ -133,3 +133,15 @@ def test_the_asyncio_client_sends_large_calls_the_same_way(server, model, max_re
     got = asyncio.run(run())
     assert got.timings.native
     assert_same_answer(got, want)
+
+
+def test_beside_grpcio_tools_protoc_the_cpp_client_is_not_loaded(server, model, monkeypatch):
+    """grpcio-tools' protoc carries its own protobuf: the C++ client's
+    library is not loaded beside it (that aborts); calls use grpcio."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "grpc_tools._protoc_compiler", sys)
+    hidden, targets = model.random_rows(60, seed=406)
+    assert not score(server.target, "auto", hidden, targets).timings.native
+    with pytest.raises(RuntimeError, match="grpc_tools._protoc_compiler is loaded"):
+        score(server.target, "on", hidden, targets)
