@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "proto/dtype_bytes.h"
 
 namespace detlogp::client {
 
@@ -46,22 +47,6 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
   return request;
 }
 
-namespace {
-
-int64_t DtypeBytes(detlogp::v1::DType dtype) {
-  switch (dtype) {
-    case detlogp::v1::DTYPE_FLOAT32:
-      return 4;
-    case detlogp::v1::DTYPE_BFLOAT16:
-    case detlogp::v1::DTYPE_FLOAT16:
-      return 2;
-    default:
-      return 0;
-  }
-}
-
-}  // namespace
-
 detlogp::v1::LogProbRequest MakeLogProbRequest(
     std::string request_id, detlogp::v1::DType dtype, int64_t rows,
     int64_t hidden_size, const RegionRef& region,
@@ -76,7 +61,7 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
   // that does not match them is named by the server too.
   ref->set_byte_size(region.byte_size != 0
                          ? region.byte_size
-                         : rows * hidden_size * DtypeBytes(dtype));
+                         : rows * hidden_size * detlogp::v1::DTypeBytes(dtype));
   return request;
 }
 
@@ -293,7 +278,7 @@ int64_t RowBytes(const detlogp::v1::LogProbRequest& request) {
       hidden.shape(0) != request.target_ids_size()) {
     return 0;
   }
-  return hidden.shape(1) * DtypeBytes(hidden.dtype());
+  return hidden.shape(1) * detlogp::v1::DTypeBytes(hidden.dtype());
 }
 
 // Every field of `request` but the hidden tensor's bytes or reference.
@@ -988,7 +973,7 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     const DeviceRows& rows, const std::vector<int64_t>& targets,
     const LogProbOptions& options, std::string request_id) {
   // What the server cannot check: it never sees the pointer.
-  const int64_t element_bytes = DtypeBytes(rows.dtype);
+  const int64_t element_bytes = detlogp::v1::DTypeBytes(rows.dtype);
   if (rows.data == nullptr) {
     return absl::InvalidArgumentError("rows.data: null");
   }
@@ -1050,8 +1035,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     const CudaRuntime& cuda, const DeviceRows& rows,
     const detlogp::v1::LogProbRequest& request) {
-  const int64_t bytes =
-      rows.rows * rows.hidden_size * DtypeBytes(detlogp::v1::DTYPE_BFLOAT16);
+  const int64_t bytes = rows.rows * rows.hidden_size *
+                        detlogp::v1::DTypeBytes(detlogp::v1::DTYPE_BFLOAT16);
   absl::MutexLock lock(&cuda_mu_);
   for (int attempt = 0;; ++attempt) {
     if (!cuda_refusal_.empty()) return std::nullopt;

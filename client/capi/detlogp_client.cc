@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "client/logp_client.h"
 #include "detlogp/v1/detlogp.pb.h"
+#include "proto/dtype_bytes.h"
 
 struct DetlogpClient {
   std::unique_ptr<detlogp::client::LogpClient> client;
@@ -39,20 +40,8 @@ void CopyText(const std::string& from, char* to, size_t capacity) {
   to[n] = '\0';
 }
 
-int64_t ElementBytes(int dtype) {
-  switch (dtype) {
-    case detlogp::v1::DTYPE_BFLOAT16:
-    case detlogp::v1::DTYPE_FLOAT16:
-      return 2;
-    case detlogp::v1::DTYPE_FLOAT32:
-      return 4;
-    default:
-      return 0;
-  }
-}
-
 absl::Status CheckRequest(const DetlogpScoreRequest& request) {
-  if (ElementBytes(request.dtype) == 0) {
+  if (detlogp::v1::DTypeBytes(request.dtype) == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "dtype: ", request.dtype, " is not BFLOAT16, FLOAT16 or FLOAT32"));
   }
@@ -99,8 +88,8 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
     return Fail(valid, error, error_len);
   }
   const int64_t rows = request->rows;
-  const size_t bytes = static_cast<size_t>(rows * request->hidden_size *
-                                           ElementBytes(request->dtype));
+  const size_t bytes = static_cast<size_t>(
+      rows * request->hidden_size * detlogp::v1::DTypeBytes(request->dtype));
   detlogp::client::LogProbOptions extras;
   extras.temperature = request->temperature;
   extras.return_lse = request->return_lse != 0;

@@ -7,23 +7,12 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/bfloat16.h"
 #include "server/shared_memory/mapped_reads.h"
+#include "proto/dtype_bytes.h"
 
 namespace detlogp::server {
 namespace {
 
 using detlogp::v1::DType;
-
-int64_t DtypeSize(DType dtype) {
-  switch (dtype) {
-    case detlogp::v1::DTYPE_FLOAT32:
-      return 4;
-    case detlogp::v1::DTYPE_BFLOAT16:
-    case detlogp::v1::DTYPE_FLOAT16:
-      return 2;
-    default:
-      return 0;
-  }
-}
 
 }  // namespace
 
@@ -51,7 +40,7 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
     const SharedMemoryResolver& resolve) {
   const detlogp::v1::Tensor& hidden = request.hidden();
   if (!detlogp::v1::DType_IsValid(hidden.dtype()) ||
-      DtypeSize(hidden.dtype()) == 0) {
+      detlogp::v1::DTypeBytes(hidden.dtype()) == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("hidden.dtype: ", hidden.dtype(),
                      " is not DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16"));
@@ -78,7 +67,8 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
         limits.max_request_rows, " rows per request (--max_request_rows); ",
         "split the request"));
   }
-  const int64_t expected_bytes = rows * hidden_size * DtypeSize(hidden.dtype());
+  const int64_t expected_bytes =
+      rows * hidden_size * detlogp::v1::DTypeBytes(hidden.dtype());
   const bool shared = hidden.has_shared_memory();
   if (shared) {
     if (!hidden.data().empty()) {
@@ -91,12 +81,12 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
       return absl::InvalidArgumentError(absl::StrCat(
           "hidden.shared_memory.byte_size: ",
           hidden.shared_memory().byte_size(), " bytes, expected N*H*",
-          DtypeSize(hidden.dtype()), " = ", expected_bytes));
+          detlogp::v1::DTypeBytes(hidden.dtype()), " = ", expected_bytes));
     }
   } else if (static_cast<int64_t>(hidden.data().size()) != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "hidden.data: ", hidden.data().size(), " bytes, expected N*H*",
-        DtypeSize(hidden.dtype()), " = ", expected_bytes));
+        detlogp::v1::DTypeBytes(hidden.dtype()), " = ", expected_bytes));
   }
   if (request.target_ids_size() != rows) {
     return absl::InvalidArgumentError(

@@ -32,7 +32,6 @@ __all__ = ["find_library", "load_library", "NativeClient", "NativeCallFailed"]
 LIBRARY_ENV = "DETLOGP_CLIENT_LIBRARY"
 ABI_VERSION = 1
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_client.so"
-_PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
 _ERROR_BYTES = 4096
 # grpcio-tools' protoc carries a protobuf whose symbols the C++ client's
 # protobuf would bind to when loaded beside it (an abort, or a crash later).
@@ -108,17 +107,9 @@ def find_library(start=None):
     the installed package, else bazel-bin/client/capi/libdetlogp_client.so
     in `start` (or the working directory) or a folder above it; None if not
     found."""
-    env = os.environ.get(LIBRARY_ENV)
-    if env:
-        return pathlib.Path(env)
-    packaged = _PACKAGE_LIB_DIR / _LIBRARY_PATH.name
-    if packaged.exists():
-        return packaged
-    here = pathlib.Path(start or os.getcwd()).resolve()
-    for folder in [here, *here.parents]:
-        if (folder / _LIBRARY_PATH).exists():
-            return folder / _LIBRARY_PATH
-    return None
+    from detlogp.ops import find_library_file
+
+    return find_library_file(LIBRARY_ENV, _LIBRARY_PATH, start)
 
 
 def load_library():

@@ -46,6 +46,7 @@ __all__ = [
     "h3_projection",
     "determinism_key",
     "find_library",
+    "find_library_file",
     "load_library",
     "find_cuda_library",
     "load_cuda_library",
@@ -78,7 +79,11 @@ _i32p = ctypes.POINTER(ctypes.c_int32)
 _i64 = ctypes.c_int64
 
 
-def _find(env_name, relative, start):
+def find_library_file(env_name, relative, start=None):
+    """A library of the project's: $`env_name`, else its name in the
+    installed package's library folder, else `relative` (a bazel-bin path)
+    in `start` (or the working directory) or a folder above it; None if not
+    found."""
     env = os.environ.get(env_name)
     if env:
         return pathlib.Path(env)
@@ -98,12 +103,12 @@ def find_library(start=None):
     installed package, else bazel-bin/kernels/capi/libdetlogp_ops.so in
     `start` (or the working directory) or any folder above it; None if not
     found."""
-    return _find(LIBRARY_ENV, _LIBRARY_PATH, start)
+    return find_library_file(LIBRARY_ENV, _LIBRARY_PATH, start)
 
 
 def find_cuda_library(start=None):
     """As find_library, for libdetlogp_ops_cuda.so ($DETLOGP_OPS_CUDA_LIBRARY)."""
-    return _find(CUDA_LIBRARY_ENV, _CUDA_LIBRARY_PATH, start)
+    return find_library_file(CUDA_LIBRARY_ENV, _CUDA_LIBRARY_PATH, start)
 
 
 def load_library():
