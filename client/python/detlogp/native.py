@@ -16,7 +16,6 @@ working directory or a folder above it (`bazel build
 """
 
 import ctypes
-import logging
 import os
 import pathlib
 import sys
@@ -37,7 +36,6 @@ _ERROR_BYTES = 4096
 # protobuf would bind to when loaded beside it (an abort, or a crash later).
 _CLASHING_MODULE = "grpc_tools._protoc_compiler"
 
-_log = logging.getLogger("detlogp")
 _lock = threading.Lock()
 _loaded = {}  # path -> CDLL
 
