@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 
@@ -14,7 +15,11 @@ namespace detlogp::client {
 
 std::string SystemSharedMemory::UniqueKey() {
   static std::atomic<int64_t> counter{0};
-  return absl::StrCat("/detlogp_", getpid(), "_", counter.fetch_add(1));
+  // The pid alone is not unique: processes in other PID namespaces (each
+  // container, each sandboxed test) share /dev/shm with the same pids.
+  std::random_device entropy;
+  return absl::StrCat("/detlogp_", getpid(), "_", counter.fetch_add(1), "_",
+                      absl::Hex(entropy(), absl::kZeroPad8));
 }
 
 absl::StatusOr<std::unique_ptr<SystemSharedMemory>> SystemSharedMemory::Create(

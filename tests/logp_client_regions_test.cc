@@ -21,6 +21,7 @@
 #include "client/logp_client.h"
 #include "client/random_rows.h"
 #include "client/system_shared_memory.h"
+#include "tests/score_result_bits.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -29,6 +30,8 @@ namespace {
 using client::LogpClient;
 using client::ScoreResult;
 using client::SystemSharedMemory;
+using testing::ExpectSameBits;
+using testing::SameBits;
 using testing::ServerProcess;
 using v1::LogProbRequest;
 
@@ -64,21 +67,6 @@ std::unique_ptr<LogpClient> Connect(const ServerProcess& server,
   auto client = LogpClient::Create(options);
   EXPECT_TRUE(client.ok()) << client.status();
   return *std::move(client);
-}
-
-template <typename T>
-bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-void ExpectSameBits(const ScoreResult& a, const ScoreResult& b) {
-  ASSERT_FALSE(a.logprobs.empty());
-  EXPECT_TRUE(SameBits(a.logprobs, b.logprobs));
-  EXPECT_TRUE(SameBits(a.lse, b.lse));
-  EXPECT_TRUE(SameBits(a.entropy, b.entropy));
-  EXPECT_TRUE(SameBits(a.top_ids, b.top_ids));
-  EXPECT_TRUE(SameBits(a.top_logprobs, b.top_logprobs));
 }
 
 class LogpClientRegionsTest : public ::testing::Test {

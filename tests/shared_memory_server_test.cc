@@ -25,6 +25,7 @@
 #include "client/random_rows.h"
 #include "client/system_shared_memory.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
+#include "tests/score_result_bits.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -33,6 +34,8 @@ namespace {
 using client::LogpClient;
 using client::ScoreResult;
 using client::SystemSharedMemory;
+using testing::ExpectSameBits;
+using testing::SameBits;
 using testing::ServerProcess;
 using v1::LogProbRequest;
 
@@ -136,22 +139,6 @@ LogProbRequest ByReference(LogProbRequest request, const std::string& region,
   ref->set_offset(offset);
   ref->set_byte_size(bytes);
   return request;
-}
-
-template <typename T>
-bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-void ExpectSameBits(const ScoreResult& a, const ScoreResult& b) {
-  EXPECT_TRUE(SameBits(a.logprobs, b.logprobs));
-  EXPECT_TRUE(SameBits(a.lse, b.lse));
-  EXPECT_TRUE(SameBits(a.entropy, b.entropy));
-  EXPECT_TRUE(SameBits(a.top_ids, b.top_ids));
-  EXPECT_TRUE(SameBits(a.top_logprobs, b.top_logprobs));
-  EXPECT_EQ(a.determinism_key, b.determinism_key);
-  EXPECT_FALSE(a.logprobs.empty());
 }
 
 // A metric's value from /metrics, or -1.

@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "client/logp_client.h"
 #include "client/random_rows.h"
+#include "tests/score_result_bits.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -27,6 +28,8 @@ namespace {
 using client::DeviceRows;
 using client::LogpClient;
 using client::ScoreResult;
+using testing::ExpectSameBits;
+using testing::SameBits;
 using testing::ServerProcess;
 using v1::LogProbRequest;
 
@@ -66,21 +69,6 @@ LogProbRequest Request(int64_t rows, uint64_t seed) {
 
 std::vector<int64_t> Targets(const LogProbRequest& request) {
   return {request.target_ids().begin(), request.target_ids().end()};
-}
-
-template <typename T>
-bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-void ExpectSameBits(const ScoreResult& a, const ScoreResult& b) {
-  ASSERT_FALSE(a.logprobs.empty());
-  EXPECT_TRUE(SameBits(a.logprobs, b.logprobs));
-  EXPECT_TRUE(SameBits(a.lse, b.lse));
-  EXPECT_TRUE(SameBits(a.entropy, b.entropy));
-  EXPECT_TRUE(SameBits(a.top_ids, b.top_ids));
-  EXPECT_TRUE(SameBits(a.top_logprobs, b.top_logprobs));
 }
 
 // Bytes copied to cuda:0 on a stream of their own, two bytes into the

@@ -22,6 +22,7 @@
 #include "client/random_rows.h"
 #include "client/system_shared_memory.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
+#include "tests/score_result_bits.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -29,6 +30,7 @@ namespace {
 
 using client::LogpClient;
 using client::ScoreResult;
+using testing::SameBits;
 using testing::ServerProcess;
 using v1::LogProbRequest;
 
@@ -79,19 +81,6 @@ LogProbRequest ByReference(LogProbRequest request, const std::string& region,
   ref->set_offset(offset);
   ref->set_byte_size(bytes);
   return request;
-}
-
-template <typename T>
-bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-bool SameBits(const ScoreResult& a, const ScoreResult& b) {
-  return !a.logprobs.empty() && SameBits(a.logprobs, b.logprobs) &&
-         SameBits(a.lse, b.lse) && SameBits(a.entropy, b.entropy) &&
-         SameBits(a.top_ids, b.top_ids) &&
-         SameBits(a.top_logprobs, b.top_logprobs);
 }
 
 class Regions {
