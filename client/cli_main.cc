@@ -95,6 +95,13 @@ ABSL_FLAG(int, score_repeats, 1,
           "once with --cuda_shared_memory): a --timing line each, the rows "
           "printed once; fails when a call answers other bits than the "
           "first.");
+ABSL_FLAG(int, connections, 0,
+          "score: connections a call whose rows go in the messages is spread "
+          "over; 0: 8 for calls of 8 MiB of rows or more, else 1.");
+ABSL_FLAG(int64_t, spread_request_mb, 8,
+          "score: MiB of rows per request of a spread call at most.");
+ABSL_FLAG(int, spread_requests_in_flight, 2,
+          "score: requests of a spread call outstanding per connection.");
 ABSL_FLAG(int, cuda_device, 0,
           "score, with --cuda_shared_memory: the CUDA device the rows are "
           "uploaded to (numbered as the server numbers its GPUs).");
@@ -193,6 +200,13 @@ LogpClient::Options ConnectionOptions() {
   options.target = absl::GetFlag(FLAGS_target);
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
   options.bearer_token = FirstLine(absl::GetFlag(FLAGS_token_file));
+  options.connections = absl::GetFlag(FLAGS_connections);
+  // Bounded before it becomes bytes; LogpClient::Create refuses < 1.
+  options.spread_request_bytes =
+      std::clamp<int64_t>(absl::GetFlag(FLAGS_spread_request_mb), 0, 1 << 20)
+      << 20;
+  options.spread_requests_in_flight =
+      absl::GetFlag(FLAGS_spread_requests_in_flight);
   if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
     std::ifstream in(absl::GetFlag(FLAGS_tls_ca));
     options.tls_root_certs.assign(std::istreambuf_iterator<char>(in), {});

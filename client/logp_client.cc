@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -208,6 +209,20 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     const Options& options) {
   if (options.target.empty()) {
     return absl::InvalidArgumentError("client: empty target");
+  }
+  if (options.connections < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("connections: ", options.connections, " is negative"));
+  }
+  if (options.spread_request_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spread_request_bytes: ", options.spread_request_bytes,
+                     " is not positive"));
+  }
+  if (options.spread_requests_in_flight < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spread_requests_in_flight: ", options.spread_requests_in_flight,
+        " is not positive"));
   }
   std::unique_ptr<LogpClient> client(new LogpClient(options));
   client->channel_ = MakeChannel(options);
@@ -478,7 +493,8 @@ ScoreResult JoinScoreResults(std::vector<ScoreResult> parts) {
 }
 
 absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
-    const detlogp::v1::LogProbRequest& request, bool by_reference) {
+    const detlogp::v1::LogProbRequest& request, bool by_reference,
+    bool spread) {
   const int64_t rows = request.target_ids_size();
   const int64_t row_bytes = RowBytes(request);
   if (!options_.split_large_calls || row_bytes == 0) return 0;
@@ -486,7 +502,9 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
   int64_t max_rows = options_.max_request_rows;
   int64_t max_message_bytes = options_.max_message_bytes;
   if (max_rows <= 0) {
-    if (rows <= kRowsThatAlwaysFit &&
+    // A spread call is cut anyway: its requests follow the server's limits,
+    // asked once, even where its defaults would take the call whole.
+    if (!spread && rows <= kRowsThatAlwaysFit &&
         rows * wire_row_bytes <= kBytesThatAlwaysFit) {
       return 0;
     }
@@ -654,8 +672,6 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     bool rows_beside) {
   const detlogp::v1::LogProbRequest* to_send = &request;
   const bool shared = request.hidden().has_shared_memory();
-  auto rows_per_request = RowsPerRequest(*to_send, shared);
-  if (!rows_per_request.ok()) return rows_per_request.status();
   const int64_t rows = to_send->target_ids_size();
   const int64_t row_bytes = RowBytes(*to_send);
   const int64_t bytes = rows * row_bytes;
@@ -668,10 +684,18 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   const bool fills_shape =
       row_bytes > 0 && static_cast<int64_t>(rows_bytes.size()) == bytes;
   if (shared || !options_.split_large_calls || !fills_shape) connections = 1;
+  auto rows_per_request =
+      RowsPerRequest(*to_send, shared, /*spread=*/connections > 1 && rows > 1);
+  if (!rows_per_request.ok()) return rows_per_request.status();
   absl::StatusOr<ScoreResult> result;
   if (connections > 1 && rows > 1) {
-    const int64_t share = std::max((rows + connections - 1) / connections,
-                                   kMinSpreadRequestBytes / row_bytes);
+    // Every connection gets a share (cut no smaller than
+    // kMinSpreadRequestBytes for that), in requests of at most
+    // spread_request_bytes.
+    const int64_t share =
+        std::min(std::max((rows + connections - 1) / connections,
+                          kMinSpreadRequestBytes / row_bytes),
+                 options_.spread_request_bytes / row_bytes);
     const int64_t rows_each =
         *rows_per_request > 0 ? std::min(*rows_per_request, share) : share;
     result = ScoreSpread(*to_send, rows_bytes, std::max<int64_t>(rows_each, 1),
@@ -748,21 +772,34 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
       TakeSpreadConnections(used - 1);
   std::vector<absl::StatusOr<ScoreResult>> answers(
       headers.size(), absl::UnknownError("not sent"));
+  // spread_requests_in_flight senders per connection, each sending its
+  // slices one at a time. The first failure stops the others: the call
+  // fails with it.
+  const size_t sender_count = std::min<size_t>(
+      headers.size(), static_cast<size_t>(used) *
+                          std::max(options_.spread_requests_in_flight, 1));
+  absl::Mutex failure_mu;
+  absl::Status failure;
+  std::atomic<bool> failed{false};
   std::vector<std::thread> senders;
-  for (int c = 0; c < used; ++c) {
-    senders.emplace_back([&, c] {
+  for (size_t s = 0; s < sender_count; ++s) {
+    senders.emplace_back([&, s] {
+      const size_t c = s % used;
       const RawConnection& connection = c == 0 ? *raw_ : *spread[c - 1];
-      for (size_t i = c; i < headers.size(); i += used) {
+      for (size_t i = s; i < headers.size() && !failed.load();
+           i += sender_count) {
         answers[i] = ScoreRaw(headers[i], slice_rows[i], connection);
-        if (!answers[i].ok()) return;
+        if (!answers[i].ok()) {
+          absl::MutexLock lock(&failure_mu);
+          if (failure.ok()) failure = answers[i].status();
+          failed.store(true);
+        }
       }
     });
   }
   for (std::thread& sender : senders) sender.join();
   GiveBackSpreadConnections(std::move(spread));
-  for (const auto& answer : answers) {
-    if (!answer.ok()) return answer.status();
-  }
+  if (!failure.ok()) return failure;
   // One version for the whole call: slices answered by another version than
   // the first's (one published meanwhile) are asked again, pinned to it.
   const int64_t version = answers.front()->model_version;

@@ -223,6 +223,13 @@ class LogpClient {
     // 0: 8 for calls of 8 MiB of rows or more, else 1. Rows in a
     // shared-memory region are not spread.
     int connections = 0;
+    // Hidden bytes per request of a spread call at most: a larger call is
+    // cut into more requests than connections, so that receiving one
+    // overlaps the server's work on another (one huge message per
+    // connection leaves the GPU idle while it arrives).
+    int64_t spread_request_bytes = int64_t{8} << 20;
+    // Requests of one spread call outstanding on each connection at once.
+    int spread_requests_in_flight = 2;
     // The spread connections beyond the client's own are opened on first
     // need and kept for later calls (a call takes those it needs; calls at
     // once open more). One unused this long closes by itself, so an idle
@@ -446,8 +453,11 @@ class LogpClient {
       const std::vector<detlogp::v1::LogProbRequest>& headers,
       const std::vector<absl::string_view>& rows);
   // The rows a request may carry on this server (0: unknown, no cutting).
+  // The server is asked once, for a call to be spread or one beyond what
+  // its default limits always take.
   absl::StatusOr<int64_t> RowsPerRequest(
-      const detlogp::v1::LogProbRequest& request, bool by_reference);
+      const detlogp::v1::LogProbRequest& request, bool by_reference,
+      bool spread);
   // Copies the request's hidden bytes into the client's region (created,
   // grown and registered as needed) and returns the request naming them;
   // nullopt when shared memory is off or refused (the caller sends bytes).

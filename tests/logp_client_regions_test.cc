@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -373,6 +374,54 @@ TEST_F(LogpClientRegionsTest, SpreadConnectionsAreKeptBetweenCalls) {
   }
   EXPECT_GE(client->spread_connections_opened(), 3);
   EXPECT_LE(client->spread_connections_opened(), 9);
+}
+
+TEST_F(LogpClientRegionsTest, SpreadRequestsOfAtMostTheirBytesHaveUnsplitBits) {
+  LogpClient::Options whole;
+  whole.split_large_calls = false;
+  const LogProbRequest request = Request(1234, 19);
+  auto unsplit = Connect(*server_, whole)->Score(request);
+  ASSERT_TRUE(unsplit.ok()) << unsplit.status();
+  // 100 rows per request, over two connections, one to three at once each.
+  for (int in_flight : {1, 2, 3}) {
+    LogpClient::Options options;
+    options.connections = 2;
+    options.spread_request_bytes = 100 * kHidden * 2;
+    options.spread_requests_in_flight = in_flight;
+    auto spread = Connect(*server_, options)->Score(request);
+    ASSERT_TRUE(spread.ok()) << spread.status();
+    EXPECT_EQ(spread->requests, 13) << in_flight;
+    EXPECT_EQ(spread->connections, 2) << in_flight;
+    ExpectSameBits(*unsplit, *spread);
+  }
+  // A bad row in a late request fails the call with the server's answer.
+  LogProbRequest bad = request;
+  bad.set_target_ids(1100, kVocab);
+  LogpClient::Options options;
+  options.connections = 2;
+  options.spread_request_bytes = 100 * kHidden * 2;
+  auto refused = Connect(*server_, options)->Score(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument)
+      << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "target_ids"))
+      << refused.status();
+}
+
+TEST(LogpClientOptionsTest, BadSpreadSettingsAreRefusedByName) {
+  for (const auto& [field, set] : std::vector<
+           std::pair<std::string, std::function<void(LogpClient::Options&)>>>{
+           {"connections", [](auto& o) { o.connections = -1; }},
+           {"spread_request_bytes",
+            [](auto& o) { o.spread_request_bytes = 0; }},
+           {"spread_requests_in_flight",
+            [](auto& o) { o.spread_requests_in_flight = 0; }}}) {
+    LogpClient::Options options;
+    set(options);
+    auto client = LogpClient::Create(options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE(absl::StartsWith(client.status().message(), field + ":"))
+        << client.status();
+  }
 }
 
 TEST_F(LogpClientRegionsTest, ACallCutOnOneConnectionHasTheBitsOfUnsplitRows) {

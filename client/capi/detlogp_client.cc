@@ -98,16 +98,30 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
   extras.model = Text(request->model);
   extras.model_version = request->model_version;
   std::vector<int64_t> targets(request->target_ids, request->target_ids + rows);
-  // The rows stay where they are: each request's gRPC buffer is written
-  // from them.
-  detlogp::v1::LogProbRequest header = detlogp::client::MakeLogProbRequest(
-      Text(request->request_id),
-      static_cast<detlogp::v1::DType>(request->dtype), rows,
-      request->hidden_size, /*data=*/"", targets, extras);
-  header.set_return_timing(request->return_timing != 0);
-  auto result = client->client->Score(
-      header,
-      absl::string_view(static_cast<const char*>(request->hidden), bytes));
+  extras.return_timing = request->return_timing != 0;
+  absl::StatusOr<detlogp::client::ScoreResult> result;
+  if (request->device >= 0) {
+    detlogp::client::DeviceRows on_device;
+    on_device.data = request->hidden;
+    on_device.device = request->device;
+    on_device.dtype = static_cast<detlogp::v1::DType>(request->dtype);
+    on_device.rows = rows;
+    on_device.hidden_size = request->hidden_size;
+    on_device.stream = request->stream;
+    result = client->client->Score(on_device, targets, extras,
+                                   Text(request->request_id));
+  } else {
+    // The rows stay where they are: each request's gRPC buffer is written
+    // from them.
+    const detlogp::v1::LogProbRequest header =
+        detlogp::client::MakeLogProbRequest(
+            Text(request->request_id),
+            static_cast<detlogp::v1::DType>(request->dtype), rows,
+            request->hidden_size, /*data=*/"", targets, extras);
+    result = client->client->Score(
+        header,
+        absl::string_view(static_cast<const char*>(request->hidden), bytes));
+  }
   if (!result.ok()) return Fail(result.status(), error, error_len);
 
   const int64_t ranked = rows * std::max<int64_t>(request->top_k, 0);
@@ -139,6 +153,7 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
   CopyText(result->model, answer->model, sizeof(answer->model));
   CopyText(result->determinism_key, answer->determinism_key,
            sizeof(answer->determinism_key));
+  CopyText(result->path, answer->path, sizeof(answer->path));
   return 0;
 }
 
@@ -165,12 +180,14 @@ int detlogp_client_create(const DetlogpClientOptions* options,
     settings.max_message_bytes = static_cast<int>(
         std::min<int64_t>(options->max_message_bytes, INT32_MAX));
   }
-  if (options->connections < 0) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-                    "connections: ", options->connections, " is negative")),
-                error, error_len);
-  }
   settings.connections = options->connections;
+  settings.cuda_shared_memory = options->cuda_shared_memory != 0;
+  if (options->spread_request_bytes > 0) {
+    settings.spread_request_bytes = options->spread_request_bytes;
+  }
+  if (options->spread_requests_in_flight > 0) {
+    settings.spread_requests_in_flight = options->spread_requests_in_flight;
+  }
   settings.bearer_token = Text(options->bearer_token);
   settings.tls_root_certs = Text(options->tls_root_certs);
   settings.tls_client_cert = Text(options->tls_client_cert);
@@ -192,6 +209,16 @@ int detlogp_client_score(DetlogpClient* client,
   } catch (const std::exception& e) {
     return Fail(absl::InternalError(absl::StrCat("C++ client: ", e.what())),
                 error, error_len);
+  }
+}
+
+void detlogp_client_shared_memory_refusal(DetlogpClient* client, char* text,
+                                          size_t text_len) {
+  if (client == nullptr || text == nullptr || text_len == 0) return;
+  try {
+    CopyText(client->client->shared_memory_refusal(), text, text_len);
+  } catch (const std::exception&) {
+    text[0] = '\0';
   }
 }
 

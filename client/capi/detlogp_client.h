@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or struct below changes. */
-#define DETLOGP_CLIENT_ABI_VERSION 1
+#define DETLOGP_CLIENT_ABI_VERSION 2
 int detlogp_client_abi_version(void);
 
 typedef struct DetlogpClient DetlogpClient;
@@ -29,7 +29,14 @@ typedef struct {
   double timeout_s;          /* per call; <= 0: LogpClient's default */
   int64_t max_message_bytes; /* <= 0: LogpClient's default */
   int connections;           /* a large call's connections; 0: automatic */
-  const char* bearer_token;  /* null or empty: none */
+  /* A spread call's requests: hidden bytes each at most, and how many are
+   * outstanding per connection at once; <= 0: LogpClient's defaults. */
+  int64_t spread_request_bytes;
+  int spread_requests_in_flight;
+  /* Rows on a GPU go through a CUDA region the client owns on it, when the
+   * server allows it (LogpClient::Options::cuda_shared_memory). */
+  int cuda_shared_memory;
+  const char* bearer_token; /* null or empty: none */
   /* PEM; null or empty: plaintext (roots), no client certificate. */
   const char* tls_root_certs;
   const char* tls_client_cert;
@@ -42,8 +49,12 @@ typedef struct {
   int64_t rows;
   int64_t hidden_size;
   /* rows * hidden_size little-endian elements of dtype, row-major; read
-   * only during the call. */
+   * only during the call. Host memory when device < 0; else memory on CUDA
+   * device `device`, written on `stream` (a cudaStream_t; null: the legacy
+   * default stream), which the call copies on and waits for. */
   const void* hidden;
+  int device;
+  void* stream;
   const int64_t* target_ids; /* [rows] */
   float temperature;         /* 0: 1 */
   int return_lse;
@@ -74,6 +85,7 @@ typedef struct {
   int64_t total_us;
   char model[256];
   char determinism_key[128];
+  char path[16]; /* ScoreResult::path: "grpc", "system_shm", "cuda_shm" */
 } DetlogpScoreAnswer;
 
 int detlogp_client_create(const DetlogpClientOptions* options,
@@ -85,6 +97,10 @@ int detlogp_client_score(DetlogpClient* client,
                          const DetlogpScoreRequest* request,
                          DetlogpScoreAnswer* answer, char* error,
                          size_t error_len);
+/* Why a shared-memory region of the client's is not used (empty while
+ * nothing was refused), written NUL-terminated to `text[0, text_len)`. */
+void detlogp_client_shared_memory_refusal(DetlogpClient* client, char* text,
+                                          size_t text_len);
 void detlogp_client_destroy(DetlogpClient* client);
 
 #ifdef __cplusplus

@@ -413,18 +413,33 @@ class ClientState:
         self._native = None
         self._native_refusal = None
         self._native_lock = threading.Lock()
+        # Why the C++ client cannot read rows on a GPU (no CUDA runtime it
+        # can load), once known: such calls take the client's own path.
+        self._native_device_failure = None
 
     def _native_client(self, call, deadline):
-        """The C++ client when it should send `call` (native_transport): a
-        large call whose rows go in the messages, to a single target, within
-        the client's own timeout; else None."""
+        """(the C++ client, on_device) when it should send `call`
+        (native_transport): a large call to a single target, within the
+        client's own timeout, whose rows go in the messages, or through a
+        CUDA region from a tensor the C++ client can read where it lies
+        (on_device); else None."""
         options = self.transfer_options
         if options.native_transport == "off":
             return None
         if not call.sliceable or call.hidden_bytes < options.auto_connections_min_bytes:
             return None
-        if self._memory[0].kind_for(call, time.monotonic()) is not None:
-            return None  # the rows go through shared memory
+        kind = self._memory[0].kind_for(call, time.monotonic())
+        # The C++ client's CUDA region holds the whole call: up to the
+        # region budget; a larger call goes slice by slice through the
+        # client's own regions.
+        on_device = (
+            kind == "cuda"
+            and call.hidden_bytes <= options.shared_memory_bytes
+            and self._native_device_failure is None
+            and native.takes_device_rows(call)
+        )
+        if kind is not None and not on_device:
+            return None  # the rows go through the client's system region
         remaining = deadline.remaining()
         if self.timeout is not None and (remaining is None or remaining < self.timeout - 1.0):
             return None  # a shorter deadline than the C++ client's
@@ -438,7 +453,7 @@ class ClientState:
                             self.targets[0],
                             self.timeout,
                             self._max_receive_bytes,
-                            options.connections,
+                            options,
                             self._sync_channel_security,
                         )
                     except RuntimeError as why:
@@ -448,7 +463,22 @@ class ClientState:
                     say("large calls go through grpcio: %s", self._native_refusal)
             if self._native is None and options.native_transport == "on":
                 raise RuntimeError(f"TransferOptions.native_transport='on': {self._native_refusal}")
-            return self._native
+            return None if self._native is None else (self._native, on_device)
+
+    def _native_call_failed(self, failed, on_device):
+        log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
+        if on_device and failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
+            self._native_device_failure = failed.message
+            log.info("calls on a GPU take the Python client's path: %s", failed.message)
+
+    def _after_native_call(self, client, path, on_device):
+        """A call given on its GPU whose rows went elsewhere: the server
+        refused the C++ client's CUDA region, so later calls take the
+        client's own paths (the refusal is logged once, as for its own)."""
+        if on_device and path != "cuda_shm":
+            why = client.shared_memory_refusal()
+            if why:
+                self._memory[0].refused("cuda", time.monotonic(), RuntimeError(why), log)
 
     def _native_unsuitable(self):
         """Why this client's calls cannot go through the C++ client, or None."""

@@ -25,7 +25,6 @@ from detlogp._common import (
     combine_versions,
     first_failure,
     legacy_info_args,
-    log,
     logprob_fields,
     parse_health_response,
 )
@@ -159,16 +158,19 @@ class AsyncClient(ClientState):
 
     # ------------------------------------------------------------ large calls
     async def _run_call(self, call, deadline, timings):
-        client = self._native_client(call, deadline)
-        if client is not None:
+        chosen = self._native_client(call, deadline)
+        if chosen is not None:
+            client, on_device = chosen
             loop = asyncio.get_running_loop()
             try:
-                return await loop.run_in_executor(
-                    None, lambda: client.score(call, call.host_rows(), timings)
+                result, path = await loop.run_in_executor(
+                    None, lambda: client.score(call, timings, on_device)
                 )
+                self._after_native_call(client, path, on_device)
+                return result
             except native.NativeCallFailed as failed:
                 # The slices below send it again: their answer or error stands.
-                log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
+                self._native_call_failed(failed, on_device)
         if call.rows > 1:
             await self._learn_limits(deadline)
         while True:

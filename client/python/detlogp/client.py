@@ -31,7 +31,6 @@ from detlogp._common import (
     combine_versions,
     first_failure,
     legacy_info_args,
-    log,
     logprob_fields,
     parse_health_response,
 )
@@ -211,14 +210,17 @@ class Client(ClientState):
     def _run_call(self, call, deadline, timings):
         """Sends `call` as slices (side by side when there are several) and
         merges the answers."""
-        client = self._native_client(call, deadline)
-        if client is not None:
+        chosen = self._native_client(call, deadline)
+        if chosen is not None:
+            client, on_device = chosen
             try:
-                return client.score(call, call.host_rows(), timings)
+                result, path = client.score(call, timings, on_device)
+                self._after_native_call(client, path, on_device)
+                return result
             except native.NativeCallFailed as failed:
                 # grpcio sends the call again: its answer, or the error the
                 # caller gets from it (retries, row numbers in messages).
-                log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
+                self._native_call_failed(failed, on_device)
         if call.rows > 1:
             self._learn_limits(deadline)
         while True:

@@ -26,10 +26,10 @@ import numpy as np
 
 from detlogp.results import LogProbResult
 
-__all__ = ["find_library", "load_library", "NativeClient", "NativeCallFailed"]
+__all__ = ["find_library", "load_library", "takes_device_rows", "NativeClient", "NativeCallFailed"]
 
 LIBRARY_ENV = "DETLOGP_CLIENT_LIBRARY"
-ABI_VERSION = 1
+ABI_VERSION = 2
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_client.so"
 _ERROR_BYTES = 4096
 # grpcio-tools' protoc carries a protobuf whose symbols the C++ client's
@@ -55,6 +55,9 @@ class _Options(ctypes.Structure):
         ("timeout_s", ctypes.c_double),
         ("max_message_bytes", ctypes.c_int64),
         ("connections", ctypes.c_int),
+        ("spread_request_bytes", ctypes.c_int64),
+        ("spread_requests_in_flight", ctypes.c_int),
+        ("cuda_shared_memory", ctypes.c_int),
         ("bearer_token", ctypes.c_char_p),
         ("tls_root_certs", ctypes.c_char_p),
         ("tls_client_cert", ctypes.c_char_p),
@@ -69,6 +72,8 @@ class _Request(ctypes.Structure):
         ("rows", ctypes.c_int64),
         ("hidden_size", ctypes.c_int64),
         ("hidden", ctypes.c_void_p),
+        ("device", ctypes.c_int),
+        ("stream", ctypes.c_void_p),
         ("target_ids", ctypes.c_void_p),
         ("temperature", ctypes.c_float),
         ("return_lse", ctypes.c_int),
@@ -97,6 +102,7 @@ class _Answer(ctypes.Structure):
         ("total_us", ctypes.c_int64),
         ("model", ctypes.c_char * 256),
         ("determinism_key", ctypes.c_char * 128),
+        ("path", ctypes.c_char * 16),
     ]
 
 
@@ -151,6 +157,12 @@ def load_library():
             ctypes.c_char_p,
             ctypes.c_size_t,
         ]
+        lib.detlogp_client_shared_memory_refusal.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+        ]
+        lib.detlogp_client_shared_memory_refusal.restype = None
         lib.detlogp_client_destroy.argtypes = [ctypes.c_void_p]
         lib.detlogp_client_destroy.restype = None
         _loaded[path] = lib
@@ -167,19 +179,34 @@ def _pointer(array):
     return None if array is None else array.ctypes.data
 
 
+def takes_device_rows(call):
+    """Whether `call`'s rows can be given to the C++ client where they lie:
+    a contiguous bf16 CUDA tensor (what CUDA regions hold)."""
+    tensor = call.cuda_tensor
+    return tensor is not None and str(tensor.dtype) == "torch.bfloat16" and tensor.is_contiguous()
+
+
 class NativeClient:
     """A C++ LogpClient for one target, its connections kept between calls.
-    `security`: token, root_certificates, client_certificate, client_key
-    (as the Python client takes them)."""
+    `transfer`: the TransferOptions whose connections, slice_bytes and
+    slices_in_flight_per_connection a call is spread by; `security`: token,
+    root_certificates, client_certificate, client_key (as the Python client
+    takes them)."""
 
-    def __init__(self, lib, target, timeout, max_message_bytes, connections, security):
+    def __init__(self, lib, target, timeout, max_message_bytes, transfer, security):
         self._lib = lib
         options = _Options(
             target=_text(target),
             # No deadline: a year (the C++ client always sets one).
             timeout_s=float(timeout) if timeout is not None else 365 * 86400.0,
             max_message_bytes=int(max_message_bytes),
-            connections=int(connections),
+            # It only sends calls large enough to spread.
+            connections=int(transfer.connections or transfer.auto_connections),
+            spread_request_bytes=int(transfer.slice_bytes),
+            spread_requests_in_flight=int(transfer.slices_in_flight_per_connection),
+            # Only rows whose CUDA region the caller chose are given on
+            # their GPU (score(on_device=True)).
+            cuda_shared_memory=1,
             bearer_token=_text(security.get("token")),
             tls_root_certs=_text(security.get("root_certificates")),
             tls_client_cert=_text(security.get("client_certificate")),
@@ -201,10 +228,25 @@ class NativeClient:
         if handle:
             self._lib.detlogp_client_destroy(handle)
 
-    def score(self, call, rows, timings=None):
-        """LogProbResult for `call` (a transfer.LogProbCall) whose host rows
-        in wire layout are `rows`; NativeCallFailed when the C++ client's
-        call fails."""
+    def shared_memory_refusal(self):
+        """Why the C++ client's region is not used ("" when none was
+        refused)."""
+        text = ctypes.create_string_buffer(_ERROR_BYTES)
+        self._lib.detlogp_client_shared_memory_refusal(self._handle, text, _ERROR_BYTES)
+        return text.value.decode(errors="replace")
+
+    def score(self, call, timings=None, on_device=False):
+        """(LogProbResult, path) for `call` (a transfer.LogProbCall), path
+        being how its rows went ("grpc", "cuda_shm"); NativeCallFailed when
+        the C++ client's call fails. Its host rows in wire layout are
+        sent; with `on_device`, its CUDA tensor (takes_device_rows) is copied
+        on the caller's stream into the C++ client's CUDA region."""
+        if on_device:
+            tensor = call.cuda_tensor
+            rows, device, stream = tensor.data_ptr(), tensor.device.index, call.cuda_stream
+            stream = stream.cuda_stream
+        else:
+            rows, device, stream = _pointer(call.host_rows()), -1, None
         fields = call.fields
         n = call.rows
         k = int(fields.top_k)
@@ -219,7 +261,9 @@ class NativeClient:
             dtype=int(call.dtype),
             rows=n,
             hidden_size=int(call.shape[1]),
-            hidden=_pointer(rows),
+            hidden=rows,
+            device=device,
+            stream=stream,
             target_ids=_pointer(ids),
             temperature=float(fields.temperature),
             return_lse=int(fields.return_lse),
@@ -259,4 +303,4 @@ class NativeClient:
         )
         if timings is not None:
             result.timings = timings
-        return result
+        return result, answer.path.decode() or "grpc"

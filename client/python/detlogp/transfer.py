@@ -216,7 +216,7 @@ class CallTimings:
             self.native = True
             self.slices += int(answer.requests)
             self.connections = int(answer.connections)
-            self.path = "grpc"
+            self.path = answer.path.decode() or "grpc"
             if not answer.server_reported_timing:
                 self.transfer_s += elapsed_s
                 return

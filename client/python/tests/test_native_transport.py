@@ -79,6 +79,50 @@ def test_a_bad_row_gets_the_error_grpcio_gives(server, model, max_request_rows):
     assert errors["on"].details == errors["off"].details
 
 
+def test_the_cpp_client_spreads_by_the_transfer_options(server, model):
+    hidden, targets = model.random_rows(1000, seed=406)
+    want = score(server.target, "off", hidden, targets, **EXTRAS)
+    spread = options(
+        # 50-row requests: under the server's 64-row limit.
+        "on",
+        connections=2,
+        slice_bytes=50 * hidden.shape[1] * 4,
+        slices_in_flight_per_connection=3,
+    )
+    with detlogp.Client(server.target, timeout=60, transfer_options=spread) as client:
+        got = client.logprobs(hidden, targets, timing=True, **EXTRAS)
+    assert got.timings.native
+    assert (got.timings.slices, got.timings.connections) == (20, 2)
+    assert_same_answer(got, want)
+
+
+def test_rows_said_to_be_on_a_gpu_that_are_not_are_refused_naming_rows_data(server, model):
+    """The device path of the C ABI checks the pointer itself (the server
+    never sees it): host memory, or no CUDA runtime at all, is refused."""
+    from types import SimpleNamespace
+
+    from detlogp._common import logprob_fields
+    from detlogp.transfer import LogProbCall
+
+    hidden, targets = model.random_rows(64, seed=407)
+    call = LogProbCall(hidden, targets, logprob_fields("", 1.0, False, None, None, False, 0, False))
+    host = call.host_rows()
+    call.cuda_tensor = SimpleNamespace(
+        data_ptr=lambda: host.ctypes.data, device=SimpleNamespace(index=0)
+    )
+    call.cuda_stream = SimpleNamespace(cuda_stream=None)
+    client = native.NativeClient(
+        native.load_library(), server.target, 60, 1 << 28, detlogp.TransferOptions(), {}
+    )
+    try:
+        with pytest.raises(native.NativeCallFailed) as failed:
+            client.score(call, on_device=True)
+    finally:
+        client.close()
+    assert failed.value.message.startswith("rows.data:"), failed.value
+    assert failed.value.code in (3, 9), failed.value  # INVALID_ARGUMENT, FAILED_PRECONDITION
+
+
 def test_grpcio_sends_what_the_cpp_client_does_not_take(server, model):
     hidden, targets = model.random_rows(60, seed=403)  # one request
     with detlogp.Client(server.target, timeout=60, transfer_options=options("auto")) as client:

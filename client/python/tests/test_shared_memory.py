@@ -20,7 +20,7 @@ import time
 import detlogp
 import grpc
 import pytest
-from detlogp import tensors
+from detlogp import native, tensors
 from detlogp.aio import AsyncClient
 from detlogp.testing import LocalServer, TestModel, server_flags
 from detlogp.v1 import detlogp_pb2 as pb
@@ -427,18 +427,25 @@ def cuda_server(server_binary):
         yield server
 
 
+@pytest.mark.parametrize("native_transport", ["off", "auto"])
 @pytest.mark.parametrize("n", [1, 3000, 20000])
-def test_cuda_region_gives_the_bits_of_grpc_bytes(cuda_server, n):
+def test_cuda_region_gives_the_bits_of_grpc_bytes(cuda_server, n, native_transport):
     torch = cuda_or_skip()
     model = cuda_server.model
     hidden, targets = rows(model, n, seed=500 + n)
     on_gpu = torch.from_numpy(hidden).to("cuda:0", torch.bfloat16)
     with detlogp.Client(cuda_server.target, timeout=60, shared_memory="off") as plain:
         want = plain.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-    every_call = detlogp.TransferOptions(shared_memory_min_bytes=0)
+    every_call = detlogp.TransferOptions(
+        shared_memory_min_bytes=0, native_transport=native_transport
+    )
     with detlogp.Client(cuda_server.unix_target, timeout=60, transfer_options=every_call) as client:
         got = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
         assert got.timings.path == "cuda_shm", got.timings
+        # 8 MiB of rows or more: given to the C++ client on the GPU.
+        large = on_gpu.numel() * 2 >= every_call.auto_connections_min_bytes
+        native_found = native.find_library() is not None
+        assert got.timings.native == (native_transport == "auto" and large and native_found)
         assert regions(cuda_server.target, "Cuda")
         system = detlogp.TransferOptions(shared_memory="system", shared_memory_min_bytes=0)
         with detlogp.Client(cuda_server.target, timeout=60, transfer_options=system) as sys_client:
@@ -447,6 +454,28 @@ def test_cuda_region_gives_the_bits_of_grpc_bytes(cuda_server, n):
     same_bits(got, want)
     same_bits(through_host, want)
     assert not regions(cuda_server.target, "Cuda")
+
+
+def test_a_large_call_refused_a_cuda_region_goes_as_bytes_then_by_a_system_one(shm_server):
+    """The C++ client takes a large CUDA tensor; the CPU server refuses its
+    CUDA region: the rows go as bytes, and later calls through the Python
+    client's system region."""
+    torch = cuda_or_skip()
+    if native.find_library() is None:
+        pytest.skip("libdetlogp_client.so not built")
+    model = shm_server.model
+    n = (8 << 20) // (model.hidden * 2) + 7
+    hidden, targets = rows(model, n, seed=511)
+    on_gpu = torch.from_numpy(hidden).to("cuda:0", torch.bfloat16)
+    with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
+        want = plain.logprobs(on_gpu, targets, **EXTRAS)
+    with detlogp.Client(shm_server.target, timeout=60) as client:
+        first = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
+        assert first.timings.native and first.timings.path == "grpc", first.timings
+        second = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
+        assert second.timings.path == "system_shm", second.timings
+    same_bits(first, want)
+    same_bits(second, want)
 
 
 def test_a_cpu_server_refuses_cuda_regions_and_gets_a_system_one(shm_server):
