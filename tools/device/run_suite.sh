@@ -49,10 +49,13 @@
 #                      and CUDA-graph replays among them), twin_check.py
 #                      (the op's bits == the CUDA server's, gradients, memory)
 #                      and examples/grpo_twin_step.py against a GPU server
-#   rollout            one caller's large batch through the Python client
-#                      (system and CUDA regions, TCP, Unix socket) against
-#                      detlogp.torch in the same process, and the bits of
-#                      every path (rollout_worker_bench.py; ARGS go to it)
+#   rollout            the client's shared-memory and C++-client pytest
+#                      cases on the GPU, then one caller's large batch
+#                      through the Python client (system and CUDA regions,
+#                      TCP, Unix socket) against detlogp.torch in the same
+#                      process, and the bits of every path
+#                      (rollout_worker_bench.py; ARGS go to it; PYTEST=0
+#                      skips the pytest cases)
 #   backward           the fused backward: the MN-major wgmma test, the
 #                      backward's GPU tests, then forward + backward beside
 #                      PyTorch eager and Liger (logp_backward_bench.py)
@@ -810,8 +813,22 @@ suite_projection_stream() {
   fi
 }
 
+# The client's GPU cases (CUDA regions, the C++ client given CUDA tensors).
+suite_rollout_pytest() {
+  echo "== pytest: the client's shared-memory and C++-client cases on the GPU"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
+    "$bundle/python/client/tests/test_shared_memory.py" \
+    "$bundle/python/client/tests/test_native_transport.py" > "$OUT/pytest.log" 2>&1
+  local rc=$?
+  grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | head -20
+  check "pytest: $(tail -1 "$OUT/pytest.log")" $rc
+  ! grep -qE "SKIPPED.*no CUDA device" "$OUT/pytest.log"
+  check "pytest: the CUDA cases ran" $?
+}
+
 suite_rollout() {
   python_env
+  if [[ ${PYTEST:-1} == 1 ]]; then suite_rollout_pytest; fi
   timeout 560 python3 "$scripts/rollout_worker_bench.py" --server="$bin/detlogp_server" \
     --json_out="$OUT/rollout.json" "$@" 2>&1 | tee "$OUT/rollout.log"
   check "rollout_worker_bench.py (bits on every path)" "${PIPESTATUS[0]}"

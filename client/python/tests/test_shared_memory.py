@@ -158,7 +158,7 @@ def test_a_server_without_shared_memory_gets_bytes_and_the_reason_once(
     server_binary, caplog, tmp_path
 ):
     model = TestModel(tmp_path, hidden=32, vocab=100, padded_vocab=128)
-    flags = model.flags + ["--allow_shared_memory=false", "--cpu_threads=1"]
+    flags = model.flags + ["--device=cpu", "--allow_shared_memory=false", "--cpu_threads=1"]
     hidden, targets = model.random_rows(1000, seed=440)
     with LocalServer(server_binary, flags) as server:
         with detlogp.Client(server.target, timeout=30, shared_memory="off") as plain:
@@ -456,36 +456,24 @@ def test_cuda_region_gives_the_bits_of_grpc_bytes(cuda_server, n, native_transpo
     assert not regions(cuda_server.target, "Cuda")
 
 
-def test_a_large_call_refused_a_cuda_region_goes_as_bytes_then_by_a_system_one(shm_server):
-    """The C++ client takes a large CUDA tensor; the CPU server refuses its
-    CUDA region: the rows go as bytes, and later calls through the Python
-    client's system region."""
+@pytest.mark.parametrize("large", [False, True])
+def test_a_cpu_server_refuses_cuda_regions_then_gets_a_system_one(shm_server, large):
+    """The CPU server refuses the CUDA region (the Python client's, or for a
+    large call the C++ client's): that call's rows go as bytes, later calls
+    through the Python client's system region."""
     torch = cuda_or_skip()
-    if native.find_library() is None:
-        pytest.skip("libdetlogp_client.so not built")
     model = shm_server.model
-    n = (8 << 20) // (model.hidden * 2) + 7
-    hidden, targets = rows(model, n, seed=511)
+    # 8 MiB of rows: the C++ client takes the call when its library is found.
+    n = (8 << 20) // (model.hidden * 2) + 7 if large else 1000
+    hidden, targets = rows(model, n, seed=510 + large)
     on_gpu = torch.from_numpy(hidden).to("cuda:0", torch.bfloat16)
     with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
         want = plain.logprobs(on_gpu, targets, **EXTRAS)
     with detlogp.Client(shm_server.target, timeout=60) as client:
         first = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-        assert first.timings.native and first.timings.path == "grpc", first.timings
+        assert first.timings.path == "grpc", first.timings
+        assert first.timings.native == (large and native.find_library() is not None)
         second = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
         assert second.timings.path == "system_shm", second.timings
     same_bits(first, want)
     same_bits(second, want)
-
-
-def test_a_cpu_server_refuses_cuda_regions_and_gets_a_system_one(shm_server):
-    torch = cuda_or_skip()
-    model = shm_server.model
-    hidden, targets = rows(model, 1000, seed=510)
-    on_gpu = torch.from_numpy(hidden).to("cuda:0", torch.bfloat16)
-    with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
-        want = plain.logprobs(on_gpu, targets, **EXTRAS)
-    with detlogp.Client(shm_server.target, timeout=60) as client:
-        got = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-        assert got.timings.path == "system_shm"
-    same_bits(got, want)
