@@ -73,6 +73,7 @@ NOT_METRICS = {
     "detlogp_ops",
     "detlogp_ops_cuda",
     "detlogp_cuda_linear_logp_backward",
+    "detlogp_client_shared_memory_refusal",
     "detlogp_load",
 }
 
