@@ -7,7 +7,7 @@ packages=(
   bazel-bootstrap g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
   protobuf-compiler libabsl-dev libspdlog-dev libfmt-dev libgtest-dev
   libgmock-dev libbenchmark-dev libssl-dev prometheus-cpp-dev python3 python3-venv
-  openssl
+  openssl pkg-config
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -23,8 +23,20 @@ The CPU build needs a C++17 compiler ($CXX, default g++) and the headers and
 libraries of Abseil and OpenSSL's libcrypto (Debian: libabsl-dev,
 libssl-dev). Its sources are the repository's kernels/, kernels/capi/ and
 digests/: found around this folder (pip builds a local folder in place), or
-in ops_src/ of an sdist (put there when the sdist is made). Everything else
-is in pyproject.toml.
+in ops_src/ of an sdist (put there when the sdist is made).
+
+The C++ client's library libdetlogp_client.so (client/capi/detlogp_client.h,
+which detlogp.native hands large calls to) is built beside it from client/
+and proto/ when gRPC's C++ build tools are there: protoc, grpc_cpp_plugin
+and pkg-config's grpc++ and protobuf (Debian: protobuf-compiler-grpc,
+libgrpc++-dev, libprotobuf-dev, pkg-config). DETLOGP_BUILD_CLIENT chooses:
+
+    unset, "auto" built when those are found, else skipped, saying why
+                  (large calls then go through grpcio)
+    "1"           built, or the install fails saying what is missing
+    "0"           not built
+
+Everything else is in pyproject.toml.
 """
 
 import concurrent.futures
@@ -92,6 +104,23 @@ CPU_LIBS = [
 CPU_LIBRARY = "libdetlogp_ops.so"
 CUDA_LIBRARY = "libdetlogp_ops_cuda.so"
 
+# The C++ client's library: its translation units (client/BUILD's
+# logp_client and what it depends on, client/capi's C ABI) and the API they
+# are generated from.
+CLIENT_SOURCES = {
+    "client/capi/detlogp_client.cc": [],
+    "client/logp_client.cc": [],
+    "client/project_streams.cc": [],
+    "client/project_chunk.cc": [],
+    "client/system_shared_memory.cc": [],
+    "client/cuda_runtime_loader.cc": [],
+}
+CLIENT_PROTO = "proto/detlogp/v1/detlogp.proto"
+CLIENT_HEADER_DIRS = ["client", "client/capi", "proto"]
+CLIENT_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall"]
+CLIENT_PKG_CONFIG = ["grpc++", "protobuf"]
+CLIENT_LIBRARY = "libdetlogp_client.so"
+
 
 def _mode():
     mode = os.environ.get("DETLOGP_BUILD_OPS", "").strip().lower()
@@ -104,12 +133,25 @@ def _mode():
     raise RuntimeError(f"DETLOGP_BUILD_OPS={mode!r}: expected unset, cpu, 1 (cuda) or 0")
 
 
-def _source_root():
-    """The folder holding kernels/ and digests/: an sdist's ops_src, else the
-    repository around this folder."""
+def _client_mode():
+    mode = os.environ.get("DETLOGP_BUILD_CLIENT", "").strip().lower()
+    if mode in ("", "auto"):
+        return "auto"
+    if mode in ("0", "no", "false", "none"):
+        return "none"
+    if mode in ("1", "yes", "true"):
+        return "required"
+    raise RuntimeError(f"DETLOGP_BUILD_CLIENT={mode!r}: expected unset, auto, 1 or 0")
+
+
+def _source_root(sources=CPU_SOURCES, required=True):
+    """The folder holding `sources`: an sdist's ops_src, else the repository
+    around this folder (None when neither and not `required`)."""
     for root in (HERE / SDIST_SOURCES, REPO):
-        if all((root / source).is_file() for source in CPU_SOURCES):
+        if all((root / source).is_file() for source in sources):
             return root
+    if not required:
+        return None
     raise RuntimeError(
         "detlogp: the CPU ops library's sources (kernels/, digests/) are neither in "
         f"{HERE / SDIST_SOURCES} nor in {REPO}: install from a detlogp checkout "
@@ -118,14 +160,24 @@ def _source_root():
     )
 
 
-def _run(command, what):
+OPS_NEEDS = (
+    "the CPU ops library needs a C++17 compiler ($CXX, default g++) and Abseil and "
+    "OpenSSL (Debian: libabsl-dev libssl-dev), or DETLOGP_BUILD_OPS=0 for the client "
+    "without the ops"
+)
+CLIENT_NEEDS = (
+    f"{CLIENT_LIBRARY} needs a C++17 compiler and gRPC's C++ build (Debian: "
+    "protobuf-compiler-grpc libgrpc++-dev libprotobuf-dev pkg-config), or "
+    "DETLOGP_BUILD_CLIENT=0 for the client without it"
+)
+
+
+def _run(command, what, needs=OPS_NEEDS):
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(
-            f"detlogp: {what} failed (exit {result.returncode}); the CPU ops library "
-            "needs a C++17 compiler ($CXX, default g++) and Abseil and OpenSSL "
-            "(Debian: libabsl-dev libssl-dev), or DETLOGP_BUILD_OPS=0 for the client "
-            f"without the ops.\n$ {shlex.join(command)}\n{result.stdout}{result.stderr}"
+            f"detlogp: {what} failed (exit {result.returncode}); {needs}."
+            f"\n$ {shlex.join(command)}\n{result.stdout}{result.stderr}"
         )
 
 
@@ -141,13 +193,86 @@ def build_cpu_library(output, temp_dir):
         command = [compiler, *CPU_FLAGS, *copts, "-iquote", str(root)]
         jobs.append(([*command, "-c", str(root / source), "-o", str(obj)], obj, source))
     print(f"detlogp: compiling {CPU_LIBRARY} ({len(jobs)} files, {compiler})")
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        for future in [pool.submit(_run, cmd, f"compiling {src}") for cmd, _, src in jobs]:
-            future.result()
+    _compile_all(jobs, OPS_NEEDS)
     output = pathlib.Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     link = [compiler, "-shared", "-o", str(output), *(str(obj) for _, obj, _ in jobs)]
     _run([*link, "-Wl,--no-undefined", "-Wl,-z,relro,-z,now", *CPU_LIBS], "linking")
+    os.chmod(output, 0o755)
+
+
+def _compile_all(jobs, needs):
+    """Runs the (command, object, source) compile jobs side by side."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = [pool.submit(_run, cmd, f"compiling {src}", needs) for cmd, _, src in jobs]
+        for future in futures:
+            future.result()
+
+
+def client_build_missing():
+    """Why libdetlogp_client.so cannot be built here, or None."""
+    for tool in ("protoc", "grpc_cpp_plugin", "pkg-config"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found"
+    probe = subprocess.run(
+        ["pkg-config", "--exists", *CLIENT_PKG_CONFIG], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        return f"pkg-config finds no {' and '.join(CLIENT_PKG_CONFIG)}"
+    if _source_root([*CLIENT_SOURCES, CLIENT_PROTO], required=False) is None:
+        return "the client's sources (client/, proto/) are not around this folder"
+    return None
+
+
+def build_client_library(output, temp_dir):
+    """Generates the API's C++ and compiles and links libdetlogp_client.so at
+    `output` (generated files and objects in temp_dir)."""
+    root = _source_root([*CLIENT_SOURCES, CLIENT_PROTO])
+    compiler = os.environ.get("CXX", "g++")
+    temp_dir = pathlib.Path(temp_dir)
+    generated = temp_dir / "generated"
+    generated.mkdir(parents=True, exist_ok=True)
+    proto_root = root / "proto"
+    _run(
+        [
+            "protoc",
+            f"-I{proto_root}",
+            f"--cpp_out={generated}",
+            f"--grpc_out={generated}",
+            f"--plugin=protoc-gen-grpc={shutil.which('grpc_cpp_plugin')}",
+            str(root / CLIENT_PROTO),
+        ],
+        "generating the API's C++",
+        CLIENT_NEEDS,
+    )
+    api = pathlib.Path(CLIENT_PROTO).relative_to("proto").with_suffix("")
+    sources = {str(root / s): s for s in CLIENT_SOURCES}
+    for suffix in (".pb.cc", ".grpc.pb.cc"):
+        path = generated / f"{api}{suffix}"
+        sources[str(path)] = str(path.relative_to(generated))
+    pkg = subprocess.run(
+        ["pkg-config", "--cflags", "--libs", *CLIENT_PKG_CONFIG],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    cflags = [f for f in pkg if not f.startswith(("-l", "-L", "-Wl"))]
+    libs = [f for f in pkg if f not in cflags]
+    jobs = []
+    for path, name in sources.items():
+        obj = temp_dir / (name.replace("/", "_") + ".o")
+        command = [compiler, *CLIENT_FLAGS, *cflags, "-iquote", str(root), "-I", str(generated)]
+        jobs.append(([*command, "-c", path, "-o", str(obj)], obj, name))
+    print(f"detlogp: compiling {CLIENT_LIBRARY} ({len(jobs)} files, {compiler})")
+    _compile_all(jobs, CLIENT_NEEDS)
+    output = pathlib.Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    link = [compiler, "-shared", "-o", str(output), *(str(obj) for _, obj, _ in jobs)]
+    _run(
+        [*link, "-Wl,--no-undefined", "-Wl,-z,relro,-z,now", *libs, "-ldl", "-lrt"],
+        "linking",
+        CLIENT_NEEDS,
+    )
     os.chmod(output, 0o755)
 
 
@@ -167,12 +292,21 @@ def build_cuda_library(output):
 class BuildPyWithOps(build_py):
     def run(self):
         super().run()
+        lib_dir = pathlib.Path(self.build_lib) / "detlogp" / "_lib"
+        build_temp = pathlib.Path(self.get_finalized_command("build").build_temp)
+        client = _client_mode()
+        if client != "none":
+            missing = client_build_missing()
+            if missing is None:
+                build_client_library(lib_dir / CLIENT_LIBRARY, build_temp / "detlogp_client")
+            elif client == "required":
+                raise RuntimeError(f"DETLOGP_BUILD_CLIENT=1: {CLIENT_LIBRARY}: {missing}")
+            else:
+                print(f"detlogp: not building {CLIENT_LIBRARY} ({missing}); large calls use grpcio")
         mode = _mode()
         if mode == "none":
             return
-        lib_dir = pathlib.Path(self.build_lib) / "detlogp" / "_lib"
-        temp = pathlib.Path(self.get_finalized_command("build").build_temp) / "detlogp_ops"
-        build_cpu_library(lib_dir / CPU_LIBRARY, temp)
+        build_cpu_library(lib_dir / CPU_LIBRARY, build_temp / "detlogp_ops")
         if mode == "cuda":
             if os.path.exists("/usr/local/cuda/bin/nvcc"):
                 build_cuda_library(lib_dir / CUDA_LIBRARY)
@@ -181,15 +315,15 @@ class BuildPyWithOps(build_py):
 
 
 class SdistWithSources(sdist):
-    """Puts the CPU library's sources in the sdist (ops_src/), so that a
-    wheel builds from the sdist alone."""
+    """Puts the libraries' sources in the sdist (ops_src/), so that a wheel
+    builds from the sdist alone."""
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
-        root = _source_root()
+        root = _source_root([*CPU_SOURCES, *CLIENT_SOURCES, CLIENT_PROTO])
         target = pathlib.Path(base_dir) / SDIST_SOURCES
-        names = set(CPU_SOURCES)
-        for folder in HEADER_DIRS:
+        names = {*CPU_SOURCES, *CLIENT_SOURCES, CLIENT_PROTO}
+        for folder in HEADER_DIRS + CLIENT_HEADER_DIRS:
             names.update(str(p.relative_to(root)) for p in (root / folder).glob("*.h"))
         for name in sorted(names):
             (target / name).parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +334,7 @@ class BinaryDistribution(Distribution):
     """The wheel holds a compiled library: tag it for this platform."""
 
     def has_ext_modules(self):
-        return _mode() != "none"
+        return _mode() != "none" or _client_mode() != "none"
 
 
 setup(

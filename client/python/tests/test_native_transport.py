@@ -123,6 +123,58 @@ def test_rows_said_to_be_on_a_gpu_that_are_not_are_refused_naming_rows_data(serv
     assert failed.value.code in (3, 9), failed.value  # INVALID_ARGUMENT, FAILED_PRECONDITION
 
 
+_INSTALLED_CLIENT_SCRIPT = """
+import sys
+import numpy as np
+import detlogp
+from detlogp import native
+folder, target = sys.argv[1], sys.argv[2]
+hidden, targets = np.load(f"{folder}/hidden.npy"), np.load(f"{folder}/targets.npy")
+options = detlogp.TransferOptions(
+    shared_memory="off", native_transport="on", auto_connections_min_bytes=1 << 10
+)
+with detlogp.Client(target, timeout=60, transfer_options=options) as client:
+    result = client.logprobs(hidden, targets, timing=True)
+assert result.timings.native, result.timings
+np.save(f"{folder}/logp.npy", result.logprobs)
+print(native.find_library())
+"""
+
+
+def test_the_installed_package_carries_the_cpp_client(server, model, tmp_path):
+    """`pip install ./client/python` builds libdetlogp_client.so into the
+    package where gRPC's C++ build is found: outside the repository, with no
+    variable set, large calls go through it with grpcio's bits."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if not all(shutil.which(t) for t in ("protoc", "grpc_cpp_plugin", "pkg-config")):
+        pytest.skip("no gRPC C++ build here: the package is installed without the library")
+    hidden, targets = model.random_rows(300, seed=408)
+    np.save(tmp_path / "hidden.npy", hidden)
+    np.save(tmp_path / "targets.npy", targets)
+    env = {k: v for k, v in os.environ.items() if k != native.LIBRARY_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", _INSTALLED_CLIENT_SCRIPT, str(tmp_path), server.target],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    from detlogp import ops
+
+    assert out.stdout.split()[-1] == str(ops._PACKAGE_LIB_DIR / "libdetlogp_client.so"), (
+        "the installed package has no libdetlogp_client.so: install it with "
+        "`pip install ./client/python` (tools/test_python.sh does)"
+    )
+    want = score(server.target, "off", hidden, targets)
+    assert np.load(tmp_path / "logp.npy").tobytes() == want.logprobs.tobytes()
+
+
 def test_grpcio_sends_what_the_cpp_client_does_not_take(server, model):
     hidden, targets = model.random_rows(60, seed=403)  # one request
     with detlogp.Client(server.target, timeout=60, transfer_options=options("auto")) as client:
