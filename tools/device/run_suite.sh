@@ -813,15 +813,22 @@ suite_projection_stream() {
   fi
 }
 
+# run_pytest LOG ARGS...: pytest ARGS (within 600 s), its output in
+# $OUT/LOG; prints the failures and checks its exit code.
+run_pytest() {
+  local log=$OUT/$1
+  shift
+  timeout 600 python3 -m pytest -p no:cacheprovider -o addopts="" "$@" > "$log" 2>&1
+  local rc=$?
+  grep -E "^(FAILED|ERROR)" "$log" | head -20
+  check "pytest: $(tail -1 "$log")" $rc
+}
+
 # The client's GPU cases (CUDA regions, the C++ client given CUDA tensors).
 suite_rollout_pytest() {
   echo "== pytest: the client's shared-memory and C++-client cases on the GPU"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rs \
-    "$bundle/python/client/tests/test_shared_memory.py" \
-    "$bundle/python/client/tests/test_native_transport.py" > "$OUT/pytest.log" 2>&1
-  local rc=$?
-  grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest.log" | head -20
-  check "pytest: $(tail -1 "$OUT/pytest.log")" $rc
+  run_pytest pytest.log -q -rs "$bundle/python/client/tests/test_shared_memory.py" \
+    "$bundle/python/client/tests/test_native_transport.py"
   ! grep -qE "SKIPPED.*no CUDA device" "$OUT/pytest.log"
   check "pytest: the CUDA cases ran" $?
 }
@@ -840,26 +847,18 @@ suite_twin() {
   echo "== pytest: detlogp.torch"
   # Less the case that compares with a CPU server: the server here picks
   # the GPU (CI runs it).
-  python3 -m pytest -v -p no:cacheprovider -o addopts="" \
-    -k "not cpu_bits_equal_the_cpu_server" \
-    "$bundle/python/client/tests/test_torch_ops.py" > "$OUT/pytest.log" 2>&1
-  local rc=$?
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
-  check "pytest: $(tail -1 "$OUT/pytest.log")" $rc
+  run_pytest pytest.log -v -k "not cpu_bits_equal_the_cpu_server" \
+    "$bundle/python/client/tests/test_torch_ops.py"
   ! grep -q "test_cuda_forward_is_batch_invariant_and_backward_runs SKIPPED" "$OUT/pytest.log"
   check "pytest: the CUDA case ran" $?
   echo "== pytest: detlogp.torch under torch.compile and CUDA graphs"
-  python3 -m pytest -v -p no:cacheprovider -o addopts="" \
-    "$bundle/python/client/tests/test_torch_compile.py" > "$OUT/pytest_compile.log" 2>&1
-  rc=$?
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_compile.log" | head -20
-  check "pytest compile/graphs: $(tail -1 "$OUT/pytest_compile.log")" $rc
+  run_pytest pytest_compile.log -v "$bundle/python/client/tests/test_torch_compile.py"
   ! grep -E "test_(cuda_graph|reduce_overhead|opcheck_the_fused)[a-z_]* SKIPPED" \
     "$OUT/pytest_compile.log"
   check "pytest compile/graphs: no CUDA case skipped" $?
   echo "== twin_check.py"
   python3 "$scripts/twin_check.py" --server="$DETLOGP_SERVER" "$@" 2>&1 | tee "$OUT/twin_check.log"
-  rc=${PIPESTATUS[0]}
+  local rc=${PIPESTATUS[0]}
   passed=$((passed + $(grep -c "^PASS" "$OUT/twin_check.log")))
   failed=$((failed + $(grep -c "^FAIL" "$OUT/twin_check.log")))
   [[ $rc -ne 0 ]] && ! grep -q "^FAIL" "$OUT/twin_check.log" && fail "twin_check.py: exit code $rc"
