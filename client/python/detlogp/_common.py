@@ -416,6 +416,7 @@ class ClientState:
         # Why the C++ client cannot read rows on a GPU (no CUDA runtime it
         # can load), once known: such calls take the client's own path.
         self._native_device_failure = None
+        self._native_device_lock = threading.Lock()  # held by its one call
 
     def _native_client(self, call, deadline):
         """(the C++ client, on_device) when it should send `call`
@@ -463,7 +464,17 @@ class ClientState:
                     say("large calls go through grpcio: %s", self._native_refusal)
             if self._native is None and options.native_transport == "on":
                 raise RuntimeError(f"TransferOptions.native_transport='on': {self._native_refusal}")
-            return None if self._native is None else (self._native, on_device)
+            if self._native is None:
+                return None
+            if on_device and not self._native_device_lock.acquire(blocking=False):
+                # The C++ client's calls through its region take turns: a
+                # call meanwhile takes the client's own region slots.
+                return None
+            return self._native, on_device
+
+    def _native_call_done(self, on_device):
+        if on_device:
+            self._native_device_lock.release()
 
     def _native_call_failed(self, failed, on_device):
         log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)

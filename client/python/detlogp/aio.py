@@ -171,6 +171,8 @@ class AsyncClient(ClientState):
             except native.NativeCallFailed as failed:
                 # The slices below send it again: their answer or error stands.
                 self._native_call_failed(failed, on_device)
+            finally:
+                self._native_call_done(on_device)
         if call.rows > 1:
             await self._learn_limits(deadline)
         while True:

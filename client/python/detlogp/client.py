@@ -221,6 +221,8 @@ class Client(ClientState):
                 # grpcio sends the call again: its answer, or the error the
                 # caller gets from it (retries, row numbers in messages).
                 self._native_call_failed(failed, on_device)
+            finally:
+                self._native_call_done(on_device)
         if call.rows > 1:
             self._learn_limits(deadline)
         while True:

@@ -456,6 +456,30 @@ def test_cuda_region_gives_the_bits_of_grpc_bytes(cuda_server, n, native_transpo
     assert not regions(cuda_server.target, "Cuda")
 
 
+def test_large_cuda_calls_at_once_give_the_bits_of_one_at_a_time(cuda_server):
+    """One large CUDA call at a time goes through the C++ client's region;
+    calls meanwhile take the Python client's own slots. Every answer has
+    the bits of the same call alone."""
+    import concurrent.futures
+
+    torch = cuda_or_skip()
+    model = cuda_server.model
+    n = (8 << 20) // (model.hidden * 2) + 11
+    calls = []
+    for seed in range(4):
+        hidden, targets = rows(model, n, seed=530 + seed)
+        calls.append((torch.from_numpy(hidden).to("cuda:0", torch.bfloat16), targets))
+    with detlogp.Client(cuda_server.unix_target, timeout=60) as client:
+        alone = [client.logprobs(h, t, **EXTRAS) for h, t in calls]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(
+                pool.map(lambda c: client.logprobs(c[0], c[1], timing=True, **EXTRAS), calls)
+            )
+    for got, want in zip(together, alone):
+        assert got.timings.path == "cuda_shm", got.timings
+        same_bits(got, want)
+
+
 @pytest.mark.parametrize("large", [False, True])
 def test_a_cpu_server_refuses_cuda_regions_then_gets_a_system_one(shm_server, large):
     """The CPU server refuses the CUDA region (the Python client's, or for a
