@@ -347,20 +347,24 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
   for (Slice& slice : batch) {
     const LogpJob& job = *slice.job;
     const int64_t row_bytes = job.hidden_size() * sizeof(uint16_t);
-    const char* source = job.hidden_bf16() + slice.row_begin * row_bytes;
     const HiddenLocation& location = job.hidden_location();
     if (location.kind != HiddenLocation::Kind::kHost &&
         executor->CopiesRowsFrom(location.kind)) {
       // The executor's own copy (DMA from pinned pages, device to device)
       // involves no CPU read of the mapping.
-      executor->CopyRows(location, source, rows, slice.row_count);
+      executor->CopyRows(location,
+                         job.hidden_bf16() + slice.row_begin * row_bytes, rows,
+                         slice.row_count);
     } else {
       char* destination =
           reinterpret_cast<char*>(staging.hidden) + rows * row_bytes;
       const size_t bytes = slice.row_count * row_bytes;
       if (!location.owner_may_truncate) {
-        std::memcpy(destination, source, bytes);
-      } else if (!CopyFromMapping(destination, source, bytes).ok()) {
+        job.CopyHostRows(slice.row_begin, slice.row_count, destination);
+      } else if (!CopyFromMapping(
+                      destination,
+                      job.hidden_bf16() + slice.row_begin * row_bytes, bytes)
+                      .ok()) {
         // Its staging rows are taken by the next slice.
         rows_failed_.fetch_add(slice.row_count, std::memory_order_relaxed);
         slice.job->FinishRows(

@@ -4,14 +4,17 @@
 #ifndef DETLOGP_SERVER_BATCHING_LOGP_JOB_H_
 #define DETLOGP_SERVER_BATCHING_LOGP_JOB_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/backends/backend.h"
@@ -63,8 +66,39 @@ class LogpJob {
   const std::shared_ptr<const LogpModel>& model() const { return model_; }
   int64_t rows() const { return rows_; }
   int64_t hidden_size() const { return hidden_size_; }
-  // Row r starts at hidden_bf16() + r * hidden_size() * 2.
+  // Row r starts at hidden_bf16() + r * hidden_size() * 2 (null when the
+  // rows are pieces of the request message: set_hidden_pieces).
   const char* hidden_bf16() const { return hidden_bf16_; }
+  // The rows as consecutive pieces of the request message (gRPC's received
+  // buffers, kept valid by the caller until the job completes) instead of
+  // one block; set before Schedule.
+  void set_hidden_pieces(std::vector<absl::string_view> pieces) {
+    hidden_pieces_ = std::move(pieces);
+  }
+  // Copies rows [row_begin, row_begin + count) from host memory to
+  // `destination`, from the block or from the pieces.
+  void CopyHostRows(int64_t row_begin, int64_t count, char* destination) const {
+    const int64_t row_bytes = hidden_size_ * 2;
+    int64_t skip = row_begin * row_bytes;
+    int64_t left = count * row_bytes;
+    if (hidden_pieces_.empty()) {
+      std::memcpy(destination, hidden_bf16_ + skip, left);
+      return;
+    }
+    for (absl::string_view piece : hidden_pieces_) {
+      const int64_t size = static_cast<int64_t>(piece.size());
+      if (skip >= size) {
+        skip -= size;
+        continue;
+      }
+      const int64_t take = std::min(size - skip, left);
+      std::memcpy(destination, piece.data() + skip, take);
+      destination += take;
+      left -= take;
+      skip = 0;
+      if (left == 0) return;
+    }
+  }
   const std::vector<int32_t>& targets() const { return targets_; }
   float temperature() const { return temperature_; }
   absl::Time deadline() const { return deadline_; }
@@ -133,6 +167,7 @@ class LogpJob {
       // leaves, so a shared-memory region is free once its caller has it.
       keep_alive_.reset();
       hidden_bf16_ = nullptr;
+      hidden_pieces_.clear();
       done_(final_status, *this);
     }
   }
@@ -142,6 +177,7 @@ class LogpJob {
   const int64_t rows_;
   const int64_t hidden_size_;
   const char* hidden_bf16_;
+  std::vector<absl::string_view> hidden_pieces_;
   std::shared_ptr<const void> keep_alive_;
   const std::vector<int32_t> targets_;
   const float temperature_;

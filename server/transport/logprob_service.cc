@@ -4,6 +4,7 @@
 #include <deque>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
@@ -13,6 +14,7 @@
 #include "server/transport/local_peer.h"
 #include "server/transport/reactor_update.h"
 #include "server/transport/rejected_call.h"
+#include "server/transport/request_wire.h"
 
 namespace detlogp::server {
 namespace {
@@ -79,7 +81,8 @@ absl::Status LogProbServiceImpl::Submit(
     const LogProbRequest& request, const Caller& caller,
     std::shared_ptr<const void> request_owner, absl::Time deadline,
     LogProbResponse* response, absl::AnyInvocable<void(absl::Status)> done,
-    std::shared_ptr<LogpJob>* job) {
+    std::shared_ptr<LogpJob>* job,
+    const std::vector<absl::string_view>* message_rows) {
   const absl::Time arrived = absl::Now();
   if (request.model_version() < 0) {
     return absl::InvalidArgumentError(
@@ -111,7 +114,7 @@ absl::Status LogProbServiceImpl::Submit(
       return bytes;
     };
   }
-  auto rows = ValidateLogProbRequest(request, limits, resolve);
+  auto rows = ValidateLogProbRequest(request, limits, resolve, message_rows);
   if (!rows.ok()) return rows.status();
   if (options_.on_hidden_bytes) {
     static constexpr absl::string_view kPaths[] = {"grpc", "system_shm",
@@ -178,6 +181,9 @@ absl::Status LogProbServiceImpl::Submit(
         done(std::move(status));
       });
   (*job)->set_extras(extras);
+  if (!rows->hidden_pieces.empty()) {
+    (*job)->set_hidden_pieces(std::move(rows->hidden_pieces));
+  }
   (*job)->set_hidden_location(rows->location);
   // Once scheduled, the job may complete (and its caller go away) at once.
   absl::Status scheduled = batcher_->Schedule(*job);
@@ -189,16 +195,18 @@ absl::Status LogProbServiceImpl::Submit(
 
 class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
  public:
+  // gRPC keeps *request, and so the slices the rows are read from, alive
+  // until OnDone, after the job completed.
   UnaryCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context,
-            const LogProbRequest* request, LogProbResponse* response) {
-    // gRPC keeps *request alive until OnDone, after the job completed.
-    const absl::Status status = service->Submit(
-        *request, service->CallerOf(*context), nullptr, DeadlineOf(context),
-        response,
-        [this, service](absl::Status done) {
-          Finish(service->Record("ComputeLogProbs", ToGrpcStatus(done)));
-        },
-        &job_);
+            const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
+      : service_(service), response_bytes_(response) {
+    absl::Status status = Read(request);
+    if (status.ok()) {
+      status = service->Submit(
+          request_, service->CallerOf(*context), nullptr, DeadlineOf(context),
+          &response_, [this](absl::Status done) { Answer(done); }, &job_,
+          pieces_.empty() ? nullptr : &pieces_);
+    }
     // After a successful Submit this object may already be gone.
     if (!status.ok()) {
       Finish(service->Record("ComputeLogProbs", ToGrpcStatus(status)));
@@ -211,12 +219,64 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
   void OnDone() override { delete this; }
 
  private:
+  // The request less its rows, and the rows as pieces of the received
+  // slices; a message in another form is parsed whole (its rows copied).
+  absl::Status Read(const grpc::ByteBuffer* request) {
+    if (!request->Dump(&slices_).ok()) {
+      return absl::InternalError("LogProbRequest: the message cannot be read");
+    }
+    std::vector<absl::string_view> chunks;
+    chunks.reserve(slices_.size());
+    for (const grpc::Slice& slice : slices_) {
+      chunks.emplace_back(reinterpret_cast<const char*>(slice.begin()),
+                          slice.size());
+    }
+    if (auto split = SplitHiddenData(chunks); split.has_value()) {
+      request_ = std::move(split->header);
+      pieces_ = std::move(split->data);
+      // A request with no rows gives no pieces: Submit reads the header.
+      return absl::OkStatus();
+    }
+    slices_.clear();
+    grpc::ByteBuffer whole(*request);
+    const grpc::Status parsed =
+        grpc::SerializationTraits<LogProbRequest>::Deserialize(&whole,
+                                                               &request_);
+    if (!parsed.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("LogProbRequest: not a valid message (",
+                       parsed.error_message(), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  void Answer(absl::Status done) {
+    if (done.ok()) {
+      bool own_buffer = false;
+      const grpc::Status written =
+          grpc::SerializationTraits<LogProbResponse>::Serialize(
+              response_, response_bytes_, &own_buffer);
+      if (!written.ok()) {
+        done = absl::InternalError(
+            absl::StrCat("LogProbResponse: cannot be written (",
+                         written.error_message(), ")"));
+      }
+    }
+    Finish(service_->Record("ComputeLogProbs", ToGrpcStatus(done)));
+  }
+
+  LogProbServiceImpl* const service_;
+  grpc::ByteBuffer* const response_bytes_;
+  std::vector<grpc::Slice> slices_;
+  LogProbRequest request_;
+  std::vector<absl::string_view> pieces_;
+  LogProbResponse response_;
   std::shared_ptr<LogpJob> job_;
 };
 
 grpc::ServerUnaryReactor* LogProbServiceImpl::ComputeLogProbs(
-    grpc::CallbackServerContext* context, const LogProbRequest* request,
-    LogProbResponse* response) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
   if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(Record("ComputeLogProbs", denied));

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
@@ -20,8 +21,12 @@
 
 namespace detlogp::server {
 
+// ComputeLogProbs takes its request as gRPC's received bytes: the rows are
+// read from them where they arrived (request_wire.h), never copied into a
+// message first.
 class LogProbServiceImpl final
-    : public detlogp::v1::LogProbService::CallbackService {
+    : public detlogp::v1::LogProbService::WithRawCallbackMethod_ComputeLogProbs<
+          detlogp::v1::LogProbService::CallbackService> {
  public:
   struct Options {
     int64_t max_request_rows = 65536;
@@ -62,9 +67,8 @@ class LogProbServiceImpl final
                      DynamicBatcher* batcher);
 
   grpc::ServerUnaryReactor* ComputeLogProbs(
-      grpc::CallbackServerContext* context,
-      const detlogp::v1::LogProbRequest* request,
-      detlogp::v1::LogProbResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
 
   grpc::ServerBidiReactor<detlogp::v1::LogProbRequest,
                           detlogp::v1::LogProbResponse>*
@@ -78,14 +82,15 @@ class LogProbServiceImpl final
   // Validates `request` and schedules its rows; on success `done` runs once
   // with the job's status and the filled response. The job may borrow the
   // request's bytes: `request_owner` (or the caller) keeps them alive until
-  // `done` runs.
-  absl::Status Submit(const detlogp::v1::LogProbRequest& request,
-                      const Caller& caller,
-                      std::shared_ptr<const void> request_owner,
-                      absl::Time deadline,
-                      detlogp::v1::LogProbResponse* response,
-                      absl::AnyInvocable<void(absl::Status)> done,
-                      std::shared_ptr<LogpJob>* job);
+  // `done` runs. `message_rows`: hidden.data's bytes in pieces when the
+  // request carries none itself (kept alive the same way).
+  absl::Status Submit(
+      const detlogp::v1::LogProbRequest& request, const Caller& caller,
+      std::shared_ptr<const void> request_owner, absl::Time deadline,
+      detlogp::v1::LogProbResponse* response,
+      absl::AnyInvocable<void(absl::Status)> done,
+      std::shared_ptr<LogpJob>* job,
+      const std::vector<absl::string_view>* message_rows = nullptr);
 
  private:
   class UnaryCall;

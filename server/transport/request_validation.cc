@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -37,8 +38,15 @@ void DecodeToBf16(DType dtype, const char* bytes, int64_t elements,
 
 absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
     const detlogp::v1::LogProbRequest& request, const RequestLimits& limits,
-    const SharedMemoryResolver& resolve) {
+    const SharedMemoryResolver& resolve,
+    const std::vector<absl::string_view>* message_rows) {
   const detlogp::v1::Tensor& hidden = request.hidden();
+  int64_t data_bytes = static_cast<int64_t>(hidden.data().size());
+  if (message_rows != nullptr) {
+    for (absl::string_view piece : *message_rows) {
+      data_bytes += static_cast<int64_t>(piece.size());
+    }
+  }
   if (!detlogp::v1::DType_IsValid(hidden.dtype()) ||
       detlogp::v1::DTypeBytes(hidden.dtype()) == 0) {
     return absl::InvalidArgumentError(
@@ -71,9 +79,9 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
       rows * hidden_size * detlogp::v1::DTypeBytes(hidden.dtype());
   const bool shared = hidden.has_shared_memory();
   if (shared) {
-    if (!hidden.data().empty()) {
+    if (data_bytes != 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("hidden.data: ", hidden.data().size(),
+          absl::StrCat("hidden.data: ", data_bytes,
                        " bytes, but hidden.shared_memory is set (one or the "
                        "other)"));
     }
@@ -83,9 +91,9 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
           hidden.shared_memory().byte_size(), " bytes, expected N*H*",
           detlogp::v1::DTypeBytes(hidden.dtype()), " = ", expected_bytes));
     }
-  } else if (static_cast<int64_t>(hidden.data().size()) != expected_bytes) {
+  } else if (data_bytes != expected_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "hidden.data: ", hidden.data().size(), " bytes, expected N*H*",
+        "hidden.data: ", data_bytes, " bytes, expected N*H*",
         detlogp::v1::DTypeBytes(hidden.dtype()), " = ", expected_bytes));
   }
   if (request.target_ids_size() != rows) {
@@ -143,6 +151,18 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   }
   validated.hidden_bytes = expected_bytes;
   const char* bytes = hidden.data().data();
+  std::string joined;  // pieces of rows to convert, in one buffer
+  if (message_rows != nullptr && !shared) {
+    if (hidden.dtype() == detlogp::v1::DTYPE_BFLOAT16) {
+      validated.hidden_pieces = *message_rows;  // no copy
+      return validated;
+    }
+    joined.reserve(expected_bytes);
+    for (absl::string_view piece : *message_rows) {
+      joined.append(piece.data(), piece.size());
+    }
+    bytes = joined.data();
+  }
   if (shared) {
     if (!resolve) {
       return absl::FailedPreconditionError(

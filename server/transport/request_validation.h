@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.pb.h"
 #include "server/backends/hidden_location.h"
 
@@ -42,8 +43,12 @@ struct ValidatedRows {
   int64_t rows = 0;
   // [rows, hidden_size] bf16, little-endian, any alignment: the request's own
   // bytes when it sent bf16 (valid while the request lives), the region's
-  // bytes (valid while `region_hold` lives), else `converted`.
+  // bytes (valid while `region_hold` lives), else `converted`. Null when
+  // `hidden_pieces` holds them.
   const char* hidden_bf16 = nullptr;
+  // The bf16 rows as the message's pieces (ValidateLogProbRequest's
+  // `message_rows`), in order.
+  std::vector<absl::string_view> hidden_pieces;
   // Where hidden_bf16 points: a device when it names a CUDA region.
   HiddenLocation location;
   // Set when the rows came from a shared-memory region.
@@ -68,9 +73,13 @@ struct ValidatedRows {
 // hidden.shared_memory. fp32 / fp16 rows in a region are decoded here, read
 // through ReadFromMapping when the region's owner may truncate it:
 // FAILED_PRECONDITION naming hidden.shared_memory when it did.
+//
+// `message_rows`, when given, are hidden.data's bytes in pieces (the request
+// itself then carries none: SplitHiddenData); bf16 rows stay in them.
 absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
     const detlogp::v1::LogProbRequest& request, const RequestLimits& limits,
-    const SharedMemoryResolver& resolve = nullptr);
+    const SharedMemoryResolver& resolve = nullptr,
+    const std::vector<absl::string_view>* message_rows = nullptr);
 
 // Decodes a Tensor's elements to bf16 bits (round-to-nearest-even from fp32,
 // exact widening then RNE from fp16). `data` (host memory) must hold them.
