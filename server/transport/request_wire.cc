@@ -165,10 +165,9 @@ std::optional<SplitLogProbRequest> SplitHiddenData(
         return std::nullopt;
       }
       seen_data = true;
-      in.ForEachPiece(in.position(), in.position() + data_bytes,
-                      [&split](absl::string_view piece) {
-                        split.data.push_back(piece);
-                      });
+      in.ForEachPiece(
+          in.position(), in.position() + data_bytes,
+          [&split](absl::string_view piece) { split.data.push_back(piece); });
       split.data_bytes = data_bytes;
       in.Skip(data_bytes, tensor_end);
     }

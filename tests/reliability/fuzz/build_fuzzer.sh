@@ -16,6 +16,8 @@ fuzzer="$out/request_validation_fuzzer"
 sources=("$repo/tests/reliability/fuzz/request_validation_fuzzer.cc"
          "$repo/server/transport/request_validation.cc"
          "$repo/server/transport/request_validation.h"
+         "$repo/server/transport/request_wire.cc"
+         "$repo/server/transport/request_wire.h"
          "$repo/server/shared_memory/mapped_reads.cc"
          "$repo/server/shared_memory/mapped_reads.h"
          "$repo/kernels/bfloat16.h" "$repo/proto/detlogp/v1/detlogp.proto")
@@ -48,6 +50,7 @@ if ((stale)); then
     -I"$repo" -I"$out/gen" \
     "$repo/tests/reliability/fuzz/request_validation_fuzzer.cc" \
     "$repo/server/transport/request_validation.cc" \
+    "$repo/server/transport/request_wire.cc" \
     "$repo/server/shared_memory/mapped_reads.cc" \
     "$out/gen/detlogp/v1/detlogp.pb.cc" \
     "${available[@]}" -o "$fuzzer.tmp"

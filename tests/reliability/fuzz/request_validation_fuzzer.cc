@@ -12,6 +12,11 @@
 //     N targets in [0, vocab_size), a finite positive temperature, and fp32
 //     inputs rounded to bf16 exactly as a reference round-to-nearest-even,
 //     bf16 inputs passed through bit-exactly (ASan checks every read).
+// The same bytes, cut in two, go through SplitHiddenData
+// (server/transport/request_wire.h), which must agree with protobuf: a
+// message protobuf refuses is never split; a split one gives the parsed
+// request less hidden.data and hidden.data's bytes, and validating it with
+// those pieces gives the same status, or the same rows, as the whole.
 // Any violation aborts, which libFuzzer reports as a crash with its input.
 //
 // Built outside Bazel by build_fuzzer.sh (clang++ -fsanitize=fuzzer,address).
@@ -22,7 +27,9 @@
 #include <cstring>
 #include <string>
 
+#include "absl/strings/string_view.h"
 #include "server/transport/request_validation.h"
+#include "server/transport/request_wire.h"
 
 namespace {
 
@@ -65,10 +72,51 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       {3, 7, 1024, 20},
   };
   const RequestLimits& limits = kLimits[data[0] % 4];
+  const absl::string_view bytes(reinterpret_cast<const char*>(data + 1),
+                                size - 1);
+  const size_t cut = (data[0] >> 2) * bytes.size() / 64;
+  const absl::string_view chunks[] = {bytes.substr(0, cut), bytes.substr(cut)};
+  const auto split = detlogp::server::SplitHiddenData(chunks);
   detlogp::v1::LogProbRequest request;
-  if (!request.ParseFromArray(data + 1, static_cast<int>(size - 1))) return 0;
+  if (!request.ParseFromArray(bytes.data(), static_cast<int>(bytes.size()))) {
+    if (split.has_value()) Fail("split a message protobuf refuses");
+    return 0;
+  }
 
   auto result = detlogp::server::ValidateLogProbRequest(request, limits);
+  if (split.has_value()) {
+    std::string joined;
+    for (absl::string_view piece : split->data) {
+      joined.append(piece.data(), piece.size());
+    }
+    detlogp::v1::LogProbRequest without_data = request;
+    without_data.mutable_hidden()->clear_data();
+    if (joined != request.hidden().data() ||
+        split->header.SerializeAsString() != without_data.SerializeAsString()) {
+      Fail("the split request differs from protobuf's");
+    }
+    auto from_pieces = detlogp::server::ValidateLogProbRequest(
+        split->header, limits, nullptr, &split->data);
+    if (from_pieces.status() != result.status()) {
+      Fail("validating the pieces gives " + from_pieces.status().ToString() +
+           ", the whole " + result.status().ToString());
+    }
+    if (result.ok()) {
+      std::string from_whole;
+      std::string from_split;
+      const size_t rows_bytes =
+          static_cast<size_t>(result->rows * limits.hidden_size * 2);
+      if (rows_bytes > 0) from_whole.assign(result->hidden_bf16, rows_bytes);
+      if (from_pieces->hidden_bf16 != nullptr && rows_bytes > 0) {
+        from_split.assign(from_pieces->hidden_bf16, rows_bytes);
+      } else {
+        for (absl::string_view piece : from_pieces->hidden_pieces) {
+          from_split.append(piece.data(), piece.size());
+        }
+      }
+      if (from_whole != from_split) Fail("the pieces' rows differ");
+    }
+  }
   if (!result.ok()) {
     const std::string message(result.status().message());
     // Validation runs without shared memory here: a well-formed request
