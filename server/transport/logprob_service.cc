@@ -222,8 +222,11 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
   // The request less its rows, and the rows as pieces of the received
   // slices; a message in another form is parsed whole (its rows copied).
   absl::Status Read(const grpc::ByteBuffer* request) {
-    if (!request->Dump(&slices_).ok()) {
-      return absl::InternalError("LogProbRequest: the message cannot be read");
+    // gRPC runs the handler of a call that ended (cancelled, past its
+    // deadline) before its message arrived with no message at all.
+    if (!request->Valid() || !request->Dump(&slices_).ok()) {
+      return absl::CancelledError(
+          "LogProbRequest: the call ended before its message arrived");
     }
     std::vector<absl::string_view> chunks;
     chunks.reserve(slices_.size());
