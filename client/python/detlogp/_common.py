@@ -472,24 +472,32 @@ class ClientState:
                 return None
             return self._native, on_device
 
-    def _native_call_done(self, on_device):
-        if on_device:
-            self._native_device_lock.release()
-
-    def _native_call_failed(self, failed, on_device):
-        log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
-        if on_device and failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
-            self._native_device_failure = failed.message
-            log.info("calls on a GPU take the Python client's path: %s", failed.message)
-
-    def _after_native_call(self, client, path, on_device):
-        """A call given on its GPU whose rows went elsewhere: the server
-        refused the C++ client's CUDA region, so later calls take the
-        client's own paths (the refusal is logged once, as for its own)."""
+    def _score_natively(self, chosen, call, timings):
+        """The C++ client's answer to `call` (`chosen`: _native_client's), or
+        None when its call failed: the caller then sends the call through
+        grpcio, whose answer or error (retries, row numbers in messages)
+        stands. Blocking; the asyncio client runs it in an executor, so the
+        region's turn ends when the C++ call does."""
+        client, on_device = chosen
+        try:
+            result, path = client.score(call, timings, on_device)
+        except native.NativeCallFailed as failed:
+            log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
+            if on_device and failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
+                self._native_device_failure = failed.message
+                log.info("calls on a GPU take the Python client's path: %s", failed.message)
+            return None
+        finally:
+            if on_device:
+                self._native_device_lock.release()
         if on_device and path != "cuda_shm":
+            # The server refused the C++ client's CUDA region: later calls
+            # take the client's own paths (the refusal logged once, as for
+            # its own).
             why = client.shared_memory_refusal()
             if why:
                 self._memory[0].refused("cuda", time.monotonic(), RuntimeError(why), log)
+        return result
 
     def _native_unsuitable(self):
         """Why this client's calls cannot go through the C++ client, or None."""

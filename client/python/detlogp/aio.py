@@ -15,7 +15,7 @@ import weakref
 import grpc
 import numpy as np
 
-from detlogp import native, requests, shm, transfer, wire
+from detlogp import requests, shm, transfer, wire
 from detlogp._common import (
     STAGING_FAILURES,
     CallPlan,
@@ -160,19 +160,11 @@ class AsyncClient(ClientState):
     async def _run_call(self, call, deadline, timings):
         chosen = self._native_client(call, deadline)
         if chosen is not None:
-            client, on_device = chosen
-            loop = asyncio.get_running_loop()
-            try:
-                result, path = await loop.run_in_executor(
-                    None, lambda: client.score(call, timings, on_device)
-                )
-                self._after_native_call(client, path, on_device)
+            result = await asyncio.get_running_loop().run_in_executor(
+                None, self._score_natively, chosen, call, timings
+            )
+            if result is not None:
                 return result
-            except native.NativeCallFailed as failed:
-                # The slices below send it again: their answer or error stands.
-                self._native_call_failed(failed, on_device)
-            finally:
-                self._native_call_done(on_device)
         if call.rows > 1:
             await self._learn_limits(deadline)
         while True:

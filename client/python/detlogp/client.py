@@ -21,7 +21,7 @@ import weakref
 import grpc
 import numpy as np
 
-from detlogp import native, requests, shm, transfer, wire
+from detlogp import requests, shm, transfer, wire
 from detlogp._common import (
     STAGING_FAILURES,
     CallPlan,
@@ -212,17 +212,9 @@ class Client(ClientState):
         merges the answers."""
         chosen = self._native_client(call, deadline)
         if chosen is not None:
-            client, on_device = chosen
-            try:
-                result, path = client.score(call, timings, on_device)
-                self._after_native_call(client, path, on_device)
+            result = self._score_natively(chosen, call, timings)
+            if result is not None:
                 return result
-            except native.NativeCallFailed as failed:
-                # grpcio sends the call again: its answer, or the error the
-                # caller gets from it (retries, row numbers in messages).
-                self._native_call_failed(failed, on_device)
-            finally:
-                self._native_call_done(on_device)
         if call.rows > 1:
             self._learn_limits(deadline)
         while True:
