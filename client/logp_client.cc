@@ -689,10 +689,17 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   if (!rows_per_request.ok()) return rows_per_request.status();
   absl::StatusOr<ScoreResult> result;
   if (connections > 1 && rows > 1) {
-    const SpreadCut cut =
-        CutForSpread(rows, row_bytes, connections, *rows_per_request);
-    result = ScoreSpread(*to_send, rows_bytes, cut.rows_per_request,
-                         connections, cut.requests_in_flight);
+    // Every connection gets a share (cut no smaller than
+    // kMinSpreadRequestBytes for that), in requests of at most
+    // spread_request_bytes.
+    const int64_t share =
+        std::min(std::max((rows + connections - 1) / connections,
+                          kMinSpreadRequestBytes / row_bytes),
+                 options_.spread_request_bytes / row_bytes);
+    const int64_t rows_each =
+        *rows_per_request > 0 ? std::min(*rows_per_request, share) : share;
+    result = ScoreSpread(*to_send, rows_bytes, std::max<int64_t>(rows_each, 1),
+                         connections);
   } else if (*rows_per_request <= 0 || rows <= *rows_per_request) {
     result = rows_beside ? ScoreRaw(*to_send, rows_bytes, *raw_)
                          : ScoreOne(*to_send);
@@ -750,38 +757,9 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
   return ToScoreResult(request, response);
 }
 
-LogpClient::SpreadCut LogpClient::CutForSpread(int64_t rows, int64_t row_bytes,
-                                               int connections,
-                                               int64_t server_rows) const {
-  const int64_t in_flight = std::max(options_.spread_requests_in_flight, 1);
-  const int64_t request_rows =
-      std::max<int64_t>(options_.spread_request_bytes / row_bytes, 1);
-  const int64_t window_rows = request_rows * in_flight;
-  const int64_t share = (rows + connections - 1) / connections;
-  const auto within_server = [&](int64_t wanted) {
-    return server_rows > 0 ? std::min(wanted, server_rows) : wanted;
-  };
-  if (share > window_rows) {
-    // A call longer than every connection's window goes in requests of the
-    // whole window, one outstanding per connection: the same rows in flight
-    // in fewer requests, which the server answers at a lower cost per row
-    // (at 262,144 rows, 8 MiB x 2 gave 270-300k rows/s, 16 MiB x 1
-    // 370-400k). Requests the server's limit cuts smaller keep the window
-    // full with more of them.
-    const int64_t cut = within_server(window_rows);
-    return {cut, static_cast<int>(std::max<int64_t>(window_rows / cut, 1))};
-  }
-  // Every connection gets a share (cut no smaller than
-  // kMinSpreadRequestBytes for that), in requests of at most
-  // spread_request_bytes.
-  const int64_t cut = within_server(std::min(
-      std::max(share, kMinSpreadRequestBytes / row_bytes), request_rows));
-  return {std::max<int64_t>(cut, 1), static_cast<int>(in_flight)};
-}
-
 absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
     const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-    int64_t rows_per_request, int connections, int requests_in_flight) {
+    int64_t rows_per_request, int connections) {
   // A sender writes each slice's rows straight from `rows_bytes` into gRPC's
   // buffer when it sends it.
   RowSlices slices = CutRows(request, rows_per_request, rows_bytes);
@@ -794,11 +772,12 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
       TakeSpreadConnections(used - 1);
   std::vector<absl::StatusOr<ScoreResult>> answers(
       headers.size(), absl::UnknownError("not sent"));
-  // requests_in_flight senders per connection, each sending its slices one
-  // at a time. The first failure stops the others: the call fails with it.
-  const size_t sender_count =
-      std::min<size_t>(headers.size(), static_cast<size_t>(used) *
-                                           std::max(requests_in_flight, 1));
+  // spread_requests_in_flight senders per connection, each sending its
+  // slices one at a time. The first failure stops the others: the call
+  // fails with it.
+  const size_t sender_count = std::min<size_t>(
+      headers.size(), static_cast<size_t>(used) *
+                          std::max(options_.spread_requests_in_flight, 1));
   absl::Mutex failure_mu;
   absl::Status failure;
   std::atomic<bool> failed{false};

@@ -229,9 +229,6 @@ class LogpClient {
     // connection leaves the GPU idle while it arrives).
     int64_t spread_request_bytes = int64_t{8} << 20;
     // Requests of one spread call outstanding on each connection at once.
-    // A call with more than spread_request_bytes * spread_requests_in_flight
-    // for each connection goes in requests of that many bytes instead, one
-    // outstanding per connection: the same bytes in flight, fewer requests.
     int spread_requests_in_flight = 2;
     // The spread connections beyond the client's own are opened on first
     // need and kept for later calls (a call takes those it needs; calls at
@@ -426,21 +423,11 @@ class LogpClient {
   absl::StatusOr<ScoreResult> ScoreCut(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
       bool rows_beside);
-  // How a spread call of `rows` rows is cut: rows per request (at most
-  // `server_rows` when that is positive, the server's limit) and requests
-  // outstanding on each connection.
-  struct SpreadCut {
-    int64_t rows_per_request;
-    int requests_in_flight;
-  };
-  SpreadCut CutForSpread(int64_t rows, int64_t row_bytes, int connections,
-                         int64_t server_rows) const;
   // `request` cut into requests of `rows_per_request` rows sent side by side
-  // over `connections` connections, `requests_in_flight` outstanding on
-  // each, on one model version.
+  // over `connections` connections, on one model version.
   absl::StatusOr<ScoreResult> ScoreSpread(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-      int64_t rows_per_request, int connections, int requests_in_flight);
+      int64_t rows_per_request, int connections);
   // A channel with ComputeLogProbs and StreamLogProbs on it, sent as
   // grpc::ByteBuffer (a slice's rows written once, straight from the
   // caller's request).

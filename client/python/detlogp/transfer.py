@@ -61,10 +61,7 @@ class TransferOptions:
       `auto_connections` for calls of `auto_connections_min_bytes` of rows
       or more (1,024 rows of H=4096 bf16), else 1.
     slices_in_flight_per_connection: requests of one call outstanding on
-      each connection at once. When the C++ client sends the call, a call
-      with more than slice_bytes * slices_in_flight_per_connection for each
-      connection goes in requests of that many bytes, one outstanding per
-      connection (the same bytes in flight in fewer requests).
+      each connection at once.
     shared_memory: "auto" (a CUDA region for a CUDA tensor, a system region
       for host rows, when the target is on this host: a Unix socket or a
       loopback address), "system" (host rows and CUDA tensors both through

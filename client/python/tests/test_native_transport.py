@@ -83,12 +83,11 @@ def test_the_cpp_client_spreads_by_the_transfer_options(server, model):
     hidden, targets = model.random_rows(1000, seed=406)
     want = score(server.target, "off", hidden, targets, **EXTRAS)
     spread = options(
-        # 50-row requests, under the server's 64-row limit, and 500 rows in
-        # flight on each connection: its whole share.
+        # 50-row requests: under the server's 64-row limit.
         "on",
         connections=2,
         slice_bytes=50 * hidden.shape[1] * 4,
-        slices_in_flight_per_connection=10,
+        slices_in_flight_per_connection=3,
     )
     with detlogp.Client(server.target, timeout=60, transfer_options=spread) as client:
         got = client.logprobs(hidden, targets, timing=True, **EXTRAS)
