@@ -203,7 +203,9 @@ std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
   return MakeChannelIdleAfter(options, absl::ZeroDuration());
 }
 
-LogpClient::LogpClient(const Options& options) : options_(options) {}
+LogpClient::LogpClient(const Options& options)
+    : options_(options),
+      system_regions_(options.system_shared_memory_regions) {}
 
 absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     const Options& options) {
@@ -218,6 +220,11 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("spread_request_bytes: ", options.spread_request_bytes,
                      " is not positive"));
+  }
+  if (options.system_shared_memory_regions < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "system_shared_memory_regions: ", options.system_shared_memory_regions,
+        " is not positive"));
   }
   if (options.spread_requests_in_flight < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -258,10 +265,7 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
 }
 
 LogpClient::~LogpClient() {
-  {
-    absl::MutexLock lock(&shared_memory_mu_);
-    UnregisterRegion();
-  }
+  ReleaseIdleSystemRegions();
   absl::MutexLock lock(&cuda_mu_);
   for (auto& [device, region] : cuda_regions_) ReleaseCudaRegion(region);
   cuda_regions_.clear();  // frees the device memory while the runtime is here
@@ -528,27 +532,28 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
   return std::max<int64_t>(1, std::min(max_rows, rows_by_bytes));
 }
 
-absl::Status LogpClient::RegisterRegion(int64_t bytes) {
+absl::StatusOr<std::unique_ptr<LogpClient::SystemRegion>>
+LogpClient::MakeSystemRegion(int64_t bytes) {
   const int64_t size = RegionBytesFor(bytes);
-  auto region = SystemSharedMemory::Create(size);
-  if (!region.ok()) return region.status();
+  auto memory = SystemSharedMemory::Create(size);
+  if (!memory.ok()) return memory.status();
   const std::string name = UniqueRegionName("");
-  if (absl::Status s = RegisterSystemRegion(name, (*region)->key(), 0, size);
+  if (absl::Status s = RegisterSystemRegion(name, (*memory)->key(), 0, size);
       !s.ok()) {
     return s;
   }
   // The server holds its own mapping: the name is no longer needed, and a
   // client killed now leaves nothing in /dev/shm.
-  (*region)->Unlink();
-  region_ = *std::move(region);
-  region_name_ = name;
-  return absl::OkStatus();
+  (*memory)->Unlink();
+  auto region = std::make_unique<SystemRegion>();
+  region->memory = *std::move(memory);
+  region->name = name;
+  return region;
 }
 
-void LogpClient::UnregisterRegion() {
-  if (region_ == nullptr) return;
+void LogpClient::ReleaseSystemRegion(const SystemRegion& region) {
   detlogp::v1::SystemSharedMemoryUnregisterRequest request;
-  request.set_name(region_name_);
+  request.set_name(region.name);
   grpc::ClientContext context;
   PrepareContext(&context);
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
@@ -556,34 +561,66 @@ void LogpClient::UnregisterRegion() {
   // Best effort: the server releases an idle region by itself.
   shared_memory_stub_->SystemSharedMemoryUnregister(&context, request,
                                                     &response);
-  region_.reset();
-  region_name_.clear();
 }
 
-absl::StatusOr<std::optional<detlogp::v1::LogProbRequest>>
-LogpClient::ToSharedMemoryRequest(const detlogp::v1::LogProbRequest& request) {
+int LogpClient::ReleaseIdleSystemRegions() {
+  std::vector<std::unique_ptr<SystemRegion>> idle = system_regions_.TakeIdle();
+  for (const auto& region : idle) ReleaseSystemRegion(*region);
+  return static_cast<int>(idle.size());
+}
+
+absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
+    const detlogp::v1::LogProbRequest& request) {
   const std::string& data = request.hidden().data();
-  if (!shared_memory_refusal_.empty() || data.empty() ||
-      request.hidden().has_shared_memory()) {
+  if (data.empty() || request.hidden().has_shared_memory()) {
     return std::nullopt;
   }
   const int64_t bytes = static_cast<int64_t>(data.size());
-  if (region_ == nullptr || region_->bytes() < bytes) {
-    UnregisterRegion();
-    if (absl::Status s = RegisterRegion(bytes); !s.ok()) {
-      if (!IsRefusal(s.code())) return s;
-      shared_memory_refusal_ = s.ToString();
-      return std::nullopt;
+  bool registered_again = false;
+  while (true) {
+    {
+      absl::MutexLock lock(&shared_memory_mu_);
+      if (!shared_memory_refusal_.empty()) return std::nullopt;
     }
+    RegionPool<SystemRegion>::Lease lease = system_regions_.Take(bytes);
+    if (lease.get() != nullptr && lease.get()->bytes() < bytes) {
+      ReleaseSystemRegion(*lease.Take());  // made again, larger
+    }
+    if (lease.get() == nullptr) {
+      auto made = MakeSystemRegion(bytes);
+      if (!made.ok()) {
+        if (!IsRefusal(made.status().code())) return made.status();
+        // The server's bound may be held by other calls' regions (wait for
+        // one of theirs) or by idle ones (release them); else the refusal
+        // turns regions off for the client.
+        if (system_regions_.ShrinkToOthersLent()) continue;
+        if (ReleaseIdleSystemRegions() > 0) continue;
+        absl::MutexLock lock(&shared_memory_mu_);
+        shared_memory_refusal_ = made.status().ToString();
+        return std::nullopt;
+      }
+      lease.Set(*std::move(made));
+    }
+    std::memcpy(lease.get()->memory->data(), data.data(), data.size());
+    detlogp::v1::LogProbRequest by_reference = WithoutHiddenBytes(request);
+    detlogp::v1::SharedMemoryRef* ref =
+        by_reference.mutable_hidden()->mutable_shared_memory();
+    ref->set_region(lease.get()->name);
+    ref->set_offset(0);
+    ref->set_byte_size(bytes);
+    absl::StatusOr<ScoreResult> result =
+        ScoreCut(by_reference, {}, /*rows_beside=*/false);
+    if (!registered_again && IsRegionGone(result.status())) {
+      // The server's copy is gone: drop ours, register a new one.
+      lease.Take();
+      registered_again = true;
+      continue;
+    }
+    if (!result.ok()) return result.status();
+    result->path = "system_shm";
+    result->used_shared_memory = true;
+    return std::optional<ScoreResult>(*std::move(result));
   }
-  std::memcpy(region_->data(), data.data(), data.size());
-  detlogp::v1::LogProbRequest by_reference = WithoutHiddenBytes(request);
-  detlogp::v1::SharedMemoryRef* ref =
-      by_reference.mutable_hidden()->mutable_shared_memory();
-  ref->set_region(region_name_);
-  ref->set_offset(0);
-  ref->set_byte_size(bytes);
-  return by_reference;
 }
 
 namespace {
@@ -621,24 +658,9 @@ RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request) {
   if (options_.system_shared_memory) {
-    absl::MutexLock lock(&shared_memory_mu_);
-    for (int attempt = 0;; ++attempt) {
-      auto by_reference = ToSharedMemoryRequest(request);
-      if (!by_reference.ok()) return by_reference.status();
-      if (!by_reference->has_value()) break;  // bytes in the messages
-      absl::StatusOr<ScoreResult> result =
-          ScoreCut(**by_reference, {}, /*rows_beside=*/false);
-      if (attempt == 0 && IsRegionGone(result.status())) {
-        region_.reset();  // the server's copy is gone: register a new one
-        region_name_.clear();
-        continue;
-      }
-      if (result.ok()) {
-        result->path = "system_shm";
-        result->used_shared_memory = true;
-      }
-      return result;
-    }
+    auto through_region = ScoreThroughSystemRegion(request);
+    if (!through_region.ok()) return through_region.status();
+    if (through_region->has_value()) return **std::move(through_region);
   }
   absl::StatusOr<ScoreResult> result =
       ScoreCut(request, request.hidden().data(), /*rows_beside=*/false);

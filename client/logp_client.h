@@ -25,8 +25,9 @@
 // the answers in row order; each row's bits are those it gets alone.
 //
 // Same host: with Options::system_shared_memory, Score copies the hidden
-// rows into a POSIX shared-memory region the client owns (registered once,
-// grown when a call needs more) and sends a reference instead of the bytes.
+// rows into a POSIX shared-memory region the client owns (one for each call
+// made at once, registered once, grown when a call needs more) and sends a
+// reference instead of the bytes.
 // The server answers with the same bits.
 //
 // Rows already on a GPU: Score(DeviceRows) reads them where they are. With
@@ -74,6 +75,7 @@
 #include "client/cuda_runtime_loader.h"
 #include "client/interleaved_rows.h"
 #include "client/project_chunk.h"
+#include "client/region_pool.h"
 #include "client/system_shared_memory.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 
@@ -195,11 +197,15 @@ class LogpClient {
     std::string load_balancing_policy;
     // Score sends hidden rows through a system shared-memory region this
     // client owns when the server allows it (same host,
-    // --allow_shared_memory). Calls through the region take turns (one
-    // region per client). A refused registration turns it off for the
-    // client: the bytes then go in the messages (shared_memory_refusal()
-    // says why).
+    // --allow_shared_memory). Each call made at once has a region of its
+    // own, up to system_shared_memory_regions (kept for later calls, grown
+    // when a call needs more); a call beyond waits for one. A registration
+    // the server refuses while other calls hold regions (its
+    // --max_shared_memory_bytes) lowers that number instead; one refused
+    // with none held turns regions off for the client: the bytes then go in
+    // the messages (shared_memory_refusal() says why).
     bool system_shared_memory = false;
+    int system_shared_memory_regions = 4;
     // Score(DeviceRows) copies bf16 rows device-to-device into a CUDA region
     // this client owns on the rows' GPU (one per GPU, allocated and
     // registered on first use, grown when a call needs more, unregistered
@@ -458,15 +464,22 @@ class LogpClient {
   absl::StatusOr<int64_t> RowsPerRequest(
       const detlogp::v1::LogProbRequest& request, bool by_reference,
       bool spread);
-  // Copies the request's hidden bytes into the client's region (created,
-  // grown and registered as needed) and returns the request naming them;
-  // nullopt when shared memory is off or refused (the caller sends bytes).
-  absl::StatusOr<std::optional<detlogp::v1::LogProbRequest>>
-  ToSharedMemoryRequest(const detlogp::v1::LogProbRequest& request)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
-  absl::Status RegisterRegion(int64_t bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
-  void UnregisterRegion() ABSL_EXCLUSIVE_LOCKS_REQUIRED(shared_memory_mu_);
+  // A system region the client owns, lent to one call at a time.
+  struct SystemRegion {
+    std::unique_ptr<SystemSharedMemory> memory;
+    std::string name;
+    int64_t bytes() const { return memory->bytes(); }
+  };
+  // Through one of the client's system regions (taken from the pool, made
+  // or grown and registered as needed): the request's hidden bytes copied
+  // in and named. nullopt when the request has no bytes to move or the
+  // server refused regions (the caller sends the bytes).
+  absl::StatusOr<std::optional<ScoreResult>> ScoreThroughSystemRegion(
+      const detlogp::v1::LogProbRequest& request);
+  absl::StatusOr<std::unique_ptr<SystemRegion>> MakeSystemRegion(int64_t bytes);
+  void ReleaseSystemRegion(const SystemRegion& region);
+  // Unregisters the pool's idle regions; how many there were.
+  int ReleaseIdleSystemRegions();
 
   // The CUDA runtime, loaded on first need (or why it did not load).
   absl::StatusOr<const CudaRuntime*> Cuda();
@@ -495,11 +508,10 @@ class LogpClient {
   // The server's limits, once asked.
   absl::Mutex limits_mu_;
   std::optional<detlogp::v1::ModelInfo> limits_ ABSL_GUARDED_BY(limits_mu_);
-  // The client's region; held for a whole call through it.
+  // The client's system regions, each lent to one call at a time.
+  RegionPool<SystemRegion> system_regions_;
+  // Why the server refused a system region, once it has.
   mutable absl::Mutex shared_memory_mu_;
-  std::unique_ptr<SystemSharedMemory> region_
-      ABSL_GUARDED_BY(shared_memory_mu_);
-  std::string region_name_ ABSL_GUARDED_BY(shared_memory_mu_);
   std::string shared_memory_refusal_ ABSL_GUARDED_BY(shared_memory_mu_);
   // The CUDA runtime; loaded once, kept until the regions are freed.
   absl::Mutex cuda_runtime_mu_;

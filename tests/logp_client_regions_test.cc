@@ -326,6 +326,77 @@ TEST(LogpClientSystemRegionTest, ARegionTheServerReleasedIsRegisteredAgain) {
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
+// Calls from eight threads through one client's system regions: each has
+// the bits of the same rows as bytes, and the client never holds more than
+// `regions` regions on the server.
+void ScoreAtOnceThroughSystemRegions(const ServerProcess& server, int regions,
+                                     int expected_regions) {
+  constexpr int kThreads = 8;
+  constexpr int kCallsEach = 4;
+  auto plain = Connect(server);
+  std::vector<LogProbRequest> requests;
+  std::vector<ScoreResult> wanted;
+  for (int i = 0; i < kThreads * kCallsEach; ++i) {
+    requests.push_back(Request(200 + 37 * i, 100 + i));
+    auto answer = plain->Score(requests.back());
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    wanted.push_back(*std::move(answer));
+  }
+  LogpClient::Options options;
+  options.system_shared_memory = true;
+  options.system_shared_memory_regions = regions;
+  auto client = Connect(server, options);
+  std::vector<absl::StatusOr<ScoreResult>> got(requests.size(),
+                                               absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = t; i < static_cast<int>(requests.size()); i += kThreads) {
+        got[i] = client->Score(requests[i]);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(client->shared_memory_refusal(), "");
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(got[i].ok()) << i << ": " << got[i].status();
+    EXPECT_EQ(got[i]->path, "system_shm") << i;
+    ExpectSameBits(wanted[i], *got[i]);
+  }
+  auto status = plain->SystemRegionStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_GE(status->regions_size(), 1);
+  EXPECT_LE(status->regions_size(), expected_regions);
+  client.reset();  // unregisters them
+  status = plain->SystemRegionStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->regions_size(), 0);
+}
+
+TEST_F(LogpClientRegionsTest, CallsAtOnceHaveSystemRegionsOfTheirOwn) {
+  ScoreAtOnceThroughSystemRegions(*server_, 3, 3);
+}
+
+TEST(LogpClientSystemRegionTest, TheServersByteBoundLowersTheRegionsHeld) {
+  // Room for one 2 MiB region: calls at once wait for it rather than turn
+  // regions off.
+  auto server = ServerProcess::Start(
+      ServerArgs({absl::StrCat("--max_shared_memory_bytes=", 3 << 20)}));
+  ASSERT_TRUE(server.ok()) << server.status();
+  ScoreAtOnceThroughSystemRegions(**server, 4, 1);
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+TEST(LogpClientOptionsTest, ANonPositiveRegionCountIsRefusedByName) {
+  LogpClient::Options options;
+  options.system_shared_memory_regions = 0;
+  auto client = LogpClient::Create(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(client.status().message(),
+                               "system_shared_memory_regions:"))
+      << client.status();
+}
+
 TEST_F(LogpClientRegionsTest, SpreadConnectionsAreKeptBetweenCalls) {
   LogpClient::Options options;
   options.connections = 4;

@@ -1,0 +1,137 @@
+// Shared-memory regions a client owns, each lent to one call at a time, so
+// that calls made at once overlap instead of taking turns on one region.
+//
+//   RegionPool<SystemRegion> pool(/*capacity=*/4);
+//   RegionPool<SystemRegion>::Lease lease = pool.Take(bytes);
+//   if (lease.get() == nullptr) lease.Set(MakeRegion(bytes));  // a new one
+//   ... fill it, name it in the requests ...
+//   // the lease's destructor gives the region back for the next call
+//
+// A call takes an idle region of at least its bytes when there is one, else
+// any idle one (the caller grows it), else a free slot for a new region;
+// with `capacity` regions lent it waits for one. The pool never holds more
+// than `capacity` regions, lent and idle. Region is any type with
+// `int64_t bytes() const`.
+#ifndef DETLOGP_CLIENT_REGION_POOL_H_
+#define DETLOGP_CLIENT_REGION_POOL_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace detlogp::client {
+
+template <typename Region>
+class RegionPool {
+ public:
+  // One call's hold on a region (or on a slot for one). Gives it back when
+  // destroyed.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept
+        : pool_(std::exchange(other.pool_, nullptr)),
+          region_(std::move(other.region_)) {}
+    Lease& operator=(Lease&& other) noexcept {
+      if (this != &other) {
+        Release();
+        pool_ = std::exchange(other.pool_, nullptr);
+        region_ = std::move(other.region_);
+      }
+      return *this;
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() { Release(); }
+
+    // The lent region; null for a slot the caller fills with Set.
+    Region* get() const { return region_.get(); }
+    // The region made (or remade larger) for this lease.
+    void Set(std::unique_ptr<Region> region) { region_ = std::move(region); }
+    // The lent region, to give up (its server copy is gone, or it is too
+    // small): the lease keeps its slot, empty.
+    std::unique_ptr<Region> Take() { return std::move(region_); }
+
+   private:
+    friend class RegionPool;
+    Lease(RegionPool* pool, std::unique_ptr<Region> region)
+        : pool_(pool), region_(std::move(region)) {}
+    void Release() {
+      if (pool_ != nullptr) pool_->GiveBack(std::move(region_));
+      pool_ = nullptr;
+    }
+    RegionPool* pool_ = nullptr;
+    std::unique_ptr<Region> region_;
+  };
+
+  explicit RegionPool(int capacity) : capacity_(std::max(capacity, 1)) {}
+  RegionPool(const RegionPool&) = delete;
+  RegionPool& operator=(const RegionPool&) = delete;
+
+  // A region for a call of `bytes`; waits while every slot is lent.
+  Lease Take(int64_t bytes) {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &RegionPool::HasRoom));
+    ++lent_;
+    if (idle_.empty()) return Lease(this, nullptr);
+    // The smallest idle region that holds the call, else the largest (the
+    // caller grows it).
+    auto best = idle_.end();
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      const bool fits = (*it)->bytes() >= bytes;
+      if (best == idle_.end()) {
+        best = it;
+      } else if (fits && ((*best)->bytes() < bytes ||
+                          (*it)->bytes() < (*best)->bytes())) {
+        best = it;
+      } else if (!fits && (*best)->bytes() < bytes &&
+                 (*it)->bytes() > (*best)->bytes()) {
+        best = it;
+      }
+    }
+    std::unique_ptr<Region> region = std::move(*best);
+    idle_.erase(best);
+    return Lease(this, std::move(region));
+  }
+
+  // When other calls hold regions, lowers the slots to theirs and says
+  // true: the server refused the asker one more region, so after giving
+  // its lease back it waits for one of theirs. False when the asker is
+  // alone.
+  bool ShrinkToOthersLent() {
+    absl::MutexLock lock(&mu_);
+    if (lent_ <= 1) return false;
+    capacity_ = lent_ - 1;
+    return true;
+  }
+
+  // The idle regions, taken out (to release them at shutdown).
+  std::vector<std::unique_ptr<Region>> TakeIdle() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(idle_, {});
+  }
+
+ private:
+  bool HasRoom() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return lent_ < capacity_;
+  }
+  void GiveBack(std::unique_ptr<Region> region) {
+    absl::MutexLock lock(&mu_);
+    --lent_;
+    if (region != nullptr) idle_.push_back(std::move(region));
+  }
+
+  mutable absl::Mutex mu_;
+  int capacity_ ABSL_GUARDED_BY(mu_);
+  int lent_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::unique_ptr<Region>> idle_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace detlogp::client
+
+#endif  // DETLOGP_CLIENT_REGION_POOL_H_

@@ -1,0 +1,165 @@
+// The client's pool of shared-memory regions: which idle region a call gets,
+// the bound on regions lent at once, and the bound lowered when the server
+// refuses one more.
+#include "client/region_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace detlogp::client {
+namespace {
+
+struct FakeRegion {
+  int64_t size = 0;
+  int64_t bytes() const { return size; }
+};
+
+using Pool = RegionPool<FakeRegion>;
+
+std::unique_ptr<FakeRegion> Region(int64_t size) {
+  return std::make_unique<FakeRegion>(FakeRegion{size});
+}
+
+// Leaves regions of `sizes` idle in `pool`.
+void MakeIdle(Pool& pool, const std::vector<int64_t>& sizes) {
+  std::vector<Pool::Lease> leases;
+  for (int64_t size : sizes) {
+    leases.push_back(pool.Take(size));
+    EXPECT_EQ(leases.back().get(), nullptr);
+    leases.back().Set(Region(size));
+  }
+}
+
+TEST(RegionPoolTest, AnEmptyPoolLendsASlotAndKeepsWhatIsMadeForIt) {
+  Pool pool(2);
+  {
+    Pool::Lease lease = pool.Take(100);
+    EXPECT_EQ(lease.get(), nullptr);
+    lease.Set(Region(128));
+  }
+  Pool::Lease again = pool.Take(50);
+  ASSERT_NE(again.get(), nullptr);
+  EXPECT_EQ(again.get()->bytes(), 128);
+}
+
+TEST(RegionPoolTest, ACallGetsTheSmallestIdleRegionThatHoldsIt) {
+  Pool pool(4);
+  MakeIdle(pool, {64, 512, 256, 1024});
+  Pool::Lease a = pool.Take(200);
+  Pool::Lease b = pool.Take(200);
+  Pool::Lease c = pool.Take(200);
+  ASSERT_NE(a.get(), nullptr);
+  ASSERT_NE(b.get(), nullptr);
+  ASSERT_NE(c.get(), nullptr);
+  EXPECT_EQ(a.get()->bytes(), 256);
+  EXPECT_EQ(b.get()->bytes(), 512);
+  EXPECT_EQ(c.get()->bytes(), 1024);
+  // None left that holds it: the largest, for the caller to grow.
+  Pool::Lease d = pool.Take(200);
+  ASSERT_NE(d.get(), nullptr);
+  EXPECT_EQ(d.get()->bytes(), 64);
+}
+
+TEST(RegionPoolTest, WithNoIdleRegionThatHoldsItTheLargestIsLent) {
+  Pool pool(3);
+  MakeIdle(pool, {64, 256, 128});
+  Pool::Lease lease = pool.Take(1000);
+  ASSERT_NE(lease.get(), nullptr);
+  EXPECT_EQ(lease.get()->bytes(), 256);
+}
+
+TEST(RegionPoolTest, ARegionGivenUpFreesItsSlotEmpty) {
+  Pool pool(1);
+  MakeIdle(pool, {64});
+  {
+    Pool::Lease lease = pool.Take(64);
+    std::unique_ptr<FakeRegion> gone = lease.Take();
+    ASSERT_NE(gone, nullptr);
+  }
+  Pool::Lease next = pool.Take(64);
+  EXPECT_EQ(next.get(), nullptr);
+  EXPECT_TRUE(pool.TakeIdle().empty());
+}
+
+TEST(RegionPoolTest, ACallBeyondTheCapacityWaitsForALease) {
+  Pool pool(2);
+  Pool::Lease first = pool.Take(1);
+  first.Set(Region(10));
+  Pool::Lease second = pool.Take(1);
+  std::atomic<bool> taken{false};
+  int64_t got = 0;
+  std::thread third([&] {
+    Pool::Lease lease = pool.Take(1);
+    got = lease.get() != nullptr ? lease.get()->bytes() : -1;
+    taken.store(true);
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(taken.load());
+  first = Pool::Lease();  // gives the region back
+  third.join();
+  EXPECT_TRUE(taken.load());
+  EXPECT_EQ(got, 10);
+}
+
+TEST(RegionPoolTest, ARefusalWithOthersLentLowersTheCapacityToTheirs) {
+  Pool pool(4);
+  {
+    Pool::Lease alone = pool.Take(1);
+    EXPECT_FALSE(pool.ShrinkToOthersLent());
+  }
+  Pool::Lease held = pool.Take(1);
+  held.Set(Region(8));
+  {
+    Pool::Lease refused = pool.Take(1);
+    EXPECT_EQ(refused.get(), nullptr);
+    EXPECT_TRUE(pool.ShrinkToOthersLent());
+  }
+  // One slot now: the next call waits for the held region.
+  std::atomic<bool> taken{false};
+  std::thread next([&] {
+    Pool::Lease lease = pool.Take(1);
+    EXPECT_NE(lease.get(), nullptr);
+    taken.store(true);
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(taken.load());
+  held = Pool::Lease();
+  next.join();
+  EXPECT_TRUE(taken.load());
+}
+
+TEST(RegionPoolTest, ManyThreadsNeverHoldMoreThanTheCapacity) {
+  Pool pool(3);
+  std::atomic<int> holding{0};
+  std::atomic<int> most{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        Pool::Lease lease = pool.Take(1 + (t + i) % 5);
+        const int now = holding.fetch_add(1) + 1;
+        int seen = most.load();
+        while (now > seen && !most.compare_exchange_weak(seen, now)) {
+        }
+        if (lease.get() == nullptr || lease.get()->bytes() < 1 + (t + i) % 5) {
+          lease.Set(Region(1 + (t + i) % 5));
+        }
+        holding.fetch_sub(1);
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_LE(most.load(), 3);
+  EXPECT_LE(pool.TakeIdle().size(), 3u);
+}
+
+}  // namespace
+}  // namespace detlogp::client
