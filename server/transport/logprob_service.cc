@@ -191,6 +191,70 @@ absl::Status LogProbServiceImpl::Submit(
   return scheduled;
 }
 
+// ---------------------------------------------------------------- wire
+
+namespace {
+
+// A LogProbRequest as gRPC received it: every field but hidden.data parsed,
+// the rows left where they arrived (request_wire.h); a message in another
+// form is parsed whole (its rows copied).
+struct ReceivedRequest {
+  std::vector<grpc::Slice> slices;  // what `pieces` point into
+  LogProbRequest header;
+  std::vector<absl::string_view> pieces;
+
+  const std::vector<absl::string_view>* rows() const {
+    // A request with no rows gives no pieces: Submit reads the header.
+    return pieces.empty() ? nullptr : &pieces;
+  }
+};
+
+absl::Status ReadRequest(const grpc::ByteBuffer& bytes,
+                         ReceivedRequest* received) {
+  // gRPC runs the handler of a call that ended (cancelled, past its
+  // deadline) before its message arrived with no message at all.
+  if (!bytes.Valid() || !bytes.Dump(&received->slices).ok()) {
+    return absl::CancelledError(
+        "LogProbRequest: the call ended before its message arrived");
+  }
+  std::vector<absl::string_view> chunks;
+  chunks.reserve(received->slices.size());
+  for (const grpc::Slice& slice : received->slices) {
+    chunks.emplace_back(reinterpret_cast<const char*>(slice.begin()),
+                        slice.size());
+  }
+  if (auto split = SplitHiddenData(chunks); split.has_value()) {
+    received->header = std::move(split->header);
+    received->pieces = std::move(split->data);
+    return absl::OkStatus();
+  }
+  received->slices.clear();
+  grpc::ByteBuffer whole(bytes);
+  const grpc::Status parsed =
+      grpc::SerializationTraits<LogProbRequest>::Deserialize(&whole,
+                                                             &received->header);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LogProbRequest: not a valid message (", parsed.error_message(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteResponse(const LogProbResponse& response,
+                           grpc::ByteBuffer* bytes) {
+  bool own_buffer = false;
+  const grpc::Status written =
+      grpc::SerializationTraits<LogProbResponse>::Serialize(response, bytes,
+                                                            &own_buffer);
+  if (!written.ok()) {
+    return absl::InternalError(absl::StrCat(
+        "LogProbResponse: cannot be written (", written.error_message(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------- unary
 
 class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
@@ -200,12 +264,12 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
   UnaryCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context,
             const grpc::ByteBuffer* request, grpc::ByteBuffer* response)
       : service_(service), response_bytes_(response) {
-    absl::Status status = Read(request);
+    absl::Status status = ReadRequest(*request, &request_);
     if (status.ok()) {
       status = service->Submit(
-          request_, service->CallerOf(*context), nullptr, DeadlineOf(context),
-          &response_, [this](absl::Status done) { Answer(done); }, &job_,
-          pieces_.empty() ? nullptr : &pieces_);
+          request_.header, service->CallerOf(*context), nullptr,
+          DeadlineOf(context), &response_,
+          [this](absl::Status done) { Answer(done); }, &job_, request_.rows());
     }
     // After a successful Submit this object may already be gone.
     if (!status.ok()) {
@@ -219,60 +283,14 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
   void OnDone() override { delete this; }
 
  private:
-  // The request less its rows, and the rows as pieces of the received
-  // slices; a message in another form is parsed whole (its rows copied).
-  absl::Status Read(const grpc::ByteBuffer* request) {
-    // gRPC runs the handler of a call that ended (cancelled, past its
-    // deadline) before its message arrived with no message at all.
-    if (!request->Valid() || !request->Dump(&slices_).ok()) {
-      return absl::CancelledError(
-          "LogProbRequest: the call ended before its message arrived");
-    }
-    std::vector<absl::string_view> chunks;
-    chunks.reserve(slices_.size());
-    for (const grpc::Slice& slice : slices_) {
-      chunks.emplace_back(reinterpret_cast<const char*>(slice.begin()),
-                          slice.size());
-    }
-    if (auto split = SplitHiddenData(chunks); split.has_value()) {
-      request_ = std::move(split->header);
-      pieces_ = std::move(split->data);
-      // A request with no rows gives no pieces: Submit reads the header.
-      return absl::OkStatus();
-    }
-    slices_.clear();
-    grpc::ByteBuffer whole(*request);
-    const grpc::Status parsed =
-        grpc::SerializationTraits<LogProbRequest>::Deserialize(&whole,
-                                                               &request_);
-    if (!parsed.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("LogProbRequest: not a valid message (",
-                       parsed.error_message(), ")"));
-    }
-    return absl::OkStatus();
-  }
-
   void Answer(absl::Status done) {
-    if (done.ok()) {
-      bool own_buffer = false;
-      const grpc::Status written =
-          grpc::SerializationTraits<LogProbResponse>::Serialize(
-              response_, response_bytes_, &own_buffer);
-      if (!written.ok()) {
-        done = absl::InternalError(
-            absl::StrCat("LogProbResponse: cannot be written (",
-                         written.error_message(), ")"));
-      }
-    }
+    if (done.ok()) done = WriteResponse(response_, response_bytes_);
     Finish(service_->Record("ComputeLogProbs", ToGrpcStatus(done)));
   }
 
   LogProbServiceImpl* const service_;
   grpc::ByteBuffer* const response_bytes_;
-  std::vector<grpc::Slice> slices_;
-  LogProbRequest request_;
-  std::vector<absl::string_view> pieces_;
+  ReceivedRequest request_;
   LogProbResponse response_;
   std::shared_ptr<LogpJob> job_;
 };
@@ -293,10 +311,11 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::ComputeLogProbs(
 // Reads requests ahead (up to max_stream_inflight_requests), submits each to
 // the batcher at once, and writes answers strictly in request order. The
 // stream finishes only when every submitted job has completed, so no job
-// callback can outlive the reactor.
+// callback can outlive the reactor. Requests are read as ComputeLogProbs
+// reads its one: the rows gathered from gRPC's received slices.
 class LogProbServiceImpl::StreamCall final
     : public LockedReactor<
-          grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>> {
+          grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>> {
  public:
   StreamCall(LogProbServiceImpl* service, grpc::CallbackServerContext* context)
       : service_(service),
@@ -308,7 +327,7 @@ class LogProbServiceImpl::StreamCall final
 
   void OnReadDone(bool ok) override {
     auto entry = std::make_shared<Entry>();
-    std::shared_ptr<LogProbRequest> request;
+    std::shared_ptr<grpc::ByteBuffer> bytes;
     bool accepted = false;
     {
       absl::MutexLock lock(&mu_);
@@ -320,7 +339,7 @@ class LogProbServiceImpl::StreamCall final
       if (accepted) {
         in_read_callback_ = true;
         pending_.push_back(entry);
-        request = std::move(next_request_);
+        bytes = std::move(next_request_);
       }
     }
     if (!accepted) {
@@ -330,21 +349,29 @@ class LogProbServiceImpl::StreamCall final
       });
       return;
     }
-    // The job borrows the request's bytes; `request` keeps them alive.
-    const LogProbRequest& request_ref = *request;
+    // The job borrows the request's rows; `request` keeps its slices alive.
+    auto request = std::make_shared<ReceivedRequest>();
+    absl::Status status = ReadRequest(*bytes, request.get());
+    bytes.reset();
     std::shared_ptr<LogpJob> job;  // stored under the lock, below
-    const absl::Status status = service_->Submit(
-        request_ref, caller_, std::move(request), DeadlineOf(context_),
-        &entry->response,
-        // A raw pointer: the entry owns the job, which owns this callback;
-        // pending_ keeps the entry alive until the callback has run.
-        [this, raw_entry = entry.get()](absl::Status done) {
-          Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            raw_entry->status = std::move(done);
-            raw_entry->done = true;
-          });
-        },
-        &job);
+    if (status.ok()) {
+      const ReceivedRequest& request_ref = *request;
+      status = service_->Submit(
+          request_ref.header, caller_, std::move(request), DeadlineOf(context_),
+          &entry->response,
+          // A raw pointer: the entry owns the job, which owns this callback;
+          // pending_ keeps the entry alive until the callback has run.
+          [this, raw_entry = entry.get()](absl::Status done) {
+            if (done.ok()) {
+              done = WriteResponse(raw_entry->response, &raw_entry->bytes);
+            }
+            Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              raw_entry->status = std::move(done);
+              raw_entry->done = true;
+            });
+          },
+          &job, request_ref.rows());
+    }
     Update([&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
       reading_ = false;
       in_read_callback_ = false;
@@ -376,6 +403,7 @@ class LogProbServiceImpl::StreamCall final
  private:
   struct Entry {
     LogProbResponse response;
+    grpc::ByteBuffer bytes;  // the response, written once it is complete
     std::shared_ptr<LogpJob> job;
     absl::Status status;
     bool done = false;
@@ -400,7 +428,7 @@ class LogProbServiceImpl::StreamCall final
       Entry& front = *pending_.front();
       if (front.status.ok() && terminal_.ok()) {
         writing_ = true;
-        StartWrite(&front.response);
+        StartWrite(&front.bytes);
         break;
       }
       if (!front.status.ok()) StopLocked(front.status);
@@ -422,7 +450,7 @@ class LogProbServiceImpl::StreamCall final
 
   void StartNextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     reading_ = true;
-    next_request_ = std::make_shared<LogProbRequest>();
+    next_request_ = std::make_shared<grpc::ByteBuffer>();
     StartRead(next_request_.get());
   }
 
@@ -430,8 +458,8 @@ class LogProbServiceImpl::StreamCall final
   grpc::CallbackServerContext* const context_;
   const Caller caller_;
 
-  // Each read lands in a fresh message that the job can borrow from.
-  std::shared_ptr<LogProbRequest> next_request_ ABSL_GUARDED_BY(mu_);
+  // Each read lands in a fresh buffer whose slices the job can borrow.
+  std::shared_ptr<grpc::ByteBuffer> next_request_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Entry>> pending_ ABSL_GUARDED_BY(mu_);
   absl::Status terminal_ ABSL_GUARDED_BY(mu_);
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
@@ -441,11 +469,11 @@ class LogProbServiceImpl::StreamCall final
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>*
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 LogProbServiceImpl::StreamLogProbs(grpc::CallbackServerContext* context) {
   if (grpc::Status denied = Authenticate(*context); !denied.ok()) {
     return new RejectedCall<
-        grpc::ServerBidiReactor<LogProbRequest, LogProbResponse>>(
+        grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>>(
         Record("StreamLogProbs", denied));
   }
   return new StreamCall(this, context);

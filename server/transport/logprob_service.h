@@ -21,12 +21,14 @@
 
 namespace detlogp::server {
 
-// ComputeLogProbs takes its request as gRPC's received bytes: the rows are
-// read from them where they arrived (request_wire.h), never copied into a
-// message first.
+// ComputeLogProbs and StreamLogProbs take their requests as gRPC's received
+// bytes: the rows are read from them where they arrived (request_wire.h),
+// never copied into a message first.
 class LogProbServiceImpl final
-    : public detlogp::v1::LogProbService::WithRawCallbackMethod_ComputeLogProbs<
-          detlogp::v1::LogProbService::CallbackService> {
+    : public detlogp::v1::LogProbService::WithRawCallbackMethod_StreamLogProbs<
+          detlogp::v1::LogProbService::WithRawCallbackMethod_ComputeLogProbs<
+              detlogp::v1::LogProbService::WithCallbackMethod_GetModelInfo<
+                  detlogp::v1::LogProbService::Service>>> {
  public:
   struct Options {
     int64_t max_request_rows = 65536;
@@ -70,9 +72,8 @@ class LogProbServiceImpl final
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
       grpc::ByteBuffer* response) override;
 
-  grpc::ServerBidiReactor<detlogp::v1::LogProbRequest,
-                          detlogp::v1::LogProbResponse>*
-  StreamLogProbs(grpc::CallbackServerContext* context) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StreamLogProbs(
+      grpc::CallbackServerContext* context) override;
 
   grpc::ServerUnaryReactor* GetModelInfo(
       grpc::CallbackServerContext* context,

@@ -110,6 +110,42 @@ def test_invalid_request_on_a_stream_ends_it_with_invalid_argument(client, model
     assert len(answers) == 1
 
 
+def test_bytes_that_are_not_a_request_are_invalid_argument_naming_it(server, model):
+    """Unary and on a stream: the server reads requests from gRPC's bytes
+    itself, so bytes protobuf cannot parse are the caller's error, named."""
+    import grpc
+
+    good = raw_request(model).SerializeToString()
+    # hidden (field 1, length-delimited) claiming more bytes than follow.
+    truncated = good[:40]
+    not_protobuf = b"\xff\xff\xff\xff"
+    identity = lambda b: b
+    with grpc.insecure_channel(server.target) as channel:
+        unary = channel.unary_unary(
+            "/detlogp.v1.LogProbService/ComputeLogProbs",
+            request_serializer=identity,
+            response_deserializer=identity,
+        )
+        stream = channel.stream_stream(
+            "/detlogp.v1.LogProbService/StreamLogProbs",
+            request_serializer=identity,
+            response_deserializer=identity,
+        )
+        for bad in (truncated, not_protobuf):
+            with pytest.raises(grpc.RpcError) as info:
+                unary(bad, timeout=20)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("LogProbRequest: not a valid message")
+            answers = []
+            with pytest.raises(grpc.RpcError) as info:
+                for answer in stream(iter([good, bad, good]), timeout=20):
+                    answers.append(answer)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("LogProbRequest: not a valid message")
+            assert len(answers) == 1
+            assert pb.LogProbResponse.FromString(answers[0]).logprobs
+
+
 def test_client_side_type_errors_are_raised_before_sending(client, model):
     with pytest.raises(TypeError):
         client.logprobs(np.zeros((1, model.hidden), np.int32), [0])
