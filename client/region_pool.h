@@ -9,9 +9,9 @@
 //
 // A call takes an idle region of at least its bytes when there is one, else
 // any idle one (the caller grows it), else a free slot for a new region;
-// with `capacity` regions lent it waits for one. The pool never holds more
-// than `capacity` regions, lent and idle. Region is any type with
-// `int64_t bytes() const`.
+// with `capacity` regions lent it waits for one. A region is made only when
+// none is idle, so the pool never holds more than `capacity` regions, lent
+// and idle. Region is any type with `int64_t bytes() const`.
 #ifndef DETLOGP_CLIENT_REGION_POOL_H_
 #define DETLOGP_CLIENT_REGION_POOL_H_
 
