@@ -5,7 +5,6 @@
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
-#include <grpcpp/support/slice.h>
 #include <grpcpp/support/sync_stream.h>
 
 #include <unistd.h>
@@ -429,7 +428,7 @@ void PutTag(uint32_t field, uint32_t wire_type, std::string* out) {
 }  // namespace
 
 grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
-                                   absl::string_view rows, RowsInBuffer how) {
+                                   absl::string_view rows) {
   // hidden: dtype, shape (packed) and the head of data, then the rows.
   const detlogp::v1::Tensor& hidden = header.hidden();
   std::string tensor_head;
@@ -458,18 +457,6 @@ grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
   detlogp::v1::LogProbRequest rest = header;
   rest.clear_hidden();
   const size_t rest_bytes = rest.ByteSizeLong();
-  if (how == RowsInBuffer::kReferenced && !rows.empty()) {
-    // Three slices: the heads, the caller's rows where they lie, the rest.
-    std::string head = hidden_head + tensor_head;
-    std::string tail(rest_bytes, '\0');
-    rest.SerializeWithCachedSizesToArray(
-        reinterpret_cast<uint8_t*>(tail.data()));
-    grpc::Slice slices[3] = {
-        grpc::Slice(head),
-        grpc::Slice(rows.data(), rows.size(), grpc::Slice::STATIC_SLICE),
-        grpc::Slice(tail)};
-    return grpc::ByteBuffer(slices, tail.empty() ? 2 : 3);
-  }
   const size_t total =
       hidden_head.size() + tensor_head.size() + rows.size() + rest_bytes;
   grpc_slice slice = grpc_slice_malloc(total);
@@ -855,9 +842,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
 absl::StatusOr<ScoreResult> LogpClient::ScoreRaw(
     const detlogp::v1::LogProbRequest& header, absl::string_view rows,
     const RawConnection& connection) {
-  // A blocking call: `rows` outlives every use gRPC makes of the buffer.
-  const grpc::ByteBuffer wire =
-      SerializeWithRows(header, rows, RowsInBuffer::kReferenced);
+  const grpc::ByteBuffer wire = SerializeWithRows(header, rows);
   grpc::ClientContext context;
   PrepareContext(&context);
   detlogp::v1::LogProbResponse response;
@@ -952,9 +937,7 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStreamRaw(
   // Each request's bytes are written when it is sent: one slice's copy at a
   // time.
   return StreamAndCheck(*stream, headers, [&](size_t i) {
-    // The rows outlive the stream, which ends before this returns.
-    return stream->Write(
-        SerializeWithRows(headers[i], rows[i], RowsInBuffer::kReferenced));
+    return stream->Write(SerializeWithRows(headers[i], rows[i]));
   });
 }
 

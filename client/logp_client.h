@@ -541,21 +541,12 @@ class LogpClient {
 detlogp::v1::LogProbRequest SliceLogProbRequest(
     const detlogp::v1::LogProbRequest& request, int64_t begin, int64_t count);
 
-// How SerializeWithRows's buffer holds the rows.
-enum class RowsInBuffer {
-  // Copied once, straight into one buffer of gRPC's.
-  kCopied,
-  // Pointed at where they lie, never copied: `rows` must outlive the buffer
-  // and every reference gRPC takes to it (a blocking call's own request).
-  kReferenced,
-};
-
-// The wire bytes of `header` with `rows` as hidden.data (no protobuf message
+// The wire bytes of `header` with `rows` as hidden.data, in one buffer of
+// gRPC's: the rows are copied once, straight into it (no protobuf message
 // holds them). `header`'s own hidden.data and hidden.shared_memory are left
 // out. The bytes parse as `header` with hidden.data = rows.
 grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
-                                   absl::string_view rows,
-                                   RowsInBuffer how = RowsInBuffer::kCopied);
+                                   absl::string_view rows);
 
 // Answers of consecutive slices of one request, joined in order (top_k of
 // the first).
