@@ -244,8 +244,10 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   return client;
 }
 
-void LogpClient::PrepareContext(grpc::ClientContext* context) const {
-  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+void LogpClient::PrepareContext(grpc::ClientContext* context,
+                                absl::Time deadline) const {
+  context->set_deadline(
+      absl::ToChronoTime(std::min(deadline, absl::Now() + options_.timeout)));
   if (!options_.bearer_token.empty()) {
     context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
   }
@@ -570,7 +572,7 @@ int LogpClient::ReleaseIdleSystemRegions() {
 }
 
 absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
-    const detlogp::v1::LogProbRequest& request) {
+    const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
   const std::string& data = request.hidden().data();
   if (data.empty() || request.hidden().has_shared_memory()) {
     return std::nullopt;
@@ -609,7 +611,7 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
     ref->set_offset(0);
     ref->set_byte_size(bytes);
     absl::StatusOr<ScoreResult> result =
-        ScoreCut(by_reference, {}, /*rows_beside=*/false);
+        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline);
     if (!registered_again && IsRegionGone(result.status())) {
       // The server's copy is gone: drop ours, register a new one.
       lease.Take();
@@ -656,14 +658,15 @@ RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
 }  // namespace
 
 absl::StatusOr<ScoreResult> LogpClient::Score(
-    const detlogp::v1::LogProbRequest& request) {
+    const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
+  deadline = std::min(deadline, absl::Now() + options_.timeout);
   if (options_.system_shared_memory) {
-    auto through_region = ScoreThroughSystemRegion(request);
+    auto through_region = ScoreThroughSystemRegion(request, deadline);
     if (!through_region.ok()) return through_region.status();
     if (through_region->has_value()) return **std::move(through_region);
   }
-  absl::StatusOr<ScoreResult> result =
-      ScoreCut(request, request.hidden().data(), /*rows_beside=*/false);
+  absl::StatusOr<ScoreResult> result = ScoreCut(
+      request, request.hidden().data(), /*rows_beside=*/false, deadline);
   if (result.ok() && request.hidden().has_shared_memory()) {
     result->path = "named_region";
     result->used_shared_memory = true;
@@ -672,7 +675,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 }
 
 absl::StatusOr<ScoreResult> LogpClient::Score(
-    const detlogp::v1::LogProbRequest& header, absl::string_view rows) {
+    const detlogp::v1::LogProbRequest& header, absl::string_view rows,
+    absl::Time deadline) {
   if (!header.hidden().data().empty() || header.hidden().has_shared_memory()) {
     return absl::InvalidArgumentError(
         "hidden: the rows are given beside the request, which must carry "
@@ -686,12 +690,13 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
                      header.target_ids_size(), " targets of ", RowBytes(header),
                      " bytes each (hidden.shape and dtype)"));
   }
-  return ScoreCut(header, rows, /*rows_beside=*/true);
+  return ScoreCut(header, rows, /*rows_beside=*/true,
+                  std::min(deadline, absl::Now() + options_.timeout));
 }
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-    bool rows_beside) {
+    bool rows_beside, absl::Time deadline) {
   const detlogp::v1::LogProbRequest* to_send = &request;
   const bool shared = request.hidden().has_shared_memory();
   const int64_t rows = to_send->target_ids_size();
@@ -721,16 +726,17 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     const int64_t rows_each =
         *rows_per_request > 0 ? std::min(*rows_per_request, share) : share;
     result = ScoreSpread(*to_send, rows_bytes, std::max<int64_t>(rows_each, 1),
-                         connections);
+                         connections, deadline);
   } else if (*rows_per_request <= 0 || rows <= *rows_per_request) {
-    result = rows_beside ? ScoreRaw(*to_send, rows_bytes, *raw_)
-                         : ScoreOne(*to_send);
+    result = rows_beside ? ScoreRaw(*to_send, rows_bytes, *raw_, deadline)
+                         : ScoreOne(*to_send, deadline);
   } else if (shared || !fills_shape) {
     // The first slice alone picks the version (the latest when the request
     // says 0); every other slice is pinned to it, so the whole call is
     // computed on one version even when a new one is published meanwhile.
     std::vector<ScoreResult> parts;
-    auto first = ScoreOne(SliceLogProbRequest(*to_send, 0, *rows_per_request));
+    auto first =
+        ScoreOne(SliceLogProbRequest(*to_send, 0, *rows_per_request), deadline);
     if (!first.ok()) return first.status();
     const int64_t version = first->model_version;
     parts.push_back(*std::move(first));
@@ -741,7 +747,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
           *to_send, begin, std::min(*rows_per_request, rows - begin)));
       rest.back().set_model_version(version);
     }
-    auto answers = ScoreStream(rest);
+    auto answers = ScoreStream(rest, deadline);
     if (!answers.ok()) return answers.status();
     for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
     result = JoinScoreResults(std::move(parts));
@@ -750,7 +756,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     // request into gRPC's buffer.
     RowSlices slices = CutRows(*to_send, *rows_per_request, rows_bytes);
     std::vector<ScoreResult> parts;
-    auto first = ScoreRaw(slices.headers[0], slices.rows[0], *raw_);
+    auto first = ScoreRaw(slices.headers[0], slices.rows[0], *raw_, deadline);
     if (!first.ok()) return first.status();
     const int64_t version = first->model_version;
     parts.push_back(*std::move(first));
@@ -759,7 +765,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     for (detlogp::v1::LogProbRequest& header : slices.headers) {
       header.set_model_version(version);
     }
-    auto answers = ScoreStreamRaw(slices.headers, slices.rows);
+    auto answers = ScoreStreamRaw(slices.headers, slices.rows, deadline);
     if (!answers.ok()) return answers.status();
     for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
     result = JoinScoreResults(std::move(parts));
@@ -768,10 +774,10 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
 }
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
-    const detlogp::v1::LogProbRequest& request,
+    const detlogp::v1::LogProbRequest& request, absl::Time deadline,
     detlogp::v1::LogProbService::Stub* stub) {
   grpc::ClientContext context;
-  PrepareContext(&context);
+  PrepareContext(&context, deadline);
   detlogp::v1::LogProbResponse response;
   grpc::Status status = (stub != nullptr ? stub : stub_.get())
                             ->ComputeLogProbs(&context, request, &response);
@@ -781,7 +787,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
     const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-    int64_t rows_per_request, int connections) {
+    int64_t rows_per_request, int connections, absl::Time deadline) {
   // A sender writes each slice's rows straight from `rows_bytes` into gRPC's
   // buffer when it sends it.
   RowSlices slices = CutRows(request, rows_per_request, rows_bytes);
@@ -810,7 +816,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
       const RawConnection& connection = c == 0 ? *raw_ : *spread[c - 1];
       for (size_t i = s; i < headers.size() && !failed.load();
            i += sender_count) {
-        answers[i] = ScoreRaw(headers[i], slice_rows[i], connection);
+        answers[i] = ScoreRaw(headers[i], slice_rows[i], connection, deadline);
         if (!answers[i].ok()) {
           absl::MutexLock lock(&failure_mu);
           if (failure.ok()) failure = answers[i].status();
@@ -829,7 +835,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
   for (size_t i = 0; i < headers.size(); ++i) {
     if (answers[i]->model_version != version) {
       headers[i].set_model_version(version);
-      answers[i] = ScoreRaw(headers[i], slice_rows[i], *raw_);
+      answers[i] = ScoreRaw(headers[i], slice_rows[i], *raw_, deadline);
       if (!answers[i].ok()) return answers[i].status();
     }
     parts.push_back(*std::move(answers[i]));
@@ -841,10 +847,10 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreRaw(
     const detlogp::v1::LogProbRequest& header, absl::string_view rows,
-    const RawConnection& connection) {
+    const RawConnection& connection, absl::Time deadline) {
   const grpc::ByteBuffer wire = SerializeWithRows(header, rows);
   grpc::ClientContext context;
-  PrepareContext(&context);
+  PrepareContext(&context, deadline);
   detlogp::v1::LogProbResponse response;
   const grpc::Status status =
       grpc::internal::BlockingUnaryCall<grpc::ByteBuffer,
@@ -915,9 +921,10 @@ absl::StatusOr<std::vector<ScoreResult>> StreamAndCheck(
 }  // namespace
 
 absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
-    const std::vector<detlogp::v1::LogProbRequest>& requests) {
+    const std::vector<detlogp::v1::LogProbRequest>& requests,
+    absl::Time deadline) {
   grpc::ClientContext context;
-  PrepareContext(&context);
+  PrepareContext(&context, deadline);
   auto stream = stub_->StreamLogProbs(&context);
   return StreamAndCheck(*stream, requests,
                         [&](size_t i) { return stream->Write(requests[i]); });
@@ -925,9 +932,9 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
 
 absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStreamRaw(
     const std::vector<detlogp::v1::LogProbRequest>& headers,
-    const std::vector<absl::string_view>& rows) {
+    const std::vector<absl::string_view>& rows, absl::Time deadline) {
   grpc::ClientContext context;
-  PrepareContext(&context);
+  PrepareContext(&context, deadline);
   std::unique_ptr<
       grpc::ClientReaderWriter<grpc::ByteBuffer, detlogp::v1::LogProbResponse>>
       stream(grpc::internal::ClientReaderWriterFactory<
@@ -1030,7 +1037,9 @@ absl::StatusOr<const CudaRuntime*> LogpClient::Cuda() {
 
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const DeviceRows& rows, const std::vector<int64_t>& targets,
-    const LogProbOptions& options, std::string request_id) {
+    const LogProbOptions& options, std::string request_id,
+    absl::Time deadline) {
+  deadline = std::min(deadline, absl::Now() + options_.timeout);
   // What the server cannot check: it never sees the pointer.
   const int64_t element_bytes = detlogp::v1::DTypeBytes(rows.dtype);
   if (rows.data == nullptr) {
@@ -1075,7 +1084,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
   // host path only.
   if (options_.cuda_shared_memory &&
       rows.dtype == detlogp::v1::DTYPE_BFLOAT16) {
-    auto through_region = ScoreThroughCudaRegion(**cuda, rows, request);
+    auto through_region =
+        ScoreThroughCudaRegion(**cuda, rows, request, deadline);
     if (!through_region.ok()) return through_region.status();
     if (through_region->has_value()) return **std::move(through_region);
   }
@@ -1088,12 +1098,12 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     return s;
   }
   request.mutable_hidden()->set_data(std::move(data));
-  return Score(request);
+  return Score(request, deadline);
 }
 
 absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     const CudaRuntime& cuda, const DeviceRows& rows,
-    const detlogp::v1::LogProbRequest& request) {
+    const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
   const int64_t bytes = rows.rows * rows.hidden_size *
                         detlogp::v1::DTypeBytes(detlogp::v1::DTYPE_BFLOAT16);
   absl::MutexLock lock(&cuda_mu_);
@@ -1117,7 +1127,7 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     ref->set_offset(0);
     ref->set_byte_size(bytes);
     absl::StatusOr<ScoreResult> result =
-        ScoreCut(by_reference, {}, /*rows_beside=*/false);
+        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline);
     if (attempt == 0 && IsRegionGone(result.status())) {
       // The server closed its handle: free the memory, register anew.
       cuda_regions_.erase(rows.device);

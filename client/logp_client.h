@@ -185,7 +185,8 @@ class LogpClient {
  public:
   struct Options {
     std::string target = "127.0.0.1:50051";
-    // Per-call deadline.
+    // Deadline of each call from its start: a Score call's covers every
+    // request it is cut into (a call may also name a sooner one).
     absl::Duration timeout = absl::Seconds(60);
     int max_message_bytes = 256 << 20;
     // Distinct channels are distinct TCP connections (local subchannel pool).
@@ -261,16 +262,21 @@ class LogpClient {
   absl::StatusOr<detlogp::v1::ModelInfo> GetModelInfo(
       const std::string& model = "", int64_t model_version = 0);
   // One call, cut into requests that fit the server's limits when larger;
-  // the answer checked against the request (CheckLogProbResponse).
-  absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& request);
+  // the answer checked against the request (CheckLogProbResponse). The
+  // whole call, every request it is cut into, ends by Options::timeout from
+  // now, or by `deadline` when sooner (DEADLINE_EXCEEDED).
+  absl::StatusOr<ScoreResult> Score(
+      const detlogp::v1::LogProbRequest& request,
+      absl::Time deadline = absl::InfiniteFuture());
   // The same for rows given beside the request: `header` carries neither
   // hidden.data nor a region (its shape and dtype say what `rows` hold), and
   // `rows` (read during the call only) are written once, straight into each
   // request's gRPC buffer, never copied into a message first. They go in
   // the messages (not through the system region); INVALID_ARGUMENT naming
   // hidden.data when they do not fill the shape.
-  absl::StatusOr<ScoreResult> Score(const detlogp::v1::LogProbRequest& header,
-                                    absl::string_view rows);
+  absl::StatusOr<ScoreResult> Score(
+      const detlogp::v1::LogProbRequest& header, absl::string_view rows,
+      absl::Time deadline = absl::InfiniteFuture());
   // The same for rows on a GPU (DeviceRows; one target per row): through
   // the client's CUDA region (Options::cuda_shared_memory), else copied to
   // the host. The caller keeps the rows unchanged until it returns.
@@ -278,10 +284,10 @@ class LogpClient {
   // on rows.device or do not match the targets; FAILED_PRECONDITION when no
   // CUDA runtime loads (rows on a GPU cannot be read without one);
   // RESOURCE_EXHAUSTED when the GPU has no room for the client's region.
-  absl::StatusOr<ScoreResult> Score(const DeviceRows& rows,
-                                    const std::vector<int64_t>& targets,
-                                    const LogProbOptions& options,
-                                    std::string request_id = "");
+  absl::StatusOr<ScoreResult> Score(
+      const DeviceRows& rows, const std::vector<int64_t>& targets,
+      const LogProbOptions& options, std::string request_id = "",
+      absl::Time deadline = absl::InfiniteFuture());
   // Why a shared-memory region of the client's is not used: "system: ..."
   // and "cuda: ..." with the server's (or the runtime's) reason, joined by
   // "; " (empty while they are used, or were never asked for).
@@ -317,7 +323,8 @@ class LogpClient {
   // Sends every request on one stream and returns the answers in order,
   // each checked against its request.
   absl::StatusOr<std::vector<ScoreResult>> ScoreStream(
-      const std::vector<detlogp::v1::LogProbRequest>& requests);
+      const std::vector<detlogp::v1::LogProbRequest>& requests,
+      absl::Time deadline = absl::InfiniteFuture());
 
   // Streams the H3 projection of x ([rows, 96] fp32) and reassembles Y
   // ([rows, 5376]) in row order, checking offsets and shapes. `on_chunk`, if
@@ -391,8 +398,10 @@ class LogpClient {
       const std::vector<float>& x, int64_t rows, const ProjectOptions& options,
       const std::function<void(ProjectChunk&)>& on_chunk = {});
 
-  // Sets the deadline and credentials of a call made through stub().
-  void PrepareContext(grpc::ClientContext* context) const;
+  // Sets the deadline (Options::timeout from now, or `deadline` when
+  // sooner) and credentials of a call made through stub().
+  void PrepareContext(grpc::ClientContext* context,
+                      absl::Time deadline = absl::InfiniteFuture()) const;
 
   detlogp::v1::LogProbService::Stub* stub() { return stub_.get(); }
   detlogp::v1::ProjectionService::Stub* projection_stub() {
@@ -419,7 +428,7 @@ class LogpClient {
   // One request as it is on `stub` (default: the client's own), answered
   // and checked.
   absl::StatusOr<ScoreResult> ScoreOne(
-      const detlogp::v1::LogProbRequest& request,
+      const detlogp::v1::LogProbRequest& request, absl::Time deadline,
       detlogp::v1::LogProbService::Stub* stub = nullptr);
   // `request` as it is (rows in the message or named by reference), cut to
   // fit the server's limits and, with rows in the messages, spread over
@@ -428,12 +437,12 @@ class LogpClient {
   // that carries none.
   absl::StatusOr<ScoreResult> ScoreCut(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-      bool rows_beside);
+      bool rows_beside, absl::Time deadline);
   // `request` cut into requests of `rows_per_request` rows sent side by side
   // over `connections` connections, on one model version.
   absl::StatusOr<ScoreResult> ScoreSpread(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-      int64_t rows_per_request, int connections);
+      int64_t rows_per_request, int connections, absl::Time deadline);
   // A channel with ComputeLogProbs and StreamLogProbs on it, sent as
   // grpc::ByteBuffer (a slice's rows written once, straight from the
   // caller's request).
@@ -452,12 +461,12 @@ class LogpClient {
   // `connection`, answered and checked against `header`.
   absl::StatusOr<ScoreResult> ScoreRaw(
       const detlogp::v1::LogProbRequest& header, absl::string_view rows,
-      const RawConnection& connection);
+      const RawConnection& connection, absl::Time deadline);
   // ScoreStream for headers[i] with rows[i] as its bytes, on the client's
   // own connection, each answer checked against its header.
   absl::StatusOr<std::vector<ScoreResult>> ScoreStreamRaw(
       const std::vector<detlogp::v1::LogProbRequest>& headers,
-      const std::vector<absl::string_view>& rows);
+      const std::vector<absl::string_view>& rows, absl::Time deadline);
   // The rows a request may carry on this server (0: unknown, no cutting).
   // The server is asked once, for a call to be spread or one beyond what
   // its default limits always take.
@@ -475,7 +484,7 @@ class LogpClient {
   // in and named. nullopt when the request has no bytes to move or the
   // server refused regions (the caller sends the bytes).
   absl::StatusOr<std::optional<ScoreResult>> ScoreThroughSystemRegion(
-      const detlogp::v1::LogProbRequest& request);
+      const detlogp::v1::LogProbRequest& request, absl::Time deadline);
   absl::StatusOr<std::unique_ptr<SystemRegion>> MakeSystemRegion(int64_t bytes);
   void ReleaseSystemRegion(const SystemRegion& region);
   // Unregisters the pool's idle regions; how many there were.
@@ -492,7 +501,7 @@ class LogpClient {
   // region is off or refused (the caller takes the host path).
   absl::StatusOr<std::optional<ScoreResult>> ScoreThroughCudaRegion(
       const CudaRuntime& cuda, const DeviceRows& rows,
-      const detlogp::v1::LogProbRequest& request);
+      const detlogp::v1::LogProbRequest& request, absl::Time deadline);
   // The region on `device`, of at least `bytes`, registered; null when the
   // server refuses it (cuda_refusal_ then says why).
   absl::StatusOr<CudaRegion*> CudaRegionFor(const CudaRuntime& cuda, int device,

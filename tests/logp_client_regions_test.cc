@@ -478,6 +478,25 @@ TEST_F(LogpClientRegionsTest, SpreadRequestsOfAtMostTheirBytesHaveUnsplitBits) {
       << refused.status();
 }
 
+TEST_F(LogpClientRegionsTest, ACallsDeadlineCoversEveryRequestItIsCutInto) {
+  const LogProbRequest request = Request(6000, 23);
+  LogpClient::Options cut;
+  cut.connections = 1;
+  cut.max_request_rows = 100;
+  LogpClient::Options spread;
+  spread.connections = 2;
+  spread.spread_request_bytes = 100 * kHidden * 2;
+  for (const LogpClient::Options& options : {cut, spread}) {
+    auto client = Connect(*server_, options);
+    auto late = client->Score(request, absl::Now() + absl::Milliseconds(2));
+    EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded)
+        << late.status();
+    auto in_time = client->Score(request, absl::Now() + absl::Seconds(60));
+    ASSERT_TRUE(in_time.ok()) << in_time.status();
+    EXPECT_EQ(in_time->requests, 60);
+  }
+}
+
 TEST(LogpClientOptionsTest, BadSpreadSettingsAreRefusedByName) {
   for (const auto& [field, set] : std::vector<
            std::pair<std::string, std::function<void(LogpClient::Options&)>>>{

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/logp_client.h"
 #include "detlogp/v1/detlogp.pb.h"
@@ -99,6 +100,9 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
   extras.model_version = request->model_version;
   std::vector<int64_t> targets(request->target_ids, request->target_ids + rows);
   extras.return_timing = request->return_timing != 0;
+  const absl::Time deadline =
+      request->timeout_s > 0 ? absl::Now() + absl::Seconds(request->timeout_s)
+                             : absl::InfiniteFuture();
   absl::StatusOr<detlogp::client::ScoreResult> result;
   if (request->device >= 0) {
     detlogp::client::DeviceRows on_device;
@@ -109,7 +113,7 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
     on_device.hidden_size = request->hidden_size;
     on_device.stream = request->stream;
     result = client->client->Score(on_device, targets, extras,
-                                   Text(request->request_id));
+                                   Text(request->request_id), deadline);
   } else {
     // The rows stay where they are: each request's gRPC buffer is written
     // from them.
@@ -120,7 +124,8 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
             request->hidden_size, /*data=*/"", targets, extras);
     result = client->client->Score(
         header,
-        absl::string_view(static_cast<const char*>(request->hidden), bytes));
+        absl::string_view(static_cast<const char*>(request->hidden), bytes),
+        deadline);
   }
   if (!result.ok()) return Fail(result.status(), error, error_len);
 

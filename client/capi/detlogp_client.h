@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or struct below changes. */
-#define DETLOGP_CLIENT_ABI_VERSION 2
+#define DETLOGP_CLIENT_ABI_VERSION 3
 int detlogp_client_abi_version(void);
 
 typedef struct DetlogpClient DetlogpClient;
@@ -63,6 +63,9 @@ typedef struct {
   int64_t top_k;
   const char* model; /* null or empty: the server's default */
   int64_t model_version;
+  /* This call's seconds, every request it is cut into included; <= 0 or
+   * beyond the client's timeout_s: the client's. */
+  double timeout_s;
 } DetlogpScoreRequest;
 
 typedef struct {

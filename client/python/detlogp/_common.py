@@ -441,9 +441,6 @@ class ClientState:
         )
         if kind is not None and not on_device:
             return None  # the rows go through the client's system region
-        remaining = deadline.remaining()
-        if self.timeout is not None and (remaining is None or remaining < self.timeout - 1.0):
-            return None  # a shorter deadline than the C++ client's
         with self._native_lock:
             if self._native is None and self._native_refusal is None:
                 self._native_refusal = self._native_unsuitable()
@@ -472,15 +469,15 @@ class ClientState:
                 return None
             return self._native, on_device
 
-    def _score_natively(self, chosen, call, timings):
-        """The C++ client's answer to `call` (`chosen`: _native_client's), or
-        None when its call failed: the caller then sends the call through
-        grpcio, whose answer or error (retries, row numbers in messages)
-        stands. Blocking; the asyncio client runs it in an executor, so the
-        region's turn ends when the C++ call does."""
+    def _score_natively(self, chosen, call, timings, deadline):
+        """The C++ client's answer to `call` (`chosen`: _native_client's)
+        within `deadline`, or None when its call failed: the caller then
+        sends the call through grpcio, whose answer or error (retries, row
+        numbers in messages) stands. Blocking; the asyncio client runs it in
+        an executor, so the region's turn ends when the C++ call does."""
         client, on_device = chosen
         try:
-            result, path = client.score(call, timings, on_device)
+            result, path = client.score(call, timings, on_device, deadline.remaining())
         except native.NativeCallFailed as failed:
             log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
             if on_device and failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:

@@ -161,7 +161,7 @@ class AsyncClient(ClientState):
         chosen = self._native_client(call, deadline)
         if chosen is not None:
             result = await asyncio.get_running_loop().run_in_executor(
-                None, self._score_natively, chosen, call, timings
+                None, self._score_natively, chosen, call, timings, deadline
             )
             if result is not None:
                 return result

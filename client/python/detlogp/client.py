@@ -212,7 +212,7 @@ class Client(ClientState):
         merges the answers."""
         chosen = self._native_client(call, deadline)
         if chosen is not None:
-            result = self._score_natively(chosen, call, timings)
+            result = self._score_natively(chosen, call, timings, deadline)
             if result is not None:
                 return result
         if call.rows > 1:

@@ -29,7 +29,7 @@ from detlogp.results import LogProbResult
 __all__ = ["find_library", "load_library", "takes_device_rows", "NativeClient", "NativeCallFailed"]
 
 LIBRARY_ENV = "DETLOGP_CLIENT_LIBRARY"
-ABI_VERSION = 2
+ABI_VERSION = 3
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_client.so"
 _ERROR_BYTES = 4096
 # grpcio-tools' protoc carries a protobuf whose symbols the C++ client's
@@ -82,6 +82,7 @@ class _Request(ctypes.Structure):
         ("top_k", ctypes.c_int64),
         ("model", ctypes.c_char_p),
         ("model_version", ctypes.c_int64),
+        ("timeout_s", ctypes.c_double),
     ]
 
 
@@ -235,10 +236,11 @@ class NativeClient:
         self._lib.detlogp_client_shared_memory_refusal(self._handle, text, _ERROR_BYTES)
         return text.value.decode(errors="replace")
 
-    def score(self, call, timings=None, on_device=False):
+    def score(self, call, timings=None, on_device=False, timeout=None):
         """(LogProbResult, path) for `call` (a transfer.LogProbCall), path
         being how its rows went ("grpc", "cuda_shm"); NativeCallFailed when
-        the C++ client's call fails. Its host rows in wire layout are
+        the C++ client's call fails (DEADLINE_EXCEEDED past `timeout`
+        seconds, None: the client's own). Its host rows in wire layout are
         sent; with `on_device`, its CUDA tensor (takes_device_rows) is copied
         on the caller's stream into the C++ client's CUDA region."""
         if on_device:
@@ -272,6 +274,7 @@ class NativeClient:
             top_k=k,
             model=_text(fields.model),
             model_version=int(fields.model_version),
+            timeout_s=float(timeout) if timeout is not None else 0.0,
         )
         answer = _Answer(
             logprobs=_pointer(logprobs),

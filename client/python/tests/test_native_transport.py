@@ -182,8 +182,8 @@ def test_grpcio_sends_what_the_cpp_client_does_not_take(server, model):
             shared_memory="off", native_transport="auto", auto_connections_min_bytes=1 << 30
         )
         assert client.logprobs(hidden, targets, timing=True).timings.native
-        # A deadline shorter than the client's own: grpcio keeps it.
-        assert not client.logprobs(hidden, targets, timing=True, timeout=5).timings.native
+        # A call's own deadline goes with it to the C++ client.
+        assert client.logprobs(hidden, targets, timing=True, timeout=5).timings.native
     with detlogp.Client(server.target, timeout=60, transfer_options=small) as client:
         assert not client.logprobs(hidden, targets, timing=True).timings.native
     # Several targets: the C++ client takes one.
@@ -207,6 +207,28 @@ def test_without_the_library_auto_uses_grpcio_and_on_says_why(
     assert result.logprobs.shape == (200,)
     with pytest.raises(RuntimeError, match="native_transport='on'.*cannot load"):
         score(server.target, "on", hidden, targets)
+
+
+def test_the_cpp_client_keeps_a_calls_own_deadline(server, model, max_request_rows):
+    """Every request the call is cut into ends by the call's deadline, not
+    by the client's timeout from its own start."""
+    from detlogp._common import logprob_fields
+    from detlogp.transfer import LogProbCall
+
+    hidden, targets = model.random_rows(400 * max_request_rows, seed=408)
+    call = LogProbCall(hidden, targets, logprob_fields("", 1.0, False, None, None, False, 0, False))
+    client = native.NativeClient(
+        native.load_library(), server.target, 60, 1 << 28, detlogp.TransferOptions(), {}
+    )
+    try:
+        with pytest.raises(native.NativeCallFailed) as failed:
+            client.score(call, timeout=0.002)
+        result, path = client.score(call, timeout=60)
+    finally:
+        client.close()
+    assert failed.value.code == 4, failed.value  # DEADLINE_EXCEEDED
+    assert path == "grpc"
+    assert result.logprobs.shape == (len(targets),)
 
 
 def test_native_transport_is_checked():
