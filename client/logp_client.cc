@@ -584,7 +584,14 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
       absl::MutexLock lock(&shared_memory_mu_);
       if (!shared_memory_refusal_.empty()) return std::nullopt;
     }
-    RegionPool<SystemRegion>::Lease lease = system_regions_.Take(bytes);
+    std::optional<RegionPool<SystemRegion>::Lease> taken =
+        system_regions_.Take(bytes, deadline);
+    if (!taken.has_value()) {
+      return absl::DeadlineExceededError(
+          "system_shared_memory: every region of the client's was in use "
+          "until the call's deadline");
+    }
+    RegionPool<SystemRegion>::Lease lease = *std::move(taken);
     if (lease.get() != nullptr && lease.get()->bytes() < bytes) {
       ReleaseSystemRegion(*lease.Take());  // made again, larger
     }

@@ -200,7 +200,8 @@ class LogpClient {
     // client owns when the server allows it (same host,
     // --allow_shared_memory). Each call made at once has a region of its
     // own, up to system_shared_memory_regions (kept for later calls, grown
-    // when a call needs more); a call beyond waits for one. A registration
+    // when a call needs more); a call beyond waits for one until its
+    // deadline (then DEADLINE_EXCEEDED). A registration
     // the server refuses while other calls hold regions (its
     // --max_shared_memory_bytes) lowers that number instead; one refused
     // with none held turns regions off for the client: the bytes then go in

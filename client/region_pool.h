@@ -2,7 +2,7 @@
 // that calls made at once overlap instead of taking turns on one region.
 //
 //   RegionPool<SystemRegion> pool(/*capacity=*/4);
-//   RegionPool<SystemRegion>::Lease lease = pool.Take(bytes);
+//   RegionPool<SystemRegion>::Lease lease = *pool.Take(bytes);
 //   if (lease.get() == nullptr) lease.Set(MakeRegion(bytes));  // a new one
 //   ... fill it, name it in the requests ...
 //   // the lease's destructor gives the region back for the next call
@@ -18,11 +18,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace detlogp::client {
 
@@ -73,10 +75,15 @@ class RegionPool {
   RegionPool(const RegionPool&) = delete;
   RegionPool& operator=(const RegionPool&) = delete;
 
-  // A region for a call of `bytes`; waits while every slot is lent.
-  Lease Take(int64_t bytes) {
+  // A region for a call of `bytes`; waits while every slot is lent, until
+  // `deadline` (then nullopt).
+  std::optional<Lease> Take(int64_t bytes,
+                            absl::Time deadline = absl::InfiniteFuture()) {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(this, &RegionPool::HasRoom));
+    if (!mu_.AwaitWithDeadline(absl::Condition(this, &RegionPool::HasRoom),
+                               deadline)) {
+      return std::nullopt;
+    }
     ++lent_;
     if (idle_.empty()) return Lease(this, nullptr);
     // The smallest idle region that holds the call, else the largest (the

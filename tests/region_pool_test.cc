@@ -32,7 +32,7 @@ std::unique_ptr<FakeRegion> Region(int64_t size) {
 void MakeIdle(Pool& pool, const std::vector<int64_t>& sizes) {
   std::vector<Pool::Lease> leases;
   for (int64_t size : sizes) {
-    leases.push_back(pool.Take(size));
+    leases.push_back(*pool.Take(size));
     EXPECT_EQ(leases.back().get(), nullptr);
     leases.back().Set(Region(size));
   }
@@ -41,11 +41,11 @@ void MakeIdle(Pool& pool, const std::vector<int64_t>& sizes) {
 TEST(RegionPoolTest, AnEmptyPoolLendsASlotAndKeepsWhatIsMadeForIt) {
   Pool pool(2);
   {
-    Pool::Lease lease = pool.Take(100);
+    Pool::Lease lease = *pool.Take(100);
     EXPECT_EQ(lease.get(), nullptr);
     lease.Set(Region(128));
   }
-  Pool::Lease again = pool.Take(50);
+  Pool::Lease again = *pool.Take(50);
   ASSERT_NE(again.get(), nullptr);
   EXPECT_EQ(again.get()->bytes(), 128);
 }
@@ -53,9 +53,9 @@ TEST(RegionPoolTest, AnEmptyPoolLendsASlotAndKeepsWhatIsMadeForIt) {
 TEST(RegionPoolTest, ACallGetsTheSmallestIdleRegionThatHoldsIt) {
   Pool pool(4);
   MakeIdle(pool, {64, 512, 256, 1024});
-  Pool::Lease a = pool.Take(200);
-  Pool::Lease b = pool.Take(200);
-  Pool::Lease c = pool.Take(200);
+  Pool::Lease a = *pool.Take(200);
+  Pool::Lease b = *pool.Take(200);
+  Pool::Lease c = *pool.Take(200);
   ASSERT_NE(a.get(), nullptr);
   ASSERT_NE(b.get(), nullptr);
   ASSERT_NE(c.get(), nullptr);
@@ -63,7 +63,7 @@ TEST(RegionPoolTest, ACallGetsTheSmallestIdleRegionThatHoldsIt) {
   EXPECT_EQ(b.get()->bytes(), 512);
   EXPECT_EQ(c.get()->bytes(), 1024);
   // None left that holds it: the largest, for the caller to grow.
-  Pool::Lease d = pool.Take(200);
+  Pool::Lease d = *pool.Take(200);
   ASSERT_NE(d.get(), nullptr);
   EXPECT_EQ(d.get()->bytes(), 64);
 }
@@ -71,7 +71,7 @@ TEST(RegionPoolTest, ACallGetsTheSmallestIdleRegionThatHoldsIt) {
 TEST(RegionPoolTest, WithNoIdleRegionThatHoldsItTheLargestIsLent) {
   Pool pool(3);
   MakeIdle(pool, {64, 256, 128});
-  Pool::Lease lease = pool.Take(1000);
+  Pool::Lease lease = *pool.Take(1000);
   ASSERT_NE(lease.get(), nullptr);
   EXPECT_EQ(lease.get()->bytes(), 256);
 }
@@ -80,24 +80,24 @@ TEST(RegionPoolTest, ARegionGivenUpFreesItsSlotEmpty) {
   Pool pool(1);
   MakeIdle(pool, {64});
   {
-    Pool::Lease lease = pool.Take(64);
+    Pool::Lease lease = *pool.Take(64);
     std::unique_ptr<FakeRegion> gone = lease.Take();
     ASSERT_NE(gone, nullptr);
   }
-  Pool::Lease next = pool.Take(64);
+  Pool::Lease next = *pool.Take(64);
   EXPECT_EQ(next.get(), nullptr);
   EXPECT_TRUE(pool.TakeIdle().empty());
 }
 
 TEST(RegionPoolTest, ACallBeyondTheCapacityWaitsForALease) {
   Pool pool(2);
-  Pool::Lease first = pool.Take(1);
+  Pool::Lease first = *pool.Take(1);
   first.Set(Region(10));
-  Pool::Lease second = pool.Take(1);
+  Pool::Lease second = *pool.Take(1);
   std::atomic<bool> taken{false};
   int64_t got = 0;
   std::thread third([&] {
-    Pool::Lease lease = pool.Take(1);
+    Pool::Lease lease = *pool.Take(1);
     got = lease.get() != nullptr ? lease.get()->bytes() : -1;
     taken.store(true);
   });
@@ -109,23 +109,33 @@ TEST(RegionPoolTest, ACallBeyondTheCapacityWaitsForALease) {
   EXPECT_EQ(got, 10);
 }
 
+TEST(RegionPoolTest, ACallBeyondTheCapacityGivesUpAtItsDeadline) {
+  Pool pool(1);
+  Pool::Lease held = *pool.Take(1);
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(pool.Take(1, start + absl::Milliseconds(50)).has_value());
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(50));
+  held = Pool::Lease();
+  EXPECT_TRUE(pool.Take(1, absl::Now() + absl::Seconds(5)).has_value());
+}
+
 TEST(RegionPoolTest, ARefusalWithOthersLentLowersTheCapacityToTheirs) {
   Pool pool(4);
   {
-    Pool::Lease alone = pool.Take(1);
+    Pool::Lease alone = *pool.Take(1);
     EXPECT_FALSE(pool.ShrinkToOthersLent());
   }
-  Pool::Lease held = pool.Take(1);
+  Pool::Lease held = *pool.Take(1);
   held.Set(Region(8));
   {
-    Pool::Lease refused = pool.Take(1);
+    Pool::Lease refused = *pool.Take(1);
     EXPECT_EQ(refused.get(), nullptr);
     EXPECT_TRUE(pool.ShrinkToOthersLent());
   }
   // One slot now: the next call waits for the held region.
   std::atomic<bool> taken{false};
   std::thread next([&] {
-    Pool::Lease lease = pool.Take(1);
+    Pool::Lease lease = *pool.Take(1);
     EXPECT_NE(lease.get(), nullptr);
     taken.store(true);
   });
@@ -144,7 +154,7 @@ TEST(RegionPoolTest, ManyThreadsNeverHoldMoreThanTheCapacity) {
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < 200; ++i) {
-        Pool::Lease lease = pool.Take(1 + (t + i) % 5);
+        Pool::Lease lease = *pool.Take(1 + (t + i) % 5);
         const int now = holding.fetch_add(1) + 1;
         int seen = most.load();
         while (now > seen && !most.compare_exchange_weak(seen, now)) {
