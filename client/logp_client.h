@@ -201,11 +201,11 @@ class LogpClient {
     // --allow_shared_memory). Each call made at once has a region of its
     // own, up to system_shared_memory_regions (kept for later calls, grown
     // when a call needs more); a call beyond waits for one until its
-    // deadline (then DEADLINE_EXCEEDED). A registration
-    // the server refuses while other calls hold regions (its
-    // --max_shared_memory_bytes) lowers that number instead; one refused
-    // with none held turns regions off for the client: the bytes then go in
-    // the messages (shared_memory_refusal() says why).
+    // deadline (then DEADLINE_EXCEEDED). A registration the server refuses
+    // while other calls hold regions (its --max_shared_memory_bytes) lowers
+    // that number instead; one refused with none held turns regions off for
+    // the client: the bytes then go in the messages (shared_memory_refusal()
+    // says why).
     bool system_shared_memory = false;
     int system_shared_memory_regions = 4;
     // Score(DeviceRows) copies bf16 rows device-to-device into a CUDA region
