@@ -18,7 +18,7 @@ from collections import Counter
 import detlogp
 import grpc
 from detlogp import requests
-from detlogp.testing import LocalServer
+from detlogp.testing import LocalServer, raw_logprob_methods
 
 FUZZ_DIR = pathlib.Path(__file__).resolve().parent / "fuzz"
 
@@ -108,11 +108,7 @@ def test_random_and_truncated_bytes_over_the_wire(server_binary, model, report):
                 )
                 for m in METHODS
             }
-            stream = channel.stream_stream(
-                "/detlogp.v1.LogProbService/StreamLogProbs",
-                request_serializer=identity,
-                response_deserializer=identity,
-            )
+            stream = raw_logprob_methods(channel)[1]
             unknown = channel.unary_unary(
                 "/detlogp.v1.LogProbService/NoSuchMethod",
                 request_serializer=identity,

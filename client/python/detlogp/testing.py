@@ -61,6 +61,23 @@ def server_flags(binary):
     return frozenset(re.findall(r"--([a-z_0-9]+) ", out.stdout + out.stderr))
 
 
+def raw_logprob_methods(channel):
+    """(ComputeLogProbs, StreamLogProbs) on `channel` sending and returning
+    bytes as they are: for tests that send what no client would."""
+    identity = lambda data: data  # noqa: E731
+    unary = channel.unary_unary(
+        "/detlogp.v1.LogProbService/ComputeLogProbs",
+        request_serializer=identity,
+        response_deserializer=identity,
+    )
+    stream = channel.stream_stream(
+        "/detlogp.v1.LogProbService/StreamLogProbs",
+        request_serializer=identity,
+        response_deserializer=identity,
+    )
+    return unary, stream
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

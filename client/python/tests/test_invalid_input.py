@@ -114,23 +114,14 @@ def test_bytes_that_are_not_a_request_are_invalid_argument_naming_it(server, mod
     """Unary and on a stream: the server reads requests from gRPC's bytes
     itself, so bytes protobuf cannot parse are the caller's error, named."""
     import grpc
+    from detlogp.testing import raw_logprob_methods
 
     good = raw_request(model).SerializeToString()
     # hidden (field 1, length-delimited) claiming more bytes than follow.
     truncated = good[:40]
     not_protobuf = b"\xff\xff\xff\xff"
-    identity = lambda b: b
     with grpc.insecure_channel(server.target) as channel:
-        unary = channel.unary_unary(
-            "/detlogp.v1.LogProbService/ComputeLogProbs",
-            request_serializer=identity,
-            response_deserializer=identity,
-        )
-        stream = channel.stream_stream(
-            "/detlogp.v1.LogProbService/StreamLogProbs",
-            request_serializer=identity,
-            response_deserializer=identity,
-        )
+        unary, stream = raw_logprob_methods(channel)
         for bad in (truncated, not_protobuf):
             with pytest.raises(grpc.RpcError) as info:
                 unary(bad, timeout=20)
