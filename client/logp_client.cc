@@ -23,6 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "proto/dtype_bytes.h"
+#include "proto/wire_format.h"
 
 namespace detlogp::client {
 
@@ -404,56 +405,39 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
   return slice;
 }
 
-namespace {
-
-void PutVarint(uint64_t value, std::string* out) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>(value | 0x80));
-    value >>= 7;
-  }
-  out->push_back(static_cast<char>(value));
-}
-
-// Wire types, and the field numbers of LogProbRequest.hidden and of
-// Tensor's dtype, shape and data (proto/detlogp/v1/detlogp.proto).
-constexpr uint32_t kVarint = 0;
-constexpr uint32_t kLengthDelimited = 2;
-constexpr uint32_t kRequestHidden = 2;
-constexpr uint32_t kTensorDtype = 1;
-constexpr uint32_t kTensorShape = 2;
-constexpr uint32_t kTensorData = 3;
-
-void PutTag(uint32_t field, uint32_t wire_type, std::string* out) {
-  PutVarint((field << 3) | wire_type, out);
-}
-
-}  // namespace
-
 grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
                                    absl::string_view rows) {
+  namespace wire = detlogp::v1::wire;
+  using wire::AppendVarint;
+  using wire::Tag;
+  using Tensor = detlogp::v1::Tensor;
   // hidden: dtype, shape (packed) and the head of data, then the rows.
-  const detlogp::v1::Tensor& hidden = header.hidden();
+  const Tensor& hidden = header.hidden();
   std::string tensor_head;
   if (hidden.dtype() != 0) {
-    PutTag(kTensorDtype, kVarint, &tensor_head);
-    PutVarint(static_cast<uint64_t>(hidden.dtype()), &tensor_head);
+    AppendVarint(Tag(Tensor::kDtypeFieldNumber, wire::kVarint), &tensor_head);
+    AppendVarint(static_cast<uint64_t>(hidden.dtype()), &tensor_head);
   }
   if (hidden.shape_size() > 0) {
     std::string shape;
     for (const int64_t dim : hidden.shape()) {
-      PutVarint(static_cast<uint64_t>(dim), &shape);
+      AppendVarint(static_cast<uint64_t>(dim), &shape);
     }
-    PutTag(kTensorShape, kLengthDelimited, &tensor_head);
-    PutVarint(shape.size(), &tensor_head);
+    AppendVarint(Tag(Tensor::kShapeFieldNumber, wire::kLengthDelimited),
+                 &tensor_head);
+    AppendVarint(shape.size(), &tensor_head);
     tensor_head += shape;
   }
   if (!rows.empty()) {
-    PutTag(kTensorData, kLengthDelimited, &tensor_head);
-    PutVarint(rows.size(), &tensor_head);
+    AppendVarint(Tag(Tensor::kDataFieldNumber, wire::kLengthDelimited),
+                 &tensor_head);
+    AppendVarint(rows.size(), &tensor_head);
   }
   std::string hidden_head;
-  PutTag(kRequestHidden, kLengthDelimited, &hidden_head);
-  PutVarint(tensor_head.size() + rows.size(), &hidden_head);
+  AppendVarint(Tag(detlogp::v1::LogProbRequest::kHiddenFieldNumber,
+                   wire::kLengthDelimited),
+               &hidden_head);
+  AppendVarint(tensor_head.size() + rows.size(), &hidden_head);
   // Every other field as protobuf writes them (a parser takes fields in any
   // order).
   detlogp::v1::LogProbRequest rest = header;

@@ -5,16 +5,22 @@
 #include <string>
 #include <utility>
 
+#include "proto/wire_format.h"
+
 namespace detlogp::server {
 namespace {
 
-// detlogp.v1: LogProbRequest.hidden = 2, Tensor.data = 3.
-constexpr uint64_t kHiddenField = 2;
-constexpr uint64_t kDataField = 3;
-constexpr uint64_t kVarint = 0;
-constexpr uint64_t kFixed64 = 1;
-constexpr uint64_t kLengthDelimited = 2;
-constexpr uint64_t kFixed32 = 5;
+using v1::wire::AppendVarint;
+using v1::wire::kFixed32;
+using v1::wire::kFixed64;
+using v1::wire::kLengthDelimited;
+using v1::wire::kVarint;
+using v1::wire::Tag;
+
+constexpr uint64_t kHiddenTag =
+    Tag(v1::LogProbRequest::kHiddenFieldNumber, kLengthDelimited);
+constexpr uint64_t kDataTag =
+    Tag(v1::Tensor::kDataFieldNumber, kLengthDelimited);
 
 // Reads forward through consecutive chunks as through one buffer; every
 // read is bounded by an `end` position it may not pass.
@@ -113,14 +119,6 @@ class ChunkReader {
   int64_t position_ = 0;
 };
 
-void AppendVarint(uint64_t value, std::string* out) {
-  while (value >= 0x80) {
-    out->push_back(static_cast<char>((value & 0x7f) | 0x80));
-    value >>= 7;
-  }
-  out->push_back(static_cast<char>(value));
-}
-
 }  // namespace
 
 std::optional<SplitLogProbRequest> SplitHiddenData(
@@ -140,7 +138,7 @@ std::optional<SplitLogProbRequest> SplitHiddenData(
     const int64_t field_start = in.position();
     uint64_t tag;
     if (!in.ReadVarint(end, &tag)) return std::nullopt;
-    if ((tag >> 3) != kHiddenField || (tag & 7) != kLengthDelimited) {
+    if (tag != kHiddenTag) {
       if (!in.SkipValue(tag & 7, end)) return std::nullopt;
       in.ForEachPiece(field_start, in.position(), append_to(&header));
       continue;
@@ -154,8 +152,7 @@ std::optional<SplitLogProbRequest> SplitHiddenData(
       const int64_t inner_start = in.position();
       uint64_t inner_tag;
       if (!in.ReadVarint(tensor_end, &inner_tag)) return std::nullopt;
-      if ((inner_tag >> 3) != kDataField ||
-          (inner_tag & 7) != kLengthDelimited) {
+      if (inner_tag != kDataTag) {
         if (!in.SkipValue(inner_tag & 7, tensor_end)) return std::nullopt;
         in.ForEachPiece(inner_start, in.position(), append_to(&tensor));
         continue;

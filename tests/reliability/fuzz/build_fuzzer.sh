@@ -18,6 +18,7 @@ sources=("$repo/tests/reliability/fuzz/request_validation_fuzzer.cc"
          "$repo/server/transport/request_validation.h"
          "$repo/server/transport/request_wire.cc"
          "$repo/server/transport/request_wire.h"
+         "$repo/proto/wire_format.h"
          "$repo/server/shared_memory/mapped_reads.cc"
          "$repo/server/shared_memory/mapped_reads.h"
          "$repo/kernels/bfloat16.h" "$repo/proto/detlogp/v1/detlogp.proto")
