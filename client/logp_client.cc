@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "proto/dtype_bytes.h"
 #include "proto/wire_format.h"
+#include "proto/status_details.h"
 
 namespace detlogp::client {
 
@@ -79,88 +80,6 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
   options.model_version = model_version;
   return MakeLogProbRequest(std::move(request_id), dtype, rows, hidden_size,
                             std::move(data), targets, options);
-}
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                      status.error_message());
-}
-
-namespace {
-
-// DATA_LOSS naming `field` unless it holds `want` values.
-absl::Status CheckSize(absl::string_view field, int64_t got, int64_t want,
-                       absl::string_view why) {
-  if (got == want) return absl::OkStatus();
-  return absl::DataLossError(absl::StrCat(field, ": the response holds ", got,
-                                          " values, expected ", want, " (", why,
-                                          ")"));
-}
-
-}  // namespace
-
-absl::Status CheckLogProbResponse(
-    const detlogp::v1::LogProbRequest& request,
-    const detlogp::v1::LogProbResponse& response) {
-  const int64_t rows = request.target_ids_size();
-  const std::string per_row = absl::StrCat(rows, " rows");
-  absl::Status status =
-      CheckSize("logprobs", response.logprobs_size(), rows, per_row);
-  if (status.ok()) {
-    status =
-        CheckSize("lse", response.lse_size(), request.return_lse() ? rows : 0,
-                  request.return_lse() ? per_row : "return_lse not set");
-  }
-  if (status.ok()) {
-    status = CheckSize(
-        "entropy", response.entropy_size(), request.return_entropy() ? rows : 0,
-        request.return_entropy() ? per_row : "return_entropy not set");
-  }
-  const int64_t k = std::max<int64_t>(request.top_k(), 0);
-  const std::string per_top = k > 0 ? absl::StrCat(rows, " rows x top_k ", k)
-                                    : std::string("top_k not set");
-  if (status.ok()) {
-    status = CheckSize("top_ids", response.top_ids_size(), rows * k, per_top);
-  }
-  if (status.ok()) {
-    status = CheckSize("top_logprobs", response.top_logprobs_size(), rows * k,
-                       per_top);
-  }
-  return status;
-}
-
-ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response) {
-  ScoreResult result;
-  result.request_id = response.request_id();
-  result.logprobs.assign(response.logprobs().begin(),
-                         response.logprobs().end());
-  result.lse.assign(response.lse().begin(), response.lse().end());
-  result.entropy.assign(response.entropy().begin(), response.entropy().end());
-  result.top_ids.assign(response.top_ids().begin(), response.top_ids().end());
-  result.top_logprobs.assign(response.top_logprobs().begin(),
-                             response.top_logprobs().end());
-  if (!result.logprobs.empty()) {
-    result.top_k =
-        static_cast<int64_t>(result.top_ids.size() / result.logprobs.size());
-  }
-  result.determinism_key = response.determinism_key();
-  result.model = response.model();
-  result.model_version = response.model_version();
-  result.server_timing = response.timing();
-  return result;
-}
-
-absl::StatusOr<ScoreResult> ToScoreResult(
-    const detlogp::v1::LogProbRequest& request,
-    const detlogp::v1::LogProbResponse& response) {
-  if (absl::Status status = CheckLogProbResponse(request, response);
-      !status.ok()) {
-    return status;
-  }
-  ScoreResult result = ToScoreResult(response);
-  result.top_k = std::max<int64_t>(request.top_k(), 0);
-  return result;
 }
 
 namespace {
@@ -241,7 +160,6 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
       detlogp::v1::SharedMemoryService::NewStub(client->channel_);
   client->projection_ =
       std::make_unique<ProjectionConnection>(client->channel_);
-  client->raw_ = std::make_unique<RawConnection>(client->channel_);
   return client;
 }
 
@@ -405,83 +323,6 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
   return slice;
 }
 
-grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
-                                   absl::string_view rows) {
-  namespace wire = detlogp::v1::wire;
-  using wire::AppendVarint;
-  using wire::Tag;
-  using Tensor = detlogp::v1::Tensor;
-  // hidden: dtype, shape (packed) and the head of data, then the rows.
-  const Tensor& hidden = header.hidden();
-  std::string tensor_head;
-  if (hidden.dtype() != 0) {
-    AppendVarint(Tag(Tensor::kDtypeFieldNumber, wire::kVarint), &tensor_head);
-    AppendVarint(static_cast<uint64_t>(hidden.dtype()), &tensor_head);
-  }
-  if (hidden.shape_size() > 0) {
-    std::string shape;
-    for (const int64_t dim : hidden.shape()) {
-      AppendVarint(static_cast<uint64_t>(dim), &shape);
-    }
-    AppendVarint(Tag(Tensor::kShapeFieldNumber, wire::kLengthDelimited),
-                 &tensor_head);
-    AppendVarint(shape.size(), &tensor_head);
-    tensor_head += shape;
-  }
-  if (!rows.empty()) {
-    AppendVarint(Tag(Tensor::kDataFieldNumber, wire::kLengthDelimited),
-                 &tensor_head);
-    AppendVarint(rows.size(), &tensor_head);
-  }
-  std::string hidden_head;
-  AppendVarint(Tag(detlogp::v1::LogProbRequest::kHiddenFieldNumber,
-                   wire::kLengthDelimited),
-               &hidden_head);
-  AppendVarint(tensor_head.size() + rows.size(), &hidden_head);
-  // Every other field as protobuf writes them (a parser takes fields in any
-  // order).
-  detlogp::v1::LogProbRequest rest = header;
-  rest.clear_hidden();
-  const size_t rest_bytes = rest.ByteSizeLong();
-  const size_t total =
-      hidden_head.size() + tensor_head.size() + rows.size() + rest_bytes;
-  grpc_slice slice = grpc_slice_malloc(total);
-  uint8_t* out = GRPC_SLICE_START_PTR(slice);
-  std::memcpy(out, hidden_head.data(), hidden_head.size());
-  out += hidden_head.size();
-  std::memcpy(out, tensor_head.data(), tensor_head.size());
-  out += tensor_head.size();
-  if (!rows.empty()) std::memcpy(out, rows.data(), rows.size());
-  out += rows.size();
-  rest.SerializeWithCachedSizesToArray(out);
-  grpc::Slice owned(slice, grpc::Slice::STEAL_REF);
-  return grpc::ByteBuffer(&owned, 1);
-}
-
-ScoreResult JoinScoreResults(std::vector<ScoreResult> parts) {
-  ScoreResult joined = std::move(parts.front());
-  joined.requests = static_cast<int64_t>(parts.size());
-  detlogp::v1::ServerTiming& timing = joined.server_timing;
-  for (size_t i = 1; i < parts.size(); ++i) {
-    ScoreResult& part = parts[i];
-    auto append = [](auto& to, const auto& from) {
-      to.insert(to.end(), from.begin(), from.end());
-    };
-    append(joined.logprobs, part.logprobs);
-    append(joined.lse, part.lse);
-    append(joined.entropy, part.entropy);
-    append(joined.top_ids, part.top_ids);
-    append(joined.top_logprobs, part.top_logprobs);
-    timing.set_validate_us(timing.validate_us() +
-                           part.server_timing.validate_us());
-    timing.set_queue_us(timing.queue_us() + part.server_timing.queue_us());
-    timing.set_compute_us(timing.compute_us() +
-                          part.server_timing.compute_us());
-    timing.set_total_us(timing.total_us() + part.server_timing.total_us());
-  }
-  return joined;
-}
-
 absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
     const detlogp::v1::LogProbRequest& request, bool by_reference,
     bool spread) {
@@ -505,6 +346,7 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
       // goes as it is.
       if (!info.ok()) return 0;
       limits_ = *std::move(info);
+      row_window_.SetCapacity(limits_->max_queue_rows());
     }
     max_rows = limits_->max_request_rows();
     if (limits_->max_receive_message_bytes() > 0) {
@@ -688,25 +530,24 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
     bool rows_beside, absl::Time deadline) {
-  const detlogp::v1::LogProbRequest* to_send = &request;
   const bool shared = request.hidden().has_shared_memory();
-  const int64_t rows = to_send->target_ids_size();
-  const int64_t row_bytes = RowBytes(*to_send);
+  const int64_t rows = request.target_ids_size();
+  const int64_t row_bytes = RowBytes(request);
   const int64_t bytes = rows * row_bytes;
   int connections = options_.connections;
   if (connections <= 0) {
     connections = bytes >= kAutoConnectionsMinBytes ? kAutoConnections : 1;
   }
-  // Rows that do not fill the shape are not spread: the server names the
+  // Rows that do not fill the shape go as they are: the server names the
   // field.
   const bool fills_shape =
       row_bytes > 0 && static_cast<int64_t>(rows_bytes.size()) == bytes;
   if (shared || !options_.split_large_calls || !fills_shape) connections = 1;
-  auto rows_per_request =
-      RowsPerRequest(*to_send, shared, /*spread=*/connections > 1 && rows > 1);
+  const bool spread = connections > 1 && rows > 1;
+  auto rows_per_request = RowsPerRequest(request, shared, spread);
   if (!rows_per_request.ok()) return rows_per_request.status();
-  absl::StatusOr<ScoreResult> result;
-  if (connections > 1 && rows > 1) {
+  int64_t rows_each = *rows_per_request > 0 ? *rows_per_request : rows;
+  if (spread) {
     // Every connection gets a share (cut no smaller than
     // kMinSpreadRequestBytes for that), in requests of at most
     // spread_request_bytes.
@@ -714,152 +555,54 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
         std::min(std::max((rows + connections - 1) / connections,
                           kMinSpreadRequestBytes / row_bytes),
                  options_.spread_request_bytes / row_bytes);
-    const int64_t rows_each =
-        *rows_per_request > 0 ? std::min(*rows_per_request, share) : share;
-    result = ScoreSpread(*to_send, rows_bytes, std::max<int64_t>(rows_each, 1),
-                         connections, deadline);
-  } else if (*rows_per_request <= 0 || rows <= *rows_per_request) {
-    result = rows_beside ? ScoreRaw(*to_send, rows_bytes, *raw_, deadline)
-                         : ScoreOne(*to_send, deadline);
-  } else if (shared || !fills_shape) {
-    // The first slice alone picks the version (the latest when the request
-    // says 0); every other slice is pinned to it, so the whole call is
-    // computed on one version even when a new one is published meanwhile.
-    std::vector<ScoreResult> parts;
-    auto first =
-        ScoreOne(SliceLogProbRequest(*to_send, 0, *rows_per_request), deadline);
-    if (!first.ok()) return first.status();
-    const int64_t version = first->model_version;
-    parts.push_back(*std::move(first));
-    std::vector<detlogp::v1::LogProbRequest> rest;
-    for (int64_t begin = *rows_per_request; begin < rows;
-         begin += *rows_per_request) {
-      rest.push_back(SliceLogProbRequest(
-          *to_send, begin, std::min(*rows_per_request, rows - begin)));
-      rest.back().set_model_version(version);
+    rows_each = std::min(rows_each, share);
+  }
+  rows_each = std::max<int64_t>(rows_each, 1);
+  std::vector<CallPart> parts;
+  if (fills_shape && !shared && rows > 0) {
+    // Each request's rows are written once, straight from the caller's
+    // bytes into gRPC's buffer, when it is sent.
+    RowSlices slices = CutRows(request, rows_each, rows_bytes);
+    for (size_t i = 0; i < slices.headers.size(); ++i) {
+      parts.push_back({std::move(slices.headers[i]), slices.rows[i]});
     }
-    auto answers = ScoreStream(rest, deadline);
-    if (!answers.ok()) return answers.status();
-    for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
-    result = JoinScoreResults(std::move(parts));
+  } else if (rows > rows_each && (shared || fills_shape)) {
+    for (int64_t begin = 0; begin < rows; begin += rows_each) {
+      parts.push_back({SliceLogProbRequest(request, begin,
+                                           std::min(rows_each, rows - begin)),
+                       {}});
+    }
   } else {
-    // The same with each slice's rows written once, straight from the
-    // request into gRPC's buffer.
-    RowSlices slices = CutRows(*to_send, *rows_per_request, rows_bytes);
-    std::vector<ScoreResult> parts;
-    auto first = ScoreRaw(slices.headers[0], slices.rows[0], *raw_, deadline);
-    if (!first.ok()) return first.status();
-    const int64_t version = first->model_version;
-    parts.push_back(*std::move(first));
-    slices.headers.erase(slices.headers.begin());
-    slices.rows.erase(slices.rows.begin());
-    for (detlogp::v1::LogProbRequest& header : slices.headers) {
-      header.set_model_version(version);
-    }
-    auto answers = ScoreStreamRaw(slices.headers, slices.rows, deadline);
-    if (!answers.ok()) return answers.status();
-    for (ScoreResult& answer : *answers) parts.push_back(std::move(answer));
-    result = JoinScoreResults(std::move(parts));
+    parts.push_back({request, {}});
+    if (rows_beside) parts.back().rows = rows_bytes;
   }
-  return result;
-}
-
-absl::StatusOr<ScoreResult> LogpClient::ScoreOne(
-    const detlogp::v1::LogProbRequest& request, absl::Time deadline,
-    detlogp::v1::LogProbService::Stub* stub) {
-  grpc::ClientContext context;
-  PrepareContext(&context, deadline);
-  detlogp::v1::LogProbResponse response;
-  grpc::Status status = (stub != nullptr ? stub : stub_.get())
-                            ->ComputeLogProbs(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return ToScoreResult(request, response);
-}
-
-absl::StatusOr<ScoreResult> LogpClient::ScoreSpread(
-    const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-    int64_t rows_per_request, int connections, absl::Time deadline) {
-  // A sender writes each slice's rows straight from `rows_bytes` into gRPC's
-  // buffer when it sends it.
-  RowSlices slices = CutRows(request, rows_per_request, rows_bytes);
-  std::vector<detlogp::v1::LogProbRequest>& headers = slices.headers;
-  const std::vector<absl::string_view>& slice_rows = slices.rows;
-  const int used =
-      static_cast<int>(std::min<size_t>(connections, headers.size()));
+  const int used = static_cast<int>(
+      std::min<size_t>(std::max(connections, 1), parts.size()));
   // The client's own connection and kept ones beside it.
-  std::vector<std::unique_ptr<RawConnection>> spread =
+  std::vector<std::unique_ptr<RawConnection>> kept =
       TakeSpreadConnections(used - 1);
-  std::vector<absl::StatusOr<ScoreResult>> answers(
-      headers.size(), absl::UnknownError("not sent"));
-  // spread_requests_in_flight senders per connection, each sending its
-  // slices one at a time. The first failure stops the others: the call
-  // fails with it.
-  const size_t sender_count = std::min<size_t>(
-      headers.size(), static_cast<size_t>(used) *
-                          std::max(options_.spread_requests_in_flight, 1));
-  absl::Mutex failure_mu;
-  absl::Status failure;
-  std::atomic<bool> failed{false};
-  std::vector<std::thread> senders;
-  for (size_t s = 0; s < sender_count; ++s) {
-    senders.emplace_back([&, s] {
-      const size_t c = s % used;
-      const RawConnection& connection = c == 0 ? *raw_ : *spread[c - 1];
-      for (size_t i = s; i < headers.size() && !failed.load();
-           i += sender_count) {
-        answers[i] = ScoreRaw(headers[i], slice_rows[i], connection, deadline);
-        if (!answers[i].ok()) {
-          absl::MutexLock lock(&failure_mu);
-          if (failure.ok()) failure = answers[i].status();
-          failed.store(true);
-        }
-      }
-    });
-  }
-  for (std::thread& sender : senders) sender.join();
-  GiveBackSpreadConnections(std::move(spread));
-  if (!failure.ok()) return failure;
-  // One version for the whole call: slices answered by another version than
-  // the first's (one published meanwhile) are asked again, pinned to it.
-  const int64_t version = answers.front()->model_version;
-  std::vector<ScoreResult> parts;
-  for (size_t i = 0; i < headers.size(); ++i) {
-    if (answers[i]->model_version != version) {
-      headers[i].set_model_version(version);
-      answers[i] = ScoreRaw(headers[i], slice_rows[i], *raw_, deadline);
-      if (!answers[i].ok()) return answers[i].status();
-    }
-    parts.push_back(*std::move(answers[i]));
-  }
-  ScoreResult joined = JoinScoreResults(std::move(parts));
+  std::vector<std::shared_ptr<grpc::Channel>> channels = {channel_};
+  for (const auto& connection : kept) channels.push_back(connection->channel);
+  CallEngineOptions engine;
+  engine.requests_in_flight_per_connection = options_.spread_requests_in_flight;
+  engine.prepare_context = [this](grpc::ClientContext* context,
+                                  absl::Time call_deadline) {
+    PrepareContext(context, call_deadline);
+  };
+  CallStats stats;
+  absl::StatusOr<std::vector<ScoreResult>> answers = SendCallParts(
+      std::move(parts), channels, row_window_, engine, deadline, &stats);
+  GiveBackSpreadConnections(std::move(kept));
+  if (!answers.ok()) return answers.status();
+  ScoreResult joined = JoinScoreResults(*std::move(answers));
   joined.connections = used;
+  joined.queue_full_retries = stats.queue_full_retries;
   return joined;
-}
-
-absl::StatusOr<ScoreResult> LogpClient::ScoreRaw(
-    const detlogp::v1::LogProbRequest& header, absl::string_view rows,
-    const RawConnection& connection, absl::Time deadline) {
-  const grpc::ByteBuffer wire = SerializeWithRows(header, rows);
-  grpc::ClientContext context;
-  PrepareContext(&context, deadline);
-  detlogp::v1::LogProbResponse response;
-  const grpc::Status status =
-      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer,
-                                        detlogp::v1::LogProbResponse>(
-          connection.channel.get(), connection.compute, &context, wire,
-          &response);
-  if (!status.ok()) return FromGrpcStatus(status);
-  // The header holds everything the check reads (rows, extras asked for).
-  return ToScoreResult(header, response);
 }
 
 LogpClient::RawConnection::RawConnection(
     std::shared_ptr<grpc::Channel> channel_in)
-    : channel(std::move(channel_in)),
-      compute("/detlogp.v1.LogProbService/ComputeLogProbs",
-              grpc::internal::RpcMethod::NORMAL_RPC, channel),
-      stream("/detlogp.v1.LogProbService/StreamLogProbs",
-             grpc::internal::RpcMethod::BIDI_STREAMING, channel) {}
+    : channel(std::move(channel_in)) {}
 
 namespace {
 
@@ -919,24 +662,6 @@ absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
   auto stream = stub_->StreamLogProbs(&context);
   return StreamAndCheck(*stream, requests,
                         [&](size_t i) { return stream->Write(requests[i]); });
-}
-
-absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStreamRaw(
-    const std::vector<detlogp::v1::LogProbRequest>& headers,
-    const std::vector<absl::string_view>& rows, absl::Time deadline) {
-  grpc::ClientContext context;
-  PrepareContext(&context, deadline);
-  std::unique_ptr<
-      grpc::ClientReaderWriter<grpc::ByteBuffer, detlogp::v1::LogProbResponse>>
-      stream(grpc::internal::ClientReaderWriterFactory<
-             grpc::ByteBuffer,
-             detlogp::v1::LogProbResponse>::Create(raw_->channel.get(),
-                                                   raw_->stream, &context));
-  // Each request's bytes are written when it is sent: one slice's copy at a
-  // time.
-  return StreamAndCheck(*stream, headers, [&](size_t i) {
-    return stream->Write(SerializeWithRows(headers[i], rows[i]));
-  });
 }
 
 absl::Status LogpClient::RegisterSystemRegion(const std::string& name,

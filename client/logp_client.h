@@ -72,47 +72,17 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "client/call_engine.h"
 #include "client/cuda_runtime_loader.h"
 #include "client/interleaved_rows.h"
 #include "client/project_chunk.h"
 #include "client/region_pool.h"
+#include "client/request_bytes.h"
+#include "client/score_result.h"
 #include "client/system_shared_memory.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 
 namespace detlogp::client {
-
-struct ScoreResult {
-  std::string request_id;
-  std::vector<float> logprobs;
-  std::vector<float> lse;  // empty unless asked for
-  // Entropy of each row's softmax (nats), [N]; empty unless asked for.
-  std::vector<float> entropy;
-  // The k of top_ids / top_logprobs (the request's top_k; 0: not asked for).
-  int64_t top_k = 0;
-  // [N * top_k] row-major: row r's j-th most likely token is
-  // top_ids[r * top_k + j] with log-prob top_logprobs[r * top_k + j]; each
-  // row in descending log-prob order, ties to the lower token id.
-  std::vector<int64_t> top_ids;
-  std::vector<float> top_logprobs;
-  std::string determinism_key;
-  // The model and version every row was computed with.
-  std::string model;
-  int64_t model_version = 0;
-  // Where the call's time went on the server, when the request set
-  // return_timing (summed over the requests a large call was cut into).
-  detlogp::v1::ServerTiming server_timing;
-  // Requests the call took (more than one when it was cut to fit or spread
-  // over connections), and the connections they went over.
-  int64_t requests = 1;
-  int connections = 1;
-  // How the hidden rows travelled: "grpc" (in the messages), "system_shm"
-  // or "cuda_shm" (the client's own region of that kind), "named_region"
-  // (a region the request named).
-  std::string path = "grpc";
-  // Whether the hidden rows went through a shared-memory region (path is
-  // not "grpc").
-  bool used_shared_memory = false;
-};
 
 // What a request asks for beyond log p(target), and what it runs on.
 struct LogProbOptions {
@@ -426,11 +396,6 @@ class LogpClient {
       const ProjectOptions& options,
       const std::function<void(ProjectChunk&)>& on_chunk);
 
-  // One request as it is on `stub` (default: the client's own), answered
-  // and checked.
-  absl::StatusOr<ScoreResult> ScoreOne(
-      const detlogp::v1::LogProbRequest& request, absl::Time deadline,
-      detlogp::v1::LogProbService::Stub* stub = nullptr);
   // `request` as it is (rows in the message or named by reference), cut to
   // fit the server's limits and, with rows in the messages, spread over
   // connections. `rows_bytes`: the rows that go in the messages, the
@@ -439,35 +404,16 @@ class LogpClient {
   absl::StatusOr<ScoreResult> ScoreCut(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
       bool rows_beside, absl::Time deadline);
-  // `request` cut into requests of `rows_per_request` rows sent side by side
-  // over `connections` connections, on one model version.
-  absl::StatusOr<ScoreResult> ScoreSpread(
-      const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-      int64_t rows_per_request, int connections, absl::Time deadline);
-  // A channel with ComputeLogProbs and StreamLogProbs on it, sent as
-  // grpc::ByteBuffer (a slice's rows written once, straight from the
-  // caller's request).
+  // A connection of its own for the requests of spread calls.
   struct RawConnection {
     explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
-    grpc::internal::RpcMethod compute;
-    grpc::internal::RpcMethod stream;
   };
   // Spread connections beyond the client's own: taken by a call (kept ones
   // first, new ones opened as needed) and given back after it.
   std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(int count);
   void GiveBackSpreadConnections(
       std::vector<std::unique_ptr<RawConnection>> connections);
-  // `header` (a request without hidden bytes) with `rows` as its bytes, on
-  // `connection`, answered and checked against `header`.
-  absl::StatusOr<ScoreResult> ScoreRaw(
-      const detlogp::v1::LogProbRequest& header, absl::string_view rows,
-      const RawConnection& connection, absl::Time deadline);
-  // ScoreStream for headers[i] with rows[i] as its bytes, on the client's
-  // own connection, each answer checked against its header.
-  absl::StatusOr<std::vector<ScoreResult>> ScoreStreamRaw(
-      const std::vector<detlogp::v1::LogProbRequest>& headers,
-      const std::vector<absl::string_view>& rows, absl::Time deadline);
   // The rows a request may carry on this server (0: unknown, no cutting).
   // The server is asked once, for a call to be spread or one beyond what
   // its default limits always take.
@@ -531,8 +477,9 @@ class LogpClient {
   mutable absl::Mutex cuda_mu_;
   std::map<int, CudaRegion> cuda_regions_ ABSL_GUARDED_BY(cuda_mu_);
   std::string cuda_refusal_ ABSL_GUARDED_BY(cuda_mu_);
-  // channel_ as the first connection of spread calls.
-  std::unique_ptr<RawConnection> raw_;
+  // The rows this client has outstanding at the server, within its queue
+  // (ModelInfo.max_queue_rows, once asked).
+  RowWindow row_window_;
   // Kept spread connections not in use by a call, and how many were opened.
   mutable absl::Mutex spread_mu_;
   std::vector<std::unique_ptr<RawConnection>> idle_spread_
@@ -551,39 +498,9 @@ class LogpClient {
 detlogp::v1::LogProbRequest SliceLogProbRequest(
     const detlogp::v1::LogProbRequest& request, int64_t begin, int64_t count);
 
-// The wire bytes of `header` with `rows` as hidden.data, in one buffer of
-// gRPC's: the rows are copied once, straight into it (no protobuf message
-// holds them). `header`'s own hidden.data and hidden.shared_memory are left
-// out. The bytes parse as `header` with hidden.data = rows.
-grpc::ByteBuffer SerializeWithRows(const detlogp::v1::LogProbRequest& header,
-                                   absl::string_view rows);
-
-// Answers of consecutive slices of one request, joined in order (top_k of
-// the first).
-ScoreResult JoinScoreResults(std::vector<ScoreResult> parts);
-
 // A channel as LogpClient makes it (message limits, TLS, load balancing);
 // `options.bearer_token` and `options.timeout` belong to calls, not here.
 std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options);
-
-// gRPC status to absl::Status, with the same code and message.
-absl::Status FromGrpcStatus(const grpc::Status& status);
-
-// OK when `response` has the sizes `request` asks for: N = target_ids
-// logprobs; N lse when return_lse, else none; N entropy when return_entropy,
-// else none; N * top_k top_ids and top_logprobs. Otherwise DATA_LOSS whose
-// message starts with the field ("entropy: 3 values for 4 rows ...").
-absl::Status CheckLogProbResponse(const detlogp::v1::LogProbRequest& request,
-                                  const detlogp::v1::LogProbResponse& response);
-
-// The response as a ScoreResult, checked against its request.
-absl::StatusOr<ScoreResult> ToScoreResult(
-    const detlogp::v1::LogProbRequest& request,
-    const detlogp::v1::LogProbResponse& response);
-
-// Unchecked: the response as it came. top_k is inferred as
-// top_ids.size() / logprobs.size() (0 when there are no rows).
-ScoreResult ToScoreResult(const detlogp::v1::LogProbResponse& response);
 
 }  // namespace detlogp::client
 

@@ -469,6 +469,7 @@ void Server::BuildLogProbService() {
     metrics->CountHiddenBytes(path, bytes);
   };
   service_options.max_receive_message_bytes = options_.max_message_bytes;
+  service_options.max_queue_rows = options_.batcher.max_queue_rows;
   if (shared_memory_service_ != nullptr && shared_memory_service_->enabled()) {
     service_options.shared_memory = shared_memory_.get();
   }

@@ -1,5 +1,7 @@
 #include "server/batching/batcher.h"
 
+#include "proto/status_details.h"
+
 #include <gtest/gtest.h>
 
 #include "absl/strings/match.h"
@@ -205,6 +207,15 @@ TEST(DynamicBatcherTest, FullQueueIsResourceExhausted) {
   const absl::Status status = batcher->Schedule(refused.job);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(status.message().find("max_queue_rows"), std::string::npos);
+  const detlogp::v1::ErrorDetails details = detlogp::v1::DetailsOf(status);
+  EXPECT_EQ(details.reason, detlogp::v1::kReasonQueueFull);
+  EXPECT_EQ(details.metadata.at("limit"), "8");
+  EXPECT_EQ(details.metadata.at("queued"), "8");
+  EXPECT_EQ(details.metadata.at("requested"), "1");
+  // No batch has finished yet: about one batch's wait.
+  ASSERT_TRUE(details.retry_delay.has_value());
+  EXPECT_GT(*details.retry_delay, absl::ZeroDuration());
+  EXPECT_LE(*details.retry_delay, absl::Seconds(2));
   EXPECT_FALSE(refused.done->HasBeenNotified());
   EXPECT_EQ(batcher->stats().rows_rejected, 1);
   ASSERT_TRUE(queued.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
@@ -212,6 +223,31 @@ TEST(DynamicBatcherTest, FullQueueIsResourceExhausted) {
   TrackedJob later = MakeJob(1);
   EXPECT_TRUE(batcher->Schedule(later.job).ok());
   ASSERT_TRUE(later.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+}
+
+TEST(DynamicBatcherTest, RetryDelayFollowsTheDrainRate) {
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(100));  // 4 rows per 100 ms
+  auto batcher = MakeBatcher(&backend, {4, 0, 8, 1});
+  TrackedJob first = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(first.job).ok());
+  ASSERT_TRUE(first.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  TrackedJob running = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  absl::SleepFor(absl::Milliseconds(20));  // inside its batch
+  TrackedJob queued = MakeJob(8);
+  ASSERT_TRUE(batcher->Schedule(queued.job).ok());
+  // 4 rows over the bound drain in about one 100 ms batch.
+  const detlogp::v1::ErrorDetails details =
+      detlogp::v1::DetailsOf(batcher->Schedule(MakeJob(4).job));
+  ASSERT_TRUE(details.retry_delay.has_value());
+  EXPECT_GE(*details.retry_delay, absl::Milliseconds(50));
+  EXPECT_LE(*details.retry_delay, absl::Milliseconds(400));
+  // Rows the queue can never hold: waiting cannot help, no delay.
+  const absl::Status never = batcher->Schedule(MakeJob(9).job);
+  EXPECT_EQ(never.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(detlogp::v1::DetailsOf(never).retry_delay.has_value());
+  ASSERT_TRUE(queued.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
 }
 
 TEST(DynamicBatcherTest, InternalJobsPassAFullQueue) {

@@ -20,6 +20,7 @@
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "kernels/bfloat16.h"
 #include "kernels/split_policy.h"
+#include "proto/status_details.h"
 #include "server/models/lm_head_weights.h"
 #include "tests/linear_logp_reference.h"
 #include "tests/server_process.h"
@@ -434,37 +435,125 @@ TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
-TEST(ServerLifecycleTest, FullQueueIsResourceExhaustedThenRecovers) {
+// The server's side of flow control: a full queue is RESOURCE_EXHAUSTED
+// with reason QUEUE_FULL, a RetryInfo and gRPC's pushback trailer, read
+// here through the plain generated stub (which retries nothing).
+TEST(ServerLifecycleTest, FullQueueSaysWhenToComeBack) {
   auto server = ServerProcess::Start(
       {"--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"});
   ASSERT_TRUE(server.ok()) << server.status();
-  LogpClient::Options options;
-  options.target = (*server)->target();
-  auto client = *LogpClient::Create(options);
-  std::atomic<int> ok{0}, exhausted{0}, other{0};
+  auto channel = grpc::CreateChannel((*server)->target(),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::LogProbService::NewStub(channel);
+  {
+    grpc::ClientContext context;
+    v1::GetModelInfoRequest request;
+    v1::ModelInfo info;
+    ASSERT_TRUE(stub->GetModelInfo(&context, request, &info).ok());
+    EXPECT_EQ(info.max_queue_rows(), 64);
+  }
+  std::atomic<int> ok{0}, queue_full{0}, other{0};
   std::vector<std::thread> threads;
   for (int i = 0; i < 12; ++i) {
     threads.emplace_back([&, i] {
-      auto result = client->Score(SlowRequest(32, 100 + i));
-      if (result.ok()) {
+      grpc::ClientContext context;
+      v1::LogProbResponse response;
+      const grpc::Status status =
+          stub->ComputeLogProbs(&context, SlowRequest(32, 100 + i), &response);
+      if (status.ok()) {
         ++ok;
-      } else if (result.status().code() ==
-                     absl::StatusCode::kResourceExhausted &&
-                 result.status().message().find("queue full") !=
-                     std::string::npos) {
-        ++exhausted;
+        return;
+      }
+      const absl::Status received = client::FromGrpcStatus(status);
+      const v1::ErrorDetails details = v1::DetailsOf(received);
+      const auto& trailers = context.GetServerTrailingMetadata();
+      const auto pushback = trailers.find("grpc-retry-pushback-ms");
+      if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+          details.reason == v1::kReasonQueueFull &&
+          details.metadata.count("limit") == 1 &&
+          details.metadata.at("limit") == "64" &&
+          details.retry_delay.has_value() && pushback != trailers.end() &&
+          std::string(pushback->second.data(), pushback->second.size()) ==
+              absl::StrCat(absl::ToInt64Milliseconds(*details.retry_delay))) {
+        ++queue_full;
       } else {
         ++other;
       }
     });
   }
   for (auto& t : threads) t.join();
-  EXPECT_GT(exhausted.load(), 0);
+  EXPECT_GT(queue_full.load(), 0);
   EXPECT_GT(ok.load(), 0);
   EXPECT_EQ(other.load(), 0);
-  // Load gone: everything is served again.
-  for (int i = 0; i < 3; ++i)
-    EXPECT_TRUE(client->Score(SlowRequest(32, 200 + i)).ok());
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+// The client's side: the same burst through LogpClient is answered whole,
+// the refused requests sent again after the server's delay, with the bits
+// each request gets alone.
+TEST(ServerLifecycleTest, ClientSendsRefusedRequestsAgainUntilAnswered) {
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  constexpr int kCallers = 12;
+  std::vector<absl::StatusOr<client::ScoreResult>> results(
+      kCallers, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCallers; ++i) {
+    threads.emplace_back(
+        [&, i] { results[i] = client->Score(SlowRequest(32, 100 + i)); });
+  }
+  for (auto& t : threads) t.join();
+  int64_t retries = 0;
+  for (int i = 0; i < kCallers; ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    retries += results[i]->queue_full_retries;
+    // Alone, with no load: the same bits.
+    auto alone = client->Score(SlowRequest(32, 100 + i));
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_EQ(alone->queue_full_retries, 0);
+    ASSERT_EQ(alone->logprobs.size(), results[i]->logprobs.size());
+    EXPECT_EQ(std::memcmp(alone->logprobs.data(), results[i]->logprobs.data(),
+                          alone->logprobs.size() * sizeof(float)),
+              0);
+  }
+  EXPECT_GT(retries, 0);
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+// A call whose deadline comes before the queue has room fails with
+// DEADLINE_EXCEEDED saying how much was answered, not RESOURCE_EXHAUSTED.
+TEST(ServerLifecycleTest, FullQueueUntilTheDeadlineIsDeadlineExceeded) {
+  auto server = ServerProcess::Start(
+      {"--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.target = (*server)->target();
+  auto client = *LogpClient::Create(options);
+  std::vector<std::thread> load;
+  for (int i = 0; i < 6; ++i) {
+    load.emplace_back(
+        [&, i] { (void)client->Score(SlowRequest(32, 300 + i)); });
+  }
+  absl::SleepFor(absl::Milliseconds(30));
+  int deadline_exceeded = 0, other_failure = 0;
+  for (int i = 0; i < 8; ++i) {
+    auto result = client->Score(SlowRequest(32, 400 + i),
+                                absl::Now() + absl::Milliseconds(2));
+    if (result.ok()) continue;
+    if (result.status().code() == absl::StatusCode::kDeadlineExceeded) {
+      ++deadline_exceeded;
+    } else {
+      ADD_FAILURE() << result.status();
+      ++other_failure;
+    }
+  }
+  for (auto& t : load) t.join();
+  EXPECT_EQ(other_failure, 0);
+  EXPECT_GT(deadline_exceeded, 0);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 

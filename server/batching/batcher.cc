@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <string>
 
 #include "absl/memory/memory.h"
 #include "absl/strings/str_cat.h"
+#include "proto/status_details.h"
 #include "server/shared_memory/mapped_reads.h"
 
 namespace detlogp::server {
@@ -64,10 +67,7 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
     }
     if (bounded && queued_rows_ + rows > options_.max_queue_rows) {
       rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "queue full: ", queued_rows_, " rows waiting + ", rows,
-          " requested > --max_queue_rows=", options_.max_queue_rows,
-          "; retry with backoff"));
+      return QueueFullErrorLocked(rows);
     }
     if (rows > 0) {
       auto it = std::find_if(
@@ -84,6 +84,46 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
   }
   job->FinishRows(0, absl::OkStatus());  // nothing to compute
   return absl::OkStatus();
+}
+
+absl::Status DynamicBatcher::QueueFullErrorLocked(int64_t rows) const {
+  absl::Status status = absl::ResourceExhaustedError(
+      absl::StrCat("queue full: ", queued_rows_, " rows waiting + ", rows,
+                   " requested > --max_queue_rows=", options_.max_queue_rows));
+  const std::map<std::string, std::string> metadata = {
+      {"limit", absl::StrCat(options_.max_queue_rows)},
+      {"queued", absl::StrCat(queued_rows_)},
+      {"requested", absl::StrCat(rows)}};
+  // Rows that could never fit get no retry delay: waiting cannot help.
+  if (rows > options_.max_queue_rows) {
+    return v1::WithReason(std::move(status), v1::kReasonQueueFull, metadata);
+  }
+  return v1::WithReason(
+      std::move(status), v1::kReasonQueueFull, metadata,
+      RetryDelayLocked(queued_rows_ + rows - options_.max_queue_rows));
+}
+
+absl::Duration DynamicBatcher::RetryDelayLocked(int64_t excess_rows) const {
+  // Before the first batch there is no rate to go by: about one batch's wait.
+  if (drain_rows_per_second_ <= 0) {
+    return absl::Microseconds(options_.max_queue_delay_micros) +
+           kDefaultRetryDelay;
+  }
+  const absl::Duration drain =
+      absl::Seconds(static_cast<double>(excess_rows) / drain_rows_per_second_);
+  return std::clamp(drain, kMinRetryDelay, kMaxRetryDelay);
+}
+
+void DynamicBatcher::NoteDrainRateLocked(int64_t rows, absl::Duration busy,
+                                         int batches_running) {
+  const double seconds = absl::ToDoubleSeconds(busy);
+  if (rows <= 0 || seconds <= 0) return;
+  // Batches running side by side drain the queue together.
+  const double rate =
+      static_cast<double>(rows) / seconds * std::max(batches_running, 1);
+  drain_rows_per_second_ = drain_rows_per_second_ <= 0
+                               ? rate
+                               : 0.75 * drain_rows_per_second_ + 0.25 * rate;
 }
 
 void DynamicBatcher::Stop() {
@@ -327,8 +367,9 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     rows_failed_.fetch_add(slice.row_count, std::memory_order_relaxed);
     slice.job->FinishRows(
         slice.row_count,
-        absl::FailedPreconditionError(
-            "hidden.shared_memory: this backend cannot read device memory"));
+        v1::FieldError(absl::StatusCode::kFailedPrecondition,
+                       "hidden.shared_memory",
+                       "this backend cannot read device memory"));
   }
   batch.erase(std::remove_if(batch.begin(), batch.end(), unreadable),
               batch.end());
@@ -395,6 +436,8 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     // The device is free for the next batch while this one's outputs are
     // scattered and its calls answered.
     absl::MutexLock lock(&mu_);
+    if (status.ok())
+      NoteDrainRateLocked(rows, end - gather_start, batches_in_flight_);
     --batches_in_flight_;
     NotifyStateChangedLocked();
   }

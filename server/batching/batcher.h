@@ -4,7 +4,8 @@
 // Parameters (Options): a batch holds at most `max_batch_rows` rows; the
 // first row queued waits at most `max_queue_delay_micros` for company before
 // its batch runs anyway; at most `max_queue_rows` rows wait at once (more is
-// RESOURCE_EXHAUSTED, which clients may retry); up to `num_batch_threads`
+// RESOURCE_EXHAUSTED with reason QUEUE_FULL and a retry delay estimated from
+// the queue and its drain rate); up to `num_batch_threads`
 // batches run at once, each on its own executor (a second one only once
 // `min_rows_to_overlap` rows wait).
 //
@@ -132,6 +133,19 @@ class DynamicBatcher {
   };
 
   absl::Status Enqueue(std::shared_ptr<LogpJob> job, bool bounded);
+  // RESOURCE_EXHAUSTED with reason QUEUE_FULL and, when waiting can help,
+  // a retry delay: how long the queue takes to drain room for `rows`.
+  absl::Status QueueFullErrorLocked(int64_t rows) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Duration RetryDelayLocked(int64_t excess_rows) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Folds a finished batch into the drain rate (rows per second).
+  void NoteDrainRateLocked(int64_t rows, absl::Duration busy,
+                           int batches_running)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr absl::Duration kDefaultRetryDelay = absl::Milliseconds(10);
+  static constexpr absl::Duration kMinRetryDelay = absl::Milliseconds(1);
+  static constexpr absl::Duration kMaxRetryDelay = absl::Seconds(2);
 
   DynamicBatcher(const Options& options,
                  std::vector<std::unique_ptr<LogpExecutor>> executors);
@@ -176,6 +190,9 @@ class DynamicBatcher {
   int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool thread_polling_ ABSL_GUARDED_BY(mu_) = false;
+  // Rows per second the batch threads drain (a moving average; 0 before
+  // the first batch), for the retry delay of a refused call.
+  double drain_rows_per_second_ ABSL_GUARDED_BY(mu_) = 0;
   // Bumped under mu_ on every change a polling thread waits for; read
   // without it.
   std::atomic<uint64_t> state_version_{0};

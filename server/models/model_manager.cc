@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 
@@ -86,17 +87,20 @@ absl::StatusOr<std::shared_ptr<const ServedVersion>> ModelManager::Resolve(
   absl::ReaderMutexLock lock(&mu_);
   auto it = models_.find(name);
   if (it == models_.end() || it->second.ready.empty()) {
-    return absl::NotFoundError(
-        absl::StrCat("model: no model '", name, "' is loaded"));
+    return v1::FieldError(absl::StatusCode::kNotFound, "model",
+                          absl::StrCat("no model '", name, "' is loaded"),
+                          v1::kReasonModelNotFound);
   }
   const Model& m = it->second;
   if (version == 0) return m.ready.rbegin()->second;
   auto v = m.ready.find(version);
   if (v == m.ready.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("model_version: model '", name, "' has no ready version ",
-                     version, " (ready: ", m.ready.begin()->first, "..",
-                     m.ready.rbegin()->first, ")"));
+    return v1::FieldError(
+        absl::StatusCode::kNotFound, "model_version",
+        absl::StrCat("model '", name, "' has no ready version ", version,
+                     " (ready: ", m.ready.begin()->first, "..",
+                     m.ready.rbegin()->first, ")"),
+        v1::kReasonVersionUnavailable);
   }
   return v->second;
 }
@@ -230,16 +234,19 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
 
 absl::Status ModelManager::VersionTaken(const std::string& model, int64_t asked,
                                         int64_t next) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      "model_version: model '", model, "' has had versions up to ", next - 1,
-      "; a new one must be numbered above (asked ", asked, ")"));
+  return v1::FieldError(
+      absl::StatusCode::kFailedPrecondition, "model_version",
+      absl::StrCat("model '", model, "' has had versions up to ", next - 1,
+                   "; a new one must be numbered above (asked ", asked, ")"),
+      v1::kReasonVersionUnavailable);
 }
 
 absl::Status ModelManager::CheckVersionNumber(const std::string& model,
                                               int64_t version) const {
   if (version < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model_version: ", version, " is negative (0 means the next number)"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "model_version",
+        absl::StrCat(version, " is negative (0 means the next number)"));
   }
   if (version == 0) return absl::OkStatus();
   const int64_t next = NextVersion(model);
@@ -307,28 +314,33 @@ void ModelManager::RemoveFiles(const std::string& name,
 absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
   if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
   if (version <= 0) {
-    return absl::InvalidArgumentError(
-        "model_version: name the version to unload (> 0)");
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "model_version",
+                          "name the version to unload (> 0)");
   }
   std::weak_ptr<const ServedVersion> watched;
   {
     absl::MutexLock lock(&mu_);
     auto it = models_.find(model);
     if (it == models_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("model: no model '", model, "' is loaded"));
+      return v1::FieldError(absl::StatusCode::kNotFound, "model",
+                            absl::StrCat("no model '", model, "' is loaded"),
+                            v1::kReasonModelNotFound);
     }
     auto v = it->second.ready.find(version);
     if (v == it->second.ready.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          "model_version: model '", model, "' has no ready version ", version));
+      return v1::FieldError(
+          absl::StatusCode::kNotFound, "model_version",
+          absl::StrCat("model '", model, "' has no ready version ", version),
+          v1::kReasonVersionUnavailable);
     }
     if (model == options_.default_model && it->second.ready.size() == 1) {
       // Requests without a model would all fail while health says SERVING.
-      return absl::FailedPreconditionError(
-          absl::StrCat("model_version: ", version,
+      return v1::FieldError(
+          absl::StatusCode::kFailedPrecondition, "model_version",
+          absl::StrCat(version,
                        " is the default model's only ready version; "
-                       "publish another before unloading it"));
+                       "publish another before unloading it"),
+          v1::kReasonVersionUnavailable);
     }
     watched = v->second;
     RetireLocked(model, it->second, version);
@@ -413,8 +425,9 @@ absl::StatusOr<detlogp::v1::ModelInfo> ModelManager::Describe(
   absl::ReaderMutexLock lock(&mu_);
   auto it = models_.find((*handle)->model);
   if (it == models_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("model: '", (*handle)->model, "' was unloaded"));
+    return v1::FieldError(absl::StatusCode::kNotFound, "model",
+                          absl::StrCat("'", (*handle)->model, "' was unloaded"),
+                          v1::kReasonModelNotFound);
   }
   return DescribeLocked((*handle)->model, it->second, **handle);
 }

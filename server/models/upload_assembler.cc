@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 
@@ -46,8 +47,9 @@ const char* UploadAssembler::BlockData(int64_t index) const {
 
 absl::Status UploadAssembler::Append(const void* data, size_t size) {
   if (received_ + static_cast<int64_t>(size) > total_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk: more bytes than the header announced (", total_bytes_, ")"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "chunk",
+                          absl::StrCat("more bytes than the header announced (",
+                                       total_bytes_, ")"));
   }
   const char* bytes = static_cast<const char*>(data);
   const int64_t weight_bytes =
@@ -119,8 +121,9 @@ void UploadAssembler::WriteLoop() {
 
 absl::StatusOr<std::string> UploadAssembler::Finish() {
   if (received_ != total_bytes_) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("chunk: the upload ended after ", received_, " of the ",
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "chunk",
+        absl::StrCat("the upload ended after ", received_, " of the ",
                      total_bytes_, " bytes the header announced"));
   }
   for (std::thread& thread : threads_) thread.join();

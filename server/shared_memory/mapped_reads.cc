@@ -8,6 +8,7 @@
 
 #include "absl/base/call_once.h"
 #include "absl/strings/str_cat.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 namespace {
@@ -138,10 +139,13 @@ absl::Status CopyFromMapping(void* dst, const void* src, size_t bytes) {
 
 absl::Status RegionShrankError(absl::string_view field,
                                absl::string_view region) {
-  return absl::FailedPreconditionError(absl::StrCat(
-      field, ": region \"", region,
-      "\" shrank under the request: its owner truncated the shared-memory "
-      "object below the registered bytes; register it again"));
+  return v1::FieldError(
+      absl::StatusCode::kFailedPrecondition, field,
+      absl::StrCat("region \"", region,
+                   "\" shrank under the request: its owner truncated the "
+                   "shared-memory object below the registered bytes; "
+                   "register it again"),
+      v1::kReasonRegionGone);
 }
 
 }  // namespace detlogp::server

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/shared_memory/mapped_reads.h"
 #include "spdlog/spdlog.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 
@@ -84,15 +85,17 @@ constexpr size_t kMaxNameLength = 128;
 
 absl::Status CheckName(const std::string& name) {
   if (name.empty() || name.size() > kMaxNameLength) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("name: \"", name.substr(0, kMaxNameLength),
-                     "\" must be 1-", kMaxNameLength, " characters"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "name",
+        absl::StrCat("\"", name.substr(0, kMaxNameLength), "\" must be 1-",
+                     kMaxNameLength, " characters"));
   }
   for (char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' &&
         c != '.' && c != '-') {
-      return absl::InvalidArgumentError(
-          absl::StrCat("name: \"", name, "\" may hold only [A-Za-z0-9_.-]"));
+      return v1::FieldError(
+          absl::StatusCode::kInvalidArgument, "name",
+          absl::StrCat("\"", name, "\" may hold only [A-Za-z0-9_.-]"));
     }
   }
   return absl::OkStatus();
@@ -103,10 +106,11 @@ absl::Status CheckKey(const std::string& key) {
   if (key.size() < 2 || key.size() > 255 || key[0] != '/' ||
       key.find('/', 1) != std::string::npos ||
       key.find('\0') != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "key: \"", key.substr(0, 64),
-        "\" is not a shared-memory object name (\"/name\", one slash, at most "
-        "255 characters)"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "key",
+                          absl::StrCat("\"", key.substr(0, 64),
+                                       "\" is not a shared-memory object name "
+                                       "(\"/name\", one slash, at most "
+                                       "255 characters)"));
   }
   return absl::OkStatus();
 }
@@ -196,14 +200,20 @@ int SharedMemoryRegistry::ReleaseIdle() {
 absl::Status SharedMemoryRegistry::CheckNewRegion(const std::string& name,
                                                   int64_t byte_size) const {
   if (regions_.count(name) != 0) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "name: a region \"", name, "\" is registered; unregister it first"));
+    return v1::FieldError(
+        absl::StatusCode::kAlreadyExists, "name",
+        absl::StrCat("a region \"", name,
+                     "\" is registered; unregister it first"));
   }
   if (byte_size > options_.max_bytes - registered_bytes_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "byte_size: ", byte_size, " bytes with ", registered_bytes_,
-        " registered exceeds the server's bound of ", options_.max_bytes,
-        " bytes (--max_shared_memory_bytes)"));
+    return v1::FieldError(
+        absl::StatusCode::kResourceExhausted, "byte_size",
+        absl::StrCat(byte_size, " bytes with ", registered_bytes_,
+                     " registered exceeds the server's bound of ",
+                     options_.max_bytes, " bytes (--max_shared_memory_bytes)"),
+        v1::kReasonRegionRefused,
+        {{"limit", absl::StrCat(options_.max_bytes)},
+         {"requested", absl::StrCat(byte_size)}});
   }
   return absl::OkStatus();
 }
@@ -228,12 +238,12 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (absl::Status s = CheckKey(key); !s.ok()) return s;
   if (offset < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("offset: ", offset, " is negative"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "offset",
+                          absl::StrCat(offset, " is negative"));
   }
   if (byte_size <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("byte_size: ", byte_size, " must be positive"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "byte_size",
+                          absl::StrCat(byte_size, " must be positive"));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -243,11 +253,13 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   if (fd < 0) {
     const int error = errno;
     if (error == ENOENT) {
-      return absl::NotFoundError(absl::StrCat("key: no shared-memory object \"",
-                                              key, "\" on this host"));
+      return v1::FieldError(
+          absl::StatusCode::kNotFound, "key",
+          absl::StrCat("no shared-memory object \"", key, "\" on this host"));
     }
-    return absl::InvalidArgumentError(
-        absl::StrCat("key: cannot open \"", key, "\": ", std::strerror(error)));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "key",
+        absl::StrCat("cannot open \"", key, "\": ", std::strerror(error)));
   }
   struct stat info;
   if (fstat(fd, &info) != 0) {
@@ -259,8 +271,9 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   const int64_t object_bytes = info.st_size;
   if (offset > object_bytes || byte_size > object_bytes - offset) {
     close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat("byte_size: offset ", offset, " + byte_size ", byte_size,
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "byte_size",
+        absl::StrCat("offset ", offset, " + byte_size ", byte_size,
                      " exceeds the ", object_bytes, " bytes of \"", key, "\""));
   }
   // mmap's offset must be page-aligned; the region starts inside the page.
@@ -272,9 +285,9 @@ absl::Status SharedMemoryRegistry::RegisterSystem(const std::string& owner,
   const int map_error = errno;
   if (mapping == MAP_FAILED) {
     close(fd);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map ", map_bytes, " bytes of \"", key,
-                     "\": ", std::strerror(map_error)));
+    return v1::FieldError(absl::StatusCode::kResourceExhausted, "key",
+                          absl::StrCat("cannot map ", map_bytes, " bytes of \"",
+                                       key, "\": ", std::strerror(map_error)));
   }
   Region::Release release;
   release.mapping = mapping;
@@ -310,15 +323,16 @@ absl::Status SharedMemoryRegistry::RegisterCuda(const std::string& owner,
                                                 int64_t byte_size) {
   if (absl::Status s = CheckName(name); !s.ok()) return s;
   if (raw_handle.empty()) {
-    return absl::InvalidArgumentError("raw_handle: empty");
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "raw_handle",
+                          "empty");
   }
   if (device_id < 0 || device_id > 1024) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("device_id: ", device_id, " is not a CUDA device"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "device_id",
+                          absl::StrCat(device_id, " is not a CUDA device"));
   }
   if (byte_size <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("byte_size: ", byte_size, " must be positive"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "byte_size",
+                          absl::StrCat(byte_size, " must be positive"));
   }
   if (!options_.open_ipc) {
     return absl::FailedPreconditionError(
@@ -367,16 +381,19 @@ absl::Status SharedMemoryRegistry::Unregister(const std::string& owner,
       if (!name.empty()) break;
     }
     if (!name.empty() && chosen.empty()) {
-      return absl::NotFoundError(absl::StrCat("name: no ", RegionKindName(kind),
-                                              " region \"", name, "\""));
+      return v1::FieldError(
+          absl::StatusCode::kNotFound, "name",
+          absl::StrCat("no ", RegionKindName(kind), " region \"", name, "\""));
     }
     for (const auto& it : chosen) {
       const Use& use = it->second->status().use;
       if (use.requests_in_flight > 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "name: region \"", it->first, "\" is read by ",
-            use.requests_in_flight,
-            " request(s) in flight; unregister it once they are answered"));
+        return v1::FieldError(
+            absl::StatusCode::kFailedPrecondition, "name",
+            absl::StrCat(
+                "region \"", it->first, "\" is read by ",
+                use.requests_in_flight,
+                " request(s) in flight; unregister it once they are answered"));
       }
     }
     for (const auto& it : chosen) {
@@ -403,8 +420,9 @@ SharedMemoryRegistry::List(const std::string& owner, RegionKind kind,
     listed.push_back(region->status());
   }
   if (!name.empty() && listed.empty()) {
-    return absl::NotFoundError(absl::StrCat("name: no ", RegionKindName(kind),
-                                            " region \"", name, "\""));
+    return v1::FieldError(
+        absl::StatusCode::kNotFound, "name",
+        absl::StrCat("no ", RegionKindName(kind), " region \"", name, "\""));
   }
   return listed;
 }
@@ -417,22 +435,27 @@ SharedMemoryRegistry::Acquire(const std::string& owner,
   auto it = regions_.find(region_name);
   // Another owner's region is reported as absent: its name says nothing.
   if (it == regions_.end() || it->second->owner() != owner) {
-    return absl::NotFoundError(absl::StrCat(
-        field, ".region: no region \"", region_name.substr(0, kMaxNameLength),
-        "\" is registered", owner.empty() ? "" : " with this token"));
+    return v1::FieldError(
+        absl::StatusCode::kNotFound, absl::StrCat(field, ".region"),
+        absl::StrCat("no region \"", region_name.substr(0, kMaxNameLength),
+                     "\" is registered",
+                     owner.empty() ? "" : " with this token"),
+        v1::kReasonRegionGone);
   }
   std::shared_ptr<Region> region = it->second;
   RegionStatus& status = region->status();
   if (offset < 0 || offset > status.byte_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".offset: ", offset, " is outside region \"",
-                     region_name, "\" of ", status.byte_size, " bytes"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, absl::StrCat(field, ".offset"),
+        absl::StrCat(offset, " is outside region \"", region_name, "\" of ",
+                     status.byte_size, " bytes"));
   }
   if (byte_size < 0 || byte_size > status.byte_size - offset) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".byte_size: ", byte_size, " bytes from offset ",
-                     offset, " exceed region \"", region_name, "\" of ",
-                     status.byte_size, " bytes"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                          absl::StrCat(field, ".byte_size"),
+                          absl::StrCat(byte_size, " bytes from offset ", offset,
+                                       " exceed region \"", region_name,
+                                       "\" of ", status.byte_size, " bytes"));
   }
   // Refused early when the owner already truncated the object (one fstat);
   // a truncation after this check is caught by the guarded reads.

@@ -15,6 +15,7 @@
 #include "server/transport/reactor_update.h"
 #include "server/transport/rejected_call.h"
 #include "server/transport/request_wire.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 namespace {
@@ -85,9 +86,9 @@ absl::Status LogProbServiceImpl::Submit(
     const std::vector<absl::string_view>* message_rows) {
   const absl::Time arrived = absl::Now();
   if (request.model_version() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("model_version: ", request.model_version(),
-                     " is negative (0 means the latest)"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "model_version",
+                          absl::StrCat(request.model_version(),
+                                       " is negative (0 means the latest)"));
   }
   // The whole request runs on this version; the handle keeps it loaded
   // until the answer is built.
@@ -273,7 +274,7 @@ class LogProbServiceImpl::UnaryCall final : public grpc::ServerUnaryReactor {
     }
     // After a successful Submit this object may already be gone.
     if (!status.ok()) {
-      Finish(service->Record("ComputeLogProbs", ToGrpcStatus(status)));
+      Finish(service->Record("ComputeLogProbs", ToGrpcStatus(status, context)));
     }
   }
 
@@ -443,7 +444,8 @@ class LogProbServiceImpl::StreamCall final
     if (pending_.empty() && !writing_ && !in_read_callback_ &&
         (reads_done_ || stopped)) {
       finished_ = true;
-      return service_->Record("StreamLogProbs", ToGrpcStatus(terminal_));
+      return service_->Record("StreamLogProbs",
+                              ToGrpcStatus(terminal_, context_));
     }
     return std::nullopt;
   }
@@ -495,6 +497,7 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
     *response = *std::move(info);
     response->set_max_request_rows(options_.max_request_rows);
     response->set_max_receive_message_bytes(options_.max_receive_message_bytes);
+    response->set_max_queue_rows(options_.max_queue_rows);
   }
   reactor->Finish(Record("GetModelInfo", ToGrpcStatus(info.status())));
   return reactor;

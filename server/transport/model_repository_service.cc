@@ -14,6 +14,7 @@
 #include "server/transport/grpc_status.h"
 #include "server/transport/rejected_call.h"
 #include "spdlog/spdlog.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 namespace {
@@ -41,15 +42,17 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
     return s;
   }
   if (header.dtype() != detlogp::v1::DTYPE_BFLOAT16) {
-    return absl::InvalidArgumentError(
-        "header.dtype: uploads carry bf16 weights (DTYPE_BFLOAT16); round "
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "header.dtype",
+        "uploads carry bf16 weights (DTYPE_BFLOAT16); round "
         "fp32/fp16 to bf16 (round-to-nearest-even) before sending");
   }
   if (header.shape_size() != 2 || header.shape(0) <= 0 ||
       header.shape(1) <= 0 || header.shape(0) > kMaxPaddedVocab ||
       header.shape(1) > kMaxHiddenSize || header.shape(1) % 8 != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header.shape: expected [padded_vocab_size, hidden_size] "
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "header.shape",
+        absl::StrCat("expected [padded_vocab_size, hidden_size] "
                      "with 0 < V <= ",
                      kMaxPaddedVocab, " and 0 < H <= ", kMaxHiddenSize,
                      ", H a multiple of 8"));
@@ -60,15 +63,17 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
   shape.vocab_size =
       header.vocab_size() == 0 ? shape.padded_vocab_size : header.vocab_size();
   if (shape.vocab_size < 0 || shape.vocab_size > shape.padded_vocab_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "header.vocab_size: ", header.vocab_size(), " is not in [0, ",
-        shape.padded_vocab_size, "] (0 means every row)"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "header.vocab_size",
+        absl::StrCat(header.vocab_size(), " is not in [0, ",
+                     shape.padded_vocab_size, "] (0 means every row)"));
   }
   shape.has_bias = header.has_bias();
   if (!header.weights_sha256().empty() &&
       !IsHexDigest(header.weights_sha256())) {
-    return absl::InvalidArgumentError(
-        "header.weights_sha256: expected 64 lowercase hex digits");
+    return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                          "header.weights_sha256",
+                          "expected 64 lowercase hex digits");
   }
   return shape;
 }
@@ -152,8 +157,9 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
       !IsHexDigest(request->expected_weights_sha256())) {
     return FinishNow(
         context, "LoadModel",
-        ToGrpcStatus(absl::InvalidArgumentError(
-            "expected_weights_sha256: expected 64 lowercase hex digits")));
+        ToGrpcStatus(v1::FieldError(absl::StatusCode::kInvalidArgument,
+                                    "expected_weights_sha256",
+                                    "expected 64 lowercase hex digits")));
   }
   LmHeadSource source;
   source.path = *path;
@@ -169,9 +175,9 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::LoadModel(
       auto weights = LoadLmHead(source);
       if (!weights.ok()) return weights.status();
       if (!expected.empty() && weights->sha256 != expected) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("expected_weights_sha256: ", relative,
-                         " holds weights ", weights->sha256));
+        return v1::FieldError(
+            absl::StatusCode::kInvalidArgument, "expected_weights_sha256",
+            absl::StrCat(relative, " holds weights ", weights->sha256));
       }
       VersionOrigin origin;
       origin.description = absl::StrCat("load:", relative);
@@ -238,10 +244,10 @@ class ModelRepositoryServiceImpl::UploadCall final
       if (!worker_started_) {
         finish_now =
             ok ? StartFromHeaderLocked()
-               : (cancelled_
-                      ? absl::CancelledError("upload cancelled")
-                      : absl::InvalidArgumentError(
-                            "header: the stream ended before the header"));
+               : (cancelled_ ? absl::CancelledError("upload cancelled")
+                             : v1::FieldError(
+                                   absl::StatusCode::kInvalidArgument, "header",
+                                   "the stream ended before the header"));
         if (finish_now->ok()) {
           finish_now.reset();
           ContinueReadingLocked();
@@ -297,8 +303,9 @@ class ModelRepositoryServiceImpl::UploadCall final
 
   absl::Status StartFromHeaderLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (message_.part_case() != UploadModelRequest::kHeader) {
-      return absl::InvalidArgumentError(
-          "header: the first message of an upload must carry the header");
+      return v1::FieldError(
+          absl::StatusCode::kInvalidArgument, "header",
+          "the first message of an upload must carry the header");
     }
     const UploadModelHeader& header = message_.header();
     auto shape = ValidateUploadHeader(header);
@@ -343,22 +350,25 @@ class ModelRepositoryServiceImpl::UploadCall final
       case UploadModelRequest::kChunk: {
         const int64_t size = static_cast<int64_t>(message_.chunk().size());
         if (trailer_seen_) {
-          queue_.push_back(Item{
-              Item::kAbort,
-              {},
-              absl::InvalidArgumentError(
-                  "weights_sha256: the digest message must be the last one")});
+          queue_.push_back(
+              Item{Item::kAbort,
+                   {},
+                   v1::FieldError(absl::StatusCode::kInvalidArgument,
+                                  "weights_sha256",
+                                  "the digest message must be the last one")});
           return;
         }
         if (received_ + size > (shape_.weight_bytes() + shape_.bias_bytes())) {
           queue_.push_back(Item{
               Item::kAbort,
               {},
-              absl::InvalidArgumentError(absl::StrCat(
-                  "chunk: more bytes than the header announced (",
-                  (shape_.weight_bytes() + shape_.bias_bytes()), " = weight [",
-                  shape_.padded_vocab_size, ", ", shape_.hidden_size, "] bf16",
-                  shape_.has_bias ? " + bias fp32" : "", ")"))});
+              v1::FieldError(
+                  absl::StatusCode::kInvalidArgument, "chunk",
+                  absl::StrCat("more bytes than the header announced (",
+                               (shape_.weight_bytes() + shape_.bias_bytes()),
+                               " = weight [", shape_.padded_vocab_size, ", ",
+                               shape_.hidden_size, "] bf16",
+                               shape_.has_bias ? " + bias fp32" : "", ")"))});
           return;
         }
         received_ += size;
@@ -368,30 +378,33 @@ class ModelRepositoryServiceImpl::UploadCall final
       }
       case UploadModelRequest::kWeightsSha256:
         if (!expected_sha256_.empty() || trailer_seen_) {
-          queue_.push_back(Item{
-              Item::kAbort,
-              {},
-              absl::InvalidArgumentError(
-                  "weights_sha256: sent twice (header and last message)")});
+          queue_.push_back(
+              Item{Item::kAbort,
+                   {},
+                   v1::FieldError(absl::StatusCode::kInvalidArgument,
+                                  "weights_sha256",
+                                  "sent twice (header and last message)")});
           return;
         }
         if (!IsHexDigest(message_.weights_sha256())) {
           queue_.push_back(
               Item{Item::kAbort,
                    {},
-                   absl::InvalidArgumentError(
-                       "weights_sha256: expected 64 lowercase hex digits")});
+                   v1::FieldError(absl::StatusCode::kInvalidArgument,
+                                  "weights_sha256",
+                                  "expected 64 lowercase hex digits")});
           return;
         }
         trailer_seen_ = true;
         expected_sha256_ = message_.weights_sha256();
         break;
       default:
-        queue_.push_back(Item{
-            Item::kAbort,
-            {},
-            absl::InvalidArgumentError(
-                "header: sent twice; an upload has one header, then chunks")});
+        queue_.push_back(
+            Item{Item::kAbort,
+                 {},
+                 v1::FieldError(
+                     absl::StatusCode::kInvalidArgument, "header",
+                     "sent twice; an upload has one header, then chunks")});
         return;
     }
     ContinueReadingLocked();
@@ -452,9 +465,10 @@ class ModelRepositoryServiceImpl::UploadCall final
       if (cancelled_) return absl::CancelledError("upload cancelled");
       if (expected_sha256_.empty() &&
           assembler_->received_bytes() == assembler_->total_bytes()) {
-        return absl::InvalidArgumentError(
-            "weights_sha256: neither the header nor the last message carried "
-            "it");
+        return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                              "weights_sha256",
+                              "neither the header nor the last message carried "
+                              "it");
       }
     }
     auto digest = assembler_->Finish();
@@ -471,8 +485,9 @@ class ModelRepositoryServiceImpl::UploadCall final
   absl::Status Publish() {
     const std::string& digest = digest_;
     if (digest != expected_sha256_) {
-      return absl::DataLossError(
-          absl::StrCat("weights_sha256: the client said ", expected_sha256_,
+      return v1::FieldError(
+          absl::StatusCode::kDataLoss, "weights_sha256",
+          absl::StrCat("the client said ", expected_sha256_,
                        " but the bytes received hash to ", digest));
     }
     std::shared_ptr<LmHeadWeights> weights = assembler_->TakeWeights();

@@ -19,6 +19,7 @@
 #include "server/transport/grpc_status.h"
 #include "server/transport/reactor_update.h"
 #include "server/transport/rejected_call.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 namespace {
@@ -35,24 +36,26 @@ absl::Status ValidateProjectRequest(const ProjectRequest& request,
                                     int64_t max_rows_per_chunk) {
   const detlogp::v1::Tensor& x = request.x();
   if (x.dtype() != detlogp::v1::DTYPE_FLOAT32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("x.dtype: ", x.dtype(), " is not DTYPE_FLOAT32"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "x.dtype",
+                          absl::StrCat(x.dtype(), " is not DTYPE_FLOAT32"));
   }
   if (x.shape_size() != 2 || x.shape(1) != kProjectionInDim || x.shape(0) < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("x.shape: expected [R, ", kProjectionInDim, "]"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "x.shape",
+                          absl::StrCat("expected [R, ", kProjectionInDim, "]"));
   }
   if (static_cast<int64_t>(x.data().size()) !=
       x.shape(0) * kProjectionInDim * static_cast<int64_t>(sizeof(float))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "x.data: ", x.data().size(),
-        " bytes, expected R*96*4 = ", x.shape(0) * kProjectionInDim * 4));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "x.data",
+        absl::StrCat(x.data().size(), " bytes, expected R*96*4 = ",
+                     x.shape(0) * kProjectionInDim * 4));
   }
   if (request.rows_per_chunk() < 0 ||
       request.rows_per_chunk() > max_rows_per_chunk) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rows_per_chunk: ", request.rows_per_chunk(), " is outside [0, ",
-        max_rows_per_chunk, "] (0 lets the server choose)"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "rows_per_chunk",
+        absl::StrCat(request.rows_per_chunk(), " is outside [0, ",
+                     max_rows_per_chunk, "] (0 lets the server choose)"));
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #include "kernels/bfloat16.h"
 #include "server/shared_memory/mapped_reads.h"
 #include "proto/dtype_bytes.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 namespace {
@@ -49,57 +50,68 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   }
   if (!detlogp::v1::DType_IsValid(hidden.dtype()) ||
       detlogp::v1::DTypeBytes(hidden.dtype()) == 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden.dtype: ", hidden.dtype(),
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "hidden.dtype",
+        absl::StrCat(hidden.dtype(),
                      " is not DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16"));
   }
   if (hidden.shape_size() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden.shape: expected rank 2 [N, H], got rank ",
-                     hidden.shape_size()));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "hidden.shape",
+        absl::StrCat("expected rank 2 [N, H], got rank ", hidden.shape_size()));
   }
   const int64_t rows = hidden.shape(0);
   const int64_t hidden_size = hidden.shape(1);
   if (rows < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("hidden.shape[0]: N=", rows, " is negative"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "hidden.shape[0]",
+                          absl::StrCat("N=", rows, " is negative"));
   }
   if (hidden_size != limits.hidden_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden.shape[1]: H=", hidden_size,
-        " does not match the model's hidden_size=", limits.hidden_size));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "hidden.shape[1]",
+        absl::StrCat(
+            "H=", hidden_size,
+            " does not match the model's hidden_size=", limits.hidden_size));
   }
   if (rows > limits.max_request_rows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden.shape[0]: N=", rows, " rows exceeds the server's limit of ",
-        limits.max_request_rows, " rows per request (--max_request_rows); ",
-        "split the request"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "hidden.shape[0]",
+        absl::StrCat("N=", rows, " rows exceeds the server's limit of ",
+                     limits.max_request_rows,
+                     " rows per request (--max_request_rows); ",
+                     "split the request"),
+        v1::kReasonRowsOverLimit,
+        {{"limit", absl::StrCat(limits.max_request_rows)},
+         {"requested", absl::StrCat(rows)}});
   }
   const int64_t expected_bytes =
       rows * hidden_size * detlogp::v1::DTypeBytes(hidden.dtype());
   const bool shared = hidden.has_shared_memory();
   if (shared) {
     if (data_bytes != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("hidden.data: ", data_bytes,
+      return v1::FieldError(
+          absl::StatusCode::kInvalidArgument, "hidden.data",
+          absl::StrCat(data_bytes,
                        " bytes, but hidden.shared_memory is set (one or the "
                        "other)"));
     }
     if (hidden.shared_memory().byte_size() != expected_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "hidden.shared_memory.byte_size: ",
-          hidden.shared_memory().byte_size(), " bytes, expected N*H*",
-          detlogp::v1::DTypeBytes(hidden.dtype()), " = ", expected_bytes));
+      return v1::FieldError(
+          absl::StatusCode::kInvalidArgument, "hidden.shared_memory.byte_size",
+          absl::StrCat(
+              hidden.shared_memory().byte_size(), " bytes, expected N*H*",
+              detlogp::v1::DTypeBytes(hidden.dtype()), " = ", expected_bytes));
     }
   } else if (data_bytes != expected_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "hidden.data: ", data_bytes, " bytes, expected N*H*",
-        detlogp::v1::DTypeBytes(hidden.dtype()), " = ", expected_bytes));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "hidden.data",
+                          absl::StrCat(data_bytes, " bytes, expected N*H*",
+                                       detlogp::v1::DTypeBytes(hidden.dtype()),
+                                       " = ", expected_bytes));
   }
   if (request.target_ids_size() != rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("target_ids: ", request.target_ids_size(),
-                     " ids for N=", rows, " rows"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "target_ids",
+        absl::StrCat(request.target_ids_size(), " ids for N=", rows, " rows"));
   }
   ValidatedRows validated;
   validated.rows = rows;
@@ -107,33 +119,36 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t target = request.target_ids(r);
     if (target < 0 || target >= limits.vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("target_ids[", r, "]: ", target, " is outside [0, ",
-                       limits.vocab_size, ")"));
+      return v1::FieldError(
+          absl::StatusCode::kInvalidArgument,
+          absl::StrCat("target_ids[", r, "]"),
+          absl::StrCat(target, " is outside [0, ", limits.vocab_size, ")"));
     }
     validated.targets[r] = static_cast<int32_t>(target);
   }
   const float temperature = request.temperature();
   if (std::isnan(temperature) || std::isinf(temperature) || temperature < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "temperature: ", temperature, " must be finite and >= 0 (0 means 1)"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "temperature",
+        absl::StrCat(temperature, " must be finite and >= 0 (0 means 1)"));
   }
   validated.temperature = temperature == 0.0f ? 1.0f : temperature;
   validated.return_lse = request.return_lse();
   validated.return_entropy = request.return_entropy();
   const int64_t top_k = request.top_k();
   if (top_k < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k: ", top_k, " is negative (0 means none)"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "top_k",
+                          absl::StrCat(top_k, " is negative (0 means none)"));
   }
   if (top_k > limits.max_top_k) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k: ", top_k, " exceeds the server's limit of ",
-                     limits.max_top_k, " (--max_top_k)"));
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "top_k",
+                          absl::StrCat(top_k, " exceeds the server's limit of ",
+                                       limits.max_top_k, " (--max_top_k)"));
   }
   if (top_k > limits.vocab_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k: ", top_k,
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "top_k",
+        absl::StrCat(top_k,
                      " exceeds the model's vocab_size=", limits.vocab_size));
   }
   validated.top_k = static_cast<int32_t>(top_k);
@@ -141,12 +156,13 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   // refused, never silently answered without the extras.
   if (!limits.extras_unavailable.empty()) {
     if (validated.return_entropy) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("return_entropy: ", limits.extras_unavailable));
+      return v1::FieldError(absl::StatusCode::kFailedPrecondition,
+                            "return_entropy",
+                            absl::StrCat(limits.extras_unavailable));
     }
     if (validated.top_k > 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("top_k: ", limits.extras_unavailable));
+      return v1::FieldError(absl::StatusCode::kFailedPrecondition, "top_k",
+                            absl::StrCat(limits.extras_unavailable));
     }
   }
   validated.hidden_bytes = expected_bytes;
@@ -165,17 +181,18 @@ absl::StatusOr<ValidatedRows> ValidateLogProbRequest(
   }
   if (shared) {
     if (!resolve) {
-      return absl::FailedPreconditionError(
-          "hidden.shared_memory: shared memory is off on this server "
+      return v1::FieldError(
+          absl::StatusCode::kFailedPrecondition, "hidden.shared_memory",
+          "shared memory is off on this server "
           "(--allow_shared_memory), or the caller is not on its host");
     }
     auto region = resolve(hidden.shared_memory());
     if (!region.ok()) return region.status();
     if (region->location.kind == HiddenLocation::Kind::kDevice &&
         hidden.dtype() != detlogp::v1::DTYPE_BFLOAT16) {
-      return absl::InvalidArgumentError(
-          "hidden.dtype: a CUDA shared-memory region must hold "
-          "DTYPE_BFLOAT16 (no conversion on the device)");
+      return v1::FieldError(absl::StatusCode::kInvalidArgument, "hidden.dtype",
+                            "a CUDA shared-memory region must hold "
+                            "DTYPE_BFLOAT16 (no conversion on the device)");
     }
     bytes = region->data;
     validated.source = region->location.kind == HiddenLocation::Kind::kDevice

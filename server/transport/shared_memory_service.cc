@@ -7,6 +7,7 @@
 #include "absl/time/clock.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/local_peer.h"
+#include "proto/status_details.h"
 
 namespace detlogp::server {
 
@@ -21,18 +22,22 @@ absl::Status SharedMemoryServiceImpl::Admit(
       return s;
   }
   if (!options_.enabled) {
-    return absl::FailedPreconditionError(
-        "shared memory is off on this server (--allow_shared_memory); send "
-        "the bytes in the request");
+    return v1::WithReason(
+        absl::FailedPreconditionError(
+            "shared memory is off on this server (--allow_shared_memory); "
+            "send the bytes in the request"),
+        v1::kReasonRegionRefused);
   }
   const std::string peer = context.peer();
   const bool local = options_.is_same_host ? options_.is_same_host(peer)
                                            : IsSameHostPeer(peer);
   if (!local) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "shared memory: the caller (", peer,
-        ") is not on the server's host; only the Unix socket and loopback "
-        "callers may use it"));
+    return v1::WithReason(
+        absl::PermissionDeniedError(absl::StrCat(
+            "shared memory: the caller (", peer,
+            ") is not on the server's host; only the Unix socket and "
+            "loopback callers may use it")),
+        v1::kReasonRegionRefused);
   }
   return absl::OkStatus();
 }

@@ -22,7 +22,7 @@ from detlogp.errors import (
     ReplicaMismatch,
 )
 from detlogp.results import ModelVersionResult
-from detlogp.retry import RetryPolicy, is_retryable
+from detlogp.retry import RetryPolicy, is_retryable, queue_full_delay
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
@@ -108,8 +108,10 @@ class CallPlan:
     failed attempt is tried again.
 
     The first attempt takes the next target round-robin. A retryable error
-    (UNAVAILABLE, queue full) is retried with backoff within the deadline,
-    on the next round-robin target, up to RetryPolicy.max_attempts. With
+    (UNAVAILABLE) is retried with backoff within the deadline, on the next
+    round-robin target, up to RetryPolicy.max_attempts. A full queue
+    (reason QUEUE_FULL) is retried on the same target after the server's
+    retry delay with jitter, as often as the deadline allows. With
     `retry_not_found` (a call pinned to an explicit model version), NOT_FOUND
     moves at once to the following target, so a replica that lacks the
     version is skipped; each target is tried at most once that way."""
@@ -133,6 +135,14 @@ class CallPlan:
             self.index = (self.index + 1) % self._n
             self._state.retries += 1
             return 0.0
+        queue_full = queue_full_delay(error)
+        if queue_full is not None:
+            # The server said when to come back: retried until the deadline,
+            # on the same target (another one's queue says nothing of it).
+            if not self.deadline.allows_sleep(queue_full):
+                return None
+            self._state.retries += 1
+            return queue_full
         self._failures += 1
         policy = self._state.retry
         if not is_retryable(error) or self._failures >= policy.max_attempts:
@@ -177,7 +187,8 @@ def shared_memory_problem(error):
     field = getattr(error, "field", None) or ""
     if not field.startswith(SHARED_MEMORY_FIELD):
         return None
-    return "forgotten" if isinstance(error, NotFound) else "refused"
+    gone = isinstance(error, NotFound) and error.reason == "REGION_GONE"
+    return "forgotten" if gone else "refused"
 
 
 def stream_item_to_request(item, index, model=None, version=None):

@@ -1,9 +1,14 @@
-"""Typed exceptions for detlogp calls, each carrying the server's message.
+"""Typed exceptions for detlogp calls, each carrying the server's message
+and its details: `reason` (a stable ErrorInfo reason such as "QUEUE_FULL",
+"ROWS_OVER_LIMIT", "INVALID_FIELD"; docs/api.md lists them), `field` (the
+request field the server named), `limit` and `metadata`, and
+`retry_delay_s` when a retry can succeed. They come from the status
+details (status_details.py), never from the message text.
 
 `from_rpc_error` maps a grpc.RpcError (sync or aio) to the matching subclass:
 
     INVALID_ARGUMENT    -> InvalidArgument  (.field: "hidden.shape[1]", ...)
-    RESOURCE_EXHAUSTED  -> Overloaded       (.queue_full: server queue bound),
+    RESOURCE_EXHAUSTED  -> Overloaded       (.queue_full: reason QUEUE_FULL),
                            or MessageTooLarge (.limit_bytes: a size limit)
     DEADLINE_EXCEEDED   -> DeadlineExceeded
     UNAVAILABLE         -> Unavailable
@@ -18,7 +23,9 @@
 
 A message over a size limit (gRPC's "Sent message larger than max" on the
 client, "Received message larger than max" on the server) is
-MessageTooLarge, never Overloaded: .limit_bytes names the limit.
+MessageTooLarge, never Overloaded: .limit_bytes names the limit. gRPC
+itself refuses such messages, with no details: this is the one error read
+from its text (reason MESSAGE_TOO_LARGE).
 
 ReplicaMismatch is raised by the client itself when replicas that were
 given the same weights answer with different determinism keys or versions.
@@ -28,23 +35,33 @@ import re
 
 import grpc
 
+from detlogp import status_details as _details
+
 
 class DetlogpError(Exception):
     """A failed detlogp call. `code` is the grpc.StatusCode (or None for
-    client-side failures), `details` the server's message."""
+    client-side failures), `details` the server's message; `reason`,
+    `field`, `fields`, `limit`, `metadata` and `retry_delay_s` what the
+    status details say (None or empty where they say nothing)."""
 
-    def __init__(self, details, code=None):
+    default_code = None
+
+    def __init__(self, details, code=None, *, status_details=None, field=None):
+        code = code if code is not None else self.default_code
         super().__init__(f"{code.name}: {details}" if code is not None else details)
         self.code = code
         self.details = details
-
-
-_FIELD = re.compile(r"^([A-Za-z_][\w.]*(?:\[\d+\])?(?:\.\w+)*):")
-
-
-def _field_of(details):
-    match = _FIELD.match(details or "")
-    return match.group(1) if match else None
+        said = status_details or _details.StatusDetails(fields=[field] if field else [])
+        self.status_details = said
+        self.reason = said.reason or (code.name if code is not None else None)
+        self.metadata = dict(said.metadata)
+        self.fields = list(said.fields)
+        self.field = said.fields[0] if said.fields else None
+        self.retry_delay_s = said.retry_delay_s
+        try:
+            self.limit = int(said.metadata["limit"]) if "limit" in said.metadata else None
+        except ValueError:
+            self.limit = None
 
 
 class InvalidArgument(DetlogpError):
@@ -52,9 +69,7 @@ class InvalidArgument(DetlogpError):
     server reported it (e.g. "target_ids[3]", "header.shape"), or None if it
     named none."""
 
-    def __init__(self, details, code=grpc.StatusCode.INVALID_ARGUMENT):
-        super().__init__(details, code)
-        self.field = _field_of(details)
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class NotFound(DetlogpError):
@@ -62,9 +77,7 @@ class NotFound(DetlogpError):
     ("model_version"), or a LoadModel path that does not exist ("path").
     `field` names what the server could not find."""
 
-    def __init__(self, details, code=grpc.StatusCode.NOT_FOUND):
-        super().__init__(details, code)
-        self.field = _field_of(details)
+    default_code = grpc.StatusCode.NOT_FOUND
 
 
 class Overloaded(DetlogpError):
@@ -72,9 +85,11 @@ class Overloaded(DetlogpError):
     was full (retryable); False for other exhaustion (not retryable). A
     message over a size limit is MessageTooLarge instead."""
 
-    def __init__(self, details, code=grpc.StatusCode.RESOURCE_EXHAUSTED):
-        super().__init__(details, code)
-        self.queue_full = (details or "").startswith("queue full")
+    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    @property
+    def queue_full(self):
+        return self.reason == "QUEUE_FULL"
 
 
 class MessageTooLarge(DetlogpError):
@@ -84,16 +99,20 @@ class MessageTooLarge(DetlogpError):
     limit. Not retryable; logprobs() cuts large calls so it never sends
     one."""
 
+    default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
     def __init__(
         self,
         details,
-        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        code=None,
         *,
         size_bytes=None,
         limit_bytes=None,
         on_server=False,
     ):
-        super().__init__(details, code)
+        super().__init__(
+            details, code, status_details=_details.StatusDetails(reason="MESSAGE_TOO_LARGE")
+        )
         self.size_bytes = size_bytes
         self.limit_bytes = limit_bytes
         self.on_server = on_server
@@ -102,22 +121,32 @@ class MessageTooLarge(DetlogpError):
 class DeadlineExceeded(DetlogpError):
     """The call's deadline passed (on the client or the server)."""
 
+    default_code = grpc.StatusCode.DEADLINE_EXCEEDED
+
 
 class Unavailable(DetlogpError):
     """No server answered (down, restarting, draining)."""
+
+    default_code = grpc.StatusCode.UNAVAILABLE
 
 
 class Cancelled(DetlogpError):
     """The call was cancelled."""
 
+    default_code = grpc.StatusCode.CANCELLED
+
 
 class Unimplemented(DetlogpError):
     """The server does not implement this method."""
+
+    default_code = grpc.StatusCode.UNIMPLEMENTED
 
 
 class Unauthenticated(DetlogpError):
     """The call carried no valid bearer token (or client certificate); for
     ModelRepositoryService calls, no valid admin token."""
+
+    default_code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class PermissionDenied(DetlogpError):
@@ -126,18 +155,14 @@ class PermissionDenied(DetlogpError):
     `field` is "path"), or admin calls on a server that listens beyond
     loopback without --admin_tokens_file."""
 
-    def __init__(self, details, code=grpc.StatusCode.PERMISSION_DENIED):
-        super().__init__(details, code)
-        self.field = _field_of(details)
+    default_code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class DataLoss(DetlogpError):
     """DATA_LOSS: the uploaded bytes do not hash to the digest the client
     sent (`field` is "weights_sha256"); nothing was changed on the server."""
 
-    def __init__(self, details, code=grpc.StatusCode.DATA_LOSS):
-        super().__init__(details, code)
-        self.field = _field_of(details)
+    default_code = grpc.StatusCode.DATA_LOSS
 
 
 class FailedPrecondition(DetlogpError):
@@ -145,9 +170,7 @@ class FailedPrecondition(DetlogpError):
     explicit version number not above every number the model has had
     (`field` "model_version" or "header.model_version")."""
 
-    def __init__(self, details, code=grpc.StatusCode.FAILED_PRECONDITION):
-        super().__init__(details, code)
-        self.field = _field_of(details)
+    default_code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class ReplicaMismatch(DetlogpError):
@@ -199,7 +222,9 @@ def from_rpc_error(error):
             limit_bytes=limit,
             on_server=too_large.group(1) == "Received",
         )
-    cls = _BY_CODE.get(code, DetlogpError)
-    if cls is DetlogpError:
-        return DetlogpError(details, code)
-    return cls(details, code)
+    try:
+        trailers = error.trailing_metadata()
+    except Exception:  # an error raised before the call had trailers
+        trailers = None
+    said = _details.from_trailing_metadata(trailers)
+    return _BY_CODE.get(code, DetlogpError)(details, code, status_details=said)

@@ -48,7 +48,9 @@ class ProjectResult:
 
 def _check_size(field, got, want, why):
     if got != want:
-        raise DataLoss(f"{field}: the response holds {got} values, expected {want} ({why})")
+        raise DataLoss(
+            f"{field}: the response holds {got} values, expected {want} ({why})", field=field
+        )
 
 
 def check_response(request, response):

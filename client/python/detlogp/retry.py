@@ -1,9 +1,10 @@
 """When and how long to retry: exponential backoff with full jitter.
 
-Retryable: UNAVAILABLE (server down, restarting or draining) and
-RESOURCE_EXHAUSTED whose message says the server's queue is full. Never
-retried: INVALID_ARGUMENT, DEADLINE_EXCEEDED, oversize messages, anything
-else. Retries never outlive the call's deadline.
+Retryable: UNAVAILABLE (server down, restarting or draining), with
+backoff, and RESOURCE_EXHAUSTED with reason QUEUE_FULL, after the delay the
+server names (RetryInfo). Never retried: INVALID_ARGUMENT,
+DEADLINE_EXCEEDED, oversize messages, anything else. Retries never outlive
+the call's deadline.
 """
 
 import dataclasses
@@ -39,3 +40,21 @@ def is_retryable(error):
     if isinstance(error, Overloaded):
         return error.queue_full
     return False
+
+
+# A full queue's retry delay is stretched by a random factor in
+# [1, 1 + QUEUE_FULL_JITTER], so that callers refused together come back
+# spread out.
+QUEUE_FULL_JITTER = 0.5
+# The delay when a server names none.
+DEFAULT_QUEUE_FULL_DELAY_S = 0.02
+
+
+def queue_full_delay(error, rng=random):
+    """Seconds to wait before sending a request the server refused for a
+    full queue (reason QUEUE_FULL with a RetryInfo), or None for any other
+    error, or a queue the request can never fit (no RetryInfo)."""
+    if getattr(error, "reason", None) != "QUEUE_FULL" or error.retry_delay_s is None:
+        return None
+    delay = error.retry_delay_s or DEFAULT_QUEUE_FULL_DELAY_S
+    return delay * rng.uniform(1.0, 1.0 + QUEUE_FULL_JITTER)

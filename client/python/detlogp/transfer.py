@@ -258,16 +258,12 @@ class Slice:
         return self.stop - self.start
 
 
-_ROWS_LIMIT = re.compile(r"limit of (\d+) rows per request")
-
-
 def rows_limit_in(error):
     """The server's --max_request_rows as its refusal of a too-large request
-    states it (servers that do not report it in ModelInfo), or None."""
-    if not isinstance(error, InvalidArgument) or error.field != "hidden.shape[0]":
+    states it (reason ROWS_OVER_LIMIT, metadata "limit"), or None."""
+    if getattr(error, "reason", None) != "ROWS_OVER_LIMIT":
         return None
-    match = _ROWS_LIMIT.search(error.details or "")
-    return int(match.group(1)) if match else None
+    return error.limit
 
 
 _ROW_FIELD = re.compile(r"^target_ids\[(\d+)\]")
@@ -406,12 +402,13 @@ class LogProbCall:
         names target_ids[i] of the slice; the caller's row is start + i."""
         if piece.start == 0 or not isinstance(error, InvalidArgument):
             return error
-        match = _ROW_FIELD.match(error.details or "")
+        match = _ROW_FIELD.fullmatch(error.field or "")
         if not match:
             return error
-        row = int(match.group(1)) + piece.start
-        details = f"target_ids[{row}]" + error.details[match.end() :]
-        return type(error)(details, error.code)
+        field = f"target_ids[{int(match.group(1)) + piece.start}]"
+        said = dataclasses.replace(error.status_details, fields=[field])
+        details = error.details.replace(error.field, field, 1)
+        return type(error)(details, error.code, status_details=said)
 
 
 _TORCH_WIRE_DTYPES = {
