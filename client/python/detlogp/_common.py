@@ -136,7 +136,7 @@ class CallPlan:
             self._state.retries += 1
             return 0.0
         queue_full = queue_full_delay(error)
-        if queue_full is not None:
+        if queue_full is not None and self._state.retry.max_attempts > 1:
             # The server said when to come back: retried until the deadline,
             # on the same target (another one's queue says nothing of it).
             if not self.deadline.allows_sleep(queue_full):
