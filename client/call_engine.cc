@@ -9,7 +9,9 @@
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/byte_buffer.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "client/request_bytes.h"
 #include "proto/status_details.h"
 
@@ -254,7 +256,26 @@ class CallRun {
       failure_ = DeadlineError(std::string(status.message()));
       return;
     }
-    failure_ = std::move(status);
+    failure_ = InCallRows(std::move(status), parts_[i].first_row);
+  }
+
+  // A refusal naming target_ids[i] of one request, renamed to the call's
+  // row.
+  static absl::Status InCallRows(absl::Status status, int64_t first_row) {
+    const v1::ErrorDetails details = v1::DetailsOf(status);
+    if (first_row == 0 || details.fields.empty()) return status;
+    const std::string& field = details.fields.front();
+    absl::string_view index = field;
+    int64_t row = 0;
+    if (!absl::ConsumePrefix(&index, "target_ids[") ||
+        !absl::ConsumeSuffix(&index, "]") || !absl::SimpleAtoi(index, &row)) {
+      return status;
+    }
+    absl::string_view detail = status.message();
+    absl::ConsumePrefix(&detail, absl::StrCat(field, ": "));
+    return v1::FieldError(status.code(),
+                          absl::StrCat("target_ids[", first_row + row, "]"),
+                          detail, details.reason, details.metadata);
   }
 
   absl::Status DeadlineError(absl::string_view why)

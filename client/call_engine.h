@@ -63,6 +63,9 @@ class RowWindow {
 struct CallPart {
   detlogp::v1::LogProbRequest header;
   absl::string_view rows;
+  // The call's row this request's first row is: a refusal naming
+  // target_ids[i] of the request names target_ids[first_row + i].
+  int64_t first_row = 0;
 };
 
 struct CallEngineOptions {

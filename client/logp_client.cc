@@ -564,13 +564,15 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     // bytes into gRPC's buffer, when it is sent.
     RowSlices slices = CutRows(request, rows_each, rows_bytes);
     for (size_t i = 0; i < slices.headers.size(); ++i) {
-      parts.push_back({std::move(slices.headers[i]), slices.rows[i]});
+      parts.push_back({std::move(slices.headers[i]), slices.rows[i],
+                       static_cast<int64_t>(i) * rows_each});
     }
   } else if (rows > rows_each && (shared || fills_shape)) {
     for (int64_t begin = 0; begin < rows; begin += rows_each) {
       parts.push_back({SliceLogProbRequest(request, begin,
                                            std::min(rows_each, rows - begin)),
-                       {}});
+                       {},
+                       begin});
     }
   } else {
     parts.push_back({request, {}});

@@ -14,6 +14,7 @@
 #include "client/logp_client.h"
 #include "detlogp/v1/detlogp.pb.h"
 #include "proto/dtype_bytes.h"
+#include "proto/status_details.h"
 
 struct DetlogpClient {
   std::unique_ptr<detlogp::client::LogpClient> client;
@@ -76,6 +77,22 @@ absl::Status CopyOut(const std::vector<T>& from, int64_t expected, T* to,
   return absl::OkStatus();
 }
 
+// The details of a failed call's status, without its message (the error
+// text has it): none for a status that carries none (a failure of the
+// client's own, such as a CUDA runtime that does not load).
+void WriteErrorDetails(const absl::Status& status, DetlogpScoreAnswer& answer) {
+  if (detlogp::v1::DetailsOf(status).domain.empty()) return;
+  absl::Status bare(status.code(), "");
+  status.ForEachPayload(
+      [&](absl::string_view type_url, const absl::Cord& value) {
+        bare.SetPayload(type_url, value);
+      });
+  const std::string details = detlogp::v1::SerializeStatusDetails(bare);
+  if (details.size() > sizeof(answer.error_details)) return;
+  std::memcpy(answer.error_details, details.data(), details.size());
+  answer.error_details_len = static_cast<int64_t>(details.size());
+}
+
 int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
           DetlogpScoreAnswer* answer, char* error, size_t error_len) {
   if (client == nullptr || request == nullptr || answer == nullptr) {
@@ -127,7 +144,11 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
         absl::string_view(static_cast<const char*>(request->hidden), bytes),
         deadline);
   }
-  if (!result.ok()) return Fail(result.status(), error, error_len);
+  answer->error_details_len = 0;
+  if (!result.ok()) {
+    WriteErrorDetails(result.status(), *answer);
+    return Fail(result.status(), error, error_len);
+  }
 
   const int64_t ranked = rows * std::max<int64_t>(request->top_k, 0);
   absl::Status copied =
@@ -159,6 +180,7 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
   CopyText(result->determinism_key, answer->determinism_key,
            sizeof(answer->determinism_key));
   CopyText(result->path, answer->path, sizeof(answer->path));
+  answer->queue_full_retries = result->queue_full_retries;
   return 0;
 }
 

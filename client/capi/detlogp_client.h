@@ -19,7 +19,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or struct below changes. */
-#define DETLOGP_CLIENT_ABI_VERSION 3
+#define DETLOGP_CLIENT_ABI_VERSION 4
 int detlogp_client_abi_version(void);
 
 typedef struct DetlogpClient DetlogpClient;
@@ -89,6 +89,14 @@ typedef struct {
   char model[256];
   char determinism_key[128];
   char path[16]; /* ScoreResult::path: "grpc", "system_shm", "cuda_shm" */
+  /* Requests refused for a full queue and sent again. */
+  int64_t queue_full_retries;
+  /* When the call fails with a status that has details (every status the
+   * server sends, and the client's own DEADLINE_EXCEEDED): the serialized
+   * google.rpc.Status (code, details; docs/api.md, "Error details"), else
+   * error_details_len is 0. */
+  int64_t error_details_len;
+  unsigned char error_details[4096];
 } DetlogpScoreAnswer;
 
 int detlogp_client_create(const DetlogpClientOptions* options,

@@ -114,8 +114,16 @@ CLIENT_SOURCES = {
     "client/project_chunk.cc": [],
     "client/system_shared_memory.cc": [],
     "client/cuda_runtime_loader.cc": [],
+    "client/call_engine.cc": [],
+    "client/score_result.cc": [],
+    "client/request_bytes.cc": [],
+    "proto/status_details.cc": [],
 }
-CLIENT_PROTO = "proto/detlogp/v1/detlogp.proto"
+CLIENT_PROTOS = [
+    "proto/detlogp/v1/detlogp.proto",
+    "proto/google/rpc/status.proto",
+    "proto/google/rpc/error_details.proto",
+]
 CLIENT_HEADER_DIRS = ["client", "client/capi", "proto"]
 CLIENT_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall"]
 CLIENT_PKG_CONFIG = ["grpc++", "protobuf"]
@@ -219,7 +227,7 @@ def client_build_missing():
     )
     if probe.returncode != 0:
         return f"pkg-config finds no {' and '.join(CLIENT_PKG_CONFIG)}"
-    if _source_root([*CLIENT_SOURCES, CLIENT_PROTO], required=False) is None:
+    if _source_root([*CLIENT_SOURCES, *CLIENT_PROTOS], required=False) is None:
         return "the client's sources (client/, proto/) are not around this folder"
     return None
 
@@ -227,7 +235,7 @@ def client_build_missing():
 def build_client_library(output, temp_dir):
     """Generates the API's C++ and compiles and links libdetlogp_client.so at
     `output` (generated files and objects in temp_dir)."""
-    root = _source_root([*CLIENT_SOURCES, CLIENT_PROTO])
+    root = _source_root([*CLIENT_SOURCES, *CLIENT_PROTOS])
     compiler = os.environ.get("CXX", "g++")
     temp_dir = pathlib.Path(temp_dir)
     generated = temp_dir / "generated"
@@ -240,16 +248,17 @@ def build_client_library(output, temp_dir):
             f"--cpp_out={generated}",
             f"--grpc_out={generated}",
             f"--plugin=protoc-gen-grpc={shutil.which('grpc_cpp_plugin')}",
-            str(root / CLIENT_PROTO),
+            *(str(root / proto) for proto in CLIENT_PROTOS),
         ],
         "generating the API's C++",
         CLIENT_NEEDS,
     )
-    api = pathlib.Path(CLIENT_PROTO).relative_to("proto").with_suffix("")
     sources = {str(root / s): s for s in CLIENT_SOURCES}
-    for suffix in (".pb.cc", ".grpc.pb.cc"):
-        path = generated / f"{api}{suffix}"
-        sources[str(path)] = str(path.relative_to(generated))
+    for proto in CLIENT_PROTOS:
+        api = pathlib.Path(proto).relative_to("proto").with_suffix("")
+        for suffix in (".pb.cc", ".grpc.pb.cc"):
+            path = generated / f"{api}{suffix}"
+            sources[str(path)] = str(path.relative_to(generated))
     pkg = subprocess.run(
         ["pkg-config", "--cflags", "--libs", *CLIENT_PKG_CONFIG],
         capture_output=True,
@@ -320,9 +329,9 @@ class SdistWithSources(sdist):
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
-        root = _source_root([*CPU_SOURCES, *CLIENT_SOURCES, CLIENT_PROTO])
+        root = _source_root([*CPU_SOURCES, *CLIENT_SOURCES, *CLIENT_PROTOS])
         target = pathlib.Path(base_dir) / SDIST_SOURCES
-        names = {*CPU_SOURCES, *CLIENT_SOURCES, CLIENT_PROTO}
+        names = {*CPU_SOURCES, *CLIENT_SOURCES, *CLIENT_PROTOS}
         for folder in HEADER_DIRS + CLIENT_HEADER_DIRS:
             names.update(str(p.relative_to(root)) for p in (root / folder).glob("*.h"))
         for name in sorted(names):

@@ -482,18 +482,24 @@ class ClientState:
 
     def _score_natively(self, chosen, call, timings, deadline):
         """The C++ client's answer to `call` (`chosen`: _native_client's)
-        within `deadline`, or None when its call failed: the caller then
-        sends the call through grpcio, whose answer or error (retries, row
-        numbers in messages) stands. Blocking; the asyncio client runs it in
+        within `deadline`; its failure is raised as the call's (a server
+        error never changes the call's path). None only when the C++ client
+        cannot read rows on a GPU (no CUDA runtime): the caller then takes
+        the Python client's own path, and so do later calls on a GPU. Blocking; the asyncio client runs it in
         an executor, so the region's turn ends when the C++ call does."""
         client, on_device = chosen
         try:
             result, path = client.score(call, timings, on_device, deadline.remaining())
         except native.NativeCallFailed as failed:
-            log.debug("the C++ client's call failed (%s); sending it with grpcio", failed)
-            if on_device and failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]:
-                self._native_device_failure = failed.message
-                log.info("calls on a GPU take the Python client's path: %s", failed.message)
+            own_failure = (
+                failed.details is None
+                and on_device
+                and failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            )
+            if not own_failure:
+                raise failed.error() from None
+            self._native_device_failure = failed.message
+            log.info("calls on a GPU take the Python client's path: %s", failed.message)
             return None
         finally:
             if on_device:

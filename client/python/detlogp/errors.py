@@ -228,3 +228,15 @@ def from_rpc_error(error):
         trailers = None
     said = _details.from_trailing_metadata(trailers)
     return _BY_CODE.get(code, DetlogpError)(details, code, status_details=said)
+
+
+_CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def from_status(number, message, serialized_details=None):
+    """The typed exception for a status given as its code's number, its
+    message and its serialized google.rpc.Status details (the C++
+    client's)."""
+    code = _CODE_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+    said = _details.decode(serialized_details)
+    return _BY_CODE.get(code, DetlogpError)(message, code, status_details=said)

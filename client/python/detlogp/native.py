@@ -6,8 +6,10 @@ server receives. When the C ABI library libdetlogp_client.so is found,
 logprobs() hands such a call's rows to it instead (one ctypes call, the GIL
 released): the C++ client cuts the call, spreads it over connections it
 keeps, writes each request's rows once and checks every answer. The answer
-carries the same bits; any failure is left to the Python path, which sends
-the call again and gives the answer or the error the caller would have had.
+carries the same bits, and its failure is the call's: the C++ client sends
+requests refused for a full queue again itself, and its error comes with
+the server's details. Only a failure of its own (a CUDA runtime that does
+not load) hands the call back to the Python client.
 
 The library is found at $DETLOGP_CLIENT_LIBRARY, in the installed package
 (detlogp/_lib/), or as bazel-bin/client/capi/libdetlogp_client.so in the
@@ -24,12 +26,13 @@ import time
 
 import numpy as np
 
+from detlogp import errors
 from detlogp.results import LogProbResult
 
 __all__ = ["find_library", "load_library", "takes_device_rows", "NativeClient", "NativeCallFailed"]
 
 LIBRARY_ENV = "DETLOGP_CLIENT_LIBRARY"
-ABI_VERSION = 3
+ABI_VERSION = 4
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_client.so"
 _ERROR_BYTES = 4096
 # grpcio-tools' protoc carries a protobuf whose symbols the C++ client's
@@ -41,12 +44,18 @@ _loaded = {}  # path -> CDLL
 
 
 class NativeCallFailed(Exception):
-    """The C++ client's call failed (code, message): the caller sends the
-    call again through grpcio."""
+    """The C++ client's call failed: `code` (a gRPC status number),
+    `message`, and `details`, the serialized google.rpc.Status when the
+    status carried details (every status a server sends), else None (a
+    failure of the client's own, such as a CUDA runtime that does not
+    load). `error()` is the exception the caller raises."""
 
-    def __init__(self, code, message):
+    def __init__(self, code, message, details=None):
         super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
+        self.code, self.message, self.details = code, message, details
+
+    def error(self):
+        return errors.from_status(self.code, self.message, self.details)
 
 
 class _Options(ctypes.Structure):
@@ -104,6 +113,9 @@ class _Answer(ctypes.Structure):
         ("model", ctypes.c_char * 256),
         ("determinism_key", ctypes.c_char * 128),
         ("path", ctypes.c_char * 16),
+        ("queue_full_retries", ctypes.c_int64),
+        ("error_details_len", ctypes.c_int64),
+        ("error_details", ctypes.c_ubyte * 4096),
     ]
 
 
@@ -290,7 +302,8 @@ class NativeClient:
         )
         elapsed = time.perf_counter() - started
         if code != 0:
-            raise NativeCallFailed(code, error.value.decode(errors="replace"))
+            details = bytes(answer.error_details[: answer.error_details_len]) or None
+            raise NativeCallFailed(code, error.value.decode(errors="replace"), details)
         if timings is not None:
             timings.record_native(elapsed, answer)
         result = LogProbResult(
