@@ -250,6 +250,7 @@ class AsyncClient(ClientState):
                         answer = wire.decode_logprob_response(data)
                     except ValueError as bad:
                         raise DataLoss(f"LogProbResponse: {bad}") from None
+                    answer.path = shm.path_name(slot)
                     if timings is not None:
                         timings.add_slice(
                             sent - build_started,

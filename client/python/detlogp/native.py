@@ -316,7 +316,9 @@ class NativeClient:
             entropy=entropy,
             top_ids=top_ids,
             top_logprobs=top_logprobs,
+            path=answer.path.decode() or "grpc",
+            engine="native",
         )
         if timings is not None:
             result.timings = timings
-        return result, answer.path.decode() or "grpc"
+        return result, result.path

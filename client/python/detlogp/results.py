@@ -23,7 +23,12 @@ class LogProbResult:
       gives a prefix of these rows, with the same bits.
     Like logprobs, their bits depend only on the row (and the key).
     timings: where the call's time went (a transfer.CallTimings) when
-      logprobs() was called with timing=True, else None."""
+      logprobs() was called with timing=True, else None.
+    path: how the rows travelled: "grpc" (in the messages), "system_shm" or
+      "cuda_shm" (a shared-memory region of the client's), or those joined
+      by "+" when the call's requests went different ways.
+    engine: "native" when the C++ client's engine sent the call, "python"
+      when this package did."""
 
     logprobs: np.ndarray
     lse: Optional[np.ndarray]
@@ -35,6 +40,8 @@ class LogProbResult:
     top_ids: Optional[np.ndarray] = None
     top_logprobs: Optional[np.ndarray] = None
     timings: Optional[object] = None
+    path: str = "grpc"
+    engine: str = "python"
 
 
 @dataclasses.dataclass

@@ -462,6 +462,7 @@ def merge_answers(call, pieces, answers, timings=None):
         entropy=entropy,
         top_ids=top_ids,
         top_logprobs=top_logprobs,
+        path="+".join(sorted({answer.path for answer in answers})),
     )
     if timings is not None:
         timings.return_s += time.perf_counter() - started

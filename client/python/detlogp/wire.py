@@ -195,6 +195,8 @@ class LogProbAnswer:
     top_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.float32))
     timing: Optional["ServerTiming"] = None
     unknown: Optional[dict] = None
+    # How the request's rows travelled (set by the client that sent it).
+    path: str = "grpc"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,167 @@
+"""Many rollout workers at once: W worker processes, each with its own
+detlogp.Client and a CUDA bf16 batch of N rows, call logprobs() at the same
+moment, R rounds, against one server on one GPU. Reports the aggregate
+rows/s against detlogp.torch.linear_logp's in the same run, and how many
+calls failed (the target: none).
+
+    python3 tools/device/fleet_burst_bench.py --server bin/detlogp_server \
+        [--workers 8,32] [--rows 16384,4096] [--rounds 3] \
+        [--shared_memory cuda,off] [--json_out out.json]
+
+--workers and --rows pair up (8 workers x 16384 rows, 32 x 4096). The
+server runs with its default queue bound (--max_queue_rows 65536): the
+point is a burst larger than the queue. Needs torch with CUDA, the detlogp
+package (client/python on PYTHONPATH) and the CUDA ops library for
+detlogp.torch ($DETLOGP_OPS_CUDA_LIBRARY).
+"""
+
+import argparse
+import json
+import multiprocessing
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "client" / "python"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+
+def _worker(target, shared_memory, rows, hidden, vocab, rounds, seed, ready, go, results):
+    """One worker: its rows made on the GPU, then `rounds` calls once `go`
+    is set; puts (seconds of each call, failures, path) on `results`."""
+    import detlogp
+    import torch
+
+    torch.cuda.set_device(0)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    batches = [
+        (
+            torch.randn(rows, hidden, device="cuda", generator=generator).to(torch.bfloat16),
+            torch.randint(0, vocab, (rows,), device="cuda", generator=generator).cpu().numpy(),
+        )
+        for _ in range(rounds)
+    ]
+    torch.cuda.synchronize()
+    failures, seconds, paths = [], [], set()
+    with detlogp.Client(target, timeout=600, shared_memory=shared_memory) as client:
+        client.logprobs(batches[0][0][:16], batches[0][1][:16])  # connected
+        ready.put(seed)
+        go.wait()
+        for values, targets in batches:
+            began = time.perf_counter()
+            try:
+                result = client.logprobs(values, targets)
+                paths.add(getattr(result, "path", "") or "")
+            except detlogp.DetlogpError as error:
+                failures.append(f"{type(error).__name__}: {error}"[:300])
+            seconds.append(time.perf_counter() - began)
+    results.put((seed, seconds, failures, sorted(paths)))
+
+
+def kernel_rows_per_s(weight, rows, vocab, repeats=7):
+    import detlogp.torch as detlogp_torch
+    import torch
+
+    times = []
+    for run in range(repeats + 1):
+        generator = torch.Generator(device="cuda").manual_seed(100 + run)
+        values = torch.randn(rows, weight.shape[1], device="cuda", generator=generator)
+        values = values.to(torch.bfloat16)
+        targets = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        detlogp_torch.linear_logp(values, weight, targets)
+        torch.cuda.synchronize()
+        if run:
+            times.append(time.perf_counter() - began)
+    return rows / statistics.median(times)
+
+
+def burst(args, target, mode, workers, rows, hidden, vocab):
+    context = multiprocessing.get_context("spawn")
+    ready, results, go = context.Queue(), context.Queue(), context.Event()
+    processes = [
+        context.Process(
+            target=_worker,
+            args=(target, mode, rows, hidden, vocab, args.rounds, seed, ready, go, results),
+        )
+        for seed in range(workers)
+    ]
+    for process in processes:
+        process.start()
+    for _ in processes:
+        ready.get(timeout=600)
+    began = time.perf_counter()
+    go.set()
+    answers = [results.get(timeout=1200) for _ in processes]
+    wall = time.perf_counter() - began
+    for process in processes:
+        process.join(timeout=60)
+    failures = [f for _, _, fs, _ in answers for f in fs]
+    paths = sorted({p for _, _, _, ps in answers for p in ps})
+    return workers * rows * args.rounds / wall, failures, paths
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", required=True)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--workers", default="8,32")
+    parser.add_argument("--rows", default="16384,4096")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shared_memory", default="cuda,off")
+    parser.add_argument("--json_out")
+    args = parser.parse_args()
+
+    import torch
+    from detlogp.testing import LocalServer
+    from rollout_worker_bench import random_weight, write_weights
+
+    folder = tempfile.mkdtemp(prefix="fleet-bench-")
+    weight = random_weight(args.vocab, args.hidden, seed=1)
+    path = write_weights(weight, folder)
+    socket = os.path.join(folder, "detlogp.sock")
+    flags = [
+        f"--weights={path}",
+        "--lm_head_tensor=lm_head.weight",
+        "--device=cuda:0",
+        f"--unix_socket={socket}",
+        "--allow_shared_memory",
+    ]
+    lines = []
+    with LocalServer(args.server, flags, start_timeout=600) as server:
+        for workers, rows in zip(
+            (int(w) for w in args.workers.split(",")), (int(r) for r in args.rows.split(","))
+        ):
+            kernel = kernel_rows_per_s(weight, rows, args.vocab)
+            for mode in args.shared_memory.split(","):
+                rate, failures, paths = burst(
+                    args, f"unix:{socket}", mode, workers, rows, args.hidden, args.vocab
+                )
+                line = dict(
+                    workers=workers,
+                    rows=rows,
+                    shared_memory=mode,
+                    kernel_rows_per_s=round(kernel),
+                    aggregate_rows_per_s=round(rate),
+                    ratio=round(rate / kernel, 3),
+                    calls=workers * args.rounds,
+                    failed=len(failures),
+                    paths=paths,
+                    first_failures=failures[:2],
+                )
+                lines.append(line)
+                print(json.dumps(line), flush=True)
+    torch.cuda.synchronize()
+    if args.json_out:
+        pathlib.Path(args.json_out).write_text(json.dumps(lines, indent=1))
+    return 1 if any(line["failed"] for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
