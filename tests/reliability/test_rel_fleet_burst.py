@@ -14,7 +14,7 @@ import time
 import detlogp
 import numpy as np
 import pytest
-from detlogp.testing import LocalServer, TestModel
+from detlogp.testing import LocalServer, TestModel, rollout_worker, seeded_rows
 
 HIDDEN, VOCAB = 128, 256
 SCALE = float(os.environ.get("DETLOGP_FLEET_SCALE", "1"))
@@ -22,26 +22,7 @@ SMALL_CALL_ROWS = 1024
 
 
 def _rows(seed, n):
-    rng = np.random.default_rng(seed)
-    return (
-        rng.standard_normal((n, HIDDEN)).astype(np.float32),
-        rng.integers(0, VOCAB, size=n),
-    )
-
-
-def _worker(target, seed, rows, rounds, start, answers):
-    """One rollout worker: `rounds` calls of `rows` rows, all started when
-    `start` is set; puts (seed, round, logprobs bytes, retries, error)."""
-    with detlogp.Client(target, timeout=600) as client:
-        for round_index in range(rounds):
-            hidden, targets = _rows(seed * 100 + round_index, rows)
-            start.wait()
-            try:
-                result = client.logprobs(hidden, targets)
-            except detlogp.DetlogpError as error:
-                answers.put((seed, round_index, None, f"{type(error).__name__}: {error}"))
-                continue
-            answers.put((seed, round_index, result.logprobs.tobytes(), None))
+    return seeded_rows(seed, n, HIDDEN, VOCAB)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +59,8 @@ def test_burst_of_workers_is_answered_whole_with_equal_bits(fleet_server, report
     start = context.Event()
     processes = [
         context.Process(
-            target=_worker,
-            args=(fleet_server.target, seed, rows, rounds, start, answers),
+            target=rollout_worker,
+            args=(fleet_server.target, seed, rows, HIDDEN, VOCAB, rounds, start, answers),
         )
         for seed in range(workers)
     ]
@@ -88,7 +69,7 @@ def test_burst_of_workers_is_answered_whole_with_equal_bits(fleet_server, report
     time.sleep(2.0)  # every worker connected and its rows made
     began = time.monotonic()
     start.set()
-    got = [answers.get(timeout=900) for _ in range(workers * rounds)]
+    got = [answers.get(timeout=300) for _ in range(workers * rounds)]
     elapsed = time.monotonic() - began
     for process in processes:
         process.join(timeout=60)

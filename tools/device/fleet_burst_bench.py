@@ -134,7 +134,7 @@ def main():
         "--allow_shared_memory",
     ]
     lines = []
-    with LocalServer(args.server, flags, start_timeout=600) as server:
+    with LocalServer(args.server, flags, start_timeout=600):
         for workers, rows in zip(
             (int(w) for w in args.workers.split(",")), (int(r) for r in args.rows.split(","))
         ):

@@ -34,11 +34,12 @@ NO_RETRY = RetryPolicy(max_attempts=1)
 
 
 def is_retryable(error):
-    """True for errors worth another try: Unavailable, queue-full Overloaded."""
+    """True for errors worth another try: Unavailable, and a full queue the
+    server says when to come back to (QUEUE_FULL with a RetryInfo)."""
     if isinstance(error, Unavailable):
         return True
     if isinstance(error, Overloaded):
-        return error.queue_full
+        return error.queue_full and error.retry_delay_s is not None
     return False
 
 

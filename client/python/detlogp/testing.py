@@ -282,3 +282,34 @@ class TestModel:
             rng.standard_normal((n, self.hidden)).astype(np.float32),
             rng.integers(0, self.vocab, size=n),
         )
+
+
+def seeded_rows(seed, rows, hidden, vocab):
+    """`rows` float32 rows ~N(0, 1) and valid targets, the same for a seed in
+    any process."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((rows, hidden)).astype(np.float32),
+        rng.integers(0, vocab, size=rows),
+    )
+
+
+def rollout_worker(target, seed, rows, hidden, vocab, rounds, start, answers):
+    """One rollout worker of a burst (run in a process of its own): `rounds`
+    calls of seeded_rows(seed * 100 + round), each once `start` is set; puts
+    (seed, round, logprobs bytes or None, error text or None) on
+    `answers`."""
+    import detlogp
+
+    with detlogp.Client(target, timeout=600) as client:
+        for round_index in range(rounds):
+            hidden_rows, targets = seeded_rows(seed * 100 + round_index, rows, hidden, vocab)
+            start.wait()
+            try:
+                result = client.logprobs(hidden_rows, targets)
+            except detlogp.DetlogpError as error:
+                answers.put((seed, round_index, None, f"{type(error).__name__}: {error}"))
+                continue
+            answers.put((seed, round_index, result.logprobs.tobytes(), None))

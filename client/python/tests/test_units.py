@@ -6,8 +6,8 @@ import random
 import grpc
 import numpy as np
 import pytest
-from detlogp import errors, requests, safetensors_io, tensors
-from detlogp.retry import RetryPolicy, is_retryable
+from detlogp import errors, requests, safetensors_io, status_details, tensors, wire
+from detlogp.retry import RetryPolicy, is_retryable, queue_full_delay
 from detlogp.v1 import detlogp_pb2 as pb
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -87,12 +87,72 @@ def test_backoff_is_jittered_exponential_and_capped():
         assert max(draws) > 0.8 * cap  # jitter spans the range
 
 
-def test_error_mapping_and_retryability():
-    invalid = errors.InvalidArgument("target_ids[3]: 5000 is outside [0, 1000)")
-    assert invalid.field == "target_ids[3]" and not is_retryable(invalid)
-    assert errors.InvalidArgument("hidden.shape[1]: H=3 ...").field == "hidden.shape[1]"
-    assert errors.InvalidArgument("no field here").field is None
-    assert is_retryable(errors.Overloaded("queue full: 9 rows queued"))
+def _field(number, payload):
+    return wire._len_field(number, len(payload)) + payload
+
+
+def _any(name, message):
+    return _field(1, f"type.googleapis.com/google.rpc.{name}".encode()) + _field(2, message)
+
+
+def _queue_full_details():
+    """A google.rpc.Status as the server sends it for a full queue, with a
+    BadRequest too, encoded field by field."""
+    info = (
+        _field(1, b"QUEUE_FULL")
+        + _field(2, b"detlogp.v1")
+        + _field(3, _field(1, b"limit") + _field(2, b"64"))
+        + _field(3, _field(1, b"requested") + _field(2, b"32"))
+    )
+    retry = _field(1, wire._int(1, 1) + wire._int(2, 250_000_000))
+    bad = _field(1, _field(1, b"hidden") + _field(2, b"why"))
+    return (
+        wire._int(1, 8)
+        + _field(2, b"queue full")
+        + _field(3, _any("ErrorInfo", info))
+        + _field(3, _any("RetryInfo", retry))
+        + _field(3, _any("BadRequest", bad))
+        + _field(3, _any("Unknown", b"\x08\x01"))
+    )
+
+
+def test_status_details_are_decoded_from_the_wire():
+    said = status_details.decode(_queue_full_details())
+    assert said.reason == "QUEUE_FULL" and said.domain == "detlogp.v1"
+    assert said.metadata == {"limit": "64", "requested": "32"}
+    assert said.retry_delay_s == pytest.approx(1.25)
+    assert said.fields == ["hidden"]
+    # Nothing, or bytes that are not a status: no details.
+    assert status_details.decode(b"") == status_details.StatusDetails()
+    assert status_details.decode(b"\xff\xff") == status_details.StatusDetails()
+    trailers = (("other", "x"), (status_details.TRAILER, _queue_full_details()))
+    assert status_details.from_trailing_metadata(trailers).reason == "QUEUE_FULL"
+
+
+def test_errors_decide_from_the_details_never_the_message():
+    invalid = errors.InvalidArgument(
+        "target_ids[3]: 5000 is outside [0, 1000)",
+        status_details=status_details.StatusDetails(
+            reason="INVALID_FIELD", fields=["target_ids[3]"]
+        ),
+    )
+    assert invalid.field == "target_ids[3]" and invalid.reason == "INVALID_FIELD"
+    assert not is_retryable(invalid) and queue_full_delay(invalid) is None
+    # A message naming a field, without details, names none.
+    assert errors.InvalidArgument("hidden.shape[1]: H=3 ...").field is None
+    assert errors.InvalidArgument("x").reason == "INVALID_ARGUMENT"
+    full = errors.from_status(8, "queue full", _queue_full_details())
+    assert isinstance(full, errors.Overloaded) and full.queue_full and full.limit == 64
+    assert full.metadata["requested"] == "32" and full.retry_delay_s == pytest.approx(1.25)
+    assert is_retryable(full)
+    assert 1.25 <= queue_full_delay(full) <= 1.25 * 1.5
+    # "queue full" text alone is not a full queue.
+    assert not errors.Overloaded("queue full: 9 rows queued").queue_full
+    # A full queue the request can never fit (no RetryInfo): not retried.
+    never = errors.Overloaded(
+        "queue full", status_details=status_details.StatusDetails(reason="QUEUE_FULL")
+    )
+    assert queue_full_delay(never) is None
     assert not is_retryable(errors.Overloaded("Received message larger than max"))
     assert is_retryable(errors.Unavailable("down", grpc.StatusCode.UNAVAILABLE))
     assert not is_retryable(errors.DeadlineExceeded("late", grpc.StatusCode.DEADLINE_EXCEEDED))

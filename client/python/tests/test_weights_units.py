@@ -182,7 +182,7 @@ def test_combining_replicas_answers():
 
 
 def test_first_failure_names_where_it_failed_and_what_succeeded():
-    failed = errors.DataLoss("weights_sha256: mismatch", grpc.StatusCode.DATA_LOSS)
+    failed = errors.DataLoss("weights_sha256: mismatch", field="weights_sha256")
     outcomes = {"a:1": _status(2, "k"), "b:2": failed}
     error = _common.first_failure("policy", "UploadModel", outcomes)
     assert error is failed and error.per_target == outcomes
@@ -239,8 +239,9 @@ def test_new_status_codes_map_to_typed_errors():
     for code, cls in cases.items():
         error = errors.from_rpc_error(Fake(code))
         assert type(error) is cls and error.code == code
-    assert errors.from_rpc_error(Fake(grpc.StatusCode.NOT_FOUND)).field == "model_version"
-    assert errors.PermissionDenied("path: '/x' is absolute").field == "path"
+        # No trailers: no details, whatever the message says.
+        assert error.field is None and error.reason == code.name
+    assert errors.PermissionDenied("path: '/x' is absolute", field="path").field == "path"
 
 
 def test_scoring_token_is_left_off_calls_that_carry_the_admin_token():
