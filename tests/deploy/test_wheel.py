@@ -31,7 +31,9 @@ targets = rng.integers(0, vocab, size=n)
 answers = {}
 for mode in ("on", "off"):
     options = detlogp.TransferOptions(native_transport=mode)
-    with detlogp.Client(target, timeout=120, transfer_options=options) as client:
+    with detlogp.Client(
+        target, timeout=120, transfer_options=options, shared_memory="off"
+    ) as client:
         answers[mode] = client.logprobs(hidden, targets)
 maps = open("/proc/self/maps").read()
 loaded = sorted({line.split()[-1] for line in maps.splitlines() if "libgrpc++" in line})
@@ -66,13 +68,16 @@ def test_the_wheel_brings_its_engine_and_the_libraries_it_loads(wheel, tmp_path)
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"
-    subprocess.run([str(python), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    # Outside the repository, with nothing pointing at the package or a
+    # library there (pip too would take a detlogp on PYTHONPATH as installed).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DETLOGP_")}
+    env.pop("PYTHONPATH", None)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", str(wheel)], check=True, env=env, cwd=tmp_path
+    )
     model = TestModel(tmp_path, hidden=128, vocab=256, padded_vocab=256, seed=21)
     binary = server_binary_for_tests(REPO)
     with LocalServer(binary, ["--device=cpu", *model.flags]) as server:
-        # Outside the repository, with nothing pointing at a library there.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DETLOGP_")}
-        env.pop("PYTHONPATH", None)
         ran = subprocess.run(
             [str(python), "-c", CALL, server.target, str(model.hidden), str(model.vocab)],
             capture_output=True,
