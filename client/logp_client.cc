@@ -156,8 +156,10 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
-  client->shared_memory_stub_ =
-      detlogp::v1::SharedMemoryService::NewStub(client->channel_);
+  client->regions_api_ = std::make_unique<RegionApi>(
+      client->channel_, [raw = client.get()](grpc::ClientContext* context) {
+        raw->PrepareContext(context);
+      });
   client->projection_ =
       std::make_unique<ProjectionConnection>(client->channel_);
   return client;
@@ -380,15 +382,8 @@ LogpClient::MakeSystemRegion(int64_t bytes) {
 }
 
 void LogpClient::ReleaseSystemRegion(const SystemRegion& region) {
-  detlogp::v1::SystemSharedMemoryUnregisterRequest request;
-  request.set_name(region.name);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  detlogp::v1::SystemSharedMemoryUnregisterResponse response;
   // Best effort: the server releases an idle region by itself.
-  shared_memory_stub_->SystemSharedMemoryUnregister(&context, request,
-                                                    &response);
+  regions_api_->UnregisterSystem(region.name, kReleaseTimeout).IgnoreError();
 }
 
 int LogpClient::ReleaseIdleSystemRegions() {
@@ -670,78 +665,32 @@ absl::Status LogpClient::RegisterSystemRegion(const std::string& name,
                                               const std::string& key,
                                               int64_t offset,
                                               int64_t byte_size) {
-  detlogp::v1::SystemSharedMemoryRegisterRequest request;
-  request.set_name(name);
-  request.set_key(key);
-  request.set_offset(offset);
-  request.set_byte_size(byte_size);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::SystemSharedMemoryRegisterResponse response;
-  return FromGrpcStatus(shared_memory_stub_->SystemSharedMemoryRegister(
-      &context, request, &response));
+  return regions_api_->RegisterSystem(name, key, offset, byte_size);
 }
 
 absl::Status LogpClient::RegisterCudaRegion(const std::string& name,
                                             const std::string& raw_handle,
                                             int64_t device_id,
                                             int64_t byte_size) {
-  detlogp::v1::CudaSharedMemoryRegisterRequest request;
-  request.set_name(name);
-  request.set_raw_handle(raw_handle);
-  request.set_device_id(device_id);
-  request.set_byte_size(byte_size);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::CudaSharedMemoryRegisterResponse response;
-  return FromGrpcStatus(shared_memory_stub_->CudaSharedMemoryRegister(
-      &context, request, &response));
+  return regions_api_->RegisterCuda(name, raw_handle, device_id, byte_size);
 }
 
 absl::Status LogpClient::UnregisterSystemRegion(const std::string& name) {
-  detlogp::v1::SystemSharedMemoryUnregisterRequest request;
-  request.set_name(name);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::SystemSharedMemoryUnregisterResponse response;
-  return FromGrpcStatus(shared_memory_stub_->SystemSharedMemoryUnregister(
-      &context, request, &response));
+  return regions_api_->UnregisterSystem(name);
 }
 
 absl::Status LogpClient::UnregisterCudaRegion(const std::string& name) {
-  detlogp::v1::CudaSharedMemoryUnregisterRequest request;
-  request.set_name(name);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::CudaSharedMemoryUnregisterResponse response;
-  return FromGrpcStatus(shared_memory_stub_->CudaSharedMemoryUnregister(
-      &context, request, &response));
+  return regions_api_->UnregisterCuda(name);
 }
 
 absl::StatusOr<detlogp::v1::SystemSharedMemoryStatusResponse>
 LogpClient::SystemRegionStatus(const std::string& name) {
-  detlogp::v1::SystemSharedMemoryStatusRequest request;
-  request.set_name(name);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::SystemSharedMemoryStatusResponse response;
-  const grpc::Status status = shared_memory_stub_->SystemSharedMemoryStatus(
-      &context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return response;
+  return regions_api_->SystemStatus(name);
 }
 
 absl::StatusOr<detlogp::v1::CudaSharedMemoryStatusResponse>
 LogpClient::CudaRegionStatus(const std::string& name) {
-  detlogp::v1::CudaSharedMemoryStatusRequest request;
-  request.set_name(name);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  detlogp::v1::CudaSharedMemoryStatusResponse response;
-  const grpc::Status status =
-      shared_memory_stub_->CudaSharedMemoryStatus(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status);
-  return response;
+  return regions_api_->CudaStatus(name);
 }
 
 absl::StatusOr<const CudaRuntime*> LogpClient::Cuda() {
@@ -887,14 +836,8 @@ absl::StatusOr<LogpClient::CudaRegion*> LogpClient::CudaRegionFor(
 }
 
 void LogpClient::ReleaseCudaRegion(CudaRegion& region) {
-  detlogp::v1::CudaSharedMemoryUnregisterRequest request;
-  request.set_name(region.name);
-  grpc::ClientContext context;
-  PrepareContext(&context);
-  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
-  detlogp::v1::CudaSharedMemoryUnregisterResponse response;
   // Best effort: the server releases an idle region by itself.
-  shared_memory_stub_->CudaSharedMemoryUnregister(&context, request, &response);
+  regions_api_->UnregisterCuda(region.name, kReleaseTimeout).IgnoreError();
 }
 
 std::vector<std::unique_ptr<LogpClient::RawConnection>>

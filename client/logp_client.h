@@ -76,6 +76,7 @@
 #include "client/cuda_runtime_loader.h"
 #include "client/interleaved_rows.h"
 #include "client/project_chunk.h"
+#include "client/region_api.h"
 #include "client/region_pool.h"
 #include "client/request_bytes.h"
 #include "client/score_result.h"
@@ -460,7 +461,9 @@ class LogpClient {
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
-  std::unique_ptr<detlogp::v1::SharedMemoryService::Stub> shared_memory_stub_;
+  std::unique_ptr<RegionApi> regions_api_;
+  // How long the client waits for the server to release one of its regions.
+  static constexpr absl::Duration kReleaseTimeout = absl::Seconds(5);
   // The server's limits, once asked.
   absl::Mutex limits_mu_;
   std::optional<detlogp::v1::ModelInfo> limits_ ABSL_GUARDED_BY(limits_mu_);

@@ -117,6 +117,7 @@ CLIENT_SOURCES = {
     "client/call_engine.cc": [],
     "client/score_result.cc": [],
     "client/request_bytes.cc": [],
+    "client/region_api.cc": [],
     "proto/status_details.cc": [],
 }
 CLIENT_PROTOS = [
