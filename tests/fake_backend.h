@@ -5,6 +5,12 @@
 // -|h0| - i (descending, the target first); records batch sizes, the model
 // and extras of every batch, checks the RowsStaged calls before each Run, can
 // be slowed down or made to fail.
+//
+// Tests that need a batch to be running hold batches at a gate inside Run
+// (HoldBatches, WaitForBatchesStarted, ReleaseBatches) instead of sleeping
+// until it probably is. With a ManualClock attached, the modeled compute
+// time (set_delay) advances that clock instead of sleeping, so the batcher
+// measures exactly that duration.
 #ifndef DETLOGP_TESTS_FAKE_BACKEND_H_
 #define DETLOGP_TESTS_FAKE_BACKEND_H_
 
@@ -18,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "kernels/bfloat16.h"
 #include "server/backends/backend.h"
+#include "tests/manual_clock.h"
 
 namespace detlogp::testing {
 
@@ -67,12 +74,45 @@ class FakeBackend final : public server::LogpBackend {
         new Executor(this, max_batch_rows));
   }
 
+  // How long each Run takes: advanced on the attached clock, else slept.
   void set_delay(absl::Duration delay) {
     delay_ns_ = absl::ToInt64Nanoseconds(delay);
   }
+  // The clock that set_delay advances; null (the default) sleeps instead.
+  // Not owned.
+  void set_clock(ManualClock* clock) {
+    absl::MutexLock lock(&mu_);
+    clock_ = clock;
+  }
+
+  // From now on every batch waits inside Run, counted as started, until
+  // ReleaseBatches.
+  void HoldBatches() {
+    absl::MutexLock lock(&mu_);
+    gate_open_ = false;
+  }
+  // Lets held batches and later ones run.
+  void ReleaseBatches() {
+    absl::MutexLock lock(&mu_);
+    gate_open_ = true;
+  }
+  // Blocks until `count` batches in all have entered Run (held or not);
+  // false if that does not happen within `timeout` of real time, a guard
+  // against hanging.
+  bool WaitForBatchesStarted(int64_t count,
+                             absl::Duration timeout = absl::Seconds(10)) {
+    absl::MutexLock lock(&mu_);
+    StartedArgs args{this, count};
+    return mu_.AwaitWithTimeout(absl::Condition(&EnoughStarted, &args),
+                                timeout);
+  }
+
   void set_fail(bool fail) { fail_ = fail; }
   int64_t rows_computed() const { return rows_computed_; }
-  int64_t batches_started() const { return batches_started_; }
+  int64_t batches_started() const {
+    absl::MutexLock lock(&mu_);
+    return batches_started_;
+  }
   // Batches whose RowsStaged calls did not grow step by step up to the rows
   // that Run was asked for.
   int64_t bad_staging_batches() const { return bad_staging_batches_; }
@@ -80,12 +120,12 @@ class FakeBackend final : public server::LogpBackend {
     absl::MutexLock lock(&mu_);
     return batch_sizes_;
   }
-  // The offset of each batch's model, in the order batches ran.
+  // The offset of each batch's model, in the order batches entered Run.
   std::vector<float> batch_models() const {
     absl::MutexLock lock(&mu_);
     return batch_models_;
   }
-  // The extras each batch computed, in the order batches ran.
+  // The extras each batch computed, in the order batches entered Run.
   std::vector<server::LogpExtras> batch_extras() const {
     absl::MutexLock lock(&mu_);
     return batch_extras_;
@@ -123,17 +163,26 @@ class FakeBackend final : public server::LogpBackend {
     absl::Status Run(const server::LogpModel& model, int64_t rows,
                      const server::LogpExtras& extras) override {
       const auto& fake = static_cast<const FakeModel&>(model);
-      ++backend_->batches_started_;
       if (!staging_in_order_ || staged_rows_ != rows)
         ++backend_->bad_staging_batches_;
       staged_rows_ = 0;
       staging_in_order_ = true;
-      absl::SleepFor(absl::Nanoseconds(backend_->delay_ns_.load()));
+      ManualClock* clock;
       {
         absl::MutexLock lock(&backend_->mu_);
+        ++backend_->batches_started_;
         backend_->batch_sizes_.push_back(rows);
         backend_->batch_models_.push_back(fake.offset());
         backend_->batch_extras_.push_back(extras);
+        backend_->mu_.Await(absl::Condition(&backend_->gate_open_));
+        clock = backend_->clock_;
+      }
+      const absl::Duration delay =
+          absl::Nanoseconds(backend_->delay_ns_.load());
+      if (clock != nullptr) {
+        clock->Advance(delay);
+      } else {
+        absl::SleepFor(delay);
       }
       if (backend_->fail_) return absl::InternalError("fake backend failure");
       for (int64_t r = 0; r < rows; ++r) {
@@ -168,14 +217,25 @@ class FakeBackend final : public server::LogpBackend {
     std::vector<float> top_logprobs_;
   };
 
+  struct StartedArgs {
+    FakeBackend* backend;
+    int64_t count;
+  };
+  static bool EnoughStarted(StartedArgs* args)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS {  // evaluated under mu_
+    return args->backend->batches_started_ >= args->count;
+  }
+
   const std::shared_ptr<const server::LogpModel> default_model_;
   server::BackendDescription description_;
   std::atomic<int64_t> delay_ns_{0};
   std::atomic<bool> fail_{false};
   std::atomic<int64_t> rows_computed_{0};
-  std::atomic<int64_t> batches_started_{0};
   std::atomic<int64_t> bad_staging_batches_{0};
   mutable absl::Mutex mu_;
+  ManualClock* clock_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool gate_open_ ABSL_GUARDED_BY(mu_) = true;
+  int64_t batches_started_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int64_t> batch_sizes_ ABSL_GUARDED_BY(mu_);
   std::vector<float> batch_models_ ABSL_GUARDED_BY(mu_);
   std::vector<server::LogpExtras> batch_extras_ ABSL_GUARDED_BY(mu_);

@@ -41,7 +41,9 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
 DynamicBatcher::DynamicBatcher(
     const Options& options,
     std::vector<std::unique_ptr<LogpExecutor>> executors)
-    : options_(options), executors_(std::move(executors)) {
+    : options_(options),
+      clock_(options.clock != nullptr ? options.clock : Clock::Real()),
+      executors_(std::move(executors)) {
   for (auto& executor : executors_) {
     threads_.emplace_back([this, e = executor.get()] { BatchLoop(e); });
   }
@@ -76,7 +78,7 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
       if (it == queues_.end()) {
         it = queues_.insert(queues_.end(), ModelQueue{job->model().get(), {}});
       }
-      it->jobs.push_back(QueuedJob{job, 0, absl::Now()});
+      it->jobs.push_back(QueuedJob{job, 0, clock_->Now()});
       queued_rows_ += rows;
       NotifyStateChangedLocked();
       return absl::OkStatus();
@@ -182,6 +184,8 @@ bool DynamicBatcher::CanStartBatchOrStopping() const {
 void DynamicBatcher::SpinUntilBatchCanStartLocked() {
   if (options_.idle_spin_micros <= 0 || thread_polling_) return;
   thread_polling_ = true;
+  // Wall time, not clock_: polling spends real CPU for a real span, and a
+  // manual clock that nothing advances would keep a thread polling forever.
   const absl::Time give_up =
       absl::Now() + absl::Microseconds(options_.idle_spin_micros);
   while (!CanStartBatchOrStopping() && absl::Now() < give_up) {
@@ -256,12 +260,13 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
           OldestQueueLocked().jobs.front().queued +
           absl::Microseconds(options_.max_queue_delay_micros);
       // Await releases the lock even when it need not wait; skip it then.
-      if (!HasFullBatchOrStopping() && absl::Now() < flush_at) {
-        mu_.AwaitWithDeadline(
+      if (!HasFullBatchOrStopping() && clock_->Now() < flush_at) {
+        clock_->AwaitWithDeadline(
+            &mu_,
             absl::Condition(this, &DynamicBatcher::HasFullBatchOrStopping),
             flush_at);
       }
-      DropDeadJobsLocked(absl::Now(), &dropped);
+      DropDeadJobsLocked(clock_->Now(), &dropped);
       if (!queues_.empty()) {
         std::deque<QueuedJob>& jobs = OldestQueueLocked().jobs;
         int64_t room = options_.max_batch_rows;
@@ -333,7 +338,7 @@ void DynamicBatcher::FailBatch(std::vector<Slice>& batch,
 
 void DynamicBatcher::RunBatch(LogpExecutor* executor,
                               std::vector<Slice>& batch) {
-  const absl::Time gather_start = absl::Now();
+  const absl::Time gather_start = clock_->Now();
   const LogpModel& model = *batch.front().job->model();
   auto staged = executor->Stage(model);
   if (!staged.ok()) {
@@ -429,9 +434,9 @@ void DynamicBatcher::RunBatch(LogpExecutor* executor,
     NotifyStateChangedLocked();
     return;
   }
-  const absl::Time start = absl::Now();
+  const absl::Time start = clock_->Now();
   const absl::Status status = executor->Run(model, rows, extras);
-  const absl::Time end = absl::Now();
+  const absl::Time end = clock_->Now();
   {
     // The device is free for the next batch while this one's outputs are
     // scattered and its calls answered.

@@ -21,6 +21,10 @@
 // each row gets back only what it asked for. Every slice of a job runs on the
 // job's model.
 //
+// The batcher reads the time and waits until a time through Options::clock
+// (queue delays, deadlines, BatchRecord's timings, the drain rate): the wall
+// clock unless a test passes a manual one.
+//
 // Batching is free because backends are batch invariant: which rows share a
 // batch changes timing, never bits.
 //
@@ -44,6 +48,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/backends/backend.h"
+#include "server/batching/clock.h"
 #include "server/batching/logp_job.h"
 
 namespace detlogp::server {
@@ -77,6 +82,9 @@ class DynamicBatcher {
     int64_t idle_spin_micros = 0;
     // Called after every batch on its batch thread; may be empty.
     std::function<void(const BatchRecord&)> on_batch;
+    // The time the batcher reads and waits on; not owned, must outlive the
+    // batcher. Null: Clock::Real(). Tests pass a manual clock.
+    Clock* clock = nullptr;
   };
 
   // Counters since start; all rows, not requests.
@@ -180,6 +188,7 @@ class DynamicBatcher {
   }
 
   const Options options_;
+  Clock* const clock_;  // options_.clock or the real clock
   std::vector<std::unique_ptr<LogpExecutor>> executors_;
   std::vector<std::thread> threads_;
 
