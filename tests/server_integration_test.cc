@@ -435,12 +435,21 @@ TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
+// A CPU server whose queue two 32-row batches fill.
+const std::vector<std::string> kSmallQueueFlags = {
+    "--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"};
+
+std::unique_ptr<LogpClient> ClientOf(const ServerProcess& server) {
+  LogpClient::Options options;
+  options.target = server.target();
+  return *LogpClient::Create(options);
+}
+
 // The server's side of flow control: a full queue is RESOURCE_EXHAUSTED
 // with reason QUEUE_FULL, a RetryInfo and gRPC's pushback trailer, read
 // here through the plain generated stub (which retries nothing).
 TEST(ServerLifecycleTest, FullQueueSaysWhenToComeBack) {
-  auto server = ServerProcess::Start(
-      {"--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"});
+  auto server = ServerProcess::Start(kSmallQueueFlags);
   ASSERT_TRUE(server.ok()) << server.status();
   auto channel = grpc::CreateChannel((*server)->target(),
                                      grpc::InsecureChannelCredentials());
@@ -492,12 +501,9 @@ TEST(ServerLifecycleTest, FullQueueSaysWhenToComeBack) {
 // the refused requests sent again after the server's delay, with the bits
 // each request gets alone.
 TEST(ServerLifecycleTest, ClientSendsRefusedRequestsAgainUntilAnswered) {
-  auto server = ServerProcess::Start(
-      {"--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"});
+  auto server = ServerProcess::Start(kSmallQueueFlags);
   ASSERT_TRUE(server.ok()) << server.status();
-  LogpClient::Options options;
-  options.target = (*server)->target();
-  auto client = *LogpClient::Create(options);
+  auto client = ClientOf(**server);
   constexpr int kCallers = 12;
   std::vector<absl::StatusOr<client::ScoreResult>> results(
       kCallers, absl::UnknownError("not run"));
@@ -527,12 +533,9 @@ TEST(ServerLifecycleTest, ClientSendsRefusedRequestsAgainUntilAnswered) {
 // A call whose deadline comes before the queue has room fails with
 // DEADLINE_EXCEEDED saying how much was answered, not RESOURCE_EXHAUSTED.
 TEST(ServerLifecycleTest, FullQueueUntilTheDeadlineIsDeadlineExceeded) {
-  auto server = ServerProcess::Start(
-      {"--device=cpu", "--max_batch_rows=32", "--max_queue_rows=64"});
+  auto server = ServerProcess::Start(kSmallQueueFlags);
   ASSERT_TRUE(server.ok()) << server.status();
-  LogpClient::Options options;
-  options.target = (*server)->target();
-  auto client = *LogpClient::Create(options);
+  auto client = ClientOf(**server);
   std::vector<std::thread> load;
   for (int i = 0; i < 6; ++i) {
     load.emplace_back(
