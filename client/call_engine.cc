@@ -98,7 +98,13 @@ class CallRun {
       std::vector<size_t> to_send = PickLocked();
       if (!to_send.empty()) {
         mu_.Unlock();
-        for (size_t i : to_send) Send(i);
+        for (size_t i : to_send) {
+          if (options_.senders != nullptr) {
+            options_.senders->Schedule([this, i] { Send(i); });
+          } else {
+            Send(i);
+          }
+        }
         mu_.Lock();
         continue;
       }
@@ -168,25 +174,30 @@ class CallRun {
     return picked;
   }
 
-  // Outside the lock: the request's bytes are written here.
+  // Outside the lock: the request's bytes are written here. Nothing of
+  // this run is touched once the call started (its answer may end the run).
   void Send(size_t i) {
-    PartState& part = state_[i];
-    Outstanding& call = *part.call;
+    Outstanding* call;
+    int connection;
+    {
+      absl::MutexLock lock(&mu_);
+      call = state_[i].call.get();
+      connection = state_[i].connection;
+      ++stats_.requests_sent;
+    }
     const CallPart& request = parts_[i];
-    call.request = request.rows.empty()
-                       ? SerializeRequest(request.header)
-                       : SerializeWithRows(request.header, request.rows);
-    options_.prepare_context(&call.context, deadline_);
-    stubs_[part.connection].UnaryCall(
-        &call.context, kComputeMethod, grpc::StubOptions(), &call.request,
-        &call.response, [this, i](grpc::Status status) {
+    call->request = request.rows.empty()
+                        ? SerializeRequest(request.header)
+                        : SerializeWithRows(request.header, request.rows);
+    options_.prepare_context(&call->context, deadline_);
+    stubs_[connection].UnaryCall(
+        &call->context, kComputeMethod, grpc::StubOptions(), &call->request,
+        &call->response, [this, i](grpc::Status status) {
           absl::MutexLock lock(&mu_);
           state_[i].completion = std::move(status);
           completions_.push_back(i);
           cv_.Signal();
         });
-    absl::MutexLock lock(&mu_);
-    ++stats_.requests_sent;
   }
 
   void HandleCompletionsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -13,7 +13,9 @@
 //   not yet sent is pinned to it; an answer of another version (one
 //   published meanwhile) is asked again, pinned.
 // - gRPC's callback API carries the requests: the calling thread schedules
-//   them and no thread is started per call.
+//   them, their bytes are written on a bounded pool of threads shared by
+//   the client's calls (copying a call's rows into gRPC's buffers on one
+//   thread caps a call near 1.3 GB/s), and no thread is started per call.
 //
 // Errors are decided from the status details (proto/status_details.h),
 // never from message text.
@@ -34,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/score_result.h"
+#include "client/task_pool.h"
 #include "detlogp/v1/detlogp.pb.h"
 
 namespace detlogp::client {
@@ -71,6 +74,9 @@ struct CallPart {
 struct CallEngineOptions {
   // Requests outstanding on each connection at once.
   int requests_in_flight_per_connection = 2;
+  // Where requests' bytes are written and their calls started, side by side
+  // (null: on the calling thread, one after another).
+  TaskPool* senders = nullptr;
   // Sets a request's deadline and credentials.
   std::function<void(grpc::ClientContext*, absl::Time)> prepare_context;
   // Refusals for a full queue are sent again after the server's delay

@@ -151,11 +151,16 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
         "spread_requests_in_flight: ", options.spread_requests_in_flight,
         " is not positive"));
   }
+  if (options.send_threads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "send_threads: ", options.send_threads, " is not positive"));
+  }
   std::unique_ptr<LogpClient> client(new LogpClient(options));
   client->channel_ = MakeChannel(options);
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
+  client->senders_ = std::make_unique<TaskPool>(options.send_threads);
   client->regions_api_ = std::make_unique<RegionApi>(
       client->channel_, [raw = client.get()](grpc::ClientContext* context) {
         raw->PrepareContext(context);
@@ -582,6 +587,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   for (const auto& connection : kept) channels.push_back(connection->channel);
   CallEngineOptions engine;
   engine.requests_in_flight_per_connection = options_.spread_requests_in_flight;
+  engine.senders = senders_.get();
   engine.prepare_context = [this](grpc::ClientContext* context,
                                   absl::Time call_deadline) {
     PrepareContext(context, call_deadline);

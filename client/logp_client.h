@@ -209,6 +209,9 @@ class LogpClient {
     int64_t spread_request_bytes = int64_t{8} << 20;
     // Requests of one spread call outstanding on each connection at once.
     int spread_requests_in_flight = 2;
+    // Threads that write requests' bytes into gRPC's buffers, shared by the
+    // client's calls (a call's copies side by side).
+    int send_threads = 8;
     // The spread connections beyond the client's own are opened on first
     // need and kept for later calls (a call takes those it needs; calls at
     // once open more). One unused this long closes by itself, so an idle
@@ -483,6 +486,8 @@ class LogpClient {
   // The rows this client has outstanding at the server, within its queue
   // (ModelInfo.max_queue_rows, once asked).
   RowWindow row_window_;
+  // Options::send_threads, for every call's requests.
+  std::unique_ptr<TaskPool> senders_;
   // Kept spread connections not in use by a call, and how many were opened.
   mutable absl::Mutex spread_mu_;
   std::vector<std::unique_ptr<RawConnection>> idle_spread_

@@ -118,6 +118,7 @@ CLIENT_SOURCES = {
     "client/score_result.cc": [],
     "client/request_bytes.cc": [],
     "client/region_api.cc": [],
+    "client/task_pool.cc": [],
     "proto/status_details.cc": [],
 }
 CLIENT_PROTOS = [
