@@ -10,6 +10,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "proto/upload_delta.h"
 #include "server/models/upload_assembler.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/rejected_call.h"
@@ -69,6 +70,33 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
                      shape.padded_vocab_size, "] (0 means every row)"));
   }
   shape.has_bias = header.has_bias();
+  switch (header.encoding()) {
+    case detlogp::v1::UPLOAD_ENCODING_RAW:
+      if (header.base_version() != 0 || !header.base_weights_sha256().empty()) {
+        return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                              "header.base_version",
+                              "a base is named only with encoding "
+                              "UPLOAD_ENCODING_XOR_ZSTD");
+      }
+      break;
+    case detlogp::v1::UPLOAD_ENCODING_XOR_ZSTD:
+      if (header.base_version() <= 0) {
+        return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                              "header.base_version",
+                              "a delta names the version it applies to (> 0)");
+      }
+      if (!IsHexDigest(header.base_weights_sha256())) {
+        return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                              "header.base_weights_sha256",
+                              "a delta names its base's digest (64 lowercase "
+                              "hex digits)");
+      }
+      break;
+    default:
+      return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                            "header.encoding",
+                            absl::StrCat("unknown encoding ", header.encoding()));
+  }
   if (!header.weights_sha256().empty() &&
       !IsHexDigest(header.weights_sha256())) {
     return v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -76,6 +104,13 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
                           "expected 64 lowercase hex digits");
   }
   return shape;
+}
+
+absl::Status BaseMissing(int64_t base_version, absl::string_view why) {
+  return v1::WithReason(
+      absl::FailedPreconditionError(absl::StrCat(
+          "header.base_version: ", why, "; send the whole head instead")),
+      v1::kReasonBaseMissing, {{"base_version", absl::StrCat(base_version)}});
 }
 
 }  // namespace
@@ -325,6 +360,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     model_ = header.model();
     version_ = header.model_version();
     expected_sha256_ = header.weights_sha256();
+    if (header.encoding() == detlogp::v1::UPLOAD_ENCODING_XOR_ZSTD) {
+      if (absl::Status s = FindBaseLocked(header); !s.ok()) return s;
+    }
     // Before any bytes are taken.
     auto reservation = service_->manager_->Reserve(
         shape_.hidden_size, shape_.padded_vocab_size, shape_.has_bias);
@@ -345,10 +383,74 @@ class ModelRepositoryServiceImpl::UploadCall final
     return absl::OkStatus();
   }
 
+  // The base a delta names: a ready version with the digest the pusher
+  // stated and the same shape. Its host bytes are taken now when the backend
+  // keeps them, else read back from --model_root by the worker (ReadBase).
+  absl::Status FindBaseLocked(const UploadModelHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t number = header.base_version();
+    auto base = service_->manager_->Resolve(header.model(), number);
+    if (!base.ok()) {
+      return BaseMissing(number, absl::StrCat("model '", header.model(),
+                                              "' has no ready version ",
+                                              number, " here"));
+    }
+    const ServedVersion& version = **base;
+    if (version.weights_sha256 != header.base_weights_sha256()) {
+      return BaseMissing(
+          number, absl::StrCat("version ", number, " here holds weights ",
+                               version.weights_sha256, ", not ",
+                               header.base_weights_sha256()));
+    }
+    if (version.hidden_size != shape_.hidden_size ||
+        version.padded_vocab_size != shape_.padded_vocab_size ||
+        version.has_bias != shape_.has_bias) {
+      return BaseMissing(number,
+                         absl::StrCat("version ", number, " has another shape "
+                                      "or bias than the header"));
+    }
+    base_weights_ = version.host_weights.lock();
+    if (base_weights_ == nullptr && service_->options_.store == nullptr) {
+      return BaseMissing(number, absl::StrCat("version ", number,
+                                              " is held only on the device "
+                                              "and this server keeps no "
+                                              "--model_root to read it from"));
+    }
+    base_version_ = *std::move(base);  // keeps it from being freed meanwhile
+    delta_ = true;
+    return absl::OkStatus();
+  }
+
+  // The base's host bytes from --model_root, for a backend that keeps none.
+  absl::Status ReadBase() {
+    if (base_weights_ != nullptr) return absl::OkStatus();
+    const auto versions = service_->options_.store->ListVersions();
+    const auto model = versions.find(model_);
+    if (model != versions.end()) {
+      for (const StoredVersion& stored : model->second) {
+        if (stored.version != base_version_->version) continue;
+        auto weights = LoadLmHead(stored.source);
+        if (weights.ok() &&
+            weights->sha256 == base_version_->weights_sha256) {
+          base_weights_ =
+              std::make_shared<const LmHeadWeights>(*std::move(weights));
+          return absl::OkStatus();
+        }
+      }
+    }
+    return BaseMissing(base_version_->version,
+                       absl::StrCat("version ", base_version_->version,
+                                    " is held only on the device and its "
+                                    "files under --model_root are gone"));
+  }
+
   void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     switch (message_.part_case()) {
       case UploadModelRequest::kChunk: {
         const int64_t size = static_cast<int64_t>(message_.chunk().size());
+        if (service_->options_.on_upload_bytes) {
+          service_->options_.on_upload_bytes("pusher", size);
+        }
         if (trailer_seen_) {
           queue_.push_back(
               Item{Item::kAbort,
@@ -358,7 +460,9 @@ class ModelRepositoryServiceImpl::UploadCall final
                                   "the digest message must be the last one")});
           return;
         }
-        if (received_ + size > (shape_.weight_bytes() + shape_.bias_bytes())) {
+        const int64_t payload_bytes = shape_.weight_bytes() + shape_.bias_bytes();
+        if (received_ + size >
+            (delta_ ? v1::MaxXorDeltaBytes(payload_bytes) : payload_bytes)) {
           queue_.push_back(Item{
               Item::kAbort,
               {},
@@ -441,6 +545,22 @@ class ModelRepositoryServiceImpl::UploadCall final
 
   absl::Status Consume() {
     const absl::Time start = absl::Now();
+    std::unique_ptr<v1::XorDeltaDecoder> decoder;
+    if (delta_) {
+      if (absl::Status s = ReadBase(); !s.ok()) return s;
+      decoder = std::make_unique<v1::XorDeltaDecoder>(
+          v1::PayloadParts{
+              absl::string_view(
+                  reinterpret_cast<const char*>(base_weights_->weight.data()),
+                  base_weights_->weight.size() * 2),
+              absl::string_view(
+                  reinterpret_cast<const char*>(base_weights_->bias.data()),
+                  base_weights_->bias.size() * 4)},
+          assembler_->total_bytes());
+    }
+    const auto append = [this](const char* bytes, size_t size) {
+      return assembler_->Append(bytes, size);
+    };
     while (true) {
       Item item;
       {
@@ -454,11 +574,16 @@ class ModelRepositoryServiceImpl::UploadCall final
       }
       if (item.kind == Item::kAbort) return item.status;
       if (item.kind == Item::kEnd) break;
-      if (absl::Status s =
-              assembler_->Append(item.bytes.data(), item.bytes.size());
-          !s.ok()) {
-        return s;
-      }
+      absl::Status s =
+          decoder != nullptr
+              ? decoder->Feed(item.bytes.data(), item.bytes.size(), append)
+              : append(item.bytes.data(), item.bytes.size());
+      if (!s.ok()) return s;
+    }
+    if (decoder != nullptr) {
+      if (absl::Status s = decoder->Finish(); !s.ok()) return s;
+      base_weights_.reset();  // its memory is not needed past here
+      base_version_.reset();
     }
     {
       absl::MutexLock lock(&mu_);
@@ -475,9 +600,10 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (!digest.ok()) return digest.status();
     digest_ = *std::move(digest);
     spdlog::info(
-        "upload of {}: {} bytes received, hashed and written in {:.3f} s "
-        "after the header",
+        "upload of {}: {} bytes {}, hashed and written in {:.3f} s after the "
+        "header",
         model_, assembler_->total_bytes(),
+        delta_ ? "rebuilt from a delta" : "received",
         absl::ToDoubleSeconds(absl::Now() - start));
     return absl::OkStatus();
   }
@@ -525,6 +651,10 @@ class ModelRepositoryServiceImpl::UploadCall final
   digests::LmHeadShape shape_;
   std::string model_;
   int64_t version_ = 0;  // 0: the model's next number
+  // A delta upload: its base, held until the payload is rebuilt.
+  bool delta_ = false;
+  std::shared_ptr<const ServedVersion> base_version_;
+  std::shared_ptr<const LmHeadWeights> base_weights_;
   ModelManager::Reservation reservation_;
   std::unique_ptr<VersionWriter> writer_;
   // Declared after the writer it writes to: destroyed first.
