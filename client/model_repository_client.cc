@@ -149,8 +149,9 @@ absl::StatusOr<LmHeadDelta> EncodeLmHeadDelta(const LmHeadUpload& upload,
                                               int threads) {
   if (absl::Status s = ValidateLmHeadUpload(upload); !s.ok()) return s;
   if (base_version <= 0) {
-    return v1::FieldError(absl::StatusCode::kInvalidArgument, "base_version",
-                          absl::StrCat(base_version, " is not a version (> 0)"));
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "base_version",
+        absl::StrCat(base_version, " is not a version (> 0)"));
   }
   if (base.hidden_size != upload.hidden_size ||
       base.padded_vocab_size != upload.padded_vocab_size ||
@@ -329,10 +330,10 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::Stream(
   }
   if (!status.ok()) return FromGrpcStatus(status);
   if (response.weights_sha256() != header.weights_sha256()) {
-    return absl::DataLossError(absl::StrCat(
-        "upload of ", header.model(), ": the server reports weights ",
-        response.weights_sha256(), ", the client sent ",
-        header.weights_sha256()));
+    return absl::DataLossError(
+        absl::StrCat("upload of ", header.model(),
+                     ": the server reports weights ", response.weights_sha256(),
+                     ", the client sent ", header.weights_sha256()));
   }
   return response;
 }
@@ -349,9 +350,9 @@ LogpClient::Options ConnectionTo(const LogpClient::Options& connection,
   return out;
 }
 
-}  // namespace
-
-absl::StatusOr<int64_t> FleetVersion(
+// The highest version number of `model` each target holds (0: none), or
+// why that target could not be asked.
+std::vector<absl::StatusOr<int64_t>> HighestVersions(
     const std::vector<std::string>& targets,
     const LogpClient::Options& connection,
     const ModelRepositoryClient::Options& options, const std::string& model) {
@@ -382,13 +383,24 @@ absl::StatusOr<int64_t> FleetVersion(
     });
   }
   for (std::thread& thread : threads) thread.join();
+  return highest;
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> FleetVersion(
+    const std::vector<std::string>& targets,
+    const LogpClient::Options& connection,
+    const ModelRepositoryClient::Options& options, const std::string& model) {
+  const std::vector<absl::StatusOr<int64_t>> highest =
+      HighestVersions(targets, connection, options, model);
   int64_t top = 0;
   for (size_t i = 0; i < targets.size(); ++i) {
     if (!highest[i].ok()) {
       return absl::Status(
           highest[i].status().code(),
-          absl::StrCat("numbering the push: listing the models of ",
-                       targets[i], ": ", highest[i].status().message()));
+          absl::StrCat("numbering the push: listing the models of ", targets[i],
+                       ": ", highest[i].status().message()));
     }
     top = std::max(top, *highest[i]);
   }
@@ -398,8 +410,7 @@ absl::StatusOr<int64_t> FleetVersion(
 PushReport PushToTargets(const std::vector<std::string>& targets,
                          const LogpClient::Options& connection,
                          const ModelRepositoryClient::Options& options,
-                         const LmHeadUpload& upload,
-                         const PushOptions& push) {
+                         const LmHeadUpload& upload, const PushOptions& push) {
   PushReport report;
   if (targets.empty()) {
     report.status = absl::InvalidArgumentError("push: no targets");
@@ -407,14 +418,14 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
   }
   // One number for the whole fleet: otherwise each replica would take its
   // own next number and the same push would be numbered differently.
+  // A target that cannot be asked does not stop the push: its upload fails
+  // below and the report names it, while the others agree on a number.
   int64_t version = upload.version;
   if (version == 0 && targets.size() > 1) {
-    auto fleet = FleetVersion(targets, connection, options, upload.model);
-    if (!fleet.ok()) {
-      report.status = fleet.status();
-      return report;
+    for (const absl::StatusOr<int64_t>& highest :
+         HighestVersions(targets, connection, options, upload.model)) {
+      if (highest.ok()) version = std::max(version, *highest + 1);
     }
-    version = *fleet;
   }
   report.targets.resize(targets.size());
   std::vector<std::thread> threads;
@@ -441,9 +452,8 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
         out.bytes_sent += sent;
         out.sent_delta = out.version.ok();
         // A replica without the base gets the whole head.
-        if (out.version.ok() ||
-            v1::DetailsOf(out.version.status()).reason !=
-                v1::kReasonBaseMissing) {
+        if (out.version.ok() || v1::DetailsOf(out.version.status()).reason !=
+                                    v1::kReasonBaseMissing) {
           return;
         }
         upload_options.delta = nullptr;

@@ -213,7 +213,8 @@ struct PushReport {
 // `connection`'s TLS and limits; its target is replaced). Every replica
 // publishes the same number: upload.version when set; else, with several
 // targets, one above the highest number any target holds of the model
-// (FleetVersion), so replicas started at different times agree.
+// (targets that cannot be asked are left out of that), so replicas started
+// at different times agree.
 PushReport PushToTargets(const std::vector<std::string>& targets,
                          const LogpClient::Options& connection,
                          const ModelRepositoryClient::Options& options,

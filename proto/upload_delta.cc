@@ -13,7 +13,8 @@ namespace {
 
 int64_t TotalBytes(const PayloadParts& parts) {
   int64_t total = 0;
-  for (absl::string_view part : parts) total += static_cast<int64_t>(part.size());
+  for (absl::string_view part : parts)
+    total += static_cast<int64_t>(part.size());
   return total;
 }
 
@@ -25,7 +26,9 @@ void ReadParts(const PayloadParts& parts, int64_t offset, char* out,
     const int64_t end = begin + static_cast<int64_t>(part.size());
     const int64_t from = std::max(offset, begin);
     const int64_t to = std::min(offset + size, end);
-    if (to > from) std::memcpy(out + (from - offset), part.data() + (from - begin), to - from);
+    if (to > from)
+      std::memcpy(out + (from - offset), part.data() + (from - begin),
+                  to - from);
     begin = end;
   }
 }
@@ -79,7 +82,8 @@ absl::StatusOr<std::string> EncodeXorDelta(const PayloadParts& updated,
   }
   std::unique_ptr<ZSTD_CCtx, size_t (*)(ZSTD_CCtx*)> context(ZSTD_createCCtx(),
                                                              ZSTD_freeCCtx);
-  if (context == nullptr) return absl::ResourceExhaustedError("zstd: no context");
+  if (context == nullptr)
+    return absl::ResourceExhaustedError("zstd: no context");
   for (const auto& [parameter, value] :
        {std::pair{ZSTD_c_compressionLevel, options.compression_level},
         std::pair{ZSTD_c_checksumFlag, 1},
@@ -94,22 +98,27 @@ absl::StatusOr<std::string> EncodeXorDelta(const PayloadParts& updated,
   std::string out;
   out.resize(std::max<size_t>(ZSTD_CStreamOutSize(), total / 64 + 4096));
   size_t out_used = 0;
-  std::string block(static_cast<size_t>(std::min(options.block_bytes, total)), '\0');
+  std::string block(static_cast<size_t>(std::min(options.block_bytes, total)),
+                    '\0');
   int64_t offset = 0;
   while (true) {
     const int64_t size = std::min<int64_t>(options.block_bytes, total - offset);
     ReadParts(updated, offset, block.data(), size);
     XorParts(base, offset, block.data(), size);
     offset += size;
-    const ZSTD_EndDirective mode = offset == total ? ZSTD_e_end : ZSTD_e_continue;
+    const ZSTD_EndDirective mode =
+        offset == total ? ZSTD_e_end : ZSTD_e_continue;
     ZSTD_inBuffer input{block.data(), static_cast<size_t>(size), 0};
     while (true) {
-      if (out.size() - out_used < ZSTD_CStreamOutSize()) out.resize(out.size() * 2);
+      if (out.size() - out_used < ZSTD_CStreamOutSize())
+        out.resize(out.size() * 2);
       ZSTD_outBuffer output{out.data() + out_used, out.size() - out_used, 0};
-      const size_t left = ZSTD_compressStream2(context.get(), &output, &input, mode);
+      const size_t left =
+          ZSTD_compressStream2(context.get(), &output, &input, mode);
       if (ZSTD_isError(left)) return ZstdError(left, "compress");
       out_used += output.pos;
-      const bool done = mode == ZSTD_e_end ? left == 0 : input.pos == input.size;
+      const bool done =
+          mode == ZSTD_e_end ? left == 0 : input.pos == input.size;
       if (done) break;
     }
     if (offset == total) break;
@@ -125,7 +134,7 @@ int64_t MaxXorDeltaBytes(int64_t payload_bytes) {
 
 struct XorDeltaDecoder::State {
   std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> context{ZSTD_createDCtx(),
-                                                            ZSTD_freeDCtx};
+                                                             ZSTD_freeDCtx};
   std::string buffer = std::string(ZSTD_DStreamOutSize() * 8, '\0');
 };
 
@@ -155,11 +164,11 @@ absl::Status XorDeltaDecoder::Feed(const char* data, size_t size,
     const size_t r =
         ZSTD_decompressStream(state_->context.get(), &output, &input);
     if (ZSTD_isError(r)) {
-      return FieldError(absl::StatusCode::kDataLoss, "chunk",
-                        absl::StrCat("the delta is not a valid zstd frame "
-                                     "(after ",
-                                     decoded_, " rebuilt bytes): ",
-                                     ZSTD_getErrorName(r)));
+      return FieldError(
+          absl::StatusCode::kDataLoss, "chunk",
+          absl::StrCat("the delta is not a valid zstd frame "
+                       "(after ",
+                       decoded_, " rebuilt bytes): ", ZSTD_getErrorName(r)));
     }
     if (decoded_ + static_cast<int64_t>(output.pos) > total_bytes_) {
       return FieldError(

@@ -372,9 +372,8 @@ std::vector<MetricFamily> ServerMetrics::Collect(
   families.push_back(
       CollectFamily(hidden_bytes_, kHiddenBytesHelp, MetricType::Counter));
   OrderLabels({"path"}, &families.back());
-  families.push_back(CollectFamily(model_bytes_received_,
-                                   kModelBytesReceivedHelp,
-                                   MetricType::Counter));
+  families.push_back(CollectFamily(
+      model_bytes_received_, kModelBytesReceivedHelp, MetricType::Counter));
   const MetricsSnapshot::SharedMemory& shm = snapshot.shared_memory;
   MetricFamily regions =
       EmptyFamily("detlogp_shared_memory_regions",

@@ -93,9 +93,9 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
       }
       break;
     default:
-      return v1::FieldError(absl::StatusCode::kInvalidArgument,
-                            "header.encoding",
-                            absl::StrCat("unknown encoding ", header.encoding()));
+      return v1::FieldError(
+          absl::StatusCode::kInvalidArgument, "header.encoding",
+          absl::StrCat("unknown encoding ", header.encoding()));
   }
   if (!header.weights_sha256().empty() &&
       !IsHexDigest(header.weights_sha256())) {
@@ -391,9 +391,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     const int64_t number = header.base_version();
     auto base = service_->manager_->Resolve(header.model(), number);
     if (!base.ok()) {
-      return BaseMissing(number, absl::StrCat("model '", header.model(),
-                                              "' has no ready version ",
-                                              number, " here"));
+      return BaseMissing(
+          number, absl::StrCat("model '", header.model(),
+                               "' has no ready version ", number, " here"));
     }
     const ServedVersion& version = **base;
     if (version.weights_sha256 != header.base_weights_sha256()) {
@@ -405,9 +405,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (version.hidden_size != shape_.hidden_size ||
         version.padded_vocab_size != shape_.padded_vocab_size ||
         version.has_bias != shape_.has_bias) {
-      return BaseMissing(number,
-                         absl::StrCat("version ", number, " has another shape "
-                                      "or bias than the header"));
+      return BaseMissing(number, absl::StrCat("version ", number,
+                                              " has another shape "
+                                              "or bias than the header"));
     }
     base_weights_ = version.host_weights.lock();
     if (base_weights_ == nullptr && service_->options_.store == nullptr) {
@@ -430,8 +430,7 @@ class ModelRepositoryServiceImpl::UploadCall final
       for (const StoredVersion& stored : model->second) {
         if (stored.version != base_version_->version) continue;
         auto weights = LoadLmHead(stored.source);
-        if (weights.ok() &&
-            weights->sha256 == base_version_->weights_sha256) {
+        if (weights.ok() && weights->sha256 == base_version_->weights_sha256) {
           base_weights_ =
               std::make_shared<const LmHeadWeights>(*std::move(weights));
           return absl::OkStatus();
@@ -460,7 +459,8 @@ class ModelRepositoryServiceImpl::UploadCall final
                                   "the digest message must be the last one")});
           return;
         }
-        const int64_t payload_bytes = shape_.weight_bytes() + shape_.bias_bytes();
+        const int64_t payload_bytes =
+            shape_.weight_bytes() + shape_.bias_bytes();
         if (received_ + size >
             (delta_ ? v1::MaxXorDeltaBytes(payload_bytes) : payload_bytes)) {
           queue_.push_back(Item{
@@ -549,13 +549,12 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (delta_) {
       if (absl::Status s = ReadBase(); !s.ok()) return s;
       decoder = std::make_unique<v1::XorDeltaDecoder>(
-          v1::PayloadParts{
-              absl::string_view(
-                  reinterpret_cast<const char*>(base_weights_->weight.data()),
-                  base_weights_->weight.size() * 2),
-              absl::string_view(
-                  reinterpret_cast<const char*>(base_weights_->bias.data()),
-                  base_weights_->bias.size() * 4)},
+          v1::PayloadParts{absl::string_view(reinterpret_cast<const char*>(
+                                                 base_weights_->weight.data()),
+                                             base_weights_->weight.size() * 2),
+                           absl::string_view(reinterpret_cast<const char*>(
+                                                 base_weights_->bias.data()),
+                                             base_weights_->bias.size() * 4)},
           assembler_->total_bytes());
     }
     const auto append = [this](const char* bytes, size_t size) {

@@ -41,8 +41,7 @@ class ModelRepositoryServiceImpl final
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
     // Upload bytes as they arrive on the wire (compressed, for a delta),
     // and where from: "pusher" (a client's UploadModel).
-    std::function<void(absl::string_view from, int64_t bytes)>
-        on_upload_bytes;
+    std::function<void(absl::string_view from, int64_t bytes)> on_upload_bytes;
   };
 
   // `manager` outlives the service.

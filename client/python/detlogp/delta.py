@@ -73,9 +73,7 @@ def encode_xor_delta(updated, base, *, level=1, threads=None):
     stream = compressor.compressobj(size=sum(updated_sizes))
     out = [
         stream.compress(_xor(piece, other))
-        for (_, piece), (_, other) in zip(
-            _blocks(updated, BLOCK_BYTES), _blocks(base, BLOCK_BYTES)
-        )
+        for (_, piece), (_, other) in zip(_blocks(updated, BLOCK_BYTES), _blocks(base, BLOCK_BYTES))
     ]
     out.append(stream.flush())
     return b"".join(out)

@@ -26,7 +26,13 @@ import grpc
 import numpy as np
 
 from detlogp import delta as delta_codec
-from detlogp._common import Deadline, channel_options, combine_versions, first_failure, normalize_targets
+from detlogp._common import (
+    Deadline,
+    channel_options,
+    combine_versions,
+    first_failure,
+    normalize_targets,
+)
 from detlogp.credentials import bearer, make_channel
 from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.tensors import is_torch_tensor
@@ -49,7 +55,9 @@ class _Pushed:
 def _owned_copy(head):
     """`head` with arrays of its own: the caller may overwrite its weights
     in place before the next step."""
-    copy = LmHead(head.weight.copy(), None if head.bias is None else head.bias.copy(), head.vocab_size)
+    copy = LmHead(
+        head.weight.copy(), None if head.bias is None else head.bias.copy(), head.vocab_size
+    )
     copy._sha256 = head._sha256
     return copy
 
@@ -105,7 +113,15 @@ class Pusher:
 
     def fleet_version(self, name, *, timeout=None):
         """One above the highest version number of model `name` on any
-        target (1 when none has it)."""
+        target (1 when none has it); raises when a target cannot be asked."""
+        outcomes = self._highest_versions(name, timeout)
+        failure = first_failure(name, "ListModels", outcomes)
+        if failure is not None:
+            raise failure
+        return 1 + max(outcomes.values())
+
+    def _highest_versions(self, name, timeout):
+        """{target: highest version number of `name` there, or the error}."""
         deadline = Deadline(timeout or self.timeout)
 
         def highest(index):
@@ -119,8 +135,7 @@ class Pusher:
                     numbers.extend(v.version for v in info.versions)
             return max(numbers)
 
-        outcomes = self._every_target(name, "ListModels", highest)
-        return 1 + max(outcomes.values())
+        return self._on_every_target(highest)
 
     def upload_model(
         self,
@@ -149,7 +164,10 @@ class Pusher:
         device_weight = _cuda_bf16(weight)
         head = LmHead.coerce(weight, bias, vocab_size)
         if version is None:
-            version = self.fleet_version(name, timeout=deadline.remaining())
+            # A target that cannot be asked does not stop the push: its
+            # upload fails below, naming it, while the others agree.
+            highest = self._highest_versions(name, deadline.remaining()).values()
+            version = 1 + max([0] + [v for v in highest if not isinstance(v, BaseException)])
         lm_head_delta = self._delta(name, head, device_weight, base_version, base_weights)
 
         def push(index):
@@ -206,9 +224,8 @@ class Pusher:
             return _delta_on_device(head, device_weight, pushed)
         return head.delta_against(pushed.head, pushed.version)
 
-    def _every_target(self, model, action, call):
-        """call(index) on every target at once; {target: answer}, or raises
-        the first failure with every target's outcome in .per_target."""
+    def _on_every_target(self, call):
+        """call(index) on every target at once: {target: answer or error}."""
 
         def one(index):
             try:
@@ -219,7 +236,12 @@ class Pusher:
                 return error
 
         with concurrent.futures.ThreadPoolExecutor(len(self.targets)) as pool:
-            outcomes = dict(zip(self.targets, pool.map(one, range(len(self.targets)))))
+            return dict(zip(self.targets, pool.map(one, range(len(self.targets)))))
+
+    def _every_target(self, model, action, call):
+        """call(index) on every target at once; {target: answer}, or raises
+        the first failure with every target's outcome in .per_target."""
+        outcomes = self._on_every_target(call)
         failure = first_failure(model, action, outcomes)
         if failure is not None:
             raise failure

@@ -49,7 +49,9 @@ def test_delta_codec_round_trips():
     rng = np.random.default_rng(1)
     old = tensors.float32_to_bf16_bits(rng.standard_normal((256, 64)).astype(np.float32))
     new = step(old, 2)
-    data = delta.encode_xor_delta([new.view(np.uint8).reshape(-1)], [old.view(np.uint8).reshape(-1)])
+    data = delta.encode_xor_delta(
+        [new.view(np.uint8).reshape(-1)], [old.view(np.uint8).reshape(-1)]
+    )
     assert len(data) < new.nbytes * 0.1
     assert delta.decode_xor_delta(data, [old.view(np.uint8).reshape(-1)]) == new.tobytes()
 
@@ -90,7 +92,11 @@ def test_missing_base_falls_back_to_the_head(server_binary, model, tmp_path):
         assert refused.value.reason == "BASE_MISSING"
         with Pusher([with_base.target, without.target]) as pusher:
             result = pusher.upload_model(
-                "default", new, model.bias, base_version=1, base_weights=(model.weight_bits, model.bias)
+                "default",
+                new,
+                model.bias,
+                base_version=1,
+                base_weights=(model.weight_bits, model.bias),
             )
             assert pusher.last_sent[with_base.target][0] == "delta"
             assert pusher.last_sent[without.target][0] == "head"
@@ -105,7 +111,10 @@ def test_corrupted_delta_is_refused_and_nothing_published(server_binary, model):
         data = bytearray(lm_delta.data)
         data[len(data) // 2] ^= 0x5A
         corrupted = type(lm_delta)(
-            lm_delta.base_version, lm_delta.base_weights_sha256, lm_delta.weights_sha256, bytes(data)
+            lm_delta.base_version,
+            lm_delta.base_weights_sha256,
+            lm_delta.weights_sha256,
+            bytes(data),
         )
         with pytest.raises(DataLoss):
             upload(server.target, head.delta_messages("default", corrupted))
@@ -116,9 +125,11 @@ def test_corrupted_delta_is_refused_and_nothing_published(server_binary, model):
 
 
 def test_every_replica_publishes_one_number(server_binary, model):
-    with start(server_binary, model) as a, start(server_binary, model) as b, start(
-        server_binary, model
-    ) as c:
+    with (
+        start(server_binary, model) as a,
+        start(server_binary, model) as b,
+        start(server_binary, model) as c,
+    ):
         with Pusher([b.target]) as ahead:  # b two versions ahead
             ahead.upload_model("default", step(model.weight_bits, 11), model.bias)
             ahead.upload_model("default", step(model.weight_bits, 12), model.bias)
