@@ -152,6 +152,9 @@ def push_through_servers(old, new):
                     f"push as {name}: {int(received)} bytes received by the server, "
                     f"{seconds:.2f} s from the call to ready (encoding included)"
                 )
+                for line in server.log().splitlines():
+                    if "upload of default" in line or "version 2 ready" in line:
+                        print("  server:", line.split("] ", 2)[-1])
             assert results["delta"].weights_sha256 == results["head"].weights_sha256
             assert results["delta"].determinism_key == results["head"].determinism_key
             print(f"equal digests and keys: {results['delta'].weights_sha256}")
