@@ -18,46 +18,49 @@ int64_t TotalBytes(const PayloadParts& parts) {
   return total;
 }
 
-// Copies `size` bytes of `parts` from `offset` on into `out`.
-void ReadParts(const PayloadParts& parts, int64_t offset, char* out,
-               int64_t size) {
+// Calls visit(out_offset, source, n) for each piece of the stream bytes
+// [offset, offset + size) that `parts` lay end to end: `source` points at
+// the piece inside its part, `out_offset` is where it falls in the range.
+template <typename Visit>
+void ForEachPiece(const PayloadParts& parts, int64_t offset, int64_t size,
+                  Visit visit) {
   int64_t begin = 0;
   for (absl::string_view part : parts) {
     const int64_t end = begin + static_cast<int64_t>(part.size());
     const int64_t from = std::max(offset, begin);
     const int64_t to = std::min(offset + size, end);
     if (to > from)
-      std::memcpy(out + (from - offset), part.data() + (from - begin),
-                  to - from);
+      visit(from - offset, part.data() + (from - begin), to - from);
     begin = end;
   }
+}
+
+// Copies `size` bytes of `parts` from `offset` on into `out`.
+void ReadParts(const PayloadParts& parts, int64_t offset, char* out,
+               int64_t size) {
+  ForEachPiece(parts, offset, size,
+               [out](int64_t at, const char* in, int64_t n) {
+                 std::memcpy(out + at, in, n);
+               });
 }
 
 // XORs `size` bytes of `parts` from `offset` on into `bytes`.
 void XorParts(const PayloadParts& parts, int64_t offset, char* bytes,
               int64_t size) {
-  int64_t begin = 0;
-  for (absl::string_view part : parts) {
-    const int64_t end = begin + static_cast<int64_t>(part.size());
-    const int64_t from = std::max(offset, begin);
-    const int64_t to = std::min(offset + size, end);
-    if (to > from) {
-      char* out = bytes + (from - offset);
-      const char* in = part.data() + (from - begin);
-      // Eight bytes at a time; the compiler vectorises the loop.
-      const int64_t n = to - from;
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        uint64_t a, b;
-        std::memcpy(&a, out + i, 8);
-        std::memcpy(&b, in + i, 8);
-        a ^= b;
-        std::memcpy(out + i, &a, 8);
-      }
-      for (; i < n; ++i) out[i] ^= in[i];
-    }
-    begin = end;
-  }
+  ForEachPiece(parts, offset, size,
+               [bytes](int64_t at, const char* in, int64_t n) {
+                 char* out = bytes + at;
+                 // Eight bytes at a time; the compiler vectorises the loop.
+                 int64_t i = 0;
+                 for (; i + 8 <= n; i += 8) {
+                   uint64_t a, b;
+                   std::memcpy(&a, out + i, 8);
+                   std::memcpy(&b, in + i, 8);
+                   a ^= b;
+                   std::memcpy(out + i, &a, 8);
+                 }
+                 for (; i < n; ++i) out[i] ^= in[i];
+               });
 }
 
 absl::Status ZstdError(size_t code, absl::string_view what) {

@@ -22,7 +22,7 @@
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
 #include "proto/status_details.h"
-#include "server/models/safetensors.h"
+#include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -32,7 +32,9 @@ using client::LmHeadDelta;
 using client::LmHeadUpload;
 using client::LogpClient;
 using client::ModelRepositoryClient;
+using testing::MakeTempDir;
 using testing::ServerProcess;
+using testing::WriteLmHeadFile;
 
 constexpr int64_t kH = 128;
 constexpr int64_t kV = 2000;
@@ -42,15 +44,6 @@ constexpr int64_t kV = 2000;
     const absl::Status _s = (expr);              \
     ASSERT_TRUE(_s.ok()) << #expr << ": " << _s; \
   } while (0)
-
-std::string MakeTempDir(const std::string& name) {
-  static std::atomic<int> counter{0};
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name,
-                                       "_", getpid(), "_", counter++);
-  mkdir(dir.c_str(), 0755);
-  return dir;
-}
 
 LmHeadUpload RandomLmHead(uint64_t seed) {
   LmHeadUpload upload;
@@ -78,22 +71,6 @@ LmHeadUpload Step(const LmHeadUpload& base, uint64_t seed) {
   }
   for (size_t i = 0; i < next.bias.size(); i += 97) next.bias[i] += 1e-3f;
   return next;
-}
-
-absl::Status WriteLmHeadFile(const std::string& path,
-                             const LmHeadUpload& upload) {
-  std::vector<server::SafetensorToWrite> tensors(2);
-  tensors[0].name = "lm_head.weight";
-  tensors[0].dtype = "BF16";
-  tensors[0].shape = {upload.padded_vocab_size, upload.hidden_size};
-  const auto* w = reinterpret_cast<const uint8_t*>(upload.weight.data());
-  tensors[0].data.assign(w, w + upload.weight.size() * 2);
-  tensors[1].name = "lm_head.bias";
-  tensors[1].dtype = "F32";
-  tensors[1].shape = {upload.padded_vocab_size};
-  const auto* b = reinterpret_cast<const uint8_t*>(upload.bias.data());
-  tensors[1].data.assign(b, b + upload.bias.size() * 4);
-  return server::WriteSafetensors(path, tensors);
 }
 
 std::unique_ptr<ServerProcess> StartServer(std::vector<std::string> args) {

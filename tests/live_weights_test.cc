@@ -37,6 +37,7 @@
 #include "kernels/random_normal.h"
 #include "server/models/lm_head_weights.h"
 #include "server/models/safetensors.h"
+#include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -46,7 +47,9 @@ using client::LmHeadUpload;
 using client::LogpClient;
 using client::ModelRepositoryClient;
 using client::ScoreResult;
+using testing::MakeTempDir;
 using testing::ServerProcess;
+using testing::WriteLmHeadFile;
 using v1::ModelVersionStatus;
 using v1::UploadModelRequest;
 
@@ -60,15 +63,6 @@ constexpr int64_t kV = 2000;
   } while (0)
 
 // ------------------------------------------------------------ helpers
-
-std::string MakeTempDir(const std::string& name) {
-  static std::atomic<int> counter{0};
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name,
-                                       "_", getpid(), "_", counter++);
-  mkdir(dir.c_str(), 0755);
-  return dir;
-}
 
 std::vector<std::string> ListDir(const std::string& dir) {
   std::vector<std::string> names;
@@ -118,27 +112,6 @@ LmHeadUpload RandomLmHead(const std::string& model, uint64_t seed,
     for (float& b : upload.bias) b = random.Next(0.1f);
   }
   return upload;
-}
-
-// As a .safetensors file: lm_head.weight BF16 [V_pad, H], lm_head.bias F32.
-absl::Status WriteLmHeadFile(const std::string& path,
-                             const LmHeadUpload& upload) {
-  std::vector<server::SafetensorToWrite> tensors(1);
-  tensors[0].name = "lm_head.weight";
-  tensors[0].dtype = "BF16";
-  tensors[0].shape = {upload.padded_vocab_size, upload.hidden_size};
-  const auto* w = reinterpret_cast<const uint8_t*>(upload.weight.data());
-  tensors[0].data.assign(w, w + upload.weight.size() * 2);
-  if (!upload.bias.empty()) {
-    server::SafetensorToWrite bias;
-    bias.name = "lm_head.bias";
-    bias.dtype = "F32";
-    bias.shape = {upload.padded_vocab_size};
-    const auto* b = reinterpret_cast<const uint8_t*>(upload.bias.data());
-    bias.data.assign(b, b + upload.bias.size() * 4);
-    tensors.push_back(std::move(bias));
-  }
-  return server::WriteSafetensors(path, tensors);
 }
 
 // Fixed hidden rows and targets.
