@@ -209,6 +209,8 @@ TEST_F(FleetUploadTest, MissingOrWrongBaseIsBaseMissingAndThePushSendsTheHead) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(v1::DetailsOf(refused.status()).reason, v1::kReasonBaseMissing)
       << refused.status();
+  EXPECT_EQ(v1::DetailsOf(refused.status()).fields,
+            std::vector<std::string>{"header.base_version"});
   // A version number the server has never had.
   LmHeadDelta absent = *delta;
   absent.base_version = 7;

@@ -107,9 +107,9 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
 }
 
 absl::Status BaseMissing(int64_t base_version, absl::string_view why) {
-  return v1::WithReason(
-      absl::FailedPreconditionError(absl::StrCat(
-          "header.base_version: ", why, "; send the whole head instead")),
+  return v1::FieldError(
+      absl::StatusCode::kFailedPrecondition, "header.base_version",
+      absl::StrCat(why, "; send the whole head instead"),
       v1::kReasonBaseMissing, {{"base_version", absl::StrCat(base_version)}});
 }
 
