@@ -178,6 +178,11 @@ ABSL_FLAG(int64_t, chunk_mb, 4, "upload: MiB per streamed chunk.");
 ABSL_FLAG(std::string, servers, "",
           "upload: the servers to push to, comma-separated (default: "
           "--target).");
+ABSL_FLAG(std::string, fanout, "",
+          "upload to several --servers: chain (the first server forwards "
+          "each chunk to the next as it arrives; those it does not reach get "
+          "it directly) or direct (every server from here); empty: chain "
+          "for more than two servers.");
 ABSL_FLAG(int64_t, base_version, 0,
           "upload: send only what changed against this version, which the "
           "servers hold (0: the whole head); needs --base_weights_file. A "
@@ -283,6 +288,7 @@ detlogp::client::ModelsCommandOptions ModelsOptions() {
   options.expected_sha256 = absl::GetFlag(FLAGS_expected_sha256);
   options.servers =
       absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipWhitespace());
+  options.fanout = absl::GetFlag(FLAGS_fanout);
   options.base_version = absl::GetFlag(FLAGS_base_version);
   options.base_weights_file = absl::GetFlag(FLAGS_base_weights_file);
   return options;

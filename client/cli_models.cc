@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
 #include "proto/status_details.h"
 
 namespace detlogp::client {
@@ -83,6 +84,14 @@ absl::Status RunUpload(const LogpClient::Options& connection,
   std::vector<std::string> servers = options.servers;
   if (servers.empty()) servers.push_back(connection.target);
   PushOptions push;
+  if (options.fanout == "chain" ||
+      (options.fanout.empty() && servers.size() > 2)) {
+    push.fanout = PushOptions::Fanout::kChain;
+  } else if (!options.fanout.empty() && options.fanout != "direct") {
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "--fanout",
+        absl::StrCat("'", options.fanout, "' is neither chain nor direct"));
+  }
   absl::StatusOr<LmHeadDelta> delta;
   if (options.base_version != 0 || !options.base_weights_file.empty()) {
     if (options.base_version <= 0 || options.base_weights_file.empty()) {
@@ -110,12 +119,15 @@ absl::Status RunUpload(const LogpClient::Options& connection,
     if (pushed.version.ok()) {
       std::printf(
           "target %s model %s version %lld weights_sha256 %s "
-          "determinism_key %s sent %s %lld bytes\n",
+          "determinism_key %s %s %s %lld bytes\n",
           pushed.target.c_str(), upload->model.c_str(),
           static_cast<long long>(pushed.version->version()),
           pushed.version->weights_sha256().c_str(),
           pushed.version->determinism_key().c_str(),
-          pushed.sent_delta ? "delta" : "head",
+          pushed.via_chain ? "via" : "sent",
+          pushed.via_chain    ? "chain"
+          : pushed.sent_delta ? "delta"
+                              : "head",
           static_cast<long long>(pushed.bytes_sent));
     } else {
       std::printf("target %s error %s\n", pushed.target.c_str(),

@@ -35,6 +35,8 @@ struct ModelsCommandOptions {
   // its weights back, so the pusher keeps its base).
   int64_t base_version = 0;
   std::string base_weights_file;
+  // upload: "chain", "direct", or empty (chain for more than two servers).
+  std::string fanout;
 };
 
 // Prints every model, its latest version and each version's status.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -266,6 +267,9 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::Upload(
   if (absl::Status s = ValidateLmHeadUpload(upload); !s.ok()) return s;
   detlogp::v1::UploadModelHeader header = HeaderOf(upload);
   if (options.version != 0) header.set_model_version(options.version);
+  for (const std::string& next : options.forward_to) {
+    header.add_forward_to(next);
+  }
   if (options.delta == nullptr) {
     // Its blocks hash on every core in a fraction of the transfer's time,
     // so the digest travels in the header.
@@ -407,6 +411,76 @@ absl::StatusOr<int64_t> FleetVersion(
   return top + 1;
 }
 
+namespace {
+
+// Uploads to one target: the delta when given, the whole head when there
+// is none or the target lacks its base; `forward_to` makes it the head of a
+// chain.
+PushedVersion PushOne(const std::string& target,
+                      const LogpClient::Options& connection,
+                      const ModelRepositoryClient::Options& options,
+                      const LmHeadUpload& upload, int64_t version,
+                      const LmHeadDelta* delta,
+                      const std::vector<std::string>& forward_to) {
+  PushedVersion out;
+  out.target = target;
+  auto client =
+      ModelRepositoryClient::Create(ConnectionTo(connection, target), options);
+  if (!client.ok()) {
+    out.version = client.status();
+    return out;
+  }
+  ModelRepositoryClient::UploadOptions upload_options;
+  upload_options.version = version;
+  upload_options.forward_to = forward_to;
+  int64_t sent = 0;
+  upload_options.hooks.after_chunk = [&sent](int64_t so_far, int64_t) {
+    sent = so_far;
+    return true;
+  };
+  if (delta != nullptr) {
+    upload_options.delta = delta;
+    out.version = (*client)->Upload(upload, upload_options);
+    out.bytes_sent += sent;
+    out.sent_delta = out.version.ok();
+    // A replica without the base gets the whole head.
+    if (out.version.ok() ||
+        v1::DetailsOf(out.version.status()).reason != v1::kReasonBaseMissing) {
+      return out;
+    }
+    upload_options.delta = nullptr;
+    sent = 0;
+  }
+  out.version = (*client)->Upload(upload, upload_options);
+  out.bytes_sent += sent;
+  return out;
+}
+
+// The target's status of `version` of `model` when it holds it with
+// `digest`; nothing when it does not (or cannot be asked).
+std::optional<ModelVersionStatus> HeldVersion(
+    const std::string& target, const LogpClient::Options& connection,
+    const ModelRepositoryClient::Options& options, const std::string& model,
+    int64_t version, const std::string& digest) {
+  auto client =
+      ModelRepositoryClient::Create(ConnectionTo(connection, target), options);
+  if (!client.ok()) return std::nullopt;
+  auto models = (*client)->ListModels();
+  if (!models.ok()) return std::nullopt;
+  for (const detlogp::v1::ModelInfo& info : models->models()) {
+    if (info.model() != model) continue;
+    for (const ModelVersionStatus& held : info.versions()) {
+      if (held.version() == version && held.weights_sha256() == digest &&
+          held.state() == ModelVersionStatus::READY) {
+        return held;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 PushReport PushToTargets(const std::vector<std::string>& targets,
                          const LogpClient::Options& connection,
                          const ModelRepositoryClient::Options& options,
@@ -428,39 +502,37 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
     }
   }
   report.targets.resize(targets.size());
+  std::vector<bool> pending(targets.size(), true);
+  if (push.fanout == PushOptions::Fanout::kChain && targets.size() > 1 &&
+      version > 0) {
+    // The first target forwards every message down the chain as it
+    // arrives; then each target says whether it holds the version.
+    const std::vector<std::string> rest(targets.begin() + 1, targets.end());
+    report.targets[0] = PushOne(targets[0], connection, options, upload,
+                                version, push.delta, rest);
+    const std::string digest = push.delta != nullptr
+                                   ? push.delta->weights_sha256
+                                   : LmHeadUploadDigest(upload);
+    pending[0] = false;
+    for (size_t i = 1; i < targets.size(); ++i) {
+      auto held = HeldVersion(targets[i], connection, options, upload.model,
+                              version, digest);
+      if (held.has_value()) {
+        report.targets[i].target = targets[i];
+        report.targets[i].version = *std::move(held);
+        report.targets[i].via_chain = true;
+        pending[i] = false;
+      }
+    }
+  }
+  // Directly to every target the chain did not reach (all of them for a
+  // direct push).
   std::vector<std::thread> threads;
   for (size_t i = 0; i < targets.size(); ++i) {
+    if (!pending[i]) continue;
     threads.emplace_back([&, i] {
-      PushedVersion& out = report.targets[i];
-      out.target = targets[i];
-      auto client = ModelRepositoryClient::Create(
-          ConnectionTo(connection, targets[i]), options);
-      if (!client.ok()) {
-        out.version = client.status();
-        return;
-      }
-      ModelRepositoryClient::UploadOptions upload_options;
-      upload_options.version = version;
-      int64_t sent = 0;
-      upload_options.hooks.after_chunk = [&sent](int64_t so_far, int64_t) {
-        sent = so_far;
-        return true;
-      };
-      if (push.delta != nullptr) {
-        upload_options.delta = push.delta;
-        out.version = (*client)->Upload(upload, upload_options);
-        out.bytes_sent += sent;
-        out.sent_delta = out.version.ok();
-        // A replica without the base gets the whole head.
-        if (out.version.ok() || v1::DetailsOf(out.version.status()).reason !=
-                                    v1::kReasonBaseMissing) {
-          return;
-        }
-        upload_options.delta = nullptr;
-        sent = 0;
-      }
-      out.version = (*client)->Upload(upload, upload_options);
-      out.bytes_sent += sent;
+      report.targets[i] = PushOne(targets[i], connection, options, upload,
+                                  version, push.delta, {});
     });
   }
   for (std::thread& thread : threads) thread.join();

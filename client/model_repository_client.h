@@ -161,6 +161,8 @@ class ModelRepositoryClient {
     int64_t version = 0;
     // Sent instead of the whole head (as UploadDelta); null: the head.
     const LmHeadDelta* delta = nullptr;
+    // A chain push: the servers this one forwards the upload to, in order.
+    std::vector<std::string> forward_to;
     UploadHooks hooks;
   };
   // UploadModel and UploadDelta in one call.
@@ -192,12 +194,22 @@ struct PushedVersion {
   bool sent_delta = false;
   // Payload bytes sent to this target (delta, then the head if it fell back).
   int64_t bytes_sent = 0;
+  // Reached through the chain (from the previous server), not the pusher.
+  bool via_chain = false;
 };
 
 struct PushOptions {
   // Sent instead of the whole head to every target; a target answering
   // BASE_MISSING gets the whole head. May be null.
   const LmHeadDelta* delta = nullptr;
+  // kDirect: the pusher uploads to every target. kChain: to the first
+  // target only, which forwards each message down the list as it arrives
+  // (the pusher's egress does not grow with the targets); then every target
+  // is asked whether it holds the version, and those the chain did not
+  // reach (a server that failed, or lacked a delta's base, stops the chain
+  // there) get it directly.
+  enum class Fanout { kDirect, kChain };
+  Fanout fanout = Fanout::kDirect;
 };
 
 struct PushReport {

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -16,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
 #include "client/random_rows.h"
@@ -325,6 +327,64 @@ TEST_F(FleetUploadTest, EveryReplicaPublishesOneNumberForAPush) {
   EXPECT_TRUE(absl::StrContains(out, "sent delta")) << out;
   EXPECT_FALSE(absl::StrContains(out, "sent head")) << out;
   EXPECT_EQ(ScoredBits(*a, 5), ScoredBits(*c, 5));
+}
+
+TEST_F(FleetUploadTest, ChainPushForwardsEachChunkAndRoutesAroundFailures) {
+  // A fleet of four; the pusher sends to the first only.
+  std::vector<std::unique_ptr<ServerProcess>> fleet;
+  std::vector<std::string> targets;
+  for (int i = 0; i < 4; ++i) {
+    fleet.push_back(StartWithBase());
+    ASSERT_TRUE(fleet.back() != nullptr);
+    targets.push_back(fleet.back()->target());
+  }
+  client::PushOptions chain;
+  chain.fanout = client::PushOptions::Fanout::kChain;
+  client::PushReport report =
+      client::PushToTargets(targets, LogpClient::Options(), {}, step_, chain);
+  ASSERT_TRUE(report.status.ok()) << report.status;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const client::PushedVersion& pushed = report.targets[i];
+    ASSERT_TRUE(pushed.version.ok()) << pushed.target;
+    EXPECT_EQ(pushed.version->version(), 2);
+    EXPECT_EQ(pushed.version->weights_sha256(),
+              client::LmHeadUploadDigest(step_));
+    EXPECT_EQ(pushed.via_chain, i > 0) << pushed.target;
+    // Where its bytes came from: the pusher for the first, a peer after.
+    const double payload = static_cast<double>(step_.payload_bytes());
+    EXPECT_EQ(BytesReceived(*fleet[i], "pusher"), i == 0 ? payload : 0.0);
+    EXPECT_EQ(BytesReceived(*fleet[i], "peer"), i == 0 ? 0.0 : payload);
+  }
+  EXPECT_EQ(ScoredBits(*fleet[0], 2), ScoredBits(*fleet[3], 2));
+
+  // A delta down the chain; the second server is down: the pusher sends
+  // to the ones after it directly and names the one that failed.
+  const LmHeadUpload third = Step(step_, 3);
+  auto delta = client::EncodeLmHeadDelta(third, step_, 2);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  EXPECT_EQ(fleet[1]->Stop(SIGTERM), 0);
+  LogpClient::Options connection;
+  connection.timeout = absl::Seconds(5);
+  ModelRepositoryClient::Options options;
+  options.timeout = absl::Seconds(20);
+  chain.delta = &*delta;
+  LmHeadUpload numbered = third;
+  numbered.version = 3;
+  report = client::PushToTargets(targets, connection, options, numbered, chain);
+  EXPECT_FALSE(report.status.ok());
+  EXPECT_TRUE(absl::StrContains(report.status.message(), targets[1]))
+      << report.status;
+  EXPECT_FALSE(report.targets[1].version.ok());
+  for (int i : {0, 2, 3}) {
+    const client::PushedVersion& pushed = report.targets[i];
+    ASSERT_TRUE(pushed.version.ok())
+        << pushed.target << pushed.version.status();
+    EXPECT_EQ(pushed.version->version(), 3);
+    EXPECT_EQ(pushed.version->weights_sha256(),
+              client::LmHeadUploadDigest(third));
+    EXPECT_FALSE(pushed.via_chain) << pushed.target;
+    EXPECT_TRUE(pushed.sent_delta) << pushed.target;
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "server/transport/model_repository_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -10,6 +11,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include <grpcpp/create_channel.h>
+
 #include "proto/upload_delta.h"
 #include "server/models/upload_assembler.h"
 #include "server/transport/grpc_status.h"
@@ -263,8 +266,13 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::UnloadModel(
 class ModelRepositoryServiceImpl::UploadCall final
     : public grpc::ServerReadReactor<UploadModelRequest> {
  public:
-  UploadCall(ModelRepositoryServiceImpl* service, ModelVersionStatus* response)
-      : service_(service), response_(response) {
+  UploadCall(ModelRepositoryServiceImpl* service, ModelVersionStatus* response,
+             std::string authorization,
+             std::chrono::system_clock::time_point deadline)
+      : service_(service),
+        response_(response),
+        authorization_(std::move(authorization)),
+        deadline_(deadline) {
     absl::MutexLock lock(&mu_);
     reading_ = true;
     StartRead(&message_);
@@ -291,7 +299,8 @@ class ModelRepositoryServiceImpl::UploadCall final
           result_ = *finish_now;
         }
       } else if (!ok) {
-        queue_.push_back(Item{Item::kEnd});
+        forward_end_ = true;
+        PushLocalLocked(Item{Item::kEnd});
       } else {
         AcceptLocked();
       }
@@ -302,8 +311,9 @@ class ModelRepositoryServiceImpl::UploadCall final
   void OnCancel() override {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
+    forward_abort_ = true;
     if (worker_started_) {
-      queue_.push_back(
+      PushLocalLocked(
           Item{Item::kAbort, {}, absl::CancelledError("upload cancelled")});
     }
   }
@@ -378,9 +388,89 @@ class ModelRepositoryServiceImpl::UploadCall final
     }
     // Hashing and writing run beside the copy, block by block.
     assembler_ = std::make_unique<UploadAssembler>(shape_, writer_.get());
+    from_peer_ = header.forwarded();
+    if (header.forward_to_size() > 0) StartForwardingLocked(header);
     worker_started_ = true;
     service_->tasks_.Start([this] { Work(); });
     return absl::OkStatus();
+  }
+
+  // A chain push: the same messages go on to the next server as they
+  // arrive, its header naming the servers after it.
+  void StartForwardingLocked(const UploadModelHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    forward_target_ = header.forward_to(0);
+    UploadModelRequest next;
+    *next.mutable_header() = header;
+    next.mutable_header()->mutable_forward_to()->DeleteSubrange(0, 1);
+    next.mutable_header()->set_forwarded(true);
+    forward_queue_.push_back(std::move(next));
+    forwarding_ = true;
+    service_->tasks_.Start([this] { Forward(); });
+  }
+
+  // The forwarding thread: writes the queued messages to the next server;
+  // a server that stops reading is drained (its refusal is logged, and the
+  // pusher learns who holds the version by asking each server).
+  void Forward() {
+    auto stub =
+        detlogp::v1::ModelRepositoryService::NewStub(grpc::CreateChannel(
+            forward_target_, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    // The pusher's deadline bounds the whole chain.
+    context.set_deadline(deadline_);
+    if (!authorization_.empty()) {
+      context.AddMetadata("authorization", authorization_);
+    }
+    ModelVersionStatus response;
+    auto writer = stub->UploadModel(&context, &response);
+    bool open = true;
+    bool aborted = false;
+    while (true) {
+      UploadModelRequest message;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &UploadCall::HasForwardWork));
+        if (forward_abort_) {
+          aborted = true;
+          break;
+        }
+        if (forward_queue_.empty()) break;  // the stream ended
+        message = std::move(forward_queue_.front());
+        forward_queue_.pop_front();
+        if (!reading_) ContinueReadingLocked();
+      }
+      if (open) open = writer->Write(message);
+    }
+    if (aborted) {
+      context.TryCancel();
+    } else if (open) {
+      writer->WritesDone();
+    }
+    const grpc::Status status = writer->Finish();
+    if (status.ok()) {
+      spdlog::info("upload of {} forwarded to {}: version {} published there",
+                   model_, forward_target_, response.version());
+    } else {
+      spdlog::warn("upload of {} forwarded to {}: {} {}", model_,
+                   forward_target_, static_cast<int>(status.error_code()),
+                   status.error_message());
+    }
+    absl::MutexLock lock(&mu_);
+    forward_queue_.clear();
+    forwarding_ = false;
+  }
+
+  bool HasForwardWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return forward_abort_ || forward_end_ || !forward_queue_.empty();
+  }
+  bool ForwardingDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !forwarding_;
+  }
+
+  // Queues an item for the local worker, unless it has stopped consuming.
+  void PushLocalLocked(Item item) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!local_done_) queue_.push_back(std::move(item));
   }
 
   // The base a delta names: a ready version with the digest the pusher
@@ -444,14 +534,17 @@ class ModelRepositoryServiceImpl::UploadCall final
   }
 
   void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // A copy: the local queue takes the chunk itself.
+    if (forwarding_ && !forward_end_) forward_queue_.push_back(message_);
     switch (message_.part_case()) {
       case UploadModelRequest::kChunk: {
         const int64_t size = static_cast<int64_t>(message_.chunk().size());
         if (service_->options_.on_upload_bytes) {
-          service_->options_.on_upload_bytes("pusher", size);
+          service_->options_.on_upload_bytes(from_peer_ ? "peer" : "pusher",
+                                             size);
         }
         if (trailer_seen_) {
-          queue_.push_back(
+          PushLocalLocked(
               Item{Item::kAbort,
                    {},
                    v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -463,7 +556,7 @@ class ModelRepositoryServiceImpl::UploadCall final
             shape_.weight_bytes() + shape_.bias_bytes();
         if (received_ + size >
             (delta_ ? v1::MaxXorDeltaBytes(payload_bytes) : payload_bytes)) {
-          queue_.push_back(Item{
+          PushLocalLocked(Item{
               Item::kAbort,
               {},
               v1::FieldError(
@@ -476,13 +569,13 @@ class ModelRepositoryServiceImpl::UploadCall final
           return;
         }
         received_ += size;
-        queue_.push_back(
+        PushLocalLocked(
             Item{Item::kChunk, std::move(*message_.mutable_chunk())});
         break;
       }
       case UploadModelRequest::kWeightsSha256:
         if (!expected_sha256_.empty() || trailer_seen_) {
-          queue_.push_back(
+          PushLocalLocked(
               Item{Item::kAbort,
                    {},
                    v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -491,7 +584,7 @@ class ModelRepositoryServiceImpl::UploadCall final
           return;
         }
         if (!IsHexDigest(message_.weights_sha256())) {
-          queue_.push_back(
+          PushLocalLocked(
               Item{Item::kAbort,
                    {},
                    v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -503,7 +596,7 @@ class ModelRepositoryServiceImpl::UploadCall final
         expected_sha256_ = message_.weights_sha256();
         break;
       default:
-        queue_.push_back(
+        PushLocalLocked(
             Item{Item::kAbort,
                  {},
                  v1::FieldError(
@@ -515,8 +608,11 @@ class ModelRepositoryServiceImpl::UploadCall final
   }
 
   void ContinueReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (static_cast<int>(queue_.size()) <
-        service_->options_.max_pending_upload_chunks) {
+    // Not past the end of the stream, nor after Finish.
+    if (reading_ || finished_ || forward_end_) return;
+    const int limit = service_->options_.max_pending_upload_chunks;
+    if (static_cast<int>(queue_.size()) < limit &&
+        static_cast<int>(forward_queue_.size()) < limit) {
       reading_ = true;
       StartRead(&message_);
     }
@@ -537,6 +633,12 @@ class ModelRepositoryServiceImpl::UploadCall final
     reservation_ = {};
     {
       absl::MutexLock lock(&mu_);
+      // The rest of a chain still needs the stream: keep reading for it,
+      // and answer once it has answered.
+      local_done_ = true;
+      queue_.clear();
+      if (forwarding_) ContinueReadingLocked();
+      mu_.Await(absl::Condition(this, &UploadCall::ForwardingDone));
       finished_ = true;
       result_ = status;
     }
@@ -650,6 +752,17 @@ class ModelRepositoryServiceImpl::UploadCall final
   digests::LmHeadShape shape_;
   std::string model_;
   int64_t version_ = 0;  // 0: the model's next number
+  // A chain push: the next server, and the messages still to send it
+  // (copies; the local queue owns its chunks).
+  const std::string authorization_;  // the call's, sent on with it
+  const std::chrono::system_clock::time_point deadline_;  // the call's
+  std::string forward_target_;
+  bool from_peer_ = false;  // the header said `forwarded`
+  std::deque<UploadModelRequest> forward_queue_ ABSL_GUARDED_BY(mu_);
+  bool forwarding_ ABSL_GUARDED_BY(mu_) = false;     // Forward() runs
+  bool forward_end_ ABSL_GUARDED_BY(mu_) = false;    // the stream ended
+  bool forward_abort_ ABSL_GUARDED_BY(mu_) = false;  // the call was cancelled
+  bool local_done_ ABSL_GUARDED_BY(mu_) = false;     // the worker stopped
   // A delta upload: its base, held until the payload is rebuilt.
   bool delta_ = false;
   std::shared_ptr<const ServedVersion> base_version_;
@@ -668,7 +781,14 @@ ModelRepositoryServiceImpl::UploadModel(grpc::CallbackServerContext* context,
     return new RejectedCall<grpc::ServerReadReactor<UploadModelRequest>>(
         Record("UploadModel", denied));
   }
-  return new UploadCall(this, response);
+  // A chain push forwards the call's authorization to the next server.
+  std::string authorization;
+  const auto& metadata = context->client_metadata();
+  if (auto it = metadata.find("authorization"); it != metadata.end()) {
+    authorization.assign(it->second.data(), it->second.size());
+  }
+  return new UploadCall(this, response, std::move(authorization),
+                        context->deadline());
 }
 
 }  // namespace detlogp::server

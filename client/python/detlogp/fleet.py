@@ -69,6 +69,9 @@ class Pusher:
     targets: "host:port" strings (or one comma-separated string).
     admin_token: sent on every call (the servers' --admin_tokens_file).
     timeout: seconds per push (numbering, then the uploads).
+    fanout: "direct" (the pusher uploads to every target) or "chain" (to
+      the first only, which forwards each chunk to the next as it arrives;
+      targets the chain did not reach get the version directly).
     root_certificates, client_certificate, client_key: TLS as for Client.
     """
 
@@ -79,6 +82,7 @@ class Pusher:
         *,
         timeout=600.0,
         chunk_bytes=DEFAULT_CHUNK_BYTES,
+        fanout="direct",
         root_certificates=None,
         client_certificate=None,
         client_key=None,
@@ -86,6 +90,9 @@ class Pusher:
         self.targets = normalize_targets(targets)
         self.timeout = float(timeout)
         self.chunk_bytes = int(chunk_bytes)
+        if fanout not in ("direct", "chain"):
+            raise ValueError(f"fanout {fanout!r} is neither 'direct' nor 'chain'")
+        self.fanout = fanout
         self._metadata = bearer(admin_token) if admin_token else None
         self._channels = [
             make_channel(
@@ -147,6 +154,7 @@ class Pusher:
         version=None,
         base_version=None,
         base_weights=None,
+        fanout=None,
         timeout=None,
     ):
         """Publishes the weights as one version of model `name` on every
@@ -156,6 +164,7 @@ class Pusher:
         version: the number (None: one above the highest any target has).
         base_version: send a delta against this version (0: the whole head;
           None: against the version this pusher pushed last, when it did).
+        fanout: "direct" or "chain" (None: the pusher's); see Pusher.
         base_weights: the weights of base_version, needed when it is not
           the version this pusher pushed last: an LmHead, a checkpoint path,
           or a (weight, bias) tuple of arrays or tensors.
@@ -170,12 +179,15 @@ class Pusher:
             version = 1 + max([0] + [v for v in highest if not isinstance(v, BaseException)])
         lm_head_delta = self._delta(name, head, device_weight, base_version, base_weights)
 
-        def push(index):
+        def push(index, forward_to=()):
             stub = self._stubs[index]
             if lm_head_delta is not None:
                 try:
                     answer = stub.UploadModel(
-                        head.delta_messages(name, lm_head_delta, self.chunk_bytes, version),
+                        _forwarding(
+                            head.delta_messages(name, lm_head_delta, self.chunk_bytes, version),
+                            forward_to,
+                        ),
                         timeout=deadline.remaining(),
                         metadata=self._metadata,
                     )
@@ -186,7 +198,7 @@ class Pusher:
                     if error.reason != BASE_MISSING:
                         raise error from None
             answer = stub.UploadModel(
-                head.messages(name, self.chunk_bytes, version=version),
+                _forwarding(head.messages(name, self.chunk_bytes, version=version), forward_to),
                 timeout=deadline.remaining(),
                 metadata=self._metadata,
             )
@@ -194,7 +206,29 @@ class Pusher:
             return answer
 
         self.last_sent = {}
-        result = combine_versions(name, self._every_target(name, "UploadModel", push))
+        outcomes = {}
+        pending = range(len(self.targets))
+        if (fanout or self.fanout) == "chain" and len(self.targets) > 1:
+            # The first target forwards each message down the chain as it
+            # arrives; then every target says whether it holds the version,
+            # and those the chain did not reach get it directly.
+            outcomes.update(self._on_every_target(lambda i: push(i, self.targets[1:]), [0]))
+            digest = lm_head_delta.weights_sha256 if lm_head_delta else head.sha256()
+            held = self._on_every_target(
+                lambda i: self._held(i, name, version, digest, deadline.remaining()),
+                range(1, len(self.targets)),
+            )
+            for target, status in held.items():
+                if isinstance(status, pb.ModelVersionStatus):
+                    outcomes[target] = status
+                    self.last_sent[target] = ("chain", 0)
+            pending = [i for i, t in enumerate(self.targets) if t not in outcomes]
+        outcomes.update(self._on_every_target(push, pending))
+        outcomes = {target: outcomes[target] for target in self.targets}
+        failure = first_failure(name, "UploadModel", outcomes)
+        if failure is not None:
+            raise failure
+        result = combine_versions(name, outcomes)
         self._pushed[name] = _Pushed(
             result.version,
             _owned_copy(head),
@@ -224,8 +258,28 @@ class Pusher:
             return _delta_on_device(head, device_weight, pushed)
         return head.delta_against(pushed.head, pushed.version)
 
-    def _on_every_target(self, call):
-        """call(index) on every target at once: {target: answer or error}."""
+    def _held(self, index, name, version, digest, timeout):
+        """The target's status of that version when it holds it with
+        `digest`, else None."""
+        models = self._stubs[index].ListModels(
+            pb.ListModelsRequest(), timeout=timeout, metadata=self._metadata
+        )
+        for info in models.models:
+            for held in info.versions if info.model == name else ():
+                if (held.version, held.weights_sha256, held.state) == (
+                    version,
+                    digest,
+                    pb.ModelVersionStatus.READY,
+                ):
+                    return held
+        return None
+
+    def _on_every_target(self, call, indices=None):
+        """call(index) on every target (or those of `indices`) at once:
+        {target: answer or error}."""
+        indices = list(range(len(self.targets)) if indices is None else indices)
+        if not indices:
+            return {}
 
         def one(index):
             try:
@@ -235,8 +289,8 @@ class Pusher:
             except DetlogpError as error:
                 return error
 
-        with concurrent.futures.ThreadPoolExecutor(len(self.targets)) as pool:
-            return dict(zip(self.targets, pool.map(one, range(len(self.targets)))))
+        with concurrent.futures.ThreadPoolExecutor(len(indices)) as pool:
+            return dict(zip((self.targets[i] for i in indices), pool.map(one, indices)))
 
     def _every_target(self, model, action, call):
         """call(index) on every target at once; {target: answer}, or raises
@@ -246,6 +300,15 @@ class Pusher:
         if failure is not None:
             raise failure
         return outcomes
+
+
+def _forwarding(messages, forward_to):
+    """The upload's messages, its header naming the chain after the target."""
+    messages = iter(messages)
+    first = next(messages)
+    first.header.forward_to.extend(forward_to)
+    yield first
+    yield from messages
 
 
 def _cuda_bf16(weight):

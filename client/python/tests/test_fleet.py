@@ -148,3 +148,28 @@ def upload(target, messages):
             return stub.UploadModel(messages, timeout=20)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from None
+
+
+def test_chain_push_reaches_every_replica_from_one_upload(server_binary, model):
+    with (
+        start(server_binary, model) as a,
+        start(server_binary, model) as b,
+        start(server_binary, model) as c,
+    ):
+        targets = [a.target, b.target, c.target]
+        new = step(model.weight_bits, 21)
+        with Pusher(targets, fanout="chain") as pusher:
+            result = pusher.upload_model("default", new, model.bias)
+            assert [pusher.last_sent[t][0] for t in targets] == ["head", "chain", "chain"]
+            # The next step as a delta, down the same chain.
+            again = pusher.upload_model("default", step(new, 22), model.bias)
+            assert [pusher.last_sent[t][0] for t in targets] == ["delta", "chain", "chain"]
+        assert (result.version, again.version) == (2, 3)
+        head_bytes = LmHead(new, model.bias).nbytes
+        peer = 'detlogp_model_bytes_received_total{from="peer"}'
+        pusher_bytes = 'detlogp_model_bytes_received_total{from="pusher"}'
+        assert a.metrics()[peer] == 0 and a.metrics()[pusher_bytes] > head_bytes
+        for server in (b, c):
+            assert server.metrics()[pusher_bytes] == 0
+            assert server.metrics()[peer] == a.metrics()[pusher_bytes]
+        assert bits_on(a, 3, model) == bits_on(c, 3, model)
