@@ -11,7 +11,7 @@
     detlogp upload NAME CHECKPOINT_DIR|FILE.safetensors|FILE.npy
                    [--lm-head-tensor T] [--bias-tensor T | --bias b.npy]
                    [--vocab-size V] [--chunk-mb 4] [--version N]  (admin)
-                   [--base-version N --base-file FILE]
+                   [--base-version N --base-file FILE] [--fanout chain|direct]
     detlogp unload NAME VERSION                              (admin)
 
 Admin commands (ModelRepositoryService) send --admin-token (or
@@ -247,11 +247,13 @@ def _upload(client, args):
     if args.base_file is not None:
         base_args = argparse.Namespace(**{**vars(args), "file": args.base_file})
         base = _read_upload(base_args)
+    fanout = args.fanout or ("chain" if len(client.targets) > 2 else "direct")
     with Pusher(
         client.targets,
         args.admin_token,
         timeout=args.admin_timeout,
         chunk_bytes=int(args.chunk_mb * (1 << 20)),
+        fanout=fanout,
     ) as pusher:
         result = pusher.upload_model(
             args.name,
@@ -352,6 +354,12 @@ def main(argv=None):
         "--base-version", type=int, help="send only what changed against this version"
     )
     upload.add_argument("--base-file", help="the weights of --base-version (read as FILE is)")
+    upload.add_argument(
+        "--fanout",
+        choices=("chain", "direct"),
+        help="several targets: each forwards to the next, or every one from here "
+        "(default: chain for more than two)",
+    )
     unload = sub.add_parser("unload", help="unload one version (admin)")
     unload.add_argument("name")
     unload.add_argument("version", type=int)
