@@ -16,6 +16,7 @@
 //   detlogp_cli load --model=policy --path=ckpt/step_42.safetensors
 //   detlogp_cli upload --model=policy --weights_file=/ckpt/step_42
 //       [--servers=10.0.0.1:50051,10.0.0.2:50051] [--model_version=42]
+//       [--base_version=41 --base_weights_file=/ckpt/step_41]
 //   detlogp_cli unload --model=policy --model_version=3
 #include <unistd.h>
 
@@ -177,6 +178,19 @@ ABSL_FLAG(int64_t, chunk_mb, 4, "upload: MiB per streamed chunk.");
 ABSL_FLAG(std::string, servers, "",
           "upload: the servers to push to, comma-separated (default: "
           "--target).");
+ABSL_FLAG(std::string, fanout, "",
+          "upload to several --servers: chain (the first server forwards "
+          "each chunk to the next as it arrives; those it does not reach get "
+          "it directly) or direct (every server from here); empty: chain "
+          "for more than two servers.");
+ABSL_FLAG(int64_t, base_version, 0,
+          "upload: send only what changed against this version, which the "
+          "servers hold (0: the whole head); needs --base_weights_file. A "
+          "server without it gets the whole head.");
+ABSL_FLAG(std::string, base_weights_file, "",
+          "upload with --base_version: a local checkpoint directory or "
+          ".safetensors file holding that version's lm_head (read as "
+          "--weights_file is).");
 
 namespace {
 
@@ -274,6 +288,9 @@ detlogp::client::ModelsCommandOptions ModelsOptions() {
   options.expected_sha256 = absl::GetFlag(FLAGS_expected_sha256);
   options.servers =
       absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipWhitespace());
+  options.fanout = absl::GetFlag(FLAGS_fanout);
+  options.base_version = absl::GetFlag(FLAGS_base_version);
+  options.base_weights_file = absl::GetFlag(FLAGS_base_weights_file);
   return options;
 }
 

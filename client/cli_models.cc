@@ -2,6 +2,9 @@
 
 #include <cstdio>
 
+#include "absl/strings/str_cat.h"
+#include "proto/status_details.h"
+
 namespace detlogp::client {
 namespace {
 
@@ -80,17 +83,52 @@ absl::Status RunUpload(const LogpClient::Options& connection,
   upload->version = options.model_version;
   std::vector<std::string> servers = options.servers;
   if (servers.empty()) servers.push_back(connection.target);
-  const PushReport report = PushToTargets(servers, connection, admin, *upload);
+  PushOptions push;
+  if (options.fanout == "chain" ||
+      (options.fanout.empty() && servers.size() > 2)) {
+    push.fanout = PushOptions::Fanout::kChain;
+  } else if (!options.fanout.empty() && options.fanout != "direct") {
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "--fanout",
+        absl::StrCat("'", options.fanout, "' is neither chain nor direct"));
+  }
+  absl::StatusOr<LmHeadDelta> delta;
+  if (options.base_version != 0 || !options.base_weights_file.empty()) {
+    if (options.base_version <= 0 || options.base_weights_file.empty()) {
+      return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                            "--base_version",
+                            "a delta needs --base_version (> 0) and "
+                            "--base_weights_file, that version's weights");
+    }
+    auto base = ReadLmHeadUpload(options.model, options.base_weights_file,
+                                 options.lm_head_tensor, options.bias_tensor,
+                                 options.vocab_size);
+    if (!base.ok()) return base.status();
+    delta = EncodeLmHeadDelta(*upload, *base, options.base_version);
+    if (!delta.ok()) return delta.status();
+    std::fprintf(stderr, "delta against version %lld: %zu bytes (head %lld)\n",
+                 static_cast<long long>(options.base_version),
+                 delta->bytes.size(),
+                 static_cast<long long>(upload->payload_bytes()));
+    push.delta = &*delta;
+  }
+  const PushReport report =
+      PushToTargets(servers, connection, admin, *upload, push);
   // "target": the server's address as gRPC names it.
   for (const PushedVersion& pushed : report.targets) {
     if (pushed.version.ok()) {
       std::printf(
           "target %s model %s version %lld weights_sha256 %s "
-          "determinism_key %s\n",
+          "determinism_key %s %s %s %lld bytes\n",
           pushed.target.c_str(), upload->model.c_str(),
           static_cast<long long>(pushed.version->version()),
           pushed.version->weights_sha256().c_str(),
-          pushed.version->determinism_key().c_str());
+          pushed.version->determinism_key().c_str(),
+          pushed.via_chain ? "via" : "sent",
+          pushed.via_chain    ? "chain"
+          : pushed.sent_delta ? "delta"
+                              : "head",
+          static_cast<long long>(pushed.bytes_sent));
     } else {
       std::printf("target %s error %s\n", pushed.target.c_str(),
                   pushed.version.status().ToString().c_str());

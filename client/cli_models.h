@@ -30,6 +30,13 @@ struct ModelsCommandOptions {
   std::string expected_sha256;
   // upload: the servers to push to; empty: the connection's target.
   std::vector<std::string> servers;
+  // upload: send a delta against this version (0: the whole head), whose
+  // weights the pusher holds in `base_weights_file` (a replica cannot send
+  // its weights back, so the pusher keeps its base).
+  int64_t base_version = 0;
+  std::string base_weights_file;
+  // upload: "chain", "direct", or empty (chain for more than two servers).
+  std::string fanout;
 };
 
 // Prints every model, its latest version and each version's status.
@@ -39,7 +46,10 @@ absl::Status RunModels(ModelRepositoryClient& client);
 absl::Status RunLoad(ModelRepositoryClient& client,
                      const ModelsCommandOptions& options);
 
-// Pushes the same weights to every server; one line per server. Fails
+// Pushes the same weights to every server, as a delta against
+// --base_version when given (the whole head to a server without the base);
+// one line per server. Every server publishes the same number
+// (--model_version, else one above the highest any server has). Fails
 // unless every server took them and all report the same digest and key.
 absl::Status RunUpload(const LogpClient::Options& connection,
                        const ModelRepositoryClient::Options& admin,

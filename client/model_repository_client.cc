@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -11,12 +12,34 @@
 #include "server/models/checkpoint.h"
 #include "kernels/bfloat16.h"
 #include "digests/lm_head_digest.h"
+#include "proto/status_details.h"
+#include "proto/upload_delta.h"
 
 namespace detlogp::client {
 namespace {
 
 using detlogp::v1::ModelVersionStatus;
 using detlogp::v1::UploadModelRequest;
+
+// The payload's bytes in wire order: the weight's, then the bias's.
+std::vector<absl::string_view> PayloadOf(const LmHeadUpload& upload) {
+  return {absl::string_view(reinterpret_cast<const char*>(upload.weight.data()),
+                            upload.weight.size() * 2),
+          absl::string_view(reinterpret_cast<const char*>(upload.bias.data()),
+                            upload.bias.size() * 4)};
+}
+
+detlogp::v1::UploadModelHeader HeaderOf(const LmHeadUpload& upload) {
+  detlogp::v1::UploadModelHeader header;
+  header.set_model(upload.model);
+  header.set_dtype(detlogp::v1::DTYPE_BFLOAT16);
+  header.add_shape(upload.padded_vocab_size);
+  header.add_shape(upload.hidden_size);
+  header.set_vocab_size(upload.vocab_size);
+  header.set_has_bias(!upload.bias.empty());
+  header.set_model_version(upload.version);
+  return header;
+}
 
 // Raw elements of a float tensor as floats.
 std::vector<float> ToFloats(const LoadedTensor& tensor) {
@@ -121,6 +144,40 @@ std::string LmHeadUploadDigest(const LmHeadUpload& upload) {
       upload.weight.data(), upload.bias.data());
 }
 
+absl::StatusOr<LmHeadDelta> EncodeLmHeadDelta(const LmHeadUpload& upload,
+                                              const LmHeadUpload& base,
+                                              int64_t base_version,
+                                              int threads) {
+  if (absl::Status s = ValidateLmHeadUpload(upload); !s.ok()) return s;
+  if (base_version <= 0) {
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "base_version",
+        absl::StrCat(base_version, " is not a version (> 0)"));
+  }
+  if (base.hidden_size != upload.hidden_size ||
+      base.padded_vocab_size != upload.padded_vocab_size ||
+      base.effective_vocab_size() != upload.effective_vocab_size() ||
+      base.weight.size() != upload.weight.size() ||
+      base.bias.size() != upload.bias.size()) {
+    return v1::FieldError(
+        absl::StatusCode::kInvalidArgument, "base",
+        absl::StrCat("the base is [", base.padded_vocab_size, ", ",
+                     base.hidden_size, "] bias=", !base.bias.empty(),
+                     ", the new weights [", upload.padded_vocab_size, ", ",
+                     upload.hidden_size, "] bias=", !upload.bias.empty()));
+  }
+  v1::XorDeltaOptions options;
+  options.threads = threads;
+  auto bytes = v1::EncodeXorDelta(PayloadOf(upload), PayloadOf(base), options);
+  if (!bytes.ok()) return bytes.status();
+  LmHeadDelta delta;
+  delta.base_version = base_version;
+  delta.base_weights_sha256 = LmHeadUploadDigest(base);
+  delta.weights_sha256 = LmHeadUploadDigest(upload);
+  delta.bytes = *std::move(bytes);
+  return delta;
+}
+
 // ------------------------------------------------------------------ client
 
 ModelRepositoryClient::ModelRepositoryClient(
@@ -191,7 +248,45 @@ absl::Status ModelRepositoryClient::UnloadModel(const std::string& model,
 
 absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
     const LmHeadUpload& upload, const UploadHooks& hooks) {
+  UploadOptions options;
+  options.hooks = hooks;
+  return Upload(upload, options);
+}
+
+absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadDelta(
+    const LmHeadUpload& upload, const LmHeadDelta& delta,
+    const UploadHooks& hooks) {
+  UploadOptions options;
+  options.delta = &delta;
+  options.hooks = hooks;
+  return Upload(upload, options);
+}
+
+absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::Upload(
+    const LmHeadUpload& upload, const UploadOptions& options) {
   if (absl::Status s = ValidateLmHeadUpload(upload); !s.ok()) return s;
+  detlogp::v1::UploadModelHeader header = HeaderOf(upload);
+  if (options.version != 0) header.set_model_version(options.version);
+  for (const std::string& next : options.forward_to) {
+    header.add_forward_to(next);
+  }
+  if (options.delta == nullptr) {
+    // Its blocks hash on every core in a fraction of the transfer's time,
+    // so the digest travels in the header.
+    header.set_weights_sha256(LmHeadUploadDigest(upload));
+    return Stream(header, PayloadOf(upload), options.hooks);
+  }
+  const LmHeadDelta& delta = *options.delta;
+  header.set_weights_sha256(delta.weights_sha256);
+  header.set_encoding(detlogp::v1::UPLOAD_ENCODING_XOR_ZSTD);
+  header.set_base_version(delta.base_version);
+  header.set_base_weights_sha256(delta.base_weights_sha256);
+  return Stream(header, {delta.bytes}, options.hooks);
+}
+
+absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::Stream(
+    const detlogp::v1::UploadModelHeader& header,
+    const std::vector<absl::string_view>& payload, const UploadHooks& hooks) {
   grpc::ClientContext context;
   PrepareContext(&context);
   ModelVersionStatus response;
@@ -199,29 +294,14 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
       stub_->UploadModel(&context, &response);
 
   UploadModelRequest message;
-  detlogp::v1::UploadModelHeader* header = message.mutable_header();
-  header->set_model(upload.model);
-  header->set_dtype(detlogp::v1::DTYPE_BFLOAT16);
-  header->add_shape(upload.padded_vocab_size);
-  header->add_shape(upload.hidden_size);
-  header->set_vocab_size(upload.vocab_size);
-  header->set_has_bias(!upload.bias.empty());
-  header->set_model_version(upload.version);
-  // Its blocks hash on every core in a fraction of the transfer's time, so
-  // the digest travels in the header.
-  const std::string digest = LmHeadUploadDigest(upload);
-  header->set_weights_sha256(digest);
+  *message.mutable_header() = header;
   // A failed write means the server has ended the call (e.g. the header was
   // refused); Finish says why.
   bool open = writer->Write(message);
 
-  // The payload is the weight's bytes, then the bias's; a chunk may hold the
-  // end of one and the start of the other.
-  const char* parts[2] = {reinterpret_cast<const char*>(upload.weight.data()),
-                          reinterpret_cast<const char*>(upload.bias.data())};
-  const int64_t part_sizes[2] = {static_cast<int64_t>(upload.weight.size() * 2),
-                                 static_cast<int64_t>(upload.bias.size() * 4)};
-  const int64_t total = part_sizes[0] + part_sizes[1];
+  // A chunk may hold the end of one part and the start of the next.
+  int64_t total = 0;
+  for (absl::string_view part : payload) total += part.size();
   int64_t sent = 0;
   bool cancelled = false;
   while (open && sent < total) {
@@ -229,11 +309,13 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
     std::string* chunk = message.mutable_chunk();
     chunk->clear();
     chunk->reserve(size);
-    for (int part = 0, begin = 0; part < 2; begin += part_sizes[part], ++part) {
+    int64_t begin = 0;
+    for (absl::string_view part : payload) {
+      const int64_t end = begin + static_cast<int64_t>(part.size());
       const int64_t from = std::max<int64_t>(sent, begin);
-      const int64_t to =
-          std::min<int64_t>(sent + size, begin + part_sizes[part]);
-      if (to > from) chunk->append(parts[part] + (from - begin), to - from);
+      const int64_t to = std::min<int64_t>(sent + size, end);
+      if (to > from) chunk->append(part.data() + (from - begin), to - from);
+      begin = end;
     }
     open = writer->Write(message);
     sent += size;
@@ -246,45 +328,211 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
   if (open && !cancelled) writer->WritesDone();
   const grpc::Status status = writer->Finish();
   if (cancelled) {
-    return absl::CancelledError(absl::StrCat("upload of ", upload.model,
+    return absl::CancelledError(absl::StrCat("upload of ", header.model(),
                                              " cancelled after ", sent, " of ",
                                              total, " bytes"));
   }
   if (!status.ok()) return FromGrpcStatus(status);
-  if (response.weights_sha256() != digest) {
-    return absl::DataLossError(absl::StrCat(
-        "upload of ", upload.model, ": the server reports weights ",
-        response.weights_sha256(), ", the client sent ", digest));
+  if (response.weights_sha256() != header.weights_sha256()) {
+    return absl::DataLossError(
+        absl::StrCat("upload of ", header.model(),
+                     ": the server reports weights ", response.weights_sha256(),
+                     ", the client sent ", header.weights_sha256()));
   }
   return response;
 }
 
 // ---------------------------------------------------------------- push
 
+namespace {
+
+LogpClient::Options ConnectionTo(const LogpClient::Options& connection,
+                                 const std::string& target) {
+  LogpClient::Options out = connection;
+  out.target = target;
+  out.own_connection = true;
+  return out;
+}
+
+// The highest version number of `model` each target holds (0: none), or
+// why that target could not be asked.
+std::vector<absl::StatusOr<int64_t>> HighestVersions(
+    const std::vector<std::string>& targets,
+    const LogpClient::Options& connection,
+    const ModelRepositoryClient::Options& options, const std::string& model) {
+  std::vector<absl::StatusOr<int64_t>> highest(targets.size(), int64_t{0});
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    threads.emplace_back([&, i] {
+      auto client = ModelRepositoryClient::Create(
+          ConnectionTo(connection, targets[i]), options);
+      if (!client.ok()) {
+        highest[i] = client.status();
+        return;
+      }
+      auto models = (*client)->ListModels();
+      if (!models.ok()) {
+        highest[i] = models.status();
+        return;
+      }
+      int64_t top = 0;
+      for (const detlogp::v1::ModelInfo& info : models->models()) {
+        if (info.model() != model) continue;
+        top = std::max(top, info.model_version());
+        for (const auto& version : info.versions()) {
+          top = std::max(top, version.version());
+        }
+      }
+      highest[i] = top;
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  return highest;
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> FleetVersion(
+    const std::vector<std::string>& targets,
+    const LogpClient::Options& connection,
+    const ModelRepositoryClient::Options& options, const std::string& model) {
+  const std::vector<absl::StatusOr<int64_t>> highest =
+      HighestVersions(targets, connection, options, model);
+  int64_t top = 0;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (!highest[i].ok()) {
+      return absl::Status(
+          highest[i].status().code(),
+          absl::StrCat("numbering the push: listing the models of ", targets[i],
+                       ": ", highest[i].status().message()));
+    }
+    top = std::max(top, *highest[i]);
+  }
+  return top + 1;
+}
+
+namespace {
+
+// Uploads to one target: the delta when given, the whole head when there
+// is none or the target lacks its base; `forward_to` makes it the head of a
+// chain.
+PushedVersion PushOne(const std::string& target,
+                      const LogpClient::Options& connection,
+                      const ModelRepositoryClient::Options& options,
+                      const LmHeadUpload& upload, int64_t version,
+                      const LmHeadDelta* delta,
+                      const std::vector<std::string>& forward_to) {
+  PushedVersion out;
+  out.target = target;
+  auto client =
+      ModelRepositoryClient::Create(ConnectionTo(connection, target), options);
+  if (!client.ok()) {
+    out.version = client.status();
+    return out;
+  }
+  ModelRepositoryClient::UploadOptions upload_options;
+  upload_options.version = version;
+  upload_options.forward_to = forward_to;
+  int64_t sent = 0;
+  upload_options.hooks.after_chunk = [&sent](int64_t so_far, int64_t) {
+    sent = so_far;
+    return true;
+  };
+  if (delta != nullptr) {
+    upload_options.delta = delta;
+    out.version = (*client)->Upload(upload, upload_options);
+    out.bytes_sent += sent;
+    out.sent_delta = out.version.ok();
+    // A replica without the base gets the whole head.
+    if (out.version.ok() ||
+        v1::DetailsOf(out.version.status()).reason != v1::kReasonBaseMissing) {
+      return out;
+    }
+    upload_options.delta = nullptr;
+    sent = 0;
+  }
+  out.version = (*client)->Upload(upload, upload_options);
+  out.bytes_sent += sent;
+  return out;
+}
+
+// The target's status of `version` of `model` when it holds it with
+// `digest`; nothing when it does not (or cannot be asked).
+std::optional<ModelVersionStatus> HeldVersion(
+    const std::string& target, const LogpClient::Options& connection,
+    const ModelRepositoryClient::Options& options, const std::string& model,
+    int64_t version, const std::string& digest) {
+  auto client =
+      ModelRepositoryClient::Create(ConnectionTo(connection, target), options);
+  if (!client.ok()) return std::nullopt;
+  auto models = (*client)->ListModels();
+  if (!models.ok()) return std::nullopt;
+  for (const detlogp::v1::ModelInfo& info : models->models()) {
+    if (info.model() != model) continue;
+    for (const ModelVersionStatus& held : info.versions()) {
+      if (held.version() == version && held.weights_sha256() == digest &&
+          held.state() == ModelVersionStatus::READY) {
+        return held;
+      }
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 PushReport PushToTargets(const std::vector<std::string>& targets,
                          const LogpClient::Options& connection,
                          const ModelRepositoryClient::Options& options,
-                         const LmHeadUpload& upload) {
+                         const LmHeadUpload& upload, const PushOptions& push) {
   PushReport report;
   if (targets.empty()) {
     report.status = absl::InvalidArgumentError("push: no targets");
     return report;
   }
+  // One number for the whole fleet: otherwise each replica would take its
+  // own next number and the same push would be numbered differently.
+  // A target that cannot be asked does not stop the push: its upload fails
+  // below and the report names it, while the others agree on a number.
+  int64_t version = upload.version;
+  if (version == 0 && targets.size() > 1) {
+    for (const absl::StatusOr<int64_t>& highest :
+         HighestVersions(targets, connection, options, upload.model)) {
+      if (highest.ok()) version = std::max(version, *highest + 1);
+    }
+  }
   report.targets.resize(targets.size());
+  std::vector<bool> pending(targets.size(), true);
+  if (push.fanout == PushOptions::Fanout::kChain && targets.size() > 1 &&
+      version > 0) {
+    // The first target forwards every message down the chain as it
+    // arrives; then each target says whether it holds the version.
+    const std::vector<std::string> rest(targets.begin() + 1, targets.end());
+    report.targets[0] = PushOne(targets[0], connection, options, upload,
+                                version, push.delta, rest);
+    const std::string digest = push.delta != nullptr
+                                   ? push.delta->weights_sha256
+                                   : LmHeadUploadDigest(upload);
+    pending[0] = false;
+    for (size_t i = 1; i < targets.size(); ++i) {
+      auto held = HeldVersion(targets[i], connection, options, upload.model,
+                              version, digest);
+      if (held.has_value()) {
+        report.targets[i].target = targets[i];
+        report.targets[i].version = *std::move(held);
+        report.targets[i].via_chain = true;
+        pending[i] = false;
+      }
+    }
+  }
+  // Directly to every target the chain did not reach (all of them for a
+  // direct push).
   std::vector<std::thread> threads;
   for (size_t i = 0; i < targets.size(); ++i) {
+    if (!pending[i]) continue;
     threads.emplace_back([&, i] {
-      PushedVersion& out = report.targets[i];
-      out.target = targets[i];
-      LogpClient::Options target_connection = connection;
-      target_connection.target = targets[i];
-      target_connection.own_connection = true;
-      auto client = ModelRepositoryClient::Create(target_connection, options);
-      if (!client.ok()) {
-        out.version = client.status();
-        return;
-      }
-      out.version = (*client)->UploadModel(upload);
+      report.targets[i] = PushOne(targets[i], connection, options, upload,
+                                  version, push.delta, {});
     });
   }
   for (std::thread& thread : threads) thread.join();

@@ -12,6 +12,10 @@
 //   PushReport report = PushToTargets({"a:50051", "b:50051"}, {}, admin,
 //   *upload);
 //
+//   // Only what changed since version 41, which both replicas hold.
+//   auto delta = EncodeLmHeadDelta(*upload, *step_41, /*base_version=*/41);
+//   PushToTargets(targets, {}, admin, *upload, {.delta = &*delta});
+//
 // The admin token goes only on these calls: scoring calls (LogpClient) carry
 // LogpClient::Options::bearer_token instead.
 #ifndef DETLOGP_CLIENT_MODEL_REPOSITORY_CLIENT_H_
@@ -77,6 +81,25 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(
 // (digests/lm_head_digest.h), its blocks hashed on every core.
 std::string LmHeadUploadDigest(const LmHeadUpload& upload);
 
+// A delta upload's payload (UPLOAD_ENCODING_XOR_ZSTD): the zstd-compressed
+// XOR of the new weights' bytes with a base version's, encoded once and sent
+// to every replica that holds the base (docs/live_weights.md, "Delta
+// uploads").
+struct LmHeadDelta {
+  int64_t base_version = 0;
+  std::string base_weights_sha256;
+  std::string weights_sha256;  // of the new weights, checked by the replica
+  std::string bytes;           // one zstd frame
+};
+
+// Encodes `upload` against `base`, the weights the servers hold as version
+// `base_version` (same shapes and bias, else INVALID_ARGUMENT naming
+// `base`), compressing on `threads` threads.
+absl::StatusOr<LmHeadDelta> EncodeLmHeadDelta(const LmHeadUpload& upload,
+                                              const LmHeadUpload& base,
+                                              int64_t base_version,
+                                              int threads = 8);
+
 class ModelRepositoryClient {
  public:
   struct Options {
@@ -123,12 +146,41 @@ class ModelRepositoryClient {
   absl::StatusOr<detlogp::v1::ModelVersionStatus> UploadModel(
       const LmHeadUpload& upload, const UploadHooks& hooks = {});
 
+  // Sends `delta` (encoded against a version this server should hold)
+  // instead of the whole head: the server rebuilds the head, checks
+  // delta.weights_sha256 and publishes it as a full upload would. A server
+  // without the base answers FAILED_PRECONDITION with reason BASE_MISSING
+  // (PushToTargets then sends it the whole head). `upload` gives the model,
+  // shapes and version; its weights are not read.
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> UploadDelta(
+      const LmHeadUpload& upload, const LmHeadDelta& delta,
+      const UploadHooks& hooks = {});
+
+  struct UploadOptions {
+    // Publishes as this number instead of upload.version (0: keep it).
+    int64_t version = 0;
+    // Sent instead of the whole head (as UploadDelta); null: the head.
+    const LmHeadDelta* delta = nullptr;
+    // A chain push: the servers this one forwards the upload to, in order.
+    std::vector<std::string> forward_to;
+    UploadHooks hooks;
+  };
+  // UploadModel and UploadDelta in one call.
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> Upload(
+      const LmHeadUpload& upload, const UploadOptions& options);
+
   // Sets the deadline and the admin token of a call made through stub().
   void PrepareContext(grpc::ClientContext* context) const;
   detlogp::v1::ModelRepositoryService::Stub* stub() { return stub_.get(); }
   const Options& options() const { return options_; }
 
  private:
+  // Streams `header`, then `payload` in chunk_bytes chunks; checks that the
+  // server reports `digest`.
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> Stream(
+      const detlogp::v1::UploadModelHeader& header,
+      const std::vector<absl::string_view>& payload, const UploadHooks& hooks);
+
   Options options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::ModelRepositoryService::Stub> stub_;
@@ -138,6 +190,26 @@ class ModelRepositoryClient {
 struct PushedVersion {
   std::string target;
   absl::StatusOr<detlogp::v1::ModelVersionStatus> version;
+  // Whether the delta was taken (false: the whole head was sent, or none).
+  bool sent_delta = false;
+  // Payload bytes sent to this target (delta, then the head if it fell back).
+  int64_t bytes_sent = 0;
+  // Reached through the chain (from the previous server), not the pusher.
+  bool via_chain = false;
+};
+
+struct PushOptions {
+  // Sent instead of the whole head to every target; a target answering
+  // BASE_MISSING gets the whole head. May be null.
+  const LmHeadDelta* delta = nullptr;
+  // kDirect: the pusher uploads to every target. kChain: to the first
+  // target only, which forwards each message down the list as it arrives
+  // (the pusher's egress does not grow with the targets); then every target
+  // is asked whether it holds the version, and those the chain did not
+  // reach (a server that failed, or lacked a delta's base, stops the chain
+  // there) get it directly.
+  enum class Fanout { kDirect, kChain };
+  Fanout fanout = Fanout::kDirect;
 };
 
 struct PushReport {
@@ -150,12 +222,23 @@ struct PushReport {
 };
 
 // Uploads `upload` to every target concurrently (one connection each, with
-// `connection`'s TLS and limits; its target is replaced). Set
-// upload.version so that every replica publishes the same number.
+// `connection`'s TLS and limits; its target is replaced). Every replica
+// publishes the same number: upload.version when set; else, with several
+// targets, one above the highest number any target holds of the model
+// (targets that cannot be asked are left out of that), so replicas started
+// at different times agree.
 PushReport PushToTargets(const std::vector<std::string>& targets,
                          const LogpClient::Options& connection,
                          const ModelRepositoryClient::Options& options,
-                         const LmHeadUpload& upload);
+                         const LmHeadUpload& upload,
+                         const PushOptions& push = {});
+
+// One above the highest version number of `model` that any target holds
+// (1 when none holds it); an error when a target cannot be asked.
+absl::StatusOr<int64_t> FleetVersion(
+    const std::vector<std::string>& targets,
+    const LogpClient::Options& connection,
+    const ModelRepositoryClient::Options& options, const std::string& model);
 
 }  // namespace detlogp::client
 

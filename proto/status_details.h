@@ -47,6 +47,9 @@ inline constexpr absl::string_view kReasonVersionUnavailable =
     "VERSION_UNAVAILABLE";
 inline constexpr absl::string_view kReasonWeightsMismatch = "WEIGHTS_MISMATCH";
 inline constexpr absl::string_view kReasonShuttingDown = "SHUTTING_DOWN";
+// A delta upload names a base version this server does not hold (or holds
+// with another digest): send the whole head.
+inline constexpr absl::string_view kReasonBaseMissing = "BASE_MISSING";
 
 // Everything the details of a status say (empty parts: not said).
 struct ErrorDetails {

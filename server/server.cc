@@ -483,6 +483,10 @@ void Server::BuildRepositoryService() {
   repository_options.allow_without_admin_token = IsLoopbackHost(options_.host);
   repository_options.store = model_store_.get();
   repository_options.on_call_done = CountCallsInto(metrics_.get());
+  repository_options.on_upload_bytes =
+      [metrics = metrics_.get()](absl::string_view from, int64_t bytes) {
+        metrics->CountModelBytesReceived(from, bytes);
+      };
   repository_service_ = std::make_unique<ModelRepositoryServiceImpl>(
       repository_options, models_.get());
   if (admin_authenticator_ == nullptr && !IsLoopbackHost(options_.host)) {

@@ -37,6 +37,7 @@
 #include "kernels/random_normal.h"
 #include "server/models/lm_head_weights.h"
 #include "server/models/safetensors.h"
+#include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -46,7 +47,9 @@ using client::LmHeadUpload;
 using client::LogpClient;
 using client::ModelRepositoryClient;
 using client::ScoreResult;
+using testing::MakeTempDir;
 using testing::ServerProcess;
+using testing::WriteLmHeadFile;
 using v1::ModelVersionStatus;
 using v1::UploadModelRequest;
 
@@ -60,15 +63,6 @@ constexpr int64_t kV = 2000;
   } while (0)
 
 // ------------------------------------------------------------ helpers
-
-std::string MakeTempDir(const std::string& name) {
-  static std::atomic<int> counter{0};
-  const char* tmp = std::getenv("TEST_TMPDIR");
-  const std::string dir = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/", name,
-                                       "_", getpid(), "_", counter++);
-  mkdir(dir.c_str(), 0755);
-  return dir;
-}
 
 std::vector<std::string> ListDir(const std::string& dir) {
   std::vector<std::string> names;
@@ -118,27 +112,6 @@ LmHeadUpload RandomLmHead(const std::string& model, uint64_t seed,
     for (float& b : upload.bias) b = random.Next(0.1f);
   }
   return upload;
-}
-
-// As a .safetensors file: lm_head.weight BF16 [V_pad, H], lm_head.bias F32.
-absl::Status WriteLmHeadFile(const std::string& path,
-                             const LmHeadUpload& upload) {
-  std::vector<server::SafetensorToWrite> tensors(1);
-  tensors[0].name = "lm_head.weight";
-  tensors[0].dtype = "BF16";
-  tensors[0].shape = {upload.padded_vocab_size, upload.hidden_size};
-  const auto* w = reinterpret_cast<const uint8_t*>(upload.weight.data());
-  tensors[0].data.assign(w, w + upload.weight.size() * 2);
-  if (!upload.bias.empty()) {
-    server::SafetensorToWrite bias;
-    bias.name = "lm_head.bias";
-    bias.dtype = "F32";
-    bias.shape = {upload.padded_vocab_size};
-    const auto* b = reinterpret_cast<const uint8_t*>(upload.bias.data());
-    bias.data.assign(b, b + upload.bias.size() * 4);
-    tensors.push_back(std::move(bias));
-  }
-  return server::WriteSafetensors(path, tensors);
 }
 
 // Fixed hidden rows and targets.
@@ -1293,7 +1266,8 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   auto a = StartServer({"--model=policy=" + dir + "/v1.safetensors"});
   auto b = StartServer({"--model=policy=" + dir + "/v1.safetensors"});
   ASSERT_TRUE(a != nullptr && b != nullptr);
-  // b is one version ahead: the numbers differ, the keys may not.
+  // b is one version ahead: the push numbers the version one above the
+  // highest any replica has, the same on both.
   ASSERT_TRUE(Repo(*b)->UploadModel(RandomLmHead("policy", 5)).ok());
   const LmHeadUpload upload = RandomLmHead("policy", 6);
   client::PushReport report = client::PushToTargets(
@@ -1302,12 +1276,12 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   ASSERT_EQ(report.targets.size(), 2u);
   EXPECT_EQ(report.targets[0].target, a->target());
   ASSERT_TRUE(report.targets[0].version.ok() && report.targets[1].version.ok());
-  EXPECT_EQ(report.targets[0].version->version(), 2);
+  EXPECT_EQ(report.targets[0].version->version(), 3);
   EXPECT_EQ(report.targets[1].version->version(), 3);
   EXPECT_EQ(report.targets[0].version->determinism_key(),
             report.targets[1].version->determinism_key());
   const Rows rows = MakeRows(4, kH, kV, 2);
-  auto on_a = Scorer(*a)->Score(rows.All("policy", 2));
+  auto on_a = Scorer(*a)->Score(rows.All("policy", 3));
   auto on_b = Scorer(*b)->Score(rows.All("policy", 3));
   ASSERT_TRUE(on_a.ok() && on_b.ok());
   EXPECT_EQ(BitsOf(*on_a), BitsOf(*on_b));

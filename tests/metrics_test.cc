@@ -68,6 +68,7 @@ const std::map<std::string, std::string>& ExpectedTypes() {
       {"detlogp_projection_chunk_buffers_freed_total", "counter"},
       {"detlogp_projection_chunk_buffer_cache_bytes", "gauge"},
       {"detlogp_hidden_bytes_total", "counter"},
+      {"detlogp_model_bytes_received_total", "counter"},
       {"detlogp_shared_memory_regions", "gauge"},
       {"detlogp_shared_memory_bytes", "gauge"},
       {"detlogp_shared_memory_idle_released_total", "counter"},
@@ -171,6 +172,8 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
   metrics.CountHiddenBytes("grpc", 8192);
   metrics.CountHiddenBytes("system_shm", 1 << 20);
   metrics.CountHiddenBytes("system_shm", 1 << 20);
+  metrics.CountModelBytesReceived("pusher", 4 << 20);
+  metrics.CountModelBytesReceived("pusher", 1000);
   const std::string text = metrics.Render(snapshot);
   const Exposition parsed = Parse(text);
   EXPECT_EQ(parsed.types, ExpectedTypes()) << text;
@@ -226,6 +229,8 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
       {"detlogp_hidden_bytes_total{path=\"grpc\"}", 8192},
       {"detlogp_hidden_bytes_total{path=\"system_shm\"}", 2 << 20},
       {"detlogp_hidden_bytes_total{path=\"cuda_shm\"}", 0},
+      {"detlogp_model_bytes_received_total{from=\"pusher\"}", (4 << 20) + 1000},
+      {"detlogp_model_bytes_received_total{from=\"peer\"}", 0},
       {"detlogp_shared_memory_regions{kind=\"system\"}", 2},
       {"detlogp_shared_memory_regions{kind=\"cuda\"}", 1},
       {"detlogp_shared_memory_bytes{kind=\"system\"}", 1 << 30},

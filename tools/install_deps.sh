@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   bazel-bootstrap g++ libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
   protobuf-compiler libabsl-dev libspdlog-dev libfmt-dev libgtest-dev
-  libgmock-dev libbenchmark-dev libssl-dev prometheus-cpp-dev python3 python3-venv
+  libgmock-dev libbenchmark-dev libssl-dev libzstd-dev prometheus-cpp-dev python3 python3-venv
   openssl pkg-config
 )
 missing=()

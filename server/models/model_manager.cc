@@ -173,6 +173,7 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
       weights->hidden_size, weights->padded_vocab_size, version->has_bias);
   version->source = origin.description;
   version->placed = std::move(tracked);
+  version->host_weights = weights;
   weights.reset();  // backends that keep host weights hold their own reference
 
   const absl::Time warm_start = absl::Now();

@@ -65,6 +65,9 @@ struct ServedVersion {
   bool persisted = false;
   // The weights on the backend's devices; what the batcher runs.
   std::shared_ptr<const LogpModel> placed;
+  // The host copy, while the backend keeps one (the CPU backend does; CUDA
+  // frees it once placed): the base a delta upload is rebuilt from.
+  std::weak_ptr<const LmHeadWeights> host_weights;
 };
 
 // Where a new version comes from, for ModelVersionStatus.source and the

@@ -25,6 +25,11 @@ constexpr char kHiddenBytesHelp[] =
     "Hidden-state bytes of scheduled requests, by how they came: in the gRPC "
     "message, or named in a system or CUDA shared-memory region.";
 constexpr const char* kHiddenPaths[] = {"grpc", "system_shm", "cuda_shm"};
+constexpr char kModelBytesReceivedHelp[] =
+    "Bytes of model uploads received, as they came on the wire (a delta's "
+    "compressed bytes), by sender: pusher (a client's UploadModel) or peer "
+    "(a replica forwarding).";
+constexpr const char* kModelByteSenders[] = {"pusher", "peer"};
 constexpr char kProjectionStreamsHelp[] = "Projection streams finished.";
 constexpr char kProjectionChunksHelp[] = "Projection chunks written.";
 constexpr char kProjectionWriteHelp[] =
@@ -194,9 +199,21 @@ ServerMetrics::ServerMetrics()
       projection_copy_out_seconds_histogram_(
           projection_copy_out_seconds_.Add({}, PowersOfTwoBounds(1e-5, 18))),
       hidden_bytes_(AddCounter(*registry_, "detlogp_hidden_bytes_total",
-                               kHiddenBytesHelp)) {
-  // Every path is listed from the start, at 0.
+                               kHiddenBytesHelp)),
+      model_bytes_received_(AddCounter(*registry_,
+                                       "detlogp_model_bytes_received_total",
+                                       kModelBytesReceivedHelp)) {
+  // Every path and sender is listed from the start, at 0.
   for (const char* path : kHiddenPaths) hidden_bytes_.Add({{"path", path}});
+  for (const char* from : kModelByteSenders) {
+    model_bytes_received_.Add({{"from", from}});
+  }
+}
+
+void ServerMetrics::CountModelBytesReceived(absl::string_view from,
+                                            int64_t bytes) {
+  model_bytes_received_.Add({{"from", std::string(from)}})
+      .Increment(static_cast<double>(bytes));
 }
 
 void ServerMetrics::CountHiddenBytes(absl::string_view path, int64_t bytes) {
@@ -355,6 +372,8 @@ std::vector<MetricFamily> ServerMetrics::Collect(
   families.push_back(
       CollectFamily(hidden_bytes_, kHiddenBytesHelp, MetricType::Counter));
   OrderLabels({"path"}, &families.back());
+  families.push_back(CollectFamily(
+      model_bytes_received_, kModelBytesReceivedHelp, MetricType::Counter));
   const MetricsSnapshot::SharedMemory& shm = snapshot.shared_memory;
   MetricFamily regions =
       EmptyFamily("detlogp_shared_memory_regions",

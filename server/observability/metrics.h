@@ -120,6 +120,9 @@ class ServerMetrics {
   // A scheduled request's hidden bytes and how they came ("grpc",
   // "system_shm", "cuda_shm").
   void CountHiddenBytes(absl::string_view path, int64_t bytes);
+  // Model upload bytes as received on the wire, by sender ("pusher",
+  // "peer").
+  void CountModelBytesReceived(absl::string_view from, int64_t bytes);
   void ObserveBatch(int64_t rows, int64_t requests, double queue_delay_seconds,
                     double gather_seconds, double compute_seconds);
   // Where a projection stream's time went, once per stream that got past
@@ -170,6 +173,7 @@ class ServerMetrics {
   prometheus::Histogram& projection_run_seconds_histogram_;
   prometheus::Histogram& projection_copy_out_seconds_histogram_;
   prometheus::Family<prometheus::Counter>& hidden_bytes_;
+  prometheus::Family<prometheus::Counter>& model_bytes_received_;
 };
 
 // Canonical upper-case name of a gRPC status code ("OK", "INVALID_ARGUMENT").

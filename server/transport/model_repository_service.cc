@@ -1,6 +1,7 @@
 #include "server/transport/model_repository_service.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <optional>
@@ -10,6 +11,9 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include <grpcpp/create_channel.h>
+
+#include "proto/upload_delta.h"
 #include "server/models/upload_assembler.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/rejected_call.h"
@@ -69,6 +73,33 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
                      shape.padded_vocab_size, "] (0 means every row)"));
   }
   shape.has_bias = header.has_bias();
+  switch (header.encoding()) {
+    case detlogp::v1::UPLOAD_ENCODING_RAW:
+      if (header.base_version() != 0 || !header.base_weights_sha256().empty()) {
+        return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                              "header.base_version",
+                              "a base is named only with encoding "
+                              "UPLOAD_ENCODING_XOR_ZSTD");
+      }
+      break;
+    case detlogp::v1::UPLOAD_ENCODING_XOR_ZSTD:
+      if (header.base_version() <= 0) {
+        return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                              "header.base_version",
+                              "a delta names the version it applies to (> 0)");
+      }
+      if (!IsHexDigest(header.base_weights_sha256())) {
+        return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                              "header.base_weights_sha256",
+                              "a delta names its base's digest (64 lowercase "
+                              "hex digits)");
+      }
+      break;
+    default:
+      return v1::FieldError(
+          absl::StatusCode::kInvalidArgument, "header.encoding",
+          absl::StrCat("unknown encoding ", header.encoding()));
+  }
   if (!header.weights_sha256().empty() &&
       !IsHexDigest(header.weights_sha256())) {
     return v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -76,6 +107,13 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
                           "expected 64 lowercase hex digits");
   }
   return shape;
+}
+
+absl::Status BaseMissing(int64_t base_version, absl::string_view why) {
+  return v1::FieldError(
+      absl::StatusCode::kFailedPrecondition, "header.base_version",
+      absl::StrCat(why, "; send the whole head instead"),
+      v1::kReasonBaseMissing, {{"base_version", absl::StrCat(base_version)}});
 }
 
 }  // namespace
@@ -228,8 +266,13 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::UnloadModel(
 class ModelRepositoryServiceImpl::UploadCall final
     : public grpc::ServerReadReactor<UploadModelRequest> {
  public:
-  UploadCall(ModelRepositoryServiceImpl* service, ModelVersionStatus* response)
-      : service_(service), response_(response) {
+  UploadCall(ModelRepositoryServiceImpl* service, ModelVersionStatus* response,
+             std::string authorization,
+             std::chrono::system_clock::time_point deadline)
+      : service_(service),
+        response_(response),
+        authorization_(std::move(authorization)),
+        deadline_(deadline) {
     absl::MutexLock lock(&mu_);
     reading_ = true;
     StartRead(&message_);
@@ -256,7 +299,8 @@ class ModelRepositoryServiceImpl::UploadCall final
           result_ = *finish_now;
         }
       } else if (!ok) {
-        queue_.push_back(Item{Item::kEnd});
+        forward_end_ = true;
+        PushLocalLocked(Item{Item::kEnd});
       } else {
         AcceptLocked();
       }
@@ -267,8 +311,9 @@ class ModelRepositoryServiceImpl::UploadCall final
   void OnCancel() override {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
+    forward_abort_ = true;
     if (worker_started_) {
-      queue_.push_back(
+      PushLocalLocked(
           Item{Item::kAbort, {}, absl::CancelledError("upload cancelled")});
     }
   }
@@ -325,6 +370,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     model_ = header.model();
     version_ = header.model_version();
     expected_sha256_ = header.weights_sha256();
+    if (header.encoding() == detlogp::v1::UPLOAD_ENCODING_XOR_ZSTD) {
+      if (absl::Status s = FindBaseLocked(header); !s.ok()) return s;
+    }
     // Before any bytes are taken.
     auto reservation = service_->manager_->Reserve(
         shape_.hidden_size, shape_.padded_vocab_size, shape_.has_bias);
@@ -340,17 +388,163 @@ class ModelRepositoryServiceImpl::UploadCall final
     }
     // Hashing and writing run beside the copy, block by block.
     assembler_ = std::make_unique<UploadAssembler>(shape_, writer_.get());
+    from_peer_ = header.forwarded();
+    if (header.forward_to_size() > 0) StartForwardingLocked(header);
     worker_started_ = true;
     service_->tasks_.Start([this] { Work(); });
     return absl::OkStatus();
   }
 
+  // A chain push: the same messages go on to the next server as they
+  // arrive, its header naming the servers after it.
+  void StartForwardingLocked(const UploadModelHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    forward_target_ = header.forward_to(0);
+    UploadModelRequest next;
+    *next.mutable_header() = header;
+    next.mutable_header()->mutable_forward_to()->DeleteSubrange(0, 1);
+    next.mutable_header()->set_forwarded(true);
+    forward_queue_.push_back(std::move(next));
+    forwarding_ = true;
+    service_->tasks_.Start([this] { Forward(); });
+  }
+
+  // The forwarding thread: writes the queued messages to the next server;
+  // a server that stops reading is drained (its refusal is logged, and the
+  // pusher learns who holds the version by asking each server).
+  void Forward() {
+    auto stub =
+        detlogp::v1::ModelRepositoryService::NewStub(grpc::CreateChannel(
+            forward_target_, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    // The pusher's deadline bounds the whole chain.
+    context.set_deadline(deadline_);
+    if (!authorization_.empty()) {
+      context.AddMetadata("authorization", authorization_);
+    }
+    ModelVersionStatus response;
+    auto writer = stub->UploadModel(&context, &response);
+    bool open = true;
+    bool aborted = false;
+    while (true) {
+      UploadModelRequest message;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &UploadCall::HasForwardWork));
+        if (forward_abort_) {
+          aborted = true;
+          break;
+        }
+        if (forward_queue_.empty()) break;  // the stream ended
+        message = std::move(forward_queue_.front());
+        forward_queue_.pop_front();
+        if (!reading_) ContinueReadingLocked();
+      }
+      if (open) open = writer->Write(message);
+    }
+    if (aborted) {
+      context.TryCancel();
+    } else if (open) {
+      writer->WritesDone();
+    }
+    const grpc::Status status = writer->Finish();
+    if (status.ok()) {
+      spdlog::info("upload of {} forwarded to {}: version {} published there",
+                   model_, forward_target_, response.version());
+    } else {
+      spdlog::warn("upload of {} forwarded to {}: {} {}", model_,
+                   forward_target_, static_cast<int>(status.error_code()),
+                   status.error_message());
+    }
+    absl::MutexLock lock(&mu_);
+    forward_queue_.clear();
+    forwarding_ = false;
+  }
+
+  bool HasForwardWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return forward_abort_ || forward_end_ || !forward_queue_.empty();
+  }
+  bool ForwardingDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !forwarding_;
+  }
+
+  // Queues an item for the local worker, unless it has stopped consuming.
+  void PushLocalLocked(Item item) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!local_done_) queue_.push_back(std::move(item));
+  }
+
+  // The base a delta names: a ready version with the digest the pusher
+  // stated and the same shape. Its host bytes are taken now when the backend
+  // keeps them, else read back from --model_root by the worker (ReadBase).
+  absl::Status FindBaseLocked(const UploadModelHeader& header)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t number = header.base_version();
+    auto base = service_->manager_->Resolve(header.model(), number);
+    if (!base.ok()) {
+      return BaseMissing(
+          number, absl::StrCat("model '", header.model(),
+                               "' has no ready version ", number, " here"));
+    }
+    const ServedVersion& version = **base;
+    if (version.weights_sha256 != header.base_weights_sha256()) {
+      return BaseMissing(
+          number, absl::StrCat("version ", number, " here holds weights ",
+                               version.weights_sha256, ", not ",
+                               header.base_weights_sha256()));
+    }
+    if (version.hidden_size != shape_.hidden_size ||
+        version.padded_vocab_size != shape_.padded_vocab_size ||
+        version.has_bias != shape_.has_bias) {
+      return BaseMissing(number, absl::StrCat("version ", number,
+                                              " has another shape "
+                                              "or bias than the header"));
+    }
+    base_weights_ = version.host_weights.lock();
+    if (base_weights_ == nullptr && service_->options_.store == nullptr) {
+      return BaseMissing(number, absl::StrCat("version ", number,
+                                              " is held only on the device "
+                                              "and this server keeps no "
+                                              "--model_root to read it from"));
+    }
+    base_version_ = *std::move(base);  // keeps it from being freed meanwhile
+    delta_ = true;
+    return absl::OkStatus();
+  }
+
+  // The base's host bytes from --model_root, for a backend that keeps none.
+  absl::Status ReadBase() {
+    if (base_weights_ != nullptr) return absl::OkStatus();
+    const auto versions = service_->options_.store->ListVersions();
+    const auto model = versions.find(model_);
+    if (model != versions.end()) {
+      for (const StoredVersion& stored : model->second) {
+        if (stored.version != base_version_->version) continue;
+        auto weights = LoadLmHead(stored.source);
+        if (weights.ok() && weights->sha256 == base_version_->weights_sha256) {
+          base_weights_ =
+              std::make_shared<const LmHeadWeights>(*std::move(weights));
+          return absl::OkStatus();
+        }
+      }
+    }
+    return BaseMissing(base_version_->version,
+                       absl::StrCat("version ", base_version_->version,
+                                    " is held only on the device and its "
+                                    "files under --model_root are gone"));
+  }
+
   void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // A copy: the local queue takes the chunk itself.
+    if (forwarding_ && !forward_end_) forward_queue_.push_back(message_);
     switch (message_.part_case()) {
       case UploadModelRequest::kChunk: {
         const int64_t size = static_cast<int64_t>(message_.chunk().size());
+        if (service_->options_.on_upload_bytes) {
+          service_->options_.on_upload_bytes(from_peer_ ? "peer" : "pusher",
+                                             size);
+        }
         if (trailer_seen_) {
-          queue_.push_back(
+          PushLocalLocked(
               Item{Item::kAbort,
                    {},
                    v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -358,8 +552,11 @@ class ModelRepositoryServiceImpl::UploadCall final
                                   "the digest message must be the last one")});
           return;
         }
-        if (received_ + size > (shape_.weight_bytes() + shape_.bias_bytes())) {
-          queue_.push_back(Item{
+        const int64_t payload_bytes =
+            shape_.weight_bytes() + shape_.bias_bytes();
+        if (received_ + size >
+            (delta_ ? v1::MaxXorDeltaBytes(payload_bytes) : payload_bytes)) {
+          PushLocalLocked(Item{
               Item::kAbort,
               {},
               v1::FieldError(
@@ -372,13 +569,13 @@ class ModelRepositoryServiceImpl::UploadCall final
           return;
         }
         received_ += size;
-        queue_.push_back(
+        PushLocalLocked(
             Item{Item::kChunk, std::move(*message_.mutable_chunk())});
         break;
       }
       case UploadModelRequest::kWeightsSha256:
         if (!expected_sha256_.empty() || trailer_seen_) {
-          queue_.push_back(
+          PushLocalLocked(
               Item{Item::kAbort,
                    {},
                    v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -387,7 +584,7 @@ class ModelRepositoryServiceImpl::UploadCall final
           return;
         }
         if (!IsHexDigest(message_.weights_sha256())) {
-          queue_.push_back(
+          PushLocalLocked(
               Item{Item::kAbort,
                    {},
                    v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -399,7 +596,7 @@ class ModelRepositoryServiceImpl::UploadCall final
         expected_sha256_ = message_.weights_sha256();
         break;
       default:
-        queue_.push_back(
+        PushLocalLocked(
             Item{Item::kAbort,
                  {},
                  v1::FieldError(
@@ -411,8 +608,11 @@ class ModelRepositoryServiceImpl::UploadCall final
   }
 
   void ContinueReadingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (static_cast<int>(queue_.size()) <
-        service_->options_.max_pending_upload_chunks) {
+    // Not past the end of the stream, nor after Finish.
+    if (reading_ || finished_ || forward_end_) return;
+    const int limit = service_->options_.max_pending_upload_chunks;
+    if (static_cast<int>(queue_.size()) < limit &&
+        static_cast<int>(forward_queue_.size()) < limit) {
       reading_ = true;
       StartRead(&message_);
     }
@@ -433,6 +633,12 @@ class ModelRepositoryServiceImpl::UploadCall final
     reservation_ = {};
     {
       absl::MutexLock lock(&mu_);
+      // The rest of a chain still needs the stream: keep reading for it,
+      // and answer once it has answered.
+      local_done_ = true;
+      queue_.clear();
+      if (forwarding_) ContinueReadingLocked();
+      mu_.Await(absl::Condition(this, &UploadCall::ForwardingDone));
       finished_ = true;
       result_ = status;
     }
@@ -441,6 +647,21 @@ class ModelRepositoryServiceImpl::UploadCall final
 
   absl::Status Consume() {
     const absl::Time start = absl::Now();
+    std::unique_ptr<v1::XorDeltaDecoder> decoder;
+    if (delta_) {
+      if (absl::Status s = ReadBase(); !s.ok()) return s;
+      decoder = std::make_unique<v1::XorDeltaDecoder>(
+          v1::PayloadParts{absl::string_view(reinterpret_cast<const char*>(
+                                                 base_weights_->weight.data()),
+                                             base_weights_->weight.size() * 2),
+                           absl::string_view(reinterpret_cast<const char*>(
+                                                 base_weights_->bias.data()),
+                                             base_weights_->bias.size() * 4)},
+          assembler_->total_bytes());
+    }
+    const auto append = [this](const char* bytes, size_t size) {
+      return assembler_->Append(bytes, size);
+    };
     while (true) {
       Item item;
       {
@@ -454,11 +675,16 @@ class ModelRepositoryServiceImpl::UploadCall final
       }
       if (item.kind == Item::kAbort) return item.status;
       if (item.kind == Item::kEnd) break;
-      if (absl::Status s =
-              assembler_->Append(item.bytes.data(), item.bytes.size());
-          !s.ok()) {
-        return s;
-      }
+      absl::Status s =
+          decoder != nullptr
+              ? decoder->Feed(item.bytes.data(), item.bytes.size(), append)
+              : append(item.bytes.data(), item.bytes.size());
+      if (!s.ok()) return s;
+    }
+    if (decoder != nullptr) {
+      if (absl::Status s = decoder->Finish(); !s.ok()) return s;
+      base_weights_.reset();  // its memory is not needed past here
+      base_version_.reset();
     }
     {
       absl::MutexLock lock(&mu_);
@@ -475,9 +701,10 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (!digest.ok()) return digest.status();
     digest_ = *std::move(digest);
     spdlog::info(
-        "upload of {}: {} bytes received, hashed and written in {:.3f} s "
-        "after the header",
+        "upload of {}: {} bytes {}, hashed and written in {:.3f} s after the "
+        "header",
         model_, assembler_->total_bytes(),
+        delta_ ? "rebuilt from a delta" : "received",
         absl::ToDoubleSeconds(absl::Now() - start));
     return absl::OkStatus();
   }
@@ -525,6 +752,21 @@ class ModelRepositoryServiceImpl::UploadCall final
   digests::LmHeadShape shape_;
   std::string model_;
   int64_t version_ = 0;  // 0: the model's next number
+  // A chain push: the next server, and the messages still to send it
+  // (copies; the local queue owns its chunks).
+  const std::string authorization_;  // the call's, sent on with it
+  const std::chrono::system_clock::time_point deadline_;  // the call's
+  std::string forward_target_;
+  bool from_peer_ = false;  // the header said `forwarded`
+  std::deque<UploadModelRequest> forward_queue_ ABSL_GUARDED_BY(mu_);
+  bool forwarding_ ABSL_GUARDED_BY(mu_) = false;     // Forward() runs
+  bool forward_end_ ABSL_GUARDED_BY(mu_) = false;    // the stream ended
+  bool forward_abort_ ABSL_GUARDED_BY(mu_) = false;  // the call was cancelled
+  bool local_done_ ABSL_GUARDED_BY(mu_) = false;     // the worker stopped
+  // A delta upload: its base, held until the payload is rebuilt.
+  bool delta_ = false;
+  std::shared_ptr<const ServedVersion> base_version_;
+  std::shared_ptr<const LmHeadWeights> base_weights_;
   ModelManager::Reservation reservation_;
   std::unique_ptr<VersionWriter> writer_;
   // Declared after the writer it writes to: destroyed first.
@@ -539,7 +781,14 @@ ModelRepositoryServiceImpl::UploadModel(grpc::CallbackServerContext* context,
     return new RejectedCall<grpc::ServerReadReactor<UploadModelRequest>>(
         Record("UploadModel", denied));
   }
-  return new UploadCall(this, response);
+  // A chain push forwards the call's authorization to the next server.
+  std::string authorization;
+  const auto& metadata = context->client_metadata();
+  if (auto it = metadata.find("authorization"); it != metadata.end()) {
+    authorization.assign(it->second.data(), it->second.size());
+  }
+  return new UploadCall(this, response, std::move(authorization),
+                        context->deadline());
 }
 
 }  // namespace detlogp::server

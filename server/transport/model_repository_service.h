@@ -39,6 +39,9 @@ class ModelRepositoryServiceImpl final
     // reading pauses (backpressure).
     int max_pending_upload_chunks = 8;
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
+    // Upload bytes as they arrive on the wire (compressed, for a delta),
+    // and where from: "pusher" (a client's UploadModel).
+    std::function<void(absl::string_view from, int64_t bytes)> on_upload_bytes;
   };
 
   // `manager` outlives the service.

@@ -11,6 +11,7 @@
     detlogp upload NAME CHECKPOINT_DIR|FILE.safetensors|FILE.npy
                    [--lm-head-tensor T] [--bias-tensor T | --bias b.npy]
                    [--vocab-size V] [--chunk-mb 4] [--version N]  (admin)
+                   [--base-version N --base-file FILE] [--fanout chain|direct]
     detlogp unload NAME VERSION                              (admin)
 
 Admin commands (ModelRepositoryService) send --admin-token (or
@@ -33,6 +34,7 @@ import numpy as np
 from detlogp.checkpoint import CheckpointError
 from detlogp.client import Client
 from detlogp.errors import DetlogpError
+from detlogp.fleet import Pusher
 from detlogp.heap import keep_freed_memory
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.weights import LmHead
@@ -236,13 +238,32 @@ def _read_upload(args):
 
 
 def _upload(client, args):
+    """Through detlogp.fleet.Pusher: one version number on every target,
+    and a delta when --base-version and --base-file are given."""
     head = _read_upload(args)
-    result = client.upload_model(
-        args.name,
-        head,
+    if (args.base_version is None) != (args.base_file is None):
+        raise SystemExit("a delta needs --base-version and --base-file (that version's weights)")
+    base = None
+    if args.base_file is not None:
+        base_args = argparse.Namespace(**{**vars(args), "file": args.base_file})
+        base = _read_upload(base_args)
+    fanout = args.fanout or ("chain" if len(client.targets) > 2 else "direct")
+    with Pusher(
+        client.targets,
+        args.admin_token,
+        timeout=args.admin_timeout,
         chunk_bytes=int(args.chunk_mb * (1 << 20)),
-        version=args.version,
-    )
+        fanout=fanout,
+    ) as pusher:
+        result = pusher.upload_model(
+            args.name,
+            head,
+            version=args.version,
+            base_version=args.base_version or 0,
+            base_weights=base,
+        )
+        for target, (kind, sent) in pusher.last_sent.items():
+            print(f"{target}: sent {kind}, {sent} bytes", file=sys.stderr)
     _published(args, result)
 
 
@@ -325,7 +346,19 @@ def main(argv=None):
     upload.add_argument("--vocab-size", type=int, help="real vocabulary (default: all rows)")
     upload.add_argument("--chunk-mb", type=float, default=4.0)
     upload.add_argument(
-        "--version", type=int, help="version number to publish as (default: the next)"
+        "--version",
+        type=int,
+        help="version number to publish as (default: one above the highest any target has)",
+    )
+    upload.add_argument(
+        "--base-version", type=int, help="send only what changed against this version"
+    )
+    upload.add_argument("--base-file", help="the weights of --base-version (read as FILE is)")
+    upload.add_argument(
+        "--fanout",
+        choices=("chain", "direct"),
+        help="several targets: each forwards to the next, or every one from here "
+        "(default: chain for more than two)",
     )
     unload = sub.add_parser("unload", help="unload one version (admin)")
     unload.add_argument("name")

@@ -31,12 +31,13 @@ A Hugging Face checkpoint directory or .safetensors file: LmHead.from_checkpoint
 """
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import os
 
 import numpy as np
 
-from detlogp import checkpoint, safetensors_io, tensors
+from detlogp import checkpoint, delta, safetensors_io, tensors
 from detlogp.tensors import is_torch_tensor
 from detlogp.v1 import detlogp_pb2 as pb
 
@@ -197,6 +198,44 @@ class LmHead:
             weights_sha256=weights_sha256 or self.sha256(),
         )
 
+    def delta_against(self, base, base_version, *, level=1, threads=None):
+        """This head as a delta against `base` (an LmHead of the same shape,
+        the weights the servers hold as version `base_version`): an LmHeadDelta
+        whose bytes are one zstd frame of the XOR of the two payloads
+        (UPLOAD_ENCODING_XOR_ZSTD, docs/live_weights.md "Delta uploads")."""
+        if not isinstance(base, LmHead):
+            raise TypeError("base must be an LmHead (LmHead.coerce(weights))")
+        if (base.weight.shape, base.has_bias, base.vocab_size or base.padded_vocab_size) != (
+            self.weight.shape,
+            self.has_bias,
+            self.vocab_size or self.padded_vocab_size,
+        ):
+            raise ValueError(
+                f"base has shape {list(base.weight.shape)} bias={base.has_bias}; "
+                f"the new weights {list(self.weight.shape)} bias={self.has_bias}"
+            )
+        if int(base_version) <= 0:
+            raise ValueError(f"base_version {base_version} is not a version (> 0)")
+        data = delta.encode_xor_delta(
+            self._buffers(), base._buffers(), level=level, threads=threads
+        )
+        return LmHeadDelta(int(base_version), base.sha256(), self.sha256(), data)
+
+    def delta_messages(self, model, lm_head_delta, chunk_bytes=DEFAULT_CHUNK_BYTES, version=None):
+        """The UploadModel stream of a delta: the header naming the base, then
+        the delta's bytes in chunks of `chunk_bytes`."""
+        chunk_bytes = int(chunk_bytes)
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be > 0")
+        header = self.header(model, version, lm_head_delta.weights_sha256)
+        header.encoding = pb.UPLOAD_ENCODING_XOR_ZSTD
+        header.base_version = lm_head_delta.base_version
+        header.base_weights_sha256 = lm_head_delta.base_weights_sha256
+        yield pb.UploadModelRequest(header=header)
+        view = memoryview(lm_head_delta.data)
+        for begin in range(0, len(view), chunk_bytes):
+            yield pb.UploadModelRequest(chunk=bytes(view[begin : begin + chunk_bytes]))
+
     def messages(self, model, chunk_bytes=DEFAULT_CHUNK_BYTES, weights_sha256=None, version=None):
         """The UploadModel stream: the header (with the digest), then the
         weight's and the bias's bytes in chunks of `chunk_bytes`.
@@ -243,6 +282,22 @@ class LmHead:
                 raise TypeError("with a checkpoint path, bias is a tensor name (or None)")
             return cls.from_checkpoint(weight, bias_tensor=bias, vocab_size=vocab_size)
         return cls(weight, bias, vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class LmHeadDelta:
+    """A head encoded against a base version (LmHead.delta_against): sent
+    to every replica holding the base, which rebuilds the head and checks
+    weights_sha256 before publishing it."""
+
+    base_version: int
+    base_weights_sha256: str
+    weights_sha256: str
+    data: bytes
+
+    @property
+    def nbytes(self):
+        return len(self.data)
 
 
 def lm_head_sha256(weight, bias=None, vocab_size=None):

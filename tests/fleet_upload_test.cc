@@ -1,0 +1,391 @@
+// Pushing to a fleet: delta uploads (UPLOAD_ENCODING_XOR_ZSTD) against a
+// base version, the fall-back to the whole head for a replica without the
+// base, and one version number for every replica of a push, on real server
+// processes (CPU backend, small lm_heads; docs/live_weights.md).
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "client/logp_client.h"
+#include "client/model_repository_client.h"
+#include "client/random_rows.h"
+#include "kernels/bfloat16.h"
+#include "kernels/random_normal.h"
+#include "proto/status_details.h"
+#include "tests/lm_head_test_files.h"
+#include "tests/server_process.h"
+
+namespace detlogp {
+namespace {
+
+using client::LmHeadDelta;
+using client::LmHeadUpload;
+using client::LogpClient;
+using client::ModelRepositoryClient;
+using testing::MakeTempDir;
+using testing::ServerProcess;
+using testing::WriteLmHeadFile;
+
+constexpr int64_t kH = 128;
+constexpr int64_t kV = 2000;
+
+#define ASSERT_OK(expr)                          \
+  do {                                           \
+    const absl::Status _s = (expr);              \
+    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s; \
+  } while (0)
+
+LmHeadUpload RandomLmHead(uint64_t seed) {
+  LmHeadUpload upload;
+  upload.model = "policy";
+  upload.hidden_size = kH;
+  upload.padded_vocab_size = kV;
+  kernels::RandomNormal random(seed * 7919 + 11);
+  upload.weight.resize(kV * kH);
+  for (uint16_t& w : upload.weight) {
+    w = kernels::FloatToBf16(random.Next(0.02f));
+  }
+  upload.bias.resize(kV);
+  for (float& b : upload.bias) b = random.Next(0.1f);
+  return upload;
+}
+
+// One training step's worth of change: ~4% of the weights move by one bf16
+// step, and a few bias values move.
+LmHeadUpload Step(const LmHeadUpload& base, uint64_t seed) {
+  LmHeadUpload next = base;
+  std::mt19937_64 random(seed);
+  std::bernoulli_distribution changes(0.04);
+  for (uint16_t& w : next.weight) {
+    if (changes(random)) w = static_cast<uint16_t>(w ^ 1);
+  }
+  for (size_t i = 0; i < next.bias.size(); i += 97) next.bias[i] += 1e-3f;
+  return next;
+}
+
+std::unique_ptr<ServerProcess> StartServer(std::vector<std::string> args) {
+  args.insert(args.begin(), {"--device=cpu", "--bias_tensor=lm_head.bias",
+                             "--max_versions_per_model=4"});
+  auto server = ServerProcess::Start(args, 60);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? *std::move(server) : nullptr;
+}
+
+std::unique_ptr<ModelRepositoryClient> Repo(const ServerProcess& server) {
+  LogpClient::Options connection;
+  connection.target = server.target();
+  return *ModelRepositoryClient::Create(connection, {});
+}
+
+// (logprob bits, lse bits) of fixed rows scored on `version`.
+std::vector<std::pair<uint32_t, uint32_t>> ScoredBits(
+    const ServerProcess& server, int64_t version) {
+  LogpClient::Options options;
+  options.target = server.target();
+  auto client = *LogpClient::Create(options);
+  const int64_t rows = 8;
+  auto result = client->Score(client::MakeLogProbRequest(
+      "bits", v1::DTYPE_BFLOAT16, rows, kH, client::RandomBf16Rows(rows, kH, 3),
+      client::RandomTargets(rows, kV, 4), 1.0f, /*return_lse=*/true, "policy",
+      version));
+  EXPECT_TRUE(result.ok()) << result.status();
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  if (!result.ok()) return out;
+  EXPECT_EQ(result->model_version, version);
+  for (size_t r = 0; r < result->logprobs.size(); ++r) {
+    uint32_t lp, lse;
+    std::memcpy(&lp, &result->logprobs[r], 4);
+    std::memcpy(&lse, &result->lse[r], 4);
+    out.push_back({lp, lse});
+  }
+  return out;
+}
+
+int64_t Latest(const ServerProcess& server) {
+  auto models = Repo(server)->ListModels();
+  EXPECT_TRUE(models.ok()) << models.status();
+  for (const auto& info : models->models()) {
+    if (info.model() == "policy") return info.model_version();
+  }
+  return 0;
+}
+
+// The value of detlogp_model_bytes_received_total{from="<from>"}.
+double BytesReceived(const ServerProcess& server, const std::string& from) {
+  auto text = server.HttpGet("/metrics");
+  EXPECT_TRUE(text.ok()) << text.status();
+  const std::string key =
+      absl::StrCat("detlogp_model_bytes_received_total{from=\"", from, "\"} ");
+  const size_t at = text.ok() ? text->find(key) : std::string::npos;
+  EXPECT_NE(at, std::string::npos) << (text.ok() ? *text : "");
+  if (at == std::string::npos) return -1;
+  const size_t begin = at + key.size();
+  double value = -1;
+  EXPECT_TRUE(absl::SimpleAtod(
+      text->substr(begin, text->find('\n', begin) - begin), &value));
+  return value;
+}
+
+class FleetUploadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = MakeTempDir("fleet");
+    base_ = RandomLmHead(1);
+    ASSERT_OK(WriteLmHeadFile(dir_ + "/v1.safetensors", base_));
+    step_ = Step(base_, 2);
+    ASSERT_OK(WriteLmHeadFile(dir_ + "/v2.safetensors", step_));
+  }
+
+  std::unique_ptr<ServerProcess> StartWithBase() {
+    return StartServer(
+        {"--model=policy=" + dir_ + "/v1.safetensors", "--metrics_port=0"});
+  }
+
+  std::string dir_;
+  LmHeadUpload base_;
+  LmHeadUpload step_;
+};
+
+TEST_F(FleetUploadTest, DeltaPublishesTheBitsOfAFullUpload) {
+  auto by_delta = StartWithBase();
+  auto by_head = StartWithBase();
+  ASSERT_TRUE(by_delta != nullptr && by_head != nullptr);
+  auto delta = client::EncodeLmHeadDelta(step_, base_, /*base_version=*/1);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  // ~4% of the elements changed: the delta is a small part of the head.
+  EXPECT_LT(static_cast<int64_t>(delta->bytes.size()),
+            step_.payload_bytes() * 6 / 100)
+      << delta->bytes.size();
+
+  auto from_delta = Repo(*by_delta)->UploadDelta(step_, *delta);
+  ASSERT_TRUE(from_delta.ok()) << from_delta.status();
+  auto from_head = Repo(*by_head)->UploadModel(step_);
+  ASSERT_TRUE(from_head.ok()) << from_head.status();
+  EXPECT_EQ(from_delta->version(), 2);
+  EXPECT_EQ(from_delta->weights_sha256(), client::LmHeadUploadDigest(step_));
+  EXPECT_EQ(from_delta->weights_sha256(), from_head->weights_sha256());
+  EXPECT_EQ(from_delta->determinism_key(), from_head->determinism_key());
+  EXPECT_EQ(ScoredBits(*by_delta, 2), ScoredBits(*by_head, 2));
+  EXPECT_NE(ScoredBits(*by_delta, 1), ScoredBits(*by_delta, 2));
+  // The wire bytes are counted as they came, from the pusher.
+  EXPECT_EQ(BytesReceived(*by_delta, "pusher"),
+            static_cast<double>(delta->bytes.size()));
+  EXPECT_EQ(BytesReceived(*by_head, "pusher"),
+            static_cast<double>(step_.payload_bytes()));
+  EXPECT_EQ(BytesReceived(*by_delta, "peer"), 0.0);
+
+  // A chain of deltas: version 3 against version 2, itself rebuilt.
+  const LmHeadUpload third = Step(step_, 3);
+  auto next = client::EncodeLmHeadDelta(third, step_, 2);
+  ASSERT_TRUE(next.ok()) << next.status();
+  auto v3 = Repo(*by_delta)->UploadDelta(third, *next);
+  ASSERT_TRUE(v3.ok()) << v3.status();
+  EXPECT_EQ(v3->weights_sha256(), client::LmHeadUploadDigest(third));
+}
+
+TEST_F(FleetUploadTest, MissingOrWrongBaseIsBaseMissingAndThePushSendsTheHead) {
+  auto with_base = StartWithBase();
+  // Started from other weights: its version 1 is not the delta's base.
+  const LmHeadUpload other = RandomLmHead(9);
+  ASSERT_OK(WriteLmHeadFile(dir_ + "/other.safetensors", other));
+  auto without_base =
+      StartServer({"--model=policy=" + dir_ + "/other.safetensors"});
+  ASSERT_TRUE(with_base != nullptr && without_base != nullptr);
+  auto delta = client::EncodeLmHeadDelta(step_, base_, 1);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+
+  auto refused = Repo(*without_base)->UploadDelta(step_, *delta);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(v1::DetailsOf(refused.status()).reason, v1::kReasonBaseMissing)
+      << refused.status();
+  EXPECT_EQ(v1::DetailsOf(refused.status()).fields,
+            std::vector<std::string>{"header.base_version"});
+  // A version number the server has never had.
+  LmHeadDelta absent = *delta;
+  absent.base_version = 7;
+  refused = Repo(*with_base)->UploadDelta(step_, absent);
+  EXPECT_EQ(v1::DetailsOf(refused.status()).reason, v1::kReasonBaseMissing)
+      << refused.status();
+  EXPECT_EQ(Latest(*with_base), 1);
+  EXPECT_EQ(Latest(*without_base), 1);
+
+  LmHeadUpload named = step_;
+  named.version = 5;
+  client::PushOptions push;
+  push.delta = &*delta;
+  const client::PushReport report =
+      client::PushToTargets({with_base->target(), without_base->target()},
+                            LogpClient::Options(), {}, named, push);
+  ASSERT_TRUE(report.status.ok()) << report.status;
+  EXPECT_TRUE(report.targets[0].sent_delta);
+  EXPECT_EQ(report.targets[0].bytes_sent,
+            static_cast<int64_t>(delta->bytes.size()));
+  EXPECT_FALSE(report.targets[1].sent_delta);
+  // The head, after whatever part of the delta was written before the
+  // refusal ended the call.
+  EXPECT_GE(report.targets[1].bytes_sent, step_.payload_bytes());
+  EXPECT_LE(report.targets[1].bytes_sent,
+            step_.payload_bytes() + static_cast<int64_t>(delta->bytes.size()));
+  for (const client::PushedVersion& pushed : report.targets) {
+    ASSERT_TRUE(pushed.version.ok()) << pushed.target;
+    EXPECT_EQ(pushed.version->version(), 5);
+    EXPECT_EQ(pushed.version->weights_sha256(),
+              client::LmHeadUploadDigest(step_));
+  }
+  EXPECT_EQ(ScoredBits(*with_base, 5), ScoredBits(*without_base, 5));
+}
+
+TEST_F(FleetUploadTest, CorruptedDeltaIsRefusedAndNothingIsPublished) {
+  auto server = StartWithBase();
+  ASSERT_TRUE(server != nullptr);
+  auto delta = client::EncodeLmHeadDelta(step_, base_, 1);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+
+  // Bytes flipped inside the frame: zstd's checksum (or its format) fails.
+  LmHeadDelta flipped = *delta;
+  flipped.bytes[flipped.bytes.size() / 2] ^= 0x5a;
+  auto refused = Repo(*server)->UploadDelta(step_, flipped);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss)
+      << refused.status();
+  // Cut short.
+  LmHeadDelta cut = *delta;
+  cut.bytes.resize(cut.bytes.size() / 2);
+  refused = Repo(*server)->UploadDelta(step_, cut);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss)
+      << refused.status();
+  // A valid frame that rebuilds other weights than the digest stated.
+  auto wrong = client::EncodeLmHeadDelta(Step(base_, 99), base_, 1);
+  ASSERT_TRUE(wrong.ok());
+  wrong->weights_sha256 = delta->weights_sha256;
+  refused = Repo(*server)->UploadDelta(step_, *wrong);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(v1::DetailsOf(refused.status()).fields,
+            std::vector<std::string>{"weights_sha256"})
+      << refused.status();
+  EXPECT_EQ(Latest(*server), 1);
+
+  // The good delta still applies afterwards.
+  auto taken = Repo(*server)->UploadDelta(step_, *delta);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(Latest(*server), 2);
+}
+
+TEST_F(FleetUploadTest, EveryReplicaPublishesOneNumberForAPush) {
+  auto a = StartWithBase();
+  auto b = StartWithBase();
+  auto c = StartWithBase();
+  ASSERT_TRUE(a != nullptr && b != nullptr && c != nullptr);
+  // b is two versions ahead of a and c.
+  ASSERT_TRUE(Repo(*b)->UploadModel(RandomLmHead(5)).ok());
+  ASSERT_TRUE(Repo(*b)->UploadModel(RandomLmHead(6)).ok());
+  const std::vector<std::string> fleet = {a->target(), b->target(),
+                                          c->target()};
+  auto next = client::FleetVersion(fleet, LogpClient::Options(), {}, "policy");
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(*next, 4);
+  client::PushReport report =
+      client::PushToTargets(fleet, LogpClient::Options(), {}, step_);
+  ASSERT_TRUE(report.status.ok()) << report.status;
+  for (const client::PushedVersion& pushed : report.targets) {
+    ASSERT_TRUE(pushed.version.ok()) << pushed.target;
+    EXPECT_EQ(pushed.version->version(), 4) << pushed.target;
+  }
+
+  // From the command line: a delta against version 4, numbered 5
+  // everywhere without naming it.
+  const LmHeadUpload third = Step(step_, 3);
+  ASSERT_OK(WriteLmHeadFile(dir_ + "/v3.safetensors", third));
+  auto [code, out] = testing::RunCli(
+      "upload --model=policy --bias_tensor=lm_head.bias --weights_file=" +
+      dir_ + "/v3.safetensors --base_version=4 --base_weights_file=" + dir_ +
+      "/v2.safetensors --servers=" + a->target() + "," + b->target() + "," +
+      c->target() + " 2>&1");
+  EXPECT_EQ(code, 0) << out;
+  for (const ServerProcess* server : {a.get(), b.get(), c.get()}) {
+    EXPECT_TRUE(absl::StrContains(
+        out, absl::StrCat("target ", server->target(),
+                          " model policy version 5 weights_sha256 ",
+                          client::LmHeadUploadDigest(third))))
+        << out;
+    EXPECT_EQ(Latest(*server), 5);
+  }
+  EXPECT_TRUE(absl::StrContains(out, "sent delta")) << out;
+  EXPECT_FALSE(absl::StrContains(out, "sent head")) << out;
+  EXPECT_EQ(ScoredBits(*a, 5), ScoredBits(*c, 5));
+}
+
+TEST_F(FleetUploadTest, ChainPushForwardsEachChunkAndRoutesAroundFailures) {
+  // A fleet of four; the pusher sends to the first only.
+  std::vector<std::unique_ptr<ServerProcess>> fleet;
+  std::vector<std::string> targets;
+  for (int i = 0; i < 4; ++i) {
+    fleet.push_back(StartWithBase());
+    ASSERT_TRUE(fleet.back() != nullptr);
+    targets.push_back(fleet.back()->target());
+  }
+  client::PushOptions chain;
+  chain.fanout = client::PushOptions::Fanout::kChain;
+  client::PushReport report =
+      client::PushToTargets(targets, LogpClient::Options(), {}, step_, chain);
+  ASSERT_TRUE(report.status.ok()) << report.status;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const client::PushedVersion& pushed = report.targets[i];
+    ASSERT_TRUE(pushed.version.ok()) << pushed.target;
+    EXPECT_EQ(pushed.version->version(), 2);
+    EXPECT_EQ(pushed.version->weights_sha256(),
+              client::LmHeadUploadDigest(step_));
+    EXPECT_EQ(pushed.via_chain, i > 0) << pushed.target;
+    // Where its bytes came from: the pusher for the first, a peer after.
+    const double payload = static_cast<double>(step_.payload_bytes());
+    EXPECT_EQ(BytesReceived(*fleet[i], "pusher"), i == 0 ? payload : 0.0);
+    EXPECT_EQ(BytesReceived(*fleet[i], "peer"), i == 0 ? 0.0 : payload);
+  }
+  EXPECT_EQ(ScoredBits(*fleet[0], 2), ScoredBits(*fleet[3], 2));
+
+  // A delta down the chain; the second server is down: the pusher sends
+  // to the ones after it directly and names the one that failed.
+  const LmHeadUpload third = Step(step_, 3);
+  auto delta = client::EncodeLmHeadDelta(third, step_, 2);
+  ASSERT_TRUE(delta.ok()) << delta.status();
+  EXPECT_EQ(fleet[1]->Stop(SIGTERM), 0);
+  LogpClient::Options connection;
+  connection.timeout = absl::Seconds(5);
+  ModelRepositoryClient::Options options;
+  options.timeout = absl::Seconds(20);
+  chain.delta = &*delta;
+  LmHeadUpload numbered = third;
+  numbered.version = 3;
+  report = client::PushToTargets(targets, connection, options, numbered, chain);
+  EXPECT_FALSE(report.status.ok());
+  EXPECT_TRUE(absl::StrContains(report.status.message(), targets[1]))
+      << report.status;
+  EXPECT_FALSE(report.targets[1].version.ok());
+  for (int i : {0, 2, 3}) {
+    const client::PushedVersion& pushed = report.targets[i];
+    ASSERT_TRUE(pushed.version.ok())
+        << pushed.target << pushed.version.status();
+    EXPECT_EQ(pushed.version->version(), 3);
+    EXPECT_EQ(pushed.version->weights_sha256(),
+              client::LmHeadUploadDigest(third));
+    EXPECT_FALSE(pushed.via_chain) << pushed.target;
+    EXPECT_TRUE(pushed.sent_delta) << pushed.target;
+  }
+}
+
+}  // namespace
+}  // namespace detlogp
