@@ -1,7 +1,7 @@
-// The lm_head resolver (server/models/checkpoint.h) on checkpoint
+// The lm_head resolver (formats/checkpoint.h) on checkpoint
 // directories written the way save_pretrained writes them, and LoadLmHead's
 // bits against the same head given as a bare file.
-#include "server/models/checkpoint.h"
+#include "formats/checkpoint.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,10 +17,16 @@
 #include "gtest/gtest.h"
 #include "kernels/bfloat16.h"
 #include "server/models/lm_head_weights.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
 namespace detlogp::server {
 namespace {
+
+using formats::HeadLookup;
+using formats::ResolveHead;
+using formats::SafetensorDtypeSize;
+using formats::SafetensorToWrite;
+using formats::WriteSafetensors;
 
 using ::testing::HasSubstr;
 

@@ -36,7 +36,7 @@
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
 #include "server/models/lm_head_weights.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -123,14 +123,14 @@ LmHeadUpload RandomLmHead(const std::string& model, uint64_t seed,
 // As a .safetensors file: lm_head.weight BF16 [V_pad, H], lm_head.bias F32.
 absl::Status WriteLmHeadFile(const std::string& path,
                              const LmHeadUpload& upload) {
-  std::vector<server::SafetensorToWrite> tensors(1);
+  std::vector<formats::SafetensorToWrite> tensors(1);
   tensors[0].name = "lm_head.weight";
   tensors[0].dtype = "BF16";
   tensors[0].shape = {upload.padded_vocab_size, upload.hidden_size};
   const auto* w = reinterpret_cast<const uint8_t*>(upload.weight.data());
   tensors[0].data.assign(w, w + upload.weight.size() * 2);
   if (!upload.bias.empty()) {
-    server::SafetensorToWrite bias;
+    formats::SafetensorToWrite bias;
     bias.name = "lm_head.bias";
     bias.dtype = "F32";
     bias.shape = {upload.padded_vocab_size};
@@ -138,7 +138,7 @@ absl::Status WriteLmHeadFile(const std::string& path,
     bias.data.assign(b, b + upload.bias.size() * 4);
     tensors.push_back(std::move(bias));
   }
-  return server::WriteSafetensors(path, tensors);
+  return formats::WriteSafetensors(path, tensors);
 }
 
 // Fixed hidden rows and targets.
@@ -382,7 +382,7 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   for (float& x : w) x = random.Next(0.5f);
   w[0] = 1.00390625f;  // exactly half way between two bf16: rounds to even
   w[1] = 1.01171875f;  // half way, rounds up to even
-  std::vector<server::SafetensorToWrite> tensors(2);
+  std::vector<formats::SafetensorToWrite> tensors(2);
   tensors[0] = {"lm_head.weight", "F32", {v, h}, {}};
   tensors[0].data.resize(w.size() * 4);
   std::memcpy(tensors[0].data.data(), w.data(), w.size() * 4);
@@ -392,7 +392,7 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   tensors[1] = {"lm_head.bias", "F16", {v}, {}};
   tensors[1].data.resize(v * 2);
   std::memcpy(tensors[1].data.data(), bias_half.data(), v * 2);
-  ASSERT_OK(server::WriteSafetensors(dir + "/f32.safetensors", tensors));
+  ASSERT_OK(formats::WriteSafetensors(dir + "/f32.safetensors", tensors));
 
   auto read = client::ReadLmHeadUpload("m", dir + "/f32.safetensors",
                                        "lm_head.weight", "lm_head.bias", 200);

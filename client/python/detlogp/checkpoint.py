@@ -1,6 +1,6 @@
 """Finds the lm_head in what a user points at: a Hugging Face checkpoint
 directory (as save_pretrained writes it) or one .safetensors file, by the
-server's rules (server/models/checkpoint.h) and with its messages.
+server's rules (formats/checkpoint.h) and with its messages.
 
 A directory holds model.safetensors or model.safetensors.index.json (whose
 "weight_map" names the shard of every tensor), and config.json. The head is:

@@ -1,4 +1,4 @@
-#include "server/models/checkpoint.h"
+#include "formats/checkpoint.h"
 
 #include <sys/stat.h>
 
@@ -17,9 +17,9 @@
 #include "absl/strings/str_split.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
-namespace detlogp::server {
+namespace detlogp::formats {
 
 const char* const kInputEmbeddingNames[] = {
     "model.embed_tokens.weight",                 // Llama, Qwen, Mistral, Gemma
@@ -441,4 +441,4 @@ absl::StatusOr<ResolvedHead> ResolveHead(const HeadLookup& lookup) {
   return resolved;
 }
 
-}  // namespace detlogp::server
+}  // namespace detlogp::formats

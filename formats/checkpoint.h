@@ -20,8 +20,8 @@
 //
 // client/python/detlogp/checkpoint.py follows the same rules with the same
 // messages.
-#ifndef DETLOGP_SERVER_MODELS_CHECKPOINT_H_
-#define DETLOGP_SERVER_MODELS_CHECKPOINT_H_
+#ifndef DETLOGP_FORMATS_CHECKPOINT_H_
+#define DETLOGP_FORMATS_CHECKPOINT_H_
 
 #include <cstdint>
 #include <string>
@@ -29,7 +29,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace detlogp::server {
+namespace detlogp::formats {
 
 // Names of the input embedding in the usual causal-LM families (Llama, Qwen,
 // Mistral, Gemma; GPT-2; OPT; GPT-NeoX and Pythia; BLOOM and Falcon;
@@ -66,6 +66,6 @@ struct ResolvedHead {
 
 absl::StatusOr<ResolvedHead> ResolveHead(const HeadLookup& lookup);
 
-}  // namespace detlogp::server
+}  // namespace detlogp::formats
 
-#endif  // DETLOGP_SERVER_MODELS_CHECKPOINT_H_
+#endif  // DETLOGP_FORMATS_CHECKPOINT_H_
