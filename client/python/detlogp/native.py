@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from detlogp.libraries import find_library_file
 from detlogp.results import LogProbResult
 
 __all__ = ["find_library", "load_library", "takes_device_rows", "NativeClient", "NativeCallFailed"]
@@ -112,8 +113,6 @@ def find_library(start=None):
     the installed package, else bazel-bin/client/capi/libdetlogp_client.so
     in `start` (or the working directory) or a folder above it; None if not
     found."""
-    from detlogp.ops import find_library_file
-
     return find_library_file(LIBRARY_ENV, _LIBRARY_PATH, start)
 
 
