@@ -156,7 +156,7 @@ def _bf16_bits(array, name):
     """bf16 bits (uint16, C-contiguous) of float32/float16/float64 values
     rounded to nearest even as the server does, or of bf16 / uint16 bits."""
     array = _host(array)
-    if array.dtype == np.uint16 or tensors._is_bf16(array.dtype):
+    if array.dtype == np.uint16 or tensors.is_bf16_dtype(array.dtype):
         return np.ascontiguousarray(array.view(np.uint16))
     if array.dtype in (np.float32, np.float16, np.float64):
         return tensors.float32_to_bf16_bits(array.astype(np.float32, copy=False))
