@@ -352,11 +352,15 @@ def parse_proto(text):
             raise ValueError(f"proto: expected {token!r} at ... {context} ...")
         position += 1
 
-    def parse_enum(name):
-        nonlocal position
-        entity = ProtoEntity("enum", name)
+    def open_block(kind, name):
+        entity = ProtoEntity(kind, name)
         entities.append(entity)
         expect("{")
+        return entity
+
+    def parse_enum(name):
+        nonlocal position
+        entity = open_block("enum", name)
         while tokens[position] != "}":
             if tokens[position] in ("option", "reserved"):
                 skip_statement()
@@ -371,9 +375,7 @@ def parse_proto(text):
 
     def parse_message(name):
         nonlocal position
-        entity = ProtoEntity("message", name)
-        entities.append(entity)
-        expect("{")
+        entity = open_block("message", name)
         while tokens[position] != "}":
             token = tokens[position]
             if token == ";":
@@ -419,9 +421,7 @@ def parse_proto(text):
 
     def parse_service(name):
         nonlocal position
-        entity = ProtoEntity("service", name)
-        entities.append(entity)
-        expect("{")
+        entity = open_block("service", name)
         while tokens[position] != "}":
             if tokens[position] != "rpc":
                 skip_statement()
