@@ -9,7 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/tensor_files.h"
-#include "server/models/checkpoint.h"
+#include "formats/checkpoint.h"
 #include "kernels/bfloat16.h"
 #include "digests/lm_head_digest.h"
 #include "proto/status_details.h"
@@ -101,11 +101,11 @@ absl::StatusOr<LmHeadUpload> ReadLmHeadUpload(const std::string& model,
                                               const std::string& bias_tensor,
                                               int64_t vocab_size,
                                               std::string* description) {
-  server::HeadLookup lookup;
+  formats::HeadLookup lookup;
   lookup.path = path;
   lookup.weight_tensor = weight_tensor;
   lookup.bias_tensor = bias_tensor;
-  auto head = server::ResolveHead(lookup);
+  auto head = formats::ResolveHead(lookup);
   if (!head.ok()) return head.status();
   if (description != nullptr) *description = head->description;
   auto weight = ReadSafetensor(head->weight_file, head->weight_tensor);

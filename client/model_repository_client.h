@@ -66,7 +66,7 @@ absl::Status ValidateLmHeadUpload(const LmHeadUpload& upload);
 
 // Reads an lm_head from a Hugging Face checkpoint directory or a
 // .safetensors file, found as the server finds it
-// (server/models/checkpoint.h: empty `weight_tensor` means lm_head.weight,
+// (formats/checkpoint.h: empty `weight_tensor` means lm_head.weight,
 // else the tied input embedding; empty `bias_tensor` means lm_head.bias when
 // present). Only the head's bytes are read: the weight [V_pad, H] in F32, F16
 // or BF16 (F32 and F16 rounded to bf16, round-to-nearest-even, as the server

@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
 namespace detlogp::client {
 namespace {
@@ -111,7 +111,7 @@ absl::StatusOr<LoadedTensor> ReadNpy(const std::string& path) {
   int64_t elements = 1;
   for (int64_t dim : tensor.shape) elements *= dim;
   const size_t data_start = header_start + header_length;
-  const size_t bytes = elements * server::SafetensorDtypeSize(type);
+  const size_t bytes = elements * formats::SafetensorDtypeSize(type);
   if (file.size() - data_start != bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": data size does not match shape"));
@@ -125,11 +125,11 @@ absl::StatusOr<LoadedTensor> ReadNpy(const std::string& path) {
 
 absl::StatusOr<LoadedTensor> ReadSafetensor(const std::string& path,
                                             const std::string& name) {
-  auto file = server::SafetensorsFile::Open(path);
+  auto file = formats::SafetensorsFile::Open(path);
   if (!file.ok()) return file.status();
   auto bytes = file->ReadTensor(name);
   if (!bytes.ok()) return bytes.status();
-  const server::SafetensorInfo& info = file->tensors().at(name);
+  const formats::SafetensorInfo& info = file->tensors().at(name);
   LoadedTensor tensor;
   tensor.shape = info.shape;
   if (absl::Status s = SetElements(

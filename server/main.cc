@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
-#include "server/models/checkpoint.h"
+#include "formats/checkpoint.h"
 #include "server/models/lm_head_weights.h"
 #include "server/server.h"
 #include "spdlog/spdlog.h"
@@ -223,10 +223,10 @@ absl::StatusOr<detlogp::server::StartupModel> ParseModelSpec(
                    path, tensor)]() mutable -> absl::StatusOr<LmHeadWeights> {
     if (lm_head.weight_tensor.empty() && !shared_tensor.empty() &&
         shared_tensor != "lm_head.weight") {
-      detlogp::server::HeadLookup lookup;
+      detlogp::formats::HeadLookup lookup;
       lookup.path = path;
       lookup.bias_tensor = lm_head.bias_tensor;
-      auto own = detlogp::server::ResolveHead(lookup);
+      auto own = detlogp::formats::ResolveHead(lookup);
       if (own.ok() && own->weight_tensor == "lm_head.weight") {
         return absl::InvalidArgumentError(absl::StrCat(
             path,

@@ -1,7 +1,7 @@
-// The lm_head resolver (server/models/checkpoint.h) on checkpoint
+// The lm_head resolver (formats/checkpoint.h) on checkpoint
 // directories written the way save_pretrained writes them, and LoadLmHead's
 // bits against the same head given as a bare file.
-#include "server/models/checkpoint.h"
+#include "formats/checkpoint.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -17,10 +17,16 @@
 #include "gtest/gtest.h"
 #include "kernels/bfloat16.h"
 #include "server/models/lm_head_weights.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
 namespace detlogp::server {
 namespace {
+
+using formats::HeadLookup;
+using formats::ResolveHead;
+using formats::SafetensorDtypeSize;
+using formats::SafetensorToWrite;
+using formats::WriteSafetensors;
 
 using ::testing::HasSubstr;
 
@@ -262,6 +268,38 @@ TEST(CheckpointTest, UntiedWithoutHeadIsRefused) {
                   .ok());
   WriteText(dir + "/config.json", Config(false));
   auto resolved = ResolveHead({dir});
+  EXPECT_EQ(resolved.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(resolved.status().message()),
+              HasSubstr("no lm_head.weight and tie_word_embeddings is false"));
+}
+
+// A multimodal wrapper whose top-level flag disagrees with its text config:
+// the text config's flag decides, as vLLM reads it, both ways round.
+TEST(CheckpointTest, TextConfigTieFlagWinsOverTopLevel) {
+  const std::string sizes =
+      absl::StrCat("\"hidden_size\": ", kHidden, ", \"vocab_size\": ", kVocab);
+  const auto conflicting = [&](bool top, bool text) {
+    return absl::StrCat("{\"model_type\": \"llava\", \"tie_word_embeddings\": ",
+                        top ? "true" : "false", ", \"text_config\": {", sizes,
+                        ", \"tie_word_embeddings\": ", text ? "true" : "false",
+                        "}}");
+  };
+  const std::string embedding = "language_model.model.embed_tokens.weight";
+
+  const std::string tied = MakeDir("text_config_tied_top_untied");
+  ASSERT_TRUE(
+      WriteSafetensors(tied + "/model.safetensors", Body(embedding)).ok());
+  WriteText(tied + "/config.json", conflicting(false, true));
+  auto resolved = ResolveHead({tied});
+  ASSERT_TRUE(resolved.ok()) << resolved.status();
+  EXPECT_EQ(resolved->weight_tensor, embedding);
+  EXPECT_TRUE(resolved->tied);
+
+  const std::string untied = MakeDir("text_config_untied_top_tied");
+  ASSERT_TRUE(
+      WriteSafetensors(untied + "/model.safetensors", Body(embedding)).ok());
+  WriteText(untied + "/config.json", conflicting(true, false));
+  resolved = ResolveHead({untied});
   EXPECT_EQ(resolved.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(resolved.status().message()),
               HasSubstr("no lm_head.weight and tie_word_embeddings is false"));

@@ -36,7 +36,7 @@
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
 #include "server/models/lm_head_weights.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 #include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
@@ -355,7 +355,7 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   for (float& x : w) x = random.Next(0.5f);
   w[0] = 1.00390625f;  // exactly half way between two bf16: rounds to even
   w[1] = 1.01171875f;  // half way, rounds up to even
-  std::vector<server::SafetensorToWrite> tensors(2);
+  std::vector<formats::SafetensorToWrite> tensors(2);
   tensors[0] = {"lm_head.weight", "F32", {v, h}, {}};
   tensors[0].data.resize(w.size() * 4);
   std::memcpy(tensors[0].data.data(), w.data(), w.size() * 4);
@@ -365,7 +365,7 @@ TEST(LiveWeightsClientTest, DigestAndFileConversionMatchTheServers) {
   tensors[1] = {"lm_head.bias", "F16", {v}, {}};
   tensors[1].data.resize(v * 2);
   std::memcpy(tensors[1].data.data(), bias_half.data(), v * 2);
-  ASSERT_OK(server::WriteSafetensors(dir + "/f32.safetensors", tensors));
+  ASSERT_OK(formats::WriteSafetensors(dir + "/f32.safetensors", tensors));
 
   auto read = client::ReadLmHeadUpload("m", dir + "/f32.safetensors",
                                        "lm_head.weight", "lm_head.bias", 200);

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
 namespace detlogp::testing {
 
@@ -23,14 +23,14 @@ std::string MakeTempDir(const std::string& name) {
 
 absl::Status WriteLmHeadFile(const std::string& path,
                              const client::LmHeadUpload& upload) {
-  std::vector<server::SafetensorToWrite> tensors(1);
+  std::vector<formats::SafetensorToWrite> tensors(1);
   tensors[0].name = "lm_head.weight";
   tensors[0].dtype = "BF16";
   tensors[0].shape = {upload.padded_vocab_size, upload.hidden_size};
   const auto* w = reinterpret_cast<const uint8_t*>(upload.weight.data());
   tensors[0].data.assign(w, w + upload.weight.size() * 2);
   if (!upload.bias.empty()) {
-    server::SafetensorToWrite bias;
+    formats::SafetensorToWrite bias;
     bias.name = "lm_head.bias";
     bias.dtype = "F32";
     bias.shape = {upload.padded_vocab_size};
@@ -38,7 +38,7 @@ absl::Status WriteLmHeadFile(const std::string& path,
     bias.data.assign(b, b + upload.bias.size() * 4);
     tensors.push_back(std::move(bias));
   }
-  return server::WriteSafetensors(path, tensors);
+  return formats::WriteSafetensors(path, tensors);
 }
 
 }  // namespace detlogp::testing

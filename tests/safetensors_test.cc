@@ -1,4 +1,4 @@
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
 #include <gtest/gtest.h>
 
@@ -13,6 +13,10 @@
 
 namespace detlogp::server {
 namespace {
+
+using formats::ParseSafetensorsHeader;
+using formats::SafetensorsFile;
+using formats::WriteSafetensors;
 
 std::string TempPath(const std::string& name) {
   const char* dir = std::getenv("TEST_TMPDIR");

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <fstream>
 
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
 namespace detlogp::client {
 namespace {
@@ -65,7 +65,7 @@ TEST(TensorFilesTest, ReadsSafetensorsByName) {
   const std::string path = TempPath("rows.safetensors");
   std::vector<uint8_t> bf16(2 * 4 * 2, 0x3f);
   ASSERT_TRUE(
-      server::WriteSafetensors(path, {{"hidden", "BF16", {2, 4}, bf16}}).ok());
+      formats::WriteSafetensors(path, {{"hidden", "BF16", {2, 4}, bf16}}).ok());
   auto tensor = ReadTensorFile(path, "hidden");
   ASSERT_TRUE(tensor.ok()) << tensor.status();
   EXPECT_EQ(tensor->dtype, v1::DTYPE_BFLOAT16);

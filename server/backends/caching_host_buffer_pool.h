@@ -5,13 +5,13 @@
 // when nothing in it is in use and the idle pinned bytes exceed a bound;
 // then the blocks idle longest go first.
 //
-// Why blocks: the previous version cached whole buffers by exact size. A
-// sweep over 256-2048 rows per chunk needs 1.14 GB of buffers of four sizes
-// but at most 352 MB at once; with the cache bounded at 1 GiB, each round
-// re-pinned 2048-row buffers and freed smaller ones, and cudaHostAlloc /
+// Why blocks: a cache of whole buffers by exact size thrashes. A sweep over
+// 256-2048 rows per chunk needs 1.14 GB of buffers of four sizes but at
+// most 352 MB at once; such a cache bounded at 1 GiB re-pins 2048-row
+// buffers and frees smaller ones every round, and cudaHostAlloc /
 // cudaFreeHost stall every stream's launches (the first 2048-row run of a
-// round ran 13 % slower on the H200 host). Carved from blocks, the
-// sweep needs what is in use at once. The same design as the BFC allocator
+// round ran 13 % slower on the H200 host). Carved from blocks, the sweep
+// needs what is in use at once. The same design as the BFC allocator
 // TensorFlow uses for pinned host memory, simplified: buffers are few and
 // large (chunks of 5-44 MB), so plain ordered maps do.
 //

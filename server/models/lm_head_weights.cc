@@ -7,13 +7,18 @@
 #include "kernels/bfloat16.h"
 #include "kernels/parallel_for.h"
 #include "kernels/random_normal.h"
-#include "server/models/checkpoint.h"
-#include "server/models/safetensors.h"
+#include "formats/checkpoint.h"
+#include "formats/safetensors.h"
 #include "spdlog/spdlog.h"
 #include "digests/sha256.h"
 
 namespace detlogp::server {
 namespace {
+
+using formats::HeadLookup;
+using formats::ResolveHead;
+using formats::SafetensorDtypeSize;
+using formats::SafetensorsFile;
 
 // Converts raw tensor bytes of a float dtype to floats.
 std::vector<float> BytesToFloats(const std::string& dtype,

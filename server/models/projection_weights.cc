@@ -6,11 +6,14 @@
 #include "absl/strings/str_join.h"
 #include "kernels/projection.h"
 #include "kernels/random_normal.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 #include "digests/sha256.h"
 
 namespace detlogp::server {
 namespace {
+
+using formats::SafetensorInfo;
+using formats::SafetensorsFile;
 
 void ComputeDigest(ProjectionWeights* weights) {
   digests::Sha256 hash;

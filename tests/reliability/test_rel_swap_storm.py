@@ -801,8 +801,8 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
     assert not record.unexpected and not bad_not_found
     assert not server_bad, server_bad
     # A cancelled upload is CANCELLED on the server too, never INVALID_ARGUMENT
-    # "the upload ended after N of M bytes" (before the fix, about half were);
-    # one whose header never reached the server is not counted at all.
+    # "the upload ended after N of M bytes" (a race that would show on about
+    # half of them); one whose header never reached the server is not counted.
     assert upload_codes == upload_codes_want, (upload_codes, upload_codes_want)
     assert 1 <= upload_cancelled_seen <= uploads_cancelled
     assert stream_ended_by_server >= stream_ended_seen
@@ -830,7 +830,7 @@ def test_swap_storm_keeps_every_answer_on_its_version(server_binary, tmp_path, r
 def test_uploads_warm_up_through_a_full_queue(server_binary, tmp_path, report):
     """Scoring traffic keeps a 64-row queue full while 20 versions are
     uploaded: each version's 2-row warm-up waits for room instead of refusing
-    the whole upload with RESOURCE_EXHAUSTED (before the fix about half were)."""
+    the whole upload with RESOURCE_EXHAUSTED."""
     first = Version(tmp_path, seed=1)
     flags = WEIGHT_FLAGS + [
         f"--model=policy={first.model.path}",

@@ -1,14 +1,15 @@
 """Finds the lm_head in what a user points at: a Hugging Face checkpoint
 directory (as save_pretrained writes it) or one .safetensors file, by the
-server's rules (server/models/checkpoint.h) and with its messages.
+server's rules (formats/checkpoint.h) and with its messages.
 
 A directory holds model.safetensors or model.safetensors.index.json (whose
 "weight_map" names the shard of every tensor), and config.json. The head is:
   1. the tensor the caller names, if any;
   2. lm_head.weight;
-  3. when config.json says tie_word_embeddings (top level or under
-     text_config; absent means true, Hugging Face's default), the input
-     embedding under one of INPUT_EMBEDDING_NAMES.
+  3. when config.json says tie_word_embeddings, the input embedding under
+     one of INPUT_EMBEDDING_NAMES. As vLLM reads it, text_config's flag wins
+     over the top level's; absent from both means true, Hugging Face's
+     default.
 The bias is the tensor the caller names, else lm_head.bias when the head is
 lm_head.weight and the checkpoint has one. The head's shape is checked against
 config.json's hidden_size and vocab_size (also under text_config). Only the
@@ -96,9 +97,11 @@ def _read_head_config(folder):
     config.present = True
     text = parsed.get("text_config")
     text = text if isinstance(text, dict) else None
-    tie = parsed.get("tie_word_embeddings")
-    if not isinstance(tie, bool) and text is not None:
-        tie = text.get("tie_word_embeddings")
+    # text_config's flag wins over the top level's, as vLLM reads it
+    # (hf_text_config.tie_word_embeddings).
+    tie = text.get("tie_word_embeddings") if text is not None else None
+    if not isinstance(tie, bool):
+        tie = parsed.get("tie_word_embeddings")
     config.tie_word_embeddings = tie if isinstance(tie, bool) else True
     hidden_keys = ("hidden_size", "n_embd", "d_model")
     config.hidden_size = _int_field(parsed, hidden_keys)

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from detlogp import errors
+from detlogp.libraries import find_library_file
 from detlogp.results import LogProbResult
 
 __all__ = ["find_library", "load_library", "takes_device_rows", "NativeClient", "NativeCallFailed"]
@@ -124,8 +125,6 @@ def find_library(start=None):
     the installed package, else bazel-bin/client/capi/libdetlogp_client.so
     in `start` (or the working directory) or a folder above it; None if not
     found."""
-    from detlogp.ops import find_library_file
-
     return find_library_file(LIBRARY_ENV, _LIBRARY_PATH, start)
 
 

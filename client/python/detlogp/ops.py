@@ -20,26 +20,32 @@ current CUDA stream and give the CUDA server's bits; outputs
 are allocated by PyTorch's caching allocator and the weight is never copied.
 For autograd, use detlogp.torch.
 
-The libraries are found, in order, at $DETLOGP_OPS_LIBRARY /
-$DETLOGP_OPS_CUDA_LIBRARY, in the installed package (detlogp/_lib/: `pip
-install ./client/python` compiles the CPU library there, and with
-DETLOGP_BUILD_OPS=1 also the CUDA one, see client/python/README.md), else at
-bazel-bin/kernels/capi/ in the working directory or a folder above it
-(`bazel build //kernels/capi:all`). They are
-loaded on first use, so the package imports without them; asking for CUDA
-where the CUDA library, PyTorch or a GPU of compute capability >= 8.0 is
-missing raises
-RuntimeError naming what is missing.
+detlogp.libraries finds and loads the libraries (its functions are
+re-exported here); asking for CUDA where the CUDA library, PyTorch or a GPU
+of compute capability >= 8.0 is missing raises RuntimeError naming what is
+missing.
 """
 
 import ctypes
-import os
-import pathlib
 import threading
 
 import numpy as np
 
 from detlogp import tensors
+from detlogp.libraries import (
+    CUDA_LIBRARY_ENV,
+    ERROR_BUFFER_BYTES,
+    FLOAT_POINTER,
+    INT32_POINTER,
+    LIBRARY_ENV,
+    UINT16_POINTER,
+    cuda_available,
+    find_cuda_library,
+    find_library,
+    find_library_file,
+    load_cuda_library,
+    load_library,
+)
 
 __all__ = [
     "linear_logp",
@@ -57,384 +63,9 @@ __all__ = [
     "H3_OUT_DIM",
 ]
 
-LIBRARY_ENV = "DETLOGP_OPS_LIBRARY"
-CUDA_LIBRARY_ENV = "DETLOGP_OPS_CUDA_LIBRARY"
-_LIBRARY_PATH = pathlib.Path("bazel-bin") / "kernels" / "capi" / "libdetlogp_ops.so"
-_CUDA_LIBRARY_PATH = pathlib.Path("bazel-bin") / "kernels" / "capi" / "libdetlogp_ops_cuda.so"
-_PACKAGE_LIB_DIR = pathlib.Path(__file__).resolve().parent / "_lib"
-_ABI_VERSION = 2
-_CUDA_ABI_VERSION = 3
 H3_IN_DIM = 96
 H3_OUT_DIM = 5376
-_ERROR_LEN = 1024
 _KEY_LEN = 128
-
-_lock = threading.Lock()
-_lib = None
-_cuda_lib = None
-
-_u16p = ctypes.POINTER(ctypes.c_uint16)
-_f32p = ctypes.POINTER(ctypes.c_float)
-_i32p = ctypes.POINTER(ctypes.c_int32)
-_i64 = ctypes.c_int64
-
-
-def find_library_file(env_name, relative, start=None):
-    """A library of the project's: $`env_name`, else its name in the
-    installed package's library folder, else `relative` (a bazel-bin path)
-    in `start` (or the working directory) or a folder above it; None if not
-    found."""
-    env = os.environ.get(env_name)
-    if env:
-        return pathlib.Path(env)
-    packaged = _PACKAGE_LIB_DIR / relative.name
-    if packaged.exists():
-        return packaged
-    here = pathlib.Path(start or os.getcwd()).resolve()
-    for folder in [here, *here.parents]:
-        candidate = folder / relative
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def find_library(start=None):
-    """$DETLOGP_OPS_LIBRARY, else detlogp/_lib/libdetlogp_ops.so in the
-    installed package, else bazel-bin/kernels/capi/libdetlogp_ops.so in
-    `start` (or the working directory) or any folder above it; None if not
-    found."""
-    return find_library_file(LIBRARY_ENV, _LIBRARY_PATH, start)
-
-
-def find_cuda_library(start=None):
-    """As find_library, for libdetlogp_ops_cuda.so ($DETLOGP_OPS_CUDA_LIBRARY)."""
-    return find_library_file(CUDA_LIBRARY_ENV, _CUDA_LIBRARY_PATH, start)
-
-
-def load_library():
-    """The loaded ctypes library (loaded once); RuntimeError naming what is
-    missing when it cannot be found or loaded."""
-    global _lib
-    with _lock:
-        if _lib is not None:
-            return _lib
-        path = find_library()
-        if path is None:
-            raise RuntimeError(
-                f"detlogp.ops needs the CPU ops library libdetlogp_ops.so, which "
-                f"this installation lacks (installed with DETLOGP_BUILD_OPS=0?): "
-                f"reinstall with `pip install ./client/python` (it compiles the "
-                f"library), or set ${LIBRARY_ENV} to its path, or run `bazel build "
-                f"//kernels/capi:libdetlogp_ops.so` in the detlogp repository and "
-                f"work from inside it (looked in {_PACKAGE_LIB_DIR} and for "
-                f"{_LIBRARY_PATH} in {pathlib.Path.cwd()} and every folder above)"
-            )
-        if not path.exists():
-            raise RuntimeError(
-                f"detlogp.ops: ${LIBRARY_ENV}={path} does not exist "
-                "(build it with `bazel build "
-                "//kernels/capi:libdetlogp_ops.so`)"
-            )
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as error:
-            raise RuntimeError(f"detlogp.ops: cannot load {path}: {error}") from None
-        lib.detlogp_ops_abi_version.restype = ctypes.c_int
-        lib.detlogp_ops_abi_version.argtypes = []
-        if lib.detlogp_ops_abi_version() != _ABI_VERSION:
-            raise RuntimeError(
-                f"detlogp.ops: {path} has C ABI version "
-                f"{lib.detlogp_ops_abi_version()}, this package wants {_ABI_VERSION} "
-                "(rebuild the library from the same checkout as the package)"
-            )
-        lib.detlogp_cpu_linear_logp.restype = ctypes.c_int
-        lib.detlogp_cpu_linear_logp.argtypes = [
-            _u16p,
-            _i64,
-            _i64,
-            _f32p,
-            _i64,
-            _u16p,
-            _i64,
-            _i32p,
-            _f32p,
-            ctypes.c_int,
-            _f32p,
-            _f32p,
-            _f32p,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        lib.detlogp_cpu_h3_projection.restype = ctypes.c_int
-        lib.detlogp_cpu_h3_projection.argtypes = [
-            _f32p,
-            _i64,
-            _f32p,
-            _f32p,
-            ctypes.c_int,
-            _f32p,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        for name in ("detlogp_cpu_h3_projection_input_grad",):
-            getattr(lib, name).restype = ctypes.c_int
-            getattr(lib, name).argtypes = [
-                _f32p,
-                _f32p,
-                _i64,
-                ctypes.c_int,
-                _f32p,
-                ctypes.c_char_p,
-                ctypes.c_size_t,
-            ]
-        lib.detlogp_cpu_h3_projection_weight_grad.restype = ctypes.c_int
-        lib.detlogp_cpu_h3_projection_weight_grad.argtypes = [
-            _f32p,
-            _f32p,
-            _i64,
-            _i64,
-            ctypes.c_int,
-            _f32p,
-            _f32p,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        lib.detlogp_cpu_determinism_key.restype = ctypes.c_int
-        lib.detlogp_cpu_determinism_key.argtypes = [
-            _u16p,
-            _i64,
-            _i64,
-            _f32p,
-            _i64,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ]
-        _lib = lib
-        return lib
-
-
-_vp = ctypes.c_void_p
-_CUDA_SIGNATURES = {
-    "detlogp_cuda_check_device": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
-    "detlogp_cuda_lm_head_create": (
-        ctypes.c_int,
-        [
-            _vp,
-            _i64,
-            _i64,
-            _vp,
-            _i64,
-            ctypes.c_int,
-            ctypes.POINTER(_vp),
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-    "detlogp_cuda_lm_head_destroy": (None, [_vp]),
-    "detlogp_cuda_linear_logp_workspace_bytes": (_i64, [_vp, _i64, ctypes.c_int]),
-    "detlogp_cuda_linear_logp": (
-        ctypes.c_int,
-        [
-            _vp,
-            _vp,
-            _i64,
-            _vp,
-            ctypes.c_int,
-            _vp,
-            ctypes.c_float,
-            _vp,
-            _vp,
-            _vp,
-            _vp,
-            ctypes.c_size_t,
-            _vp,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-    "detlogp_cuda_linear_logp_backward_workspace_bytes": (
-        _i64,
-        [_vp, _i64, ctypes.c_int, ctypes.c_int],
-    ),
-    "detlogp_cuda_linear_logp_backward": (
-        ctypes.c_int,
-        [
-            _vp,
-            _vp,
-            _i64,
-            _vp,
-            ctypes.c_int,
-            _vp,
-            ctypes.c_float,
-            _vp,
-            _vp,
-            _vp,
-            _vp,
-            _vp,
-            _vp,
-            ctypes.c_int,
-            _vp,
-            ctypes.c_int,
-            _vp,
-            _vp,
-            ctypes.c_size_t,
-            _vp,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-    "detlogp_cuda_h3_projection_forward_workspace_bytes": (_i64, []),
-    "detlogp_cuda_h3_projection_forward": (
-        ctypes.c_int,
-        [
-            _vp,
-            _i64,
-            _vp,
-            _vp,
-            _vp,
-            _vp,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            _vp,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-    "detlogp_cuda_h3_projection_input_grad_workspace_bytes": (_i64, [_i64]),
-    "detlogp_cuda_h3_projection_input_grad": (
-        ctypes.c_int,
-        [
-            _vp,
-            _i64,
-            _vp,
-            _vp,
-            _vp,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            _vp,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-    "detlogp_cuda_h3_projection_weight_grad_workspace_bytes": (_i64, [_i64, _i64]),
-    "detlogp_cuda_h3_projection_weight_grad": (
-        ctypes.c_int,
-        [
-            _vp,
-            _vp,
-            _i64,
-            _i64,
-            _vp,
-            _vp,
-            _vp,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            _vp,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-    "detlogp_cuda_determinism_key": (
-        ctypes.c_int,
-        [
-            _u16p,
-            _i64,
-            _i64,
-            _f32p,
-            _i64,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-    "detlogp_cuda_device_determinism_key": (
-        ctypes.c_int,
-        [
-            ctypes.c_int,
-            _u16p,
-            _i64,
-            _i64,
-            _f32p,
-            _i64,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-        ],
-    ),
-}
-
-
-def load_cuda_library():
-    """The loaded ctypes CUDA library (loaded once); RuntimeError naming what
-    is missing when it cannot be found or loaded. Loading needs the CUDA
-    runtime (libcudart.so.13), not a GPU."""
-    global _cuda_lib
-    with _lock:
-        if _cuda_lib is not None:
-            return _cuda_lib
-        path = find_cuda_library()
-        if path is None:
-            raise RuntimeError(
-                "detlogp.ops on CUDA needs the CUDA ops library "
-                f"libdetlogp_ops_cuda.so, which is not installed: on a machine with "
-                f"the CUDA toolkit, run `DETLOGP_BUILD_OPS=1 pip install "
-                f"./client/python[ops]` (see client/python/README.md), or `bazel "
-                f"build //kernels/capi:libdetlogp_ops_cuda.so` in the detlogp "
-                f"repository and work from inside it, or set ${CUDA_LIBRARY_ENV} "
-                f"(looked in {_PACKAGE_LIB_DIR} and for {_CUDA_LIBRARY_PATH} in "
-                f"{pathlib.Path.cwd()} and every folder above)"
-            )
-        if not path.exists():
-            raise RuntimeError(
-                f"detlogp.ops: ${CUDA_LIBRARY_ENV}={path} does not "
-                "exist (build it with `bazel build "
-                "//kernels/capi:libdetlogp_ops_cuda.so`)"
-            )
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as error:
-            raise RuntimeError(
-                f"detlogp.ops: cannot load the CUDA ops library {path}: {error} "
-                "(it needs the CUDA 13 runtime libcudart.so.13 and the libraries "
-                "it was built against on the loader's path)"
-            ) from None
-        lib.detlogp_ops_cuda_abi_version.restype = ctypes.c_int
-        lib.detlogp_ops_cuda_abi_version.argtypes = []
-        if lib.detlogp_ops_cuda_abi_version() != _CUDA_ABI_VERSION:
-            raise RuntimeError(
-                f"detlogp.ops: {path} has CUDA C ABI version "
-                f"{lib.detlogp_ops_cuda_abi_version()}, this package wants "
-                f"{_CUDA_ABI_VERSION} (rebuild it from the same checkout)"
-            )
-        for name, (restype, argtypes) in _CUDA_SIGNATURES.items():
-            function = getattr(lib, name)
-            function.restype = restype
-            function.argtypes = argtypes
-        _cuda_lib = lib
-        return lib
-
-
-def cuda_available(device=0):
-    """(True, "") when the CUDA ops can run on cuda:`device`, else (False, what
-    is missing): the library, PyTorch, or a GPU of compute capability >= 8.0."""
-    if int(device) in _usable_devices:
-        return True, ""
-    try:
-        lib = load_cuda_library()
-    except RuntimeError as error:
-        return False, str(error)
-    error = ctypes.create_string_buffer(_ERROR_LEN)
-    if lib.detlogp_cuda_check_device(int(device), error, _ERROR_LEN) != 0:
-        return False, "detlogp.ops on CUDA: " + error.value.decode(errors="replace")
-    _usable_devices.add(int(device))
-    return True, ""
-
-
-_usable_devices = set()
 
 
 # ------------------------------------------------------------------ inputs
@@ -525,7 +156,7 @@ def _bf16_bits(array, name):
     """bf16 bits (uint16, C-contiguous) of float32/float16/float64 values
     rounded to nearest even as the server does, or of bf16 / uint16 bits."""
     array = _host(array)
-    if array.dtype == np.uint16 or tensors._is_bf16(array.dtype):
+    if array.dtype == np.uint16 or tensors.is_bf16_dtype(array.dtype):
         return np.ascontiguousarray(array.view(np.uint16))
     if array.dtype in (np.float32, np.float16, np.float64):
         return tensors.float32_to_bf16_bits(array.astype(np.float32, copy=False))
@@ -599,7 +230,7 @@ class _LmHeadCache:
                 self._handles[key] = handle  # most recently used last
                 return handle
         handle = ctypes.c_void_p()
-        error = ctypes.create_string_buffer(_ERROR_LEN)
+        error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
         rc = lib.detlogp_cuda_lm_head_create(
             weight.data_ptr(),
             weight.shape[0],
@@ -609,7 +240,7 @@ class _LmHeadCache:
             int(device),
             ctypes.byref(handle),
             error,
-            _ERROR_LEN,
+            ERROR_BUFFER_BYTES,
         )
         _raise(rc, error, "linear_logp")
         with self._lock:
@@ -635,7 +266,7 @@ def _error_buffer():
     thread, not per call)."""
     buffer = getattr(_errors, "buffer", None)
     if buffer is None:
-        buffer = _errors.buffer = ctypes.create_string_buffer(_ERROR_LEN)
+        buffer = _errors.buffer = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     return buffer
 
 
@@ -643,7 +274,7 @@ def _cuda_call(weight, vocab_size):
     """(torch, the CUDA library, weight's device, its index, the real
     vocabulary) for a call on `weight`'s GPU."""
     torch = _torch()
-    lib = _cuda_lib if _cuda_lib is not None else load_cuda_library()
+    lib = load_cuda_library()
     device = weight.device
     index = device.index if device.index is not None else torch.cuda.current_device()
     vocab_size = weight.shape[0] if vocab_size is None else int(vocab_size)
@@ -702,7 +333,7 @@ def cuda_linear_logp(
         workspace.numel(),
         torch.cuda.current_stream(index).cuda_stream,
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "linear_logp")
     return logprobs, lse, entropy
@@ -813,7 +444,7 @@ def cuda_linear_logp_backward(
         workspace.numel(),
         torch.cuda.current_stream(index).cuda_stream,
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "linear_logp_backward")
     return grad_hidden, grad_weight, grad_bias
@@ -833,7 +464,7 @@ def cuda_h3_projection(x, weight, bias=None):
         dtype=torch.uint8,
         device=weight.device,
     )
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+    error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     rc = lib.detlogp_cuda_h3_projection_forward(
         x.data_ptr() if rows else None,
         rows,
@@ -845,7 +476,7 @@ def cuda_h3_projection(x, weight, bias=None):
         device,
         _stream(torch, device),
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "h3_projection")
     return y
@@ -861,7 +492,7 @@ def cuda_h3_projection_input_grad(dy, weight):
     dx = torch.empty((rows, H3_IN_DIM), dtype=torch.float32, device=weight.device)
     need = int(lib.detlogp_cuda_h3_projection_input_grad_workspace_bytes(rows))
     workspace = torch.empty((need,), dtype=torch.uint8, device=weight.device) if need > 0 else None
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+    error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     rc = lib.detlogp_cuda_h3_projection_input_grad(
         dy.data_ptr() if rows else None,
         rows,
@@ -872,7 +503,7 @@ def cuda_h3_projection_input_grad(dy, weight):
         device,
         _stream(torch, device),
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "h3_projection (dX)")
     return dx
@@ -892,7 +523,7 @@ def cuda_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0):
     if need < 0:
         raise ValueError(f"detlogp.ops.h3_projection: bad rows {rows} or first_key {first_key}")
     workspace = torch.empty((need,), dtype=torch.uint8, device=x.device) if need > 0 else None
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+    error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     rc = lib.detlogp_cuda_h3_projection_weight_grad(
         dy.data_ptr() if rows else None,
         x.data_ptr() if rows else None,
@@ -905,7 +536,7 @@ def cuda_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0):
         device,
         _stream(torch, device),
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "h3_projection (dW)")
     return dweight, dbias
@@ -917,15 +548,15 @@ def cpu_h3_projection_input_grad(dy, weight, num_threads=0):
     rows = dy32.shape[0]
     dx = np.empty((rows, H3_IN_DIM), dtype=np.float32)
     lib = load_library()
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+    error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     rc = lib.detlogp_cpu_h3_projection_input_grad(
-        _ptr(w32, _f32p),
-        _ptr(dy32, _f32p),
+        _ptr(w32, FLOAT_POINTER),
+        _ptr(dy32, FLOAT_POINTER),
         rows,
         int(num_threads),
-        _ptr(dx, _f32p),
+        _ptr(dx, FLOAT_POINTER),
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "h3_projection (dX)")
     return dx
@@ -939,17 +570,17 @@ def cpu_h3_projection_weight_grad(dy, x, with_bias=True, first_key=0, num_thread
     dweight = np.empty((H3_OUT_DIM, H3_IN_DIM), dtype=np.float32)
     dbias = np.empty(H3_OUT_DIM, dtype=np.float32) if with_bias else None
     lib = load_library()
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+    error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     rc = lib.detlogp_cpu_h3_projection_weight_grad(
-        _ptr(dy32, _f32p),
-        _ptr(x32, _f32p),
+        _ptr(dy32, FLOAT_POINTER),
+        _ptr(x32, FLOAT_POINTER),
         rows,
         int(first_key),
         int(num_threads),
-        _ptr(dweight, _f32p),
-        _ptr(dbias, _f32p),
+        _ptr(dweight, FLOAT_POINTER),
+        _ptr(dbias, FLOAT_POINTER),
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "h3_projection (dW)")
     return dweight, dbias
@@ -1102,29 +733,31 @@ def linear_logp(
     entropy = np.empty(rows, dtype=np.float32) if return_entropy else None
     if rows:
         lib = load_library()
-        error = ctypes.create_string_buffer(_ERROR_LEN)
+        error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
         rc = lib.detlogp_cpu_linear_logp(
-            _ptr(weight_bits, _u16p),
+            _ptr(weight_bits, UINT16_POINTER),
             padded,
             hidden_size,
-            _ptr(bias32, _f32p),
+            _ptr(bias32, FLOAT_POINTER),
             vocab_size,
-            _ptr(hidden_bits, _u16p),
+            _ptr(hidden_bits, UINT16_POINTER),
             rows,
-            _ptr(targets32, _i32p),
-            _ptr(temps, _f32p),
+            _ptr(targets32, INT32_POINTER),
+            _ptr(temps, FLOAT_POINTER),
             int(num_threads),
-            _ptr(logprobs, _f32p),
-            _ptr(lse, _f32p),
-            _ptr(entropy, _f32p),
+            _ptr(logprobs, FLOAT_POINTER),
+            _ptr(lse, FLOAT_POINTER),
+            _ptr(entropy, FLOAT_POINTER),
             error,
-            _ERROR_LEN,
+            ERROR_BUFFER_BYTES,
         )
         _raise(rc, error, "linear_logp")
-    return _pack(logprobs, lse, entropy, return_lse, return_entropy)
+    return pack_outputs(logprobs, lse, entropy, return_lse, return_entropy)
 
 
-def _pack(logprobs, lse, entropy, return_lse, return_entropy):
+def pack_outputs(logprobs, lse, entropy, return_lse, return_entropy):
+    """linear_logp's return value: logprobs alone, or a tuple with lse and
+    entropy as asked (detlogp.torch returns the same shapes)."""
     if not (return_lse or return_entropy):
         return logprobs
     return tuple([logprobs] + ([lse] if return_lse else []) + ([entropy] if return_entropy else []))
@@ -1160,7 +793,7 @@ def _linear_logp_cuda(
     logprobs, lse, entropy = cuda_linear_logp(
         hidden_t, weight_t, targets_t, temps, bias_t, vocab, return_entropy
     )
-    return _pack(
+    return pack_outputs(
         *(_like_input(t, template) for t in (logprobs, lse, entropy)), return_lse, return_entropy
     )
 
@@ -1194,16 +827,16 @@ def h3_projection(x, weight, bias=None, *, num_threads=0, device=None):
     rows = x32.shape[0]
     y = np.empty((rows, H3_OUT_DIM), dtype=np.float32)
     lib = load_library()
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+    error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     rc = lib.detlogp_cpu_h3_projection(
-        _ptr(x32, _f32p),
+        _ptr(x32, FLOAT_POINTER),
         rows,
-        _ptr(w32, _f32p),
-        _ptr(b32, _f32p),
+        _ptr(w32, FLOAT_POINTER),
+        _ptr(b32, FLOAT_POINTER),
         int(num_threads),
-        _ptr(y, _f32p),
+        _ptr(y, FLOAT_POINTER),
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     _raise(rc, error, "h3_projection")
     return y
@@ -1259,17 +892,17 @@ def determinism_key(weight, bias=None, vocab_size=None, *, device=None):
     weight_bits, bias32, padded, hidden_size, vocab_size = _head(weight, bias, vocab_size)
     lib = load_cuda_library() if cuda else load_library()
     key = ctypes.create_string_buffer(_KEY_LEN)
-    error = ctypes.create_string_buffer(_ERROR_LEN)
+    error = ctypes.create_string_buffer(ERROR_BUFFER_BYTES)
     args = (
-        _ptr(weight_bits, _u16p),
+        _ptr(weight_bits, UINT16_POINTER),
         padded,
         hidden_size,
-        _ptr(bias32, _f32p),
+        _ptr(bias32, FLOAT_POINTER),
         vocab_size,
         key,
         _KEY_LEN,
         error,
-        _ERROR_LEN,
+        ERROR_BUFFER_BYTES,
     )
     if gpu is not None:
         rc = lib.detlogp_cuda_device_determinism_key(gpu, *args)

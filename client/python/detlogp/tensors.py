@@ -24,7 +24,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     BFLOAT16 = None
 
 
-def _is_bf16(dtype):
+def is_bf16_dtype(dtype):
+    """True for ml_dtypes' bfloat16 (False when ml_dtypes is missing)."""
     return BFLOAT16 is not None and dtype == BFLOAT16
 
 
@@ -133,7 +134,7 @@ def hidden_wire_array(array):
         dtype, wire = pb.DTYPE_FLOAT32, np.dtype("<f4")
     elif array.dtype == np.float16:
         dtype, wire = pb.DTYPE_FLOAT16, np.dtype("<f2")
-    elif array.dtype == np.uint16 or _is_bf16(array.dtype):
+    elif array.dtype == np.uint16 or is_bf16_dtype(array.dtype):
         dtype, wire = pb.DTYPE_BFLOAT16, np.dtype("<u2")
         array = array.view(np.uint16)
     else:

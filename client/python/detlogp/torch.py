@@ -693,7 +693,7 @@ def linear_logp(
     logp, lse, entropy = _linear_logp_op(
         hidden, weight, targets, bias, temps, value, vocab, bool(return_entropy)
     )
-    return ops._pack(logp, lse, entropy, return_lse, return_entropy)
+    return ops.pack_outputs(logp, lse, entropy, return_lse, return_entropy)
 
 
 # ------------------------------------------------------------------ H3 projection

@@ -229,6 +229,29 @@ def test_python_reader_messages(folder, checkpoints):
         checkpoint.resolve_head(untied)
 
 
+@pytest.mark.parametrize(("top", "text"), [(False, True), (True, False)])
+def test_python_reader_takes_the_text_configs_tie_flag(folder, top, text):
+    """A wrapper's top-level flag disagreeing with its text config's: the
+    text config decides, as vLLM reads it."""
+    embedding = "language_model.model.embed_tokens.weight"
+    ckpt = folder / f"conflicting_tie_top_{top}_text_{text}"
+    ckpt.mkdir()
+    safetensors_io.write(
+        ckpt / "model.safetensors", {embedding: np.zeros((VOCAB, HIDDEN), np.float32)}
+    )
+    config = {"model_type": "llava", "tie_word_embeddings": top, "text_config": _config(text)}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    if text:
+        head = checkpoint.resolve_head(ckpt)
+        assert head.weight_tensor == embedding
+        assert head.tied
+    else:
+        with pytest.raises(
+            checkpoint.CheckpointError, match="no lm_head.weight and tie_word_embeddings is false"
+        ):
+            checkpoint.resolve_head(ckpt)
+
+
 # ---------------------------------------------------------------- serving
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_model_flag_serves_the_bare_files_bits(served, bias_bare, rows, name):

@@ -165,9 +165,9 @@ def test_the_installed_package_carries_the_cpp_client(server, model, tmp_path):
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    from detlogp import ops
+    from detlogp import libraries
 
-    assert out.stdout.split()[-1] == str(ops._PACKAGE_LIB_DIR / "libdetlogp_client.so"), (
+    assert out.stdout.split()[-1] == str(libraries.PACKAGE_LIB_DIR / "libdetlogp_client.so"), (
         "the installed package has no libdetlogp_client.so: install it with "
         "`pip install ./client/python` (tools/test_python.sh does)"
     )

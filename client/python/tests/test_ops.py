@@ -14,7 +14,7 @@ import sys
 import detlogp
 import numpy as np
 import pytest
-from detlogp import ops, safetensors_io, tensors
+from detlogp import libraries, ops, safetensors_io, tensors
 from detlogp.testing import LocalServer, TestModel
 
 try:
@@ -219,7 +219,7 @@ def test_cuda_asked_for_where_missing_is_a_clear_error(model, monkeypatch):
 
     with pytest.raises(ValueError, match="x not on the CPU"):
         ops.h3_projection(FakeCudaArray(), np.zeros((5376, 96), np.float32), device="cpu")
-    monkeypatch.setattr(ops, "_cuda_lib", None)
+    monkeypatch.setattr(libraries, "_cuda_lib", None)
     monkeypatch.setenv(ops.CUDA_LIBRARY_ENV, "/nonexistent/libdetlogp_ops_cuda.so")
     ok, why = ops.cuda_available()
     assert not ok and "libdetlogp_ops_cuda.so" in why
@@ -289,14 +289,14 @@ def test_projection_grads_are_the_kernels_and_match_float64(projection):
 
 
 def test_a_missing_library_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(ops, "_lib", None)
+    monkeypatch.setattr(libraries, "_lib", None)
     monkeypatch.setenv(ops.LIBRARY_ENV, str(tmp_path / "nothing.so"))
     with pytest.raises(RuntimeError, match="DETLOGP_OPS_LIBRARY.*does not exist"):
         ops.load_library()
     # An installation without the library (DETLOGP_BUILD_OPS=0), outside
     # the repository.
     monkeypatch.delenv(ops.LIBRARY_ENV)
-    monkeypatch.setattr(ops, "_PACKAGE_LIB_DIR", tmp_path / "_lib")
+    monkeypatch.setattr(libraries, "PACKAGE_LIB_DIR", tmp_path / "_lib")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError, match="libdetlogp_ops.so.*pip install ./client/python"):
         ops.linear_logp(
@@ -370,7 +370,7 @@ def test_the_installed_library_gives_the_servers_bits(
     )
     assert out.returncode == 0, out.stderr
     library, key = out.stdout.split()
-    assert library == str(ops._PACKAGE_LIB_DIR / "libdetlogp_ops.so"), (
+    assert library == str(libraries.PACKAGE_LIB_DIR / "libdetlogp_ops.so"), (
         "the installed package has no ops library: install it with "
         "`pip install ./client/python` (tools/test_python.sh does)"
     )

@@ -1,8 +1,8 @@
 // Reads and writes the .safetensors format: an 8-byte little-endian header
 // length, a JSON header naming each tensor's dtype, shape and byte range, then
 // the raw data. Only what this service needs: F32, BF16 and F16 tensors.
-#ifndef DETLOGP_SERVER_MODELS_SAFETENSORS_H_
-#define DETLOGP_SERVER_MODELS_SAFETENSORS_H_
+#ifndef DETLOGP_FORMATS_SAFETENSORS_H_
+#define DETLOGP_FORMATS_SAFETENSORS_H_
 
 #include <cstdint>
 #include <map>
@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace detlogp::server {
+namespace detlogp::formats {
 
 struct SafetensorInfo {
   std::string dtype;  // "F32", "BF16", "F16", ...
@@ -62,6 +62,6 @@ absl::Status WriteSafetensors(const std::string& path,
 // Bytes per element of a safetensors dtype name, or 0 if unsupported.
 int SafetensorDtypeSize(const std::string& dtype);
 
-}  // namespace detlogp::server
+}  // namespace detlogp::formats
 
-#endif  // DETLOGP_SERVER_MODELS_SAFETENSORS_H_
+#endif  // DETLOGP_FORMATS_SAFETENSORS_H_

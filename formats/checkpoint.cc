@@ -1,4 +1,4 @@
-#include "server/models/checkpoint.h"
+#include "formats/checkpoint.h"
 
 #include <sys/stat.h>
 
@@ -17,9 +17,9 @@
 #include "absl/strings/str_split.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
-namespace detlogp::server {
+namespace detlogp::formats {
 
 const char* const kInputEmbeddingNames[] = {
     "model.embed_tokens.weight",                 // Llama, Qwen, Mistral, Gemma
@@ -126,12 +126,17 @@ absl::StatusOr<HeadConfig> ReadHeadConfig(const std::string& dir) {
       it->second.kind_case() == Value::kStructValue) {
     text_config = &it->second.struct_value();
   }
-  // The top level first; multimodal configs keep these under text_config.
-  std::optional<bool> tie = BoolField(*json, "tie_word_embeddings");
-  if (!tie.has_value() && text_config != nullptr) {
+  // The text config's flag wins over the top level's, as vLLM reads it
+  // (hf_text_config.tie_word_embeddings): a multimodal wrapper's top-level
+  // flag describes the wrapper, not the language model whose head is served.
+  std::optional<bool> tie;
+  if (text_config != nullptr) {
     tie = BoolField(*text_config, "tie_word_embeddings");
   }
+  if (!tie.has_value()) tie = BoolField(*json, "tie_word_embeddings");
   config.tie_word_embeddings = tie.value_or(true);
+  // Sizes: the top level first; multimodal configs keep them under
+  // text_config.
   const auto hidden_keys = {"hidden_size", "n_embd", "d_model"};
   config.hidden_size = IntField(*json, hidden_keys);
   if (!config.hidden_size.has_value() && text_config != nullptr) {
@@ -441,4 +446,4 @@ absl::StatusOr<ResolvedHead> ResolveHead(const HeadLookup& lookup) {
   return resolved;
 }
 
-}  // namespace detlogp::server
+}  // namespace detlogp::formats

@@ -6,9 +6,10 @@
 // head is, in this order:
 //   1. the tensor named by the caller (HeadLookup::weight_tensor), if any;
 //   2. lm_head.weight;
-//   3. when config.json says tie_word_embeddings (top level or under
-//      text_config; absent means true, Hugging Face's default), the input
-//      embedding under one of kInputEmbeddingNames.
+//   3. when config.json says tie_word_embeddings, the input embedding under
+//      one of kInputEmbeddingNames. As vLLM reads it, text_config's flag wins
+//      over the top level's; absent from both means true, Hugging Face's
+//      default.
 // The bias is the tensor named by the caller, else lm_head.bias when the head
 // is lm_head.weight and the checkpoint has one. The head's shape is checked
 // against config.json's hidden_size and vocab_size (also under text_config).
@@ -20,8 +21,8 @@
 //
 // client/python/detlogp/checkpoint.py follows the same rules with the same
 // messages.
-#ifndef DETLOGP_SERVER_MODELS_CHECKPOINT_H_
-#define DETLOGP_SERVER_MODELS_CHECKPOINT_H_
+#ifndef DETLOGP_FORMATS_CHECKPOINT_H_
+#define DETLOGP_FORMATS_CHECKPOINT_H_
 
 #include <cstdint>
 #include <string>
@@ -29,7 +30,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace detlogp::server {
+namespace detlogp::formats {
 
 // Names of the input embedding in the usual causal-LM families (Llama, Qwen,
 // Mistral, Gemma; GPT-2; OPT; GPT-NeoX and Pythia; BLOOM and Falcon;
@@ -66,6 +67,6 @@ struct ResolvedHead {
 
 absl::StatusOr<ResolvedHead> ResolveHead(const HeadLookup& lookup);
 
-}  // namespace detlogp::server
+}  // namespace detlogp::formats
 
-#endif  // DETLOGP_SERVER_MODELS_CHECKPOINT_H_
+#endif  // DETLOGP_FORMATS_CHECKPOINT_H_

@@ -1,4 +1,4 @@
-#include "server/models/safetensors.h"
+#include "formats/safetensors.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/parallel_for.h"
 
-namespace detlogp::server {
+namespace detlogp::formats {
 namespace {
 
 // Headers above this are refused: real ones are kilobytes.
@@ -366,4 +366,4 @@ absl::Status WriteSafetensors(const std::string& path,
   return absl::OkStatus();
 }
 
-}  // namespace detlogp::server
+}  // namespace detlogp::formats
