@@ -131,7 +131,7 @@ def main():
         "--lm_head_tensor=lm_head.weight",
         "--device=cuda:0",
         f"--unix_socket={socket}",
-        "--allow_shared_memory",
+        "--allow_shared_memory=true",
     ]
     lines = []
     with LocalServer(args.server, flags, start_timeout=600):
