@@ -466,7 +466,8 @@ def _cells(line):
 
 def api_doc_sections(text):
     """{heading's code-span name: [table rows, each a list of cells]} for
-    every heading that is a code span (`### `LogProbRequest``)."""
+    every heading that is a code span (`### `LogProbRequest``). A table's
+    header row (the one above its |---| line) is not a row."""
     sections = {}
     rows = None
     for line in text.splitlines():
@@ -475,7 +476,10 @@ def api_doc_sections(text):
             rows = sections.setdefault(heading.group(1), [])
         elif line.startswith("#"):
             rows = None
-        elif rows is not None and line.startswith("|") and not re.match(r"^\|[\s|:-]+$", line):
+        elif rows is not None and re.match(r"^\|[\s|:-]+$", line):
+            if rows:
+                rows.pop()
+        elif rows is not None and line.startswith("|"):
             rows.append(_cells(line))
     return sections
 
@@ -490,9 +494,7 @@ def missing_from_api_doc(entities, doc_text):
         if rows is None:
             problems.append(f"{entity.kind} {entity.name}: no heading `{entity.name}`")
             continue
-        documented = {
-            row[0]: row for row in rows if row and row[0] not in ("field", "RPC", "value")
-        }
+        documented = {row[0]: row for row in rows if row}
         for name, says in entity.rows.items():
             row = documented.get(name)
             cells = [" ".join(c.split()) for c in says.split(" | ")]
