@@ -58,7 +58,9 @@
 #                      skips the pytest cases)
 #   backward           the fused backward: the MN-major wgmma test, the
 #                      backward's GPU tests, then forward + backward beside
-#                      PyTorch eager and Liger (logp_backward_bench.py)
+#                      PyTorch eager and Liger (logp_backward_bench.py), and
+#                      detlogp.torch's training step beside eager and
+#                      torch.compile (twin_train_bench.py)
 #
 # Logs go to $OUT (default /tmp/detlogp-SUITE). Python packages the host
 # lacks (grpcio, protobuf, liger-kernel) are installed from .whl/*.whl when
@@ -898,6 +900,12 @@ suite_backward() {
   timeout "${BENCH_TIMEOUT:-300}" python3 "$scripts/logp_backward_bench.py" \
     --sizes "${SIZES:-1024,4096,8192,16384}" "$@" 2>&1 | tee "$OUT/backward_bench.log"
   check "logp_backward_bench.py" "${PIPESTATUS[0]}"
+  echo "== detlogp.torch forward + backward beside eager and torch.compile"
+  timeout "${BENCH_TIMEOUT:-300}" python3 "$scripts/twin_train_bench.py" \
+    --sizes "${SIZES:-1024,4096,8192,16384}" 2>&1 | tee "$OUT/twin_train_bench.log"
+  check "twin_train_bench.py" "${PIPESTATUS[0]}"
+  passed=$((passed + $(grep -c "^PASS" "$OUT/twin_train_bench.log")))
+  failed=$((failed + $(grep -c "^FAIL" "$OUT/twin_train_bench.log")))
 }
 
 "suite_${suite//-/_}" "$@"
