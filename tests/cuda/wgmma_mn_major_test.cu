@@ -230,8 +230,9 @@ TEST_F(WgmmaMnMajorTest, KMajorBothMatchesReference) {
 }
 
 // Runs the MN-major operand(s) with both stride assignments: exactly one
-// must match the reference. Prints which, and whether its bits equal the
-// K-major run's (same products; informational).
+// must match the reference, and its bits must equal the K-major run's: the
+// same products accumulated in the same order, whichever way the operand
+// lies in shared memory (the fused backward relies on it).
 template <int kTransA, int kTransB>
 void ExpectOneAssignmentMatches(WgmmaMnMajorTest* test, const char* operand) {
   std::vector<float> k_major, sbo, lbo;
@@ -246,10 +247,9 @@ void ExpectOneAssignmentMatches(WgmmaMnMajorTest* test, const char* operand) {
       << "hopper_ptx.cuh's MakeSmemDescSw128MnMajor must use the assignment "
          "that matched";
   const std::vector<float>& good = err_sbo < kTolerance ? sbo : lbo;
-  std::printf("MN-major %s: bits %s the K-major run's\n", operand,
-              std::memcmp(good.data(), k_major.data(), good.size() * 4) == 0
-                  ? "equal"
-                  : "differ from");
+  ASSERT_EQ(good.size(), k_major.size());
+  EXPECT_EQ(std::memcmp(good.data(), k_major.data(), good.size() * 4), 0)
+      << "MN-major " << operand << ": bits differ from the K-major run's";
 }
 
 TEST_F(WgmmaMnMajorTest, MnMajorBMatchesReference) {
