@@ -2,7 +2,8 @@
 # Builds the libFuzzer target over request validation, outside Bazel:
 # protoc --cpp_out for the API proto, then clang++ -fsanitize=fuzzer,address
 # over the fuzzer, server/transport/request_validation.cc (with the
-# guarded reads it uses, server/shared_memory/mapped_reads.cc) and the
+# guarded reads it uses, server/shared_memory/mapped_reads.cc, and the
+# error details, proto/status_details.cc) and the
 # generated code.
 #
 # Usage: tests/reliability/fuzz/build_fuzzer.sh [OUT_DIR]   (default build/fuzz)
@@ -21,6 +22,9 @@ sources=("$repo/tests/reliability/fuzz/request_validation_fuzzer.cc"
          "$repo/proto/wire_format.h"
          "$repo/server/shared_memory/mapped_reads.cc"
          "$repo/server/shared_memory/mapped_reads.h"
+         "$repo/proto/status_details.cc" "$repo/proto/status_details.h"
+         "$repo/proto/google/rpc/status.proto"
+         "$repo/proto/google/rpc/error_details.proto"
          "$repo/kernels/bfloat16.h" "$repo/proto/detlogp/v1/detlogp.proto")
 
 stale=0
@@ -29,7 +33,8 @@ for s in "${sources[@]}"; do [[ "$s" -nt "$fuzzer" ]] && stale=1; done
 if ((stale)); then
   command -v clang++ >/dev/null || { echo "clang++ missing: apt-get install -y clang libclang-rt-14-dev" >&2; exit 1; }
   mkdir -p "$out/gen"
-  protoc --proto_path="$repo/proto" --cpp_out="$out/gen" "$repo/proto/detlogp/v1/detlogp.proto"
+  protoc --proto_path="$repo/proto" --cpp_out="$out/gen" "$repo/proto/detlogp/v1/detlogp.proto" \
+    "$repo/proto/google/rpc/status.proto" "$repo/proto/google/rpc/error_details.proto"
   # Same system libraries as //third_party:absl and //third_party:protobuf.
   libs=(-lprotobuf -labsl_statusor -labsl_status -labsl_cord -labsl_cordz_info
         -labsl_cord_internal -labsl_cordz_functions -labsl_cordz_handle
@@ -53,7 +58,9 @@ if ((stale)); then
     "$repo/server/transport/request_validation.cc" \
     "$repo/server/transport/request_wire.cc" \
     "$repo/server/shared_memory/mapped_reads.cc" \
+    "$repo/proto/status_details.cc" \
     "$out/gen/detlogp/v1/detlogp.pb.cc" \
+    "$out/gen/google/rpc/status.pb.cc" "$out/gen/google/rpc/error_details.pb.cc" \
     "${available[@]}" -o "$fuzzer.tmp"
   mv "$fuzzer.tmp" "$fuzzer"
 fi
