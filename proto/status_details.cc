@@ -6,6 +6,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 
@@ -28,10 +30,23 @@ std::optional<Message> Payload(const absl::Status& status) {
   return message;
 }
 
+// ErrorInfo.metadata is a map: its entries are written in key order, so
+// that equal details are equal bytes (and equal statuses compare equal).
+std::string DeterministicBytes(const google::protobuf::Message& message) {
+  std::string bytes;
+  {
+    google::protobuf::io::StringOutputStream stream(&bytes);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    message.SerializeToCodedStream(&coded);
+  }
+  return bytes;
+}
+
 template <typename Message>
 void SetPayload(absl::Status& status, const Message& message) {
   status.SetPayload(TypeUrl<Message>(),
-                    absl::Cord(message.SerializeAsString()));
+                    absl::Cord(DeterministicBytes(message)));
 }
 
 google::protobuf::Duration ToProtoDuration(absl::Duration delay) {
@@ -122,7 +137,7 @@ std::string SerializeStatusDetails(const absl::Status& status) {
     any->set_type_url(TypeUrl<google::rpc::ErrorInfo>());
     any->set_value(info.SerializeAsString());
   }
-  return out.SerializeAsString();
+  return DeterministicBytes(out);
 }
 
 absl::Status StatusWithDetails(absl::StatusCode code, absl::string_view message,

@@ -1,5 +1,6 @@
 #include "proto/status_details.h"
 
+#include <map>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -50,6 +51,20 @@ TEST(StatusDetailsTest, UnreadableDetailsAreIgnored) {
   EXPECT_EQ(status.message(), "boom");
   EXPECT_EQ(DetailsOf(status).reason, "INTERNAL");
   EXPECT_TRUE(DetailsOf(status).fields.empty());
+}
+
+TEST(StatusDetailsTest, EqualDetailsMakeEqualStatuses) {
+  const std::map<std::string, std::string> metadata = {
+      {"limit", "64"}, {"requested", "65"}, {"queued", "3"}, {"a", "1"},
+      {"b", "2"},      {"c", "3"},          {"d", "4"}};
+  const absl::Status first = WithReason(absl::InvalidArgumentError("x: y"),
+                                        kReasonRowsOverLimit, metadata);
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_EQ(WithReason(absl::InvalidArgumentError("x: y"),
+                         kReasonRowsOverLimit, metadata),
+              first);
+  }
+  EXPECT_EQ(SerializeStatusDetails(first), SerializeStatusDetails(first));
 }
 
 TEST(StatusDetailsTest, OkStaysOk) {
