@@ -125,9 +125,11 @@ class CallRun {
         }
       }
     }
-    // Callbacks reference this run: wait for every one of them.
+    // Callbacks reference this run: wait for every one of them (a
+    // completion queued before this wait signalled already).
+    HandleCompletionsLocked();
     while (outstanding_ > 0) {
-      cv_.Wait(&mu_);
+      if (completions_.empty()) cv_.Wait(&mu_);
       HandleCompletionsLocked();
     }
     if (stats != nullptr) *stats = stats_;
