@@ -24,6 +24,7 @@
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
 #include "proto/status_details.h"
+#include "tests/assert_ok.h"
 #include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
@@ -40,12 +41,6 @@ using testing::WriteLmHeadFile;
 
 constexpr int64_t kH = 128;
 constexpr int64_t kV = 2000;
-
-#define ASSERT_OK(expr)                          \
-  do {                                           \
-    const absl::Status _s = (expr);              \
-    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s; \
-  } while (0)
 
 LmHeadUpload RandomLmHead(uint64_t seed) {
   LmHeadUpload upload;

@@ -37,6 +37,7 @@
 #include "kernels/random_normal.h"
 #include "server/models/lm_head_weights.h"
 #include "formats/safetensors.h"
+#include "tests/assert_ok.h"
 #include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
@@ -55,12 +56,6 @@ using v1::UploadModelRequest;
 
 constexpr int64_t kH = 128;
 constexpr int64_t kV = 2000;
-
-#define ASSERT_OK(expr)                          \
-  do {                                           \
-    const absl::Status _s = (expr);              \
-    ASSERT_TRUE(_s.ok()) << #expr << ": " << _s; \
-  } while (0)
 
 // ------------------------------------------------------------ helpers
 

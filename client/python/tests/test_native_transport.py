@@ -54,8 +54,8 @@ def test_the_cpp_client_gives_the_bits_of_grpcio(server, model, max_request_rows
         hidden = hidden.astype(np.float16)
     want = score(server.target, "off", hidden, targets, request_id="r1", **EXTRAS)
     got = score(server.target, "on", hidden, targets, request_id="r1", **EXTRAS)
-    assert not want.timings.native
-    assert got.timings.native
+    assert not want.timings.native and want.engine == "python" and want.path == "grpc"
+    assert got.timings.native and got.engine == "native" and got.path == "grpc"
     assert got.timings.slices == 21  # cut to the server's row limit
     assert got.timings.server_reported
     assert_same_answer(got, want)
@@ -77,6 +77,8 @@ def test_a_bad_row_gets_the_error_grpcio_gives(server, model, max_request_rows):
         errors[mode] = error.value
     assert errors["on"].field == f"target_ids[{row}]", errors["on"].details
     assert errors["on"].details == errors["off"].details
+    # Both from the server's details: the C++ client's error is the call's.
+    assert errors["on"].reason == errors["off"].reason == "INVALID_FIELD"
 
 
 def test_the_cpp_client_spreads_by_the_transfer_options(server, model):
