@@ -82,8 +82,12 @@ mkdir -p "$out/runfiles/detlogp/server" "$out/runfiles/detlogp/client"
 ln -s ../../../bin/detlogp_server "$out/runfiles/detlogp/server/detlogp_server"
 ln -s ../../../bin/detlogp_cli "$out/runfiles/detlogp/client/detlogp_cli"
 
-cp -r client/python "$out/python/client"
-find "$out/python" -name __pycache__ -prune -exec rm -rf {} +
+# The package's own files only (tracked or new, not ignored): no virtual
+# environments or build trees that happen to lie under client/python.
+git ls-files -co --exclude-standard client/python | while IFS= read -r f; do
+  mkdir -p "$out/python/client/$(dirname "${f#client/python/}")"
+  cp "$f" "$out/python/client/${f#client/python/}"
+done
 cp tools/device/run_suite.sh tools/device/*.py "$out/scripts/"
 cp examples/grpo_twin_step.py tests/load/detlogp_load.py "$out/scripts/"
 # The suites' list of GPU tests.
