@@ -1,8 +1,9 @@
 """kernels: the Hopper linear-logp kernel. Its GPU gtests and the top-k
 pieces', compute-sanitizer memcheck on small shapes, its SASS (wgmma, no
 local memory), the kernel against PyTorch eager and the weight-read floor
-(logp_bench.py), entropy and top-k costs (logp_extras_bench.py, which
-checks their bits), the wgmma rate bench. DETLOGP_TUNING=1 adds the
+(logp_bench.py; DETLOGP_LOGP_BENCH_ARGS="..." are its arguments), entropy
+and top-k costs (logp_extras_bench.py, which checks their bits;
+DETLOGP_EXTRAS_BENCH_ARGS), the wgmma rate bench. DETLOGP_TUNING=1 adds the
 item-order row groups and the portable kernel's bench (DETLOGP_RLKERNEL=DIR:
 beside a staged RL-Kernel).
 
@@ -21,6 +22,7 @@ from gtest import assert_gtest_passed, memcheck, run_gtest
 pytestmark = pytest.mark.kernels
 
 BENCH_ARGS = os.environ.get("DETLOGP_LOGP_BENCH_ARGS", "").split()
+EXTRAS_ARGS = os.environ.get("DETLOGP_EXTRAS_BENCH_ARGS", "").split()
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +103,7 @@ def test_entropy_and_top_k_bits_and_costs(bundle, out, run, figures):
             bundle.lib("liblogp_bench.so"),
             "--json",
             report,
+            *EXTRAS_ARGS,
         ],
         timeout_s=300,
         json_path=report,

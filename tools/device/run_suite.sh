@@ -53,8 +53,7 @@ if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L 2> /dev/null | grep -q
 fi
 export OUT=${OUT:-/tmp/detlogp-$suite}
 mkdir -p "$OUT"
-site=$(mktemp -d)
-trap 'rm -rf "$site"' EXIT
+site=$OUT/python-site # the wheels below, reinstalled each run
 for dir in "$bundle/../../.whl" "$bundle/whl" "$PWD/.whl"; do
   if compgen -G "$dir/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -68,5 +67,5 @@ echo "bundle $bundle ($(cat "$bundle/COMMIT" 2> /dev/null || echo "no commit"));
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.used,clocks.sm,clocks.max.sm \
   --format=csv | tee "$OUT/gpu.txt"
 cd "$bundle/tests/device" &&
-  python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" -rs -v \
+  exec python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" -rs -v \
     --junitxml="$OUT/junit.xml" --device_out="$OUT" -m "${suite//-/_}" . "$@"
