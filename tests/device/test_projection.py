@@ -73,3 +73,37 @@ def test_kernels_beside_pytorch(bundle, out, run, figures):
         timeout_s=300,
         json_path=report,
     )
+
+
+@pytest.mark.skipif(os.environ.get("DETLOGP_NCU") != "1", reason="DETLOGP_NCU=1 runs it")
+@pytest.mark.parametrize("kernel", ["ProjectionForwardKernel", "ProjectionForwardWideKernel"])
+def test_ncu_sections_of_the_forward_kernels(bundle, run, kernel):
+    """Where the forward's time goes (no clock control: the card as found)."""
+    tool = shutil.which("ncu")
+    assert tool, "ncu (Nsight Compute) not found on this host (PATH)"
+    run(
+        f"ncu_{kernel}",
+        [
+            tool,
+            "--clock-control",
+            "none",
+            "--kernel-name",
+            f"regex:{kernel}",
+            "--launch-skip",
+            "3",
+            "--launch-count",
+            "1",
+            "--section",
+            "SpeedOfLight",
+            "--section",
+            "ComputeWorkloadAnalysis",
+            "--section",
+            "WarpStateStats",
+            "--section",
+            "Occupancy",
+            bundle.bin("projection_bench"),
+            "--rows=102816",
+            "--reps=20",
+        ],
+        timeout_s=120,
+    )

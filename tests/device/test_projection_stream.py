@@ -60,7 +60,7 @@ def project(bundle, target, chunk, *args, log=None):
     return seconds
 
 
-def test_one_video_at_each_chunk_size(bundle, stream_server, out, figures):
+def test_one_video_at_each_chunk_size(bundle, stream_server, out, run, figures):
     server, socket = stream_server
     speeds = {}
     with open(out / "stream.log", "w") as log:
@@ -86,6 +86,22 @@ def test_one_video_at_each_chunk_size(bundle, stream_server, out, figures):
                         )
     figures["gb_per_s_median"] = {k: statistics.median(v) for k, v in speeds.items()}
     print(figures["gb_per_s_median"])
+    # Each pair of settings compared round by round (paired ratios, sign test).
+    for calls in CALLS:
+        for position, setting in enumerate(CHUNKS):
+            values = speeds[f"{setting} x{calls}"]
+            (out / f"speed_{position}_{calls}.txt").write_text("".join(f"{v}\n" for v in values))
+        run(
+            f"summary_x{calls}",
+            [
+                "python3",
+                bundle.script("projection_stream_summary.py"),
+                f"--calls={calls}",
+                f"--chunks={' '.join(CHUNKS)}",
+                out / f"speed_%d_{calls}.txt",
+            ],
+            timeout_s=60,
+        )
 
 
 @pytest.mark.skipif(
