@@ -1,9 +1,10 @@
 """compute-sanitizer memcheck over GPU gtests, as Bazel tests tagged "gpu".
 
 The full-vocabulary cases are too slow under the tool, so each run names
-the small shapes it covers (MEMCHECK_FILTERS). memcheck_tests() makes one
-test per entry, <binary>_memcheck, and memcheck.json (the same filters) for
-the device bundle, whose suites run the tool without Bazel.
+the small shapes it covers (MEMCHECK_FILTERS). memcheck_test() makes the
+Bazel test over one binary, memcheck_json() the same filters as
+memcheck.json for the device bundle, whose suites run the tool without
+Bazel.
 """
 
 MEMCHECK_FILTERS = {
@@ -31,20 +32,22 @@ MEMCHECK_FILTERS = {
     ]),
 }
 
-def memcheck_tests():
-    """<binary>_memcheck for each MEMCHECK_FILTERS entry (tagged "gpu" and
-    "manual": CI neither runs nor builds them), and :memcheck_json."""
-    for binary, gtest_filter in MEMCHECK_FILTERS.items():
-        native.sh_test(
-            name = binary + "_memcheck",
-            size = "large",
-            srcs = ["memcheck.sh"],
-            args = ["$(rootpath :%s)" % binary, "--gtest_filter=" + gtest_filter],
-            data = [":" + binary],
-            tags = ["gpu", "manual"],
-        )
+def memcheck_test(name, binary):
+    """compute-sanitizer memcheck over `binary`'s MEMCHECK_FILTERS cases,
+    tagged "gpu" and "manual" (CI neither runs nor builds it)."""
+    native.sh_test(
+        name = name,
+        size = "large",
+        srcs = ["memcheck.sh"],
+        args = ["$(rootpath :%s)" % binary, "--gtest_filter=" + MEMCHECK_FILTERS[binary]],
+        data = [":" + binary],
+        tags = ["gpu", "manual"],
+    )
+
+def memcheck_json(name):
+    """memcheck.json: MEMCHECK_FILTERS, for the device bundle."""
     native.genrule(
-        name = "memcheck_json",
+        name = name,
         outs = ["memcheck.json"],
         cmd = "echo '%s' > $@" % json.encode(MEMCHECK_FILTERS),
     )
