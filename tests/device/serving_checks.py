@@ -2,6 +2,9 @@
 concurrent callers, closed-loop throughput (serve_throughput's JSON line),
 and seeded rows scored exactly."""
 
+import time
+import urllib.request
+
 import numpy as np
 
 
@@ -65,3 +68,24 @@ def same_bits(a, b):
         and np.array_equal(a[0].view(np.uint32), b[0].view(np.uint32))
         and np.array_equal(a[1].view(np.uint32), b[1].view(np.uint32))
     )
+
+
+def scrape(server):
+    """The server's Prometheus text (its --metrics_port)."""
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def where_time_went(run, bundle, server, out, name, phase):
+    """Runs phase() between two scrapes of the server's metrics and logs
+    where the server's time went (metrics_delta.py, out/NAME.log); returns
+    phase()'s result."""
+    before, after = out / f"{name}_metrics_before.txt", out / f"{name}_metrics_after.txt"
+    before.write_text(scrape(server))
+    start = time.monotonic()
+    result = phase()
+    seconds = time.monotonic() - start
+    after.write_text(scrape(server))
+    run(name, ["python3", bundle.script("metrics_delta.py"), before, after, seconds], timeout_s=60)
+    return result

@@ -2,7 +2,8 @@
 without extras under 64 concurrent callers, the Python load generator with
 extras mixed in, throughput (N=256 x 64 callers), small-call latency (16
 rows from 8 callers and from one, one row), the projection's bits from the
-GPU equal the CPU's, and the kernel alone at the same batch sizes.
+GPU equal the CPU's, and the kernel alone at the same batch sizes. Each
+load phase logs where the server's time went (metrics_delta.py).
 
 DETLOGP_SERVE_SWEEP="threads:delay_us:rows[:spin_us[:qos]] ..." compares
 server settings; with two or more GPUs (DETLOGP_MULTI_GPU=0 skips): GPU 0 ==
@@ -18,7 +19,13 @@ import numpy as np
 import pytest
 from gpu import gpus
 from models import SYNTHETIC_MODEL
-from serving_checks import check_invariance, same_bits, seeded_scores, throughput
+from serving_checks import (
+    check_invariance,
+    same_bits,
+    seeded_scores,
+    throughput,
+    where_time_went,
+)
 
 pytestmark = pytest.mark.serve
 
@@ -78,9 +85,18 @@ def test_python_load_generator_with_extras(bundle, gpu_server, run, out, figures
     [(256, 64, 16, SECONDS), (16, 8, 8, LATENCY_SECONDS), (16, 1, 1, 3.0), (1, 1, 1, 3.0)],
     ids=["256x64", "16x8", "16x1", "1x1"],
 )
-def test_throughput_and_latency(bundle, gpu_server, run, figures, rows, callers, channels, seconds):
+def test_throughput_and_latency(
+    bundle, gpu_server, run, out, figures, rows, callers, channels, seconds
+):
     name = f"throughput_{rows}x{callers}"
-    result = throughput(run, bundle, gpu_server.target, name, rows, callers, channels, seconds)
+    result = where_time_went(
+        run,
+        bundle,
+        gpu_server,
+        out,
+        f"server_time_{rows}x{callers}",
+        lambda: throughput(run, bundle, gpu_server.target, name, rows, callers, channels, seconds),
+    )
     figures[f"{rows}x{callers}"] = {
         k: result[k] for k in ("rows_per_s", "p50_ms", "p90_ms", "p99_ms", "calls")
     }
