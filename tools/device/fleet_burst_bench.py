@@ -134,9 +134,7 @@ def main():
     parser.add_argument("--rows", default="16384,4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shared_memory", default="cuda,off")
-    parser.add_argument(
-        "--server_flags", default="", help="extra server flags, space separated"
-    )
+    parser.add_argument("--server_flags", default="", help="extra server flags, space separated")
     parser.add_argument("--json_out")
     args = parser.parse_args()
 
