@@ -406,8 +406,7 @@ TEST(DynamicBatcherTest, QueueBoundsTheBytesItHoldsNotTheCallersRegions) {
   ASSERT_TRUE(detlogp::v1::DetailsOf(refused).retry_delay.has_value());
   // Rows in a caller's region hold none of the server's memory.
   std::vector<char> region(8 * kH * 2);
-  TrackedJob shared =
-      MakeJobAt(region.data(), 8, 0.0f, SystemRegion("caller"));
+  TrackedJob shared = MakeJobAt(region.data(), 8, 0.0f, SystemRegion("caller"));
   EXPECT_TRUE(batcher->Schedule(shared.job).ok());
   // A request larger than the bound alone: waiting cannot help.
   const absl::Status never = batcher->Schedule(MakeJob(7).job);

@@ -130,8 +130,8 @@ int64_t DynamicBatcher::CapacityRowsLocked() const {
                            1e-6;
   const int64_t floor =
       2 * options_.max_batch_rows * int64_t{options_.num_batch_threads};
-  const int64_t by_time = std::max(
-      floor, static_cast<int64_t>(std::min(work_rows, 9.0e18)));
+  const int64_t by_time =
+      std::max(floor, static_cast<int64_t>(std::min(work_rows, 9.0e18)));
   return std::min(options_.max_queue_rows, by_time);
 }
 
