@@ -107,10 +107,10 @@ __device__ __forceinline__ void TmaStore2d(const void* tmap,
 }
 
 // The same, adding the box to what global memory holds (one read-modify-
-// write per element in L2; an fp32 add rounds to nearest even).
+// write per element, done in L2).
 __device__ __forceinline__ void TmaReduceAdd2d(const void* tmap,
-                                               const void* smem_src,
-                                               int32_t c0, int32_t c1) {
+                                               const void* smem_src, int32_t c0,
+                                               int32_t c1) {
   asm volatile(
       "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group "
       "[%0, {%1, %2}], [%3];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)),

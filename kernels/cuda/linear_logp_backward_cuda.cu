@@ -32,12 +32,10 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 size_t RoundUp256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // A K-major operand map (boxes of {kBlockK, rows}) and an MN-major one
-// (boxes of {kMnBlock, kBlockK}) over the same matrix, and (for G) K1's
-// store map.
+// (boxes of {kMnBlock, kBlockK}) over the same matrix.
 struct OperandMaps {
   CUtensorMap k_major;
   CUtensorMap mn_major;
-  CUtensorMap store;
 };
 
 absl::Status EncodeOperand(PFN_cuTensorMapEncodeTiled_v12000 encode,
@@ -64,8 +62,7 @@ absl::Status EncodeStoreMap(PFN_cuTensorMapEncodeTiled_v12000 encode,
   const cuuint64_t element = fp32 ? 4 : 2;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner),
                               static_cast<cuuint64_t>(outer)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) *
-                                 element};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * element};
   const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / element),
                              kb::kStageRows};
   const cuuint32_t elem_strides[2] = {1, 1};
@@ -76,9 +73,9 @@ absl::Status EncodeStoreMap(PFN_cuTensorMapEncodeTiled_v12000 encode,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    return absl::InternalError(
-        absl::StrCat(kCudaComponent, ": cuTensorMapEncodeTiled (store) failed: ",
-                     static_cast<int>(r)));
+    return absl::InternalError(absl::StrCat(
+        kCudaComponent,
+        ": cuTensorMapEncodeTiled (store) failed: ", static_cast<int>(r)));
   }
   return absl::OkStatus();
 }
@@ -325,17 +322,12 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
           !s.ok()) {
         return s;
       }
-      if (absl::Status s = EncodeStoreMap(impl_->encode, &maps.store, grad,
-                                          /*fp32=*/false, width, rows,
-                                          kb::kChunkCols);
-          !s.ok()) {
-        return s;
-      }
     }
     // K2's fp32 dhidden of the pass: the accumulator or the output.
     if (g.grad_hidden != nullptr) {
-      float* f32 = hidden_bf16 ? hidden_acc
-                               : static_cast<float*>(g.grad_hidden) + r0 * hidden;
+      float* f32 = hidden_bf16
+                       ? hidden_acc
+                       : static_cast<float*>(g.grad_hidden) + r0 * hidden;
       if (absl::Status s =
               EncodeStoreMap(impl_->encode, &hidden_out_maps[pass], f32,
                              /*fp32=*/true, hidden, rows, hidden);
@@ -357,9 +349,9 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
   // K3's dweight, all of it (row coordinates start at the chunk's).
   CUtensorMap weight_out_map{};
   if (g.grad_weight != nullptr) {
-    if (absl::Status s = EncodeStoreMap(impl_->encode, &weight_out_map,
-                                        g.grad_weight, !weight_bf16, hidden,
-                                        w.padded_vocab_size, hidden);
+    if (absl::Status s =
+            EncodeStoreMap(impl_->encode, &weight_out_map, g.grad_weight,
+                           !weight_bf16, hidden, w.padded_vocab_size, hidden);
         !s.ok()) {
       return s;
     }
@@ -385,6 +377,7 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
     logits.grad_lse = Offset(g.grad_lse, r0);
     logits.grad_entropy = Offset(g.grad_entropy, r0);
     logits.vocab_size = static_cast<int32_t>(w.vocab_size);
+    logits.grad = grad;
 
     for (int64_t c = 0; c < chunks; ++c) {
       const int32_t begin = static_cast<int32_t>(c * kb::kChunkCols);
@@ -394,7 +387,6 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
           grad_maps[2 * (pass + 1 == passes) + (c + 1 == chunks)];
       // K1: G for the chunk.
       logits.chunk_begin = begin;
-      logits.grad_map = grad_chunk.store;
       const kb::GemmShape logits_shape{
           rows, width, static_cast<int32_t>(hidden / kb::kBlockK),
           static_cast<int32_t>(CeilDiv(width, kb::kBlockN)), begin};

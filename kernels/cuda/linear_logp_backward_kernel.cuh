@@ -12,9 +12,13 @@
 // All three are one persistent main loop (Gemm): 128 x 256 output tiles,
 // K in 64-wide steps through a kStages-deep TMA ring, a producer warpgroup
 // and two consumer warpgroups of 64 rows each (the forward kernel's
-// structure, linear_logp_kernel.cuh). Every output element is one fixed
-// K loop (k-blocks ascending, k16 steps ascending) with no split-K and no
-// atomics, so:
+// structure, linear_logp_kernel.cuh). K2's and K3's epilogues hand their
+// tiles to TMA through shared memory (Stager): K2 adds each chunk's product
+// into the fp32 dhidden with a TMA reduce-add (one adder per element per
+// launch, launches in stream order), so the consumers go on to the next
+// tile instead of waiting for the earlier values to load. Every output
+// element is one fixed K loop (k-blocks ascending, k16 steps ascending)
+// with no split-K, so:
 //   * a row's dhidden is the chunks' products folded in ascending chunk
 //     order, each independent of the other rows and of N: batch invariant;
 //   * dweight and dbias reduce over the rows in ascending order: the same
@@ -86,15 +90,14 @@ struct GradLogitsParams {
   const float* grad_entropy;
   int32_t vocab_size;   // real V: columns >= V get G = 0
   int32_t chunk_begin;  // the chunk's first vocabulary id
-  // G, [rows][kChunkCols] bf16, as a TMA map of the chunk's width with boxes
-  // of {64 columns, kStageRows rows} under the 128-byte swizzle.
-  CUtensorMap grad_map;
+  __nv_bfloat16* grad;  // [rows][kChunkCols]
 };
 
 // K2's and K3's epilogue: out = acc (+ what out holds, when accumulate).
 // Each map covers the whole output with boxes of {128 bytes of columns,
 // kStageRows rows} under the 128-byte swizzle; tile row r is map row
-// row0 + r.
+// row0 + r (rows past m are past the map's end too: only the last chunk is
+// narrower than kChunkCols).
 //   * plain store: fp32 to f32_map, or bf16 to bf16_map when bf16 is set;
 //   * accumulate into fp32: a TMA reduce-add into f32_map;
 //   * accumulate and round to bf16 (dhidden's last chunk): f32 read back
@@ -134,8 +137,7 @@ class Stager {
     ptx::FenceProxyAsyncShared();
     ptx::NamedBarrierSync(1 + consumer_, 128);
     if (leader_) {
-      const uint8_t* buffer =
-          buffers_ + (piece_ % kStageBuffers) * kStageBytes;
+      const uint8_t* buffer = buffers_ + (piece_ % kStageBuffers) * kStageBytes;
       if (reduce) {
         ptx::TmaReduceAdd2d(map, buffer, c0, c1);
       } else {
@@ -220,45 +222,40 @@ struct GradLogitsEpilogue {
     return st;
   }
 
-  // G in pieces of 64 columns through the stager (rows and columns past the
-  // chunk's are cut by the map).
+  // G is stored straight from the fragments: this epilogue is bound by its
+  // arithmetic (one expf per element), and staging it for TMA stores
+  // measured slower (K1 35.3 ms against 33.9 at N = 16384).
   __device__ __forceinline__ void Apply(float* acc, const State& st, int m0,
                                         int n0, const GemmShape& shape,
                                         int consumer, int warp, int lane,
-                                        Stager& stager) const {
-    const int row0 = m0 + 64 * consumer;
-    if (row0 >= shape.m) return;
+                                        Stager& /*stager*/) const {
 #pragma unroll
-    for (int piece = 0; piece < kBlockN / 64; ++piece) {
-      if (n0 + 64 * piece >= shape.n) break;
-      uint8_t* buffer = stager.Acquire();
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
+      if (r >= shape.m) continue;
+      __nv_bfloat16* out = p.grad + static_cast<int64_t>(r) * kChunkCols;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = FragmentRow(warp, lane, h);
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = n0 + FragmentCol(lane, j);
+        float g[2];
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const int j = 8 * piece + jj;
-          const int col = n0 + FragmentCol(lane, j);
-          float g[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int v = p.chunk_begin + col + e;
-            float y = acc[4 * j + 2 * h + e];
-            if (p.bias != nullptr && col + e < shape.n) {
-              y += __ldg(p.bias + v);
-            }
-            const float d = y * st.inv_t[h] - st.lse[h];
-            const float prob = expf(d);
-            float dz = prob * (st.coef[h] - st.g_ent[h] * (d + st.entropy[h]));
-            if (v == st.target[h]) dz += st.g_logp[h];
-            g[e] = v < p.vocab_size ? dz * st.inv_t[h] : 0.0f;
-          }
-          *reinterpret_cast<__nv_bfloat162*>(
-              StagedChunk(buffer, row, jj) + 4 * (lane % 4)) =
+        for (int e = 0; e < 2; ++e) {
+          const int v = p.chunk_begin + col + e;
+          float y = acc[4 * j + 2 * h + e];
+          if (p.bias != nullptr && col + e < shape.n) y += __ldg(p.bias + v);
+          const float d = y * st.inv_t[h] - st.lse[h];
+          const float prob = expf(d);
+          float dz = prob * (st.coef[h] - st.g_ent[h] * (d + st.entropy[h]));
+          if (v == st.target[h]) dz += st.g_logp[h];
+          g[e] = v < p.vocab_size ? dz * st.inv_t[h] : 0.0f;
+        }
+        if (col + 1 < shape.n) {
+          *reinterpret_cast<__nv_bfloat162*>(out + col) =
               __floats2bfloat162_rn(g[0], g[1]);
+        } else if (col < shape.n) {
+          out[col] = __float2bfloat16_rn(g[0]);
         }
       }
-      stager.Release(&p.grad_map, n0 + 64 * piece, row0, false);
     }
   }
 };
@@ -297,8 +294,8 @@ struct RowsOutEpilogue {
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
             const int j = 8 * piece + jj;
-            *reinterpret_cast<__nv_bfloat162*>(
-                StagedChunk(buffer, row, jj) + 4 * (lane % 4)) =
+            *reinterpret_cast<__nv_bfloat162*>(StagedChunk(buffer, row, jj) +
+                                               4 * (lane % 4)) =
                 __floats2bfloat162_rn(acc[4 * j + 2 * h],
                                       acc[4 * j + 2 * h + 1]);
           }
@@ -336,9 +333,8 @@ struct RowsOutEpilogue {
   // without). (Loading them into the accumulators before the main loop
   // instead makes ptxas serialise the wgmma chain, C7515: measured slower.)
   __device__ __forceinline__ void RoundSum(float* acc, int m0, int n0,
-                                           const GemmShape& shape,
-                                           int consumer, int warp,
-                                           int lane) const {
+                                           const GemmShape& shape, int consumer,
+                                           int warp, int lane) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
