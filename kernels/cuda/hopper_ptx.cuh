@@ -1,5 +1,6 @@
 // Thin inline-PTX wrappers for the Hopper (sm_90a) features the fused
-// linear-logp kernel uses: mbarriers, TMA tensor loads, wgmma and setmaxnreg.
+// linear-logp kernels use: mbarriers, TMA tensor loads, stores and reductions,
+// wgmma and setmaxnreg.
 // Written from the PTX ISA; every function is a single instruction or a tiny
 // loop around one. Device-only; include from .cu/.cuh files built with
 // -gencode=arch=compute_90a,code=sm_90a.
@@ -91,6 +92,52 @@ __device__ __forceinline__ void TmaLoad2d(void* smem_dst, const void* tmap,
       "l"(reinterpret_cast<uint64_t>(tmap)), "r"(c0), "r"(c1),
       "r"(SmemAddr(bar))
       : "memory");
+}
+
+// 2-D tiled bulk tensor store shared -> global, tracked by bulk groups.
+// Parts of the box outside the tensor are not written.
+__device__ __forceinline__ void TmaStore2d(const void* tmap,
+                                           const void* smem_src, int32_t c0,
+                                           int32_t c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], "
+      "[%3];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)),
+      "r"(c0), "r"(c1), "r"(SmemAddr(smem_src))
+      : "memory");
+}
+
+// The same, adding the box to what global memory holds (one read-modify-
+// write per element, done in L2).
+__device__ __forceinline__ void TmaReduceAdd2d(const void* tmap,
+                                               const void* smem_src, int32_t c0,
+                                               int32_t c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group "
+      "[%0, {%1, %2}], [%3];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)),
+      "r"(c0), "r"(c1), "r"(SmemAddr(smem_src))
+      : "memory");
+}
+
+__device__ __forceinline__ void BulkCommitGroup() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most kPending bulk groups still read their shared source.
+template <int kPending>
+__device__ __forceinline__ void BulkWaitGroupRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending)
+               : "memory");
+}
+
+// Waits until at most kPending bulk groups are incomplete (writes done).
+template <int kPending>
+__device__ __forceinline__ void BulkWaitGroup() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---------------------------------------------------------------- registers

@@ -53,6 +53,33 @@ absl::Status EncodeOperand(PFN_cuTensorMapEncodeTiled_v12000 encode,
                              kb::kBlockK);
 }
 
+// A map for TMA stores of the epilogues: boxes of {128 bytes of columns,
+// kStageRows rows} under the 128-byte swizzle, over a row-major
+// [outer][inner] matrix of `row_stride` elements a row.
+absl::Status EncodeStoreMap(PFN_cuTensorMapEncodeTiled_v12000 encode,
+                            CUtensorMap* map, const void* base, bool fp32,
+                            int64_t inner, int64_t outer, int64_t row_stride) {
+  const cuuint64_t element = fp32 ? 4 : 2;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner),
+                              static_cast<cuuint64_t>(outer)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * element};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / element),
+                             kb::kStageRows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(
+      map,
+      fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      2, const_cast<void*>(base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat(
+        kCudaComponent,
+        ": cuTensorMapEncodeTiled (store) failed: ", static_cast<int>(r)));
+  }
+  return absl::OkStatus();
+}
+
 // K1: A = hidden (K-major), B = W (K-major). K2: A = G (K-major), B = W
 // (MN-major). K3: A = G (MN-major), B = hidden (MN-major).
 const auto kGradLogitsGemm = kb::Gemm<false, false, kb::GradLogitsEpilogue>;
@@ -274,6 +301,8 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
   const int64_t passes = CeilDiv(g.rows, kMaxRowsPerPass);
   std::vector<OperandMaps> hidden_maps(passes);
   std::vector<OperandMaps> grad_maps(4);  // [last pass?][last chunk?]
+  std::vector<CUtensorMap> hidden_out_maps(passes);
+  std::vector<CUtensorMap> hidden_bf16_maps(passes);
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t r0 = pass * kMaxRowsPerPass;
     const int64_t rows = std::min(kMaxRowsPerPass, g.rows - r0);
@@ -293,6 +322,38 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
           !s.ok()) {
         return s;
       }
+    }
+    // K2's fp32 dhidden of the pass: the accumulator or the output.
+    if (g.grad_hidden != nullptr) {
+      float* f32 = hidden_bf16
+                       ? hidden_acc
+                       : static_cast<float*>(g.grad_hidden) + r0 * hidden;
+      if (absl::Status s =
+              EncodeStoreMap(impl_->encode, &hidden_out_maps[pass], f32,
+                             /*fp32=*/true, hidden, rows, hidden);
+          !s.ok()) {
+        return s;
+      }
+      // (A single chunk stores the bf16 dhidden straight away.)
+      if (hidden_bf16) {
+        if (absl::Status s = EncodeStoreMap(
+                impl_->encode, &hidden_bf16_maps[pass],
+                static_cast<const __nv_bfloat16*>(g.grad_hidden) + r0 * hidden,
+                /*fp32=*/false, hidden, rows, hidden);
+            !s.ok()) {
+          return s;
+        }
+      }
+    }
+  }
+  // K3's dweight, all of it (row coordinates start at the chunk's).
+  CUtensorMap weight_out_map{};
+  if (g.grad_weight != nullptr) {
+    if (absl::Status s =
+            EncodeStoreMap(impl_->encode, &weight_out_map, g.grad_weight,
+                           !weight_bf16, hidden, w.padded_vocab_size, hidden);
+        !s.ok()) {
+      return s;
     }
   }
 
@@ -340,6 +401,8 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
       if (g.grad_hidden != nullptr) {
         const int64_t at = r0 * hidden;
         kb::RowsOutParams out{};
+        out.f32_map = hidden_out_maps[pass];
+        out.bf16_map = hidden_bf16_maps[pass];
         out.f32 =
             hidden_bf16 ? hidden_acc : static_cast<float*>(g.grad_hidden) + at;
         out.bf16 = hidden_bf16 && c + 1 == chunks
@@ -363,11 +426,13 @@ absl::Status LinearLogpBackwardCuda::Launch(const LinearLogpGradView& g,
       if (g.grad_weight != nullptr) {
         const int64_t at = static_cast<int64_t>(begin) * hidden;
         kb::RowsOutParams out{};
+        (weight_bf16 ? out.bf16_map : out.f32_map) = weight_out_map;
         out.f32 =
             weight_bf16 ? nullptr : static_cast<float*>(g.grad_weight) + at;
         out.bf16 = weight_bf16 ? static_cast<__nv_bfloat16*>(g.grad_weight) + at
                                : nullptr;
         out.ld = hidden;
+        out.row0 = begin;
         out.accumulate = pass > 0;
         const kb::GemmShape shape{
             width, static_cast<int32_t>(hidden),

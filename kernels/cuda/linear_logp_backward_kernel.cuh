@@ -12,9 +12,13 @@
 // All three are one persistent main loop (Gemm): 128 x 256 output tiles,
 // K in 64-wide steps through a kStages-deep TMA ring, a producer warpgroup
 // and two consumer warpgroups of 64 rows each (the forward kernel's
-// structure, linear_logp_kernel.cuh). Every output element is one fixed
-// K loop (k-blocks ascending, k16 steps ascending) with no split-K and no
-// atomics, so:
+// structure, linear_logp_kernel.cuh). K2's and K3's epilogues hand their
+// tiles to TMA through shared memory (Stager): K2 adds each chunk's product
+// into the fp32 dhidden with a TMA reduce-add (one adder per element per
+// launch, launches in stream order), so the consumers go on to the next
+// tile instead of waiting for the earlier values to load. Every output
+// element is one fixed K loop (k-blocks ascending, k16 steps ascending)
+// with no split-K, so:
 //   * a row's dhidden is the chunks' products folded in ascending chunk
 //     order, each independent of the other rows and of N: batch invariant;
 //   * dweight and dbias reduce over the rows in ascending order: the same
@@ -45,8 +49,14 @@ inline constexpr int kThreads = 128 * (1 + kConsumers);
 inline constexpr int kATileBytes = kBlockM * kBlockK * 2;   // 16 KiB
 inline constexpr int kBTileBytes = kBlockN * kBlockK * 2;   // 32 KiB
 inline constexpr int kMnBoxBytes = kMnBlock * kBlockK * 2;  // 8 KiB
-inline constexpr int kSmemBytes =
-    kStages * (kATileBytes + kBTileBytes) + 2 * kStages * 8 + 1024;
+// Epilogue staging: per consumer, two buffers of 64 rows x 128 bytes (32
+// fp32 or 64 bf16 columns), each handed to a TMA store while the next fills.
+inline constexpr int kStageRows = 64;
+inline constexpr int kStageBytes = kStageRows * 128;  // 8 KiB
+inline constexpr int kStageBuffers = 2;
+inline constexpr int kSmemBytes = kStages * (kATileBytes + kBTileBytes) +
+                                  kConsumers * kStageBuffers * kStageBytes +
+                                  2 * kStages * 8 + 1024;
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
 // Vocabulary columns per chunk (G is [rows][kChunkCols] bf16).
@@ -83,16 +93,78 @@ struct GradLogitsParams {
   __nv_bfloat16* grad;  // [rows][kChunkCols]
 };
 
-// K2's and K3's epilogue: out = acc (+ f32[.] when accumulate), written as
-// fp32 to f32 or, when bf16 is set, rounded to bf16 there.
+// K2's and K3's epilogue: out = acc (+ what out holds, when accumulate).
+// Each map covers the whole output with boxes of {128 bytes of columns,
+// kStageRows rows} under the 128-byte swizzle; tile row r is map row
+// row0 + r (rows past m are past the map's end too: only the last chunk is
+// narrower than kChunkCols).
+//   * plain store: fp32 to f32_map, or bf16 to bf16_map when bf16 is set;
+//   * accumulate into fp32: a TMA reduce-add into f32_map;
+//   * accumulate and round to bf16 (dhidden's last chunk): f32 read back
+//     (the [m][ld] fp32 that f32_map covers), rounded to bf16 at `bf16`.
 struct RowsOutParams {
-  float* f32;           // [m][ld]: written, or read when accumulate
+  CUtensorMap f32_map;
+  CUtensorMap bf16_map;
+  const float* f32;     // [m][ld], read by the accumulate-and-round case
   __nv_bfloat16* bf16;  // [m][ld] or null
   int64_t ld;
+  int32_t row0;
   int32_t accumulate;
 };
 
 using Ring = ptx::StageRing<kStages>;
+
+// One consumer's staging buffers: an epilogue writes its 64-row tile piece
+// by piece (128 bytes of columns each) into the next buffer and hands it to
+// a TMA store or reduce-add, which runs on while the consumer goes on to the
+// next piece and the next tile's main loop. A buffer is refilled only once
+// the TMA that read it is done reading; Drain waits for every write.
+class Stager {
+ public:
+  __device__ __forceinline__ Stager(uint8_t* buffers, int consumer, int tid)
+      : buffers_(buffers), consumer_(consumer), leader_(tid == 0) {}
+
+  // The buffer for the next piece (all 128 threads call it).
+  __device__ __forceinline__ uint8_t* Acquire() {
+    if (leader_) ptx::BulkWaitGroupRead<kStageBuffers - 1>();
+    ptx::NamedBarrierSync(1 + consumer_, 128);
+    return buffers_ + (piece_ % kStageBuffers) * kStageBytes;
+  }
+
+  // Stores (or, with reduce, adds) the filled buffer at (c0, c1) of `map`.
+  __device__ __forceinline__ void Release(const CUtensorMap* map, int32_t c0,
+                                          int32_t c1, bool reduce) {
+    ptx::FenceProxyAsyncShared();
+    ptx::NamedBarrierSync(1 + consumer_, 128);
+    if (leader_) {
+      const uint8_t* buffer = buffers_ + (piece_ % kStageBuffers) * kStageBytes;
+      if (reduce) {
+        ptx::TmaReduceAdd2d(map, buffer, c0, c1);
+      } else {
+        ptx::TmaStore2d(map, buffer, c0, c1);
+      }
+      ptx::BulkCommitGroup();
+    }
+    ++piece_;
+  }
+
+  __device__ __forceinline__ void Drain() {
+    if (leader_) ptx::BulkWaitGroup<0>();
+  }
+
+ private:
+  uint8_t* buffers_;
+  int consumer_;
+  bool leader_;
+  int piece_ = 0;
+};
+
+// Where fragment row `row` (0..63), 16-byte chunk `chunk` of a staging
+// buffer lives under the 128-byte swizzle (TMA's layout for 128-byte rows).
+__device__ __forceinline__ uint8_t* StagedChunk(uint8_t* buffer, int row,
+                                                int chunk) {
+  return buffer + row * 128 + ((chunk ^ (row & 7)) << 4);
+}
 
 // The accumulator fragment of m64n256: thread `lane` of warp `warp` holds
 // rows 16 * warp + lane / 4 (+ 8) and columns 8 * j + 2 * (lane % 4) (+ 1):
@@ -150,10 +222,13 @@ struct GradLogitsEpilogue {
     return st;
   }
 
+  // G is stored straight from the fragments: this epilogue is bound by its
+  // arithmetic (one expf per element), and staging it for TMA stores
+  // measured slower (K1 35.3 ms against 33.9 at N = 16384).
   __device__ __forceinline__ void Apply(float* acc, const State& st, int m0,
                                         int n0, const GemmShape& shape,
-                                        int consumer, int warp,
-                                        int lane) const {
+                                        int consumer, int warp, int lane,
+                                        Stager& /*stager*/) const {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
@@ -197,29 +272,81 @@ struct RowsOutEpilogue {
     return State{};
   }
 
-  // With accumulate, every earlier value is loaded before the first store:
-  // the stores may alias the loads, so interleaved they would serialise 64
-  // round trips per thread (measured: K2 at 450 TFLOP/s, 590 without).
-  // (Loading them into the accumulators before the main loop instead makes
-  // ptxas serialise the wgmma chain, C7515: measured slower.)
   __device__ __forceinline__ void Apply(float* acc, const State& /*st*/, int m0,
                                         int n0, const GemmShape& shape,
-                                        int consumer, int warp,
-                                        int lane) const {
-    if (p.accumulate) {
+                                        int consumer, int warp, int lane,
+                                        Stager& stager) const {
+    const int row0 = m0 + 64 * consumer;
+    if (row0 >= shape.m) return;
+    if (p.accumulate && p.bf16 != nullptr) {
+      RoundSum(acc, m0, n0, shape, consumer, warp, lane);
+      return;
+    }
+    if (p.bf16 != nullptr) {
+      // bf16 pieces of 64 columns.
+#pragma unroll
+      for (int piece = 0; piece < kBlockN / 64; ++piece) {
+        if (n0 + 64 * piece >= shape.n) break;
+        uint8_t* buffer = stager.Acquire();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = FragmentRow(warp, lane, h);
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const int j = 8 * piece + jj;
+            *reinterpret_cast<__nv_bfloat162*>(StagedChunk(buffer, row, jj) +
+                                               4 * (lane % 4)) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * h],
+                                      acc[4 * j + 2 * h + 1]);
+          }
+        }
+        stager.Release(&p.bf16_map, n0 + 64 * piece, p.row0 + row0, false);
+      }
+      return;
+    }
+    // fp32 pieces of 32 columns, stored or added.
+#pragma unroll
+    for (int piece = 0; piece < kBlockN / 32; ++piece) {
+      if (n0 + 32 * piece >= shape.n) break;
+      uint8_t* buffer = stager.Acquire();
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
-        if (r >= shape.m) continue;
-        const float* row = p.f32 + static_cast<int64_t>(r) * p.ld;
+        const int row = FragmentRow(warp, lane, h);
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          const int col = n0 + FragmentCol(lane, j);
-          if (col >= shape.n) continue;  // n is a multiple of 8: pairs whole
-          const float2 prev = *reinterpret_cast<const float2*>(row + col);
-          acc[4 * j + 2 * h] = prev.x + acc[4 * j + 2 * h];
-          acc[4 * j + 2 * h + 1] = prev.y + acc[4 * j + 2 * h + 1];
+        for (int jj = 0; jj < 4; ++jj) {
+          const int j = 4 * piece + jj;
+          *reinterpret_cast<float2*>(
+              StagedChunk(buffer, row, 2 * jj + (lane % 4) / 2) +
+              8 * (lane % 2)) =
+              make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
         }
+      }
+      stager.Release(&p.f32_map, n0 + 32 * piece, p.row0 + row0,
+                     p.accumulate != 0);
+    }
+  }
+
+ private:
+  // out_bf16 = bf16(f32 + acc). Every earlier value is loaded before the
+  // first store: the stores may alias the loads, so interleaved they would
+  // serialise 64 round trips per thread (measured: K2 at 450 TFLOP/s, 590
+  // without). (Loading them into the accumulators before the main loop
+  // instead makes ptxas serialise the wgmma chain, C7515: measured slower.)
+  __device__ __forceinline__ void RoundSum(float* acc, int m0, int n0,
+                                           const GemmShape& shape, int consumer,
+                                           int warp, int lane) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 64 * consumer + FragmentRow(warp, lane, h);
+      if (r >= shape.m) continue;
+      const float* row = p.f32 + static_cast<int64_t>(r) * p.ld;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = n0 + FragmentCol(lane, j);
+        if (col >= shape.n) continue;  // n is a multiple of 8: pairs whole
+        const float2 prev = *reinterpret_cast<const float2*>(row + col);
+        acc[4 * j + 2 * h] = prev.x + acc[4 * j + 2 * h];
+        acc[4 * j + 2 * h + 1] = prev.y + acc[4 * j + 2 * h + 1];
       }
     }
 #pragma unroll
@@ -231,14 +358,8 @@ struct RowsOutEpilogue {
       for (int j = 0; j < kBlockN / 8; ++j) {
         const int col = n0 + FragmentCol(lane, j);
         if (col >= shape.n) continue;
-        const float2 v =
-            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        if (p.bf16 != nullptr) {
-          *reinterpret_cast<__nv_bfloat162*>(p.bf16 + base + col) =
-              __floats2bfloat162_rn(v.x, v.y);
-        } else {
-          *reinterpret_cast<float2*>(p.f32 + base + col) = v;
-        }
+        *reinterpret_cast<__nv_bfloat162*>(p.bf16 + base + col) =
+            __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
   }
@@ -262,7 +383,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint8_t* smem_a = smem;
   uint8_t* smem_b = smem + kStages * kATileBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem_b + kStages * kBTileBytes);
+  uint8_t* smem_stage = smem_b + kStages * kBTileBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(
+      smem_stage + kConsumers * kStageBuffers * kStageBytes);
   uint64_t* empty = full + kStages;
 
   const int tiles = ((shape.m + kBlockM - 1) / kBlockM) * shape.tiles_n;
@@ -320,6 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid >> 5;
   const int lane = tid & 31;
   float acc[kBlockN / 2];
+  Stager stager(smem_stage + consumer * kStageBuffers * kStageBytes, consumer,
+                tid);
   Ring ring;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int m0 = (tile / shape.tiles_n) * kBlockM;
@@ -359,8 +484,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     ptx::WgmmaWait<0>();
     ptx::FenceAccumulators<kBlockN / 2>(acc);
     if (prev_stage >= 0 && lane == 0) ptx::MbarArrive(&empty[prev_stage]);
-    epilogue.Apply(acc, state, m0, n0, shape, consumer, warp, lane);
+    epilogue.Apply(acc, state, m0, n0, shape, consumer, warp, lane, stager);
   }
+  stager.Drain();
 }
 
 // dbias, step 1: column sums of G over fixed kBiasSliceRows-row slices, rows
