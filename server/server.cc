@@ -12,11 +12,14 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/lm_head.h"
 #include "kernels/split_policy.h"
 #include "digests/determinism_key.h"
 #include "server/transport/local_peer.h"
+#include "server/transport/peer_pull.h"
 #include "server/transport/unix_socket.h"
 #include "spdlog/spdlog.h"
 
@@ -31,6 +34,22 @@ constexpr char kRepositoryServiceName[] = "detlogp.v1.ModelRepositoryService";
 // Runs a few rows of a new version end to end through the batcher, so that
 // its first real call pays no start-up cost and a broken placement is found
 // before the version serves.
+// The first token of a tokens file (one per line; blank lines and '#'
+// comments skipped), which this server presents to its peers.
+absl::StatusOr<std::string> FirstTokenIn(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  }
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view token = absl::StripAsciiWhitespace(line);
+    if (!token.empty() && token[0] != '#') return std::string(token);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, " holds no token (needed for --pull_from)"));
+}
+
 absl::Status WarmUp(DynamicBatcher* batcher, const ServedVersion& version) {
   const int64_t rows = 2;
   std::vector<uint16_t> hidden(rows * version.hidden_size, 0x3f80);  // 1.0
@@ -157,6 +176,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   }
   if (absl::Status s = server->StartListeners(*credentials); !s.ok()) return s;
   if (absl::Status s = server->StartMetricsEndpoint(); !s.ok()) return s;
+  if (absl::Status s = server->PullFromPeers(); !s.ok()) return s;
   server->ReportServing();
   return server;
 }
@@ -164,6 +184,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
 absl::Status Server::ValidateOptions(const Options& options,
                                      const std::vector<StartupModel>& models) {
   if (models.empty()) return absl::InvalidArgumentError("no model to serve");
+  if (options.pull_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--pull_timeout_s must be > 0");
+  }
   if (options.max_top_k < 0 || options.max_top_k > kernels::kMaxTopK) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_top_k=", options.max_top_k, " is outside [0, ",
@@ -278,6 +301,7 @@ absl::Status Server::CreateModelManager(const std::string& default_model) {
   manager_options.default_model = default_model;
   manager_options.max_versions_per_model = options_.max_versions_per_model;
   manager_options.max_model_memory_bytes = options_.max_model_memory_bytes;
+  manager_options.staged_timeout = options_.staged_version_timeout;
   manager_options.store = model_store_.get();
   manager_options.key_inputs.backend = description.name;
   manager_options.key_inputs.instruction_set = description.instruction_set;
@@ -606,6 +630,30 @@ absl::Status Server::StartMetricsEndpoint() {
   metrics_http_ = *std::move(http);
   spdlog::info("metrics on http://{}:{}/metrics", BracketedHost(options_.host),
                metrics_http_->port());
+  return absl::OkStatus();
+}
+
+absl::Status Server::PullFromPeers() {
+  if (options_.pull_from.empty()) return absl::OkStatus();
+  PeerPullOptions pull;
+  pull.peers = options_.pull_from;
+  pull.download_timeout = options_.pull_timeout;
+  if (!options_.admin_tokens_path.empty()) {
+    auto token = FirstTokenIn(options_.admin_tokens_path);
+    if (!token.ok()) return token.status();
+    pull.admin_token = *std::move(token);
+  }
+  pull.on_bytes = [metrics = metrics_.get()](absl::string_view from,
+                                             int64_t bytes) {
+    metrics->CountModelBytesReceived(from, bytes);
+  };
+  const absl::Time start = absl::Now();
+  auto report = server::PullFromPeers(pull, models_.get(), model_store_.get());
+  if (!report.ok()) return report.status();
+  spdlog::info("pull on start: {} in {:.3f} s",
+               report->pulled.empty() ? "nothing newer on any peer"
+                                      : absl::StrJoin(report->pulled, ", "),
+               absl::ToDoubleSeconds(absl::Now() - start));
   return absl::OkStatus();
 }
 

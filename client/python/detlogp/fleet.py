@@ -17,10 +17,17 @@ version it pushed last for that model, whose weights it kept (a host copy;
 for CUDA bf16 tensors a copy on their GPU, where the XOR then runs).
 `base_version=0` sends the whole head. A replica without the base answers
 FailedPrecondition with reason BASE_MISSING and gets the whole head.
+
+Two-phase publish (with more than one target, unless two_phase=False): the
+version is first staged on every target (received, digest checked, placed,
+warmed up, not servable), then committed on all of them at once; when any
+target fails to stage it, it is aborted on all of them and the push raises
+that target's error: no target changes what it serves.
 """
 
 import concurrent.futures
 import dataclasses
+import threading
 
 import grpc
 import numpy as np
@@ -72,6 +79,8 @@ class Pusher:
     fanout: "direct" (the pusher uploads to every target) or "chain" (to
       the first only, which forwards each chunk to the next as it arrives;
       targets the chain did not reach get the version directly).
+    two_phase: with several targets, stage then commit everywhere (or abort
+      everywhere); False: each target publishes as its upload ends.
     root_certificates, client_certificate, client_key: TLS as for Client.
     """
 
@@ -83,18 +92,25 @@ class Pusher:
         timeout=600.0,
         chunk_bytes=DEFAULT_CHUNK_BYTES,
         fanout="direct",
+        two_phase=True,
         root_certificates=None,
         client_certificate=None,
         client_key=None,
+        _channels=None,
+        _metadata=None,
     ):
         self.targets = normalize_targets(targets)
+        self.two_phase = bool(two_phase)
         self.timeout = float(timeout)
         self.chunk_bytes = int(chunk_bytes)
         if fanout not in ("direct", "chain"):
             raise ValueError(f"fanout {fanout!r} is neither 'direct' nor 'chain'")
         self.fanout = fanout
-        self._metadata = bearer(admin_token) if admin_token else None
-        self._channels = [
+        self._metadata = bearer(admin_token) if admin_token else _metadata
+        # Channels of a Client that pushes through this pusher are the
+        # Client's to close.
+        self._owns_channels = _channels is None
+        self._channels = _channels or [
             make_channel(
                 target,
                 channel_options(64),
@@ -109,8 +125,9 @@ class Pusher:
         self.last_sent = {}  # target -> ("delta" | "head", payload bytes)
 
     def close(self):
-        for channel in self._channels:
-            channel.close()
+        if self._owns_channels:
+            for channel in self._channels:
+                channel.close()
 
     def __enter__(self):
         return self
@@ -155,6 +172,9 @@ class Pusher:
         base_version=None,
         base_weights=None,
         fanout=None,
+        two_phase=None,
+        weights_sha256=None,
+        chunk_bytes=None,
         timeout=None,
     ):
         """Publishes the weights as one version of model `name` on every
@@ -165,14 +185,23 @@ class Pusher:
         base_version: send a delta against this version (0: the whole head;
           None: against the version this pusher pushed last, when it did).
         fanout: "direct" or "chain" (None: the pusher's); see Pusher.
+        two_phase: None: the pusher's; see Pusher.
+        weights_sha256: the digest the weights must have (a whole-head
+          upload; default: computed while sending).
         base_weights: the weights of base_version, needed when it is not
           the version this pusher pushed last: an LmHead, a checkpoint path,
           or a (weight, bias) tuple of arrays or tensors.
         """
         deadline = Deadline(timeout or self.timeout)
+        chunk_bytes = int(chunk_bytes or self.chunk_bytes)
+        staged = (self.two_phase if two_phase is None else bool(two_phase)) and len(
+            self.targets
+        ) > 1
         device_weight = _cuda_bf16(weight)
         head = LmHead.coerce(weight, bias, vocab_size)
-        if version is None:
+        if version is None and len(self.targets) == 1:
+            version = 0  # the server's next number (it knows numbers unloaded)
+        elif version is None:
             # A target that cannot be asked does not stop the push: its
             # upload fails below, naming it, while the others agree.
             highest = self._highest_versions(name, deadline.remaining()).values()
@@ -185,8 +214,9 @@ class Pusher:
                 try:
                     answer = stub.UploadModel(
                         _forwarding(
-                            head.delta_messages(name, lm_head_delta, self.chunk_bytes, version),
+                            head.delta_messages(name, lm_head_delta, chunk_bytes, version),
                             forward_to,
+                            staged,
                         ),
                         timeout=deadline.remaining(),
                         metadata=self._metadata,
@@ -198,7 +228,11 @@ class Pusher:
                     if error.reason != BASE_MISSING:
                         raise error from None
             answer = stub.UploadModel(
-                _forwarding(head.messages(name, self.chunk_bytes, version=version), forward_to),
+                _forwarding(
+                    head.messages(name, chunk_bytes, weights_sha256, version),
+                    forward_to,
+                    staged,
+                ),
                 timeout=deadline.remaining(),
                 metadata=self._metadata,
             )
@@ -214,8 +248,9 @@ class Pusher:
             # and those the chain did not reach get it directly.
             outcomes.update(self._on_every_target(lambda i: push(i, self.targets[1:]), [0]))
             digest = lm_head_delta.weights_sha256 if lm_head_delta else head.sha256()
+            state = pb.ModelVersionStatus.STAGED if staged else pb.ModelVersionStatus.READY
             held = self._on_every_target(
-                lambda i: self._held(i, name, version, digest, deadline.remaining()),
+                lambda i: self._held(i, name, version, digest, state, deadline.remaining()),
                 range(1, len(self.targets)),
             )
             for target, status in held.items():
@@ -225,6 +260,8 @@ class Pusher:
             pending = [i for i, t in enumerate(self.targets) if t not in outcomes]
         outcomes.update(self._on_every_target(push, pending))
         outcomes = {target: outcomes[target] for target in self.targets}
+        if staged:
+            outcomes = self._commit_or_abort(name, version, outcomes, deadline)
         failure = first_failure(name, "UploadModel", outcomes)
         if failure is not None:
             raise failure
@@ -258,19 +295,60 @@ class Pusher:
             return _delta_on_device(head, device_weight, pushed)
         return head.delta_against(pushed.head, pushed.version)
 
-    def _held(self, index, name, version, digest, timeout):
+    def _commit_or_abort(self, name, version, outcomes, deadline):
+        """Two-phase publish's end: when every target staged the version,
+        commits it on all of them at once; else aborts it on all of them.
+        Returns {target: committed status or error}."""
+        failed = [t for t, o in outcomes.items() if isinstance(o, BaseException)]
+        if failed:
+
+            def abort(index):
+                self._stubs[index].AbortVersion(
+                    pb.AbortVersionRequest(model=name, model_version=version),
+                    timeout=deadline.remaining(),
+                    metadata=self._metadata,
+                )
+
+            self._on_every_target(abort)
+            first = outcomes[failed[0]]
+            first.args = (
+                f"push aborted on every target ({', '.join(failed)} failed to stage "
+                f"version {version}; no target changed what it serves): "
+                f"{first.args[0] if first.args else first}",
+            )
+            return {
+                t: (o if isinstance(o, BaseException) else _aborted(t, failed))
+                for t, o in outcomes.items()
+            }
+        digest = next(iter(outcomes.values())).weights_sha256
+        # Every connection is used once before any commit leaves, so the
+        # commits go together and the skew window is about one round trip.
+        gate = threading.Barrier(len(self.targets))
+
+        def commit(index):
+            try:
+                self._stubs[index].ListModels(
+                    pb.ListModelsRequest(), timeout=deadline.remaining(), metadata=self._metadata
+                )
+            finally:
+                gate.wait()
+            return self._stubs[index].CommitVersion(
+                pb.CommitVersionRequest(model=name, model_version=version, weights_sha256=digest),
+                timeout=deadline.remaining(),
+                metadata=self._metadata,
+            )
+
+        return self._on_every_target(commit)
+
+    def _held(self, index, name, version, digest, state, timeout):
         """The target's status of that version when it holds it with
-        `digest`, else None."""
+        `digest` in `state`, else None."""
         models = self._stubs[index].ListModels(
             pb.ListModelsRequest(), timeout=timeout, metadata=self._metadata
         )
         for info in models.models:
             for held in info.versions if info.model == name else ():
-                if (held.version, held.weights_sha256, held.state) == (
-                    version,
-                    digest,
-                    pb.ModelVersionStatus.READY,
-                ):
+                if (held.version, held.weights_sha256, held.state) == (version, digest, state):
                     return held
         return None
 
@@ -302,11 +380,21 @@ class Pusher:
         return outcomes
 
 
-def _forwarding(messages, forward_to):
-    """The upload's messages, its header naming the chain after the target."""
+def _aborted(target, failed):
+    """The outcome of a target that staged a version the push then aborted."""
+    return DetlogpError(
+        f"{target}: staged, then aborted ({', '.join(failed)} failed to stage)",
+        grpc.StatusCode.ABORTED,
+    )
+
+
+def _forwarding(messages, forward_to, stage=False):
+    """The upload's messages, its header naming the chain after the target
+    (and asking to stage the version when `stage`)."""
     messages = iter(messages)
     first = next(messages)
     first.header.forward_to.extend(forward_to)
+    first.header.stage = stage
     yield first
     yield from messages
 
