@@ -70,6 +70,10 @@ ABSL_FLAG(std::vector<std::string>, pull_from, {},
           "versions from at start-up, before health reports SERVING (a "
           "replica that starts or restarts joins the fleet at its version). "
           "The list may name this server. Unreachable peers are skipped.");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "With --tls_cert: PEM roots that --pull_from peers' certificates "
+          "are checked against; empty: --tls_cert itself (one certificate "
+          "every replica shares, naming every peer's host).");
 ABSL_FLAG(int, pull_timeout_s, 600,
           "Bound on the --pull_from download.");
 ABSL_FLAG(std::string, admin_tokens_file, "",
@@ -477,6 +481,7 @@ int main(int argc, char** argv) {
   options.staged_version_timeout =
       absl::Seconds(absl::GetFlag(FLAGS_staged_version_timeout_s));
   options.pull_from = absl::GetFlag(FLAGS_pull_from);
+  options.peer_tls_ca_path = absl::GetFlag(FLAGS_peer_tls_ca);
   options.pull_timeout = absl::Seconds(absl::GetFlag(FLAGS_pull_timeout_s));
   options.max_concurrent_streams_per_connection =
       absl::GetFlag(FLAGS_max_concurrent_streams);

@@ -2,6 +2,7 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
@@ -638,6 +639,15 @@ absl::Status Server::PullFromPeers() {
   PeerPullOptions pull;
   pull.peers = options_.pull_from;
   pull.download_timeout = options_.pull_timeout;
+  if (!options_.tls_cert_path.empty()) {
+    const bool own = options_.peer_tls_ca_path.empty();
+    auto roots = ReadPem(own ? options_.tls_cert_path : options_.peer_tls_ca_path,
+                         own ? "--tls_cert" : "--peer_tls_ca");
+    if (!roots.ok()) return roots.status();
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = *std::move(roots);
+    pull.credentials = grpc::SslCredentials(ssl);
+  }
   if (!options_.admin_tokens_path.empty()) {
     auto token = FirstTokenIn(options_.admin_tokens_path);
     if (!token.ok()) return token.status();

@@ -112,6 +112,9 @@ class Server {
     // before health reports SERVING (peer_pull.h); empty: no pull. Calls
     // carry the first token of admin_tokens_path.
     std::vector<std::string> pull_from;
+    // With TLS: PEM roots peers' certificates are checked against; empty:
+    // tls_cert_path itself (one certificate every replica shares).
+    std::string peer_tls_ca_path;
     // Bound on the pull's download.
     absl::Duration pull_timeout = absl::Minutes(10);
     // HTTP/2 streams one connection may have open at once.

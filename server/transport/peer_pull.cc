@@ -122,7 +122,9 @@ absl::StatusOr<PullReport> PullFromPeers(const PeerPullOptions& options,
   int64_t best_latest = 0;
   for (const std::string& peer : options.peers) {
     auto stub = ModelRepositoryService::NewStub(
-        grpc::CreateChannel(peer, grpc::InsecureChannelCredentials()));
+        grpc::CreateChannel(peer, options.credentials != nullptr
+                                      ? options.credentials
+                                      : grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     Prepare(options, options.ask_timeout, &context);
     context.set_wait_for_ready(false);

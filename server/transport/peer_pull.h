@@ -16,8 +16,11 @@
 #define DETLOGP_SERVER_TRANSPORT_PEER_PULL_H_
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include <grpcpp/security/credentials.h>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -35,6 +38,8 @@ struct PeerPullOptions {
   // Bound on asking one peer, and on the whole download.
   absl::Duration ask_timeout = absl::Seconds(5);
   absl::Duration download_timeout = absl::Minutes(10);
+  // How to reach peers; null: plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
   // Sent as "authorization: Bearer <token>" (the peers' admin token);
   // empty: none (peers on loopback).
   std::string admin_token;
