@@ -308,7 +308,9 @@ TEST_F(TwoPhasePublishTest, StagedVersionIsNotServedUntilCommitted) {
 }
 
 TEST_F(TwoPhasePublishTest, StagedVersionNotCommittedInTimeIsDropped) {
-  auto server = Start({"--staged_version_timeout_s=1", kRoomForOneVersion});
+  // Room for two versions: the ready one and one staged.
+  auto server = Start(
+      {"--staged_version_timeout_s=1", "--max_model_memory_bytes=1300000"});
   ASSERT_TRUE(server != nullptr);
   ModelRepositoryClient::UploadOptions stage;
   stage.version = 2;
@@ -321,7 +323,7 @@ TEST_F(TwoPhasePublishTest, StagedVersionNotCommittedInTimeIsDropped) {
   EXPECT_EQ(Versions(*server).count(2), 0u);
   EXPECT_EQ(Repo(*server)->CommitVersion("policy", 2, "").status().code(),
             absl::StatusCode::kNotFound);
-  // Its memory was freed: with room for one version, another fits again.
+  // Its memory was freed: another staged version fits again.
   stage.version = 3;
   EXPECT_TRUE(Repo(*server)->Upload(Step(base_, 3), stage).ok());
 }

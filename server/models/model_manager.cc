@@ -349,6 +349,7 @@ absl::Status ModelManager::AbortVersion(const std::string& model,
   if (s != it->second.staged.end()) {
     dropped = std::move(s->second);
     it->second.staged.erase(s);
+    GiveBackNumberLocked(it->second, version);
     spdlog::info("model {} version {}: staged version aborted", model,
                  version);
     return absl::OkStatus();
@@ -361,6 +362,14 @@ absl::Status ModelManager::AbortVersion(const std::string& model,
         v1::kReasonVersionUnavailable);
   }
   return absl::OkStatus();
+}
+
+void ModelManager::GiveBackNumberLocked(Model& model, int64_t version) {
+  // Only the newest number, and only while nothing above it was taken: a
+  // push aborted everywhere then leaves every replica numbering as before,
+  // so the next push (one above the highest number any replica lists) is
+  // accepted by all.
+  if (model.next_version == version + 1) model.next_version = version;
 }
 
 int ModelManager::DropExpiredStaged(absl::Time now) {
@@ -379,7 +388,9 @@ int ModelManager::DropExpiredStaged(absl::Time now) {
             name, it->first,
             absl::ToDoubleSeconds(now - it->second.staged_at));
         dropped.push_back(std::move(it->second));
+        const int64_t number = it->first;
         it = model.staged.erase(it);
+        GiveBackNumberLocked(model, number);
       }
     }
   }

@@ -252,6 +252,9 @@ class ModelManager {
   // Makes a prepared (and persisted) version its model's latest.
   detlogp::v1::ModelVersionStatus Publish(
       std::shared_ptr<ServedVersion> version);
+  // After a staged version is dropped: its number is given again.
+  void GiveBackNumberLocked(Model& model, int64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void SweepLoop();
   bool Stopping() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; }
   static absl::Status VersionTaken(const std::string& model, int64_t asked,

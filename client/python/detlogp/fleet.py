@@ -28,6 +28,7 @@ that target's error: no target changes what it serves.
 import concurrent.futures
 import dataclasses
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -123,6 +124,8 @@ class Pusher:
         self._stubs = [pb_grpc.ModelRepositoryServiceStub(c) for c in self._channels]
         self._pushed = {}  # model -> _Pushed
         self.last_sent = {}  # target -> ("delta" | "head", payload bytes)
+        # Two-phase: from the first commit sent to the last answered.
+        self.last_commit_seconds = None
 
     def close(self):
         if self._owns_channels:
@@ -324,6 +327,7 @@ class Pusher:
         # Every connection is used once before any commit leaves, so the
         # commits go together and the skew window is about one round trip.
         gate = threading.Barrier(len(self.targets))
+        times = []  # (sent, answered) per commit
 
         def commit(index):
             try:
@@ -332,13 +336,21 @@ class Pusher:
                 )
             finally:
                 gate.wait()
-            return self._stubs[index].CommitVersion(
-                pb.CommitVersionRequest(model=name, model_version=version, weights_sha256=digest),
-                timeout=deadline.remaining(),
-                metadata=self._metadata,
-            )
+            sent = time.perf_counter()
+            try:
+                return self._stubs[index].CommitVersion(
+                    pb.CommitVersionRequest(
+                        model=name, model_version=version, weights_sha256=digest
+                    ),
+                    timeout=deadline.remaining(),
+                    metadata=self._metadata,
+                )
+            finally:
+                times.append((sent, time.perf_counter()))
 
-        return self._on_every_target(commit)
+        committed = self._on_every_target(commit)
+        self.last_commit_seconds = max(t[1] for t in times) - min(t[0] for t in times)
+        return committed
 
     def _held(self, index, name, version, digest, state, timeout):
         """The target's status of that version when it holds it with

@@ -173,3 +173,65 @@ def test_chain_push_reaches_every_replica_from_one_upload(server_binary, model):
             assert server.metrics()[pusher_bytes] == 0
             assert server.metrics()[peer] == a.metrics()[pusher_bytes]
         assert bits_on(a, 3, model) == bits_on(c, 3, model)
+
+
+def versions_on(server):
+    """{version: (state, digest)} of model "default" on `server`."""
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.ModelRepositoryServiceStub(channel)
+        models = stub.ListModels(pb.ListModelsRequest(), timeout=20)
+    return {
+        v.version: (v.state, v.weights_sha256)
+        for m in models.models
+        if m.model == "default"
+        for v in m.versions
+    }
+
+
+def test_two_phase_push_aborts_everywhere_when_one_replica_fails_to_stage(server_binary, model):
+    # One version of [1024, 64] bf16 + fp32 bias is 135168 bytes: room for one.
+    with (
+        start(server_binary, model) as a,
+        start(server_binary, model) as b,
+        start(server_binary, model, ["--max_model_memory_bytes=200000"]) as full,
+    ):
+        before = {s.target: versions_on(s) for s in (a, b, full)}
+        for fanout in ("direct", "chain"):
+            with Pusher([a.target, b.target, full.target], fanout=fanout) as pusher:
+                with pytest.raises(detlogp.DetlogpError) as refused:
+                    pusher.upload_model("default", step(model.weight_bits, 31), model.bias)
+            assert "push aborted" in str(refused.value)
+            assert refused.value.per_target[a.target].code == grpc.StatusCode.ABORTED
+            assert refused.value.per_target[full.target].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            for server in (a, b, full):
+                assert versions_on(server) == before[server.target]  # nothing staged, nothing new
+        assert bits_on(a, 1, model) == bits_on(full, 1, model)
+
+
+def test_client_upload_model_commits_everywhere_and_sends_deltas(server_binary, model):
+    with start(server_binary, model) as a, start(server_binary, model) as b:
+        second = step(model.weight_bits, 41)
+        third = step(second, 42)
+        head_bytes = LmHead(second, model.bias).nbytes
+        with detlogp.Client([a.target, b.target], timeout=20.0) as client:
+            first = client.upload_model("default", second, model.bias)
+            pushed = client.upload_model("default", third, model.bias)  # a delta against `first`
+            full = client.upload_model("default", step(third, 43), model.bias, base_version=0)
+            named = client.upload_model(
+                "default",
+                step(third, 44),
+                model.bias,
+                base_version=full.version,
+                base_weights=(step(third, 43), model.bias),
+            )
+        assert (first.version, pushed.version, full.version, named.version) == (2, 3, 4, 5)
+        for result in (first, pushed, full, named):
+            ready = [s.ready_unix_micros for s in result.per_target.values()]
+            assert min(ready) > 0
+            assert {s.state for s in result.per_target.values()} == {pb.ModelVersionStatus.READY}
+        assert pushed.weights_sha256 == LmHead(third, model.bias).sha256()
+        sent = a.metrics()['detlogp_model_bytes_received_total{from="pusher"}']
+        # Two heads, two deltas of ~4% each.
+        assert 2 * head_bytes < sent <= 2 * head_bytes + 2 * 0.06 * head_bytes
+        assert versions_on(a) == versions_on(b)
+        assert bits_on(a, 5, model) == bits_on(b, 5, model)
