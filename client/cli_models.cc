@@ -146,8 +146,9 @@ absl::Status RunUpload(const LogpClient::Options& connection,
       first = first == 0 ? at : std::min(first, at);
       last = std::max(last, at);
     }
-    std::printf("committed on %zu targets; ready within %.3f ms of each other\n",
-                report.targets.size(), (last - first) / 1e3);
+    std::printf(
+        "committed on %zu targets; ready within %.3f ms of each other\n",
+        report.targets.size(), (last - first) / 1e3);
   }
   return report.status;
 }

@@ -510,7 +510,6 @@ std::optional<ModelVersionStatus> HeldVersion(
   return std::nullopt;
 }
 
-
 // Two-phase publish's end: every target staged the version -> commit on all
 // of them at once; else abort on all of them (and mark the staged ones
 // ABORTED in the report).
@@ -677,11 +676,11 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
                                 " weights ", pushed.version->weights_sha256()));
   }
   if (!failed.empty() && two_phase && !report.committed) {
-    report.status = absl::AbortedError(absl::StrCat(
-        "push aborted: ", failed.size(), " of ", targets.size(),
-        " targets failed to stage version ", version,
-        "; every target keeps the versions it had (",
-        absl::StrJoin(failed, "; "), ")"));
+    report.status = absl::AbortedError(
+        absl::StrCat("push aborted: ", failed.size(), " of ", targets.size(),
+                     " targets failed to stage version ", version,
+                     "; every target keeps the versions it had (",
+                     absl::StrJoin(failed, "; "), ")"));
   } else if (!failed.empty()) {
     report.status = absl::Status(
         report.targets.size() == 1 ? report.targets[0].version.status().code()

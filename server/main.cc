@@ -74,8 +74,7 @@ ABSL_FLAG(std::string, peer_tls_ca, "",
           "With --tls_cert: PEM roots that --pull_from peers' certificates "
           "are checked against; empty: --tls_cert itself (one certificate "
           "every replica shares, naming every peer's host).");
-ABSL_FLAG(int, pull_timeout_s, 600,
-          "Bound on the --pull_from download.");
+ABSL_FLAG(int, pull_timeout_s, 600, "Bound on the --pull_from download.");
 ABSL_FLAG(std::string, admin_tokens_file, "",
           "File of bearer tokens for ModelRepositoryService (load, upload, "
           "unload, list). Without it, admin calls are accepted only when "

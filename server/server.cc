@@ -641,8 +641,9 @@ absl::Status Server::PullFromPeers() {
   pull.download_timeout = options_.pull_timeout;
   if (!options_.tls_cert_path.empty()) {
     const bool own = options_.peer_tls_ca_path.empty();
-    auto roots = ReadPem(own ? options_.tls_cert_path : options_.peer_tls_ca_path,
-                         own ? "--tls_cert" : "--peer_tls_ca");
+    auto roots =
+        ReadPem(own ? options_.tls_cert_path : options_.peer_tls_ca_path,
+                own ? "--tls_cert" : "--peer_tls_ca");
     if (!roots.ok()) return roots.status();
     grpc::SslCredentialsOptions ssl;
     ssl.pem_root_certs = *std::move(roots);

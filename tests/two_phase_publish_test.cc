@@ -55,7 +55,8 @@ LmHeadUpload RandomLmHead(uint64_t seed) {
   upload.padded_vocab_size = kV;
   kernels::RandomNormal random(seed * 7919 + 11);
   upload.weight.resize(kV * kH);
-  for (uint16_t& w : upload.weight) w = kernels::FloatToBf16(random.Next(0.02f));
+  for (uint16_t& w : upload.weight)
+    w = kernels::FloatToBf16(random.Next(0.02f));
   upload.bias.resize(kV);
   for (float& b : upload.bias) b = random.Next(0.1f);
   return upload;
@@ -87,7 +88,8 @@ std::map<int64_t, ModelVersionStatus> Versions(const ServerProcess& server) {
   if (!models.ok()) return out;
   for (const auto& info : models->models()) {
     if (info.model() != "policy") continue;
-    for (const auto& version : info.versions()) out[version.version()] = version;
+    for (const auto& version : info.versions())
+      out[version.version()] = version;
   }
   return out;
 }
@@ -103,10 +105,10 @@ int64_t Latest(const ServerProcess& server) {
 
 v1::LogProbRequest FixedRequest(int64_t version) {
   const int64_t rows = 8;
-  return client::MakeLogProbRequest(
-      "bits", v1::DTYPE_BFLOAT16, rows, kH, client::RandomBf16Rows(rows, kH, 3),
-      client::RandomTargets(rows, kV, 4), 1.0f, /*return_lse=*/true, "policy",
-      version);
+  return client::MakeLogProbRequest("bits", v1::DTYPE_BFLOAT16, rows, kH,
+                                    client::RandomBf16Rows(rows, kH, 3),
+                                    client::RandomTargets(rows, kV, 4), 1.0f,
+                                    /*return_lse=*/true, "policy", version);
 }
 
 // (version, logprob and lse bits) of fixed rows scored on `version` (0:

@@ -62,8 +62,7 @@ absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(
   }
   if (options.staged_timeout <= absl::ZeroDuration() ||
       options.staged_sweep_interval <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        "--staged_version_timeout_s must be > 0");
+    return absl::InvalidArgumentError("--staged_version_timeout_s must be > 0");
   }
   if (options.max_model_memory_bytes < 0) {
     return absl::InvalidArgumentError("--max_model_memory_bytes must be >= 0");
@@ -302,7 +301,9 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::CommitVersion(
         if (ready != m.ready.end() &&
             (weights_sha256.empty() ||
              ready->second->weights_sha256 == weights_sha256)) {
-          return StatusOf(*ready->second, detlogp::v1::ModelVersionStatus::READY);  // committed before
+          return StatusOf(
+              *ready->second,
+              detlogp::v1::ModelVersionStatus::READY);  // committed before
         }
       } else if (!weights_sha256.empty() &&
                  s->second.version->weights_sha256 != weights_sha256) {
@@ -350,16 +351,15 @@ absl::Status ModelManager::AbortVersion(const std::string& model,
     dropped = std::move(s->second);
     it->second.staged.erase(s);
     GiveBackNumberLocked(it->second, version);
-    spdlog::info("model {} version {}: staged version aborted", model,
-                 version);
+    spdlog::info("model {} version {}: staged version aborted", model, version);
     return absl::OkStatus();
   }
   if (it->second.ready.count(version) > 0) {
-    return v1::FieldError(
-        absl::StatusCode::kFailedPrecondition, "model_version",
-        absl::StrCat("version ", version, " of '", model,
-                     "' was committed; unload it instead"),
-        v1::kReasonVersionUnavailable);
+    return v1::FieldError(absl::StatusCode::kFailedPrecondition,
+                          "model_version",
+                          absl::StrCat("version ", version, " of '", model,
+                                       "' was committed; unload it instead"),
+                          v1::kReasonVersionUnavailable);
   }
   return absl::OkStatus();
 }
@@ -385,8 +385,7 @@ int ModelManager::DropExpiredStaged(absl::Time now) {
         spdlog::warn(
             "model {} version {}: staged {:.3f} s ago and not committed; "
             "dropped",
-            name, it->first,
-            absl::ToDoubleSeconds(now - it->second.staged_at));
+            name, it->first, absl::ToDoubleSeconds(now - it->second.staged_at));
         dropped.push_back(std::move(it->second));
         const int64_t number = it->first;
         it = model.staged.erase(it);

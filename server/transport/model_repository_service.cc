@@ -733,19 +733,16 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (writer_ != nullptr) {
       // Owns the writer: a staged version is persisted at its commit, or
       // its temporary files go with it.
-      origin.persist = [writer = std::shared_ptr<VersionWriter>(
-                            std::move(writer_)),
-                        digest](int64_t version) {
-        return writer->Commit(version, digest);
-      };
+      origin.persist =
+          [writer = std::shared_ptr<VersionWriter>(std::move(writer_)),
+           digest](int64_t version) { return writer->Commit(version, digest); };
     }
-    auto added =
-        stage_ ? service_->manager_->StageVersion(model_, std::move(weights),
-                                                  std::move(origin),
-                                                  std::move(reservation_))
-               : service_->manager_->AddVersion(model_, std::move(weights),
-                                                std::move(origin),
-                                                std::move(reservation_));
+    auto added = stage_ ? service_->manager_->StageVersion(
+                              model_, std::move(weights), std::move(origin),
+                              std::move(reservation_))
+                        : service_->manager_->AddVersion(
+                              model_, std::move(weights), std::move(origin),
+                              std::move(reservation_));
     if (!added.ok()) return added.status();
     *response_ = *std::move(added);
     return absl::OkStatus();

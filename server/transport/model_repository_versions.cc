@@ -29,8 +29,7 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::CommitVersion(
                 digest = request->weights_sha256()]() {
     auto committed = manager_->CommitVersion(model, version, digest);
     if (committed.ok()) *response = *std::move(committed);
-    reactor->Finish(
-        Record("CommitVersion", ToGrpcStatus(committed.status())));
+    reactor->Finish(Record("CommitVersion", ToGrpcStatus(committed.status())));
   });
   return reactor;
 }

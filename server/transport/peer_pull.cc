@@ -64,9 +64,8 @@ absl::Status PullVersion(const PeerPullOptions& options,
   if (!reservation.ok()) return reservation.status();
   std::unique_ptr<VersionWriter> writer;
   if (store != nullptr && store->writable()) {
-    auto begun =
-        store->BeginUpload(model, shape.hidden_size, shape.vocab_size,
-                           shape.padded_vocab_size, shape.has_bias);
+    auto begun = store->BeginUpload(model, shape.hidden_size, shape.vocab_size,
+                                    shape.padded_vocab_size, shape.has_bias);
     if (!begun.ok()) return begun.status();
     writer = *std::move(begun);
   }
@@ -106,8 +105,8 @@ absl::Status PullVersion(const PeerPullOptions& options,
       return writer->Commit(number, sha);
     };
   }
-  auto added = manager->AddVersion(model, std::move(weights),
-                                   std::move(origin), *std::move(reservation));
+  auto added = manager->AddVersion(model, std::move(weights), std::move(origin),
+                                   *std::move(reservation));
   return added.status();
 }
 
@@ -159,9 +158,8 @@ absl::StatusOr<PullReport> PullFromPeers(const PeerPullOptions& options,
       return absl::Status(s.code(), absl::StrCat("pull from ", report.source,
                                                  ": ", s.message()));
     }
-    report.pulled.push_back(absl::StrCat(info.model(), " v",
-                                         info.model_version(), " from ",
-                                         report.source));
+    report.pulled.push_back(absl::StrCat(
+        info.model(), " v", info.model_version(), " from ", report.source));
   }
   return report;
 }
