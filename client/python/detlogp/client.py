@@ -39,7 +39,7 @@ from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, MessageTooLa
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
-from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
+from detlogp.weights import DEFAULT_CHUNK_BYTES
 
 
 class Client(ClientState):
@@ -560,7 +560,8 @@ class Client(ClientState):
           "header.model_version"); None: the server's next number (one
           target), or one above the highest any target has (several).
         weights_sha256: the digest the weights must have (e.g. recorded by
-          the trainer); default: computed while sending.
+          the trainer; the whole head is sent); default: computed while
+          sending.
         base_version: send only the bits that changed against this version
           (a delta; the XOR runs on the GPU for CUDA bf16 tensors); 0: the
           whole head; None: a delta against the version this client pushed

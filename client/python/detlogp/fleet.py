@@ -12,7 +12,7 @@ so every replica publishes the same number for the same push.
 
 Deltas (UPLOAD_ENCODING_XOR_ZSTD, docs/live_weights.md "Delta uploads"):
 `base_version=N` with `base_weights=` the weights of version N sends only
-the bits that changed; by default (base_version None) the pusher uses the
+the bits that changed; by default (base_version None, with zstandard installed) the pusher uses the
 version it pushed last for that model, whose weights it kept (a host copy;
 for CUDA bf16 tensors a copy on their GPU, where the XOR then runs).
 `base_version=0` sends the whole head. A replica without the base answers
@@ -189,8 +189,9 @@ class Pusher:
           None: against the version this pusher pushed last, when it did).
         fanout: "direct" or "chain" (None: the pusher's); see Pusher.
         two_phase: None: the pusher's; see Pusher.
-        weights_sha256: the digest the weights must have (a whole-head
-          upload; default: computed while sending).
+        weights_sha256: the digest the weights must have (the whole head is
+          sent, and the server checks its bytes against it; default:
+          computed while sending).
         base_weights: the weights of base_version, needed when it is not
           the version this pusher pushed last: an LmHead, a checkpoint path,
           or a (weight, bias) tuple of arrays or tensors.
@@ -209,7 +210,12 @@ class Pusher:
             # upload fails below, naming it, while the others agree.
             highest = self._highest_versions(name, deadline.remaining()).values()
             version = 1 + max([0] + [v for v in highest if not isinstance(v, BaseException)])
-        lm_head_delta = self._delta(name, head, device_weight, base_version, base_weights)
+        # A stated digest is checked against the bytes of a whole head.
+        lm_head_delta = (
+            None
+            if weights_sha256 is not None
+            else self._delta(name, head, device_weight, base_version, base_weights)
+        )
 
         def push(index, forward_to=()):
             stub = self._stubs[index]
@@ -287,6 +293,8 @@ class Pusher:
             weight, bias = base_weights if isinstance(base_weights, tuple) else (base_weights, None)
             base = LmHead.coerce(weight, bias, head.vocab_size)
             return head.delta_against(base, base_version)
+        if base_version is None and not delta_codec.available():
+            return None  # the default delta needs zstandard; the whole head
         if pushed is None or (base_version is not None and base_version != pushed.version):
             if base_version is None:
                 return None  # nothing pushed yet: the whole head
@@ -300,8 +308,9 @@ class Pusher:
 
     def _commit_or_abort(self, name, version, outcomes, deadline):
         """Two-phase publish's end: when every target staged the version,
-        commits it on all of them at once; else aborts it on all of them.
-        Returns {target: committed status or error}."""
+        commits it on all of them at once and returns {target: committed
+        status or error}; else aborts it on all of them and raises the first
+        target's failure (.per_target: every target's outcome)."""
         failed = [t for t, o in outcomes.items() if isinstance(o, BaseException)]
         if failed:
 
@@ -319,10 +328,11 @@ class Pusher:
                 f"version {version}; no target changed what it serves): "
                 f"{first.args[0] if first.args else first}",
             )
-            return {
+            first.per_target = {
                 t: (o if isinstance(o, BaseException) else _aborted(t, failed))
                 for t, o in outcomes.items()
             }
+            raise first
         digest = next(iter(outcomes.values())).weights_sha256
         # Every connection is used once before any commit leaves, so the
         # commits go together and the skew window is about one round trip.
