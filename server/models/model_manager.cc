@@ -67,9 +67,11 @@ absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(
   if (options.max_model_memory_bytes < 0) {
     return absl::InvalidArgumentError("--max_model_memory_bytes must be >= 0");
   }
-  if (!options.place || !options.estimate_bytes || !options.warm_up) {
+  if (!options.place || !options.estimate_bytes || !options.warm_up ||
+      !options.now) {
     return absl::InvalidArgumentError(
-        "model manager: place, estimate_bytes and warm_up are required");
+        "model manager: place, estimate_bytes, warm_up and now are "
+        "required");
   }
   if (absl::Status s =
           ValidateModelName(options.default_model, "--default_model");
@@ -277,7 +279,7 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::StageVersion(
   staged.version = *version;
   staged.persist = std::move(origin.persist);
   staged.on_disk = origin.on_disk;
-  staged.staged_at = absl::Now();
+  staged.staged_at = options_.now();
   return StatusOf(**version, detlogp::v1::ModelVersionStatus::STAGED);
 }
 
@@ -401,7 +403,7 @@ void ModelManager::SweepLoop() {
   while (!mu_.AwaitWithTimeout(absl::Condition(this, &ModelManager::Stopping),
                                options_.staged_sweep_interval)) {
     mu_.Unlock();
-    DropExpiredStaged(absl::Now());
+    DropExpiredStaged(options_.now());
     mu_.Lock();
   }
 }

@@ -130,6 +130,8 @@ class ModelManager {
     absl::Duration staged_timeout = absl::Seconds(60);
     // How often staged versions are checked against staged_timeout.
     absl::Duration staged_sweep_interval = absl::Milliseconds(100);
+    // The clock staged versions are timed with (tests inject their own).
+    std::function<absl::Time()> now = [] { return absl::Now(); };
   };
 
   class Tracker;  // counts bytes until placed weights are freed
