@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "client/grpc_lifetime.h"
 #include "proto/dtype_bytes.h"
 #include "proto/wire_format.h"
 #include "proto/status_details.h"
@@ -88,6 +89,7 @@ namespace {
 // long unused.
 std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
     const LogpClient::Options& options, absl::Duration idle_timeout) {
+  KeepGrpcInitialized();
   grpc::ChannelArguments args;
   if (idle_timeout > absl::ZeroDuration()) {
     args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS,

@@ -115,8 +115,16 @@ ABSL_FLAG(int64_t, max_batch_rows, -1,
 ABSL_FLAG(int64_t, max_queue_delay_us, -1,
           "Longest a queued row waits for a fuller batch, microseconds; -1: "
           "the backend's (CUDA 0, CPU 500).");
-ABSL_FLAG(int64_t, max_queue_rows, 65536,
-          "Rows waiting at most; beyond it calls get RESOURCE_EXHAUSTED.");
+ABSL_FLAG(int64_t, max_queue_rows, 1 << 20,
+          "Rows waiting at most; beyond it calls get RESOURCE_EXHAUSTED "
+          "(reason QUEUE_FULL, with a retry delay).");
+ABSL_FLAG(int64_t, max_queue_work_ms, 1000,
+          "The queue's bound in time: rows waiting at most, as milliseconds of "
+          "work at the rate full batches drain them (measured; never below two "
+          "full batches per batch thread). 0: --max_queue_rows only.");
+ABSL_FLAG(int64_t, max_queue_bytes, int64_t{2} << 30,
+          "bf16 bytes of waiting rows held in the server's memory (rows that "
+          "came in messages; rows in shared memory are not counted).");
 ABSL_FLAG(int64_t, max_request_rows, 65536,
           "Rows one request may carry; larger ones get INVALID_ARGUMENT.");
 ABSL_FLAG(int64_t, max_top_k, 20,
@@ -463,6 +471,9 @@ int main(int argc, char** argv) {
   options.batcher.max_queue_delay_micros =
       absl::GetFlag(FLAGS_max_queue_delay_us);
   options.batcher.max_queue_rows = absl::GetFlag(FLAGS_max_queue_rows);
+  options.batcher.max_queue_work_micros =
+      absl::GetFlag(FLAGS_max_queue_work_ms) * 1000;
+  options.batcher.max_queue_bytes = absl::GetFlag(FLAGS_max_queue_bytes);
   options.batcher.num_batch_threads = absl::GetFlag(FLAGS_batch_threads);
   options.batcher.min_rows_to_overlap = absl::GetFlag(FLAGS_batch_overlap_rows);
   options.batcher.idle_spin_micros = absl::GetFlag(FLAGS_batch_spin_us);

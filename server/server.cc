@@ -272,10 +272,13 @@ absl::Status Server::CreateBatcher() {
   if (!batcher.ok()) return batcher.status();
   spdlog::info(
       "batching: max_batch_rows={} max_queue_delay_us={} batch_threads={} "
-      "batch_spin_us={} (flags or the {} backend's defaults)",
+      "batch_spin_us={} (flags or the {} backend's defaults); queue bound "
+      "max_queue_rows={} max_queue_work_ms={} max_queue_bytes={}",
       batcher_options.max_batch_rows, batcher_options.max_queue_delay_micros,
       batcher_options.num_batch_threads, batcher_options.idle_spin_micros,
-      description.name);
+      description.name, batcher_options.max_queue_rows,
+      batcher_options.max_queue_work_micros / 1000,
+      batcher_options.max_queue_bytes);
   batcher_ = *std::move(batcher);
   return absl::OkStatus();
 }
@@ -494,7 +497,6 @@ void Server::BuildLogProbService() {
     metrics->CountHiddenBytes(path, bytes);
   };
   service_options.max_receive_message_bytes = options_.max_message_bytes;
-  service_options.max_queue_rows = options_.batcher.max_queue_rows;
   if (shared_memory_service_ != nullptr && shared_memory_service_->enabled()) {
     service_options.shared_memory = shared_memory_.get();
   }
@@ -706,6 +708,7 @@ std::string Server::RenderMetrics() const {
   snapshot.rows_cancelled = stats.rows_cancelled;
   snapshot.rows_rejected = stats.rows_rejected;
   snapshot.queue_rows = stats.rows_queued;
+  snapshot.queue_capacity_rows = batcher_->queue_capacity_rows();
   snapshot.device_memory_used_bytes = backend_->DeviceMemoryUsedBytes();
   for (const detlogp::v1::ModelInfo& info : models_->DescribeAll()) {
     MetricsSnapshot::Model model;

@@ -83,7 +83,7 @@ class Server {
     // max_batch_rows, max_queue_delay_micros and idle_spin_micros -1 and
     // num_batch_threads 0 mean the backend's preference
     // (min_rows_to_overlap -1: max_batch_rows / 4).
-    DynamicBatcher::Options batcher{-1, -1, 1 << 16, 0, -1, -1};
+    DynamicBatcher::Options batcher{-1, -1, 1 << 20, 0, -1, -1};
     // How long Shutdown waits for accepted calls before cancelling them.
     absl::Duration shutdown_grace = absl::Seconds(30);
     // Prometheus endpoint on `host`: -1 off, 0 a free port, else that port.

@@ -328,6 +328,96 @@ TEST(DynamicBatcherTest, RetryDelayFollowsTheDrainRate) {
   ASSERT_TRUE(queued.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
 }
 
+// Options of the bound tests: batches of 4 rows, no queue delay, one thread,
+// a row bound far away.
+DynamicBatcher::Options BoundOptions() {
+  DynamicBatcher::Options options{4, 0, 1000, 1};
+  options.max_queue_work_micros = 500'000;
+  return options;
+}
+
+TEST(DynamicBatcherTest, QueueHoldsItsWorkInTimeAtTheDrainRate) {
+  ManualClock clock;
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Milliseconds(100));  // 4 rows per 100 ms: 40/s
+  auto batcher = MakeBatcher(&backend, BoundOptions(), &clock);
+  auto release = ReleaseOnExit(backend);
+  // No full batch yet: the row bound alone.
+  EXPECT_EQ(batcher->queue_capacity_rows(), 1000);
+  TrackedJob small = MakeJob(1);
+  ASSERT_TRUE(batcher->Schedule(small.job).ok());
+  ASSERT_TRUE(small.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  // A batch of 1 row of 4 says nothing of the rate under load.
+  EXPECT_EQ(batcher->queue_capacity_rows(), 1000);
+  TrackedJob first = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(first.job).ok());
+  ASSERT_TRUE(first.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  // 500 ms of work at 40 rows/s.
+  EXPECT_EQ(batcher->queue_capacity_rows(), 20);
+  backend.HoldBatches();
+  TrackedJob running = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  ASSERT_TRUE(backend.WaitForBatchesStarted(3));  // its rows left the queue
+  TrackedJob queued = MakeJob(20);
+  ASSERT_TRUE(batcher->Schedule(queued.job).ok());
+  const absl::Status refused = batcher->Schedule(MakeJob(1).job);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("--max_queue_work_ms=500 at 40 rows/s"),
+            std::string::npos)
+      << refused.message();
+  const detlogp::v1::ErrorDetails details = detlogp::v1::DetailsOf(refused);
+  EXPECT_EQ(details.reason, detlogp::v1::kReasonQueueFull);
+  EXPECT_EQ(details.metadata.at("limit"), "20");
+  ASSERT_TRUE(details.retry_delay.has_value());
+  EXPECT_EQ(*details.retry_delay, absl::Milliseconds(25));  // 1 row at 40/s
+  backend.ReleaseBatches();
+  ASSERT_TRUE(queued.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+}
+
+TEST(DynamicBatcherTest, QueueBoundInTimeNeverBelowTwoFullBatches) {
+  ManualClock clock;
+  FakeBackend backend(kH);
+  backend.set_delay(absl::Seconds(2));  // 2 rows/s: 1 row of work in 500 ms
+  auto batcher = MakeBatcher(&backend, BoundOptions(), &clock);
+  auto release = ReleaseOnExit(backend);
+  TrackedJob first = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(first.job).ok());
+  ASSERT_TRUE(first.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(batcher->queue_capacity_rows(), 8);
+}
+
+TEST(DynamicBatcherTest, QueueBoundsTheBytesItHoldsNotTheCallersRegions) {
+  FakeBackend backend(kH);
+  DynamicBatcher::Options options = BoundOptions();
+  options.max_queue_bytes = 6 * kH * 2;  // six rows in messages
+  auto batcher = MakeBatcher(&backend, options);
+  auto release = ReleaseOnExit(backend);
+  backend.HoldBatches();
+  TrackedJob running = MakeJob(4);
+  ASSERT_TRUE(batcher->Schedule(running.job).ok());
+  ASSERT_TRUE(backend.WaitForBatchesStarted(1));
+  TrackedJob queued = MakeJob(6);
+  ASSERT_TRUE(batcher->Schedule(queued.job).ok());
+  EXPECT_EQ(batcher->stats().bytes_queued, 6 * kH * 2);
+  const absl::Status refused = batcher->Schedule(MakeJob(1).job);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.message().find("--max_queue_bytes="), std::string::npos)
+      << refused.message();
+  ASSERT_TRUE(detlogp::v1::DetailsOf(refused).retry_delay.has_value());
+  // Rows in a caller's region hold none of the server's memory.
+  std::vector<char> region(8 * kH * 2);
+  TrackedJob shared = MakeJobAt(region.data(), 8, 0.0f, SystemRegion("caller"));
+  EXPECT_TRUE(batcher->Schedule(shared.job).ok());
+  // A request larger than the bound alone: waiting cannot help.
+  const absl::Status never = batcher->Schedule(MakeJob(7).job);
+  EXPECT_EQ(never.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(detlogp::v1::DetailsOf(never).retry_delay.has_value());
+  backend.ReleaseBatches();
+  ASSERT_TRUE(queued.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(shared.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(batcher->stats().bytes_queued, 0);
+}
+
 TEST(DynamicBatcherTest, InternalJobsPassAFullQueue) {
   FakeBackend backend(kH);
   auto batcher = MakeBatcher(&backend, {4, 0, 8, 1});

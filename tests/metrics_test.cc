@@ -51,6 +51,7 @@ const std::map<std::string, std::string>& ExpectedTypes() {
       {"detlogp_gather_seconds", "histogram"},
       {"detlogp_compute_seconds", "histogram"},
       {"detlogp_queue_rows", "gauge"},
+      {"detlogp_queue_capacity_rows", "gauge"},
       {"detlogp_device_memory_used_bytes", "gauge"},
       {"detlogp_model_rows_total", "counter"},
       {"detlogp_model_latest_version", "gauge"},
@@ -163,6 +164,7 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
   snapshot.rows_cancelled = 8;
   snapshot.rows_rejected = 64;
   snapshot.queue_rows = 5;
+  snapshot.queue_capacity_rows = 262144;
   snapshot.device_memory_used_bytes = 81234567890;
   snapshot.model_memory_bytes = 1240000000;
   snapshot.models.push_back({"policy", 7, 2});
@@ -204,6 +206,7 @@ TEST(ServerMetricsTest, NamesTypesLabelsAndBucketsAreThoseDashboardsRead) {
       {"detlogp_gather_seconds_count", 3},
       {"detlogp_compute_seconds_count", 3},
       {"detlogp_queue_rows", 5},
+      {"detlogp_queue_capacity_rows", 262144},
       {"detlogp_device_memory_used_bytes", 81234567890},
       {"detlogp_model_rows_total{model=\"policy\"}", 20},
       {"detlogp_model_rows_total{model=\"reference\"}", 1000000},

@@ -28,6 +28,12 @@ absl::StatusOr<std::unique_ptr<DynamicBatcher>> DynamicBatcher::Create(
   if (options.num_batch_threads <= 0) {
     return absl::InvalidArgumentError("num_batch_threads must be positive");
   }
+  if (options.max_queue_work_micros < 0) {
+    return absl::InvalidArgumentError("max_queue_work_micros must be >= 0");
+  }
+  if (options.max_queue_bytes <= 0) {
+    return absl::InvalidArgumentError("max_queue_bytes must be positive");
+  }
   if (backend == nullptr) return absl::InvalidArgumentError("no backend");
   std::vector<std::unique_ptr<LogpExecutor>> executors;
   for (int i = 0; i < options.num_batch_threads; ++i) {
@@ -62,14 +68,35 @@ absl::Status DynamicBatcher::ScheduleInternal(std::shared_ptr<LogpJob> job) {
 absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
                                      bool bounded) {
   const int64_t rows = job->rows();
+  const int64_t bytes = HeldBytes(*job, rows);
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) {
       return absl::UnavailableError("server is shutting down");
     }
-    if (bounded && queued_rows_ + rows > options_.max_queue_rows) {
-      rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
-      return QueueFullErrorLocked(rows);
+    if (bounded) {
+      const int64_t capacity = CapacityRowsLocked();
+      if (queued_rows_ + rows > capacity) {
+        rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
+        return QueueFullErrorLocked(
+            rows, capacity, queued_rows_ + rows - capacity, rows > capacity,
+            capacity < options_.max_queue_rows
+                ? absl::StrCat("--max_queue_work_ms=",
+                               options_.max_queue_work_micros / 1000, " at ",
+                               static_cast<int64_t>(drain_rows_per_second_),
+                               " rows/s")
+                : absl::StrCat("--max_queue_rows=", options_.max_queue_rows));
+      }
+      if (queued_bytes_ + bytes > options_.max_queue_bytes) {
+        rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
+        const int64_t row_bytes = std::max<int64_t>(bytes / rows, 1);
+        return QueueFullErrorLocked(
+            rows, capacity,
+            (queued_bytes_ + bytes - options_.max_queue_bytes + row_bytes - 1) /
+                row_bytes,
+            bytes > options_.max_queue_bytes,
+            absl::StrCat("--max_queue_bytes=", options_.max_queue_bytes));
+      }
     }
     if (rows > 0) {
       auto it = std::find_if(
@@ -80,6 +107,7 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
       }
       it->jobs.push_back(QueuedJob{job, 0, clock_->Now()});
       queued_rows_ += rows;
+      queued_bytes_ += bytes;
       NotifyStateChangedLocked();
       return absl::OkStatus();
     }
@@ -88,21 +116,53 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
   return absl::OkStatus();
 }
 
-absl::Status DynamicBatcher::QueueFullErrorLocked(int64_t rows) const {
-  absl::Status status = absl::ResourceExhaustedError(
-      absl::StrCat("queue full: ", queued_rows_, " rows waiting + ", rows,
-                   " requested > --max_queue_rows=", options_.max_queue_rows));
+int64_t DynamicBatcher::queue_capacity_rows() const {
+  absl::MutexLock lock(&mu_);
+  return CapacityRowsLocked();
+}
+
+int64_t DynamicBatcher::CapacityRowsLocked() const {
+  if (options_.max_queue_work_micros <= 0 || drain_rows_per_second_ <= 0) {
+    return options_.max_queue_rows;
+  }
+  const double work_rows = drain_rows_per_second_ *
+                           static_cast<double>(options_.max_queue_work_micros) *
+                           1e-6;
+  const int64_t floor =
+      2 * options_.max_batch_rows * int64_t{options_.num_batch_threads};
+  const int64_t by_time =
+      std::max(floor, static_cast<int64_t>(std::min(work_rows, 9.0e18)));
+  return std::min(options_.max_queue_rows, by_time);
+}
+
+int64_t DynamicBatcher::HeldBytes(const LogpJob& job, int64_t rows) {
+  const HiddenLocation& location = job.hidden_location();
+  const bool in_shared_memory =
+      location.kind != HiddenLocation::Kind::kHost || !location.region.empty();
+  return in_shared_memory ? 0 : rows * job.hidden_size() * 2;
+}
+
+void DynamicBatcher::DequeueRowsLocked(const LogpJob& job, int64_t rows) {
+  queued_rows_ -= rows;
+  queued_bytes_ -= HeldBytes(job, rows);
+}
+
+absl::Status DynamicBatcher::QueueFullErrorLocked(
+    int64_t rows, int64_t capacity, int64_t excess_rows, bool never,
+    absl::string_view bound) const {
+  absl::Status status = absl::ResourceExhaustedError(absl::StrCat(
+      "queue full: ", queued_rows_, " rows waiting + ", rows,
+      " requested > the queue's bound of ", capacity, " rows (", bound, ")"));
   const std::map<std::string, std::string> metadata = {
-      {"limit", absl::StrCat(options_.max_queue_rows)},
+      {"limit", absl::StrCat(capacity)},
       {"queued", absl::StrCat(queued_rows_)},
       {"requested", absl::StrCat(rows)}};
   // Rows that could never fit get no retry delay: waiting cannot help.
-  if (rows > options_.max_queue_rows) {
+  if (never) {
     return v1::WithReason(std::move(status), v1::kReasonQueueFull, metadata);
   }
-  return v1::WithReason(
-      std::move(status), v1::kReasonQueueFull, metadata,
-      RetryDelayLocked(queued_rows_ + rows - options_.max_queue_rows));
+  return v1::WithReason(std::move(status), v1::kReasonQueueFull, metadata,
+                        RetryDelayLocked(excess_rows));
 }
 
 absl::Duration DynamicBatcher::RetryDelayLocked(int64_t excess_rows) const {
@@ -119,7 +179,7 @@ absl::Duration DynamicBatcher::RetryDelayLocked(int64_t excess_rows) const {
 void DynamicBatcher::NoteDrainRateLocked(int64_t rows, absl::Duration busy,
                                          int batches_running) {
   const double seconds = absl::ToDoubleSeconds(busy);
-  if (rows <= 0 || seconds <= 0) return;
+  if (rows <= 0 || seconds <= 0 || 2 * rows < options_.max_batch_rows) return;
   // Batches running side by side drain the queue together.
   const double rate =
       static_cast<double>(rows) / seconds * std::max(batches_running, 1);
@@ -149,6 +209,7 @@ DynamicBatcher::Stats DynamicBatcher::stats() const {
   stats.rows_rejected = rows_rejected_.load();
   absl::MutexLock lock(&mu_);
   stats.rows_queued = queued_rows_;
+  stats.bytes_queued = queued_bytes_;
   return stats;
 }
 
@@ -232,7 +293,7 @@ void DynamicBatcher::DropDeadJobsLocked(
           cancelled ? absl::CancelledError("call cancelled before compute")
                     : absl::DeadlineExceededError(
                           "deadline passed while queued; rows not computed"));
-      queued_rows_ -= remaining;
+      DequeueRowsLocked(job, remaining);
       it = queue.jobs.erase(it);
     }
   }
@@ -276,7 +337,7 @@ std::vector<DynamicBatcher::Slice> DynamicBatcher::NextBatch() {
               std::min(room, front.job->rows() - front.next_row);
           batch.push_back(Slice{front.job, front.next_row, take, front.queued});
           front.next_row += take;
-          queued_rows_ -= take;
+          DequeueRowsLocked(*front.job, take);
           room -= take;
           if (front.next_row == front.job->rows()) jobs.pop_front();
         }

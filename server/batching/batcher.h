@@ -3,9 +3,12 @@
 //
 // Parameters (Options): a batch holds at most `max_batch_rows` rows; the
 // first row queued waits at most `max_queue_delay_micros` for company before
-// its batch runs anyway; at most `max_queue_rows` rows wait at once (more is
-// RESOURCE_EXHAUSTED with reason QUEUE_FULL and a retry delay estimated from
-// the queue and its drain rate); up to `num_batch_threads`
+// its batch runs anyway; the queue holds at most `max_queue_work_micros` of
+// work at the rate full batches drain it (measured), never more than
+// `max_queue_rows` rows nor `max_queue_bytes` of rows held in the server's
+// memory (more is RESOURCE_EXHAUSTED with reason QUEUE_FULL and a retry
+// delay estimated from the queue and its drain rate); up to
+// `num_batch_threads`
 // batches run at once, each on its own executor (a second one only once
 // `min_rows_to_overlap` rows wait).
 //
@@ -68,7 +71,9 @@ class DynamicBatcher {
   struct Options {
     int64_t max_batch_rows = 256;
     int64_t max_queue_delay_micros = 500;
-    int64_t max_queue_rows = 1 << 16;
+    // Rows waiting at most; also the bound while no full batch has run yet
+    // (the drain rate is unknown).
+    int64_t max_queue_rows = 1 << 20;
     int num_batch_threads = 1;
     // While a batch runs, another starts only once this many rows wait (-1:
     // max_batch_rows / 4). Under light load this keeps one batch in flight,
@@ -80,6 +85,14 @@ class DynamicBatcher {
     // microseconds, a real share of a sub-millisecond GPU batch; 0 never
     // polls (right for CPU backends, whose batch threads share the cores).
     int64_t idle_spin_micros = 0;
+    // The queue's bound in time: rows waiting at most, as work at the rate
+    // full batches drain them. A fast model (a GPU at H=4096) queues a
+    // whole fleet's burst, a slow one (a CPU) no more than this much
+    // latency. Never below two full batches per batch thread. 0: rows only.
+    int64_t max_queue_work_micros = 1'000'000;
+    // bf16 bytes of waiting rows held in the server's memory (rows that
+    // came in the messages; rows in shared memory are the caller's).
+    int64_t max_queue_bytes = int64_t{2} << 30;
     // Called after every batch on its batch thread; may be empty.
     std::function<void(const BatchRecord&)> on_batch;
     // The time the batcher reads and waits on; not owned, must outlive the
@@ -96,6 +109,7 @@ class DynamicBatcher {
     int64_t rows_cancelled = 0;  // dropped before compute: call cancelled
     int64_t rows_rejected = 0;   // refused by Schedule: queue full
     int64_t rows_queued = 0;     // waiting now
+    int64_t bytes_queued = 0;    // of those, bf16 bytes in server memory
   };
 
   // Validates options and creates one executor per batch thread.
@@ -120,6 +134,10 @@ class DynamicBatcher {
 
   Stats stats() const;
   const Options& options() const { return options_; }
+  // The rows the queue holds at most now (ModelInfo.max_queue_rows): the
+  // row bound, lowered to max_queue_work_micros of work once the rate of
+  // full batches is known.
+  int64_t queue_capacity_rows() const;
 
   // ---- Implementation details; API users need not read further. ----
  private:
@@ -141,13 +159,26 @@ class DynamicBatcher {
   };
 
   absl::Status Enqueue(std::shared_ptr<LogpJob> job, bool bounded);
+  int64_t CapacityRowsLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // bf16 bytes of `rows` rows of `job` held in the server's memory while
+  // they wait (0 for rows in shared memory).
+  static int64_t HeldBytes(const LogpJob& job, int64_t rows);
+  // Rows of `job` leave the queue (taken into a batch or dropped).
+  void DequeueRowsLocked(const LogpJob& job, int64_t rows)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED with reason QUEUE_FULL and, when waiting can help,
   // a retry delay: how long the queue takes to drain room for `rows`.
-  absl::Status QueueFullErrorLocked(int64_t rows) const
+  // `excess_rows`: rows over the bound that binds; `never`: the request
+  // alone passes it.
+  absl::Status QueueFullErrorLocked(int64_t rows, int64_t capacity,
+                                    int64_t excess_rows, bool never,
+                                    absl::string_view bound) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Duration RetryDelayLocked(int64_t excess_rows) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Folds a finished batch into the drain rate (rows per second).
+  // Folds a finished batch into the drain rate (rows per second); only
+  // batches of at least half max_batch_rows count: a small batch's rate
+  // says little about what the queue drains under load.
   void NoteDrainRateLocked(int64_t rows, absl::Duration busy,
                            int batches_running)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -196,11 +227,13 @@ class DynamicBatcher {
   // Non-empty queues only; a handful (one per model version in use).
   std::vector<ModelQueue> queues_ ABSL_GUARDED_BY(mu_);
   int64_t queued_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t queued_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // HeldBytes of them
   int batches_in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool thread_polling_ ABSL_GUARDED_BY(mu_) = false;
-  // Rows per second the batch threads drain (a moving average; 0 before
-  // the first batch), for the retry delay of a refused call.
+  // Rows per second the batch threads drain (a moving average of full
+  // batches; 0 before the first), for the queue's bound in time and the
+  // retry delay of a refused call.
   double drain_rows_per_second_ ABSL_GUARDED_BY(mu_) = 0;
   // Bumped under mu_ on every change a polling thread waits for; read
   // without it.

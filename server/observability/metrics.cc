@@ -304,6 +304,10 @@ std::vector<MetricFamily> ServerMetrics::Collect(
   families.push_back(OneSampleFamily(
       "detlogp_queue_rows", "Rows waiting in the queue now.", MetricType::Gauge,
       static_cast<double>(snapshot.queue_rows)));
+  families.push_back(OneSampleFamily(
+      "detlogp_queue_capacity_rows",
+      "Rows the queue holds at most now (ModelInfo.max_queue_rows).",
+      MetricType::Gauge, static_cast<double>(snapshot.queue_capacity_rows)));
   families.push_back(
       OneSampleFamily("detlogp_device_memory_used_bytes",
                       "GPU memory in use (0 on the CPU).", MetricType::Gauge,

@@ -13,6 +13,7 @@
 //   wait detlogp_gather_seconds                   histogram: staging a batch's
 //   rows detlogp_compute_seconds                  histogram: backend time per
 //   batch detlogp_queue_rows                       gauge: rows waiting now
+//   detlogp_queue_capacity_rows              gauge: rows the queue holds now
 //   detlogp_device_memory_used_bytes         gauge: GPU memory in use (0 on
 //   CPU) detlogp_model_rows_total{model}          rows answered, by model
 //   detlogp_model_latest_version{model}      gauge: newest ready version
@@ -80,6 +81,7 @@ struct MetricsSnapshot {
   int64_t rows_cancelled = 0;
   int64_t rows_rejected = 0;
   int64_t queue_rows = 0;
+  int64_t queue_capacity_rows = 0;
   int64_t device_memory_used_bytes = 0;
   struct Model {
     std::string name;

@@ -497,7 +497,7 @@ grpc::ServerUnaryReactor* LogProbServiceImpl::GetModelInfo(
     *response = *std::move(info);
     response->set_max_request_rows(options_.max_request_rows);
     response->set_max_receive_message_bytes(options_.max_receive_message_bytes);
-    response->set_max_queue_rows(options_.max_queue_rows);
+    response->set_max_queue_rows(batcher_->queue_capacity_rows());
   }
   reactor->Finish(Record("GetModelInfo", ToGrpcStatus(info.status())));
   return reactor;

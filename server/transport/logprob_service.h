@@ -54,8 +54,6 @@ class LogProbServiceImpl final
     SharedMemoryRegistry* shared_memory = nullptr;
     // Reported in ModelInfo so clients cut larger calls themselves.
     int64_t max_receive_message_bytes = 0;
-    // The batcher's queue bound, reported in ModelInfo.max_queue_rows.
-    int64_t max_queue_rows = 0;
     // Decides whether a peer string is on this host (tests replace it).
     std::function<bool(absl::string_view peer)> is_same_host;
   };

@@ -34,7 +34,7 @@ def fleet_server(server_binary, tmp_path_factory):
         padded_vocab=VOCAB,
         seed=11,
     )
-    # The server's own defaults otherwise: --max_queue_rows 65536.
+    # The server's own queue bound: 1 s of work at its drain rate.
     with LocalServer(server_binary, ["--device=cpu", *model.flags]) as server:
         yield server
 

@@ -3,7 +3,7 @@
 # bundles it into .device/bundle/ (git-ignored), and the same compressed into
 # .device/bundle.tar.gz, for tools/device/run_suite.sh there:
 #   bin/       the server, the CLI, the serving benchmarks, the kernels'
-#              benchmarks, every test tagged "gpu" and the tests that run
+#              benchmarks, every gtest tagged "gpu" and the tests that run
 #              against a GPU server (live_weights_test)
 #   lib/       the ops libraries (libdetlogp_ops.so, libdetlogp_ops_cuda.so),
 #              the C++ client's C ABI (libdetlogp_client.so), the kernels' bench library (liblogp_bench.so) and every shared
@@ -12,15 +12,19 @@
 #   python/    client/python (pip install python/client, or PYTHONPATH)
 #   scripts/   run_suite.sh, the benchmark scripts (tools/device/*.py) and
 #              the examples and load generator the suites run
+#   tests/device/  the device suites (pytest, a marker a suite)
+#   gpu_tests.txt  the gtest binaries tagged "gpu", one a line
+#   memcheck.json  {gtest binary: filter} of the memcheck tests
+#                  (tests/cuda/memcheck.bzl)
 # Usage: tools/device/bundle.sh [BAZEL FLAGS...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.device/bundle
 
-# Tests tagged gpu, found rather than listed: a new one travels without an
-# edit here.
+# gtests tagged gpu, found rather than listed: a new one travels without an
+# edit here (the memcheck tests, sh_test, wrap two of them).
 mapfile -t gpu_tests < <(bazel query --noshow_progress \
-  'attr(tags, "\bgpu\b", tests(//...))' 2>/dev/null)
+  'kind(cc_test, attr(tags, "\bgpu\b", tests(//...)))' 2>/dev/null)
 if [[ ${#gpu_tests[@]} -eq 0 ]]; then
   echo "bundle.sh: bazel query found no test tagged gpu" >&2
   exit 1
@@ -43,7 +47,7 @@ libraries=(
   //tools/device:liblogp_bench.so
 )
 echo "== bazel build: ${#binaries[@]} binaries, ${#libraries[@]} libraries" >&2
-bazel build "$@" "${binaries[@]}" "${libraries[@]}" >&2
+bazel build "$@" "${binaries[@]}" "${libraries[@]}" //tests/cuda:memcheck_json >&2
 
 # //a/b:c -> bazel-bin/a/b/c
 output_of() {
@@ -82,11 +86,19 @@ mkdir -p "$out/runfiles/detlogp/server" "$out/runfiles/detlogp/client"
 ln -s ../../../bin/detlogp_server "$out/runfiles/detlogp/server/detlogp_server"
 ln -s ../../../bin/detlogp_cli "$out/runfiles/detlogp/client/detlogp_cli"
 
-cp -r client/python "$out/python/client"
-find "$out/python" -name __pycache__ -prune -exec rm -rf {} +
+# The package's own files only (tracked or new, not ignored): no virtual
+# environments or build trees that happen to lie under client/python.
+git ls-files -co --exclude-standard client/python | while IFS= read -r f; do
+  mkdir -p "$out/python/client/$(dirname "${f#client/python/}")"
+  cp "$f" "$out/python/client/${f#client/python/}"
+done
 cp tools/device/run_suite.sh tools/device/*.py "$out/scripts/"
+mkdir -p "$out/tests"
+cp -r tests/device "$out/tests/device"
+find "$out/tests" -name __pycache__ -prune -exec rm -rf {} +
+cp -f bazel-bin/tests/cuda/memcheck.json "$out/memcheck.json"
 cp examples/grpo_twin_step.py tests/load/detlogp_load.py "$out/scripts/"
-# The suites' list of GPU tests.
+# The gtests the "tests" suite runs.
 for label in "${gpu_tests[@]}"; do echo "${label##*:}"; done > "$out/gpu_tests.txt"
 git rev-parse HEAD > "$out/COMMIT" 2>/dev/null || true
 

@@ -6,11 +6,16 @@ calls failed (the target: none).
 
     python3 tools/device/fleet_burst_bench.py --server bin/detlogp_server \
         [--workers 8,32] [--rows 16384,4096] [--rounds 3] \
-        [--shared_memory cuda,off] [--json_out out.json]
+        [--shared_memory cuda,off] [--server_flags "--max_queue_rows=65536"] \
+        [--json_out out.json]
 
 --workers and --rows pair up (8 workers x 16384 rows, 32 x 4096). The
-server runs with its default queue bound (--max_queue_rows 65536): the
-point is a burst larger than the queue. Needs torch with CUDA, the detlogp
+server runs with its default queue bound unless --server_flags says
+otherwise: the point is a burst larger than the queue. Each worker makes one
+call of its full size before the burst (a rollout worker's steady state:
+connections open, regions registered). Per burst it also reports each
+call's median and slowest seconds, and from the server's metrics the rows it
+refused for a full queue and the mean queue delay of its batches. Needs torch with CUDA, the detlogp
 package (client/python on PYTHONPATH) and the CUDA ops library for
 detlogp.torch ($DETLOGP_OPS_CUDA_LIBRARY).
 """
@@ -32,7 +37,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 def _worker(target, shared_memory, rows, hidden, vocab, rounds, seed, ready, go, results):
     """One worker: its rows made on the GPU, then `rounds` calls once `go`
-    is set; puts (seconds of each call, failures, path) on `results`."""
+    is set; puts (seed, seconds of each call, failures, paths, when the last
+    call was answered) on `results`."""
     import detlogp
     import torch
 
@@ -48,7 +54,7 @@ def _worker(target, shared_memory, rows, hidden, vocab, rounds, seed, ready, go,
     torch.cuda.synchronize()
     failures, seconds, paths = [], [], set()
     with detlogp.Client(target, timeout=600, shared_memory=shared_memory) as client:
-        client.logprobs(batches[0][0][:16], batches[0][1][:16])  # connected
+        client.logprobs(batches[0][0], batches[0][1])  # steady state
         ready.put(seed)
         go.wait()
         for values, targets in batches:
@@ -59,7 +65,8 @@ def _worker(target, shared_memory, rows, hidden, vocab, rounds, seed, ready, go,
             except detlogp.DetlogpError as error:
                 failures.append(f"{type(error).__name__}: {error}"[:300])
             seconds.append(time.perf_counter() - began)
-    results.put((seed, seconds, failures, sorted(paths)))
+        finished = time.monotonic()  # the clock every process shares
+    results.put((seed, seconds, failures, sorted(paths), finished))
 
 
 def kernel_rows_per_s(weight, rows, vocab, repeats=7):
@@ -95,15 +102,27 @@ def burst(args, target, mode, workers, rows, hidden, vocab):
         process.start()
     for _ in processes:
         ready.get(timeout=600)
-    began = time.perf_counter()
+    began = time.monotonic()
     go.set()
     answers = [results.get(timeout=1200) for _ in processes]
-    wall = time.perf_counter() - began
+    # From the go to the last call's answer (closing clients not counted).
+    wall = max(finished for *_, finished in answers) - began
     for process in processes:
         process.join(timeout=60)
-    failures = [f for _, _, fs, _ in answers for f in fs]
-    paths = sorted({p for _, _, _, ps in answers for p in ps})
-    return workers * rows * args.rounds / wall, failures, paths
+    failures = [f for _, _, fs, _, _ in answers for f in fs]
+    paths = sorted({p for _, _, _, ps, _ in answers for p in ps})
+    seconds = sorted(s for _, ss, _, _, _ in answers for s in ss)
+    return workers * rows * args.rounds / wall, failures, paths, seconds
+
+
+def _server_counts(server):
+    """(rows refused for a full queue, batches, seconds of queue delay)."""
+    samples = server.metrics() or {}
+    return (
+        samples.get('detlogp_rows_total{outcome="rejected"}', 0.0),
+        samples.get("detlogp_queue_delay_seconds_count", 0.0),
+        samples.get("detlogp_queue_delay_seconds_sum", 0.0),
+    )
 
 
 def main():
@@ -115,6 +134,7 @@ def main():
     parser.add_argument("--rows", default="16384,4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shared_memory", default="cuda,off")
+    parser.add_argument("--server_flags", default="", help="extra server flags, space separated")
     parser.add_argument("--json_out")
     args = parser.parse_args()
 
@@ -132,17 +152,21 @@ def main():
         "--device=cuda:0",
         f"--unix_socket={socket}",
         "--allow_shared_memory=true",
+        *args.server_flags.split(),
     ]
     lines = []
-    with LocalServer(args.server, flags, start_timeout=600):
+    with LocalServer(args.server, flags, metrics=True, start_timeout=600) as server:
         for workers, rows in zip(
             (int(w) for w in args.workers.split(",")), (int(r) for r in args.rows.split(","))
         ):
             kernel = kernel_rows_per_s(weight, rows, args.vocab)
             for mode in args.shared_memory.split(","):
-                rate, failures, paths = burst(
+                before = _server_counts(server)
+                rate, failures, paths, seconds = burst(
                     args, f"unix:{socket}", mode, workers, rows, args.hidden, args.vocab
                 )
+                after = _server_counts(server)
+                refused, batches, queued = (a - b for a, b in zip(after, before))
                 line = dict(
                     workers=workers,
                     rows=rows,
@@ -153,6 +177,11 @@ def main():
                     calls=workers * args.rounds,
                     failed=len(failures),
                     paths=paths,
+                    call_s_median=round(statistics.median(seconds), 4),
+                    call_s_max=round(seconds[-1], 4),
+                    rows_refused=int(refused),
+                    mean_queue_delay_ms=round(1e3 * queued / max(batches, 1), 2),
+                    server_flags=args.server_flags,
                     first_failures=failures[:2],
                 )
                 lines.append(line)

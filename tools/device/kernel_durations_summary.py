@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Median duration per kernel and grid from ncu's raw CSV page with
-gpu__time_duration.sum (`run_suite.sh kernels` with NCU=1).
+gpu__time_duration.sum (`DETLOGP_NCU=1 run_suite.sh kernels`).
 
   kernel_durations_summary.py DURATIONS.csv
 

@@ -210,7 +210,8 @@ def main():
         profile_kernels(lambda: ours(hidden, weight, targets, a), f"ours N={n}")
     for what, ok in verdicts:
         print(f"{'PASS' if ok else 'FAIL'} {what}")
+    return 0 if all(ok for _, ok in verdicts) else 1  # a FAIL line fails the run
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Summarises `run_suite.sh projection-stream`'s timed rounds for one call
+"""Summarises the projection-stream suite's timed rounds for one call
 count.
 
 Reads one file of GB/s figures per position of CHUNKS (one line per round,

@@ -7,7 +7,7 @@ Third-party code never enters the repository: copy its two sources from a
 clone of RL-Kernel into a folder of their own,
   for f in csrc/cuda/fused_linear_logp_sm90.cu csrc/utils/tma_utils.cuh; do
     mkdir -p "$DIR/$(dirname $f)"; git -C RL-Kernel show "HEAD:$f" > "$DIR/$f"; done
-and pass --rlkernel DIR (RLKERNEL=DIR for run_suite.sh kernels). Built on
+and pass --rlkernel DIR (DETLOGP_TUNING=1 DETLOGP_RLKERNEL=DIR for run_suite.sh kernels). Built on
 the GPU host with torch.utils.cpp_extension (nvcc, ninja), binding only
 its forward: (hidden [N, D] bf16, weight [V, D] bf16, target [N], bias [V]
 or None) -> [logp [N], lse [N]] in fp32, temperature 1.

@@ -1,5 +1,5 @@
 """Summarises ncu source-page profiles of the Hopper split kernel
-(`run_suite.sh kernels` with SASS_PROFILE=1): where the warp-stall samples fall.
+(`DETLOGP_SASS_PROFILE=1 run_suite.sh kernels`): where the warp-stall samples fall.
 
 Each instruction goes to one place: the K loop (executed once per k-block:
 its wgmma waits, its full-barrier waits, the wgmma issue, the rest) or the

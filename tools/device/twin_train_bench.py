@@ -229,7 +229,8 @@ def main():
         del hidden, targets, a
     for what, ok in verdicts:
         print(f"{'PASS' if ok else 'FAIL'} {what}")
+    return 0 if all(ok for _, ok in verdicts) else 1  # a FAIL line fails the run
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

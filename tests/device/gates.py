@@ -1,0 +1,26 @@
+"""Every performance and memory gate of the device suites, in one place.
+
+A gate compares a measured figure with its threshold; a failure names the
+figure, the threshold and the measured value.
+"""
+
+# Portable kernel served over gRPC (N=256 rows a request, 64 callers)
+# against the kernel alone at N=256, rows/s: the transport may cost 15%.
+PORTABLE_SERVED_OVER_KERNEL_MIN = 0.85
+
+# Cancellation-storm soak: the server's RSS is flat when, over the last
+# third of the storms, it grows by at most this fraction of its level at
+# the start of that third (RSS read after each storm).
+SOAK_LAST_THIRD_RSS_GROWTH_MAX = 0.03
+
+
+def at_least(figure, measured, threshold, unit=""):
+    assert measured >= threshold, (
+        f"{figure}: measured {measured:.4g}{unit}, below the threshold {threshold:.4g}{unit}"
+    )
+
+
+def at_most(figure, measured, threshold, unit=""):
+    assert measured <= threshold, (
+        f"{figure}: measured {measured:.4g}{unit}, above the threshold {threshold:.4g}{unit}"
+    )
