@@ -12,11 +12,12 @@ so every replica publishes the same number for the same push.
 
 Deltas (UPLOAD_ENCODING_XOR_ZSTD, docs/live_weights.md "Delta uploads"):
 `base_version=N` with `base_weights=` the weights of version N sends only
-the bits that changed; by default (base_version None, with zstandard installed) the pusher uses the
-version it pushed last for that model, whose weights it kept (a host copy;
-for CUDA bf16 tensors a copy on their GPU, where the XOR then runs).
-`base_version=0` sends the whole head. A replica without the base answers
-FailedPrecondition with reason BASE_MISSING and gets the whole head.
+the bits that changed; by default (base_version None, with zstandard
+installed) the pusher uses the version it pushed last for that model, whose
+weights it kept (a host copy; for CUDA bf16 tensors a copy on their GPU,
+where the XOR then runs). `base_version=0` sends the whole head and keeps
+no copy. A replica without the base answers FailedPrecondition with reason
+BASE_MISSING and gets the whole head.
 
 Two-phase publish (with more than one target, unless two_phase=False): the
 version is first staged on every target (received, digest checked, placed,
@@ -275,11 +276,15 @@ class Pusher:
         if failure is not None:
             raise failure
         result = combine_versions(name, outcomes)
-        self._pushed[name] = _Pushed(
-            result.version,
-            _owned_copy(head),
-            None if device_weight is None else device_weight.detach().clone(),
-        )
+        if base_version == 0:
+            # A whole head asked for: no copy is kept (nor the older one).
+            self._pushed.pop(name, None)
+        else:
+            self._pushed[name] = _Pushed(
+                result.version,
+                _owned_copy(head),
+                None if device_weight is None else device_weight.detach().clone(),
+            )
         return result
 
     def _delta(self, name, head, device_weight, base_version, base_weights):
