@@ -858,6 +858,12 @@ TEST(LiveWeightsTest, AdminCallsNeedAnAdminToken) {
     EXPECT_EQ(repo->UnloadModel("policy", 1).code(),
               absl::StatusCode::kUnauthenticated)
         << token;
+    EXPECT_EQ(repo->CommitVersion("policy", 2, "").status().code(),
+              absl::StatusCode::kUnauthenticated)
+        << token;
+    EXPECT_EQ(repo->AbortVersion("policy", 2).code(),
+              absl::StatusCode::kUnauthenticated)
+        << token;
   }
   const Rows rows = MakeRows(2, kH, kV, 3);
   // The scoring token scores; nothing changed.

@@ -3,10 +3,12 @@
 // time out, pushes under load, and a replica that pulls the current version
 // from a peer before it reports ready. Real server processes (CPU backend,
 // small lm_heads; docs/live_weights.md).
+#include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <random>
@@ -22,6 +24,7 @@
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
 #include "client/random_rows.h"
+#include "detlogp/v1/detlogp.grpc.pb.h"
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
 #include "proto/status_details.h"
@@ -435,6 +438,53 @@ TEST_F(TwoPhasePublishTest, ReplicaPullsTheCurrentVersionBeforeItIsReady) {
   auto alone = Start({"--pull_from=127.0.0.1:1"});
   ASSERT_TRUE(alone != nullptr);
   EXPECT_EQ(Latest(*alone), 1);
+}
+
+TEST_F(TwoPhasePublishTest, PullPresentsTheAdminTokenAndDownloadsNeedOne) {
+  const std::string tokens = dir_ + "/admin.txt";
+  {
+    std::ofstream out(tokens);
+    out << "# operators\nadmin-token\n";
+  }
+  auto a = Start({"--admin_tokens_file=" + tokens});
+  ASSERT_TRUE(a != nullptr);
+  LogpClient::Options connection;
+  connection.target = a->target();
+  ModelRepositoryClient::Options admin;
+  admin.admin_token = "admin-token";
+  auto repo = *ModelRepositoryClient::Create(connection, admin);
+  const LmHeadUpload next = Step(base_, 2);
+  ASSERT_TRUE(repo->UploadModel(next).ok());
+
+  // Without the token, a download is refused.
+  auto stub = detlogp::v1::ModelRepositoryService::NewStub(
+      grpc::CreateChannel(a->target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  detlogp::v1::DownloadModelRequest request;
+  request.set_model("policy");
+  auto reader = stub->DownloadModel(&context, request);
+  detlogp::v1::UploadModelRequest message;
+  EXPECT_FALSE(reader->Read(&message));
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::UNAUTHENTICATED);
+
+  // A replica with the same tokens file presents its first token.
+  auto joined =
+      Start({"--admin_tokens_file=" + tokens, "--pull_from=" + a->target()});
+  ASSERT_TRUE(joined != nullptr);
+  auto listed = ModelRepositoryClient::Create(
+                    [&] {
+                      LogpClient::Options c;
+                      c.target = joined->target();
+                      return c;
+                    }(),
+                    admin)
+                    .value()
+                    ->ListModels();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->models_size(), 1);
+  EXPECT_EQ(listed->models(0).model_version(), 2);
+  EXPECT_EQ(listed->models(0).weights_sha256(),
+            client::LmHeadUploadDigest(next));
 }
 
 }  // namespace
