@@ -71,9 +71,10 @@ ABSL_FLAG(std::vector<std::string>, pull_from, {},
           "replica that starts or restarts joins the fleet at its version). "
           "The list may name this server. Unreachable peers are skipped.");
 ABSL_FLAG(std::string, peer_tls_ca, "",
-          "With --tls_cert: PEM roots that --pull_from peers' certificates "
-          "are checked against; empty: --tls_cert itself (one certificate "
-          "every replica shares, naming every peer's host).");
+          "With --tls_cert: PEM roots that peers' certificates (--pull_from, "
+          "the next server of a chain push) are checked against; empty: "
+          "--tls_cert itself (one certificate every replica shares, naming "
+          "every peer's host).");
 ABSL_FLAG(int, pull_timeout_s, 600, "Bound on the --pull_from download.");
 ABSL_FLAG(std::string, admin_tokens_file, "",
           "File of bearer tokens for ModelRepositoryService (load, upload, "

@@ -158,6 +158,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   // Each step builds on the ones before it. On an error the unique_ptr's
   // destructor shuts down whatever was started.
   if (absl::Status s = server->LoadAuthenticators(); !s.ok()) return s;
+  if (absl::Status s = server->MakePeerCredentials(); !s.ok()) return s;
   if (absl::Status s = server->CreateBackend(); !s.ok()) return s;
   if (absl::Status s = server->CreateBatcher(); !s.ok()) return s;
   if (absl::Status s = server->OpenModelStore(); !s.ok()) return s;
@@ -509,6 +510,7 @@ void Server::BuildRepositoryService() {
   repository_options.admin_authenticator = admin_authenticator_.get();
   repository_options.allow_without_admin_token = IsLoopbackHost(options_.host);
   repository_options.store = model_store_.get();
+  repository_options.peer_credentials = peer_credentials_;
   repository_options.on_call_done = CountCallsInto(metrics_.get());
   repository_options.on_upload_bytes =
       [metrics = metrics_.get()](absl::string_view from, int64_t bytes) {
@@ -636,21 +638,24 @@ absl::Status Server::StartMetricsEndpoint() {
   return absl::OkStatus();
 }
 
+absl::Status Server::MakePeerCredentials() {
+  if (options_.tls_cert_path.empty()) return absl::OkStatus();
+  const bool own = options_.peer_tls_ca_path.empty();
+  auto roots = ReadPem(own ? options_.tls_cert_path : options_.peer_tls_ca_path,
+                       own ? "--tls_cert" : "--peer_tls_ca");
+  if (!roots.ok()) return roots.status();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = *std::move(roots);
+  peer_credentials_ = grpc::SslCredentials(ssl);
+  return absl::OkStatus();
+}
+
 absl::Status Server::PullFromPeers() {
   if (options_.pull_from.empty()) return absl::OkStatus();
   PeerPullOptions pull;
   pull.peers = options_.pull_from;
   pull.download_timeout = options_.pull_timeout;
-  if (!options_.tls_cert_path.empty()) {
-    const bool own = options_.peer_tls_ca_path.empty();
-    auto roots =
-        ReadPem(own ? options_.tls_cert_path : options_.peer_tls_ca_path,
-                own ? "--tls_cert" : "--peer_tls_ca");
-    if (!roots.ok()) return roots.status();
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = *std::move(roots);
-    pull.credentials = grpc::SslCredentials(ssl);
-  }
+  pull.credentials = peer_credentials_;
   if (!options_.admin_tokens_path.empty()) {
     auto token = FirstTokenIn(options_.admin_tokens_path);
     if (!token.ok()) return token.status();

@@ -112,8 +112,9 @@ class Server {
     // before health reports SERVING (peer_pull.h); empty: no pull. Calls
     // carry the first token of admin_tokens_path.
     std::vector<std::string> pull_from;
-    // With TLS: PEM roots peers' certificates are checked against; empty:
-    // tls_cert_path itself (one certificate every replica shares).
+    // With TLS: PEM roots peers' certificates (pulls, chain pushes) are
+    // checked against; empty: tls_cert_path itself (one certificate every
+    // replica shares).
     std::string peer_tls_ca_path;
     // Bound on the pull's download.
     absl::Duration pull_timeout = absl::Minutes(10);
@@ -195,6 +196,8 @@ class Server {
   // The Prometheus endpoint, when --metrics_port >= 0.
   absl::Status StartMetricsEndpoint();
   // Health goes SERVING for the server and every service.
+  // With TLS: how this server reaches its peers (chain pushes, pulls).
+  absl::Status MakePeerCredentials();
   // Copies the newest versions from --pull_from before ReportServing.
   absl::Status PullFromPeers();
   void ReportServing();
@@ -204,6 +207,8 @@ class Server {
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<TokenAuthenticator> authenticator_;
   std::unique_ptr<TokenAuthenticator> admin_authenticator_;
+  // Null: plaintext to peers.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials_;
   std::unique_ptr<LogpBackend> backend_;
   // After the backend (its regions are pinned or opened through it), before
   // the batcher (whose requests hold regions until answered).

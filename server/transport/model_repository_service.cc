@@ -422,7 +422,9 @@ class ModelRepositoryServiceImpl::UploadCall final
   void Forward() {
     auto stub =
         detlogp::v1::ModelRepositoryService::NewStub(grpc::CreateChannel(
-            forward_target_, grpc::InsecureChannelCredentials()));
+            forward_target_, service_->options_.peer_credentials != nullptr
+                                 ? service_->options_.peer_credentials
+                                 : grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     // The pusher's deadline bounds the whole chain.
     context.set_deadline(deadline_);

@@ -14,6 +14,8 @@
 #include <functional>
 #include <memory>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "server/models/model_manager.h"
@@ -38,6 +40,9 @@ class ModelRepositoryServiceImpl final
     // Uploaded chunks waiting to be hashed and written, per upload, before
     // reading pauses (backpressure).
     int max_pending_upload_chunks = 8;
+    // How this server reaches the next server of a chain push; null:
+    // plaintext.
+    std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
     // DownloadModel's chunk size.
     int64_t download_chunk_bytes = int64_t{4} << 20;
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
