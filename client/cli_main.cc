@@ -183,6 +183,11 @@ ABSL_FLAG(std::string, fanout, "",
           "each chunk to the next as it arrives; those it does not reach get "
           "it directly) or direct (every server from here); empty: chain "
           "for more than two servers.");
+ABSL_FLAG(bool, two_phase, true,
+          "upload to several --servers: stage the version on every server, "
+          "then make it the default on all of them at once, or abort it on "
+          "all of them when any server failed to stage it (false: each "
+          "server publishes as its upload ends).");
 ABSL_FLAG(int64_t, base_version, 0,
           "upload: send only what changed against this version, which the "
           "servers hold (0: the whole head); needs --base_weights_file. A "
@@ -289,6 +294,7 @@ detlogp::client::ModelsCommandOptions ModelsOptions() {
   options.servers =
       absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipWhitespace());
   options.fanout = absl::GetFlag(FLAGS_fanout);
+  options.two_phase = absl::GetFlag(FLAGS_two_phase);
   options.base_version = absl::GetFlag(FLAGS_base_version);
   options.base_weights_file = absl::GetFlag(FLAGS_base_weights_file);
   return options;

@@ -1,5 +1,6 @@
 #include "client/cli_models.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
@@ -84,6 +85,7 @@ absl::Status RunUpload(const LogpClient::Options& connection,
   std::vector<std::string> servers = options.servers;
   if (servers.empty()) servers.push_back(connection.target);
   PushOptions push;
+  push.two_phase = options.two_phase;
   if (options.fanout == "chain" ||
       (options.fanout.empty() && servers.size() > 2)) {
     push.fanout = PushOptions::Fanout::kChain;
@@ -133,6 +135,20 @@ absl::Status RunUpload(const LogpClient::Options& connection,
       std::printf("target %s error %s\n", pushed.target.c_str(),
                   pushed.version.status().ToString().c_str());
     }
+  }
+  if (report.committed) {
+    // The skew window, as the servers' clocks saw it: from the first to the
+    // last target serving the new version.
+    int64_t first = 0, last = 0;
+    for (const PushedVersion& pushed : report.targets) {
+      if (!pushed.version.ok()) continue;
+      const int64_t at = pushed.version->ready_unix_micros();
+      first = first == 0 ? at : std::min(first, at);
+      last = std::max(last, at);
+    }
+    std::printf(
+        "committed on %zu targets; ready within %.3f ms of each other\n",
+        report.targets.size(), (last - first) / 1e3);
   }
   return report.status;
 }

@@ -37,6 +37,8 @@ struct ModelsCommandOptions {
   std::string base_weights_file;
   // upload: "chain", "direct", or empty (chain for more than two servers).
   std::string fanout;
+  // upload to several servers: two-phase publish (PushOptions::two_phase).
+  bool two_phase = true;
 };
 
 // Prints every model, its latest version and each version's status.

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/tensor_files.h"
 #include "formats/checkpoint.h"
@@ -246,6 +247,33 @@ absl::Status ModelRepositoryClient::UnloadModel(const std::string& model,
   return FromGrpcStatus(stub_->UnloadModel(&context, request, &response));
 }
 
+absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::CommitVersion(
+    const std::string& model, int64_t model_version,
+    const std::string& weights_sha256) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::CommitVersionRequest request;
+  request.set_model(model);
+  request.set_model_version(model_version);
+  request.set_weights_sha256(weights_sha256);
+  ModelVersionStatus response;
+  const grpc::Status status =
+      stub_->CommitVersion(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::Status ModelRepositoryClient::AbortVersion(const std::string& model,
+                                                 int64_t model_version) {
+  grpc::ClientContext context;
+  PrepareContext(&context);
+  detlogp::v1::AbortVersionRequest request;
+  request.set_model(model);
+  request.set_model_version(model_version);
+  detlogp::v1::AbortVersionResponse response;
+  return FromGrpcStatus(stub_->AbortVersion(&context, request, &response));
+}
+
 absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::UploadModel(
     const LmHeadUpload& upload, const UploadHooks& hooks) {
   UploadOptions options;
@@ -267,6 +295,7 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::Upload(
   if (absl::Status s = ValidateLmHeadUpload(upload); !s.ok()) return s;
   detlogp::v1::UploadModelHeader header = HeaderOf(upload);
   if (options.version != 0) header.set_model_version(options.version);
+  header.set_stage(options.stage);
   for (const std::string& next : options.forward_to) {
     header.add_forward_to(next);
   }
@@ -421,7 +450,7 @@ PushedVersion PushOne(const std::string& target,
                       const ModelRepositoryClient::Options& options,
                       const LmHeadUpload& upload, int64_t version,
                       const LmHeadDelta* delta,
-                      const std::vector<std::string>& forward_to) {
+                      const std::vector<std::string>& forward_to, bool stage) {
   PushedVersion out;
   out.target = target;
   auto client =
@@ -433,6 +462,7 @@ PushedVersion PushOne(const std::string& target,
   ModelRepositoryClient::UploadOptions upload_options;
   upload_options.version = version;
   upload_options.forward_to = forward_to;
+  upload_options.stage = stage;
   int64_t sent = 0;
   upload_options.hooks.after_chunk = [&sent](int64_t so_far, int64_t) {
     sent = so_far;
@@ -461,7 +491,8 @@ PushedVersion PushOne(const std::string& target,
 std::optional<ModelVersionStatus> HeldVersion(
     const std::string& target, const LogpClient::Options& connection,
     const ModelRepositoryClient::Options& options, const std::string& model,
-    int64_t version, const std::string& digest) {
+    int64_t version, const std::string& digest,
+    ModelVersionStatus::State state) {
   auto client =
       ModelRepositoryClient::Create(ConnectionTo(connection, target), options);
   if (!client.ok()) return std::nullopt;
@@ -471,12 +502,92 @@ std::optional<ModelVersionStatus> HeldVersion(
     if (info.model() != model) continue;
     for (const ModelVersionStatus& held : info.versions()) {
       if (held.version() == version && held.weights_sha256() == digest &&
-          held.state() == ModelVersionStatus::READY) {
+          held.state() == state) {
         return held;
       }
     }
   }
   return std::nullopt;
+}
+
+// Two-phase publish's end: every target staged the version -> commit on all
+// of them at once; else abort on all of them (and mark the staged ones
+// ABORTED in the report).
+void FinishTwoPhase(const std::vector<std::string>& targets,
+                    const LogpClient::Options& connection,
+                    const ModelRepositoryClient::Options& options,
+                    const std::string& model, int64_t version,
+                    PushReport* report) {
+  std::string failed;
+  std::string digest;
+  for (const PushedVersion& pushed : report->targets) {
+    if (!pushed.version.ok()) {
+      failed = pushed.target;
+    } else if (digest.empty()) {
+      digest = pushed.version->weights_sha256();
+    }
+  }
+  std::vector<std::unique_ptr<ModelRepositoryClient>> clients(targets.size());
+  for (size_t i = 0; i < targets.size(); ++i) {
+    auto client = ModelRepositoryClient::Create(
+        ConnectionTo(connection, targets[i]), options);
+    if (client.ok()) clients[i] = *std::move(client);
+  }
+  std::vector<std::thread> threads;
+  if (!failed.empty()) {
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (clients[i] == nullptr) continue;
+      threads.emplace_back([&, i] {
+        // Every target, staged or not: a chain may have staged it on a
+        // target whose answer was lost.
+        const absl::Status aborted = clients[i]->AbortVersion(model, version);
+        PushedVersion& pushed = report->targets[i];
+        if (pushed.version.ok()) {
+          pushed.version = absl::AbortedError(absl::StrCat(
+              "staged, then aborted (", failed, " failed to stage)",
+              aborted.ok() ? "" : "; the abort failed: ",
+              aborted.ok() ? "" : aborted.ToString()));
+        }
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    return;
+  }
+  // Each connection is made and used once before any commit goes, so the
+  // commits leave together and the skew window is one round trip wide.
+  struct Gate {
+    int warmed = 0;
+    int all = 0;
+    bool AllWarm() const { return warmed == all; }
+  };
+  absl::Mutex mu;
+  Gate gate{0, static_cast<int>(targets.size())};
+  bool go = false;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    threads.emplace_back([&, i] {
+      if (clients[i] != nullptr) (void)clients[i]->ListModels();
+      {
+        absl::MutexLock lock(&mu);
+        ++gate.warmed;
+        mu.Await(absl::Condition(&go));
+      }
+      PushedVersion& pushed = report->targets[i];
+      if (clients[i] == nullptr) {
+        pushed.version = absl::UnavailableError("no connection for the commit");
+        return;
+      }
+      pushed.commit_sent = absl::Now();
+      pushed.version = clients[i]->CommitVersion(model, version, digest);
+      pushed.commit_answered = absl::Now();
+    });
+  }
+  {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&gate, &Gate::AllWarm));
+    go = true;
+  }
+  for (std::thread& thread : threads) thread.join();
+  report->committed = true;
 }
 
 }  // namespace
@@ -500,7 +611,11 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
          HighestVersions(targets, connection, options, upload.model)) {
       if (highest.ok()) version = std::max(version, *highest + 1);
     }
+    if (version == 0) version = 1;  // no target answered; their uploads fail
   }
+  const bool two_phase = push.two_phase && targets.size() > 1;
+  const ModelVersionStatus::State uploaded_state =
+      two_phase ? ModelVersionStatus::STAGED : ModelVersionStatus::READY;
   report.targets.resize(targets.size());
   std::vector<bool> pending(targets.size(), true);
   if (push.fanout == PushOptions::Fanout::kChain && targets.size() > 1 &&
@@ -509,14 +624,14 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
     // arrives; then each target says whether it holds the version.
     const std::vector<std::string> rest(targets.begin() + 1, targets.end());
     report.targets[0] = PushOne(targets[0], connection, options, upload,
-                                version, push.delta, rest);
+                                version, push.delta, rest, two_phase);
     const std::string digest = push.delta != nullptr
                                    ? push.delta->weights_sha256
                                    : LmHeadUploadDigest(upload);
     pending[0] = false;
     for (size_t i = 1; i < targets.size(); ++i) {
       auto held = HeldVersion(targets[i], connection, options, upload.model,
-                              version, digest);
+                              version, digest, uploaded_state);
       if (held.has_value()) {
         report.targets[i].target = targets[i];
         report.targets[i].version = *std::move(held);
@@ -532,10 +647,14 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
     if (!pending[i]) continue;
     threads.emplace_back([&, i] {
       report.targets[i] = PushOne(targets[i], connection, options, upload,
-                                  version, push.delta, {});
+                                  version, push.delta, {}, two_phase);
     });
   }
   for (std::thread& thread : threads) thread.join();
+  if (two_phase) {
+    FinishTwoPhase(targets, connection, options, upload.model, version,
+                   &report);
+  }
 
   std::vector<std::string> failed;
   std::vector<std::string> keys;
@@ -556,7 +675,13 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
                                 " key ", pushed.version->determinism_key(),
                                 " weights ", pushed.version->weights_sha256()));
   }
-  if (!failed.empty()) {
+  if (!failed.empty() && two_phase && !report.committed) {
+    report.status = absl::AbortedError(
+        absl::StrCat("push aborted: ", failed.size(), " of ", targets.size(),
+                     " targets failed to stage version ", version,
+                     "; every target keeps the versions it had (",
+                     absl::StrJoin(failed, "; "), ")"));
+  } else if (!failed.empty()) {
     report.status = absl::Status(
         report.targets.size() == 1 ? report.targets[0].version.status().code()
                                    : absl::StatusCode::kAborted,

@@ -135,6 +135,14 @@ class ModelRepositoryClient {
   // picked it are answered and it is freed.
   absl::Status UnloadModel(const std::string& model, int64_t model_version);
 
+  // Two-phase publish: makes a staged version (UploadOptions.stage) the
+  // model's latest; `weights_sha256` (may be empty) must be its digest.
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> CommitVersion(
+      const std::string& model, int64_t model_version,
+      const std::string& weights_sha256);
+  // Drops a staged version (OK when it is not staged there).
+  absl::Status AbortVersion(const std::string& model, int64_t model_version);
+
   struct UploadHooks {
     // Called after each chunk is written with the payload bytes sent so far
     // and the total; returning false cancels the upload (CANCELLED).
@@ -163,6 +171,9 @@ class ModelRepositoryClient {
     const LmHeadDelta* delta = nullptr;
     // A chain push: the servers this one forwards the upload to, in order.
     std::vector<std::string> forward_to;
+    // Two-phase publish: the server holds the version STAGED (needs a
+    // version number) until CommitVersion.
+    bool stage = false;
     UploadHooks hooks;
   };
   // UploadModel and UploadDelta in one call.
@@ -196,6 +207,10 @@ struct PushedVersion {
   int64_t bytes_sent = 0;
   // Reached through the chain (from the previous server), not the pusher.
   bool via_chain = false;
+  // Two-phase: when the pusher sent the commit, and when the server
+  // answered it (absl::InfinitePast() without a commit).
+  absl::Time commit_sent = absl::InfinitePast();
+  absl::Time commit_answered = absl::InfinitePast();
 };
 
 struct PushOptions {
@@ -210,6 +225,13 @@ struct PushOptions {
   // there) get it directly.
   enum class Fanout { kDirect, kChain };
   Fanout fanout = Fanout::kDirect;
+  // With more than one target: stage the version on every target (uploads
+  // with header.stage), then commit it on all of them at once (one
+  // CommitVersion each, sent together once every target has answered a
+  // warm-up call), or, when any target failed to stage, abort it on all of
+  // them: no target changes what it serves. false: each target publishes
+  // as its upload finishes (a failed target leaves the fleet mixed).
+  bool two_phase = true;
 };
 
 struct PushReport {
@@ -217,8 +239,12 @@ struct PushReport {
   std::vector<PushedVersion> targets;
   // OK when every target took the upload and all report the same
   // determinism key (and digest); else names the failed targets, or
-  // FAILED_PRECONDITION listing the differing keys.
+  // FAILED_PRECONDITION listing the differing keys. A two-phase push that
+  // was aborted is ABORTED, and the targets that had staged it report
+  // ABORTED too.
   absl::Status status;
+  // Two-phase: whether the commit phase ran (false: aborted, or one phase).
+  bool committed = false;
 };
 
 // Uploads `upload` to every target concurrently (one connection each, with

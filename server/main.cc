@@ -61,6 +61,21 @@ ABSL_FLAG(int64_t, max_model_memory_bytes, 0,
           "Bound on the bytes all model versions hold (device bytes summed "
           "over GPUs on CUDA, host bytes on the CPU); uploads beyond it get "
           "RESOURCE_EXHAUSTED before any byte is taken. 0: no bound.");
+ABSL_FLAG(int, staged_version_timeout_s, 60,
+          "A staged version (an upload with header.stage, the first phase of "
+          "a fleet's two-phase publish) not committed within this many "
+          "seconds is dropped.");
+ABSL_FLAG(std::vector<std::string>, pull_from, {},
+          "Comma-separated peers (host:port) to copy the newest model "
+          "versions from at start-up, before health reports SERVING (a "
+          "replica that starts or restarts joins the fleet at its version). "
+          "The list may name this server. Unreachable peers are skipped.");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "With --tls_cert: PEM roots that peers' certificates (--pull_from, "
+          "the next server of a chain push) are checked against; empty: "
+          "--tls_cert itself (one certificate every replica shares, naming "
+          "every peer's host).");
+ABSL_FLAG(int, pull_timeout_s, 600, "Bound on the --pull_from download.");
 ABSL_FLAG(std::string, admin_tokens_file, "",
           "File of bearer tokens for ModelRepositoryService (load, upload, "
           "unload, list). Without it, admin calls are accepted only when "
@@ -474,6 +489,11 @@ int main(int argc, char** argv) {
   options.model_root = absl::GetFlag(FLAGS_model_root);
   options.max_versions_per_model = absl::GetFlag(FLAGS_max_versions_per_model);
   options.max_model_memory_bytes = absl::GetFlag(FLAGS_max_model_memory_bytes);
+  options.staged_version_timeout =
+      absl::Seconds(absl::GetFlag(FLAGS_staged_version_timeout_s));
+  options.pull_from = absl::GetFlag(FLAGS_pull_from);
+  options.peer_tls_ca_path = absl::GetFlag(FLAGS_peer_tls_ca);
+  options.pull_timeout = absl::Seconds(absl::GetFlag(FLAGS_pull_timeout_s));
   options.max_concurrent_streams_per_connection =
       absl::GetFlag(FLAGS_max_concurrent_streams);
   // Unset, the server decides from its listeners (Server::Options).

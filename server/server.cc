@@ -2,6 +2,7 @@
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
@@ -12,11 +13,14 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/notification.h"
 #include "kernels/lm_head.h"
 #include "kernels/split_policy.h"
 #include "digests/determinism_key.h"
 #include "server/transport/local_peer.h"
+#include "server/transport/peer_pull.h"
 #include "server/transport/unix_socket.h"
 #include "spdlog/spdlog.h"
 
@@ -31,6 +35,22 @@ constexpr char kRepositoryServiceName[] = "detlogp.v1.ModelRepositoryService";
 // Runs a few rows of a new version end to end through the batcher, so that
 // its first real call pays no start-up cost and a broken placement is found
 // before the version serves.
+// The first token of a tokens file (one per line; blank lines and '#'
+// comments skipped), which this server presents to its peers.
+absl::StatusOr<std::string> FirstTokenIn(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  }
+  std::string line;
+  while (std::getline(in, line)) {
+    absl::string_view token = absl::StripAsciiWhitespace(line);
+    if (!token.empty() && token[0] != '#') return std::string(token);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, " holds no token (needed for --pull_from)"));
+}
+
 absl::Status WarmUp(DynamicBatcher* batcher, const ServedVersion& version) {
   const int64_t rows = 2;
   std::vector<uint16_t> hidden(rows * version.hidden_size, 0x3f80);  // 1.0
@@ -138,6 +158,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   // Each step builds on the ones before it. On an error the unique_ptr's
   // destructor shuts down whatever was started.
   if (absl::Status s = server->LoadAuthenticators(); !s.ok()) return s;
+  if (absl::Status s = server->MakePeerCredentials(); !s.ok()) return s;
   if (absl::Status s = server->CreateBackend(); !s.ok()) return s;
   if (absl::Status s = server->CreateBatcher(); !s.ok()) return s;
   if (absl::Status s = server->OpenModelStore(); !s.ok()) return s;
@@ -157,6 +178,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
   }
   if (absl::Status s = server->StartListeners(*credentials); !s.ok()) return s;
   if (absl::Status s = server->StartMetricsEndpoint(); !s.ok()) return s;
+  if (absl::Status s = server->PullFromPeers(); !s.ok()) return s;
   server->ReportServing();
   return server;
 }
@@ -164,6 +186,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::BuildAndStart(
 absl::Status Server::ValidateOptions(const Options& options,
                                      const std::vector<StartupModel>& models) {
   if (models.empty()) return absl::InvalidArgumentError("no model to serve");
+  if (options.pull_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--pull_timeout_s must be > 0");
+  }
   if (options.max_top_k < 0 || options.max_top_k > kernels::kMaxTopK) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_top_k=", options.max_top_k, " is outside [0, ",
@@ -281,6 +306,7 @@ absl::Status Server::CreateModelManager(const std::string& default_model) {
   manager_options.default_model = default_model;
   manager_options.max_versions_per_model = options_.max_versions_per_model;
   manager_options.max_model_memory_bytes = options_.max_model_memory_bytes;
+  manager_options.staged_timeout = options_.staged_version_timeout;
   manager_options.store = model_store_.get();
   manager_options.key_inputs.backend = description.name;
   manager_options.key_inputs.instruction_set = description.instruction_set;
@@ -484,6 +510,7 @@ void Server::BuildRepositoryService() {
   repository_options.admin_authenticator = admin_authenticator_.get();
   repository_options.allow_without_admin_token = IsLoopbackHost(options_.host);
   repository_options.store = model_store_.get();
+  repository_options.peer_credentials = peer_credentials_;
   repository_options.on_call_done = CountCallsInto(metrics_.get());
   repository_options.on_upload_bytes =
       [metrics = metrics_.get()](absl::string_view from, int64_t bytes) {
@@ -608,6 +635,43 @@ absl::Status Server::StartMetricsEndpoint() {
   metrics_http_ = *std::move(http);
   spdlog::info("metrics on http://{}:{}/metrics", BracketedHost(options_.host),
                metrics_http_->port());
+  return absl::OkStatus();
+}
+
+absl::Status Server::MakePeerCredentials() {
+  if (options_.tls_cert_path.empty()) return absl::OkStatus();
+  const bool own = options_.peer_tls_ca_path.empty();
+  auto roots = ReadPem(own ? options_.tls_cert_path : options_.peer_tls_ca_path,
+                       own ? "--tls_cert" : "--peer_tls_ca");
+  if (!roots.ok()) return roots.status();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = *std::move(roots);
+  peer_credentials_ = grpc::SslCredentials(ssl);
+  return absl::OkStatus();
+}
+
+absl::Status Server::PullFromPeers() {
+  if (options_.pull_from.empty()) return absl::OkStatus();
+  PeerPullOptions pull;
+  pull.peers = options_.pull_from;
+  pull.download_timeout = options_.pull_timeout;
+  pull.credentials = peer_credentials_;
+  if (!options_.admin_tokens_path.empty()) {
+    auto token = FirstTokenIn(options_.admin_tokens_path);
+    if (!token.ok()) return token.status();
+    pull.admin_token = *std::move(token);
+  }
+  pull.on_bytes = [metrics = metrics_.get()](absl::string_view from,
+                                             int64_t bytes) {
+    metrics->CountModelBytesReceived(from, bytes);
+  };
+  const absl::Time start = absl::Now();
+  auto report = server::PullFromPeers(pull, models_.get(), model_store_.get());
+  if (!report.ok()) return report.status();
+  spdlog::info("pull on start: {} in {:.3f} s",
+               report->pulled.empty() ? "nothing newer on any peer"
+                                      : absl::StrJoin(report->pulled, ", "),
+               absl::ToDoubleSeconds(absl::Now() - start));
   return absl::OkStatus();
 }
 

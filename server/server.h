@@ -5,8 +5,9 @@
 //
 // Start-up: the backend is created (--device); every model is restored from
 // --model_root (its latest complete version) or loaded from its start-up
-// source, placed and warmed up through the batcher; only then does health
-// report SERVING. Shutdown: health
+// source, placed and warmed up through the batcher; with --pull_from, the
+// newest versions a peer serves are copied; only then does health report
+// SERVING. Shutdown: health
 // goes NOT_SERVING, new calls are refused, every accepted call is answered,
 // then the batcher's threads are joined.
 #ifndef DETLOGP_SERVER_SERVER_H_
@@ -104,6 +105,19 @@ class Server {
     std::string model_root;
     int max_versions_per_model = 2;
     int64_t max_model_memory_bytes = 0;  // 0: no bound
+    // A staged version (two-phase publish) not committed within this is
+    // dropped.
+    absl::Duration staged_version_timeout = absl::Seconds(60);
+    // Pull on start: peers ("host:port") asked for the current versions
+    // before health reports SERVING (peer_pull.h); empty: no pull. Calls
+    // carry the first token of admin_tokens_path.
+    std::vector<std::string> pull_from;
+    // With TLS: PEM roots peers' certificates (pulls, chain pushes) are
+    // checked against; empty: tls_cert_path itself (one certificate every
+    // replica shares).
+    std::string peer_tls_ca_path;
+    // Bound on the pull's download.
+    absl::Duration pull_timeout = absl::Minutes(10);
     // HTTP/2 streams one connection may have open at once.
     int max_concurrent_streams_per_connection = 256;
     // SharedMemoryService and Tensor.shared_memory for callers on this host
@@ -182,6 +196,10 @@ class Server {
   // The Prometheus endpoint, when --metrics_port >= 0.
   absl::Status StartMetricsEndpoint();
   // Health goes SERVING for the server and every service.
+  // With TLS: how this server reaches its peers (chain pushes, pulls).
+  absl::Status MakePeerCredentials();
+  // Copies the newest versions from --pull_from before ReportServing.
+  absl::Status PullFromPeers();
   void ReportServing();
 
   Options options_;
@@ -189,6 +207,8 @@ class Server {
   std::unique_ptr<ServerMetrics> metrics_;
   std::unique_ptr<TokenAuthenticator> authenticator_;
   std::unique_ptr<TokenAuthenticator> admin_authenticator_;
+  // Null: plaintext to peers.
+  std::shared_ptr<grpc::ChannelCredentials> peer_credentials_;
   std::unique_ptr<LogpBackend> backend_;
   // After the backend (its regions are pinned or opened through it), before
   // the batcher (whose requests hold regions until answered).

@@ -352,8 +352,9 @@ TEST_F(FleetUploadTest, ChainPushForwardsEachChunkAndRoutesAroundFailures) {
   }
   EXPECT_EQ(ScoredBits(*fleet[0], 2), ScoredBits(*fleet[3], 2));
 
-  // A delta down the chain; the second server is down: the pusher sends
-  // to the ones after it directly and names the one that failed.
+  // A delta down the chain; the second server is down. Two-phase (the
+  // default): the others stage it (directly, after the chain stopped), then
+  // the push is aborted on all of them and none changes what it serves.
   const LmHeadUpload third = Step(step_, 3);
   auto delta = client::EncodeLmHeadDelta(third, step_, 2);
   ASSERT_TRUE(delta.ok()) << delta.status();
@@ -366,6 +367,21 @@ TEST_F(FleetUploadTest, ChainPushForwardsEachChunkAndRoutesAroundFailures) {
   LmHeadUpload numbered = third;
   numbered.version = 3;
   report = client::PushToTargets(targets, connection, options, numbered, chain);
+  EXPECT_EQ(report.status.code(), absl::StatusCode::kAborted) << report.status;
+  EXPECT_TRUE(absl::StrContains(report.status.message(), targets[1]))
+      << report.status;
+  for (int i : {0, 2, 3}) {
+    EXPECT_EQ(report.targets[i].version.status().code(),
+              absl::StatusCode::kAborted)
+        << report.targets[i].version.status();
+    EXPECT_EQ(Latest(*fleet[i]), 2) << targets[i];
+  }
+  // Without two-phase: the pusher sends to the ones after the dead server
+  // directly, each publishes on its own, and the report names the one
+  // that failed.
+  chain.two_phase = false;
+  numbered.version = 4;
+  report = client::PushToTargets(targets, connection, options, numbered, chain);
   EXPECT_FALSE(report.status.ok());
   EXPECT_TRUE(absl::StrContains(report.status.message(), targets[1]))
       << report.status;
@@ -374,7 +390,7 @@ TEST_F(FleetUploadTest, ChainPushForwardsEachChunkAndRoutesAroundFailures) {
     const client::PushedVersion& pushed = report.targets[i];
     ASSERT_TRUE(pushed.version.ok())
         << pushed.target << pushed.version.status();
-    EXPECT_EQ(pushed.version->version(), 3);
+    EXPECT_EQ(pushed.version->version(), 4);
     EXPECT_EQ(pushed.version->weights_sha256(),
               client::LmHeadUploadDigest(third));
     EXPECT_FALSE(pushed.via_chain) << pushed.target;

@@ -858,6 +858,12 @@ TEST(LiveWeightsTest, AdminCallsNeedAnAdminToken) {
     EXPECT_EQ(repo->UnloadModel("policy", 1).code(),
               absl::StatusCode::kUnauthenticated)
         << token;
+    EXPECT_EQ(repo->CommitVersion("policy", 2, "").status().code(),
+              absl::StatusCode::kUnauthenticated)
+        << token;
+    EXPECT_EQ(repo->AbortVersion("policy", 2).code(),
+              absl::StatusCode::kUnauthenticated)
+        << token;
   }
   const Rows rows = MakeRows(2, kH, kV, 3);
   // The scoring token scores; nothing changed.
@@ -1306,7 +1312,8 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   }
   EXPECT_EQ(Scorer(*a)->GetModelInfo("policy")->model_version(), 10);
 
-  // A replica that is down fails the push, naming it; the other one took it.
+  // A replica that is down fails the push, naming it; the push is aborted
+  // (two-phase), so the other one still serves what it served.
   const std::string down = b->target();
   EXPECT_EQ(b->Stop(SIGTERM), 0);
   LogpClient::Options connection;
@@ -1318,8 +1325,11 @@ TEST(LiveWeightsTest, PushToTargetsUploadsToEveryReplica) {
   EXPECT_FALSE(report.status.ok());
   EXPECT_TRUE(absl::StrContains(report.status.message(), down))
       << report.status;
-  EXPECT_TRUE(report.targets[0].version.ok());
+  EXPECT_EQ(report.status.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(report.targets[0].version.status().code(),
+            absl::StatusCode::kAborted);
   EXPECT_FALSE(report.targets[1].version.ok());
+  EXPECT_EQ(Scorer(*a)->GetModelInfo("policy")->model_version(), 10);
 }
 
 // detlogp_cli with stderr too (its errors are on stderr).

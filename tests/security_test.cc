@@ -10,7 +10,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/logp_client.h"
+#include "client/model_repository_client.h"
 #include "client/random_rows.h"
+#include "kernels/bfloat16.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "tests/server_process.h"
 
@@ -105,6 +107,54 @@ TEST(SecurityTest, TlsServesVerifiedClientsAndRefusesPlaintext) {
   EXPECT_FALSE(Client(**server, wrong_roots)->Score(SmallRequest()).ok());
   EXPECT_NE((*server)->Log().find("TLS"), std::string::npos);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+// Replicas with TLS reach each other over TLS: a chain push's forward and
+// a pull on start, their certificates checked against --peer_tls_ca.
+TEST(SecurityTest, ChainPushesAndPullsBetweenTlsReplicasUseTls) {
+  const Certificates& certs = Certificates::Get();
+  ASSERT_TRUE(certs.ok());
+  const std::vector<std::string> tls = {
+      "--device=cpu",
+      "--synthetic_hidden_size=128",
+      "--synthetic_vocab_size=2000",
+      "--tls_cert=" + certs.path("server.pem"),
+      "--tls_key=" + certs.path("server.key"),
+      "--peer_tls_ca=" + certs.path("ca.pem")};
+  auto a = ServerProcess::Start(tls, 60);
+  auto b = ServerProcess::Start(tls, 60);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const auto at = [](const ServerProcess& server) {
+    return "localhost:" + std::to_string(server.port());
+  };
+  client::LmHeadUpload upload;
+  upload.model = "default";
+  upload.hidden_size = 128;
+  upload.padded_vocab_size = 2000;
+  upload.weight.assign(128 * 2000, kernels::FloatToBf16(0.01f));
+  upload.bias.assign(2000, 0.5f);
+  LogpClient::Options connection;
+  connection.tls_root_certs = certs.pem("ca.pem");
+  client::PushOptions chain;
+  chain.fanout = client::PushOptions::Fanout::kChain;
+  const client::PushReport report =
+      client::PushToTargets({at(**a), at(**b)}, connection, {}, upload, chain);
+  ASSERT_TRUE(report.status.ok()) << report.status;
+  EXPECT_TRUE(report.targets[1].via_chain);  // forwarded by a, over TLS
+
+  std::vector<std::string> joined_flags = tls;
+  joined_flags.push_back("--pull_from=" + at(**a));
+  auto joined = ServerProcess::Start(joined_flags, 60);
+  ASSERT_TRUE(joined.ok()) << joined.status();
+  connection.target = at(**joined);
+  auto repo = client::ModelRepositoryClient::Create(connection, {});
+  ASSERT_TRUE(repo.ok());
+  auto models = (*repo)->ListModels();
+  ASSERT_TRUE(models.ok()) << models.status();
+  ASSERT_EQ(models->models_size(), 1);
+  EXPECT_EQ(models->models(0).model_version(), 2);
+  EXPECT_EQ(models->models(0).weights_sha256(),
+            client::LmHeadUploadDigest(upload));
 }
 
 TEST(SecurityTest, MutualTlsRequiresAClientCertificate) {

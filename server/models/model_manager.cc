@@ -60,12 +60,18 @@ absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(
   if (options.max_versions_per_model < 1) {
     return absl::InvalidArgumentError("--max_versions_per_model must be >= 1");
   }
+  if (options.staged_timeout <= absl::ZeroDuration() ||
+      options.staged_sweep_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--staged_version_timeout_s must be > 0");
+  }
   if (options.max_model_memory_bytes < 0) {
     return absl::InvalidArgumentError("--max_model_memory_bytes must be >= 0");
   }
-  if (!options.place || !options.estimate_bytes || !options.warm_up) {
+  if (!options.place || !options.estimate_bytes || !options.warm_up ||
+      !options.now) {
     return absl::InvalidArgumentError(
-        "model manager: place, estimate_bytes and warm_up are required");
+        "model manager: place, estimate_bytes, warm_up and now are "
+        "required");
   }
   if (absl::Status s =
           ValidateModelName(options.default_model, "--default_model");
@@ -77,9 +83,17 @@ absl::StatusOr<std::unique_ptr<ModelManager>> ModelManager::Create(
 
 ModelManager::ModelManager(Options options)
     : options_(std::move(options)),
-      tracker_(std::make_shared<Tracker>(options_.max_model_memory_bytes)) {}
+      tracker_(std::make_shared<Tracker>(options_.max_model_memory_bytes)) {
+  sweeper_ = std::thread([this] { SweepLoop(); });
+}
 
-ModelManager::~ModelManager() = default;
+ModelManager::~ModelManager() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  sweeper_.join();
+}
 
 absl::StatusOr<std::shared_ptr<const ServedVersion>> ModelManager::Resolve(
     absl::string_view model, int64_t version) const {
@@ -123,9 +137,9 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
                     Reservation());
 }
 
-absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
+absl::StatusOr<std::shared_ptr<ServedVersion>> ModelManager::Prepare(
     const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
-    VersionOrigin origin, Reservation reservation) {
+    const VersionOrigin& origin, Reservation reservation) {
   if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
   if (absl::Status s = CheckVersionNumber(model, origin.version); !s.ok())
     return s;
@@ -201,36 +215,197 @@ absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
       m.next_version = origin.version + 1;
     }
   }
-  const absl::Time persist_start = absl::Now();
+  spdlog::info(
+      "model {} version {} prepared ({}; weights {}, key {}; placed in {:.3f} "
+      "s, warmed up in {:.3f} s)",
+      model, version->version, version->source, version->weights_sha256,
+      version->determinism_key, absl::ToDoubleSeconds(place_time),
+      absl::ToDoubleSeconds(warm_time));
+  return version;
+}
+
+absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::AddVersion(
+    const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+    VersionOrigin origin, Reservation reservation) {
+  auto version =
+      Prepare(model, std::move(weights), origin, std::move(reservation));
+  if (!version.ok()) return version.status();
   if (origin.persist) {
-    absl::Status s = origin.persist(version->version);
+    absl::Status s = origin.persist((*version)->version);
     if (!s.ok()) {
       return absl::Status(s.code(), absl::StrCat("persisting: ", s.message()));
     }
-    version->persisted =
+    (*version)->persisted =
         options_.store != nullptr && options_.store->writable();
   }
-  version->persisted = version->persisted || origin.on_disk;
-  const absl::Duration persist_time = absl::Now() - persist_start;
-  detlogp::v1::ModelVersionStatus status = StatusOf(*version, /*ready=*/true);
+  (*version)->persisted = (*version)->persisted || origin.on_disk;
+  return Publish(*std::move(version));
+}
+
+detlogp::v1::ModelVersionStatus ModelManager::Publish(
+    std::shared_ptr<ServedVersion> version) {
   std::vector<int64_t> retired;
+  detlogp::v1::ModelVersionStatus status;
   {
     absl::MutexLock lock(&mu_);
-    Model& m = models_[model];
+    version->ready_since = absl::Now();
+    status = StatusOf(*version, detlogp::v1::ModelVersionStatus::READY);
+    Model& m = models_[version->model];
     m.ready[version->version] = version;
     while (static_cast<int>(m.ready.size()) > options_.max_versions_per_model) {
       retired.push_back(m.ready.begin()->first);
-      RetireLocked(model, m, retired.back());
+      RetireLocked(version->model, m, retired.back());
     }
   }
-  RemoveFiles(model, retired);
-  spdlog::info(
-      "model {} version {} ready ({}; weights {}, key {}; placed in {:.3f} s, "
-      "warmed up in {:.3f} s, persisted in {:.3f} s)",
-      model, version->version, version->source, version->weights_sha256,
-      version->determinism_key, absl::ToDoubleSeconds(place_time),
-      absl::ToDoubleSeconds(warm_time), absl::ToDoubleSeconds(persist_time));
+  RemoveFiles(version->model, retired);
+  spdlog::info("model {} version {} ready (weights {})", version->model,
+               version->version, version->weights_sha256);
   return status;
+}
+
+absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::StageVersion(
+    const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+    VersionOrigin origin, Reservation reservation) {
+  if (origin.version <= 0) {
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "model_version",
+                          "a staged version names its number (> 0), which "
+                          "its commit names again");
+  }
+  auto version =
+      Prepare(model, std::move(weights), origin, std::move(reservation));
+  if (!version.ok()) return version.status();
+  absl::MutexLock lock(&mu_);
+  Staged& staged = models_[model].staged[(*version)->version];
+  staged.version = *version;
+  staged.persist = std::move(origin.persist);
+  staged.on_disk = origin.on_disk;
+  staged.staged_at = options_.now();
+  return StatusOf(**version, detlogp::v1::ModelVersionStatus::STAGED);
+}
+
+absl::StatusOr<detlogp::v1::ModelVersionStatus> ModelManager::CommitVersion(
+    const std::string& model, int64_t version,
+    const std::string& weights_sha256) {
+  if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
+  if (version <= 0) {
+    return v1::FieldError(absl::StatusCode::kInvalidArgument, "model_version",
+                          "name the staged version to commit (> 0)");
+  }
+  Staged staged;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = models_.find(model);
+    if (it != models_.end()) {
+      Model& m = it->second;
+      auto s = m.staged.find(version);
+      if (s == m.staged.end()) {
+        auto ready = m.ready.find(version);
+        if (ready != m.ready.end() &&
+            (weights_sha256.empty() ||
+             ready->second->weights_sha256 == weights_sha256)) {
+          return StatusOf(
+              *ready->second,
+              detlogp::v1::ModelVersionStatus::READY);  // committed before
+        }
+      } else if (!weights_sha256.empty() &&
+                 s->second.version->weights_sha256 != weights_sha256) {
+        return v1::FieldError(
+            absl::StatusCode::kFailedPrecondition, "weights_sha256",
+            absl::StrCat("staged version ", version, " of '", model,
+                         "' holds weights ", s->second.version->weights_sha256),
+            v1::kReasonWeightsMismatch);
+      } else {
+        staged = std::move(s->second);
+        m.staged.erase(s);
+      }
+    }
+  }
+  if (staged.version == nullptr) {
+    return v1::FieldError(
+        absl::StatusCode::kNotFound, "model_version",
+        absl::StrCat("model '", model, "' has no staged version ", version,
+                     " (never staged here, aborted, or dropped after "
+                     "--staged_version_timeout_s)"),
+        v1::kReasonVersionUnavailable);
+  }
+  auto ready = std::make_shared<ServedVersion>(*staged.version);
+  staged.version.reset();
+  if (staged.persist) {
+    absl::Status s = staged.persist(version);
+    if (!s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("persisting: ", s.message()));
+    }
+    ready->persisted = options_.store != nullptr && options_.store->writable();
+  }
+  ready->persisted = ready->persisted || staged.on_disk;
+  return Publish(std::move(ready));
+}
+
+absl::Status ModelManager::AbortVersion(const std::string& model,
+                                        int64_t version) {
+  if (absl::Status s = ValidateModelName(model, "model"); !s.ok()) return s;
+  Staged dropped;  // freed outside mu_ (its files with it)
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(model);
+  if (it == models_.end()) return absl::OkStatus();
+  auto s = it->second.staged.find(version);
+  if (s != it->second.staged.end()) {
+    dropped = std::move(s->second);
+    it->second.staged.erase(s);
+    GiveBackNumberLocked(it->second, version);
+    spdlog::info("model {} version {}: staged version aborted", model, version);
+    return absl::OkStatus();
+  }
+  if (it->second.ready.count(version) > 0) {
+    return v1::FieldError(absl::StatusCode::kFailedPrecondition,
+                          "model_version",
+                          absl::StrCat("version ", version, " of '", model,
+                                       "' was committed; unload it instead"),
+                          v1::kReasonVersionUnavailable);
+  }
+  return absl::OkStatus();
+}
+
+void ModelManager::GiveBackNumberLocked(Model& model, int64_t version) {
+  // Only the newest number, and only while nothing above it was taken: a
+  // push aborted everywhere then leaves every replica numbering as before,
+  // so the next push (one above the highest number any replica lists) is
+  // accepted by all.
+  if (model.next_version == version + 1) model.next_version = version;
+}
+
+int ModelManager::DropExpiredStaged(absl::Time now) {
+  std::vector<Staged> dropped;  // freed outside mu_
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [name, model] : models_) {
+      for (auto it = model.staged.begin(); it != model.staged.end();) {
+        if (now - it->second.staged_at < options_.staged_timeout) {
+          ++it;
+          continue;
+        }
+        spdlog::warn(
+            "model {} version {}: staged {:.3f} s ago and not committed; "
+            "dropped",
+            name, it->first, absl::ToDoubleSeconds(now - it->second.staged_at));
+        dropped.push_back(std::move(it->second));
+        const int64_t number = it->first;
+        it = model.staged.erase(it);
+        GiveBackNumberLocked(model, number);
+      }
+    }
+  }
+  return static_cast<int>(dropped.size());
+}
+
+void ModelManager::SweepLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!mu_.AwaitWithTimeout(absl::Condition(this, &ModelManager::Stopping),
+                               options_.staged_sweep_interval)) {
+    mu_.Unlock();
+    DropExpiredStaged(options_.now());
+    mu_.Lock();
+  }
 }
 
 absl::Status ModelManager::VersionTaken(const std::string& model, int64_t asked,
@@ -366,11 +541,14 @@ absl::Status ModelManager::Unload(const std::string& model, int64_t version) {
 }
 
 detlogp::v1::ModelVersionStatus ModelManager::StatusOf(
-    const ServedVersion& version, bool ready) const {
+    const ServedVersion& version,
+    detlogp::v1::ModelVersionStatus::State state) const {
   detlogp::v1::ModelVersionStatus status;
   status.set_version(version.version);
-  status.set_state(ready ? detlogp::v1::ModelVersionStatus::READY
-                         : detlogp::v1::ModelVersionStatus::UNLOADING);
+  status.set_state(state);
+  if (version.ready_since != absl::InfinitePast()) {
+    status.set_ready_unix_micros(absl::ToUnixMicros(version.ready_since));
+  }
   status.set_weights_sha256(version.weights_sha256);
   status.set_determinism_key(version.determinism_key);
   status.set_hidden_size(version.hidden_size);
@@ -402,15 +580,19 @@ detlogp::v1::ModelInfo ModelManager::DescribeLocked(
   info.set_determinism_key(at.determinism_key);
   for (const auto& [number, version] : model.ready) {
     auto* status = info.add_versions();
-    *status = StatusOf(*version, /*ready=*/true);
+    *status = StatusOf(*version, detlogp::v1::ModelVersionStatus::READY);
     // The manager's own reference is not a request.
     status->set_requests_in_flight(version.use_count() - 1);
+  }
+  for (const auto& [number, staged] : model.staged) {
+    *info.add_versions() =
+        StatusOf(*staged.version, detlogp::v1::ModelVersionStatus::STAGED);
   }
   for (const Unloading& u : unloading_) {
     auto handle = u.handle.lock();
     if (u.model != name || handle == nullptr) continue;
     auto* status = info.add_versions();
-    *status = StatusOf(*handle, /*ready=*/false);
+    *status = StatusOf(*handle, detlogp::v1::ModelVersionStatus::UNLOADING);
     status->set_requests_in_flight(handle.use_count() - 1);  // minus `handle`
   }
   std::sort(

@@ -16,6 +16,13 @@
 // upload's header) until it is freed; a reservation that would exceed the
 // bound is RESOURCE_EXHAUSTED before any bytes are taken.
 //
+// Two-phase publish: StageVersion prepares a version as AddVersion does
+// (placed, warmed up, numbered) but holds it STAGED: no request, pinned or
+// not, can pick it. CommitVersion then persists it and makes it the latest
+// in one step; AbortVersion drops it, and so does a sweep once
+// `staged_timeout` passed without a commit. A fleet's pusher stages on every
+// replica, then commits on all of them, or aborts on all.
+//
 // Failure changes nothing: a load, upload, digest check or warm-up that
 // fails leaves every existing version serving as before. A new version keeps
 // its model's hidden size and vocabulary (FAILED_PRECONDITION otherwise,
@@ -34,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -63,6 +71,8 @@ struct ServedVersion {
   int64_t memory_bytes = 0;
   std::string source;
   bool persisted = false;
+  // When it became servable here (absl::InfinitePast() while staged).
+  absl::Time ready_since = absl::InfinitePast();
   // The weights on the backend's devices; what the batcher runs.
   std::shared_ptr<const LogpModel> placed;
   // The host copy, while the backend keeps one (the CPU backend does; CUDA
@@ -115,6 +125,13 @@ class ModelManager {
     // How long UnloadModel waits for requests on the version; the version
     // stays unloading (and is freed later) when they take longer.
     absl::Duration unload_wait = absl::Minutes(5);
+    // A staged version not committed within this is dropped (its memory
+    // and temporary files freed).
+    absl::Duration staged_timeout = absl::Seconds(60);
+    // How often staged versions are checked against staged_timeout.
+    absl::Duration staged_sweep_interval = absl::Milliseconds(100);
+    // The clock staged versions are timed with (tests inject their own).
+    std::function<absl::Time()> now = [] { return absl::Now(); };
   };
 
   class Tracker;  // counts bytes until placed weights are freed
@@ -162,6 +179,26 @@ class ModelManager {
       const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
       VersionOrigin origin);
 
+  // As AddVersion, but holds the version STAGED (origin.version names its
+  // number, > 0): not servable until CommitVersion. origin.persist runs at
+  // the commit.
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> StageVersion(
+      const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+      VersionOrigin origin, Reservation reservation);
+  // Persists a staged version and makes it the model's latest. When
+  // `weights_sha256` is not empty the version's digest must equal it. A
+  // version already ready with that digest is answered again (a repeated
+  // commit); NOT_FOUND (reason VERSION_UNAVAILABLE) when it is neither.
+  absl::StatusOr<detlogp::v1::ModelVersionStatus> CommitVersion(
+      const std::string& model, int64_t version,
+      const std::string& weights_sha256);
+  // Drops a staged version. OK when it is not staged (never was, timed
+  // out, aborted); FAILED_PRECONDITION when it was committed.
+  absl::Status AbortVersion(const std::string& model, int64_t version);
+  // Drops the staged versions older than staged_timeout (the sweep thread
+  // calls it; tests may too). Returns how many were dropped.
+  int DropExpiredStaged(absl::Time now);
+
   // Refuses the version to new requests, removes it from the store, and
   // waits (up to unload_wait) until every request holding it is answered.
   absl::Status Unload(const std::string& model, int64_t version);
@@ -190,9 +227,17 @@ class ModelManager {
 
   // ---- Implementation details; API users need not read further. ----
  private:
+  // A staged version: prepared, not servable; persisted at its commit.
+  struct Staged {
+    std::shared_ptr<const ServedVersion> version;
+    std::function<absl::Status(int64_t version)> persist;
+    bool on_disk = false;
+    absl::Time staged_at;
+  };
   struct Model {
     // Ready versions, ascending; the last is the latest.
     std::map<int64_t, std::shared_ptr<const ServedVersion>> ready;
+    std::map<int64_t, Staged> staged;
     int64_t next_version = 1;
   };
   // A version out of routing but still held by requests.
@@ -202,13 +247,26 @@ class ModelManager {
     std::weak_ptr<const ServedVersion> handle;
   };
   explicit ModelManager(Options options);
+  // Validates, places, warms up and numbers a version (not yet routed).
+  absl::StatusOr<std::shared_ptr<ServedVersion>> Prepare(
+      const std::string& model, std::shared_ptr<const LmHeadWeights> weights,
+      const VersionOrigin& origin, Reservation reservation);
+  // Makes a prepared (and persisted) version its model's latest.
+  detlogp::v1::ModelVersionStatus Publish(
+      std::shared_ptr<ServedVersion> version);
+  // After a staged version is dropped: its number is given again.
+  void GiveBackNumberLocked(Model& model, int64_t version)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SweepLoop();
+  bool Stopping() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_; }
   static absl::Status VersionTaken(const std::string& model, int64_t asked,
                                    int64_t next);
   absl::Status CheckShapeLocked(const std::string& model, int64_t hidden_size,
                                 int64_t vocab_size) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  detlogp::v1::ModelVersionStatus StatusOf(const ServedVersion& version,
-                                           bool ready) const;
+  detlogp::v1::ModelVersionStatus StatusOf(
+      const ServedVersion& version,
+      detlogp::v1::ModelVersionStatus::State state) const;
   detlogp::v1::ModelInfo DescribeLocked(const std::string& name,
                                         const Model& model,
                                         const ServedVersion& at) const
@@ -226,6 +284,9 @@ class ModelManager {
   mutable absl::Mutex mu_;
   std::map<std::string, Model> models_ ABSL_GUARDED_BY(mu_);
   std::vector<Unloading> unloading_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Declared last: joined (in the destructor) before the rest goes.
+  std::thread sweeper_;
 };
 
 }  // namespace detlogp::server

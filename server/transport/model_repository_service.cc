@@ -100,6 +100,12 @@ absl::StatusOr<digests::LmHeadShape> ValidateUploadHeader(
           absl::StatusCode::kInvalidArgument, "header.encoding",
           absl::StrCat("unknown encoding ", header.encoding()));
   }
+  if (header.stage() && header.model_version() <= 0) {
+    return v1::FieldError(absl::StatusCode::kInvalidArgument,
+                          "header.model_version",
+                          "a staged upload names its number (> 0), which "
+                          "CommitVersion names again");
+  }
   if (!header.weights_sha256().empty() &&
       !IsHexDigest(header.weights_sha256())) {
     return v1::FieldError(absl::StatusCode::kInvalidArgument,
@@ -369,6 +375,7 @@ class ModelRepositoryServiceImpl::UploadCall final
     shape_ = *shape;
     model_ = header.model();
     version_ = header.model_version();
+    stage_ = header.stage();
     expected_sha256_ = header.weights_sha256();
     if (header.encoding() == detlogp::v1::UPLOAD_ENCODING_XOR_ZSTD) {
       if (absl::Status s = FindBaseLocked(header); !s.ok()) return s;
@@ -415,7 +422,9 @@ class ModelRepositoryServiceImpl::UploadCall final
   void Forward() {
     auto stub =
         detlogp::v1::ModelRepositoryService::NewStub(grpc::CreateChannel(
-            forward_target_, grpc::InsecureChannelCredentials()));
+            forward_target_, service_->options_.peer_credentials != nullptr
+                                 ? service_->options_.peer_credentials
+                                 : grpc::InsecureChannelCredentials()));
     grpc::ClientContext context;
     // The pusher's deadline bounds the whole chain.
     context.set_deadline(deadline_);
@@ -719,16 +728,23 @@ class ModelRepositoryServiceImpl::UploadCall final
     }
     std::shared_ptr<LmHeadWeights> weights = assembler_->TakeWeights();
     weights->description = absl::StrCat("upload of ", model_);
+    assembler_.reset();  // done with the writer
     VersionOrigin origin;
     origin.description = "upload";
     origin.version = version_;
     if (writer_ != nullptr) {
-      origin.persist = [this, digest](int64_t version) {
-        return writer_->Commit(version, digest);
-      };
+      // Owns the writer: a staged version is persisted at its commit, or
+      // its temporary files go with it.
+      origin.persist =
+          [writer = std::shared_ptr<VersionWriter>(std::move(writer_)),
+           digest](int64_t version) { return writer->Commit(version, digest); };
     }
-    auto added = service_->manager_->AddVersion(
-        model_, std::move(weights), std::move(origin), std::move(reservation_));
+    auto added = stage_ ? service_->manager_->StageVersion(
+                              model_, std::move(weights), std::move(origin),
+                              std::move(reservation_))
+                        : service_->manager_->AddVersion(
+                              model_, std::move(weights), std::move(origin),
+                              std::move(reservation_));
     if (!added.ok()) return added.status();
     *response_ = *std::move(added);
     return absl::OkStatus();
@@ -752,6 +768,7 @@ class ModelRepositoryServiceImpl::UploadCall final
   digests::LmHeadShape shape_;
   std::string model_;
   int64_t version_ = 0;  // 0: the model's next number
+  bool stage_ = false;   // two-phase: hold it STAGED until a commit
   // A chain push: the next server, and the messages still to send it
   // (copies; the local queue owns its chunks).
   const std::string authorization_;  // the call's, sent on with it

@@ -14,6 +14,8 @@
 #include <functional>
 #include <memory>
 
+#include <grpcpp/security/credentials.h>
+
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 #include "server/models/model_manager.h"
@@ -38,9 +40,15 @@ class ModelRepositoryServiceImpl final
     // Uploaded chunks waiting to be hashed and written, per upload, before
     // reading pauses (backpressure).
     int max_pending_upload_chunks = 8;
+    // How this server reaches the next server of a chain push; null:
+    // plaintext.
+    std::shared_ptr<grpc::ChannelCredentials> peer_credentials;
+    // DownloadModel's chunk size.
+    int64_t download_chunk_bytes = int64_t{4} << 20;
     std::function<void(absl::string_view method, int grpc_code)> on_call_done;
     // Upload bytes as they arrive on the wire (compressed, for a delta),
-    // and where from: "pusher" (a client's UploadModel).
+    // and where from: "pusher" (a client's UploadModel) or "peer" (a chain
+    // push's forward, or a pull on start).
     std::function<void(absl::string_view from, int64_t bytes)> on_upload_bytes;
   };
 
@@ -64,9 +72,27 @@ class ModelRepositoryServiceImpl final
       grpc::CallbackServerContext* context,
       const detlogp::v1::UnloadModelRequest* request,
       detlogp::v1::UnloadModelResponse* response) override;
+  // Two-phase publish and peer pulls (model_repository_versions.cc).
+  grpc::ServerUnaryReactor* CommitVersion(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::CommitVersionRequest* request,
+      detlogp::v1::ModelVersionStatus* response) override;
+  grpc::ServerUnaryReactor* AbortVersion(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::AbortVersionRequest* request,
+      detlogp::v1::AbortVersionResponse* response) override;
+  grpc::ServerWriteReactor<detlogp::v1::UploadModelRequest>* DownloadModel(
+      grpc::CallbackServerContext* context,
+      const detlogp::v1::DownloadModelRequest* request) override;
 
  private:
   class UploadCall;
+  class DownloadCall;
+
+  // A ready version's host bytes: the backend's host copy, else read back
+  // from --model_root; FAILED_PRECONDITION when neither has them.
+  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> HostWeightsOf(
+      const ServedVersion& version) const;
 
   grpc::Status Authorize(const grpc::CallbackServerContext& context) const;
   grpc::Status Record(absl::string_view method, grpc::Status status) const;

@@ -23,11 +23,11 @@ def manifests():
 
 
 def container(manifests):
-    return manifests["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    return manifests["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
 
 
 def test_every_manifest_parses_with_kind_and_name(manifests):
-    assert {"Deployment", "Service", "PodDisruptionBudget", "PersistentVolumeClaim"} <= set(
+    assert {"StatefulSet", "Service", "PodDisruptionBudget", "PersistentVolumeClaim"} <= set(
         manifests
     )
     for doc in manifests.values():
@@ -54,7 +54,7 @@ def test_probes_use_grpc_health_on_the_serving_port(manifests):
 
 
 def volumes_of(manifests):
-    spec = manifests["Deployment"]["spec"]["template"]["spec"]
+    spec = manifests["StatefulSet"]["spec"]["template"]["spec"]
     return {v["name"]: v for v in spec["volumes"]}
 
 
@@ -109,7 +109,7 @@ def test_model_root_is_a_writable_per_pod_volume(manifests):
     assert c["resources"]["requests"]["ephemeral-storage"]
     # The root filesystem stays read-only; only mounted volumes are written.
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    spec = manifests["Deployment"]["spec"]["template"]["spec"]
+    spec = manifests["StatefulSet"]["spec"]["template"]["spec"]
     assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"]
 
 
@@ -147,7 +147,7 @@ def test_readme_explains_replicas_and_live_weights():
 
 
 def test_drain_fits_in_the_termination_grace(manifests):
-    spec = manifests["Deployment"]["spec"]["template"]["spec"]
+    spec = manifests["StatefulSet"]["spec"]["template"]["spec"]
     grace = next(
         int(a.split("=")[1])
         for a in container(manifests)["args"]
@@ -158,7 +158,7 @@ def test_drain_fits_in_the_termination_grace(manifests):
 
 def test_service_is_headless_and_selects_the_pods(manifests):
     service = manifests["Service"]["spec"]
-    labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    labels = manifests["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
     assert service["clusterIP"] == "None"
     assert service["selector"].items() <= labels.items()
     assert {p["port"] for p in service["ports"]} == {50051, 9464}
@@ -166,10 +166,10 @@ def test_service_is_headless_and_selects_the_pods(manifests):
 
 def test_pdb_keeps_a_replica(manifests):
     pdb = manifests["PodDisruptionBudget"]["spec"]
-    labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    labels = manifests["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
     assert pdb["minAvailable"] >= 1
     assert pdb["selector"]["matchLabels"].items() <= labels.items()
-    assert manifests["Deployment"]["spec"]["replicas"] > pdb["minAvailable"]
+    assert manifests["StatefulSet"]["spec"]["replicas"] > pdb["minAvailable"]
 
 
 def test_dockerfile_keeps_uploaded_versions_in_a_volume():
@@ -205,7 +205,7 @@ def test_systemd_unit_drains_on_sigterm():
 
 
 def test_pod_serves_a_unix_socket_on_a_volume_its_containers_can_share(manifests):
-    pod = manifests["Deployment"]["spec"]["template"]["spec"]
+    pod = manifests["StatefulSet"]["spec"]["template"]["spec"]
     server = container(manifests)
     (socket,) = flag_values(server["args"], "unix_socket")
     mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
@@ -253,3 +253,22 @@ def test_systemd_unit_keeps_uploads_under_var_lib_detlogp():
     assert not any(under(root[0], folder) for folder in read_only)
     admin = flag_values(args, "admin_tokens_file")
     assert len(admin) == 1 and any(under(admin[0], folder) for folder in read_only)
+
+
+def test_stateful_set_names_its_pods_through_the_headless_service(manifests):
+    spec = manifests["StatefulSet"]["spec"]
+    service = manifests["Service"]
+    assert spec["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert spec["podManagementPolicy"] == "Parallel"
+
+
+def test_every_pod_pulls_from_every_ordinal_before_it_is_ready(manifests):
+    spec = manifests["StatefulSet"]["spec"]
+    name = manifests["StatefulSet"]["metadata"]["name"]
+    service = spec["serviceName"]
+    (peers,) = flag_values(container(manifests)["args"], "pull_from")
+    assert peers.split(",") == [
+        f"{name}-{i}.{service}:50051" for i in range(spec["replicas"])
+    ]
+    assert flag_values(container(manifests)["args"], "staged_version_timeout_s")

@@ -39,7 +39,7 @@ from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, MessageTooLa
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
-from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
+from detlogp.weights import DEFAULT_CHUNK_BYTES
 
 
 class Client(ClientState):
@@ -534,13 +534,17 @@ class Client(ClientState):
         *,
         version=None,
         weights_sha256=None,
+        base_version=None,
+        base_weights=None,
         timeout=None,
     ):
         """Streams an lm_head to every target as the next version of model
         `name`; returns once it is ready and the latest there: a
         ModelVersionResult (.version, .weights_sha256, .determinism_key,
         .per_target). Raises ReplicaMismatch when the targets' keys (or
-        version numbers) differ.
+        version numbers) differ. With several targets the version is staged
+        on all of them, then committed on all at once, or aborted on all
+        when one fails (detlogp.fleet.Pusher).
 
         weight: [V_pad, H]: numpy float32/float16 (rounded to bf16 by
           round-to-nearest-even, as the server rounds), ml_dtypes.bfloat16 or
@@ -553,23 +557,40 @@ class Client(ClientState):
         vocab_size: the real vocabulary (None: every row).
         version: the number to publish it as, above every number the model
           has had on each target (else FailedPrecondition, field
-          "header.model_version"); None: each server's next number. Name it
-          when pushing to replicas, so they number versions alike.
+          "header.model_version"); None: the server's next number (one
+          target), or one above the highest any target has (several).
         weights_sha256: the digest the weights must have (e.g. recorded by
-          the trainer); default: computed while sending.
+          the trainer; the whole head is sent); default: computed while
+          sending.
+        base_version: send only the bits that changed against this version
+          (a delta; the XOR runs on the GPU for CUDA bf16 tensors); 0: the
+          whole head; None: a delta against the version this client pushed
+          last, when it did. A target without the base gets the whole head.
+        base_weights: the weights of base_version when this client did not
+          push it (an LmHead, a checkpoint path, or (weight, bias)).
         """
-        head = LmHead.coerce(weight, bias, vocab_size)
-        outcomes = self._on_every_target(
+        # Keeps what it pushed last (a host copy) as the next delta's base.
+        if getattr(self, "_fleet_pusher", None) is None:
+            from detlogp.fleet import Pusher
+
+            self._fleet_pusher = Pusher(
+                self.targets,
+                timeout=self.admin_timeout or 600.0,
+                _channels=self._channels,
+                _metadata=self._admin_metadata,
+            )
+        return self._fleet_pusher.upload_model(
             name,
-            "UploadModel",
-            lambda i, left: self._repo[i].UploadModel(
-                head.messages(name, chunk_bytes, weights_sha256, version),
-                timeout=left,
-                metadata=self._admin_metadata,
-            ),
-            timeout,
+            weight,
+            bias,
+            vocab_size,
+            version=version,
+            base_version=base_version,
+            base_weights=base_weights,
+            weights_sha256=weights_sha256,
+            chunk_bytes=chunk_bytes,
+            timeout=self._admin_timeout(timeout),
         )
-        return combine_versions(name, outcomes)
 
     def unload_model(self, name, version, *, timeout=None):
         """Unloads version `version` of model `name` on every target: new

@@ -28,6 +28,15 @@ def _zstd():
     return zstandard
 
 
+def available():
+    """Whether deltas can be made here (the zstandard package imports)."""
+    try:
+        _zstd()
+    except ImportError:
+        return False
+    return True
+
+
 def _blocks(buffers, block_bytes):
     """(offset, view) pieces of the concatenated `buffers`, each within one
     buffer and at most block_bytes long."""

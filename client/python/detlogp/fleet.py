@@ -12,15 +12,24 @@ so every replica publishes the same number for the same push.
 
 Deltas (UPLOAD_ENCODING_XOR_ZSTD, docs/live_weights.md "Delta uploads"):
 `base_version=N` with `base_weights=` the weights of version N sends only
-the bits that changed; by default (base_version None) the pusher uses the
-version it pushed last for that model, whose weights it kept (a host copy;
-for CUDA bf16 tensors a copy on their GPU, where the XOR then runs).
-`base_version=0` sends the whole head. A replica without the base answers
-FailedPrecondition with reason BASE_MISSING and gets the whole head.
+the bits that changed; by default (base_version None, with zstandard
+installed) the pusher uses the version it pushed last for that model, whose
+weights it kept (a host copy; for CUDA bf16 tensors a copy on their GPU,
+where the XOR then runs). `base_version=0` sends the whole head and keeps
+no copy. A replica without the base answers FailedPrecondition with reason
+BASE_MISSING and gets the whole head.
+
+Two-phase publish (with more than one target, unless two_phase=False): the
+version is first staged on every target (received, digest checked, placed,
+warmed up, not servable), then committed on all of them at once; when any
+target fails to stage it, it is aborted on all of them and the push raises
+that target's error: no target changes what it serves.
 """
 
 import concurrent.futures
 import dataclasses
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -72,6 +81,8 @@ class Pusher:
     fanout: "direct" (the pusher uploads to every target) or "chain" (to
       the first only, which forwards each chunk to the next as it arrives;
       targets the chain did not reach get the version directly).
+    two_phase: with several targets, stage then commit everywhere (or abort
+      everywhere); False: each target publishes as its upload ends.
     root_certificates, client_certificate, client_key: TLS as for Client.
     """
 
@@ -83,18 +94,25 @@ class Pusher:
         timeout=600.0,
         chunk_bytes=DEFAULT_CHUNK_BYTES,
         fanout="direct",
+        two_phase=True,
         root_certificates=None,
         client_certificate=None,
         client_key=None,
+        _channels=None,
+        _metadata=None,
     ):
         self.targets = normalize_targets(targets)
+        self.two_phase = bool(two_phase)
         self.timeout = float(timeout)
         self.chunk_bytes = int(chunk_bytes)
         if fanout not in ("direct", "chain"):
             raise ValueError(f"fanout {fanout!r} is neither 'direct' nor 'chain'")
         self.fanout = fanout
-        self._metadata = bearer(admin_token) if admin_token else None
-        self._channels = [
+        self._metadata = bearer(admin_token) if admin_token else _metadata
+        # Channels of a Client that pushes through this pusher are the
+        # Client's to close.
+        self._owns_channels = _channels is None
+        self._channels = _channels or [
             make_channel(
                 target,
                 channel_options(64),
@@ -107,10 +125,13 @@ class Pusher:
         self._stubs = [pb_grpc.ModelRepositoryServiceStub(c) for c in self._channels]
         self._pushed = {}  # model -> _Pushed
         self.last_sent = {}  # target -> ("delta" | "head", payload bytes)
+        # Two-phase: from the first commit sent to the last answered.
+        self.last_commit_seconds = None
 
     def close(self):
-        for channel in self._channels:
-            channel.close()
+        if self._owns_channels:
+            for channel in self._channels:
+                channel.close()
 
     def __enter__(self):
         return self
@@ -155,6 +176,9 @@ class Pusher:
         base_version=None,
         base_weights=None,
         fanout=None,
+        two_phase=None,
+        weights_sha256=None,
+        chunk_bytes=None,
         timeout=None,
     ):
         """Publishes the weights as one version of model `name` on every
@@ -165,19 +189,34 @@ class Pusher:
         base_version: send a delta against this version (0: the whole head;
           None: against the version this pusher pushed last, when it did).
         fanout: "direct" or "chain" (None: the pusher's); see Pusher.
+        two_phase: None: the pusher's; see Pusher.
+        weights_sha256: the digest the weights must have (the whole head is
+          sent, and the server checks its bytes against it; default:
+          computed while sending).
         base_weights: the weights of base_version, needed when it is not
           the version this pusher pushed last: an LmHead, a checkpoint path,
           or a (weight, bias) tuple of arrays or tensors.
         """
         deadline = Deadline(timeout or self.timeout)
+        chunk_bytes = int(chunk_bytes or self.chunk_bytes)
+        staged = (self.two_phase if two_phase is None else bool(two_phase)) and len(
+            self.targets
+        ) > 1
         device_weight = _cuda_bf16(weight)
         head = LmHead.coerce(weight, bias, vocab_size)
-        if version is None:
+        if version is None and len(self.targets) == 1:
+            version = 0  # the server's next number (it knows numbers unloaded)
+        elif version is None:
             # A target that cannot be asked does not stop the push: its
             # upload fails below, naming it, while the others agree.
             highest = self._highest_versions(name, deadline.remaining()).values()
             version = 1 + max([0] + [v for v in highest if not isinstance(v, BaseException)])
-        lm_head_delta = self._delta(name, head, device_weight, base_version, base_weights)
+        # A stated digest is checked against the bytes of a whole head.
+        lm_head_delta = (
+            None
+            if weights_sha256 is not None
+            else self._delta(name, head, device_weight, base_version, base_weights)
+        )
 
         def push(index, forward_to=()):
             stub = self._stubs[index]
@@ -185,8 +224,9 @@ class Pusher:
                 try:
                     answer = stub.UploadModel(
                         _forwarding(
-                            head.delta_messages(name, lm_head_delta, self.chunk_bytes, version),
+                            head.delta_messages(name, lm_head_delta, chunk_bytes, version),
                             forward_to,
+                            staged,
                         ),
                         timeout=deadline.remaining(),
                         metadata=self._metadata,
@@ -198,7 +238,11 @@ class Pusher:
                     if error.reason != BASE_MISSING:
                         raise error from None
             answer = stub.UploadModel(
-                _forwarding(head.messages(name, self.chunk_bytes, version=version), forward_to),
+                _forwarding(
+                    head.messages(name, chunk_bytes, weights_sha256, version),
+                    forward_to,
+                    staged,
+                ),
                 timeout=deadline.remaining(),
                 metadata=self._metadata,
             )
@@ -214,8 +258,9 @@ class Pusher:
             # and those the chain did not reach get it directly.
             outcomes.update(self._on_every_target(lambda i: push(i, self.targets[1:]), [0]))
             digest = lm_head_delta.weights_sha256 if lm_head_delta else head.sha256()
+            state = pb.ModelVersionStatus.STAGED if staged else pb.ModelVersionStatus.READY
             held = self._on_every_target(
-                lambda i: self._held(i, name, version, digest, deadline.remaining()),
+                lambda i: self._held(i, name, version, digest, state, deadline.remaining()),
                 range(1, len(self.targets)),
             )
             for target, status in held.items():
@@ -225,15 +270,21 @@ class Pusher:
             pending = [i for i, t in enumerate(self.targets) if t not in outcomes]
         outcomes.update(self._on_every_target(push, pending))
         outcomes = {target: outcomes[target] for target in self.targets}
+        if staged:
+            outcomes = self._commit_or_abort(name, version, outcomes, deadline)
         failure = first_failure(name, "UploadModel", outcomes)
         if failure is not None:
             raise failure
         result = combine_versions(name, outcomes)
-        self._pushed[name] = _Pushed(
-            result.version,
-            _owned_copy(head),
-            None if device_weight is None else device_weight.detach().clone(),
-        )
+        if base_version == 0:
+            # A whole head asked for: no copy is kept (nor the older one).
+            self._pushed.pop(name, None)
+        else:
+            self._pushed[name] = _Pushed(
+                result.version,
+                _owned_copy(head),
+                None if device_weight is None else device_weight.detach().clone(),
+            )
         return result
 
     def _delta(self, name, head, device_weight, base_version, base_weights):
@@ -247,6 +298,8 @@ class Pusher:
             weight, bias = base_weights if isinstance(base_weights, tuple) else (base_weights, None)
             base = LmHead.coerce(weight, bias, head.vocab_size)
             return head.delta_against(base, base_version)
+        if base_version is None and not delta_codec.available():
+            return None  # the default delta needs zstandard; the whole head
         if pushed is None or (base_version is not None and base_version != pushed.version):
             if base_version is None:
                 return None  # nothing pushed yet: the whole head
@@ -258,19 +311,71 @@ class Pusher:
             return _delta_on_device(head, device_weight, pushed)
         return head.delta_against(pushed.head, pushed.version)
 
-    def _held(self, index, name, version, digest, timeout):
+    def _commit_or_abort(self, name, version, outcomes, deadline):
+        """Two-phase publish's end: when every target staged the version,
+        commits it on all of them at once and returns {target: committed
+        status or error}; else aborts it on all of them and raises the first
+        target's failure (.per_target: every target's outcome)."""
+        failed = [t for t, o in outcomes.items() if isinstance(o, BaseException)]
+        if failed:
+
+            def abort(index):
+                self._stubs[index].AbortVersion(
+                    pb.AbortVersionRequest(model=name, model_version=version),
+                    timeout=deadline.remaining(),
+                    metadata=self._metadata,
+                )
+
+            self._on_every_target(abort)
+            first = outcomes[failed[0]]
+            first.args = (
+                f"push aborted on every target ({', '.join(failed)} failed to stage "
+                f"version {version}; no target changed what it serves): "
+                f"{first.args[0] if first.args else first}",
+            )
+            first.per_target = {
+                t: (o if isinstance(o, BaseException) else _aborted(t, failed))
+                for t, o in outcomes.items()
+            }
+            raise first
+        digest = next(iter(outcomes.values())).weights_sha256
+        # Every connection is used once before any commit leaves, so the
+        # commits go together and the skew window is about one round trip.
+        gate = threading.Barrier(len(self.targets))
+        times = []  # (sent, answered) per commit
+
+        def commit(index):
+            try:
+                self._stubs[index].ListModels(
+                    pb.ListModelsRequest(), timeout=deadline.remaining(), metadata=self._metadata
+                )
+            finally:
+                gate.wait()
+            sent = time.perf_counter()
+            try:
+                return self._stubs[index].CommitVersion(
+                    pb.CommitVersionRequest(
+                        model=name, model_version=version, weights_sha256=digest
+                    ),
+                    timeout=deadline.remaining(),
+                    metadata=self._metadata,
+                )
+            finally:
+                times.append((sent, time.perf_counter()))
+
+        committed = self._on_every_target(commit)
+        self.last_commit_seconds = max(t[1] for t in times) - min(t[0] for t in times)
+        return committed
+
+    def _held(self, index, name, version, digest, state, timeout):
         """The target's status of that version when it holds it with
-        `digest`, else None."""
+        `digest` in `state`, else None."""
         models = self._stubs[index].ListModels(
             pb.ListModelsRequest(), timeout=timeout, metadata=self._metadata
         )
         for info in models.models:
             for held in info.versions if info.model == name else ():
-                if (held.version, held.weights_sha256, held.state) == (
-                    version,
-                    digest,
-                    pb.ModelVersionStatus.READY,
-                ):
+                if (held.version, held.weights_sha256, held.state) == (version, digest, state):
                     return held
         return None
 
@@ -302,11 +407,21 @@ class Pusher:
         return outcomes
 
 
-def _forwarding(messages, forward_to):
-    """The upload's messages, its header naming the chain after the target."""
+def _aborted(target, failed):
+    """The outcome of a target that staged a version the push then aborted."""
+    return DetlogpError(
+        f"{target}: staged, then aborted ({', '.join(failed)} failed to stage)",
+        grpc.StatusCode.ABORTED,
+    )
+
+
+def _forwarding(messages, forward_to, stage=False):
+    """The upload's messages, its header naming the chain after the target
+    (and asking to stage the version when `stage`)."""
     messages = iter(messages)
     first = next(messages)
     first.header.forward_to.extend(forward_to)
+    first.header.stage = stage
     yield first
     yield from messages
 

@@ -173,3 +173,45 @@ def test_chain_push_reaches_every_replica_from_one_upload(server_binary, model):
             assert server.metrics()[pusher_bytes] == 0
             assert server.metrics()[peer] == a.metrics()[pusher_bytes]
         assert bits_on(a, 3, model) == bits_on(c, 3, model)
+
+
+def versions_on(server):
+    """{version: (state, digest)} of model "default" on `server`."""
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.ModelRepositoryServiceStub(channel)
+        models = stub.ListModels(pb.ListModelsRequest(), timeout=20)
+    return {
+        v.version: (v.state, v.weights_sha256)
+        for m in models.models
+        if m.model == "default"
+        for v in m.versions
+    }
+
+
+def test_client_upload_model_commits_everywhere_and_sends_deltas(server_binary, model):
+    with start(server_binary, model) as a, start(server_binary, model) as b:
+        second = step(model.weight_bits, 41)
+        third = step(second, 42)
+        head_bytes = LmHead(second, model.bias).nbytes
+        with detlogp.Client([a.target, b.target], timeout=20.0) as client:
+            first = client.upload_model("default", second, model.bias)
+            pushed = client.upload_model("default", third, model.bias)  # a delta against `first`
+            full = client.upload_model("default", step(third, 43), model.bias, base_version=0)
+            named = client.upload_model(
+                "default",
+                step(third, 44),
+                model.bias,
+                base_version=full.version,
+                base_weights=(step(third, 43), model.bias),
+            )
+        assert (first.version, pushed.version, full.version, named.version) == (2, 3, 4, 5)
+        for result in (first, pushed, full, named):
+            ready = [s.ready_unix_micros for s in result.per_target.values()]
+            assert min(ready) > 0
+            assert {s.state for s in result.per_target.values()} == {pb.ModelVersionStatus.READY}
+        assert pushed.weights_sha256 == LmHead(third, model.bias).sha256()
+        sent = a.metrics()['detlogp_model_bytes_received_total{from="pusher"}']
+        # Two heads, two deltas of ~4% each.
+        assert 2 * head_bytes < sent <= 2 * head_bytes + 2 * 0.06 * head_bytes
+        assert versions_on(a) == versions_on(b)
+        assert bits_on(a, 5, model) == bits_on(b, 5, model)

@@ -223,6 +223,21 @@ class ModelRepositoryServiceStub:
                 request_serializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelRequest.SerializeToString,
                 response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelResponse.FromString,
                 _registered_method=True)
+        self.CommitVersion = channel.unary_unary(
+                '/detlogp.v1.ModelRepositoryService/CommitVersion',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.CommitVersionRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.FromString,
+                _registered_method=True)
+        self.AbortVersion = channel.unary_unary(
+                '/detlogp.v1.ModelRepositoryService/AbortVersion',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.AbortVersionRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.AbortVersionResponse.FromString,
+                _registered_method=True)
+        self.DownloadModel = channel.unary_stream(
+                '/detlogp.v1.ModelRepositoryService/DownloadModel',
+                request_serializer=detlogp_dot_v1_dot_detlogp__pb2.DownloadModelRequest.SerializeToString,
+                response_deserializer=detlogp_dot_v1_dot_detlogp__pb2.UploadModelRequest.FromString,
+                _registered_method=True)
 
 
 class ModelRepositoryServiceServicer:
@@ -263,6 +278,35 @@ class ModelRepositoryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitVersion(self, request, context):
+        """Two-phase publish, second phase: makes a staged version (an upload with
+        UploadModelHeader.stage) servable and the model's latest in one step.
+        Committing a version that is already ready with that digest answers its
+        status again, so a pusher may repeat a commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortVersion(self, request, context):
+        """Drops a staged version (its memory and files); nothing else changes.
+        OK when the version is not staged here (never arrived, timed out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadModel(self, request, context):
+        """A ready version's bytes, as the messages an upload of it sends: an
+        UploadModelHeader (model_version and weights_sha256 set), then chunks.
+        How a replica that starts pulls the current version from a peer
+        (--pull_from). FAILED_PRECONDITION when the server keeps no host copy
+        of the version (a GPU backend without --model_root).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelRepositoryServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -285,6 +329,21 @@ def add_ModelRepositoryServiceServicer_to_server(servicer, server):
                     servicer.UnloadModel,
                     request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelRequest.FromString,
                     response_serializer=detlogp_dot_v1_dot_detlogp__pb2.UnloadModelResponse.SerializeToString,
+            ),
+            'CommitVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitVersion,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.CommitVersionRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.SerializeToString,
+            ),
+            'AbortVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortVersion,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.AbortVersionRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.AbortVersionResponse.SerializeToString,
+            ),
+            'DownloadModel': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadModel,
+                    request_deserializer=detlogp_dot_v1_dot_detlogp__pb2.DownloadModelRequest.FromString,
+                    response_serializer=detlogp_dot_v1_dot_detlogp__pb2.UploadModelRequest.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +457,87 @@ class ModelRepositoryService:
             '/detlogp.v1.ModelRepositoryService/UnloadModel',
             detlogp_dot_v1_dot_detlogp__pb2.UnloadModelRequest.SerializeToString,
             detlogp_dot_v1_dot_detlogp__pb2.UnloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.ModelRepositoryService/CommitVersion',
+            detlogp_dot_v1_dot_detlogp__pb2.CommitVersionRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.ModelVersionStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/detlogp.v1.ModelRepositoryService/AbortVersion',
+            detlogp_dot_v1_dot_detlogp__pb2.AbortVersionRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.AbortVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/detlogp.v1.ModelRepositoryService/DownloadModel',
+            detlogp_dot_v1_dot_detlogp__pb2.DownloadModelRequest.SerializeToString,
+            detlogp_dot_v1_dot_detlogp__pb2.UploadModelRequest.FromString,
             options,
             channel_credentials,
             insecure,
