@@ -4,7 +4,8 @@
         --model_root /tmp/root --repeats 3
 
 1. upload: a bf16 torch tensor on the GPU (H=4096, V=151936: 1.24 GB) and the
-   same weight as a numpy uint16 view, each pushed with client.upload_model;
+   same weight as a numpy uint16 view, each pushed whole with
+   client.upload_model(base_version=0) (never a delta);
    "prepare" is the client's work before the first byte (leaving the GPU,
    the digest), "upload" the time from the first byte to the call's return
    (uploaded, digest checked, on the GPU, warmed up, persisted when
@@ -70,7 +71,7 @@ def main():
         weight[repeat % args.vocab, 0] += 1  # a new digest each time
         seconds, head = timed(lambda: prepared(weight))
         results["prepare_torch_cuda_s"].append(seconds)
-        seconds, pushed = timed(lambda: client.upload_model("policy", head))
+        seconds, pushed = timed(lambda: client.upload_model("policy", head, base_version=0))
         results["upload_torch_cuda_s"].append(seconds)
         print(
             json.dumps(
@@ -91,7 +92,7 @@ def main():
         host[repeat % args.vocab, 1] ^= 1
         seconds, head = timed(lambda: prepared(host))
         results["prepare_numpy_s"].append(seconds)
-        seconds, pushed = timed(lambda: client.upload_model("policy", head))
+        seconds, pushed = timed(lambda: client.upload_model("policy", head, base_version=0))
         results["upload_numpy_s"].append(seconds)
         print(
             json.dumps(
