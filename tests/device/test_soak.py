@@ -20,8 +20,9 @@ import time
 
 import gates
 import pytest
+from detlogp.loadgen import cancellation_storm as storm
 from models import SYNTHETIC_MODEL
-from storms import last_third_growth, process_memory_kib, storm, unexpected_outcomes
+from storms import last_third_growth, process_memory_kib, unexpected_outcomes
 
 pytestmark = pytest.mark.soak
 

@@ -10,9 +10,8 @@ from collections import Counter
 
 import grpc
 import grpc.aio
-import numpy as np
 from detlogp import requests
-from detlogp.loadgen import RowPool
+from detlogp.loadgen import RowPool, cancellation_storm
 from detlogp.testing import LocalServer
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
@@ -21,72 +20,10 @@ PHASE_S = 8.0
 MAX_CALLS = 200_000
 
 
-async def storm(target, pool, seconds, cancel_fraction, seed, stream_fraction=0.5):
-    """Mixed calls from CLIENTS coroutines; returns outcome counts."""
-    counts = Counter()
-    end = time.monotonic() + seconds
-    channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
-    stubs = [pb_grpc.LogProbServiceStub(c) for c in channels]
-
-    def make_request(rng):
-        rows = rng.sample(range(len(pool.targets)), rng.randint(1, 8))
-        return rows, requests.logprob_request(
-            pool.hidden[rows], pool.targets[rows], return_lse=True
-        )
-
-    def check(rows, response):
-        got = np.array(response.logprobs, np.float32)
-        counts["rows_checked"] += len(rows)
-        counts["rows_mismatched"] += int(
-            np.sum(got.view(np.uint32) != pool.solo_logp[rows].view(np.uint32))
-        )
-
-    async def client(index):
-        rng = random.Random(seed * 1000 + index)
-        stub = stubs[index % len(stubs)]
-        while time.monotonic() < end and counts["calls"] < MAX_CALLS:
-            counts["calls"] += 1
-            cancel = rng.random() < cancel_fraction
-            delay = rng.uniform(0, 0.01)
-            if rng.random() >= stream_fraction:
-                rows, request = make_request(rng)
-                call = stub.ComputeLogProbs(request, timeout=30)
-                if cancel:
-                    await asyncio.sleep(delay)
-                    call.cancel()
-                try:
-                    check(rows, await call)
-                    counts["unary_ok"] += 1
-                except asyncio.CancelledError:
-                    counts["unary_cancelled"] += 1
-                except grpc.RpcError as error:
-                    counts[f"unary_{error.code().name}"] += 1
-            else:
-                batch = [make_request(rng) for _ in range(rng.randint(1, 5))]
-                call = stub.StreamLogProbs(timeout=30)
-                try:
-                    for _, request in batch:
-                        await call.write(request)
-                    await call.done_writing()
-                    if cancel:
-                        await asyncio.sleep(delay)
-                        call.cancel()
-                    answered = 0
-                    async for response in call:
-                        check(batch[answered][0], response)
-                        answered += 1
-                    counts["stream_ok" if answered == len(batch) else "stream_short"] += 1
-                except asyncio.CancelledError:
-                    counts["stream_cancelled"] += 1
-                except grpc.RpcError as error:
-                    counts[f"stream_{error.code().name}"] += 1
-                except grpc.aio.UsageError:  # write after our own cancel
-                    counts["stream_cancelled"] += 1
-
-    await asyncio.gather(*[client(i) for i in range(CLIENTS)])
-    for channel in channels:
-        await channel.close()
-    return counts
+async def storm(target, pool, seconds, cancel_fraction, seed):
+    return await cancellation_storm(
+        target, pool, seconds, cancel_fraction, seed, clients=CLIENTS, max_calls=MAX_CALLS
+    )
 
 
 def test_cancellation_storm_keeps_serving_and_memory_flat(server_binary, model, report):

@@ -28,12 +28,16 @@ import time
 from collections import Counter
 from typing import List, Optional
 
+import grpc
+import grpc.aio
 import numpy as np
 
+from detlogp import requests as requests_module
 from detlogp.aio import AsyncClient
 from detlogp.client import Client
 from detlogp.errors import DetlogpError
 from detlogp.retry import NO_RETRY
+from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
 # What a request asks for beyond log p(target) and lse: (return_entropy, top_k).
 NEITHER = (False, 0)
@@ -445,3 +449,86 @@ async def run_load(config, pool):
         for client in clients:
             await client.close()
     return report
+
+
+async def cancellation_storm(
+    target,
+    pool,
+    seconds,
+    cancel_fraction,
+    seed,
+    clients=40,
+    stream_fraction=0.5,
+    max_calls=1_000_000,
+):
+    """Mixed unary and streaming calls of random `pool` rows (a RowPool
+    scored alone) from `clients` coroutines for `seconds` (at most
+    `max_calls`); about cancel_fraction of them cancelled at a random moment
+    in [0, 10 ms]. Every answer that arrives is checked against its rows'
+    solo bits. Returns outcome counts (calls, unary_ok, unary_cancelled,
+    stream_ok, stream_short, stream_cancelled, <kind>_<gRPC code>,
+    rows_checked, rows_mismatched)."""
+    counts = Counter()
+    end = time.monotonic() + seconds
+    channels = [grpc.aio.insecure_channel(target) for _ in range(8)]
+    stubs = [pb_grpc.LogProbServiceStub(c) for c in channels]
+
+    def make_request(rng):
+        rows = rng.sample(range(len(pool.targets)), rng.randint(1, 8))
+        return rows, requests_module.logprob_request(
+            pool.hidden[rows], pool.targets[rows], return_lse=True
+        )
+
+    def check(rows, response):
+        got = np.array(response.logprobs, np.float32)
+        counts["rows_checked"] += len(rows)
+        counts["rows_mismatched"] += int(
+            np.sum(got.view(np.uint32) != pool.solo_logp[rows].view(np.uint32))
+        )
+
+    async def client(index):
+        rng = random.Random(seed * 1000 + index)
+        stub = stubs[index % len(stubs)]
+        while time.monotonic() < end and counts["calls"] < max_calls:
+            counts["calls"] += 1
+            cancel = rng.random() < cancel_fraction
+            delay = rng.uniform(0, 0.01)
+            if rng.random() >= stream_fraction:
+                rows, request = make_request(rng)
+                call = stub.ComputeLogProbs(request, timeout=30)
+                if cancel:
+                    await asyncio.sleep(delay)
+                    call.cancel()
+                try:
+                    check(rows, await call)
+                    counts["unary_ok"] += 1
+                except asyncio.CancelledError:
+                    counts["unary_cancelled"] += 1
+                except grpc.RpcError as error:
+                    counts[f"unary_{error.code().name}"] += 1
+            else:
+                batch = [make_request(rng) for _ in range(rng.randint(1, 5))]
+                call = stub.StreamLogProbs(timeout=30)
+                try:
+                    for _, request in batch:
+                        await call.write(request)
+                    await call.done_writing()
+                    if cancel:
+                        await asyncio.sleep(delay)
+                        call.cancel()
+                    answered = 0
+                    async for response in call:
+                        check(batch[answered][0], response)
+                        answered += 1
+                    counts["stream_ok" if answered == len(batch) else "stream_short"] += 1
+                except asyncio.CancelledError:
+                    counts["stream_cancelled"] += 1
+                except grpc.RpcError as error:
+                    counts[f"stream_{error.code().name}"] += 1
+                except grpc.aio.UsageError:  # write after our own cancel
+                    counts["stream_cancelled"] += 1
+
+    await asyncio.gather(*[client(i) for i in range(clients)])
+    for channel in channels:
+        await channel.close()
+    return counts
