@@ -25,6 +25,7 @@
 #include "kernels/random_normal.h"
 #include "proto/status_details.h"
 #include "tests/assert_ok.h"
+#include "tests/fleet_test_heads.h"
 #include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
@@ -35,40 +36,17 @@ using client::LmHeadDelta;
 using client::LmHeadUpload;
 using client::LogpClient;
 using client::ModelRepositoryClient;
+using testing::BytesReceived;
+using testing::Latest;
 using testing::MakeTempDir;
+using testing::RandomLmHead;
+using testing::Repo;
 using testing::ServerProcess;
+using testing::Step;
 using testing::WriteLmHeadFile;
 
-constexpr int64_t kH = 128;
-constexpr int64_t kV = 2000;
-
-LmHeadUpload RandomLmHead(uint64_t seed) {
-  LmHeadUpload upload;
-  upload.model = "policy";
-  upload.hidden_size = kH;
-  upload.padded_vocab_size = kV;
-  kernels::RandomNormal random(seed * 7919 + 11);
-  upload.weight.resize(kV * kH);
-  for (uint16_t& w : upload.weight) {
-    w = kernels::FloatToBf16(random.Next(0.02f));
-  }
-  upload.bias.resize(kV);
-  for (float& b : upload.bias) b = random.Next(0.1f);
-  return upload;
-}
-
-// One training step's worth of change: ~4% of the weights move by one bf16
-// step, and a few bias values move.
-LmHeadUpload Step(const LmHeadUpload& base, uint64_t seed) {
-  LmHeadUpload next = base;
-  std::mt19937_64 random(seed);
-  std::bernoulli_distribution changes(0.04);
-  for (uint16_t& w : next.weight) {
-    if (changes(random)) w = static_cast<uint16_t>(w ^ 1);
-  }
-  for (size_t i = 0; i < next.bias.size(); i += 97) next.bias[i] += 1e-3f;
-  return next;
-}
+constexpr int64_t kH = testing::kFleetHidden;
+constexpr int64_t kV = testing::kFleetVocab;
 
 std::unique_ptr<ServerProcess> StartServer(std::vector<std::string> args) {
   args.insert(args.begin(), {"--device=cpu", "--bias_tensor=lm_head.bias",
@@ -76,12 +54,6 @@ std::unique_ptr<ServerProcess> StartServer(std::vector<std::string> args) {
   auto server = ServerProcess::Start(args, 60);
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? *std::move(server) : nullptr;
-}
-
-std::unique_ptr<ModelRepositoryClient> Repo(const ServerProcess& server) {
-  LogpClient::Options connection;
-  connection.target = server.target();
-  return *ModelRepositoryClient::Create(connection, {});
 }
 
 // (logprob bits, lse bits) of fixed rows scored on `version`.
@@ -106,31 +78,6 @@ std::vector<std::pair<uint32_t, uint32_t>> ScoredBits(
     out.push_back({lp, lse});
   }
   return out;
-}
-
-int64_t Latest(const ServerProcess& server) {
-  auto models = Repo(server)->ListModels();
-  EXPECT_TRUE(models.ok()) << models.status();
-  for (const auto& info : models->models()) {
-    if (info.model() == "policy") return info.model_version();
-  }
-  return 0;
-}
-
-// The value of detlogp_model_bytes_received_total{from="<from>"}.
-double BytesReceived(const ServerProcess& server, const std::string& from) {
-  auto text = server.HttpGet("/metrics");
-  EXPECT_TRUE(text.ok()) << text.status();
-  const std::string key =
-      absl::StrCat("detlogp_model_bytes_received_total{from=\"", from, "\"} ");
-  const size_t at = text.ok() ? text->find(key) : std::string::npos;
-  EXPECT_NE(at, std::string::npos) << (text.ok() ? *text : "");
-  if (at == std::string::npos) return -1;
-  const size_t begin = at + key.size();
-  double value = -1;
-  EXPECT_TRUE(absl::SimpleAtod(
-      text->substr(begin, text->find('\n', begin) - begin), &value));
-  return value;
 }
 
 class FleetUploadTest : public ::testing::Test {

@@ -29,6 +29,7 @@
 #include "kernels/random_normal.h"
 #include "proto/status_details.h"
 #include "tests/assert_ok.h"
+#include "tests/fleet_test_heads.h"
 #include "tests/lm_head_test_files.h"
 #include "tests/server_process.h"
 
@@ -40,48 +41,21 @@ using client::LogpClient;
 using client::ModelRepositoryClient;
 using client::PushOptions;
 using client::PushReport;
+using testing::BytesReceived;
+using testing::Latest;
 using testing::MakeTempDir;
+using testing::RandomLmHead;
+using testing::Repo;
 using testing::ServerProcess;
+using testing::Step;
 using testing::WriteLmHeadFile;
 using v1::ModelVersionStatus;
 
-constexpr int64_t kH = 128;
-constexpr int64_t kV = 2000;
+constexpr int64_t kH = testing::kFleetHidden;
+constexpr int64_t kV = testing::kFleetVocab;
 // One version of [2000, 128] bf16 + fp32 bias is 520000 bytes on the CPU
 // backend: a replica bounded to this holds one version, never two.
 constexpr char kRoomForOneVersion[] = "--max_model_memory_bytes=700000";
-
-LmHeadUpload RandomLmHead(uint64_t seed) {
-  LmHeadUpload upload;
-  upload.model = "policy";
-  upload.hidden_size = kH;
-  upload.padded_vocab_size = kV;
-  kernels::RandomNormal random(seed * 7919 + 11);
-  upload.weight.resize(kV * kH);
-  for (uint16_t& w : upload.weight)
-    w = kernels::FloatToBf16(random.Next(0.02f));
-  upload.bias.resize(kV);
-  for (float& b : upload.bias) b = random.Next(0.1f);
-  return upload;
-}
-
-// ~4% of the weights move by one bf16 step.
-LmHeadUpload Step(const LmHeadUpload& base, uint64_t seed) {
-  LmHeadUpload next = base;
-  std::mt19937_64 random(seed);
-  std::bernoulli_distribution changes(0.04);
-  for (uint16_t& w : next.weight) {
-    if (changes(random)) w = static_cast<uint16_t>(w ^ 1);
-  }
-  next.version = 0;
-  return next;
-}
-
-std::unique_ptr<ModelRepositoryClient> Repo(const ServerProcess& server) {
-  LogpClient::Options connection;
-  connection.target = server.target();
-  return *ModelRepositoryClient::Create(connection, {});
-}
 
 // Every version of "policy" on the server, by number.
 std::map<int64_t, ModelVersionStatus> Versions(const ServerProcess& server) {
@@ -95,15 +69,6 @@ std::map<int64_t, ModelVersionStatus> Versions(const ServerProcess& server) {
       out[version.version()] = version;
   }
   return out;
-}
-
-int64_t Latest(const ServerProcess& server) {
-  auto models = Repo(server)->ListModels();
-  EXPECT_TRUE(models.ok()) << models.status();
-  for (const auto& info : models->models()) {
-    if (info.model() == "policy") return info.model_version();
-  }
-  return 0;
 }
 
 v1::LogProbRequest FixedRequest(int64_t version) {
@@ -139,21 +104,6 @@ std::unique_ptr<LogpClient> ScoringClient(const ServerProcess& server) {
   LogpClient::Options options;
   options.target = server.target();
   return *LogpClient::Create(options);
-}
-
-// The value of detlogp_model_bytes_received_total{from="<from>"}.
-double BytesReceived(const ServerProcess& server, const std::string& from) {
-  auto text = server.HttpGet("/metrics");
-  EXPECT_TRUE(text.ok()) << text.status();
-  const std::string key =
-      absl::StrCat("detlogp_model_bytes_received_total{from=\"", from, "\"} ");
-  const size_t at = text.ok() ? text->find(key) : std::string::npos;
-  if (at == std::string::npos) return -1;
-  const size_t begin = at + key.size();
-  double value = -1;
-  EXPECT_TRUE(absl::SimpleAtod(
-      text->substr(begin, text->find('\n', begin) - begin), &value));
-  return value;
 }
 
 class TwoPhasePublishTest : public ::testing::Test {
