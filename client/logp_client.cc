@@ -105,6 +105,9 @@ std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
     policy = "round_robin";
   }
   if (!policy.empty()) args.SetLoadBalancingPolicyName(policy);
+  for (const auto& [key, value] : options.int_channel_args) {
+    args.SetInt(key, value);
+  }
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       grpc::InsecureChannelCredentials();
   if (!options.tls_root_certs.empty()) {
@@ -398,8 +401,8 @@ int LogpClient::ReleaseIdleSystemRegions() {
 }
 
 absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
-    const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
-  const std::string& data = request.hidden().data();
+    const detlogp::v1::LogProbRequest& request, absl::string_view data,
+    absl::Time deadline) {
   if (data.empty() || request.hidden().has_shared_memory()) {
     return std::nullopt;
   }
@@ -494,7 +497,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
   deadline = std::min(deadline, absl::Now() + options_.timeout);
   if (options_.system_shared_memory) {
-    auto through_region = ScoreThroughSystemRegion(request, deadline);
+    auto through_region =
+        ScoreThroughSystemRegion(request, request.hidden().data(), deadline);
     if (!through_region.ok()) return through_region.status();
     if (through_region->has_value()) return **std::move(through_region);
   }
@@ -523,8 +527,13 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
                      header.target_ids_size(), " targets of ", RowBytes(header),
                      " bytes each (hidden.shape and dtype)"));
   }
-  return ScoreCut(header, rows, /*rows_beside=*/true,
-                  std::min(deadline, absl::Now() + options_.timeout));
+  deadline = std::min(deadline, absl::Now() + options_.timeout);
+  if (options_.system_shared_memory) {
+    auto through_region = ScoreThroughSystemRegion(header, rows, deadline);
+    if (!through_region.ok()) return through_region.status();
+    if (through_region->has_value()) return **std::move(through_region);
+  }
+  return ScoreCut(header, rows, /*rows_beside=*/true, deadline);
 }
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(

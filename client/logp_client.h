@@ -60,6 +60,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/channel.h>
@@ -167,6 +168,9 @@ class LogpClient {
     // "round_robin" for a "dns:" target (a headless Service's pods, each
     // call to the next), gRPC's default (pick_first) otherwise.
     std::string load_balancing_policy;
+    // More integer channel arguments by gRPC's name (keepalive, message
+    // sizes, ...), set on every channel of the client after the ones above.
+    std::vector<std::pair<std::string, int>> int_channel_args;
     // Score sends hidden rows through a system shared-memory region this
     // client owns when the server allows it (same host,
     // --allow_shared_memory). Each call made at once has a region of its
@@ -246,9 +250,9 @@ class LogpClient {
   // The same for rows given beside the request: `header` carries neither
   // hidden.data nor a region (its shape and dtype say what `rows` hold), and
   // `rows` (read during the call only) are written once, straight into each
-  // request's gRPC buffer, never copied into a message first. They go in
-  // the messages (not through the system region); INVALID_ARGUMENT naming
-  // hidden.data when they do not fill the shape.
+  // request's gRPC buffer (or into a system region with
+  // Options::system_shared_memory), never copied into a message first;
+  // INVALID_ARGUMENT naming hidden.data when they do not fill the shape.
   absl::StatusOr<ScoreResult> Score(
       const detlogp::v1::LogProbRequest& header, absl::string_view rows,
       absl::Time deadline = absl::InfiniteFuture());
@@ -431,11 +435,13 @@ class LogpClient {
     int64_t bytes() const { return memory->bytes(); }
   };
   // Through one of the client's system regions (taken from the pool, made
-  // or grown and registered as needed): the request's hidden bytes copied
-  // in and named. nullopt when the request has no bytes to move or the
-  // server refused regions (the caller sends the bytes).
+  // or grown and registered as needed): `data`, the request's hidden bytes
+  // (its own, or given beside it), copied in and named. nullopt when there
+  // are no bytes to move or the server refused regions (the caller sends
+  // the bytes).
   absl::StatusOr<std::optional<ScoreResult>> ScoreThroughSystemRegion(
-      const detlogp::v1::LogProbRequest& request, absl::Time deadline);
+      const detlogp::v1::LogProbRequest& request, absl::string_view data,
+      absl::Time deadline);
   absl::StatusOr<std::unique_ptr<SystemRegion>> MakeSystemRegion(int64_t bytes);
   void ReleaseSystemRegion(const SystemRegion& region);
   // Unregisters the pool's idle regions; how many there were.
