@@ -249,10 +249,6 @@ detlogp::v1::LogProbRequest WithoutHiddenBytes(
   return copy;
 }
 
-// Calls this large always fit the server's defaults (65,536 rows, 640 MiB)
-// and the client's: no need to ask for the limits.
-constexpr int64_t kRowsThatAlwaysFit = 1024;
-constexpr int64_t kBytesThatAlwaysFit = int64_t{16} << 20;
 // Room for a row's target id (a varint) and the message's other fields.
 constexpr int64_t kTargetBytes = 11;
 constexpr int64_t kMessageOverheadBytes = 64 << 10;
@@ -343,12 +339,9 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
   int64_t max_rows = options_.max_request_rows;
   int64_t max_message_bytes = options_.max_message_bytes;
   if (max_rows <= 0) {
-    // A spread call is cut anyway: its requests follow the server's limits,
-    // asked once, even where its defaults would take the call whole.
-    if (!spread && rows <= kRowsThatAlwaysFit &&
-        rows * wire_row_bytes <= kBytesThatAlwaysFit) {
-      return 0;
-    }
+    // A server may take fewer rows than its defaults (--max_request_rows):
+    // its limits are asked once, for the first call of more than one row.
+    if (!spread && rows <= 1) return 0;
     absl::MutexLock lock(&limits_mu_);
     if (!limits_.has_value()) {
       auto info = GetModelInfo(request.model(), request.model_version());
