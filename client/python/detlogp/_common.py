@@ -396,6 +396,10 @@ class ClientState:
         self._limits = [None] * len(self.targets)
         self._limits_asked = [None] * len(self.targets)  # monotonic time
         self._engines, self._engine_refusal = self._make_engines(list(channel_args))
+        # Whether any target may get rows through the engine's regions, and
+        # whether a refusal of them was logged (once per client).
+        self._regions_wanted = any(any(options.regions_for(t)) for t in self.targets)
+        self._refusal_logged = False
         # Regions are released by close(), or at exit when it was not called.
         self._close_engines = weakref.finalize(self, _close_all, self._engines)
 
@@ -462,6 +466,16 @@ class ClientState:
     def _next_engine(self):
         """The engine of the next target round-robin."""
         return self._engines[self._rr.next()]
+
+    def _after_engine(self, made, result):
+        """`result`, a region's refusal logged once per client (the result's
+        path says where the rows went)."""
+        if self._regions_wanted and not self._refusal_logged:
+            why = made.shared_memory_refusal()
+            if why:
+                self._refusal_logged = True
+                log.warning("the server refused the engine's shared memory: %s", why)
+        return result
 
     def _close_engines_now(self):
         self._close_engines()

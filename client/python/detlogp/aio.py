@@ -127,8 +127,12 @@ class AsyncClient(ClientState):
         if self._needs_limits(call):
             await self._learn_limits(deadline)
         if self._route(call) == calls.ENGINE:
-            result = await self._next_engine().score_async(
-                call, asyncio.get_running_loop(), timings, deadline.remaining()
+            made = self._next_engine()
+            result = self._after_engine(
+                made,
+                await made.score_async(
+                    call, asyncio.get_running_loop(), timings, deadline.remaining()
+                ),
             )
         else:
             sending = calls.TimedRequest(call, timings)

@@ -186,7 +186,8 @@ class Client(ClientState):
         if self._needs_limits(call):
             self._learn_limits(deadline)
         if self._route(call) == calls.ENGINE:
-            result = self._next_engine().score(call, timings, deadline.remaining())
+            made = self._next_engine()
+            result = self._after_engine(made, made.score(call, timings, deadline.remaining()))
         else:
             sending = calls.TimedRequest(call, timings)
             data = self._unary(
