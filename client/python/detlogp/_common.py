@@ -393,6 +393,10 @@ class ClientState:
         # engine for larger calls.
         self._compute_raw = [self._raw_compute(c) for c in self._channels]
         self._limits_lock = threading.Lock()
+        # Held by the call asking for limits: calls meanwhile wait for them
+        # (a path is chosen from known limits; a target that does not
+        # answer is taken to have the server's defaults).
+        self._asking_lock = threading.Lock()
         self._limits = [None] * len(self.targets)
         self._limits_asked = [None] * len(self.targets)  # monotonic time
         self._engines, self._engine_refusal = self._make_engines(list(channel_args))
@@ -448,8 +452,8 @@ class ClientState:
         return call, timings, started
 
     def _needs_limits(self, call):
-        """Whether the targets' limits must be known to choose the call's
-        path (a call of one row always fits)."""
+        """Whether the targets' limits may have to be asked to choose the
+        call's path (a call of one row always fits)."""
         return call.well_formed and call.rows > 1 and any(k is None for k in self._limits)
 
     def _route(self, call):

@@ -47,6 +47,8 @@ class AsyncClient(ClientState):
     _make_channel = staticmethod(make_aio_channel)
     # Each call carries the token as metadata: see make_aio_channel.
     _channel_sends_token = False
+    # Held by the call asking for limits (made in the client's loop).
+    _asking = None
 
     async def close(self):
         self._close_engines_now()
@@ -149,17 +151,24 @@ class AsyncClient(ClientState):
         return result
 
     async def _learn_limits(self, deadline):
-        for index in self._targets_to_ask_limits():
-            left = deadline.remaining()
-            try:
-                info = await self._logp[index].GetModelInfo(
-                    requests.model_info_request(),
-                    timeout=min(left or 10.0, 10.0),
-                    metadata=self._scoring_metadata,
-                )
-            except grpc.RpcError:
-                continue
-            self._limits[index] = calls.ServerLimits.from_model_info(info)
+        """Client._learn_limits on this loop (calls meanwhile wait)."""
+        if self._asking is None:
+            self._asking = asyncio.Lock()
+        async with self._asking:
+            for index in self._targets_to_ask_limits():
+                left = deadline.remaining()
+                try:
+                    info = await self._logp[index].GetModelInfo(
+                        requests.model_info_request(),
+                        timeout=min(left or 10.0, 10.0),
+                        metadata=self._scoring_metadata,
+                    )
+                except grpc.RpcError:
+                    continue
+                except asyncio.CancelledError:
+                    self._limits_asked[index] = None  # the next call asks
+                    raise
+                self._limits[index] = calls.ServerLimits.from_model_info(info)
 
     async def compute(self, request, timeout=None):
         return await self._unary(

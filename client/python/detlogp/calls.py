@@ -136,10 +136,9 @@ class ServerLimits:
 
     @staticmethod
     def tightest(known):
-        """The smallest of each limit over `known`; None while one is not
-        known."""
-        if any(k is None for k in known):
-            return None
+        """The smallest of each limit over `known` (None: a server that did
+        not say, taken to have the defaults)."""
+        known = [k or ServerLimits() for k in known]
         return ServerLimits(
             min(k.max_request_rows for k in known), min(k.max_message_bytes for k in known)
         )
@@ -324,19 +323,10 @@ class LogProbCall:
 
 def choose_route(call, limits, options, receive_limit_bytes, engine_ready, target):
     """GRPCIO or ENGINE for `call` (see the module docstring);
-    EngineRequired when only the engine can send it and there is none.
-    `limits` None: not known yet (asked meanwhile): a call of several rows
-    goes through the engine, which learns them itself, or, without it, is
-    taken to fit the server's defaults."""
+    EngineRequired when only the engine can send it and there is none."""
     if not call.well_formed or call.rows == 0:
         return GRPCIO
-    if limits is None:
-        fits = call.rows == 1 or (
-            not engine_ready and call.fits_one_request(ServerLimits(), receive_limit_bytes)
-        )
-        limits = ServerLimits()
-    else:
-        fits = call.fits_one_request(limits, receive_limit_bytes)
+    fits = call.fits_one_request(limits, receive_limit_bytes)
     system, cuda = options.regions_for(target)
     through_region = system or (cuda and call.cuda_tensor is not None)
     wants_engine = (

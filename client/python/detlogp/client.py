@@ -206,15 +206,16 @@ class Client(ClientState):
         """Asks each target whose limits are unknown for them (ModelInfo);
         one that does not answer is asked again LIMITS_ASK_AGAIN_S later,
         the server's defaults assumed meanwhile."""
-        for index in self._targets_to_ask_limits():
-            left = deadline.remaining()
-            try:
-                info = self._logp[index].GetModelInfo(
-                    requests.model_info_request(), timeout=min(left or 10.0, 10.0)
-                )
-            except grpc.RpcError:
-                continue
-            self._limits[index] = calls.ServerLimits.from_model_info(info)
+        with self._asking_lock:
+            for index in self._targets_to_ask_limits():
+                left = deadline.remaining()
+                try:
+                    info = self._logp[index].GetModelInfo(
+                        requests.model_info_request(), timeout=min(left or 10.0, 10.0)
+                    )
+                except grpc.RpcError:
+                    continue
+                self._limits[index] = calls.ServerLimits.from_model_info(info)
 
     def compute(self, request, timeout=None):
         """ComputeLogProbs on a ready LogProbRequest; the raw response. A

@@ -249,7 +249,13 @@ def test_the_asyncio_client_awaits_the_engine_many_calls_at_once(server, model, 
                 client.logprobs(hidden[: len(targets) - i], targets[: len(targets) - i], timing=True, **EXTRAS)
                 for i in range(20)
             ]
-            return await asyncio.gather(*calls_at_once)
+            answers = await asyncio.gather(*calls_at_once)
+            # Cancelled while the engine has it: the engine finishes it.
+            late = asyncio.ensure_future(client.logprobs(hidden, targets))
+            await asyncio.sleep(0.001)
+            late.cancel()
+            assert (await client.logprobs(hidden, targets)).engine == "native"
+            return answers
 
     got = asyncio.run(run())
     assert all((g.engine, g.path) == ("native", "grpc") and g.timings.native for g in got)

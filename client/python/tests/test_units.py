@@ -235,7 +235,7 @@ def _route(rows, hidden, *, limits=None, engine=True, target="10.0.0.1:50051", *
     call = calls.LogProbCall(np.zeros((rows, hidden), np.uint16), np.zeros(rows), fields)
     known = limits if limits is not None else calls.ServerLimits(max_request_rows=64)
     chosen = calls.choose_route(
-        call, known if limits != "unknown" else None, calls.TransferOptions(**options),
+        call, known, calls.TransferOptions(**options),
         256 << 20, engine, target,
     )
     return chosen
@@ -253,10 +253,11 @@ def test_the_path_of_a_call_is_chosen_from_the_call_and_the_limits_alone():
     assert _route(64, 512, target="unix:/tmp/s") == ENGINE
     assert _route(64, 511, target="unix:/tmp/s") == GRPCIO
     assert _route(64, 512, target="127.0.0.1:1", shared_memory="off") == GRPCIO
-    # Limits not known yet: several rows go to the engine, which learns them.
-    assert _route(2, 4, limits="unknown") == ENGINE
-    assert _route(1, 4, limits="unknown") == GRPCIO
-    assert _route(100, 4, limits="unknown", engine=False) == GRPCIO  # the defaults fit
+    # A server that does not say has the defaults.
+    assert _route(100, 4, limits=calls.ServerLimits.tightest([None])) == GRPCIO
+    assert _route(65537, 4, limits=calls.ServerLimits.tightest([None])) == ENGINE
+    tight = calls.ServerLimits.tightest([None, calls.ServerLimits(max_request_rows=8)])
+    assert tight.max_request_rows == 8 and _route(9, 4, limits=tight) == ENGINE
     # Over the message limit, and no engine: said, never sent.
     small = calls.ServerLimits(max_request_rows=1 << 20, max_message_bytes=1 << 20)
     with pytest.raises(calls.EngineRequired, match="libdetlogp_client.so"):
