@@ -18,7 +18,7 @@ venv=${DETLOGP_VENV:-.venv-ci}
 
 # The server, the CLI (whose --help the docs check reads), the trainer-side
 # ops library (detlogp.ops, tests/test_ops.py) and the C++ client's library
-# (detlogp.native, large calls), always through Bazel (a no-op
+# (detlogp.engine, large calls), always through Bazel (a no-op
 # when current): a binary left in bazel-bin by an earlier build must never
 # stand in for this tree's.
 echo "building //server:detlogp_server //client:detlogp_cli //kernels/capi:libdetlogp_ops.so //client/capi:libdetlogp_client.so" >&2

@@ -129,9 +129,9 @@ absl::Status ApplyTargetsAndChannelArgs(const DetlogpClientOptions& options,
     }
   }
   if (options.target_count > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "targets: ", options.target_count,
-        " given; this engine serves one target per client"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("targets: ", options.target_count,
+                     " given; this engine serves one target per client"));
   }
   settings.target = options.targets[0];
   if (options.channel_arg_count > 0 && options.channel_args == nullptr) {
@@ -155,9 +155,9 @@ absl::Status ApplyTargetsAndChannelArgs(const DetlogpClientOptions& options,
           "keepalive, reconnect backoff and grpc.lb_policy_name)"));
     }
     if (arg.int_value < INT_MIN || arg.int_value > INT_MAX) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "channel_args: \"", key, "\" = ", arg.int_value,
-          " is out of int range"));
+      return absl::InvalidArgumentError(absl::StrCat("channel_args: \"", key,
+                                                     "\" = ", arg.int_value,
+                                                     " is out of int range"));
     }
     settings.int_channel_args.emplace_back(key,
                                            static_cast<int>(arg.int_value));
@@ -298,10 +298,10 @@ int detlogp_client_create(const DetlogpClientOptions* options,
   auto created = LogpClient::Create(settings);
   if (!created.ok()) return Fail(created.status(), error, error_len);
   const int threads = options->async_threads > 0 ? options->async_threads
-                                                  : kDefaultAsyncThreads;
-  *client = new DetlogpClient{
-      *std::move(created),
-      std::make_unique<detlogp::client::TaskPool>(threads)};
+                                                 : kDefaultAsyncThreads;
+  *client =
+      new DetlogpClient{*std::move(created),
+                        std::make_unique<detlogp::client::TaskPool>(threads)};
   return 0;
 }
 
@@ -332,13 +332,14 @@ int detlogp_client_score_async(DetlogpClient* client,
   try {
     client->callers->Schedule([client, request, answer, done, user_data] {
       char message[4096] = {0};
-      const int code =
-          detlogp_client_score(client, request, answer, message, sizeof(message));
+      const int code = detlogp_client_score(client, request, answer, message,
+                                            sizeof(message));
       done(user_data, code, message);
     });
   } catch (const std::exception& e) {
-    return Fail(absl::ResourceExhaustedError(absl::StrCat("C++ client: ", e.what())),
-                error, error_len);
+    return Fail(
+        absl::ResourceExhaustedError(absl::StrCat("C++ client: ", e.what())),
+        error, error_len);
   }
   return 0;
 }

@@ -26,13 +26,14 @@ digests/: found around this folder (pip builds a local folder in place), or
 in ops_src/ of an sdist (put there when the sdist is made).
 
 The C++ client's library libdetlogp_client.so (client/capi/detlogp_client.h,
-which detlogp.native hands large calls to) is built beside it from client/
+the engine detlogp.engine hands every call larger than one request to) is
+built beside it from client/
 and proto/ when gRPC's C++ build tools are there: protoc, grpc_cpp_plugin
 and pkg-config's grpc++ and protobuf (Debian: protobuf-compiler-grpc,
 libgrpc++-dev, libprotobuf-dev, pkg-config). DETLOGP_BUILD_CLIENT chooses:
 
     unset, "auto" built when those are found, else skipped, saying why
-                  (large calls then go through grpcio)
+                  (calls larger than one request then raise EngineRequired)
     "1"           built, or the install fails saying what is missing
     "0"           not built
 
@@ -313,7 +314,10 @@ class BuildPyWithOps(build_py):
             elif client == "required":
                 raise RuntimeError(f"DETLOGP_BUILD_CLIENT=1: {CLIENT_LIBRARY}: {missing}")
             else:
-                print(f"detlogp: not building {CLIENT_LIBRARY} ({missing}); large calls use grpcio")
+                print(
+                    f"detlogp: not building {CLIENT_LIBRARY} ({missing}); calls larger "
+                    "than one request will need it"
+                )
         mode = _mode()
         if mode == "none":
             return

@@ -9,6 +9,7 @@ TransferOptions, CallTimings  which calls go through the C++ engine, and where t
 """
 
 from detlogp import aio  # noqa: E402  (detlogp.aio.AsyncClient)
+from detlogp.calls import CallTimings, EngineRequired, TransferOptions
 from detlogp.client import Client
 from detlogp.errors import (
     Cancelled,
@@ -29,7 +30,6 @@ from detlogp.errors import (
 from detlogp.heap import keep_freed_memory
 from detlogp.results import LogProbResult, ModelVersionResult, ProjectResult
 from detlogp.retry import NO_RETRY, RetryPolicy
-from detlogp.calls import CallTimings, EngineRequired, TransferOptions
 from detlogp.weights import LmHead, lm_head_sha256
 
 __all__ = [

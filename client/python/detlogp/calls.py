@@ -279,9 +279,10 @@ class LogProbCall:
         room = limits.max_message_bytes - MESSAGE_HEADROOM_BYTES
         answer_room = min(receive_limit_bytes, limits.max_message_bytes) - MESSAGE_HEADROOM_BYTES
         fields = self.fields
-        answer_row = 4 * (1 + fields.return_lse + fields.return_entropy) + min(
-            fields.top_k, _MAX_TOP_K_ANSWERED
-        ) * _TOP_K_ROW_BYTES
+        answer_row = (
+            4 * (1 + fields.return_lse + fields.return_entropy)
+            + min(fields.top_k, _MAX_TOP_K_ANSWERED) * _TOP_K_ROW_BYTES
+        )
         return (
             self.rows <= limits.max_request_rows
             and self.rows * (10 + self.row_bytes) <= room

@@ -130,7 +130,9 @@ def test_the_path_is_chosen_by_the_call_alone(server, model, max_request_rows):
         large = client.logprobs(np.vstack([hidden, hidden]), np.concatenate([targets] * 2))
         assert (large.engine, large.path) == ("native", "grpc")
         # A call's own deadline goes with it to the engine.
-        again = client.logprobs(np.vstack([hidden, hidden]), np.concatenate([targets] * 2), timeout=5)
+        again = client.logprobs(
+            np.vstack([hidden, hidden]), np.concatenate([targets] * 2), timeout=5
+        )
         assert again.engine == "native"
     by_bytes = options(engine_min_bytes=hidden.nbytes)
     with detlogp.Client(server.target, timeout=60, transfer_options=by_bytes) as client:
@@ -246,7 +248,9 @@ def test_the_asyncio_client_awaits_the_engine_many_calls_at_once(server, model, 
             await asyncio.sleep(0)
             cancelled.cancel()
             calls_at_once = [
-                client.logprobs(hidden[: len(targets) - i], targets[: len(targets) - i], timing=True, **EXTRAS)
+                client.logprobs(
+                    hidden[: len(targets) - i], targets[: len(targets) - i], timing=True, **EXTRAS
+                )
                 for i in range(20)
             ]
             answers = await asyncio.gather(*calls_at_once)
@@ -335,6 +339,7 @@ def test_the_installed_package_carries_the_engine(server, model, max_request_row
         "`pip install ./client/python` (tools/test_python.sh does)"
     )
     want = in_small_calls(server.target, hidden, targets, max_request_rows)
-    assert np.load(tmp_path / "logp.npy").tobytes() == np.concatenate(
-        [p.logprobs for p in want]
-    ).tobytes()
+    assert (
+        np.load(tmp_path / "logp.npy").tobytes()
+        == np.concatenate([p.logprobs for p in want]).tobytes()
+    )

@@ -235,8 +235,12 @@ def _route(rows, hidden, *, limits=None, engine=True, target="10.0.0.1:50051", *
     call = calls.LogProbCall(np.zeros((rows, hidden), np.uint16), np.zeros(rows), fields)
     known = limits if limits is not None else calls.ServerLimits(max_request_rows=64)
     chosen = calls.choose_route(
-        call, known, calls.TransferOptions(**options),
-        256 << 20, engine, target,
+        call,
+        known,
+        calls.TransferOptions(**options),
+        256 << 20,
+        engine,
+        target,
     )
     return chosen
 
@@ -269,7 +273,13 @@ def test_the_path_of_a_call_is_chosen_from_the_call_and_the_limits_alone():
 def test_same_host_targets_are_unix_sockets_and_loopback_addresses():
     from detlogp.calls import is_same_host
 
-    for target in ("unix:/tmp/s", "127.0.0.1:5", "localhost:5", "[::1]:5", "ipv4:127.0.0.1:1,127.0.0.2:2"):
+    for target in (
+        "unix:/tmp/s",
+        "127.0.0.1:5",
+        "localhost:5",
+        "[::1]:5",
+        "ipv4:127.0.0.1:1,127.0.0.2:2",
+    ):
         assert is_same_host(target), target
     for target in ("10.0.0.1:5", "dns:///detlogp.svc:5", "ipv4:127.0.0.1:1,10.0.0.2:2"):
         assert not is_same_host(target), target

@@ -92,8 +92,12 @@ def test_malformed_calls_go_whole_so_the_server_names_the_field():
         call = calls.LogProbCall(hidden, targets, fields)
         assert not call.well_formed
         route = calls.choose_route(
-            call, calls.ServerLimits(max_request_rows=1), calls.TransferOptions(), 1 << 30,
-            True, "127.0.0.1:1",
+            call,
+            calls.ServerLimits(max_request_rows=1),
+            calls.TransferOptions(),
+            1 << 30,
+            True,
+            "127.0.0.1:1",
         )
         assert route == calls.GRPCIO
         built = requests.logprob_request(hidden, targets)
