@@ -156,6 +156,12 @@ class LogpClient {
  public:
   struct Options {
     std::string target = "127.0.0.1:50051";
+    // The replicas of one model, each "host:port" (or any gRPC target
+    // naming one server). Not empty: `target` is ignored, and a Score
+    // call's requests are spread over the replicas by rows outstanding at
+    // each; a replica that fails or goes away has its requests sent again
+    // to another one within the call's deadline. Empty: `target` alone.
+    std::vector<std::string> targets;
     // Deadline of each call from its start: a Score call's covers every
     // request it is cut into (a call may also name a sooner one).
     absl::Duration timeout = absl::Seconds(60);
