@@ -46,6 +46,10 @@ struct ScoreResult {
   // or "cuda_shm" (the client's own region of that kind), "named_region"
   // (a region the request named).
   std::string path = "grpc";
+  // The client's region path the call asked for and the server refused at
+  // registration ("system_shm" or "cuda_shm"; the rows then took `path`),
+  // on every call after the refusal; empty when none was refused.
+  std::string path_refused;
   // Whether the hidden rows went through a shared-memory region (path is
   // not "grpc").
   bool used_shared_memory = false;
