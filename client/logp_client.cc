@@ -2,7 +2,6 @@
 
 #include <grpc/slice.h>
 #include <grpcpp/create_channel.h>
-#include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/sync_stream.h>
@@ -240,6 +239,13 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
   detlogp::v1::ModelInfo info;
   grpc::Status status = stub_->GetModelInfo(&context, request, &info);
   if (!status.ok()) return FromGrpcStatus(status);
+  // The first replica's queue is now known: its calls need not ask.
+  Replica& first = *replicas_.front();
+  absl::MutexLock lock(&first.mu);
+  if (!first.info.has_value()) {
+    first.window.SetCapacity(info.max_queue_rows());
+    first.info = info;
+  }
   return info;
 }
 
@@ -699,6 +705,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   ScoreResult joined = JoinScoreResults(*std::move(answers));
   joined.connections = connections_used;
   joined.queue_full_retries = stats.queue_full_retries;
+  joined.replica_retries = stats.replica_retries;
   return joined;
 }
 

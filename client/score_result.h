@@ -42,6 +42,9 @@ struct ScoreResult {
   // Requests the server refused for a full queue and the client sent again
   // after its retry delay.
   int64_t queue_full_retries = 0;
+  // Requests sent again to another replica after theirs failed or went
+  // away (Options::targets).
+  int64_t replica_retries = 0;
   // How the hidden rows travelled: "grpc" (in the messages), "system_shm"
   // or "cuda_shm" (the client's own region of that kind), "named_region"
   // (a region the request named).
