@@ -165,6 +165,11 @@ TEST_F(CapiClientTest, RefusesOptionsNamingTheFieldOrKey) {
   DetlogpClientOptions blank = Options();
   blank.targets = empty;
   EXPECT_EQ(refused(blank).second, "targets[0]: empty");
+  const char* second_empty[] = {target_.c_str(), ""};
+  DetlogpClientOptions pair = Options();
+  pair.targets = second_empty;
+  pair.target_count = 2;
+  EXPECT_EQ(refused(pair).second, "targets[1]: empty");
 
   DetlogpChannelArg args[] = {{"grpc.keepalive_time_ms", 20000, nullptr},
                               {"grpc.primary_user_agent", 0, "x"}};

@@ -128,12 +128,11 @@ absl::Status ApplyTargetsAndChannelArgs(const DetlogpClientOptions& options,
           absl::StrCat("targets[", i, "]: empty"));
     }
   }
-  if (options.target_count > 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("targets: ", options.target_count,
-                     " given; this engine serves one target per client"));
-  }
   settings.target = options.targets[0];
+  if (options.target_count > 1) {
+    settings.targets.assign(options.targets,
+                            options.targets + options.target_count);
+  }
   if (options.channel_arg_count > 0 && options.channel_args == nullptr) {
     return absl::InvalidArgumentError("channel_args: null");
   }

@@ -45,7 +45,10 @@ typedef struct {
 
 typedef struct {
   /* The servers, each "host:port", "unix:/path" or "dns:///...";
-   * target_count of them (at least one). */
+   * target_count of them (at least one). Several are replicas of one
+   * model: a call's requests are spread over them, and a failed one's go to
+   * another (LogpClient::Options::targets); the first also takes the
+   * control calls and the rows in the client's regions. */
   const char* const* targets;
   int target_count;
   double timeout_s;          /* per call; <= 0: LogpClient's default */

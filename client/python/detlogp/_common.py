@@ -399,16 +399,17 @@ class ClientState:
         self._asking_lock = threading.Lock()
         self._limits = [None] * len(self.targets)
         self._limits_asked = [None] * len(self.targets)  # monotonic time
-        self._engines, self._engine_refusal = self._make_engines(list(channel_args))
+        self._engine, self._engine_refusal = self._make_engine(list(channel_args))
         # Whether any target may get rows through the engine's regions, and
         # whether a refusal of them was logged (once per client).
-        self._regions_wanted = any(any(options.regions_for(t)) for t in self.targets)
+        self._regions_wanted = any(options.regions_for(self.targets[0]))
         self._refusal_logged = False
         # Regions are released by close(), or at exit when it was not called.
-        self._close_engines = weakref.finalize(self, _close_all, self._engines)
+        self._close_engine = weakref.finalize(self, _close, self._engine)
 
-    def _make_engines(self, channel_args):
-        """(one engine per target, None) or (None, why there is none)."""
+    def _make_engine(self, channel_args):
+        """(the engine over every target, None) or (None, why there is
+        none)."""
         options = self.transfer_options
         if options.native_transport == "off":
             return None, "TransferOptions.native_transport='off'"
@@ -419,27 +420,21 @@ class ClientState:
                 raise RuntimeError(f"TransferOptions.native_transport='on': {why}") from None
             log.info("calls larger than one request need the C++ engine: %s", why)
             return None, str(why)
-        made = []
-        try:
-            for target in self.targets:
-                system, cuda = options.regions_for(target)
-                settings = engine.EngineSettings(
-                    targets=[target],
-                    timeout=self.timeout,
-                    max_message_bytes=self._max_receive_bytes,
-                    connections=options.connections,
-                    request_bytes=options.slice_bytes,
-                    requests_in_flight=options.slices_in_flight_per_connection,
-                    system_shared_memory=system,
-                    cuda_shared_memory=cuda,
-                    channel_args=channel_args,
-                    security=self._sync_channel_security,
-                )
-                made.append(engine.Engine(lib, settings))
-        except BaseException:
-            _close_all(made)
-            raise
-        return made, None
+        # The engine's regions are registered with its first target.
+        system, cuda = options.regions_for(self.targets[0])
+        settings = engine.EngineSettings(
+            targets=self.targets,
+            timeout=self.timeout,
+            max_message_bytes=self._max_receive_bytes,
+            connections=options.connections,
+            request_bytes=options.slice_bytes,
+            requests_in_flight=options.slices_in_flight_per_connection,
+            system_shared_memory=system,
+            cuda_shared_memory=cuda,
+            channel_args=channel_args,
+            security=self._sync_channel_security,
+        )
+        return engine.Engine(lib, settings), None
 
     # ------------------------------------------------------------ logprobs
     def _new_call(self, hidden, targets, fields, timing):
@@ -463,26 +458,22 @@ class ClientState:
             calls.ServerLimits.tightest(self._limits),
             self.transfer_options,
             self._max_receive_bytes,
-            self._engines is not None,
+            self._engine is not None,
             self.targets[0],
         )
 
-    def _next_engine(self):
-        """The engine of the next target round-robin."""
-        return self._engines[self._rr.next()]
-
-    def _after_engine(self, made, result):
+    def _after_engine(self, result):
         """`result`, a region's refusal logged once per client (the result's
         path says where the rows went)."""
         if self._regions_wanted and not self._refusal_logged:
-            why = made.shared_memory_refusal()
+            why = self._engine.shared_memory_refusal()
             if why:
                 self._refusal_logged = True
                 log.warning("the server refused the engine's shared memory: %s", why)
         return result
 
-    def _close_engines_now(self):
-        self._close_engines()
+    def _close_engine_now(self):
+        self._close_engine()
 
     def _targets_to_ask_limits(self):
         """Targets whose limits are unknown and were not asked for lately
@@ -519,6 +510,6 @@ class ClientState:
         return self.admin_timeout if timeout is None else timeout
 
 
-def _close_all(engines):
-    for made in engines or ():
+def _close(made):
+    if made is not None:
         made.close()

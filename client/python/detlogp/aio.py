@@ -51,7 +51,7 @@ class AsyncClient(ClientState):
     _asking = None
 
     async def close(self):
-        self._close_engines_now()
+        self._close_engine_now()
         for channel in self._channels:
             await channel.close()
 
@@ -129,12 +129,10 @@ class AsyncClient(ClientState):
         if self._needs_limits(call):
             await self._learn_limits(deadline)
         if self._route(call) == calls.ENGINE:
-            made = self._next_engine()
             result = self._after_engine(
-                made,
-                await made.score_async(
+                await self._engine.score_async(
                     call, asyncio.get_running_loop(), timings, deadline.remaining()
-                ),
+                )
             )
         else:
             sending = calls.TimedRequest(call, timings)

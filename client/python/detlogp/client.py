@@ -88,7 +88,7 @@ class Client(ClientState):
 
     # ------------------------------------------------------------ lifecycle
     def close(self):
-        self._close_engines_now()
+        self._close_engine_now()
         for channel in self._channels:
             channel.close()
 
@@ -186,8 +186,9 @@ class Client(ClientState):
         if self._needs_limits(call):
             self._learn_limits(deadline)
         if self._route(call) == calls.ENGINE:
-            made = self._next_engine()
-            result = self._after_engine(made, made.score(call, timings, deadline.remaining()))
+            result = self._after_engine(
+                self._engine.score(call, timings, deadline.remaining())
+            )
         else:
             sending = calls.TimedRequest(call, timings)
             data = self._unary(
