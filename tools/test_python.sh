@@ -39,8 +39,11 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
 # The package compiles its CPU ops library (client/python/setup.py):
-# tests/test_ops.py checks the installed one against the server too.
-"$venv/bin/python" -m pip install -q "./client/python[test]" pyyaml >&2 || exit 1
+# tests/test_ops.py checks the installed one against the server too. The
+# C++ engine is required (DETLOGP_BUILD_CLIENT=1): every call larger than
+# one request goes through it, so the tests never run without it.
+DETLOGP_BUILD_CLIENT=1 "$venv/bin/python" -m pip install -q "./client/python[test]" pyyaml >&2 ||
+  exit 1
 
 # PyTorch, run on the CPU, for the torch tests (detlogp.torch and its
 # autograd, torch.compile on the CPU, which compiles with g++, torch inputs).
