@@ -611,7 +611,13 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     if (!through_region.ok()) return through_region.status();
     if (through_region->has_value()) return **std::move(through_region);
   }
-  return ScoreCut(header, rows, /*rows_beside=*/true, deadline);
+  absl::StatusOr<ScoreResult> result =
+      ScoreCut(header, rows, /*rows_beside=*/true, deadline);
+  if (result.ok() && options_.system_shared_memory && !rows.empty()) {
+    absl::MutexLock lock(&shared_memory_mu_);
+    if (!shared_memory_refusal_.empty()) result->path_refused = "system_shm";
+  }
+  return result;
 }
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(

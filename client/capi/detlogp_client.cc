@@ -251,6 +251,8 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
   CopyText(result->determinism_key, answer->determinism_key,
            sizeof(answer->determinism_key));
   CopyText(result->path, answer->path, sizeof(answer->path));
+  CopyText(result->path_refused, answer->path_refused,
+           sizeof(answer->path_refused));
   answer->queue_full_retries = result->queue_full_retries;
   return 0;
 }

@@ -123,6 +123,9 @@ typedef struct {
   char model[256];
   char determinism_key[128];
   char path[16]; /* ScoreResult::path: "grpc", "system_shm", "cuda_shm" */
+  /* The region path the server refused at registration, the rows then
+   * taking `path` ("system_shm", "cuda_shm"; empty: none refused). */
+  char path_refused[16];
   /* Requests refused for a full queue and sent again. */
   int64_t queue_full_retries;
   /* When the call fails with a status that has details (every status the

@@ -186,9 +186,7 @@ class Client(ClientState):
         if self._needs_limits(call):
             self._learn_limits(deadline)
         if self._route(call) == calls.ENGINE:
-            result = self._after_engine(
-                self._engine.score(call, timings, deadline.remaining())
-            )
+            result = self._after_engine(self._engine.score(call, timings, deadline.remaining()))
         else:
             sending = calls.TimedRequest(call, timings)
             data = self._unary(

@@ -116,6 +116,7 @@ class _Answer(ctypes.Structure):
         ("model", ctypes.c_char * 256),
         ("determinism_key", ctypes.c_char * 128),
         ("path", ctypes.c_char * 16),
+        ("path_refused", ctypes.c_char * 16),
         ("queue_full_retries", ctypes.c_int64),
         ("error_details_len", ctypes.c_int64),
         ("error_details", ctypes.c_ubyte * 4096),
@@ -406,5 +407,6 @@ class _Prepared:
             top_logprobs=self.top_logprobs,
             timings=timings,
             path=answer.path.decode() or "grpc",
+            path_refused=answer.path_refused.decode(),
             engine="native",
         )

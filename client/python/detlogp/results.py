@@ -26,6 +26,8 @@ class LogProbResult:
       logprobs() was called with timing=True, else None.
     path: how the rows travelled: "grpc" (in the messages), "system_shm" or
       "cuda_shm" (a shared-memory region of the engine's).
+    path_refused: the region path the server refused ("system_shm",
+      "cuda_shm"; the rows then took `path`), else "".
     engine: "native" when the C++ engine sent the call, "python" when it
       was one request sent by grpcio."""
 
@@ -41,6 +43,7 @@ class LogProbResult:
     timings: Optional[object] = None
     path: str = "grpc"
     engine: str = "python"
+    path_refused: str = ""
 
 
 @dataclasses.dataclass

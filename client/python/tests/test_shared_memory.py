@@ -180,6 +180,7 @@ def test_a_server_without_shared_memory_gets_bytes_and_the_reason_once(
                 for _ in range(3):
                     got = client.logprobs(hidden, targets, timing=True, **EXTRAS)
                     assert_path(got, "grpc")
+                    assert got.path_refused == "system_shm"
                     same_bits(got, want)
     said = [r.getMessage() for r in caplog.records if r.name == "detlogp"]
     assert len(said) == 1, said
@@ -504,4 +505,5 @@ def test_a_cpu_server_refuses_cuda_regions_and_the_rows_take_a_system_one(shm_se
     assert len(said) == 1 and "cuda: " in said[0], said
     for result in results:
         assert_path(result, "system_shm")
+        assert result.path_refused == "cuda_shm"
         same_bits(result, want)
