@@ -423,7 +423,7 @@ class ClientState:
         # The engine's regions are registered with its first target.
         system, cuda = options.regions_for(self.targets[0])
         settings = engine.EngineSettings(
-            targets=self.targets,
+            targets=tuple(self.targets),
             timeout=self.timeout,
             max_message_bytes=self._max_receive_bytes,
             connections=options.connections,
@@ -431,7 +431,7 @@ class ClientState:
             requests_in_flight=options.slices_in_flight_per_connection,
             system_shared_memory=system,
             cuda_shared_memory=cuda,
-            channel_args=channel_args,
+            channel_args=tuple(channel_args),
             security=self._sync_channel_security,
         )
         return engine.Engine(lib, settings), None

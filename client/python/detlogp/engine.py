@@ -19,12 +19,14 @@ a folder above it (`bazel build //client/capi:libdetlogp_client.so`).
 """
 
 import ctypes
+import dataclasses
 import itertools
 import os
 import pathlib
 import sys
 import threading
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -198,16 +200,29 @@ def _pointer(array):
     return None if array is None else array.ctypes.data
 
 
+@dataclasses.dataclass(frozen=True)
 class EngineSettings:
-    """What an Engine is made with: `targets` (a list), `timeout` (seconds
-    or None), `max_message_bytes` (answers received at most), `connections`,
-    `request_bytes` and `requests_in_flight` (how a call is spread),
-    `system_shared_memory` and `cuda_shared_memory` (bools),
-    `channel_args` ((key, value) pairs, gRPC's names) and `security` (token,
-    root_certificates, client_certificate, client_key)."""
+    """What an Engine is made with (DetlogpClientOptions)."""
 
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
+    # The servers: replicas of one model; the first also takes the rows in
+    # the engine's regions.
+    targets: tuple = ()
+    # Seconds per call (None: no deadline).
+    timeout: Optional[float] = None
+    # Answers received at most.
+    max_message_bytes: int = 256 << 20
+    # How a call is spread: connections (0: automatic), hidden bytes per
+    # request at most, requests outstanding per connection.
+    connections: int = 0
+    request_bytes: int = 8 << 20
+    requests_in_flight: int = 2
+    # Whether the engine may put rows in its system and CUDA regions.
+    system_shared_memory: bool = False
+    cuda_shared_memory: bool = False
+    # (key, value) pairs by gRPC's name.
+    channel_args: tuple = ()
+    # token, root_certificates, client_certificate, client_key.
+    security: dict = dataclasses.field(default_factory=dict)
 
 
 class Engine:
