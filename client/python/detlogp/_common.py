@@ -452,15 +452,19 @@ class ClientState:
         return call.well_formed and call.rows > 1 and any(k is None for k in self._limits)
 
     def _route(self, call):
-        """calls.GRPCIO or calls.ENGINE for `call` (calls.choose_route)."""
-        return calls.choose_route(
-            call,
-            calls.ServerLimits.tightest(self._limits),
-            self.transfer_options,
-            self._max_receive_bytes,
-            self._engine is not None,
-            self.targets[0],
-        )
+        """calls.GRPCIO or calls.ENGINE for `call` (calls.choose_route);
+        EngineRequired says why there is no engine."""
+        try:
+            return calls.choose_route(
+                call,
+                calls.ServerLimits.tightest(self._limits),
+                self.transfer_options,
+                self._max_receive_bytes,
+                self._engine is not None,
+                self.targets[0],
+            )
+        except calls.EngineRequired as error:
+            raise calls.EngineRequired(f"{error}; here: {self._engine_refusal}") from None
 
     def _after_engine(self, result):
         """`result`, a region's refusal logged once per client (the result's
@@ -477,7 +481,8 @@ class ClientState:
 
     def _targets_to_ask_limits(self):
         """Targets whose limits are unknown and were not asked for lately
-        (one call asks; calls meanwhile assume the server's defaults)."""
+        (a target that did not answer is asked again LIMITS_ASK_AGAIN_S
+        later; meanwhile it is taken to have the server's defaults)."""
         now = time.monotonic()
         due = []
         with self._limits_lock:
