@@ -329,7 +329,7 @@ class CallRun {
                         : SerializeWithRows(request.header, request.rows);
     options_.prepare_context(&call->context, deadline_);
     stubs_[replica][connection].UnaryCall(
-        &call->context, kComputeMethod, grpc::StubOptions(), &call->request,
+        &call->context, method_, grpc::StubOptions(), &call->request,
         &call->response, [this, i](grpc::Status status) {
           absl::MutexLock lock(&mu_);
           state_[i].completion = std::move(status);
@@ -503,6 +503,8 @@ class CallRun {
     return wake;
   }
 
+  // gRPC keeps a pointer to the method's name for each call's life.
+  const std::string method_ = kComputeMethod;
   std::vector<CallPart> parts_;
   const std::vector<CallReplica>& replicas_;
   std::vector<std::vector<RawStub>> stubs_;

@@ -24,6 +24,11 @@
 // per connection (Options::connections), sends them side by side and joins
 // the answers in row order; each row's bits are those it gets alone.
 //
+// Replicas: with Options::targets, a call's requests are spread over the
+// replicas by rows outstanding at each, and a replica that dies mid-call
+// has its requests sent again to another within the deadline
+// (client/call_engine.h).
+//
 // Same host: with Options::system_shared_memory, Score copies the hidden
 // rows into a POSIX shared-memory region the client owns (one for each call
 // made at once, registered once, grown when a call needs more) and sends a
@@ -34,7 +39,8 @@
 // Options::cuda_shared_memory, bf16 rows are copied device-to-device on the
 // caller's stream into a CUDA region the client owns on that GPU (its IPC
 // handle registered once, grown when a call needs more) and the requests
-// name it; otherwise, or when the server refuses the region, the rows are
+// name it (calls at once each take a region of their own, from a pool per
+// GPU); otherwise, or when the server refuses the region, the rows are
 // copied to the host and sent as bytes (or through the system region):
 //
 //   DeviceRows rows{.data = hidden_ptr, .device = 0, .rows = N,
@@ -65,6 +71,7 @@
 
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
+#include <grpcpp/impl/rpc_method.h>
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/base/thread_annotations.h"
@@ -418,11 +425,12 @@ class LogpClient {
  private:
   explicit LogpClient(const Options& options);
 
-  // A channel for Project calls (ProjectionService/Project read as
-  // grpc::ByteBuffer).
+  // A channel for Project calls and ProjectionService/Project on it, read as
+  // grpc::ByteBuffer.
   struct ProjectionConnection {
     explicit ProjectionConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
+    grpc::internal::RpcMethod method;
   };
   absl::StatusOr<ProjectResult> ProjectInterleaved(
       const std::vector<float>& x, const InterleavedRows& plan,

@@ -1,9 +1,6 @@
 // LogpClient's H3 projection: one Project stream read raw, or several side
 // by side (client/interleaved_rows.h) put back into row order.
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/impl/codegen/proto_utils.h>
-#include <grpcpp/support/byte_buffer.h>
-#include <grpcpp/support/client_callback.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -26,8 +23,6 @@ namespace {
 // ProjectionService/Project's path (the generated stub's lives in a
 // file-scope array of detlogp.grpc.pb.cc).
 constexpr char kRawProjectMethod[] = "/detlogp.v1.ProjectionService/Project";
-using RawStreamStub =
-    grpc::TemplatedGenericStub<grpc::ByteBuffer, grpc::ByteBuffer>;
 constexpr int64_t kIn = 96;
 constexpr int64_t kOut = 5376;
 // Chunks a call may have received ahead of the one handed on in row order.
@@ -83,69 +78,6 @@ detlogp::v1::ProjectRequest MakeProjectRequest(const float* x, int64_t rows,
   return request;
 }
 
-// One server-streaming call read on the calling thread through gRPC's
-// callback API: the request goes as the only message, and each Read waits
-// for the next response, left in gRPC's buffer (nothing parsed or copied).
-// No callback blocks; the reading thread does the work between reads.
-// Finish must be called before the reader is destroyed.
-class RawStreamReader final
-    : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
- public:
-  RawStreamReader(std::shared_ptr<grpc::Channel> channel,
-                  grpc::ClientContext* context, grpc::ByteBuffer request)
-      : request_(std::move(request)) {
-    RawStreamStub stub(std::move(channel));
-    stub.PrepareBidiStreamingCall(context, kRawProjectMethod,
-                                  grpc::StubOptions(), this);
-    StartWriteLast(&request_, grpc::WriteOptions());
-    StartCall();
-  }
-
-  // The next response into `message`; false once the stream ended.
-  bool Read(grpc::ByteBuffer* message) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (ended_) return false;
-      read_done_ = false;
-    }
-    StartRead(message);
-    std::unique_lock<std::mutex> lock(mu_);
-    changed_.wait(lock, [&] { return read_done_; });
-    if (!read_ok_) ended_ = true;
-    return read_ok_;
-  }
-
-  // The call's status, once every operation is done.
-  grpc::Status Finish() {
-    std::unique_lock<std::mutex> lock(mu_);
-    changed_.wait(lock, [&] { return done_; });
-    return status_;
-  }
-
-  void OnReadDone(bool ok) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    read_done_ = true;
-    read_ok_ = ok;
-    changed_.notify_all();
-  }
-  void OnDone(const grpc::Status& status) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    status_ = status;
-    done_ = true;
-    changed_.notify_all();
-  }
-
- private:
-  grpc::ByteBuffer request_;
-  std::mutex mu_;
-  std::condition_variable changed_;
-  bool read_done_ = false;
-  bool read_ok_ = false;
-  bool ended_ = false;
-  bool done_ = false;
-  grpc::Status status_;
-};
-
 // Gets each checked chunk of one stream with its row count; a non-OK status
 // ends the stream with that status.
 using ChunkSink =
@@ -153,20 +85,16 @@ using ChunkSink =
 
 // Reads one Project stream of `rows` rows raw: each chunk's header parsed
 // (client/project_chunk.h) and checked, y.data left in gRPC's slices.
-absl::Status ReadProjectStream(std::shared_ptr<grpc::Channel> channel,
+absl::Status ReadProjectStream(grpc::ChannelInterface* channel,
+                               const grpc::internal::RpcMethod& method,
                                grpc::ClientContext* context,
                                const detlogp::v1::ProjectRequest& request,
                                int64_t rows, const ChunkSink& sink) {
-  grpc::ByteBuffer serialized;
-  bool own_buffer = false;
-  if (grpc::Status s = grpc::GenericSerialize<grpc::ProtoBufferWriter,
-                                              detlogp::v1::ProjectRequest>(
-          request, &serialized, &own_buffer);
-      !s.ok()) {
-    return FromGrpcStatus(s);
-  }
-  auto reader = std::make_unique<RawStreamReader>(std::move(channel), context,
-                                                  std::move(serialized));
+  // The generated stub's reader, with gRPC's bytes as the message type: a
+  // read swaps the received buffer in, nothing is parsed or copied.
+  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+          channel, method, context, request));
   int64_t next_row = 0;
   grpc::ByteBuffer message;
   absl::Status problem;
@@ -336,7 +264,7 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
   ProjectResult result;
   int64_t next_row = 0;
   const absl::Status status = ReadProjectStream(
-      projection_->channel, &context, request, rows,
+      projection_->channel.get(), projection_->method, &context, request, rows,
       [&](ProjectChunk& chunk, int64_t chunk_rows) {
         if (result.determinism_key.empty())
           result.determinism_key = chunk.determinism_key;
@@ -380,7 +308,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
       PrepareContext(context);
       int64_t block = c;
       const absl::Status status = ReadProjectStream(
-          connections[c]->channel, context, request, plan.CallRows(c),
+          connections[c]->channel.get(), connections[c]->method, context,
+          request, plan.CallRows(c),
           [&](ProjectChunk& chunk, int64_t chunk_rows) {
             const int64_t row = block * plan.block_rows();
             if (chunk_rows != plan.BlockRows(block)) {
@@ -419,6 +348,8 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
 
 LogpClient::ProjectionConnection::ProjectionConnection(
     std::shared_ptr<grpc::Channel> channel_in)
-    : channel(std::move(channel_in)) {}
+    : channel(std::move(channel_in)),
+      method(kRawProjectMethod, grpc::internal::RpcMethod::SERVER_STREAMING,
+             channel) {}
 
 }  // namespace detlogp::client
