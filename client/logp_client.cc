@@ -2,7 +2,6 @@
 
 #include <grpc/slice.h>
 #include <grpcpp/create_channel.h>
-#include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <grpcpp/support/sync_stream.h>
@@ -26,6 +25,7 @@
 #include "proto/dtype_bytes.h"
 #include "proto/wire_format.h"
 #include "proto/status_details.h"
+#include "spdlog/spdlog.h"
 
 namespace detlogp::client {
 
@@ -107,6 +107,9 @@ std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
     policy = "round_robin";
   }
   if (!policy.empty()) args.SetLoadBalancingPolicyName(policy);
+  for (const auto& [key, value] : options.int_channel_args) {
+    args.SetInt(key, value);
+  }
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       grpc::InsecureChannelCredentials();
   if (!options.tls_root_certs.empty()) {
@@ -129,10 +132,44 @@ LogpClient::LogpClient(const Options& options)
     : options_(options),
       system_regions_(options.system_shared_memory_regions) {}
 
+LogpClient::Replica::Replica(std::string target_in,
+                             std::shared_ptr<grpc::Channel> channel_in,
+                             int64_t assumed_queue_rows,
+                             const ReplicaHealth::Options& health_options)
+    : target(std::move(target_in)),
+      channel(std::move(channel_in)),
+      stub(detlogp::v1::LogProbService::NewStub(channel)),
+      window(assumed_queue_rows),
+      health(health_options) {}
+
 absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     const Options& options) {
-  if (options.target.empty()) {
-    return absl::InvalidArgumentError("client: empty target");
+  if (options.targets.empty() && options.target.empty()) {
+    return absl::InvalidArgumentError("target: empty");
+  }
+  for (size_t i = 0; i < options.targets.size(); ++i) {
+    if (options.targets[i].empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("targets[", i, "]: empty"));
+    }
+  }
+  if (options.replica_first_backoff <= absl::ZeroDuration() ||
+      options.replica_max_backoff < options.replica_first_backoff) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("replica_first_backoff, replica_max_backoff: ",
+                     absl::FormatDuration(options.replica_first_backoff), ", ",
+                     absl::FormatDuration(options.replica_max_backoff),
+                     " (positive, the first no longer than the most)"));
+  }
+  if (options.assumed_queue_rows < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("assumed_queue_rows: ", options.assumed_queue_rows,
+                     " is not positive"));
+  }
+  if (options.cuda_shared_memory_regions < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_shared_memory_regions: ", options.cuda_shared_memory_regions,
+        " is not positive"));
   }
   if (options.connections < 0) {
     return absl::InvalidArgumentError(
@@ -158,7 +195,23 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
         "send_threads: ", options.send_threads, " is not positive"));
   }
   std::unique_ptr<LogpClient> client(new LogpClient(options));
-  client->channel_ = MakeChannel(options);
+  const std::vector<std::string> targets =
+      options.targets.empty() ? std::vector<std::string>{options.target}
+                              : options.targets;
+  ReplicaHealth::Options health;
+  health.first_backoff = options.replica_first_backoff;
+  health.max_backoff = options.replica_max_backoff;
+  for (const std::string& target : targets) {
+    Options one = options;
+    one.target = target;
+    client->replicas_.push_back(std::make_shared<Replica>(
+        target, MakeChannel(one), options.assumed_queue_rows, health));
+  }
+  {
+    absl::MutexLock lock(&client->spread_mu_);
+    client->idle_spread_.resize(targets.size());
+  }
+  client->channel_ = client->replicas_.front()->channel;
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
@@ -191,14 +244,23 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
   detlogp::v1::ModelInfo info;
   grpc::Status status = stub_->GetModelInfo(&context, request, &info);
   if (!status.ok()) return FromGrpcStatus(status);
+  // The first replica's queue is now known: its calls need not ask.
+  Replica& first = *replicas_.front();
+  absl::MutexLock lock(&first.mu);
+  if (!first.info.has_value()) {
+    first.window.SetCapacity(info.max_queue_rows());
+    first.info = info;
+  }
   return info;
 }
 
 LogpClient::~LogpClient() {
   ReleaseIdleSystemRegions();
   absl::MutexLock lock(&cuda_mu_);
-  for (auto& [device, region] : cuda_regions_) ReleaseCudaRegion(region);
-  cuda_regions_.clear();  // frees the device memory while the runtime is here
+  for (auto& [device, pool] : cuda_pools_) {
+    for (const auto& region : pool->TakeIdle()) ReleaseCudaRegion(*region);
+  }
+  cuda_pools_.clear();  // frees the device memory while the runtime is here
 }
 
 std::string LogpClient::shared_memory_refusal() const {
@@ -248,10 +310,6 @@ detlogp::v1::LogProbRequest WithoutHiddenBytes(
   return copy;
 }
 
-// Calls this large always fit the server's defaults (65,536 rows, 640 MiB)
-// and the client's: no need to ask for the limits.
-constexpr int64_t kRowsThatAlwaysFit = 1024;
-constexpr int64_t kBytesThatAlwaysFit = int64_t{16} << 20;
 // Room for a row's target id (a varint) and the message's other fields.
 constexpr int64_t kTargetBytes = 11;
 constexpr int64_t kMessageOverheadBytes = 64 << 10;
@@ -342,20 +400,32 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
   int64_t max_rows = options_.max_request_rows;
   int64_t max_message_bytes = options_.max_message_bytes;
   if (max_rows <= 0) {
-    // A spread call is cut anyway: its requests follow the server's limits,
-    // asked once, even where its defaults would take the call whole.
-    if (!spread && rows <= kRowsThatAlwaysFit &&
-        rows * wire_row_bytes <= kBytesThatAlwaysFit) {
-      return 0;
-    }
+    // A server may take fewer rows than its defaults (--max_request_rows):
+    // its limits are asked once, for the first call of more than one row.
+    if (!spread && rows <= 1) return 0;
     absl::MutexLock lock(&limits_mu_);
     if (!limits_.has_value()) {
-      auto info = GetModelInfo(request.model(), request.model_version());
+      // The first replica that answers (their limits are alike).
+      for (const std::shared_ptr<Replica>& replica : replicas_) {
+        if (!replica->health.Usable(absl::Now())) continue;
+        grpc::ClientContext context;
+        PrepareContext(&context);
+        detlogp::v1::GetModelInfoRequest ask;
+        ask.set_model(request.model());
+        ask.set_model_version(request.model_version());
+        detlogp::v1::ModelInfo info;
+        if (!replica->stub->GetModelInfo(&context, ask, &info).ok()) continue;
+        replica->window.SetCapacity(info.max_queue_rows());
+        {
+          absl::MutexLock replica_lock(&replica->mu);
+          replica->info = info;
+        }
+        limits_ = std::move(info);
+        break;
+      }
       // The server names what is wrong (an unknown model) when the call
       // goes as it is.
-      if (!info.ok()) return 0;
-      limits_ = *std::move(info);
-      row_window_.SetCapacity(limits_->max_queue_rows());
+      if (!limits_.has_value()) return 0;
     }
     max_rows = limits_->max_request_rows();
     if (limits_->max_receive_message_bytes() > 0) {
@@ -400,8 +470,8 @@ int LogpClient::ReleaseIdleSystemRegions() {
 }
 
 absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
-    const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
-  const std::string& data = request.hidden().data();
+    const detlogp::v1::LogProbRequest& request, absl::string_view data,
+    absl::Time deadline) {
   if (data.empty() || request.hidden().has_shared_memory()) {
     return std::nullopt;
   }
@@ -432,8 +502,13 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
         // turns regions off for the client.
         if (system_regions_.ShrinkToOthersLent()) continue;
         if (ReleaseIdleSystemRegions() > 0) continue;
+        const std::string why = made.status().ToString();
+        spdlog::warn(
+            "system shared-memory region refused at registration; rows go "
+            "in the messages from now on: {}",
+            why);
         absl::MutexLock lock(&shared_memory_mu_);
-        shared_memory_refusal_ = made.status().ToString();
+        shared_memory_refusal_ = why;
         return std::nullopt;
       }
       lease.Set(*std::move(made));
@@ -496,7 +571,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
   deadline = std::min(deadline, absl::Now() + options_.timeout);
   if (options_.system_shared_memory) {
-    auto through_region = ScoreThroughSystemRegion(request, deadline);
+    auto through_region =
+        ScoreThroughSystemRegion(request, request.hidden().data(), deadline);
     if (!through_region.ok()) return through_region.status();
     if (through_region->has_value()) return **std::move(through_region);
   }
@@ -505,6 +581,12 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
   if (result.ok() && request.hidden().has_shared_memory()) {
     result->path = "named_region";
     result->used_shared_memory = true;
+  }
+  if (result.ok() && options_.system_shared_memory &&
+      !request.hidden().has_shared_memory() &&
+      !request.hidden().data().empty()) {
+    absl::MutexLock lock(&shared_memory_mu_);
+    if (!shared_memory_refusal_.empty()) result->path_refused = "system_shm";
   }
   return result;
 }
@@ -525,8 +607,19 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
                      header.target_ids_size(), " targets of ", RowBytes(header),
                      " bytes each (hidden.shape and dtype)"));
   }
-  return ScoreCut(header, rows, /*rows_beside=*/true,
-                  std::min(deadline, absl::Now() + options_.timeout));
+  deadline = std::min(deadline, absl::Now() + options_.timeout);
+  if (options_.system_shared_memory) {
+    auto through_region = ScoreThroughSystemRegion(header, rows, deadline);
+    if (!through_region.ok()) return through_region.status();
+    if (through_region->has_value()) return **std::move(through_region);
+  }
+  absl::StatusOr<ScoreResult> result =
+      ScoreCut(header, rows, /*rows_beside=*/true, deadline);
+  if (result.ok() && options_.system_shared_memory && !rows.empty()) {
+    absl::MutexLock lock(&shared_memory_mu_);
+    if (!shared_memory_refusal_.empty()) result->path_refused = "system_shm";
+  }
+  return result;
 }
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
@@ -582,11 +675,26 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   }
   const int used = static_cast<int>(
       std::min<size_t>(std::max(connections, 1), parts.size()));
-  // The client's own connection and kept ones beside it.
-  std::vector<std::unique_ptr<RawConnection>> kept =
-      TakeSpreadConnections(used - 1);
-  std::vector<std::shared_ptr<grpc::Channel>> channels = {channel_};
-  for (const auto& connection : kept) channels.push_back(connection->channel);
+  // Rows in the client's regions (registered with the first replica) go
+  // there; rows in the messages go to every replica, each on its own
+  // connection and kept ones beside it, the call's connections shared out.
+  const size_t replicas = shared ? 1 : replicas_.size();
+  const int per_replica =
+      std::max<int>(1, (used + static_cast<int>(replicas) - 1) /
+                           static_cast<int>(replicas));
+  std::vector<std::vector<std::unique_ptr<RawConnection>>> kept(replicas);
+  std::vector<CallReplica> call_replicas;
+  for (size_t r = 0; r < replicas; ++r) {
+    Replica& replica = *replicas_[r];
+    AskLimitsInBackground(replicas_[r], request.model());
+    kept[r] = TakeSpreadConnections(r, per_replica - 1);
+    CallReplica call{&replica.window, &replica.health, {replica.channel},
+                     replica.target};
+    for (const auto& connection : kept[r]) {
+      call.connections.push_back(connection->channel);
+    }
+    call_replicas.push_back(std::move(call));
+  }
   CallEngineOptions engine;
   engine.requests_in_flight_per_connection = options_.spread_requests_in_flight;
   engine.senders = senders_.get();
@@ -594,14 +702,20 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
                                   absl::Time call_deadline) {
     PrepareContext(context, call_deadline);
   };
+  engine.unknown_queue_rows = options_.assumed_queue_rows;
   CallStats stats;
   absl::StatusOr<std::vector<ScoreResult>> answers = SendCallParts(
-      std::move(parts), channels, row_window_, engine, deadline, &stats);
-  GiveBackSpreadConnections(std::move(kept));
+      std::move(parts), call_replicas, engine, deadline, &stats);
+  int connections_used = 0;
+  for (size_t r = 0; r < replicas; ++r) {
+    connections_used += static_cast<int>(kept[r].size()) + 1;
+    GiveBackSpreadConnections(r, std::move(kept[r]));
+  }
   if (!answers.ok()) return answers.status();
   ScoreResult joined = JoinScoreResults(*std::move(answers));
-  joined.connections = used;
+  joined.connections = connections_used;
   joined.queue_full_retries = stats.queue_full_retries;
+  joined.replica_retries = stats.replica_retries;
   return joined;
 }
 
@@ -773,7 +887,27 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     return s;
   }
   request.mutable_hidden()->set_data(std::move(data));
-  return Score(request, deadline);
+  absl::StatusOr<ScoreResult> result = Score(request, deadline);
+  if (result.ok() && options_.cuda_shared_memory &&
+      rows.dtype == detlogp::v1::DTYPE_BFLOAT16 && !CudaRefusal().empty()) {
+    result->path_refused = "cuda_shm";
+  }
+  return result;
+}
+
+RegionPool<LogpClient::CudaRegion>& LogpClient::CudaPool(int device) {
+  absl::MutexLock lock(&cuda_mu_);
+  std::unique_ptr<RegionPool<CudaRegion>>& pool = cuda_pools_[device];
+  if (pool == nullptr) {
+    pool = std::make_unique<RegionPool<CudaRegion>>(
+        options_.cuda_shared_memory_regions);
+  }
+  return *pool;
+}
+
+std::string LogpClient::CudaRefusal() const {
+  absl::MutexLock lock(&cuda_mu_);
+  return cuda_refusal_;
 }
 
 absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
@@ -781,16 +915,46 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
   const int64_t bytes = rows.rows * rows.hidden_size *
                         detlogp::v1::DTypeBytes(detlogp::v1::DTYPE_BFLOAT16);
-  absl::MutexLock lock(&cuda_mu_);
-  for (int attempt = 0;; ++attempt) {
-    if (!cuda_refusal_.empty()) return std::nullopt;
-    auto region = CudaRegionFor(cuda, rows.device, bytes);
-    if (!region.ok()) return region.status();
-    if (*region == nullptr) return std::nullopt;
+  RegionPool<CudaRegion>& pool = CudaPool(rows.device);
+  bool registered_again = false;
+  while (true) {
+    if (!CudaRefusal().empty()) return std::nullopt;
+    std::optional<RegionPool<CudaRegion>::Lease> taken =
+        pool.Take(bytes, deadline);
+    if (!taken.has_value()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "cuda_shared_memory: every region of the client's on cuda:",
+          rows.device, " was in use until the call's deadline"));
+    }
+    RegionPool<CudaRegion>::Lease lease = *std::move(taken);
+    if (lease.get() != nullptr && lease.get()->bytes() < bytes) {
+      ReleaseCudaRegion(*lease.Take());  // made again, larger
+    }
+    if (lease.get() == nullptr) {
+      auto made = MakeCudaRegion(cuda, rows.device, bytes);
+      if (!made.ok()) {
+        if (!IsCudaRefusal(made.status().code())) return made.status();
+        // As for system regions: wait for another call's region, or
+        // release idle ones, before turning regions off.
+        if (pool.ShrinkToOthersLent()) continue;
+        std::vector<std::unique_ptr<CudaRegion>> idle = pool.TakeIdle();
+        for (const auto& region : idle) ReleaseCudaRegion(*region);
+        if (!idle.empty()) continue;
+        const std::string why = made.status().ToString();
+        spdlog::warn(
+            "CUDA shared-memory region refused at registration; rows go "
+            "through the host from now on: {}",
+            why);
+        absl::MutexLock lock(&cuda_mu_);
+        cuda_refusal_ = why;
+        return std::nullopt;
+      }
+      lease.Set(*std::move(made));
+    }
     // On the caller's stream, after whatever wrote the rows; done when the
     // request goes.
     if (absl::Status s =
-            cuda.Copy((*region)->memory->data(), rows.data, bytes,
+            cuda.Copy(lease.get()->memory->data(), rows.data, bytes,
                       CudaCopy::kDeviceToDevice, rows.device, rows.stream);
         !s.ok()) {
       return s;
@@ -798,14 +962,15 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     detlogp::v1::LogProbRequest by_reference = request;
     detlogp::v1::SharedMemoryRef* ref =
         by_reference.mutable_hidden()->mutable_shared_memory();
-    ref->set_region((*region)->name);
+    ref->set_region(lease.get()->name);
     ref->set_offset(0);
     ref->set_byte_size(bytes);
     absl::StatusOr<ScoreResult> result =
         ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline);
-    if (attempt == 0 && IsRegionGone(result.status())) {
+    if (!registered_again && IsRegionGone(result.status())) {
       // The server closed its handle: free the memory, register anew.
-      cuda_regions_.erase(rows.device);
+      lease.Take();
+      registered_again = true;
       continue;
     }
     if (!result.ok()) return result.status();
@@ -815,14 +980,8 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
   }
 }
 
-absl::StatusOr<LogpClient::CudaRegion*> LogpClient::CudaRegionFor(
-    const CudaRuntime& cuda, int device, int64_t bytes) {
-  auto it = cuda_regions_.find(device);
-  if (it != cuda_regions_.end()) {
-    if (it->second.memory->bytes() >= bytes) return &it->second;
-    ReleaseCudaRegion(it->second);
-    cuda_regions_.erase(it);
-  }
+absl::StatusOr<std::unique_ptr<LogpClient::CudaRegion>>
+LogpClient::MakeCudaRegion(const CudaRuntime& cuda, int device, int64_t bytes) {
   const int64_t size = RegionBytesFor(bytes);
   // The region's base is the allocation's, so its IPC handle names it from
   // byte 0.
@@ -833,34 +992,34 @@ absl::StatusOr<LogpClient::CudaRegion*> LogpClient::CudaRegionFor(
   const std::string name = UniqueRegionName(absl::StrCat("cuda", device, "_"));
   if (absl::Status s = RegisterCudaRegion(name, *handle, device, size);
       !s.ok()) {
-    if (!IsCudaRefusal(s.code())) return s;
-    cuda_refusal_ = s.ToString();
-    return nullptr;
+    return s;
   }
-  CudaRegion& region = cuda_regions_[device];
-  region.memory = *std::move(memory);
-  region.name = name;
-  return &region;
+  auto region = std::make_unique<CudaRegion>();
+  region->memory = *std::move(memory);
+  region->name = name;
+  return region;
 }
 
-void LogpClient::ReleaseCudaRegion(CudaRegion& region) {
+void LogpClient::ReleaseCudaRegion(const CudaRegion& region) {
   // Best effort: the server releases an idle region by itself.
   regions_api_->UnregisterCuda(region.name, kReleaseTimeout).IgnoreError();
 }
 
 std::vector<std::unique_ptr<LogpClient::RawConnection>>
-LogpClient::TakeSpreadConnections(int count) {
+LogpClient::TakeSpreadConnections(size_t r, int count) {
   std::vector<std::unique_ptr<RawConnection>> taken;
   {
     absl::MutexLock lock(&spread_mu_);
-    while (static_cast<int>(taken.size()) < count && !idle_spread_.empty()) {
-      taken.push_back(std::move(idle_spread_.back()));
-      idle_spread_.pop_back();
+    std::vector<std::unique_ptr<RawConnection>>& idle = idle_spread_[r];
+    while (static_cast<int>(taken.size()) < count && !idle.empty()) {
+      taken.push_back(std::move(idle.back()));
+      idle.pop_back();
     }
     spread_opened_ += count - static_cast<int64_t>(taken.size());
   }
   // Distinct channels on a local subchannel pool: distinct TCP connections.
   Options own = options_;
+  own.target = replicas_[r]->target;
   own.own_connection = true;
   while (static_cast<int>(taken.size()) < count) {
     taken.push_back(std::make_unique<RawConnection>(
@@ -870,11 +1029,45 @@ LogpClient::TakeSpreadConnections(int count) {
 }
 
 void LogpClient::GiveBackSpreadConnections(
-    std::vector<std::unique_ptr<RawConnection>> connections) {
+    size_t r, std::vector<std::unique_ptr<RawConnection>> connections) {
   absl::MutexLock lock(&spread_mu_);
   for (std::unique_ptr<RawConnection>& connection : connections) {
-    idle_spread_.push_back(std::move(connection));
+    idle_spread_[r].push_back(std::move(connection));
   }
+}
+
+void LogpClient::AskLimitsInBackground(const std::shared_ptr<Replica>& replica,
+                                       const std::string& model) {
+  {
+    absl::MutexLock lock(&replica->mu);
+    if (replica->info.has_value() || replica->asking ||
+        absl::Now() < replica->ask_again) {
+      return;
+    }
+    replica->asking = true;
+  }
+  // Owned by the callback, which keeps the replica alive.
+  struct Ask {
+    grpc::ClientContext context;
+    detlogp::v1::GetModelInfoRequest request;
+    detlogp::v1::ModelInfo info;
+  };
+  auto ask = std::make_shared<Ask>();
+  PrepareContext(&ask->context);
+  ask->request.set_model(model);
+  replica->stub->async()->GetModelInfo(
+      &ask->context, &ask->request, &ask->info,
+      [replica, ask](grpc::Status status) {
+        absl::MutexLock lock(&replica->mu);
+        replica->asking = false;
+        if (!status.ok()) {
+          // Asked again by a later call, not at once by every call.
+          replica->ask_again = absl::Now() + absl::Seconds(1);
+          return;
+        }
+        replica->window.SetCapacity(ask->info.max_queue_rows());
+        replica->info = std::move(ask->info);
+      });
 }
 
 int64_t LogpClient::spread_connections_opened() const {
@@ -885,10 +1078,12 @@ int64_t LogpClient::spread_connections_opened() const {
 int LogpClient::spread_connections_connected() const {
   absl::MutexLock lock(&spread_mu_);
   int connected = 0;
-  for (const std::unique_ptr<RawConnection>& connection : idle_spread_) {
-    if (connection->channel->GetState(/*try_to_connect=*/false) ==
-        GRPC_CHANNEL_READY) {
-      ++connected;
+  for (const auto& idle : idle_spread_) {
+    for (const std::unique_ptr<RawConnection>& connection : idle) {
+      if (connection->channel->GetState(/*try_to_connect=*/false) ==
+          GRPC_CHANNEL_READY) {
+        ++connected;
+      }
     }
   }
   return connected;

@@ -24,6 +24,11 @@
 // per connection (Options::connections), sends them side by side and joins
 // the answers in row order; each row's bits are those it gets alone.
 //
+// Replicas: with Options::targets, a call's requests are spread over the
+// replicas by rows outstanding at each, and a replica that dies mid-call
+// has its requests sent again to another within the deadline
+// (client/call_engine.h).
+//
 // Same host: with Options::system_shared_memory, Score copies the hidden
 // rows into a POSIX shared-memory region the client owns (one for each call
 // made at once, registered once, grown when a call needs more) and sends a
@@ -34,7 +39,8 @@
 // Options::cuda_shared_memory, bf16 rows are copied device-to-device on the
 // caller's stream into a CUDA region the client owns on that GPU (its IPC
 // handle registered once, grown when a call needs more) and the requests
-// name it; otherwise, or when the server refuses the region, the rows are
+// name it (calls at once each take a region of their own, from a pool per
+// GPU); otherwise, or when the server refuses the region, the rows are
 // copied to the host and sent as bytes (or through the system region):
 //
 //   DeviceRows rows{.data = hidden_ptr, .device = 0, .rows = N,
@@ -60,6 +66,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/channel.h>
@@ -156,6 +163,21 @@ class LogpClient {
  public:
   struct Options {
     std::string target = "127.0.0.1:50051";
+    // The replicas of one model, each "host:port" (or any gRPC target
+    // naming one server). Not empty: `target` is ignored, and a Score
+    // call's requests are spread over the replicas by rows outstanding at
+    // each (relative to its queue); a replica that fails or goes away has
+    // its requests sent again to another one within the call's deadline
+    // and takes no new ones until it answers a probe again. The first
+    // replica also takes the control calls (GetModelInfo, regions,
+    // ScoreStream, Project) and the rows that travel in the client's
+    // shared-memory regions, which are registered with it. Empty: `target`
+    // alone.
+    std::vector<std::string> targets;
+    // A failed replica is probed again after this long, doubled after each
+    // failed probe up to replica_max_backoff.
+    absl::Duration replica_first_backoff = absl::Milliseconds(100);
+    absl::Duration replica_max_backoff = absl::Seconds(5);
     // Deadline of each call from its start: a Score call's covers every
     // request it is cut into (a call may also name a sooner one).
     absl::Duration timeout = absl::Seconds(60);
@@ -167,6 +189,9 @@ class LogpClient {
     // "round_robin" for a "dns:" target (a headless Service's pods, each
     // call to the next), gRPC's default (pick_first) otherwise.
     std::string load_balancing_policy;
+    // More integer channel arguments by gRPC's name (keepalive, message
+    // sizes, ...), set on every channel of the client after the ones above.
+    std::vector<std::pair<std::string, int>> int_channel_args;
     // Score sends hidden rows through a system shared-memory region this
     // client owns when the server allows it (same host,
     // --allow_shared_memory). Each call made at once has a region of its
@@ -184,11 +209,18 @@ class LogpClient {
     // registered on first use, grown when a call needs more, unregistered
     // and freed by the destructor) and names it in the requests, when the
     // server allows it (same host, --allow_shared_memory, a GPU it computes
-    // on). Calls through a GPU's region take turns. A refused registration
-    // turns it off for the client: rows are then copied to the host and go
-    // in the messages or the system region (shared_memory_refusal() says
-    // why). Other dtypes always take the host path (CUDA regions hold bf16).
+    // on). Each call made at once through a GPU has a region of its own
+    // there, up to cuda_shared_memory_regions per GPU (kept for later calls,
+    // grown when a call needs more); a call beyond waits for one until its
+    // deadline (then DEADLINE_EXCEEDED). A registration the server refuses
+    // while other calls hold regions lowers that number; one refused with
+    // none held turns CUDA regions off for the client: rows are then copied
+    // to the host and go in the messages or the system region
+    // (shared_memory_refusal() says why, and the result's path_refused
+    // says "cuda_shm"). Other dtypes always take the host path (CUDA
+    // regions hold bf16).
     bool cuda_shared_memory = false;
+    int cuda_shared_memory_regions = 4;
     // Where the CUDA runtime is looked for (Score(DeviceRows) only).
     CudaRuntime::Options cuda_runtime;
     // Cut calls larger than the server's limits into requests that fit.
@@ -196,6 +228,11 @@ class LogpClient {
     // Rows per request when cutting; 0: the server's limits (GetModelInfo,
     // asked once when a call is large enough to need them).
     int64_t max_request_rows = 0;
+    // Rows a replica's queue holds until its ModelInfo has answered (asked
+    // once per replica, in the background, by the first call sent to it):
+    // the client keeps its outstanding rows at each replica within that
+    // replica's max_queue_rows. The server's default --max_queue_rows.
+    int64_t assumed_queue_rows = 65536;
     // Connections a call's rows are spread over when they travel in the
     // messages: the call is cut so that each carries a share (requests of at
     // least 1 MiB), sent side by side, each on a TCP connection of its own.
@@ -246,9 +283,9 @@ class LogpClient {
   // The same for rows given beside the request: `header` carries neither
   // hidden.data nor a region (its shape and dtype say what `rows` hold), and
   // `rows` (read during the call only) are written once, straight into each
-  // request's gRPC buffer, never copied into a message first. They go in
-  // the messages (not through the system region); INVALID_ARGUMENT naming
-  // hidden.data when they do not fill the shape.
+  // request's gRPC buffer (or into a system region with
+  // Options::system_shared_memory), never copied into a message first;
+  // INVALID_ARGUMENT naming hidden.data when they do not fill the shape.
   absl::StatusOr<ScoreResult> Score(
       const detlogp::v1::LogProbRequest& header, absl::string_view rows,
       absl::Time deadline = absl::InfiniteFuture());
@@ -413,11 +450,35 @@ class LogpClient {
     explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
   };
-  // Spread connections beyond the client's own: taken by a call (kept ones
-  // first, new ones opened as needed) and given back after it.
-  std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(int count);
+  // One server of Options::targets: its channel, and what the client's
+  // calls share of it. Held by shared_ptr: a background ModelInfo ask may
+  // outlive the client.
+  struct Replica {
+    Replica(std::string target_in, std::shared_ptr<grpc::Channel> channel_in,
+            int64_t assumed_queue_rows,
+            const ReplicaHealth::Options& health_options);
+    const std::string target;
+    const std::shared_ptr<grpc::Channel> channel;
+    const std::unique_ptr<detlogp::v1::LogProbService::Stub> stub;
+    RowWindow window;
+    ReplicaHealth health;
+    absl::Mutex mu;
+    // The replica's ModelInfo once it answered, whether an ask is out, and
+    // when a failed ask may be tried again.
+    std::optional<detlogp::v1::ModelInfo> info ABSL_GUARDED_BY(mu);
+    bool asking ABSL_GUARDED_BY(mu) = false;
+    absl::Time ask_again ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+  };
+  // Asks `replica`'s ModelInfo in the background unless it answered or is
+  // being asked; its answer sets the replica's window.
+  void AskLimitsInBackground(const std::shared_ptr<Replica>& replica,
+                             const std::string& model);
+  // Spread connections to replica `r` beyond its own: taken by a call (kept
+  // ones first, new ones opened as needed) and given back after it.
+  std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(size_t r,
+                                                                    int count);
   void GiveBackSpreadConnections(
-      std::vector<std::unique_ptr<RawConnection>> connections);
+      size_t r, std::vector<std::unique_ptr<RawConnection>> connections);
   // The rows a request may carry on this server (0: unknown, no cutting).
   // The server is asked once, for a call to be spread or one beyond what
   // its default limits always take.
@@ -431,11 +492,13 @@ class LogpClient {
     int64_t bytes() const { return memory->bytes(); }
   };
   // Through one of the client's system regions (taken from the pool, made
-  // or grown and registered as needed): the request's hidden bytes copied
-  // in and named. nullopt when the request has no bytes to move or the
-  // server refused regions (the caller sends the bytes).
+  // or grown and registered as needed): `data`, the request's hidden bytes
+  // (its own, or given beside it), copied in and named. nullopt when there
+  // are no bytes to move or the server refused regions (the caller sends
+  // the bytes).
   absl::StatusOr<std::optional<ScoreResult>> ScoreThroughSystemRegion(
-      const detlogp::v1::LogProbRequest& request, absl::Time deadline);
+      const detlogp::v1::LogProbRequest& request, absl::string_view data,
+      absl::Time deadline);
   absl::StatusOr<std::unique_ptr<SystemRegion>> MakeSystemRegion(int64_t bytes);
   void ReleaseSystemRegion(const SystemRegion& region);
   // Unregisters the pool's idle regions; how many there were.
@@ -443,31 +506,36 @@ class LogpClient {
 
   // The CUDA runtime, loaded on first need (or why it did not load).
   absl::StatusOr<const CudaRuntime*> Cuda();
-  // The client's CUDA region on one GPU.
+  // A CUDA region of the client's on one GPU, lent to one call at a time.
   struct CudaRegion {
     std::unique_ptr<DeviceMemory> memory;
     std::string name;
+    int64_t bytes() const { return memory->bytes(); }
   };
   // Through the client's CUDA region on rows.device: nullopt when the
   // region is off or refused (the caller takes the host path).
   absl::StatusOr<std::optional<ScoreResult>> ScoreThroughCudaRegion(
       const CudaRuntime& cuda, const DeviceRows& rows,
       const detlogp::v1::LogProbRequest& request, absl::Time deadline);
-  // The region on `device`, of at least `bytes`, registered; null when the
-  // server refuses it (cuda_refusal_ then says why).
-  absl::StatusOr<CudaRegion*> CudaRegionFor(const CudaRuntime& cuda, int device,
-                                            int64_t bytes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(cuda_mu_);
-  void ReleaseCudaRegion(CudaRegion& region)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(cuda_mu_);
+  // A new region on `device` of at least `bytes`, registered (the server's
+  // refusal as its status).
+  absl::StatusOr<std::unique_ptr<CudaRegion>> MakeCudaRegion(
+      const CudaRuntime& cuda, int device, int64_t bytes);
+  void ReleaseCudaRegion(const CudaRegion& region);
+  // The pool of `device`'s regions, made on first need.
+  RegionPool<CudaRegion>& CudaPool(int device);
+  // Why a CUDA region was refused ("" while they are used).
+  std::string CudaRefusal() const;
 
   Options options_;
+  // Options::targets (or Options::target alone); channel_ is the first's.
+  std::vector<std::shared_ptr<Replica>> replicas_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
   std::unique_ptr<RegionApi> regions_api_;
   // How long the client waits for the server to release one of its regions.
   static constexpr absl::Duration kReleaseTimeout = absl::Seconds(5);
-  // The server's limits, once asked.
+  // The limits calls are cut to, once a replica answered.
   absl::Mutex limits_mu_;
   std::optional<detlogp::v1::ModelInfo> limits_ ABSL_GUARDED_BY(limits_mu_);
   // The client's system regions, each lent to one call at a time.
@@ -479,18 +547,18 @@ class LogpClient {
   absl::Mutex cuda_runtime_mu_;
   std::optional<absl::StatusOr<std::unique_ptr<CudaRuntime>>> cuda_runtime_
       ABSL_GUARDED_BY(cuda_runtime_mu_);
-  // The client's CUDA regions by device; held for a whole call through one.
+  // The client's CUDA regions, a pool per device; each region lent to one
+  // call at a time. The mutex guards the map and the refusal, never a call.
   mutable absl::Mutex cuda_mu_;
-  std::map<int, CudaRegion> cuda_regions_ ABSL_GUARDED_BY(cuda_mu_);
+  std::map<int, std::unique_ptr<RegionPool<CudaRegion>>> cuda_pools_
+      ABSL_GUARDED_BY(cuda_mu_);
   std::string cuda_refusal_ ABSL_GUARDED_BY(cuda_mu_);
-  // The rows this client has outstanding at the server, within its queue
-  // (ModelInfo.max_queue_rows, once asked).
-  RowWindow row_window_;
   // Options::send_threads, for every call's requests.
   std::unique_ptr<TaskPool> senders_;
-  // Kept spread connections not in use by a call, and how many were opened.
+  // Kept spread connections not in use by a call, by replica, and how many
+  // were opened.
   mutable absl::Mutex spread_mu_;
-  std::vector<std::unique_ptr<RawConnection>> idle_spread_
+  std::vector<std::vector<std::unique_ptr<RawConnection>>> idle_spread_
       ABSL_GUARDED_BY(spread_mu_);
   int64_t spread_opened_ ABSL_GUARDED_BY(spread_mu_) = 0;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;

@@ -42,10 +42,17 @@ struct ScoreResult {
   // Requests the server refused for a full queue and the client sent again
   // after its retry delay.
   int64_t queue_full_retries = 0;
+  // Requests sent again to another replica after theirs failed or went
+  // away (Options::targets).
+  int64_t replica_retries = 0;
   // How the hidden rows travelled: "grpc" (in the messages), "system_shm"
   // or "cuda_shm" (the client's own region of that kind), "named_region"
   // (a region the request named).
   std::string path = "grpc";
+  // The client's region path the call asked for and the server refused at
+  // registration ("system_shm" or "cuda_shm"; the rows then took `path`),
+  // on every call after the refusal; empty when none was refused.
+  std::string path_refused;
   // Whether the hidden rows went through a shared-memory region (path is
   // not "grpc").
   bool used_shared_memory = false;

@@ -387,6 +387,62 @@ TEST(LogpClientSystemRegionTest, TheServersByteBoundLowersTheRegionsHeld) {
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
+TEST(LogpClientSystemRegionTest, ARefusedRegionFallsBackOnceAndSaysSo) {
+  // Less than one region's 2 MiB: the first registration is refused.
+  auto server = ServerProcess::Start(
+      ServerArgs({absl::StrCat("--max_shared_memory_bytes=", 1 << 20)}));
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.system_shared_memory = true;
+  auto client = Connect(**server, options);
+  auto plain = Connect(**server);
+  for (int call = 0; call < 2; ++call) {
+    const LogProbRequest request = Request(300, 20 + call);
+    auto wanted = plain->Score(request);
+    ASSERT_TRUE(wanted.ok()) << wanted.status();
+    auto got = client->Score(request);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(got->path, "grpc") << "call " << call;
+    EXPECT_EQ(got->path_refused, "system_shm") << "call " << call;
+    EXPECT_FALSE(got->used_shared_memory);
+    ExpectSameBits(*wanted, *got);
+  }
+  EXPECT_TRUE(absl::StartsWith(client->shared_memory_refusal(), "system: "))
+      << client->shared_memory_refusal();
+  // Registered once: the refusal turned the path off, nothing was retried.
+  auto text = (*server)->HttpGet("/metrics");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::string series =
+      "detlogp_requests_total{method=\"SystemSharedMemoryRegister\",code=\"";
+  int registrations = 0;
+  for (size_t at = text->find(series); at != std::string::npos;
+       at = text->find(series, at + 1)) {
+    const size_t value = text->find("} ", at) + 2;
+    registrations += std::stoi(text->substr(value));
+  }
+  EXPECT_EQ(registrations, 1) << *text;
+  // A plain client's calls name no refused path.
+  auto plain_call = plain->Score(Request(10, 3));
+  ASSERT_TRUE(plain_call.ok());
+  EXPECT_EQ(plain_call->path_refused, "");
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+TEST(LogpClientOptionsTest, AnEmptyReplicaIsRefusedByName) {
+  LogpClient::Options options;
+  options.targets = {"127.0.0.1:1", ""};
+  auto client = LogpClient::Create(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client.status().message(), "targets[1]: empty");
+  options.targets = {"127.0.0.1:1"};
+  options.replica_first_backoff = absl::ZeroDuration();
+  client = LogpClient::Create(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(client.status().message(),
+                               "replica_first_backoff"))
+      << client.status();
+}
+
 TEST(LogpClientOptionsTest, ANonPositiveRegionCountIsRefusedByName) {
   LogpClient::Options options;
   options.system_shared_memory_regions = 0;

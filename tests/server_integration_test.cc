@@ -398,12 +398,13 @@ TEST(ServerLifecycleTest, MetricsCountCallsRowsAndBatches) {
   LogpClient::Options options;
   options.target = (*server)->target();
   auto client = *LogpClient::Create(options);
+  // First: the client then knows the server's queue and asks no more.
+  ASSERT_TRUE(client->GetModelInfo().ok());
   for (int i = 0; i < 3; ++i)
     ASSERT_TRUE(client->Score(SlowRequest(5, 700 + i)).ok());
   LogProbRequest bad = SlowRequest(2, 710);
   bad.set_temperature(-1);
   EXPECT_FALSE(client->Score(bad).ok());
-  ASSERT_TRUE(client->GetModelInfo().ok());
   auto text = (*server)->HttpGet("/metrics");
   ASSERT_TRUE(text.ok()) << text.status();
   EXPECT_NE(text->find("HTTP/1.1 200 OK"), std::string::npos);
@@ -505,12 +506,16 @@ TEST(ServerLifecycleTest, ClientSendsRefusedRequestsAgainUntilAnswered) {
   ASSERT_TRUE(server.ok()) << server.status();
   auto client = ClientOf(**server);
   constexpr int kCallers = 12;
+  // A client each, as separate workers: each keeps within the queue, and
+  // together they overfill it.
+  std::vector<std::unique_ptr<LogpClient>> callers;
+  for (int i = 0; i < kCallers; ++i) callers.push_back(ClientOf(**server));
   std::vector<absl::StatusOr<client::ScoreResult>> results(
       kCallers, absl::UnknownError("not run"));
   std::vector<std::thread> threads;
   for (int i = 0; i < kCallers; ++i) {
     threads.emplace_back(
-        [&, i] { results[i] = client->Score(SlowRequest(32, 100 + i)); });
+        [&, i] { results[i] = callers[i]->Score(SlowRequest(32, 100 + i)); });
   }
   for (auto& t : threads) t.join();
   int64_t retries = 0;
@@ -558,6 +563,75 @@ TEST(ServerLifecycleTest, FullQueueUntilTheDeadlineIsDeadlineExceeded) {
   EXPECT_EQ(other_failure, 0);
   EXPECT_GT(deadline_exceeded, 0);
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
+// Three replicas, eight threads scoring continuously through one client
+// given all three, and one replica killed (SIGKILL) mid-run: every call is
+// answered, with the bits the same rows get from one server alone.
+TEST(ServerLifecycleTest, CallsSurviveAReplicaKilledMidRun) {
+  std::vector<std::unique_ptr<ServerProcess>> replicas;
+  LogpClient::Options options;
+  for (int r = 0; r < 3; ++r) {
+    auto server = ServerProcess::Start({"--device=cpu"});
+    ASSERT_TRUE(server.ok()) << server.status();
+    options.targets.push_back((*server)->target());
+    replicas.push_back(*std::move(server));
+  }
+  constexpr int kThreads = 8;
+  std::vector<LogProbRequest> requests;
+  std::vector<client::ScoreResult> alone;
+  {
+    auto single = ClientOf(*replicas[1]);
+    for (int t = 0; t < kThreads; ++t) {
+      requests.push_back(SlowRequest(24, 900 + t));
+      auto answer = single->Score(requests.back());
+      ASSERT_TRUE(answer.ok()) << answer.status();
+      alone.push_back(*std::move(answer));
+    }
+  }
+  // Each call is cut into requests of 6 rows, spread over the replicas.
+  options.max_request_rows = 6;
+  auto client = *LogpClient::Create(options);
+  constexpr int kCallsBeforeKill = 8;
+  constexpr int kCallsAfterKill = 16;
+  std::atomic<int> calls{0}, calls_after_kill{0}, failed{0}, wrong_bits{0};
+  std::atomic<int64_t> replica_retries{0};
+  std::atomic<bool> killed{false};
+  absl::Notification kill_now;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      while (calls_after_kill.load() < kCallsAfterKill) {
+        const bool after = killed.load();
+        auto answer = client->Score(requests[t]);
+        if (!answer.ok()) {
+          ADD_FAILURE() << answer.status();
+          ++failed;
+          return;
+        }
+        if (answer->logprobs.size() != alone[t].logprobs.size() ||
+            std::memcmp(answer->logprobs.data(), alone[t].logprobs.data(),
+                        answer->logprobs.size() * sizeof(float)) != 0) {
+          ++wrong_bits;
+        }
+        replica_retries += answer->replica_retries;
+        if (++calls == kCallsBeforeKill) kill_now.Notify();
+        if (after) ++calls_after_kill;
+      }
+    });
+  }
+  // Eight threads score without pause: requests are in flight when the
+  // first replica is killed.
+  kill_now.WaitForNotification();
+  EXPECT_EQ(replicas[0]->Stop(SIGKILL), 128 + SIGKILL);
+  killed = true;
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_EQ(wrong_bits.load(), 0);
+  EXPECT_GE(calls_after_kill.load(), kCallsAfterKill);
+  // Requests at the killed replica, or probing it after, went elsewhere.
+  EXPECT_GT(replica_retries.load(), 0);
+  for (int r = 1; r < 3; ++r) EXPECT_EQ(replicas[r]->Stop(SIGTERM), 0);
 }
 
 TEST(ServerLifecycleTest, SigtermAnswersEveryAcceptedCallAndExitsZero) {

@@ -18,7 +18,7 @@ venv=${DETLOGP_VENV:-.venv-ci}
 
 # The server, the CLI (whose --help the docs check reads), the trainer-side
 # ops library (detlogp.ops, tests/test_ops.py) and the C++ client's library
-# (detlogp.native, large calls), always through Bazel (a no-op
+# (detlogp.engine, large calls), always through Bazel (a no-op
 # when current): a binary left in bazel-bin by an earlier build must never
 # stand in for this tree's.
 echo "building //server:detlogp_server //client:detlogp_cli //kernels/capi:libdetlogp_ops.so //client/capi:libdetlogp_client.so" >&2
@@ -39,8 +39,11 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip >&2
 # The package compiles its CPU ops library (client/python/setup.py):
-# tests/test_ops.py checks the installed one against the server too.
-"$venv/bin/python" -m pip install -q "./client/python[test]" pyyaml >&2 || exit 1
+# tests/test_ops.py checks the installed one against the server too. The
+# C++ engine is required (DETLOGP_BUILD_CLIENT=1): every call larger than
+# one request goes through it, so the tests never run without it.
+DETLOGP_BUILD_CLIENT=1 "$venv/bin/python" -m pip install -q "./client/python[test]" pyyaml >&2 ||
+  exit 1
 
 # PyTorch, run on the CPU, for the torch tests (detlogp.torch and its
 # autograd, torch.compile on the CPU, which compiles with g++, torch inputs).

@@ -1,6 +1,7 @@
 #include "client/capi/detlogp_client.h"
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -12,17 +13,37 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/logp_client.h"
+#include "client/task_pool.h"
 #include "detlogp/v1/detlogp.pb.h"
 #include "proto/dtype_bytes.h"
 #include "proto/status_details.h"
 
 struct DetlogpClient {
   std::unique_ptr<detlogp::client::LogpClient> client;
+  // Runs detlogp_client_score_async's calls; destroyed first, so that every
+  // call taken ends (and calls back) while the client is still there.
+  std::unique_ptr<detlogp::client::TaskPool> callers;
 };
 
 namespace {
 
 using detlogp::client::LogpClient;
+
+constexpr int kDefaultAsyncThreads = 8;
+// The integer channel arguments a client may set (gRPC's names): message
+// sizes, keepalive, reconnect backoff.
+constexpr const char* kIntChannelArgs[] = {
+    "grpc.max_receive_message_length",
+    "grpc.max_send_message_length",
+    "grpc.keepalive_time_ms",
+    "grpc.keepalive_timeout_ms",
+    "grpc.keepalive_permit_without_calls",
+    "grpc.http2.max_pings_without_data",
+    "grpc.initial_reconnect_backoff_ms",
+    "grpc.min_reconnect_backoff_ms",
+    "grpc.max_reconnect_backoff_ms",
+};
+constexpr char kLbPolicyArg[] = "grpc.lb_policy_name";
 
 int Fail(const absl::Status& status, char* error, size_t error_len) {
   if (error != nullptr && error_len > 0) {
@@ -91,6 +112,56 @@ void WriteErrorDetails(const absl::Status& status, DetlogpScoreAnswer& answer) {
   if (details.size() > sizeof(answer.error_details)) return;
   std::memcpy(answer.error_details, details.data(), details.size());
   answer.error_details_len = static_cast<int64_t>(details.size());
+}
+
+// The options' targets and channel arguments into `settings`; an
+// argument this client does not take is refused by its key.
+absl::Status ApplyTargetsAndChannelArgs(const DetlogpClientOptions& options,
+                                        LogpClient::Options& settings) {
+  if (options.target_count < 1 || options.targets == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "targets: ", options.target_count, " given; at least one is needed"));
+  }
+  for (int i = 0; i < options.target_count; ++i) {
+    if (Text(options.targets[i]).empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("targets[", i, "]: empty"));
+    }
+  }
+  settings.target = options.targets[0];
+  if (options.target_count > 1) {
+    settings.targets.assign(options.targets,
+                            options.targets + options.target_count);
+  }
+  if (options.channel_arg_count > 0 && options.channel_args == nullptr) {
+    return absl::InvalidArgumentError("channel_args: null");
+  }
+  for (int i = 0; i < options.channel_arg_count; ++i) {
+    const DetlogpChannelArg& arg = options.channel_args[i];
+    const std::string key = Text(arg.key);
+    if (key == kLbPolicyArg) {
+      settings.load_balancing_policy = Text(arg.string_value);
+      continue;
+    }
+    const bool known =
+        std::find_if(std::begin(kIntChannelArgs), std::end(kIntChannelArgs),
+                     [&](const char* name) { return key == name; }) !=
+        std::end(kIntChannelArgs);
+    if (!known) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "channel_args: \"", key,
+          "\" is not taken by the C++ engine (it takes message sizes, "
+          "keepalive, reconnect backoff and grpc.lb_policy_name)"));
+    }
+    if (arg.int_value < INT_MIN || arg.int_value > INT_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat("channel_args: \"", key,
+                                                     "\" = ", arg.int_value,
+                                                     " is out of int range"));
+    }
+    settings.int_channel_args.emplace_back(key,
+                                           static_cast<int>(arg.int_value));
+  }
+  return absl::OkStatus();
 }
 
 int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
@@ -180,6 +251,8 @@ int Score(DetlogpClient* client, const DetlogpScoreRequest* request,
   CopyText(result->determinism_key, answer->determinism_key,
            sizeof(answer->determinism_key));
   CopyText(result->path, answer->path, sizeof(answer->path));
+  CopyText(result->path_refused, answer->path_refused,
+           sizeof(answer->path_refused));
   answer->queue_full_retries = result->queue_full_retries;
   return 0;
 }
@@ -199,7 +272,10 @@ int detlogp_client_create(const DetlogpClientOptions* options,
                 error, error_len);
   }
   LogpClient::Options settings;
-  settings.target = Text(options->target);
+  if (absl::Status applied = ApplyTargetsAndChannelArgs(*options, settings);
+      !applied.ok()) {
+    return Fail(applied, error, error_len);
+  }
   if (options->timeout_s > 0) {
     settings.timeout = absl::Seconds(options->timeout_s);
   }
@@ -208,6 +284,7 @@ int detlogp_client_create(const DetlogpClientOptions* options,
         std::min<int64_t>(options->max_message_bytes, INT32_MAX));
   }
   settings.connections = options->connections;
+  settings.system_shared_memory = options->system_shared_memory != 0;
   settings.cuda_shared_memory = options->cuda_shared_memory != 0;
   if (options->spread_request_bytes > 0) {
     settings.spread_request_bytes = options->spread_request_bytes;
@@ -221,7 +298,11 @@ int detlogp_client_create(const DetlogpClientOptions* options,
   settings.tls_client_key = Text(options->tls_client_key);
   auto created = LogpClient::Create(settings);
   if (!created.ok()) return Fail(created.status(), error, error_len);
-  *client = new DetlogpClient{*std::move(created)};
+  const int threads = options->async_threads > 0 ? options->async_threads
+                                                 : kDefaultAsyncThreads;
+  *client =
+      new DetlogpClient{*std::move(created),
+                        std::make_unique<detlogp::client::TaskPool>(threads)};
   return 0;
 }
 
@@ -237,6 +318,31 @@ int detlogp_client_score(DetlogpClient* client,
     return Fail(absl::InternalError(absl::StrCat("C++ client: ", e.what())),
                 error, error_len);
   }
+}
+
+int detlogp_client_score_async(DetlogpClient* client,
+                               const DetlogpScoreRequest* request,
+                               DetlogpScoreAnswer* answer,
+                               DetlogpScoreDone done, void* user_data,
+                               char* error, size_t error_len) {
+  if (client == nullptr || done == nullptr) {
+    return Fail(absl::InvalidArgumentError(client == nullptr ? "client: null"
+                                                             : "done: null"),
+                error, error_len);
+  }
+  try {
+    client->callers->Schedule([client, request, answer, done, user_data] {
+      char message[4096] = {0};
+      const int code = detlogp_client_score(client, request, answer, message,
+                                            sizeof(message));
+      done(user_data, code, message);
+    });
+  } catch (const std::exception& e) {
+    return Fail(
+        absl::ResourceExhaustedError(absl::StrCat("C++ client: ", e.what())),
+        error, error_len);
+  }
+  return 0;
 }
 
 void detlogp_client_shared_memory_refusal(DetlogpClient* client, char* text,

@@ -1,9 +1,14 @@
 /* The C++ LogpClient (client/logp_client.h) as a small C ABI, for clients in
- * other languages: the Python client loads it with ctypes and hands it a
- * large call's rows, which it cuts, spreads over its own connections and
- * sends without the interpreter in the way (ctypes releases the GIL for the
- * call). The answer is LogpClient::Score's: checked against the request,
- * one model version for the whole call, the bits of the rows sent alone.
+ * other languages: the Python client loads it with ctypes and hands it every
+ * call larger than one request, which it cuts, spreads over its own
+ * connections (or puts in its shared-memory regions) and sends without the
+ * interpreter in the way (ctypes releases the GIL for the call). The answer
+ * is LogpClient::Score's: checked against the request, one model version for
+ * the whole call, the bits of the rows sent alone.
+ *
+ * A call is made blocking (detlogp_client_score) or with a completion
+ * callback (detlogp_client_score_async), run on one of the client's own
+ * threads: an event loop awaits it without a thread of its own per call.
  *
  * Plain C types only. Functions returning int return 0 (OK) or a gRPC status
  * code, with a NUL-terminated message written to `error[0, error_len)` when
@@ -19,13 +24,33 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or struct below changes. */
-#define DETLOGP_CLIENT_ABI_VERSION 4
+#define DETLOGP_CLIENT_ABI_VERSION 5
 int detlogp_client_abi_version(void);
 
 typedef struct DetlogpClient DetlogpClient;
 
+/* One gRPC channel argument, by gRPC's name. Integer ones: message sizes
+ * ("grpc.max_receive_message_length", "grpc.max_send_message_length"),
+ * keepalive ("grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms",
+ * "grpc.keepalive_permit_without_calls", "grpc.http2.max_pings_without_data"),
+ * reconnect backoff ("grpc.initial_reconnect_backoff_ms",
+ * "grpc.min_reconnect_backoff_ms", "grpc.max_reconnect_backoff_ms"); the one
+ * string one: "grpc.lb_policy_name". Any other key is refused
+ * (INVALID_ARGUMENT naming it). */
 typedef struct {
-  const char* target;        /* "host:port", "unix:/path", "dns:///..." */
+  const char* key;
+  int64_t int_value;        /* integer arguments */
+  const char* string_value; /* string arguments */
+} DetlogpChannelArg;
+
+typedef struct {
+  /* The servers, each "host:port", "unix:/path" or "dns:///...";
+   * target_count of them (at least one). Several are replicas of one
+   * model: a call's requests are spread over them, and a failed one's go to
+   * another (LogpClient::Options::targets); the first also takes the
+   * control calls and the rows in the client's regions. */
+  const char* const* targets;
+  int target_count;
   double timeout_s;          /* per call; <= 0: LogpClient's default */
   int64_t max_message_bytes; /* <= 0: LogpClient's default */
   int connections;           /* a large call's connections; 0: automatic */
@@ -33,9 +58,18 @@ typedef struct {
    * outstanding per connection at once; <= 0: LogpClient's defaults. */
   int64_t spread_request_bytes;
   int spread_requests_in_flight;
-  /* Rows on a GPU go through a CUDA region the client owns on it, when the
-   * server allows it (LogpClient::Options::cuda_shared_memory). */
+  /* Host rows go through system shared-memory regions the client owns,
+   * and rows on a GPU through a CUDA region the client owns on it, when the
+   * server allows it (LogpClient::Options::system_shared_memory and
+   * cuda_shared_memory); a refused region falls back to the messages once,
+   * and the answer's path says which way the rows went. */
+  int system_shared_memory;
   int cuda_shared_memory;
+  const DetlogpChannelArg* channel_args; /* [channel_arg_count] */
+  int channel_arg_count;
+  /* detlogp_client_score_async calls run at once on the client's threads
+   * (more wait their turn); <= 0: 8. */
+  int async_threads;
   const char* bearer_token; /* null or empty: none */
   /* PEM; null or empty: plaintext (roots), no client certificate. */
   const char* tls_root_certs;
@@ -89,6 +123,9 @@ typedef struct {
   char model[256];
   char determinism_key[128];
   char path[16]; /* ScoreResult::path: "grpc", "system_shm", "cuda_shm" */
+  /* The region path the server refused at registration, the rows then
+   * taking `path` ("system_shm", "cuda_shm"; empty: none refused). */
+  char path_refused[16];
   /* Requests refused for a full queue and sent again. */
   int64_t queue_full_retries;
   /* When the call fails with a status that has details (every status the
@@ -108,10 +145,28 @@ int detlogp_client_score(DetlogpClient* client,
                          const DetlogpScoreRequest* request,
                          DetlogpScoreAnswer* answer, char* error,
                          size_t error_len);
+/* Called once when an asynchronous call ends, on one of the client's
+ * threads: `code` and `message` as detlogp_client_score returns and writes
+ * them (message valid during the call only), the answer filled in as
+ * detlogp_client_score fills it. It must not block for long (it holds one
+ * of the client's threads). */
+typedef void (*DetlogpScoreDone)(void* user_data, int code,
+                                 const char* message);
+/* detlogp_client_score without waiting: 0 when the call was taken, and
+ * `done(user_data, ...)` follows exactly once; otherwise the status, and
+ * `done` is never called. The request, the answer and every array and
+ * string they point to must stay as they are until `done` is called. */
+int detlogp_client_score_async(DetlogpClient* client,
+                               const DetlogpScoreRequest* request,
+                               DetlogpScoreAnswer* answer,
+                               DetlogpScoreDone done, void* user_data,
+                               char* error, size_t error_len);
 /* Why a shared-memory region of the client's is not used (empty while
  * nothing was refused), written NUL-terminated to `text[0, text_len)`. */
 void detlogp_client_shared_memory_refusal(DetlogpClient* client, char* text,
                                           size_t text_len);
+/* Waits for the client's asynchronous calls (their callbacks run first),
+ * then frees it: unregisters its regions and closes its connections. */
 void detlogp_client_destroy(DetlogpClient* client);
 
 #ifdef __cplusplus

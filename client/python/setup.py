@@ -26,13 +26,14 @@ digests/: found around this folder (pip builds a local folder in place), or
 in ops_src/ of an sdist (put there when the sdist is made).
 
 The C++ client's library libdetlogp_client.so (client/capi/detlogp_client.h,
-which detlogp.native hands large calls to) is built beside it from client/
+the engine detlogp.engine hands every call larger than one request to) is
+built beside it from client/
 and proto/ when gRPC's C++ build tools are there: protoc, grpc_cpp_plugin
-and pkg-config's grpc++ and protobuf (Debian: protobuf-compiler-grpc,
-libgrpc++-dev, libprotobuf-dev, pkg-config). DETLOGP_BUILD_CLIENT chooses:
+and pkg-config's grpc++, protobuf and spdlog (Debian: protobuf-compiler-grpc,
+libgrpc++-dev, libprotobuf-dev, libspdlog-dev, pkg-config). DETLOGP_BUILD_CLIENT chooses:
 
     unset, "auto" built when those are found, else skipped, saying why
-                  (large calls then go through grpcio)
+                  (calls larger than one request then raise EngineRequired)
     "1"           built, or the install fails saying what is missing
     "0"           not built
 
@@ -128,7 +129,7 @@ CLIENT_PROTOS = [
 ]
 CLIENT_HEADER_DIRS = ["client", "client/capi", "proto"]
 CLIENT_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall"]
-CLIENT_PKG_CONFIG = ["grpc++", "protobuf"]
+CLIENT_PKG_CONFIG = ["grpc++", "protobuf", "spdlog"]
 CLIENT_LIBRARY = "libdetlogp_client.so"
 
 
@@ -176,8 +177,8 @@ OPS_NEEDS = (
     "without the ops"
 )
 CLIENT_NEEDS = (
-    f"{CLIENT_LIBRARY} needs a C++17 compiler and gRPC's C++ build (Debian: "
-    "protobuf-compiler-grpc libgrpc++-dev libprotobuf-dev pkg-config), or "
+    f"{CLIENT_LIBRARY} needs a C++17 compiler, gRPC's C++ build and spdlog (Debian: "
+    "protobuf-compiler-grpc libgrpc++-dev libprotobuf-dev libspdlog-dev pkg-config), or "
     "DETLOGP_BUILD_CLIENT=0 for the client without it"
 )
 
@@ -313,7 +314,10 @@ class BuildPyWithOps(build_py):
             elif client == "required":
                 raise RuntimeError(f"DETLOGP_BUILD_CLIENT=1: {CLIENT_LIBRARY}: {missing}")
             else:
-                print(f"detlogp: not building {CLIENT_LIBRARY} ({missing}); large calls use grpcio")
+                print(
+                    f"detlogp: not building {CLIENT_LIBRARY} ({missing}); calls larger "
+                    "than one request will need it"
+                )
         mode = _mode()
         if mode == "none":
             return

@@ -21,7 +21,7 @@ CALL = r"""
 import json, sys
 import numpy as np
 import detlogp
-from detlogp import native
+from detlogp import engine
 
 target, hidden_size, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rng = np.random.default_rng(5)
@@ -41,7 +41,7 @@ print(json.dumps({
     "engine": answers["on"].engine,
     "python_engine": answers["off"].engine,
     "same_bits": answers["on"].logprobs.tobytes() == answers["off"].logprobs.tobytes(),
-    "library": str(native.find_library()),
+    "library": str(engine.find_library()),
     "grpc_loaded_from": loaded,
 }))
 """

@@ -91,7 +91,12 @@ NOT_METRICS = {
     "detlogp_ops",
     "detlogp_ops_cuda",
     "detlogp_cuda_linear_logp_backward",
+    "detlogp_client",
+    "detlogp_client_abi_version",
+    "detlogp_client_score",
+    "detlogp_client_score_async",
     "detlogp_client_shared_memory_refusal",
+    "detlogp_client_destroy",
     "detlogp_load",
 }
 

@@ -5,10 +5,11 @@ RetryPolicy                backoff with jitter for UNAVAILABLE / queue full
 DetlogpError and subclasses  typed errors carrying the server's message
 LogProbResult, ProjectResult, ModelVersionResult  results
 LmHead, lm_head_sha256     upload payloads and the model digest (weights)
-TransferOptions, CallTimings  how large calls travel, and where their time went
+TransferOptions, CallTimings  which calls go through the C++ engine, and where their time went
 """
 
 from detlogp import aio  # noqa: E402  (detlogp.aio.AsyncClient)
+from detlogp.calls import CallTimings, EngineRequired, TransferOptions
 from detlogp.client import Client
 from detlogp.errors import (
     Cancelled,
@@ -29,7 +30,6 @@ from detlogp.errors import (
 from detlogp.heap import keep_freed_memory
 from detlogp.results import LogProbResult, ModelVersionResult, ProjectResult
 from detlogp.retry import NO_RETRY, RetryPolicy
-from detlogp.transfer import CallTimings, TransferOptions
 from detlogp.weights import LmHead, lm_head_sha256
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "TransferOptions",
     "keep_freed_memory",
     "CallTimings",
+    "EngineRequired",
     "NO_RETRY",
     "LogProbResult",
     "ProjectResult",

@@ -1,6 +1,7 @@
 """Pieces shared by the sync and asyncio clients: targets, channel options,
-deadline arithmetic, retry decisions, stream item conversion, the raw
-health check, and combining several replicas' answers to an admin call."""
+deadline arithmetic, retry decisions, how a logprobs() call is sent (through
+calls.py), stream item conversion, the raw health check, and combining
+several replicas' answers to an admin call."""
 
 import collections
 import dataclasses
@@ -8,16 +9,15 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 
 import grpc
 
-from detlogp import native, requests, shm, transfer, wire
+from detlogp import calls, engine, requests, wire
 from detlogp.credentials import bearer
 from detlogp.errors import (
     DataLoss,
     DeadlineExceeded,
-    DetlogpError,
-    MessageTooLarge,
     NotFound,
     ReplicaMismatch,
 )
@@ -27,8 +27,6 @@ from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
 
 log = logging.getLogger("detlogp")
-# What staging rows in shared memory may raise that means "use gRPC bytes".
-STAGING_FAILURES = (DetlogpError, OSError, MemoryError, ImportError, RuntimeError)
 
 HEALTH_METHOD = "/grpc.health.v1.Health/Check"
 COMPUTE_METHOD = "/detlogp.v1.LogProbService/ComputeLogProbs"
@@ -46,10 +44,9 @@ def normalize_targets(targets):
 
 
 def channel_options(max_message_mb):
-    """No limit on what the client sends (logprobs() cuts calls to fit the
-    server's limit, and a message over it is refused by the server as
-    MessageTooLarge); answers up to max_message_mb MiB (logprobs() cuts
-    calls so that theirs fit too)."""
+    """No limit on what the client sends (a call larger than the server's
+    limit goes through the engine, and a message over it is refused by the
+    server as MessageTooLarge); answers up to max_message_mb MiB."""
     return [
         ("grpc.max_send_message_length", -1),
         ("grpc.max_receive_message_length", int(max_message_mb) << 20),
@@ -175,20 +172,6 @@ def logprob_fields(
 # How long after an unanswered ModelInfo the client asks a target for its
 # limits again.
 LIMITS_ASK_AGAIN_S = 10.0
-# The field the server names when a request's shared-memory reference is bad.
-SHARED_MEMORY_FIELD = "hidden.shared_memory"
-
-
-def shared_memory_problem(error):
-    """For a request that named a region: "forgotten" when the server does
-    not know the region (released for idleness, restarted: the client makes
-    a new one), "refused" for any other complaint about the reference (the
-    client sends bytes instead), None when the error is not about it."""
-    field = getattr(error, "field", None) or ""
-    if not field.startswith(SHARED_MEMORY_FIELD):
-        return None
-    gone = isinstance(error, NotFound) and error.reason == "REGION_GONE"
-    return "forgotten" if gone else "refused"
 
 
 def stream_item_to_request(item, index, model=None, version=None):
@@ -369,7 +352,7 @@ class ClientState:
         shared_memory=None,
     ):
         self.targets = normalize_targets(targets)
-        options = transfer_options or transfer.TransferOptions()
+        options = transfer_options or calls.TransferOptions()
         if shared_memory is not None:
             options = dataclasses.replace(options, shared_memory=shared_memory)
         self.transfer_options = options.validated()
@@ -382,9 +365,6 @@ class ClientState:
         self._admin_metadata = bearer(admin_token) if admin_token else None
         self._scoring_metadata = bearer(token) if token else None
         self._channel_options = channel_options(max_message_mb) + list(channel_args)
-        # The C++ client (native_transport) cannot take the caller's own
-        # channel arguments.
-        self._custom_channel_args = bool(channel_args)
         self._channel_security = dict(
             root_certificates=root_certificates,
             client_certificate=client_certificate,
@@ -408,124 +388,110 @@ class ClientState:
         self._rr = RoundRobin(len(self.targets))
         self.attempts = 0  # calls sent, retries included
         self.retries = 0
-        # logprobs(): each target's connections (the first is the channel
-        # above; more are opened for striped calls), its limits once known,
-        # and its shared memory.
-        self._compute_raw = [[self._raw_compute(c)] for c in self._channels]
-        self._extra_channels = [[] for _ in self.targets]
-        self._connections_lock = threading.Lock()
+        # logprobs(): one request's ComputeLogProbs per target (serialized
+        # messages, wire.py), each target's limits once known, and the C++
+        # engine for larger calls.
+        self._compute_raw = [self._raw_compute(c) for c in self._channels]
+        self._limits_lock = threading.Lock()
+        # Held by the call asking for limits: calls meanwhile wait for them
+        # (a path is chosen from known limits; a target that does not
+        # answer is taken to have the server's defaults).
+        self._asking_lock = threading.Lock()
         self._limits = [None] * len(self.targets)
         self._limits_asked = [None] * len(self.targets)  # monotonic time
-        self._memory = [shm.TargetMemory(t, self.transfer_options) for t in self.targets]
-        self._row_copier = shm.RowCopier(self.transfer_options.copy_threads)
-        self._shm_stubs = [pb_grpc.SharedMemoryServiceStub(c) for c in self._channels]
-        # The C++ client for large calls over gRPC (native_transport), made
-        # on first need; why it is not used, once known.
-        self._native = None
-        self._native_refusal = None
-        self._native_lock = threading.Lock()
-        # Why the C++ client cannot read rows on a GPU (no CUDA runtime it
-        # can load), once known: such calls take the client's own path.
-        self._native_device_failure = None
-        self._native_device_lock = threading.Lock()  # held by its one call
+        self._engine, self._engine_refusal = self._make_engine(list(channel_args))
+        # Whether any target may get rows through the engine's regions, and
+        # whether a refusal of them was logged (once per client).
+        self._regions_wanted = any(options.regions_for(self.targets[0]))
+        self._refusal_logged = False
+        # Regions are released by close(), or at exit when it was not called.
+        self._close_engine = weakref.finalize(self, _close, self._engine)
 
-    def _native_client(self, call, deadline):
-        """(the C++ client, on_device) when it should send `call`
-        (native_transport): a large call to a single target, within the
-        client's own timeout, whose rows go in the messages, or through a
-        CUDA region from a tensor the C++ client can read where it lies
-        (on_device); else None."""
+    def _make_engine(self, channel_args):
+        """(the engine over every target, None) or (None, why there is
+        none)."""
         options = self.transfer_options
         if options.native_transport == "off":
-            return None
-        if not call.sliceable or call.hidden_bytes < options.auto_connections_min_bytes:
-            return None
-        kind = self._memory[0].kind_for(call, time.monotonic())
-        # The C++ client's CUDA region holds the whole call: up to the
-        # region budget; a larger call goes slice by slice through the
-        # client's own regions.
-        on_device = (
-            kind == "cuda"
-            and call.hidden_bytes <= options.shared_memory_bytes
-            and self._native_device_failure is None
-            and native.takes_device_rows(call)
-        )
-        if kind is not None and not on_device:
-            return None  # the rows go through the client's system region
-        with self._native_lock:
-            if self._native is None and self._native_refusal is None:
-                self._native_refusal = self._native_unsuitable()
-                if self._native_refusal is None:
-                    try:
-                        self._native = native.NativeClient(
-                            native.load_library(),
-                            self.targets[0],
-                            self.timeout,
-                            self._max_receive_bytes,
-                            options,
-                            self._sync_channel_security,
-                        )
-                    except RuntimeError as why:
-                        self._native_refusal = str(why)
-                if self._native_refusal is not None:
-                    say = log.warning if options.native_transport == "on" else log.info
-                    say("large calls go through grpcio: %s", self._native_refusal)
-            if self._native is None and options.native_transport == "on":
-                raise RuntimeError(f"TransferOptions.native_transport='on': {self._native_refusal}")
-            if self._native is None:
-                return None
-            if on_device and not self._native_device_lock.acquire(blocking=False):
-                # The C++ client's calls through its region take turns: a
-                # call meanwhile takes the client's own region slots.
-                return None
-            return self._native, on_device
-
-    def _score_natively(self, chosen, call, timings, deadline):
-        """The C++ client's answer to `call` (`chosen`: _native_client's)
-        within `deadline`; its failure is raised as the call's (a server
-        error never changes the call's path). None only when the C++ client
-        cannot read rows on a GPU (no CUDA runtime): the caller then takes
-        the Python client's own path, and so do later calls on a GPU. Blocking; the asyncio client runs it in
-        an executor, so the region's turn ends when the C++ call does."""
-        client, on_device = chosen
+            return None, "TransferOptions.native_transport='off'"
         try:
-            result, path = client.score(call, timings, on_device, deadline.remaining())
-        except native.NativeCallFailed as failed:
-            own_failure = (
-                failed.details is None
-                and on_device
-                and failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            lib = engine.load_library()
+        except RuntimeError as why:
+            if options.native_transport == "on":
+                raise RuntimeError(f"TransferOptions.native_transport='on': {why}") from None
+            log.info("calls larger than one request need the C++ engine: %s", why)
+            return None, str(why)
+        # The engine's regions are registered with its first target.
+        system, cuda = options.regions_for(self.targets[0])
+        settings = engine.EngineSettings(
+            targets=tuple(self.targets),
+            timeout=self.timeout,
+            max_message_bytes=self._max_receive_bytes,
+            connections=options.connections,
+            request_bytes=options.slice_bytes,
+            requests_in_flight=options.slices_in_flight_per_connection,
+            system_shared_memory=system,
+            cuda_shared_memory=cuda,
+            channel_args=tuple(channel_args),
+            security=self._sync_channel_security,
+        )
+        return engine.Engine(lib, settings), None
+
+    # ------------------------------------------------------------ logprobs
+    def _new_call(self, hidden, targets, fields, timing):
+        """(calls.LogProbCall, CallTimings or None, its start time)."""
+        started = time.perf_counter()
+        call = calls.LogProbCall(hidden, targets, fields)
+        timings = None
+        if timing:
+            timings = calls.CallTimings(prepare_s=time.perf_counter() - started)
+        return call, timings, started
+
+    def _needs_limits(self, call):
+        """Whether the targets' limits may have to be asked to choose the
+        call's path (a call of one row always fits)."""
+        return call.well_formed and call.rows > 1 and any(k is None for k in self._limits)
+
+    def _route(self, call):
+        """calls.GRPCIO or calls.ENGINE for `call` (calls.choose_route);
+        EngineRequired says why there is no engine."""
+        try:
+            return calls.choose_route(
+                call,
+                calls.ServerLimits.tightest(self._limits),
+                self.transfer_options,
+                self._max_receive_bytes,
+                self._engine is not None,
+                self.targets[0],
             )
-            if not own_failure:
-                raise failed.error() from None
-            self._native_device_failure = failed.message
-            log.info("calls on a GPU take the Python client's path: %s", failed.message)
-            return None
-        finally:
-            if on_device:
-                self._native_device_lock.release()
-        if on_device and path != "cuda_shm":
-            # The server refused the C++ client's CUDA region: later calls
-            # take the client's own paths (the refusal logged once, as for
-            # its own).
-            why = client.shared_memory_refusal()
+        except calls.EngineRequired as error:
+            raise calls.EngineRequired(f"{error}; here: {self._engine_refusal}") from None
+
+    def _after_engine(self, result):
+        """`result`, a region's refusal logged once per client (the result's
+        path says where the rows went)."""
+        if self._regions_wanted and not self._refusal_logged:
+            why = self._engine.shared_memory_refusal()
             if why:
-                self._memory[0].refused("cuda", time.monotonic(), RuntimeError(why), log)
+                self._refusal_logged = True
+                log.warning("the server refused the engine's shared memory: %s", why)
         return result
 
-    def _native_unsuitable(self):
-        """Why this client's calls cannot go through the C++ client, or None."""
-        if len(self.targets) != 1:
-            return "several targets (the C++ client takes one)"
-        if self._custom_channel_args:
-            return "channel_args were given (the C++ client cannot take them)"
-        return None
+    def _close_engine_now(self):
+        self._close_engine()
 
-    def _close_native(self):
-        with self._native_lock:
-            if self._native is not None:
-                self._native.close()
-                self._native = None
+    def _targets_to_ask_limits(self):
+        """Targets whose limits are unknown and were not asked for lately
+        (a target that did not answer is asked again LIMITS_ASK_AGAIN_S
+        later; meanwhile it is taken to have the server's defaults)."""
+        now = time.monotonic()
+        due = []
+        with self._limits_lock:
+            for index, known in enumerate(self._limits):
+                asked = self._limits_asked[index]
+                if known is None and (asked is None or now - asked > LIMITS_ASK_AGAIN_S):
+                    self._limits_asked[index] = now
+                    due.append(index)
+        return due
 
     @staticmethod
     def _raw_compute(channel):
@@ -534,100 +500,6 @@ class ClientState:
         return channel.unary_unary(
             COMPUTE_METHOD, request_serializer=identity, response_deserializer=identity
         )
-
-    def _compute_on(self, index, connection):
-        """The raw ComputeLogProbs of connection `connection` to target
-        `index`, opening connections up to it on first use."""
-        raws = self._compute_raw[index]
-        if connection < len(raws):
-            return raws[connection]
-        with self._connections_lock:
-            while len(raws) <= connection:
-                channel = self._own_channel(self.targets[index])
-                self._extra_channels[index].append(channel)
-                raws.append(self._raw_compute(channel))
-        return raws[connection]
-
-    def _take_extra_channels(self):
-        with self._connections_lock:
-            channels = [c for per_target in self._extra_channels for c in per_target]
-            self._extra_channels = [[] for _ in self.targets]
-            self._compute_raw = [raws[:1] for raws in self._compute_raw]
-        return channels
-
-    def _plan_slices(self, call, index):
-        """The slices of `call` for target `index`'s limits (known, or the
-        server defaults)."""
-        options = self.transfer_options
-        limits = self._limits[index] or transfer.ServerLimits()
-        kind = self._memory[index].kind_for(call, time.monotonic())
-        preferred = options.slice_bytes_for(kind, call.hidden_bytes)
-        return call.slices(limits, preferred, self._max_receive_bytes)
-
-    def _targets_to_ask_limits(self):
-        """Targets whose limits are unknown and were not asked for lately
-        (one call asks; calls meanwhile assume the server's defaults, and a
-        refusal teaches the real ones)."""
-        now = time.monotonic()
-        due = []
-        with self._connections_lock:
-            for index, known in enumerate(self._limits):
-                asked = self._limits_asked[index]
-                if known is None and (asked is None or now - asked > LIMITS_ASK_AGAIN_S):
-                    self._limits_asked[index] = now
-                    due.append(index)
-        return due
-
-    def _learned_from(self, error, pieces):
-        """True when `error` is a server's refusal of a slice over its row or
-        message limit, a limit it did not report (an older server): the
-        call is cut again to fit it."""
-        change = {}
-        rows = transfer.rows_limit_in(error)
-        if rows is not None and 1 <= rows < max(p.rows for p in pieces):
-            change["max_request_rows"] = rows
-        if isinstance(error, MessageTooLarge) and error.on_server and error.limit_bytes:
-            known = self._limits[0] or transfer.ServerLimits()
-            if error.limit_bytes < known.max_message_bytes:
-                change["max_message_bytes"] = error.limit_bytes
-        if not change:
-            return False
-        for index, known in enumerate(self._limits):
-            self._limits[index] = dataclasses.replace(known or transfer.ServerLimits(), **change)
-        return True
-
-    def _after_shared_memory_error(self, index, slot, error):
-        """True when the slice should be sent again at once: the server
-        forgot the region (released for idleness, restarted: a new one is
-        made) or refused shared memory (gRPC bytes from now on)."""
-        problem = shared_memory_problem(error)
-        if problem is None:
-            return False
-        memory = self._memory[index]
-        if problem == "forgotten":
-            # Slices in flight may still write into it: the GC frees it.
-            memory.pool_of(slot).forget(slot.region)
-        else:
-            memory.refused(slot.region.kind, time.monotonic(), error, log)
-        return True
-
-    def _staging(self, call, piece, index):
-        """What staging the slice's rows in shared memory on target `index`
-        takes (shm.Staging), or None: gRPC bytes."""
-        memory = self._memory[index]
-        kind = memory.kind_for(call, time.monotonic())
-        nbytes = piece.rows * call.row_bytes
-        if kind is None or not call.sliceable or nbytes == 0:
-            return None
-        want = nbytes * self.transfer_options.slices_in_flight_per_connection
-        return shm.Staging(memory, kind, call, piece, want, self._row_copier)
-
-    def _staging_failed(self, staging, why):
-        """No slot (refused, or no memory for a region): gRPC bytes, the
-        reason logged once. A passed deadline is raised."""
-        if isinstance(why, DeadlineExceeded):
-            raise why
-        staging.memory.refused(staging.kind, time.monotonic(), why, log)
 
     def _own_channel(self, target, own_connection=True):
         """A channel to `target` as the client's are made; with
@@ -641,3 +513,8 @@ class ClientState:
 
     def _admin_timeout(self, timeout):
         return self.admin_timeout if timeout is None else timeout
+
+
+def _close(made):
+    if made is not None:
+        made.close()

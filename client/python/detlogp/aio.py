@@ -10,14 +10,12 @@ Example:
 
 import asyncio
 import time
-import weakref
 
 import grpc
 import numpy as np
 
-from detlogp import requests, shm, transfer, wire
+from detlogp import calls, requests
 from detlogp._common import (
-    STAGING_FAILURES,
     CallPlan,
     ClientState,
     Deadline,
@@ -29,9 +27,8 @@ from detlogp._common import (
     parse_health_response,
 )
 from detlogp.aio_status import ServerStatus
-from detlogp.client import UNREGISTER_PAUSE_S, release_shared_memory_at_exit
 from detlogp.credentials import make_aio_channel
-from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, MessageTooLarge, from_rpc_error
+from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
@@ -41,38 +38,20 @@ from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
 class AsyncClient(ClientState):
     """Round-robin over targets, deadlines and retries as in Client, and the
     same model calls (admin_token, every-target uploads, NOT_FOUND moving
-    on for pinned versions), and the same large calls (slices side by side,
-    shared memory for a server on this host). Create it inside the event
-    loop that uses it; close() unregisters its shared memory (a client
-    not closed does so when the process exits)."""
+    on for pinned versions), and the same large calls (through the C++
+    engine, awaited through its completion callback: no thread per call).
+    Create it inside the event loop that uses it; close() frees the engine
+    (its regions unregistered; a client not closed does so when the
+    process exits)."""
 
     _make_channel = staticmethod(make_aio_channel)
     # Each call carries the token as metadata: see make_aio_channel.
     _channel_sends_token = False
-
-    def __init__(self, targets, **kwargs):
-        super().__init__(targets, **kwargs)
-        # Regions left when the process exits without close(): released
-        # through sync channels (this client's need its event loop).
-        self._release_at_exit = weakref.finalize(
-            self,
-            release_shared_memory_at_exit,
-            self.targets,
-            self._memory,
-            list(self._channel_options),
-            self._sync_channel_security,
-        )
+    # Held by the call asking for limits (made in the client's loop).
+    _asking = None
 
     async def close(self):
-        self._release_at_exit.detach()
-        for memory, stub in zip(self._memory, self._shm_stubs):
-            for pool in memory.pools():
-                for region in pool.take_all():
-                    await self._unregister(stub, region)
-        self._row_copier.close()
-        self._close_native()
-        for channel in self._take_extra_channels():
-            await channel.close()
+        self._close_engine_now()
         for channel in self._channels:
             await channel.close()
 
@@ -141,198 +120,53 @@ class AsyncClient(ClientState):
         timing=False,
     ):
         """Client.logprobs as a coroutine (return_entropy, top_k, timing and
-        large calls alike: slices run side by side on this loop)."""
-        started = time.perf_counter()
+        large calls alike: the engine's answer is awaited on this loop)."""
         fields = logprob_fields(
             request_id, temperature, return_lse, model, version, return_entropy, top_k, timing
         )
-        call = transfer.LogProbCall(hidden, targets, fields)
-        timings = None
-        if timing:
-            timings = transfer.CallTimings(prepare_s=time.perf_counter() - started)
+        call, timings, started = self._new_call(hidden, targets, fields, timing)
         deadline = Deadline(self.timeout if timeout is None else timeout)
-        result = await self._run_call(call, deadline, timings)
+        if self._needs_limits(call):
+            await self._learn_limits(deadline)
+        if self._route(call) == calls.ENGINE:
+            result = self._after_engine(
+                await self._engine.score_async(
+                    call, asyncio.get_running_loop(), timings, deadline.remaining()
+                )
+            )
+        else:
+            sending = calls.TimedRequest(call, timings)
+            data = await self._unary(
+                self._compute_raw,
+                lambda raw: raw,
+                sending.payload,
+                deadline.remaining(),
+                retry_not_found=bool(fields.model_version),
+            )
+            result = sending.result(data)
         if timings is not None:
             timings.total_s = time.perf_counter() - started
         return result
 
-    # ------------------------------------------------------------ large calls
-    async def _run_call(self, call, deadline, timings):
-        chosen = self._native_client(call, deadline)
-        if chosen is not None:
-            result = await asyncio.get_running_loop().run_in_executor(
-                None, self._score_natively, chosen, call, timings, deadline
-            )
-            if result is not None:
-                return result
-        if call.rows > 1:
-            await self._learn_limits(deadline)
-        while True:
-            pieces = self._plan_slices(call, 0)
-            connections = min(self.transfer_options.connections_for(call.hidden_bytes), len(pieces))
-            if timings is not None:
-                timings.connections = connections
-            try:
-                answers = await self._send_slices(call, pieces, deadline, timings, connections)
-                break
-            except (InvalidArgument, MessageTooLarge) as error:
-                if not self._learned_from(error, pieces):
-                    raise
-        repeat = transfer.versions_to_repeat(answers)
-        if repeat and not call.fields.model_version:
-            version = answers[0].model_version
-            again = await self._send_slices(
-                call, [pieces[i] for i in repeat], deadline, timings, connections, version
-            )
-            for i, answer in zip(repeat, again):
-                answers[i] = answer
-        return transfer.merge_answers(call, pieces, answers, timings)
-
-    async def _send_slices(self, call, pieces, deadline, timings, connections, version=None):
-        in_flight = min(
-            len(pieces), connections * self.transfer_options.slices_in_flight_per_connection
-        )
-        if in_flight <= 1:
-            return [
-                await self._send_slice(call, p, deadline, timings, p.index % connections, version)
-                for p in pieces
-            ]
-        gate = asyncio.Semaphore(in_flight)
-
-        async def one(piece):
-            async with gate:
-                return await self._send_slice(
-                    call, piece, deadline, timings, piece.index % connections, version
-                )
-
-        tasks = [asyncio.ensure_future(one(piece)) for piece in pieces]
-        try:
-            return await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def _learn_limits(self, deadline):
-        for index in self._targets_to_ask_limits():
-            left = deadline.remaining()
-            try:
-                info = await self._logp[index].GetModelInfo(
-                    requests.model_info_request(),
-                    timeout=min(left or 10.0, 10.0),
-                    metadata=self._scoring_metadata,
-                )
-            except grpc.RpcError:
-                continue
-            self._limits[index] = transfer.ServerLimits.from_model_info(info)
-
-    async def _send_slice(self, call, piece, deadline, timings, connection, version=None):
-        plan = CallPlan(self, deadline.remaining(), bool(call.fields.model_version or version))
-        while True:
-            index = plan.index
-            build_started = time.perf_counter()
-            slot = await self._stage(call, piece, index, plan.deadline)
-            try:
-                payload = call.request_bytes(piece, version, ref=shm.region_ref(call, piece, slot))
-                sent = time.perf_counter()
-                self.attempts += 1
+        """Client._learn_limits on this loop (calls meanwhile wait)."""
+        if self._asking is None:
+            self._asking = asyncio.Lock()
+        async with self._asking:
+            for index in self._targets_to_ask_limits():
+                left = deadline.remaining()
                 try:
-                    data = await self._compute_on(index, connection)(
-                        payload,
-                        timeout=plan.deadline.remaining(),
+                    info = await self._logp[index].GetModelInfo(
+                        requests.model_info_request(),
+                        timeout=min(left or 10.0, 10.0),
                         metadata=self._scoring_metadata,
                     )
-                except grpc.RpcError as rpc_error:
-                    error = call.slice_error(piece, from_rpc_error(rpc_error))
-                else:
-                    answered = time.perf_counter()
-                    try:
-                        answer = wire.decode_logprob_response(data)
-                    except ValueError as bad:
-                        raise DataLoss(f"LogProbResponse: {bad}") from None
-                    answer.path = shm.path_name(slot)
-                    if timings is not None:
-                        timings.add_slice(
-                            sent - build_started,
-                            answered - sent,
-                            time.perf_counter() - answered,
-                            answer.timing,
-                            shm.path_name(slot),
-                        )
-                    return answer
-            finally:
-                if slot is not None:
-                    self._memory[index].pool_of(slot).release(slot)
-            if slot is not None and self._after_shared_memory_error(index, slot, error):
-                continue
-            pause = plan.after(error)
-            if pause is None:
-                raise error
-            if pause:
-                await asyncio.sleep(pause)
-
-    async def _stage(self, call, piece, index, deadline):
-        staging = self._staging(call, piece, index)
-        if staging is None:
-            return None
-        try:
-            slot = await self._acquire_slot(index, staging, deadline)
-        except STAGING_FAILURES as why:
-            return self._staging_failed(staging, why)
-        return staging.fill(slot)
-
-    async def _acquire_slot(self, index, staging, deadline):
-        """Client._acquire_slot on this loop (a full pool is polled)."""
-        pool = staging.pool
-        stub = self._shm_stubs[index]
-        while True:
-            got = pool.try_acquire(staging.nbytes, staging.want_bytes)
-            if isinstance(got, shm.Slot):
-                return got
-            if isinstance(got, shm.NeedRegion):
-                try:
-                    for region in pool.idle_regions_to_drop(got.byte_size):
-                        await self._unregister(stub, region)
-                    region = staging.make_region(got.byte_size)
-                    try:
-                        register = getattr(stub, region.register_method)
-                        await register(
-                            region.register_request(pb),
-                            timeout=deadline.remaining(),
-                            metadata=self._scoring_metadata,
-                        )
-                    except grpc.RpcError as rpc_error:
-                        region.close()
-                        raise from_rpc_error(rpc_error) from None
-                    region.after_register()
-                except BaseException:
-                    pool.abandon()
+                except grpc.RpcError:
+                    continue
+                except asyncio.CancelledError:
+                    self._limits_asked[index] = None  # the next call asks
                     raise
-                pool.add(region)
-                continue
-            await asyncio.sleep(0.002)
-            deadline.remaining()  # DeadlineExceeded once it has passed
-
-    async def _unregister(self, stub, region, timeout=5.0):
-        """client._unregister_region on this loop."""
-        end = time.monotonic() + timeout
-        try:
-            unregister = getattr(stub, region.unregister_method)
-            while True:
-                try:
-                    await unregister(
-                        region.unregister_request(pb),
-                        timeout=timeout,
-                        metadata=self._scoring_metadata,
-                    )
-                    return
-                except grpc.RpcError as error:
-                    in_use = error.code() == grpc.StatusCode.FAILED_PRECONDITION
-                    if not in_use or time.monotonic() + UNREGISTER_PAUSE_S > end:
-                        return
-                await asyncio.sleep(UNREGISTER_PAUSE_S)
-        finally:
-            region.close()
+                self._limits[index] = calls.ServerLimits.from_model_info(info)
 
     async def compute(self, request, timeout=None):
         return await self._unary(

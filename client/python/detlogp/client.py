@@ -16,14 +16,12 @@ Example:
 import concurrent.futures
 import threading
 import time
-import weakref
 
 import grpc
 import numpy as np
 
-from detlogp import requests, shm, transfer, wire
+from detlogp import calls, requests
 from detlogp._common import (
-    STAGING_FAILURES,
     CallPlan,
     ClientState,
     Deadline,
@@ -35,7 +33,7 @@ from detlogp._common import (
     parse_health_response,
 )
 from detlogp.credentials import make_channel
-from detlogp.errors import DataLoss, DetlogpError, InvalidArgument, MessageTooLarge, from_rpc_error
+from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
@@ -57,11 +55,14 @@ class Client(ClientState):
     admin_timeout: default seconds for load/upload/unload (they wait until
       the version is placed and warmed up, or freed).
 
-    transfer_options: a TransferOptions (how logprobs() cuts, stripes and
-      places large calls); shared_memory: "auto" (default), "off",
-      "system" or "cuda", overriding transfer_options.shared_memory.
-    max_message_mb: the largest answer accepted (logprobs() cuts calls so
+    transfer_options: a TransferOptions (which calls go through the C++
+      engine, and how it spreads them); shared_memory: "auto" (default),
+      "off", "system" or "cuda", overriding transfer_options.shared_memory.
+    max_message_mb: the largest answer accepted (the engine cuts calls so
       that theirs fit, and the server's own limit on requests).
+    channel_args: more gRPC channel arguments. The engine takes message
+      sizes, keepalive, reconnect backoff and grpc.lb_policy_name; any other
+      key raises ValueError naming it (unless native_transport is "off").
 
     With several targets, scoring is round-robin; load_model, upload_model
     and unload_model act on EVERY target (replicas must hold the same
@@ -70,37 +71,24 @@ class Client(ClientState):
     list) spreads calls, and a large call's slices, over every address
     (gRPC's round_robin).
 
-    Large calls: logprobs() cuts a call into requests within the server's
-    row and message limits, sends them side by side over several
-    connections (TransferOptions.connections), and puts the answers back in
-    order; the bits are those of one call. To a server on this host (a Unix
-    socket or a loopback address) the rows go through shared memory the
-    client owns (a CUDA region for a bf16 CUDA tensor, a system region for
-    other rows); a server that refuses it gets gRPC bytes, and the reason
-    is logged once ("detlogp" logger).
+    Large calls: a call beyond one request of the server's, or of
+    TransferOptions.engine_min_bytes, goes through the C++ engine
+    (libdetlogp_client.so, detlogp/engine.py): cut to the server's limits,
+    spread over connections, and, to a server on this host (a Unix socket
+    or a loopback address), through shared memory the engine owns (a CUDA
+    region for a bf16 CUDA tensor, a system region for other rows); the
+    answers are put back in order with the bits of one call. A server that
+    refuses a region gets the rows in the messages (result.path says which
+    way they went). Smaller calls are one request through grpcio. Without
+    the engine's library, a call larger than one request raises
+    calls.EngineRequired.
     """
 
     _make_channel = staticmethod(make_channel)
 
-    def __init__(self, targets, **kwargs):
-        super().__init__(targets, **kwargs)
-        self._slice_pool = None
-        self._slice_workers = 0
-        self._slice_pool_lock = threading.Lock()
-        # Regions are released by close(), or at exit when it was not called.
-        self._release_regions = weakref.finalize(
-            self, _release_shared_memory, self._memory, self._shm_stubs
-        )
-
     # ------------------------------------------------------------ lifecycle
     def close(self):
-        self._release_regions()
-        if self._slice_pool is not None:
-            self._slice_pool.shutdown(wait=True)
-        self._row_copier.close()
-        self._close_native()
-        for channel in self._take_extra_channels():
-            channel.close()
+        self._close_engine_now()
         for channel in self._channels:
             channel.close()
 
@@ -186,193 +174,47 @@ class Client(ClientState):
         not asked for are None. The answer's sizes are checked against the
         request (DataLoss naming the field otherwise).
 
-        Any N works: a call beyond the server's limits is cut into requests
-        and sent side by side (see the class docstring); the result is in
-        order and has the bits of one call. timing: also .timings, where
-        the call's time went (a CallTimings; the server's part when it
-        reports it)."""
-        started = time.perf_counter()
+        Any N works: a call beyond the server's limits goes through the C++
+        engine (see the class docstring); the result is in order and has the
+        bits of one call. timing: also .timings, where the call's time went
+        (a CallTimings; the server's part when it reports it)."""
         fields = logprob_fields(
             request_id, temperature, return_lse, model, version, return_entropy, top_k, timing
         )
-        call = transfer.LogProbCall(hidden, targets, fields)
-        timings = None
-        if timing:
-            timings = transfer.CallTimings(prepare_s=time.perf_counter() - started)
-        result = self._run_call(
-            call, Deadline(self.timeout if timeout is None else timeout), timings
-        )
+        call, timings, started = self._new_call(hidden, targets, fields, timing)
+        deadline = Deadline(self.timeout if timeout is None else timeout)
+        if self._needs_limits(call):
+            self._learn_limits(deadline)
+        if self._route(call) == calls.ENGINE:
+            result = self._after_engine(self._engine.score(call, timings, deadline.remaining()))
+        else:
+            sending = calls.TimedRequest(call, timings)
+            data = self._unary(
+                self._compute_raw,
+                lambda raw: raw,
+                sending.payload,
+                deadline.remaining(),
+                retry_not_found=bool(fields.model_version),
+            )
+            result = sending.result(data)
         if timings is not None:
             timings.total_s = time.perf_counter() - started
         return result
-
-    # ------------------------------------------------------------ large calls
-    def _run_call(self, call, deadline, timings):
-        """Sends `call` as slices (side by side when there are several) and
-        merges the answers."""
-        chosen = self._native_client(call, deadline)
-        if chosen is not None:
-            result = self._score_natively(chosen, call, timings, deadline)
-            if result is not None:
-                return result
-        if call.rows > 1:
-            self._learn_limits(deadline)
-        while True:
-            pieces = self._plan_slices(call, 0)
-            options = self.transfer_options
-            connections = min(options.connections_for(call.hidden_bytes), len(pieces))
-            if timings is not None:
-                timings.connections = connections
-            try:
-                answers = self._send_slices(call, pieces, deadline, timings, connections)
-                break
-            except (InvalidArgument, MessageTooLarge) as error:
-                if not self._learned_from(error, pieces):
-                    raise
-        repeat = transfer.versions_to_repeat(answers)
-        if repeat and not call.fields.model_version:
-            version = answers[0].model_version
-            again = self._send_slices(
-                call, [pieces[i] for i in repeat], deadline, timings, connections, version
-            )
-            for i, answer in zip(repeat, again):
-                answers[i] = answer
-        return transfer.merge_answers(call, pieces, answers, timings)
-
-    def _send_slices(self, call, pieces, deadline, timings, connections, version=None):
-        def one(piece):
-            return self._send_slice(
-                call, piece, deadline, timings, piece.index % connections, version
-            )
-
-        in_flight = min(
-            len(pieces), connections * self.transfer_options.slices_in_flight_per_connection
-        )
-        if in_flight <= 1:
-            return [one(piece) for piece in pieces]
-        pool = self._slice_executor(in_flight)
-        futures = [pool.submit(one, piece) for piece in pieces]
-        try:
-            return [future.result() for future in futures]
-        finally:
-            for future in futures:
-                future.cancel()  # after a failure: the slices not started
-
-    def _slice_executor(self, workers):
-        """The client's threads for slices, at least `workers` of them."""
-        with self._slice_pool_lock:
-            if self._slice_pool is None or self._slice_workers < workers:
-                old = self._slice_pool
-                self._slice_workers = max(workers, 8)
-                self._slice_pool = concurrent.futures.ThreadPoolExecutor(
-                    self._slice_workers, thread_name_prefix="detlogp-slice"
-                )
-                if old is not None:
-                    old.shutdown(wait=False)
-            return self._slice_pool
 
     def _learn_limits(self, deadline):
         """Asks each target whose limits are unknown for them (ModelInfo);
         one that does not answer is asked again LIMITS_ASK_AGAIN_S later,
         the server's defaults assumed meanwhile."""
-        for index in self._targets_to_ask_limits():
-            left = deadline.remaining()
-            try:
-                info = self._logp[index].GetModelInfo(
-                    requests.model_info_request(), timeout=min(left or 10.0, 10.0)
-                )
-            except grpc.RpcError:
-                continue
-            self._limits[index] = transfer.ServerLimits.from_model_info(info)
-
-    def _send_slice(self, call, piece, deadline, timings, connection, version=None):
-        """One slice with CallPlan's round-robin, retries and deadline; its
-        rows in shared memory when the target takes them. A wire.LogProbAnswer."""
-        plan = CallPlan(self, deadline.remaining(), bool(call.fields.model_version or version))
-        while True:
-            index = plan.index
-            build_started = time.perf_counter()
-            slot = self._stage(call, piece, index, plan.deadline)
-            try:
-                payload = call.request_bytes(piece, version, ref=shm.region_ref(call, piece, slot))
-                sent = time.perf_counter()
-                self.attempts += 1
+        with self._asking_lock:
+            for index in self._targets_to_ask_limits():
+                left = deadline.remaining()
                 try:
-                    data = self._compute_on(index, connection)(
-                        payload, timeout=plan.deadline.remaining()
+                    info = self._logp[index].GetModelInfo(
+                        requests.model_info_request(), timeout=min(left or 10.0, 10.0)
                     )
-                except grpc.RpcError as rpc_error:
-                    error = call.slice_error(piece, from_rpc_error(rpc_error))
-                else:
-                    answered = time.perf_counter()
-                    try:
-                        answer = wire.decode_logprob_response(data)
-                    except ValueError as bad:
-                        raise DataLoss(f"LogProbResponse: {bad}") from None
-                    answer.path = shm.path_name(slot)
-                    if timings is not None:
-                        timings.add_slice(
-                            sent - build_started,
-                            answered - sent,
-                            time.perf_counter() - answered,
-                            answer.timing,
-                            shm.path_name(slot),
-                        )
-                    return answer
-            finally:
-                if slot is not None:
-                    self._memory[index].pool_of(slot).release(slot)
-            if slot is not None and self._after_shared_memory_error(index, slot, error):
-                continue
-            pause = plan.after(error)
-            if pause is None:
-                raise error
-            if pause:
-                time.sleep(pause)
-
-    def _stage(self, call, piece, index, deadline):
-        """A slot holding the slice's rows in a region of target `index`, or
-        None (gRPC bytes): no region kind applies, or it was refused."""
-        staging = self._staging(call, piece, index)
-        if staging is None:
-            return None
-        try:
-            slot = self._acquire_slot(index, staging, deadline)
-        except STAGING_FAILURES as why:
-            return self._staging_failed(staging, why)
-        return staging.fill(slot)
-
-    def _acquire_slot(self, index, staging, deadline):
-        """A slot in staging.pool, registering a new region when the pool
-        asks for one, waiting while every byte is held by slices in flight."""
-        pool = staging.pool
-        while True:
-            got = pool.try_acquire(staging.nbytes, staging.want_bytes)
-            if isinstance(got, shm.Slot):
-                return got
-            if isinstance(got, shm.NeedRegion):
-                try:
-                    for region in pool.idle_regions_to_drop(got.byte_size):
-                        self._unregister(index, region)
-                    region = staging.make_region(got.byte_size)
-                    try:
-                        register = getattr(self._shm_stubs[index], region.register_method)
-                        register(region.register_request(pb), timeout=deadline.remaining())
-                    except grpc.RpcError as rpc_error:
-                        region.close()
-                        raise from_rpc_error(rpc_error) from None
-                    region.after_register()
-                except BaseException:
-                    pool.abandon()
-                    raise
-                pool.add(region)
-                continue
-            with pool.changed:
-                pool.changed.wait(timeout=0.05)
-            deadline.remaining()  # DeadlineExceeded once it has passed
-
-    def _unregister(self, index, region):
-        _unregister_region(self._shm_stubs[index], region)
+                except grpc.RpcError:
+                    continue
+                self._limits[index] = calls.ServerLimits.from_model_info(info)
 
     def compute(self, request, timeout=None):
         """ComputeLogProbs on a ready LogProbRequest; the raw response. A
@@ -631,50 +473,3 @@ class Client(ClientState):
         if failure is not None:
             raise failure
         return outcomes
-
-
-# Between attempts to unregister a region still held by a request.
-UNREGISTER_PAUSE_S = 0.02
-
-
-def _unregister_region(stub, region, timeout=5.0):
-    """Unregisters and frees `region`. The server may still hold the region
-    for a request answered a moment ago (FAILED_PRECONDITION): asked again
-    for up to `timeout`; any other answer does not matter (the server
-    releases unused regions itself after --shared_memory_idle_s)."""
-    end = time.monotonic() + timeout
-    try:
-        unregister = getattr(stub, region.unregister_method)
-        while True:
-            try:
-                unregister(region.unregister_request(pb), timeout=timeout)
-                return
-            except grpc.RpcError as error:
-                in_use = error.code() == grpc.StatusCode.FAILED_PRECONDITION
-                if not in_use or time.monotonic() + UNREGISTER_PAUSE_S > end:
-                    return
-            time.sleep(UNREGISTER_PAUSE_S)
-    finally:
-        region.close()
-
-
-def _release_shared_memory(memories, stubs):
-    """Every region of every target, unregistered and freed (close(), or at
-    exit)."""
-    for memory, stub in zip(memories, stubs):
-        for pool in memory.pools():
-            for region in pool.take_all():
-                _unregister_region(stub, region)
-
-
-def release_shared_memory_at_exit(targets, memories, channel_options, security):
-    """_release_shared_memory through sync channels opened for it: for the
-    asyncio client, whose own channels need its event loop, gone at exit."""
-    for target, memory in zip(targets, memories):
-        if not any(pool.held_bytes() for pool in memory.pools()):
-            continue
-        channel = make_channel(target, channel_options, **security)
-        try:
-            _release_shared_memory([memory], [pb_grpc.SharedMemoryServiceStub(channel)])
-        finally:
-            channel.close()

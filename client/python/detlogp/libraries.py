@@ -4,7 +4,7 @@ The package's native code comes as shared libraries with small C ABIs:
 libdetlogp_ops.so and libdetlogp_ops_cuda.so (the server's kernels, for
 detlogp.ops and detlogp.torch; kernels/capi/detlogp_ops.h and
 detlogp_ops_cuda.h) and libdetlogp_client.so (the C++ client, for
-detlogp.native). Each is found, in order, at its environment variable
+detlogp.engine). Each is found, in order, at its environment variable
 ($DETLOGP_OPS_LIBRARY, $DETLOGP_OPS_CUDA_LIBRARY, $DETLOGP_CLIENT_LIBRARY),
 in the installed package (detlogp/_lib/: `pip install ./client/python`
 compiles the CPU ops library there, and with DETLOGP_BUILD_OPS=1 also the
@@ -14,7 +14,7 @@ package imports without them; a missing one raises RuntimeError naming what
 is missing and how to get it.
 
 This module loads the ops libraries and declares their C signatures;
-detlogp.native loads the client library with find_library_file.
+detlogp.engine loads the client library with find_library_file.
 """
 
 import ctypes

@@ -22,13 +22,14 @@ class LogProbResult:
       lower id first), when asked for (top_k=k > 0), else None. A smaller k
       gives a prefix of these rows, with the same bits.
     Like logprobs, their bits depend only on the row (and the key).
-    timings: where the call's time went (a transfer.CallTimings) when
+    timings: where the call's time went (a calls.CallTimings) when
       logprobs() was called with timing=True, else None.
     path: how the rows travelled: "grpc" (in the messages), "system_shm" or
-      "cuda_shm" (a shared-memory region of the client's), or those joined
-      by "+" when the call's requests went different ways.
-    engine: "native" when the C++ client's engine sent the call, "python"
-      when this package did."""
+      "cuda_shm" (a shared-memory region of the engine's).
+    path_refused: the region path the server refused ("system_shm",
+      "cuda_shm"; the rows then took `path`), else "".
+    engine: "native" when the C++ engine sent the call, "python" when it
+      was one request sent by grpcio."""
 
     logprobs: np.ndarray
     lse: Optional[np.ndarray]
@@ -42,6 +43,7 @@ class LogProbResult:
     timings: Optional[object] = None
     path: str = "grpc"
     engine: str = "python"
+    path_refused: str = ""
 
 
 @dataclasses.dataclass

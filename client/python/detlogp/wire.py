@@ -117,17 +117,7 @@ class RequestFields:
     return_timing: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class RegionRef:
-    """Tensor.shared_memory: rows that lie in a registered region instead of
-    the message."""
-
-    region: str
-    offset: int
-    byte_size: int
-
-
-def tensor_bytes(dtype, shape, data=None, ref=None):
+def tensor_bytes(dtype, shape, data=None):
     """A Tensor message's parts: a list of bytes-like objects whose join is
     the serialized Tensor. `data` (a buffer) is passed through, not copied."""
     parts = [_int(1, dtype)]
@@ -142,23 +132,15 @@ def tensor_bytes(dtype, shape, data=None, ref=None):
         if view.nbytes:
             parts.append(_len_field(3, view.nbytes))
             parts.append(view)
-    if ref is not None:
-        parts.append(shared_memory_ref_bytes(ref))
     return parts
 
 
-def shared_memory_ref_bytes(ref):
-    """Tensor.shared_memory (field 4): {region, offset, byte_size}."""
-    body = _string(1, ref.region) + _int(2, ref.offset) + _int(3, ref.byte_size)
-    return _len_field(4, len(body)) + body
-
-
-def encode_logprob_request(fields, dtype, shape, target_ids, data=None, ref=None):
+def encode_logprob_request(fields, dtype, shape, target_ids, data=None):
     """The serialized LogProbRequest: `fields` (RequestFields), the hidden
-    tensor (a DType number, its shape, and either `data`, a buffer of
-    little-endian rows, or `ref`, a RegionRef), and target_ids (int64
-    array). The rows are copied once, into the returned bytes."""
-    tensor = tensor_bytes(dtype, shape, data, ref)
+    tensor (a DType number, its shape and `data`, a buffer of little-endian
+    rows), and target_ids (int64 array). The rows are copied once, into the
+    returned bytes."""
+    tensor = tensor_bytes(dtype, shape, data)
     tensor_size = sum(memoryview(p).nbytes for p in tensor)
     ids = varints(target_ids)
     head = _string(1, fields.request_id) + _len_field(2, tensor_size)
@@ -195,8 +177,6 @@ class LogProbAnswer:
     top_logprobs: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.float32))
     timing: Optional["ServerTiming"] = None
     unknown: Optional[dict] = None
-    # How the request's rows travelled (set by the client that sent it).
-    path: str = "grpc"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,11 +54,13 @@ def test_cli_info_and_score(server, model, client, tmp_path):
     table = run("score", "--rows", "2", "--seed", "3")
     assert table.returncode == 0 and table.stdout.count("\nrow ") == 2, table.stdout
 
-    # 200 rows to a server taking 64 per request: 4 slices, timed.
+    # 200 rows to a server on this host taking 64 per request: through the
+    # engine's system region in 4 requests, timed.
     timed = run("--json", "score", "--rows", "200", "--seed", "4", "--timing")
     assert timed.returncode == 0, timed.stderr
     timings = json.loads(timed.stdout)["timings"]
-    assert timings["slices"] == 4 and timings["path"] == "grpc", timings
+    assert timings["slices"] == 4 and timings["native"], timings
+    assert timings["path"] == "system_shm", timings
     assert timings["server_reported"] and timings["compute_s"] > 0, timings
     line = run("score", "--rows", "2", "--timing").stdout.splitlines()[-1]
     assert line.startswith("timing: total") and "1 slice(s)" in line, line

@@ -1,8 +1,9 @@
-"""Calls larger than the server takes in one request: cut into slices, sent
-side by side over several connections (and replicas), put back in order,
-with the bits of the same rows sent in small requests, for logprobs, lse,
-entropy and top-k, from the sync and the asyncio client, over TCP and the
-Unix socket. Shared memory is off here (test_shared_memory.py has it)."""
+"""Calls larger than the server takes in one request go through the C++
+engine: cut, sent side by side over several connections (and replicas),
+put back in order, with the bits of the same rows sent in small requests,
+for logprobs, lse, entropy and top-k, from the sync and the asyncio client,
+over TCP and the Unix socket. Every call asserts the engine and the path
+its rows took. Shared memory is off here (test_shared_memory.py has it)."""
 
 import asyncio
 import pathlib
@@ -11,9 +12,14 @@ import tempfile
 import detlogp
 import numpy as np
 import pytest
-from detlogp import requests, tensors, transfer
+from detlogp import engine, requests, tensors
 from detlogp.aio import AsyncClient
 from detlogp.testing import LocalServer, TestModel
+
+pytestmark = pytest.mark.skipif(
+    engine.find_library() is None,
+    reason="libdetlogp_client.so not built (bazel build //client/capi:libdetlogp_client.so)",
+)
 
 OFF = detlogp.TransferOptions(shared_memory="off")
 EXTRAS = dict(return_lse=True, return_entropy=True, top_k=3)
@@ -36,6 +42,12 @@ def in_small_requests(client, hidden, targets, rows, **extras):
     }
 
 
+def assert_engine_over_grpc(result):
+    assert (result.engine, result.path) == ("native", "grpc"), result
+    if result.timings is not None:
+        assert result.timings.native and result.timings.path == "grpc", result.timings
+
+
 def assert_same_bits(result, want):
     for name, values in want.items():
         got = getattr(result, name)
@@ -48,7 +60,7 @@ def test_a_call_over_the_row_limit_is_cut_and_keeps_its_bits(server, model, max_
     with detlogp.Client(server.target, timeout=60, transfer_options=OFF) as client:
         result = client.logprobs(hidden, targets, timing=True, **EXTRAS)
         assert result.timings.slices == 11
-        assert result.timings.path == "grpc"
+        assert_engine_over_grpc(result)
         assert_same_bits(result, in_small_requests(client, hidden, targets, 50, **EXTRAS))
         assert result.logprobs.flags.writeable
 
@@ -63,10 +75,10 @@ def test_striped_calls_keep_their_bits(server, model):
         result = client.logprobs(hidden, targets, timing=True, **EXTRAS)
         assert result.timings.connections == 3
         assert result.timings.slices == 25
-        assert len(client._extra_channels[0]) == 2  # two more connections
+        assert_engine_over_grpc(result)
         assert_same_bits(result, in_small_requests(client, hidden, targets, 64, **EXTRAS))
         again = client.logprobs(hidden, targets, **EXTRAS)  # connections reused
-        assert len(client._extra_channels[0]) == 2
+        assert_engine_over_grpc(again)
         assert_same_bits(again, {n: getattr(result, n) for n in FIELDS})
 
 
@@ -77,19 +89,6 @@ def test_a_bad_row_is_named_by_its_row_in_the_call(server, model, max_request_ro
         with pytest.raises(detlogp.InvalidArgument) as error:
             client.logprobs(hidden, targets)
     assert error.value.field == f"target_ids[{2 * max_request_rows + 5}]", error.value.details
-
-
-def test_a_row_limit_the_server_did_not_report_is_learned(server, model, max_request_rows):
-    """An older server says nothing of its limits: the client cuts by the
-    limit its refusal states, and keeps it."""
-    hidden, targets = model.random_rows(3 * max_request_rows, seed=304)
-    with detlogp.Client(server.target, timeout=30, transfer_options=OFF) as client:
-        want = client.logprobs(hidden, targets)
-        client._limits = [transfer.ServerLimits(max_request_rows=1000)]
-        result = client.logprobs(hidden, targets, timing=True)
-        assert client._limits[0].max_request_rows == max_request_rows
-        assert result.timings.slices == 3
-    assert result.logprobs.tobytes() == want.logprobs.tobytes()
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +118,7 @@ def test_a_call_over_the_message_limit_is_cut_below_it(big_server):
     with detlogp.Client(big_server.target, timeout=60, transfer_options=options) as client:
         result = client.logprobs(hidden, targets, timing=True, **EXTRAS)
         assert result.timings.slices == 2
+        assert_engine_over_grpc(result)
         assert_same_bits(result, in_small_requests(client, hidden, targets, 400, **EXTRAS))
 
 
@@ -133,12 +133,14 @@ def test_a_message_over_a_limit_is_message_too_large_not_overloaded(big_server):
     assert error.value.limit_bytes == 1 << 20
     assert error.value.size_bytes == request.ByteSize()
     print(error.value)
-    # The answer limit: a client taking answers of at most 1 MiB cuts a call
-    # whose answer (top-20 ids and log-probs) would be larger.
-    with detlogp.Client(big_server.target, timeout=30, max_message_mb=1) as client:
+    # A call over the message limit is cut below it by the engine.
+    with detlogp.Client(
+        big_server.target, timeout=30, max_message_mb=1, transfer_options=OFF
+    ) as client:
         few = np.zeros((8000, model.hidden), np.uint16)
         result = client.logprobs(few, np.zeros(8000, np.int64), top_k=20, timing=True)
         assert result.timings.slices >= 2
+        assert_engine_over_grpc(result)
         assert result.top_ids.shape == (8000, 20)
 
 
@@ -148,9 +150,10 @@ def test_the_unix_socket_gives_the_same_bits(big_server):
     with detlogp.Client(big_server.target, timeout=60, transfer_options=OFF) as tcp:
         want = tcp.logprobs(hidden, targets, **EXTRAS)
     with detlogp.Client(big_server.unix_target, timeout=60, transfer_options=OFF) as unix:
-        assert_same_bits(
-            unix.logprobs(hidden, targets, **EXTRAS), {n: getattr(want, n) for n in FIELDS}
-        )
+        got = unix.logprobs(hidden, targets, **EXTRAS)
+    assert_engine_over_grpc(want)
+    assert_engine_over_grpc(got)
+    assert_same_bits(got, {n: getattr(want, n) for n in FIELDS})
 
 
 def test_a_million_rows_in_one_call(big_server):
@@ -165,6 +168,7 @@ def test_a_million_rows_in_one_call(big_server):
     with detlogp.Client(big_server.unix_target, timeout=600, transfer_options=OFF) as client:
         result = client.logprobs(hidden, targets, return_lse=True, timing=True)
         print(f"1,048,576 rows: {result.timings}")
+        assert_engine_over_grpc(result)
         assert result.logprobs.shape == (rows,)
         for start in np.linspace(0, rows - 4096, 32).astype(int) // 4096 * 4096:
             part = client.logprobs(
@@ -185,6 +189,7 @@ def test_round_robin_spreads_slices_over_replicas(server_binary, model, max_requ
             result = client.logprobs(hidden, targets)
         with detlogp.Client(first.target, timeout=60, transfer_options=OFF) as one:
             want = one.logprobs(hidden, targets)
+        assert_engine_over_grpc(result)
         first.terminate()
         second.terminate()
         computed = [first.stop_counts()["computed"], second.stop_counts()["computed"]]
@@ -222,6 +227,7 @@ def test_async_client_cuts_and_stripes_alike(server, model, max_request_rows):
 
     for result in asyncio.run(main()):
         assert result.timings.slices == 10 and result.timings.connections == 2
+        assert_engine_over_grpc(result)
         assert_same_bits(result, {n: getattr(want, n) for n in FIELDS})
 
 
@@ -230,3 +236,5 @@ def test_options_are_checked_naming_the_field(server):
         detlogp.Client(server.target, shared_memory="always")
     with pytest.raises(ValueError, match="TransferOptions.slice_bytes"):
         detlogp.Client(server.target, transfer_options=detlogp.TransferOptions(slice_bytes=0))
+    with pytest.raises(ValueError, match="TransferOptions.engine_min_bytes"):
+        detlogp.TransferOptions(engine_min_bytes=0).validated()

@@ -1,9 +1,10 @@
-"""Shared memory from Python: rows in a system region the client owns (numpy
-arrays, CPU tensors) or a CUDA region (CUDA tensors, GPU hosts only) give
-the bits gRPC bytes give; a region is registered once and reused; a server
-that refuses gets bytes and the reason is logged once; close() unregisters;
-a client killed with -9 leaves nothing in /dev/shm, and the server releases
-its regions after --shared_memory_idle_s."""
+"""Shared memory from Python, through the C++ engine: rows in a system
+region the engine owns (numpy arrays, CPU tensors) or a CUDA region (CUDA
+tensors, GPU hosts only) give the bits gRPC bytes give; a region is
+registered once and reused; a server that refuses gets bytes, the reason is
+logged once and the result's path says so; close() unregisters; a client
+killed with -9 leaves nothing in /dev/shm, and the server releases its
+regions after --shared_memory_idle_s. Every call asserts its path."""
 
 import asyncio
 import concurrent.futures
@@ -20,7 +21,7 @@ import time
 import detlogp
 import grpc
 import pytest
-from detlogp import native, tensors
+from detlogp import engine, tensors
 from detlogp.aio import AsyncClient
 from detlogp.testing import LocalServer, TestModel, server_flags
 from detlogp.v1 import detlogp_pb2 as pb
@@ -30,6 +31,11 @@ EXTRAS = dict(return_lse=True, return_entropy=True, top_k=4)
 FIELDS = ("logprobs", "lse", "entropy", "top_ids", "top_logprobs")
 IDLE_S = 2
 MAX_REQUEST_ROWS = 512
+
+pytestmark = pytest.mark.skipif(
+    engine.find_library() is None,
+    reason="libdetlogp_client.so not built (bazel build //client/capi:libdetlogp_client.so)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +80,11 @@ def shm_files(pid):
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"detlogp_{pid}_")]
 
 
+def assert_path(result, path):
+    assert (result.engine, result.path) == ("native", path), result
+    assert result.timings is None or result.timings.path == path, result.timings
+
+
 def same_bits(result, want):
     for name in FIELDS:
         values = getattr(want, name)
@@ -97,11 +108,11 @@ def test_system_region_gives_the_bits_of_grpc_bytes(shm_server, dtype, n):
     hidden, targets = rows(model, n, seed=400 + n, dtype=dtype)
     with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
         want = plain.logprobs(hidden, targets, timing=True, **EXTRAS)
-        assert want.timings.path == "grpc"
+        assert want.path == "grpc"
     every_call = detlogp.TransferOptions(shared_memory_min_bytes=0)
     with detlogp.Client(shm_server.target, timeout=60, transfer_options=every_call) as client:
         got = client.logprobs(hidden, targets, timing=True, **EXTRAS)
-        assert got.timings.path == "system_shm"
+        assert_path(got, "system_shm")
         assert got.timings.slices == -(-n // MAX_REQUEST_ROWS)
         assert got.timings.server_reported and got.timings.compute_s > 0
         print(f"{n} rows: {got.timings}")
@@ -115,7 +126,7 @@ def test_the_unix_socket_and_a_system_region_give_the_same_bits(shm_server):
         want = plain.logprobs(hidden, targets, **EXTRAS)
     with detlogp.Client(shm_server.unix_target, timeout=60) as client:
         got = client.logprobs(hidden, targets, timing=True, **EXTRAS)
-        assert got.timings.path == "system_shm"
+        assert_path(got, "system_shm")
     same_bits(got, want)
 
 
@@ -125,7 +136,7 @@ def test_a_region_is_registered_once_and_reused(shm_server):
     with detlogp.Client(shm_server.target, timeout=60) as client:
         for seed in range(5):
             hidden, targets = rows(model, 200, seed=420 + seed)
-            client.logprobs(hidden, targets)
+            assert_path(client.logprobs(hidden, targets), "system_shm")
         mine = {
             k: v for k, v in regions(shm_server.target).items() if k.startswith(f"detlogp_{pid}_")
         }
@@ -139,18 +150,19 @@ def test_a_region_is_registered_once_and_reused(shm_server):
     assert left == []  # close() unregistered it
 
 
-def test_calls_at_once_never_share_a_slot(shm_server):
+def test_calls_at_once_never_share_a_region(shm_server):
+    """More calls at once than the engine keeps regions (4): they wait for
+    each other's, and each answer has its own rows' bits."""
     model = shm_server.model
     inputs = [rows(model, 700 + 10 * i, seed=430 + i, dtype="bf16") for i in range(8)]
     with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
         wants = [plain.logprobs(h, t, **EXTRAS) for h, t in inputs]
-    # Room for two slices at a time: calls wait for each other's slots.
-    options = detlogp.TransferOptions(shared_memory_bytes=256 << 10)
-    with detlogp.Client(shm_server.target, timeout=60, transfer_options=options) as client:
+    with detlogp.Client(shm_server.target, timeout=60) as client:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             for _ in range(3):
                 gots = list(pool.map(lambda hw: client.logprobs(*hw, **EXTRAS), inputs))
                 for got, want in zip(gots, wants):
+                    assert_path(got, "system_shm")
                     same_bits(got, want)
 
 
@@ -167,11 +179,12 @@ def test_a_server_without_shared_memory_gets_bytes_and_the_reason_once(
             with detlogp.Client(server.target, timeout=30) as client:
                 for _ in range(3):
                     got = client.logprobs(hidden, targets, timing=True, **EXTRAS)
-                    assert got.timings.path == "grpc"
+                    assert_path(got, "grpc")
+                    assert got.path_refused == "system_shm"
                     same_bits(got, want)
     said = [r.getMessage() for r in caplog.records if r.name == "detlogp"]
     assert len(said) == 1, said
-    assert "system shared memory" in said[0]
+    assert "shared memory" in said[0] and "system: " in said[0]
     print(said[0])
 
 
@@ -180,7 +193,10 @@ def test_shared_memory_off_is_off(shm_server):
     hidden, targets = rows(model, 100, seed=450)
     pid = os.getpid()
     with detlogp.Client(shm_server.target, timeout=30, shared_memory="off") as client:
-        assert client.logprobs(hidden, targets, timing=True).timings.path == "grpc"
+        small = client.logprobs(hidden, targets, timing=True)
+        assert (small.engine, small.path) == ("python", "grpc")
+        large = client.logprobs(*rows(model, 3 * MAX_REQUEST_ROWS, seed=451), timing=True)
+        assert_path(large, "grpc")
         assert not [k for k in regions(shm_server.target) if k.startswith(f"detlogp_{pid}_")]
 
 
@@ -296,7 +312,7 @@ def test_a_client_killed_mid_call_leaks_nothing(idle_server):
     # The server still serves shared-memory callers.
     hidden, targets = rows(model, 1000, seed=460)
     with detlogp.Client(shm_server.target, timeout=30) as client:
-        assert client.logprobs(hidden, targets, timing=True).timings.path == "system_shm"
+        assert_path(client.logprobs(hidden, targets, timing=True), "system_shm")
 
 
 def test_a_region_the_server_released_is_replaced(idle_server):
@@ -313,7 +329,7 @@ def test_a_region_the_server_released_is_replaced(idle_server):
         while time.monotonic() < deadline and before & set(regions(shm_server.target)):
             time.sleep(0.2)
         again = client.logprobs(hidden, targets, timing=True, **EXTRAS)
-        assert again.timings.path == "system_shm"
+        assert_path(again, "system_shm")
         after = {k for k in regions(shm_server.target) if k.startswith(f"detlogp_{pid}_")}
         assert after and not after & before
     same_bits(again, first)
@@ -337,7 +353,7 @@ def test_async_client_uses_a_system_region_and_unregisters_on_close(shm_server):
     results, held = asyncio.run(main())
     assert held
     for result in results:
-        assert result.timings.path == "system_shm"
+        assert_path(result, "system_shm")
         same_bits(result, want)
     assert not [k for k in regions(shm_server.target) if k.startswith(f"detlogp_{pid}_")]
 
@@ -402,7 +418,7 @@ def test_cpu_torch_tensors_use_a_system_region(shm_server):
         got = client.logprobs(
             torch.from_numpy(hidden).to(torch.bfloat16), targets, timing=True, **EXTRAS
         )
-        assert got.timings.path == "system_shm"
+        assert_path(got, "system_shm")
     same_bits(got, want)
 
 
@@ -427,39 +443,31 @@ def cuda_server(server_binary):
         yield server
 
 
-@pytest.mark.parametrize("native_transport", ["off", "auto"])
 @pytest.mark.parametrize("n", [1, 3000, 20000])
-def test_cuda_region_gives_the_bits_of_grpc_bytes(cuda_server, n, native_transport):
+def test_cuda_region_gives_the_bits_of_grpc_bytes(cuda_server, n):
     torch = cuda_or_skip()
     model = cuda_server.model
     hidden, targets = rows(model, n, seed=500 + n)
     on_gpu = torch.from_numpy(hidden).to("cuda:0", torch.bfloat16)
     with detlogp.Client(cuda_server.target, timeout=60, shared_memory="off") as plain:
         want = plain.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-    every_call = detlogp.TransferOptions(
-        shared_memory_min_bytes=0, native_transport=native_transport
-    )
+    every_call = detlogp.TransferOptions(shared_memory_min_bytes=0)
     with detlogp.Client(cuda_server.unix_target, timeout=60, transfer_options=every_call) as client:
         got = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-        assert got.timings.path == "cuda_shm", got.timings
-        # 8 MiB of rows or more: given to the C++ client on the GPU.
-        large = on_gpu.numel() * 2 >= every_call.auto_connections_min_bytes
-        native_found = native.find_library() is not None
-        assert got.timings.native == (native_transport == "auto" and large and native_found)
+        assert_path(got, "cuda_shm")
         assert regions(cuda_server.target, "Cuda")
         system = detlogp.TransferOptions(shared_memory="system", shared_memory_min_bytes=0)
         with detlogp.Client(cuda_server.target, timeout=60, transfer_options=system) as sys_client:
             through_host = sys_client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-            assert through_host.timings.path == "system_shm"
+            assert_path(through_host, "system_shm")
     same_bits(got, want)
     same_bits(through_host, want)
     assert not regions(cuda_server.target, "Cuda")
 
 
 def test_large_cuda_calls_at_once_give_the_bits_of_one_at_a_time(cuda_server):
-    """One large CUDA call at a time goes through the C++ client's region;
-    calls meanwhile take the Python client's own slots. Every answer has
-    the bits of the same call alone."""
+    """Calls at once through the engine's CUDA region take turns for it;
+    every answer has the bits of the same call alone."""
     import concurrent.futures
 
     torch = cuda_or_skip()
@@ -476,28 +484,26 @@ def test_large_cuda_calls_at_once_give_the_bits_of_one_at_a_time(cuda_server):
                 pool.map(lambda c: client.logprobs(c[0], c[1], timing=True, **EXTRAS), calls)
             )
     for got, want in zip(together, alone):
-        assert got.timings.path == "cuda_shm", got.timings
+        assert_path(got, "cuda_shm")
         same_bits(got, want)
 
 
-@pytest.mark.parametrize("large", [False, True])
-def test_a_cpu_server_refuses_cuda_regions_then_gets_a_system_one(shm_server, large):
-    """The CPU server refuses the CUDA region (the Python client's, or for a
-    large call the C++ client's): that call's rows go as bytes, later calls
-    through the Python client's system region."""
+def test_a_cpu_server_refuses_cuda_regions_and_the_rows_take_a_system_one(shm_server, caplog):
+    """The CPU server refuses the engine's CUDA region: the rows are copied
+    to the host and go through its system region, the refusal logged once
+    and the path saying so."""
     torch = cuda_or_skip()
     model = shm_server.model
-    # 8 MiB of rows: the C++ client takes the call when its library is found.
-    n = (8 << 20) // (model.hidden * 2) + 7 if large else 1000
-    hidden, targets = rows(model, n, seed=510 + large)
+    hidden, targets = rows(model, 1000, seed=510)
     on_gpu = torch.from_numpy(hidden).to("cuda:0", torch.bfloat16)
     with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
         want = plain.logprobs(on_gpu, targets, **EXTRAS)
-    with detlogp.Client(shm_server.target, timeout=60) as client:
-        first = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-        assert first.timings.path == "grpc", first.timings
-        assert first.timings.native == (large and native.find_library() is not None)
-        second = client.logprobs(on_gpu, targets, timing=True, **EXTRAS)
-        assert second.timings.path == "system_shm", second.timings
-    same_bits(first, want)
-    same_bits(second, want)
+    with caplog.at_level(logging.WARNING, logger="detlogp"):
+        with detlogp.Client(shm_server.target, timeout=60) as client:
+            results = [client.logprobs(on_gpu, targets, timing=True, **EXTRAS) for _ in range(2)]
+    said = [r.getMessage() for r in caplog.records if r.name == "detlogp"]
+    assert len(said) == 1 and "cuda: " in said[0], said
+    for result in results:
+        assert_path(result, "system_shm")
+        assert result.path_refused == "cuda_shm"
+        same_bits(result, want)

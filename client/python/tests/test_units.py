@@ -218,23 +218,6 @@ def test_interleaved_projection_puts_blocks_back_and_checks_each():
     assert requests.InterleavedProjection.count_calls(8192, 4096, 0) == 2  # two blocks
 
 
-@pytest.mark.parametrize("rows,threads", [(3, 4), (1000, 1), (4099, 4), (4099, 3)])
-def test_row_copier_copies_every_row_once(rows, threads):
-    """RowCopier's blocks cover the rows exactly (row counts that do not
-    divide, fewer rows than threads, one thread)."""
-    from detlogp import shm
-
-    source = np.random.default_rng(rows).integers(0, 1 << 16, (rows, 2048), dtype=np.uint16)
-    dest = np.zeros_like(source)
-    copier = shm.RowCopier(threads)
-    copier.MIN_PARALLEL_BYTES = 1 << 10  # blocks even for small calls
-    try:
-        copier.copy(dest, source)
-    finally:
-        copier.close()
-    assert dest.tobytes() == source.tobytes()
-
-
 def test_keep_freed_memory_sets_glibc_malloc_and_checks_its_argument():
     import detlogp
 
@@ -244,22 +227,59 @@ def test_keep_freed_memory_sets_glibc_malloc_and_checks_its_argument():
             detlogp.keep_freed_memory(bad)
 
 
-@pytest.mark.parametrize(
-    "hidden_mib,connections,slice_kib",
-    [
-        (4, 1, 4 << 10),  # under auto_connections_min_bytes: one connection, one slice
-        (12, 8, 1536),  # a share per connection: 1.5 MiB
-        (32, 8, 4 << 10),  # 4,096 rows of H=4096 bf16: 8 slices of 4 MiB
-        (1024, 8, 8 << 10),  # slice_bytes caps a share of 128 MiB
-    ],
-)
-def test_grpc_slices_spread_a_call_over_every_connection(hidden_mib, connections, slice_kib):
-    from detlogp import transfer
+def _route(rows, hidden, *, limits=None, engine=True, target="10.0.0.1:50051", **options):
+    from detlogp import calls
+    from detlogp._common import logprob_fields
 
-    options = transfer.TransferOptions()
-    nbytes = hidden_mib << 20
-    assert options.connections_for(nbytes) == connections
-    assert options.slice_bytes_for(None, nbytes) == slice_kib << 10
-    # Rows in regions keep their own slice sizes.
-    assert options.slice_bytes_for("system", nbytes) == options.system_slice_bytes
-    assert options.slice_bytes_for("cuda", nbytes) == options.cuda_slice_bytes
+    fields = logprob_fields("", 0.0, False, None, None, False, 0, False)
+    call = calls.LogProbCall(np.zeros((rows, hidden), np.uint16), np.zeros(rows), fields)
+    known = limits if limits is not None else calls.ServerLimits(max_request_rows=64)
+    chosen = calls.choose_route(
+        call,
+        known,
+        calls.TransferOptions(**options),
+        256 << 20,
+        engine,
+        target,
+    )
+    return chosen
+
+
+def test_the_path_of_a_call_is_chosen_from_the_call_and_the_limits_alone():
+    from detlogp import calls
+
+    GRPCIO, ENGINE = calls.GRPCIO, calls.ENGINE
+    assert _route(64, 128) == GRPCIO  # one request's worth
+    assert _route(65, 128) == ENGINE  # over the server's rows
+    assert _route(64, 8192) == ENGINE  # 1 MiB: spread over connections
+    assert _route(64, 8192, engine_min_bytes=2 << 20) == GRPCIO
+    # A server on this host: from 64 KiB, through the engine's region.
+    assert _route(64, 512, target="unix:/tmp/s") == ENGINE
+    assert _route(64, 511, target="unix:/tmp/s") == GRPCIO
+    assert _route(64, 512, target="127.0.0.1:1", shared_memory="off") == GRPCIO
+    # A server that does not say has the defaults.
+    assert _route(100, 4, limits=calls.ServerLimits.tightest([None])) == GRPCIO
+    assert _route(65537, 4, limits=calls.ServerLimits.tightest([None])) == ENGINE
+    tight = calls.ServerLimits.tightest([None, calls.ServerLimits(max_request_rows=8)])
+    assert tight.max_request_rows == 8 and _route(9, 4, limits=tight) == ENGINE
+    # Over the message limit, and no engine: said, never sent.
+    small = calls.ServerLimits(max_request_rows=1 << 20, max_message_bytes=1 << 20)
+    with pytest.raises(calls.EngineRequired, match="libdetlogp_client.so"):
+        _route(1000, 1024, limits=small, engine=False)
+    assert _route(1000, 1024, limits=small) == ENGINE
+    assert _route(0, 4) == GRPCIO
+
+
+def test_same_host_targets_are_unix_sockets_and_loopback_addresses():
+    from detlogp.calls import is_same_host
+
+    for target in (
+        "unix:/tmp/s",
+        "127.0.0.1:5",
+        "localhost:5",
+        "[::1]:5",
+        "ipv4:127.0.0.1:1,127.0.0.2:2",
+    ):
+        assert is_same_host(target), target
+    for target in ("10.0.0.1:5", "dns:///detlogp.svc:5", "ipv4:127.0.0.1:1,10.0.0.2:2"):
+        assert not is_same_host(target), target

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from detlogp import requests, tensors, transfer, wire
+from detlogp import calls, requests, tensors, wire
 from detlogp._common import logprob_fields
 from detlogp.v1 import detlogp_pb2 as pb
 
@@ -53,8 +53,7 @@ def written_once(hidden, targets, **options):
         options.pop("top_k", 0),
         options.pop("timing", False),
     )
-    call = transfer.LogProbCall(hidden, targets, fields)
-    return call.request_bytes(transfer.Slice(0, 0, call.rows))
+    return calls.LogProbCall(hidden, targets, fields).request_bytes()
 
 
 @pytest.mark.parametrize(
@@ -83,39 +82,6 @@ def test_target_ids_as_protobuf_writes_them(targets):
     assert written_once(hidden, targets, temperature=1.0) == built.SerializeToString()
 
 
-def test_a_slice_is_the_request_for_its_rows():
-    hidden = hidden_in("bf16_bits", rows=10)
-    targets = np.arange(10) * 3
-    fields = logprob_fields("", 0.0, True, None, None, False, 2, True)
-    call = transfer.LogProbCall(hidden, targets, fields)
-    piece = transfer.Slice(1, 4, 9)
-    built = requests.logprob_request(hidden[4:9], targets[4:9], return_lse=True, top_k=2)
-    built.return_timing = True
-    assert call.request_bytes(piece) == built.SerializeToString()
-    pinned = pb.LogProbRequest.FromString(call.request_bytes(piece, version=3))
-    assert pinned.model_version == 3
-
-
-def test_a_shared_memory_reference_as_protobuf_writes_it():
-    fields = logprob_fields("r", 0.0, False, "m", None, False, 0, False)
-    ids = np.array([1, 2], np.int64)
-    ref = wire.RegionRef("detlogp_1_sys_0_ab", 8192, 2 * 4096 * 2)
-    mine = wire.encode_logprob_request(fields, pb.DTYPE_BFLOAT16, (2, 4096), ids, ref=ref)
-    built = pb.LogProbRequest(
-        request_id="r",
-        model="m",
-        target_ids=[1, 2],
-        hidden=pb.Tensor(
-            dtype=pb.DTYPE_BFLOAT16,
-            shape=[2, 4096],
-            shared_memory=pb.SharedMemoryRef(
-                region=ref.region, offset=ref.offset, byte_size=ref.byte_size
-            ),
-        ),
-    )
-    assert mine == built.SerializeToString()
-
-
 def test_malformed_calls_go_whole_so_the_server_names_the_field():
     fields = logprob_fields("", 0.0, False, None, None, False, 0, False)
     for hidden, targets in [
@@ -123,12 +89,19 @@ def test_malformed_calls_go_whole_so_the_server_names_the_field():
         (np.zeros((3, 4), np.float32), [0, 1]),  # a target missing
         (np.zeros(8, np.float32), [0]),  # rank 1
     ]:
-        call = transfer.LogProbCall(hidden, targets, fields)
-        assert not call.sliceable
-        pieces = call.slices(transfer.ServerLimits(max_request_rows=1), 1, 1 << 30)
-        assert len(pieces) == 1
+        call = calls.LogProbCall(hidden, targets, fields)
+        assert not call.well_formed
+        route = calls.choose_route(
+            call,
+            calls.ServerLimits(max_request_rows=1),
+            calls.TransferOptions(),
+            1 << 30,
+            True,
+            "127.0.0.1:1",
+        )
+        assert route == calls.GRPCIO
         built = requests.logprob_request(hidden, targets)
-        assert call.request_bytes(pieces[0]) == built.SerializeToString()
+        assert call.request_bytes() == built.SerializeToString()
 
 
 def test_varints_round_trip():
