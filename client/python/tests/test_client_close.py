@@ -9,11 +9,11 @@ import textwrap
 import time
 
 import pytest
-from detlogp import native
+from detlogp import engine
 from detlogp.testing import LocalServer, TestModel
 
 pytestmark = pytest.mark.skipif(
-    native.find_library() is None,
+    engine.find_library() is None,
     reason="libdetlogp_client.so not built (bazel build //client/capi:libdetlogp_client.so)",
 )
 
@@ -51,7 +51,7 @@ def test_closing_the_last_client_returns_at_once(server_binary, tmp_path):
         )
         elapsed = time.monotonic() - began
     assert done.returncode == 0, done.stderr
-    engine, close_seconds = done.stdout.split()
-    assert engine == "native", done.stdout  # the C++ client carried the call
+    used_engine, close_seconds = done.stdout.split()
+    assert used_engine == "native", done.stdout  # the C++ client carried the call
     assert float(close_seconds) < 2.0, f"close() took {close_seconds} s"
     assert elapsed < 30.0, f"the process took {elapsed:.1f} s"
