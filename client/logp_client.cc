@@ -340,9 +340,14 @@ bool IsCudaRefusal(absl::StatusCode code) {
 
 // A request named a region the server no longer holds (released after
 // --shared_memory_idle_s unused, or the server restarted).
+// Decided from the details (reason REGION_GONE naming the region), never
+// the message.
 bool IsRegionGone(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kNotFound &&
-         absl::StartsWith(status.message(), "hidden.shared_memory.region");
+  if (status.code() != absl::StatusCode::kNotFound) return false;
+  const v1::ErrorDetails details = v1::DetailsOf(status);
+  return details.reason == v1::kReasonRegionGone &&
+         std::find(details.fields.begin(), details.fields.end(),
+                   "hidden.shared_memory.region") != details.fields.end();
 }
 
 // Room to grow: calls of about the same size reuse a region.
