@@ -667,17 +667,16 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   // there; rows in the messages go to every replica, each on its own
   // connection and kept ones beside it, the call's connections shared out.
   const size_t replicas = shared ? 1 : replicas_.size();
-  const int per_replica =
-      std::max<int>(1, (used + static_cast<int>(replicas) - 1) /
-                           static_cast<int>(replicas));
+  const int per_replica = std::max<int>(
+      1, (used + static_cast<int>(replicas) - 1) / static_cast<int>(replicas));
   std::vector<std::vector<std::unique_ptr<RawConnection>>> kept(replicas);
   std::vector<CallReplica> call_replicas;
   for (size_t r = 0; r < replicas; ++r) {
     Replica& replica = *replicas_[r];
     AskLimitsInBackground(replicas_[r], request.model());
     kept[r] = TakeSpreadConnections(r, per_replica - 1);
-    CallReplica call{&replica.window, &replica.health, {replica.channel},
-                     replica.target};
+    CallReplica call{
+        &replica.window, &replica.health, {replica.channel}, replica.target};
     for (const auto& connection : kept[r]) {
       call.connections.push_back(connection->channel);
     }
@@ -692,8 +691,8 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   };
   engine.unknown_queue_rows = options_.assumed_queue_rows;
   CallStats stats;
-  absl::StatusOr<std::vector<ScoreResult>> answers = SendCallParts(
-      std::move(parts), call_replicas, engine, deadline, &stats);
+  absl::StatusOr<std::vector<ScoreResult>> answers =
+      SendCallParts(std::move(parts), call_replicas, engine, deadline, &stats);
   int connections_used = 0;
   for (size_t r = 0; r < replicas; ++r) {
     connections_used += static_cast<int>(kept[r].size()) + 1;
@@ -918,10 +917,9 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
   while (true) {
     if (!CudaRefusal().empty()) return std::nullopt;
     absl::Status refusal;
-    auto leased =
-        LeaseRegion(pool, bytes, deadline, maker,
-                    absl::StrCat("cuda_shared_memory (cuda:", rows.device, ")"),
-                    &refusal);
+    auto leased = LeaseRegion(
+        pool, bytes, deadline, maker,
+        absl::StrCat("cuda_shared_memory (cuda:", rows.device, ")"), &refusal);
     if (!leased.ok()) return leased.status();
     if (!leased->has_value()) {
       // The refusal turns CUDA regions off for the client.

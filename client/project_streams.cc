@@ -332,17 +332,18 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
   PrepareContext(&context);
   ProjectResult result;
   int64_t next_row = 0;
-  const absl::Status status = ReadProjectStream(
-      projection_->channel, &context, request, rows,
-      [&](ProjectChunk& chunk, int64_t chunk_rows) {
-        if (result.determinism_key.empty())
-          result.determinism_key = chunk.determinism_key;
-        if (options.y != nullptr) chunk.CopyYTo(options.y + next_row * kOut);
-        if (on_chunk) on_chunk(chunk);
-        next_row += chunk_rows;
-        ++result.chunks;
-        return absl::OkStatus();
-      });
+  const absl::Status status =
+      ReadProjectStream(projection_->channel, &context, request, rows,
+                        [&](ProjectChunk& chunk, int64_t chunk_rows) {
+                          if (result.determinism_key.empty())
+                            result.determinism_key = chunk.determinism_key;
+                          if (options.y != nullptr)
+                            chunk.CopyYTo(options.y + next_row * kOut);
+                          if (on_chunk) on_chunk(chunk);
+                          next_row += chunk_rows;
+                          ++result.chunks;
+                          return absl::OkStatus();
+                        });
   if (!status.ok()) return status;
   return result;
 }

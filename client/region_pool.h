@@ -180,9 +180,10 @@ absl::StatusOr<std::optional<typename RegionPool<Region>::Lease>> LeaseRegion(
     std::optional<typename RegionPool<Region>::Lease> taken =
         pool.Take(bytes, deadline);
     if (!taken.has_value()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          what, ": every region of the client's was in use until the "
-                "call's deadline"));
+      return absl::DeadlineExceededError(
+          absl::StrCat(what,
+                       ": every region of the client's was in use until the "
+                       "call's deadline"));
     }
     typename RegionPool<Region>::Lease lease = *std::move(taken);
     if (lease.get() != nullptr && lease.get()->bytes() < bytes) {

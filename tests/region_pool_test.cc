@@ -187,8 +187,8 @@ class FakeMaker {
 
   RegionMaker<FakeRegion> maker() {
     RegionMaker<FakeRegion> maker;
-    maker.make = [this](int64_t bytes)
-        -> absl::StatusOr<std::unique_ptr<FakeRegion>> {
+    maker.make =
+        [this](int64_t bytes) -> absl::StatusOr<std::unique_ptr<FakeRegion>> {
       if (!error.ok()) return error;
       if (refuse.load()) {
         if (!refused_once.HasBeenNotified()) refused_once.Notify();
@@ -296,8 +296,8 @@ TEST(LeaseRegionTest, AnotherErrorIsTheCallsAndEveryRegionLentIsADeadline) {
   fake.error = absl::OkStatus();
   auto held = Lease(pool, 10, fake, &refusal);
   ASSERT_TRUE(held.ok() && held->has_value());
-  auto waited = Lease(pool, 10, fake, &refusal,
-                      absl::Now() + absl::Milliseconds(20));
+  auto waited =
+      Lease(pool, 10, fake, &refusal, absl::Now() + absl::Milliseconds(20));
   EXPECT_EQ(waited.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(absl::StartsWith(waited.status().message(), "fake: "))
       << waited.status();

@@ -628,9 +628,9 @@ TEST(ServerLifecycleTest, CallsSurviveAReplicaKilledMidRun) {
   EXPECT_EQ(replicas[0]->Stop(SIGKILL), 128 + SIGKILL);
   killed = true;
   for (auto& thread : threads) thread.join();
-  std::cout << calls.load() << " calls of " << kThreads
-            << " threads in " << absl::FormatDuration(absl::Now() - start)
-            << ", " << calls_after_kill.load() << " begun after the kill, "
+  std::cout << calls.load() << " calls of " << kThreads << " threads in "
+            << absl::FormatDuration(absl::Now() - start) << ", "
+            << calls_after_kill.load() << " begun after the kill, "
             << failed.load() << " failed, " << wrong_bits.load()
             << " with other bits, " << replica_retries.load()
             << " requests sent again to another replica\n";
