@@ -172,7 +172,8 @@ class CallRun {
       }
       in_flight_on_[r].assign(replicas[r].connections.size(), 0);
     }
-    for (PartState& part : state_) part.failed_on.assign(replicas.size(), false);
+    for (PartState& part : state_)
+      part.failed_on.assign(replicas.size(), false);
     for (const CallPart& part : parts_) {
       total_rows_ += part.header.target_ids_size();
     }
@@ -240,7 +241,8 @@ class CallRun {
   double Load(size_t r) const {
     const RowWindow& window = *replicas_[r].window;
     int64_t capacity = window.capacity();
-    if (capacity <= 0) capacity = std::max<int64_t>(options_.unknown_queue_rows, 1);
+    if (capacity <= 0)
+      capacity = std::max<int64_t>(options_.unknown_queue_rows, 1);
     return static_cast<double>(window.outstanding()) /
            static_cast<double>(capacity);
   }
@@ -368,8 +370,8 @@ class CallRun {
       if (ReplicaFailed(refusal)) {
         replica.health->Failed(absl::Now());
         part.failed_on[part.replica] = true;
-        last_replica_failure_ = absl::StrCat(replica.name, ": ",
-                                             refusal.ToString());
+        last_replica_failure_ =
+            absl::StrCat(replica.name, ": ", refusal.ToString());
         if (replicas_.size() == 1) {
           // One server: its own status says it all.
           failure_ = std::move(refusal);
@@ -445,15 +447,15 @@ class CallRun {
     if (all_lack_version && !version_refusal_.ok()) return version_refusal_;
     std::string why = last_replica_failure_;
     if (!version_refusal_.ok()) {
-      absl::StrAppend(&why, "; the others lack the version: ",
-                      version_refusal_.message());
+      absl::StrAppend(
+          &why, "; the others lack the version: ", version_refusal_.message());
     }
     return v1::WithReason(
-        absl::UnavailableError(absl::StrCat(
-            "no replica left to answer: ", rows_answered_, " of ", total_rows_,
-            " rows answered (", done_, " of ", parts_.size(), " requests, ",
-            stats_.replica_retries, " sent again after a replica failed); ",
-            why)),
+        absl::UnavailableError(
+            absl::StrCat("no replica left to answer: ", rows_answered_, " of ",
+                         total_rows_, " rows answered (", done_, " of ",
+                         parts_.size(), " requests, ", stats_.replica_retries,
+                         " sent again after a replica failed); ", why)),
         v1::CodeName(absl::StatusCode::kUnavailable),
         {{"rows_answered", absl::StrCat(rows_answered_)},
          {"rows", absl::StrCat(total_rows_)}});

@@ -341,9 +341,14 @@ bool IsCudaRefusal(absl::StatusCode code) {
 
 // A request named a region the server no longer holds (released after
 // --shared_memory_idle_s unused, or the server restarted).
+// Decided from the details (reason REGION_GONE naming the region), never
+// the message.
 bool IsRegionGone(const absl::Status& status) {
-  return status.code() == absl::StatusCode::kNotFound &&
-         absl::StartsWith(status.message(), "hidden.shared_memory.region");
+  if (status.code() != absl::StatusCode::kNotFound) return false;
+  const v1::ErrorDetails details = v1::DetailsOf(status);
+  return details.reason == v1::kReasonRegionGone &&
+         std::find(details.fields.begin(), details.fields.end(),
+                   "hidden.shared_memory.region") != details.fields.end();
 }
 
 // Room to grow: calls of about the same size reuse a region.
@@ -476,43 +481,36 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
     return std::nullopt;
   }
   const int64_t bytes = static_cast<int64_t>(data.size());
+  RegionMaker<SystemRegion> maker;
+  maker.make = [this](int64_t size) { return MakeSystemRegion(size); };
+  maker.release = [this](const SystemRegion& region) {
+    ReleaseSystemRegion(region);
+  };
+  maker.is_refusal = [](const absl::Status& status) {
+    return IsRefusal(status.code());
+  };
   bool registered_again = false;
   while (true) {
     {
       absl::MutexLock lock(&shared_memory_mu_);
       if (!shared_memory_refusal_.empty()) return std::nullopt;
     }
-    std::optional<RegionPool<SystemRegion>::Lease> taken =
-        system_regions_.Take(bytes, deadline);
-    if (!taken.has_value()) {
-      return absl::DeadlineExceededError(
-          "system_shared_memory: every region of the client's was in use "
-          "until the call's deadline");
+    absl::Status refusal;
+    auto leased = LeaseRegion(system_regions_, bytes, deadline, maker,
+                              "system_shared_memory", &refusal);
+    if (!leased.ok()) return leased.status();
+    if (!leased->has_value()) {
+      // The refusal turns system regions off for the client.
+      const std::string why = refusal.ToString();
+      spdlog::warn(
+          "system shared-memory region refused at registration; rows go "
+          "in the messages from now on: {}",
+          why);
+      absl::MutexLock lock(&shared_memory_mu_);
+      shared_memory_refusal_ = why;
+      return std::nullopt;
     }
-    RegionPool<SystemRegion>::Lease lease = *std::move(taken);
-    if (lease.get() != nullptr && lease.get()->bytes() < bytes) {
-      ReleaseSystemRegion(*lease.Take());  // made again, larger
-    }
-    if (lease.get() == nullptr) {
-      auto made = MakeSystemRegion(bytes);
-      if (!made.ok()) {
-        if (!IsRefusal(made.status().code())) return made.status();
-        // The server's bound may be held by other calls' regions (wait for
-        // one of theirs) or by idle ones (release them); else the refusal
-        // turns regions off for the client.
-        if (system_regions_.ShrinkToOthersLent()) continue;
-        if (ReleaseIdleSystemRegions() > 0) continue;
-        const std::string why = made.status().ToString();
-        spdlog::warn(
-            "system shared-memory region refused at registration; rows go "
-            "in the messages from now on: {}",
-            why);
-        absl::MutexLock lock(&shared_memory_mu_);
-        shared_memory_refusal_ = why;
-        return std::nullopt;
-      }
-      lease.Set(*std::move(made));
-    }
+    RegionPool<SystemRegion>::Lease lease = **std::move(leased);
     std::memcpy(lease.get()->memory->data(), data.data(), data.size());
     detlogp::v1::LogProbRequest by_reference = WithoutHiddenBytes(request);
     detlogp::v1::SharedMemoryRef* ref =
@@ -679,17 +677,16 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   // there; rows in the messages go to every replica, each on its own
   // connection and kept ones beside it, the call's connections shared out.
   const size_t replicas = shared ? 1 : replicas_.size();
-  const int per_replica =
-      std::max<int>(1, (used + static_cast<int>(replicas) - 1) /
-                           static_cast<int>(replicas));
+  const int per_replica = std::max<int>(
+      1, (used + static_cast<int>(replicas) - 1) / static_cast<int>(replicas));
   std::vector<std::vector<std::unique_ptr<RawConnection>>> kept(replicas);
   std::vector<CallReplica> call_replicas;
   for (size_t r = 0; r < replicas; ++r) {
     Replica& replica = *replicas_[r];
     AskLimitsInBackground(replicas_[r], request.model());
     kept[r] = TakeSpreadConnections(r, per_replica - 1);
-    CallReplica call{&replica.window, &replica.health, {replica.channel},
-                     replica.target};
+    CallReplica call{
+        &replica.window, &replica.health, {replica.channel}, replica.target};
     for (const auto& connection : kept[r]) {
       call.connections.push_back(connection->channel);
     }
@@ -704,8 +701,8 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   };
   engine.unknown_queue_rows = options_.assumed_queue_rows;
   CallStats stats;
-  absl::StatusOr<std::vector<ScoreResult>> answers = SendCallParts(
-      std::move(parts), call_replicas, engine, deadline, &stats);
+  absl::StatusOr<std::vector<ScoreResult>> answers =
+      SendCallParts(std::move(parts), call_replicas, engine, deadline, &stats);
   int connections_used = 0;
   for (size_t r = 0; r < replicas; ++r) {
     connections_used += static_cast<int>(kept[r].size()) + 1;
@@ -916,41 +913,36 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
   const int64_t bytes = rows.rows * rows.hidden_size *
                         detlogp::v1::DTypeBytes(detlogp::v1::DTYPE_BFLOAT16);
   RegionPool<CudaRegion>& pool = CudaPool(rows.device);
+  RegionMaker<CudaRegion> maker;
+  maker.make = [this, &cuda, device = rows.device](int64_t size) {
+    return MakeCudaRegion(cuda, device, size);
+  };
+  maker.release = [this](const CudaRegion& region) {
+    ReleaseCudaRegion(region);
+  };
+  maker.is_refusal = [](const absl::Status& status) {
+    return IsCudaRefusal(status.code());
+  };
   bool registered_again = false;
   while (true) {
     if (!CudaRefusal().empty()) return std::nullopt;
-    std::optional<RegionPool<CudaRegion>::Lease> taken =
-        pool.Take(bytes, deadline);
-    if (!taken.has_value()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "cuda_shared_memory: every region of the client's on cuda:",
-          rows.device, " was in use until the call's deadline"));
+    absl::Status refusal;
+    auto leased = LeaseRegion(
+        pool, bytes, deadline, maker,
+        absl::StrCat("cuda_shared_memory (cuda:", rows.device, ")"), &refusal);
+    if (!leased.ok()) return leased.status();
+    if (!leased->has_value()) {
+      // The refusal turns CUDA regions off for the client.
+      const std::string why = refusal.ToString();
+      spdlog::warn(
+          "CUDA shared-memory region refused at registration; rows go "
+          "through the host from now on: {}",
+          why);
+      absl::MutexLock lock(&cuda_mu_);
+      cuda_refusal_ = why;
+      return std::nullopt;
     }
-    RegionPool<CudaRegion>::Lease lease = *std::move(taken);
-    if (lease.get() != nullptr && lease.get()->bytes() < bytes) {
-      ReleaseCudaRegion(*lease.Take());  // made again, larger
-    }
-    if (lease.get() == nullptr) {
-      auto made = MakeCudaRegion(cuda, rows.device, bytes);
-      if (!made.ok()) {
-        if (!IsCudaRefusal(made.status().code())) return made.status();
-        // As for system regions: wait for another call's region, or
-        // release idle ones, before turning regions off.
-        if (pool.ShrinkToOthersLent()) continue;
-        std::vector<std::unique_ptr<CudaRegion>> idle = pool.TakeIdle();
-        for (const auto& region : idle) ReleaseCudaRegion(*region);
-        if (!idle.empty()) continue;
-        const std::string why = made.status().ToString();
-        spdlog::warn(
-            "CUDA shared-memory region refused at registration; rows go "
-            "through the host from now on: {}",
-            why);
-        absl::MutexLock lock(&cuda_mu_);
-        cuda_refusal_ = why;
-        return std::nullopt;
-      }
-      lease.Set(*std::move(made));
-    }
+    RegionPool<CudaRegion>::Lease lease = **std::move(leased);
     // On the caller's stream, after whatever wrote the rows; done when the
     // request goes.
     if (absl::Status s =

@@ -71,7 +71,6 @@
 
 #include <grpcpp/channel.h>
 #include <grpcpp/client_context.h>
-#include <grpcpp/impl/rpc_method.h>
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/base/thread_annotations.h"
@@ -425,12 +424,11 @@ class LogpClient {
  private:
   explicit LogpClient(const Options& options);
 
-  // A channel for Project calls and ProjectionService/Project on it, read as
-  // grpc::ByteBuffer.
+  // A channel for Project calls (ProjectionService/Project read as
+  // grpc::ByteBuffer).
   struct ProjectionConnection {
     explicit ProjectionConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
-    grpc::internal::RpcMethod method;
   };
   absl::StatusOr<ProjectResult> ProjectInterleaved(
       const std::vector<float>& x, const InterleavedRows& plan,

@@ -1,6 +1,9 @@
 // LogpClient's H3 projection: one Project stream read raw, or several side
 // by side (client/interleaved_rows.h) put back into row order.
-#include <grpcpp/support/sync_stream.h>
+#include <grpcpp/completion_queue.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/impl/codegen/proto_utils.h>
+#include <grpcpp/support/byte_buffer.h>
 
 #include <condition_variable>
 #include <cstdint>
@@ -78,6 +81,68 @@ detlogp::v1::ProjectRequest MakeProjectRequest(const float* x, int64_t rows,
   return request;
 }
 
+// One server-streaming call read on the calling thread through gRPC's
+// public generic API and a completion queue of its own: the request goes as
+// the only message, and each Read waits for the next response, left in
+// gRPC's buffer (nothing parsed or copied). One operation is outstanding at
+// a time, so each wait is for the operation just started.
+class RawStreamReader {
+ public:
+  RawStreamReader(const std::shared_ptr<grpc::Channel>& channel,
+                  grpc::ClientContext* context, grpc::ByteBuffer request)
+      : request_(std::move(request)) {
+    grpc::GenericStub stub(channel);
+    call_ = stub.PrepareCall(context, method_, &queue_);
+    call_->StartCall(this);
+    open_ = Wait();
+    if (open_) {
+      call_->WriteLast(request_, grpc::WriteOptions(), this);
+      open_ = Wait();
+    }
+  }
+  RawStreamReader(const RawStreamReader&) = delete;
+  RawStreamReader& operator=(const RawStreamReader&) = delete;
+  ~RawStreamReader() {
+    queue_.Shutdown();
+    void* tag;
+    bool ok;
+    while (queue_.Next(&tag, &ok)) {
+    }
+  }
+
+  // The next response into `message`; false once the stream ended.
+  bool Read(grpc::ByteBuffer* message) {
+    if (!open_) return false;
+    call_->Read(message, this);
+    open_ = Wait();
+    return open_;
+  }
+
+  // The call's status; after the last Read.
+  grpc::Status Finish() {
+    grpc::Status status;
+    call_->Finish(&status, this);
+    Wait();
+    return status;
+  }
+
+ private:
+  // The operation just started: whether it succeeded.
+  bool Wait() {
+    void* tag = nullptr;
+    bool ok = false;
+    if (!queue_.Next(&tag, &ok)) return false;
+    return ok;
+  }
+
+  // gRPC keeps a pointer to the method's name for the call's life.
+  const std::string method_ = kRawProjectMethod;
+  grpc::ByteBuffer request_;
+  grpc::CompletionQueue queue_;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call_;
+  bool open_ = false;
+};
+
 // Gets each checked chunk of one stream with its row count; a non-OK status
 // ends the stream with that status.
 using ChunkSink =
@@ -85,16 +150,20 @@ using ChunkSink =
 
 // Reads one Project stream of `rows` rows raw: each chunk's header parsed
 // (client/project_chunk.h) and checked, y.data left in gRPC's slices.
-absl::Status ReadProjectStream(grpc::ChannelInterface* channel,
-                               const grpc::internal::RpcMethod& method,
+absl::Status ReadProjectStream(const std::shared_ptr<grpc::Channel>& channel,
                                grpc::ClientContext* context,
                                const detlogp::v1::ProjectRequest& request,
                                int64_t rows, const ChunkSink& sink) {
-  // The generated stub's reader, with gRPC's bytes as the message type: a
-  // read swaps the received buffer in, nothing is parsed or copied.
-  std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-      grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
-          channel, method, context, request));
+  grpc::ByteBuffer serialized;
+  bool own_buffer = false;
+  if (grpc::Status s = grpc::GenericSerialize<grpc::ProtoBufferWriter,
+                                              detlogp::v1::ProjectRequest>(
+          request, &serialized, &own_buffer);
+      !s.ok()) {
+    return FromGrpcStatus(s);
+  }
+  auto reader = std::make_unique<RawStreamReader>(channel, context,
+                                                  std::move(serialized));
   int64_t next_row = 0;
   grpc::ByteBuffer message;
   absl::Status problem;
@@ -263,17 +332,18 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
   PrepareContext(&context);
   ProjectResult result;
   int64_t next_row = 0;
-  const absl::Status status = ReadProjectStream(
-      projection_->channel.get(), projection_->method, &context, request, rows,
-      [&](ProjectChunk& chunk, int64_t chunk_rows) {
-        if (result.determinism_key.empty())
-          result.determinism_key = chunk.determinism_key;
-        if (options.y != nullptr) chunk.CopyYTo(options.y + next_row * kOut);
-        if (on_chunk) on_chunk(chunk);
-        next_row += chunk_rows;
-        ++result.chunks;
-        return absl::OkStatus();
-      });
+  const absl::Status status =
+      ReadProjectStream(projection_->channel, &context, request, rows,
+                        [&](ProjectChunk& chunk, int64_t chunk_rows) {
+                          if (result.determinism_key.empty())
+                            result.determinism_key = chunk.determinism_key;
+                          if (options.y != nullptr)
+                            chunk.CopyYTo(options.y + next_row * kOut);
+                          if (on_chunk) on_chunk(chunk);
+                          next_row += chunk_rows;
+                          ++result.chunks;
+                          return absl::OkStatus();
+                        });
   if (!status.ok()) return status;
   return result;
 }
@@ -308,8 +378,7 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
       PrepareContext(context);
       int64_t block = c;
       const absl::Status status = ReadProjectStream(
-          connections[c]->channel.get(), connections[c]->method, context,
-          request, plan.CallRows(c),
+          connections[c]->channel, context, request, plan.CallRows(c),
           [&](ProjectChunk& chunk, int64_t chunk_rows) {
             const int64_t row = block * plan.block_rows();
             if (chunk_rows != plan.BlockRows(block)) {
@@ -348,8 +417,6 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectInterleaved(
 
 LogpClient::ProjectionConnection::ProjectionConnection(
     std::shared_ptr<grpc::Channel> channel_in)
-    : channel(std::move(channel_in)),
-      method(kRawProjectMethod, grpc::internal::RpcMethod::SERVER_STREAMING,
-             channel) {}
+    : channel(std::move(channel_in)) {}
 
 }  // namespace detlogp::client

@@ -17,12 +17,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -117,6 +122,12 @@ class RegionPool {
     return true;
   }
 
+  // The slots now (lowered by ShrinkToOthersLent).
+  int capacity() const {
+    absl::MutexLock lock(&mu_);
+    return capacity_;
+  }
+
   // The idle regions, taken out (to release them at shutdown).
   std::vector<std::unique_ptr<Region>> TakeIdle() {
     absl::MutexLock lock(&mu_);
@@ -138,6 +149,64 @@ class RegionPool {
   int lent_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::unique_ptr<Region>> idle_ ABSL_GUARDED_BY(mu_);
 };
+
+// How a client makes, releases and judges its regions of one kind, for
+// LeaseRegion.
+template <typename Region>
+struct RegionMaker {
+  // A new region of at least `bytes`, registered with the server.
+  std::function<absl::StatusOr<std::unique_ptr<Region>>(int64_t bytes)> make;
+  // Unregisters a region the client gives up.
+  std::function<void(const Region&)> release;
+  // Whether a failure of `make` is the server refusing the region (the
+  // rows then take another path) rather than an error of the call.
+  std::function<bool(const absl::Status&)> is_refusal;
+};
+
+// A region of at least `bytes` from `pool` for one call, the policy both
+// region kinds follow: an idle region that holds the rows, else one made
+// (or an idle one made again larger); with every slot lent, a wait until
+// `deadline` (then DEADLINE_EXCEEDED naming `what`). A region the server
+// refuses while other calls hold regions lowers the slots to theirs and
+// the call waits for one of them; refused after releasing the idle ones,
+// with no other call holding any, it is the pool's refusal: nullopt, with
+// `*refusal` set to the server's status (the caller turns the path off).
+template <typename Region>
+absl::StatusOr<std::optional<typename RegionPool<Region>::Lease>> LeaseRegion(
+    RegionPool<Region>& pool, int64_t bytes, absl::Time deadline,
+    const RegionMaker<Region>& maker, absl::string_view what,
+    absl::Status* refusal) {
+  while (true) {
+    std::optional<typename RegionPool<Region>::Lease> taken =
+        pool.Take(bytes, deadline);
+    if (!taken.has_value()) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(what,
+                       ": every region of the client's was in use until the "
+                       "call's deadline"));
+    }
+    typename RegionPool<Region>::Lease lease = *std::move(taken);
+    if (lease.get() != nullptr && lease.get()->bytes() < bytes) {
+      maker.release(*lease.Take());  // made again, larger
+    }
+    if (lease.get() == nullptr) {
+      absl::StatusOr<std::unique_ptr<Region>> made = maker.make(bytes);
+      if (!made.ok()) {
+        if (!maker.is_refusal(made.status())) return made.status();
+        // The server's bound may be held by other calls' regions (wait for
+        // one of theirs) or by idle ones (release them).
+        if (pool.ShrinkToOthersLent()) continue;
+        std::vector<std::unique_ptr<Region>> idle = pool.TakeIdle();
+        for (const auto& region : idle) maker.release(*region);
+        if (!idle.empty()) continue;
+        *refusal = made.status();
+        return std::nullopt;
+      }
+      lease.Set(*std::move(made));
+    }
+    return std::optional<typename RegionPool<Region>::Lease>(std::move(lease));
+  }
+}
 
 }  // namespace detlogp::client
 

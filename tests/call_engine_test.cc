@@ -45,8 +45,8 @@ class EchoService final : public v1::LogProbService::CallbackService {
   // another is refused with VERSION_UNAVAILABLE, an unpinned one answered
   // with it.
   int64_t holds_version = 0;
-  // Requests after the first this many to arrive are held until cancelled (the server
-  // shutting down cancels them); -1: none held. first_held is notified
+  // Requests after the first this many to arrive are held until cancelled (the
+  // server shutting down cancels them); -1: none held. first_held is notified
   // when the first one arrives.
   int hold_after = -1;
   absl::Notification first_held;
@@ -65,9 +65,9 @@ class EchoService final : public v1::LogProbService::CallbackService {
     }
     if (holds_version != 0 && request->model_version() != 0 &&
         request->model_version() != holds_version) {
-      reactor->Finish(Refusal(v1::WithReason(
-          absl::NotFoundError("model_version: not held here"),
-          v1::kReasonVersionUnavailable)));
+      reactor->Finish(Refusal(
+          v1::WithReason(absl::NotFoundError("model_version: not held here"),
+                         v1::kReasonVersionUnavailable)));
       return reactor;
     }
     if (hold_after >= 0 && arrival >= hold_after) {
@@ -298,8 +298,8 @@ class ReplicasTest : public ::testing::Test {
       auto replica = std::make_unique<EchoReplica>();
       grpc::ServerBuilder builder;
       int port = 0;
-      builder.AddListeningPort("127.0.0.1:0",
-                               grpc::InsecureServerCredentials(), &port);
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                               &port);
       builder.RegisterService(&replica->service);
       replica->server = builder.BuildAndStart();
       ASSERT_NE(replica->server, nullptr);
@@ -314,8 +314,10 @@ class ReplicasTest : public ::testing::Test {
   std::vector<CallReplica> CallReplicas() {
     std::vector<CallReplica> call;
     for (auto& replica : replicas_) {
-      call.push_back(CallReplica{&replica->window, replica->health.get(),
-                                 {replica->channel}, replica->target});
+      call.push_back(CallReplica{&replica->window,
+                                 replica->health.get(),
+                                 {replica->channel},
+                                 replica->target});
     }
     return call;
   }
@@ -349,9 +351,9 @@ TEST_F(ReplicasTest, ACallIsSpreadOverEveryReplicaAndComesBackInOrder) {
     EXPECT_GT(stats_.answered_by[r], 0) << "replica " << r;
     EXPECT_EQ(replicas_[r]->window.outstanding(), 0);
   }
-  EXPECT_EQ(stats_.answered_by[0] + stats_.answered_by[1] +
-                stats_.answered_by[2],
-            60);
+  EXPECT_EQ(
+      stats_.answered_by[0] + stats_.answered_by[1] + stats_.answered_by[2],
+      60);
   EXPECT_EQ(RowsAnsweredByServers(), 60 * 16);
 }
 
@@ -443,8 +445,7 @@ TEST_F(ReplicasTest, EveryReplicaDeadIsUnavailableSayingWhatWasAnswered) {
   EXPECT_NE(answers.status().message().find("15 of 60 rows answered"),
             std::string::npos)
       << answers.status();
-  EXPECT_EQ(v1::DetailsOf(answers.status()).metadata.at("rows_answered"),
-            "15");
+  EXPECT_EQ(v1::DetailsOf(answers.status()).metadata.at("rows_answered"), "15");
   for (auto& replica : replicas_) EXPECT_EQ(replica->window.outstanding(), 0);
 }
 

@@ -438,8 +438,8 @@ TEST(LogpClientOptionsTest, AnEmptyReplicaIsRefusedByName) {
   options.replica_first_backoff = absl::ZeroDuration();
   client = LogpClient::Create(options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_TRUE(absl::StartsWith(client.status().message(),
-                               "replica_first_backoff"))
+  EXPECT_TRUE(
+      absl::StartsWith(client.status().message(), "replica_first_backoff"))
       << client.status();
 }
 

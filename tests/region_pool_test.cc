@@ -11,6 +11,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -169,6 +172,135 @@ TEST(RegionPoolTest, ManyThreadsNeverHoldMoreThanTheCapacity) {
   for (std::thread& thread : threads) thread.join();
   EXPECT_LE(most.load(), 3);
   EXPECT_LE(pool.TakeIdle().size(), 3u);
+}
+
+// LeaseRegion's policy against a fake server: `make` fails with
+// RESOURCE_EXHAUSTED while `refuse` is set (or with `error` when set), and
+// every make and release is counted.
+class FakeMaker {
+ public:
+  std::atomic<bool> refuse{false};
+  absl::Status error;
+  std::atomic<int> made{0};
+  std::atomic<int> released{0};
+  absl::Notification refused_once;  // the first refusal was given
+
+  RegionMaker<FakeRegion> maker() {
+    RegionMaker<FakeRegion> maker;
+    maker.make =
+        [this](int64_t bytes) -> absl::StatusOr<std::unique_ptr<FakeRegion>> {
+      if (!error.ok()) return error;
+      if (refuse.load()) {
+        if (!refused_once.HasBeenNotified()) refused_once.Notify();
+        return absl::ResourceExhaustedError("over the server's bound");
+      }
+      ++made;
+      return Region(bytes);
+    };
+    maker.release = [this](const FakeRegion&) { ++released; };
+    maker.is_refusal = [](const absl::Status& status) {
+      return status.code() == absl::StatusCode::kResourceExhausted;
+    };
+    return maker;
+  }
+};
+
+absl::StatusOr<std::optional<Pool::Lease>> Lease(
+    Pool& pool, int64_t bytes, FakeMaker& fake, absl::Status* refusal,
+    absl::Time deadline = absl::InfiniteFuture()) {
+  return LeaseRegion(pool, bytes, deadline, fake.maker(), "fake", refusal);
+}
+
+TEST(LeaseRegionTest, CallsAtOnceEachHoldARegionOfTheirOwn) {
+  Pool pool(4);
+  FakeMaker fake;
+  absl::Status refusal;
+  std::vector<Pool::Lease> held;
+  for (int call = 0; call < 3; ++call) {
+    auto lease = Lease(pool, 100, fake, &refusal);
+    ASSERT_TRUE(lease.ok() && lease->has_value());
+    held.push_back(**std::move(lease));
+  }
+  EXPECT_EQ(fake.made.load(), 3);
+  EXPECT_NE(held[0].get(), held[1].get());
+  EXPECT_NE(held[1].get(), held[2].get());
+  held.clear();
+  // Kept: a later call of no more bytes takes one, nothing is made.
+  auto again = Lease(pool, 50, fake, &refusal);
+  ASSERT_TRUE(again.ok() && again->has_value());
+  EXPECT_EQ(fake.made.load(), 3);
+  EXPECT_TRUE(refusal.ok());
+}
+
+TEST(LeaseRegionTest, AnIdleRegionTooSmallIsMadeAgainLarger) {
+  Pool pool(4);
+  FakeMaker fake;
+  absl::Status refusal;
+  { auto small = Lease(pool, 10, fake, &refusal); }
+  auto large = Lease(pool, 1000, fake, &refusal);
+  ASSERT_TRUE(large.ok() && large->has_value());
+  EXPECT_EQ((**large).get()->bytes(), 1000);
+  EXPECT_EQ(fake.made.load(), 2);
+  EXPECT_EQ(fake.released.load(), 1);
+}
+
+TEST(LeaseRegionTest, ARefusalWhileOthersHoldRegionsWaitsForOneOfThem) {
+  Pool pool(4);
+  FakeMaker fake;
+  absl::Status refusal;
+  auto first = Lease(pool, 100, fake, &refusal);
+  ASSERT_TRUE(first.ok() && first->has_value());
+  FakeRegion* const first_region = (**first).get();
+  fake.refuse = true;
+  absl::StatusOr<std::optional<Pool::Lease>> second =
+      absl::UnknownError("not run");
+  std::thread call([&] { second = Lease(pool, 100, fake, &refusal); });
+  // Refused while the first call holds its region, the second lowers the
+  // slots to the first's and waits for its region.
+  fake.refused_once.WaitForNotification();
+  while (pool.capacity() != 1) std::this_thread::yield();
+  first->reset();
+  call.join();
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE(second->has_value());
+  EXPECT_EQ((**second).get(), first_region);
+  EXPECT_TRUE(refusal.ok()) << refusal;
+}
+
+TEST(LeaseRegionTest, ARefusalAloneReleasesIdleRegionsThenIsThePoolsRefusal) {
+  Pool pool(4);
+  FakeMaker fake;
+  absl::Status refusal;
+  {
+    auto a = Lease(pool, 10, fake, &refusal);
+    auto b = Lease(pool, 10, fake, &refusal);
+  }
+  fake.refuse = true;
+  auto refused = Lease(pool, 1000, fake, &refusal);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_FALSE(refused->has_value());
+  EXPECT_EQ(refusal.code(), absl::StatusCode::kResourceExhausted);
+  // Both idle regions were given up before the refusal counted.
+  EXPECT_EQ(fake.released.load(), 2);
+  EXPECT_TRUE(pool.TakeIdle().empty());
+}
+
+TEST(LeaseRegionTest, AnotherErrorIsTheCallsAndEveryRegionLentIsADeadline) {
+  Pool pool(1);
+  FakeMaker fake;
+  absl::Status refusal;
+  fake.error = absl::InternalError("allocation failed");
+  auto failed = Lease(pool, 10, fake, &refusal);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(refusal.ok());
+  fake.error = absl::OkStatus();
+  auto held = Lease(pool, 10, fake, &refusal);
+  ASSERT_TRUE(held.ok() && held->has_value());
+  auto waited =
+      Lease(pool, 10, fake, &refusal, absl::Now() + absl::Milliseconds(20));
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StartsWith(waited.status().message(), "fake: "))
+      << waited.status();
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <iostream>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -622,10 +623,17 @@ TEST(ServerLifecycleTest, CallsSurviveAReplicaKilledMidRun) {
   }
   // Eight threads score without pause: requests are in flight when the
   // first replica is killed.
+  const absl::Time start = absl::Now();
   kill_now.WaitForNotification();
   EXPECT_EQ(replicas[0]->Stop(SIGKILL), 128 + SIGKILL);
   killed = true;
   for (auto& thread : threads) thread.join();
+  std::cout << calls.load() << " calls of " << kThreads << " threads in "
+            << absl::FormatDuration(absl::Now() - start) << ", "
+            << calls_after_kill.load() << " begun after the kill, "
+            << failed.load() << " failed, " << wrong_bits.load()
+            << " with other bits, " << replica_retries.load()
+            << " requests sent again to another replica\n";
   EXPECT_EQ(failed.load(), 0);
   EXPECT_EQ(wrong_bits.load(), 0);
   EXPECT_GE(calls_after_kill.load(), kCallsAfterKill);
