@@ -151,7 +151,8 @@ struct CallEngineOptions {
   // The delay when the server names none.
   absl::Duration default_retry_delay = absl::Milliseconds(20);
   // A replica's window when it names none, to weigh its load against the
-  // others' (the server's default --max_queue_rows).
+  // others' (a server's queue holds at least this many rows unless its
+  // flags lower it).
   int64_t unknown_queue_rows = 65536;
 };
 

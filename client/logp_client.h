@@ -230,7 +230,8 @@ class LogpClient {
     // Rows a replica's queue holds until its ModelInfo has answered (asked
     // once per replica, in the background, by the first call sent to it):
     // the client keeps its outstanding rows at each replica within that
-    // replica's max_queue_rows. The server's default --max_queue_rows.
+    // replica's max_queue_rows. Conservative: a server's queue is bounded
+    // in time (--max_queue_work_ms) and holds far more on a GPU.
     int64_t assumed_queue_rows = 65536;
     // Connections a call's rows are spread over when they travel in the
     // messages: the call is cut so that each carries a share (requests of at
