@@ -268,7 +268,5 @@ def test_every_pod_pulls_from_every_ordinal_before_it_is_ready(manifests):
     name = manifests["StatefulSet"]["metadata"]["name"]
     service = spec["serviceName"]
     (peers,) = flag_values(container(manifests)["args"], "pull_from")
-    assert peers.split(",") == [
-        f"{name}-{i}.{service}:50051" for i in range(spec["replicas"])
-    ]
+    assert peers.split(",") == [f"{name}-{i}.{service}:50051" for i in range(spec["replicas"])]
     assert flag_values(container(manifests)["args"], "staged_version_timeout_s")
