@@ -244,7 +244,12 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
   detlogp::v1::ModelInfo info;
   grpc::Status status = stub_->GetModelInfo(&context, request, &info);
   if (!status.ok()) return FromGrpcStatus(status);
-  // The first replica's queue is now known: its calls need not ask.
+  // The server's limits and the first replica's queue are now known: calls
+  // need not ask for them.
+  {
+    absl::MutexLock limits_lock(&limits_mu_);
+    if (!limits_.has_value()) limits_ = info;
+  }
   Replica& first = *replicas_.front();
   absl::MutexLock lock(&first.mu);
   if (!first.info.has_value()) {

@@ -324,8 +324,11 @@ TEST(ServerLifecycleTest, ForcedKernelNeverFallsBackToTheCpu) {
 }
 
 TEST(ServerLifecycleTest, ExpiredAndCancelledCallsAreDroppedBeforeCompute) {
-  auto server = ServerProcess::Start(
-      {"--device=cpu", "--max_batch_rows=64", "--metrics_port=0"});
+  // A queue bounded by rows only: the calls below must wait in it (a
+  // bound in time, a second of this slow work, would refuse them).
+  auto server =
+      ServerProcess::Start({"--device=cpu", "--max_batch_rows=64",
+                            "--max_queue_work_ms=0", "--metrics_port=0"});
   ASSERT_TRUE(server.ok()) << server.status();
   LogpClient::Options options;
   options.target = (*server)->target();
