@@ -24,8 +24,9 @@ from detlogp.errors import DataLoss
 from detlogp.results import LogProbResult, check_sizes
 from detlogp.v1 import detlogp_pb2 as pb
 
-# Limits assumed for a server that does not report them in ModelInfo (the
-# server's own defaults: --max_request_rows, --max_message_mb).
+# Limits assumed for a server that does not report them in ModelInfo: the
+# default --max_request_rows, and messages well below the default
+# --max_message_mb (640 MiB), which a server may have lowered.
 DEFAULT_MAX_REQUEST_ROWS = 65536
 DEFAULT_MAX_MESSAGE_BYTES = 160 << 20
 # Room left in each message for everything but the rows (ids, names, tags).
