@@ -119,10 +119,12 @@ ABSL_FLAG(int64_t, max_queue_delay_us, -1,
 ABSL_FLAG(int64_t, max_queue_rows, 1 << 20,
           "Rows waiting at most; beyond it calls get RESOURCE_EXHAUSTED "
           "(reason QUEUE_FULL, with a retry delay).");
-ABSL_FLAG(int64_t, max_queue_work_ms, 1000,
-          "The queue's bound in time: rows waiting at most, as milliseconds of "
-          "work at the rate full batches drain them (measured; never below two "
-          "full batches per batch thread). 0: --max_queue_rows only.");
+ABSL_FLAG(
+    int64_t, max_queue_work_ms, 1000,
+    "The queue's bound in time: rows waiting at most, as milliseconds of "
+    "work at the rate full batches drain them (measured; never below two "
+    "full batches per batch thread; a request into an empty queue is always "
+    "taken). 0: --max_queue_rows only.");
 ABSL_FLAG(int64_t, max_queue_bytes, int64_t{2} << 30,
           "bf16 bytes of waiting rows held in the server's memory (rows that "
           "came in messages; rows in shared memory are not counted).");

@@ -370,6 +370,12 @@ TEST(DynamicBatcherTest, QueueHoldsItsWorkInTimeAtTheDrainRate) {
   EXPECT_EQ(details.metadata.at("limit"), "20");
   ASSERT_TRUE(details.retry_delay.has_value());
   EXPECT_EQ(*details.retry_delay, absl::Milliseconds(25));  // 1 row at 40/s
+  // A request larger than the bound in time waits for the queue to empty:
+  // 20 rows at 40/s.
+  const detlogp::v1::ErrorDetails larger =
+      detlogp::v1::DetailsOf(batcher->Schedule(MakeJob(30).job));
+  ASSERT_TRUE(larger.retry_delay.has_value());
+  EXPECT_EQ(*larger.retry_delay, absl::Milliseconds(500));
   backend.ReleaseBatches();
   ASSERT_TRUE(queued.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
 }
@@ -384,6 +390,12 @@ TEST(DynamicBatcherTest, QueueBoundInTimeNeverBelowTwoFullBatches) {
   ASSERT_TRUE(batcher->Schedule(first.job).ok());
   ASSERT_TRUE(first.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_EQ(batcher->queue_capacity_rows(), 8);
+  // Into an empty queue a request larger than the bound in time is taken:
+  // a slow server still serves every request its row bound allows.
+  TrackedJob larger = MakeJob(12);
+  EXPECT_TRUE(batcher->Schedule(larger.job).ok());
+  ASSERT_TRUE(larger.done->WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(larger.status->ok()) << *larger.status;
 }
 
 TEST(DynamicBatcherTest, QueueBoundsTheBytesItHoldsNotTheCallersRegions) {

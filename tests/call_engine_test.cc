@@ -384,8 +384,11 @@ TEST_F(ReplicasTest, AReplicaShutDownMidCallLosesNoRow) {
   ASSERT_TRUE(answers.ok()) << answers.status();
   CallEngineTest::ExpectRowsInOrder(*answers, 64 * 8);
   EXPECT_GT(stats_.replica_retries, 0);
-  EXPECT_EQ(stats_.answered_by[2], 3);
-  EXPECT_EQ(RowsAnsweredByServers(), 64 * 8);
+  // It answered 3 requests before it held; an answer sent as it stopped may
+  // be lost on the way, and its request is then answered again elsewhere
+  // (the call still takes each row once).
+  EXPECT_LE(stats_.answered_by[2], 3);
+  EXPECT_EQ(RowsAnsweredByServers(), 64 * 8 + 8 * (3 - stats_.answered_by[2]));
 }
 
 TEST_F(ReplicasTest, ADownReplicaTakesNoRequestUntilItsBackoffPassed) {

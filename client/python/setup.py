@@ -120,6 +120,7 @@ CLIENT_SOURCES = {
     "client/request_bytes.cc": [],
     "client/region_api.cc": [],
     "client/task_pool.cc": [],
+    "client/grpc_lifetime.cc": [],
     "proto/status_details.cc": [],
 }
 CLIENT_PROTOS = [

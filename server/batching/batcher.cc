@@ -76,11 +76,19 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
     }
     if (bounded) {
       const int64_t capacity = CapacityRowsLocked();
-      if (queued_rows_ + rows > capacity) {
+      const bool by_time = capacity < options_.max_queue_rows;
+      // The bound in time never refuses a request into an empty queue: a
+      // request the row and byte bounds take is served, however slow.
+      const bool alone_by_time =
+          by_time && queued_rows_ == 0 && rows <= options_.max_queue_rows;
+      if (queued_rows_ + rows > capacity && !alone_by_time) {
         rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
+        // Waiting for the queue to empty always suffices.
         return QueueFullErrorLocked(
-            rows, capacity, queued_rows_ + rows - capacity, rows > capacity,
-            capacity < options_.max_queue_rows
+            rows, capacity,
+            std::min(queued_rows_ + rows - capacity, queued_rows_),
+            rows > options_.max_queue_rows,
+            by_time
                 ? absl::StrCat("--max_queue_work_ms=",
                                options_.max_queue_work_micros / 1000, " at ",
                                static_cast<int64_t>(drain_rows_per_second_),

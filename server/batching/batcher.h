@@ -88,7 +88,8 @@ class DynamicBatcher {
     // The queue's bound in time: rows waiting at most, as work at the rate
     // full batches drain them. A fast model (a GPU at H=4096) queues a
     // whole fleet's burst, a slow one (a CPU) no more than this much
-    // latency. Never below two full batches per batch thread. 0: rows only.
+    // latency. Never below two full batches per batch thread, and never
+    // refusing a request into an empty queue. 0: rows only.
     int64_t max_queue_work_micros = 1'000'000;
     // bf16 bytes of waiting rows held in the server's memory (rows that
     // came in the messages; rows in shared memory are the caller's).
