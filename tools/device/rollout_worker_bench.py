@@ -99,13 +99,6 @@ def main():
         "--slice_mb", type=int, default=8, help="TransferOptions.slice_bytes, MiB (gRPC bytes)"
     )
     parser.add_argument(
-        "--system_slice_mb", type=int, default=8, help="TransferOptions.system_slice_bytes, MiB"
-    )
-    parser.add_argument(
-        "--cuda_slice_mb", type=int, default=64, help="TransferOptions.cuda_slice_bytes, MiB"
-    )
-    parser.add_argument("--copy_threads", type=int, default=4, help="TransferOptions.copy_threads")
-    parser.add_argument(
         "--native_transport",
         default="auto",
         choices=["auto", "on", "off"],
@@ -120,6 +113,8 @@ def main():
     args = parser.parse_args()
     if args.keep_freed_memory and not detlogp.keep_freed_memory():
         parser.error("--keep_freed_memory: this process's malloc is not glibc's")
+    if args.bits_rows < 1:
+        parser.error(f"--bits_rows: at least 1 row, got {args.bits_rows}")
     sizes = [int(s) for s in args.sizes.split(",") if s]
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(PATHS)
@@ -162,9 +157,6 @@ def main():
         options = detlogp.TransferOptions(
             connections=args.connections,
             slice_bytes=args.slice_mb << 20,
-            system_slice_bytes=args.system_slice_mb << 20,
-            cuda_slice_bytes=args.cuda_slice_mb << 20,
-            copy_threads=args.copy_threads,
             native_transport=args.native_transport,
         )
         clients = {

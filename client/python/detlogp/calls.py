@@ -69,10 +69,6 @@ class TransferOptions:
     native_transport: "auto" (the engine when its library is found),
       "on" (the same, and a missing library fails the client's creation),
       or "off" (grpcio only: calls beyond one request raise EngineRequired).
-    min_slice_bytes, system_slice_bytes, cuda_slice_bytes, copy_threads,
-      auto_connections, auto_connections_min_bytes, region_slices,
-      shared_memory_bytes: accepted and not used (the engine sizes its
-      requests and regions itself).
     """
 
     engine_min_bytes: int = 1 << 20
@@ -82,14 +78,6 @@ class TransferOptions:
     shared_memory: str = "auto"
     shared_memory_min_bytes: int = 64 << 10
     native_transport: str = "auto"
-    min_slice_bytes: int = 1 << 20
-    system_slice_bytes: int = 8 << 20
-    cuda_slice_bytes: int = 64 << 20
-    copy_threads: int = 4
-    auto_connections: int = 8
-    auto_connections_min_bytes: int = 8 << 20
-    region_slices: int = 8
-    shared_memory_bytes: int = 1 << 30
 
     def validated(self):
         """self, or ValueError naming the first bad field."""
