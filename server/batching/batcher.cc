@@ -74,7 +74,8 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
     if (stopping_) {
       return absl::UnavailableError("server is shutting down");
     }
-    if (bounded) {
+    // A request of no rows holds no room (and needs none).
+    if (bounded && rows > 0) {
       const int64_t capacity = CapacityRowsLocked();
       const bool by_time = capacity < options_.max_queue_rows;
       // The bound in time never refuses a request into an empty queue: a
@@ -95,7 +96,7 @@ absl::Status DynamicBatcher::Enqueue(std::shared_ptr<LogpJob> job,
                                " rows/s")
                 : absl::StrCat("--max_queue_rows=", options_.max_queue_rows));
       }
-      if (queued_bytes_ + bytes > options_.max_queue_bytes) {
+      if (bytes > 0 && queued_bytes_ + bytes > options_.max_queue_bytes) {
         rows_rejected_.fetch_add(rows, std::memory_order_relaxed);
         const int64_t row_bytes = std::max<int64_t>(bytes / rows, 1);
         return QueueFullErrorLocked(
