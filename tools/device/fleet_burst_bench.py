@@ -6,12 +6,13 @@ calls failed (the target: none).
 
     python3 tools/device/fleet_burst_bench.py --server bin/detlogp_server \
         [--workers 8,32] [--rows 16384,4096] [--rounds 3] \
-        [--shared_memory cuda,off] [--server_flags "--max_queue_rows=65536"] \
-        [--json_out out.json]
+        [--shared_memory cuda,off] \
+        [--server_flags "--batch_threads=1|--batch_threads=2"] [--json_out out.json]
 
 --workers and --rows pair up (8 workers x 16384 rows, 32 x 4096). The
-server runs with its default queue bound unless --server_flags says
-otherwise: the point is a burst larger than the queue. Each worker makes one
+server runs with its default flags unless --server_flags adds some; sets
+of flags separated by "|" each get a server of their own, one after the
+other, over the same weights. The point is a burst larger than the queue. Each worker makes one
 call of its full size before the burst (a rollout worker's steady state:
 connections open, regions registered). Per burst it also reports each
 call's median and slowest seconds, and from the server's metrics the rows it
@@ -116,13 +117,52 @@ def burst(args, target, mode, workers, rows, hidden, vocab):
 
 
 def _server_counts(server):
-    """(rows refused for a full queue, batches, seconds of queue delay)."""
+    """(rows refused for a full queue, batches, seconds of queue delay, rows
+    batched, seconds of compute summed over batches)."""
     samples = server.metrics() or {}
     return (
         samples.get('detlogp_rows_total{outcome="rejected"}', 0.0),
         samples.get("detlogp_queue_delay_seconds_count", 0.0),
         samples.get("detlogp_queue_delay_seconds_sum", 0.0),
+        samples.get("detlogp_batch_rows_sum", 0.0),
+        samples.get("detlogp_compute_seconds_sum", 0.0),
     )
+
+
+def measure(args, server, socket, server_flags, mode, workers, rows, kernel):
+    """One burst against `server`, as a JSON-ready line (printed too)."""
+    before = _server_counts(server)
+    rate, failures, paths, seconds = burst(
+        args, f"unix:{socket}", mode, workers, rows, args.hidden, args.vocab
+    )
+    after = _server_counts(server)
+    refused, batches, queued, batched, computing = (a - b for a, b in zip(after, before))
+    wall = workers * rows * args.rounds / rate
+    line = dict(
+        workers=workers,
+        rows=rows,
+        shared_memory=mode,
+        kernel_rows_per_s=round(kernel),
+        aggregate_rows_per_s=round(rate),
+        ratio=round(rate / kernel, 3),
+        calls=workers * args.rounds,
+        failed=len(failures),
+        paths=paths,
+        call_s_median=round(statistics.median(seconds), 4),
+        call_s_max=round(seconds[-1], 4),
+        rows_refused=int(refused),
+        mean_queue_delay_ms=round(1e3 * queued / max(batches, 1), 2),
+        # Where the server's time went: rows a batch, and the batches'
+        # compute seconds summed (over 1.0 of the wall when batch threads
+        # overlap on the device).
+        mean_batch_rows=round(batched / max(batches, 1)),
+        compute_s_per_batch=round(computing / max(batches, 1), 5),
+        compute_over_wall=round(computing / wall, 3),
+        server_flags=server_flags,
+        first_failures=failures[:2],
+    )
+    print(json.dumps(line), flush=True)
+    return line
 
 
 def main():
@@ -134,7 +174,11 @@ def main():
     parser.add_argument("--rows", default="16384,4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--shared_memory", default="cuda,off")
-    parser.add_argument("--server_flags", default="", help="extra server flags, space separated")
+    parser.add_argument(
+        "--server_flags",
+        default="",
+        help='extra server flags, space separated; "|" separates sets, a server each',
+    )
     parser.add_argument("--json_out")
     args = parser.parse_args()
 
@@ -146,46 +190,28 @@ def main():
     weight = random_weight(args.vocab, args.hidden, seed=1)
     path = write_weights(weight, folder)
     socket = os.path.join(folder, "detlogp.sock")
-    flags = [
-        f"--weights={path}",
-        "--lm_head_tensor=lm_head.weight",
-        "--device=cuda:0",
-        f"--unix_socket={socket}",
-        "--allow_shared_memory=true",
-        *args.server_flags.split(),
-    ]
     lines = []
-    with LocalServer(args.server, flags, metrics=True, start_timeout=600) as server:
-        for workers, rows in zip(
-            (int(w) for w in args.workers.split(",")), (int(r) for r in args.rows.split(","))
-        ):
-            kernel = kernel_rows_per_s(weight, rows, args.vocab)
-            for mode in args.shared_memory.split(","):
-                before = _server_counts(server)
-                rate, failures, paths, seconds = burst(
-                    args, f"unix:{socket}", mode, workers, rows, args.hidden, args.vocab
-                )
-                after = _server_counts(server)
-                refused, batches, queued = (a - b for a, b in zip(after, before))
-                line = dict(
-                    workers=workers,
-                    rows=rows,
-                    shared_memory=mode,
-                    kernel_rows_per_s=round(kernel),
-                    aggregate_rows_per_s=round(rate),
-                    ratio=round(rate / kernel, 3),
-                    calls=workers * args.rounds,
-                    failed=len(failures),
-                    paths=paths,
-                    call_s_median=round(statistics.median(seconds), 4),
-                    call_s_max=round(seconds[-1], 4),
-                    rows_refused=int(refused),
-                    mean_queue_delay_ms=round(1e3 * queued / max(batches, 1), 2),
-                    server_flags=args.server_flags,
-                    first_failures=failures[:2],
-                )
-                lines.append(line)
-                print(json.dumps(line), flush=True)
+    kernels = {}
+    for server_flags in args.server_flags.split("|"):
+        flags = [
+            f"--weights={path}",
+            "--lm_head_tensor=lm_head.weight",
+            "--device=cuda:0",
+            f"--unix_socket={socket}",
+            "--allow_shared_memory=true",
+            *server_flags.split(),
+        ]
+        with LocalServer(args.server, flags, metrics=True, start_timeout=600) as server:
+            for workers, rows in zip(
+                (int(w) for w in args.workers.split(",")), (int(r) for r in args.rows.split(","))
+            ):
+                if rows not in kernels:
+                    kernels[rows] = kernel_rows_per_s(weight, rows, args.vocab)
+                kernel = kernels[rows]
+                for mode in args.shared_memory.split(","):
+                    lines.append(
+                        measure(args, server, socket, server_flags, mode, workers, rows, kernel)
+                    )
     torch.cuda.synchronize()
     if args.json_out:
         pathlib.Path(args.json_out).write_text(json.dumps(lines, indent=1))

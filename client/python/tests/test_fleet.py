@@ -81,6 +81,33 @@ def test_delta_push_gives_the_bits_of_a_full_upload(server_binary, model):
         assert samples['detlogp_model_bytes_received_total{from="peer"}'] == 0
 
 
+def test_delta_of_cuda_tensors_equals_the_host_delta(server_binary, model):
+    """CUDA tensors: the pusher forms the XOR on the GPU; what it sends and
+    what the replica publishes equal the numpy path's, bit for bit."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    second = step(model.weight_bits, 11)
+    third = step(second, 12)
+
+    def on_gpu(bits):
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).cuda()
+
+    with start(server_binary, model) as from_gpu, start(server_binary, model) as from_host:
+        with Pusher([from_gpu.target]) as pusher:
+            pusher.upload_model("default", on_gpu(second), model.bias)
+            gpu = pusher.upload_model("default", on_gpu(third), model.bias)
+            gpu_sent = pusher.last_sent[from_gpu.target]
+        with Pusher([from_host.target]) as pusher:
+            pusher.upload_model("default", second, model.bias)
+            host = pusher.upload_model("default", third, model.bias)
+            host_sent = pusher.last_sent[from_host.target]
+        assert gpu_sent[0] == host_sent[0] == "delta"
+        assert gpu_sent[1] <= 0.06 * LmHead(third, model.bias).nbytes
+        assert gpu.weights_sha256 == host.weights_sha256 == LmHead(third, model.bias).sha256()
+        assert bits_on(from_gpu, 3, model) == bits_on(from_host, 3, model)
+
+
 def test_missing_base_falls_back_to_the_head(server_binary, model, tmp_path):
     other = TestModel(tmp_path, hidden=64, vocab=1024, padded_vocab=1024, seed=99)
     with start(server_binary, model) as with_base, start(server_binary, other) as without:
