@@ -144,6 +144,9 @@ LogpClient::Replica::Replica(std::string target_in,
 
 absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     const Options& options) {
+  if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {
+    return usable;
+  }
   if (options.targets.empty() && options.target.empty()) {
     return absl::InvalidArgumentError("target: empty");
   }
@@ -572,6 +575,9 @@ RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
 
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
+  if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {
+    return usable;
+  }
   deadline = std::min(deadline, absl::Now() + options_.timeout);
   if (options_.system_shared_memory) {
     auto through_region =
@@ -597,6 +603,9 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& header, absl::string_view rows,
     absl::Time deadline) {
+  if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {
+    return usable;
+  }
   if (!header.hidden().data().empty() || header.hidden().has_shared_memory()) {
     return absl::InvalidArgumentError(
         "hidden: the rows are given beside the request, which must carry "
@@ -830,6 +839,9 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
     const DeviceRows& rows, const std::vector<int64_t>& targets,
     const LogProbOptions& options, std::string request_id,
     absl::Time deadline) {
+  if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {
+    return usable;
+  }
   deadline = std::min(deadline, absl::Now() + options_.timeout);
   // What the server cannot check: it never sees the pointer.
   const int64_t element_bytes = detlogp::v1::DTypeBytes(rows.dtype);

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/grpc_lifetime.h"
 #include "client/logp_client.h"
 #include "client/task_pool.h"
 #include "detlogp/v1/detlogp.pb.h"
@@ -330,6 +331,11 @@ int detlogp_client_score_async(DetlogpClient* client,
                                                              : "done: null"),
                 error, error_len);
   }
+  // The pool's threads are gone in a forked child: the call would never run.
+  if (absl::Status usable = detlogp::client::CheckGrpcUsableInThisProcess();
+      !usable.ok()) {
+    return Fail(usable, error, error_len);
+  }
   try {
     client->callers->Schedule([client, request, answer, done, user_data] {
       char message[4096] = {0};
@@ -355,6 +361,12 @@ void detlogp_client_shared_memory_refusal(DetlogpClient* client, char* text,
   }
 }
 
-void detlogp_client_destroy(DetlogpClient* client) { delete client; }
+void detlogp_client_destroy(DetlogpClient* client) {
+  // In a forked child the client's threads and connections are the
+  // parent's: joining or closing them would wait forever, so it is left to
+  // the process's exit.
+  if (!detlogp::client::CheckGrpcUsableInThisProcess().ok()) return;
+  delete client;
+}
 
 }  // extern "C"

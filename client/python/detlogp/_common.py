@@ -434,7 +434,13 @@ class ClientState:
             channel_args=tuple(channel_args),
             security=self._sync_channel_security,
         )
-        return engine.Engine(lib, settings), None
+        try:
+            return engine.Engine(lib, settings), None
+        except engine.EngineUnusable as why:
+            if options.native_transport == "on":
+                raise
+            log.info("calls larger than one request need the C++ engine: %s", why)
+            return None, str(why)
 
     # ------------------------------------------------------------ logprobs
     def _new_call(self, hidden, targets, fields, timing):

@@ -42,6 +42,7 @@ _LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_clie
 _ERROR_BYTES = 4096
 # No deadline: a year (the C++ client always sets one).
 _NO_DEADLINE_S = 365 * 86400.0
+_FAILED_PRECONDITION = 9  # grpc.StatusCode.FAILED_PRECONDITION
 # grpcio-tools' protoc carries a protobuf whose symbols the C++ client's
 # protobuf would bind to when loaded beside it (an abort, or a crash later).
 _CLASHING_MODULE = "grpc_tools._protoc_compiler"
@@ -225,10 +226,16 @@ class EngineSettings:
     security: dict = dataclasses.field(default_factory=dict)
 
 
+class EngineUnusable(RuntimeError):
+    """The library cannot make a client in this process (a child forked
+    from a process whose gRPC threads it had started)."""
+
+
 class Engine:
     """One C++ client, its connections and regions kept between calls.
     ValueError naming the field when the library refuses a setting (an
-    unknown channel argument, a bad target)."""
+    unknown channel argument, a bad target); EngineUnusable when it can make
+    no client here."""
 
     def __init__(self, lib, settings):
         self._lib = lib
@@ -262,6 +269,8 @@ class Engine:
         code = lib.detlogp_client_create(
             ctypes.byref(options), ctypes.byref(handle), error, _ERROR_BYTES
         )
+        if code == _FAILED_PRECONDITION:
+            raise EngineUnusable(f"the C++ engine: {error.value.decode(errors='replace')}")
         if code != 0:
             raise ValueError(f"the C++ engine: {error.value.decode(errors='replace')}")
         self._handle = handle
