@@ -411,17 +411,8 @@ class Client(ClientState):
         base_weights: the weights of base_version when this client did not
           push it (an LmHead, a checkpoint path, or (weight, bias)).
         """
-        # Keeps what it pushed last (a host copy) as the next delta's base.
-        if getattr(self, "_fleet_pusher", None) is None:
-            from detlogp.fleet import Pusher
-
-            self._fleet_pusher = Pusher(
-                self.targets,
-                timeout=self.admin_timeout or 600.0,
-                _channels=self._channels,
-                _metadata=self._admin_metadata,
-            )
-        return self._fleet_pusher.upload_model(
+        # The channels carry the scoring token; admin calls name their own.
+        return self._pusher(self._channels, self._admin_metadata).upload_model(
             name,
             weight,
             bias,
