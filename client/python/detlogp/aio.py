@@ -38,7 +38,8 @@ from detlogp.weights import DEFAULT_CHUNK_BYTES
 
 class AsyncClient(ClientState):
     """Round-robin over targets, deadlines and retries as in Client, and the
-    same model calls (admin_token, every-target uploads, NOT_FOUND moving
+    same model calls (admin_token, two-phase uploads through the same
+    detlogp.fleet.Pusher, NOT_FOUND moving
     on for pinned versions), and the same large calls (through the C++
     engine, awaited through its completion callback: no thread per call).
     Create it inside the event loop that uses it; close() frees the engine
