@@ -195,8 +195,9 @@ absl::Status LogpClient::RefreshReplicas() {
   for (size_t n = 0; n < names.size(); ++n) {
     TargetEntry& entry = entries_[names[n].first];
     if (!found[n].ok() || found[n]->empty()) {
-      const absl::Status why =
-          found[n].ok() ? absl::UnavailableError("no address") : found[n].status();
+      const absl::Status why = found[n].ok()
+                                   ? absl::UnavailableError("no address")
+                                   : found[n].status();
       spdlog::warn("{}: resolving failed; its {} replicas stay: {}",
                    entry.target, entry.replicas.size(), why.ToString());
       if (first_failure.ok()) {
@@ -207,9 +208,10 @@ absl::Status LogpClient::RefreshReplicas() {
     }
     ReplicaList kept;
     for (const std::string& address : *found[n]) {
-      auto same = std::find_if(
-          entry.replicas.begin(), entry.replicas.end(),
-          [&](const std::shared_ptr<Replica>& r) { return r->target == address; });
+      auto same = std::find_if(entry.replicas.begin(), entry.replicas.end(),
+                               [&](const std::shared_ptr<Replica>& r) {
+                                 return r->target == address;
+                               });
       kept.push_back(same != entry.replicas.end()
                          ? *same
                          : NewReplica(address, entry.dns->host));
@@ -308,10 +310,9 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
         "send_threads: ", options.send_threads, " is not positive"));
   }
   if (options.dns_refresh_interval < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("dns_refresh_interval: ",
-                     absl::FormatDuration(options.dns_refresh_interval),
-                     " is negative"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dns_refresh_interval: ",
+        absl::FormatDuration(options.dns_refresh_interval), " is negative"));
   }
   const std::vector<std::string> targets =
       options.targets.empty() ? std::vector<std::string>{options.target}
@@ -544,8 +545,8 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
 }
 
 absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
-    const detlogp::v1::LogProbRequest& request, bool by_reference,
-    bool spread, const ReplicaList& replicas) {
+    const detlogp::v1::LogProbRequest& request, bool by_reference, bool spread,
+    const ReplicaList& replicas) {
   const int64_t rows = request.target_ids_size();
   const int64_t row_bytes = RowBytes(request);
   if (!options_.split_large_calls || row_bytes == 0) return 0;
@@ -628,9 +629,10 @@ LogpClient::ReplicaList LogpClient::PlaceRegion(
       // A full bound (RESOURCE_EXHAUSTED) may take a region later.
       if (status.code() != absl::StatusCode::kResourceExhausted &&
           !((*replica).*kind.refuses).exchange(true)) {
-        spdlog::info("{} refused a shared-memory region; calls through "
-                     "regions go to the replicas that accept them: {}",
-                     replica->target, status.ToString());
+        spdlog::info(
+            "{} refused a shared-memory region; calls through "
+            "regions go to the replicas that accept them: {}",
+            replica->target, status.ToString());
       }
       *refusal = status;
     } else if (status.code() == absl::StatusCode::kUnavailable) {
@@ -748,9 +750,9 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
     RegionPool<SystemRegion>::Lease lease = **std::move(leased);
     bool missing = false;
     absl::Status place_refusal, failure;
-    ReplicaList holding = PlaceRegion(
-        lease.get()->places, SystemKind(*lease.get()), replicas,
-        /*can_register=*/false, &missing, &place_refusal, &failure);
+    ReplicaList holding =
+        PlaceRegion(lease.get()->places, SystemKind(*lease.get()), replicas,
+                    /*can_register=*/false, &missing, &place_refusal, &failure);
     if (missing || holding.empty()) {
       // A replica that may take it joined (or came back) after the region
       // was made: a new one is registered with every replica.
@@ -772,8 +774,8 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
     ref->set_region(lease.get()->name);
     ref->set_offset(0);
     ref->set_byte_size(bytes);
-    absl::StatusOr<ScoreResult> result = ScoreCut(
-        by_reference, {}, /*rows_beside=*/false, deadline, &holding);
+    absl::StatusOr<ScoreResult> result =
+        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline, &holding);
     if (!registered_again && IsRegionGone(result.status())) {
       // A server's copy is gone (it restarted): drop ours, register a new
       // one.
@@ -879,17 +881,17 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
     bool rows_beside, absl::Time deadline, const ReplicaList* only) {
   // A region the caller named is registered where its control calls go.
-  const ReplicaList replica_list =
-      only != nullptr ? *only
-      : request.hidden().has_shared_memory() ? ReplicaList{control_}
-                                             : Replicas();
+  const ReplicaList replica_list = only != nullptr ? *only
+                                   : request.hidden().has_shared_memory()
+                                       ? ReplicaList{control_}
+                                       : Replicas();
   if (replica_list.empty()) {
     absl::MutexLock lock(&replicas_mu_);
     next_resolve_ = absl::InfinitePast();  // asked again by the next call
-    return absl::UnavailableError(absl::StrCat(
-        "targets: no replica to send to (",
-        entries_.empty() ? std::string() : entries_.front().target,
-        " resolved to no address yet)"));
+    return absl::UnavailableError(
+        absl::StrCat("targets: no replica to send to (",
+                     entries_.empty() ? std::string() : entries_.front().target,
+                     " resolved to no address yet)"));
   }
   const bool shared = request.hidden().has_shared_memory();
   const int64_t rows = request.target_ids_size();
@@ -905,8 +907,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
       row_bytes > 0 && static_cast<int64_t>(rows_bytes.size()) == bytes;
   if (shared || !options_.split_large_calls || !fills_shape) connections = 1;
   const bool spread = connections > 1 && rows > 1;
-  auto rows_per_request =
-      RowsPerRequest(request, shared, spread, replica_list);
+  auto rows_per_request = RowsPerRequest(request, shared, spread, replica_list);
   if (!rows_per_request.ok()) return rows_per_request.status();
   int64_t rows_each = *rows_per_request > 0 ? *rows_per_request : rows;
   if (spread) {
@@ -953,8 +954,10 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     Replica& replica = *replica_list[r];
     AskLimitsInBackground(replica_list[r], request.model());
     kept[r] = TakeSpreadConnections(replica, per_replica - 1);
-    CallReplica call{&replica.window, &replica.health,
-                     {replica.channel},       replica.target,
+    CallReplica call{&replica.window,
+                     &replica.health,
+                     {replica.channel},
+                     replica.target,
                      &replica.retired};
     for (const auto& connection : kept[r]) {
       call.connections.push_back(connection->channel);
@@ -1225,9 +1228,9 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     // that joined since the region was made get it now.
     bool missing = false;
     absl::Status place_refusal, failure;
-    ReplicaList holding = PlaceRegion(
-        lease.get()->places, CudaKind(*lease.get()), replicas,
-        /*can_register=*/true, &missing, &place_refusal, &failure);
+    ReplicaList holding =
+        PlaceRegion(lease.get()->places, CudaKind(*lease.get()), replicas,
+                    /*can_register=*/true, &missing, &place_refusal, &failure);
     if (holding.empty()) return std::nullopt;  // none up holds it: the host
     // On the caller's stream, after whatever wrote the rows; done when the
     // request goes.
@@ -1243,8 +1246,8 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     ref->set_region(lease.get()->name);
     ref->set_offset(0);
     ref->set_byte_size(bytes);
-    absl::StatusOr<ScoreResult> result = ScoreCut(
-        by_reference, {}, /*rows_beside=*/false, deadline, &holding);
+    absl::StatusOr<ScoreResult> result =
+        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline, &holding);
     if (!registered_again && IsRegionGone(result.status())) {
       // A server closed its handle: free the memory, register anew.
       ReleaseCudaRegion(*lease.Take());

@@ -477,8 +477,7 @@ class LogpClient {
   // `only`: the replicas the request may go to (null: every replica).
   absl::StatusOr<ScoreResult> ScoreCut(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-      bool rows_beside, absl::Time deadline,
-      const ReplicaList* only = nullptr);
+      bool rows_beside, absl::Time deadline, const ReplicaList* only = nullptr);
   // A connection of its own for the requests of spread calls.
   struct RawConnection {
     explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);
@@ -514,8 +513,7 @@ class LogpClient {
     std::atomic<bool> refuses_cuda{false};
     absl::Mutex mu;
     // Spread connections kept between calls, not in use by one.
-    std::vector<std::unique_ptr<RawConnection>> idle_spread
-        ABSL_GUARDED_BY(mu);
+    std::vector<std::unique_ptr<RawConnection>> idle_spread ABSL_GUARDED_BY(mu);
     // The replica's ModelInfo once it answered, whether an ask is out, and
     // when a failed ask may be tried again.
     std::optional<detlogp::v1::ModelInfo> info ABSL_GUARDED_BY(mu);

@@ -58,8 +58,9 @@ absl::StatusOr<std::vector<std::string>> ResolveWithGetaddrinfo(
   addrinfo* found = nullptr;
   const int error = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
   if (error != 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "target: ", host, ":", port, " did not resolve: ", gai_strerror(error)));
+    return absl::UnavailableError(
+        absl::StrCat("target: ", host, ":", port,
+                     " did not resolve: ", gai_strerror(error)));
   }
   std::vector<std::string> targets;
   for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {

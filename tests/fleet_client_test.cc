@@ -339,9 +339,8 @@ TEST(FleetRegionsTest, RegionCallsSpreadAndSurviveAKilledReplica) {
   EXPECT_EQ(servers[0]->Stop(SIGKILL), 128 + SIGKILL);
   killed = true;
   for (auto& thread : threads) thread.join();
-  std::cout << calls.load() << " region calls, " << failed.load()
-            << " failed, " << wrong.load() << " with other bits, "
-            << replica_retries.load()
+  std::cout << calls.load() << " region calls, " << failed.load() << " failed, "
+            << wrong.load() << " with other bits, " << replica_retries.load()
             << " requests sent again to another replica\n";
   EXPECT_EQ(failed.load(), 0);
   EXPECT_EQ(wrong.load(), 0);

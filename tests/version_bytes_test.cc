@@ -68,7 +68,7 @@ class OpaqueModel final : public LogpModel {
 };
 
 VersionBytes::FileLoader NoFiles() {
-  return [] () -> absl::StatusOr<std::shared_ptr<const LmHeadWeights>> {
+  return []() -> absl::StatusOr<std::shared_ptr<const LmHeadWeights>> {
     return absl::NotFoundError("no files of it");
   };
 }

@@ -22,11 +22,12 @@ class CpuModel final : public LogpModel {
                            char* out) const override {
     const int64_t weight_bytes = static_cast<int64_t>(weights_->weight.size()) *
                                  static_cast<int64_t>(sizeof(uint16_t));
-    const int64_t total = weight_bytes + static_cast<int64_t>(
-                                             weights_->bias.size() * sizeof(float));
+    const int64_t total =
+        weight_bytes +
+        static_cast<int64_t>(weights_->bias.size() * sizeof(float));
     if (offset < 0 || size < 0 || offset + size > total) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "bytes [", offset, ", ", offset + size, ") of ", total));
+      return absl::OutOfRangeError(
+          absl::StrCat("bytes [", offset, ", ", offset + size, ") of ", total));
     }
     const char* weight = reinterpret_cast<const char*>(weights_->weight.data());
     const char* bias = reinterpret_cast<const char*>(weights_->bias.data());
@@ -34,7 +35,8 @@ class CpuModel final : public LogpModel {
         std::max<int64_t>(0, std::min(offset + size, weight_bytes) - offset);
     if (from_weight > 0) std::memcpy(out, weight + offset, from_weight);
     if (size > from_weight) {
-      std::memcpy(out + from_weight, bias + (offset + from_weight - weight_bytes),
+      std::memcpy(out + from_weight,
+                  bias + (offset + from_weight - weight_bytes),
                   size - from_weight);
     }
     return absl::OkStatus();

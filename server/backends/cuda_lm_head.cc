@@ -95,10 +95,10 @@ absl::Status CudaModel::ReadWeights(int64_t offset, int64_t size,
     }
     covered = next;
   }
-  const int64_t row_bytes = hidden_size() * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t row_bytes =
+      hidden_size() * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t weight_bytes = padded_vocab_size_ * row_bytes;
-  const int64_t total =
-      weight_bytes + (has_bias_ ? padded_vocab_size_ * 4 : 0);
+  const int64_t total = weight_bytes + (has_bias_ ? padded_vocab_size_ * 4 : 0);
   if (offset < 0 || size < 0 || offset + size > total) {
     return absl::OutOfRangeError(
         absl::StrCat("bytes [", offset, ", ", offset + size, ") of ", total));

@@ -12,14 +12,13 @@ namespace detlogp::server {
 absl::StatusOr<std::unique_ptr<VersionBytes>> VersionBytes::Open(
     const ServedVersion& version, const FileLoader& load_files) {
   std::unique_ptr<VersionBytes> bytes(new VersionBytes());
-  bytes->weight_bytes_ =
-      version.padded_vocab_size * version.hidden_size *
-      static_cast<int64_t>(sizeof(uint16_t));
+  bytes->weight_bytes_ = version.padded_vocab_size * version.hidden_size *
+                         static_cast<int64_t>(sizeof(uint16_t));
   bytes->total_bytes_ =
       bytes->weight_bytes_ +
-      (version.has_bias ? version.padded_vocab_size *
-                              static_cast<int64_t>(sizeof(float))
-                        : 0);
+      (version.has_bias
+           ? version.padded_vocab_size * static_cast<int64_t>(sizeof(float))
+           : 0);
   if (auto held = version.host_weights.lock(); held != nullptr) {
     bytes->host_ = std::move(held);
     bytes->source_ = "host copy";
@@ -49,14 +48,14 @@ absl::StatusOr<std::unique_ptr<VersionBytes>> VersionBytes::Open(
       absl::StrCat("version ", version.version, " of '", version.model,
                    "' cannot be read here: no host copy, the placed model "
                    "does not read back (",
-                   placed_refusal.message(), "), and no files under "
+                   placed_refusal.message(),
+                   "), and no files under "
                    "--model_root (",
                    files_refusal.message(), ")"),
       v1::kReasonVersionUnavailable);
 }
 
-absl::Status VersionBytes::Read(int64_t offset, int64_t size,
-                                char* out) const {
+absl::Status VersionBytes::Read(int64_t offset, int64_t size, char* out) const {
   if (offset < 0 || size < 0 || offset + size > total_bytes_) {
     return absl::OutOfRangeError(absl::StrCat(
         "bytes [", offset, ", ", offset + size, ") of ", total_bytes_));

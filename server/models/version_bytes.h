@@ -27,8 +27,8 @@ namespace detlogp::server {
 class VersionBytes {
  public:
   // The version's weights from its files (empty: none).
-  using FileLoader = std::function<
-      absl::StatusOr<std::shared_ptr<const LmHeadWeights>>()>;
+  using FileLoader =
+      std::function<absl::StatusOr<std::shared_ptr<const LmHeadWeights>>()>;
 
   // Where `version`'s bytes will be read from (it keeps what it reads
   // alive); FAILED_PRECONDITION naming model_version (reason
