@@ -36,10 +36,13 @@ using v1::LogProbRequest;
 constexpr int64_t kHidden = 256;
 constexpr int64_t kVocab = 4096;
 
-std::unique_ptr<ServerProcess> StartReplica() {
-  auto server = ServerProcess::Start(
-      {"--device=cpu", absl::StrCat("--synthetic_hidden_size=", kHidden),
-       absl::StrCat("--synthetic_vocab_size=", kVocab), "--metrics_port=0"});
+std::unique_ptr<ServerProcess> StartReplica(
+    std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {
+      "--device=cpu", absl::StrCat("--synthetic_hidden_size=", kHidden),
+      absl::StrCat("--synthetic_vocab_size=", kVocab), "--metrics_port=0"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto server = ServerProcess::Start(args);
   EXPECT_TRUE(server.ok()) << server.status();
   return server.ok() ? *std::move(server) : nullptr;
 }
@@ -347,6 +350,37 @@ TEST(FleetRegionsTest, RegionCallsSpreadAndSurviveAKilledReplica) {
   EXPECT_EQ(not_shm.load(), 0);
   EXPECT_GT(replica_retries.load(), 0);
   for (int r = 1; r < 3; ++r) EXPECT_EQ(servers[r]->Stop(SIGTERM), 0);
+}
+
+// A replica that refuses regions (as one on another host does) keeps
+// getting calls whose rows travel in messages; calls through regions go to
+// the replicas that accepted them, and regions stay on for the client.
+TEST(FleetRegionsTest, ARefusingReplicaGetsNoRegionCallsAndTheOthersDo) {
+  auto refusing = StartReplica({"--allow_shared_memory=false"});
+  auto accepting = StartReplica();
+  ASSERT_TRUE(refusing != nullptr && accepting != nullptr);
+  LogpClient::Options options;
+  options.targets = {refusing->target(), accepting->target()};
+  options.system_shared_memory = true;
+  options.max_request_rows = 64;
+  auto client = *LogpClient::Create(options);
+  const LogProbRequest large = Request(2048, 31);
+  const ScoreResult alone = Alone(*accepting, large);
+  const double refusing_before = RowsComputed(*refusing);
+  const double accepting_before = RowsComputed(*accepting);
+  for (int i = 0; i < 3; ++i) {
+    auto answer = client->Score(large);
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(answer->path, "system_shm");
+    EXPECT_TRUE(answer->path_refused.empty());
+    EXPECT_EQ(answer->replicas_answering, 1);
+    EXPECT_TRUE(SameBits(*answer, alone));
+  }
+  EXPECT_EQ(RowsComputed(*refusing), refusing_before);
+  EXPECT_EQ(RowsComputed(*accepting), accepting_before + 3 * 2048);
+  EXPECT_TRUE(client->shared_memory_refusal().empty());
+  EXPECT_EQ(refusing->Stop(SIGTERM), 0);
+  EXPECT_EQ(accepting->Stop(SIGTERM), 0);
 }
 
 }  // namespace
