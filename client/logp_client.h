@@ -32,8 +32,9 @@
 //
 // Same host: with Options::system_shared_memory, Score copies the hidden
 // rows into a POSIX shared-memory region the client owns (one for each call
-// made at once, registered once, grown when a call needs more) and sends a
-// reference instead of the bytes.
+// made at once, registered once with every replica that accepts it, grown
+// when a call needs more) and sends a reference instead of the bytes; the
+// requests spread over those replicas and fail over between them.
 // The server answers with the same bits.
 //
 // Rows already on a GPU: Score(DeviceRows) reads them where they are. With
