@@ -234,7 +234,12 @@ class CallRun {
 
   // Whether replica `r` may still answer part `i` in this call.
   bool MayTry(size_t i, size_t r) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return !state_[i].failed_on[r] && !lacks_version_[r];
+    return !state_[i].failed_on[r] && !lacks_version_[r] && !Retired(r);
+  }
+
+  bool Retired(size_t r) const {
+    return replicas_[r].retired != nullptr &&
+           replicas_[r].retired->load(std::memory_order_relaxed);
   }
 
   // How full a replica's window is; the least full takes the next request.

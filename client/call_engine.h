@@ -17,6 +17,8 @@
 //   call's deadline; a whole call is never sent again, and no request is
 //   outstanding twice. A call its deadline stops fails with
 //   DEADLINE_EXCEEDED saying how many rows were answered.
+// - Draining: a replica that leaves the client's set mid-call (its address
+//   left DNS) takes no new request of the call; those it holds finish.
 // - One version: the first answer fixes the model version and every request
 //   not yet sent is pinned to it; an answer of another version (one
 //   published meanwhile) is asked again, pinned. A replica that lacks the
@@ -33,6 +35,7 @@
 #ifndef DETLOGP_CLIENT_CALL_ENGINE_H_
 #define DETLOGP_CLIENT_CALL_ENGINE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -124,6 +127,10 @@ struct CallReplica {
   std::vector<std::shared_ptr<grpc::Channel>> connections;
   // Names the replica in errors (its target).
   std::string name;
+  // Set while the call runs when the replica leaves the client's set (its
+  // address left DNS): it takes none of the call's requests from then on,
+  // and those it holds finish there (null: never leaves).
+  const std::atomic<bool>* retired = nullptr;
 };
 
 // One request of a call: `header` with `rows` as its hidden bytes, written

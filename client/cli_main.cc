@@ -45,7 +45,9 @@
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "Server address; dns:///name:port: every address the name "
+          "resolves to is a replica (score's requests spread over them).");
 ABSL_FLAG(int, timeout_s, 60, "Per-call deadline, seconds.");
 ABSL_FLAG(std::string, token_file, "",
           "File whose first line is the bearer token to send.");

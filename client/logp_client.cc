@@ -86,9 +86,11 @@ detlogp::v1::LogProbRequest MakeLogProbRequest(
 namespace {
 
 // MakeChannel's channel; `idle_timeout` > 0 closes its connection after that
-// long unused.
+// long unused; `tls_name`: the name the server's certificate must carry
+// (empty: the target's).
 std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
-    const LogpClient::Options& options, absl::Duration idle_timeout) {
+    const LogpClient::Options& options, absl::Duration idle_timeout,
+    const std::string& tls_name = "") {
   KeepGrpcInitialized();
   grpc::ChannelArguments args;
   if (idle_timeout > absl::ZeroDuration()) {
@@ -101,6 +103,11 @@ std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
   if (options.own_connection)
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::string policy = options.load_balancing_policy;
+  // An address a "dns:" name resolved to is checked against the name's
+  // certificate.
+  if (!options.tls_root_certs.empty() && !tls_name.empty()) {
+    args.SetSslTargetNameOverride(tls_name);
+  }
   // A dns: target names every replica behind a headless Service; gRPC's
   // pick_first would send every call to the first.
   if (policy.empty() && absl::StartsWith(options.target, "dns:")) {
@@ -132,15 +139,123 @@ LogpClient::LogpClient(const Options& options)
     : options_(options),
       system_regions_(options.system_shared_memory_regions) {}
 
-LogpClient::Replica::Replica(std::string target_in,
+LogpClient::Replica::Replica(uint64_t id_in, std::string target_in,
+                             std::string tls_name_in,
                              std::shared_ptr<grpc::Channel> channel_in,
                              int64_t assumed_queue_rows,
-                             const ReplicaHealth::Options& health_options)
-    : target(std::move(target_in)),
+                             const ReplicaHealth::Options& health_options,
+                             std::function<void(grpc::ClientContext*)> prepare)
+    : id(id_in),
+      target(std::move(target_in)),
+      tls_name(std::move(tls_name_in)),
       channel(std::move(channel_in)),
       stub(detlogp::v1::LogProbService::NewStub(channel)),
+      regions(channel, std::move(prepare)),
       window(assumed_queue_rows),
       health(health_options) {}
+
+absl::Time LogpClient::Now() const {
+  return options_.clock ? options_.clock() : absl::Now();
+}
+
+std::shared_ptr<LogpClient::Replica> LogpClient::NewReplica(
+    const std::string& target, const std::string& tls_name) {
+  Options one = options_;
+  one.target = target;
+  ReplicaHealth::Options health;
+  health.first_backoff = options_.replica_first_backoff;
+  health.max_backoff = options_.replica_max_backoff;
+  return std::make_shared<Replica>(
+      next_replica_id_++, target, tls_name,
+      MakeChannelIdleAfter(one, absl::ZeroDuration(), tls_name),
+      options_.assumed_queue_rows, health,
+      [this](grpc::ClientContext* context) { PrepareContext(context); });
+}
+
+absl::Status LogpClient::RefreshReplicas() {
+  absl::MutexLock resolving(&resolve_mu_);
+  std::vector<std::pair<size_t, DnsName>> names;
+  {
+    absl::MutexLock lock(&replicas_mu_);
+    for (size_t e = 0; e < entries_.size(); ++e) {
+      if (entries_[e].dns.has_value()) names.emplace_back(e, *entries_[e].dns);
+    }
+    next_resolve_ = Now() + options_.dns_refresh_interval;
+  }
+  if (names.empty()) return absl::OkStatus();
+  const TargetResolver& resolve =
+      options_.resolver ? options_.resolver : ResolveWithGetaddrinfo;
+  // Resolved outside the lock: calls go on with the replicas they find.
+  std::vector<absl::StatusOr<std::vector<std::string>>> found;
+  for (const auto& [entry, name] : names) {
+    found.push_back(resolve(name.host, name.port));
+  }
+  absl::Status first_failure;
+  absl::MutexLock lock(&replicas_mu_);
+  for (size_t n = 0; n < names.size(); ++n) {
+    TargetEntry& entry = entries_[names[n].first];
+    if (!found[n].ok() || found[n]->empty()) {
+      const absl::Status why = found[n].ok()
+                                   ? absl::UnavailableError("no address")
+                                   : found[n].status();
+      spdlog::warn("{}: resolving failed; its {} replicas stay: {}",
+                   entry.target, entry.replicas.size(), why.ToString());
+      if (first_failure.ok()) {
+        first_failure = absl::Status(
+            why.code(), absl::StrCat(entry.target, ": ", why.message()));
+      }
+      continue;
+    }
+    ReplicaList kept;
+    for (const std::string& address : *found[n]) {
+      auto same = std::find_if(entry.replicas.begin(), entry.replicas.end(),
+                               [&](const std::shared_ptr<Replica>& r) {
+                                 return r->target == address;
+                               });
+      kept.push_back(same != entry.replicas.end()
+                         ? *same
+                         : NewReplica(address, entry.dns->host));
+    }
+    for (const std::shared_ptr<Replica>& old : entry.replicas) {
+      if (std::find(kept.begin(), kept.end(), old) == kept.end()) {
+        // Drains: calls under way send it nothing new, and it is freed when
+        // the last of them ends.
+        old->retired = true;
+      }
+    }
+    entry.replicas = std::move(kept);
+  }
+  replicas_.clear();
+  for (const TargetEntry& entry : entries_) {
+    replicas_.insert(replicas_.end(), entry.replicas.begin(),
+                     entry.replicas.end());
+  }
+  return first_failure;
+}
+
+LogpClient::ReplicaList LogpClient::Replicas() {
+  bool due;
+  {
+    absl::MutexLock lock(&replicas_mu_);
+    due = Now() >= next_resolve_;
+    if (!due) return replicas_;
+  }
+  // One caller resolves; the others go on with the replicas they find.
+  if (resolve_mu_.TryLock()) {
+    resolve_mu_.Unlock();
+    RefreshReplicas().IgnoreError();
+  }
+  absl::MutexLock lock(&replicas_mu_);
+  return replicas_;
+}
+
+std::vector<std::string> LogpClient::replica_targets() {
+  std::vector<std::string> targets;
+  for (const std::shared_ptr<Replica>& replica : Replicas()) {
+    targets.push_back(replica->target);
+  }
+  return targets;
+}
 
 absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     const Options& options) {
@@ -197,24 +312,53 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "send_threads: ", options.send_threads, " is not positive"));
   }
-  std::unique_ptr<LogpClient> client(new LogpClient(options));
+  if (options.dns_refresh_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dns_refresh_interval: ",
+        absl::FormatDuration(options.dns_refresh_interval), " is negative"));
+  }
   const std::vector<std::string> targets =
       options.targets.empty() ? std::vector<std::string>{options.target}
                               : options.targets;
-  ReplicaHealth::Options health;
-  health.first_backoff = options.replica_first_backoff;
-  health.max_backoff = options.replica_max_backoff;
-  for (const std::string& target : targets) {
-    Options one = options;
-    one.target = target;
-    client->replicas_.push_back(std::make_shared<Replica>(
-        target, MakeChannel(one), options.assumed_queue_rows, health));
+  std::vector<TargetEntry> entries;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    auto dns = ParseDnsTarget(targets[i]);
+    if (!dns.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          options.targets.empty() ? "target" : absl::StrCat("targets[", i, "]"),
+          dns.status().message().substr(std::string("target").size())));
+    }
+    entries.push_back(TargetEntry{targets[i], *dns, {}});
   }
+  std::unique_ptr<LogpClient> client(new LogpClient(options));
+  bool any_dns = false;
   {
-    absl::MutexLock lock(&client->spread_mu_);
-    client->idle_spread_.resize(targets.size());
+    absl::MutexLock lock(&client->replicas_mu_);
+    for (TargetEntry& entry : entries) {
+      if (entry.dns.has_value()) {
+        any_dns = true;
+      } else {
+        entry.replicas.push_back(client->NewReplica(entry.target, ""));
+        client->replicas_.push_back(entry.replicas.back());
+      }
+    }
+    client->entries_ = std::move(entries);
+    // The first target's control calls: on its replica, or on a channel to
+    // the "dns:" name.
+    const TargetEntry& first = client->entries_.front();
+    client->control_ = first.dns.has_value()
+                           ? client->NewReplica(first.target, "")
+                           : first.replicas.front();
   }
-  client->channel_ = client->replicas_.front()->channel;
+  if (any_dns) {
+    // A name that does not resolve yet (pods not ready) is asked again by
+    // the first call.
+    if (absl::Status s = client->RefreshReplicas(); !s.ok()) {
+      absl::MutexLock lock(&client->replicas_mu_);
+      client->next_resolve_ = absl::InfinitePast();
+    }
+  }
+  client->channel_ = client->control_->channel;
   client->stub_ = detlogp::v1::LogProbService::NewStub(client->channel_);
   client->projection_stub_ =
       detlogp::v1::ProjectionService::NewStub(client->channel_);
@@ -253,7 +397,7 @@ absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
     absl::MutexLock limits_lock(&limits_mu_);
     if (!limits_.has_value()) limits_ = info;
   }
-  Replica& first = *replicas_.front();
+  Replica& first = *control_;
   absl::MutexLock lock(&first.mu);
   if (!first.info.has_value()) {
     first.window.SetCapacity(info.max_queue_rows());
@@ -404,8 +548,8 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
 }
 
 absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
-    const detlogp::v1::LogProbRequest& request, bool by_reference,
-    bool spread) {
+    const detlogp::v1::LogProbRequest& request, bool by_reference, bool spread,
+    const ReplicaList& replicas) {
   const int64_t rows = request.target_ids_size();
   const int64_t row_bytes = RowBytes(request);
   if (!options_.split_large_calls || row_bytes == 0) return 0;
@@ -419,7 +563,7 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
     absl::MutexLock lock(&limits_mu_);
     if (!limits_.has_value()) {
       // The first replica that answers (their limits are alike).
-      for (const std::shared_ptr<Replica>& replica : replicas_) {
+      for (const std::shared_ptr<Replica>& replica : replicas) {
         if (!replica->health.Usable(absl::Now())) continue;
         grpc::ClientContext context;
         PrepareContext(&context);
@@ -452,28 +596,113 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
   return std::max<int64_t>(1, std::min(max_rows, rows_by_bytes));
 }
 
+LogpClient::ReplicaList LogpClient::PlaceRegion(
+    RegionPlaces& places, const RegionKind& kind, const ReplicaList& replicas,
+    bool can_register, bool* missing, absl::Status* refusal,
+    absl::Status* failure) {
+  ReplicaList holding;
+  *missing = false;
+  const absl::Time now = absl::Now();
+  for (const std::shared_ptr<Replica>& replica : replicas) {
+    if (places.registered.count(replica->id) != 0) {
+      holding.push_back(replica);
+      continue;
+    }
+    if (places.refused.count(replica->id) != 0) continue;
+    if ((*replica).*kind.refuses) {
+      places.refused.insert(replica->id);
+      *refusal = absl::FailedPreconditionError(absl::StrCat(
+          replica->target, " refused a region of this kind before"));
+      continue;
+    }
+    if (!replica->health.Usable(now)) continue;  // asked once it is back
+    if (!can_register) {
+      *missing = true;
+      continue;
+    }
+    const absl::Status status = kind.register_on(replica->regions);
+    if (status.ok()) {
+      replica->health.Answered();
+      places.registered.emplace(replica->id, replica);
+      holding.push_back(replica);
+    } else if (kind.is_refusal(status.code())) {
+      // Another host (or the server's bound): its requests carry bytes.
+      replica->health.Answered();
+      places.refused.insert(replica->id);
+      // A full bound (RESOURCE_EXHAUSTED) may take a region later.
+      if (status.code() != absl::StatusCode::kResourceExhausted &&
+          !((*replica).*kind.refuses).exchange(true)) {
+        spdlog::info(
+            "{} refused a shared-memory region; calls through "
+            "regions go to the replicas that accept them: {}",
+            replica->target, status.ToString());
+      }
+      *refusal = status;
+    } else if (status.code() == absl::StatusCode::kUnavailable) {
+      replica->health.Failed(now);  // asked again once it is back
+    } else {
+      *failure = status;
+    }
+  }
+  return holding;
+}
+
+void LogpClient::UnplaceRegion(const RegionPlaces& places,
+                               const RegionKind& kind) {
+  // Best effort: a server releases an idle region by itself.
+  for (const auto& [id, weak] : places.registered) {
+    std::shared_ptr<Replica> replica = weak.lock();
+    if (replica == nullptr || replica->retired || !replica->health.up()) {
+      continue;
+    }
+    kind.unregister_on(replica->regions);
+  }
+}
+
+LogpClient::RegionKind LogpClient::SystemKind(const SystemRegion& region) {
+  RegionKind kind;
+  const std::string name = region.name;
+  const std::string key = region.memory->key();
+  const int64_t size = region.memory->bytes();
+  kind.register_on = [name, key, size](RegionApi& api) {
+    return api.RegisterSystem(name, key, 0, size);
+  };
+  kind.unregister_on = [name](RegionApi& api) {
+    api.UnregisterSystem(name, kReleaseTimeout).IgnoreError();
+  };
+  kind.refuses = &Replica::refuses_system;
+  kind.is_refusal = IsRefusal;
+  return kind;
+}
+
 absl::StatusOr<std::unique_ptr<LogpClient::SystemRegion>>
-LogpClient::MakeSystemRegion(int64_t bytes) {
+LogpClient::MakeSystemRegion(int64_t bytes, const ReplicaList& replicas) {
   const int64_t size = RegionBytesFor(bytes);
   auto memory = SystemSharedMemory::Create(size);
   if (!memory.ok()) return memory.status();
-  const std::string name = UniqueRegionName("");
-  if (absl::Status s = RegisterSystemRegion(name, (*memory)->key(), 0, size);
-      !s.ok()) {
-    return s;
-  }
-  // The server holds its own mapping: the name is no longer needed, and a
-  // client killed now leaves nothing in /dev/shm.
-  (*memory)->Unlink();
   auto region = std::make_unique<SystemRegion>();
   region->memory = *std::move(memory);
-  region->name = name;
+  region->name = UniqueRegionName("");
+  bool missing = false;
+  absl::Status refusal, failure;
+  const ReplicaList holding =
+      PlaceRegion(region->places, SystemKind(*region), replicas,
+                  /*can_register=*/true, &missing, &refusal, &failure);
+  if (holding.empty()) {
+    if (!failure.ok()) return failure;
+    if (!refusal.ok()) return refusal;
+    return absl::UnavailableError(
+        "system_shared_memory: no replica answered the region's "
+        "registration");
+  }
+  // The servers hold their own mappings: the name is no longer needed, and
+  // a client killed now leaves nothing in /dev/shm.
+  region->memory->Unlink();
   return region;
 }
 
 void LogpClient::ReleaseSystemRegion(const SystemRegion& region) {
-  // Best effort: the server releases an idle region by itself.
-  regions_api_->UnregisterSystem(region.name, kReleaseTimeout).IgnoreError();
+  UnplaceRegion(region.places, SystemKind(region));
 }
 
 int LogpClient::ReleaseIdleSystemRegions() {
@@ -489,8 +718,11 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
     return std::nullopt;
   }
   const int64_t bytes = static_cast<int64_t>(data.size());
+  const ReplicaList replicas = Replicas();
   RegionMaker<SystemRegion> maker;
-  maker.make = [this](int64_t size) { return MakeSystemRegion(size); };
+  maker.make = [this, &replicas](int64_t size) {
+    return MakeSystemRegion(size, replicas);
+  };
   maker.release = [this](const SystemRegion& region) {
     ReleaseSystemRegion(region);
   };
@@ -508,7 +740,7 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
                               "system_shared_memory", &refusal);
     if (!leased.ok()) return leased.status();
     if (!leased->has_value()) {
-      // The refusal turns system regions off for the client.
+      // Every replica refused: regions are off for the client.
       const std::string why = refusal.ToString();
       spdlog::warn(
           "system shared-memory region refused at registration; rows go "
@@ -519,6 +751,25 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
       return std::nullopt;
     }
     RegionPool<SystemRegion>::Lease lease = **std::move(leased);
+    bool missing = false;
+    absl::Status place_refusal, failure;
+    ReplicaList holding =
+        PlaceRegion(lease.get()->places, SystemKind(*lease.get()), replicas,
+                    /*can_register=*/false, &missing, &place_refusal, &failure);
+    if (missing || holding.empty()) {
+      // A replica that may take it joined (or came back) after the region
+      // was made: a new one is registered with every replica.
+      ReleaseSystemRegion(*lease.Take());
+      auto made = MakeSystemRegion(bytes, replicas);
+      if (!made.ok()) {
+        if (IsRefusal(made.status().code())) return std::nullopt;
+        return made.status();
+      }
+      lease.Set(*std::move(made));
+      holding = PlaceRegion(lease.get()->places, SystemKind(*lease.get()),
+                            replicas, /*can_register=*/false, &missing,
+                            &place_refusal, &failure);
+    }
     std::memcpy(lease.get()->memory->data(), data.data(), data.size());
     detlogp::v1::LogProbRequest by_reference = WithoutHiddenBytes(request);
     detlogp::v1::SharedMemoryRef* ref =
@@ -527,10 +778,11 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
     ref->set_offset(0);
     ref->set_byte_size(bytes);
     absl::StatusOr<ScoreResult> result =
-        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline);
+        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline, &holding);
     if (!registered_again && IsRegionGone(result.status())) {
-      // The server's copy is gone: drop ours, register a new one.
-      lease.Take();
+      // A server's copy is gone (it restarted): drop ours, register a new
+      // one.
+      ReleaseSystemRegion(*lease.Take());
       registered_again = true;
       continue;
     }
@@ -636,7 +888,20 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-    bool rows_beside, absl::Time deadline) {
+    bool rows_beside, absl::Time deadline, const ReplicaList* only) {
+  // A region the caller named is registered where its control calls go.
+  const ReplicaList replica_list = only != nullptr ? *only
+                                   : request.hidden().has_shared_memory()
+                                       ? ReplicaList{control_}
+                                       : Replicas();
+  if (replica_list.empty()) {
+    absl::MutexLock lock(&replicas_mu_);
+    next_resolve_ = absl::InfinitePast();  // asked again by the next call
+    return absl::UnavailableError(
+        absl::StrCat("targets: no replica to send to (",
+                     entries_.empty() ? std::string() : entries_.front().target,
+                     " resolved to no address yet)"));
+  }
   const bool shared = request.hidden().has_shared_memory();
   const int64_t rows = request.target_ids_size();
   const int64_t row_bytes = RowBytes(request);
@@ -651,7 +916,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
       row_bytes > 0 && static_cast<int64_t>(rows_bytes.size()) == bytes;
   if (shared || !options_.split_large_calls || !fills_shape) connections = 1;
   const bool spread = connections > 1 && rows > 1;
-  auto rows_per_request = RowsPerRequest(request, shared, spread);
+  auto rows_per_request = RowsPerRequest(request, shared, spread, replica_list);
   if (!rows_per_request.ok()) return rows_per_request.status();
   int64_t rows_each = *rows_per_request > 0 ? *rows_per_request : rows;
   if (spread) {
@@ -687,20 +952,22 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   }
   const int used = static_cast<int>(
       std::min<size_t>(std::max(connections, 1), parts.size()));
-  // Rows in the client's regions (registered with the first replica) go
-  // there; rows in the messages go to every replica, each on its own
-  // connection and kept ones beside it, the call's connections shared out.
-  const size_t replicas = shared ? 1 : replicas_.size();
+  // Every replica of the list takes requests, each on its own connection
+  // and kept ones beside it, the call's connections shared out.
+  const size_t replicas = replica_list.size();
   const int per_replica = std::max<int>(
       1, (used + static_cast<int>(replicas) - 1) / static_cast<int>(replicas));
   std::vector<std::vector<std::unique_ptr<RawConnection>>> kept(replicas);
   std::vector<CallReplica> call_replicas;
   for (size_t r = 0; r < replicas; ++r) {
-    Replica& replica = *replicas_[r];
-    AskLimitsInBackground(replicas_[r], request.model());
-    kept[r] = TakeSpreadConnections(r, per_replica - 1);
-    CallReplica call{
-        &replica.window, &replica.health, {replica.channel}, replica.target};
+    Replica& replica = *replica_list[r];
+    AskLimitsInBackground(replica_list[r], request.model());
+    kept[r] = TakeSpreadConnections(replica, per_replica - 1);
+    CallReplica call{&replica.window,
+                     &replica.health,
+                     {replica.channel},
+                     replica.target,
+                     &replica.retired};
     for (const auto& connection : kept[r]) {
       call.connections.push_back(connection->channel);
     }
@@ -720,13 +987,21 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   int connections_used = 0;
   for (size_t r = 0; r < replicas; ++r) {
     connections_used += static_cast<int>(kept[r].size()) + 1;
-    GiveBackSpreadConnections(r, std::move(kept[r]));
+    GiveBackSpreadConnections(*replica_list[r], std::move(kept[r]));
+  }
+  if (stats.replica_retries > 0) {
+    // A replica failed: its name may have moved (a pod rescheduled).
+    absl::MutexLock lock(&replicas_mu_);
+    next_resolve_ = std::min(next_resolve_, Now());
   }
   if (!answers.ok()) return answers.status();
   ScoreResult joined = JoinScoreResults(*std::move(answers));
   joined.connections = connections_used;
   joined.queue_full_retries = stats.queue_full_retries;
   joined.replica_retries = stats.replica_retries;
+  joined.replicas_answering = static_cast<int>(
+      std::count_if(stats.answered_by.begin(), stats.answered_by.end(),
+                    [](int64_t answered) { return answered > 0; }));
   return joined;
 }
 
@@ -930,9 +1205,10 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
   const int64_t bytes = rows.rows * rows.hidden_size *
                         detlogp::v1::DTypeBytes(detlogp::v1::DTYPE_BFLOAT16);
   RegionPool<CudaRegion>& pool = CudaPool(rows.device);
+  const ReplicaList replicas = Replicas();
   RegionMaker<CudaRegion> maker;
-  maker.make = [this, &cuda, device = rows.device](int64_t size) {
-    return MakeCudaRegion(cuda, device, size);
+  maker.make = [this, &cuda, &replicas, device = rows.device](int64_t size) {
+    return MakeCudaRegion(cuda, device, size, replicas);
   };
   maker.release = [this](const CudaRegion& region) {
     ReleaseCudaRegion(region);
@@ -960,6 +1236,14 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
       return std::nullopt;
     }
     RegionPool<CudaRegion>::Lease lease = **std::move(leased);
+    // An IPC handle opens anywhere on this host, at any time: replicas
+    // that joined since the region was made get it now.
+    bool missing = false;
+    absl::Status place_refusal, failure;
+    ReplicaList holding =
+        PlaceRegion(lease.get()->places, CudaKind(*lease.get()), replicas,
+                    /*can_register=*/true, &missing, &place_refusal, &failure);
+    if (holding.empty()) return std::nullopt;  // none up holds it: the host
     // On the caller's stream, after whatever wrote the rows; done when the
     // request goes.
     if (absl::Status s =
@@ -975,10 +1259,10 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
     ref->set_offset(0);
     ref->set_byte_size(bytes);
     absl::StatusOr<ScoreResult> result =
-        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline);
+        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline, &holding);
     if (!registered_again && IsRegionGone(result.status())) {
-      // The server closed its handle: free the memory, register anew.
-      lease.Take();
+      // A server closed its handle: free the memory, register anew.
+      ReleaseCudaRegion(*lease.Take());
       registered_again = true;
       continue;
     }
@@ -989,8 +1273,26 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughCudaRegion(
   }
 }
 
+LogpClient::RegionKind LogpClient::CudaKind(const CudaRegion& region) {
+  RegionKind kind;
+  const std::string name = region.name;
+  const std::string handle = region.handle;
+  const int device = region.device;
+  const int64_t size = region.memory->bytes();
+  kind.register_on = [name, handle, device, size](RegionApi& api) {
+    return api.RegisterCuda(name, handle, device, size);
+  };
+  kind.unregister_on = [name](RegionApi& api) {
+    api.UnregisterCuda(name, kReleaseTimeout).IgnoreError();
+  };
+  kind.refuses = &Replica::refuses_cuda;
+  kind.is_refusal = IsCudaRefusal;
+  return kind;
+}
+
 absl::StatusOr<std::unique_ptr<LogpClient::CudaRegion>>
-LogpClient::MakeCudaRegion(const CudaRuntime& cuda, int device, int64_t bytes) {
+LogpClient::MakeCudaRegion(const CudaRuntime& cuda, int device, int64_t bytes,
+                           const ReplicaList& replicas) {
   const int64_t size = RegionBytesFor(bytes);
   // The region's base is the allocation's, so its IPC handle names it from
   // byte 0.
@@ -998,50 +1300,60 @@ LogpClient::MakeCudaRegion(const CudaRuntime& cuda, int device, int64_t bytes) {
   if (!memory.ok()) return memory.status();
   auto handle = cuda.IpcMemHandle(device, (*memory)->data());
   if (!handle.ok()) return handle.status();
-  const std::string name = UniqueRegionName(absl::StrCat("cuda", device, "_"));
-  if (absl::Status s = RegisterCudaRegion(name, *handle, device, size);
-      !s.ok()) {
-    return s;
-  }
   auto region = std::make_unique<CudaRegion>();
   region->memory = *std::move(memory);
-  region->name = name;
+  region->name = UniqueRegionName(absl::StrCat("cuda", device, "_"));
+  region->handle = *std::move(handle);
+  region->device = device;
+  bool missing = false;
+  absl::Status refusal, failure;
+  const ReplicaList holding =
+      PlaceRegion(region->places, CudaKind(*region), replicas,
+                  /*can_register=*/true, &missing, &refusal, &failure);
+  if (holding.empty()) {
+    if (!failure.ok()) return failure;
+    if (!refusal.ok()) return refusal;
+    return absl::UnavailableError(
+        "cuda_shared_memory: no replica answered the region's registration");
+  }
   return region;
 }
 
 void LogpClient::ReleaseCudaRegion(const CudaRegion& region) {
-  // Best effort: the server releases an idle region by itself.
-  regions_api_->UnregisterCuda(region.name, kReleaseTimeout).IgnoreError();
+  UnplaceRegion(region.places, CudaKind(region));
 }
 
 std::vector<std::unique_ptr<LogpClient::RawConnection>>
-LogpClient::TakeSpreadConnections(size_t r, int count) {
+LogpClient::TakeSpreadConnections(Replica& replica, int count) {
   std::vector<std::unique_ptr<RawConnection>> taken;
   {
-    absl::MutexLock lock(&spread_mu_);
-    std::vector<std::unique_ptr<RawConnection>>& idle = idle_spread_[r];
+    absl::MutexLock lock(&replica.mu);
+    std::vector<std::unique_ptr<RawConnection>>& idle = replica.idle_spread;
     while (static_cast<int>(taken.size()) < count && !idle.empty()) {
       taken.push_back(std::move(idle.back()));
       idle.pop_back();
     }
+  }
+  {
+    absl::MutexLock lock(&spread_mu_);
     spread_opened_ += count - static_cast<int64_t>(taken.size());
   }
   // Distinct channels on a local subchannel pool: distinct TCP connections.
   Options own = options_;
-  own.target = replicas_[r]->target;
+  own.target = replica.target;
   own.own_connection = true;
   while (static_cast<int>(taken.size()) < count) {
-    taken.push_back(std::make_unique<RawConnection>(
-        MakeChannelIdleAfter(own, options_.spread_connection_idle_timeout)));
+    taken.push_back(std::make_unique<RawConnection>(MakeChannelIdleAfter(
+        own, options_.spread_connection_idle_timeout, replica.tls_name)));
   }
   return taken;
 }
 
 void LogpClient::GiveBackSpreadConnections(
-    size_t r, std::vector<std::unique_ptr<RawConnection>> connections) {
-  absl::MutexLock lock(&spread_mu_);
+    Replica& replica, std::vector<std::unique_ptr<RawConnection>> connections) {
+  absl::MutexLock lock(&replica.mu);
   for (std::unique_ptr<RawConnection>& connection : connections) {
-    idle_spread_[r].push_back(std::move(connection));
+    replica.idle_spread.push_back(std::move(connection));
   }
 }
 
@@ -1085,10 +1397,16 @@ int64_t LogpClient::spread_connections_opened() const {
 }
 
 int LogpClient::spread_connections_connected() const {
-  absl::MutexLock lock(&spread_mu_);
+  ReplicaList replicas;
+  {
+    absl::MutexLock lock(&replicas_mu_);
+    replicas = replicas_;
+  }
   int connected = 0;
-  for (const auto& idle : idle_spread_) {
-    for (const std::unique_ptr<RawConnection>& connection : idle) {
+  for (const std::shared_ptr<Replica>& replica : replicas) {
+    absl::MutexLock lock(&replica->mu);
+    for (const std::unique_ptr<RawConnection>& connection :
+         replica->idle_spread) {
       if (connection->channel->GetState(/*try_to_connect=*/false) ==
           GRPC_CHANNEL_READY) {
         ++connected;

@@ -27,12 +27,14 @@
 // Replicas: with Options::targets, a call's requests are spread over the
 // replicas by rows outstanding at each, and a replica that dies mid-call
 // has its requests sent again to another within the deadline
-// (client/call_engine.h).
+// (client/call_engine.h). A "dns:///name:port" target is one replica per
+// address the name resolves to, followed as the name's records change.
 //
 // Same host: with Options::system_shared_memory, Score copies the hidden
 // rows into a POSIX shared-memory region the client owns (one for each call
-// made at once, registered once, grown when a call needs more) and sends a
-// reference instead of the bytes.
+// made at once, registered once with every replica that accepts it, grown
+// when a call needs more) and sends a reference instead of the bytes; the
+// requests spread over those replicas and fail over between them.
 // The server answers with the same bits.
 //
 // Rows already on a GPU: Score(DeviceRows) reads them where they are. With
@@ -61,10 +63,12 @@
 #ifndef DETLOGP_CLIENT_LOGP_CLIENT_H_
 #define DETLOGP_CLIENT_LOGP_CLIENT_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -87,6 +91,7 @@
 #include "client/request_bytes.h"
 #include "client/score_result.h"
 #include "client/system_shared_memory.h"
+#include "client/target_resolver.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 
 namespace detlogp::client {
@@ -163,16 +168,35 @@ class LogpClient {
   struct Options {
     std::string target = "127.0.0.1:50051";
     // The replicas of one model, each "host:port" (or any gRPC target
-    // naming one server). Not empty: `target` is ignored, and a Score
-    // call's requests are spread over the replicas by rows outstanding at
-    // each (relative to its queue); a replica that fails or goes away has
-    // its requests sent again to another one within the call's deadline
-    // and takes no new ones until it answers a probe again. The first
-    // replica also takes the control calls (GetModelInfo, regions,
-    // ScoreStream, Project) and the rows that travel in the client's
-    // shared-memory regions, which are registered with it. Empty: `target`
-    // alone.
+    // naming one server), or "dns:///name:port". Not empty: `target` is
+    // ignored, and a Score call's requests are spread over the replicas by
+    // rows outstanding at each (relative to its queue); a replica that
+    // fails or goes away has its requests sent again to another one within
+    // the call's deadline and takes no new ones until it answers a probe
+    // again. The first target also takes the control calls (GetModelInfo,
+    // the region calls, ScoreStream, Project) and the calls that name a
+    // region of the caller's. The client's own shared-memory regions are
+    // registered with every replica that accepts them (those on this
+    // host), and their rows spread and fail over like rows in messages.
+    // Empty: `target` alone.
+    //
+    // A "dns:" target (here or in `target`) is resolved into one replica
+    // per address (every A and AAAA record; a Kubernetes headless
+    // Service's ready pods), re-resolved every dns_refresh_interval and
+    // after a replica failed: an address that appears gets requests, one
+    // that disappears drains (no new requests; those it holds finish).
+    // Its control calls keep one channel to the name (round_robin).
     std::vector<std::string> targets;
+    // How often "dns:" targets are resolved again (at a Score call that
+    // finds it due; RefreshReplicas resolves at once).
+    absl::Duration dns_refresh_interval = absl::Seconds(30);
+    // Resolves "dns:" names into single-address targets (empty:
+    // ResolveWithGetaddrinfo). Tests and other service discovery inject
+    // their own.
+    TargetResolver resolver;
+    // The time dns_refresh_interval is measured on (empty: absl::Now); a
+    // test hook.
+    std::function<absl::Time()> clock;
     // A failed replica is probed again after this long, doubled after each
     // failed probe up to replica_max_backoff.
     absl::Duration replica_first_backoff = absl::Milliseconds(100);
@@ -328,6 +352,14 @@ class LogpClient {
   absl::StatusOr<detlogp::v1::CudaSharedMemoryStatusResponse> CudaRegionStatus(
       const std::string& name = "");
 
+  // Resolves the "dns:" targets now: their replicas become the addresses
+  // found (a replica of an address found again is kept, with its window
+  // and health). A name that fails to resolve keeps its replicas; the
+  // first such failure is returned.
+  absl::Status RefreshReplicas();
+  // The targets of the replicas calls are spread over now, in order.
+  std::vector<std::string> replica_targets();
+
   // Spread connections this client opened so far, and those of them kept
   // between calls that are connected now (not closed for idleness).
   int64_t spread_connections_opened() const;
@@ -431,6 +463,8 @@ class LogpClient {
     explicit ProjectionConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
   };
+  struct Replica;
+  using ReplicaList = std::vector<std::shared_ptr<Replica>>;
   absl::StatusOr<ProjectResult> ProjectInterleaved(
       const std::vector<float>& x, const InterleavedRows& plan,
       const ProjectOptions& options,
@@ -441,27 +475,46 @@ class LogpClient {
   // connections. `rows_bytes`: the rows that go in the messages, the
   // request's own data or, with `rows_beside`, rows given beside a request
   // that carries none.
+  // `only`: the replicas the request may go to (null: every replica).
   absl::StatusOr<ScoreResult> ScoreCut(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-      bool rows_beside, absl::Time deadline);
+      bool rows_beside, absl::Time deadline, const ReplicaList* only = nullptr);
   // A connection of its own for the requests of spread calls.
   struct RawConnection {
     explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);
     std::shared_ptr<grpc::Channel> channel;
   };
-  // One server of Options::targets: its channel, and what the client's
-  // calls share of it. Held by shared_ptr: a background ModelInfo ask may
-  // outlive the client.
+  // One server of Options::targets (or one address of a "dns:" target):
+  // its channel, and what the client's calls share of it. Held by
+  // shared_ptr: calls under way, and a background ModelInfo ask, may
+  // outlive its place in the client's set (or the client).
   struct Replica {
-    Replica(std::string target_in, std::shared_ptr<grpc::Channel> channel_in,
+    Replica(uint64_t id_in, std::string target_in, std::string tls_name_in,
+            std::shared_ptr<grpc::Channel> channel_in,
             int64_t assumed_queue_rows,
-            const ReplicaHealth::Options& health_options);
+            const ReplicaHealth::Options& health_options,
+            std::function<void(grpc::ClientContext*)> prepare);
+    // Unique within the client (regions remember replicas by it).
+    const uint64_t id;
     const std::string target;
+    // The name its certificate carries (a "dns:" name's address), or empty.
+    const std::string tls_name;
     const std::shared_ptr<grpc::Channel> channel;
     const std::unique_ptr<detlogp::v1::LogProbService::Stub> stub;
+    // The client's regions registered on this replica.
+    RegionApi regions;
     RowWindow window;
     ReplicaHealth health;
+    // Left the client's set (its address left DNS): calls under way send
+    // it no new request.
+    std::atomic<bool> retired{false};
+    // The replica refused a region of that kind (another host): not asked
+    // again.
+    std::atomic<bool> refuses_system{false};
+    std::atomic<bool> refuses_cuda{false};
     absl::Mutex mu;
+    // Spread connections kept between calls, not in use by one.
+    std::vector<std::unique_ptr<RawConnection>> idle_spread ABSL_GUARDED_BY(mu);
     // The replica's ModelInfo once it answered, whether an ask is out, and
     // when a failed ask may be tried again.
     std::optional<detlogp::v1::ModelInfo> info ABSL_GUARDED_BY(mu);
@@ -472,24 +525,63 @@ class LogpClient {
   // being asked; its answer sets the replica's window.
   void AskLimitsInBackground(const std::shared_ptr<Replica>& replica,
                              const std::string& model);
-  // Spread connections to replica `r` beyond its own: taken by a call (kept
+  // Spread connections to `replica` beyond its own: taken by a call (kept
   // ones first, new ones opened as needed) and given back after it.
-  std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(size_t r,
-                                                                    int count);
+  std::vector<std::unique_ptr<RawConnection>> TakeSpreadConnections(
+      Replica& replica, int count);
   void GiveBackSpreadConnections(
-      size_t r, std::vector<std::unique_ptr<RawConnection>> connections);
+      Replica& replica,
+      std::vector<std::unique_ptr<RawConnection>> connections);
+  // The replicas calls are spread over now; resolves the "dns:" targets
+  // first when that is due (one caller resolves, the others go on with
+  // the replicas they find).
+  ReplicaList Replicas();
+  // A new replica of `target` (its channel made).
+  std::shared_ptr<Replica> NewReplica(const std::string& target,
+                                      const std::string& tls_name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(replicas_mu_);
+  absl::Time Now() const;
+  // Which replicas hold one of the client's regions: registered (kept
+  // weakly: a replica gone from the set releases an idle region itself)
+  // or refused. Touched only by the call the region is lent to.
+  struct RegionPlaces {
+    std::map<uint64_t, std::weak_ptr<Replica>> registered;
+    std::set<uint64_t> refused;
+  };
+  // How a region of one kind is registered and released on a replica.
+  struct RegionKind {
+    std::function<absl::Status(RegionApi&)> register_on;
+    std::function<void(RegionApi&)> unregister_on;
+    // The replica's flag that it refuses this kind.
+    std::atomic<bool> Replica::*refuses;
+    std::function<bool(absl::StatusCode)> is_refusal;
+  };
+  // Registers a region with each replica of `replicas` that has not
+  // answered for it and may be asked now (up, or due for a probe; a replica
+  // that does not answer is marked failed). Returns the replicas of
+  // `replicas` that hold it; `*missing` says whether one that may be asked
+  // was not (`can_register` false: the region's name is gone); `*refusal`
+  // is a refusal seen, `*failure` another error.
+  ReplicaList PlaceRegion(RegionPlaces& places, const RegionKind& kind,
+                          const ReplicaList& replicas, bool can_register,
+                          bool* missing, absl::Status* refusal,
+                          absl::Status* failure);
+  // Unregisters a region from every replica that holds it and answers.
+  void UnplaceRegion(const RegionPlaces& places, const RegionKind& kind);
   // The rows a request may carry on this server (0: unknown, no cutting).
   // The server is asked once, for a call to be spread or one beyond what
   // its default limits always take.
   absl::StatusOr<int64_t> RowsPerRequest(
       const detlogp::v1::LogProbRequest& request, bool by_reference,
-      bool spread);
+      bool spread, const ReplicaList& replicas);
   // A system region the client owns, lent to one call at a time.
   struct SystemRegion {
     std::unique_ptr<SystemSharedMemory> memory;
     std::string name;
+    RegionPlaces places;
     int64_t bytes() const { return memory->bytes(); }
   };
+  RegionKind SystemKind(const SystemRegion& region);
   // Through one of the client's system regions (taken from the pool, made
   // or grown and registered as needed): `data`, the request's hidden bytes
   // (its own, or given beside it), copied in and named. nullopt when there
@@ -498,7 +590,10 @@ class LogpClient {
   absl::StatusOr<std::optional<ScoreResult>> ScoreThroughSystemRegion(
       const detlogp::v1::LogProbRequest& request, absl::string_view data,
       absl::Time deadline);
-  absl::StatusOr<std::unique_ptr<SystemRegion>> MakeSystemRegion(int64_t bytes);
+  // Registered with every replica of `replicas` that accepts it, then its
+  // name unlinked (a replica that joins later gets the regions made after).
+  absl::StatusOr<std::unique_ptr<SystemRegion>> MakeSystemRegion(
+      int64_t bytes, const ReplicaList& replicas);
   void ReleaseSystemRegion(const SystemRegion& region);
   // Unregisters the pool's idle regions; how many there were.
   int ReleaseIdleSystemRegions();
@@ -509,8 +604,12 @@ class LogpClient {
   struct CudaRegion {
     std::unique_ptr<DeviceMemory> memory;
     std::string name;
+    std::string handle;
+    int device = 0;
+    RegionPlaces places;
     int64_t bytes() const { return memory->bytes(); }
   };
+  RegionKind CudaKind(const CudaRegion& region);
   // Through the client's CUDA region on rows.device: nullopt when the
   // region is off or refused (the caller takes the host path).
   absl::StatusOr<std::optional<ScoreResult>> ScoreThroughCudaRegion(
@@ -519,7 +618,8 @@ class LogpClient {
   // A new region on `device` of at least `bytes`, registered (the server's
   // refusal as its status).
   absl::StatusOr<std::unique_ptr<CudaRegion>> MakeCudaRegion(
-      const CudaRuntime& cuda, int device, int64_t bytes);
+      const CudaRuntime& cuda, int device, int64_t bytes,
+      const ReplicaList& replicas);
   void ReleaseCudaRegion(const CudaRegion& region);
   // The pool of `device`'s regions, made on first need.
   RegionPool<CudaRegion>& CudaPool(int device);
@@ -527,8 +627,26 @@ class LogpClient {
   std::string CudaRefusal() const;
 
   Options options_;
-  // Options::targets (or Options::target alone); channel_ is the first's.
-  std::vector<std::shared_ptr<Replica>> replicas_;
+  // One of Options::targets (or Options::target alone) and its replicas
+  // now: itself, or the addresses its "dns:" name resolved to.
+  struct TargetEntry {
+    std::string target;
+    std::optional<DnsName> dns;
+    ReplicaList replicas;
+  };
+  mutable absl::Mutex replicas_mu_;
+  std::vector<TargetEntry> entries_ ABSL_GUARDED_BY(replicas_mu_);
+  // The entries' replicas in order: what calls are spread over.
+  ReplicaList replicas_ ABSL_GUARDED_BY(replicas_mu_);
+  absl::Time next_resolve_ ABSL_GUARDED_BY(replicas_mu_) =
+      absl::InfiniteFuture();
+  uint64_t next_replica_id_ ABSL_GUARDED_BY(replicas_mu_) = 0;
+  // Held by the caller resolving the names.
+  absl::Mutex resolve_mu_;
+  // The first target's: the control calls and calls naming a caller's
+  // region (a replica of the scoring set, or for a "dns:" target one on
+  // the name).
+  std::shared_ptr<Replica> control_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<detlogp::v1::LogProbService::Stub> stub_;
   std::unique_ptr<RegionApi> regions_api_;
@@ -554,11 +672,8 @@ class LogpClient {
   std::string cuda_refusal_ ABSL_GUARDED_BY(cuda_mu_);
   // Options::send_threads, for every call's requests.
   std::unique_ptr<TaskPool> senders_;
-  // Kept spread connections not in use by a call, by replica, and how many
-  // were opened.
+  // How many spread connections were opened.
   mutable absl::Mutex spread_mu_;
-  std::vector<std::vector<std::unique_ptr<RawConnection>>> idle_spread_
-      ABSL_GUARDED_BY(spread_mu_);
   int64_t spread_opened_ ABSL_GUARDED_BY(spread_mu_) = 0;
   std::unique_ptr<detlogp::v1::ProjectionService::Stub> projection_stub_;
   // channel_'s: one-stream projections and the first interleaved call. The

@@ -45,6 +45,8 @@ struct ScoreResult {
   // Requests sent again to another replica after theirs failed or went
   // away (Options::targets).
   int64_t replica_retries = 0;
+  // Replicas that answered at least one of the call's requests.
+  int replicas_answering = 1;
   // How the hidden rows travelled: "grpc" (in the messages), "system_shm"
   // or "cuda_shm" (the client's own region of that kind), "named_region"
   // (a region the request named).

@@ -50,6 +50,10 @@ class EchoService final : public v1::LogProbService::CallbackService {
   // when the first one arrives.
   int hold_after = -1;
   absl::Notification first_held;
+  // Set when the request numbered retire_after arrives (the replica leaves
+  // the client's set as it is being served); -1: never.
+  int retire_after = -1;
+  std::atomic<bool> retired{false};
 
   grpc::ServerUnaryReactor* ComputeLogProbs(
       grpc::CallbackServerContext* context, const v1::LogProbRequest* request,
@@ -59,6 +63,7 @@ class EchoService final : public v1::LogProbService::CallbackService {
     // Arrivals are numbered once, so "the first N" holds under any
     // interleaving.
     const int arrival = requests_.fetch_add(1);
+    if (arrival == retire_after) retired = true;
     if (unavailable_after >= 0 && arrival >= unavailable_after) {
       reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "gone"));
       return reactor;
@@ -317,7 +322,8 @@ class ReplicasTest : public ::testing::Test {
       call.push_back(CallReplica{&replica->window,
                                  replica->health.get(),
                                  {replica->channel},
-                                 replica->target});
+                                 replica->target,
+                                 &replica->service.retired});
     }
     return call;
   }
@@ -368,6 +374,23 @@ TEST_F(ReplicasTest, AnUnavailableReplicasRequestsGoToTheOthers) {
   EXPECT_FALSE(replicas_[1]->health->up());
   // Every row answered once, by one server.
   EXPECT_EQ(RowsAnsweredByServers(), 48 * 8);
+}
+
+// A replica that leaves the set mid-call (its address left DNS) drains:
+// the requests it holds are answered there, and it gets no new one.
+TEST_F(ReplicasTest, AReplicaRetiredMidCallFinishesItsRequestsAndTakesNoMore) {
+  StartReplicas(3);
+  replicas_[1]->service.retire_after = 1;
+  auto answers = Send(CallEngineTest::Parts(60, 8));
+  ASSERT_TRUE(answers.ok()) << answers.status();
+  CallEngineTest::ExpectRowsInOrder(*answers, 60 * 8);
+  EXPECT_EQ(stats_.replica_retries, 0);
+  // Two arrived before it retired, and one more may have been sent while
+  // the second was on its way (two in flight per connection).
+  EXPECT_GE(stats_.answered_by[1], 2);
+  EXPECT_LE(stats_.answered_by[1], 3);
+  EXPECT_TRUE(replicas_[1]->health->up());
+  EXPECT_EQ(RowsAnsweredByServers(), 60 * 8);
 }
 
 TEST_F(ReplicasTest, AReplicaShutDownMidCallLosesNoRow) {

@@ -205,6 +205,25 @@ TEST_F(CliScoreTest, FieldsOnlyWhenAsked) {
   }
 }
 
+// --target=dns:///localhost:<port>: the CLI's client makes every address
+// of localhost a replica (nothing listens on ::1: its requests move to
+// 127.0.0.1) and prints the rows a plain target prints.
+TEST_F(CliScoreTest, ADnsTargetPrintsTheSameRows) {
+  int code = 0;
+  const std::string plain = Score("", &code);
+  ASSERT_EQ(code, 0) << plain;
+  auto [dns_code, by_name] = RunCli(
+      absl::StrCat("score --target=dns:///localhost:", server_->port(),
+                   " --random_rows=", kRows, " --seed=", kSeed, " 2>&1"));
+  ASSERT_EQ(dns_code, 0) << by_name;
+  const std::vector<Fields> plain_rows = RowLines(plain);
+  const std::vector<Fields> dns_rows = RowLines(by_name);
+  ASSERT_EQ(dns_rows.size(), static_cast<size_t>(kRows)) << by_name;
+  for (int64_t r = 0; r < kRows; ++r) {
+    EXPECT_EQ(dns_rows[r], plain_rows[r]) << by_name;
+  }
+}
+
 // --shared_memory sends the rows through a region (the server is on
 // loopback, so it allows it) with the same printed bits; --timing says where
 // the time went and which path the rows took.

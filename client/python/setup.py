@@ -121,6 +121,7 @@ CLIENT_SOURCES = {
     "client/region_api.cc": [],
     "client/task_pool.cc": [],
     "client/grpc_lifetime.cc": [],
+    "client/target_resolver.cc": [],
     "proto/status_details.cc": [],
 }
 CLIENT_PROTOS = [

@@ -51,6 +51,17 @@ class LogpModel {
   virtual ~LogpModel() = default;
   int64_t hidden_size() const { return hidden_size_; }
   int64_t vocab_size() const { return vocab_size_; }
+  // Copies bytes [offset, offset + size) of the weights as an upload
+  // carries them (the bf16 weight, [padded_vocab_size, hidden_size]
+  // row-major, then the fp32 bias, if any) into `out`, from wherever the
+  // model holds them (host memory, a GPU's memory): a peer's pull reads a
+  // version this way when no host copy is kept. A read of 0 bytes says
+  // whether the model can. UNIMPLEMENTED when it cannot (its backend does
+  // not read back, or it holds only some of the rows).
+  virtual absl::Status ReadWeights(int64_t offset, int64_t size,
+                                   char* out) const {
+    return absl::UnimplementedError("this backend does not read weights back");
+  }
 
  protected:
   LogpModel(int64_t hidden_size, int64_t vocab_size)

@@ -1,5 +1,7 @@
 #include "server/backends/cpu_backend.h"
 
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +18,29 @@ class CpuModel final : public LogpModel {
       : LogpModel(weights->hidden_size, weights->vocab_size),
         weights_(std::move(weights)) {}
   const LmHeadWeights& weights() const { return *weights_; }
+  absl::Status ReadWeights(int64_t offset, int64_t size,
+                           char* out) const override {
+    const int64_t weight_bytes = static_cast<int64_t>(weights_->weight.size()) *
+                                 static_cast<int64_t>(sizeof(uint16_t));
+    const int64_t total =
+        weight_bytes +
+        static_cast<int64_t>(weights_->bias.size() * sizeof(float));
+    if (offset < 0 || size < 0 || offset + size > total) {
+      return absl::OutOfRangeError(
+          absl::StrCat("bytes [", offset, ", ", offset + size, ") of ", total));
+    }
+    const char* weight = reinterpret_cast<const char*>(weights_->weight.data());
+    const char* bias = reinterpret_cast<const char*>(weights_->bias.data());
+    const int64_t from_weight =
+        std::max<int64_t>(0, std::min(offset + size, weight_bytes) - offset);
+    if (from_weight > 0) std::memcpy(out, weight + offset, from_weight);
+    if (size > from_weight) {
+      std::memcpy(out + from_weight,
+                  bias + (offset + from_weight - weight_bytes),
+                  size - from_weight);
+    }
+    return absl::OkStatus();
+  }
 
  private:
   std::shared_ptr<const LmHeadWeights> weights_;

@@ -358,7 +358,8 @@ class CudaBackend final : public LogpBackend {
     }
     // The host copy is not kept: the caller's reference is the last one.
     return std::make_shared<const CudaModel>(
-        weights->hidden_size, weights->vocab_size, std::move(heads));
+        weights->hidden_size, weights->vocab_size, std::move(heads),
+        weights->padded_vocab_size, !weights->bias.empty());
   }
 
   int64_t EstimateBytes(int64_t hidden_size, int64_t padded_vocab_size,

@@ -74,6 +74,68 @@ absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
 
 }  // namespace
 
+absl::Status CudaModel::ReadWeights(int64_t offset, int64_t size,
+                                    char* out) const {
+  if (padded_vocab_size_ <= 0) {
+    return absl::UnimplementedError("the model's shape was not recorded");
+  }
+  // Every row must be held by some head.
+  int64_t covered = 0;
+  while (covered < padded_vocab_size_) {
+    int64_t next = covered;
+    for (const auto& head : heads_) {
+      if (head->first_row <= covered && head->end_row > next) {
+        next = head->end_row;
+      }
+    }
+    if (next == covered) {
+      return absl::UnimplementedError(absl::StrCat(
+          "no GPU holds weight row ", covered, " (of ", padded_vocab_size_,
+          "): a vocabulary-parallel split leaves the padding rows out"));
+    }
+    covered = next;
+  }
+  const int64_t row_bytes =
+      hidden_size() * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t weight_bytes = padded_vocab_size_ * row_bytes;
+  const int64_t total = weight_bytes + (has_bias_ ? padded_vocab_size_ * 4 : 0);
+  if (offset < 0 || size < 0 || offset + size > total) {
+    return absl::OutOfRangeError(
+        absl::StrCat("bytes [", offset, ", ", offset + size, ") of ", total));
+  }
+  while (size > 0) {
+    const bool in_weight = offset < weight_bytes;
+    const int64_t element_bytes = in_weight ? row_bytes : 4;
+    const int64_t local = in_weight ? offset : offset - weight_bytes;
+    const int64_t row = local / element_bytes;
+    const CudaLmHead* holder = nullptr;
+    for (const auto& head : heads_) {
+      if (head->first_row <= row && row < head->end_row) {
+        holder = head.get();
+        break;
+      }
+    }
+    if (holder == nullptr) {
+      return absl::InternalError(absl::StrCat("no GPU holds row ", row));
+    }
+    const int64_t end = holder->end_row * element_bytes;
+    int64_t count = std::min(size, end - local);
+    if (in_weight) count = std::min(count, weight_bytes - offset);
+    const DeviceBuffer& buffer = in_weight ? holder->weight : holder->bias;
+    const char* source =
+        buffer.as<const char>() + (local - holder->first_row * element_bytes);
+    DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(holder->device),
+                                 "cudaSetDevice");
+    DETLOGP_RETURN_IF_CUDA_ERROR(
+        cudaMemcpy(out, source, count, cudaMemcpyDeviceToHost),
+        "read weights back");
+    out += count;
+    offset += count;
+    size -= count;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<CudaLmHead>> UploadLmHead(
     const LmHeadWeights& weights, int device,
     kernels::cuda::KernelKind kernel_kind, int32_t first_split,

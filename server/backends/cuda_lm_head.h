@@ -38,14 +38,26 @@ struct CudaLmHead {
 class CudaModel final : public LogpModel {
  public:
   CudaModel(int64_t hidden_size, int64_t vocab_size,
-            std::vector<std::unique_ptr<CudaLmHead>> heads)
-      : LogpModel(hidden_size, vocab_size), heads_(std::move(heads)) {}
+            std::vector<std::unique_ptr<CudaLmHead>> heads,
+            int64_t padded_vocab_size = 0, bool has_bias = false)
+      : LogpModel(hidden_size, vocab_size),
+        heads_(std::move(heads)),
+        padded_vocab_size_(padded_vocab_size),
+        has_bias_(has_bias) {}
   const std::vector<std::unique_ptr<CudaLmHead>>& heads() const {
     return heads_;
   }
+  // Read back from the GPUs (cudaMemcpy, a chunk at a time), each row from
+  // a head that holds it; UNIMPLEMENTED when no head holds some row (the
+  // padding rows a vocabulary-parallel split leaves out) or the shape was
+  // not given.
+  absl::Status ReadWeights(int64_t offset, int64_t size,
+                           char* out) const override;
 
  private:
   std::vector<std::unique_ptr<CudaLmHead>> heads_;
+  const int64_t padded_vocab_size_;
+  const bool has_bias_;
 };
 
 // Uploads the rows of splits [first_split, end_split) of `weights` (all rows

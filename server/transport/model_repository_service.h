@@ -89,9 +89,10 @@ class ModelRepositoryServiceImpl final
   class UploadCall;
   class DownloadCall;
 
-  // A ready version's host bytes: the backend's host copy, else read back
-  // from --model_root; FAILED_PRECONDITION when neither has them.
-  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> HostWeightsOf(
+  // A version's weights from its files under --model_root (digest
+  // checked); NOT_FOUND without any (DownloadModel reads the host copy or
+  // the placed model first: server/models/version_bytes.h).
+  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> FileWeightsOf(
       const ServedVersion& version) const;
 
   grpc::Status Authorize(const grpc::CallbackServerContext& context) const;

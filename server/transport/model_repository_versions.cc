@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/status_details.h"
+#include "server/models/version_bytes.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/model_repository_service.h"
 #include "server/transport/rejected_call.h"
@@ -51,47 +52,43 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::AbortVersion(
 }
 
 absl::StatusOr<std::shared_ptr<const LmHeadWeights>>
-ModelRepositoryServiceImpl::HostWeightsOf(const ServedVersion& version) const {
-  if (auto held = version.host_weights.lock(); held != nullptr) return held;
+ModelRepositoryServiceImpl::FileWeightsOf(const ServedVersion& version) const {
   if (options_.store != nullptr) {
     const auto versions = options_.store->ListVersions();
     if (auto model = versions.find(version.model); model != versions.end()) {
       for (const StoredVersion& stored : model->second) {
         if (stored.version != version.version) continue;
         auto weights = LoadLmHead(stored.source);
-        if (weights.ok() && weights->sha256 == version.weights_sha256) {
+        if (!weights.ok()) return weights.status();
+        if (weights->sha256 == version.weights_sha256) {
           return std::make_shared<const LmHeadWeights>(*std::move(weights));
         }
+        return absl::DataLossError("its file no longer hashes to its digest");
       }
     }
   }
-  return v1::FieldError(
-      absl::StatusCode::kFailedPrecondition, "model_version",
-      absl::StrCat("version ", version.version, " of '", version.model,
-                   "' is held only on the device here (no host copy, no "
-                   "files under --model_root)"),
-      v1::kReasonVersionUnavailable);
+  return absl::NotFoundError("no files of it");
 }
 
 // Streams the header, then the weight and bias bytes in chunks, one write
-// at a time (each OnWriteDone starts the next). Holds the version's host
-// weights until done.
+// at a time (each OnWriteDone reads and starts the next). Holds the version
+// and what its bytes are read from until done.
 class ModelRepositoryServiceImpl::DownloadCall final
     : public grpc::ServerWriteReactor<UploadModelRequest> {
  public:
   DownloadCall(ModelRepositoryServiceImpl* service,
                std::shared_ptr<const ServedVersion> version,
-               std::shared_ptr<const LmHeadWeights> weights)
+               std::unique_ptr<VersionBytes> bytes)
       : service_(service),
         version_(std::move(version)),
-        weights_(std::move(weights)) {
+        bytes_(std::move(bytes)) {
     auto* header = message_.mutable_header();
     header->set_model(version_->model);
     header->set_dtype(detlogp::v1::DTYPE_BFLOAT16);
-    header->add_shape(weights_->padded_vocab_size);
-    header->add_shape(weights_->hidden_size);
-    header->set_vocab_size(weights_->vocab_size);
-    header->set_has_bias(!weights_->bias.empty());
+    header->add_shape(version_->padded_vocab_size);
+    header->add_shape(version_->hidden_size);
+    header->set_vocab_size(version_->vocab_size);
+    header->set_has_bias(version_->has_bias);
     header->set_weights_sha256(version_->weights_sha256);
     header->set_model_version(version_->version);
     StartWrite(&message_);
@@ -103,24 +100,27 @@ class ModelRepositoryServiceImpl::DownloadCall final
       Finish(result_);
       return;
     }
-    const int64_t weight_bytes =
-        static_cast<int64_t>(weights_->weight.size()) * 2;
-    const int64_t total =
-        weight_bytes + static_cast<int64_t>(weights_->bias.size()) * 4;
+    const int64_t total = bytes_->total_bytes();
     if (offset_ >= total) {
       Finish(grpc::Status::OK);
       return;
     }
     // A chunk lies within the weight or within the bias.
-    const bool in_weight = offset_ < weight_bytes;
-    const char* base =
-        in_weight ? reinterpret_cast<const char*>(weights_->weight.data())
-                  : reinterpret_cast<const char*>(weights_->bias.data());
-    const int64_t begin = in_weight ? offset_ : offset_ - weight_bytes;
-    const int64_t end = in_weight ? weight_bytes : total - weight_bytes;
+    const int64_t end =
+        offset_ < bytes_->weight_bytes() ? bytes_->weight_bytes() : total;
     const int64_t size =
-        std::min(service_->options_.download_chunk_bytes, end - begin);
-    message_.set_chunk(base + begin, static_cast<size_t>(size));
+        std::min(service_->options_.download_chunk_bytes, end - offset_);
+    message_.clear_header();
+    std::string* chunk = message_.mutable_chunk();
+    chunk->resize(static_cast<size_t>(size));
+    if (absl::Status read = bytes_->Read(offset_, size, chunk->data());
+        !read.ok()) {
+      result_ = ToGrpcStatus(absl::Status(
+          read.code(), absl::StrCat("reading the version's bytes (",
+                                    bytes_->source(), "): ", read.message())));
+      Finish(result_);
+      return;
+    }
     offset_ += size;
     StartWrite(&message_);
   }
@@ -133,7 +133,7 @@ class ModelRepositoryServiceImpl::DownloadCall final
  private:
   ModelRepositoryServiceImpl* const service_;
   const std::shared_ptr<const ServedVersion> version_;
-  const std::shared_ptr<const LmHeadWeights> weights_;
+  const std::unique_ptr<VersionBytes> bytes_;
   UploadModelRequest message_;
   int64_t offset_ = 0;  // payload bytes written so far
   grpc::Status result_;
@@ -152,12 +152,13 @@ ModelRepositoryServiceImpl::DownloadModel(
     return new Rejected(
         Record("DownloadModel", ToGrpcStatus(version.status())));
   }
-  auto weights = HostWeightsOf(**version);
-  if (!weights.ok()) {
-    return new Rejected(
-        Record("DownloadModel", ToGrpcStatus(weights.status())));
+  const ServedVersion& served = **version;
+  auto bytes = VersionBytes::Open(
+      served, [this, &served] { return FileWeightsOf(served); });
+  if (!bytes.ok()) {
+    return new Rejected(Record("DownloadModel", ToGrpcStatus(bytes.status())));
   }
-  return new DownloadCall(this, *std::move(version), *std::move(weights));
+  return new DownloadCall(this, *std::move(version), *std::move(bytes));
 }
 
 }  // namespace detlogp::server

@@ -407,6 +407,27 @@ class ClientState:
         # Regions are released by close(), or at exit when it was not called.
         self._close_engine = weakref.finalize(self, _close, self._engine)
 
+    # The detlogp.fleet.Pusher of the client's uploads, made on first use.
+    _fleet_pusher = None
+
+    def _pusher(self, channels=None, metadata=None):
+        """The client's Pusher (made once; it keeps the version it pushed
+        last as the next delta's base): on `channels`, sync channels of the
+        client's, or on its own made with the client's TLS options;
+        `metadata` sent on every call."""
+        if self._fleet_pusher is None:
+            from detlogp.fleet import Pusher
+
+            security = {k: v for k, v in self._sync_channel_security.items() if k != "token"}
+            self._fleet_pusher = Pusher(
+                self.targets,
+                timeout=self.admin_timeout or 600.0,
+                _channels=channels,
+                _metadata=metadata,
+                **security,
+            )
+        return self._fleet_pusher
+
     def _make_engine(self, channel_args):
         """(the engine over every target, None) or (None, why there is
         none)."""

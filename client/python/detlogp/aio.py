@@ -9,6 +9,7 @@ Example:
 """
 
 import asyncio
+import functools
 import time
 
 import grpc
@@ -32,12 +33,13 @@ from detlogp.errors import DetlogpError, from_rpc_error
 from detlogp.results import logprob_result
 from detlogp.v1 import detlogp_pb2 as pb
 from detlogp.v1 import detlogp_pb2_grpc as pb_grpc
-from detlogp.weights import DEFAULT_CHUNK_BYTES, LmHead
+from detlogp.weights import DEFAULT_CHUNK_BYTES
 
 
 class AsyncClient(ClientState):
     """Round-robin over targets, deadlines and retries as in Client, and the
-    same model calls (admin_token, every-target uploads, NOT_FOUND moving
+    same model calls (admin_token, two-phase uploads through the same
+    detlogp.fleet.Pusher, NOT_FOUND moving
     on for pinned versions), and the same large calls (through the C++
     engine, awaited through its completion callback: no thread per call).
     Create it inside the event loop that uses it; close() frees the engine
@@ -52,6 +54,8 @@ class AsyncClient(ClientState):
 
     async def close(self):
         self._close_engine_now()
+        if self._fleet_pusher is not None:
+            self._fleet_pusher.close()
         for channel in self._channels:
             await channel.close()
 
@@ -315,25 +319,32 @@ class AsyncClient(ClientState):
         *,
         version=None,
         weights_sha256=None,
+        base_version=None,
+        base_weights=None,
         timeout=None,
     ):
-        """Client.upload_model as a coroutine (every target at once)."""
-        head = LmHead.coerce(weight, bias, vocab_size)
-
-        async def upload(index, left):
-            call = self._repo[index].UploadModel(
-                head.messages(name, chunk_bytes, weights_sha256, version),
-                timeout=left,
-                metadata=self._admin_call_metadata,
-            )
-            status = ServerStatus(call)
-            try:
-                return await call
-            except grpc.RpcError as rpc_error:
-                raise status.error or rpc_error from None
-
-        outcomes = await self._on_every_target(name, "UploadModel", upload, timeout)
-        return combine_versions(name, outcomes)
+        """Client.upload_model as a coroutine: the same push
+        (detlogp.fleet.Pusher: one number on every target; with several,
+        staged on all, then committed together, or aborted on all when one
+        fails; deltas against the version this client pushed last). The
+        push runs on a worker thread over sync channels of its own (it
+        streams the head and waits for every target); the loop serves other
+        calls meanwhile."""
+        pusher = self._pusher(metadata=self._admin_call_metadata)
+        push = functools.partial(
+            pusher.upload_model,
+            name,
+            weight,
+            bias,
+            vocab_size,
+            version=version,
+            base_version=base_version,
+            base_weights=base_weights,
+            weights_sha256=weights_sha256,
+            chunk_bytes=chunk_bytes,
+            timeout=self._admin_timeout(timeout),
+        )
+        return await asyncio.get_running_loop().run_in_executor(None, push)
 
     async def unload_model(self, name, version, *, timeout=None):
         request = pb.UnloadModelRequest(model=name, model_version=int(version))

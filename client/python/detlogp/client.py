@@ -67,9 +67,14 @@ class Client(ClientState):
     With several targets, scoring is round-robin; load_model, upload_model
     and unload_model act on EVERY target (replicas must hold the same
     versions), and a call pinned to a version that one target lacks
-    (NOT_FOUND) moves on to the next target. A dns:/// target (or an ipv4:
-    list) spreads calls, and a large call's slices, over every address
-    (gRPC's round_robin).
+    (NOT_FOUND) moves on to the next target. A dns:/// target (a headless
+    Service's name) spreads small calls over every address (gRPC's
+    round_robin); a large call's slices go through the engine, which makes
+    every address the name resolves to a replica (resolved again every 30 s
+    and after a replica failed; a dead replica's slices go to another within
+    the call's deadline). With several targets, the engine's regions are
+    registered with every replica on this host and their slices spread
+    over them alike.
 
     Large calls: a call beyond one request of the server's, or of
     TransferOptions.engine_min_bytes, goes through the C++ engine
@@ -411,17 +416,8 @@ class Client(ClientState):
         base_weights: the weights of base_version when this client did not
           push it (an LmHead, a checkpoint path, or (weight, bias)).
         """
-        # Keeps what it pushed last (a host copy) as the next delta's base.
-        if getattr(self, "_fleet_pusher", None) is None:
-            from detlogp.fleet import Pusher
-
-            self._fleet_pusher = Pusher(
-                self.targets,
-                timeout=self.admin_timeout or 600.0,
-                _channels=self._channels,
-                _metadata=self._admin_metadata,
-            )
-        return self._fleet_pusher.upload_model(
+        # The channels carry the scoring token; admin calls name their own.
+        return self._pusher(self._channels, self._admin_metadata).upload_model(
             name,
             weight,
             bias,

@@ -4,7 +4,10 @@ that fails to stage a version aborts the push on every replica, and a push
 commits one number and digest everywhere.
 """
 
+import asyncio
+
 import detlogp
+import detlogp.aio
 import grpc
 import numpy as np
 import pytest
@@ -81,3 +84,34 @@ def test_client_push_commits_one_number_and_digest_everywhere(server_binary, mod
         assert min(s.ready_unix_micros for s in statuses) > 0
         assert versions_on(a) == versions_on(b)
         assert bits_on(a, 2, model) == bits_on(b, 2, model)
+
+
+def test_async_client_push_is_two_phase_like_the_sync_one(server_binary, model):
+    """AsyncClient.upload_model drives the same Pusher: a replica that cannot
+    stage the version aborts the push everywhere; a push that stages
+    everywhere commits one number and digest on every replica."""
+
+    async def push(targets, weights):
+        async with detlogp.aio.AsyncClient(targets, timeout=20.0) as client:
+            return await client.upload_model("default", weights, model.bias, base_version=0)
+
+    with (
+        start(server_binary, model) as a,
+        start(server_binary, model) as b,
+        start(server_binary, model, ["--max_model_memory_bytes=200000"]) as full,
+    ):
+        before = {s.target: versions_on(s) for s in (a, b, full)}
+        with pytest.raises(detlogp.DetlogpError) as refused:
+            asyncio.run(push([a.target, b.target, full.target], step(model.weight_bits, 61)))
+        assert "push aborted" in str(refused.value)
+        assert refused.value.per_target[b.target].code == grpc.StatusCode.ABORTED
+        assert refused.value.per_target[full.target].code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for server in (a, b, full):
+            assert versions_on(server) == before[server.target]
+
+        result = asyncio.run(push([a.target, b.target], step(model.weight_bits, 62)))
+        statuses = list(result.per_target.values())
+        assert {s.state for s in statuses} == {pb.ModelVersionStatus.READY}
+        assert {s.version for s in statuses} == {result.version}
+        assert versions_on(a) == versions_on(b)
+        assert bits_on(a, result.version, model) == bits_on(b, result.version, model)

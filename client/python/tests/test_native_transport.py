@@ -343,3 +343,16 @@ def test_the_installed_package_carries_the_engine(server, model, max_request_row
         np.load(tmp_path / "logp.npy").tobytes()
         == np.concatenate([p.logprobs for p in want]).tobytes()
     )
+
+
+def test_a_dns_target_is_a_replica_per_address_in_the_engine(server, model, max_request_rows):
+    """dns:///localhost:<port>: the engine resolves the name (127.0.0.1, and
+    ::1 where nothing listens: its requests move to 127.0.0.1 within the
+    call) and the answer has the bits of the rows in small calls."""
+    port = server.target.rsplit(":", 1)[1]
+    hidden, targets = model.random_rows(20 * max_request_rows + 3, seed=409)
+    got = score(f"dns:///localhost:{port}", hidden, targets, **EXTRAS)
+    assert (got.engine, got.path) == ("native", "grpc")
+    assert_same_answer(
+        got, in_small_calls(server.target, hidden, targets, max_request_rows, **EXTRAS)
+    )

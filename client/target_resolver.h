@@ -1,0 +1,49 @@
+// "dns:" targets as the client's replicas: the name a target holds, and the
+// addresses it resolves to (every A and AAAA record), one replica each.
+//
+//   auto name = ParseDnsTarget("dns:///detlogp.ns.svc:50051");
+//   // name->host "detlogp.ns.svc", name->port "50051"
+//   auto addresses = ResolveWithGetaddrinfo(name->host, name->port);
+//   // {"10.0.0.7:50051", "10.0.0.9:50051", "[fd00::3]:50051"}
+//
+// A Kubernetes StatefulSet's headless Service answers one record per ready
+// pod, so re-resolving the name follows pods as they come and go.
+#ifndef DETLOGP_CLIENT_TARGET_RESOLVER_H_
+#define DETLOGP_CLIENT_TARGET_RESOLVER_H_
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace detlogp::client {
+
+// A target's name and port.
+struct DnsName {
+  std::string host;
+  std::string port;
+};
+
+// The name of a "dns:" target ("dns:///host:port", "dns:host:port" or
+// "dns://authority/host:port"; IPv6 literals in brackets); nullopt for a
+// target of another scheme; INVALID_ARGUMENT for a "dns:" target without a
+// host or port.
+absl::StatusOr<std::optional<DnsName>> ParseDnsTarget(absl::string_view target);
+
+// Resolves a name to gRPC targets of single addresses ("ip:port",
+// "[ipv6]:port"), sorted, without duplicates. The client's default resolver
+// is ResolveWithGetaddrinfo; tests inject their own.
+using TargetResolver = std::function<absl::StatusOr<std::vector<std::string>>(
+    const std::string& host, const std::string& port)>;
+
+// Every A and AAAA record of `host` (getaddrinfo); UNAVAILABLE naming the
+// host when it resolves to none.
+absl::StatusOr<std::vector<std::string>> ResolveWithGetaddrinfo(
+    const std::string& host, const std::string& port);
+
+}  // namespace detlogp::client
+
+#endif  // DETLOGP_CLIENT_TARGET_RESOLVER_H_
