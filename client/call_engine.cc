@@ -1,6 +1,7 @@
 #include "client/call_engine.h"
 
 #include <algorithm>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <utility>
@@ -331,6 +332,10 @@ class CallRun {
       ++stats_.requests_sent;
     }
     const CallPart& request = parts_[i];
+    if (request.region_rows != nullptr) {
+      std::memcpy(request.region_rows, request.region_source.data(),
+                  request.region_source.size());
+    }
     call->request = request.rows.empty()
                         ? SerializeRequest(request.header)
                         : SerializeWithRows(request.header, request.rows);

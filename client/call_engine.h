@@ -142,6 +142,12 @@ struct CallPart {
   // The call's row this request's first row is: a refusal naming
   // target_ids[i] of the request names target_ids[first_row + i].
   int64_t first_row = 0;
+  // For a request naming rows in a shared-memory region the client writes:
+  // the thread that sends it copies `region_source` to `region_rows` first,
+  // so a large call's copy overlaps the server's work on its earlier
+  // requests, and the copies of its requests run side by side.
+  char* region_rows = nullptr;
+  absl::string_view region_source;
 };
 
 struct CallEngineOptions {

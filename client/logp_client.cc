@@ -475,6 +475,12 @@ constexpr int kAutoConnections = 8;
 constexpr int64_t kAutoConnectionsMinBytes = int64_t{8} << 20;
 constexpr int64_t kMinSpreadRequestBytes = int64_t{1} << 20;
 
+// A call through a system region of the client's is written into it piece
+// by piece as its requests go: at most kRegionPieces pieces of at least
+// kMinRegionPieceBytes (docs/performance.md, "One caller's large batch").
+constexpr int64_t kRegionPieces = 8;
+constexpr int64_t kMinRegionPieceBytes = int64_t{8} << 20;
+
 // Registration refusals that mean "not here": the client sends bytes.
 bool IsRefusal(absl::StatusCode code) {
   return code == absl::StatusCode::kFailedPrecondition ||
@@ -770,15 +776,16 @@ absl::StatusOr<std::optional<ScoreResult>> LogpClient::ScoreThroughSystemRegion(
                             replicas, /*can_register=*/false, &missing,
                             &place_refusal, &failure);
     }
-    std::memcpy(lease.get()->memory->data(), data.data(), data.size());
     detlogp::v1::LogProbRequest by_reference = WithoutHiddenBytes(request);
     detlogp::v1::SharedMemoryRef* ref =
         by_reference.mutable_hidden()->mutable_shared_memory();
     ref->set_region(lease.get()->name);
     ref->set_offset(0);
     ref->set_byte_size(bytes);
-    absl::StatusOr<ScoreResult> result =
-        ScoreCut(by_reference, {}, /*rows_beside=*/false, deadline, &holding);
+    const RegionWrite write{static_cast<char*>(lease.get()->memory->data()),
+                            data};
+    absl::StatusOr<ScoreResult> result = ScoreCut(
+        by_reference, {}, /*rows_beside=*/false, deadline, &holding, &write);
     if (!registered_again && IsRegionGone(result.status())) {
       // A server's copy is gone (it restarted): drop ours, register a new
       // one.
@@ -888,7 +895,8 @@ absl::StatusOr<ScoreResult> LogpClient::Score(
 
 absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-    bool rows_beside, absl::Time deadline, const ReplicaList* only) {
+    bool rows_beside, absl::Time deadline, const ReplicaList* only,
+    const RegionWrite* region_write) {
   // A region the caller named is registered where its control calls go.
   const ReplicaList replica_list = only != nullptr ? *only
                                    : request.hidden().has_shared_memory()
@@ -929,6 +937,20 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
                  options_.spread_request_bytes / row_bytes);
     rows_each = std::min(rows_each, share);
   }
+  const bool writes_region =
+      shared && region_write != nullptr && row_bytes > 0 &&
+      static_cast<int64_t>(region_write->rows.size()) == rows * row_bytes;
+  if (writes_region) {
+    // Pieces small enough that the server starts on the first while the
+    // rest are written, large enough to batch well; one connection per
+    // requests_in_flight pieces puts them all in flight.
+    const int64_t piece = std::max((rows + kRegionPieces - 1) / kRegionPieces,
+                                   kMinRegionPieceBytes / row_bytes);
+    rows_each = std::min(rows_each, std::max<int64_t>(piece, 1));
+    const int64_t pieces = (rows + rows_each - 1) / rows_each;
+    const int in_flight = std::max(options_.spread_requests_in_flight, 1);
+    connections = static_cast<int>((pieces + in_flight - 1) / in_flight);
+  }
   rows_each = std::max<int64_t>(rows_each, 1);
   std::vector<CallPart> parts;
   if (fills_shape && !shared && rows > 0) {
@@ -949,6 +971,14 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
   } else {
     parts.push_back({request, {}});
     if (rows_beside) parts.back().rows = rows_bytes;
+  }
+  if (writes_region) {
+    for (CallPart& part : parts) {
+      const int64_t offset = part.first_row * row_bytes;
+      const int64_t size = part.header.target_ids_size() * row_bytes;
+      part.region_rows = region_write->region + offset;
+      part.region_source = region_write->rows.substr(offset, size);
+    }
   }
   const int used = static_cast<int>(
       std::min<size_t>(std::max(connections, 1), parts.size()));

@@ -476,9 +476,17 @@ class LogpClient {
   // request's own data or, with `rows_beside`, rows given beside a request
   // that carries none.
   // `only`: the replicas the request may go to (null: every replica).
+  // `region_write`: rows of a request naming a region of the client's from
+  // offset 0, not yet written there; the call is cut into pieces, all in
+  // flight at once, each written by the thread that sends it.
+  struct RegionWrite {
+    char* region = nullptr;
+    absl::string_view rows;
+  };
   absl::StatusOr<ScoreResult> ScoreCut(
       const detlogp::v1::LogProbRequest& request, absl::string_view rows_bytes,
-      bool rows_beside, absl::Time deadline, const ReplicaList* only = nullptr);
+      bool rows_beside, absl::Time deadline, const ReplicaList* only = nullptr,
+      const RegionWrite* region_write = nullptr);
   // A connection of its own for the requests of spread calls.
   struct RawConnection {
     explicit RawConnection(std::shared_ptr<grpc::Channel> channel_in);

@@ -326,6 +326,38 @@ TEST(LogpClientSystemRegionTest, ARegionTheServerReleasedIsRegisteredAgain) {
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
+// A call of 32 MiB through the client's region is written piece by piece
+// as its requests go: 4 pieces of 8 MiB, all in flight on 2 connections,
+// with the bits of the same rows sent in one message each. A narrow
+// vocabulary keeps the CPU's work small.
+TEST(LogpClientSystemRegionTest, ALargeCallIsWrittenIntoTheRegionInPieces) {
+  constexpr int64_t kNarrowVocab = 64;
+  constexpr int64_t kRows = 65536;  // 32 MiB of bf16 rows of kHidden
+  auto server = ServerProcess::Start(
+      {"--device=cpu", absl::StrCat("--synthetic_hidden_size=", kHidden),
+       absl::StrCat("--synthetic_vocab_size=", kNarrowVocab)});
+  ASSERT_TRUE(server.ok()) << server.status();
+  LogpClient::Options options;
+  options.system_shared_memory = true;
+  auto client = Connect(**server, options);
+  auto plain = Connect(**server);
+  const LogProbRequest request = client::MakeLogProbRequest(
+      "pieces", v1::DTYPE_BFLOAT16, kRows, kHidden,
+      client::RandomBf16Rows(kRows, kHidden, 21),
+      client::RandomTargets(kRows, kNarrowVocab, 21), Extras());
+  auto through_region = client->Score(request);
+  ASSERT_TRUE(through_region.ok()) << through_region.status();
+  EXPECT_EQ(through_region->path, "system_shm")
+      << client->shared_memory_refusal();
+  EXPECT_EQ(through_region->requests, 4);
+  EXPECT_EQ(through_region->connections, 2);
+  auto in_messages = plain->Score(request);
+  ASSERT_TRUE(in_messages.ok()) << in_messages.status();
+  EXPECT_EQ(in_messages->path, "grpc");
+  ExpectSameBits(*in_messages, *through_region);
+  EXPECT_EQ((*server)->Stop(SIGTERM), 0);
+}
+
 // Calls from eight threads through one client's system regions: each has
 // the bits of the same rows as bytes, and the client never holds more than
 // `regions` regions on the server.

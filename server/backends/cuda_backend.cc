@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "kernels/cuda/linear_logp_cuda.h"
 #include "server/backends/cuda_buffers.h"
 #include "server/backends/cuda_device_selection.h"
+#include "server/backends/cuda_kernel_sequence.h"
 #include "server/backends/cuda_lm_head.h"
 #include "server/backends/cuda_vocab_parallel.h"
 
@@ -31,16 +33,21 @@ using kernels::cuda::LinearLogpCuda;
 // (targets, temperatures, the last rows) in one go.
 class CudaExecutor final : public LogpExecutor {
  public:
+  // `kernels`: the sequence of the GPU at `slot`, outliving the executor.
   static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
-      size_t slot, int device, int64_t capacity) {
+      size_t slot, int device, int64_t capacity, KernelSequence* kernels) {
     // An even capacity keeps the hidden block 16-byte aligned.
     capacity += capacity % 2;
-    auto executor =
-        std::unique_ptr<CudaExecutor>(new CudaExecutor(slot, device, capacity));
+    auto executor = std::unique_ptr<CudaExecutor>(
+        new CudaExecutor(slot, device, capacity, kernels));
     DETLOGP_RETURN_IF_CUDA_ERROR(cudaSetDevice(device), "cudaSetDevice");
     DETLOGP_RETURN_IF_CUDA_ERROR(
         cudaStreamCreateWithFlags(&executor->stream_, cudaStreamNonBlocking),
         "cudaStreamCreate");
+    DETLOGP_RETURN_IF_CUDA_ERROR(
+        cudaEventCreateWithFlags(&executor->kernel_done_,
+                                 cudaEventDisableTiming),
+        "cudaEventCreate");
     const size_t output_bytes = executor->layout_.output_bytes();
     if (absl::Status s =
             executor->host_outputs_.Allocate(output_bytes, "cudaHostAlloc");
@@ -56,6 +63,10 @@ class CudaExecutor final : public LogpExecutor {
   }
 
   ~CudaExecutor() override {
+    if (kernel_done_ != nullptr) {
+      kernels_->Forget(kernel_done_);
+      cudaEventDestroy(kernel_done_);
+    }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -206,7 +217,12 @@ class CudaExecutor final : public LogpExecutor {
     batch.top_k = extras.top_k;
     batch.top_ids = device.top_ids;
     batch.top_logprobs = device.top_logprobs;
-    if (absl::Status s = kernel.Launch(batch, workspace_.as<void>(), stream_);
+    if (absl::Status s = kernels_->Launch(stream_, kernel_done_,
+                                          [&] {
+                                            return kernel.Launch(
+                                                batch, workspace_.as<void>(),
+                                                stream_);
+                                          });
         !s.ok()) {
       return s;
     }
@@ -223,14 +239,21 @@ class CudaExecutor final : public LogpExecutor {
         (end - begin) * row_bytes(), cudaMemcpyHostToDevice, stream_);
   }
 
-  CudaExecutor(size_t slot, int device, int64_t capacity)
-      : slot_(slot), device_(device), capacity_(capacity), layout_{capacity} {}
+  CudaExecutor(size_t slot, int device, int64_t capacity,
+               KernelSequence* kernels)
+      : slot_(slot),
+        device_(device),
+        capacity_(capacity),
+        layout_{capacity},
+        kernels_(kernels) {}
 
   const size_t slot_;
   const int device_;
   const int64_t capacity_;
   const BatchLayout layout_;
+  KernelSequence* const kernels_;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t kernel_done_ = nullptr;  // recorded after each kernel
   int64_t hidden_size_ = 0;  // of the model last staged
   int64_t rows_copied_ = 0;  // hidden rows of this batch already on their way
   std::vector<DirectRows> direct_;  // this batch's, in staging order
@@ -310,6 +333,9 @@ class CudaBackend final : public LogpBackend {
     auto backend = std::unique_ptr<CudaBackend>(new CudaBackend());
     const std::vector<int>& used = selection->devices;
     backend->devices_ = used;
+    for (size_t slot = 0; slot < used.size(); ++slot) {
+      backend->kernel_sequences_.push_back(std::make_unique<KernelSequence>());
+    }
     backend->kernel_ = selection->kernel;
     backend->vocab_parallel_ = options.vocab_parallel;
     backend->description_.name = "cuda";
@@ -463,7 +489,8 @@ class CudaBackend final : public LogpBackend {
     if (vocab_parallel_)
       return NewVocabParallelExecutor(devices_, max_batch_rows);
     const size_t slot = next_slot_++ % devices_.size();
-    auto executor = CudaExecutor::Create(slot, devices_[slot], max_batch_rows);
+    auto executor = CudaExecutor::Create(slot, devices_[slot], max_batch_rows,
+                                         kernel_sequences_[slot].get());
     if (!executor.ok()) return executor.status();
     return std::unique_ptr<LogpExecutor>(*std::move(executor));
   }
@@ -475,6 +502,8 @@ class CudaBackend final : public LogpBackend {
   kernels::cuda::KernelKind kernel_ = kernels::cuda::KernelKind::kHopper;
   bool vocab_parallel_ = false;
   size_t next_slot_ = 0;
+  // One a GPU, by slot: its kernels run one at a time.
+  std::vector<std::unique_ptr<KernelSequence>> kernel_sequences_;
   BackendDescription description_;
 };
 
