@@ -217,12 +217,11 @@ class CudaExecutor final : public LogpExecutor {
     batch.top_k = extras.top_k;
     batch.top_ids = device.top_ids;
     batch.top_logprobs = device.top_logprobs;
-    if (absl::Status s = kernels_->Launch(stream_, kernel_done_,
-                                          [&] {
-                                            return kernel.Launch(
-                                                batch, workspace_.as<void>(),
-                                                stream_);
-                                          });
+    if (absl::Status s = kernels_->Launch(
+            stream_, kernel_done_,
+            [&] {
+              return kernel.Launch(batch, workspace_.as<void>(), stream_);
+            });
         !s.ok()) {
       return s;
     }
@@ -254,7 +253,7 @@ class CudaExecutor final : public LogpExecutor {
   KernelSequence* const kernels_;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t kernel_done_ = nullptr;  // recorded after each kernel
-  int64_t hidden_size_ = 0;  // of the model last staged
+  int64_t hidden_size_ = 0;            // of the model last staged
   int64_t rows_copied_ = 0;  // hidden rows of this batch already on their way
   std::vector<DirectRows> direct_;  // this batch's, in staging order
   PinnedBuffer host_inputs_, host_outputs_;
