@@ -37,7 +37,9 @@ struct Outputs {
   std::vector<float> d_hidden, d_weight, d_bias;
 };
 
-class LinearLogpBackwardTest : public ::testing::Test {
+// The parameter: whether grad_entropy is given (the trainer's twin gives
+// none, so G has no entropy term).
+class LinearLogpBackwardTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
     REQUIRE_SM90();
@@ -79,7 +81,7 @@ class LinearLogpBackwardTest : public ::testing::Test {
       g.entropy.push_back(static_cast<float>(lse - sz));
       g.g_logp.push_back(n01(rng));
       g.g_lse.push_back(n01(rng));
-      g.g_ent.push_back(n01(rng));
+      g.g_ent.push_back(GetParam() ? n01(rng) : 0.0f);
     }
     return g;
   }
@@ -111,7 +113,7 @@ class LinearLogpBackwardTest : public ::testing::Test {
     view.entropy = ent.ptr;
     view.grad_logprobs = gl.ptr;
     view.grad_lse = gs.ptr;
-    view.grad_entropy = ge.ptr;
+    view.grad_entropy = GetParam() ? ge.ptr : nullptr;
     view.grad_hidden = dh.ptr;
     view.grad_hidden_dtype = hidden_dtype;
     view.grad_weight = dw.ptr;
@@ -144,7 +146,7 @@ double RelativeFrobenius(const std::vector<float>& got,
   return std::sqrt(num / den);
 }
 
-TEST_F(LinearLogpBackwardTest, MatchesFloat64Reference) {
+TEST_P(LinearLogpBackwardTest, MatchesFloat64Reference) {
   const int64_t n = 300;
   auto b = MakeBatch(n, kH, kV);
   const RowGrads g = MakeRowGrads(*b);
@@ -181,7 +183,7 @@ TEST_F(LinearLogpBackwardTest, MatchesFloat64Reference) {
   EXPECT_LT(e_b, 5e-3);
 }
 
-TEST_F(LinearLogpBackwardTest, PaddingRowsGetZeroGradient) {
+TEST_P(LinearLogpBackwardTest, PaddingRowsGetZeroGradient) {
   auto b = MakeBatch(64, kH, kV);
   const Outputs out = Run(*b, MakeRowGrads(*b), 0, 64);
   for (int64_t v = kV; v < kVpad; ++v) {
@@ -193,7 +195,7 @@ TEST_F(LinearLogpBackwardTest, PaddingRowsGetZeroGradient) {
   }
 }
 
-TEST_F(LinearLogpBackwardTest, HiddenGradOfARowIsBatchInvariant) {
+TEST_P(LinearLogpBackwardTest, HiddenGradOfARowIsBatchInvariant) {
   const int64_t n = 300;
   auto b = MakeBatch(n, kH, kV);
   const RowGrads g = MakeRowGrads(*b);
@@ -210,7 +212,7 @@ TEST_F(LinearLogpBackwardTest, HiddenGradOfARowIsBatchInvariant) {
                            (n - 37) * kH * 4));
 }
 
-TEST_F(LinearLogpBackwardTest, TwoCallsGiveIdenticalBits) {
+TEST_P(LinearLogpBackwardTest, TwoCallsGiveIdenticalBits) {
   auto b = MakeBatch(200, kH, kV);
   const RowGrads g = MakeRowGrads(*b);
   const Outputs first = Run(*b, g, 0, 200);
@@ -223,7 +225,7 @@ TEST_F(LinearLogpBackwardTest, TwoCallsGiveIdenticalBits) {
                            first.d_bias.size() * 4));
 }
 
-TEST_F(LinearLogpBackwardTest, Bf16OutputsAreTheRoundedFp32Ones) {
+TEST_P(LinearLogpBackwardTest, Bf16OutputsAreTheRoundedFp32Ones) {
   const int64_t n = 150;
   auto b = MakeBatch(n, kH, kV);
   const RowGrads g = MakeRowGrads(*b);
@@ -240,7 +242,7 @@ TEST_F(LinearLogpBackwardTest, Bf16OutputsAreTheRoundedFp32Ones) {
   }
 }
 
-TEST_F(LinearLogpBackwardTest, RowsPastOnePassKeepTheirBits) {
+TEST_P(LinearLogpBackwardTest, RowsPastOnePassKeepTheirBits) {
   const int64_t n = LinearLogpBackwardCuda::kMaxRowsPerPass + 37;
   auto b = MakeBatch(n, kH, kV);
   RowGrads g;  // random state: exactness is not the point here
@@ -273,7 +275,7 @@ TEST_F(LinearLogpBackwardTest, RowsPastOnePassKeepTheirBits) {
   EXPECT_NE(s.message().find("grad_weight_dtype"), std::string::npos) << s;
 }
 
-TEST_F(LinearLogpBackwardTest, BadInputsNameTheirField) {
+TEST_P(LinearLogpBackwardTest, BadInputsNameTheirField) {
   auto b = MakeBatch(8, kH, kV);
   DevBuf<float> f(8 * kH);
   const auto expect_field = [&](LinearLogpGradView view, const char* field) {
@@ -312,6 +314,12 @@ TEST_F(LinearLogpBackwardTest, BadInputsNameTheirField) {
   EXPECT_EQ(LinearLogpBackwardCuda::Create(o).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
+
+INSTANTIATE_TEST_SUITE_P(EntropyGrad, LinearLogpBackwardTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "WithGradEntropy"
+                                             : "WithoutGradEntropy";
+                         });
 
 }  // namespace
 }  // namespace detlogp::kernels::cuda
