@@ -111,6 +111,8 @@ CUDA_LIBRARY = "libdetlogp_ops_cuda.so"
 CLIENT_SOURCES = {
     "client/capi/detlogp_client.cc": [],
     "client/logp_client.cc": [],
+    "client/logp_client_regions.cc": [],
+    "client/request_rows.cc": [],
     "client/project_streams.cc": [],
     "client/project_chunk.cc": [],
     "client/system_shared_memory.cc": [],

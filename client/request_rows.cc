@@ -1,0 +1,33 @@
+#include "client/request_rows.h"
+
+#include "proto/dtype_bytes.h"
+
+namespace detlogp::client {
+
+int64_t RowBytes(const detlogp::v1::LogProbRequest& request) {
+  const detlogp::v1::Tensor& hidden = request.hidden();
+  if (hidden.shape_size() != 2 || hidden.shape(1) <= 0 ||
+      hidden.shape(0) != request.target_ids_size()) {
+    return 0;
+  }
+  return hidden.shape(1) * detlogp::v1::DTypeBytes(hidden.dtype());
+}
+
+detlogp::v1::LogProbRequest WithoutHiddenBytes(
+    const detlogp::v1::LogProbRequest& request) {
+  detlogp::v1::LogProbRequest copy;
+  copy.set_request_id(request.request_id());
+  copy.mutable_hidden()->set_dtype(request.hidden().dtype());
+  *copy.mutable_hidden()->mutable_shape() = request.hidden().shape();
+  *copy.mutable_target_ids() = request.target_ids();
+  copy.set_temperature(request.temperature());
+  copy.set_return_lse(request.return_lse());
+  copy.set_model(request.model());
+  copy.set_model_version(request.model_version());
+  copy.set_return_entropy(request.return_entropy());
+  copy.set_top_k(request.top_k());
+  copy.set_return_timing(request.return_timing());
+  return copy;
+}
+
+}  // namespace detlogp::client

@@ -1,0 +1,23 @@
+// Fields of a LogProbRequest the client's cutting and regions read: a
+// row's bytes, and the request without its rows.
+#ifndef DETLOGP_CLIENT_REQUEST_ROWS_H_
+#define DETLOGP_CLIENT_REQUEST_ROWS_H_
+
+#include <cstdint>
+
+#include "detlogp/v1/detlogp.pb.h"
+
+namespace detlogp::client {
+
+// Bytes of one row of `request`'s hidden tensor; 0 when its shape or dtype
+// is not one the server accepts (the request then goes as it is, and the
+// server names the field).
+int64_t RowBytes(const detlogp::v1::LogProbRequest& request);
+
+// Every field of `request` but the hidden tensor's bytes or reference.
+detlogp::v1::LogProbRequest WithoutHiddenBytes(
+    const detlogp::v1::LogProbRequest& request);
+
+}  // namespace detlogp::client
+
+#endif  // DETLOGP_CLIENT_REQUEST_ROWS_H_
