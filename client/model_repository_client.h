@@ -278,7 +278,8 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
 PushReport PushToFleet(const std::vector<PushTarget>& fleet,
                        const LogpClient::Options& connection,
                        const ModelRepositoryClient::Options& options,
-                       const LmHeadUpload& upload, const PushOptions& push = {});
+                       const LmHeadUpload& upload,
+                       const PushOptions& push = {});
 
 // One above the highest version number of `model` that any target holds
 // (1 when none holds it; a "dns:" target: any of its addresses, resolved

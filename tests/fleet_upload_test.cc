@@ -361,17 +361,19 @@ TEST_F(FleetUploadTest, DnsTargetPushReachesEveryAddressOfTheName) {
   std::sort(addresses.begin(), addresses.end());
   const std::string name = "dns:///replicas.test:50051";
   client::PushOptions push;
-  push.resolver = [&](const std::string& host, const std::string& port)
-      -> absl::StatusOr<std::vector<std::string>> {
+  push.resolver =
+      [&](const std::string& host,
+          const std::string& port) -> absl::StatusOr<std::vector<std::string>> {
     if (host == "replicas.test" && port == "50051") return addresses;
     return absl::UnavailableError(absl::StrCat("no such name ", host));
   };
-  for (auto fanout :
-       {client::PushOptions::Fanout::kDirect, client::PushOptions::Fanout::kChain}) {
+  for (auto fanout : {client::PushOptions::Fanout::kDirect,
+                      client::PushOptions::Fanout::kChain}) {
     push.fanout = fanout;
     const LmHeadUpload next =
         Step(step_, fanout == client::PushOptions::Fanout::kDirect ? 7 : 8);
-    const int64_t expected = fanout == client::PushOptions::Fanout::kDirect ? 3 : 4;
+    const int64_t expected =
+        fanout == client::PushOptions::Fanout::kDirect ? 3 : 4;
     client::PushReport report =
         client::PushToTargets({name}, LogpClient::Options(), {}, next, push);
     ASSERT_TRUE(report.status.ok()) << report.status;
@@ -406,13 +408,13 @@ TEST_F(FleetUploadTest, DnsTargetPushReachesEveryAddressOfTheName) {
   EXPECT_NE(code, 0) << out;
   EXPECT_TRUE(absl::StrContains(out, "UNAVAILABLE")) << out;
   EXPECT_TRUE(absl::StrContains(out, "dns:///no-such-host.invalid:1")) << out;
-  client::PushReport nowhere = client::PushToTargets(
-      {a->target(), "dns:///nowhere.test:50051"}, LogpClient::Options(), {},
-      step_, push);
+  client::PushReport nowhere =
+      client::PushToTargets({a->target(), "dns:///nowhere.test:50051"},
+                            LogpClient::Options(), {}, step_, push);
   EXPECT_EQ(nowhere.status.code(), absl::StatusCode::kUnavailable)
       << nowhere.status;
-  EXPECT_TRUE(absl::StrContains(nowhere.status.message(),
-                                "dns:///nowhere.test:50051"))
+  EXPECT_TRUE(
+      absl::StrContains(nowhere.status.message(), "dns:///nowhere.test:50051"))
       << nowhere.status;
   EXPECT_EQ(Latest(*a), 4);
 }
@@ -421,9 +423,11 @@ TEST(PushTargetsTest, ExpandsDnsTargetsInPlaceAndKeepsEachServerOnce) {
   const client::TargetResolver resolver =
       [](const std::string& host,
          const std::string& port) -> absl::StatusOr<std::vector<std::string>> {
-    if (host == "pods.test") return std::vector<std::string>{"10.0.0.1:" + port, "10.0.0.2:" + port};
+    if (host == "pods.test")
+      return std::vector<std::string>{"10.0.0.1:" + port, "10.0.0.2:" + port};
     if (host == "empty.test") return std::vector<std::string>{};
-    return absl::UnavailableError("target: " + host + ":" + port + " did not resolve");
+    return absl::UnavailableError("target: " + host + ":" + port +
+                                  " did not resolve");
   };
   auto fleet = client::ExpandPushTargets(
       {"10.0.0.9:7", "dns:///pods.test:7", "10.0.0.1:7"}, resolver);
@@ -436,16 +440,16 @@ TEST(PushTargetsTest, ExpandsDnsTargetsInPlaceAndKeepsEachServerOnce) {
   EXPECT_EQ((*fleet)[1].resolved_from, "dns:///pods.test:7");
   EXPECT_EQ((*fleet)[1].tls_name, "pods.test");
   EXPECT_EQ((*fleet)[2].target, "10.0.0.2:7");
-  for (const std::string target : {"dns:///empty.test:7", "dns:///gone.test:7"}) {
+  for (const std::string target :
+       {"dns:///empty.test:7", "dns:///gone.test:7"}) {
     auto refused = client::ExpandPushTargets({"10.0.0.9:7", target}, resolver);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
     EXPECT_TRUE(absl::StrContains(refused.status().message(), target))
         << refused.status();
   }
-  EXPECT_EQ(client::ExpandPushTargets({"dns:///no-port"}, resolver)
-                .status()
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      client::ExpandPushTargets({"dns:///no-port"}, resolver).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

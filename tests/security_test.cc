@@ -198,8 +198,9 @@ TEST(SecurityTest, DnsTargetPushChecksEachAddressAgainstTheNamesCertificate) {
   }
 
   client::PushOptions push;
-  push.resolver = [&](const std::string& host, const std::string&)
-      -> absl::StatusOr<std::vector<std::string>> {
+  push.resolver =
+      [&](const std::string& host,
+          const std::string&) -> absl::StatusOr<std::vector<std::string>> {
     if (host == "localhost") return addresses;
     return absl::UnavailableError(host);
   };

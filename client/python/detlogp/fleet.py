@@ -164,9 +164,7 @@ class Pusher:
         """The client's channel for a target it gave, else one of the
         pusher's own (kept for later pushes); with TLS, a name's address
         must present the name's certificate."""
-        channel = self._given_channels.get(server.target) or self._own_channels.get(
-            server.target
-        )
+        channel = self._given_channels.get(server.target) or self._own_channels.get(server.target)
         if channel is None:
             options = channel_options(64)
             if server.tls_name and self._security["root_certificates"] is not None:

@@ -190,10 +190,8 @@ def test_push_to_a_dns_name_stages_and_commits_on_every_address(
         expected = sorted(replicas_name.addresses)
         version = 1
         pushes = [
-            lambda w: Pusher(replicas_name.target).upload_model("default", w, model.bias),
-            lambda w: Pusher(replicas_name.target, fanout="chain").upload_model(
-                "default", w, model.bias
-            ),
+            lambda w: _pusher_push(replicas_name.target, w, model, fanout="direct"),
+            lambda w: _pusher_push(replicas_name.target, w, model, fanout="chain"),
             lambda w: _client_push(replicas_name.target, w, model),
             lambda w: asyncio.run(_async_client_push(replicas_name.target, w, model)),
         ]
@@ -219,6 +217,13 @@ def test_push_to_a_dns_name_stages_and_commits_on_every_address(
         assert nowhere.value.code == grpc.StatusCode.UNAVAILABLE
         assert "dns:///no-such-host.invalid:1" in str(nowhere.value)
         assert versions_on(a) == before
+
+
+def _pusher_push(target, weights, model, fanout):
+    with Pusher(target, fanout=fanout) as pusher:
+        result = pusher.upload_model("default", weights, model.bias)
+        assert sorted(pusher.last_sent) == sorted(result.per_target)
+        return result
 
 
 def _client_push(target, weights, model):
