@@ -12,6 +12,9 @@
 //   PushReport report = PushToTargets({"a:50051", "b:50051"}, {}, admin,
 //   *upload);
 //
+//   // Every pod of a headless Service (each address of the name).
+//   PushToTargets({"dns:///detlogp.ns.svc:50051"}, {}, admin, *upload);
+//
 //   // Only what changed since version 41, which both replicas hold.
 //   auto delta = EncodeLmHeadDelta(*upload, *step_41, /*base_version=*/41);
 //   PushToTargets(targets, {}, admin, *upload, {.delta = &*delta});
