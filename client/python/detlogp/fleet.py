@@ -156,6 +156,9 @@ class Pusher:
         addresses looked up now) and their stubs."""
         servers = dns_targets.expand_targets(self.targets, self._resolver)
         self.servers = [server.target for server in servers]
+        # Pods that left the name: their channels go.
+        for gone in set(self._own_channels) - set(self.servers):
+            self._own_channels.pop(gone).close()
         self._stubs = [
             pb_grpc.ModelRepositoryServiceStub(self._channel(server)) for server in servers
         ]
