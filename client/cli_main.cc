@@ -179,7 +179,8 @@ ABSL_FLAG(std::string, expected_sha256, "",
 ABSL_FLAG(int64_t, chunk_mb, 4, "upload: MiB per streamed chunk.");
 ABSL_FLAG(std::string, servers, "",
           "upload: the servers to push to, comma-separated (default: "
-          "--target).");
+          "--target); a dns:///name:port server (a headless Service) is "
+          "every address the name resolves to.");
 ABSL_FLAG(std::string, fanout, "",
           "upload to several --servers: chain (the first server forwards "
           "each chunk to the next as it arrives; those it does not reach get "

@@ -84,10 +84,14 @@ absl::Status RunUpload(const LogpClient::Options& connection,
   upload->version = options.model_version;
   std::vector<std::string> servers = options.servers;
   if (servers.empty()) servers.push_back(connection.target);
+  // A "dns:" server (a headless Service) is every address it resolves to.
+  absl::StatusOr<std::vector<PushTarget>> fleet =
+      ExpandPushTargets(servers, ResolveWithGetaddrinfo);
+  if (!fleet.ok()) return fleet.status();
   PushOptions push;
   push.two_phase = options.two_phase;
   if (options.fanout == "chain" ||
-      (options.fanout.empty() && servers.size() > 2)) {
+      (options.fanout.empty() && fleet->size() > 2)) {
     push.fanout = PushOptions::Fanout::kChain;
   } else if (!options.fanout.empty() && options.fanout != "direct") {
     return v1::FieldError(
@@ -115,7 +119,7 @@ absl::Status RunUpload(const LogpClient::Options& connection,
     push.delta = &*delta;
   }
   const PushReport report =
-      PushToTargets(servers, connection, admin, *upload, push);
+      PushToFleet(*fleet, connection, admin, *upload, push);
   // "target": the server's address as gRPC names it.
   for (const PushedVersion& pushed : report.targets) {
     if (pushed.version.ok()) {

@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/push_targets.h"
 #include "client/tensor_files.h"
 #include "formats/checkpoint.h"
 #include "kernels/bfloat16.h"
@@ -375,26 +376,31 @@ absl::StatusOr<ModelVersionStatus> ModelRepositoryClient::Stream(
 
 namespace {
 
-LogpClient::Options ConnectionTo(const LogpClient::Options& connection,
-                                 const std::string& target) {
-  LogpClient::Options out = connection;
-  out.target = target;
-  out.own_connection = true;
-  return out;
+// A client of its own for one server of a push.
+absl::StatusOr<std::unique_ptr<ModelRepositoryClient>> Connect(
+    const PushTarget& target, const LogpClient::Options& connection,
+    const ModelRepositoryClient::Options& options) {
+  if (target.target.empty()) {
+    return absl::InvalidArgumentError("client: empty target");
+  }
+  if (options.chunk_bytes <= 0) {
+    return absl::InvalidArgumentError("client: chunk_bytes must be > 0");
+  }
+  return std::make_unique<ModelRepositoryClient>(
+      MakePushChannel(connection, target), options);
 }
 
 // The highest version number of `model` each target holds (0: none), or
 // why that target could not be asked.
 std::vector<absl::StatusOr<int64_t>> HighestVersions(
-    const std::vector<std::string>& targets,
+    const std::vector<PushTarget>& targets,
     const LogpClient::Options& connection,
     const ModelRepositoryClient::Options& options, const std::string& model) {
   std::vector<absl::StatusOr<int64_t>> highest(targets.size(), int64_t{0});
   std::vector<std::thread> threads;
   for (size_t i = 0; i < targets.size(); ++i) {
     threads.emplace_back([&, i] {
-      auto client = ModelRepositoryClient::Create(
-          ConnectionTo(connection, targets[i]), options);
+      auto client = Connect(targets[i], connection, options);
       if (!client.ok()) {
         highest[i] = client.status();
         return;
@@ -425,15 +431,19 @@ absl::StatusOr<int64_t> FleetVersion(
     const std::vector<std::string>& targets,
     const LogpClient::Options& connection,
     const ModelRepositoryClient::Options& options, const std::string& model) {
+  absl::StatusOr<std::vector<PushTarget>> fleet =
+      ExpandPushTargets(targets, ResolveWithGetaddrinfo);
+  if (!fleet.ok()) return fleet.status();
   const std::vector<absl::StatusOr<int64_t>> highest =
-      HighestVersions(targets, connection, options, model);
+      HighestVersions(*fleet, connection, options, model);
   int64_t top = 0;
-  for (size_t i = 0; i < targets.size(); ++i) {
+  for (size_t i = 0; i < fleet->size(); ++i) {
     if (!highest[i].ok()) {
       return absl::Status(
           highest[i].status().code(),
-          absl::StrCat("numbering the push: listing the models of ", targets[i],
-                       ": ", highest[i].status().message()));
+          absl::StrCat("numbering the push: listing the models of ",
+                       (*fleet)[i].target, ": ",
+                       highest[i].status().message()));
     }
     top = std::max(top, *highest[i]);
   }
@@ -445,16 +455,16 @@ namespace {
 // Uploads to one target: the delta when given, the whole head when there
 // is none or the target lacks its base; `forward_to` makes it the head of a
 // chain.
-PushedVersion PushOne(const std::string& target,
+PushedVersion PushOne(const PushTarget& target,
                       const LogpClient::Options& connection,
                       const ModelRepositoryClient::Options& options,
                       const LmHeadUpload& upload, int64_t version,
                       const LmHeadDelta* delta,
                       const std::vector<std::string>& forward_to, bool stage) {
   PushedVersion out;
-  out.target = target;
-  auto client =
-      ModelRepositoryClient::Create(ConnectionTo(connection, target), options);
+  out.target = target.target;
+  out.resolved_from = target.resolved_from;
+  auto client = Connect(target, connection, options);
   if (!client.ok()) {
     out.version = client.status();
     return out;
@@ -489,12 +499,11 @@ PushedVersion PushOne(const std::string& target,
 // The target's status of `version` of `model` when it holds it with
 // `digest`; nothing when it does not (or cannot be asked).
 std::optional<ModelVersionStatus> HeldVersion(
-    const std::string& target, const LogpClient::Options& connection,
+    const PushTarget& target, const LogpClient::Options& connection,
     const ModelRepositoryClient::Options& options, const std::string& model,
     int64_t version, const std::string& digest,
     ModelVersionStatus::State state) {
-  auto client =
-      ModelRepositoryClient::Create(ConnectionTo(connection, target), options);
+  auto client = Connect(target, connection, options);
   if (!client.ok()) return std::nullopt;
   auto models = (*client)->ListModels();
   if (!models.ok()) return std::nullopt;
@@ -513,7 +522,7 @@ std::optional<ModelVersionStatus> HeldVersion(
 // Two-phase publish's end: every target staged the version -> commit on all
 // of them at once; else abort on all of them (and mark the staged ones
 // ABORTED in the report).
-void FinishTwoPhase(const std::vector<std::string>& targets,
+void FinishTwoPhase(const std::vector<PushTarget>& targets,
                     const LogpClient::Options& connection,
                     const ModelRepositoryClient::Options& options,
                     const std::string& model, int64_t version,
@@ -529,8 +538,7 @@ void FinishTwoPhase(const std::vector<std::string>& targets,
   }
   std::vector<std::unique_ptr<ModelRepositoryClient>> clients(targets.size());
   for (size_t i = 0; i < targets.size(); ++i) {
-    auto client = ModelRepositoryClient::Create(
-        ConnectionTo(connection, targets[i]), options);
+    auto client = Connect(targets[i], connection, options);
     if (client.ok()) clients[i] = *std::move(client);
   }
   std::vector<std::thread> threads;
@@ -596,6 +604,20 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
                          const LogpClient::Options& connection,
                          const ModelRepositoryClient::Options& options,
                          const LmHeadUpload& upload, const PushOptions& push) {
+  absl::StatusOr<std::vector<PushTarget>> fleet =
+      ExpandPushTargets(targets, push.resolver);
+  if (!fleet.ok()) {
+    PushReport report;
+    report.status = fleet.status();
+    return report;
+  }
+  return PushToFleet(*fleet, connection, options, upload, push);
+}
+
+PushReport PushToFleet(const std::vector<PushTarget>& targets,
+                       const LogpClient::Options& connection,
+                       const ModelRepositoryClient::Options& options,
+                       const LmHeadUpload& upload, const PushOptions& push) {
   PushReport report;
   if (targets.empty()) {
     report.status = absl::InvalidArgumentError("push: no targets");
@@ -622,7 +644,10 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
       version > 0) {
     // The first target forwards every message down the chain as it
     // arrives; then each target says whether it holds the version.
-    const std::vector<std::string> rest(targets.begin() + 1, targets.end());
+    std::vector<std::string> rest;
+    for (size_t i = 1; i < targets.size(); ++i) {
+      rest.push_back(targets[i].target);
+    }
     report.targets[0] = PushOne(targets[0], connection, options, upload,
                                 version, push.delta, rest, two_phase);
     const std::string digest = push.delta != nullptr
@@ -633,7 +658,8 @@ PushReport PushToTargets(const std::vector<std::string>& targets,
       auto held = HeldVersion(targets[i], connection, options, upload.model,
                               version, digest, uploaded_state);
       if (held.has_value()) {
-        report.targets[i].target = targets[i];
+        report.targets[i].target = targets[i].target;
+        report.targets[i].resolved_from = targets[i].resolved_from;
         report.targets[i].version = *std::move(held);
         report.targets[i].via_chain = true;
         pending[i] = false;

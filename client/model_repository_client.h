@@ -12,6 +12,9 @@
 //   PushReport report = PushToTargets({"a:50051", "b:50051"}, {}, admin,
 //   *upload);
 //
+//   // Every pod of a headless Service (each address of the name).
+//   PushToTargets({"dns:///detlogp.ns.svc:50051"}, {}, admin, *upload);
+//
 //   // Only what changed since version 41, which both replicas hold.
 //   auto delta = EncodeLmHeadDelta(*upload, *step_41, /*base_version=*/41);
 //   PushToTargets(targets, {}, admin, *upload, {.delta = &*delta});
@@ -33,6 +36,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "client/logp_client.h"
+#include "client/push_targets.h"
+#include "client/target_resolver.h"
 #include "detlogp/v1/detlogp.grpc.pb.h"
 
 namespace detlogp::client {
@@ -199,7 +204,10 @@ class ModelRepositoryClient {
 
 // One target's outcome of PushToTargets.
 struct PushedVersion {
+  // The server: a target as given, or one address of a "dns:" target.
   std::string target;
+  // The "dns:" target `target` was resolved from (empty: given as is).
+  std::string resolved_from;
   absl::StatusOr<detlogp::v1::ModelVersionStatus> version;
   // Whether the delta was taken (false: the whole head was sent, or none).
   bool sent_delta = false;
@@ -232,10 +240,15 @@ struct PushOptions {
   // them: no target changes what it serves. false: each target publishes
   // as its upload finishes (a failed target leaves the fleet mixed).
   bool two_phase = true;
+  // Resolves "dns:" targets into their addresses (empty:
+  // ResolveWithGetaddrinfo); tests and other service discovery inject
+  // their own.
+  TargetResolver resolver;
 };
 
 struct PushReport {
-  // In the order of the targets given.
+  // One per server, in the order of the targets given (a "dns:" target's
+  // addresses, sorted, in its place).
   std::vector<PushedVersion> targets;
   // OK when every target took the upload and all report the same
   // determinism key (and digest); else names the failed targets, or
@@ -248,19 +261,32 @@ struct PushReport {
 };
 
 // Uploads `upload` to every target concurrently (one connection each, with
-// `connection`'s TLS and limits; its target is replaced). Every replica
-// publishes the same number: upload.version when set; else, with several
-// targets, one above the highest number any target holds of the model
-// (targets that cannot be asked are left out of that), so replicas started
-// at different times agree.
+// `connection`'s TLS and limits; its target is replaced). A "dns:" target
+// (a headless Service) stands for every address its name resolves to
+// (ExpandPushTargets, with push.resolver): each is a target of its own,
+// numbered, staged, chained and committed like the others, its certificate
+// checked against the name; a name that resolves to no address fails the
+// push (UNAVAILABLE naming it) before any server is sent anything. Every
+// replica publishes the same number: upload.version when set; else, with
+// several servers, one above the highest number any server holds of the
+// model (servers that cannot be asked are left out of that), so replicas
+// started at different times agree.
 PushReport PushToTargets(const std::vector<std::string>& targets,
                          const LogpClient::Options& connection,
                          const ModelRepositoryClient::Options& options,
                          const LmHeadUpload& upload,
                          const PushOptions& push = {});
 
+// PushToTargets to servers already expanded (push.resolver is not used).
+PushReport PushToFleet(const std::vector<PushTarget>& fleet,
+                       const LogpClient::Options& connection,
+                       const ModelRepositoryClient::Options& options,
+                       const LmHeadUpload& upload,
+                       const PushOptions& push = {});
+
 // One above the highest version number of `model` that any target holds
-// (1 when none holds it); an error when a target cannot be asked.
+// (1 when none holds it; a "dns:" target: any of its addresses, resolved
+// with ResolveWithGetaddrinfo); an error when a target cannot be asked.
 absl::StatusOr<int64_t> FleetVersion(
     const std::vector<std::string>& targets,
     const LogpClient::Options& connection,

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include "absl/time/time.h"
 #include "client/logp_client.h"
 #include "client/model_repository_client.h"
+#include "client/push_targets.h"
 #include "client/random_rows.h"
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
@@ -343,6 +345,111 @@ TEST_F(FleetUploadTest, ChainPushForwardsEachChunkAndRoutesAroundFailures) {
     EXPECT_FALSE(pushed.via_chain) << pushed.target;
     EXPECT_TRUE(pushed.sent_delta) << pushed.target;
   }
+}
+
+// A "dns:" target is every address its name resolves to: one push stages
+// and commits the version on each (two-phase), and the report names each
+// address. The resolver maps a test name to three real servers.
+TEST_F(FleetUploadTest, DnsTargetPushReachesEveryAddressOfTheName) {
+  auto a = StartWithBase();
+  auto b = StartWithBase();
+  auto c = StartWithBase();
+  ASSERT_TRUE(a != nullptr && b != nullptr && c != nullptr);
+  // c is a version ahead: the push is numbered above it everywhere.
+  ASSERT_TRUE(Repo(*c)->UploadModel(RandomLmHead(5)).ok());
+  std::vector<std::string> addresses = {a->target(), b->target(), c->target()};
+  std::sort(addresses.begin(), addresses.end());
+  const std::string name = "dns:///replicas.test:50051";
+  client::PushOptions push;
+  push.resolver =
+      [&](const std::string& host,
+          const std::string& port) -> absl::StatusOr<std::vector<std::string>> {
+    if (host == "replicas.test" && port == "50051") return addresses;
+    return absl::UnavailableError(absl::StrCat("no such name ", host));
+  };
+  for (auto fanout : {client::PushOptions::Fanout::kDirect,
+                      client::PushOptions::Fanout::kChain}) {
+    push.fanout = fanout;
+    const LmHeadUpload next =
+        Step(step_, fanout == client::PushOptions::Fanout::kDirect ? 7 : 8);
+    const int64_t expected =
+        fanout == client::PushOptions::Fanout::kDirect ? 3 : 4;
+    client::PushReport report =
+        client::PushToTargets({name}, LogpClient::Options(), {}, next, push);
+    ASSERT_TRUE(report.status.ok()) << report.status;
+    EXPECT_TRUE(report.committed);
+    ASSERT_EQ(report.targets.size(), 3u);
+    for (size_t i = 0; i < addresses.size(); ++i) {
+      const client::PushedVersion& pushed = report.targets[i];
+      EXPECT_EQ(pushed.target, addresses[i]);
+      EXPECT_EQ(pushed.resolved_from, name);
+      ASSERT_TRUE(pushed.version.ok()) << pushed.target;
+      EXPECT_EQ(pushed.version->version(), expected);
+      EXPECT_EQ(pushed.version->weights_sha256(),
+                client::LmHeadUploadDigest(next));
+    }
+    for (const ServerProcess* server : {a.get(), b.get(), c.get()}) {
+      EXPECT_EQ(Latest(*server), expected) << server->target();
+      auto models = Repo(*server)->ListModels();
+      ASSERT_TRUE(models.ok()) << models.status();
+      ASSERT_EQ(models->models_size(), 1);
+      EXPECT_EQ(models->models(0).weights_sha256(),
+                client::LmHeadUploadDigest(next));
+    }
+    EXPECT_EQ(ScoredBits(*a, expected), ScoredBits(*c, expected));
+  }
+
+  // From the command line, through the system's resolver: a name that
+  // resolves to nothing is UNAVAILABLE, named, and no server is sent
+  // anything.
+  auto [code, out] = testing::RunCli(
+      "upload --model=policy --bias_tensor=lm_head.bias --weights_file=" +
+      dir_ + "/v2.safetensors --servers=dns:///no-such-host.invalid:1 2>&1");
+  EXPECT_NE(code, 0) << out;
+  EXPECT_TRUE(absl::StrContains(out, "UNAVAILABLE")) << out;
+  EXPECT_TRUE(absl::StrContains(out, "dns:///no-such-host.invalid:1")) << out;
+  client::PushReport nowhere =
+      client::PushToTargets({a->target(), "dns:///nowhere.test:50051"},
+                            LogpClient::Options(), {}, step_, push);
+  EXPECT_EQ(nowhere.status.code(), absl::StatusCode::kUnavailable)
+      << nowhere.status;
+  EXPECT_TRUE(
+      absl::StrContains(nowhere.status.message(), "dns:///nowhere.test:50051"))
+      << nowhere.status;
+  EXPECT_EQ(Latest(*a), 4);
+}
+
+TEST(PushTargetsTest, ExpandsDnsTargetsInPlaceAndKeepsEachServerOnce) {
+  const client::TargetResolver resolver =
+      [](const std::string& host,
+         const std::string& port) -> absl::StatusOr<std::vector<std::string>> {
+    if (host == "pods.test")
+      return std::vector<std::string>{"10.0.0.1:" + port, "10.0.0.2:" + port};
+    if (host == "empty.test") return std::vector<std::string>{};
+    return absl::UnavailableError("target: " + host + ":" + port +
+                                  " did not resolve");
+  };
+  auto fleet = client::ExpandPushTargets(
+      {"10.0.0.9:7", "dns:///pods.test:7", "10.0.0.1:7"}, resolver);
+  ASSERT_TRUE(fleet.ok()) << fleet.status();
+  ASSERT_EQ(fleet->size(), 3u);
+  EXPECT_EQ((*fleet)[0].target, "10.0.0.9:7");
+  EXPECT_EQ((*fleet)[0].resolved_from, "");
+  EXPECT_EQ((*fleet)[0].tls_name, "");
+  EXPECT_EQ((*fleet)[1].target, "10.0.0.1:7");
+  EXPECT_EQ((*fleet)[1].resolved_from, "dns:///pods.test:7");
+  EXPECT_EQ((*fleet)[1].tls_name, "pods.test");
+  EXPECT_EQ((*fleet)[2].target, "10.0.0.2:7");
+  for (const std::string target :
+       {"dns:///empty.test:7", "dns:///gone.test:7"}) {
+    auto refused = client::ExpandPushTargets({"10.0.0.9:7", target}, resolver);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_TRUE(absl::StrContains(refused.status().message(), target))
+        << refused.status();
+  }
+  EXPECT_EQ(
+      client::ExpandPushTargets({"dns:///no-port"}, resolver).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -157,6 +157,66 @@ TEST(SecurityTest, ChainPushesAndPullsBetweenTlsReplicasUseTls) {
             client::LmHeadUploadDigest(upload));
 }
 
+// A push to a "dns:" name over TLS checks each address against the name's
+// certificate: the servers listen on 127.0.0.2 and 127.0.0.3, which the
+// certificate (localhost, 127.0.0.1) does not name.
+TEST(SecurityTest, DnsTargetPushChecksEachAddressAgainstTheNamesCertificate) {
+  const Certificates& certs = Certificates::Get();
+  ASSERT_TRUE(certs.ok());
+  auto start = [&](const std::string& host) {
+    return ServerProcess::Start(
+        {"--device=cpu", "--synthetic_hidden_size=128",
+         "--synthetic_vocab_size=2000", "--host=" + host,
+         "--tls_cert=" + certs.path("server.pem"),
+         "--tls_key=" + certs.path("server.key"),
+         "--admin_tokens_file=" + certs.path("tokens.txt")},
+        60);
+  };
+  auto a = start("127.0.0.2");
+  auto b = start("127.0.0.3");
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::vector<std::string> addresses = {
+      absl::StrCat("127.0.0.2:", (*a)->port()),
+      absl::StrCat("127.0.0.3:", (*b)->port())};
+  client::LmHeadUpload upload;
+  upload.model = "default";
+  upload.hidden_size = 128;
+  upload.padded_vocab_size = 2000;
+  upload.weight.assign(128 * 2000, kernels::FloatToBf16(0.02f));
+  LogpClient::Options connection;
+  connection.tls_root_certs = certs.pem("ca.pem");
+  client::ModelRepositoryClient::Options admin;
+  admin.timeout = absl::Seconds(20);
+  admin.admin_token = "alpha-token";
+  // By address alone, the certificate does not match.
+  const client::PushReport by_address =
+      client::PushToTargets(addresses, connection, admin, upload);
+  EXPECT_FALSE(by_address.status.ok());
+  for (const client::PushedVersion& refused : by_address.targets) {
+    EXPECT_EQ(refused.version.status().code(), absl::StatusCode::kUnavailable)
+        << refused.version.status();
+  }
+
+  client::PushOptions push;
+  push.resolver =
+      [&](const std::string& host,
+          const std::string&) -> absl::StatusOr<std::vector<std::string>> {
+    if (host == "localhost") return addresses;
+    return absl::UnavailableError(host);
+  };
+  const client::PushReport report = client::PushToTargets(
+      {"dns:///localhost:50051"}, connection, admin, upload, push);
+  ASSERT_TRUE(report.status.ok()) << report.status;
+  ASSERT_EQ(report.targets.size(), 2u);
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    EXPECT_EQ(report.targets[i].target, addresses[i]);
+    ASSERT_TRUE(report.targets[i].version.ok());
+    EXPECT_EQ(report.targets[i].version->version(), 2);
+    EXPECT_EQ(report.targets[i].version->weights_sha256(),
+              client::LmHeadUploadDigest(upload));
+  }
+}
+
 TEST(SecurityTest, MutualTlsRequiresAClientCertificate) {
   const Certificates& certs = Certificates::Get();
   ASSERT_TRUE(certs.ok());

@@ -413,12 +413,18 @@ class ClientState:
     def _pusher(self, channels=None, metadata=None):
         """The client's Pusher (made once; it keeps the version it pushed
         last as the next delta's base): on `channels`, sync channels of the
-        client's, or on its own made with the client's TLS options;
-        `metadata` sent on every call."""
+        client's, or on its own made with the client's TLS options (always
+        its own, one per address, for a dns: target); `metadata` sent on
+        every call."""
         if self._fleet_pusher is None:
             from detlogp.fleet import Pusher
 
             security = {k: v for k, v in self._sync_channel_security.items() if k != "token"}
+            token = self._sync_channel_security.get("token")
+            if metadata is None and token:
+                # The client's channels carry its token; the channels the
+                # pusher makes for a dns: name's addresses do not.
+                metadata = bearer(token)
             self._fleet_pusher = Pusher(
                 self.targets,
                 timeout=self.admin_timeout or 600.0,

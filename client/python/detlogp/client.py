@@ -69,7 +69,8 @@ class Client(ClientState):
     versions), and a call pinned to a version that one target lacks
     (NOT_FOUND) moves on to the next target. A dns:/// target (a headless
     Service's name) spreads small calls over every address (gRPC's
-    round_robin); a large call's slices go through the engine, which makes
+    round_robin), upload_model reaches every address (resolved at each
+    push; detlogp.fleet.Pusher); a large call's slices go through the engine, which makes
     every address the name resolves to a replica (resolved again every 30 s
     and after a replica failed; a dead replica's slices go to another within
     the call's deadline). With several targets, the engine's regions are

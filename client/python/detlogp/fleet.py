@@ -19,6 +19,15 @@ where the XOR then runs). `base_version=0` sends the whole head and keeps
 no copy. A replica without the base answers FailedPrecondition with reason
 BASE_MISSING and gets the whole head.
 
+A "dns:" target (dns:///name:port, a Kubernetes headless Service) stands
+for every address its name resolves to, resolved again at each push (every
+A and AAAA record, as the C++ client resolves it: detlogp.dns_targets):
+each address is a target of its own, numbered, staged, chained and
+committed like the others, its certificate checked against the name. A name
+that resolves to no address fails the push (Unavailable naming it) before
+any server is sent anything. `pusher.servers` lists the last push's
+servers; results and last_sent are keyed by them.
+
 Two-phase publish (with more than one target, unless two_phase=False): the
 version is first staged on every target (received, digest checked, placed,
 warmed up, not servable), then committed on all of them at once; when any
@@ -35,6 +44,7 @@ import grpc
 import numpy as np
 
 from detlogp import delta as delta_codec
+from detlogp import dns_targets
 from detlogp._common import (
     Deadline,
     channel_options,
@@ -75,7 +85,8 @@ class Pusher:
     """Pushes versions of lm_heads to every target at once (no retries:
     these calls change the servers).
 
-    targets: "host:port" strings (or one comma-separated string).
+    targets: "host:port" strings (or one comma-separated string); a
+      "dns:///name:port" target is every address of the name.
     admin_token: sent on every call (the servers' --admin_tokens_file).
     timeout: seconds per push (numbering, then the uploads).
     fanout: "direct" (the pusher uploads to every target) or "chain" (to
@@ -100,6 +111,7 @@ class Pusher:
         client_key=None,
         _channels=None,
         _metadata=None,
+        _resolver=None,
     ):
         self.targets = normalize_targets(targets)
         self.two_phase = bool(two_phase)
@@ -109,29 +121,60 @@ class Pusher:
             raise ValueError(f"fanout {fanout!r} is neither 'direct' nor 'chain'")
         self.fanout = fanout
         self._metadata = bearer(admin_token) if admin_token else _metadata
+        self._security = dict(
+            root_certificates=root_certificates,
+            client_certificate=client_certificate,
+            client_key=client_key,
+        )
+        # resolver(host, port) -> ["ip:port", ...] (None: getaddrinfo).
+        self._resolver = _resolver
         # Channels of a Client that pushes through this pusher are the
-        # Client's to close.
-        self._owns_channels = _channels is None
-        self._channels = _channels or [
-            make_channel(
-                target,
-                channel_options(64),
-                root_certificates=root_certificates,
-                client_certificate=client_certificate,
-                client_key=client_key,
-            )
-            for target in self.targets
-        ]
-        self._stubs = [pb_grpc.ModelRepositoryServiceStub(c) for c in self._channels]
+        # Client's to close; a dns: target never uses them (its channel
+        # reaches one address per call): the pusher makes one per address.
+        self._given_channels = {
+            target: channel
+            for target, channel in zip(self.targets, _channels or ())
+            if dns_targets.parse_dns_target(target) is None
+        }
+        self._own_channels = {}  # server -> channel made here
+        self.servers = []  # the servers of the last push (dns: names expanded)
+        self._stubs = []  # of self.servers
+        if not any(dns_targets.parse_dns_target(t) for t in self.targets):
+            self._resolve()  # no name: the servers are the targets
         self._pushed = {}  # model -> _Pushed
         self.last_sent = {}  # target -> ("delta" | "head", payload bytes)
         # Two-phase: from the first commit sent to the last answered.
         self.last_commit_seconds = None
 
     def close(self):
-        if self._owns_channels:
-            for channel in self._channels:
-                channel.close()
+        for channel in self._own_channels.values():
+            channel.close()
+        self._own_channels = {}
+
+    def _resolve(self):
+        """Expands the targets into this push's servers (a "dns:" target's
+        addresses looked up now) and their stubs."""
+        servers = dns_targets.expand_targets(self.targets, self._resolver)
+        self.servers = [server.target for server in servers]
+        # Pods that left the name: their channels go.
+        for gone in set(self._own_channels) - set(self.servers):
+            self._own_channels.pop(gone).close()
+        self._stubs = [
+            pb_grpc.ModelRepositoryServiceStub(self._channel(server)) for server in servers
+        ]
+
+    def _channel(self, server):
+        """The client's channel for a target it gave, else one of the
+        pusher's own (kept for later pushes); with TLS, a name's address
+        must present the name's certificate."""
+        channel = self._given_channels.get(server.target) or self._own_channels.get(server.target)
+        if channel is None:
+            options = channel_options(64)
+            if server.tls_name and self._security["root_certificates"] is not None:
+                options.append(("grpc.ssl_target_name_override", server.tls_name))
+            channel = make_channel(server.target, options, **self._security)
+            self._own_channels[server.target] = channel
+        return channel
 
     def __enter__(self):
         return self
@@ -142,6 +185,7 @@ class Pusher:
     def fleet_version(self, name, *, timeout=None):
         """One above the highest version number of model `name` on any
         target (1 when none has it); raises when a target cannot be asked."""
+        self._resolve()
         outcomes = self._highest_versions(name, timeout)
         failure = first_failure(name, "ListModels", outcomes)
         if failure is not None:
@@ -199,12 +243,13 @@ class Pusher:
         """
         deadline = Deadline(timeout or self.timeout)
         chunk_bytes = int(chunk_bytes or self.chunk_bytes)
+        self._resolve()
         staged = (self.two_phase if two_phase is None else bool(two_phase)) and len(
-            self.targets
+            self.servers
         ) > 1
         device_weight = _cuda_bf16(weight)
         head = LmHead.coerce(weight, bias, vocab_size)
-        if version is None and len(self.targets) == 1:
+        if version is None and len(self.servers) == 1:
             version = 0  # the server's next number (it knows numbers unloaded)
         elif version is None:
             # A target that cannot be asked does not stop the push: its
@@ -231,7 +276,7 @@ class Pusher:
                         timeout=deadline.remaining(),
                         metadata=self._metadata,
                     )
-                    self.last_sent[self.targets[index]] = ("delta", lm_head_delta.nbytes)
+                    self.last_sent[self.servers[index]] = ("delta", lm_head_delta.nbytes)
                     return answer
                 except grpc.RpcError as rpc_error:
                     error = from_rpc_error(rpc_error)
@@ -246,30 +291,30 @@ class Pusher:
                 timeout=deadline.remaining(),
                 metadata=self._metadata,
             )
-            self.last_sent[self.targets[index]] = ("head", head.nbytes)
+            self.last_sent[self.servers[index]] = ("head", head.nbytes)
             return answer
 
         self.last_sent = {}
         outcomes = {}
-        pending = range(len(self.targets))
-        if (fanout or self.fanout) == "chain" and len(self.targets) > 1:
+        pending = range(len(self.servers))
+        if (fanout or self.fanout) == "chain" and len(self.servers) > 1:
             # The first target forwards each message down the chain as it
             # arrives; then every target says whether it holds the version,
             # and those the chain did not reach get it directly.
-            outcomes.update(self._on_every_target(lambda i: push(i, self.targets[1:]), [0]))
+            outcomes.update(self._on_every_target(lambda i: push(i, self.servers[1:]), [0]))
             digest = lm_head_delta.weights_sha256 if lm_head_delta else head.sha256()
             state = pb.ModelVersionStatus.STAGED if staged else pb.ModelVersionStatus.READY
             held = self._on_every_target(
                 lambda i: self._held(i, name, version, digest, state, deadline.remaining()),
-                range(1, len(self.targets)),
+                range(1, len(self.servers)),
             )
             for target, status in held.items():
                 if isinstance(status, pb.ModelVersionStatus):
                     outcomes[target] = status
                     self.last_sent[target] = ("chain", 0)
-            pending = [i for i, t in enumerate(self.targets) if t not in outcomes]
+            pending = [i for i, t in enumerate(self.servers) if t not in outcomes]
         outcomes.update(self._on_every_target(push, pending))
-        outcomes = {target: outcomes[target] for target in self.targets}
+        outcomes = {server: outcomes[server] for server in self.servers}
         if staged:
             outcomes = self._commit_or_abort(name, version, outcomes, deadline)
         failure = first_failure(name, "UploadModel", outcomes)
@@ -341,7 +386,7 @@ class Pusher:
         digest = next(iter(outcomes.values())).weights_sha256
         # Every connection is used once before any commit leaves, so the
         # commits go together and the skew window is about one round trip.
-        gate = threading.Barrier(len(self.targets))
+        gate = threading.Barrier(len(self.servers))
         times = []  # (sent, answered) per commit
 
         def commit(index):
@@ -382,7 +427,7 @@ class Pusher:
     def _on_every_target(self, call, indices=None):
         """call(index) on every target (or those of `indices`) at once:
         {target: answer or error}."""
-        indices = list(range(len(self.targets)) if indices is None else indices)
+        indices = list(range(len(self.servers)) if indices is None else indices)
         if not indices:
             return {}
 
@@ -395,7 +440,7 @@ class Pusher:
                 return error
 
         with concurrent.futures.ThreadPoolExecutor(len(indices)) as pool:
-            return dict(zip((self.targets[i] for i in indices), pool.map(one, indices)))
+            return dict(zip((self.servers[i] for i in indices), pool.map(one, indices)))
 
     def _every_target(self, model, action, call):
         """call(index) on every target at once; {target: answer}, or raises

@@ -1,7 +1,8 @@
 """Two-phase publish from Python (detlogp.fleet.Pusher, detlogp.Client)
 against real CPU servers, without deltas (no zstandard needed): a replica
 that fails to stage a version aborts the push on every replica, and a push
-commits one number and digest everywhere.
+commits one number and digest everywhere; a push to a dns: name reaches
+every address the name resolves to.
 """
 
 import asyncio
@@ -11,6 +12,7 @@ import detlogp.aio
 import grpc
 import numpy as np
 import pytest
+from detlogp import dns_targets
 from detlogp.fleet import Pusher
 from detlogp.testing import LocalServer, TestModel
 from detlogp.v1 import detlogp_pb2 as pb
@@ -115,3 +117,120 @@ def test_async_client_push_is_two_phase_like_the_sync_one(server_binary, model):
         assert {s.version for s in statuses} == {result.version}
         assert versions_on(a) == versions_on(b)
         assert bits_on(a, result.version, model) == bits_on(b, result.version, model)
+
+
+# ---------------------------------------------------------------- dns: names
+
+
+def test_dns_target_parsing_follows_the_cpp_rules():
+    """The cases of the C++ DnsTargetTest (client/target_resolver.h)."""
+    parse = dns_targets.parse_dns_target
+    assert parse("dns:///detlogp.ns.svc:50051") == ("detlogp.ns.svc", "50051")
+    assert parse("dns://8.8.8.8/pods.local:7") == ("pods.local", "7")
+    assert parse("dns:[::1]:9") == ("::1", "9")
+    assert parse("dns:host:80") == ("host", "80")
+    assert parse("127.0.0.1:50051") is None
+    for bad in ("dns:///no-port", "dns:///:80", "dns://authority-only", "dns:[::1:9"):
+        with pytest.raises(ValueError, match="target: "):
+            parse(bad)
+    assert dns_targets.resolve_with_getaddrinfo("127.0.0.1", "50051") == ["127.0.0.1:50051"]
+    assert dns_targets.resolve_with_getaddrinfo("::1", "7") == ["[::1]:7"]
+    with pytest.raises(detlogp.DetlogpError) as unresolved:
+        dns_targets.resolve_with_getaddrinfo("no-such-host.invalid", "1")
+    assert unresolved.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_dns_targets_expand_in_place_and_keep_each_server_once():
+    def resolve(host, port):
+        return {"pods.test": [f"10.0.0.1:{port}", f"10.0.0.2:{port}"], "empty.test": []}[host]
+
+    expanded = dns_targets.expand_targets(
+        ["10.0.0.9:7", "dns:///pods.test:7", "10.0.0.1:7"], resolve
+    )
+    assert expanded == [
+        ("10.0.0.9:7", "", ""),
+        ("10.0.0.1:7", "dns:///pods.test:7", "pods.test"),
+        ("10.0.0.2:7", "dns:///pods.test:7", "pods.test"),
+    ]
+    with pytest.raises(detlogp.DetlogpError) as empty:
+        dns_targets.expand_targets(["dns:///empty.test:7"], resolve)
+    assert empty.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "dns:///empty.test:7" in str(empty.value)
+
+
+@pytest.fixture
+def replicas_name(monkeypatch):
+    """A fake name, dns:///replicas.test:50051, resolved to the servers that
+    the test sets in .addresses (getaddrinfo for every other name)."""
+    real = dns_targets.resolve_with_getaddrinfo
+
+    class Name:
+        target = "dns:///replicas.test:50051"
+        addresses = []
+
+    def resolve(host, port):
+        if (host, port) == ("replicas.test", "50051"):
+            return sorted(Name.addresses)
+        return real(host, port)
+
+    monkeypatch.setattr(dns_targets, "resolve_with_getaddrinfo", resolve)
+    return Name
+
+
+def test_push_to_a_dns_name_stages_and_commits_on_every_address(
+    server_binary, model, replicas_name
+):
+    with (
+        start(server_binary, model) as a,
+        start(server_binary, model) as b,
+        start(server_binary, model) as c,
+    ):
+        servers = (a, b, c)
+        replicas_name.addresses = [s.target for s in servers]
+        expected = sorted(replicas_name.addresses)
+        version = 1
+        pushes = [
+            lambda w: _pusher_push(replicas_name.target, w, model, fanout="direct"),
+            lambda w: _pusher_push(replicas_name.target, w, model, fanout="chain"),
+            lambda w: _client_push(replicas_name.target, w, model),
+            lambda w: asyncio.run(_async_client_push(replicas_name.target, w, model)),
+        ]
+        for seed, push in enumerate(pushes, 70):
+            weights = step(model.weight_bits, seed)
+            result = push(weights)
+            version += 1
+            assert result.version == version
+            assert sorted(result.per_target) == expected  # each address, named
+            assert {s.version for s in result.per_target.values()} == {version}
+            digests = {s.weights_sha256 for s in result.per_target.values()}
+            assert len(digests) == 1
+            for server in servers:
+                assert versions_on(server)[version] == (pb.ModelVersionStatus.READY, *digests)
+            assert versions_on(a) == versions_on(b) == versions_on(c)
+        assert bits_on(a, version, model) == bits_on(c, version, model)
+
+        # A name that resolves to nothing: Unavailable naming it, nothing sent.
+        before = versions_on(a)
+        with pytest.raises(detlogp.DetlogpError) as nowhere:
+            with Pusher([a.target, "dns:///no-such-host.invalid:1"]) as pusher:
+                pusher.upload_model("default", step(model.weight_bits, 79), model.bias)
+        assert nowhere.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "dns:///no-such-host.invalid:1" in str(nowhere.value)
+        assert versions_on(a) == before
+
+
+def _pusher_push(target, weights, model, fanout):
+    with Pusher(target, fanout=fanout) as pusher:
+        result = pusher.upload_model("default", weights, model.bias)
+        assert sorted(pusher.last_sent) == sorted(result.per_target)
+        return result
+
+
+def _client_push(target, weights, model):
+    with detlogp.Client(target, timeout=20.0) as client:
+        return client.upload_model("default", weights, model.bias, base_version=0)
+
+
+async def _async_client_push(target, weights, model):
+    async with detlogp.aio.AsyncClient(target, timeout=20.0) as client:
+        return await client.upload_model("default", weights, model.bias, base_version=0)

@@ -5,6 +5,7 @@ import asyncio
 import subprocess
 
 import detlogp
+import grpc
 import numpy as np
 import pytest
 from detlogp.testing import LocalServer
@@ -108,3 +109,43 @@ def test_plaintext_client_cannot_reach_a_tls_server(secure_server, model):
     ) as client:
         with pytest.raises(detlogp.DetlogpError):
             client.logprobs(_hidden(model), [1, 2, 3])
+
+
+def test_push_to_a_dns_name_checks_each_address_against_the_names_certificate(
+    server_binary, model, secrets, monkeypatch
+):
+    """The servers listen on 127.0.0.2 and 127.0.0.3, which the certificate
+    (localhost, 127.0.0.1) does not name: by address the push fails, through
+    the name "localhost" resolved to them it reaches both."""
+    from detlogp import dns_targets
+    from detlogp.fleet import Pusher
+
+    roots = (secrets / "cert.pem").read_bytes()
+    flags = model.flags + [
+        f"--admin_tokens_file={secrets / 'tokens.txt'}",
+        f"--tls_cert={secrets / 'cert.pem'}",
+        f"--tls_key={secrets / 'key.pem'}",
+        "--cpu_threads=1",
+    ]
+    with (
+        LocalServer(server_binary, flags + ["--host=127.0.0.2"]) as a,
+        LocalServer(server_binary, flags + ["--host=127.0.0.3"]) as b,
+    ):
+        addresses = [f"127.0.0.2:{a.port}", f"127.0.0.3:{b.port}"]
+        monkeypatch.setattr(
+            dns_targets,
+            "resolve_with_getaddrinfo",
+            lambda host, port: addresses if host == "localhost" else [],
+        )
+        tls = dict(admin_token="secret-one", root_certificates=roots, timeout=20.0)
+        with Pusher(addresses, **tls) as pusher:
+            with pytest.raises(detlogp.DetlogpError) as by_address:
+                pusher.upload_model("default", model.weight_bits, model.bias, model.vocab)
+        assert all(
+            error.code == grpc.StatusCode.UNAVAILABLE
+            for error in by_address.value.per_target.values()
+        )
+        with Pusher("dns:///localhost:50051", **tls) as pusher:
+            result = pusher.upload_model("default", model.weight_bits, model.bias, model.vocab)
+        assert sorted(result.per_target) == addresses
+        assert {s.version for s in result.per_target.values()} == {2}

@@ -1,0 +1,109 @@
+"""A "dns:" target as the servers behind it: the name's every address (all
+A and AAAA records, sorted, without duplicates), one server each, as the
+C++ client resolves it (client/target_resolver.h, client/push_targets.h).
+
+    parse_dns_target("dns:///detlogp.ns.svc:50051")  # ("detlogp.ns.svc", "50051")
+    resolve_with_getaddrinfo("detlogp.ns.svc", "50051")
+    # ["10.0.0.7:50051", "10.0.0.9:50051", "[fd00::3]:50051"]
+    expand_targets(["dns:///detlogp.ns.svc:50051"])
+    # [PushTarget("10.0.0.7:50051", "dns:///detlogp.ns.svc:50051", "detlogp.ns.svc"), ...]
+
+A push uses it so that one upload to a Kubernetes headless Service stages
+and commits on every pod (a gRPC "dns:" channel would reach one per call).
+"""
+
+import collections
+import socket
+
+from detlogp.errors import Unavailable
+
+# One server of a push: `target` names one server (an address the name
+# resolved to, or a target as given); `resolved_from` the "dns:" target it
+# came from ("" when given as is); `tls_name` the name its certificate must
+# carry ("": the target's own).
+PushTarget = collections.namedtuple("PushTarget", ("target", "resolved_from", "tls_name"))
+
+
+def parse_dns_target(target):
+    """(host, port) of a "dns:" target ("dns:///host:port", "dns:host:port"
+    or "dns://authority/host:port"; IPv6 literals in brackets); None for a
+    target of another scheme; ValueError for a "dns:" target without a host
+    or port."""
+    if not target.startswith("dns:"):
+        return None
+    rest = target[len("dns:") :]
+    # "dns://authority/host:port": the authority names a DNS server; the
+    # system's resolver is used whatever it says.
+    if rest.startswith("//"):
+        rest = rest[2:]
+        slash = rest.find("/")
+        if slash < 0:
+            raise ValueError(f"target: {target} has no host:port after dns://authority/")
+        rest = rest[slash + 1 :]
+    if rest.startswith("["):
+        close = rest.find("]")
+        if close < 0:
+            raise ValueError(f"target: {target} has an unclosed [ipv6] host")
+        host = rest[1:close]
+        colon = close + 1
+        if colon >= len(rest) or rest[colon] != ":":
+            colon = len(rest)
+    else:
+        colon = rest.rfind(":")
+        if colon < 0:
+            colon = len(rest)
+        host = rest[:colon]
+    port = rest[colon + 1 :]
+    if not host or not port:
+        raise ValueError(f"target: {target} needs a host and a port (dns:///host:port)")
+    return host, port
+
+
+def resolve_with_getaddrinfo(host, port):
+    """Every A and AAAA record of `host` as gRPC targets ("ip:port",
+    "[ipv6]:port"), sorted, without duplicates; Unavailable naming the host
+    when it resolves to none."""
+    try:
+        found = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as error:
+        raise Unavailable(f"target: {host}:{port} did not resolve: {error}") from None
+    targets = set()
+    for family, _, _, _, address in found:
+        ip = address[0].split("%")[0]  # without an IPv6 scope, as inet_ntop gives it
+        if family == socket.AF_INET:
+            targets.add(f"{ip}:{port}")
+        elif family == socket.AF_INET6:
+            targets.add(f"[{ip}]:{port}")
+    if not targets:
+        raise Unavailable(f"target: {host}:{port} has no address")
+    return sorted(targets)
+
+
+def expand_targets(targets, resolver=None):
+    """[PushTarget]: every target in the order given, a "dns:" target
+    replaced in its place by its addresses (`resolver(host, port)`, None:
+    resolve_with_getaddrinfo); a server met twice is kept once. ValueError
+    for a malformed "dns:" target; Unavailable naming a "dns:" target that
+    resolves to no address."""
+    resolve = resolver or resolve_with_getaddrinfo
+    out = []
+    seen = set()
+    for target in targets:
+        name = parse_dns_target(target)
+        if name is None:
+            found = [PushTarget(target, "", "")]
+        else:
+            try:
+                addresses = list(resolve(*name))
+            except Unavailable as error:
+                addresses, why = [], error.details
+            else:
+                why = "no address"
+            if not addresses:
+                raise Unavailable(f"push: {target} resolves to no server ({why})")
+            found = [PushTarget(address, target, name[0]) for address in addresses]
+        for pushed in found:
+            if pushed.target not in seen:
+                seen.add(pushed.target)
+                out.append(pushed)
+    return out
