@@ -131,8 +131,9 @@ std::shared_ptr<grpc::Channel> MakeChannelIdleAfter(
 
 }  // namespace
 
-std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options) {
-  return MakeChannelIdleAfter(options, absl::ZeroDuration());
+std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options,
+                                           const std::string& tls_name) {
+  return MakeChannelIdleAfter(options, absl::ZeroDuration(), tls_name);
 }
 
 LogpClient::LogpClient(const Options& options)

@@ -698,7 +698,10 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
 
 // A channel as LogpClient makes it (message limits, TLS, load balancing);
 // `options.bearer_token` and `options.timeout` belong to calls, not here.
-std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options);
+// `tls_name`: the name the server's certificate must carry when it is not
+// the target's (an address a "dns:" name resolved to).
+std::shared_ptr<grpc::Channel> MakeChannel(const LogpClient::Options& options,
+                                           const std::string& tls_name = "");
 
 }  // namespace detlogp::client
 

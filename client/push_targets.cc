@@ -1,14 +1,9 @@
 #include "client/push_targets.h"
 
-#include <grpcpp/create_channel.h>
-#include <grpcpp/security/credentials.h>
-#include <grpcpp/support/channel_arguments.h>
-
 #include <optional>
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "client/grpc_lifetime.h"
 
 namespace detlogp::client {
 
@@ -46,26 +41,8 @@ std::shared_ptr<grpc::Channel> MakePushChannel(
   LogpClient::Options one = connection;
   one.target = target.target;
   one.own_connection = true;
-  if (target.tls_name.empty() || connection.tls_root_certs.empty()) {
-    return MakeChannel(one);
-  }
-  // MakeChannel's channel, and the name's certificate checked at the
-  // address (as the scoring client checks its replicas').
-  KeepGrpcInitialized();
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(connection.max_message_bytes);
-  args.SetMaxSendMessageSize(connection.max_message_bytes);
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  args.SetSslTargetNameOverride(target.tls_name);
-  for (const auto& [key, value] : connection.int_channel_args) {
-    args.SetInt(key, value);
-  }
-  grpc::SslCredentialsOptions ssl;
-  ssl.pem_root_certs = connection.tls_root_certs;
-  ssl.pem_cert_chain = connection.tls_client_cert;
-  ssl.pem_private_key = connection.tls_client_key;
-  return grpc::CreateCustomChannel(target.target, grpc::SslCredentials(ssl),
-                                   args);
+  // A name's address is checked against the name's certificate.
+  return MakeChannel(one, target.tls_name);
 }
 
 }  // namespace detlogp::client
