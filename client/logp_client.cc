@@ -456,11 +456,9 @@ constexpr int64_t kMinRegionPieceBytes = int64_t{8} << 20;
 
 detlogp::v1::LogProbRequest SliceLogProbRequest(
     const detlogp::v1::LogProbRequest& request, int64_t begin, int64_t count) {
-  detlogp::v1::LogProbRequest slice;
-  slice.set_request_id(request.request_id());
+  detlogp::v1::LogProbRequest slice = WithoutRows(request);
   const detlogp::v1::Tensor& hidden = request.hidden();
   detlogp::v1::Tensor* out = slice.mutable_hidden();
-  out->set_dtype(hidden.dtype());
   out->add_shape(count);
   out->add_shape(hidden.shape(1));
   const int64_t row_bytes = RowBytes(request);
@@ -474,13 +472,6 @@ detlogp::v1::LogProbRequest SliceLogProbRequest(
   }
   slice.mutable_target_ids()->Add(request.target_ids().begin() + begin,
                                   request.target_ids().begin() + begin + count);
-  slice.set_temperature(request.temperature());
-  slice.set_return_lse(request.return_lse());
-  slice.set_model(request.model());
-  slice.set_model_version(request.model_version());
-  slice.set_return_entropy(request.return_entropy());
-  slice.set_top_k(request.top_k());
-  slice.set_return_timing(request.return_timing());
   return slice;
 }
 
@@ -551,10 +542,11 @@ RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
   RowSlices slices;
   for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
     const int64_t count = std::min(rows_per_request, rows - begin);
-    slices.headers.push_back(WithoutHiddenBytes(request));
+    // Each header gets its own targets only (not the call's, cleared).
+    slices.headers.push_back(WithoutRows(request));
     detlogp::v1::LogProbRequest& header = slices.headers.back();
-    header.mutable_hidden()->set_shape(0, count);
-    header.mutable_target_ids()->Clear();
+    header.mutable_hidden()->add_shape(count);
+    header.mutable_hidden()->add_shape(request.hidden().shape(1));
     header.mutable_target_ids()->Add(
         request.target_ids().begin() + begin,
         request.target_ids().begin() + begin + count);

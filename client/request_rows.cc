@@ -13,13 +13,11 @@ int64_t RowBytes(const detlogp::v1::LogProbRequest& request) {
   return hidden.shape(1) * detlogp::v1::DTypeBytes(hidden.dtype());
 }
 
-detlogp::v1::LogProbRequest WithoutHiddenBytes(
+detlogp::v1::LogProbRequest WithoutRows(
     const detlogp::v1::LogProbRequest& request) {
   detlogp::v1::LogProbRequest copy;
   copy.set_request_id(request.request_id());
   copy.mutable_hidden()->set_dtype(request.hidden().dtype());
-  *copy.mutable_hidden()->mutable_shape() = request.hidden().shape();
-  *copy.mutable_target_ids() = request.target_ids();
   copy.set_temperature(request.temperature());
   copy.set_return_lse(request.return_lse());
   copy.set_model(request.model());
@@ -27,6 +25,14 @@ detlogp::v1::LogProbRequest WithoutHiddenBytes(
   copy.set_return_entropy(request.return_entropy());
   copy.set_top_k(request.top_k());
   copy.set_return_timing(request.return_timing());
+  return copy;
+}
+
+detlogp::v1::LogProbRequest WithoutHiddenBytes(
+    const detlogp::v1::LogProbRequest& request) {
+  detlogp::v1::LogProbRequest copy = WithoutRows(request);
+  *copy.mutable_hidden()->mutable_shape() = request.hidden().shape();
+  *copy.mutable_target_ids() = request.target_ids();
   return copy;
 }
 

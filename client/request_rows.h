@@ -18,6 +18,11 @@ int64_t RowBytes(const detlogp::v1::LogProbRequest& request);
 detlogp::v1::LogProbRequest WithoutHiddenBytes(
     const detlogp::v1::LogProbRequest& request);
 
+// Every field of `request` but the hidden tensor's shape, bytes or
+// reference and the targets: what each request a call is cut into repeats.
+detlogp::v1::LogProbRequest WithoutRows(
+    const detlogp::v1::LogProbRequest& request);
+
 }  // namespace detlogp::client
 
 #endif  // DETLOGP_CLIENT_REQUEST_ROWS_H_
