@@ -524,39 +524,6 @@ absl::StatusOr<int64_t> LogpClient::RowsPerRequest(
   return std::max<int64_t>(1, std::min(max_rows, rows_by_bytes));
 }
 
-namespace {
-
-// A request with its rows in the message, cut into slices of
-// `rows_per_request` rows: each slice's fields but its rows (headers), and
-// its rows in the request's bytes. The request's bytes must fill its shape.
-struct RowSlices {
-  std::vector<detlogp::v1::LogProbRequest> headers;
-  std::vector<absl::string_view> rows;
-};
-
-RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
-                  int64_t rows_per_request, absl::string_view bytes) {
-  const int64_t rows = request.target_ids_size();
-  const int64_t row_bytes = RowBytes(request);
-  const char* const data = bytes.data();
-  RowSlices slices;
-  for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
-    const int64_t count = std::min(rows_per_request, rows - begin);
-    // Each header gets its own targets only (not the call's, cleared).
-    slices.headers.push_back(WithoutRows(request));
-    detlogp::v1::LogProbRequest& header = slices.headers.back();
-    header.mutable_hidden()->add_shape(count);
-    header.mutable_hidden()->add_shape(request.hidden().shape(1));
-    header.mutable_target_ids()->Add(
-        request.target_ids().begin() + begin,
-        request.target_ids().begin() + begin + count);
-    slices.rows.emplace_back(data + begin * row_bytes, count * row_bytes);
-  }
-  return slices;
-}
-
-}  // namespace
-
 absl::StatusOr<ScoreResult> LogpClient::Score(
     const detlogp::v1::LogProbRequest& request, absl::Time deadline) {
   if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {

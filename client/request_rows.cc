@@ -1,5 +1,7 @@
 #include "client/request_rows.h"
 
+#include <algorithm>
+
 #include "proto/dtype_bytes.h"
 
 namespace detlogp::client {
@@ -34,6 +36,27 @@ detlogp::v1::LogProbRequest WithoutHiddenBytes(
   *copy.mutable_hidden()->mutable_shape() = request.hidden().shape();
   *copy.mutable_target_ids() = request.target_ids();
   return copy;
+}
+
+RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
+                  int64_t rows_per_request, absl::string_view bytes) {
+  const int64_t rows = request.target_ids_size();
+  const int64_t row_bytes = RowBytes(request);
+  const char* const data = bytes.data();
+  RowSlices slices;
+  for (int64_t begin = 0; begin < rows; begin += rows_per_request) {
+    const int64_t count = std::min(rows_per_request, rows - begin);
+    // Each header gets its own targets only (not the call's, cleared).
+    slices.headers.push_back(WithoutRows(request));
+    detlogp::v1::LogProbRequest& header = slices.headers.back();
+    header.mutable_hidden()->add_shape(count);
+    header.mutable_hidden()->add_shape(request.hidden().shape(1));
+    header.mutable_target_ids()->Add(
+        request.target_ids().begin() + begin,
+        request.target_ids().begin() + begin + count);
+    slices.rows.emplace_back(data + begin * row_bytes, count * row_bytes);
+  }
+  return slices;
 }
 
 }  // namespace detlogp::client

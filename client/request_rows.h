@@ -4,7 +4,9 @@
 #define DETLOGP_CLIENT_REQUEST_ROWS_H_
 
 #include <cstdint>
+#include <vector>
 
+#include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.pb.h"
 
 namespace detlogp::client {
@@ -22,6 +24,16 @@ detlogp::v1::LogProbRequest WithoutHiddenBytes(
 // reference and the targets: what each request a call is cut into repeats.
 detlogp::v1::LogProbRequest WithoutRows(
     const detlogp::v1::LogProbRequest& request);
+
+// A request with its rows in the message, cut into slices of
+// `rows_per_request` rows: each slice's fields but its rows (headers), and
+// its rows in the request's bytes. The request's bytes must fill its shape.
+struct RowSlices {
+  std::vector<detlogp::v1::LogProbRequest> headers;
+  std::vector<absl::string_view> rows;
+};
+RowSlices CutRows(const detlogp::v1::LogProbRequest& request,
+                  int64_t rows_per_request, absl::string_view bytes);
 
 }  // namespace detlogp::client
 
