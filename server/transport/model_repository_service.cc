@@ -15,6 +15,7 @@
 
 #include "proto/upload_delta.h"
 #include "server/models/upload_assembler.h"
+#include "server/models/version_bytes.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/rejected_call.h"
 #include "spdlog/spdlog.h"
@@ -484,7 +485,8 @@ class ModelRepositoryServiceImpl::UploadCall final
 
   // The base a delta names: a ready version with the digest the pusher
   // stated and the same shape. Its host bytes are taken now when the backend
-  // keeps them, else read back from --model_root by the worker (ReadBase).
+  // keeps them, else read by the worker (ReadBase) from the placed model (a
+  // GPU's copy) or from --model_root.
   absl::Status FindBaseLocked(const UploadModelHeader& header)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const int64_t number = header.base_version();
@@ -509,37 +511,67 @@ class ModelRepositoryServiceImpl::UploadCall final
                                               "or bias than the header"));
     }
     base_weights_ = version.host_weights.lock();
-    if (base_weights_ == nullptr && service_->options_.store == nullptr) {
-      return BaseMissing(number, absl::StrCat("version ", number,
-                                              " is held only on the device "
-                                              "and this server keeps no "
-                                              "--model_root to read it from"));
+    // A read of no bytes says whether the placed model reads back.
+    const bool reads_back = version.placed != nullptr &&
+                            version.placed->ReadWeights(0, 0, nullptr).ok();
+    if (base_weights_ == nullptr && !reads_back &&
+        service_->options_.store == nullptr) {
+      return BaseMissing(number,
+                         absl::StrCat("version ", number,
+                                      " is held only on the device, which "
+                                      "does not read it back, and this "
+                                      "server keeps no --model_root"));
     }
     base_version_ = *std::move(base);  // keeps it from being freed meanwhile
     delta_ = true;
     return absl::OkStatus();
   }
 
-  // The base's host bytes from --model_root, for a backend that keeps none.
+  // The base's host bytes, for a backend that keeps none: read from
+  // wherever the server holds the version (VersionBytes: the placed model,
+  // else its files).
   absl::Status ReadBase() {
     if (base_weights_ != nullptr) return absl::OkStatus();
-    const auto versions = service_->options_.store->ListVersions();
-    const auto model = versions.find(model_);
-    if (model != versions.end()) {
-      for (const StoredVersion& stored : model->second) {
-        if (stored.version != base_version_->version) continue;
-        auto weights = LoadLmHead(stored.source);
-        if (weights.ok() && weights->sha256 == base_version_->weights_sha256) {
-          base_weights_ =
-              std::make_shared<const LmHeadWeights>(*std::move(weights));
-          return absl::OkStatus();
-        }
-      }
+    const ServedVersion& base = *base_version_;
+    auto bytes = VersionBytes::Open(
+        base, [this, &base] { return service_->FileWeightsOf(base); });
+    if (!bytes.ok()) {
+      return BaseMissing(base.version, absl::StrCat("version ", base.version,
+                                                    " could not be read here: ",
+                                                    bytes.status().message()));
     }
-    return BaseMissing(base_version_->version,
-                       absl::StrCat("version ", base_version_->version,
-                                    " is held only on the device and its "
-                                    "files under --model_root are gone"));
+    auto weights = std::make_shared<LmHeadWeights>();
+    weights->hidden_size = base.hidden_size;
+    weights->vocab_size = base.vocab_size;
+    weights->padded_vocab_size = base.padded_vocab_size;
+    weights->sha256 = base.weights_sha256;
+    weights->weight.resize(base.padded_vocab_size * base.hidden_size);
+    if (base.has_bias) weights->bias.resize(base.padded_vocab_size);
+    const int64_t weight_bytes =
+        static_cast<int64_t>(weights->weight.size()) * 2;
+    const int64_t bias_bytes = static_cast<int64_t>(weights->bias.size()) * 4;
+    if ((*bytes)->weight_bytes() != weight_bytes ||
+        (*bytes)->total_bytes() != weight_bytes + bias_bytes) {
+      return absl::InternalError(absl::StrCat(
+          "version ", base.version, " reads back as ", (*bytes)->total_bytes(),
+          " bytes, not ", weight_bytes + bias_bytes));
+    }
+    absl::Status read = (*bytes)->Read(
+        0, weight_bytes, reinterpret_cast<char*>(weights->weight.data()));
+    if (read.ok() && bias_bytes > 0) {
+      read = (*bytes)->Read(weight_bytes, bias_bytes,
+                            reinterpret_cast<char*>(weights->bias.data()));
+    }
+    if (!read.ok()) {
+      return BaseMissing(
+          base.version,
+          absl::StrCat("version ", base.version, " could not be read here (",
+                       (*bytes)->source(), "): ", read.message()));
+    }
+    spdlog::info("delta upload: base version {} of '{}' read from its {}",
+                 base.version, model_, (*bytes)->source());
+    base_weights_ = std::move(weights);
+    return absl::OkStatus();
   }
 
   void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
