@@ -93,6 +93,13 @@ TEST(VersionBytesTest, PlacedModelIsReadBackWhenNoHostCopyIsKept) {
     std::string one(8, '\0');
     EXPECT_EQ((*bytes)->Read((*bytes)->total_bytes() - 4, 8, one.data()).code(),
               absl::StatusCode::kOutOfRange);
+    // The whole head, as a delta upload's base is rebuilt from.
+    auto whole = (*bytes)->Weights(version);
+    ASSERT_TRUE(whole.ok()) << whole.status();
+    EXPECT_NE(whole->get(), weights.get());
+    EXPECT_EQ(Payload(**whole), Payload(*weights));
+    EXPECT_EQ((*whole)->padded_vocab_size, weights->padded_vocab_size);
+    EXPECT_EQ((*whole)->hidden_size, weights->hidden_size);
   }
 }
 
@@ -105,6 +112,9 @@ TEST(VersionBytesTest, HostCopyComesFirstAndFilesLast) {
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_EQ((*bytes)->source(), "host copy");
   EXPECT_EQ(ReadAll(**bytes, 777), Payload(*weights));
+  auto whole = (*bytes)->Weights(version);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->get(), weights.get());  // the copy itself, no read
 
   ServedVersion file_backed = Served(*weights);
   file_backed.placed = std::make_shared<OpaqueModel>();

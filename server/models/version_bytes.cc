@@ -74,4 +74,37 @@ absl::Status VersionBytes::Read(int64_t offset, int64_t size, char* out) const {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::shared_ptr<const LmHeadWeights>> VersionBytes::Weights(
+    const ServedVersion& version) const {
+  if (host_ != nullptr) return host_;
+  auto weights = std::make_shared<LmHeadWeights>();
+  weights->hidden_size = version.hidden_size;
+  weights->vocab_size = version.vocab_size;
+  weights->padded_vocab_size = version.padded_vocab_size;
+  weights->sha256 = version.weights_sha256;
+  weights->description =
+      absl::StrCat("version ", version.version, " read back");
+  weights->weight.resize(version.padded_vocab_size * version.hidden_size);
+  if (version.has_bias) weights->bias.resize(version.padded_vocab_size);
+  if (static_cast<int64_t>(weights->weight.size() * sizeof(uint16_t)) !=
+          weight_bytes_ ||
+      static_cast<int64_t>(weights->bias.size() * sizeof(float)) !=
+          total_bytes_ - weight_bytes_) {
+    return absl::InternalError("Weights: another version than Open's");
+  }
+  if (absl::Status s = Read(0, weight_bytes_,
+                            reinterpret_cast<char*>(weights->weight.data()));
+      !s.ok()) {
+    return s;
+  }
+  if (total_bytes_ > weight_bytes_) {
+    if (absl::Status s = Read(weight_bytes_, total_bytes_ - weight_bytes_,
+                              reinterpret_cast<char*>(weights->bias.data()));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return std::shared_ptr<const LmHeadWeights>(std::move(weights));
+}
+
 }  // namespace detlogp::server

@@ -43,6 +43,12 @@ class VersionBytes {
   // Bytes [offset, offset + size) into `out`.
   absl::Status Read(int64_t offset, int64_t size, char* out) const;
 
+  // The whole of `version` (the one Open was given) as host weights: the
+  // host copy itself when that is the source, else read into a new one
+  // (a delta upload's base on a replica that keeps no host copy).
+  absl::StatusOr<std::shared_ptr<const LmHeadWeights>> Weights(
+      const ServedVersion& version) const;
+
  private:
   VersionBytes() = default;
   int64_t weight_bytes_ = 0;

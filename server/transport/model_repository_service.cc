@@ -540,37 +540,16 @@ class ModelRepositoryServiceImpl::UploadCall final
                                                     " could not be read here: ",
                                                     bytes.status().message()));
     }
-    auto weights = std::make_shared<LmHeadWeights>();
-    weights->hidden_size = base.hidden_size;
-    weights->vocab_size = base.vocab_size;
-    weights->padded_vocab_size = base.padded_vocab_size;
-    weights->sha256 = base.weights_sha256;
-    weights->weight.resize(base.padded_vocab_size * base.hidden_size);
-    if (base.has_bias) weights->bias.resize(base.padded_vocab_size);
-    const int64_t weight_bytes =
-        static_cast<int64_t>(weights->weight.size()) * 2;
-    const int64_t bias_bytes = static_cast<int64_t>(weights->bias.size()) * 4;
-    if ((*bytes)->weight_bytes() != weight_bytes ||
-        (*bytes)->total_bytes() != weight_bytes + bias_bytes) {
-      return absl::InternalError(absl::StrCat(
-          "version ", base.version, " reads back as ", (*bytes)->total_bytes(),
-          " bytes, not ", weight_bytes + bias_bytes));
-    }
-    absl::Status read = (*bytes)->Read(
-        0, weight_bytes, reinterpret_cast<char*>(weights->weight.data()));
-    if (read.ok() && bias_bytes > 0) {
-      read = (*bytes)->Read(weight_bytes, bias_bytes,
-                            reinterpret_cast<char*>(weights->bias.data()));
-    }
-    if (!read.ok()) {
+    auto weights = (*bytes)->Weights(base);
+    if (!weights.ok()) {
       return BaseMissing(
           base.version,
           absl::StrCat("version ", base.version, " could not be read here (",
-                       (*bytes)->source(), "): ", read.message()));
+                       (*bytes)->source(), "): ", weights.status().message()));
     }
     spdlog::info("delta upload: base version {} of '{}' read from its {}",
                  base.version, model_, (*bytes)->source());
-    base_weights_ = std::move(weights);
+    base_weights_ = *std::move(weights);
     return absl::OkStatus();
   }
 
