@@ -48,12 +48,7 @@ std::unique_ptr<ServerProcess> StartReplica(
 }
 
 double RowsComputed(const ServerProcess& server) {
-  auto text = server.HttpGet("/metrics");
-  if (!text.ok()) return -1;
-  const std::string series = "\ndetlogp_rows_computed_total ";
-  const size_t at = text->find(series);
-  return at == std::string::npos ? -1
-                                 : std::stod(text->substr(at + series.size()));
+  return server.MetricValue("detlogp_rows_computed_total");
 }
 
 LogProbRequest Request(int64_t rows, uint64_t seed) {

@@ -86,6 +86,15 @@ absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
   return absl::DeadlineExceededError("server did not start in time");
 }
 
+double ServerProcess::MetricValue(const std::string& name) const {
+  auto text = HttpGet("/metrics");
+  if (!text.ok()) return -1;
+  const std::string series = "\n" + name + " ";
+  const size_t at = text->find(series);
+  return at == std::string::npos ? -1
+                                 : std::stod(text->substr(at + series.size()));
+}
+
 absl::StatusOr<std::string> ServerProcess::HttpGet(
     const std::string& path, const std::string& host) const {
   if (metrics_port_ <= 0)

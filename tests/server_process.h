@@ -29,6 +29,9 @@ class ServerProcess {
   // the whole response (status line, headers, body), or an error.
   absl::StatusOr<std::string> HttpGet(
       const std::string& path, const std::string& host = "127.0.0.1") const;
+  // The value of the unlabelled sample `name` on /metrics (e.g.
+  // "detlogp_rows_computed_total"); -1 when it cannot be read.
+  double MetricValue(const std::string& name) const;
   std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
   pid_t pid() const { return pid_; }
 
