@@ -32,6 +32,7 @@ SUITES = {
     "projection_stream": "one H3 video streamed from cuda:0 at each rows_per_chunk",
     "twin": "detlogp.torch on CUDA: its pytest cases, twin_check.py, the GRPO example",
     "rollout": "the client's GPU pytest cases and one rollout worker's large batch",
+    "fleet_burst": "many rollout workers' large CUDA batches at once against one server",
     "backward": "the fused backward: gtests, then beside PyTorch eager and Liger",
     "soak": "cancellation storms against a GPU server: the server's memory stays flat",
 }

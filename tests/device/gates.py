@@ -8,6 +8,10 @@ figure, the threshold and the measured value.
 # against the kernel alone at N=256, rows/s: the transport may cost 15%.
 PORTABLE_SERVED_OVER_KERNEL_MIN = 0.85
 
+# Many rollout workers at once (8 x 16,384 and 32 x 4,096 rows through CUDA
+# regions) against the kernel alone on one caller's rows, rows/s.
+FLEET_BURST_OVER_KERNEL_MIN = 0.9
+
 # Cancellation-storm soak: the server's RSS is flat when, over the last
 # third of the storms, it grows by at most this fraction of its level at
 # the start of that third (RSS read after each storm).

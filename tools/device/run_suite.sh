@@ -10,15 +10,16 @@
 #   tools/device/run_suite.sh SUITE [PYTEST ARGS...]
 #
 # SUITE: tests, kernels, portable, serve, live-weights, projection,
-# projection-stream, twin, rollout, backward, soak (tests/device/conftest.py
-# says what each holds; each test file's docstring, its knobs). Logs, JSON
-# reports and figures go to $OUT (default /tmp/detlogp-SUITE), with
-# junit.xml. Python packages the host lacks (grpcio, protobuf, liger-kernel)
-# are installed from .whl/*.whl when present. Exits with pytest's code, and
-# with 2 when the host has no GPU or no bundle.
+# projection-stream, twin, rollout, fleet-burst, backward, soak
+# (tests/device/conftest.py says what each holds; each test file's
+# docstring, its knobs). Logs, JSON reports and figures go to $OUT
+# (default /tmp/detlogp-SUITE), with junit.xml. Python packages the host
+# lacks (grpcio, protobuf, liger-kernel) are installed from .whl/*.whl when
+# present. Exits with pytest's code, and with 2 when the host has no GPU or
+# no bundle.
 set -uo pipefail
 
-suites="tests kernels portable serve live-weights projection projection-stream twin rollout backward soak"
+suites="tests kernels portable serve live-weights projection projection-stream twin rollout fleet-burst backward soak"
 suite=${1:-}
 shift || true
 if [[ " $suites " != *" $suite "* ]]; then
