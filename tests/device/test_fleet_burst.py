@@ -4,17 +4,18 @@ call logprobs() at the same moment, R rounds (fleet_burst_bench.py, which
 exits non-zero when a call fails). Every call must be answered, and the
 aggregate rows/s through CUDA regions must reach the gate's share of the
 kernel's in the same run. DETLOGP_FLEET_ARGS="..." are the bench's
-arguments (default: 8 workers x 16,384 rows and 32 x 4,096, 3 rounds,
+arguments, split as a shell would (default: 8 workers x 16,384 rows and 32 x 4,096, 3 rounds,
 through CUDA regions and through messages)."""
 
 import os
+import shlex
 
 import pytest
 from gates import FLEET_BURST_OVER_KERNEL_MIN, at_least
 
 pytestmark = pytest.mark.fleet_burst
 
-FLEET_ARGS = os.environ.get("DETLOGP_FLEET_ARGS", "").split()
+FLEET_ARGS = shlex.split(os.environ.get("DETLOGP_FLEET_ARGS", ""))
 
 
 def test_every_call_of_a_burst_is_answered_near_the_kernels_rate(bundle, out, run, figures):
