@@ -21,6 +21,7 @@
 #include "client/logp_client.h"
 #include "client/random_rows.h"
 #include "client/target_resolver.h"
+#include "tests/replica_kill_run.h"
 #include "tests/score_result_bits.h"
 #include "tests/server_process.h"
 
@@ -309,41 +310,14 @@ TEST(FleetRegionsTest, RegionCallsSpreadAndSurviveAKilledReplica) {
     requests.push_back(Request(1024, 100 + t));
     references.push_back(Alone(*servers[1], requests.back()));
   }
-  std::atomic<int> calls{0}, calls_after_kill{0}, failed{0}, wrong{0},
-      not_shm{0};
-  std::atomic<int64_t> replica_retries{0};
-  std::atomic<bool> killed{false};
-  absl::Notification kill_now;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      while (calls_after_kill.load() < 16) {
-        const bool after = killed.load();
-        auto result = client->Score(requests[t]);
-        if (!result.ok()) {
-          ADD_FAILURE() << result.status();
-          ++failed;
-          return;
-        }
-        if (!SameBits(*result, references[t])) ++wrong;
-        if (result->path != "system_shm") ++not_shm;
-        replica_retries += result->replica_retries;
-        if (++calls == 8) kill_now.Notify();
-        if (after) ++calls_after_kill;
-      }
-    });
-  }
-  kill_now.WaitForNotification();
-  EXPECT_EQ(servers[0]->Stop(SIGKILL), 128 + SIGKILL);
-  killed = true;
-  for (auto& thread : threads) thread.join();
-  std::cout << calls.load() << " region calls, " << failed.load() << " failed, "
-            << wrong.load() << " with other bits, " << replica_retries.load()
-            << " requests sent again to another replica\n";
-  EXPECT_EQ(failed.load(), 0);
-  EXPECT_EQ(wrong.load(), 0);
-  EXPECT_EQ(not_shm.load(), 0);
-  EXPECT_GT(replica_retries.load(), 0);
+  testing::KillRun run;
+  run.path = "system_shm";
+  const testing::KillRunCounts counts = testing::ScoreWhileKilling(
+      *client, requests, references, *servers[0], run);
+  EXPECT_EQ(counts.failed, 0);
+  EXPECT_EQ(counts.wrong_bits, 0);
+  EXPECT_EQ(counts.other_path, 0);
+  EXPECT_GT(counts.replica_retries, 0);
   for (int r = 1; r < 3; ++r) EXPECT_EQ(servers[r]->Stop(SIGTERM), 0);
 }
 

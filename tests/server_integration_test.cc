@@ -24,6 +24,7 @@
 #include "proto/status_details.h"
 #include "server/models/lm_head_weights.h"
 #include "tests/linear_logp_reference.h"
+#include "tests/replica_kill_run.h"
 #include "tests/server_process.h"
 
 namespace detlogp {
@@ -596,52 +597,14 @@ TEST(ServerLifecycleTest, CallsSurviveAReplicaKilledMidRun) {
   // Each call is cut into requests of 6 rows, spread over the replicas.
   options.max_request_rows = 6;
   auto client = *LogpClient::Create(options);
-  constexpr int kCallsBeforeKill = 8;
-  constexpr int kCallsAfterKill = 16;
-  std::atomic<int> calls{0}, calls_after_kill{0}, failed{0}, wrong_bits{0};
-  std::atomic<int64_t> replica_retries{0};
-  std::atomic<bool> killed{false};
-  absl::Notification kill_now;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      while (calls_after_kill.load() < kCallsAfterKill) {
-        const bool after = killed.load();
-        auto answer = client->Score(requests[t]);
-        if (!answer.ok()) {
-          ADD_FAILURE() << answer.status();
-          ++failed;
-          return;
-        }
-        if (answer->logprobs.size() != alone[t].logprobs.size() ||
-            std::memcmp(answer->logprobs.data(), alone[t].logprobs.data(),
-                        answer->logprobs.size() * sizeof(float)) != 0) {
-          ++wrong_bits;
-        }
-        replica_retries += answer->replica_retries;
-        if (++calls == kCallsBeforeKill) kill_now.Notify();
-        if (after) ++calls_after_kill;
-      }
-    });
-  }
-  // Eight threads score without pause: requests are in flight when the
-  // first replica is killed.
-  const absl::Time start = absl::Now();
-  kill_now.WaitForNotification();
-  EXPECT_EQ(replicas[0]->Stop(SIGKILL), 128 + SIGKILL);
-  killed = true;
-  for (auto& thread : threads) thread.join();
-  std::cout << calls.load() << " calls of " << kThreads << " threads in "
-            << absl::FormatDuration(absl::Now() - start) << ", "
-            << calls_after_kill.load() << " begun after the kill, "
-            << failed.load() << " failed, " << wrong_bits.load()
-            << " with other bits, " << replica_retries.load()
-            << " requests sent again to another replica\n";
-  EXPECT_EQ(failed.load(), 0);
-  EXPECT_EQ(wrong_bits.load(), 0);
-  EXPECT_GE(calls_after_kill.load(), kCallsAfterKill);
+  const testing::KillRun run;  // 8 answers, then the kill, then 16 calls
+  const testing::KillRunCounts counts =
+      testing::ScoreWhileKilling(*client, requests, alone, *replicas[0], run);
+  EXPECT_EQ(counts.failed, 0);
+  EXPECT_EQ(counts.wrong_bits, 0);
+  EXPECT_GE(counts.calls_after_kill, run.calls_after_kill);
   // Requests at the killed replica, or probing it after, went elsewhere.
-  EXPECT_GT(replica_retries.load(), 0);
+  EXPECT_GT(counts.replica_retries, 0);
   for (int r = 1; r < 3; ++r) EXPECT_EQ(replicas[r]->Stop(SIGTERM), 0);
 }
 
