@@ -384,6 +384,9 @@ void LogpClient::PrepareContext(grpc::ClientContext* context,
 
 absl::StatusOr<detlogp::v1::ModelInfo> LogpClient::GetModelInfo(
     const std::string& model, int64_t model_version) {
+  if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {
+    return usable;
+  }
   grpc::ClientContext context;
   PrepareContext(&context);
   detlogp::v1::GetModelInfoRequest request;
@@ -784,6 +787,9 @@ absl::StatusOr<std::vector<ScoreResult>> StreamAndCheck(
 absl::StatusOr<std::vector<ScoreResult>> LogpClient::ScoreStream(
     const std::vector<detlogp::v1::LogProbRequest>& requests,
     absl::Time deadline) {
+  if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {
+    return usable;
+  }
   grpc::ClientContext context;
   PrepareContext(&context, deadline);
   auto stream = stub_->StreamLogProbs(&context);

@@ -2,12 +2,16 @@
 // (no server: the responses are written by hand).
 #include "client/logp_client.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 
 namespace detlogp::client {
@@ -209,6 +213,38 @@ TEST(SerializeWithRowsTest, ParsesAsTheSliceWithItsBytes) {
             header.SerializeAsString());
   header.mutable_hidden()->set_data("ignored");
   EXPECT_EQ(Parse(SerializeWithRows(header, "kept")).hidden().data(), "kept");
+}
+
+// A child forked after the library started gRPC's threads: every call that
+// would need them fails at once with FAILED_PRECONDITION instead of waiting
+// forever (no server is needed: the refusal comes before any connection).
+TEST(LogpClientForkTest, EveryCallInAForkedChildIsRefusedAtOnce) {
+  LogpClient::Options options;
+  options.target = "127.0.0.1:1";  // nothing listens: never reached
+  absl::StatusOr<std::unique_ptr<LogpClient>> client = LogpClient::Create(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    // Exit code: one bit per call that was not refused as it should be.
+    const absl::Time deadline = absl::Now() + absl::Seconds(30);
+    auto refused = [](const absl::Status& status) {
+      return status.code() == absl::StatusCode::kFailedPrecondition &&
+             absl::StrContains(status.message(), "fork");
+    };
+    int wrong = 0;
+    if (!refused((*client)->GetModelInfo().status())) wrong |= 1;
+    const LogProbRequest request = Request(2, false, false, 0);
+    if (!refused((*client)->ScoreStream({request}, deadline).status())) wrong |= 2;
+    if (!refused((*client)->Project(std::vector<float>(96), 1).status())) wrong |= 4;
+    if (!refused(LogpClient::Create(options).status())) wrong |= 8;
+    _exit(wrong);  // no destructors: the parent's threads are not ours
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "calls not refused (1 info, 2 stream, 4 project, 8 create)";
 }
 
 }  // namespace

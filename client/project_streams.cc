@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/grpc_lifetime.h"
 #include "client/interleaved_rows.h"
 #include "client/logp_client.h"
 
@@ -307,6 +308,9 @@ absl::StatusOr<LogpClient::ProjectResult> LogpClient::Project(
 absl::StatusOr<LogpClient::ProjectResult> LogpClient::ProjectChunks(
     const std::vector<float>& x, int64_t rows, const ProjectOptions& options,
     const std::function<void(ProjectChunk&)>& on_chunk) {
+  if (absl::Status usable = CheckGrpcUsableInThisProcess(); !usable.ok()) {
+    return usable;
+  }
   if (rows < 0 || static_cast<int64_t>(x.size()) != rows * kIn) {
     return absl::InvalidArgumentError("x must hold rows * 96 floats");
   }
