@@ -221,7 +221,8 @@ TEST(SerializeWithRowsTest, ParsesAsTheSliceWithItsBytes) {
 TEST(LogpClientForkTest, EveryCallInAForkedChildIsRefusedAtOnce) {
   LogpClient::Options options;
   options.target = "127.0.0.1:1";  // nothing listens: never reached
-  absl::StatusOr<std::unique_ptr<LogpClient>> client = LogpClient::Create(options);
+  absl::StatusOr<std::unique_ptr<LogpClient>> client =
+      LogpClient::Create(options);
   ASSERT_TRUE(client.ok()) << client.status();
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
@@ -235,8 +236,10 @@ TEST(LogpClientForkTest, EveryCallInAForkedChildIsRefusedAtOnce) {
     int wrong = 0;
     if (!refused((*client)->GetModelInfo().status())) wrong |= 1;
     const LogProbRequest request = Request(2, false, false, 0);
-    if (!refused((*client)->ScoreStream({request}, deadline).status())) wrong |= 2;
-    if (!refused((*client)->Project(std::vector<float>(96), 1).status())) wrong |= 4;
+    if (!refused((*client)->ScoreStream({request}, deadline).status()))
+      wrong |= 2;
+    if (!refused((*client)->Project(std::vector<float>(96), 1).status()))
+      wrong |= 4;
     if (!refused(LogpClient::Create(options).status())) wrong |= 8;
     _exit(wrong);  // no destructors: the parent's threads are not ours
   }
