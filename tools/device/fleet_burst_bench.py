@@ -1,12 +1,14 @@
 """Many rollout workers at once: W worker processes, each with its own
 detlogp.Client and a CUDA bf16 batch of N rows, call logprobs() at the same
-moment, R rounds, against one server on one GPU. Reports the aggregate
+moment, R rounds, against one server on one GPU (with --shared_memory
+system the rows are moved to the host first: workers that do no GPU work
+during the burst). Reports the aggregate
 rows/s against detlogp.torch.linear_logp's in the same run, and how many
 calls failed (the target: none).
 
     python3 tools/device/fleet_burst_bench.py --server bin/detlogp_server \
         [--workers 8,32] [--rows 16384,4096] [--rounds 3] \
-        [--shared_memory cuda,off] \
+        [--shared_memory cuda,system,off] \
         [--server_flags "--batch_threads=1|--batch_threads=2"] [--json_out out.json]
 
 --workers and --rows pair up (8 workers x 16384 rows, 32 x 4096). The
@@ -52,6 +54,9 @@ def _worker(target, shared_memory, rows, hidden, vocab, rounds, seed, ready, go,
         )
         for _ in range(rounds)
     ]
+    if shared_memory == "system":
+        # Rows already on the host: the worker does no GPU work in the burst.
+        batches = [(values.cpu(), targets) for values, targets in batches]
     torch.cuda.synchronize()
     failures, seconds, paths = [], [], set()
     with detlogp.Client(target, timeout=600, shared_memory=shared_memory) as client:
