@@ -4,17 +4,20 @@ call to the last server's version being ready, and the upload bytes the
 servers received from the pusher and from peers
 (detlogp_model_bytes_received_total).
 
-N CPU servers (bazel-bin/server/detlogp_server) start with one head; a new
+N servers ($DETLOGP_SERVER, else bazel-bin/server/detlogp_server; on the
+CPU unless --device=cuda:0, every server on that GPU) start with one head; a new
 head of the same shape is pushed to all of them with detlogp.fleet.Pusher,
 first directly (the pusher uploads to each), then as a chain (to the first,
 which forwards to the next as the bytes arrive), then one server alone.
 
 Usage: tools/bench/fanout_push.py [--servers 8] [--hidden 4096] [--vocab 32768]
-(4096 x 32768 is a 256 MiB head)
+    [--device cpu|cuda:0] [--json_out out.json]
+(4096 x 32768 is a 256 MiB head; 4096 x 151936 is 1.24 GB)
 """
 
 import argparse
 import contextlib
+import json
 import sys
 import tempfile
 import time
@@ -50,13 +53,17 @@ def main():
     parser.add_argument("--servers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json_out")
     args = parser.parse_args()
     shape = (args.vocab, args.hidden)
     binary = find_server_binary(Path(__file__).resolve().parents[2])
     with tempfile.TemporaryDirectory() as folder, contextlib.ExitStack() as stack:
         path = Path(folder) / "start.safetensors"
         safetensors_io.write(path, {"lm_head.weight": head(shape, 0)})
-        flags = [f"--weights={path}", "--device=cpu", "--cpu_threads=1"]
+        flags = [f"--weights={path}", f"--device={args.device}"]
+        if args.device == "cpu":
+            flags.append("--cpu_threads=1")
         servers = [
             stack.enter_context(LocalServer(binary, flags, metrics=True))
             for _ in range(args.servers)
@@ -67,6 +74,7 @@ def main():
             f"{args.servers} servers, head [{args.vocab}, {args.hidden}] bf16 = {head_bytes} bytes"
         )
         weights = head(shape, 1)
+        lines = []
         for version, (fanout, to) in enumerate(
             (("direct", targets), ("chain", targets), ("direct", targets[:1])), start=2
         ):
@@ -82,6 +90,19 @@ def main():
                 f"{fanout:6s} to {len(to)}: last ready after {seconds:.2f} s; from the pusher "
                 f"{pusher_bytes / head_bytes:.2f} x the head, from peers {peer_bytes / head_bytes:.2f} x"
             )
+            lines.append(
+                dict(
+                    fanout=fanout,
+                    servers=len(to),
+                    device=args.device,
+                    head_bytes=head_bytes,
+                    last_ready_s=round(seconds, 3),
+                    from_pusher_over_head=round(pusher_bytes / head_bytes, 3),
+                    from_peers_over_head=round(peer_bytes / head_bytes, 3),
+                )
+            )
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(lines, indent=1))
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ mkdir -p "$out/tests"
 cp -r tests/device "$out/tests/device"
 find "$out/tests" -name __pycache__ -prune -exec rm -rf {} +
 cp -f bazel-bin/tests/cuda/memcheck.json "$out/memcheck.json"
-cp examples/grpo_twin_step.py tests/load/detlogp_load.py "$out/scripts/"
+cp examples/grpo_twin_step.py tests/load/detlogp_load.py tools/bench/fanout_push.py "$out/scripts/"
 # The gtests the "tests" suite runs.
 for label in "${gpu_tests[@]}"; do echo "${label##*:}"; done > "$out/gpu_tests.txt"
 git rev-parse HEAD > "$out/COMMIT" 2>/dev/null || true
