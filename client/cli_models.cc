@@ -86,7 +86,7 @@ absl::Status RunUpload(const LogpClient::Options& connection,
   if (servers.empty()) servers.push_back(connection.target);
   // A "dns:" server (a headless Service) is every address it resolves to.
   absl::StatusOr<std::vector<PushTarget>> fleet =
-      ExpandPushTargets(servers, ResolveWithGetaddrinfo);
+      ExpandPushTargets(servers, ResolveInPodOrder);
   if (!fleet.ok()) return fleet.status();
   PushOptions push;
   push.two_phase = options.two_phase;

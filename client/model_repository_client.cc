@@ -432,7 +432,7 @@ absl::StatusOr<int64_t> FleetVersion(
     const LogpClient::Options& connection,
     const ModelRepositoryClient::Options& options, const std::string& model) {
   absl::StatusOr<std::vector<PushTarget>> fleet =
-      ExpandPushTargets(targets, ResolveWithGetaddrinfo);
+      ExpandPushTargets(targets, ResolveInPodOrder);
   if (!fleet.ok()) return fleet.status();
   const std::vector<absl::StatusOr<int64_t>> highest =
       HighestVersions(*fleet, connection, options, model);

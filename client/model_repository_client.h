@@ -241,8 +241,8 @@ struct PushOptions {
   // as its upload finishes (a failed target leaves the fleet mixed).
   bool two_phase = true;
   // Resolves "dns:" targets into their addresses (empty:
-  // ResolveWithGetaddrinfo); tests and other service discovery inject
-  // their own.
+  // ResolveInPodOrder: a StatefulSet's pods in ordinal order); tests and
+  // other service discovery inject their own.
   TargetResolver resolver;
 };
 

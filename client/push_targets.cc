@@ -9,7 +9,7 @@ namespace detlogp::client {
 
 absl::StatusOr<std::vector<PushTarget>> ExpandPushTargets(
     const std::vector<std::string>& targets, const TargetResolver& resolver) {
-  const TargetResolver& resolve = resolver ? resolver : ResolveWithGetaddrinfo;
+  const TargetResolver& resolve = resolver ? resolver : ResolveInPodOrder;
   std::vector<PushTarget> out;
   std::set<std::string> seen;
   auto add = [&](PushTarget target) {

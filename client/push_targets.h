@@ -9,8 +9,9 @@
 //   auto channel = MakePushChannel(connection, (*fleet)[0]);
 //
 // The name is resolved as the scoring client resolves it
-// (client/target_resolver.h): every A and AAAA record, sorted, without
-// duplicates.
+// (client/target_resolver.h): every A and AAAA record, without duplicates;
+// then ordered by pod ordinal when reverse DNS names them as a
+// StatefulSet's pods, so a chain runs pod 0, 1, 2, ...
 #ifndef DETLOGP_CLIENT_PUSH_TARGETS_H_
 #define DETLOGP_CLIENT_PUSH_TARGETS_H_
 
@@ -39,7 +40,7 @@ struct PushTarget {
 };
 
 // Every target in the order given, a "dns:" target replaced in its place by
-// its addresses (sorted; `resolver`, empty: ResolveWithGetaddrinfo); a
+// its addresses (`resolver`, empty: ResolveInPodOrder); a
 // server met twice is kept once. INVALID_ARGUMENT for a malformed "dns:"
 // target; UNAVAILABLE naming a "dns:" target that resolves to no address.
 absl::StatusOr<std::vector<PushTarget>> ExpandPushTargets(

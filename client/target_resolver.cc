@@ -5,8 +5,12 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 
@@ -83,6 +87,78 @@ absl::StatusOr<std::vector<std::string>> ResolveWithGetaddrinfo(
         absl::StrCat("target: ", host, ":", port, " has no address"));
   }
   return targets;
+}
+
+std::string ReverseResolveWithGetnameinfo(const std::string& address) {
+  // "ip:port" or "[ipv6]:port": the address without its port.
+  std::string ip = address.substr(0, address.rfind(':'));
+  if (absl::StartsWith(ip, "[") && absl::EndsWith(ip, "]")) {
+    ip = ip.substr(1, ip.size() - 2);
+  }
+  sockaddr_storage storage{};
+  socklen_t length = 0;
+  auto* in = reinterpret_cast<sockaddr_in*>(&storage);
+  auto* in6 = reinterpret_cast<sockaddr_in6*>(&storage);
+  if (inet_pton(AF_INET, ip.c_str(), &in->sin_addr) == 1) {
+    in->sin_family = AF_INET;
+    length = sizeof(sockaddr_in);
+  } else if (inet_pton(AF_INET6, ip.c_str(), &in6->sin6_addr) == 1) {
+    in6->sin6_family = AF_INET6;
+    length = sizeof(sockaddr_in6);
+  } else {
+    return "";
+  }
+  char name[NI_MAXHOST] = {};
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&storage), length, name,
+                  sizeof(name), nullptr, 0, NI_NAMEREQD) != 0) {
+    return "";
+  }
+  return name;
+}
+
+std::vector<std::string> InPodOrdinalOrder(std::vector<std::string> addresses,
+                                           const ReverseResolver& reverse) {
+  if (addresses.size() < 2 || !reverse) return addresses;
+  std::string set;
+  std::vector<std::pair<int64_t, std::string>> by_ordinal;
+  for (const std::string& address : addresses) {
+    const std::string name = reverse(address);
+    const absl::string_view label =
+        absl::string_view(name).substr(0, name.find('.'));
+    const size_t dash = label.rfind('-');
+    int64_t ordinal = 0;
+    if (dash == absl::string_view::npos || dash == 0 ||
+        dash + 1 == label.size() ||
+        !std::all_of(label.begin() + dash + 1, label.end(),
+                     absl::ascii_isdigit) ||
+        !absl::SimpleAtoi(label.substr(dash + 1), &ordinal)) {
+      return addresses;  // not a StatefulSet's pod
+    }
+    const absl::string_view prefix = label.substr(0, dash);
+    if (by_ordinal.empty()) {
+      set = std::string(prefix);
+    } else if (prefix != set) {
+      return addresses;  // pods of different sets: no one order
+    }
+    by_ordinal.emplace_back(ordinal, address);
+  }
+  std::sort(by_ordinal.begin(), by_ordinal.end());
+  for (size_t i = 1; i < by_ordinal.size(); ++i) {
+    if (by_ordinal[i].first == by_ordinal[i - 1].first) return addresses;
+  }
+  for (size_t i = 0; i < by_ordinal.size(); ++i) {
+    addresses[i] = std::move(by_ordinal[i].second);
+  }
+  return addresses;
+}
+
+absl::StatusOr<std::vector<std::string>> ResolveInPodOrder(
+    const std::string& host, const std::string& port) {
+  absl::StatusOr<std::vector<std::string>> addresses =
+      ResolveWithGetaddrinfo(host, port);
+  if (!addresses.ok()) return addresses;
+  return InPodOrdinalOrder(*std::move(addresses),
+                           ReverseResolveWithGetnameinfo);
 }
 
 }  // namespace detlogp::client

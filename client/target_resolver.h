@@ -44,6 +44,26 @@ using TargetResolver = std::function<absl::StatusOr<std::vector<std::string>>(
 absl::StatusOr<std::vector<std::string>> ResolveWithGetaddrinfo(
     const std::string& host, const std::string& port);
 
+// The host name an address ("ip:port", "[ipv6]:port") has in reverse DNS;
+// empty when it has none. Tests inject their own.
+using ReverseResolver = std::function<std::string(const std::string& address)>;
+
+// getnameinfo's name for the address (NI_NAMEREQD); empty when none.
+std::string ReverseResolveWithGetnameinfo(const std::string& address);
+
+// `addresses` in pod-ordinal order when every one's reverse name starts
+// with "<set>-<ordinal>." for one <set>, as a Kubernetes StatefulSet's pods
+// behind a headless Service do ("detlogp-2.detlogp.ns.svc.cluster.local");
+// otherwise unchanged. A chain through a StatefulSet then runs pod 0, 1, 2,
+// ... whatever addresses the pods have.
+std::vector<std::string> InPodOrdinalOrder(std::vector<std::string> addresses,
+                                           const ReverseResolver& reverse);
+
+// ResolveWithGetaddrinfo, then InPodOrdinalOrder with getnameinfo: the
+// servers a push reaches through a "dns:" name, in the order it chains them.
+absl::StatusOr<std::vector<std::string>> ResolveInPodOrder(
+    const std::string& host, const std::string& port);
+
 }  // namespace detlogp::client
 
 #endif  // DETLOGP_CLIENT_TARGET_RESOLVER_H_

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -140,6 +141,62 @@ TEST(DnsTargetTest, GetaddrinfoGivesEveryAddressWithThePort) {
                 .status()
                 .code(),
             absl::StatusCode::kUnavailable);
+}
+
+// A StatefulSet's pods behind a headless Service: reverse DNS names each
+// "<set>-<ordinal>.<service>...", and a push chains them in ordinal order
+// (pod 10 after pod 9, whatever their addresses); anything else keeps the
+// addresses' order.
+TEST(DnsTargetTest, PodsAreOrderedByOrdinalWhenReverseDnsNamesThem) {
+  const std::vector<std::string> addresses = {"10.0.0.3:7", "10.0.0.5:7",
+                                              "10.0.0.8:7", "[fd00::1]:7"};
+  auto names = [](std::map<std::string, std::string> of) {
+    return [of](const std::string& address) {
+      auto it = of.find(address);
+      return it == of.end() ? std::string() : it->second;
+    };
+  };
+  EXPECT_EQ(
+      client::InPodOrdinalOrder(
+          addresses,
+          names({{"10.0.0.3:7", "detlogp-10.detlogp.ns.svc.cluster.local"},
+                 {"10.0.0.5:7", "detlogp-2.detlogp.ns.svc.cluster.local"},
+                 {"10.0.0.8:7", "detlogp-9.detlogp.ns.svc.cluster.local"},
+                 {"[fd00::1]:7", "detlogp-0.detlogp.ns.svc.cluster.local"}})),
+      (std::vector<std::string>{"[fd00::1]:7", "10.0.0.5:7", "10.0.0.8:7",
+                                "10.0.0.3:7"}));
+  const std::vector<std::map<std::string, std::string>> unordered = {
+      // One address without a name.
+      {{"10.0.0.3:7", "detlogp-1.x"},
+       {"10.0.0.5:7", "detlogp-0.x"},
+       {"10.0.0.8:7", "detlogp-2.x"}},
+      // Pods of two sets.
+      {{"10.0.0.3:7", "detlogp-1.x"},
+       {"10.0.0.5:7", "other-0.x"},
+       {"10.0.0.8:7", "detlogp-2.x"},
+       {"[fd00::1]:7", "detlogp-3.x"}},
+      // A name without an ordinal, and one ordinal twice.
+      {{"10.0.0.3:7", "detlogp-1.x"},
+       {"10.0.0.5:7", "detlogp.x"},
+       {"10.0.0.8:7", "detlogp-2.x"},
+       {"[fd00::1]:7", "detlogp-3.x"}},
+      {{"10.0.0.3:7", "detlogp-1.x"},
+       {"10.0.0.5:7", "detlogp-1.y"},
+       {"10.0.0.8:7", "detlogp-2.x"},
+       {"[fd00::1]:7", "detlogp-3.x"}},
+      {{"10.0.0.3:7", "detlogp-1.x"},
+       {"10.0.0.5:7", "detlogp-0x2.x"},
+       {"10.0.0.8:7", "detlogp-2.x"},
+       {"[fd00::1]:7", "-3.x"}},
+  };
+  for (const auto& of : unordered) {
+    EXPECT_EQ(client::InPodOrdinalOrder(addresses, names(of)), addresses);
+  }
+  // The system's reverse DNS: loopback has a name, and no ordinal.
+  EXPECT_EQ(client::ReverseResolveWithGetnameinfo("not an address:1"), "");
+  auto local = client::ResolveInPodOrder("127.0.0.1", "50051");
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_EQ(*local, std::vector<std::string>{"127.0.0.1:50051"});
 }
 
 // "dns:///localhost:<port>" through the system resolver: every address of

@@ -1,6 +1,7 @@
 """A "dns:" target as the servers behind it: the name's every address (all
-A and AAAA records, sorted, without duplicates), one server each, as the
-C++ client resolves it (client/target_resolver.h, client/push_targets.h).
+A and AAAA records, without duplicates; a StatefulSet's pods in ordinal
+order when reverse DNS names them), one server each, as the C++ client
+resolves it (client/target_resolver.h, client/push_targets.h).
 
     parse_dns_target("dns:///detlogp.ns.svc:50051")  # ("detlogp.ns.svc", "50051")
     resolve_with_getaddrinfo("detlogp.ns.svc", "50051")
@@ -79,13 +80,52 @@ def resolve_with_getaddrinfo(host, port):
     return sorted(targets)
 
 
+def reverse_name(address):
+    """The host name an address ("ip:port", "[ipv6]:port") has in reverse
+    DNS; "" when it has none."""
+    ip = address.rsplit(":", 1)[0]
+    if ip.startswith("[") and ip.endswith("]"):
+        ip = ip[1:-1]
+    try:
+        return socket.gethostbyaddr(ip)[0]
+    except (OSError, UnicodeError):
+        return ""
+
+
+def in_pod_ordinal_order(addresses, reverse=reverse_name):
+    """`addresses` in pod-ordinal order when every one's reverse name
+    starts with "<set>-<ordinal>." for one <set> (a Kubernetes StatefulSet's
+    pods behind a headless Service); otherwise unchanged."""
+    addresses = list(addresses)
+    if len(addresses) < 2:
+        return addresses
+    sets, by_ordinal = set(), []
+    for address in addresses:
+        label = reverse(address).split(".", 1)[0]
+        prefix, dash, ordinal = label.rpartition("-")
+        if not (dash and prefix and ordinal.isascii() and ordinal.isdigit()):
+            return addresses  # not a StatefulSet's pod
+        sets.add(prefix)
+        by_ordinal.append((int(ordinal), address))
+    ordinals = {ordinal for ordinal, _ in by_ordinal}
+    if len(sets) != 1 or len(ordinals) != len(addresses):
+        return addresses
+    return [address for _, address in sorted(by_ordinal)]
+
+
+def resolve_in_pod_order(host, port):
+    """resolve_with_getaddrinfo, then in_pod_ordinal_order: the servers a
+    push reaches through a "dns:" name, in the order it chains them."""
+    return in_pod_ordinal_order(resolve_with_getaddrinfo(host, port))
+
+
 def expand_targets(targets, resolver=None):
     """[PushTarget]: every target in the order given, a "dns:" target
     replaced in its place by its addresses (`resolver(host, port)`, None:
-    resolve_with_getaddrinfo); a server met twice is kept once. ValueError
+    resolve_in_pod_order); a server met twice is kept once. ValueError
     for a malformed "dns:" target; Unavailable naming a "dns:" target that
     resolves to no address."""
-    resolve = resolver or resolve_with_getaddrinfo
+    resolve = resolver or resolve_in_pod_order
     out = []
     seen = set()
     for target in targets:

@@ -140,6 +140,32 @@ def test_dns_target_parsing_follows_the_cpp_rules():
     assert unresolved.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+def test_pods_are_ordered_by_ordinal_as_the_cpp_client_orders_them():
+    """The cases of the C++ PodsAreOrderedByOrdinalWhenReverseDnsNamesThem."""
+    addresses = ["10.0.0.3:7", "10.0.0.5:7", "10.0.0.8:7", "[fd00::1]:7"]
+    ordered = dns_targets.in_pod_ordinal_order(
+        addresses,
+        {
+            "10.0.0.3:7": "detlogp-10.detlogp.ns.svc.cluster.local",
+            "10.0.0.5:7": "detlogp-2.detlogp.ns.svc.cluster.local",
+            "10.0.0.8:7": "detlogp-9.detlogp.ns.svc.cluster.local",
+            "[fd00::1]:7": "detlogp-0.detlogp.ns.svc.cluster.local",
+        }.get,
+    )
+    assert ordered == ["[fd00::1]:7", "10.0.0.5:7", "10.0.0.8:7", "10.0.0.3:7"]
+    unordered = [
+        {"10.0.0.3:7": "detlogp-1.x", "10.0.0.5:7": "detlogp-0.x", "10.0.0.8:7": "detlogp-2.x"},
+        dict(zip(addresses, ["detlogp-1.x", "other-0.x", "detlogp-2.x", "detlogp-3.x"])),
+        dict(zip(addresses, ["detlogp-1.x", "detlogp.x", "detlogp-2.x", "detlogp-3.x"])),
+        dict(zip(addresses, ["detlogp-1.x", "detlogp-1.y", "detlogp-2.x", "detlogp-3.x"])),
+        dict(zip(addresses, ["detlogp-1.x", "detlogp-0x2.x", "detlogp-2.x", "-3.x"])),
+    ]
+    for names in unordered:
+        assert dns_targets.in_pod_ordinal_order(addresses, lambda a: names.get(a, "")) == addresses
+    assert dns_targets.reverse_name("not an address:1") == ""
+    assert dns_targets.resolve_in_pod_order("127.0.0.1", "50051") == ["127.0.0.1:50051"]
+
+
 def test_dns_targets_expand_in_place_and_keep_each_server_once():
     def resolve(host, port):
         return {"pods.test": [f"10.0.0.1:{port}", f"10.0.0.2:{port}"], "empty.test": []}[host]
