@@ -3,8 +3,9 @@ detlogp.Client and a CUDA bf16 batch of N rows, call logprobs() at the same
 moment, R rounds, against one server on one GPU (with --shared_memory
 system the rows are moved to the host first: workers that do no GPU work
 during the burst). Reports the aggregate
-rows/s against detlogp.torch.linear_logp's in the same run, and how many
-calls failed (the target: none).
+rows/s against detlogp.torch.linear_logp's on the same work (W x R batches
+of N rows back to back, just before the burst; its median single call is
+reported beside it), and how many calls failed (the target: none).
 
     python3 tools/device/fleet_burst_bench.py --server bin/detlogp_server \
         [--workers 8,32] [--rows 16384,4096] [--rounds 3] \
@@ -75,23 +76,39 @@ def _worker(target, shared_memory, rows, hidden, vocab, rounds, seed, ready, go,
     results.put((seed, seconds, failures, sorted(paths), finished))
 
 
-def kernel_rows_per_s(weight, rows, vocab, repeats=7):
+def kernel_rows_per_s(weight, rows, vocab, calls, repeats=7):
+    """detlogp.torch.linear_logp's rows/s on `rows`-row batches: over
+    `calls` batches back to back, as much work as the burst (the GPU's
+    clocks under a second of load, not its first milliseconds), and the
+    median of `repeats` single calls. Fresh random rows for every call."""
     import detlogp.torch as detlogp_torch
     import torch
 
+    def batch(seed):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        values = torch.randn(rows, weight.shape[1], device="cuda", generator=generator)
+        targets = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+        return values.to(torch.bfloat16), targets
+
     times = []
     for run in range(repeats + 1):
-        generator = torch.Generator(device="cuda").manual_seed(100 + run)
-        values = torch.randn(rows, weight.shape[1], device="cuda", generator=generator)
-        values = values.to(torch.bfloat16)
-        targets = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
+        values, targets = batch(100 + run)
         torch.cuda.synchronize()
         began = time.perf_counter()
         detlogp_torch.linear_logp(values, weight, targets)
         torch.cuda.synchronize()
         if run:
             times.append(time.perf_counter() - began)
-    return rows / statistics.median(times)
+    batches = [batch(1000 + call) for call in range(calls)]
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for values, targets in batches:
+        detlogp_torch.linear_logp(values, weight, targets)
+    torch.cuda.synchronize()
+    sustained = rows * calls / (time.perf_counter() - began)
+    del batches
+    torch.cuda.empty_cache()
+    return sustained, rows / statistics.median(times)
 
 
 def burst(args, target, mode, workers, rows, hidden, vocab):
@@ -134,8 +151,10 @@ def _server_counts(server):
     )
 
 
-def measure(args, server, socket, server_flags, mode, workers, rows, kernel):
-    """One burst against `server`, as a JSON-ready line (printed too)."""
+def measure(args, server, socket, server_flags, mode, workers, rows, weight):
+    """One burst against `server`, as a JSON-ready line (printed too), with
+    the kernel's rate on the same work measured just before it."""
+    kernel, kernel_single = kernel_rows_per_s(weight, rows, args.vocab, workers * args.rounds)
     before = _server_counts(server)
     rate, failures, paths, seconds = burst(
         args, f"unix:{socket}", mode, workers, rows, args.hidden, args.vocab
@@ -150,6 +169,9 @@ def measure(args, server, socket, server_flags, mode, workers, rows, kernel):
         kernel_rows_per_s=round(kernel),
         aggregate_rows_per_s=round(rate),
         ratio=round(rate / kernel, 3),
+        # The kernel's median single call (boost clocks, no sustained load).
+        kernel_single_call_rows_per_s=round(kernel_single),
+        ratio_to_single_call=round(rate / kernel_single, 3),
         calls=workers * args.rounds,
         failed=len(failures),
         paths=paths,
@@ -196,7 +218,6 @@ def main():
     path = write_weights(weight, folder)
     socket = os.path.join(folder, "detlogp.sock")
     lines = []
-    kernels = {}
     for server_flags in args.server_flags.split("|"):
         flags = [
             f"--weights={path}",
@@ -210,12 +231,9 @@ def main():
             for workers, rows in zip(
                 (int(w) for w in args.workers.split(",")), (int(r) for r in args.rows.split(","))
             ):
-                if rows not in kernels:
-                    kernels[rows] = kernel_rows_per_s(weight, rows, args.vocab)
-                kernel = kernels[rows]
                 for mode in args.shared_memory.split(","):
                     lines.append(
-                        measure(args, server, socket, server_flags, mode, workers, rows, kernel)
+                        measure(args, server, socket, server_flags, mode, workers, rows, weight)
                     )
     torch.cuda.synchronize()
     if args.json_out:
