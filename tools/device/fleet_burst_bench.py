@@ -111,7 +111,10 @@ def kernel_rows_per_s(weight, rows, vocab, calls, repeats=7):
     return sustained, rows / statistics.median(times)
 
 
-def burst(args, target, mode, workers, rows, hidden, vocab):
+def burst(args, target, mode, workers, rows, hidden, vocab, on_ready):
+    """The burst's aggregate rows/s, failures, paths and call seconds;
+    `on_ready()` runs once every worker is warmed up, just before the go
+    (the server's counts then leave the warm-up calls out)."""
     context = multiprocessing.get_context("spawn")
     ready, results, go = context.Queue(), context.Queue(), context.Event()
     processes = [
@@ -125,6 +128,7 @@ def burst(args, target, mode, workers, rows, hidden, vocab):
         process.start()
     for _ in processes:
         ready.get(timeout=600)
+    on_ready()
     began = time.monotonic()
     go.set()
     answers = [results.get(timeout=1200) for _ in processes]
@@ -155,9 +159,16 @@ def measure(args, server, socket, server_flags, mode, workers, rows, weight):
     """One burst against `server`, as a JSON-ready line (printed too), with
     the kernel's rate on the same work measured just before it."""
     kernel, kernel_single = kernel_rows_per_s(weight, rows, args.vocab, workers * args.rounds)
-    before = _server_counts(server)
+    before = []
     rate, failures, paths, seconds = burst(
-        args, f"unix:{socket}", mode, workers, rows, args.hidden, args.vocab
+        args,
+        f"unix:{socket}",
+        mode,
+        workers,
+        rows,
+        args.hidden,
+        args.vocab,
+        on_ready=lambda: before.extend(_server_counts(server)),
     )
     after = _server_counts(server)
     refused, batches, queued, batched, computing = (a - b for a, b in zip(after, before))
