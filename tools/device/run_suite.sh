@@ -7,10 +7,11 @@
 #
 #   pytest -m SUITE <bundle>/tests/device [PYTEST ARGS...]
 #
-#   tools/device/run_suite.sh SUITE [PYTEST ARGS...]
+#   tools/device/run_suite.sh SUITE[,SUITE...] [PYTEST ARGS...]
 #
 # SUITE: tests, kernels, portable, serve, live-weights, projection,
-# projection-stream, twin, rollout, fleet-burst, backward, soak
+# projection-stream, twin, rollout, fleet-burst, backward, soak; several
+# (fleet-burst,serve,rollout) run in one pytest session, in file order
 # (tests/device/conftest.py says what each holds; each test file's
 # docstring, its knobs). Logs, JSON reports and figures go to $OUT
 # (default /tmp/detlogp-SUITE), with junit.xml. Python packages the host
@@ -22,8 +23,17 @@ set -uo pipefail
 suites="tests kernels portable serve live-weights projection projection-stream twin rollout fleet-burst backward soak"
 suite=${1:-}
 shift || true
-if [[ " $suites " != *" $suite "* ]]; then
-  echo "usage: run_suite.sh ${suites// /|} [PYTEST ARGS...]" >&2
+markers=""
+IFS=, read -ra asked <<< "$suite"
+for one in "${asked[@]}"; do
+  if [[ " $suites " != *" $one "* ]]; then
+    echo "usage: run_suite.sh ${suites// /|}[,...] [PYTEST ARGS...]" >&2
+    exit 2
+  fi
+  markers+="${markers:+ or }${one//-/_}"
+done
+if [[ -z $markers ]]; then
+  echo "usage: run_suite.sh ${suites// /|}[,...] [PYTEST ARGS...]" >&2
   exit 2
 fi
 
@@ -52,7 +62,7 @@ if ! command -v nvidia-smi > /dev/null || ! nvidia-smi -L 2> /dev/null | grep -q
   echo "run_suite.sh: no NVIDIA GPU on this host (nvidia-smi is missing or lists none): the $suite suite runs on a GPU host" >&2
   exit 2
 fi
-export OUT=${OUT:-/tmp/detlogp-$suite}
+export OUT=${OUT:-/tmp/detlogp-${suite//,/-}}
 mkdir -p "$OUT"
 site=$OUT/python-site # the wheels below, reinstalled each run
 for dir in "$bundle/../../.whl" "$bundle/whl" "$PWD/.whl"; do
@@ -69,4 +79,4 @@ nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.used,clocks.sm,clo
   --format=csv | tee "$OUT/gpu.txt"
 cd "$bundle/tests/device" &&
   exec python3 -m pytest -p no:cacheprovider --import-mode=importlib -o addopts="" -rs -v \
-    --junitxml="$OUT/junit.xml" --device_out="$OUT" -m "${suite//-/_}" . "$@"
+    --junitxml="$OUT/junit.xml" --device_out="$OUT" -m "$markers" . "$@"
