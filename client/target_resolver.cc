@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -13,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
 
 namespace detlogp::client {
 
@@ -152,13 +155,52 @@ std::vector<std::string> InPodOrdinalOrder(std::vector<std::string> addresses,
   return addresses;
 }
 
+std::vector<std::string> ReverseNamesWithin(
+    const std::vector<std::string>& addresses, const ReverseResolver& reverse,
+    absl::Duration budget) {
+  // Shared with the lookups, which may outlive this call.
+  struct Lookups {
+    bool AllAnswered() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+      return answered == names.size();
+    }
+    absl::Mutex mu;
+    std::vector<std::string> names ABSL_GUARDED_BY(mu);
+    size_t answered ABSL_GUARDED_BY(mu) = 0;
+  };
+  auto lookups = std::make_shared<Lookups>();
+  {
+    absl::MutexLock lock(&lookups->mu);
+    lookups->names.resize(addresses.size());
+  }
+  for (size_t i = 0; i < addresses.size(); ++i) {
+    std::thread([lookups, i, reverse, address = addresses[i]] {
+      std::string name = reverse(address);
+      absl::MutexLock lock(&lookups->mu);
+      lookups->names[i] = std::move(name);
+      ++lookups->answered;
+    }).detach();
+  }
+  absl::MutexLock lock(&lookups->mu);
+  if (!lookups->mu.AwaitWithTimeout(
+          absl::Condition(lookups.get(), &Lookups::AllAnswered), budget)) {
+    return std::vector<std::string>(addresses.size());
+  }
+  return lookups->names;
+}
+
 absl::StatusOr<std::vector<std::string>> ResolveInPodOrder(
     const std::string& host, const std::string& port) {
   absl::StatusOr<std::vector<std::string>> addresses =
       ResolveWithGetaddrinfo(host, port);
-  if (!addresses.ok()) return addresses;
-  return InPodOrdinalOrder(*std::move(addresses),
-                           ReverseResolveWithGetnameinfo);
+  if (!addresses.ok() || addresses->size() < 2) return addresses;
+  const std::vector<std::string> names = ReverseNamesWithin(
+      *addresses, ReverseResolveWithGetnameinfo, absl::Seconds(2));
+  std::vector<std::string> ordered = *addresses;
+  return InPodOrdinalOrder(std::move(ordered), [&](const std::string& address) {
+    const size_t i = std::find(addresses->begin(), addresses->end(), address) -
+                     addresses->begin();
+    return i < names.size() ? names[i] : std::string();
+  });
 }
 
 }  // namespace detlogp::client

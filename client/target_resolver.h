@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace detlogp::client {
 
@@ -59,8 +60,16 @@ std::string ReverseResolveWithGetnameinfo(const std::string& address);
 std::vector<std::string> InPodOrdinalOrder(std::vector<std::string> addresses,
                                            const ReverseResolver& reverse);
 
-// ResolveWithGetaddrinfo, then InPodOrdinalOrder with getnameinfo: the
-// servers a push reaches through a "dns:" name, in the order it chains them.
+// `reverse` of every address, side by side; when any lookup has not
+// answered within `budget`, every name is "" (a resolver that does not
+// answer cannot hold a push up for long; its lookups finish on their own).
+std::vector<std::string> ReverseNamesWithin(
+    const std::vector<std::string>& addresses, const ReverseResolver& reverse,
+    absl::Duration budget);
+
+// ResolveWithGetaddrinfo, then InPodOrdinalOrder with the names
+// ReverseNamesWithin finds in 2 s: the servers a push reaches through a
+// "dns:" name, in the order it chains them.
 absl::StatusOr<std::vector<std::string>> ResolveInPodOrder(
     const std::string& host, const std::string& port);
 

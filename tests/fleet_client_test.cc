@@ -192,8 +192,28 @@ TEST(DnsTargetTest, PodsAreOrderedByOrdinalWhenReverseDnsNamesThem) {
   for (const auto& of : unordered) {
     EXPECT_EQ(client::InPodOrdinalOrder(addresses, names(of)), addresses);
   }
-  // The system's reverse DNS: loopback has a name, and no ordinal.
+  // The system's reverse DNS, looked up side by side: not an address has
+  // no name; loopback's has no ordinal.
   EXPECT_EQ(client::ReverseResolveWithGetnameinfo("not an address:1"), "");
+  const std::vector<std::string> looked_up = client::ReverseNamesWithin(
+      {"not an address:1", "127.0.0.1:7", "[::1]:7"},
+      client::ReverseResolveWithGetnameinfo, absl::Seconds(30));
+  ASSERT_EQ(looked_up.size(), 3u);
+  EXPECT_EQ(looked_up[0], "");
+  EXPECT_EQ(looked_up[1], client::ReverseResolveWithGetnameinfo("127.0.0.1:7"));
+  EXPECT_EQ(looked_up[2], client::ReverseResolveWithGetnameinfo("[::1]:7"));
+  // A resolver that does not answer in time: no names, and the call returns
+  // while its lookup still waits.
+  auto release = std::make_shared<absl::Notification>();
+  const std::vector<std::string> late = client::ReverseNamesWithin(
+      {"10.0.0.3:7", "10.0.0.5:7"},
+      [release](const std::string& address) {
+        if (address == "10.0.0.5:7") release->WaitForNotification();
+        return std::string("detlogp-0.x");
+      },
+      absl::Milliseconds(50));
+  release->Notify();
+  EXPECT_EQ(late, (std::vector<std::string>{"", ""}));
   auto local = client::ResolveInPodOrder("127.0.0.1", "50051");
   ASSERT_TRUE(local.ok()) << local.status();
   EXPECT_EQ(*local, std::vector<std::string>{"127.0.0.1:50051"});

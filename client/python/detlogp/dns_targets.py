@@ -15,6 +15,8 @@ and commits on every pod (a gRPC "dns:" channel would reach one per call).
 
 import collections
 import socket
+import threading
+import time
 
 from detlogp.errors import Unavailable
 
@@ -113,10 +115,36 @@ def in_pod_ordinal_order(addresses, reverse=reverse_name):
     return [address for _, address in sorted(by_ordinal)]
 
 
+def reverse_names_within(addresses, reverse=reverse_name, budget_s=2.0):
+    """`reverse` of every address, side by side; when any lookup has not
+    answered within `budget_s`, every name is "" (a resolver that does not
+    answer cannot hold a push up for long; its lookups finish on their
+    own, on daemon threads)."""
+    names = [""] * len(addresses)
+    answered = threading.Semaphore(0)
+
+    def look_up(i, address):
+        names[i] = reverse(address) or ""
+        answered.release()
+
+    for i, address in enumerate(addresses):
+        threading.Thread(target=look_up, args=(i, address), daemon=True).start()
+    deadline = time.monotonic() + budget_s
+    for _ in addresses:
+        if not answered.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            return [""] * len(addresses)
+    return names
+
+
 def resolve_in_pod_order(host, port):
-    """resolve_with_getaddrinfo, then in_pod_ordinal_order: the servers a
-    push reaches through a "dns:" name, in the order it chains them."""
-    return in_pod_ordinal_order(resolve_with_getaddrinfo(host, port))
+    """resolve_with_getaddrinfo, then in_pod_ordinal_order with the names
+    reverse_names_within finds in 2 s: the servers a push reaches through a
+    "dns:" name, in the order it chains them."""
+    addresses = resolve_with_getaddrinfo(host, port)
+    if len(addresses) < 2:
+        return addresses
+    names = dict(zip(addresses, reverse_names_within(addresses)))
+    return in_pod_ordinal_order(addresses, names.get)
 
 
 def expand_targets(targets, resolver=None):

@@ -6,6 +6,7 @@ every address the name resolves to.
 """
 
 import asyncio
+import threading
 
 import detlogp
 import detlogp.aio
@@ -164,6 +165,20 @@ def test_pods_are_ordered_by_ordinal_as_the_cpp_client_orders_them():
         assert dns_targets.in_pod_ordinal_order(addresses, lambda a: names.get(a, "")) == addresses
     assert dns_targets.reverse_name("not an address:1") == ""
     assert dns_targets.resolve_in_pod_order("127.0.0.1", "50051") == ["127.0.0.1:50051"]
+    looked_up = dns_targets.reverse_names_within(["not an address:1", "127.0.0.1:7"], budget_s=30)
+    assert looked_up == ["", dns_targets.reverse_name("127.0.0.1:7")]
+    # A resolver that does not answer in time: no names, and the call
+    # returns while its lookup still waits.
+    release = threading.Event()
+
+    def slow(address):
+        if address == "10.0.0.5:7":
+            release.wait()
+        return "detlogp-0.x"
+
+    late = dns_targets.reverse_names_within(["10.0.0.3:7", "10.0.0.5:7"], slow, budget_s=0.05)
+    release.set()
+    assert late == ["", ""]
 
 
 def test_dns_targets_expand_in_place_and_keep_each_server_once():
