@@ -76,7 +76,8 @@ class EchoService final : public v1::LogProbService::CallbackService {
       return reactor;
     }
     if (hold_after >= 0 && arrival >= hold_after) {
-      first_held.Notify();
+      // Arrivals are numbered once: one notification, however many are held.
+      if (arrival == hold_after) first_held.Notify();
       return new HeldUntilCancelled();
     }
     if (refuse_always || refusals.fetch_sub(1) > 0) {

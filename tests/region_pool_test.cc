@@ -191,7 +191,8 @@ class FakeMaker {
         [this](int64_t bytes) -> absl::StatusOr<std::unique_ptr<FakeRegion>> {
       if (!error.ok()) return error;
       if (refuse.load()) {
-        if (!refused_once.HasBeenNotified()) refused_once.Notify();
+        // Makers run side by side: exactly one of them notifies.
+        if (!refusing_.exchange(true)) refused_once.Notify();
         return absl::ResourceExhaustedError("over the server's bound");
       }
       ++made;
@@ -203,6 +204,9 @@ class FakeMaker {
     };
     return maker;
   }
+
+ private:
+  std::atomic<bool> refusing_{false};
 };
 
 absl::StatusOr<std::optional<Pool::Lease>> Lease(
