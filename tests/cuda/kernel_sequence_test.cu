@@ -67,20 +67,23 @@ class KernelSequenceTest : public ::testing::Test {
     return seen;
   }
   absl::Status Spin(KernelSequence* sequence) {
-    auto launch = [&] {
+    return LaunchOn(0, sequence, [&] {
       SpinThenSet<<<1, 1, 0, streams_[0]>>>(flag_, kSpinCycles);
-      return LastLaunch();
-    };
-    if (sequence == nullptr) return launch();
-    return sequence->Launch(streams_[0], events_[0], launch);
+    });
   }
   absl::Status Read(KernelSequence* sequence) {
+    return LaunchOn(1, sequence,
+                    [&] { ReadFlag<<<1, 1, 0, streams_[1]>>>(flag_, seen_); });
+  }
+  // `enqueue` on stream `i`: plainly, or through `sequence` (with event i).
+  template <typename Enqueue>
+  absl::Status LaunchOn(int i, KernelSequence* sequence, Enqueue enqueue) {
     auto launch = [&] {
-      ReadFlag<<<1, 1, 0, streams_[1]>>>(flag_, seen_);
+      enqueue();
       return LastLaunch();
     };
     if (sequence == nullptr) return launch();
-    return sequence->Launch(streams_[1], events_[1], launch);
+    return sequence->Launch(streams_[i], events_[i], launch);
   }
 
   int* flag_ = nullptr;
