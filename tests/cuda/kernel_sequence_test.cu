@@ -41,6 +41,12 @@ class KernelSequenceTest : public ::testing::Test {
     }
     ASSERT_EQ(cudaMalloc(&flag_, sizeof(int)), cudaSuccess);
     ASSERT_EQ(cudaMalloc(&seen_, sizeof(int)), cudaSuccess);
+    // Both kernels loaded before the test: under lazy module loading, the
+    // first launch of a kernel waits for the device to go idle, which
+    // would serialize the plain launches.
+    SpinThenSet<<<1, 1>>>(flag_, 0);
+    ReadFlag<<<1, 1>>>(flag_, seen_);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     ASSERT_EQ(cudaMemset(flag_, 0, sizeof(int)), cudaSuccess);
     ASSERT_EQ(cudaMemset(seen_, 0xff, sizeof(int)), cudaSuccess);
     for (int i = 0; i < 2; ++i) {
