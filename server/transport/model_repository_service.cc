@@ -18,6 +18,7 @@
 #include "server/models/version_bytes.h"
 #include "server/transport/grpc_status.h"
 #include "server/transport/rejected_call.h"
+#include "server/transport/upload_forward_stream.h"
 #include "spdlog/spdlog.h"
 #include "proto/status_details.h"
 
@@ -349,7 +350,8 @@ class ModelRepositoryServiceImpl::UploadCall final
  private:
   struct Item {
     enum Kind { kChunk, kEnd, kAbort } kind;
-    std::string bytes;
+    // A chunk's bytes, shared with the forwarded message of a chain push.
+    std::shared_ptr<const std::string> bytes;
     absl::Status status;
   };
 
@@ -412,7 +414,7 @@ class ModelRepositoryServiceImpl::UploadCall final
     *next.mutable_header() = header;
     next.mutable_header()->mutable_forward_to()->DeleteSubrange(0, 1);
     next.mutable_header()->set_forwarded(true);
-    forward_queue_.push_back(std::move(next));
+    forward_queue_.push_back(EncodeUploadMessage(next));
     forwarding_ = true;
     service_->tasks_.Start([this] { Forward(); });
   }
@@ -421,23 +423,21 @@ class ModelRepositoryServiceImpl::UploadCall final
   // a server that stops reading is drained (its refusal is logged, and the
   // pusher learns who holds the version by asking each server).
   void Forward() {
-    auto stub =
-        detlogp::v1::ModelRepositoryService::NewStub(grpc::CreateChannel(
-            forward_target_, service_->options_.peer_credentials != nullptr
-                                 ? service_->options_.peer_credentials
-                                 : grpc::InsecureChannelCredentials()));
+    const auto channel = grpc::CreateChannel(
+        forward_target_, service_->options_.peer_credentials != nullptr
+                             ? service_->options_.peer_credentials
+                             : grpc::InsecureChannelCredentials());
     grpc::ClientContext context;
     // The pusher's deadline bounds the whole chain.
     context.set_deadline(deadline_);
     if (!authorization_.empty()) {
       context.AddMetadata("authorization", authorization_);
     }
-    ModelVersionStatus response;
-    auto writer = stub->UploadModel(&context, &response);
+    UploadForwardStream stream(channel, &context);
     bool open = true;
     bool aborted = false;
     while (true) {
-      UploadModelRequest message;
+      grpc::ByteBuffer message;
       {
         absl::MutexLock lock(&mu_);
         mu_.Await(absl::Condition(this, &UploadCall::HasForwardWork));
@@ -450,14 +450,15 @@ class ModelRepositoryServiceImpl::UploadCall final
         forward_queue_.pop_front();
         if (!reading_) ContinueReadingLocked();
       }
-      if (open) open = writer->Write(message);
+      if (open) open = stream.Write(message);
     }
     if (aborted) {
       context.TryCancel();
     } else if (open) {
-      writer->WritesDone();
+      stream.WritesDone();
     }
-    const grpc::Status status = writer->Finish();
+    ModelVersionStatus response;
+    const grpc::Status status = stream.Finish(&response);
     if (status.ok()) {
       spdlog::info("upload of {} forwarded to {}: version {} published there",
                    model_, forward_target_, response.version());
@@ -554,11 +555,22 @@ class ModelRepositoryServiceImpl::UploadCall final
   }
 
   void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    // A copy: the local queue takes the chunk itself.
-    if (forwarding_ && !forward_end_) forward_queue_.push_back(message_);
+    // A chunk's bytes are taken out of the message once and shared by the
+    // local queue and the forwarded message (no copy of either).
+    std::shared_ptr<const std::string> chunk;
+    if (message_.part_case() == UploadModelRequest::kChunk) {
+      chunk = std::make_shared<const std::string>(
+          std::move(*message_.mutable_chunk()));
+    }
+    // A chain forwards every message as it came, even one refused here:
+    // the next server judges it for itself.
+    if (forwarding_ && !forward_end_) {
+      forward_queue_.push_back(chunk != nullptr ? EncodeUploadChunk(chunk)
+                                                : EncodeUploadMessage(message_));
+    }
     switch (message_.part_case()) {
       case UploadModelRequest::kChunk: {
-        const int64_t size = static_cast<int64_t>(message_.chunk().size());
+        const int64_t size = static_cast<int64_t>(chunk->size());
         if (service_->options_.on_upload_bytes) {
           service_->options_.on_upload_bytes(from_peer_ ? "peer" : "pusher",
                                              size);
@@ -589,8 +601,7 @@ class ModelRepositoryServiceImpl::UploadCall final
           return;
         }
         received_ += size;
-        PushLocalLocked(
-            Item{Item::kChunk, std::move(*message_.mutable_chunk())});
+        PushLocalLocked(Item{Item::kChunk, std::move(chunk)});
         break;
       }
       case UploadModelRequest::kWeightsSha256:
@@ -697,8 +708,8 @@ class ModelRepositoryServiceImpl::UploadCall final
       if (item.kind == Item::kEnd) break;
       absl::Status s =
           decoder != nullptr
-              ? decoder->Feed(item.bytes.data(), item.bytes.size(), append)
-              : append(item.bytes.data(), item.bytes.size());
+              ? decoder->Feed(item.bytes->data(), item.bytes->size(), append)
+              : append(item.bytes->data(), item.bytes->size());
       if (!s.ok()) return s;
     }
     if (decoder != nullptr) {
@@ -780,13 +791,13 @@ class ModelRepositoryServiceImpl::UploadCall final
   std::string model_;
   int64_t version_ = 0;  // 0: the model's next number
   bool stage_ = false;   // two-phase: hold it STAGED until a commit
-  // A chain push: the next server, and the messages still to send it
-  // (copies; the local queue owns its chunks).
+  // A chain push: the next server, and the messages still to send it (wire
+  // bytes; a chunk's shared with the local queue).
   const std::string authorization_;  // the call's, sent on with it
   const std::chrono::system_clock::time_point deadline_;  // the call's
   std::string forward_target_;
   bool from_peer_ = false;  // the header said `forwarded`
-  std::deque<UploadModelRequest> forward_queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<grpc::ByteBuffer> forward_queue_ ABSL_GUARDED_BY(mu_);
   bool forwarding_ ABSL_GUARDED_BY(mu_) = false;     // Forward() runs
   bool forward_end_ ABSL_GUARDED_BY(mu_) = false;    // the stream ended
   bool forward_abort_ ABSL_GUARDED_BY(mu_) = false;  // the call was cancelled
