@@ -1,12 +1,36 @@
 #include "server/models/upload_assembler.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "proto/status_details.h"
 
 namespace detlogp::server {
+
+namespace {
+
+// Maps [data, data + size) in one call instead of a page fault for every
+// 4 KiB the copy touches first (those faults were a quarter of a chain
+// replica's CPU). Only whole pages; a kernel without MADV_POPULATE_WRITE
+// faults them as before.
+void Prefault(char* data, int64_t size) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin =
+      (reinterpret_cast<uintptr_t>(data) + page - 1) & ~(page - 1);
+  const uintptr_t end =
+      (reinterpret_cast<uintptr_t>(data) + static_cast<uintptr_t>(size)) &
+      ~(page - 1);
+  if (end > begin) {
+    madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);
+  }
+}
+
+}  // namespace
 
 UploadAssembler::UploadAssembler(const digests::LmHeadShape& shape,
                                  VersionWriter* writer, int hash_threads)
@@ -63,11 +87,17 @@ absl::Status UploadAssembler::Append(const void* data, size_t size) {
     const int64_t take = std::min(left, next_block_end_ - received_);
     char* dst = received_ < weight_bytes ? weight + received_
                                          : bias + (received_ - weight_bytes);
+    if (received_ < weight_bytes &&
+        received_ == next_block_end_ - digest_.block(filling_block_).size) {
+      // The first bytes of a weight block: its pages, mapped at once.
+      Prefault(dst, digest_.block(filling_block_).size);
+    }
     std::memcpy(dst, bytes, take);
     bytes += take;
     left -= take;
     received_ += take;
     if (received_ == next_block_end_) {
+      ++filling_block_;
       absl::MutexLock lock(&mu_);
       ++blocks_ready_;
       if (blocks_ready_ < digest_.num_blocks()) {
