@@ -157,7 +157,8 @@ TEST(UploadForwardStreamTest, TheNextServerReadsEveryMessageAsSent) {
   {
     UploadForwardStream stream(server.Channel(), &context);
     ASSERT_TRUE(stream.Write(EncodeUploadMessage(Header())));
-    for (const auto& chunk : chunks) ASSERT_TRUE(stream.Write(EncodeUploadChunk(chunk)));
+    for (const auto& chunk : chunks)
+      ASSERT_TRUE(stream.Write(EncodeUploadChunk(chunk)));
     ASSERT_TRUE(stream.Write(EncodeUploadMessage(trailer)));
     ASSERT_TRUE(stream.WritesDone());
     const grpc::Status status = stream.Finish(&response);

@@ -565,8 +565,9 @@ class ModelRepositoryServiceImpl::UploadCall final
     // A chain forwards every message as it came, even one refused here:
     // the next server judges it for itself.
     if (forwarding_ && !forward_end_) {
-      forward_queue_.push_back(chunk != nullptr ? EncodeUploadChunk(chunk)
-                                                : EncodeUploadMessage(message_));
+      forward_queue_.push_back(chunk != nullptr
+                                   ? EncodeUploadChunk(chunk)
+                                   : EncodeUploadMessage(message_));
     }
     switch (message_.part_case()) {
       case UploadModelRequest::kChunk: {

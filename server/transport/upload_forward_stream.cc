@@ -86,8 +86,8 @@ grpc::Status UploadForwardStream::Finish(
                           "the next server answered OK without a response");
     }
     grpc::Status parsed =
-        grpc::SerializationTraits<detlogp::v1::ModelVersionStatus>::
-            Deserialize(&answer, response);
+        grpc::SerializationTraits<detlogp::v1::ModelVersionStatus>::Deserialize(
+            &answer, response);
     if (!parsed.ok()) return parsed;
   }
   return status;

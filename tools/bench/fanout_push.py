@@ -110,9 +110,7 @@ def main():
                 result = pusher.upload_model("default", weights, version=version, base_version=0)
                 seconds = time.perf_counter() - start
             pusher_cpu = time.process_time() - pusher_cpu_before
-            cpu = [
-                cpu_seconds(server) - b for server, b in zip(servers[: len(to)], cpu_before)
-            ]
+            cpu = [cpu_seconds(server) - b for server, b in zip(servers[: len(to)], cpu_before)]
             after = received(servers)
             assert result.version == version and len(result.per_target) == len(to)
             pusher_bytes, peer_bytes = (a - b for a, b in zip(after, before))
