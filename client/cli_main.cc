@@ -105,6 +105,10 @@ ABSL_FLAG(int64_t, spread_request_mb, 8,
           "score: MiB of rows per request of a spread call at most.");
 ABSL_FLAG(int, spread_requests_in_flight, 2,
           "score: requests of a spread call outstanding per connection.");
+ABSL_FLAG(int64_t, region_piece_mb, 8,
+          "score, with --system_shared_memory: MiB of rows per piece, at "
+          "least, of a call written into the client's region (at most 8 "
+          "pieces, each written just before its request goes).");
 ABSL_FLAG(int, cuda_device, 0,
           "score, with --cuda_shared_memory: the CUDA device the rows are "
           "uploaded to (numbered as the server numbers its GPUs).");
@@ -229,6 +233,9 @@ LogpClient::Options ConnectionOptions() {
       << 20;
   options.spread_requests_in_flight =
       absl::GetFlag(FLAGS_spread_requests_in_flight);
+  options.region_piece_bytes =
+      std::clamp<int64_t>(absl::GetFlag(FLAGS_region_piece_mb), 0, 1 << 20)
+      << 20;
   if (!absl::GetFlag(FLAGS_tls_ca).empty()) {
     std::ifstream in(absl::GetFlag(FLAGS_tls_ca));
     options.tls_root_certs.assign(std::istreambuf_iterator<char>(in), {});

@@ -304,6 +304,11 @@ absl::StatusOr<std::unique_ptr<LogpClient>> LogpClient::Create(
         "system_shared_memory_regions: ", options.system_shared_memory_regions,
         " is not positive"));
   }
+  if (options.region_piece_bytes < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("region_piece_bytes: ", options.region_piece_bytes,
+                     " is not positive"));
+  }
   if (options.spread_requests_in_flight < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "spread_requests_in_flight: ", options.spread_requests_in_flight,
@@ -451,9 +456,9 @@ constexpr int64_t kMinSpreadRequestBytes = int64_t{1} << 20;
 
 // A call through a system region of the client's is written into it piece
 // by piece as its requests go: at most kRegionPieces pieces of at least
-// kMinRegionPieceBytes (docs/performance.md, "One caller's large batch").
+// Options::region_piece_bytes (docs/performance.md, "One caller's large
+// batch").
 constexpr int64_t kRegionPieces = 8;
-constexpr int64_t kMinRegionPieceBytes = int64_t{8} << 20;
 
 }  // namespace
 
@@ -640,7 +645,7 @@ absl::StatusOr<ScoreResult> LogpClient::ScoreCut(
     // rest are written, large enough to batch well; one connection per
     // requests_in_flight pieces puts them all in flight.
     const int64_t piece = std::max((rows + kRegionPieces - 1) / kRegionPieces,
-                                   kMinRegionPieceBytes / row_bytes);
+                                   options_.region_piece_bytes / row_bytes);
     rows_each = std::min(rows_each, std::max<int64_t>(piece, 1));
     const int64_t pieces = (rows + rows_each - 1) / rows_each;
     const int in_flight = std::max(options_.spread_requests_in_flight, 1);

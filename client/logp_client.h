@@ -270,6 +270,12 @@ class LogpClient {
     int64_t spread_request_bytes = int64_t{8} << 20;
     // Requests of one spread call outstanding on each connection at once.
     int spread_requests_in_flight = 2;
+    // Hidden bytes per piece, at least, of a call the client writes into
+    // its system region: the call is written piece by piece (at most 8
+    // pieces), each just before its request is sent, so that the server
+    // starts on the first while the rest are written. Smaller pieces start
+    // the server sooner; larger ones make fewer, larger batches.
+    int64_t region_piece_bytes = int64_t{8} << 20;
     // Threads that write requests' bytes into gRPC's buffers, shared by the
     // client's calls (a call's copies side by side).
     int send_threads = 8;

@@ -141,8 +141,8 @@ std::pair<std::string, std::string> InSmallCalls(DetlogpClient* client,
 }
 
 TEST_F(CapiClientTest, SaysItsAbiVersion) {
-  EXPECT_EQ(detlogp_client_abi_version(), 5);
-  EXPECT_EQ(DETLOGP_CLIENT_ABI_VERSION, 5);
+  EXPECT_EQ(detlogp_client_abi_version(), 6);
+  EXPECT_EQ(DETLOGP_CLIENT_ABI_VERSION, 6);
 }
 
 TEST_F(CapiClientTest, RefusesOptionsNamingTheFieldOrKey) {

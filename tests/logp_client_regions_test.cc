@@ -327,9 +327,11 @@ TEST(LogpClientSystemRegionTest, ARegionTheServerReleasedIsRegisteredAgain) {
 }
 
 // A call of 32 MiB through the client's region is written piece by piece
-// as its requests go: 4 pieces of 8 MiB, all in flight on 2 connections,
-// with the bits of the same rows sent in one message each. A narrow
-// vocabulary keeps the CPU's work small.
+// as its requests go: by default 4 pieces of 8 MiB, all in flight on 2
+// connections (two requests outstanding on each); pieces of at least 4 MiB
+// make 8 on 4 connections, of 16 MiB 2 on one; every way with the bits of
+// the same rows sent in one message each. A narrow vocabulary keeps the
+// CPU's work small.
 TEST(LogpClientSystemRegionTest, ALargeCallIsWrittenIntoTheRegionInPieces) {
   constexpr int64_t kNarrowVocab = 64;
   constexpr int64_t kRows = 65536;  // 32 MiB of bf16 rows of kHidden
@@ -337,24 +339,34 @@ TEST(LogpClientSystemRegionTest, ALargeCallIsWrittenIntoTheRegionInPieces) {
       {"--device=cpu", absl::StrCat("--synthetic_hidden_size=", kHidden),
        absl::StrCat("--synthetic_vocab_size=", kNarrowVocab)});
   ASSERT_TRUE(server.ok()) << server.status();
-  LogpClient::Options options;
-  options.system_shared_memory = true;
-  auto client = Connect(**server, options);
   auto plain = Connect(**server);
   const LogProbRequest request = client::MakeLogProbRequest(
       "pieces", v1::DTYPE_BFLOAT16, kRows, kHidden,
       client::RandomBf16Rows(kRows, kHidden, 21),
       client::RandomTargets(kRows, kNarrowVocab, 21), Extras());
-  auto through_region = client->Score(request);
-  ASSERT_TRUE(through_region.ok()) << through_region.status();
-  EXPECT_EQ(through_region->path, "system_shm")
-      << client->shared_memory_refusal();
-  EXPECT_EQ(through_region->requests, 4);
-  EXPECT_EQ(through_region->connections, 2);
   auto in_messages = plain->Score(request);
   ASSERT_TRUE(in_messages.ok()) << in_messages.status();
   EXPECT_EQ(in_messages->path, "grpc");
-  ExpectSameBits(*in_messages, *through_region);
+  struct Pieces {
+    int64_t piece_bytes;  // 0: the default
+    int requests;
+    int connections;
+  };
+  for (const Pieces& want : {Pieces{0, 4, 2}, Pieces{int64_t{4} << 20, 8, 4},
+                             Pieces{int64_t{16} << 20, 2, 1}}) {
+    LogpClient::Options options;
+    options.system_shared_memory = true;
+    if (want.piece_bytes > 0) options.region_piece_bytes = want.piece_bytes;
+    auto client = Connect(**server, options);
+    auto through_region = client->Score(request);
+    ASSERT_TRUE(through_region.ok()) << through_region.status();
+    EXPECT_EQ(through_region->path, "system_shm")
+        << client->shared_memory_refusal();
+    EXPECT_EQ(through_region->requests, want.requests) << want.piece_bytes;
+    EXPECT_EQ(through_region->connections, want.connections)
+        << want.piece_bytes;
+    ExpectSameBits(*in_messages, *through_region);
+  }
   EXPECT_EQ((*server)->Stop(SIGTERM), 0);
 }
 
@@ -592,7 +604,8 @@ TEST(LogpClientOptionsTest, BadSpreadSettingsAreRefusedByName) {
            {"spread_request_bytes",
             [](auto& o) { o.spread_request_bytes = 0; }},
            {"spread_requests_in_flight",
-            [](auto& o) { o.spread_requests_in_flight = 0; }}}) {
+            [](auto& o) { o.spread_requests_in_flight = 0; }},
+           {"region_piece_bytes", [](auto& o) { o.region_piece_bytes = 0; }}}) {
     LogpClient::Options options;
     set(options);
     auto client = LogpClient::Create(options);

@@ -293,6 +293,9 @@ int detlogp_client_create(const DetlogpClientOptions* options,
   if (options->spread_requests_in_flight > 0) {
     settings.spread_requests_in_flight = options->spread_requests_in_flight;
   }
+  if (options->region_piece_bytes > 0) {
+    settings.region_piece_bytes = options->region_piece_bytes;
+  }
   settings.bearer_token = Text(options->bearer_token);
   settings.tls_root_certs = Text(options->tls_root_certs);
   settings.tls_client_cert = Text(options->tls_client_cert);

@@ -24,7 +24,7 @@ extern "C" {
 #endif
 
 /* Bumped when a signature or struct below changes. */
-#define DETLOGP_CLIENT_ABI_VERSION 5
+#define DETLOGP_CLIENT_ABI_VERSION 6
 int detlogp_client_abi_version(void);
 
 typedef struct DetlogpClient DetlogpClient;
@@ -75,6 +75,10 @@ typedef struct {
   const char* tls_root_certs;
   const char* tls_client_cert;
   const char* tls_client_key;
+  /* Hidden bytes per piece, at least, of a call written into the client's
+   * system region (LogpClient::Options::region_piece_bytes); <= 0: its
+   * default. */
+  int64_t region_piece_bytes;
 } DetlogpClientOptions;
 
 typedef struct {

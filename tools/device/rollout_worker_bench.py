@@ -99,6 +99,12 @@ def main():
         "--slice_mb", type=int, default=8, help="TransferOptions.slice_bytes, MiB (gRPC bytes)"
     )
     parser.add_argument(
+        "--region_piece_mb",
+        type=int,
+        default=8,
+        help="TransferOptions.region_piece_bytes, MiB (system_shm pieces)",
+    )
+    parser.add_argument(
         "--native_transport",
         default="auto",
         choices=["auto", "on", "off"],
@@ -157,6 +163,7 @@ def main():
         options = detlogp.TransferOptions(
             connections=args.connections,
             slice_bytes=args.slice_mb << 20,
+            region_piece_bytes=args.region_piece_mb << 20,
             native_transport=args.native_transport,
         )
         clients = {

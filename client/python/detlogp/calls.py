@@ -58,6 +58,10 @@ class TransferOptions:
     slice_bytes: hidden bytes per request of a spread call at most.
     slices_in_flight_per_connection: requests of one call outstanding on
       each connection at once.
+    region_piece_bytes: hidden bytes per piece, at least, of a call the
+      engine writes into its system region (at most 8 pieces, each written
+      just before its request is sent, so the server starts on the first
+      while the rest are written).
     shared_memory: "auto" (a server on this host, a Unix socket or a
       loopback address, gets the rows through the engine's shared memory: a
       CUDA region for a bf16 CUDA tensor, a system region for host rows),
@@ -75,13 +79,19 @@ class TransferOptions:
     connections: int = 0
     slice_bytes: int = 8 << 20
     slices_in_flight_per_connection: int = 2
+    region_piece_bytes: int = 8 << 20
     shared_memory: str = "auto"
     shared_memory_min_bytes: int = 64 << 10
     native_transport: str = "auto"
 
     def validated(self):
         """self, or ValueError naming the first bad field."""
-        for name in ("engine_min_bytes", "slice_bytes", "slices_in_flight_per_connection"):
+        for name in (
+            "engine_min_bytes",
+            "slice_bytes",
+            "slices_in_flight_per_connection",
+            "region_piece_bytes",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("connections", "shared_memory_min_bytes"):

@@ -37,7 +37,7 @@ from detlogp.results import LogProbResult
 __all__ = ["find_library", "load_library", "Engine", "EngineSettings"]
 
 LIBRARY_ENV = "DETLOGP_CLIENT_LIBRARY"
-ABI_VERSION = 5
+ABI_VERSION = 6
 _LIBRARY_PATH = pathlib.Path("bazel-bin") / "client" / "capi" / "libdetlogp_client.so"
 _ERROR_BYTES = 4096
 # No deadline: a year (the C++ client always sets one).
@@ -77,6 +77,7 @@ class _Options(ctypes.Structure):
         ("tls_root_certs", ctypes.c_char_p),
         ("tls_client_cert", ctypes.c_char_p),
         ("tls_client_key", ctypes.c_char_p),
+        ("region_piece_bytes", ctypes.c_int64),
     ]
 
 
@@ -217,6 +218,9 @@ class EngineSettings:
     connections: int = 0
     request_bytes: int = 8 << 20
     requests_in_flight: int = 2
+    # Hidden bytes per piece, at least, of a call written into the system
+    # region.
+    region_piece_bytes: int = 8 << 20
     # Whether the engine may put rows in its system and CUDA regions.
     system_shared_memory: bool = False
     cuda_shared_memory: bool = False
@@ -263,6 +267,7 @@ class Engine:
             tls_root_certs=_text(security.get("root_certificates")),
             tls_client_cert=_text(security.get("client_certificate")),
             tls_client_key=_text(security.get("client_key")),
+            region_piece_bytes=int(settings.region_piece_bytes),
         )
         handle = ctypes.c_void_p()
         error = ctypes.create_string_buffer(_ERROR_BYTES)

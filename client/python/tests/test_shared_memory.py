@@ -119,6 +119,25 @@ def test_system_region_gives_the_bits_of_grpc_bytes(shm_server, dtype, n):
     same_bits(got, want)
 
 
+def test_region_piece_bytes_sets_how_a_call_is_written_into_the_region(shm_server):
+    # 2,000 bf16 rows of 192 bytes: pieces of at least 100 rows make 8 (at
+    # most 8 pieces: 250 rows each); the default (8 MiB) leaves the server's
+    # request limit to cut them, 4 requests.
+    model = shm_server.model
+    hidden, targets = rows(model, 2000, seed=470, dtype="bf16")
+    with detlogp.Client(shm_server.target, timeout=60, shared_memory="off") as plain:
+        want = plain.logprobs(hidden, targets, **EXTRAS)
+    for piece_bytes, slices in ((100 * 192, 8), (8 << 20, 4)):
+        options = detlogp.TransferOptions(shared_memory_min_bytes=0, region_piece_bytes=piece_bytes)
+        with detlogp.Client(shm_server.target, timeout=60, transfer_options=options) as client:
+            got = client.logprobs(hidden, targets, timing=True, **EXTRAS)
+        assert_path(got, "system_shm")
+        assert got.timings.slices == slices, (piece_bytes, got.timings)
+        same_bits(got, want)
+    with pytest.raises(ValueError, match="TransferOptions.region_piece_bytes"):
+        detlogp.TransferOptions(region_piece_bytes=0).validated()
+
+
 def test_the_unix_socket_and_a_system_region_give_the_same_bits(shm_server):
     model = shm_server.model
     hidden, targets = rows(model, 2000, seed=410, dtype="bf16")
