@@ -2,8 +2,10 @@
 without extras under 64 concurrent callers, the Python load generator with
 extras mixed in, throughput (N=256 x 64 callers), small-call latency (16
 rows from 8 callers and from one, one row), the projection's bits from the
-GPU equal the CPU's, and the kernel alone at the same batch sizes. Each
-load phase logs where the server's time went (metrics_delta.py).
+GPU equal the CPU's, and the kernel alone at the same batch sizes. On a
+Hopper GPU the 256 x 64 throughput and the 16 x 8 median latency are gated
+(gates.py). Each load phase logs where the server's time went
+(metrics_delta.py).
 
 DETLOGP_SERVE_SWEEP="threads:delay_us:rows[:spin_us[:qos]] ..." compares
 server settings; with two or more GPUs (DETLOGP_MULTI_GPU=0 skips): GPU 0 ==
@@ -15,6 +17,7 @@ import contextlib
 import os
 import struct
 
+import gates
 import numpy as np
 import pytest
 from gpu import gpus
@@ -86,7 +89,7 @@ def test_python_load_generator_with_extras(bundle, gpu_server, run, out, figures
     ids=["256x64", "16x8", "16x1", "1x1"],
 )
 def test_throughput_and_latency(
-    bundle, gpu_server, run, out, figures, rows, callers, channels, seconds
+    bundle, gpu, gpu_server, run, out, figures, rows, callers, channels, seconds
 ):
     name = f"throughput_{rows}x{callers}"
     result = where_time_went(
@@ -101,6 +104,14 @@ def test_throughput_and_latency(
         k: result[k] for k in ("rows_per_s", "p50_ms", "p90_ms", "p99_ms", "calls")
     }
     print(f"{name}: {result}")
+    if not gpu.is_hopper:
+        return
+    if (rows, callers) == (256, 64):
+        gates.at_least(
+            "serve 256 x 64 rows/s", result["rows_per_s"], gates.SERVE_256X64_ROWS_PER_S_MIN
+        )
+    elif (rows, callers) == (16, 8):
+        gates.at_most("serve 16 x 8 p50", result["p50_ms"], gates.SERVE_16X8_P50_MS_MAX, " ms")
 
 
 def project_seeded(target, rows, seed=7):
