@@ -33,6 +33,7 @@ SUITES = {
     "twin": "detlogp.torch on CUDA: its pytest cases, twin_check.py, the GRPO example",
     "rollout": "the client's GPU pytest cases and one rollout worker's large batch",
     "fleet_burst": "many rollout workers' large CUDA batches at once against one server",
+    "fanout": "one push to 8 servers on cuda:0 down a chain, against one server alone",
     "backward": "the fused backward: gtests, then beside PyTorch eager and Liger",
     "soak": "cancellation storms against a GPU server: the server's memory stays flat",
 }

@@ -19,6 +19,12 @@ SERVE_16X8_P50_MS_MAX = 1.1
 # regions) against the kernel alone on one caller's rows, rows/s.
 FLEET_BURST_OVER_KERNEL_MIN = 0.9
 
+# A push to 8 replicas on one host down a chain: the last replica ready
+# within this multiple of one replica's time, and the pusher's bytes summed
+# over the replicas within this multiple of the head's.
+FANOUT_CHAIN_OVER_ONE_MAX = 1.5
+FANOUT_PUSHER_BYTES_OVER_HEAD_MAX = 1.1
+
 # Cancellation-storm soak: the server's RSS is flat when, over the last
 # third of the storms, it grows by at most this fraction of its level at
 # the start of that third (RSS read after each storm).

@@ -10,7 +10,7 @@
 #   tools/device/run_suite.sh SUITE[,SUITE...] [PYTEST ARGS...]
 #
 # SUITE: tests, kernels, portable, serve, live-weights, projection,
-# projection-stream, twin, rollout, fleet-burst, backward, soak; several
+# projection-stream, twin, rollout, fleet-burst, fanout, backward, soak; several
 # (fleet-burst,serve,rollout) run in one pytest session, in file order
 # (tests/device/conftest.py says what each holds; each test file's
 # docstring, its knobs). Logs, JSON reports and figures go to $OUT
@@ -20,7 +20,7 @@
 # no bundle.
 set -uo pipefail
 
-suites="tests kernels portable serve live-weights projection projection-stream twin rollout fleet-burst backward soak"
+suites="tests kernels portable serve live-weights projection projection-stream twin rollout fleet-burst fanout backward soak"
 suite=${1:-}
 shift || true
 markers=""
