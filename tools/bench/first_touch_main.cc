@@ -56,9 +56,10 @@ int main(int argc, char** argv) {
     }
     const double wall_s = Seconds(CLOCK_MONOTONIC) - wall;
     const double cpu_s = Seconds(CLOCK_PROCESS_CPUTIME_ID) - cpu;
-    std::printf("block %d (%.2f GiB held): %.3f s wall, %.3f s CPU, %.2f GB/s\n",
-                i, static_cast<double>(i + 1) * 0.25, wall_s, cpu_s,
-                static_cast<double>(kBlockBytes) / wall_s / 1e9);
+    std::printf(
+        "block %d (%.2f GiB held): %.3f s wall, %.3f s CPU, %.2f GB/s\n", i,
+        static_cast<double>(i + 1) * 0.25, wall_s, cpu_s,
+        static_cast<double>(kBlockBytes) / wall_s / 1e9);
   }
   for (void* block : held) munmap(block, kBlockBytes);
   return 0;
