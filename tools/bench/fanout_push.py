@@ -19,7 +19,6 @@ Usage: tools/bench/fanout_push.py [--servers 8] [--hidden 4096] [--vocab 32768]
 import argparse
 import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
@@ -48,18 +47,6 @@ def received(servers):
         pusher += samples[PUSHER]
         peer += samples[PEER]
     return int(pusher), int(peer)
-
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(server):
-    """User + system CPU seconds the server's process has used so far."""
-    fields = Path(f"/proc/{server.pid}/stat").read_text()
-    # The fields after the command name, which may hold spaces: utime and
-    # stime are fields 14 and 15 of the whole line.
-    after_name = fields[fields.rindex(")") + 2 :].split()
-    return (int(after_name[11]) + int(after_name[12])) / CLOCK_TICKS
 
 
 def main():
@@ -103,14 +90,14 @@ def main():
         for version, name in enumerate(args.pushes.split(","), start=2):
             fanout, to = pushes[name]
             before = received(servers)
-            cpu_before = [cpu_seconds(server) for server in servers[: len(to)]]
+            cpu_before = [server.cpu_seconds() for server in servers[: len(to)]]
             pusher_cpu_before = time.process_time()
             with Pusher(to, fanout=fanout) as pusher:
                 start = time.perf_counter()
                 result = pusher.upload_model("default", weights, version=version, base_version=0)
                 seconds = time.perf_counter() - start
             pusher_cpu = time.process_time() - pusher_cpu_before
-            cpu = [cpu_seconds(server) - b for server, b in zip(servers[: len(to)], cpu_before)]
+            cpu = [server.cpu_seconds() - b for server, b in zip(servers[: len(to)], cpu_before)]
             after = received(servers)
             assert result.version == version and len(result.per_target) == len(to)
             pusher_bytes, peer_bytes = (a - b for a, b in zip(after, before))

@@ -194,6 +194,15 @@ class LocalServer:
                     return int(line.split()[1])
         return 0
 
+    def cpu_seconds(self):
+        """User + system CPU seconds the server process has used so far."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            line = f.read()
+        # The fields after the command name, which may hold spaces: utime and
+        # stime are fields 14 and 15 of the whole line.
+        after_name = line[line.rindex(")") + 2 :].split()
+        return (int(after_name[11]) + int(after_name[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop_counts(self):
         """The shutdown log line's counters, or None if it was not written."""
         match = _STOPPED.search(self.log())

@@ -238,3 +238,15 @@ def test_options_are_checked_naming_the_field(server):
         detlogp.Client(server.target, transfer_options=detlogp.TransferOptions(slice_bytes=0))
     with pytest.raises(ValueError, match="TransferOptions.engine_min_bytes"):
         detlogp.TransferOptions(engine_min_bytes=0).validated()
+
+
+def test_the_local_server_reports_the_cpu_it_used(server, model):
+    # LocalServer.cpu_seconds: what the fan-out bench counts per replica.
+    before = server.cpu_seconds()
+    assert before >= 0
+    hidden, targets = model.random_rows(20000, seed=311)
+    with detlogp.Client(server.target, timeout=120, transfer_options=OFF) as client:
+        client.logprobs(hidden, targets)
+    used = server.cpu_seconds() - before
+    print(f"20,000 rows: {used:.2f} s of the server's CPU")
+    assert used > 0
