@@ -63,7 +63,8 @@ grpc::ByteBuffer Received(const std::string& wire,
 
 std::string Join(const UploadChunkBytes& chunk) {
   std::string joined;
-  for (absl::string_view span : chunk.spans) joined.append(span.data(), span.size());
+  for (absl::string_view span : chunk.spans)
+    joined.append(span.data(), span.size());
   return joined;
 }
 
@@ -134,8 +135,7 @@ TEST(ReceivedUploadTest, OtherMessagesAreParsedAndForwardedAsTyped) {
   header.mutable_header()->set_model("policy");
   header.mutable_header()->add_shape(16);
   header.mutable_header()->add_shape(8);
-  grpc::ByteBuffer received =
-      Received(header.SerializeAsString(), {3});
+  grpc::ByteBuffer received = Received(header.SerializeAsString(), {3});
   ReceivedUploadMessage message = ReadUploadMessage(&received, true);
   ASSERT_TRUE(message.status.ok()) << message.status;
   ASSERT_EQ(message.part, UploadModelRequest::kHeader);
@@ -176,10 +176,15 @@ TEST(ReceivedUploadTest, MalformedMessagesAreRefusedAndForwardedAsTheyCame) {
     std::string wire;
     std::string field;
   };
-  for (const Case& c : {Case{std::string("\x12\x05" "abc", 5), "chunk"},
+  for (const Case& c : {Case{std::string("\x12\x05"
+                                         "abc",
+                                         5),
+                             "chunk"},
                         Case{std::string("\x12\x80", 2), "chunk"},
                         // A header cut short.
-                        Case{std::string("\x0a\x05" "ab", 4),
+                        Case{std::string("\x0a\x05"
+                                         "ab",
+                                         4),
                              "UploadModelRequest"}}) {
     grpc::ByteBuffer received = Received(c.wire, {1});
     ReceivedUploadMessage message = ReadUploadMessage(&received, true);

@@ -127,7 +127,10 @@ TEST(UploadChunkWireTest, OtherMessagesAreLeftToProtobuf) {
   // Field 2 with another wire type (protobuf keeps it as an unknown field).
   ExpectParsedWhole(std::string("\x10\x05", 2));
   // The chunk's tag written in two bytes (0x92 0x00 reads as 0x12).
-  ExpectParsedWhole(std::string("\x92\x00\x03" "abc", 6));
+  ExpectParsedWhole(
+      std::string("\x92\x00\x03"
+                  "abc",
+                  6));
   // Another field first.
   ExpectParsedWhole(digest.SerializeAsString() + ChunkMessage("abc"));
 }
@@ -150,7 +153,10 @@ TEST(UploadChunkWireTest, AChunkWithOtherFieldsIsLeftToProtobuf) {
 
 TEST(UploadChunkWireTest, APaddedLengthIsLeftToProtobuf) {
   // 3 written as 0x83 0x00: valid, but a typed forward writes 0x03.
-  const std::string padded("\x12\x83\x00" "abc", 6);
+  const std::string padded(
+      "\x12\x83\x00"
+      "abc",
+      6);
   ExpectParsedWhole(padded);
   UploadModelRequest parsed;
   ASSERT_TRUE(parsed.ParseFromString(padded));
@@ -167,14 +173,17 @@ TEST(UploadChunkWireTest, TruncatedLengthsAreRefused) {
 }
 
 TEST(UploadChunkWireTest, LengthsBeyondTheMessageAreRefused) {
-  ExpectMalformed({std::string("\x12\x05" "abc", 5)});
+  ExpectMalformed(
+      {std::string("\x12\x05"
+                   "abc",
+                   5)});
   ExpectMalformed({std::string("\x12\x05", 2), "ab", "c"});
   // 300 announced, 299 sent.
   const std::string wire = ChunkMessage(Pattern(300));
   ExpectMalformed({absl::string_view(wire).substr(0, wire.size() - 1)});
   // The largest length a 64-bit varint holds.
-  ExpectMalformed({std::string("\x12") + std::string(9, '\xff') + "\x01" +
-                   "abc"});
+  ExpectMalformed(
+      {std::string("\x12") + std::string(9, '\xff') + "\x01" + "abc"});
 }
 
 TEST(UploadChunkWireTest, OverlongLengthsAreRefused) {

@@ -295,8 +295,8 @@ class ModelRepositoryServiceImpl::UploadCall final
       if (finished_) return;
       ReceivedUploadMessage message;
       if (ok) {
-        message = ReadUploadMessage(&received_message_,
-                                    forwarding_ && !forward_end_);
+        message =
+            ReadUploadMessage(&received_message_, forwarding_ && !forward_end_);
       }
       if (!worker_started_) {
         finish_now =
@@ -569,7 +569,8 @@ class ModelRepositoryServiceImpl::UploadCall final
     // the next server judges it for itself. A chunk's bytes stay where
     // they arrived, shared by the local queue and the forwarded message.
     if (forwarding_ && !forward_end_) {
-      forward_queue_.push_back(std::move(message.forward));
+      forward_queue_.emplace_back();
+      forward_queue_.back().Swap(&message.forward);  // no copy of a buffer
     }
     if (!message.status.ok()) {
       PushLocalLocked(Item{Item::kAbort, {}, std::move(message.status)});
@@ -714,10 +715,9 @@ class ModelRepositoryServiceImpl::UploadCall final
       if (item.kind == Item::kAbort) return item.status;
       if (item.kind == Item::kEnd) break;
       for (absl::string_view span : item.bytes->spans) {
-        absl::Status s =
-            decoder != nullptr
-                ? decoder->Feed(span.data(), span.size(), append)
-                : append(span.data(), span.size());
+        absl::Status s = decoder != nullptr
+                             ? decoder->Feed(span.data(), span.size(), append)
+                             : append(span.data(), span.size());
         if (!s.ok()) return s;
       }
     }

@@ -60,9 +60,8 @@ class PieceCursor {
 };
 
 absl::Status MalformedChunk(absl::string_view why) {
-  return v1::FieldError(
-      absl::StatusCode::kInvalidArgument, "chunk",
-      absl::StrCat(why, " (a malformed UploadModelRequest)"));
+  return v1::FieldError(absl::StatusCode::kInvalidArgument, "chunk",
+                        absl::StrCat(why, " (a malformed UploadModelRequest)"));
 }
 
 }  // namespace
@@ -96,9 +95,8 @@ absl::StatusOr<std::optional<UploadChunkSpans>> FindUploadChunk(
 
   const int64_t follow = total - cursor.position();
   if (length > static_cast<uint64_t>(follow)) {
-    return MalformedChunk(absl::StrCat("its length is ", length,
-                                       " bytes but ", follow,
-                                       " bytes follow it"));
+    return MalformedChunk(absl::StrCat("its length is ", length, " bytes but ",
+                                       follow, " bytes follow it"));
   }
   // A padded length (a last byte of 0 after others) parses the same, but a
   // typed forward would write it shorter: parsed whole, it is forwarded so.
