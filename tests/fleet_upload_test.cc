@@ -15,6 +15,11 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -25,7 +30,10 @@
 #include "client/random_rows.h"
 #include "kernels/bfloat16.h"
 #include "kernels/random_normal.h"
+#include "detlogp/v1/detlogp.pb.h"
 #include "proto/status_details.h"
+#include "proto/wire_format.h"
+#include "server/transport/upload_forward_stream.h"
 #include "tests/assert_ok.h"
 #include "tests/fleet_test_heads.h"
 #include "tests/lm_head_test_files.h"
@@ -345,6 +353,108 @@ TEST_F(FleetUploadTest, ChainPushForwardsEachChunkAndRoutesAroundFailures) {
     EXPECT_FALSE(pushed.via_chain) << pushed.target;
     EXPECT_TRUE(pushed.sent_delta) << pushed.target;
   }
+}
+
+// How a pusher may frame a chunk on the wire.
+enum class Framing {
+  kPlain,              // as protobuf writes it
+  kUnknownFieldAfter,  // then a field UploadModelRequest does not know
+  kPaddedLength,       // its length with a padding byte (valid protobuf)
+  kLengthPastTheEnd,   // malformed: more bytes announced than sent
+};
+
+std::string FramedChunk(absl::string_view bytes, Framing framing) {
+  std::string wire;
+  v1::wire::AppendVarint(
+      v1::wire::Tag(v1::UploadModelRequest::kChunkFieldNumber,
+                    v1::wire::kLengthDelimited),
+      &wire);
+  std::string length;
+  v1::wire::AppendVarint(
+      bytes.size() + (framing == Framing::kLengthPastTheEnd ? 10 : 0), &length);
+  if (framing == Framing::kPaddedLength) {
+    length.back() = static_cast<char>(length.back() | 0x80);
+    length.push_back('\0');
+  }
+  wire += length;
+  wire.append(bytes.data(), bytes.size());
+  if (framing == Framing::kUnknownFieldAfter) wire += "\x78\x01";  // 15: 1
+  return wire;
+}
+
+// Uploads `head` as `version` to `first`, which forwards it to `next`; the
+// payload goes in chunks framed as `framings` says, one each.
+grpc::Status PushFramed(const ServerProcess& first, const ServerProcess& next,
+                        const LmHeadUpload& head, int64_t version,
+                        const std::vector<Framing>& framings) {
+  std::string payload(reinterpret_cast<const char*>(head.weight.data()),
+                      head.weight.size() * 2);
+  payload.append(reinterpret_cast<const char*>(head.bias.data()),
+                 head.bias.size() * 4);
+  v1::UploadModelRequest header;
+  v1::UploadModelHeader* h = header.mutable_header();
+  h->set_model(head.model);
+  h->set_dtype(v1::DTYPE_BFLOAT16);
+  h->add_shape(head.padded_vocab_size);
+  h->add_shape(head.hidden_size);
+  h->set_vocab_size(head.vocab_size);
+  h->set_has_bias(!head.bias.empty());
+  h->set_model_version(version);
+  h->set_weights_sha256(client::LmHeadUploadDigest(head));
+  h->add_forward_to(next.target());
+  std::vector<std::string> messages = {header.SerializeAsString()};
+  const size_t piece = payload.size() / framings.size() + 1;
+  for (size_t i = 0; i < framings.size(); ++i) {
+    messages.push_back(FramedChunk(
+        absl::string_view(payload).substr(i * piece, piece), framings[i]));
+  }
+
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(60));
+  server::UploadForwardStream stream(
+      grpc::CreateChannel(first.target(), grpc::InsecureChannelCredentials()),
+      &context);
+  for (const std::string& message : messages) {
+    grpc::Slice slice(message);
+    if (!stream.Write(grpc::ByteBuffer(&slice, 1))) break;
+  }
+  stream.WritesDone();
+  v1::ModelVersionStatus response;
+  return stream.Finish(&response);
+}
+
+// A chunk reaches the weights, and the next server of a chain, alike in
+// every framing protobuf reads; a malformed one is refused, naming `chunk`,
+// here and by the next server, which receives it as it came.
+TEST_F(FleetUploadTest, ChainTakesEveryValidChunkFramingAndRefusesMalformed) {
+  auto first = StartWithBase();
+  auto second = StartWithBase();
+  ASSERT_TRUE(first != nullptr && second != nullptr);
+  const grpc::Status pushed =
+      PushFramed(*first, *second, step_, 2,
+                 {Framing::kPlain, Framing::kUnknownFieldAfter,
+                  Framing::kPaddedLength, Framing::kPlain});
+  ASSERT_TRUE(pushed.ok()) << pushed.error_message();
+  EXPECT_EQ(Latest(*first), 2);
+  EXPECT_EQ(Latest(*second), 2);
+  EXPECT_EQ(BytesReceived(*second, "peer"),
+            static_cast<double>(step_.payload_bytes()));
+  EXPECT_EQ(ScoredBits(*second, 2), ScoredBits(*first, 2));
+
+  const grpc::Status refused =
+      PushFramed(*first, *second, Step(step_, 3), 3,
+                 {Framing::kPlain, Framing::kLengthPastTheEnd});
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StrContains(refused.error_message(), "malformed"))
+      << refused.error_message();
+  const absl::Status details =
+      v1::StatusWithDetails(absl::StatusCode::kInvalidArgument,
+                            refused.error_message(), refused.error_details());
+  EXPECT_EQ(v1::DetailsOf(details).fields, std::vector<std::string>{"chunk"})
+      << refused.error_message();
+  EXPECT_EQ(Latest(*first), 2);
+  EXPECT_EQ(Latest(*second), 2);
 }
 
 // A "dns:" target is every address its name resolves to: one push stages

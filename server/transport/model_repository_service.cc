@@ -17,6 +17,7 @@
 #include "server/models/upload_assembler.h"
 #include "server/models/version_bytes.h"
 #include "server/transport/grpc_status.h"
+#include "server/transport/received_upload.h"
 #include "server/transport/rejected_call.h"
 #include "server/transport/upload_forward_stream.h"
 #include "spdlog/spdlog.h"
@@ -272,9 +273,9 @@ grpc::ServerUnaryReactor* ModelRepositoryServiceImpl::UnloadModel(
 // wait. Once the worker has started, it alone finishes the call, as its last
 // act, so the reactor is never deleted under it.
 class ModelRepositoryServiceImpl::UploadCall final
-    : public grpc::ServerReadReactor<UploadModelRequest> {
+    : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  UploadCall(ModelRepositoryServiceImpl* service, ModelVersionStatus* response,
+  UploadCall(ModelRepositoryServiceImpl* service, grpc::ByteBuffer* response,
              std::string authorization,
              std::chrono::system_clock::time_point deadline)
       : service_(service),
@@ -283,7 +284,7 @@ class ModelRepositoryServiceImpl::UploadCall final
         deadline_(deadline) {
     absl::MutexLock lock(&mu_);
     reading_ = true;
-    StartRead(&message_);
+    StartRead(&received_message_);
   }
 
   void OnReadDone(bool ok) override {
@@ -292,9 +293,14 @@ class ModelRepositoryServiceImpl::UploadCall final
       absl::MutexLock lock(&mu_);
       reading_ = false;
       if (finished_) return;
+      ReceivedUploadMessage message;
+      if (ok) {
+        message =
+            ReadUploadMessage(&received_message_, forwarding_ && !forward_end_);
+      }
       if (!worker_started_) {
         finish_now =
-            ok ? StartFromHeaderLocked()
+            ok ? StartFromHeaderLocked(message)
                : (cancelled_ ? absl::CancelledError("upload cancelled")
                              : v1::FieldError(
                                    absl::StatusCode::kInvalidArgument, "header",
@@ -310,7 +316,7 @@ class ModelRepositoryServiceImpl::UploadCall final
         forward_end_ = true;
         PushLocalLocked(Item{Item::kEnd});
       } else {
-        AcceptLocked();
+        AcceptLocked(std::move(message));
       }
     }
     if (finish_now.has_value()) Finish(ToGrpcStatus(*finish_now));
@@ -350,18 +356,21 @@ class ModelRepositoryServiceImpl::UploadCall final
  private:
   struct Item {
     enum Kind { kChunk, kEnd, kAbort } kind;
-    // A chunk's bytes, shared with the forwarded message of a chain push.
-    std::shared_ptr<const std::string> bytes;
+    // A chunk's bytes where they arrived, shared with the forwarded message
+    // of a chain push.
+    std::shared_ptr<const UploadChunkBytes> bytes;
     absl::Status status;
   };
 
-  absl::Status StartFromHeaderLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (message_.part_case() != UploadModelRequest::kHeader) {
+  absl::Status StartFromHeaderLocked(const ReceivedUploadMessage& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!message.status.ok()) return message.status;
+    if (message.part != UploadModelRequest::kHeader) {
       return v1::FieldError(
           absl::StatusCode::kInvalidArgument, "header",
           "the first message of an upload must carry the header");
     }
-    const UploadModelHeader& header = message_.header();
+    const UploadModelHeader& header = message.message.header();
     auto shape = ValidateUploadHeader(header);
     if (!shape.ok()) return shape.status();
     if (absl::Status s = service_->manager_->CheckVersionNumber(
@@ -554,24 +563,22 @@ class ModelRepositoryServiceImpl::UploadCall final
     return absl::OkStatus();
   }
 
-  void AcceptLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    // A chunk's bytes are taken out of the message once and shared by the
-    // local queue and the forwarded message (no copy of either).
-    std::shared_ptr<const std::string> chunk;
-    if (message_.part_case() == UploadModelRequest::kChunk) {
-      chunk = std::make_shared<const std::string>(
-          std::move(*message_.mutable_chunk()));
-    }
+  void AcceptLocked(ReceivedUploadMessage message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // A chain forwards every message as it came, even one refused here:
-    // the next server judges it for itself.
+    // the next server judges it for itself. A chunk's bytes stay where
+    // they arrived, shared by the local queue and the forwarded message.
     if (forwarding_ && !forward_end_) {
-      forward_queue_.push_back(chunk != nullptr
-                                   ? EncodeUploadChunk(chunk)
-                                   : EncodeUploadMessage(message_));
+      forward_queue_.emplace_back();
+      forward_queue_.back().Swap(&message.forward);  // no copy of a buffer
     }
-    switch (message_.part_case()) {
+    if (!message.status.ok()) {
+      PushLocalLocked(Item{Item::kAbort, {}, std::move(message.status)});
+      return;
+    }
+    switch (message.part) {
       case UploadModelRequest::kChunk: {
-        const int64_t size = static_cast<int64_t>(chunk->size());
+        const int64_t size = message.chunk->size;
         if (service_->options_.on_upload_bytes) {
           service_->options_.on_upload_bytes(from_peer_ ? "peer" : "pusher",
                                              size);
@@ -602,7 +609,7 @@ class ModelRepositoryServiceImpl::UploadCall final
           return;
         }
         received_ += size;
-        PushLocalLocked(Item{Item::kChunk, std::move(chunk)});
+        PushLocalLocked(Item{Item::kChunk, std::move(message.chunk)});
         break;
       }
       case UploadModelRequest::kWeightsSha256:
@@ -615,7 +622,7 @@ class ModelRepositoryServiceImpl::UploadCall final
                                   "sent twice (header and last message)")});
           return;
         }
-        if (!IsHexDigest(message_.weights_sha256())) {
+        if (!IsHexDigest(message.message.weights_sha256())) {
           PushLocalLocked(
               Item{Item::kAbort,
                    {},
@@ -625,7 +632,7 @@ class ModelRepositoryServiceImpl::UploadCall final
           return;
         }
         trailer_seen_ = true;
-        expected_sha256_ = message_.weights_sha256();
+        expected_sha256_ = message.message.weights_sha256();
         break;
       default:
         PushLocalLocked(
@@ -646,7 +653,7 @@ class ModelRepositoryServiceImpl::UploadCall final
     if (static_cast<int>(queue_.size()) < limit &&
         static_cast<int>(forward_queue_.size()) < limit) {
       reading_ = true;
-      StartRead(&message_);
+      StartRead(&received_message_);
     }
   }
 
@@ -707,11 +714,12 @@ class ModelRepositoryServiceImpl::UploadCall final
       }
       if (item.kind == Item::kAbort) return item.status;
       if (item.kind == Item::kEnd) break;
-      absl::Status s =
-          decoder != nullptr
-              ? decoder->Feed(item.bytes->data(), item.bytes->size(), append)
-              : append(item.bytes->data(), item.bytes->size());
-      if (!s.ok()) return s;
+      for (absl::string_view span : item.bytes->spans) {
+        absl::Status s = decoder != nullptr
+                             ? decoder->Feed(span.data(), span.size(), append)
+                             : append(span.data(), span.size());
+        if (!s.ok()) return s;
+      }
     }
     if (decoder != nullptr) {
       if (absl::Status s = decoder->Finish(); !s.ok()) return s;
@@ -769,15 +777,23 @@ class ModelRepositoryServiceImpl::UploadCall final
                               model_, std::move(weights), std::move(origin),
                               std::move(reservation_));
     if (!added.ok()) return added.status();
-    *response_ = *std::move(added);
+    bool own_buffer = false;
+    const grpc::Status written =
+        grpc::SerializationTraits<ModelVersionStatus>::Serialize(
+            *added, response_, &own_buffer);
+    if (!written.ok()) {
+      return absl::InternalError(
+          absl::StrCat("ModelVersionStatus: cannot be written (",
+                       written.error_message(), ")"));
+    }
     return absl::OkStatus();
   }
 
   ModelRepositoryServiceImpl* const service_;
-  ModelVersionStatus* const response_;
+  grpc::ByteBuffer* const response_;
 
   absl::Mutex mu_;
-  UploadModelRequest message_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer received_message_ ABSL_GUARDED_BY(mu_);
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_started_ ABSL_GUARDED_BY(mu_) = false;
@@ -814,11 +830,11 @@ class ModelRepositoryServiceImpl::UploadCall final
   std::string digest_;
 };
 
-grpc::ServerReadReactor<UploadModelRequest>*
+grpc::ServerReadReactor<grpc::ByteBuffer>*
 ModelRepositoryServiceImpl::UploadModel(grpc::CallbackServerContext* context,
-                                        ModelVersionStatus* response) {
+                                        grpc::ByteBuffer* response) {
   if (grpc::Status denied = Authorize(*context); !denied.ok()) {
-    return new RejectedCall<grpc::ServerReadReactor<UploadModelRequest>>(
+    return new RejectedCall<grpc::ServerReadReactor<grpc::ByteBuffer>>(
         Record("UploadModel", denied));
   }
   // A chain push forwards the call's authorization to the next server.

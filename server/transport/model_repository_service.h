@@ -25,8 +25,12 @@
 
 namespace detlogp::server {
 
+// UploadModel is read raw (server/transport/received_upload.h): a chunk's
+// bytes are copied once, from where they arrived into the new weights.
 class ModelRepositoryServiceImpl final
-    : public detlogp::v1::ModelRepositoryService::CallbackService {
+    : public detlogp::v1::ModelRepositoryService::
+          WithRawCallbackMethod_UploadModel<
+              detlogp::v1::ModelRepositoryService::CallbackService> {
  public:
   struct Options {
     // Accepted admin tokens; null means none are configured.
@@ -65,9 +69,10 @@ class ModelRepositoryServiceImpl final
       grpc::CallbackServerContext* context,
       const detlogp::v1::LoadModelRequest* request,
       detlogp::v1::ModelVersionStatus* response) override;
-  grpc::ServerReadReactor<detlogp::v1::UploadModelRequest>* UploadModel(
+  // Reads UploadModelRequest messages; answers a ModelVersionStatus.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* UploadModel(
       grpc::CallbackServerContext* context,
-      detlogp::v1::ModelVersionStatus* response) override;
+      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UnloadModel(
       grpc::CallbackServerContext* context,
       const detlogp::v1::UnloadModelRequest* request,

@@ -1,12 +1,13 @@
 // The outgoing UploadModel call of a chain push: the messages a server
 // received go on to the next server as wire bytes, so a chunk is neither
-// copied into a new message nor serialized again. A chunk's bytes are
-// shared (a reference count) between the local upload and gRPC's send
-// buffer; the small header around them is encoded once per chunk.
+// copied into a new message nor serialized again. A plain chunk goes on as
+// the buffer it arrived in (server/transport/received_upload.h); a chunk
+// protobuf parsed goes as a small field header before its bytes, shared (a
+// reference count) between the local upload and gRPC's send buffer.
 //
 //   UploadForwardStream stream(channel, &context);
 //   stream.Write(EncodeUploadMessage(header_message));
-//   stream.Write(EncodeUploadChunk(chunk_bytes));   // as chunks arrive
+//   stream.Write(received_chunk_buffer);   // as chunks arrive
 //   ...
 //   stream.WritesDone();
 //   grpc::Status status = stream.Finish(&response);
