@@ -16,23 +16,12 @@
 #include "detlogp/v1/detlogp.pb.h"
 #include "proto/status_details.h"
 #include "server/transport/upload_forward_stream.h"
+#include "tests/upload_wire_bytes.h"
 
 namespace detlogp::server {
 namespace {
 
 using detlogp::v1::UploadModelRequest;
-
-std::string Pattern(size_t size) {
-  std::string bytes(size, '\0');
-  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>(i * 131 + 7);
-  return bytes;
-}
-
-std::string ChunkMessage(const std::string& chunk) {
-  UploadModelRequest message;
-  message.set_chunk(chunk);
-  return message.SerializeAsString();
-}
 
 std::vector<grpc::Slice> SlicesOf(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;

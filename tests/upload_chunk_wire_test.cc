@@ -16,23 +16,12 @@
 #include "absl/strings/string_view.h"
 #include "detlogp/v1/detlogp.pb.h"
 #include "proto/status_details.h"
+#include "tests/upload_wire_bytes.h"
 
 namespace detlogp::server {
 namespace {
 
 using detlogp::v1::UploadModelRequest;
-
-std::string Pattern(size_t size) {
-  std::string bytes(size, '\0');
-  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>(i * 131 + 7);
-  return bytes;
-}
-
-std::string ChunkMessage(const std::string& chunk) {
-  UploadModelRequest message;
-  message.set_chunk(chunk);
-  return message.SerializeAsString();
-}
 
 std::string Join(const std::vector<absl::string_view>& spans) {
   std::string joined;

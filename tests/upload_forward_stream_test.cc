@@ -18,6 +18,7 @@
 #include <grpcpp/support/slice.h>
 
 #include "detlogp/v1/detlogp.grpc.pb.h"
+#include "tests/upload_wire_bytes.h"
 
 namespace detlogp::server {
 namespace {
@@ -32,12 +33,6 @@ std::string Flatten(const grpc::ByteBuffer& buffer) {
   for (const grpc::Slice& slice : slices) {
     bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
   }
-  return bytes;
-}
-
-std::string Pattern(size_t size) {
-  std::string bytes(size, '\0');
-  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<char>(i * 131 + 7);
   return bytes;
 }
 
