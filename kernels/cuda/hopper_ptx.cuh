@@ -135,6 +135,18 @@ __device__ __forceinline__ void BulkWaitGroup() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Four 8x8 b16 matrices to shared memory: lane l gives the address of row
+// l % 8 of matrix l / 8; r[q] is the thread's pair of matrix q (row lane / 4,
+// columns 2 (lane % 4) + {0, 1}), the mma fragment layout.
+__device__ __forceinline__ void StMatrixX4(uint32_t smem_addr,
+                                           const uint32_t (&r)[4]) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::
+          "r"(smem_addr),
+      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+      : "memory");
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
 __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
