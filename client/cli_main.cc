@@ -105,7 +105,7 @@ ABSL_FLAG(int64_t, spread_request_mb, 8,
           "score: MiB of rows per request of a spread call at most.");
 ABSL_FLAG(int, spread_requests_in_flight, 2,
           "score: requests of a spread call outstanding per connection.");
-ABSL_FLAG(int64_t, region_piece_mb, 8,
+ABSL_FLAG(int64_t, region_piece_mb, 4,
           "score, with --system_shared_memory: MiB of rows per piece, at "
           "least, of a call written into the client's region (at most 8 "
           "pieces, each written just before its request goes).");

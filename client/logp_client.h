@@ -275,7 +275,7 @@ class LogpClient {
     // pieces), each just before its request is sent, so that the server
     // starts on the first while the rest are written. Smaller pieces start
     // the server sooner; larger ones make fewer, larger batches.
-    int64_t region_piece_bytes = int64_t{8} << 20;
+    int64_t region_piece_bytes = int64_t{4} << 20;
     // Threads that write requests' bytes into gRPC's buffers, shared by the
     // client's calls (a call's copies side by side).
     int send_threads = 8;

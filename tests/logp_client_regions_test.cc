@@ -352,7 +352,7 @@ TEST(LogpClientSystemRegionTest, ALargeCallIsWrittenIntoTheRegionInPieces) {
     int requests;
     int connections;
   };
-  for (const Pieces& want : {Pieces{0, 4, 2}, Pieces{int64_t{4} << 20, 8, 4},
+  for (const Pieces& want : {Pieces{0, 8, 4}, Pieces{int64_t{8} << 20, 4, 2},
                              Pieces{int64_t{16} << 20, 2, 1}}) {
     LogpClient::Options options;
     options.system_shared_memory = true;

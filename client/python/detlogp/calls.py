@@ -79,7 +79,7 @@ class TransferOptions:
     connections: int = 0
     slice_bytes: int = 8 << 20
     slices_in_flight_per_connection: int = 2
-    region_piece_bytes: int = 8 << 20
+    region_piece_bytes: int = 4 << 20
     shared_memory: str = "auto"
     shared_memory_min_bytes: int = 64 << 10
     native_transport: str = "auto"

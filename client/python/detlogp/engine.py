@@ -220,7 +220,7 @@ class EngineSettings:
     requests_in_flight: int = 2
     # Hidden bytes per piece, at least, of a call written into the system
     # region.
-    region_piece_bytes: int = 8 << 20
+    region_piece_bytes: int = 4 << 20
     # Whether the engine may put rows in its system and CUDA regions.
     system_shared_memory: bool = False
     cuda_shared_memory: bool = False
