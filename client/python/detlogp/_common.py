@@ -456,7 +456,7 @@ class ClientState:
             connections=options.connections,
             request_bytes=options.slice_bytes,
             requests_in_flight=options.slices_in_flight_per_connection,
-            region_piece_bytes=options.region_piece_bytes,
+            region_piece_bytes=options.region_piece_bytes or 0,
             system_shared_memory=system,
             cuda_shared_memory=cuda,
             channel_args=tuple(channel_args),

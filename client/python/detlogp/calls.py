@@ -12,6 +12,8 @@ changes because of a server's answer. Without the engine's library, a call
 that fits one request still works; a larger one raises EngineRequired.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import ipaddress
 import threading
@@ -61,7 +63,8 @@ class TransferOptions:
     region_piece_bytes: hidden bytes per piece, at least, of a call the
       engine writes into its system region (at most 8 pieces, each written
       just before its request is sent, so the server starts on the first
-      while the rest are written).
+      while the rest are written); None: the engine's own
+      (LogpClient::Options::region_piece_bytes).
     shared_memory: "auto" (a server on this host, a Unix socket or a
       loopback address, gets the rows through the engine's shared memory: a
       CUDA region for a bf16 CUDA tensor, a system region for host rows),
@@ -79,7 +82,7 @@ class TransferOptions:
     connections: int = 0
     slice_bytes: int = 8 << 20
     slices_in_flight_per_connection: int = 2
-    region_piece_bytes: int = 4 << 20
+    region_piece_bytes: int | None = None
     shared_memory: str = "auto"
     shared_memory_min_bytes: int = 64 << 10
     native_transport: str = "auto"
@@ -92,7 +95,7 @@ class TransferOptions:
             "slices_in_flight_per_connection",
             "region_piece_bytes",
         ):
-            if int(getattr(self, name)) < 1:
+            if getattr(self, name) is not None and int(getattr(self, name)) < 1:
                 raise ValueError(f"TransferOptions.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("connections", "shared_memory_min_bytes"):
             if int(getattr(self, name)) < 0:

@@ -219,8 +219,8 @@ class EngineSettings:
     request_bytes: int = 8 << 20
     requests_in_flight: int = 2
     # Hidden bytes per piece, at least, of a call written into the system
-    # region.
-    region_piece_bytes: int = 4 << 20
+    # region; 0: the engine's own default.
+    region_piece_bytes: int = 0
     # Whether the engine may put rows in its system and CUDA regions.
     system_shared_memory: bool = False
     cuda_shared_memory: bool = False
